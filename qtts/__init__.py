@@ -1,0 +1,1 @@
+"""Shared code of the Qwen3-TTS serving stack: model core, audio helpers, generated stubs, errors."""

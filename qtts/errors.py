@@ -1,0 +1,87 @@
+"""Domain errors shared by every service, and the one table that maps them to HTTP and gRPC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+
+class TTSError(Exception):
+    """Base class of errors a request can end with; the message is shown to the client."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(TTSError):
+    """The request is malformed or asks for something the served model cannot do."""
+
+
+class NotFound(TTSError):
+    """A named model, voice or speaker does not exist."""
+
+
+class AlreadyExists(TTSError):
+    """A named voice already exists."""
+
+
+class ResourceExhausted(TTSError):
+    """Admission control rejected the request (no free slot, state bound reached)."""
+
+
+class Unavailable(TTSError):
+    """A stage the request needs is not serving (starting, draining, or gone)."""
+
+
+class GenerationFailed(TTSError):
+    """Generation ended without a valid result (e.g. the frame cap was hit without end-of-speech)."""
+
+
+class Cancelled(TTSError):
+    """The client went away or cancelled the request."""
+
+
+@dataclass(frozen=True)
+class ErrorMapping:
+    http_status: int
+    openai_type: str
+    grpc_code: grpc.StatusCode
+
+
+ERROR_TABLE: dict[type[TTSError], ErrorMapping] = {
+    InvalidArgument: ErrorMapping(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    NotFound: ErrorMapping(404, "not_found_error", grpc.StatusCode.NOT_FOUND),
+    AlreadyExists: ErrorMapping(409, "conflict_error", grpc.StatusCode.ALREADY_EXISTS),
+    ResourceExhausted: ErrorMapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    Unavailable: ErrorMapping(503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE),
+    GenerationFailed: ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL),
+    Cancelled: ErrorMapping(499, "cancelled_error", grpc.StatusCode.CANCELLED),
+}
+
+_INTERNAL = ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL)
+_BY_GRPC_CODE = {m.grpc_code: cls for cls, m in ERROR_TABLE.items()}
+
+
+def mapping_for(exc: BaseException) -> ErrorMapping:
+    """The HTTP/OpenAI/gRPC mapping of an exception; unknown exceptions are internal errors."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]
+    return _INTERNAL
+
+
+def from_grpc(code: grpc.StatusCode, details: str | None) -> TTSError:
+    """Rebuild the domain error a downstream stage reported through a gRPC status."""
+    cls = _BY_GRPC_CODE.get(code, TTSError)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        cls = Unavailable
+    return cls(details or code.name.lower())
+
+
+def openai_error_body(exc: BaseException) -> dict:
+    """The OpenAI-shaped JSON error body for an exception."""
+    m = mapping_for(exc)
+    message = exc.message if isinstance(exc, TTSError) else "internal server error"
+    return {"error": {"message": message, "type": m.openai_type, "param": None, "code": m.http_status}}
