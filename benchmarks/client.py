@@ -1,0 +1,328 @@
+"""Command line benchmark of the TTS gateway: closed-loop concurrency sweeps or open-loop Poisson
+load over HTTP or gRPC, written as JSON + Markdown + PNG plots.
+
+    python -m benchmarks.client --concurrency 1 8 32 64 --num-requests 64 --out results/sweep
+    python -m benchmarks.client --rate 2 5 10 --duration 60 --protocol grpc
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from benchmarks.loadgen import LevelRun, poisson_arrivals, run_closed_loop, run_open_loop
+from benchmarks.metrics import DEFAULT_AUDIBLE_DBFS, RequestRecord
+from benchmarks.reference_audio import SYNTHETIC_REF_TEXT, load_reference
+from benchmarks.report import level_result, markdown_table, write_report
+from benchmarks.transport import (
+    GrpcSynthesizer,
+    HttpSynthesizer,
+    SynthesisOptions,
+    Synthesizer,
+    canonical_task,
+)
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "default.txt"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tts-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    target = p.add_argument_group("target")
+    target.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    target.add_argument("--url", default="http://127.0.0.1:8000", help="gateway HTTP base URL")
+    target.add_argument("--grpc-target", default="127.0.0.1:50051", help="gateway gRPC host:port")
+    target.add_argument("--grpc-channels", type=int, default=1, help="gRPC channels to spread streams over")
+    target.add_argument("--model", default=None, help="served model name (default: the server's)")
+
+    req = p.add_argument_group("requests")
+    req.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="text file, one prompt per line")
+    req.add_argument(
+        "--task-type",
+        default="voice_clone",
+        help="voice_clone (Base), custom_voice or voice_design; must match the model",
+    )
+    req.add_argument("--voice", default=None, help="preset speaker or named voice")
+    req.add_argument("--language", default=None)
+    req.add_argument("--instructions", default=None)
+    req.add_argument("--ref-audio", default=None, help="reference clip for Base; default: a synthetic clip")
+    req.add_argument("--ref-text", default=None, help="transcript of the reference clip")
+    req.add_argument("--synthetic-ref-seconds", type=float, default=3.0)
+    req.add_argument("--x-vector-only", action="store_true")
+    req.add_argument(
+        "--no-ref-audio", action="store_true", help="send no reference (e.g. for a named --voice)"
+    )
+    req.add_argument(
+        "--max-new-tokens", type=int, default=None, help="frames per request (12.5 per audio second)"
+    )
+    req.add_argument("--seed", type=int, default=0, help="seeds arrivals and per-request sampling")
+    req.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="limit per request, seconds (then TIMEOUT / DEADLINE_EXCEEDED)",
+    )
+    req.add_argument(
+        "--audible-dbfs", type=float, default=DEFAULT_AUDIBLE_DBFS, help="first audible sample level"
+    )
+
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, nargs="+", default=[1], help="closed-loop sweep levels")
+    load.add_argument(
+        "--num-requests", type=int, default=32, help="requests per closed-loop level (open: count)"
+    )
+    load.add_argument(
+        "--rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="open-loop Poisson rates (req/s); replaces the sweep",
+    )
+    load.add_argument("--duration", type=float, default=None, help="open loop: seconds of arrivals per rate")
+    load.add_argument("--warmup", type=int, default=2, help="unrecorded requests before the first level")
+    load.add_argument("--time-limit", type=float, default=None, help="hard limit for the whole run, seconds")
+
+    out = p.add_argument_group("output and conditions")
+    out.add_argument("--out", default=None, help="output folder (default results/<date>-<tag>)")
+    out.add_argument("--tag", default="bench")
+    out.add_argument("--gpu", default=None, help="GPU label (default: nvidia-smi on this host)")
+    out.add_argument("--weights", default="unknown", help="dummy or real")
+    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--no-progress", action="store_true")
+    return p
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Validated command line."""
+
+    args: argparse.Namespace
+    prompts: tuple[str, ...]
+    options: SynthesisOptions
+    out_dir: Path
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
+        prompts = read_prompts(args.prompts)
+        if any(c < 1 for c in args.concurrency):
+            raise ValueError("--concurrency levels must be >= 1")
+        if args.rate is not None and any(r <= 0 for r in args.rate):
+            raise ValueError("--rate values must be positive")
+        if args.num_requests < 1:
+            raise ValueError("--num-requests must be >= 1")
+        is_clone = canonical_task(args.task_type) == "voice_clone"
+        ref_audio, ref_name, ref_text = None, "ref.wav", args.ref_text
+        if is_clone and not args.no_ref_audio:
+            ref_audio, ref_name = load_reference(
+                args.ref_audio, synthetic_seconds=args.synthetic_ref_seconds, seed=args.seed
+            )
+            if ref_text is None and not args.x_vector_only:
+                if args.ref_audio:
+                    raise ValueError("--ref-text is required with --ref-audio (or pass --x-vector-only)")
+                ref_text = SYNTHETIC_REF_TEXT
+        options = SynthesisOptions(
+            task_type=args.task_type,
+            model=args.model,
+            voice=args.voice,
+            language=args.language,
+            instructions=args.instructions,
+            ref_audio=ref_audio,
+            ref_audio_name=ref_name,
+            ref_text=ref_text,
+            x_vector_only=args.x_vector_only,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            audible_dbfs=args.audible_dbfs,
+            request_timeout_s=args.request_timeout,
+        )
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+        out_dir = Path(args.out) if args.out else Path("results") / f"{stamp}-{args.tag}"
+        return cls(args=args, prompts=tuple(prompts), options=options, out_dir=out_dir)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Non-empty lines of a text file; lines starting with '#' are comments."""
+    lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    prompts = [line for line in lines if line and not line.startswith("#")]
+    if not prompts:
+        raise ValueError(f"no prompts in {path}")
+    return prompts
+
+
+def _run(cmd: Sequence[str]) -> str | None:
+    try:
+        return (
+            subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout.strip() or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def git_revision() -> str:
+    rev = _run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"]) or "unknown"
+    dirty = _run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"])
+    return f"{rev}-dirty" if dirty else rev
+
+
+def local_gpu() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    names = _run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
+    return ", ".join(names.splitlines()) if names else None
+
+
+async def served_models(url: str) -> Any:
+    """`GET /v1/models` of the gateway, best effort (recorded with the conditions)."""
+    try:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            response = await client.get(url.rstrip("/") + "/v1/models")
+            return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def conditions(cfg: BenchConfig) -> dict[str, Any]:
+    """What every reported number must come with (BENCHMARKS.md, "Conditions")."""
+    args = cfg.args
+    models = await served_models(args.url) if args.protocol == "http" else None
+    model = args.model
+    if model is None and isinstance(models, dict) and models.get("data"):
+        model = ", ".join(str(m.get("id")) for m in models["data"])
+    return {
+        "gpu": args.gpu or local_gpu() or "unknown",
+        "model": model or "server default",
+        "weights": args.weights,
+        "frames_per_request": f"max {args.max_new_tokens}" if args.max_new_tokens else "until end of speech",
+        "protocol": args.protocol,
+        "task_type": cfg.options.task_type,
+        "git_revision": git_revision(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "served_models": models,
+        "num_prompts": len(cfg.prompts),
+        "reference_audio": args.ref_audio
+        or (f"synthetic {args.synthetic_ref_seconds:g} s" if cfg.options.ref_audio else None),
+        "x_vector_only": args.x_vector_only,
+        "command": " ".join(sys.argv),
+        "args": vars(args),
+    }
+
+
+def make_synthesizer(cfg: BenchConfig) -> Synthesizer:
+    if cfg.args.protocol == "grpc":
+        return GrpcSynthesizer(
+            cfg.args.grpc_target, cfg.options, channels=cfg.args.grpc_channels, request_id_prefix=cfg.args.tag
+        )
+    return HttpSynthesizer(cfg.args.url, cfg.options)
+
+
+async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str, Any]:
+    """Warm up, run every level in order, and return the result dict (see `benchmarks.report`)."""
+    args = cfg.args
+    deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
+    prompts = cfg.prompts
+    result: dict[str, Any] = {"conditions": await conditions(cfg), "levels": []}
+
+    def send_for(offset: int):
+        async def send(index: int) -> RequestRecord:
+            # Every level walks the same prompt sequence; the offset keeps seeds and request ids
+            # unique across levels while the record keeps its index within the level.
+            record = await synthesizer.synthesize(
+                offset + index, index % len(prompts), prompts[index % len(prompts)]
+            )
+            record.index = index
+            return record
+
+        return send
+
+    if args.warmup > 0:
+        warm = await run_closed_loop(
+            send_for(10**9), concurrency=1, num_requests=args.warmup, deadline=deadline
+        )
+        result["warmup"] = {"num_requests": len(warm.records), "statuses": [r.status for r in warm.records]}
+        failed = [r for r in warm.records if not r.ok]
+        if failed:
+            # Usually a request the server rejects outright (wrong task type for the model, ...).
+            print(
+                f"tts-bench: {len(failed)} warm-up request(s) failed: {failed[0].status} {failed[0].error}",
+                file=sys.stderr,
+            )
+
+    if args.rate:
+        plan = [("open", None, rate) for rate in args.rate]
+    else:
+        plan = [("closed", c, None) for c in args.concurrency]
+
+    for level_no, (mode, concurrency, rate) in enumerate(plan):
+        if deadline is not None and time.perf_counter() >= deadline:
+            result.setdefault("skipped_levels", []).append(
+                {"mode": mode, "concurrency": concurrency, "rate": rate}
+            )
+            continue
+        send = send_for(level_no * 1_000_000)
+        if mode == "closed":
+            total, label = args.num_requests, f"c={concurrency}"
+        else:
+            arrivals = poisson_arrivals(
+                rate,
+                count=None if args.duration else args.num_requests,
+                duration_s=args.duration,
+                seed=args.seed + level_no,
+            )
+            total, label = len(arrivals), f"{rate:g} req/s"
+        with tqdm(total=total, desc=label, unit="req", disable=args.no_progress, file=sys.stderr) as bar:
+            on_done = lambda _record: bar.update(1)  # noqa: E731
+            if mode == "closed":
+                run: LevelRun = await run_closed_loop(
+                    send, concurrency=concurrency, num_requests=total, deadline=deadline, on_done=on_done
+                )
+            else:
+                run = await run_open_loop(send, arrivals, deadline=deadline, on_done=on_done)
+        result["levels"].append(level_result(mode, run, concurrency=concurrency, rate=rate))
+    return result
+
+
+async def _amain(cfg: BenchConfig) -> dict[str, Any]:
+    synthesizer = make_synthesizer(cfg)
+    try:
+        return await run_benchmark(cfg, synthesizer)
+    finally:
+        await synthesizer.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `tts-bench` / `python -m benchmarks.client`; exit 2 when no request succeeded."""
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = BenchConfig.from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"tts-bench: {exc}", file=sys.stderr)
+        return 1
+    result = asyncio.run(_amain(cfg))
+    paths = write_report(result, cfg.out_dir, plots=not args.no_plots)
+    print(markdown_table(result["levels"]))
+    print(f"\nresults: {paths['json'].parent}")
+    ok = sum(level["aggregates"]["num_ok"] for level in result["levels"])
+    return 0 if ok > 0 else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

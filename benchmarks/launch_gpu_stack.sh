@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# One command on a GPU machine: start the whole stack with full-size random (dummy) weights, wait
+# until the gateway is healthy, run a closed-loop concurrency sweep through it, write the results,
+# and stop the stack.
+#
+#   benchmarks/launch_gpu_stack.sh [OUT_DIR] [--] [extra tts-bench flags ...]
+#
+# Settings (environment):
+#   MODEL            shipped config or snapshot folder   (configs/qwen3-tts-12hz-1.7b-base)
+#   CONCURRENCY      sweep levels                        ("1 8 32 64")
+#   NUM_REQUESTS     requests per level                  (64)
+#   MAX_NEW_TOKENS   frames per request, 12.5 per second (125 = 10 s of audio)
+#   PROTOCOL         http or grpc                        (http)
+#   TIME_LIMIT       hard limit of the sweep, seconds    (1800)
+#   STARTUP_TIMEOUT  seconds to wait for health          (900)
+#   CODE2WAV_REPLICAS                                    (1)
+#   LAUNCHER_ARGS    extra flags for services.launcher   ("")
+#   PYTHON           interpreter with the project installed (python)
+# The results folder gets results.json/.md, the PNG plots, launcher.log and the services' logs.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+OUT="results/gpu-$(date -u +%Y%m%dT%H%M%SZ)"
+if [[ $# -gt 0 && "$1" != -* ]]; then
+    OUT="$1"
+    shift
+fi
+if [[ "${1:-}" == "--" ]]; then
+    shift
+fi
+MODEL="${MODEL:-configs/qwen3-tts-12hz-1.7b-base}"
+CONCURRENCY="${CONCURRENCY:-1 8 32 64}"
+NUM_REQUESTS="${NUM_REQUESTS:-64}"
+MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-125}"
+PROTOCOL="${PROTOCOL:-http}"
+TIME_LIMIT="${TIME_LIMIT:-1800}"
+STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-900}"
+CODE2WAV_REPLICAS="${CODE2WAV_REPLICAS:-1}"
+LAUNCHER_ARGS="${LAUNCHER_ARGS:-}"
+PYTHON="${PYTHON:-python}"
+HTTP_PORT=8000
+GRPC_PORT=50051
+
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+echo "results: $OUT"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>/dev/null || true
+GPU_NAME="$(head -n1 "$OUT/gpu.txt" 2>/dev/null | cut -d, -f1)"
+GPU_NAME="${GPU_NAME:-unknown}"
+
+# shellcheck disable=SC2086  # LAUNCHER_ARGS is a list of flags
+"$PYTHON" -m services.launcher \
+    --model "$MODEL" --load-format dummy --device cuda --dtype bfloat16 \
+    --code2wav-replicas "$CODE2WAV_REPLICAS" --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
+    --log-dir "$OUT/logs" --startup-timeout "$STARTUP_TIMEOUT" $LAUNCHER_ARGS \
+    >"$OUT/launcher.log" 2>&1 &
+LAUNCHER_PID=$!
+
+stop_stack() {
+    if kill -0 "$LAUNCHER_PID" 2>/dev/null; then
+        echo "stopping the stack (pid $LAUNCHER_PID)"
+        kill -TERM "$LAUNCHER_PID" 2>/dev/null || true
+        # The launcher drains and stops its services itself; give it time, then insist.
+        for _ in $(seq 1 60); do
+            kill -0 "$LAUNCHER_PID" 2>/dev/null || break
+            sleep 1
+        done
+        kill -KILL "$LAUNCHER_PID" 2>/dev/null || true
+    fi
+    wait "$LAUNCHER_PID" 2>/dev/null || true
+}
+trap stop_stack EXIT
+
+healthy() {
+    "$PYTHON" - "$HTTP_PORT" <<'PY'
+import sys, urllib.request
+try:
+    with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=5) as r:
+        sys.exit(0 if r.status == 200 else 1)
+except Exception:
+    sys.exit(1)
+PY
+}
+
+echo "waiting for the gateway to be healthy (up to ${STARTUP_TIMEOUT}s) ..."
+START=$(date +%s)
+until healthy; do
+    if ! kill -0 "$LAUNCHER_PID" 2>/dev/null; then
+        echo "the stack exited during start-up; launcher.log:" >&2
+        tail -n 60 "$OUT/launcher.log" >&2
+        exit 1
+    fi
+    if (( $(date +%s) - START > STARTUP_TIMEOUT )); then
+        echo "the gateway was not healthy after ${STARTUP_TIMEOUT}s; launcher.log:" >&2
+        tail -n 60 "$OUT/launcher.log" >&2
+        exit 1
+    fi
+    sleep 2
+done
+echo "stack healthy after $(( $(date +%s) - START ))s"
+
+# shellcheck disable=SC2086  # CONCURRENCY is a list of levels
+"$PYTHON" -m benchmarks.client \
+    --protocol "$PROTOCOL" --url "http://127.0.0.1:$HTTP_PORT" --grpc-target "127.0.0.1:$GRPC_PORT" \
+    --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" \
+    --max-new-tokens "$MAX_NEW_TOKENS" --time-limit "$TIME_LIMIT" --warmup 4 \
+    --gpu "$GPU_NAME" --weights dummy --tag "gpu-sweep" --out "$OUT" "$@"

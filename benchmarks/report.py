@@ -1,0 +1,204 @@
+"""Benchmark output: one JSON file (conditions, per-request records, aggregates), a Markdown
+table, and PNG plots (latency CDF, max underrun per request, TTFA and underrun against load).
+
+A result is a plain dict so a saved `results.json` can be loaded and re-rendered:
+`{"conditions": {...}, "levels": [{"mode", "concurrency", "rate", "wall_s", "aborted",
+"hit_deadline", "aggregates", "records"}]}`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure  # Figure without pyplot: no global state, Agg canvas
+
+from benchmarks.loadgen import LevelRun
+from benchmarks.metrics import summarize
+
+JSON_NAME = "results.json"
+MARKDOWN_NAME = "results.md"
+PLOT_NAMES = ("latency_cdf.png", "underrun_per_request.png", "ttfa_vs_load.png")
+UNDERRUN_SLO_MS = 100.0
+
+
+def level_result(
+    mode: str, run: LevelRun, *, concurrency: int | None = None, rate: float | None = None
+) -> dict[str, Any]:
+    """The JSON-ready result of one load level."""
+    return {
+        "mode": mode,
+        "concurrency": concurrency,
+        "rate": rate,
+        "wall_s": run.wall_s,
+        "aborted": run.aborted,
+        "hit_deadline": run.hit_deadline,
+        "aggregates": summarize(run.records, run.wall_s),
+        "records": [r.to_dict() for r in run.records],
+    }
+
+
+def load_label(level: dict[str, Any]) -> str:
+    if level["mode"] == "closed":
+        return f"c={level['concurrency']}"
+    return f"{level['rate']:g} req/s"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _num(value: float | None, fmt: str = ".2f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+TABLE_HEADER = (
+    "| load | n | ok | audio p50 s | TTFA p50/p95/p99 ms | audible p50 ms | E2E p50/p95 s | RTF p50/p95 "
+    "| max underrun p95/p99 ms | zero underrun | xRT | req/s |"
+)
+
+
+def markdown_table(levels: Sequence[dict[str, Any]]) -> str:
+    """One row per load level."""
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    for level in levels:
+        a = level["aggregates"]
+        t, e, r, u = a["ttfa_s"], a["e2e_s"], a["rtf"], a["max_underrun_s"]
+        lines.append(
+            f"| {load_label(level)} | {a['num_requests']} | {_pct(a['success_rate'])} | {_num(a['audio_s']['p50'])} "
+            f"| {_ms(t['p50'])}/{_ms(t['p95'])}/{_ms(t['p99'])} | {_ms(a['first_audible_s']['p50'])} "
+            f"| {_num(e['p50'])}/{_num(e['p95'])} | {_num(r['p50'], '.3f')}/{_num(r['p95'], '.3f')} "
+            f"| {_ms(u['p95'])}/{_ms(u['p99'])} | {_pct(a['zero_underrun_share'])} "
+            f"| {_num(a['xrt'], '.1f')} | {_num(a['requests_per_s'])} |"
+        )
+    return "\n".join(lines)
+
+
+CONDITION_KEYS = (
+    "gpu",
+    "model",
+    "weights",
+    "frames_per_request",
+    "protocol",
+    "task_type",
+    "git_revision",
+    "date",
+    "host",
+)
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    """Conditions first (every number is meaningless without them), then the table."""
+    c = result["conditions"]
+    lines = ["# TTS streaming benchmark", ""]
+    lines += [f"- {key}: {c.get(key, 'unknown')}" for key in CONDITION_KEYS]
+    lines += ["", markdown_table(result["levels"]), ""]
+    errors = {
+        load_label(lv): lv["aggregates"]["errors"] for lv in result["levels"] if lv["aggregates"]["errors"]
+    }
+    if errors:
+        lines += ["Errors by status: " + "; ".join(f"{k}: {v}" for k, v in errors.items()), ""]
+    aborted = {load_label(lv): lv["aborted"] for lv in result["levels"] if lv["aborted"]}
+    if aborted:
+        lines += [
+            "Aborted by the time limit (not counted): " + ", ".join(f"{k}: {v}" for k, v in aborted.items()),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def _ok_values(level: dict[str, Any], name: str) -> np.ndarray:
+    values = [r[name] for r in level["records"] if r["ok"] and r[name] is not None]
+    return np.asarray(values, dtype=np.float64)
+
+
+def plot_latency_cdf(levels: Sequence[dict[str, Any]], path: Path) -> None:
+    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    axes = fig.subplots(1, 3)
+    for ax, (name, title, scale, unit) in zip(
+        axes,
+        [
+            ("ttfa_s", "Time to first audio", 1000, "ms"),
+            ("first_audible_s", "Time to first audible sample", 1000, "ms"),
+            ("e2e_s", "End-to-end time", 1, "s"),
+        ],
+        strict=True,
+    ):
+        for level in levels:
+            values = np.sort(_ok_values(level, name)) * scale
+            if values.size:
+                ax.step(
+                    values, np.arange(1, values.size + 1) / values.size, where="post", label=load_label(level)
+                )
+        ax.set(title=title, xlabel=unit, ylabel="fraction of requests", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+
+
+def plot_underrun_per_request(levels: Sequence[dict[str, Any]], path: Path) -> None:
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for level in levels:
+        ok = [r for r in level["records"] if r["ok"] and r["max_underrun_s"] is not None]
+        ax.plot(
+            [r["index"] for r in ok], [r["max_underrun_s"] * 1000 for r in ok], ".", label=load_label(level)
+        )
+    ax.axhline(UNDERRUN_SLO_MS, color="red", linestyle="--", linewidth=1, label=f"SLO {UNDERRUN_SLO_MS:g} ms")
+    ax.set(title="Max underrun per request (0 = no gap)", xlabel="request index", ylabel="max underrun (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+
+
+def plot_against_load(levels: Sequence[dict[str, Any]], path: Path) -> None:
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    ax_ttfa, ax_under = fig.subplots(1, 2)
+    xlabels, xs = [], []
+    for mode, xlabel in (("closed", "concurrency"), ("open", "arrival rate (req/s)")):
+        group = [lv for lv in levels if lv["mode"] == mode]
+        if not group:
+            continue
+        x = [lv["concurrency"] if mode == "closed" else lv["rate"] for lv in group]
+        xlabels.append(xlabel)
+        xs += x
+        for ax, name in ((ax_ttfa, "ttfa_s"), (ax_under, "max_underrun_s")):
+            for q in ("p50", "p95", "p99"):
+                y = [lv["aggregates"][name][q] for lv in group]
+                ax.plot(x, [np.nan if v is None else v * 1000 for v in y], "o-", label=f"{mode} {q}")
+    ax_ttfa.set(title="TTFA against load", ylabel="ms")
+    ax_under.set(title="Max underrun against load", ylabel="ms")
+    for ax in (ax_ttfa, ax_under):
+        ax.set_xlabel(" / ".join(xlabels))
+        # Sweeps double the load per level (1, 8, 32, 64, ...): a log axis spaces them evenly.
+        if xs and min(xs) > 0 and max(xs) / min(xs) >= 8:
+            ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110)
+
+
+def write_report(result: dict[str, Any], out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
+    """Write results.json, results.md and (unless `plots=False`) the PNG plots; returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / JSON_NAME, "markdown": out / MARKDOWN_NAME}
+    paths["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
+    paths["markdown"].write_text(markdown_report(result))
+    if plots:
+        levels = result["levels"]
+        for name, plot in zip(
+            PLOT_NAMES, (plot_latency_cdf, plot_underrun_per_request, plot_against_load), strict=True
+        ):
+            paths[name] = out / name
+            plot(levels, paths[name])
+    return paths

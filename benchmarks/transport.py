@@ -1,0 +1,270 @@
+"""Request recorders: send one synthesis request and time every audio chunk as it arrives.
+
+HTTP drives `POST /v1/audio/speech` (streamed raw PCM s16le 24 kHz) through httpx; gRPC drives
+`tts.v1.TextToSpeechService/Synthesize` through grpc.aio. Both return a `RequestRecord`; a failed
+request is a record with `ok=False`, never an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from benchmarks.metrics import DEFAULT_AUDIBLE_DBFS, AudibleDetector, RequestRecord, build_record
+from benchmarks.reference_audio import audio_data_url
+
+SPEECH_PATH = "/v1/audio/speech"
+
+# Task names as this API spells them, plus vLLM-Omni's spellings (Base, CustomVoice, VoiceDesign).
+_TASK_ALIASES = {
+    "voiceclone": "voice_clone",
+    "base": "voice_clone",
+    "customvoice": "custom_voice",
+    "voicedesign": "voice_design",
+}
+
+
+def canonical_task(task_type: str) -> str:
+    """voice_clone, custom_voice or voice_design, from a task name in either spelling."""
+    key = task_type.lower().replace("_", "").replace("-", "")
+    if key not in _TASK_ALIASES:
+        raise ValueError(
+            f"unknown task type {task_type!r}; use voice_clone (Base), custom_voice (CustomVoice) "
+            "or voice_design (VoiceDesign)"
+        )
+    return _TASK_ALIASES[key]
+
+
+def grpc_task_name(task_type: str) -> str:
+    """The `tts.v1.TaskType` enum name (e.g. TASK_TYPE_VOICE_CLONE) of a task name."""
+    return f"TASK_TYPE_{canonical_task(task_type).upper()}"
+
+
+@dataclass(frozen=True)
+class SynthesisOptions:
+    """Request fields shared by every request of a run (the text varies per request)."""
+
+    task_type: str = "voice_clone"
+    model: str | None = None
+    voice: str | None = None
+    language: str | None = None
+    instructions: str | None = None
+    ref_audio: bytes | None = None
+    ref_audio_name: str = "ref.wav"
+    ref_text: str | None = None
+    x_vector_only: bool = False
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    audible_dbfs: float = DEFAULT_AUDIBLE_DBFS
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        # Normalised once, so a misspelt task fails before any request is sent.
+        object.__setattr__(self, "task_type", canonical_task(self.task_type))
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be positive")
+
+    def seed_for(self, index: int) -> int | None:
+        # Distinct but reproducible per request, so identical prompts do not sample identically.
+        return None if self.seed is None else self.seed + index
+
+
+class Synthesizer(Protocol):
+    """Sends one request and records its stream."""
+
+    async def synthesize(self, index: int, prompt_index: int, text: str) -> RequestRecord: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _Trace:
+    """Arrival times and sizes of one stream's audio chunks, relative to the send time."""
+
+    def __init__(self, audible_dbfs: float):
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self.sizes: list[int] = []
+        self.first_audible_s: float | None = None
+        self._detector = AudibleDetector(audible_dbfs)
+
+    def chunk(self, data: bytes) -> None:
+        if not data:
+            return
+        now = time.perf_counter() - self.start
+        self.times.append(now)
+        self.sizes.append(len(data))
+        if self._detector.feed(data):
+            self.first_audible_s = now
+
+    def record(
+        self,
+        index: int,
+        prompt_index: int,
+        *,
+        ok: bool,
+        status: str,
+        error: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> RequestRecord:
+        return build_record(
+            index=index,
+            prompt_index=prompt_index,
+            start_s=self.start,
+            chunk_times_s=self.times,
+            chunk_bytes=self.sizes,
+            e2e_s=time.perf_counter() - self.start,
+            ok=ok,
+            status=status,
+            error=error,
+            first_audible_s=self.first_audible_s,
+            extra=extra,
+        )
+
+
+def http_payload(options: SynthesisOptions, text: str, index: int) -> dict[str, Any]:
+    """The JSON body of one streaming PCM request; unset options are left out."""
+    payload: dict[str, Any] = {
+        "input": text,
+        "response_format": "pcm",
+        "stream": True,
+        "task_type": options.task_type,
+        "model": options.model,
+        "voice": options.voice,
+        "language": options.language,
+        "instructions": options.instructions,
+        "ref_text": options.ref_text,
+        "max_new_tokens": options.max_new_tokens,
+        "seed": options.seed_for(index),
+    }
+    if options.ref_audio is not None:
+        payload["ref_audio"] = audio_data_url(options.ref_audio, options.ref_audio_name)
+    if options.x_vector_only:
+        payload["x_vector_only_mode"] = True
+    return {k: v for k, v in payload.items() if v is not None}
+
+
+def _error_message(body: bytes) -> str:
+    text = body.decode("utf-8", errors="replace")
+    try:
+        err = json.loads(text).get("error", {})
+        return str(err.get("message") or text) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        return text[:500]
+
+
+class HttpSynthesizer:
+    """Streams `POST /v1/audio/speech` responses over pooled HTTP/1.1 connections."""
+
+    def __init__(
+        self, base_url: str, options: SynthesisOptions, *, transport: httpx.AsyncBaseTransport | None = None
+    ):
+        self.options = options
+        self.url = base_url.rstrip("/") + SPEECH_PATH
+        timeout = httpx.Timeout(options.request_timeout_s, connect=min(30.0, options.request_timeout_s))
+        # No pool cap: the load generator, not the pool, decides how many streams are open.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+
+    async def synthesize(self, index: int, prompt_index: int, text: str) -> RequestRecord:
+        payload = http_payload(self.options, text, index)
+        trace = _Trace(self.options.audible_dbfs)
+        try:
+            async with asyncio.timeout(self.options.request_timeout_s):
+                async with self._client.stream("POST", self.url, json=payload) as response:
+                    if response.status_code != 200:
+                        body = await response.aread()
+                        status, error = str(response.status_code), _error_message(body)
+                        return trace.record(index, prompt_index, ok=False, status=status, error=error)
+                    async for data in response.aiter_raw():
+                        trace.chunk(data)
+        except TimeoutError:
+            error = f"no end of stream after {self.options.request_timeout_s:g} s"
+            return trace.record(index, prompt_index, ok=False, status="TIMEOUT", error=error)
+        except httpx.HTTPError as exc:
+            # A stream cut after the first byte (the status is already 200) lands here.
+            return trace.record(
+                index, prompt_index, ok=False, status="TRANSPORT", error=f"{type(exc).__name__}: {exc}"
+            )
+        return trace.record(index, prompt_index, ok=True, status="200")
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+class GrpcSynthesizer:
+    """Streams `tts.v1.TextToSpeechService/Synthesize` over one or more channels (round robin)."""
+
+    def __init__(
+        self, target: str, options: SynthesisOptions, *, channels: int = 1, request_id_prefix: str = "bench"
+    ):
+        import grpc
+
+        from qtts.pb import tts_pb2, tts_pb2_grpc
+
+        self._grpc = grpc
+        self._pb = tts_pb2
+        self.options = options
+        self._prefix = request_id_prefix
+        self._channels = [grpc.aio.insecure_channel(target) for _ in range(max(1, channels))]
+        self._stubs = [tts_pb2_grpc.TextToSpeechServiceStub(c) for c in self._channels]
+
+    def request(self, text: str, index: int) -> Any:
+        """The `SynthesizeRequest` of request `index`."""
+        pb, o = self._pb, self.options
+        sampling = pb.SamplingParams()
+        seed = o.seed_for(index)
+        if seed is not None:
+            sampling.seed = seed
+        return pb.SynthesizeRequest(
+            request_id=f"{self._prefix}-{index}",
+            model=o.model or "",
+            text=text,
+            task_type=pb.TaskType.Value(grpc_task_name(o.task_type)),
+            voice=o.voice or "",
+            language=o.language or "",
+            instructions=o.instructions or "",
+            reference_audio=o.ref_audio or b"",
+            reference_text=o.ref_text or "",
+            x_vector_only=o.x_vector_only,
+            audio_encoding=pb.AUDIO_ENCODING_PCM_S16LE,
+            max_new_frames=o.max_new_tokens or 0,
+            sampling=sampling,
+        )
+
+    async def synthesize(self, index: int, prompt_index: int, text: str) -> RequestRecord:
+        stub = self._stubs[index % len(self._stubs)]
+        request = self.request(text, index)
+        trace = _Trace(self.options.audible_dbfs)
+        extra: dict[str, Any] = {}
+        try:
+            call = stub.Synthesize(request, timeout=self.options.request_timeout_s)
+            async for message in call:
+                kind = message.WhichOneof("event")
+                if kind == "audio":
+                    trace.chunk(message.audio.audio)
+                elif kind == "summary":
+                    s = message.summary
+                    extra = {
+                        "finish_reason": self._pb.FinishReason.Name(s.finish_reason),
+                        "num_frames": s.num_frames,
+                        "server_queue_s": s.timings.queue_ns / 1e9,
+                        "server_prefill_s": s.timings.prefill_ns / 1e9,
+                        "server_first_audio_s": s.timings.first_audio_ns / 1e9,
+                        "server_total_s": s.timings.total_ns / 1e9,
+                    }
+        except self._grpc.aio.AioRpcError as exc:
+            return trace.record(index, prompt_index, ok=False, status=exc.code().name, error=exc.details())
+        if not extra:
+            return trace.record(
+                index, prompt_index, ok=False, status="INCOMPLETE", error="stream ended without a summary"
+            )
+        return trace.record(index, prompt_index, ok=True, status="OK", extra=extra)
+
+    async def aclose(self) -> None:
+        for channel in self._channels:
+            await channel.close()

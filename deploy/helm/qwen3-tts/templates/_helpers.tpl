@@ -1,0 +1,208 @@
+{{/*
+Names. The release prefix is cut to 40 characters so that the longest suffix
+("-code2wav-headless") still fits the 63-character limit of a Service name.
+*/}}
+{{- define "qwen3-tts.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "qwen3-tts.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "qwen3-tts.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Name of a stage's objects. Call with (dict "root" $ "component" "talker"). */}}
+{{- define "qwen3-tts.componentName" -}}
+{{- printf "%s-%s" (include "qwen3-tts.fullname" .root) .component }}
+{{- end }}
+
+{{- define "qwen3-tts.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "qwen3-tts.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "qwen3-tts.labels" -}}
+helm.sh/chart: {{ include "qwen3-tts.chart" .root }}
+{{ include "qwen3-tts.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: qwen3-tts
+{{- end }}
+
+{{/* Image of a stage: its own `image` block over global.image. Call with (dict "root" $ "values" .Values.talker). */}}
+{{- define "qwen3-tts.image" -}}
+{{- $img := merge (deepCopy (.values.image | default dict)) .root.Values.global.image }}
+{{- printf "%s:%s" $img.repository (default .root.Chart.AppVersion $img.tag) }}
+{{- end }}
+
+{{- define "qwen3-tts.imagePullPolicy" -}}
+{{- $img := merge (deepCopy (.values.image | default dict)) .root.Values.global.image }}
+{{- $img.pullPolicy | default "IfNotPresent" }}
+{{- end }}
+
+{{/* Address of a stage's ClusterIP Service. */}}
+{{- define "qwen3-tts.serviceAddress" -}}
+{{- printf "%s.%s.svc.%s:%v" (include "qwen3-tts.componentName" .) .root.Release.Namespace .root.Values.global.clusterDomain .port }}
+{{- end }}
+
+{{- define "qwen3-tts.code2wavHeadless" -}}
+{{- printf "%s-headless" (include "qwen3-tts.componentName" (dict "root" . "component" "code2wav")) }}
+{{- end }}
+
+{{/*
+The stable address of every code2wav replica, comma separated:
+<statefulset>-<i>.<headless service>.<namespace>.svc.<cluster domain>:<port>, i = 0 .. replicaCount-1.
+*/}}
+{{- define "qwen3-tts.code2wavAddresses" -}}
+{{- $sts := include "qwen3-tts.componentName" (dict "root" . "component" "code2wav") }}
+{{- $svc := include "qwen3-tts.code2wavHeadless" . }}
+{{- $addrs := list }}
+{{- range $i := until (int .Values.code2wav.replicaCount) }}
+{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.%s:%v" $sts $i $svc $.Release.Namespace $.Values.global.clusterDomain $.Values.code2wav.ports.grpc) }}
+{{- end }}
+{{- join "," $addrs }}
+{{- end }}
+
+{{- define "qwen3-tts.redisSecretName" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "%s-redis" (include "qwen3-tts.fullname" .) }}
+{{- else }}
+{{- required "redis.external.existingSecret is required when redis.enabled is false" .Values.redis.external.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "qwen3-tts.modelPath" -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.model.snapshot }}
+{{- end }}
+
+{{/*
+Checks every stage's values once: the grace period covers the drain plus the preStop sleep, GPU
+requests equal GPU limits, and code2wav is not autoscaled.
+*/}}
+{{- define "qwen3-tts.validate" -}}
+{{- $drain := int .Values.global.maxStreamSeconds }}
+{{- $sleep := int .Values.global.preStopSleepSeconds }}
+{{- range $name := list "gateway" "talker" "code2wav" "speakerCache" }}
+{{- $c := index $.Values $name }}
+{{- if le (int $c.terminationGracePeriodSeconds) (add $drain $sleep | int) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must exceed global.maxStreamSeconds + global.preStopSleepSeconds (%d)" $name $c.terminationGracePeriodSeconds (add $drain $sleep)) }}
+{{- end }}
+{{- $req := index ($c.resources.requests | default dict) "nvidia.com/gpu" }}
+{{- $lim := index ($c.resources.limits | default dict) "nvidia.com/gpu" }}
+{{- if ne (toString $req) (toString $lim) }}
+{{- fail (printf "%s.resources: nvidia.com/gpu request (%v) must equal the limit (%v)" $name $req $lim) }}
+{{- end }}
+{{- end }}
+{{- if not (index .Values.talker.resources.limits "nvidia.com/gpu") }}
+{{- fail "talker.resources.limits must request nvidia.com/gpu" }}
+{{- end }}
+{{- if not (index .Values.code2wav.resources.limits "nvidia.com/gpu") }}
+{{- fail "code2wav.resources.limits must request nvidia.com/gpu" }}
+{{- end }}
+{{- if .Values.code2wav.autoscaling.enabled }}
+{{- fail "code2wav.autoscaling.enabled must be false: the talker addresses code2wav replicas by the rendered replicaCount" }}
+{{- end }}
+{{- $gwFrames := int .Values.gateway.settings.maxNewFramesLimit }}
+{{- if gt (div (mul $gwFrames 2) 25 | int) $drain }}
+{{- fail (printf "global.maxStreamSeconds (%d) is shorter than gateway.settings.maxNewFramesLimit (%d frames = %d s of audio)" $drain $gwFrames (div (mul $gwFrames 2) 25)) }}
+{{- end }}
+{{- end }}
+
+{{/* Pod annotations: Prometheus scraping plus the stage's own. Call with (dict "root" $ "values" .Values.talker). */}}
+{{- define "qwen3-tts.podAnnotations" -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .values.ports.metrics | quote }}
+prometheus.io/path: /metrics
+{{- with .values.podAnnotations }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level fields every stage shares. Call with (dict "root" $ "values" .Values.talker). */}}
+{{- define "qwen3-tts.podCommon" -}}
+terminationGracePeriodSeconds: {{ .values.terminationGracePeriodSeconds }}
+automountServiceAccountToken: false
+enableServiceLinks: false
+securityContext:
+  {{- toYaml .root.Values.global.podSecurityContext | nindent 2 }}
+{{- with .root.Values.global.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Container fields every stage shares (image, probes, resources, preStop, security). */}}
+{{- define "qwen3-tts.containerCommon" -}}
+image: {{ include "qwen3-tts.image" . }}
+imagePullPolicy: {{ include "qwen3-tts.imagePullPolicy" . }}
+securityContext:
+  {{- toYaml .root.Values.global.containerSecurityContext | nindent 2 }}
+resources:
+  {{- toYaml .values.resources | nindent 2 }}
+startupProbe:
+  {{- toYaml .values.startupProbe | nindent 2 }}
+readinessProbe:
+  {{- toYaml .values.readinessProbe | nindent 2 }}
+livenessProbe:
+  {{- toYaml .values.livenessProbe | nindent 2 }}
+lifecycle:
+  # Give endpoint controllers and clients time to stop sending new streams here; SIGTERM then
+  # starts the service's own drain of the streams in flight.
+  preStop:
+    exec:
+      command: ["sleep", "{{ .root.Values.global.preStopSleepSeconds }}"]
+{{- end }}
+
+{{/* Environment every stage gets, then the stage's own `env`. */}}
+{{- define "qwen3-tts.env" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- with .values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "qwen3-tts.modelVolume" -}}
+- name: models
+  {{- if and .Values.model.volume.persistentVolumeClaim .Values.model.volume.hostPath }}
+  {{- fail "model.volume: give either persistentVolumeClaim or hostPath, not both" }}
+  {{- else if .Values.model.volume.persistentVolumeClaim }}
+  persistentVolumeClaim:
+    claimName: {{ required "model.volume.persistentVolumeClaim.claimName is required" .Values.model.volume.persistentVolumeClaim.claimName }}
+    readOnly: true
+  {{- else if .Values.model.volume.hostPath }}
+  hostPath:
+    {{- toYaml .Values.model.volume.hostPath | nindent 4 }}
+  {{- else }}
+  {{- fail "model.volume needs persistentVolumeClaim or hostPath" }}
+  {{- end }}
+{{- end }}

@@ -1,0 +1,8 @@
+"""The talker's GPU engine: continuous batching over static KV slots, one CUDA graph per frame
+step, GPU sampling. Bookkeeping (`kv_slots`, `scheduler`, `sequence`) is pure Python; all tensor
+work is in `model_runner`. See docs/engine.md."""
+
+from qtts.engine.engine import EngineConfig, GraphEngine
+from qtts.engine.model_runner import RunnerConfig
+
+__all__ = ["EngineConfig", "GraphEngine", "RunnerConfig"]

@@ -1,0 +1,151 @@
+"""GraphEngine: the talker's continuous-batching engine (same public interface as EagerGenerator).
+
+`step()` is: plan (scheduler), move / load / prefill KV (runner), one batched frame for every
+running stream (runner: one CUDA graph replay on the GPU), then retire finished streams.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from qtts.engine.kv_slots import DenseSlotTable
+from qtts.engine.model_runner import ModelRunner, RunnerConfig
+from qtts.engine.scheduler import Scheduler
+from qtts.engine.sequence import SeqStatus, Sequence
+from qtts.model.generator import StepOutput
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings: the runner's sizes plus the per-step prefill budget."""
+
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    max_prefill_tokens: int = 2048  # prompt positions prefilled per step (bounds a running stream's stall)
+
+    def __post_init__(self) -> None:
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+
+
+class GraphEngine:
+    """Static KV slots, chunked batched prefill, one graph-captured frame step per batch bucket."""
+
+    def __init__(self, bundle, max_batch: int = 64, config: EngineConfig | None = None, capture: bool = True) -> None:
+        if config is None:
+            config = EngineConfig(runner=RunnerConfig(max_batch=max_batch))
+        self.config = config
+        self.bundle = bundle
+        self.runner = ModelRunner(bundle, config.runner)
+        self.scheduler = Scheduler(DenseSlotTable(self.runner.num_slots, self.runner.max_len), config.max_prefill_tokens)
+        if capture:
+            self.runner.capture_graphs()
+
+    # -- public API (docs/interfaces.md, EagerGenerator) ------------------------------------------
+    @property
+    def num_active(self) -> int:
+        """Requests admitted and not finished (running or waiting for their prefill)."""
+        return self.scheduler.num_active
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def max_batch(self) -> int:
+        return self.runner.num_slots
+
+    def add(
+        self,
+        request_id: str,
+        prompt,
+        sampling,
+        max_new_frames: int | None = None,
+        *,
+        prefix_key: str | None = None,
+        prefix_len: int | None = None,
+    ) -> None:
+        """Queue a request. `prefix_key`/`prefix_len` (or the prompt's attributes of those names)
+        name the leading prompt positions that depend only on the voice, for the prefix cache."""
+        if self.scheduler.get(request_id) is not None:
+            raise ValueError(f"request {request_id!r} is already running")
+        if max_new_frames is not None and max_new_frames < 1:
+            raise ValueError("max_new_frames must be >= 1")
+        sampling.validate()
+        n_trail = int(prompt.trailing.shape[0]) if prompt.trailing is not None else 0
+        if n_trail > self.config.runner.max_trailing:
+            raise ValueError(f"{n_trail} trailing text positions exceed max_trailing={self.config.runner.max_trailing}")
+        cap = int(prompt.max_frames)
+        if max_new_frames is not None and max_new_frames <= cap:
+            max_frames, reason = max_new_frames, "length"
+        else:
+            max_frames, reason = cap, "frame_cap"
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        key = prefix_key if prefix_key is not None else getattr(prompt, "prefix_key", None)
+        plen = prefix_len if prefix_len is not None else getattr(prompt, "prefix_len", 0) or 0
+        plen = min(int(plen), int(prompt.embeds.shape[0]) - 1)
+        use_prefix = self.runner.prefix_cache is not None and key is not None and plen > 0
+        seq = Sequence(
+            request_id=request_id,
+            prompt=prompt,
+            sampling=sampling,
+            seed=int(seed) & ((1 << 63) - 1),
+            max_frames=max_frames,
+            cap_reason=reason,
+            prefix_key=key if use_prefix else None,
+            prefix_len=plen if use_prefix else 0,
+        )
+        self.scheduler.add(seq)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request and free its KV slot; False if it is unknown (or already finished)."""
+        return self.scheduler.cancel(request_id) is not None
+
+    @torch.inference_mode()
+    def step(self, skip: frozenset[str] | set[str] | tuple = ()) -> list[StepOutput]:
+        """Admit and prefill (within the budget), then one frame for every running request not in
+        `skip` (streams without downstream credit keep their state and wait)."""
+        sched, runner = self.scheduler, self.runner
+        cache = runner.prefix_cache
+        plan = sched.schedule(cache.lookup if cache is not None else None)
+        runner.apply_moves(plan.moves)
+        if plan.prefix_hits:
+            runner.load_prefixes(plan.prefix_hits)
+        runner.prefill(plan.prefills)
+        sched.mark_prefilled(plan)
+        if cache is not None:
+            for chunk in plan.prefills:
+                seq = chunk.seq
+                if seq.prefix_key is not None and chunk.start < seq.prefix_len <= chunk.end and seq.prefix_key not in cache:
+                    runner.store_prefix(seq)
+        runner.start(plan.started)
+        rows = sched.decode_rows(plan, frozenset(skip))
+        if not rows:
+            return []
+        ctx = max(s.next_position for s in rows) + 1
+        codes = runner.decode(plan.num_rows, [s.slot for s in rows], ctx)
+        return self._postprocess(rows, codes)
+
+    def _postprocess(self, rows: list[Sequence], codes: torch.Tensor) -> list[StepOutput]:
+        eos = self.runner.eos_id
+        c0 = codes[:, 0].tolist()
+        outputs: list[StepOutput] = []
+        # Finishing a stream moves another into its slot: read every row by its slot at decode time.
+        for seq, slot in [(s, s.slot) for s in rows]:
+            if c0[slot] == eos:
+                outputs.append(StepOutput(seq.request_id, None, True, "stop"))
+                self.scheduler.finish(seq, "stop")
+                continue
+            seq.num_frames += 1
+            if seq.num_frames >= seq.max_frames:
+                outputs.append(StepOutput(seq.request_id, codes[slot].clone(), True, seq.cap_reason))
+                self.scheduler.finish(seq, seq.cap_reason)
+            else:
+                outputs.append(StepOutput(seq.request_id, codes[slot].clone(), False, None))
+        return outputs
+
+    def status_of(self, request_id: str) -> SeqStatus | None:
+        seq = self.scheduler.get(request_id)
+        return None if seq is None else seq.status

@@ -1,0 +1,392 @@
+"""All tensor work of the talker engine: static KV slots, prefill, the batched frame step, graphs.
+
+The runner takes its parameters from the loaded `TalkerBundle` (`bundle.talker`,
+`bundle.code_predictor`) and never loads weights itself. Prefill runs the bundle's own decoder
+stack (eager, ragged batches). The frame step is written here with static shapes so that it can
+be captured as one CUDA graph per (batch bucket, context bucket):
+
+    talker decode of every row at its own position (KV written in its slot, attention over the
+    first `ctx` positions) -> codebook-0 logits -> penalty / masks / sampling -> code predictor:
+    2-position start and 14 one-token steps on a small per-frame KV -> 15 samples -> the next
+    talker input (sum of the 16 code embeddings + the row's next trailing text embedding).
+
+Row i of a batch bucket is KV slot i (the scheduler keeps occupied slots dense); rows that must not
+advance (padding, prefilling, skipped) carry `active = False`: their KV write goes to a scratch
+column past `max_len` and every per-slot state update is masked, so running them is harmless.
+All per-slot state lives in device tensors updated inside the graph; the host writes one bool
+mask before a replay and reads the [B, 16] codes after it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qtts.engine import sampler
+from qtts.engine.kv_slots import slots_for_budget
+from qtts.engine.prefix_cache import PrefixCache
+from qtts.engine.scheduler import KVMove, PrefillChunk
+from qtts.engine.sequence import Sequence
+from qtts.model.layers import KVCache, apply_rope
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+# Columns of the packed per-slot integer / float state.
+I_POS, I_FRAME, I_SEED, I_TOPK, I_PTOPK, I_GREEDY, I_PGREEDY, I_MINF, I_TLEN = range(9)
+NUM_I = 9
+F_TEMP, F_TOPP, F_REP, F_PTEMP, F_PTOPP = range(5)
+NUM_F = 5
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Sizes and switches of the model runner (validated once)."""
+
+    max_len: int = 1024  # KV positions per slot (prompt + frames)
+    max_batch: int = 256  # most slots (= most concurrent streams)
+    num_slots: int | None = None  # None: max_batch, capped by measured free memory on CUDA
+    kv_memory_fraction: float = 0.9  # of the free memory after weights, for slots
+    reserve_bytes: int = 4 << 30  # kept free for graphs, activations and prefill
+    max_trailing: int = 512  # trailing text embeddings held per slot
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    context_buckets: tuple[int, ...] | None = None  # None: 256, 512, ... up to max_len
+    use_cuda_graphs: bool = True
+    pad_to_buckets: bool = False  # eager steps use the graph shapes too (tests padding on the CPU)
+    max_candidates: int | None = None  # sampling candidates per row (None: the whole vocabulary)
+    talker_attention: str = "sdpa"  # "sdpa" or "matmul"
+    predictor_attention: str = "matmul"  # the <= 16-position attention; SDPA is slow at large B
+    prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
+
+    def __post_init__(self) -> None:
+        if self.max_len < 2 or self.max_batch < 1 or self.max_trailing < 0:
+            raise ValueError("max_len >= 2, max_batch >= 1 and max_trailing >= 0 required")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError("kv_memory_fraction must be in (0, 1]")
+        for name in ("talker_attention", "predictor_attention"):
+            if getattr(self, name) not in ("sdpa", "matmul"):
+                raise ValueError(f"{name} must be 'sdpa' or 'matmul'")
+        if any(b < 1 for b in self.batch_buckets) or not self.batch_buckets:
+            raise ValueError("batch_buckets must be positive")
+
+    def resolved_context_buckets(self) -> tuple[int, ...]:
+        if self.context_buckets:
+            return tuple(sorted({min(c, self.max_len) for c in self.context_buckets} | {self.max_len}))
+        out, c = [], 256
+        while c < self.max_len:
+            out.append(c)
+            c *= 2
+        return (*out, self.max_len)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str) -> torch.Tensor:
+    """q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B|1, 1, T, S] (True = attend) -> [B, Hq, T, D]."""
+    scale = q.shape[-1] ** -0.5
+    hq, hkv = q.shape[1], k.shape[1]
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    b, _, t, d = q.shape
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * t, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, g*T, S]
+    if mask is not None:
+        m = mask.expand(mask.shape[0], 1, t, mask.shape[-1]).repeat(1, 1, g, 1)
+        scores = scores.masked_fill(~m, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, hq, t, d)
+
+
+def _qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Projections, per-head RMSNorm and RoPE of the bundle's attention module. x: [B, T, H]."""
+    b, t, _ = x.shape
+    q = attn.q_norm(attn.q_proj(x).view(b, t, attn.num_heads, attn.head_dim)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
+    v = attn.v_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class ModelRunner:
+    """Owns the KV cache, the per-slot state, the frame step and its CUDA graphs."""
+
+    def __init__(self, bundle, config: RunnerConfig) -> None:
+        self.cfg = config
+        self.talker = bundle.talker
+        self.predictor = bundle.code_predictor
+        self.device = torch.device(bundle.device)
+        self.dtype = bundle.dtype
+        tcfg = self.talker.cfg
+        self.tdec, self.pdec = tcfg.decoder, tcfg.predictor.decoder
+        self.hidden = self.tdec.hidden_size
+        self.vocab0 = tcfg.vocab_size
+        self.num_codebooks = tcfg.num_code_groups
+        self.eos_id = tcfg.codec_eos_id
+        self.max_len = config.max_len
+        self.scratch = config.max_len  # the extra KV column inactive rows write into
+        self.num_slots = self._size_slots()
+        self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots}))
+        self.context_buckets = config.resolved_context_buckets()
+        self._allocate()
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.use_graphs = config.use_cuda_graphs and self.device.type == "cuda"
+
+    # -- sizing and allocation ---------------------------------------------------------------
+    def bytes_per_position(self) -> int:
+        d = self.tdec
+        return 2 * d.num_layers * d.num_kv_heads * d.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def bytes_per_slot_state(self) -> int:
+        """Per-slot bytes besides the talker KV: trailing text, penalty mask, predictor KV."""
+        elem = torch.finfo(self.dtype).bits // 8
+        p = self.pdec
+        pred_kv = 2 * p.num_layers * p.num_kv_heads * (self.num_codebooks + 1) * p.head_dim * elem
+        return (self.cfg.max_trailing + 2) * self.hidden * elem + self.vocab0 + pred_kv + 8 * NUM_I + 4 * NUM_F
+
+    def _size_slots(self) -> int:
+        cap = self.cfg.num_slots or self.cfg.max_batch
+        if self.device.type != "cuda" or self.cfg.num_slots is not None:
+            return cap
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(max(0, free - self.cfg.reserve_bytes - self.cfg.prefix_cache_bytes) * self.cfg.kv_memory_fraction)
+        per_pos = self.bytes_per_position() + self.bytes_per_slot_state() // (self.max_len + 1) + 1
+        n = slots_for_budget(budget, self.max_len, per_pos, cap)
+        if n < 1:
+            raise RuntimeError(f"not enough GPU memory for one KV slot of {self.max_len} positions")
+        if n < cap:
+            log.warning("KV memory fits %d slots of %d positions (asked for %d)", n, self.max_len, cap)
+        return n
+
+    def _allocate(self) -> None:
+        s, dev, dt = self.num_slots, self.device, self.dtype
+        t, p = self.tdec, self.pdec
+        # [layers, slots, kv_heads, max_len + 1 (scratch), head_dim]
+        shape = (t.num_layers, s, t.num_kv_heads, self.max_len + 1, t.head_dim)
+        self.k_cache = torch.zeros(shape, device=dev, dtype=dt)
+        self.v_cache = torch.zeros(shape, device=dev, dtype=dt)
+        self.kv_view = KVCache(keys=list(self.k_cache.unbind(0)), values=list(self.v_cache.unbind(0)))
+        pshape = (p.num_layers, s, p.num_kv_heads, self.num_codebooks + 1, p.head_dim)
+        self.pk_cache = torch.zeros(pshape, device=dev, dtype=dt)
+        self.pv_cache = torch.zeros(pshape, device=dev, dtype=dt)
+        self.next_embed = torch.zeros(s, self.hidden, device=dev, dtype=dt)
+        self.trailing = torch.zeros(s, self.cfg.max_trailing + 1, self.hidden, device=dev, dtype=dt)
+        self.seen = torch.zeros(s, self.vocab0, device=dev, dtype=torch.bool)
+        self.state_i = torch.zeros(s, NUM_I, device=dev, dtype=torch.long)
+        self.state_f = torch.ones(s, NUM_F, device=dev, dtype=torch.float32)
+        self.active = torch.zeros(s, device=dev, dtype=torch.bool)
+        self.codes_out = torch.zeros(s, self.num_codebooks, device=dev, dtype=torch.long)
+        self.rows = torch.arange(s, device=dev)
+        self.suppressed, self.eos_mask = sampler.codebook0_masks(self.vocab0, self.eos_id, dev)
+        ppos = torch.arange(self.num_codebooks + 1, device=dev)[None]
+        self.pcos, self.psin = self.predictor.model.rotary(ppos, dt)  # [1, P, D]
+        self.start_mask = torch.tril(torch.ones(2, 2, device=dev, dtype=torch.bool))[None, None]
+        self._active_host = torch.zeros(s, dtype=torch.bool, pin_memory=dev.type == "cuda")
+
+    # -- bookkeeping copies (eager, outside the graphs) ---------------------------------------
+    def apply_moves(self, moves: Seq[KVMove]) -> None:
+        if not moves:
+            return
+        for m in moves:
+            n = m.num_positions
+            if n > 0:
+                self.k_cache[:, m.dst, :, :n] = self.k_cache[:, m.src, :, :n]
+                self.v_cache[:, m.dst, :, :n] = self.v_cache[:, m.src, :, :n]
+        src = torch.tensor([m.src for m in moves], device=self.device)
+        dst = torch.tensor([m.dst for m in moves], device=self.device)
+        for buf in (self.next_embed, self.trailing, self.seen, self.state_i, self.state_f):
+            buf[dst] = buf[src]
+
+    def load_prefixes(self, seqs: Seq[Sequence]) -> None:
+        """Copy cached prompt-prefix KV into the slots of sequences admitted with a hit."""
+        for seq in seqs:
+            k, v = self.prefix_cache.get(seq.prefix_key)
+            n = seq.num_prefilled
+            self.k_cache[:, seq.slot, :, :n] = k[:, :, :n]
+            self.v_cache[:, seq.slot, :, :n] = v[:, :, :n]
+
+    def store_prefix(self, seq: Sequence) -> None:
+        """Keep the slot's first `prefix_len` positions under the sequence's prefix key."""
+        n = seq.prefix_len
+        k = self.k_cache[:, seq.slot, :, :n].clone()
+        v = self.v_cache[:, seq.slot, :, :n].clone()
+        self.prefix_cache.put(seq.prefix_key, k, v)
+
+    @torch.inference_mode()
+    def prefill(self, chunks: Seq[PrefillChunk]) -> None:
+        """Write the KV of prompt positions [start, end) of every chunk, as one ragged batch."""
+        chunks = [c for c in chunks if c.end > c.start]
+        if not chunks:
+            return
+        width = max(c.end - c.start for c in chunks)
+        x = torch.zeros(len(chunks), width, self.hidden, device=self.device, dtype=self.dtype)
+        positions = torch.empty(len(chunks), width, dtype=torch.long)
+        for r, c in enumerate(chunks):
+            x[r, : c.end - c.start] = c.seq.prompt.embeds[c.start : c.end].to(self.device, self.dtype)
+            positions[r] = torch.arange(c.start, c.start + width)
+        # Padding tokens write columns the row overwrites before attending to them, or the scratch.
+        positions = positions.clamp_(max=self.scratch).to(self.device)
+        slots = torch.tensor([c.seq.slot for c in chunks], device=self.device)
+        self.talker.model(x, positions, slots, self.kv_view)
+
+    def start(self, seqs: Seq[Sequence]) -> None:
+        """Load the decode state of sequences whose prompt is now in KV."""
+        if not seqs:
+            return
+        ints, floats = [], []
+        for seq in seqs:
+            sp, pr = seq.sampling, seq.prompt
+            n_trail = int(pr.trailing.shape[0]) if pr.trailing is not None else 0
+            if n_trail > self.cfg.max_trailing:
+                raise ValueError(f"{n_trail} trailing text positions exceed max_trailing={self.cfg.max_trailing}")
+            ints.append([
+                seq.num_prefill_positions, 0, seq.seed, sp.top_k, sp.subtalker_top_k, int(sp.greedy),
+                int(sp.predictor_greedy), sp.min_new_tokens, n_trail,
+            ])
+            floats.append([sp.temperature, sp.top_p, sp.repetition_penalty, sp.subtalker_temperature, sp.subtalker_top_p])
+            slot = seq.slot
+            self.next_embed[slot] = pr.embeds[-1].to(self.device, self.dtype)
+            if n_trail:
+                self.trailing[slot, :n_trail] = pr.trailing.to(self.device, self.dtype)
+            self.trailing[slot, n_trail] = pr.pad_embed.reshape(-1).to(self.device, self.dtype)
+        idx = torch.tensor([s.slot for s in seqs], device=self.device)
+        self.state_i[idx] = torch.tensor(ints, dtype=torch.long).to(self.device)
+        self.state_f[idx] = torch.tensor(floats, dtype=torch.float32).to(self.device)
+        self.seen[idx] = False
+
+    # -- the frame step --------------------------------------------------------------------------
+    def _talker_decode(self, n: int, ctx: int) -> torch.Tensor:
+        """One token per row at its own position; returns final-normed hidden [n, H]."""
+        model = self.talker.model
+        act = self.active[:n]
+        pos = self.state_i[:n, I_POS]
+        wpos = torch.where(act, pos, torch.full_like(pos, self.scratch))
+        rows = self.rows[:n]
+        cos, sin = model.rotary(pos[:, None], self.dtype)  # [n, 1, D]
+        mask = (torch.arange(ctx, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+        x = self.next_embed[:n][:, None]  # [n, 1, H]
+        for i, layer in enumerate(model.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = _qkv(layer.self_attn, h, cos, sin)
+            self.k_cache[i][rows, :, wpos] = k[:, :, 0].to(self.dtype)
+            self.v_cache[i][rows, :, wpos] = v[:, :, 0].to(self.dtype)
+            keys = self.k_cache[i, :n, :, :ctx]
+            values = self.v_cache[i, :n, :, :ctx]
+            out = _attend(q, keys, values, mask, self.cfg.talker_attention)
+            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.norm(x)[:, 0]
+
+    def _predictor_layers(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """Predictor decoder over positions [start, start + T) of its per-frame KV; x [n, T, Hp]."""
+        model = self.predictor.model
+        t = x.shape[1]
+        cos, sin = self.pcos[:, start : start + t], self.psin[:, start : start + t]
+        mask = self.start_mask if t == 2 else None
+        for i, layer in enumerate(model.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = _qkv(layer.self_attn, h, cos, sin)
+            self.pk_cache[i, :n, :, start : start + t] = k.to(self.dtype)
+            self.pv_cache[i, :n, :, start : start + t] = v.to(self.dtype)
+            keys = self.pk_cache[i, :n, :, : start + t]
+            values = self.pv_cache[i, :n, :, : start + t]
+            out = _attend(q, keys, values, mask, self.cfg.predictor_attention)
+            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.norm(x)
+
+    def _frame_step(self, n: int, ctx: int) -> None:
+        """Produce one frame for rows [0, n): reads and writes only persistent buffers."""
+        si, sf = self.state_i[:n], self.state_f[:n]
+        act = self.active[:n]
+        frame = si[:, I_FRAME]
+        uniforms = sampler.frame_uniforms(si[:, I_SEED], frame, self.num_codebooks)
+
+        hidden = self._talker_decode(n, ctx)
+        logits = self.talker.codec_head(hidden).float()
+        logits = sampler.apply_repetition_penalty(logits, self.seen[:n], sf[:, F_REP])
+        logits = sampler.mask_codebook0(logits, self.suppressed, self.eos_mask, frame, si[:, I_MINF])
+        c0 = sampler.sample_rows(
+            logits, sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY].bool(), uniforms[:, 0],
+            self.cfg.max_candidates,
+        )
+
+        pred = self.predictor
+        proj = pred.small_to_mtp_projection
+        c0_embed = self.talker.model.codec_embedding(c0)
+        x = proj(torch.stack([hidden, c0_embed], dim=1))
+        pgreedy = si[:, I_PGREEDY].bool()
+        codes = [c0]
+        embed_sum = c0_embed
+        start = 0
+        for j in range(pred.num_steps):
+            h = self._predictor_layers(x, start, n)
+            start += x.shape[1]
+            code = sampler.sample_rows(
+                pred.lm_head[j](h[:, -1]).float(), sf[:, F_PTEMP], si[:, I_PTOPK], sf[:, F_PTOPP], pgreedy,
+                uniforms[:, j + 1], self.cfg.max_candidates,
+            )
+            codes.append(code)
+            e = pred.model.codec_embedding[j](code)
+            embed_sum = embed_sum + e
+            if j + 1 < pred.num_steps:
+                x = proj(e)[:, None]
+
+        trail_idx = torch.minimum(frame, si[:, I_TLEN])
+        next_embed = embed_sum + self.trailing[:n].gather(
+            1, trail_idx[:, None, None].expand(n, 1, self.hidden)
+        )[:, 0]
+        # Commit, masked by `active` so padding / prefilling / skipped rows keep their state.
+        self.codes_out[:n] = torch.stack(codes, dim=1)
+        self.next_embed[:n] = torch.where(act[:, None], next_embed.to(self.dtype), self.next_embed[:n])
+        seen_c0 = self.seen[:n].gather(1, c0[:, None])
+        self.seen[:n].scatter_(1, c0[:, None], seen_c0 | act[:, None])
+        step = act.long()
+        self.state_i[:n, I_POS] += step
+        self.state_i[:n, I_FRAME] += step
+
+    def bucket(self, n_rows: int, ctx_needed: int) -> tuple[int, int]:
+        n = next((b for b in self.batch_buckets if b >= n_rows), self.num_slots)
+        ctx = next((c for c in self.context_buckets if c >= ctx_needed), self.max_len)
+        return n, ctx
+
+    @torch.inference_mode()
+    def decode(self, num_rows: int, active_slots: Seq[int], ctx_needed: int) -> torch.Tensor:
+        """One frame for the active slots (all < num_rows). Returns codes [num_rows, 16] on the CPU."""
+        if self.use_graphs or self.cfg.pad_to_buckets:
+            n, ctx = self.bucket(num_rows, ctx_needed)
+        else:
+            n, ctx = num_rows, min(ctx_needed, self.max_len)
+        host = self._active_host[:n]
+        host.zero_()
+        host[torch.as_tensor(list(active_slots), dtype=torch.long)] = True
+        self.active[:n].copy_(host, non_blocking=True)
+        graph = self.graphs.get((n, ctx)) if self.use_graphs else None
+        if graph is not None:
+            graph.replay()
+        else:
+            self._frame_step(n, ctx)
+        return self.codes_out[:num_rows].to("cpu")
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture the frame step for every (batch bucket, context bucket), largest first, in one
+        memory pool. Rows are inactive during capture, so no state changes."""
+        if not self.use_graphs:
+            return
+        self.active.zero_()
+        pool = None
+        for n in sorted(self.batch_buckets, reverse=True):
+            for ctx in sorted(self.context_buckets, reverse=True):
+                self._frame_step(n, ctx)  # warm-up: lazy inits, autotuning, allocator
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._frame_step(n, ctx)
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[(n, ctx)] = graph
+        torch.cuda.synchronize(self.device)

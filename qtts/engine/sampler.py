@@ -1,0 +1,122 @@
+"""Batched, CUDA-graph-safe sampling of codec ids.
+
+Every row carries its own temperature / top-k / top-p / repetition penalty / greedy flag as
+tensors, so one captured graph serves any mix of requests. Randomness is counter based: the
+uniform number that picks a row's token is a hash of (seed, frame index, codebook), so a
+request's samples never depend on which other requests share its batch, on the batch bucket,
+or on the order rows were admitted, and a seeded request replays exactly.
+
+A token is drawn by inverse-CDF over the row's sorted, filtered distribution, which needs one
+uniform per (row, codebook) instead of one per vocabulary entry (Gumbel-max).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_NEG_INF = float("-inf")
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for 0 <= x < 2**32 without int64 overflow (split into 16-bit halves)."""
+    lo = x & 0xFFFF
+    hi = x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32): every input bit flips about half the output bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: torch.Tensor, step: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 in [0, 1) from int64 tensors (broadcast together); seed in [0, 2**63)."""
+    h = _mix32(seed & _MASK32)
+    h = _mix32(h ^ ((seed >> 32) & _MASK32))
+    h = _mix32(h ^ (step & _MASK32))
+    h = _mix32(h ^ (_mul32(codebook & _MASK32, 0x9E3779B9) + 1) & _MASK32)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def frame_uniforms(seed: torch.Tensor, frame_idx: torch.Tensor, num_codebooks: int) -> torch.Tensor:
+    """[B, num_codebooks] uniforms for one frame of every row."""
+    cb = torch.arange(num_codebooks, device=seed.device, dtype=torch.long)
+    return counter_uniform(seed[:, None], frame_idx[:, None], cb[None, :])
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF semantics over the set of ids already generated: positive logits / p, negative * p."""
+    p = penalty[:, None].to(logits.dtype)
+    penalised = torch.where(logits < 0, logits * p, logits / p)
+    return torch.where(seen, penalised, logits)
+
+
+def mask_codebook0(
+    logits: torch.Tensor,
+    suppressed: torch.Tensor,
+    eos_mask: torch.Tensor,
+    frame_idx: torch.Tensor,
+    min_frames: int,
+) -> torch.Tensor:
+    """Suppress the control ids (bool [V]) and EOS (bool [V], one True) while frame_idx < min_frames."""
+    logits = logits.masked_fill(suppressed[None, :], _NEG_INF)
+    too_early = (frame_idx < min_frames)[:, None] & eos_mask[None, :]
+    return logits.masked_fill(too_early, _NEG_INF)
+
+
+def codebook0_masks(vocab_size: int, eos_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(suppressed, eos) bool [V] masks: the top 1024 ids except EOS are never sampled."""
+    suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    suppressed[max(0, vocab_size - 1024) :] = True
+    suppressed[eos_id] = False
+    eos = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    eos[eos_id] = True
+    return suppressed, eos
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    greedy: torch.Tensor,
+    uniform: torch.Tensor,
+    max_candidates: int | None = None,
+) -> torch.Tensor:
+    """One id per row. Greedy rows take the argmax; the others sample from
+    softmax(logits / T) restricted to the top-k ids (k <= 0: all) and then to the smallest
+    prefix whose mass reaches top-p (top_p >= 1: all), with `uniform` in [0, 1) as the draw.
+
+    `max_candidates` caps the sorted candidate list (a cheaper top-k instead of a full sort);
+    with it, a row's top-k is at most that cap.
+    """
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    num_cand = vocab if not max_candidates else min(vocab, max_candidates)
+    greedy_ids = logits.argmax(dim=-1)
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).clamp_min(1e-5)
+    scaled = logits / t[:, None]
+    if num_cand == vocab:
+        vals, idx = scaled.sort(dim=-1, descending=True)
+    else:
+        vals, idx = scaled.topk(num_cand, dim=-1)
+    rank = torch.arange(num_cand, device=logits.device)
+    k = torch.where((top_k <= 0) | (top_k > num_cand), torch.full_like(top_k, num_cand), top_k)
+    vals = vals.masked_fill(rank[None, :] >= k[:, None], _NEG_INF)
+    probs = torch.softmax(vals, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    target = uniform * cdf[:, -1]
+    choice = (cdf <= target[:, None]).sum(dim=-1)
+    # Kept ids form a prefix of the sorted list; rounding must not step past it.
+    num_kept = (probs > 0).sum(dim=-1).clamp_min(1)
+    choice = torch.minimum(choice, num_kept - 1)
+    sampled = idx.gather(1, choice[:, None]).squeeze(1)
+    return torch.where(greedy, greedy_ids, sampled)

@@ -1,0 +1,181 @@
+"""Which sequences prefill and which produce a frame in the next engine step (pure Python).
+
+The scheduler owns the waiting queue and the dense slot table. Each step it
+1. hands back the slot moves left by sequences that finished or were cancelled,
+2. admits waiting sequences in arrival order while a slot is free, and
+3. spends a per-step prefill budget (prompt positions) on admitted sequences, oldest first, so a
+   burst of new streams delays running ones by at most one budget's worth of prefill,
+4. lists the rows of the decode batch: every occupied slot, active unless it is still
+   prefilling or its stream asked to be skipped (no credit downstream).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from qtts.engine.kv_slots import DenseSlotTable, SlotMove
+from qtts.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt positions `[start, end)` of `seq` to write into its slot this step."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        return self.end >= self.seq.num_prefill_positions
+
+
+@dataclass(frozen=True)
+class KVMove:
+    """Copy the first `num_positions` KV positions and the per-slot state of `src` into `dst`."""
+
+    src: int
+    dst: int
+    num_positions: int
+
+
+@dataclass
+class StepPlan:
+    """Work for one engine step, in the order the model runner must do it."""
+
+    moves: list[KVMove] = field(default_factory=list)
+    prefix_hits: list[Sequence] = field(default_factory=list)  # admitted with a cached prefix in KV
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    started: list[Sequence] = field(default_factory=list)  # prefill completed: load decode state
+    num_rows: int = 0  # occupied slots = decode batch rows (row i is slot i)
+    decode: list[Sequence] = field(default_factory=list)  # active rows, ordered by slot
+
+    @property
+    def has_decode(self) -> bool:
+        return bool(self.decode)
+
+
+class Scheduler:
+    """Admission, chunked prefill budget and the decode batch over dense KV slots."""
+
+    def __init__(self, slots: DenseSlotTable, max_prefill_tokens: int) -> None:
+        if max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+        self.slots = slots
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}  # by request id; PREFILLING or RUNNING
+        self._pending_moves: list[KVMove] = []
+
+    # -- queue -----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if not self.slots.fits(seq.max_positions):
+            raise ValueError(
+                f"request {seq.request_id!r} needs {seq.max_positions} KV positions, a slot holds "
+                f"{self.slots.max_len}"
+            )
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def get(self, request_id: str) -> Sequence | None:
+        seq = self.running.get(request_id)
+        if seq is not None:
+            return seq
+        return next((s for s in self.waiting if s.request_id == request_id), None)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (stop, length, frame cap or cancel) and free its slot."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.request_id in self.running:
+            del self.running[seq.request_id]
+            self._release(seq)
+        else:
+            self.waiting = deque(s for s in self.waiting if s is not seq)
+
+    def cancel(self, request_id: str) -> Sequence | None:
+        seq = self.get(request_id)
+        if seq is not None:
+            self.finish(seq, "cancelled")
+        return seq
+
+    def _release(self, seq: Sequence) -> None:
+        move: SlotMove | None = self.slots.free(seq.request_id)
+        seq.slot = -1
+        if move is None:
+            return
+        moved = self.running[move.key]
+        moved.slot = move.dst
+        self._pending_moves.append(KVMove(move.src, move.dst, moved.num_kv_positions))
+
+    # -- planning --------------------------------------------------------------------------
+    def schedule(self, prefix_lookup: Callable[[Sequence], int] | None = None) -> StepPlan:
+        """Plan one step. `prefix_lookup(seq)` returns how many leading prompt positions a cache
+        already holds for `seq` (the runner copies them into the slot before prefilling)."""
+        plan = StepPlan(moves=compose_moves(self._pending_moves, self.slots.num_used))
+        self._pending_moves = []
+        while self.waiting and self.slots.num_free > 0:
+            seq = self.waiting.popleft()
+            seq.slot = self.slots.allocate(seq.request_id)
+            seq.status = SeqStatus.PREFILLING
+            self.running[seq.request_id] = seq
+            hit = prefix_lookup(seq) if (prefix_lookup is not None and seq.prefix_key is not None) else 0
+            if hit > 0:
+                seq.num_prefilled = min(hit, seq.num_prefill_positions)
+                plan.prefix_hits.append(seq)
+        budget = self.max_prefill_tokens
+        for seq in self.running.values():  # insertion order = admission order
+            if seq.status is not SeqStatus.PREFILLING or budget <= 0:
+                continue
+            start = seq.num_prefilled
+            end = min(seq.num_prefill_positions, start + budget)
+            if end > start:
+                plan.prefills.append(PrefillChunk(seq, start, end))
+                budget -= end - start
+            elif seq.prefill_done:
+                # Nothing left to write (a one-position prompt or a whole-prompt prefix hit).
+                plan.prefills.append(PrefillChunk(seq, start, end))
+        plan.num_rows = self.slots.num_used
+        return plan
+
+    def mark_prefilled(self, plan: StepPlan) -> None:
+        """After the runner wrote the chunks: advance counters, start finished prompts."""
+        for chunk in plan.prefills:
+            chunk.seq.num_prefilled = chunk.end
+            if chunk.completes:
+                chunk.seq.status = SeqStatus.RUNNING
+                plan.started.append(chunk.seq)
+
+    def decode_rows(self, plan: StepPlan, skip: frozenset[str] | set[str] = frozenset()) -> list[Sequence]:
+        """The sequences that produce a frame this step, ordered by slot."""
+        rows = [
+            s for s in self.running.values() if s.status is SeqStatus.RUNNING and s.request_id not in skip
+        ]
+        rows.sort(key=lambda s: s.slot)
+        plan.decode = rows
+        return rows
+
+
+def compose_moves(moves: list[KVMove], num_used: int) -> list[KVMove]:
+    """Collapse a sequence of moves into independent copies `origin -> final slot`.
+
+    A sequence can move twice before the runner sees the moves (its new slot is freed by a later
+    move); composing lets the runner copy every row once, all in one batched index copy, because
+    no composed destination is also a composed source. Moves of sequences that left afterwards
+    (their final slot is beyond the `num_used` occupied ones) are dropped.
+    """
+    origin_of: dict[int, tuple[int, int]] = {}  # current slot -> (original slot, positions)
+    for m in moves:
+        origin, _ = origin_of.pop(m.src, (m.src, m.num_positions))
+        origin_of[m.dst] = (origin, m.num_positions)
+    return [KVMove(src, dst, n) for dst, (src, n) in origin_of.items() if src != dst and dst < num_used]

@@ -1,0 +1,294 @@
+"""The asyncio gRPC server every service runs on: health, reflection, error mapping, metrics, drain.
+
+Usage in a service's `server.py`::
+
+    from prometheus_client import CollectorRegistry
+    from qtts.grpc_server import GrpcServiceHost, service_full_name
+    from qtts.metrics import Code2WavMetrics
+    from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
+
+    metrics = Code2WavMetrics(CollectorRegistry())
+    host = GrpcServiceHost(
+        service_names=[service_full_name(code2wav_pb2, "Code2WavService")],
+        metrics=metrics, host=config.host, port=config.port,
+        metrics_port=config.metrics_port, drain_seconds=config.drain_seconds,
+    )
+    code2wav_pb2_grpc.add_Code2WavServiceServicer_to_server(servicer, host.server)
+    host.add_shutdown_callback(engine.close)      # runs after the drain
+    port = await host.start()                     # health NOT_SERVING, metrics served
+    ...load the model, warm up...
+    await host.set_serving()
+    await host.serve_until_signal()               # SIGTERM/SIGINT: drain, then return
+
+Servicers raise `qtts.errors.TTSError` subclasses; the interceptor turns them into the matching gRPC
+status (`qtts.errors.mapping_for`) and counts them in `tts_errors_total{service,code}`. Any other
+exception becomes INTERNAL with its traceback logged; the server keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from qtts.errors import TTSError, mapping_for
+from qtts.metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
+
+OVERALL = ""  # the health service name that stands for the whole server
+
+
+def service_full_name(pb2_module: ModuleType, service: str) -> str:
+    """The fully qualified proto name of `service` in a generated `*_pb2` module."""
+    return pb2_module.DESCRIPTOR.services_by_name[service].full_name
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """One log format for every service process."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps domain errors to gRPC status codes and counts every error a handler ends with."""
+
+    def __init__(self, metrics: ServiceMetrics | None):
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, method),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(handler.stream_unary, method),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, method),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            self._wrap_stream(handler.stream_stream, method),
+            handler.request_deserializer,
+            handler.response_serializer,
+        )
+
+    def _wrap_unary(self, behavior: Callable, method: str) -> Callable:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request, context)
+            except BaseException as exc:  # noqa: BLE001 - re-raised or mapped below
+                await self._handle(exc, context, method)
+                raise
+
+        return wrapper
+
+    def _wrap_stream(self, behavior: Callable, method: str) -> Callable:
+        if inspect.isasyncgenfunction(behavior):
+
+            async def gen_wrapper(request: Any, context: grpc.aio.ServicerContext):
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except BaseException as exc:  # noqa: BLE001 - re-raised or mapped below
+                    await self._handle(exc, context, method)
+                    raise
+
+            return gen_wrapper
+        # A handler that writes with context.write() and returns None.
+        return self._wrap_unary(behavior, method)
+
+    async def _handle(self, exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+        """Abort the call with the mapped status; returns only for exceptions to re-raise as is."""
+        if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            return
+        if isinstance(exc, grpc.aio.AbortError):
+            # The handler aborted by itself: count it under the code it chose.
+            self._count(_code_of(context))
+            return
+        mapping = mapping_for(exc)
+        if isinstance(exc, TTSError):
+            message = exc.message
+            log.info("%s failed: %s: %s", method, mapping.grpc_code.name, message)
+        else:
+            message = "internal error"
+            log.error("%s raised an unexpected exception", method, exc_info=exc)
+        self._count(mapping.grpc_code)
+        await context.abort(mapping.grpc_code, message)
+
+    def _count(self, code: grpc.StatusCode | None) -> None:
+        if self._metrics is not None and code is not None and code != grpc.StatusCode.OK:
+            self._metrics.error(code.name)
+
+
+def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
+    try:
+        return context.code()
+    except Exception:  # noqa: BLE001 - older grpc versions lack code() on aio contexts
+        return None
+
+
+class GrpcServiceHost:
+    """A `grpc.aio` server with health, reflection, error mapping, Prometheus metrics and drain.
+
+    Health is NOT_SERVING (overall and per service) from `start()` until `set_serving()`; on a
+    drain it goes back to NOT_SERVING before the server stops accepting RPCs, then in-flight RPCs
+    get `drain_seconds` to finish before they are cancelled.
+    """
+
+    def __init__(
+        self,
+        *,
+        service_names: Iterable[str],
+        metrics: ServiceMetrics | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int = 0,
+        drain_seconds: float = 30.0,
+        options: Iterable[tuple[str, Any]] = (),
+    ):
+        self.service_names = list(service_names)
+        self.metrics = metrics
+        self.host = host
+        self.port = port
+        self.metrics_port = metrics_port
+        self.drain_seconds = drain_seconds
+        self.server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor(metrics)],
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                *options,
+            ],
+        )
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [
+                *self.service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        self._shutdown_callbacks: list[Callable[[], Any]] = []
+        self._metrics_http: Any = None
+        self._stop_requested = asyncio.Event()
+        self._stopped = False
+        self.bound_port: int | None = None
+        self.bound_metrics_port: int | None = None
+
+    def add_shutdown_callback(self, callback: Callable[[], Any]) -> None:
+        """Run `callback` (sync or async) after the server stopped, in registration order."""
+        self._shutdown_callbacks.append(callback)
+
+    async def start(self) -> int:
+        """Bind, start serving (health NOT_SERVING) and the metrics endpoint; returns the gRPC port."""
+        address = f"{_bracket(self.host)}:{self.port}"
+        self.bound_port = self.server.add_insecure_port(address)
+        if self.bound_port == 0:
+            raise OSError(f"could not bind gRPC server to {address}")
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        if self.metrics_port and self.metrics is not None:
+            http_server, _ = start_http_server(
+                self.metrics_port, addr=self.host, registry=self.metrics.registry
+            )
+            self._metrics_http = http_server
+            self.bound_metrics_port = http_server.server_port
+        log.info(
+            "serving %s on %s:%d (metrics port %s)",
+            ", ".join(self.service_names),
+            self.host,
+            self.bound_port,
+            self.bound_metrics_port or "off",
+        )
+        return self.bound_port
+
+    async def set_serving(self) -> None:
+        """Report SERVING for every service and overall (call after model load and warm-up)."""
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_not_serving(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def _set_all(self, status: int) -> None:
+        for name in [OVERALL, *self.service_names]:
+            await self.health.set(name, status)
+
+    def request_stop(self) -> None:
+        """Ask `serve_until_signal()` to drain and return (what SIGTERM/SIGINT do)."""
+        self._stop_requested.set()
+
+    async def serve_until_signal(self) -> None:
+        """Serve until SIGTERM/SIGINT (or `request_stop()`), then drain and stop."""
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):  # not the main thread / not supported
+                pass
+        try:
+            await self._stop_requested.wait()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            await self.stop()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log.info("received %s: draining for up to %.1f s", sig.name, self.drain_seconds)
+        self._stop_requested.set()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: health NOT_SERVING, refuse new RPCs, give in-flight ones `grace` s, then cancel."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.drain_seconds if grace is None else grace)
+        for callback in self._shutdown_callbacks:
+            try:
+                result = callback()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # noqa: BLE001 - one failing cleanup must not skip the others
+                log.exception("shutdown callback %r failed", callback)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+        log.info("stopped")
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,218 @@
+"""Prometheus metrics of each service, held on a registry the service owns (no global registry).
+
+Every service builds one metrics object at start-up and injects it where it is needed::
+
+    from prometheus_client import CollectorRegistry
+    from qtts.metrics import Code2WavMetrics
+
+    registry = CollectorRegistry()
+    metrics = Code2WavMetrics(registry)
+    metrics.live_states.inc()
+    with metrics.stage_timer("decode"):
+        ...
+    metrics.error("INVALID_ARGUMENT")
+
+`GrpcServiceHost` (qtts.grpc_server) serves `registry` over HTTP and counts errors it maps through
+`metrics.error(...)`. Names carry the `tts_` prefix and their unit (`_seconds`, `_frames`, `_total`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Latencies of a streaming TTS stack span ~1 ms (a decode step) to tens of seconds (a long stream).
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class ServiceMetrics:
+    """Metrics every service has: errors by gRPC code and per-stage latency.
+
+    `service` is the label value used in the shared series (`gateway`, `talker`, `code2wav`,
+    `speaker_cache`).
+    """
+
+    def __init__(self, registry: CollectorRegistry, service: str):
+        self.registry = registry
+        self.service = service
+        self.errors_total = Counter(
+            "tts_errors_total",
+            "Requests that ended with an error, by gRPC status code.",
+            ["service", "code"],
+            registry=registry,
+        )
+        self.stage_latency_seconds = Histogram(
+            "tts_stage_latency_seconds",
+            "Latency of a named processing stage.",
+            ["service", "stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+
+    def error(self, code: str) -> None:
+        """Count one error by its gRPC status code name (e.g. "INVALID_ARGUMENT")."""
+        self.errors_total.labels(self.service, code).inc()
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self.stage_latency_seconds.labels(self.service, stage).observe(seconds)
+
+    @contextmanager
+    def stage_timer(self, stage: str) -> Iterator[None]:
+        """Time the enclosed block into `tts_stage_latency_seconds{stage=...}`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observe_stage(stage, time.perf_counter() - start)
+
+
+class GatewayMetrics(ServiceMetrics):
+    """Gateway: requests by protocol and status, time to first audio, duration, active streams."""
+
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry, "gateway")
+        self.requests_total = Counter(
+            "tts_gateway_requests_total",
+            "Synthesis requests by protocol (http/grpc) and final status.",
+            ["protocol", "status"],
+            registry=registry,
+        )
+        self.ttfa_seconds = Histogram(
+            "tts_gateway_ttfa_seconds",
+            "Request received to first audio byte sent.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.request_duration_seconds = Histogram(
+            "tts_gateway_request_duration_seconds",
+            "Request received to last audio byte sent.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.active_streams = Gauge(
+            "tts_gateway_active_streams",
+            "Synthesis streams in progress.",
+            registry=registry,
+        )
+
+
+class TalkerMetrics(ServiceMetrics):
+    """Talker: active streams, queue, step/prefill time, batch size, frames, credit stalls."""
+
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry, "talker")
+        self.active_streams = Gauge(
+            "tts_talker_active_streams",
+            "Streams admitted to the generator.",
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "tts_talker_queue_depth",
+            "Requests waiting for a generator slot.",
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "tts_talker_step_seconds",
+            "Time of one batched frame step.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_seconds = Histogram(
+            "tts_talker_prefill_seconds",
+            "Time of a prefill.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            "tts_talker_batch_size",
+            "Streams stepped together in one frame step.",
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.frames_total = Counter(
+            "tts_talker_frames_total",
+            "Codec frames generated.",
+            registry=registry,
+        )
+        self.credit_stalls_total = Counter(
+            "tts_talker_credit_stalls_total",
+            "Times a stream could not send a frame for lack of credit.",
+            registry=registry,
+        )
+
+
+class Code2WavMetrics(ServiceMetrics):
+    """code2wav: live decoder states, backlog, decode time, frames decoded, rejected streams."""
+
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry, "code2wav")
+        self.live_states = Gauge(
+            "tts_code2wav_live_states",
+            "Decoder states held (one per open stream).",
+            registry=registry,
+        )
+        self.decode_backlog_frames = Gauge(
+            "tts_code2wav_decode_backlog_frames",
+            "Frames received and not yet decoded, all streams.",
+            registry=registry,
+        )
+        self.decode_seconds = Histogram(
+            "tts_code2wav_decode_seconds",
+            "Time of one batched decode step.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.frames_total = Counter(
+            "tts_code2wav_frames_total",
+            "Codec frames decoded.",
+            registry=registry,
+        )
+        self.rejected_total = Counter(
+            "tts_code2wav_rejected_total",
+            "Streams rejected because the state bound was reached.",
+            registry=registry,
+        )
+
+
+class SpeakerCacheMetrics(ServiceMetrics):
+    """speaker_cache: voice-prompt hits and misses, named voices stored."""
+
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry, "speaker_cache")
+        self.hits_total = Counter(
+            "tts_speaker_cache_hits_total",
+            "Voice-prompt lookups that found a prompt.",
+            registry=registry,
+        )
+        self.misses_total = Counter(
+            "tts_speaker_cache_misses_total",
+            "Voice-prompt lookups that found nothing.",
+            registry=registry,
+        )
+        self.voices = Gauge(
+            "tts_speaker_cache_voices",
+            "Named voices stored.",
+            registry=registry,
+        )

@@ -1,0 +1,236 @@
+"""TalkerBundle: everything the talker stage needs from one snapshot, loaded once."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from qtts.errors import InvalidArgument
+from qtts.model.code_predictor import CodePredictor
+from qtts.model.config import ModelConfig, ModelInfo, read_generation_config
+from qtts.model.dummy import init_dummy_weights, materialize
+from qtts.model.prompt import PromptBuilder, SynthesisSpec, TalkerPrompt, VoicePrompt
+from qtts.model.sampling import SamplingParams
+from qtts.model.snapshot import Snapshot, SnapshotError, open_snapshot
+from qtts.model.talker import Talker
+from qtts.model.tokenizer import load_text_tokenizer
+
+log = logging.getLogger(__name__)
+
+TALKER_PREFIX = "talker."
+PREDICTOR_PREFIX = "talker.code_predictor."
+SPEAKER_PREFIX = "speaker_encoder."
+
+
+@dataclass
+class TalkerBundle:
+    """Talker LM, code predictor, tokenizer and (Base) reference-audio encoders of one snapshot."""
+
+    info: ModelInfo
+    config: ModelConfig
+    tokenizer: Any
+    talker: Talker
+    code_predictor: CodePredictor
+    speaker_encoder: Any | None
+    codec_encoder: Any | None
+    generation_defaults: SamplingParams
+    generation_config: dict
+    device: torch.device
+    dtype: torch.dtype
+    snapshot: Snapshot
+
+    def __post_init__(self) -> None:
+        limit = self.generation_config.get("max_new_tokens")
+        self.prompt_builder = PromptBuilder(
+            self.config, self.talker, self.code_predictor, self.tokenizer, int(limit) if limit else None
+        )
+
+    def build_prompt(self, spec: SynthesisSpec) -> TalkerPrompt:
+        return self.prompt_builder.build(spec)
+
+    @torch.inference_mode()
+    def compute_voice_prompt(self, pcm_24k: np.ndarray, ref_text: str | None, x_vector_only: bool) -> VoicePrompt:
+        """Speaker x-vector (and for ICL the reference codes) of a 24 kHz mono float32 clip."""
+        if self.config.tts_model_type != "base" or self.speaker_encoder is None:
+            raise InvalidArgument(f"{self.info.name} is not a voice-clone (Base) model")
+        wav = torch.as_tensor(np.ascontiguousarray(pcm_24k, dtype=np.float32)).reshape(-1)
+        if wav.numel() == 0:
+            raise InvalidArgument("reference audio is empty")
+        if not x_vector_only and not ref_text:
+            raise InvalidArgument("reference text is required for ICL voice cloning (or use x_vector_only)")
+        x_vector = self.speaker_encoder.embed(wav).detach().float().cpu().reshape(-1)
+        ref_codes = None
+        if not x_vector_only:
+            if self.codec_encoder is None:
+                raise InvalidArgument(f"{self.info.name} has no codec encoder for ICL voice cloning")
+            ref_codes = self.codec_encoder.encode(wav).detach().to(torch.long).cpu()
+        return VoicePrompt(
+            x_vector=x_vector,
+            ref_codes=ref_codes,
+            ref_text=None if x_vector_only else ref_text,
+            x_vector_only=x_vector_only,
+        )
+
+
+def _load_state_dict(snap: Snapshot) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in snap.weight_files:
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:
+            raise SnapshotError(f"{f}: unreadable safetensors file ({e})") from e
+    return sd
+
+
+def _split(sd: dict[str, torch.Tensor], is_base: bool):
+    talker, predictor, speaker, unexpected = {}, {}, {}, []
+    for k, v in sd.items():
+        if k.startswith(PREDICTOR_PREFIX):
+            predictor[k[len(PREDICTOR_PREFIX):]] = v
+        elif k.startswith(TALKER_PREFIX):
+            talker[k[len(TALKER_PREFIX):]] = v
+        elif k.startswith(SPEAKER_PREFIX) and is_base:
+            speaker[k[len(SPEAKER_PREFIX):]] = v
+        else:
+            unexpected.append(k)
+    return talker, predictor, speaker, unexpected
+
+
+def _load_strict(module: torch.nn.Module, sd: dict[str, torch.Tensor], what: str, folder: Path) -> None:
+    own = module.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    bad_shape = [k for k in own if k in sd and tuple(own[k].shape) != tuple(sd[k].shape)]
+    if missing or unexpected or bad_shape:
+        raise SnapshotError(
+            f"{folder}: {what} weights do not match config.json: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}, wrong shape {bad_shape[:5]}"
+        )
+    module.load_state_dict(sd, strict=True)
+
+
+def _speaker_encoder(cfg: ModelConfig, sd: dict[str, torch.Tensor] | None, seed: int, device, dtype, folder):
+    try:
+        from qtts.model.speaker_encoder import SpeakerEncoder
+    except ImportError:
+        log.warning("qtts.model.speaker_encoder is not available: Base voice cloning is disabled")
+        return None
+    enc = SpeakerEncoder.from_config(cfg.speaker_encoder)
+    if sd is None:
+        init_dummy_weights(enc, seed=seed + 2)
+    else:
+        _load_strict(enc, sd, "speaker encoder", folder)
+    # The official package runs the speaker encoder in the model dtype.
+    return enc.to(device=device, dtype=dtype).eval()
+
+
+def _codec_encoder(snap: Snapshot, device, dtype, load_format: str):
+    try:
+        from qtts.model.codec_encoder import CodecEncoder
+    except ImportError:
+        log.warning("qtts.model.codec_encoder is not available: ICL voice cloning is disabled")
+        return None
+    kwargs = {}
+    if "load_format" in inspect.signature(CodecEncoder.load).parameters:
+        kwargs["load_format"] = load_format
+    elif load_format == "dummy" and not (snap.speech_tokenizer_dir / "model.safetensors").is_file():
+        log.warning("%s: no codec weights for a dummy load: ICL voice cloning is disabled", snap.folder)
+        return None
+    return CodecEncoder.load(snap.speech_tokenizer_dir, device, dtype, **kwargs)
+
+
+def _tokenizer(snap: Snapshot):
+    if snap.has_tokenizer:
+        return load_text_tokenizer(snap.folder)
+    if snap.load_format != "dummy":
+        raise SnapshotError(f"{snap.folder}: missing tokenizer files")
+    # Shipped configs carry no vocabulary: dummy runs tokenise with the tiny test tokenizer, whose
+    # special tokens sit at the real ids (the compute per token is what matters there).
+    import tempfile
+
+    from qtts.testing.tiny_tokenizer import write_tiny_tokenizer
+
+    cache = Path(tempfile.gettempdir()) / "qtts-tiny-tokenizer"
+    if not (cache / "tokenizer_config.json").is_file():
+        write_tiny_tokenizer(cache)
+    log.warning("%s has no tokenizer files: using the tiny test tokenizer for the dummy load", snap.folder)
+    return load_text_tokenizer(cache)
+
+
+def build_modules(cfg: ModelConfig) -> tuple[Talker, CodePredictor]:
+    """Talker and code predictor on the `meta` device (no memory, no init)."""
+    with torch.device("meta"):
+        talker = Talker(cfg.talker)
+        predictor = CodePredictor(cfg.talker.predictor, cfg.talker.decoder.hidden_size)
+    return talker, predictor
+
+
+def load_talker_bundle(
+    path_or_id: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    expect_model_type: str | None = None,
+    seed: int = 0,
+) -> TalkerBundle:
+    """Load a snapshot's talker side (see docs/interfaces.md). `seed` seeds dummy weights."""
+    snap = open_snapshot(path_or_id, load_format=load_format, expect_model_type=expect_model_type)
+    cfg = snap.config
+    device = torch.device(device)
+    is_base = cfg.tts_model_type == "base"
+    talker, predictor = build_modules(cfg)
+    talker = materialize(talker, device, dtype)
+    predictor = materialize(predictor, device, dtype)
+    if snap.load_format == "dummy":
+        init_dummy_weights(talker, seed=seed)
+        init_dummy_weights(predictor, seed=seed + 1)
+        speaker_sd = None
+    else:
+        sd = _load_state_dict(snap)
+        talker_sd, predictor_sd, speaker_sd, unexpected = _split(sd, is_base)
+        if unexpected:
+            raise SnapshotError(f"{snap.folder}: unexpected weights {unexpected[:5]}")
+        _load_strict(talker, talker_sd, "talker", snap.folder)
+        _load_strict(predictor, predictor_sd, "code predictor", snap.folder)
+        if is_base and not speaker_sd:
+            raise SnapshotError(f"{snap.folder}: a Base snapshot without speaker_encoder.* weights")
+        del sd
+    speaker_encoder = codec_encoder = None
+    if is_base:
+        speaker_encoder = _speaker_encoder(cfg, speaker_sd, seed, device, dtype, snap.folder)
+        codec_encoder = _codec_encoder(snap, device, dtype, snap.load_format)
+    gen_cfg = read_generation_config(snap.folder / "generation_config.json")
+    tcfg = cfg.talker
+    info = ModelInfo(
+        model_type=cfg.tts_model_type,
+        model_size=cfg.tts_model_size,
+        name=snap.name,
+        speakers=dict(tcfg.speaker_ids),
+        languages=dict(cfg.languages),
+        num_codebooks=tcfg.num_code_groups,
+        codebook_size=tcfg.codebook_size,
+    )
+    return TalkerBundle(
+        info=info,
+        config=cfg,
+        tokenizer=_tokenizer(snap),
+        talker=talker.eval(),
+        code_predictor=predictor.eval(),
+        speaker_encoder=speaker_encoder,
+        codec_encoder=codec_encoder,
+        generation_defaults=SamplingParams.from_generation_config(gen_cfg),
+        generation_config=gen_cfg,
+        device=device,
+        dtype=dtype,
+        snapshot=snap,
+    )

@@ -1,0 +1,234 @@
+"""Talker prompt builder for every mode (CustomVoice, VoiceDesign, Base ICL, Base x-vector only).
+
+Each prompt position is the sum of a text-track embedding T(.) (projected text embedding) and a
+codec-track embedding C(.) (talker codec embedding), laid out exactly as the official
+`Qwen3TTSForConditionalGeneration.generate` does (DESIGN.md section 3 "Prompt"):
+
+    [instruct block, text only]  <|im_start|>user\\n{instruct}<|im_end|>\\n
+    role (text only)             <|im_start|>assistant\\n
+    codec prefix                 think/nothink, think_bos, [language], think_eos, [speaker], pad
+                                 with tts_pad on the text track, tts_bos on the last one
+    body                         streaming text / non-streaming text / ICL
+
+The result is a `TalkerPrompt`: the prefill embeddings, the text embeddings to feed one per
+generated frame (`trailing`, then `pad_embed` forever), the ICL reference codes (the decoder's
+prefix) and the frame cap derived from the text length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qtts.errors import InvalidArgument
+from qtts.model.config import ModelConfig
+from qtts.model.tokenizer import encode
+
+TASK_FOR_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "voice_design": "voice_design"}
+
+# Frame cap: generous against real speech rates (about 3-4 frames of 80 ms per text token; a slow
+# instructed voice maybe twice that), so only a request that missed end-of-speech reaches it.
+FRAMES_PER_TEXT_TOKEN = 12
+FRAME_CAP_MARGIN = 40
+
+
+def frame_cap(num_text_tokens: int, limit: int | None = None) -> int:
+    """Most frames a request may produce before it is ended as "frame_cap"."""
+    cap = FRAME_CAP_MARGIN + FRAMES_PER_TEXT_TOKEN * max(num_text_tokens, 1)
+    return min(cap, limit) if limit else cap
+
+
+@dataclass
+class VoicePrompt:
+    """A Base-model voice: speaker x-vector, and for ICL the reference codes and transcript."""
+
+    x_vector: torch.Tensor  # [H] float32
+    ref_codes: torch.Tensor | None  # [T, 16] long (ICL only)
+    ref_text: str | None
+    x_vector_only: bool
+
+
+@dataclass
+class SynthesisSpec:
+    """What to synthesise. `streaming_text=None` means the mode's default (streaming for voice clone,
+    non-streaming for CustomVoice / VoiceDesign, as in the official package)."""
+
+    text: str
+    task: str  # "voice_clone" | "custom_voice" | "voice_design"
+    speaker: str | None = None
+    language: str = "auto"
+    instruct: str | None = None
+    voice_prompt: VoicePrompt | None = None
+    streaming_text: bool | None = None
+
+
+@dataclass
+class TalkerPrompt:
+    """Input of one generation request (see docs/interfaces.md)."""
+
+    embeds: torch.Tensor  # [L, H] prefill input
+    trailing: torch.Tensor  # [N, H] text embeddings fed one per generated frame
+    pad_embed: torch.Tensor  # [H] fed once `trailing` is used up
+    ref_codes: torch.Tensor | None  # [T, 16] decoder prefix (ICL)
+    max_frames: int
+    num_text_tokens: int
+
+
+def assistant_text(text: str) -> str:
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def ref_text_block(text: str) -> str:
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
+
+
+def instruct_text(instruct: str) -> str:
+    return f"<|im_start|>user\n{instruct}<|im_end|>\n"
+
+
+class PromptBuilder:
+    """Builds `TalkerPrompt`s from `SynthesisSpec`s with a loaded talker and tokenizer."""
+
+    def __init__(self, config: ModelConfig, talker, code_predictor, tokenizer, frame_limit: int | None = None):
+        self.config = config
+        self.talker = talker
+        self.code_predictor = code_predictor
+        self.tokenizer = tokenizer
+        self.frame_limit = frame_limit
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        return self.talker.codec_head.weight.device
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], dtype=torch.long, device=self._device())
+
+    def _text(self, ids: list[int]) -> torch.Tensor:
+        return self.talker.embed_text(self._ids(ids))  # [1, n, H]
+
+    def _codec(self, ids: list[int]) -> torch.Tensor:
+        return self.talker.embed_codec(self._ids(ids))  # [1, n, H]
+
+    def frame_embeds(self, codes: torch.Tensor) -> torch.Tensor:
+        """Summed 16-codebook embeddings of frames: codes [T, 16] → [T, H]."""
+        c0 = self.talker.embed_codec(codes[:, 0])
+        rest = self.code_predictor.embed_codes(codes[:, 1:])
+        return torch.cat([c0[:, None], rest], dim=1).sum(1)
+
+    def language_id(self, language: str | None, speaker: str | None) -> int | None:
+        lang = (language or "auto").lower()
+        tcfg = self.config.talker
+        if lang == "auto":
+            lang_id = None
+        elif lang in self.config.languages:
+            lang_id = tcfg.language_ids[lang]
+        else:
+            raise InvalidArgument(
+                f"unsupported language {language!r}; supported: {sorted(['auto', *self.config.languages])}"
+            )
+        if lang in ("chinese", "auto") and speaker:
+            dialect = tcfg.speaker_dialects.get(speaker.lower(), False)
+            if dialect:
+                lang_id = tcfg.language_ids[dialect]
+        return lang_id
+
+    # -- the prompt ------------------------------------------------------------------------
+    @torch.no_grad()
+    def build(self, spec: SynthesisSpec) -> TalkerPrompt:
+        cfg, tcfg = self.config, self.config.talker
+        expected = TASK_FOR_MODEL_TYPE[cfg.tts_model_type]
+        if spec.task != expected:
+            raise InvalidArgument(
+                f"task {spec.task!r} is not served by a {cfg.tts_model_type} model (it serves {expected!r})"
+            )
+        if not spec.text:
+            raise InvalidArgument("text must not be empty")
+
+        speaker_embed = None
+        speaker = None
+        instruct = spec.instruct or None
+        voice = spec.voice_prompt
+        if spec.task == "custom_voice":
+            if spec.speaker:
+                speaker = spec.speaker.lower()
+                if speaker not in tcfg.speaker_ids:
+                    raise InvalidArgument(
+                        f"unknown speaker {spec.speaker!r}; supported: {sorted(tcfg.speaker_ids)}"
+                    )
+                speaker_embed = self._codec([tcfg.speaker_ids[speaker]])
+            if not cfg.supports_instruct:
+                instruct = None
+        elif spec.task == "voice_clone":
+            if voice is None:
+                raise InvalidArgument("voice clone needs a voice prompt")
+            speaker_embed = voice.x_vector.to(self._device(), self.talker.codec_head.weight.dtype).view(1, 1, -1)
+            instruct = None
+        icl = spec.task == "voice_clone" and not voice.x_vector_only and voice.ref_codes is not None
+        if icl and not voice.ref_text:
+            raise InvalidArgument("ICL voice clone needs the reference transcript")
+        streaming = spec.streaming_text
+        if streaming is None:
+            streaming = spec.task == "voice_clone"
+
+        ids = encode(self.tokenizer, assistant_text(spec.text))
+        target = ids[3:-5]
+        if not target:
+            raise InvalidArgument("text has no tokens")
+        lang_id = self.language_id(spec.language, speaker)
+
+        bos_eos_pad = self._text([cfg.tts_bos_id, cfg.tts_eos_id, cfg.tts_pad_id])
+        tts_bos, tts_eos, tts_pad = bos_eos_pad.chunk(3, dim=1)
+
+        if lang_id is None:
+            prefix = [tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id]
+        else:
+            prefix = [tcfg.codec_think_id, tcfg.codec_think_bos_id, lang_id, tcfg.codec_think_eos_id]
+        pieces = [self._codec(prefix)]
+        if speaker_embed is not None:
+            pieces.append(speaker_embed)
+        pieces.append(self._codec([tcfg.codec_pad_id, tcfg.codec_bos_id]))
+        codec = torch.cat(pieces, dim=1)
+        n = codec.shape[1]
+        head = torch.cat([tts_pad.expand(-1, n - 2, -1), tts_bos], dim=1) + codec[:, :-1]
+
+        parts = []
+        if instruct:
+            parts.append(self._text(encode(self.tokenizer, instruct_text(instruct))))
+        parts.append(self._text(ids[:3]))
+        parts.append(head)
+
+        empty = tts_pad[:, :0]
+        if icl:
+            ref_ids = encode(self.tokenizer, ref_text_block(voice.ref_text))[3:-2]
+            text_embed = torch.cat([self._text(ref_ids + target), tts_eos], dim=1)
+            ref_codes = voice.ref_codes.to(self._device(), torch.long)
+            codec_embed = torch.cat([self._codec([tcfg.codec_bos_id]), self.frame_embeds(ref_codes)[None]], dim=1)
+            tl, cl = text_embed.shape[1], codec_embed.shape[1]
+            if not streaming:
+                parts.append(text_embed + self._codec([tcfg.codec_pad_id] * tl))
+                parts.append(codec_embed + tts_pad)
+                trailing = empty
+            elif tl > cl:
+                parts.append(text_embed[:, :cl] + codec_embed)
+                trailing = text_embed[:, cl:]
+            else:
+                parts.append(torch.cat([text_embed, tts_pad.expand(-1, cl - tl, -1)], dim=1) + codec_embed)
+                trailing = empty
+        elif streaming:
+            parts.append(self._text(ids[3:4]) + codec[:, -1:])
+            trailing = torch.cat([self._text(ids[4:-5]), tts_eos], dim=1)
+        else:
+            body = torch.cat([self._text(target), tts_eos], dim=1)
+            parts.append(body + self._codec([tcfg.codec_pad_id] * body.shape[1]))
+            parts.append(tts_pad + self._codec([tcfg.codec_bos_id]))
+            trailing = empty
+
+        return TalkerPrompt(
+            embeds=torch.cat(parts, dim=1)[0],
+            trailing=trailing[0],
+            pad_embed=tts_pad[0, 0],
+            ref_codes=voice.ref_codes.to(torch.long).cpu() if icl else None,
+            max_frames=frame_cap(len(target), self.frame_limit),
+            num_text_tokens=len(target),
+        )

@@ -1,0 +1,164 @@
+"""code2wav configuration: a frozen dataclass from flags (env fallbacks `TTS_CODE2WAV_*`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qtts.errors import InvalidArgument
+from services.code2wav.chunk_planner import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, ChunkPlan
+from services.code2wav.credit import CreditPolicy
+from services.code2wav.model_loader import DTYPES
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TTS_CODE2WAV_{name}", default)
+
+
+@dataclass(frozen=True)
+class Code2WavConfig:
+    """Everything code2wav needs at start-up; validated once by `validate()`."""
+
+    host: str = "127.0.0.1"
+    port: int = 50053
+    metrics_port: int = 9103
+    # Snapshot folder, its speech_tokenizer/ folder or a hub id; empty = the tiny local default.
+    model: str = ""
+    load_format: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+    # Live decoder states; one more stream is rejected with RESOURCE_EXHAUSTED.
+    max_states: int = 256
+    max_batch: int = 64
+    first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
+    chunk_frames_ramp: tuple[int, ...] = DEFAULT_CHUNK_RAMP
+    # Credit: frames received but not decoded <= window; audio not acked <= max-ahead (see credit.py).
+    credit_window_frames: int = 32
+    max_ahead_frames: int = 100
+    max_prefix_frames: int = 2048
+    replica_name: str = ""
+    drain_seconds: float = 30.0
+    log_level: str = "INFO"
+
+    @property
+    def chunk_plan(self) -> ChunkPlan:
+        return ChunkPlan(self.first_chunk_frames, self.chunk_frames_ramp)
+
+    @property
+    def credit_policy(self) -> CreditPolicy:
+        return CreditPolicy(self.credit_window_frames, self.max_ahead_frames)
+
+    def validate(self) -> Code2WavConfig:
+        """Raise `InvalidArgument` with a clear message for an unusable configuration."""
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise InvalidArgument(
+                f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in (
+            "max_states",
+            "max_batch",
+            "credit_window_frames",
+            "max_ahead_frames",
+            "max_prefix_frames",
+        ):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.first_chunk_frames < 1 or not self.chunk_frames_ramp or min(self.chunk_frames_ramp) < 1:
+            raise InvalidArgument("--first-chunk-frames and every --chunk-frames-ramp value must be >= 1")
+        largest = self.chunk_plan.largest
+        if largest > self.credit_policy.max_chunk_frames():
+            raise InvalidArgument(
+                f"the largest chunk ({largest} frames) must fit in --credit-window-frames and "
+                f"--max-ahead-frames, or a stream could never fill it"
+            )
+        if self.drain_seconds < 0:
+            raise InvalidArgument(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
+        return self
+
+
+def _ramp(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InvalidArgument(f"--chunk-frames-ramp must be comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Code2WavConfig()
+    p = argparse.ArgumentParser(prog="python -m services.code2wav", description=__doc__)
+    p.add_argument("--host", default=_env("HOST", d.host))
+    p.add_argument("--port", type=int, default=int(_env("PORT", str(d.port))))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(_env("METRICS_PORT", str(d.metrics_port))),
+        help="Prometheus metrics port (0 = off)",
+    )
+    p.add_argument(
+        "--model",
+        default=_env("MODEL", d.model),
+        help="snapshot or speech_tokenizer folder, hub id, or (dummy) a config name",
+    )
+    p.add_argument("--load-format", default=_env("LOAD_FORMAT", d.load_format))
+    p.add_argument("--device", default=_env("DEVICE", d.device))
+    p.add_argument("--dtype", default=_env("DTYPE", d.dtype))
+    p.add_argument("--max-states", type=int, default=int(_env("MAX_STATES", str(d.max_states))))
+    p.add_argument("--max-batch", type=int, default=int(_env("MAX_BATCH", str(d.max_batch))))
+    p.add_argument(
+        "--first-chunk-frames", type=int, default=int(_env("FIRST_CHUNK_FRAMES", str(d.first_chunk_frames)))
+    )
+    p.add_argument(
+        "--chunk-frames-ramp", default=_env("CHUNK_FRAMES_RAMP", ",".join(map(str, d.chunk_frames_ramp)))
+    )
+    p.add_argument(
+        "--credit-window-frames",
+        type=int,
+        default=int(_env("CREDIT_WINDOW_FRAMES", str(d.credit_window_frames))),
+    )
+    p.add_argument(
+        "--max-ahead-frames", type=int, default=int(_env("MAX_AHEAD_FRAMES", str(d.max_ahead_frames)))
+    )
+    p.add_argument(
+        "--max-prefix-frames", type=int, default=int(_env("MAX_PREFIX_FRAMES", str(d.max_prefix_frames)))
+    )
+    p.add_argument(
+        "--replica-name",
+        default=_env("REPLICA_NAME", d.replica_name),
+        help="name reported in StreamDone (default: host name and port)",
+    )
+    p.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", str(d.drain_seconds))))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> Code2WavConfig:
+    """Parse flags (falling back to env vars) into a validated `Code2WavConfig`."""
+    ns = build_parser().parse_args(argv)
+    return Code2WavConfig(
+        host=ns.host,
+        port=ns.port,
+        metrics_port=ns.metrics_port,
+        model=ns.model,
+        load_format=ns.load_format,
+        device=ns.device,
+        dtype=ns.dtype,
+        max_states=ns.max_states,
+        max_batch=ns.max_batch,
+        first_chunk_frames=ns.first_chunk_frames,
+        chunk_frames_ramp=_ramp(ns.chunk_frames_ramp),
+        credit_window_frames=ns.credit_window_frames,
+        max_ahead_frames=ns.max_ahead_frames,
+        max_prefix_frames=ns.max_prefix_frames,
+        replica_name=ns.replica_name or f"{socket.gethostname()}:{ns.port}",
+        drain_seconds=ns.drain_seconds,
+        log_level=ns.log_level,
+    ).validate()

@@ -1,0 +1,233 @@
+"""The decode engine: opens/frees decoder states and decodes ready chunks of all streams in batches.
+
+All torch work runs in one dedicated worker thread, so the asyncio loop (gRPC I/O, credit) never
+blocks on a decode. One batch is in flight at a time; while it runs, frames keep arriving and the
+next batch takes every stream that has a ready chunk by then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from qtts.errors import GenerationFailed, InvalidArgument
+from qtts.metrics import Code2WavMetrics
+from services.code2wav.chunk_planner import ChunkPlan
+from services.code2wav.credit import CreditPolicy
+from services.code2wav.registry import StreamRegistry
+from services.code2wav.stream import AudioChunk, DecodeStream, StreamLimits
+
+log = logging.getLogger(__name__)
+
+
+class IncrementalDecoderLike(Protocol):
+    """What the engine needs of `qtts.model.IncrementalDecoder`."""
+
+    def start(self, prefix_codes: torch.Tensor | None = None) -> Any: ...
+
+    def decode(self, state: Any, codes: torch.Tensor) -> torch.Tensor: ...
+
+    def free(self, state: Any) -> None: ...
+
+
+def pcm_s16le(samples: torch.Tensor) -> bytes:
+    """Float samples in [-1, 1] as signed 16-bit little-endian PCM."""
+    x = samples.detach().float().clamp(-1.0, 1.0).mul(32767.0).round().to(torch.int16).cpu().numpy()
+    return x.astype("<i2", copy=False).tobytes()
+
+
+class DecodeEngine:
+    """Owns the decoder, the worker thread and the stream registry of one code2wav replica."""
+
+    def __init__(
+        self,
+        decoder: IncrementalDecoderLike,
+        metrics: Code2WavMetrics,
+        *,
+        max_states: int = 256,
+        max_batch: int = 64,
+        plan: ChunkPlan | None = None,
+        policy: CreditPolicy | None = None,
+        limits: StreamLimits | None = None,
+        max_prefix_frames: int = 2048,
+        device: torch.device | str = "cpu",
+        replica: str = "",
+    ):
+        self.decoder = decoder
+        self.metrics = metrics
+        self.registry = StreamRegistry(max_states, metrics)
+        self.max_batch = max_batch
+        self.plan = plan or ChunkPlan()
+        self.policy = policy or CreditPolicy()
+        self.limits = limits or StreamLimits()
+        self.max_prefix_frames = max_prefix_frames
+        self.device = torch.device(device)
+        self.replica = replica
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-decode")
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._decode_loop(), name="code2wav-decode-loop")
+
+    async def close(self) -> None:
+        for stream in self.registry:
+            stream.fail(GenerationFailed("code2wav is shutting down"))
+            self.release(stream)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+    async def warm_up(self, frames: int = 2) -> None:
+        """One decode of a few frames, so the first real stream does not pay for lazy init."""
+
+        def run() -> None:
+            with torch.inference_mode():
+                state = self.decoder.start(None)
+                try:
+                    codes = torch.zeros(
+                        frames, self.limits.num_codebooks, dtype=torch.long, device=self.device
+                    )
+                    self.decoder.decode(state, codes)
+                finally:
+                    self.decoder.free(state)
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+    # ---------------------------------------------------------------- streams
+
+    async def open_stream(
+        self,
+        request_id: str,
+        num_codebooks: int,
+        prefix_codes: np.ndarray | None = None,
+        first_chunk_frames: int = 0,
+        chunk_frames_ramp: Sequence[int] = (),
+    ) -> DecodeStream:
+        """Reserve a state slot (RESOURCE_EXHAUSTED when full) and start the decoder state."""
+        if num_codebooks != self.limits.num_codebooks:
+            raise InvalidArgument(
+                f"num_codebooks is {num_codebooks}, this decoder takes {self.limits.num_codebooks}"
+            )
+        if prefix_codes is not None:
+            if prefix_codes.shape[0] > self.max_prefix_frames:
+                raise InvalidArgument(
+                    f"{prefix_codes.shape[0]} prefix frames, at most {self.max_prefix_frames} are accepted"
+                )
+            if len(prefix_codes) and (
+                prefix_codes.min() < 0 or prefix_codes.max() >= self.limits.codebook_size
+            ):
+                raise InvalidArgument(f"prefix codes must lie in [0, {self.limits.codebook_size})")
+        try:
+            plan = ChunkPlan.from_request(first_chunk_frames, chunk_frames_ramp, self.plan)
+        except ValueError as exc:
+            raise InvalidArgument(f"bad chunk plan: {exc}") from None
+        stream = DecodeStream(request_id, plan, self.policy, self.limits, self.metrics, self.replica)
+        self.registry.add(stream)
+        prefix = None if prefix_codes is None or not len(prefix_codes) else prefix_codes
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, self._start_sync, prefix)
+        try:
+            # shield: a cancelled caller must not orphan a state the worker is still creating.
+            stream.decoder_state = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._free_when_done)
+            self._forget(stream)
+            raise
+        except BaseException:
+            self._forget(stream)
+            raise
+        if stream.closed:  # released while its state was being created
+            self._executor.submit(self.decoder.free, stream.decoder_state)
+        else:
+            stream.start_credit()
+        return stream
+
+    def release(self, stream: DecodeStream) -> None:
+        """Free a stream's state (end, error or cancel). Idempotent; never blocks the loop."""
+        if stream.closed:
+            return
+        stream.closed = True
+        stream.release_backlog()
+        self.registry.remove(stream.stream_id)
+        if stream.decoder_state is not None:
+            # Queued behind any batch that still uses the state (one worker thread, FIFO).
+            self._executor.submit(self.decoder.free, stream.decoder_state)
+
+    def notify(self) -> None:
+        """Frames arrived or a stream ended: look for ready chunks."""
+        self._wake.set()
+
+    def _forget(self, stream: DecodeStream) -> None:
+        stream.closed = True
+        stream.release_backlog()
+        self.registry.remove(stream.stream_id)
+
+    def _free_when_done(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._executor.submit(self.decoder.free, fut.result())
+
+    def _start_sync(self, prefix: np.ndarray | None) -> Any:
+        with torch.inference_mode():
+            codes = None if prefix is None else torch.from_numpy(prefix.astype(np.int64)).to(self.device)
+            return self.decoder.start(codes)
+
+    # ---------------------------------------------------------------- decoding
+
+    async def _decode_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while batch := self._collect():
+                streams = [s for s, _, _ in batch]
+                states = [s.decoder_state for s in streams]
+                codes = [c for _, _, c in batch]
+                try:
+                    outputs, elapsed_ns = await loop.run_in_executor(
+                        self._executor, self._decode_sync, states, codes
+                    )
+                except Exception as exc:  # noqa: BLE001 - a failed batch fails its streams, not the server
+                    log.exception("decode of a batch of %d streams failed", len(batch))
+                    for stream in streams:
+                        stream.in_flight = False
+                        stream.fail(GenerationFailed(f"decode failed: {exc}"))
+                    continue
+                self.metrics.decode_seconds.observe(elapsed_ns / 1e9)
+                for (stream, first, chunk_codes), (pcm, num_samples) in zip(batch, outputs, strict=True):
+                    if stream.closed:
+                        continue
+                    stream.deliver(AudioChunk(pcm, num_samples, first, len(chunk_codes), elapsed_ns))
+
+    def _collect(self) -> list[tuple[DecodeStream, int, np.ndarray]]:
+        ready = [s for s in self.registry if s.ready_frames() > 0]
+        # Streams whose listener has the least audio buffered go first: they are closest to a gap.
+        ready.sort(key=lambda s: s.audio_ahead_frames)
+        batch = []
+        for stream in ready[: self.max_batch]:
+            first, codes = stream.take_chunk()
+            batch.append((stream, first, codes))
+        return batch
+
+    def _decode_sync(self, states: list[Any], codes: list[np.ndarray]) -> tuple[list[tuple[bytes, int]], int]:
+        start = time.perf_counter_ns()
+        with torch.inference_mode():
+            tensors = [torch.from_numpy(c.astype(np.int64)).to(self.device) for c in codes]
+            decode_batch = getattr(self.decoder, "decode_batch", None)
+            if decode_batch is not None and len(states) > 1:
+                audio = decode_batch(states, tensors)
+            else:
+                audio = [self.decoder.decode(s, t) for s, t in zip(states, tensors, strict=True)]
+            out = [(pcm_s16le(a), int(a.numel())) for a in audio]
+        return out, time.perf_counter_ns() - start

@@ -1,0 +1,90 @@
+"""Builds and runs code2wav: decoder, engine, servicer, health (SERVING after warm-up), metrics, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry
+
+from qtts.grpc_server import GrpcServiceHost, service_full_name
+from qtts.metrics import Code2WavMetrics
+from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
+from services.code2wav.config import Code2WavConfig
+from services.code2wav.decode_worker import DecodeEngine, IncrementalDecoderLike
+from services.code2wav.model_loader import load_incremental_decoder
+from services.code2wav.servicer import Code2WavServicer
+from services.code2wav.stream import StreamLimits
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = service_full_name(code2wav_pb2, "Code2WavService")
+
+
+class Code2WavServer:
+    """One code2wav replica. RPCs are accepted from `start()`; health is SERVING after warm-up."""
+
+    def __init__(
+        self,
+        config: Code2WavConfig,
+        decoder: IncrementalDecoderLike | None = None,
+        limits: StreamLimits | None = None,
+    ):
+        self.config = config
+        self.metrics = Code2WavMetrics(CollectorRegistry())
+        self._decoder = decoder
+        self._limits = limits
+        self.engine: DecodeEngine | None = None
+        self.host = GrpcServiceHost(
+            service_names=[SERVICE_NAME],
+            metrics=self.metrics,
+            host=config.host,
+            port=config.port,
+            metrics_port=config.metrics_port,
+            drain_seconds=config.drain_seconds,
+        )
+        self.host.add_shutdown_callback(self._close_engine)
+
+    async def start(self) -> int:
+        """Load the decoder (unless injected), warm it up, serve; returns the bound port."""
+        cfg = self.config
+        if self._decoder is None:
+            self._decoder, self._limits = await asyncio.to_thread(
+                load_incremental_decoder,
+                cfg.model,
+                load_format=cfg.load_format,
+                device=cfg.device,
+                dtype=cfg.dtype,
+            )
+        self.engine = DecodeEngine(
+            self._decoder,
+            self.metrics,
+            max_states=cfg.max_states,
+            max_batch=cfg.max_batch,
+            plan=cfg.chunk_plan,
+            policy=cfg.credit_policy,
+            limits=self._limits or StreamLimits(),
+            max_prefix_frames=cfg.max_prefix_frames,
+            device=cfg.device,
+            replica=cfg.replica_name,
+        )
+        await self.engine.start()
+        code2wav_pb2_grpc.add_Code2WavServiceServicer_to_server(
+            Code2WavServicer(self.engine), self.host.server
+        )
+        port = await self.host.start()
+        await self.engine.warm_up()
+        await self.host.set_serving()
+        log.info("decoder warm: SERVING (max %d states)", cfg.max_states)
+        return port
+
+    async def _close_engine(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.host.stop(grace)
+
+    async def run(self) -> None:
+        await self.start()
+        await self.host.serve_until_signal()

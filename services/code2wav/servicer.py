@@ -1,0 +1,138 @@
+"""`code2wav.v1.Code2WavService/Decode`: converts protobuf to `DecodeEngine` calls and back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+
+from qtts.errors import InvalidArgument, TTSError
+from qtts.pb import code2wav_pb2 as pb
+from qtts.pb import code2wav_pb2_grpc
+from services.code2wav.decode_worker import DecodeEngine
+from services.code2wav.stream import AudioChunk, Credit, DecodeStream, Done, FailedPrecondition, StreamEvent
+
+
+def codes_from_bytes(data: bytes, num_frames: int, num_codebooks: int, what: str) -> np.ndarray:
+    """int16 LE row-major [num_frames, num_codebooks]; INVALID_ARGUMENT when the sizes disagree."""
+    expected = 2 * num_frames * num_codebooks
+    if len(data) != expected:
+        raise InvalidArgument(
+            f"{what}: {len(data)} bytes for {num_frames} frames x {num_codebooks} codebooks, expected {expected}"
+        )
+    return np.frombuffer(data, dtype="<i2").reshape(num_frames, num_codebooks)
+
+
+def event_to_pb(stream_id: str, seq: int, event: StreamEvent) -> pb.DecodeResponse:
+    if isinstance(event, Credit):
+        return pb.DecodeResponse(
+            stream_id=stream_id,
+            sequence_number=seq,
+            credit=pb.CreditGrant(frames_allowed_until=event.frames_allowed_until),
+        )
+    if isinstance(event, AudioChunk):
+        audio = pb.AudioOut(
+            pcm_s16le=event.pcm_s16le,
+            num_samples=event.num_samples,
+            first_frame_index=event.first_frame_index,
+            num_frames=event.num_frames,
+            decode_ns=event.decode_ns,
+        )
+        return pb.DecodeResponse(stream_id=stream_id, sequence_number=seq, audio=audio)
+    assert isinstance(event, Done)
+    done = pb.StreamDone(num_frames=event.num_frames, num_samples=event.num_samples, replica=event.replica)
+    return pb.DecodeResponse(stream_id=stream_id, sequence_number=seq, done=done)
+
+
+class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
+    """One Decode call = one stream: StreamStart, frame deltas, acks, StreamEnd in; grants, audio, done out.
+
+    After StreamDone the client should half-close its request stream; the server then ends the
+    call with OK (it ends it anyway after `close_wait_s`).
+    """
+
+    def __init__(self, engine: DecodeEngine, close_wait_s: float = 2.0):
+        self.engine = engine
+        self.close_wait_s = close_wait_s
+
+    async def Decode(
+        self, request_iterator: AsyncIterator[pb.DecodeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeResponse]:
+        try:
+            async for response in self._decode(request_iterator):
+                yield response
+        except FailedPrecondition as exc:
+            # Not in the shared error table: this status only exists on this internal API.
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
+
+    async def _decode(
+        self, request_iterator: AsyncIterator[pb.DecodeRequest]
+    ) -> AsyncIterator[pb.DecodeResponse]:
+        requests = request_iterator.__aiter__()
+        try:
+            first = await requests.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("event") != "start":
+            raise FailedPrecondition(
+                f"the first message must be StreamStart, got {first.WhichOneof('event')}"
+            )
+        start = first.start
+        prefix = None
+        if start.num_prefix_frames or start.prefix_codes_i16:
+            prefix = codes_from_bytes(
+                start.prefix_codes_i16, start.num_prefix_frames, start.num_codebooks, "prefix"
+            )
+        stream = await self.engine.open_stream(
+            start.request_id,
+            start.num_codebooks,
+            prefix,
+            start.first_chunk_frames,
+            list(start.chunk_frames_ramp),
+        )
+        reader = asyncio.create_task(self._read(requests, stream))
+        seq = 0
+        try:
+            async for event in stream.events():
+                seq += 1
+                yield event_to_pb(stream.stream_id, seq, event)
+            self.engine.release(stream)
+            # The client may still send an ack it wrote before it saw StreamDone; closing now would
+            # fail that write on its side. Wait (bounded) for it to half-close its request stream.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(reader), self.close_wait_s)
+        finally:
+            # Free first: nothing below may be skipped by a second cancellation.
+            self.engine.release(stream)
+            reader.cancel()
+
+    async def _read(self, requests: AsyncIterator[pb.DecodeRequest], stream: DecodeStream) -> None:
+        """Apply the client's messages to the stream; a violation ends this stream only."""
+        nc = stream.limits.num_codebooks
+        try:
+            async for req in requests:
+                kind = req.WhichOneof("event")
+                if kind == "frames":
+                    codes = codes_from_bytes(req.frames.codes_i16, req.frames.num_frames, nc, "frames")
+                    stream.add_frames(req.frames.first_frame_index, codes)
+                    self.engine.notify()
+                elif kind == "ack":
+                    stream.ack(req.ack.samples_delivered)
+                elif kind == "end":
+                    stream.end(req.end.total_frames)
+                    self.engine.notify()
+                elif kind == "start":
+                    raise FailedPrecondition("second StreamStart on one stream")
+                else:
+                    raise InvalidArgument("empty DecodeRequest")
+            if stream.total_frames is None:
+                raise FailedPrecondition("request stream closed before StreamEnd")
+        except asyncio.CancelledError:
+            raise
+        except TTSError as exc:
+            stream.fail(exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. the call broke while reading
+            stream.fail(exc)

@@ -1,0 +1,226 @@
+"""One decode stream's bookkeeping: frames received, chunks planned, credit, and its outbox.
+
+Everything here runs on the asyncio loop; the decoder state itself is only touched by the decode
+worker thread (see `decode_worker`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from qtts.errors import InvalidArgument, TTSError
+from qtts.metrics import Code2WavMetrics
+from services.code2wav.chunk_planner import ChunkPlan
+from services.code2wav.credit import CreditPolicy
+
+
+class FailedPrecondition(TTSError):
+    """The client broke the stream protocol's order (frames before start or beyond the credit)."""
+
+
+@dataclass(frozen=True)
+class Credit:
+    frames_allowed_until: int
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    pcm_s16le: bytes
+    num_samples: int
+    first_frame_index: int
+    num_frames: int
+    decode_ns: int
+
+
+@dataclass(frozen=True)
+class Done:
+    num_frames: int
+    num_samples: int
+    replica: str
+
+
+StreamEvent = Credit | AudioChunk | Done
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """What every stream of this server must respect."""
+
+    num_codebooks: int = 16
+    codebook_size: int = 2048
+    samples_per_frame: int = 1920
+
+
+class DecodeStream:
+    """A stream keyed by this server's own `stream_id`, from StreamStart to Done (or an error)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        plan: ChunkPlan,
+        policy: CreditPolicy,
+        limits: StreamLimits,
+        metrics: Code2WavMetrics,
+        replica: str = "",
+    ):
+        self.stream_id = uuid.uuid4().hex
+        self.request_id = request_id
+        self.plan = plan.capped(policy.max_chunk_frames())
+        self.policy = policy
+        self.limits = limits
+        self.metrics = metrics
+        self.replica = replica
+        self.decoder_state: Any = None
+        self.received_frames = 0
+        self.decoded_frames = 0
+        self.emitted_samples = 0
+        self.acked_samples = 0
+        self.total_frames: int | None = None
+        self.granted = 0
+        self.chunk_index = 0
+        self.in_flight = False
+        self.closed = False
+        self.finished = False
+        self._pending = np.zeros((0, limits.num_codebooks), dtype=np.int16)
+        self._outbox: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
+
+    # ---------------------------------------------------------------- client events
+
+    @property
+    def started(self) -> bool:
+        return self.decoder_state is not None
+
+    def add_frames(self, first_frame_index: int, codes: np.ndarray) -> None:
+        """Queue frames [first_frame_index, +n); raises on a protocol violation."""
+        if not self.started:
+            raise FailedPrecondition("frames before StreamStart")
+        if self.total_frames is not None:
+            raise FailedPrecondition("frames after StreamEnd")
+        n = codes.shape[0]
+        if n == 0:
+            raise InvalidArgument("a frame delta must carry at least one frame")
+        if codes.shape[1] != self.limits.num_codebooks:
+            raise InvalidArgument(
+                f"frames have {codes.shape[1]} codebooks, expected {self.limits.num_codebooks}"
+            )
+        if first_frame_index != self.received_frames:
+            raise InvalidArgument(
+                f"non-contiguous frames: delta starts at frame {first_frame_index}, expected {self.received_frames}"
+            )
+        if first_frame_index + n > self.granted:
+            raise FailedPrecondition(
+                f"frames up to {first_frame_index + n} sent, credit allows only up to {self.granted}"
+            )
+        if codes.min() < 0 or codes.max() >= self.limits.codebook_size:
+            raise InvalidArgument(f"codes must lie in [0, {self.limits.codebook_size})")
+        self._pending = np.concatenate([self._pending, codes]) if len(self._pending) else codes
+        self.received_frames += n
+        self.metrics.decode_backlog_frames.inc(n)
+
+    def end(self, total_frames: int) -> None:
+        if not self.started:
+            raise FailedPrecondition("StreamEnd before StreamStart")
+        if self.total_frames is not None:
+            raise FailedPrecondition("second StreamEnd")
+        if total_frames != self.received_frames:
+            raise InvalidArgument(f"StreamEnd says {total_frames} frames, {self.received_frames} were sent")
+        self.total_frames = total_frames
+        self._maybe_done()
+
+    def ack(self, samples_delivered: int) -> None:
+        if samples_delivered > self.emitted_samples:
+            raise InvalidArgument(
+                f"ack of {samples_delivered} samples, only {self.emitted_samples} were sent"
+            )
+        if samples_delivered > self.acked_samples:
+            self.acked_samples = samples_delivered
+            self._grant()
+
+    # ---------------------------------------------------------------- decode side
+
+    @property
+    def pending_frames(self) -> int:
+        return len(self._pending)
+
+    def ready_frames(self) -> int:
+        """Frames of the next chunk if it can be decoded now, else 0."""
+        if self.closed or self.in_flight or not self.started or not len(self._pending):
+            return 0
+        size = self.plan.size(self.chunk_index)
+        if len(self._pending) >= size:
+            return size
+        return len(self._pending) if self.total_frames is not None else 0
+
+    @property
+    def audio_ahead_frames(self) -> float:
+        """Audio sent but not yet acknowledged, in frames (how much the listener has buffered)."""
+        return (self.emitted_samples - self.acked_samples) / self.limits.samples_per_frame
+
+    def take_chunk(self) -> tuple[int, np.ndarray]:
+        """Remove the next chunk's frames for decoding; returns (first frame index, codes)."""
+        n = self.ready_frames()
+        assert n > 0, "take_chunk without a ready chunk"
+        codes, self._pending = self._pending[:n], self._pending[n:]
+        self.in_flight = True
+        self.chunk_index += 1
+        return self.decoded_frames, codes
+
+    def deliver(self, chunk: AudioChunk) -> None:
+        """The decoded audio of the chunk taken last."""
+        self.in_flight = False
+        self.decoded_frames += chunk.num_frames
+        self.emitted_samples += chunk.num_samples
+        self.metrics.decode_backlog_frames.dec(chunk.num_frames)
+        self.metrics.frames_total.inc(chunk.num_frames)
+        self._outbox.put_nowait(chunk)
+        self._grant()
+        self._maybe_done()
+
+    def start_credit(self) -> None:
+        """Send the first grant (after the decoder state exists)."""
+        self._grant()
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with `exc` (raised from `events()`)."""
+        if not self.finished:
+            self.finished = True
+            self._outbox.put_nowait(exc)
+
+    def release_backlog(self) -> None:
+        """Drop the backlog metric of frames that will never be decoded (stream freed early)."""
+        self.metrics.decode_backlog_frames.dec(self.received_frames - self.decoded_frames)
+        self.received_frames = self.decoded_frames
+        self._pending = self._pending[:0]
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """Credit grants and audio chunks in order, then Done; raises the error that ended the stream."""
+        while True:
+            item = await self._outbox.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, Done):
+                return
+
+    # ---------------------------------------------------------------- internals
+
+    def _grant(self) -> None:
+        if self.total_frames is not None:
+            return  # nothing more to send
+        allowed = self.policy.frames_allowed_until(
+            self.decoded_frames, self.acked_samples // self.limits.samples_per_frame
+        )
+        if allowed > self.granted:
+            self.granted = allowed
+            self._outbox.put_nowait(Credit(allowed))
+
+    def _maybe_done(self) -> None:
+        if self.total_frames is not None and self.decoded_frames == self.total_frames and not self.finished:
+            self.finished = True
+            self._outbox.put_nowait(Done(self.decoded_frames, self.emitted_samples, self.replica))

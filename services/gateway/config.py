@@ -1,0 +1,115 @@
+"""Gateway configuration: one frozen dataclass built from flags (env fallbacks `TTS_GATEWAY_*`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qtts.errors import InvalidArgument
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TTS_GATEWAY_{name}", default)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway needs at start-up; validated once by `validate()`."""
+
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    metrics_port: int = 9100
+    talker: str = "127.0.0.1:50052"
+    speaker_cache: str = "127.0.0.1:50054"
+    # Empty: the name the talker reports through GetModelInfo.
+    served_model_name: str = ""
+    max_streams: int = 256
+    max_input_chars: int = 4096
+    # Upper bound on max_new_tokens a client may ask for (12.5 frames per second of audio).
+    max_new_frames_limit: int = 4096
+    max_ref_audio_bytes: int = 20 * 1024 * 1024
+    drain_seconds: float = 30.0
+    log_level: str = "INFO"
+
+    def validate(self) -> GatewayConfig:
+        """Raise `InvalidArgument` with a clear message for an unusable configuration."""
+        for name in ("http_port", "grpc_port", "metrics_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be in 0..65535, got {port}")
+        if self.http_port == 0 or self.grpc_port == 0:
+            raise InvalidArgument("--http-port and --grpc-port must be set (non-zero)")
+        for name in ("talker", "speaker_cache"):
+            addr = getattr(self, name)
+            if ":" not in addr:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be host:port, got {addr!r}")
+        if self.max_streams < 1:
+            raise InvalidArgument(f"--max-streams must be >= 1, got {self.max_streams}")
+        if self.max_input_chars < 1 or self.max_new_frames_limit < 1:
+            raise InvalidArgument("--max-input-chars and --max-new-frames-limit must be >= 1")
+        if self.drain_seconds < 0:
+            raise InvalidArgument(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
+        return self
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GatewayConfig()
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    p.add_argument("--host", default=_env("HOST", d.host))
+    p.add_argument("--http-port", type=int, default=int(_env("HTTP_PORT", str(d.http_port))))
+    p.add_argument("--grpc-port", type=int, default=int(_env("GRPC_PORT", str(d.grpc_port))))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(_env("METRICS_PORT", str(d.metrics_port))),
+        help="Prometheus metrics port (0 = off)",
+    )
+    p.add_argument("--talker", default=_env("TALKER", d.talker), help="talker host:port")
+    p.add_argument(
+        "--speaker-cache", default=_env("SPEAKER_CACHE", d.speaker_cache), help="speaker_cache host:port"
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=_env("SERVED_MODEL_NAME", d.served_model_name),
+        help="model name clients use (default: the talker's model name)",
+    )
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=int(_env("MAX_STREAMS", str(d.max_streams))),
+        help="concurrent synthesis streams; more are rejected with 429 / RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--max-input-chars", type=int, default=int(_env("MAX_INPUT_CHARS", str(d.max_input_chars)))
+    )
+    p.add_argument(
+        "--max-new-frames-limit",
+        type=int,
+        default=int(_env("MAX_NEW_FRAMES_LIMIT", str(d.max_new_frames_limit))),
+    )
+    p.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", str(d.drain_seconds))),
+                   help="on SIGTERM, how long in-flight streams may run before they are cancelled")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
+    """Parse flags (falling back to env vars) into a validated `GatewayConfig`."""
+    ns = build_parser().parse_args(argv)
+    return GatewayConfig(
+        host=ns.host,
+        http_port=ns.http_port,
+        grpc_port=ns.grpc_port,
+        metrics_port=ns.metrics_port,
+        talker=ns.talker,
+        speaker_cache=ns.speaker_cache,
+        served_model_name=ns.served_model_name,
+        max_streams=ns.max_streams,
+        max_input_chars=ns.max_input_chars,
+        max_new_frames_limit=ns.max_new_frames_limit,
+        drain_seconds=ns.drain_seconds,
+        log_level=ns.log_level,
+    ).validate()

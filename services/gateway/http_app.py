@@ -1,0 +1,244 @@
+"""The OpenAI-compatible HTTP API: /v1/audio/speech, /v1/models, /v1/audio/voices, /health."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qtts.errors import InvalidArgument, NotFound, TTSError, mapping_for, openai_error_body
+from qtts.metrics import GatewayMetrics
+
+from . import sse
+from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
+from .http_request import OutputOptions, decode_base64_audio, parse_speech_body
+from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconnected
+from .job import AudioPiece
+from .synthesis import SynthesisStream, Synthesizer
+from .voices import VoiceService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpDeps:
+    """What the HTTP app needs, built by the server and injected."""
+
+    synthesizer: Synthesizer
+    voices: VoiceService
+    metrics: GatewayMetrics
+    # Status name per stage the gateway needs ("SERVING", ...).
+    stage_health: Callable[[], Awaitable[dict[str, str]]]
+
+
+def error_response(exc: BaseException, metrics: GatewayMetrics | None = None) -> JSONResponse:
+    """The OpenAI-shaped JSON error with the mapped HTTP status."""
+    m = mapping_for(exc)
+    if metrics is not None:
+        metrics.error(m.grpc_code.name)
+    if not isinstance(exc, TTSError):
+        log.error("unexpected error", exc_info=exc)
+    return JSONResponse(openai_error_body(exc), status_code=m.http_status)
+
+
+async def _json_body(request: Request) -> object:
+    raw = await request.body()
+    if not raw:
+        raise InvalidArgument("request body must be a JSON object")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+
+
+def _result_headers(stream: SynthesisStream, sample_rate: int) -> dict[str, str]:
+    headers = {"x-request-id": stream.job.request_id, "x-tts-sample-rate": str(sample_rate)}
+    s = stream.summary
+    if s is not None:
+        headers.update({
+            "x-tts-num-frames": str(s.num_frames),
+            "x-tts-finish-reason": s.finish_reason,
+            "x-tts-code2wav-replica": s.code2wav_replica,
+        })
+    return headers
+
+
+async def _stream_chunks(stream: SynthesisStream, out: OutputOptions, metrics: GatewayMetrics,
+                         sample_rate: int) -> AsyncIterator[bytes]:
+    """Encoded audio (or SSE events) as the talker produces it; always closes `stream`."""
+    is_sse = out.stream_format == "sse"
+    encoder = make_encoder(out.response_format, sample_rate, streaming=True)
+    resampler = Resampler(24000, sample_rate)
+    error: BaseException | None = None
+    try:
+        async for event in stream:
+            if isinstance(event, AudioPiece):
+                data = encoder.push(resampler.push(event.pcm))
+                if data:
+                    yield sse.audio_delta(data) if is_sse else data
+                    stream.first_byte_sent()
+        tail = encoder.push(resampler.flush()) + encoder.finish()
+        if tail:
+            yield sse.audio_delta(tail) if is_sse else tail
+            stream.first_byte_sent()
+        if is_sse:
+            s = stream.summary
+            yield sse.audio_done(len(stream.job.text), s.num_frames if s else 0,
+                                 finish_reason=s.finish_reason if s else None, request_id=stream.job.request_id)
+    except Exception as exc:
+        error = exc
+        metrics.error(mapping_for(exc).grpc_code.name)
+        if not isinstance(exc, TTSError):
+            log.error("stream %s failed", stream.job.request_id, exc_info=exc)
+        if not is_sse:
+            raise  # aborts the connection: the client sees a truncated stream, not a clean end
+        yield sse.error_event(exc)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        await stream.close(error)
+
+
+async def _collect(stream: SynthesisStream, out: OutputOptions, sample_rate: int) -> bytes:
+    encoder = make_encoder(out.response_format, sample_rate, streaming=False)
+    resampler = Resampler(24000, sample_rate)
+    async for event in stream:
+        if isinstance(event, AudioPiece):
+            encoder.push(resampler.push(event.pcm))
+    encoder.push(resampler.flush())
+    return encoder.finish()
+
+
+def create_app(deps: HttpDeps) -> FastAPI:
+    """Build the FastAPI app around injected dependencies (no globals)."""
+    app = FastAPI(title="Qwen3-TTS gateway", docs_url=None, redoc_url=None)
+    synth, metrics = deps.synthesizer, deps.metrics
+
+    @app.exception_handler(TTSError)
+    async def _tts_error(_: Request, exc: TTSError) -> JSONResponse:
+        return error_response(exc, metrics)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Still OpenAI-shaped; the message hides internals, the traceback goes to the log.
+        return error_response(exc, metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None,
+                          "code": exc.status_code}}
+        if exc.status_code == 404:
+            body["error"]["type"] = "not_found_error"
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(InvalidArgument(str(exc.errors())), metrics)
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        """OpenAI `audio.speech.create`, plus Qwen3-TTS fields (task_type, ref_audio, ...)."""
+        try:
+            fields, out = parse_speech_body(await _json_body(request))
+            job = synth.validate(fields)
+            check_output_format(out.response_format, job.sample_rate)
+        except TTSError as exc:
+            synth.reject("http", exc)
+            return error_response(exc, metrics)
+        try:
+            stream = await synth.open(job, "http")
+        except TTSError as exc:
+            return error_response(exc, metrics)
+        if out.streaming:
+            media = "text/event-stream" if out.stream_format == "sse" else MEDIA_TYPES[out.response_format]
+            headers = {"x-request-id": job.request_id, "x-tts-sample-rate": str(job.sample_rate),
+                       "cache-control": "no-cache"}
+            return DisconnectAwareStreamingResponse(
+                _stream_chunks(stream, out, metrics, job.sample_rate), headers=headers, media_type=media
+            )
+        error: BaseException | None = None
+        try:
+            audio = await run_unless_disconnected(request, lambda: _collect(stream, out, job.sample_rate))
+            stream.first_byte_sent()
+            return Response(audio, media_type=MEDIA_TYPES[out.response_format],
+                            headers=_result_headers(stream, job.sample_rate))
+        except TTSError as exc:
+            error = exc
+            return error_response(exc, metrics)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            await stream.close(error)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        catalog = synth.catalog()
+        return {"object": "list", "data": [
+            {"id": catalog.name, "object": "model", "created": 0, "owned_by": "qwen",
+             "model_type": catalog.model_type, "model_size": catalog.model_size},
+        ]}
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str) -> dict:
+        catalog = synth.catalog()
+        if model_id != catalog.name:
+            raise NotFound(f"model {model_id!r} does not exist; this server serves {catalog.name!r}")
+        return {"id": catalog.name, "object": "model", "created": 0, "owned_by": "qwen"}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 only when the talker and speaker_cache are SERVING and the model is known."""
+        stages = await deps.stage_health()
+        ready = synth._catalog() is not None
+        ok = ready and all(status == "SERVING" for status in stages.values())
+        body = {"status": "ok" if ok else "unavailable", "model_loaded": ready, "stages": stages}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/audio/voices")
+    async def list_voices() -> dict:
+        return {"object": "list", "voices": [v.to_json() for v in await deps.voices.list()]}
+
+    @app.post("/v1/audio/voices", status_code=201)
+    async def create_voice(request: Request) -> JSONResponse:
+        """Multipart (`name`, `ref_text`, `x_vector_only_mode`, file `audio`) or JSON with base64."""
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith("multipart/form-data"):
+            form = await request.form()
+            upload = form.get("audio") or form.get("file") or form.get("ref_audio")
+            if upload is None:
+                raise InvalidArgument("multipart voice upload needs a file field 'audio'")
+            audio = await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), "audio")
+            name, ref_text = str(form.get("name") or ""), str(form.get("ref_text") or "")
+            x_only = str(form.get("x_vector_only_mode") or "false").lower() in ("1", "true", "yes", "on")
+        else:
+            body = await _json_body(request)
+            if not isinstance(body, dict):
+                raise InvalidArgument("request body must be a JSON object")
+            b64 = body.get("audio", body.get("ref_audio"))
+            if not isinstance(b64, str):
+                raise InvalidArgument("audio must be a base64 string or data URL")
+            audio = decode_base64_audio(b64, "audio")
+            name, ref_text = body.get("name"), body.get("ref_text")
+            if not isinstance(name, str) or not isinstance(ref_text, str | None):
+                raise InvalidArgument("name must be a string and ref_text a string")
+            x_only = body.get("x_vector_only_mode", False)
+            if not isinstance(x_only, bool):
+                raise InvalidArgument("x_vector_only_mode must be a boolean")
+        voice = await deps.voices.create(name, audio, ref_text, x_only)
+        return JSONResponse(voice.to_json(), status_code=201)
+
+    @app.delete("/v1/audio/voices/{name}")
+    async def delete_voice(name: str) -> dict:
+        await deps.voices.delete(name)
+        return {"name": name, "deleted": True}
+
+    return app
+

@@ -1,0 +1,145 @@
+"""Parsing of the OpenAI-shaped `POST /v1/audio/speech` JSON body into protocol-neutral fields."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from qtts.errors import InvalidArgument
+
+from .job import SamplingOptions, SpeechFields
+
+RESPONSE_FORMATS = ("pcm", "wav", "mp3", "flac", "opus", "aac")
+STREAM_FORMATS = ("audio", "sse")
+_KNOWN_FIELDS = {
+    "model",
+    "input",
+    "voice",
+    "response_format",
+    "speed",
+    "stream",
+    "stream_format",
+    "task_type",
+    "language",
+    "instructions",
+    "ref_audio",
+    "ref_text",
+    "x_vector_only_mode",
+    "max_new_tokens",
+    "seed",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "sample_rate",
+}
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How the client wants the audio delivered."""
+
+    response_format: str = "mp3"
+    stream: bool = False
+    stream_format: str = "audio"
+
+    @property
+    def streaming(self) -> bool:
+        return self.stream or self.stream_format == "sse"
+
+
+def _get(body: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    # bool is an int subclass: never accept true/false where a number is expected.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise InvalidArgument(f"{key} must be {what}, got {value!r}")
+    if not isinstance(value, kind):
+        raise InvalidArgument(f"{key} must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _number(body: dict, key: str) -> float | None:
+    value = _get(body, key, (int, float), "a number")
+    if value is not None and not math.isfinite(value):
+        raise InvalidArgument(f"{key} must be a finite number")
+    return None if value is None else float(value)
+
+
+def _integer(body: dict, key: str) -> int | None:
+    value = _get(body, key, (int, float), "an integer")
+    if value is None:
+        return None
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise InvalidArgument(f"{key} must be an integer, got {value}")
+        value = int(value)
+    return value
+
+
+def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
+    """Decode plain base64 or a `data:audio/...;base64,` URL; raise InvalidArgument otherwise."""
+    data = value.strip()
+    if data.startswith("data:"):
+        header, sep, data = data.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise InvalidArgument(f"{field_name} data URL must be base64 encoded (data:audio/...;base64,...)")
+    elif data.startswith(("http://", "https://", "file:")):
+        raise InvalidArgument(f"{field_name} must be base64 audio or a data URL; URLs are not fetched")
+    try:
+        raw = base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidArgument(f"{field_name} is not valid base64: {exc}") from None
+    if not raw:
+        raise InvalidArgument(f"{field_name} is empty")
+    return raw
+
+
+def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
+    """Turn the JSON body into request fields and output options; type errors are 400s."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    unknown = sorted(set(body) - _KNOWN_FIELDS)
+    if unknown:
+        raise InvalidArgument(f"unknown field(s): {', '.join(unknown)}")
+    text = _get(body, "input", str, "a string")
+    if text is None:
+        raise InvalidArgument("input is required")
+    fmt = (_get(body, "response_format", str, "a string") or "mp3").lower()
+    if fmt not in RESPONSE_FORMATS:
+        raise InvalidArgument(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {fmt!r}")
+    stream_format = (_get(body, "stream_format", str, "a string") or "audio").lower()
+    if stream_format not in STREAM_FORMATS:
+        raise InvalidArgument(f"stream_format must be 'audio' or 'sse', got {stream_format!r}")
+    speed = _number(body, "speed")
+    if speed is not None and speed != 1.0:
+        raise InvalidArgument(f"speed {speed} is not supported; only 1.0 is")
+    stream = _get(body, "stream", bool, "a boolean")
+    ref_audio = _get(body, "ref_audio", str, "a base64 string or data URL")
+    seed = _integer(body, "seed")
+    top_k = _integer(body, "top_k")
+    fields = SpeechFields(
+        text=text,
+        model=_get(body, "model", str, "a string") or "",
+        task=_get(body, "task_type", str, "a string"),
+        voice=_get(body, "voice", str, "a string"),
+        language=_get(body, "language", str, "a string"),
+        instructions=_get(body, "instructions", str, "a string"),
+        reference_audio=decode_base64_audio(ref_audio) if ref_audio is not None else None,
+        reference_text=_get(body, "ref_text", str, "a string"),
+        x_vector_only=bool(_get(body, "x_vector_only_mode", bool, "a boolean")),
+        max_new_frames=_integer(body, "max_new_tokens"),
+        sampling=SamplingOptions(
+            temperature=_number(body, "temperature"),
+            top_k=top_k,
+            top_p=_number(body, "top_p"),
+            repetition_penalty=_number(body, "repetition_penalty"),
+            seed=seed,
+        ),
+        sample_rate=_integer(body, "sample_rate"),
+    )
+    return fields, OutputOptions(response_format=fmt, stream=bool(stream), stream_format=stream_format)

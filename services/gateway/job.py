@@ -1,0 +1,109 @@
+"""Protocol-neutral request and result types of the gateway (no protobuf, no HTTP)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TASKS = ("voice_clone", "custom_voice", "voice_design")
+# The task a model variant serves (config.json `tts_model_type` -> task).
+TASK_OF_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "voice_design": "voice_design"}
+NATIVE_SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 1920
+
+
+@dataclass(frozen=True)
+class ModelCatalog:
+    """What the served model offers, from the talker's GetModelInfo."""
+
+    name: str
+    model_type: str
+    model_size: str = ""
+    speakers: tuple[str, ...] = ()
+    languages: tuple[str, ...] = ()
+    sample_rate: int = NATIVE_SAMPLE_RATE
+    samples_per_frame: int = SAMPLES_PER_FRAME
+
+    @property
+    def task(self) -> str:
+        return TASK_OF_MODEL_TYPE.get(self.model_type, "voice_clone")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Optional sampling overrides; None keeps the model's generation_config.json default."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    greedy: bool = False
+
+
+@dataclass(frozen=True)
+class SpeechFields:
+    """A synthesis request as the client sent it, before validation (HTTP and gRPC alike)."""
+
+    text: str
+    model: str = ""
+    task: str | None = None
+    voice: str | None = None
+    language: str | None = None
+    instructions: str | None = None
+    # Encoded reference clip (wav, flac, mp3, ...), already base64-decoded.
+    reference_audio: bytes | None = None
+    reference_text: str | None = None
+    x_vector_only: bool = False
+    max_new_frames: int | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    sample_rate: int | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class SynthesisJob:
+    """A validated request, ready for the talker."""
+
+    request_id: str
+    text: str
+    task: str
+    voice: str
+    language: str
+    instructions: str
+    reference_audio: bytes | None
+    reference_text: str
+    x_vector_only: bool
+    max_new_frames: int
+    sampling: SamplingOptions
+    sample_rate: int
+    # Decoded reference clip (float32 mono, 24 kHz), filled in by the synthesizer.
+    reference_pcm: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class AudioPiece:
+    """One chunk of audio from the talker: PCM s16le mono at 24 kHz."""
+
+    pcm: bytes
+    first_frame_index: int
+    num_frames: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.pcm) // 2
+
+
+@dataclass(frozen=True)
+class SynthesisSummary:
+    """How a request ended (the talker's summary)."""
+
+    finish_reason: str  # "stop" (end of speech) or "length" (max_new_frames reached)
+    num_frames: int
+    num_samples: int
+    code2wav_replica: str = ""
+    queue_ns: int = 0
+    prefill_ns: int = 0
+    first_audio_ns: int = 0
+    total_ns: int = 0

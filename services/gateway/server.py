@@ -1,0 +1,131 @@
+"""Builds and runs the gateway: the FastAPI app (uvicorn) and the tts.v1 gRPC server on one loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from dataclasses import replace
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from qtts.errors import TTSError
+from qtts.grpc_server import GrpcServiceHost, service_full_name
+from qtts.metrics import GatewayMetrics
+from qtts.pb import tts_pb2, tts_pb2_grpc
+
+from .admission import Admission
+from .config import GatewayConfig
+from .grpc_servicer import TextToSpeechServicer
+from .http_app import HttpDeps, create_app
+from .job import ModelCatalog
+from .stage_health import StageHealth
+from .synthesis import Synthesizer, decode_reference
+from .talker_client import TalkerClient
+from .validation import RequestLimits
+from .voice_client import VoiceClient
+from .voices import VoiceService
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = service_full_name(tts_pb2, "TextToSpeechService")
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway drains HTTP and gRPC together."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class GatewayServer:
+    """The gateway process: HTTP + gRPC front ends over one synthesis core.
+
+    Health (gRPC) turns SERVING once the talker told which model it serves; `GET /health` also
+    checks the talker and speaker_cache on every call.
+    """
+
+    def __init__(self, config: GatewayConfig, catalog_retry_s: float = 0.5):
+        self.config = config
+        self.metrics = GatewayMetrics(CollectorRegistry())
+        self.talker = TalkerClient(config.talker)
+        self.voice_client = VoiceClient(config.speaker_cache)
+        self.catalog: ModelCatalog | None = None
+        self._catalog_retry_s = catalog_retry_s
+        limits = RequestLimits(config.max_input_chars, config.max_new_frames_limit, config.max_ref_audio_bytes)
+        self.synthesizer = Synthesizer(self.talker, lambda: self.catalog, limits, Admission(config.max_streams),
+                                       self.metrics)
+        self.voices = VoiceService(self.voice_client, decode_reference, lambda: self.catalog,
+                                   config.max_ref_audio_bytes)
+        self.stage_health = StageHealth({"talker": self.talker.channel,
+                                         "speaker_cache": self.voice_client.channel})
+        self.host = GrpcServiceHost(
+            service_names=[SERVICE_NAME], metrics=self.metrics, host=config.host, port=config.grpc_port,
+            metrics_port=config.metrics_port, drain_seconds=config.drain_seconds,
+        )
+        tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
+            TextToSpeechServicer(self.synthesizer, self.voices), self.host.server
+        )
+        self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check))
+        self.http = _UvicornServer(uvicorn.Config(
+            self.app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
+            timeout_graceful_shutdown=max(1, int(config.drain_seconds)), access_log=False,
+        ))
+        self._http_task: asyncio.Task | None = None
+        self._catalog_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Bind both ports; model info is fetched from the talker in the background."""
+        await self.host.start()
+        self._http_task = asyncio.create_task(self.http.serve())
+        while not self.http.started:
+            if self._http_task.done():
+                self._http_task.result()
+                raise OSError(f"HTTP server did not start on {self.config.host}:{self.config.http_port}")
+            await asyncio.sleep(0.02)
+        log.info("HTTP on http://%s:%d", self.config.host, self.config.http_port)
+        self._catalog_task = asyncio.create_task(self._fetch_catalog())
+
+    async def _fetch_catalog(self) -> None:
+        attempts = 0
+        while True:
+            try:
+                catalog = await self.talker.model_info()
+                break
+            except TTSError as exc:
+                attempts += 1
+                if attempts % 20 == 1:
+                    log.warning("waiting for the talker: %s", exc.message)
+                await asyncio.sleep(self._catalog_retry_s)
+        if self.config.served_model_name:
+            catalog = replace(catalog, name=self.config.served_model_name)
+        self.catalog = catalog
+        log.info("serving model %s (%s)", catalog.name, catalog.model_type)
+        await self.host.set_serving()
+
+    async def stop(self) -> None:
+        """Drain: health NOT_SERVING, no new requests, in-flight streams get drain_seconds."""
+        if self._catalog_task is not None:
+            self._catalog_task.cancel()
+        self.http.should_exit = True
+        await self.host.stop()
+        if self._http_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._http_task
+        await self.talker.close()
+        await self.voice_client.close()
+
+    async def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, then drain both front ends."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("draining for up to %.1f s", self.config.drain_seconds)
+        await self.stop()

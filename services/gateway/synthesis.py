@@ -1,0 +1,163 @@
+"""The transport-agnostic synthesis core shared by the HTTP and the gRPC front ends.
+
+`Synthesizer.open()` validates, admits and starts a talker call, and waits for its first event, so
+errors that happen before any audio (unknown voice, bad reference, no capacity) still reach the
+client as a proper status. The returned `SynthesisStream` must be closed; closing it cancels the
+talker call when it is still running and records the request's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Protocol
+
+from qtts.errors import GenerationFailed, Unavailable, mapping_for
+from qtts.metrics import GatewayMetrics
+
+from .admission import Admission
+from .job import AudioPiece, ModelCatalog, SpeechFields, SynthesisJob, SynthesisSummary
+from .validation import RequestLimits, build_job
+
+Event = AudioPiece | SynthesisSummary
+
+
+class TalkerAPI(Protocol):
+    def generate(self, job: SynthesisJob) -> AsyncIterator[Event]: ...
+
+
+def status_label(exc: BaseException | None) -> str:
+    """The `status` label of `tts_gateway_requests_total`: "ok" or the lower-case gRPC code name."""
+    if exc is None:
+        return "ok"
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    return mapping_for(exc).grpc_code.name.lower()
+
+
+def decode_reference(data: bytes):
+    """Reference clip -> float32 mono 24 kHz (PyAV + soxr); undecodable audio is InvalidArgument."""
+    from qtts.audio import load_reference_audio
+
+    return load_reference_audio(data)
+
+
+class SynthesisStream:
+    """One admitted request in flight: its events, first-byte and end bookkeeping."""
+
+    def __init__(
+        self,
+        synth: Synthesizer,
+        job: SynthesisJob,
+        protocol: str,
+        events: AsyncIterator[Event],
+        first: Event,
+        started: float,
+    ):
+        self.job = job
+        self._synth = synth
+        self._protocol = protocol
+        self._events = events
+        self._first: Event | None = first
+        self._started = started
+        self._first_byte_seen = False
+        self._closed = False
+        self.summary: SynthesisSummary | None = None
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            if isinstance(first, SynthesisSummary):
+                self.summary = first
+            yield first
+        async for event in self._events:
+            if isinstance(event, SynthesisSummary):
+                self.summary = event
+            yield event
+        if self.summary is None:
+            raise GenerationFailed("the talker ended the stream without a summary")
+
+    def first_byte_sent(self) -> None:
+        """Record time to first audio once, when the first audio byte went out."""
+        if not self._first_byte_seen:
+            self._first_byte_seen = True
+            self._synth.metrics.ttfa_seconds.observe(time.perf_counter() - self._started)
+
+    async def close(self, error: BaseException | None = None) -> None:
+        """Cancel the talker call if still running, release the slot, record the outcome."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._events.aclose()
+        finally:
+            self._synth._finish(self._protocol, self._started, error)
+
+
+class Synthesizer:
+    """Validation, admission, reference decoding and the talker call, with the gateway metrics."""
+
+    def __init__(
+        self,
+        talker: TalkerAPI,
+        catalog: Callable[[], ModelCatalog | None],
+        limits: RequestLimits,
+        admission: Admission,
+        metrics: GatewayMetrics,
+        decode: Callable[[bytes], object] = decode_reference,
+    ):
+        self.talker = talker
+        self._catalog = catalog
+        self.limits = limits
+        self.admission = admission
+        self.metrics = metrics
+        self._decode = decode
+
+    def catalog(self) -> ModelCatalog:
+        catalog = self._catalog()
+        if catalog is None:
+            raise Unavailable("the gateway has not reached the talker yet")
+        return catalog
+
+    def validate(self, fields: SpeechFields) -> SynthesisJob:
+        return build_job(fields, self.catalog(), self.limits)
+
+    async def open(self, job: SynthesisJob, protocol: str) -> SynthesisStream:
+        """Admit `job`, decode its reference clip, start the talker call and await its first event."""
+        started = time.perf_counter()
+        self.admission.admit()
+        self.metrics.active_streams.inc()
+        events: AsyncIterator[Event] | None = None
+        try:
+            if job.reference_audio is not None and job.reference_pcm is None:
+                with self.metrics.stage_timer("decode_reference"):
+                    pcm = await asyncio.to_thread(self._decode, job.reference_audio)
+                job = _with_pcm(job, pcm)
+            events = self.talker.generate(job)
+            try:
+                first = await events.__anext__()
+            except StopAsyncIteration:
+                raise GenerationFailed("the talker ended the stream without audio or summary") from None
+        except BaseException as exc:
+            if events is not None:
+                await events.aclose()
+            self._finish(protocol, started, exc)
+            raise
+        return SynthesisStream(self, job, protocol, events, first, started)
+
+    def reject(self, protocol: str, exc: BaseException) -> None:
+        """Count a request that failed before it was admitted (validation, parsing). Errors by code
+        (`tts_errors_total`) are counted by the front end: the gRPC interceptor, or the HTTP app."""
+        self.metrics.requests_total.labels(protocol, status_label(exc)).inc()
+
+    def _finish(self, protocol: str, started: float, error: BaseException | None) -> None:
+        self.admission.release()
+        self.metrics.active_streams.dec()
+        self.metrics.request_duration_seconds.observe(time.perf_counter() - started)
+        self.metrics.requests_total.labels(protocol, status_label(error)).inc()
+
+
+def _with_pcm(job: SynthesisJob, pcm) -> SynthesisJob:
+    return replace(job, reference_pcm=pcm)

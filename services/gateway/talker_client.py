@@ -1,0 +1,113 @@
+"""gRPC client of the talker: protobuf <-> gateway types, gRPC status -> domain errors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+
+from qtts.errors import Unavailable, from_grpc
+from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+
+from .job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
+
+_TASK_ENUM = {
+    "voice_clone": tts_pb2.TASK_TYPE_VOICE_CLONE,
+    "custom_voice": tts_pb2.TASK_TYPE_CUSTOM_VOICE,
+    "voice_design": tts_pb2.TASK_TYPE_VOICE_DESIGN,
+}
+_FINISH = {tts_pb2.FINISH_REASON_STOP: "stop", tts_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
+    """The talker request of a validated job (reference audio already decoded to 24 kHz)."""
+    s = job.sampling
+    sampling = tts_pb2.SamplingParams(greedy=s.greedy)
+    if s.temperature is not None:
+        sampling.temperature = s.temperature
+    if s.top_k is not None:
+        sampling.top_k = s.top_k
+    if s.top_p is not None:
+        sampling.top_p = s.top_p
+    if s.repetition_penalty is not None:
+        sampling.repetition_penalty = s.repetition_penalty
+    if s.seed is not None:
+        sampling.seed = s.seed
+    req = talker_pb2.GenerateRequest(
+        request_id=job.request_id,
+        text=job.text,
+        task_type=_TASK_ENUM[job.task],
+        voice=job.voice,
+        language=job.language,
+        instructions=job.instructions,
+        reference_text=job.reference_text,
+        x_vector_only=job.x_vector_only,
+        sampling=sampling,
+        max_new_frames=job.max_new_frames,
+    )
+    if job.reference_pcm is not None:
+        req.reference_pcm_f32 = np.ascontiguousarray(job.reference_pcm, dtype="<f4").tobytes()
+    return req
+
+
+def summary_from_pb(s: talker_pb2.GenerateSummary) -> SynthesisSummary:
+    return SynthesisSummary(
+        finish_reason=_FINISH.get(s.finish_reason, "stop"),
+        num_frames=s.num_frames,
+        num_samples=s.num_samples,
+        code2wav_replica=s.code2wav_replica,
+        queue_ns=s.timings.queue_ns,
+        prefill_ns=s.timings.prefill_ns,
+        first_audio_ns=s.timings.first_audio_ns,
+        total_ns=s.timings.total_ns,
+    )
+
+
+class TalkerClient:
+    """Calls `talker.v1.TalkerService` over one shared channel."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = talker_pb2_grpc.TalkerServiceStub(self._channel)
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self._channel
+
+    async def model_info(self, timeout: float = 5.0) -> ModelCatalog:
+        try:
+            info = await self._stub.GetModelInfo(talker_pb2.GetModelInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"talker at {self.address}: {exc.details() or exc.code().name}") from None
+        return ModelCatalog(
+            name=info.name,
+            model_type=info.model_type,
+            model_size=info.model_size,
+            speakers=tuple(s.lower() for s in info.speakers),
+            languages=tuple(lang.lower() for lang in info.languages),
+            sample_rate=info.sample_rate_hz or 24000,
+            samples_per_frame=info.samples_per_frame or 1920,
+        )
+
+    async def generate(self, job: SynthesisJob) -> AsyncIterator[AudioPiece | SynthesisSummary]:
+        """Stream the job's audio pieces, then its summary. Closing the iterator cancels the call,
+        which makes the talker free the request's KV slot and decoder state."""
+        call = self._stub.Generate(generate_request(job))
+        try:
+            async for msg in call:
+                kind = msg.WhichOneof("event")
+                if kind == "audio":
+                    a = msg.audio
+                    yield AudioPiece(a.audio, a.first_frame_index, a.num_frames)
+                elif kind == "summary":
+                    yield summary_from_pb(msg.summary)
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc(exc.code(), exc.details()) from None
+        finally:
+            # No-op when the call already finished; cancels it when the consumer went away.
+            call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close()

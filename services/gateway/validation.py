@@ -1,0 +1,159 @@
+"""Validation of a synthesis request against the served model; every failure is a clear TTSError."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from qtts.errors import InvalidArgument, NotFound
+
+from .job import TASKS, ModelCatalog, SamplingOptions, SpeechFields, SynthesisJob
+
+MIN_SAMPLE_RATE = 8000
+MAX_SAMPLE_RATE = 48000
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds the gateway enforces on every request."""
+
+    max_input_chars: int = 4096
+    max_new_frames_limit: int = 4096
+    max_ref_audio_bytes: int = 20 * 1024 * 1024
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+def check_model(model: str, catalog: ModelCatalog) -> None:
+    """Unknown model names are 404, as in the OpenAI API; empty means the served model."""
+    if model and model != catalog.name:
+        raise NotFound(f"model {model!r} does not exist; this server serves {catalog.name!r}")
+
+
+def _check_sampling(s: SamplingOptions) -> SamplingOptions:
+    if s.temperature is not None and (not math.isfinite(s.temperature) or s.temperature < 0):
+        raise InvalidArgument(f"temperature must be >= 0, got {s.temperature}")
+    if s.top_k is not None and s.top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0, got {s.top_k}")
+    if s.top_p is not None and not (0 < s.top_p <= 1):
+        raise InvalidArgument(f"top_p must be in (0, 1], got {s.top_p}")
+    if s.repetition_penalty is not None and not (
+        math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0
+    ):
+        raise InvalidArgument(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
+    if s.seed is not None and not (0 <= s.seed < 2**63):
+        raise InvalidArgument(f"seed must be a non-negative 63-bit integer, got {s.seed}")
+    # Temperature 0 means deterministic decoding, as in the OpenAI sampling APIs.
+    if s.temperature == 0 and not s.greedy:
+        return SamplingOptions(None, s.top_k, s.top_p, s.repetition_penalty, s.seed, greedy=True)
+    return s
+
+
+def _language(language: str | None, catalog: ModelCatalog) -> str:
+    lang = (language or "auto").strip().lower()
+    if lang == "auto":
+        return lang
+    if catalog.languages and lang not in catalog.languages:
+        raise InvalidArgument(
+            f"unsupported language {language!r}; supported: auto, {', '.join(sorted(catalog.languages))}"
+        )
+    return lang
+
+
+def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits) -> SynthesisJob:
+    """Check `fields` against the served model and the limits; return the job for the talker."""
+    check_model(fields.model, catalog)
+    text = (fields.text or "").strip()
+    if not text:
+        raise InvalidArgument("input must be a non-empty string")
+    if len(text) > limits.max_input_chars:
+        raise InvalidArgument(f"input is {len(text)} characters long; the limit is {limits.max_input_chars}")
+    task = (fields.task or catalog.task).strip().lower()
+    if task not in TASKS:
+        raise InvalidArgument(f"task_type must be one of {', '.join(TASKS)}, got {fields.task!r}")
+    if task != catalog.task:
+        raise InvalidArgument(
+            f"task_type {task!r} is not served by model {catalog.name!r} "
+            f"({catalog.model_type} variant, which serves {catalog.task!r})"
+        )
+    if fields.max_new_frames is not None and not (1 <= fields.max_new_frames <= limits.max_new_frames_limit):
+        raise InvalidArgument(
+            f"max_new_tokens must be in 1..{limits.max_new_frames_limit}, got {fields.max_new_frames}"
+        )
+    sample_rate = fields.sample_rate or catalog.sample_rate
+    if not (MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE):
+        raise InvalidArgument(
+            f"sample_rate must be in {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz, got {sample_rate}"
+        )
+    voice = (fields.voice or "").strip()
+    instructions = (fields.instructions or "").strip()
+    ref_text = (fields.reference_text or "").strip()
+    ref_audio = fields.reference_audio or None
+    x_vector_only = bool(fields.x_vector_only)
+
+    if task == "voice_clone":
+        if ref_audio is not None:
+            if len(ref_audio) > limits.max_ref_audio_bytes:
+                raise InvalidArgument(
+                    f"ref_audio is {len(ref_audio)} bytes; the limit is {limits.max_ref_audio_bytes}"
+                )
+            if not x_vector_only and not ref_text:
+                raise InvalidArgument(
+                    "ref_text (the transcript of ref_audio) is required unless x_vector_only_mode is true"
+                )
+            if x_vector_only:
+                ref_text = ""
+        elif not voice:
+            raise InvalidArgument("voice clone needs ref_audio, or voice naming a stored voice")
+        else:
+            # A stored voice carries its own transcript and mode.
+            ref_text, x_vector_only = "", False
+    elif task == "custom_voice":
+        if ref_audio is not None:
+            raise InvalidArgument("ref_audio is only used for voice_clone")
+        voice = voice.lower()
+        if not voice:
+            raise InvalidArgument(f"voice is required; speakers: {', '.join(sorted(catalog.speakers))}")
+        if catalog.speakers and voice not in catalog.speakers:
+            raise NotFound(
+                f"unknown speaker {fields.voice!r}; available: {', '.join(sorted(catalog.speakers))}"
+            )
+    else:  # voice_design
+        if ref_audio is not None:
+            raise InvalidArgument("ref_audio is only used for voice_clone")
+        if not instructions:
+            raise InvalidArgument("voice_design needs instructions describing the voice")
+        voice = ""
+
+    return SynthesisJob(
+        request_id=fields.request_id or new_request_id(),
+        text=text,
+        task=task,
+        voice=voice,
+        language=_language(fields.language, catalog),
+        instructions=instructions,
+        reference_audio=ref_audio,
+        reference_text=ref_text,
+        x_vector_only=x_vector_only,
+        max_new_frames=fields.max_new_frames or 0,
+        sampling=_check_sampling(fields.sampling),
+        sample_rate=sample_rate,
+    )
+
+
+_VOICE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def check_voice_name(name: str) -> str:
+    """Voice names are 1-64 characters of letters, digits, '_', '-', '.'."""
+    name = (name or "").strip()
+    if not name:
+        raise InvalidArgument("voice name is required")
+    if len(name) > 64 or not set(name) <= _VOICE_NAME_CHARS:
+        raise InvalidArgument(
+            f"voice name {name!r} must be 1-64 characters of letters, digits, '_', '-' or '.'"
+        )
+    return name

@@ -1,0 +1,103 @@
+"""gRPC client of speaker_cache's named-voice API, in gateway terms."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from qtts.errors import TTSError, Unavailable, from_grpc
+from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
+
+
+@dataclass(frozen=True)
+class VoiceInfo:
+    """A named voice as listed to clients (no audio)."""
+
+    name: str
+    kind: str  # "cloned" or "preset"
+    reference_text: str = ""
+    x_vector_only: bool = False
+    reference_duration_s: float = 0.0
+    created_unix_s: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "ref_text": self.reference_text,
+            "x_vector_only_mode": self.x_vector_only,
+            "duration_s": round(self.reference_duration_s, 3),
+            "created_at": self.created_unix_s,
+        }
+
+
+def _voice_info(v: speaker_cache_pb2.StoredVoice) -> VoiceInfo:
+    rate = v.sample_rate_hz or 24000
+    return VoiceInfo(
+        name=v.name,
+        kind="cloned",
+        reference_text=v.reference_text,
+        x_vector_only=v.x_vector_only,
+        reference_duration_s=len(v.reference_pcm_f32) / 4 / rate,
+        created_unix_s=v.created_unix_s,
+    )
+
+
+def _error(exc: grpc.aio.AioRpcError, address: str) -> TTSError:
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(f"speaker_cache at {address}: {exc.details() or exc.code().name}")
+    return from_grpc(exc.code(), exc.details())
+
+
+class VoiceClient:
+    """Create, list and delete named voices stored by speaker_cache."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = speaker_cache_pb2_grpc.SpeakerCacheServiceStub(self._channel)
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self._channel
+
+    async def list(self, timeout: float = 10.0) -> list[VoiceInfo]:
+        try:
+            resp = await self._stub.ListVoices(speaker_cache_pb2.ListVoicesRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, self.address) from None
+        return [_voice_info(v) for v in resp.voices]
+
+    async def create(
+        self, name: str, pcm_24k: np.ndarray, reference_text: str, x_vector_only: bool, timeout: float = 10.0
+    ) -> VoiceInfo:
+        voice = speaker_cache_pb2.StoredVoice(
+            name=name,
+            reference_pcm_f32=np.ascontiguousarray(pcm_24k, dtype="<f4").tobytes(),
+            sample_rate_hz=24000,
+            reference_text=reference_text,
+            x_vector_only=x_vector_only,
+            created_unix_s=int(time.time()),
+        )
+        try:
+            resp = await self._stub.CreateVoice(
+                speaker_cache_pb2.CreateVoiceRequest(voice=voice), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, self.address) from None
+        stored = resp.voice if resp.HasField("voice") else voice
+        if not stored.reference_pcm_f32:
+            stored = voice
+        return _voice_info(stored)
+
+    async def delete(self, name: str, timeout: float = 10.0) -> None:
+        try:
+            await self._stub.DeleteVoice(speaker_cache_pb2.DeleteVoiceRequest(name=name), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, self.address) from None
+
+    async def close(self) -> None:
+        await self._channel.close()

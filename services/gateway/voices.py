@@ -1,0 +1,57 @@
+"""Named voices (create/list/delete), shared by the HTTP and the gRPC front ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from qtts.errors import InvalidArgument
+
+from .job import ModelCatalog
+from .validation import check_voice_name
+from .voice_client import VoiceInfo
+
+
+class VoiceStoreAPI(Protocol):
+    async def list(self) -> list[VoiceInfo]: ...
+
+    async def create(self, name: str, pcm_24k: np.ndarray, reference_text: str,
+                     x_vector_only: bool) -> VoiceInfo: ...
+
+    async def delete(self, name: str) -> None: ...
+
+
+class VoiceService:
+    """Validates voice requests, decodes reference clips and talks to the voice store."""
+
+    def __init__(self, store: VoiceStoreAPI, decode: Callable[[bytes], np.ndarray],
+                 catalog: Callable[[], ModelCatalog | None], max_audio_bytes: int):
+        self._store = store
+        self._decode = decode
+        self._catalog = catalog
+        self._max_audio_bytes = max_audio_bytes
+
+    async def list(self) -> list[VoiceInfo]:
+        """Cloned voices from the store, then the model's preset speakers."""
+        catalog = self._catalog()
+        presets = [VoiceInfo(name=s, kind="preset") for s in (catalog.speakers if catalog else ())]
+        return [*sorted(await self._store.list(), key=lambda v: v.name), *presets]
+
+    async def create(self, name: str, audio: bytes | None, reference_text: str | None,
+                     x_vector_only: bool) -> VoiceInfo:
+        name = check_voice_name(name)
+        if not audio:
+            raise InvalidArgument("reference audio is required to create a voice")
+        if len(audio) > self._max_audio_bytes:
+            raise InvalidArgument(f"reference audio is {len(audio)} bytes; the limit is {self._max_audio_bytes}")
+        ref_text = (reference_text or "").strip()
+        if not x_vector_only and not ref_text:
+            raise InvalidArgument("ref_text (the transcript of the audio) is required unless x_vector_only_mode")
+        pcm = await asyncio.to_thread(self._decode, audio)
+        return await self._store.create(name, pcm, "" if x_vector_only else ref_text, x_vector_only)
+
+    async def delete(self, name: str) -> None:
+        await self._store.delete(check_voice_name(name))

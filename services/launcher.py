@@ -1,0 +1,470 @@
+"""`python -m services.launcher` (what `make run` runs): start the whole stack on one machine.
+
+Starts speaker_cache, N code2wav replicas, the talker and the gateway as separate processes
+(`python -m services.<name> ...`), waits until every one reports SERVING through grpc.health.v1,
+prints where everything listens and a `curl` line that produces a wav, and on Ctrl-C/SIGTERM stops
+them all (SIGTERM, then SIGKILL after a grace period). Logs go to `run/logs/<service>.log`.
+
+The functions here (`StackConfig`, `start_stack`, `Stack.stop`, `start_service`, ...) are also what
+the end-to-end tests use to run the stack on free ports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import wave
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TINY_MODEL = ROOT / ".tiny" / "base"
+DEFAULT_LOG_DIR = ROOT / "run" / "logs"
+
+
+class StartupError(RuntimeError):
+    """A service did not become SERVING; the message names it and shows the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for tests and side-by-side stacks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def default_code2wav_ports(n: int, first: int = 50053, skip: int = 50054) -> tuple[int, ...]:
+    """50053, 50055, 50056, ...: replicas after the first take the next ports, around speaker_cache."""
+    ports, port = [], first
+    while len(ports) < n:
+        if port != skip:
+            ports.append(port)
+        port += 1
+    return tuple(ports)
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Where and how to run the stack. Metrics port 0 turns a service's metrics endpoint off."""
+
+    model: str = ""  # empty: the tiny random Base snapshot in .tiny/base (built once)
+    load_format: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+    redis_url: str = ""  # empty: speaker_cache keeps voices in memory
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    talker_port: int = 50052
+    code2wav_ports: tuple[int, ...] = (50053,)
+    speaker_cache_port: int = 50054
+    gateway_metrics_port: int = 9100
+    talker_metrics_port: int = 9102
+    code2wav_metrics_ports: tuple[int, ...] = (9103,)
+    speaker_cache_metrics_port: int = 9104
+    log_dir: Path = DEFAULT_LOG_DIR
+    startup_timeout_s: float = 600.0
+    drain_seconds: float = 5.0
+    # Extra flags per service name ("gateway", "talker", "code2wav", "speaker_cache").
+    extra_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def validate(self) -> StackConfig:
+        if not self.code2wav_ports:
+            raise ValueError("at least one code2wav replica is needed")
+        if len(self.code2wav_metrics_ports) != len(self.code2wav_ports):
+            raise ValueError("one metrics port per code2wav replica is needed (0 = off)")
+        return self
+
+    @classmethod
+    def on_free_ports(cls, code2wav_replicas: int = 1, **overrides) -> StackConfig:
+        """A config whose every port is a currently free one (tests, several stacks side by side)."""
+        ports = dict(
+            http_port=free_port(), grpc_port=free_port(), talker_port=free_port(),
+            code2wav_ports=tuple(free_port() for _ in range(code2wav_replicas)),
+            speaker_cache_port=free_port(), gateway_metrics_port=free_port(),
+            talker_metrics_port=free_port(),
+            code2wav_metrics_ports=tuple(free_port() for _ in range(code2wav_replicas)),
+            speaker_cache_metrics_port=free_port(),
+        )
+        ports.update(overrides)
+        return cls(**ports).validate()
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One service process to run: its name, module, flags and the gRPC port to health-check."""
+
+    name: str
+    module: str
+    args: tuple[str, ...]
+    grpc_address: str
+    metrics_port: int = 0
+
+
+class ServiceProcess:
+    """A running service process with its log file."""
+
+    def __init__(self, spec: ServiceSpec, popen: subprocess.Popen, log_path: Path):
+        self.spec = spec
+        self.popen = popen
+        self.log_path = log_path
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+
+    def wait_or_kill(self, grace: float) -> int:
+        try:
+            return self.popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait()
+
+    def stop(self, grace: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after `grace` seconds; returns the exit code."""
+        self.terminate()
+        return self.wait_or_kill(grace)
+
+
+def start_service(spec: ServiceSpec, log_dir: Path, env: dict[str, str] | None = None) -> ServiceProcess:
+    """Start `python -m <module> <args>` from the repository root, output into `<log_dir>/<name>.log`."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.name}.log"
+    with open(log_path, "ab") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {spec.module} {' '.join(spec.args)}\n".encode())
+        log.flush()
+        popen = subprocess.Popen(
+            [sys.executable, "-m", spec.module, *spec.args],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            # Own process group: a Ctrl-C in the terminal reaches the launcher only, which then
+            # drains the services in order.
+            start_new_session=True,
+        )
+    return ServiceProcess(spec, popen, log_path)
+
+
+def health_status(address: str, timeout: float = 1.0) -> str:
+    """The overall grpc.health.v1 status name of a server, or "UNREACHABLE"."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                            timeout=timeout)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def wait_serving(proc: ServiceProcess, timeout: float) -> None:
+    """Block until `proc` reports SERVING; StartupError naming it (with its log tail) otherwise."""
+    deadline = time.monotonic() + timeout
+    status = "UNREACHABLE"
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise StartupError(
+                f"{proc.name} exited with code {proc.popen.returncode} before it was SERVING; "
+                f"log {proc.log_path}:\n{proc.log_tail()}"
+            )
+        status = health_status(proc.spec.grpc_address)
+        if status == "SERVING":
+            return
+        time.sleep(0.2)
+    raise StartupError(
+        f"{proc.name} was not SERVING after {timeout:.0f} s (last health: {status}); "
+        f"log {proc.log_path}:\n{proc.log_tail()}"
+    )
+
+
+def ensure_tiny_snapshot(path: Path = DEFAULT_TINY_MODEL, model_type: str = "base") -> Path:
+    """Build the tiny random snapshot at `path` unless one is there already."""
+    if not (path / "config.json").exists():
+        from qtts.testing import build_tiny_snapshot
+
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        build_tiny_snapshot(tmp, model_type)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.rename(path)
+        except OSError:  # built concurrently by another process: keep theirs
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _addr(host: str, port: int) -> str:
+    return f"{host}:{port}"
+
+
+def model_flags(cfg: StackConfig, model: str) -> tuple[str, ...]:
+    return ("--model", model, "--load-format", cfg.load_format, "--device", cfg.device, "--dtype", cfg.dtype)
+
+
+def speaker_cache_spec(cfg: StackConfig) -> ServiceSpec:
+    args = ["--host", cfg.host, "--port", str(cfg.speaker_cache_port),
+            "--metrics-port", str(cfg.speaker_cache_metrics_port), "--redis-url", cfg.redis_url,
+            "--drain-seconds", str(cfg.drain_seconds), *cfg.extra_args.get("speaker_cache", ())]
+    return ServiceSpec("speaker_cache", "services.speaker_cache", tuple(args),
+                       _addr(cfg.host, cfg.speaker_cache_port), cfg.speaker_cache_metrics_port)
+
+
+def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
+    specs = []
+    for i, (port, mport) in enumerate(zip(cfg.code2wav_ports, cfg.code2wav_metrics_ports, strict=True)):
+        name = f"code2wav-{i}"
+        args = ["--host", cfg.host, "--port", str(port), "--metrics-port", str(mport),
+                "--replica-name", name, *model_flags(cfg, model), "--drain-seconds", str(cfg.drain_seconds),
+                *cfg.extra_args.get("code2wav", ())]
+        specs.append(ServiceSpec(name, "services.code2wav", tuple(args), _addr(cfg.host, port), mport))
+    return specs
+
+
+def talker_spec(cfg: StackConfig, model: str, *, name: str = "talker", port: int | None = None,
+                metrics_port: int | None = None) -> ServiceSpec:
+    port = cfg.talker_port if port is None else port
+    mport = cfg.talker_metrics_port if metrics_port is None else metrics_port
+    args = ["--host", cfg.host, "--port", str(port), "--metrics-port", str(mport), *model_flags(cfg, model),
+            "--code2wav", ",".join(_addr(cfg.host, p) for p in cfg.code2wav_ports),
+            "--speaker-cache", _addr(cfg.host, cfg.speaker_cache_port),
+            "--drain-seconds", str(cfg.drain_seconds), *cfg.extra_args.get("talker", ())]
+    return ServiceSpec(name, "services.talker", tuple(args), _addr(cfg.host, port), mport)
+
+
+def gateway_spec(cfg: StackConfig, *, name: str = "gateway", talker_port: int | None = None,
+                 http_port: int | None = None, grpc_port: int | None = None,
+                 metrics_port: int | None = None) -> ServiceSpec:
+    grpc_port = cfg.grpc_port if grpc_port is None else grpc_port
+    args = ["--host", cfg.host,
+            "--http-port", str(cfg.http_port if http_port is None else http_port),
+            "--grpc-port", str(grpc_port),
+            "--metrics-port", str(cfg.gateway_metrics_port if metrics_port is None else metrics_port),
+            "--talker", _addr(cfg.host, cfg.talker_port if talker_port is None else talker_port),
+            "--speaker-cache", _addr(cfg.host, cfg.speaker_cache_port),
+            "--drain-seconds", str(cfg.drain_seconds), *cfg.extra_args.get("gateway", ())]
+    return ServiceSpec(name, "services.gateway", tuple(args), _addr(cfg.host, grpc_port),
+                       cfg.gateway_metrics_port if metrics_port is None else metrics_port)
+
+
+class Stack:
+    """The running services, in start order."""
+
+    def __init__(self, config: StackConfig, model: str, processes: list[ServiceProcess]):
+        self.config = config
+        self.model = model
+        self.processes = processes
+
+    def __getitem__(self, name: str) -> ServiceProcess:
+        for proc in self.processes:
+            if proc.name == name:
+                return proc
+        raise KeyError(name)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return _addr(self.config.host, self.config.grpc_port)
+
+    def restart(self, name: str, grace: float = 10.0) -> ServiceProcess:
+        """Stop one service and start it again with the same flags; waits until SERVING."""
+        old = self[name]
+        old.stop(grace)
+        new = start_service(old.spec, self.config.log_dir)
+        self.processes[self.processes.index(old)] = new
+        wait_serving(new, self.config.startup_timeout_s)
+        return new
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM to every service (front first, so streams drain downstream), SIGKILL after grace."""
+        stop_services(self.processes, grace)
+
+
+def stop_services(processes: Sequence[ServiceProcess], grace: float = 10.0) -> None:
+    for proc in reversed(processes):
+        proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in reversed(processes):
+        proc.wait_or_kill(max(0.1, deadline - time.monotonic()))
+
+
+def start_stack(config: StackConfig, env: dict[str, str] | None = None) -> Stack:
+    """Start every service and wait until all are SERVING; on failure stop them and raise StartupError."""
+    config.validate()
+    model = config.model or str(ensure_tiny_snapshot())
+    specs = [speaker_cache_spec(config), *code2wav_specs(config, model), talker_spec(config, model),
+             gateway_spec(config)]
+    processes: list[ServiceProcess] = []
+    try:
+        for spec in specs:
+            processes.append(start_service(spec, config.log_dir, env))
+        for proc in processes:
+            wait_serving(proc, config.startup_timeout_s)
+    except BaseException:
+        stop_services(processes, grace=5.0)
+        raise
+    return Stack(config, model, processes)
+
+
+def _tone_wav(seconds: float = 2.0, rate: int = 24000) -> bytes:
+    """A short synthetic clip, so the demo voice needs no file from the user."""
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * (180 + 60 * np.sin(2 * np.pi * 1.5 * t)) * t) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def _http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def demo_request(stack: Stack) -> dict:
+    """A speech request body that works with the served variant (creates a demo voice for Base)."""
+    _, models = _http_json(f"{stack.http_url}/v1/models")
+    info = models["data"][0]
+    body = {"model": info["id"], "input": "Hello from the Qwen3 TTS stack.", "response_format": "wav"}
+    if info.get("model_type") == "custom_voice":
+        _, voices = _http_json(f"{stack.http_url}/v1/audio/voices")
+        presets = [v["name"] for v in voices["voices"] if v["kind"] == "preset"]
+        body["voice"] = presets[0] if presets else "vivian"
+    elif info.get("model_type") == "voice_design":
+        body["instructions"] = "A warm, calm female voice."
+    else:
+        _http_json(f"{stack.http_url}/v1/audio/voices", {
+            "name": "demo", "audio": base64.b64encode(_tone_wav()).decode(), "x_vector_only_mode": True,
+        })
+        body["voice"] = "demo"
+    return body
+
+
+def describe(stack: Stack, body: dict) -> str:
+    c = stack.config
+    lines = [
+        "Qwen3-TTS stack is up:",
+        f"  gateway        HTTP {stack.http_url}   gRPC {stack.grpc_address} (tts.v1)",
+        f"  talker         {_addr(c.host, c.talker_port)}",
+        *[f"  {p.name:<14} {p.spec.grpc_address}" for p in stack.processes if p.name.startswith("code2wav")],
+        f"  speaker_cache  {_addr(c.host, c.speaker_cache_port)}"
+        f" ({'redis ' + c.redis_url if c.redis_url else 'in-memory'})",
+        "  metrics        " + ", ".join(f"{p.name}:{p.spec.metrics_port}" for p in stack.processes
+                                        if p.spec.metrics_port),
+        f"  model          {stack.model}",
+        f"  logs           {c.log_dir}/",
+        "",
+        "Try:",
+        f"  curl -s {stack.http_url}/v1/audio/speech -H 'Content-Type: application/json' "
+        f"-d '{json.dumps(body)}' -o hello.wav",
+        "",
+        "Ctrl-C stops everything.",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.launcher", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=os.environ.get("TTS_MODEL", ""),
+                   help="snapshot folder or hub id (default: tiny random Base snapshot in .tiny/base)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for talker and code2wav")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
+                   help="Redis for speaker_cache (env REDIS_URL; default: in-memory)")
+    p.add_argument("--code2wav-replicas", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR)
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
+    ns = build_parser().parse_args(argv)
+    if ns.code2wav_replicas < 1:
+        raise SystemExit("--code2wav-replicas must be >= 1")
+    n = ns.code2wav_replicas
+    return replace(
+        StackConfig(),
+        model=ns.model, load_format=ns.load_format, device=ns.device, dtype=ns.dtype, redis_url=ns.redis_url,
+        host=ns.host, http_port=ns.http_port, grpc_port=ns.grpc_port,
+        code2wav_ports=default_code2wav_ports(n), code2wav_metrics_ports=default_code2wav_ports(n, 9103, 9104),
+        log_dir=ns.log_dir, startup_timeout_s=ns.startup_timeout,
+    ).validate()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = config_from_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting services (logs in {config.log_dir}/) ...", flush=True)
+    try:
+        stack = start_stack(config)
+    except StartupError as exc:
+        print(f"startup failed: {exc}", file=sys.stderr)
+        return 1
+    try:
+        try:
+            body = demo_request(stack)
+        except (OSError, KeyError, ValueError) as exc:
+            body = {"input": "Hello.", "voice": "VOICE", "response_format": "wav"}
+            print(f"(could not prepare the demo request: {exc})", file=sys.stderr)
+        print(describe(stack, body), flush=True)
+        while not stop.wait(0.5):
+            dead = [p for p in stack.processes if not p.alive()]
+            if dead:
+                for p in dead:
+                    print(f"{p.name} exited with code {p.popen.returncode}; log tail:\n{p.log_tail()}",
+                          file=sys.stderr)
+                return 1
+        print("stopping ...", flush=True)
+        return 0
+    finally:
+        stack.stop(grace=config.drain_seconds + 5.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""In-process store: voice prompts in an LRU bounded by entries and bytes, voices in a dict.
+
+The embedded default for a single-machine run; nothing survives a restart of the process.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from qtts.errors import AlreadyExists, NotFound, ResourceExhausted
+from services.speaker_cache.records import PromptRecord, VoiceRecord
+
+
+class LruStore:
+    """`SpeakerStore` in memory. Prompts are evicted least-recently-used first."""
+
+    def __init__(self, max_entries: int = 1024, max_bytes: int = 512 * 1024 * 1024, max_voices: int = 10_000):
+        if max_entries < 1 or max_bytes < 1:
+            raise ValueError("max_entries and max_bytes must be >= 1")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_voices = max_voices
+        self._prompts: OrderedDict[str, PromptRecord] = OrderedDict()
+        self._prompt_bytes = 0
+        self._voices: dict[str, VoiceRecord] = {}
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self._prompts)
+
+    @property
+    def prompt_bytes(self) -> int:
+        return self._prompt_bytes
+
+    async def ping(self) -> None:
+        return None
+
+    async def get_prompt(self, key: str) -> PromptRecord | None:
+        prompt = self._prompts.get(key)
+        if prompt is not None:
+            self._prompts.move_to_end(key)
+        return prompt
+
+    async def put_prompt(self, key: str, prompt: PromptRecord) -> None:
+        old = self._prompts.pop(key, None)
+        if old is not None:
+            self._prompt_bytes -= old.nbytes
+        if prompt.nbytes > self.max_bytes:
+            return  # larger than the whole cache: not cached, like any evicted entry
+        self._prompts[key] = prompt
+        self._prompt_bytes += prompt.nbytes
+        while len(self._prompts) > self.max_entries or self._prompt_bytes > self.max_bytes:
+            _, evicted = self._prompts.popitem(last=False)
+            self._prompt_bytes -= evicted.nbytes
+
+    async def create_voice(self, voice: VoiceRecord, overwrite: bool) -> VoiceRecord:
+        if voice.name in self._voices and not overwrite:
+            raise AlreadyExists(f"voice {voice.name!r} already exists")
+        if voice.name not in self._voices and len(self._voices) >= self.max_voices:
+            raise ResourceExhausted(f"voice limit reached ({self.max_voices})")
+        self._voices[voice.name] = voice
+        return voice
+
+    async def get_voice(self, name: str) -> VoiceRecord:
+        try:
+            return self._voices[name]
+        except KeyError:
+            raise NotFound(f"voice {name!r} not found") from None
+
+    async def list_voices(self) -> list[VoiceRecord]:
+        return [v.without_audio() for _, v in sorted(self._voices.items())]
+
+    async def delete_voice(self, name: str) -> None:
+        if self._voices.pop(name, None) is None:
+            raise NotFound(f"voice {name!r} not found")
+
+    async def count_voices(self) -> int:
+        return len(self._voices)
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,176 @@
+"""Redis store (redis-py asyncio): prompts under `tts:prompt:<key>`, voices under `tts:voice:<name>`.
+
+Each record is a Redis hash of its fields (binary-safe). The set `tts:voices` holds the voice names
+for listing. Voices persist as long as Redis does; prompts are a cache and may carry a TTL.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from qtts.errors import AlreadyExists, NotFound, Unavailable
+from services.speaker_cache.records import PromptRecord, VoiceRecord
+
+T = TypeVar("T")
+
+_VOICE_LIST_FIELDS = ("name", "sample_rate_hz", "reference_text", "x_vector_only", "created_unix_s")
+
+
+def _unavailable_on_redis_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A lost Redis is a stage that is not serving, not an internal error."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise Unavailable(f"redis unavailable: {exc}") from exc
+        except RedisError as exc:
+            raise Unavailable(f"redis error: {exc}") from exc
+
+    return wrapper
+
+
+class RedisStore:
+    """`SpeakerStore` on Redis; several speaker_cache replicas may share one Redis."""
+
+    def __init__(self, url: str, *, namespace: str = "tts:", prompt_ttl_s: int = 0, timeout_s: float = 5.0):
+        self.url = url
+        self.namespace = namespace
+        self.prompt_ttl_s = prompt_ttl_s
+        self._redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+    def _prompt_key(self, key: str) -> str:
+        return f"{self.namespace}prompt:{key}"
+
+    def _voice_key(self, name: str) -> str:
+        return f"{self.namespace}voice:{name}"
+
+    @property
+    def _voices_set(self) -> str:
+        return f"{self.namespace}voices"
+
+    @_unavailable_on_redis_errors
+    async def ping(self) -> None:
+        await self._redis.ping()
+
+    @_unavailable_on_redis_errors
+    async def get_prompt(self, key: str) -> PromptRecord | None:
+        h = await self._redis.hgetall(self._prompt_key(key))
+        if not h:
+            return None
+        return PromptRecord(
+            model_id=h[b"model_id"].decode(),
+            x_vector_f32=h[b"x_vector_f32"],
+            x_vector_dim=int(h[b"x_vector_dim"]),
+            reference_codes_i16=h.get(b"reference_codes_i16", b""),
+            num_reference_frames=int(h.get(b"num_reference_frames", 0)),
+            num_codebooks=int(h.get(b"num_codebooks", 0)),
+            reference_text=h.get(b"reference_text", b"").decode(),
+            x_vector_only=h.get(b"x_vector_only") == b"1",
+        )
+
+    @_unavailable_on_redis_errors
+    async def put_prompt(self, key: str, prompt: PromptRecord) -> None:
+        rkey = self._prompt_key(key)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(rkey)
+            pipe.hset(
+                rkey,
+                mapping={
+                    "model_id": prompt.model_id,
+                    "x_vector_f32": prompt.x_vector_f32,
+                    "x_vector_dim": prompt.x_vector_dim,
+                    "reference_codes_i16": prompt.reference_codes_i16,
+                    "num_reference_frames": prompt.num_reference_frames,
+                    "num_codebooks": prompt.num_codebooks,
+                    "reference_text": prompt.reference_text,
+                    "x_vector_only": int(prompt.x_vector_only),
+                },
+            )
+            if self.prompt_ttl_s > 0:
+                pipe.expire(rkey, self.prompt_ttl_s)
+            await pipe.execute()
+
+    @_unavailable_on_redis_errors
+    async def create_voice(self, voice: VoiceRecord, overwrite: bool) -> VoiceRecord:
+        rkey = self._voice_key(voice.name)
+        # HSETNX on the name field claims the voice atomically, even with several replicas.
+        if not overwrite and not await self._redis.hsetnx(rkey, "name", voice.name):
+            raise AlreadyExists(f"voice {voice.name!r} already exists")
+        async with self._redis.pipeline(transaction=True) as pipe:
+            if overwrite:
+                pipe.delete(rkey)
+            pipe.hset(
+                rkey,
+                mapping={
+                    "name": voice.name,
+                    "reference_pcm_f32": voice.reference_pcm_f32,
+                    "sample_rate_hz": voice.sample_rate_hz,
+                    "reference_text": voice.reference_text,
+                    "x_vector_only": int(voice.x_vector_only),
+                    "created_unix_s": voice.created_unix_s,
+                },
+            )
+            pipe.sadd(self._voices_set, voice.name)
+            await pipe.execute()
+        return voice
+
+    @_unavailable_on_redis_errors
+    async def get_voice(self, name: str) -> VoiceRecord:
+        h = await self._redis.hgetall(self._voice_key(name))
+        if not h or b"reference_pcm_f32" not in h:
+            raise NotFound(f"voice {name!r} not found")
+        return _voice_from_fields(h)
+
+    @_unavailable_on_redis_errors
+    async def list_voices(self) -> list[VoiceRecord]:
+        names = sorted(n.decode() for n in await self._redis.smembers(self._voices_set))
+        if not names:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hmget(self._voice_key(name), _VOICE_LIST_FIELDS)
+            rows = await pipe.execute()
+        voices = []
+        for row in rows:
+            if row[0] is None:
+                continue  # deleted between SMEMBERS and HMGET
+            voices.append(
+                _voice_from_fields(dict(zip((f.encode() for f in _VOICE_LIST_FIELDS), row, strict=True)))
+            )
+        return voices
+
+    @_unavailable_on_redis_errors
+    async def delete_voice(self, name: str) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._voice_key(name))
+            pipe.srem(self._voices_set, name)
+            deleted, _ = await pipe.execute()
+        if not deleted:
+            raise NotFound(f"voice {name!r} not found")
+
+    @_unavailable_on_redis_errors
+    async def count_voices(self) -> int:
+        return int(await self._redis.scard(self._voices_set))
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def _voice_from_fields(h: dict[bytes, bytes | None]) -> VoiceRecord:
+    return VoiceRecord(
+        name=(h.get(b"name") or b"").decode(),
+        reference_pcm_f32=h.get(b"reference_pcm_f32") or b"",
+        sample_rate_hz=int(h.get(b"sample_rate_hz") or 0),
+        reference_text=(h.get(b"reference_text") or b"").decode(),
+        x_vector_only=h.get(b"x_vector_only") == b"1",
+        created_unix_s=int(h.get(b"created_unix_s") or 0),
+    )

@@ -1,0 +1,152 @@
+"""One stream's `Code2WavService/Decode` call, seen as numpy frames in and domain events out.
+
+This adapter is the only talker module that touches the code2wav protobufs; the stream logic
+(`stream.py`) works with the events below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from qtts.errors import TTSError, Unavailable, from_grpc
+from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
+
+# Status codes that mean the replica itself is gone or unreachable (not a verdict on the stream).
+# CANCELLED comes from the server side only when it stopped under us: our own cancel ends reading.
+REPLICA_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
+@dataclass(frozen=True)
+class Credit:
+    frames_allowed_until: int
+
+
+@dataclass(frozen=True)
+class Audio:
+    pcm_s16le: bytes
+    num_samples: int
+    first_frame_index: int
+    num_frames: int
+    decode_ns: int
+
+
+@dataclass(frozen=True)
+class Done:
+    num_frames: int
+    num_samples: int
+    replica: str
+
+
+@dataclass(frozen=True)
+class DecodeFailed:
+    """The call ended with an error; `replica_down` when the replica is unreachable or gone."""
+
+    error: TTSError
+    replica_down: bool
+
+
+@dataclass(frozen=True)
+class DecodeClosed:
+    """The server closed the call without StreamDone."""
+
+
+DecodeEvent = Credit | Audio | Done | DecodeFailed | DecodeClosed
+
+
+def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
+    code = exc.code()
+    if code in REPLICA_DOWN_CODES:
+        return DecodeFailed(
+            Unavailable(f"code2wav replica {replica} went away or is unreachable: {exc.details()}"), True
+        )
+    err = from_grpc(code, f"code2wav replica {replica}: {exc.details()}")
+    return DecodeFailed(err, False)
+
+
+class DecodeStream:
+    """A `Decode` bidi call on one replica; writes must come from one task at a time."""
+
+    def __init__(self, stub: code2wav_pb2_grpc.Code2WavServiceStub, replica: str):
+        self.replica = replica
+        self._call = stub.Decode()
+        self._finished = False
+
+    async def start(
+        self,
+        request_id: str,
+        num_codebooks: int,
+        prefix_codes: np.ndarray | None,
+        first_chunk_frames: int,
+        chunk_frames_ramp: Sequence[int],
+    ) -> None:
+        start = code2wav_pb2.StreamStart(
+            request_id=request_id,
+            num_codebooks=num_codebooks,
+            first_chunk_frames=first_chunk_frames,
+            chunk_frames_ramp=list(chunk_frames_ramp),
+        )
+        if prefix_codes is not None and len(prefix_codes):
+            start.prefix_codes_i16 = np.ascontiguousarray(prefix_codes, dtype="<i2").tobytes()
+            start.num_prefix_frames = int(prefix_codes.shape[0])
+        await self._write(code2wav_pb2.DecodeRequest(start=start))
+
+    async def send_frames(self, first_frame_index: int, codes: np.ndarray) -> None:
+        """Send frames [first, first + len(codes)); `codes` is int [n, num_codebooks]."""
+        delta = code2wav_pb2.FrameDelta(
+            first_frame_index=first_frame_index,
+            num_frames=int(codes.shape[0]),
+            codes_i16=np.ascontiguousarray(codes, dtype="<i2").tobytes(),
+        )
+        await self._write(code2wav_pb2.DecodeRequest(frames=delta))
+
+    async def end(self, total_frames: int) -> None:
+        await self._write(code2wav_pb2.DecodeRequest(end=code2wav_pb2.StreamEnd(total_frames=total_frames)))
+        await self._call.done_writing()
+
+    async def ack(self, samples_delivered: int) -> None:
+        try:
+            await self._write(
+                code2wav_pb2.DecodeRequest(ack=code2wav_pb2.AudioAck(samples_delivered=samples_delivered))
+            )
+        except TTSError:
+            # The server may close right after its last chunk; an ack it no longer reads is harmless.
+            pass
+
+    async def _write(self, message: code2wav_pb2.DecodeRequest) -> None:
+        try:
+            await self._call.write(message)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(self.replica, exc).error from exc
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            raise Unavailable(f"code2wav replica {self.replica} closed the stream") from exc
+
+    async def events(self) -> AsyncIterator[DecodeEvent]:
+        """Server messages as domain events; always ends with Done, DecodeFailed or DecodeClosed."""
+        try:
+            async for msg in self._call:
+                kind = msg.WhichOneof("event")
+                if kind == "credit":
+                    yield Credit(msg.credit.frames_allowed_until)
+                elif kind == "audio":
+                    a = msg.audio
+                    yield Audio(a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns)
+                elif kind == "done":
+                    self._finished = True
+                    yield Done(msg.done.num_frames, msg.done.num_samples, msg.done.replica)
+                    return
+        except grpc.aio.AioRpcError as exc:
+            self._finished = True
+            yield _error(self.replica, exc)
+            return
+        self._finished = True
+        yield DecodeClosed()
+
+    def cancel(self) -> None:
+        """Cancel the call (frees the decoder state on the replica); a no-op once it ended."""
+        if not self._call.done():
+            self._call.cancel()

@@ -1,0 +1,136 @@
+"""talker configuration: a frozen dataclass from flags (env fallbacks `TTS_TALKER_*`), validated once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qtts.errors import InvalidArgument
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("float32", "bfloat16", "float16")
+# Where `make run` / a bare `python -m services.talker` builds its tiny random Base snapshot.
+DEFAULT_TINY_MODEL = ".tiny/base"
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TTS_TALKER_{name}", default)
+
+
+def _addresses(value: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in value.split(",") if a.strip())
+
+
+@dataclass(frozen=True)
+class TalkerConfig:
+    """Everything the talker needs at start-up; validated once by `validate()`."""
+
+    host: str = "127.0.0.1"
+    port: int = 50052
+    metrics_port: int = 9102
+    # Empty: build (once) and serve a tiny random Base snapshot at DEFAULT_TINY_MODEL.
+    model: str = ""
+    load_format: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+    code2wav: tuple[str, ...] = ("127.0.0.1:50053",)
+    # Empty: no speaker_cache (voice prompts are computed locally; named voices are unavailable).
+    speaker_cache: str = "127.0.0.1:50054"
+    speaker_cache_timeout_s: float = 2.0
+    max_batch: int = 64
+    # Requests waiting for a generator slot beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
+    max_queue: int = 256
+    # Frames a stream may generate ahead of the credit code2wav granted (its send buffer bound).
+    credit_window_frames: int = 8
+    ring_vnodes: int = 160
+    health_interval_s: float = 2.0
+    drain_seconds: float = 30.0
+    log_level: str = "INFO"
+
+    @property
+    def model_path(self) -> str:
+        return self.model or DEFAULT_TINY_MODEL
+
+    def validate(self) -> TalkerConfig:
+        """Raise `InvalidArgument` with a clear message for an unusable configuration."""
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidArgument(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not self.code2wav:
+            raise InvalidArgument("--code2wav needs at least one host:port address")
+        for addr in self.code2wav:
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise InvalidArgument(f"--code2wav address {addr!r} is not host:port")
+        if self.max_batch < 1:
+            raise InvalidArgument(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 0:
+            raise InvalidArgument(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.credit_window_frames < 1:
+            raise InvalidArgument(f"--credit-window-frames must be >= 1, got {self.credit_window_frames}")
+        if self.ring_vnodes < 1:
+            raise InvalidArgument(f"--ring-vnodes must be >= 1, got {self.ring_vnodes}")
+        if self.drain_seconds < 0 or self.speaker_cache_timeout_s <= 0 or self.health_interval_s <= 0:
+            raise InvalidArgument(
+                "--drain-seconds must be >= 0; --speaker-cache-timeout-s and --health-interval-s > 0"
+            )
+        return self
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TalkerConfig()
+    p = argparse.ArgumentParser(prog="python -m services.talker", description=__doc__)
+    p.add_argument("--host", default=_env("HOST", d.host))
+    p.add_argument("--port", type=int, default=int(_env("PORT", str(d.port))))
+    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", str(d.metrics_port))),
+                   help="Prometheus metrics port (0 = off)")
+    p.add_argument("--model", default=_env("MODEL", d.model),
+                   help=f"snapshot folder, hub id, or a shipped config name with --load-format dummy "
+                        f"(default: a tiny random Base snapshot in {DEFAULT_TINY_MODEL})")
+    p.add_argument("--load-format", default=_env("LOAD_FORMAT", d.load_format), choices=LOAD_FORMATS)
+    p.add_argument("--device", default=_env("DEVICE", d.device))
+    p.add_argument("--dtype", default=_env("DTYPE", d.dtype), choices=DTYPES)
+    p.add_argument("--code2wav", default=_env("CODE2WAV", ",".join(d.code2wav)),
+                   help="comma-separated code2wav replica addresses (host:port)")
+    p.add_argument("--speaker-cache", default=_env("SPEAKER_CACHE", d.speaker_cache),
+                   help="speaker_cache address (empty = none)")
+    p.add_argument("--speaker-cache-timeout-s", type=float,
+                   default=float(_env("SPEAKER_CACHE_TIMEOUT_S", str(d.speaker_cache_timeout_s))))
+    p.add_argument("--max-batch", type=int, default=int(_env("MAX_BATCH", str(d.max_batch))),
+                   help="streams generated together in one batched step")
+    p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", str(d.max_queue))),
+                   help="requests that may wait for a slot; beyond it they are rejected")
+    p.add_argument("--credit-window-frames", type=int,
+                   default=int(_env("CREDIT_WINDOW_FRAMES", str(d.credit_window_frames))),
+                   help="frames a stream may generate ahead of its code2wav credit")
+    p.add_argument("--ring-vnodes", type=int, default=int(_env("RING_VNODES", str(d.ring_vnodes))))
+    p.add_argument("--health-interval-s", type=float,
+                   default=float(_env("HEALTH_INTERVAL_S", str(d.health_interval_s))))
+    p.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", str(d.drain_seconds))))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
+    """Parse flags (env fallbacks) into a validated config; exits with a message on bad input."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    config = TalkerConfig(
+        host=a.host, port=a.port, metrics_port=a.metrics_port, model=a.model, load_format=a.load_format,
+        device=a.device, dtype=a.dtype, code2wav=_addresses(a.code2wav), speaker_cache=a.speaker_cache.strip(),
+        speaker_cache_timeout_s=a.speaker_cache_timeout_s, max_batch=a.max_batch, max_queue=a.max_queue,
+        credit_window_frames=a.credit_window_frames, ring_vnodes=a.ring_vnodes,
+        health_interval_s=a.health_interval_s, drain_seconds=a.drain_seconds, log_level=a.log_level,
+    )
+    try:
+        return config.validate()
+    except InvalidArgument as exc:
+        parser.error(exc.message)
+        raise  # unreachable: parser.error exits

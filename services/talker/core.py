@@ -1,0 +1,91 @@
+"""The talker's transport-agnostic core: validate, resolve the voice, build the prompt, stream audio."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+
+from qtts.errors import InvalidArgument
+from qtts.metrics import TalkerMetrics
+
+from .engine import GenerationEngine
+from .replicas import Code2WavReplicas
+from .request import VOICE_CLONE, AudioPiece, GenerationRequest, GenerationSummary, SamplingOverrides
+from .stream import StreamSession
+from .validation import check_request
+from .voices import VoiceResolver
+
+
+def merge_sampling(defaults: Any, overrides: SamplingOverrides) -> Any:
+    """The model's generation defaults with the caller's set fields on top."""
+    changes = {
+        name: value for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+        if (value := getattr(overrides, name)) is not None
+    }
+    if overrides.greedy:
+        changes["greedy"] = True
+    for name, value in changes.items():
+        if name in ("temperature", "top_p", "repetition_penalty") and value < 0:
+            raise InvalidArgument(f"sampling {name} must be >= 0, got {value}")
+    return dataclasses.replace(defaults, **changes) if changes else defaults
+
+
+class TalkerCore:
+    """Serves generation requests on a loaded `TalkerBundle` through the engine and code2wav."""
+
+    def __init__(self, *, bundle: Any, engine: GenerationEngine, replicas: Code2WavReplicas,
+                 voices: VoiceResolver, metrics: TalkerMetrics, credit_window_frames: int,
+                 spec_factory: Callable[..., Any] | None = None):
+        self.bundle = bundle
+        self.info = bundle.info
+        self._engine = engine
+        self._replicas = replicas
+        self._voices = voices
+        self._metrics = metrics
+        self._window = credit_window_frames
+        self._spec_factory = spec_factory
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[AudioPiece | GenerationSummary]:
+        """Audio pieces as code2wav produces them, then one summary (errors are TTSError)."""
+        started_at = time.perf_counter()
+        if not req.request_id:
+            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        checked = check_request(req, self.info)
+        sampling = merge_sampling(self.bundle.generation_defaults, req.sampling)
+        voice_prompt = None
+        if checked.task == VOICE_CLONE:
+            with self._metrics.stage_timer("voice_prompt"):
+                voice_prompt = await self._voices.resolve(req)
+        prompt = await asyncio.to_thread(self._build_prompt, req, checked, voice_prompt)
+        ref_codes = None
+        if getattr(prompt, "ref_codes", None) is not None:
+            ref_codes = prompt.ref_codes.detach().to("cpu").numpy().astype(np.int16)
+        session = StreamSession(
+            request_id=req.request_id, prompt=prompt, sampling=sampling,
+            max_new_frames=req.max_new_frames or None, ref_codes=ref_codes,
+            num_codebooks=self.info.num_codebooks, first_chunk_frames=req.first_chunk_frames,
+            chunk_frames_ramp=req.chunk_frames_ramp, engine=self._engine, replicas=self._replicas,
+            window=self._window, started_at=started_at,
+        )
+        async for item in session.run():
+            yield item
+
+    def _build_prompt(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
+        if self._spec_factory is None:
+            from qtts.model import SynthesisSpec
+
+            self._spec_factory = SynthesisSpec
+        spec = self._spec_factory(
+            text=req.text, task=checked.task, speaker=checked.speaker, language=checked.language,
+            instruct=req.instructions or None, voice_prompt=voice_prompt, streaming_text=req.streaming_text,
+        )
+        try:
+            return self.bundle.build_prompt(spec)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc

@@ -1,0 +1,247 @@
+"""The generation loop: one dedicated thread drives the batched generator, never the asyncio loop.
+
+The asyncio side submits requests and cancellations; the thread admits requests into the
+generator (up to `max_batch`), steps every stream that has credit, and hands each new frame to the
+request's sink at once. Sinks are called on the engine thread and must only schedule work on the
+event loop (`loop.call_soon_threadsafe`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from qtts.errors import GenerationFailed
+from qtts.metrics import TalkerMetrics
+
+from .scheduler import ScheduledRequest, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class BatchGenerator(Protocol):
+    """What the engine needs of `qtts.model.EagerGenerator`."""
+
+    num_active: int
+
+    def add(self, request_id: str, prompt: Any, sampling: Any, max_new_frames: int | None = None) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def step(self, skip: Any = ...) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The request entered the generator after waiting `queue_s` seconds."""
+
+    queue_s: float
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One generated frame: int16 codes [num_codebooks]; `index` counts from 0."""
+
+    index: int
+    codes: np.ndarray
+    step_s: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Generation ended: reason "stop", "length" or "frame_cap", after `num_frames` frames."""
+
+    reason: str
+    num_frames: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Generation failed for this request."""
+
+    error: Exception
+
+
+def _codes_to_numpy(codes: Sequence[Any]) -> list[np.ndarray]:
+    if not codes:
+        return []
+    try:
+        import torch
+
+        if all(isinstance(c, torch.Tensor) for c in codes):
+            # One device->host copy for the whole batch instead of one sync per stream.
+            stacked = torch.stack([c.reshape(-1) for c in codes]).to("cpu", torch.int16).numpy()
+            return list(stacked)
+    except ImportError:  # pragma: no cover - torch is a runtime dependency
+        pass
+    return [np.asarray(c, dtype=np.int16).reshape(-1) for c in codes]
+
+
+class GenerationEngine:
+    """Runs a `BatchGenerator` in its own thread under a `Scheduler`."""
+
+    def __init__(
+        self,
+        generator: BatchGenerator,
+        scheduler: Scheduler,
+        metrics: TalkerMetrics,
+        idle_wait_s: float = 0.5,
+    ):
+        self._generator = generator
+        self._scheduler = scheduler
+        self._metrics = metrics
+        self._idle_wait_s = idle_wait_s
+        self._cond = threading.Condition()
+        self._pending_cancels: list[str] = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def generator(self) -> BatchGenerator:
+        return self._generator
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="talker-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stop_admitting(self) -> None:
+        with self._cond:
+            self._scheduler.admitting = False
+
+    def submit(self, req: ScheduledRequest) -> None:
+        """Queue a request (raises ResourceExhausted/Unavailable when it cannot be taken)."""
+        req.submitted_at = time.perf_counter()
+        with self._cond:
+            self._scheduler.submit(req)
+            self._update_gauges()
+            self._cond.notify()
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request wherever it is; a no-op when it already finished."""
+        with self._cond:
+            _, was_running = self._scheduler.remove(request_id)
+            if was_running:
+                self._pending_cancels.append(request_id)
+            self._update_gauges()
+            self._cond.notify()
+
+    def grant(self, req: ScheduledRequest, frames_allowed_until: int) -> None:
+        """Record code2wav credit for a request and wake the loop when it grew."""
+        with self._cond:
+            if req.credit.grant(frames_allowed_until):
+                self._cond.notify()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        with self._cond:
+            return self._scheduler.num_running, self._scheduler.num_waiting
+
+    def _has_work(self) -> bool:
+        s = self._scheduler
+        return bool(self._pending_cancels) or s.can_admit() or s.has_steppable()
+
+    def _update_gauges(self) -> None:
+        self._metrics.active_streams.set(self._scheduler.num_running)
+        self._metrics.queue_depth.set(self._scheduler.num_waiting)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._has_work():
+                    self._cond.wait(self._idle_wait_s)
+                cancels, self._pending_cancels = self._pending_cancels, []
+                if self._stop:
+                    for rid in cancels:
+                        self._call_generator(self._generator.cancel, rid)
+                    return
+                admitted = self._scheduler.admit()
+                skip = self._scheduler.skip_set()
+                stepping = [r for rid, r in self._scheduler.running.items() if rid not in skip]
+                for rid, req in self._scheduler.running.items():
+                    if rid in skip and not req.stalled:
+                        self._metrics.credit_stalls_total.inc()
+                    req.stalled = rid in skip
+                self._update_gauges()
+            for rid in cancels:
+                self._call_generator(self._generator.cancel, rid)
+            for req in admitted:
+                self._add(req)
+            if stepping:
+                self._step(skip, stepping)
+
+    def _call_generator(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("generator %s%r failed", getattr(fn, "__name__", fn), args)
+
+    def _add(self, req: ScheduledRequest) -> None:
+        try:
+            self._generator.add(req.request_id, req.prompt, req.sampling, req.max_new_frames)
+        except Exception as exc:
+            log.exception("could not add request %s to the generator", req.request_id)
+            with self._cond:
+                self._scheduler.remove(req.request_id)
+                self._update_gauges()
+            req.sink(Failed(GenerationFailed(f"could not start generation: {exc}")))
+            return
+        req.sink(Admitted(time.perf_counter() - req.submitted_at))
+
+    def _step(self, skip: set[str], stepping: list[ScheduledRequest]) -> None:
+        prefilling = any(not r.stepped for r in stepping)
+        t0 = time.perf_counter()
+        try:
+            outputs = self._generator.step(skip=skip)
+        except Exception as exc:
+            log.exception("generator step failed; failing the %d streams in it", len(stepping))
+            self._fail_all(GenerationFailed(f"generation step failed: {exc}"))
+            return
+        step_s = time.perf_counter() - t0
+        (self._metrics.prefill_seconds if prefilling else self._metrics.step_seconds).observe(step_s)
+        self._metrics.batch_size.observe(len(stepping))
+        events: list[tuple[ScheduledRequest, Any]] = []
+        with self._cond:
+            with_codes: list[tuple[ScheduledRequest, Any]] = []
+            finished: list[tuple[ScheduledRequest, str]] = []
+            for out in outputs:
+                req = self._scheduler.running.get(out.request_id)
+                if req is None:  # cancelled while the step ran
+                    continue
+                req.stepped = True
+                if out.codes is not None:
+                    with_codes.append((req, out.codes))
+                if out.finished:
+                    self._scheduler.remove(out.request_id)
+                    finished.append((req, out.finish_reason or "stop"))
+            for (req, _), codes in zip(with_codes, _codes_to_numpy([c for _, c in with_codes]), strict=True):
+                events.append((req, Frame(req.credit.generated, codes, step_s)))
+                req.credit.generated += 1
+            for req, reason in finished:
+                events.append((req, Finished(reason, req.credit.generated)))
+            self._update_gauges()
+        self._metrics.frames_total.inc(len(with_codes))
+        for req, ev in events:
+            req.sink(ev)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._cond:
+            failed = list(self._scheduler.running.values())
+            for req in failed:
+                self._scheduler.remove(req.request_id)
+            self._update_gauges()
+        for req in failed:
+            self._call_generator(self._generator.cancel, req.request_id)
+            req.sink(Failed(error))

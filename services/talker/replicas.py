@@ -1,0 +1,127 @@
+"""The code2wav replicas a talker decodes on: a consistent-hash ring over the healthy ones.
+
+A stream is pinned to `pick(request_id)` when it opens and never moves. A replica that fails to
+connect or drops a stream is marked down (taken off the ring, so only its ~1/N share of new
+streams moves); a health-check task puts it back once it reports SERVING again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from qtts.errors import Unavailable
+from qtts.hash_ring import HashRing
+from qtts.pb import code2wav_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+CODE2WAV_SERVICE = "code2wav.v1.Code2WavService"
+
+
+class Code2WavReplicas:
+    """Channels, stubs and the ring of the configured code2wav addresses."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        vnodes: int = 160,
+        health_interval_s: float = 2.0,
+        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+    ):
+        if not addresses:
+            raise ValueError("at least one code2wav address is needed")
+        self.addresses = tuple(dict.fromkeys(addresses))
+        factory = channel_factory or (
+            lambda addr: grpc.aio.insecure_channel(
+                addr,
+                options=[
+                    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                ],
+            )
+        )
+        self._channels = {addr: factory(addr) for addr in self.addresses}
+        self._stubs = {addr: code2wav_pb2_grpc.Code2WavServiceStub(ch) for addr, ch in self._channels.items()}
+        self._health = {addr: health_pb2_grpc.HealthStub(ch) for addr, ch in self._channels.items()}
+        # Optimistic start: every replica is on the ring until a connect or a health check fails.
+        self._ring = HashRing(self.addresses, vnodes=vnodes)
+        self._health_interval_s = health_interval_s
+        self._task: asyncio.Task | None = None
+
+    @property
+    def healthy(self) -> frozenset[str]:
+        return self._ring.nodes
+
+    def pick(self, key: str, exclude: frozenset[str] = frozenset()) -> str:
+        """The replica for `key`; with `exclude`, the owner on a ring without those replicas."""
+        ring = self._ring
+        if exclude & ring.nodes:
+            ring = HashRing(ring.nodes - exclude)
+        try:
+            return ring.get(key)
+        except LookupError:
+            raise Unavailable(
+                f"no code2wav replica is available (configured: {', '.join(self.addresses)})"
+            ) from None
+
+    def stub(self, address: str) -> code2wav_pb2_grpc.Code2WavServiceStub:
+        return self._stubs[address]
+
+    def mark_down(self, address: str, reason: str) -> None:
+        if address in self._ring:
+            log.warning("code2wav replica %s marked down: %s", address, reason)
+            self._ring.remove(address)
+
+    def mark_up(self, address: str) -> None:
+        if address not in self._ring:
+            log.info("code2wav replica %s is serving again", address)
+            self._ring.add(address)
+
+    async def check(self, address: str, timeout_s: float = 1.0) -> bool:
+        """One health check; updates the ring and returns whether the replica serves."""
+        try:
+            resp = await self._health[address].Check(
+                health_pb2.HealthCheckRequest(service=CODE2WAV_SERVICE), timeout=timeout_s
+            )
+            serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as exc:
+            serving = False
+            reason = f"health check failed: {exc.code().name}"
+        else:
+            reason = "health check reports NOT_SERVING"
+        if serving:
+            self.mark_up(address)
+        else:
+            self.mark_down(address, reason)
+        return serving
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(a) for a in self.addresses))
+
+    def start(self) -> None:
+        """Start the periodic health checks."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._health_loop(), name="code2wav-health")
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - the loop must outlive any single failure
+                log.exception("code2wav health check round failed")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await asyncio.gather(*(ch.close() for ch in self._channels.values()))

@@ -1,0 +1,68 @@
+"""Domain types of one talker request and what it yields (no protobuf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+VOICE_CLONE = "voice_clone"
+CUSTOM_VOICE = "custom_voice"
+VOICE_DESIGN = "voice_design"
+
+# The one task each model variant serves (config.json `tts_model_type` -> task).
+TASK_OF_MODEL_TYPE = {"base": VOICE_CLONE, "custom_voice": CUSTOM_VOICE, "voice_design": VOICE_DESIGN}
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Sampling fields the caller set; None keeps the model's generation_config default."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    greedy: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What the talker is asked to synthesise; `task=None` means the served model's task."""
+
+    request_id: str
+    text: str
+    task: str | None = None
+    voice: str = ""
+    language: str = ""
+    instructions: str = ""
+    reference_pcm_f32: bytes = b""
+    reference_text: str = ""
+    x_vector_only: bool = False
+    sampling: SamplingOverrides = field(default_factory=SamplingOverrides)
+    max_new_frames: int = 0
+    first_chunk_frames: int = 0
+    chunk_frames_ramp: tuple[int, ...] = ()
+    streaming_text: bool | None = None
+
+
+@dataclass(frozen=True)
+class AudioPiece:
+    """A chunk of PCM s16le 24 kHz audio covering generated frames [first, first + num_frames)."""
+
+    pcm_s16le: bytes
+    num_samples: int
+    first_frame_index: int
+    num_frames: int
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    """How a successful request ended: finish reason "stop" or "length", sizes and timings."""
+
+    finish_reason: str
+    num_frames: int
+    num_samples: int
+    queue_ns: int
+    prefill_ns: int
+    first_audio_ns: int
+    total_ns: int
+    replica: str

@@ -1,0 +1,123 @@
+"""Builds and runs the talker: model bundle, generator engine thread, code2wav ring, servicer, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from qtts.grpc_server import GrpcServiceHost, service_full_name
+from qtts.metrics import TalkerMetrics
+from qtts.pb import talker_pb2, talker_pb2_grpc
+
+from .config import DEFAULT_TINY_MODEL, TalkerConfig
+from .core import TalkerCore
+from .engine import GenerationEngine
+from .replicas import Code2WavReplicas
+from .scheduler import Scheduler
+from .servicer import TalkerServicer
+from .speaker_cache_client import SpeakerCacheClient
+from .voices import VoiceResolver
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = service_full_name(talker_pb2, "TalkerService")
+
+
+def load_bundle(config: TalkerConfig) -> Any:
+    """Load the configured model (building the tiny default snapshot on first use)."""
+    import torch
+
+    from qtts.model import load_talker_bundle
+
+    path = config.model_path
+    if not config.model and not (Path(path) / "config.json").exists():
+        from qtts.testing import build_tiny_snapshot
+
+        log.info("no --model given: building a tiny random Base snapshot in %s", DEFAULT_TINY_MODEL)
+        build_tiny_snapshot(Path(path), "base")
+    return load_talker_bundle(
+        path, device=config.device, dtype=getattr(torch, config.dtype), load_format=config.load_format
+    )
+
+
+def default_generator_factory(bundle: Any, max_batch: int) -> Any:
+    from qtts.model import EagerGenerator
+
+    return EagerGenerator(bundle, max_batch=max_batch)
+
+
+class TalkerServer:
+    """The talker process; `bundle` and `generator_factory` may be injected (tests)."""
+
+    def __init__(self, config: TalkerConfig, *, bundle: Any = None,
+                 generator_factory: Callable[[Any, int], Any] | None = None,
+                 spec_factory: Callable[..., Any] | None = None):
+        self.config = config
+        self.metrics = TalkerMetrics(CollectorRegistry())
+        self.bundle = bundle
+        self._generator_factory = generator_factory or default_generator_factory
+        self._spec_factory = spec_factory
+        self.host = GrpcServiceHost(
+            service_names=[SERVICE_NAME], metrics=self.metrics, host=config.host, port=config.port,
+            metrics_port=config.metrics_port, drain_seconds=config.drain_seconds,
+        )
+        self.servicer = TalkerServicer()
+        talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
+        self.host.add_shutdown_callback(self._shutdown)
+        self.engine: GenerationEngine | None = None
+        self.replicas: Code2WavReplicas | None = None
+        self.core: TalkerCore | None = None
+        self._cache: SpeakerCacheClient | None = None
+        self._voices: VoiceResolver | None = None
+
+    async def start(self) -> int:
+        """Serve (NOT_SERVING), load the model, start the engine, then report SERVING."""
+        port = await self.host.start()
+        if self.bundle is None:
+            self.bundle = await asyncio.to_thread(load_bundle, self.config)
+        info = self.bundle.info
+        log.info("loaded %s (%s, %s)", info.name, info.model_type, info.model_size)
+        generator = self._generator_factory(self.bundle, self.config.max_batch)
+        self.engine = GenerationEngine(
+            generator, Scheduler(self.config.max_batch, self.config.max_queue), self.metrics
+        )
+        self.engine.start()
+        self.replicas = Code2WavReplicas(
+            self.config.code2wav, vnodes=self.config.ring_vnodes, health_interval_s=self.config.health_interval_s
+        )
+        self.replicas.start()
+        self._cache = SpeakerCacheClient(self.config.speaker_cache or None, self.config.speaker_cache_timeout_s)
+        self._voices = VoiceResolver(self.bundle, self._cache, model_id=info.name)
+        self.core = TalkerCore(
+            bundle=self.bundle, engine=self.engine, replicas=self.replicas, voices=self._voices,
+            metrics=self.metrics, credit_window_frames=self.config.credit_window_frames,
+            spec_factory=self._spec_factory,
+        )
+        self.servicer.core = self.core
+        await self.host.set_serving()
+        return port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: stop admitting, let in-flight streams finish up to the grace, then free everything."""
+        if self.engine is not None:
+            self.engine.stop_admitting()
+        await self.host.stop(grace)
+
+    async def _shutdown(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        if self._voices is not None:
+            await self._voices.close()
+        if self._cache is not None:
+            await self._cache.close()
+        if self.replicas is not None:
+            await self.replicas.close()
+
+    async def run(self) -> None:
+        await self.start()
+        await self.host.serve_until_signal()

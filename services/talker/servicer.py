@@ -1,0 +1,112 @@
+"""`talker.v1.TalkerService`: converts protobuf <-> domain objects around `TalkerCore`."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from qtts.errors import InvalidArgument, Unavailable
+from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+
+from .core import TalkerCore
+from .request import (
+    CUSTOM_VOICE,
+    VOICE_CLONE,
+    VOICE_DESIGN,
+    AudioPiece,
+    GenerationRequest,
+    GenerationSummary,
+    SamplingOverrides,
+)
+
+_TASKS = {
+    tts_pb2.TASK_TYPE_UNSPECIFIED: None,
+    tts_pb2.TASK_TYPE_VOICE_CLONE: VOICE_CLONE,
+    tts_pb2.TASK_TYPE_CUSTOM_VOICE: CUSTOM_VOICE,
+    tts_pb2.TASK_TYPE_VOICE_DESIGN: VOICE_DESIGN,
+}
+_FINISH = {"stop": tts_pb2.FINISH_REASON_STOP, "length": tts_pb2.FINISH_REASON_LENGTH}
+
+
+def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
+    if msg.task_type not in _TASKS:
+        raise InvalidArgument(f"unknown task_type {msg.task_type}")
+    s = msg.sampling
+    sampling = SamplingOverrides(
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        greedy=s.greedy,
+    )
+    return GenerationRequest(
+        request_id=msg.request_id, text=msg.text, task=_TASKS[msg.task_type], voice=msg.voice,
+        language=msg.language, instructions=msg.instructions, reference_pcm_f32=msg.reference_pcm_f32,
+        reference_text=msg.reference_text, x_vector_only=msg.x_vector_only, sampling=sampling,
+        max_new_frames=msg.max_new_frames, first_chunk_frames=msg.streaming.first_chunk_frames,
+        chunk_frames_ramp=tuple(msg.streaming.chunk_frames_ramp),
+        streaming_text=msg.streaming_text if msg.HasField("streaming_text") else None,
+    )
+
+
+class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
+    """Generate streams a request's audio then its summary; GetModelInfo describes the model."""
+
+    def __init__(self, core: TalkerCore | None = None, sample_rate_hz: int = 24000):
+        # None until the model is loaded: the server registers the servicer before it starts.
+        self.core = core
+        self._sample_rate_hz = sample_rate_hz
+
+    def _ready_core(self) -> TalkerCore:
+        if self.core is None:
+            raise Unavailable("the talker is still loading its model")
+        return self.core
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: talker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[talker_pb2.GenerateResponse]:
+        req = request_from_proto(request)
+        if not req.request_id:
+            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        seq = 0
+        rid = req.request_id
+        async for item in self._ready_core().generate(req):
+            if isinstance(item, AudioPiece):
+                msg = talker_pb2.GenerateResponse(
+                    request_id=rid, sequence_number=seq,
+                    audio=tts_pb2.AudioChunk(
+                        audio=item.pcm_s16le, num_samples=item.num_samples, sample_rate_hz=self._sample_rate_hz,
+                        first_frame_index=item.first_frame_index, num_frames=item.num_frames,
+                    ),
+                )
+            else:
+                assert isinstance(item, GenerationSummary)
+                msg = talker_pb2.GenerateResponse(
+                    request_id=rid, sequence_number=seq,
+                    summary=talker_pb2.GenerateSummary(
+                        finish_reason=_FINISH.get(item.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
+                        num_frames=item.num_frames, num_samples=item.num_samples,
+                        timings=tts_pb2.Timings(
+                            queue_ns=item.queue_ns, prefill_ns=item.prefill_ns,
+                            first_audio_ns=item.first_audio_ns, total_ns=item.total_ns,
+                        ),
+                        code2wav_replica=item.replica,
+                    ),
+                )
+            seq += 1
+            yield msg
+
+    async def GetModelInfo(  # noqa: N802 - gRPC method name
+        self, request: talker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> talker_pb2.GetModelInfoResponse:
+        info = self._ready_core().info
+        return talker_pb2.GetModelInfoResponse(
+            name=info.name, model_type=info.model_type, model_size=str(info.model_size),
+            speakers=sorted(info.speakers), languages=sorted(info.languages),
+            sample_rate_hz=info.sample_rate, samples_per_frame=info.samples_per_frame,
+            num_codebooks=info.num_codebooks,
+        )

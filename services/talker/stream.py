@@ -1,0 +1,183 @@
+"""One request's stream on the asyncio side: engine frames -> code2wav within credit -> audio out.
+
+Events from the engine thread (frames, end of generation) and from the Decode call (credit, audio,
+done) meet in one queue and are handled by one task, so writes to the Decode call never overlap.
+Frames wait in `buffer` until code2wav's credit allows them; the engine stops generating for this
+stream once it is `window` frames ahead of that credit, which bounds the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from qtts.errors import GenerationFailed, TTSError, Unavailable
+
+from . import code2wav_client as c2w
+from .engine import Admitted, Failed, Finished, Frame, GenerationEngine
+from .replicas import Code2WavReplicas
+from .request import AudioPiece, GenerationSummary
+from .scheduler import ScheduledRequest, StreamCredit
+
+log = logging.getLogger(__name__)
+
+FRAME_CAP_MESSAGE = "generation hit the frame cap without end of speech"
+
+
+class StreamSession:
+    """Runs one request from engine submission to the last audio chunk and the summary."""
+
+    def __init__(self, *, request_id: str, prompt: Any, sampling: Any, max_new_frames: int | None,
+                 ref_codes: np.ndarray | None, num_codebooks: int, first_chunk_frames: int,
+                 chunk_frames_ramp: Sequence[int], engine: GenerationEngine,
+                 replicas: Code2WavReplicas, window: int, started_at: float):
+        self.request_id = request_id
+        self._engine = engine
+        self._replicas = replicas
+        self._ref_codes = ref_codes
+        self._num_codebooks = num_codebooks
+        self._first_chunk_frames = first_chunk_frames
+        self._ramp = tuple(chunk_frames_ramp)
+        self._started_at = started_at
+        self._events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._request = ScheduledRequest(
+            request_id=request_id, prompt=prompt, sampling=sampling, max_new_frames=max_new_frames,
+            credit=StreamCredit(window=window),
+            sink=lambda ev: loop.call_soon_threadsafe(self._events.put_nowait, ev),
+        )
+        self._buffer: list[np.ndarray] = []
+        self._sent = 0
+        self._gen_end: Finished | None = None
+        self._end_sent = False
+        self._decode: c2w.DecodeStream | None = None
+        self._reader: asyncio.Task | None = None
+        self._tried: set[str] = set()
+        self._heard_from_replica = False
+
+    async def run(self) -> AsyncIterator[AudioPiece | GenerationSummary]:
+        generating = False
+        done = False
+        try:
+            await self._open_decode()
+            self._engine.submit(self._request)
+            generating = True
+            queue_ns = prefill_ns = first_audio_ns = 0
+            samples = 0
+            while True:
+                ev = await self._events.get()
+                if isinstance(ev, Admitted):
+                    queue_ns = int(ev.queue_s * 1e9)
+                elif isinstance(ev, Frame):
+                    if ev.index == 0:
+                        prefill_ns = int(ev.step_s * 1e9)
+                    self._buffer.append(ev.codes)
+                    await self._flush()
+                elif isinstance(ev, Finished):
+                    generating = False
+                    if ev.reason == "frame_cap":
+                        raise GenerationFailed(FRAME_CAP_MESSAGE)
+                    self._gen_end = ev
+                    await self._flush()
+                elif isinstance(ev, Failed):
+                    generating = False
+                    raise ev.error
+                elif isinstance(ev, c2w.Credit):
+                    self._heard_from_replica = True
+                    self._engine.grant(self._request, ev.frames_allowed_until)
+                    await self._flush()
+                elif isinstance(ev, c2w.Audio):
+                    self._heard_from_replica = True
+                    if not first_audio_ns:
+                        first_audio_ns = int((time.perf_counter() - self._started_at) * 1e9)
+                    samples += ev.num_samples
+                    yield AudioPiece(ev.pcm_s16le, ev.num_samples, ev.first_frame_index, ev.num_frames)
+                    # The caller took the chunk: tell code2wav how far the listener is.
+                    await self._decode.ack(samples)
+                elif isinstance(ev, c2w.Done):
+                    done = True
+                    replica = ev.replica or self._decode.replica
+                    break
+                elif isinstance(ev, c2w.DecodeFailed):
+                    await self._on_decode_failed(ev)
+                elif isinstance(ev, c2w.DecodeClosed):
+                    raise Unavailable(f"code2wav replica {self._decode.replica} closed the stream before the end")
+            end = self._gen_end
+            if end is None:
+                raise TTSError(f"code2wav replica {self._decode.replica} ended the stream before generation did")
+            yield GenerationSummary(
+                finish_reason=end.reason, num_frames=end.num_frames, num_samples=samples,
+                queue_ns=queue_ns, prefill_ns=prefill_ns, first_audio_ns=first_audio_ns,
+                total_ns=int((time.perf_counter() - self._started_at) * 1e9),
+                replica=replica,
+            )
+        finally:
+            if generating:
+                self._engine.cancel(self.request_id)
+            await self._close_decode(cancel=not done)
+
+    async def _open_decode(self) -> None:
+        """Open the Decode call on the ring's replica for this request and send StreamStart."""
+        while True:
+            replica = self._replicas.pick(self.request_id, exclude=frozenset(self._tried))
+            self._tried.add(replica)
+            decode = c2w.DecodeStream(self._replicas.stub(replica), replica)
+            try:
+                await decode.start(self.request_id, self._num_codebooks, self._ref_codes,
+                                   self._first_chunk_frames, self._ramp)
+            except TTSError as exc:
+                decode.cancel()
+                self._replicas.mark_down(replica, exc.message)
+                continue
+            self._decode = decode
+            self._reader = asyncio.create_task(self._pump(decode), name=f"decode-{self.request_id}")
+            return
+
+    async def _pump(self, decode: c2w.DecodeStream) -> None:
+        async for ev in decode.events():
+            self._events.put_nowait(ev)
+
+    async def _on_decode_failed(self, ev: c2w.DecodeFailed) -> None:
+        replica = self._decode.replica
+        if ev.replica_down:
+            self._replicas.mark_down(replica, ev.error.message)
+        if ev.replica_down and not self._heard_from_replica and self._sent == 0:
+            # The replica never answered: nothing of this stream lives there yet, so open it on
+            # the next replica of the ring instead of failing the request.
+            log.info("request %s: code2wav replica %s unreachable, trying another", self.request_id, replica)
+            await self._close_decode(cancel=True)
+            await self._open_decode()
+            await self._flush()
+            return
+        raise ev.error
+
+    async def _flush(self) -> None:
+        """Send buffered frames the credit allows; StreamEnd once generation ended and all are sent."""
+        n = min(len(self._buffer), self._request.credit.granted_until - self._sent)
+        if n > 0:
+            codes = np.stack(self._buffer[:n])
+            del self._buffer[:n]
+            try:
+                await self._decode.send_frames(self._sent, codes)
+            except Unavailable as exc:
+                self._replicas.mark_down(self._decode.replica, exc.message)
+                raise
+            self._sent += n
+        if self._gen_end is not None and not self._buffer and not self._end_sent:
+            self._end_sent = True
+            await self._decode.end(self._gen_end.num_frames)
+
+    async def _close_decode(self, cancel: bool) -> None:
+        if self._decode is not None and cancel:
+            self._decode.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        self._reader = None

@@ -1,0 +1,135 @@
+"""Resolves the voice prompt of a voice-clone request: inline clip or named voice, cached by content key.
+
+Lookup order: a small in-process LRU, then speaker_cache (`GetVoicePrompt`), then computing it with
+the bundle in a worker thread and storing it back (`PutVoicePrompt`, in the background). When
+speaker_cache is unreachable the prompt is computed locally and the request goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from qtts.errors import InvalidArgument, Unavailable
+from qtts.voice_key import voice_prompt_key
+
+from .request import GenerationRequest
+from .speaker_cache_client import PromptRecord, SpeakerCacheClient, SpeakerCacheUnreachable
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 24000
+
+
+def prompt_to_record(prompt: Any, model_id: str) -> PromptRecord:
+    """`qtts.model.VoicePrompt` -> transport record."""
+    codes = None
+    if prompt.ref_codes is not None:
+        codes = prompt.ref_codes.detach().to("cpu").numpy().astype(np.int16)
+    return PromptRecord(
+        model_id=model_id,
+        x_vector=prompt.x_vector.detach().to("cpu").float().numpy().reshape(-1),
+        ref_codes=codes, reference_text=prompt.ref_text, x_vector_only=bool(prompt.x_vector_only),
+    )
+
+
+def record_to_prompt(record: PromptRecord) -> Any:
+    """Transport record -> `qtts.model.VoicePrompt` (CPU tensors; the prompt builder places them)."""
+    import torch
+
+    from qtts.model import VoicePrompt
+
+    codes = None if record.ref_codes is None else torch.from_numpy(record.ref_codes.astype(np.int64))
+    return VoicePrompt(
+        x_vector=torch.from_numpy(record.x_vector.astype(np.float32)), ref_codes=codes,
+        ref_text=record.reference_text, x_vector_only=record.x_vector_only,
+    )
+
+
+class VoiceResolver:
+    """Finds or computes the `VoicePrompt` of a voice-clone request."""
+
+    def __init__(self, bundle: Any, cache: SpeakerCacheClient, model_id: str, local_entries: int = 64):
+        self._bundle = bundle
+        self._cache = cache
+        self._model_id = model_id
+        self._local: OrderedDict[str, Any] = OrderedDict()
+        self._local_entries = local_entries
+        self._background: set[asyncio.Task] = set()
+
+    async def resolve(self, req: GenerationRequest) -> Any:
+        pcm, ref_text, x_vector_only = await self._reference(req)
+        if pcm.size == 0:
+            raise InvalidArgument("the reference audio is empty")
+        if not x_vector_only and not (ref_text or "").strip():
+            raise InvalidArgument("voice clone needs reference_text (the transcript) unless x_vector_only is set")
+        key = voice_prompt_key(self._model_id, pcm.astype("<f4").tobytes(), ref_text, x_vector_only)
+        if key in self._local:
+            self._local.move_to_end(key)
+            return self._local[key]
+        reachable = self._cache.address is not None
+        record = None
+        if reachable:
+            try:
+                record = await self._cache.get_prompt(key)
+            except SpeakerCacheUnreachable as exc:
+                log.warning("computing the voice prompt locally: %s", exc.message)
+                reachable = False
+        if record is not None:
+            prompt = record_to_prompt(record)
+        else:
+            prompt = await self._compute(pcm, ref_text, x_vector_only)
+            if reachable:
+                self._store_in_background(key, prompt)
+        self._remember(key, prompt)
+        return prompt
+
+    async def _reference(self, req: GenerationRequest) -> tuple[np.ndarray, str | None, bool]:
+        if req.reference_pcm_f32:
+            pcm = np.frombuffer(req.reference_pcm_f32, dtype="<f4")
+            return pcm, req.reference_text or None, req.x_vector_only
+        try:
+            voice = await self._cache.get_voice(req.voice)
+        except SpeakerCacheUnreachable as exc:
+            raise Unavailable(f"named voice {req.voice!r} cannot be loaded: {exc.message}") from None
+        pcm = voice.pcm_f32
+        if voice.sample_rate_hz != SAMPLE_RATE:
+            import soxr
+
+            pcm = soxr.resample(pcm, voice.sample_rate_hz, SAMPLE_RATE).astype(np.float32)
+        return pcm, voice.reference_text or None, voice.x_vector_only or req.x_vector_only
+
+    async def _compute(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
+        try:
+            return await asyncio.to_thread(
+                self._bundle.compute_voice_prompt, np.ascontiguousarray(pcm, dtype=np.float32),
+                None if x_vector_only else ref_text, x_vector_only,
+            )
+        except ValueError as exc:
+            raise InvalidArgument(f"cannot compute the voice prompt: {exc}") from exc
+
+    def _store_in_background(self, key: str, prompt: Any) -> None:
+        async def store() -> None:
+            try:
+                await self._cache.put_prompt(key, prompt_to_record(prompt, self._model_id))
+            except Exception as exc:  # noqa: BLE001 - a failed store only costs a recompute later
+                log.warning("could not store voice prompt %s in speaker_cache: %s", key[:12], exc)
+
+        task = asyncio.create_task(store())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _remember(self, key: str, prompt: Any) -> None:
+        self._local[key] = prompt
+        self._local.move_to_end(key)
+        while len(self._local) > self._local_entries:
+            self._local.popitem(last=False)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)

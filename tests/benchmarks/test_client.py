@@ -1,0 +1,267 @@
+"""The benchmark client end to end against small in-process fake gateways (HTTP and gRPC).
+
+The fake HTTP server is a bare asyncio HTTP/1.1 server in its own thread, streaming chunked PCM
+with scripted pauses, so the recorded chunk trace and underrun can be checked against the script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from benchmarks.client import BenchConfig, build_parser, main, read_prompts
+from benchmarks.metrics import max_underrun_s
+from benchmarks.transport import GrpcSynthesizer, HttpSynthesizer, SynthesisOptions
+from qtts.pb import tts_pb2, tts_pb2_grpc
+
+SILENT = bytes(4800)  # 0.1 s of silence
+LOUD = np.full(2400, 8000, dtype="<i2").tobytes()  # 0.1 s well above -50 dBFS
+STALL_S = 0.6
+# (delay before the chunk, chunk): 0.2 s of audio on time, then a stall.
+STALL_SCRIPT = [(0.0, SILENT), (0.05, LOUD), (STALL_S, LOUD)]
+
+
+class FakeSpeechServer:
+    """`POST /v1/audio/speech` answering from a script; input "reject" -> 429, "cut" -> cut stream."""
+
+    def __init__(self, script):
+        self.script = script
+        self.requests: list[dict] = []
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> FakeSpeechServer:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+        server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
+        body = json.loads(await reader.readexactly(int(headers["content-length"])))
+        self.requests.append({"path": lines[0].split()[1], **body})
+        if body["input"] == "reject":
+            payload = json.dumps({"error": {"message": "no free slot", "type": "rate_limit_error"}}).encode()
+            writer.write(
+                b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                + payload
+            )
+            await writer.drain()
+            writer.close()
+            return
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: audio/pcm\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
+        for delay, data in self.script:
+            await asyncio.sleep(delay)
+            writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            await writer.drain()
+            if body["input"] == "cut":
+                writer.close()  # no terminating chunk: the client sees a broken stream
+                return
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+
+OPTIONS = SynthesisOptions(
+    task_type="Base",
+    ref_audio=b"RIFF....",
+    ref_text="ref words",
+    max_new_tokens=40,
+    seed=5,
+    request_timeout_s=30,
+)
+
+
+async def test_http_stream_trace_and_underrun_end_to_end():
+    with FakeSpeechServer(STALL_SCRIPT) as server:
+        client = HttpSynthesizer(server.url, OPTIONS)
+        try:
+            record = await client.synthesize(7, 2, "hello there")
+        finally:
+            await client.aclose()
+    assert record.ok and record.status == "200" and record.error is None
+    assert record.chunk_bytes == [4800, 4800, 4800]
+    times = record.chunk_times_s
+    assert times == sorted(times) and record.ttfa_s == times[0]
+    assert record.first_audible_s == times[1]  # chunk 0 is silence
+    assert record.audio_s == pytest.approx(0.3)
+    assert record.e2e_s >= times[-1] and record.rtf == pytest.approx(record.e2e_s / 0.3)
+    assert times[2] - times[1] >= STALL_S * 0.9  # the scripted stall shows in the trace
+    assert record.max_underrun_s == max_underrun_s(times, record.chunk_bytes)
+    # The stall starts after 0.2 s of audio and lasts 0.6 s: about 0.45 s of underrun.
+    assert record.max_underrun_s > 0.3
+    (request,) = server.requests
+    assert request["path"] == "/v1/audio/speech"
+    assert (
+        request["input"] == "hello there"
+        and request["response_format"] == "pcm"
+        and request["stream"] is True
+    )
+    assert request["task_type"] == "voice_clone"  # vLLM-Omni's "Base", in this API's spelling
+    assert request["ref_text"] == "ref words"
+    assert request["ref_audio"].startswith("data:audio/")
+    assert request["max_new_tokens"] == 40 and request["seed"] == 12
+    assert "voice" not in request and "x_vector_only_mode" not in request
+
+
+async def test_http_on_time_stream_has_zero_underrun():
+    with FakeSpeechServer([(0.0, LOUD), (0.0, LOUD), (0.0, LOUD)]) as server:
+        client = HttpSynthesizer(server.url, OPTIONS)
+        try:
+            record = await client.synthesize(0, 0, "fast")
+        finally:
+            await client.aclose()
+    assert record.ok and sum(record.chunk_bytes) == 14400
+    assert record.first_audible_s == record.ttfa_s
+    # All audio arrives (far) faster than it plays; allow a scheduler hiccup well below 0.1 s.
+    assert record.max_underrun_s < 0.1
+
+
+async def test_http_rejection_and_cut_stream_are_failed_records():
+    with FakeSpeechServer(STALL_SCRIPT) as server:
+        client = HttpSynthesizer(server.url, OPTIONS)
+        try:
+            rejected = await client.synthesize(0, 0, "reject")
+            cut = await client.synthesize(1, 0, "cut")
+        finally:
+            await client.aclose()
+    assert not rejected.ok and rejected.status == "429" and rejected.error == "no free slot"
+    assert rejected.ttfa_s is None and rejected.chunk_bytes == []
+    assert not cut.ok and cut.status == "TRANSPORT"
+    assert cut.chunk_bytes == [4800] and cut.audio_s == pytest.approx(0.1)
+
+
+async def test_http_request_timeout_is_a_failed_record():
+    options = SynthesisOptions(task_type="voice_clone", ref_audio=b"x", ref_text="t", request_timeout_s=0.3)
+    with FakeSpeechServer([(0.0, LOUD), (5.0, LOUD)]) as server:
+        client = HttpSynthesizer(server.url, options)
+        try:
+            record = await client.synthesize(0, 0, "slow")
+        finally:
+            await client.aclose()
+    assert not record.ok and record.status == "TIMEOUT"
+    assert record.chunk_bytes == [4800]
+
+
+def test_cli_closed_loop_sweep_writes_results(tmp_path, capsys):
+    script = [(0.0, LOUD), (0.01, LOUD)]
+    with FakeSpeechServer(script) as server:
+        rc = main(
+            [
+                "--url", server.url, "--concurrency", "1", "2", "--num-requests", "3", "--warmup", "1",
+                "--max-new-tokens", "5", "--out", str(tmp_path), "--no-progress", "--gpu", "test-gpu",
+                "--weights", "dummy", "--tag", "t",
+            ]
+        )  # fmt: skip
+    assert rc == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 2]
+    for level in data["levels"]:
+        assert level["aggregates"]["num_ok"] == 3
+        assert [r["index"] for r in level["records"]] == [0, 1, 2]
+        assert all(r["chunk_bytes"] == [4800, 4800] for r in level["records"])
+    c = data["conditions"]
+    assert c["gpu"] == "test-gpu" and c["weights"] == "dummy" and c["frames_per_request"] == "max 5"
+    assert c["git_revision"] and c["date"] and c["host"]
+    assert data["warmup"]["num_requests"] == 1
+    assert len(server.requests) == 7
+    assert len({r["seed"] for r in server.requests}) == 7  # distinct per request, across levels
+    prompts = read_prompts(build_parser().get_default("prompts"))
+    assert [r["input"] for r in server.requests[1:4]] == prompts[:3]  # every level walks the same prompts
+    assert "| c=2 |" in capsys.readouterr().out
+    assert (tmp_path / "results.md").exists() and (tmp_path / "ttfa_vs_load.png").exists()
+
+
+def test_cli_open_loop_and_argument_errors(tmp_path, capsys):
+    with FakeSpeechServer([(0.0, LOUD)]) as server:
+        rc = main(
+            ["--url", server.url, "--rate", "50", "--num-requests", "4", "--warmup", "0", "--out", str(tmp_path),
+             "--no-progress", "--no-plots", "--task-type", "CustomVoice", "--voice", "vivian"]
+        )  # fmt: skip
+    assert rc == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    (level,) = data["levels"]
+    assert level["mode"] == "open" and level["rate"] == 50 and level["aggregates"]["num_ok"] == 4
+    assert all("ref_audio" not in r and r["voice"] == "vivian" for r in server.requests)
+    assert all(r["task_type"] == "custom_voice" for r in server.requests)
+    assert main(["--task-type", "Nonsense", "--out", str(tmp_path)]) == 1
+    assert main(["--ref-audio", str(tmp_path / "results.json"), "--out", str(tmp_path)]) == 1  # no --ref-text
+    assert "--ref-text" in capsys.readouterr().err
+
+
+def test_voice_clone_defaults_to_a_synthetic_reference():
+    cfg = BenchConfig.from_args(build_parser().parse_args([]))
+    assert cfg.options.ref_audio[:4] == b"RIFF" and cfg.options.ref_text
+    assert len(cfg.prompts) >= 8
+
+
+class FakeTextToSpeech(tts_pb2_grpc.TextToSpeechServiceServicer):
+    """Streams two PCM chunks and a summary; text "busy" is rejected with RESOURCE_EXHAUSTED."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def Synthesize(self, request, context):
+        self.requests.append(request)
+        if request.text == "busy":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot")
+        for seq, data in enumerate([SILENT, LOUD]):
+            chunk = tts_pb2.AudioChunk(audio=data, num_samples=len(data) // 2, sample_rate_hz=24000)
+            yield tts_pb2.SynthesizeResponse(request_id=request.request_id, sequence_number=seq, audio=chunk)
+            await asyncio.sleep(0.01)
+        summary = tts_pb2.SynthesisSummary(
+            finish_reason=tts_pb2.FINISH_REASON_STOP, num_frames=3, num_samples=4800, sample_rate_hz=24000
+        )
+        yield tts_pb2.SynthesizeResponse(request_id=request.request_id, sequence_number=2, summary=summary)
+
+
+async def test_grpc_client_records_chunks_summary_and_errors():
+    servicer = FakeTextToSpeech()
+    server = grpc.aio.server()
+    tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = GrpcSynthesizer(f"127.0.0.1:{port}", OPTIONS, channels=2, request_id_prefix="t")
+    try:
+        record = await client.synthesize(3, 0, "hello")
+        busy = await client.synthesize(4, 0, "busy")
+    finally:
+        await client.aclose()
+        await server.stop(None)
+    assert record.ok and record.status == "OK"
+    assert record.chunk_bytes == [4800, 4800] and record.first_audible_s == record.chunk_times_s[1]
+    assert record.extra["finish_reason"] == "FINISH_REASON_STOP" and record.extra["num_frames"] == 3
+    assert not busy.ok and busy.status == "RESOURCE_EXHAUSTED" and busy.error == "no free slot"
+    sent = servicer.requests[0]
+    assert sent.request_id == "t-3" and sent.text == "hello"
+    assert sent.task_type == tts_pb2.TASK_TYPE_VOICE_CLONE
+    assert sent.audio_encoding == tts_pb2.AUDIO_ENCODING_PCM_S16LE
+    assert sent.reference_audio == b"RIFF...." and sent.reference_text == "ref words"
+    assert sent.max_new_frames == 40 and sent.sampling.seed == 8

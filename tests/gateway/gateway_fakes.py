@@ -1,0 +1,162 @@
+"""Fakes and a real uvicorn/grpc.aio server around the gateway's front ends, with a fake talker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import socket
+import wave
+from dataclasses import dataclass, field
+
+import numpy as np
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from qtts.errors import NotFound
+from qtts.metrics import GatewayMetrics
+from services.gateway.admission import Admission
+from services.gateway.http_app import HttpDeps, create_app
+from services.gateway.job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
+from services.gateway.server import _UvicornServer
+from services.gateway.synthesis import Synthesizer
+from services.gateway.validation import RequestLimits
+from services.gateway.voice_client import VoiceInfo
+from services.gateway.voices import VoiceService
+
+FRAME = 1920
+
+BASE = ModelCatalog(name="tiny-base", model_type="base", languages=("english", "chinese"))
+CUSTOM = ModelCatalog(name="tiny-custom", model_type="custom_voice", speakers=("vivian", "ryan"),
+                      languages=("english", "chinese"))
+DESIGN = ModelCatalog(name="tiny-design", model_type="voice_design", languages=("english",))
+
+
+def frame_pcm(index: int, frames: int = 1) -> bytes:
+    """Deterministic s16le audio for frames [index, index + frames)."""
+    n = np.arange(index * FRAME, (index + frames) * FRAME)
+    return (np.sin(n / 7.0) * 8000).astype("<i2").tobytes()
+
+
+def wav_bytes(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    pcm = (np.sin(np.arange(int(seconds * rate)) / 5.0) * 9000).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+@dataclass
+class FakeTalker:
+    """Yields `frames` frames in chunks of `chunk`, then a "length" summary; records what happened."""
+
+    frames: int = 5
+    chunk: int = 2
+    delay_s: float = 0.0
+    error_before: Exception | None = None
+    error_after_first: Exception | None = None
+    jobs: list[SynthesisJob] = field(default_factory=list)
+    active: int = 0
+    closed: int = 0
+    completed: int = 0
+
+    async def generate(self, job: SynthesisJob):
+        self.jobs.append(job)
+        self.active += 1
+        try:
+            if self.error_before is not None:
+                raise self.error_before
+            n = job.max_new_frames or self.frames
+            for i in range(0, n, self.chunk):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                k = min(self.chunk, n - i)
+                yield AudioPiece(frame_pcm(i, k), i, k)
+                if self.error_after_first is not None:
+                    raise self.error_after_first
+            yield SynthesisSummary("length", n, n * FRAME, "fake-replica")
+            self.completed += 1
+        finally:
+            self.active -= 1
+            self.closed += 1
+
+
+class FakeVoiceStore:
+    def __init__(self):
+        self.voices: dict[str, VoiceInfo] = {}
+
+    async def list(self) -> list[VoiceInfo]:
+        return list(self.voices.values())
+
+    async def create(self, name, pcm_24k, reference_text, x_vector_only) -> VoiceInfo:
+        from qtts.errors import AlreadyExists
+
+        if name in self.voices:
+            raise AlreadyExists(f"voice {name!r} already exists")
+        v = VoiceInfo(name, "cloned", reference_text, x_vector_only, len(pcm_24k) / 24000, 1)
+        self.voices[name] = v
+        return v
+
+    async def delete(self, name) -> None:
+        if self.voices.pop(name, None) is None:
+            raise NotFound(f"voice {name!r} does not exist")
+
+
+def fake_decode(data: bytes) -> np.ndarray:
+    """Stands in for qtts.audio.load_reference_audio: accepts RIFF files only."""
+    from qtts.errors import InvalidArgument
+
+    if not data.startswith(b"RIFF"):
+        raise InvalidArgument("could not decode the reference audio")
+    return np.zeros(24000, dtype=np.float32)
+
+
+@dataclass
+class GatewayUnderTest:
+    talker: FakeTalker
+    voices: FakeVoiceStore
+    synth: Synthesizer
+    metrics: GatewayMetrics
+    voice_service: VoiceService
+    url: str = ""
+
+
+def build_gateway(catalog: ModelCatalog = BASE, max_streams: int = 4, **talker_kw) -> GatewayUnderTest:
+    talker = FakeTalker(**talker_kw)
+    metrics = GatewayMetrics(CollectorRegistry())
+    synth = Synthesizer(talker, lambda: catalog, RequestLimits(max_input_chars=200, max_new_frames_limit=100),
+                        Admission(max_streams), metrics, decode=fake_decode)
+    store = FakeVoiceStore()
+    voices = VoiceService(store, fake_decode, lambda: catalog, max_audio_bytes=1 << 20)
+    return GatewayUnderTest(talker, store, synth, metrics, voices)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serve_http(gw: GatewayUnderTest, stages: dict[str, str] | None = None):
+    """Run the HTTP app on a real uvicorn server in this event loop."""
+
+    async def stage_health():
+        return stages if stages is not None else {"talker": "SERVING", "speaker_cache": "SERVING"}
+
+    app = create_app(HttpDeps(gw.synth, gw.voice_service, gw.metrics, stage_health))
+    port = free_port()
+    server = _UvicornServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    gw.url = f"http://127.0.0.1:{port}"
+    try:
+        yield gw
+    finally:
+        server.should_exit = True
+        await task

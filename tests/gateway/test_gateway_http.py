@@ -1,0 +1,176 @@
+"""The HTTP API on a real uvicorn server with a fake talker: audio, SSE, errors, admission, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import wave
+
+import httpx
+from gateway_fakes import BASE, CUSTOM, FRAME, build_gateway, frame_pcm, serve_http, wav_bytes
+
+from qtts.errors import NotFound, Unavailable
+
+REF = base64.b64encode(wav_bytes()).decode()
+
+
+def body(**kw) -> dict:
+    return {"model": "tiny-base", "input": "Hello there.", "voice": "any", "ref_audio": REF,
+            "x_vector_only_mode": True, "response_format": "pcm", **kw}
+
+
+def expected_pcm(frames: int) -> bytes:
+    return frame_pcm(0, frames)
+
+
+async def test_non_streaming_wav_has_headers_and_whole_frames():
+    async with serve_http(build_gateway(frames=5)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/speech", json=body(response_format="wav"))
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "audio/wav"
+        assert r.headers["x-tts-num-frames"] == "5" and r.headers["x-tts-finish-reason"] == "length"
+        assert r.headers["x-tts-code2wav-replica"] == "fake-replica"
+        with wave.open(io.BytesIO(r.content)) as w:
+            assert w.getnframes() == 5 * FRAME and w.readframes(5 * FRAME) == expected_pcm(5)
+        job = gw.talker.jobs[0]
+        assert job.x_vector_only and job.reference_pcm is not None and job.reference_pcm.dtype.name == "float32"
+
+
+async def test_streaming_pcm_and_wav_bytes_as_produced():
+    async with serve_http(build_gateway(frames=6, chunk=2)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        async with c.stream("POST", "/v1/audio/speech", json=body(stream=True)) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == "audio/pcm"
+            pcm = b"".join([chunk async for chunk in r.aiter_raw()])
+        assert pcm == expected_pcm(6)
+        r = await c.post("/v1/audio/speech", json=body(stream=True, response_format="wav"))
+        assert r.content[4:8] == b"\xff\xff\xff\xff" and r.content[44:] == expected_pcm(6)
+        assert gw.talker.completed == 2 and gw.synth.admission.active == 0
+
+
+async def test_sse_deltas_and_done_with_usage():
+    async with serve_http(build_gateway(frames=4, chunk=1)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/speech", json=body(stream_format="sse"))
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line]
+        deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+        assert len(deltas) == 4
+        assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == expected_pcm(4)
+        assert events[-1]["type"] == "speech.audio.done"
+        assert events[-1]["usage"]["output_tokens"] == 4 and events[-1]["finish_reason"] == "length"
+
+
+async def test_error_after_first_byte_is_an_sse_error_event():
+    gw0 = build_gateway(frames=4, chunk=1, error_after_first=Unavailable("code2wav went away"))
+    async with serve_http(gw0) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/speech", json=body(stream_format="sse"))
+        events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line]
+        assert [e["type"] for e in events] == ["speech.audio.delta", "error"]
+        assert events[1]["error"]["message"] == "code2wav went away"
+        assert events[1]["error"]["code"] == 503
+        assert gw.synth.admission.active == 0
+
+
+async def test_resampled_output_rate():
+    async with serve_http(build_gateway(frames=5)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/speech", json=body(response_format="wav", sample_rate=16000))
+        with wave.open(io.BytesIO(r.content)) as w:
+            assert w.getframerate() == 16000 and abs(w.getnframes() - 5 * 1280) <= 2
+
+
+async def test_openai_shaped_errors_and_service_keeps_serving():
+    async with serve_http(build_gateway()) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        cases = [
+            (body(model="tts-1"), 404), (body(input=""), 400), (body(ref_audio="!!!"), 400),
+            (body(ref_audio=base64.b64encode(b"not audio").decode()), 400),
+            (body(x_vector_only_mode=False), 400), (body(speed=2.0), 400), (body(input="x" * 201), 400),
+            (body(task_type="custom_voice"), 400), (body(response_format="ogg"), 400),
+        ]
+        for payload, status in cases:
+            r = await c.post("/v1/audio/speech", json=payload)
+            assert r.status_code == status, (payload, r.text)
+            err = r.json()["error"]
+            assert err["code"] == status and err["message"] and err["type"] and "param" in err
+        r = await c.post("/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        assert (await c.get("/v1/nothing")).json()["error"]["type"] == "not_found_error"
+        assert gw.talker.jobs == []  # nothing reached the talker
+        assert (await c.post("/v1/audio/speech", json=body())).status_code == 200
+
+
+async def test_talker_error_before_audio_keeps_its_status():
+    gw0 = build_gateway(error_before=NotFound("voice 'bob' does not exist"))
+    async with serve_http(gw0) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/speech", json={"input": "hi", "voice": "bob", "stream": True})
+        assert r.status_code == 404 and r.json()["error"]["message"] == "voice 'bob' does not exist"
+        assert gw.synth.admission.active == 0
+
+
+async def test_admission_rejects_beyond_max_streams():
+    gw0 = build_gateway(max_streams=1, frames=200, chunk=1, delay_s=0.05)
+    async with serve_http(gw0) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        async with c.stream("POST", "/v1/audio/speech", json=body(stream=True, max_new_tokens=100)) as r1:
+            assert r1.status_code == 200
+            r2 = await c.post("/v1/audio/speech", json=body())
+            assert r2.status_code == 429 and r2.json()["error"]["type"] == "rate_limit_error"
+        for _ in range(100):
+            if gw.synth.admission.active == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await c.post("/v1/audio/speech", json=body(max_new_tokens=2))).status_code == 200
+
+
+async def test_client_disconnect_cancels_the_talker_call():
+    gw0 = build_gateway(frames=1000, chunk=1, delay_s=0.05)
+    async with serve_http(gw0) as gw:
+        for stream in (True, False):
+            async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+                req = c.build_request("POST", "/v1/audio/speech", json=body(stream=stream, max_new_tokens=100))
+                task = asyncio.create_task(c.send(req, stream=True))
+                for _ in range(200):
+                    if gw.talker.active:
+                        break
+                    await asyncio.sleep(0.01)
+                assert gw.talker.active == 1
+                if stream:
+                    r = await task
+                    await r.aiter_raw().__anext__()
+                    await r.aclose()
+                else:
+                    task.cancel()
+            for _ in range(200):
+                if gw.talker.active == 0 and gw.synth.admission.active == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert gw.talker.active == 0 and gw.synth.admission.active == 0
+        assert gw.talker.completed == 0 and gw.talker.closed == 2
+        assert gw.metrics.requests_total.labels("http", "cancelled")._value.get() == 2
+
+
+async def test_models_health_and_voices():
+    async with serve_http(build_gateway(CUSTOM)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        assert (await c.get("/v1/models")).json()["data"][0]["id"] == "tiny-custom"
+        assert (await c.get("/health")).status_code == 200
+        r = await c.post("/v1/audio/voices", files={"audio": ("a.wav", wav_bytes(), "audio/wav")},
+                         data={"name": "alice", "ref_text": "hello"})
+        assert r.status_code == 201 and r.json()["name"] == "alice" and r.json()["ref_text"] == "hello"
+        r = await c.post("/v1/audio/voices", json={"name": "bob", "audio": REF, "x_vector_only_mode": True})
+        assert r.status_code == 201
+        assert (await c.post("/v1/audio/voices", json={"name": "bob", "audio": REF, "ref_text": "x"})).status_code == 409
+        assert (await c.post("/v1/audio/voices", json={"name": "carl", "audio": REF})).status_code == 400
+        voices = (await c.get("/v1/audio/voices")).json()["voices"]
+        assert [(v["name"], v["kind"]) for v in voices] == [
+            ("alice", "cloned"), ("bob", "cloned"), ("vivian", "preset"), ("ryan", "preset")]
+        assert (await c.delete("/v1/audio/voices/alice")).status_code == 200
+        r = await c.delete("/v1/audio/voices/alice")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        r = await c.post("/v1/audio/speech", json={"input": "hi", "voice": "nobody", "response_format": "pcm"})
+        assert r.status_code == 404
+
+
+async def test_health_is_503_when_a_stage_is_not_serving():
+    stages = {"talker": "NOT_SERVING", "speaker_cache": "SERVING"}
+    async with serve_http(build_gateway(BASE), stages) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.json()["stages"] == stages

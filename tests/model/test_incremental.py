@@ -1,0 +1,173 @@
+"""Stateful incremental decoding equals one full decode, for every chunking and in mixed batches."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
+from qtts.model.incremental import DecoderState, IncrementalDecoder
+from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
+
+SPF = 1920
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny tensors on a shared 2-core box: OpenMP threads spin against each other.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory) -> CodecDecoder:
+    root = tmp_path_factory.mktemp("codec")
+    write_tiny_speech_tokenizer(root, seed=0)
+    return load_codec_decoder(root)
+
+
+def _codes(t: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 2048, (t, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _fork(state: DecoderState) -> DecoderState:
+    return DecoderState(
+        cache={k: v.clone() for k, v in state.cache.items()},
+        frames=state.frames,
+        prefix_frames=state.prefix_frames,
+    )
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def _check_every_composition(inc: IncrementalDecoder, state: DecoderState, codes, reference, start=0) -> int:
+    """Walk the tree of all compositions of codes[start:] into chunks; every edge's output must be
+    the reference slice. Since each composition is a root-to-leaf path, this checks them all."""
+    n = codes.shape[0]
+    checked = 0
+    for end in range(start + 1, n + 1):
+        branch = _fork(state) if end < n else state
+        out = inc.decode(branch, codes[start:end])
+        _close(out, reference[start * SPF : end * SPF])
+        checked += 1
+        if end < n:
+            checked += _check_every_composition(inc, branch, codes, reference, end)
+    return checked
+
+
+@pytest.mark.parametrize("prefix_frames,frames", [(0, 9), (5, 8)])
+def test_every_partition_matches_full_decode(decoder, prefix_frames, frames):
+    inc = IncrementalDecoder(decoder)
+    prefix = _codes(prefix_frames, seed=1)
+    codes = _codes(frames, seed=2)
+    reference = decoder.decode(torch.cat([prefix, codes]))[prefix_frames * SPF :]
+    state = inc.start(prefix if prefix_frames else None)
+    edges = _check_every_composition(inc, state, codes, reference)
+    assert edges == sum(2 ** max(i - 1, 0) * (frames - i) for i in range(frames))
+
+
+@pytest.mark.parametrize("prefix_frames", [0, 30])
+def test_random_partitions_across_the_attention_window(decoder, prefix_frames):
+    inc = IncrementalDecoder(decoder)
+    rng = random.Random(prefix_frames)
+    prefix = _codes(prefix_frames, seed=3)
+    codes = _codes(90, seed=4)
+    reference = decoder.decode(torch.cat([prefix, codes]))[prefix_frames * SPF :]
+    partitions = [[1] * 6 + [84], [4, 4, 8, 16, 25, 25, 8]]
+    for _ in range(2):
+        cuts = sorted(rng.sample(range(1, 90), 7))
+        partitions.append([b - a for a, b in zip([0, *cuts], [*cuts, 90], strict=True)])
+    for sizes in partitions:
+        state = inc.start(prefix if prefix_frames else None)
+        outs, i = [], 0
+        for n in sizes:
+            outs.append(inc.decode(state, codes[i : i + n]))
+            i += n
+        _close(torch.cat(outs), reference)
+        assert state.frames == prefix_frames + 90 and state.output_frames == 90
+
+
+def test_prefix_samples_are_cut_exactly(decoder):
+    inc = IncrementalDecoder(decoder)
+    prefix, codes = _codes(12, seed=5), _codes(3, seed=6)
+    state = inc.start(prefix)
+    assert (state.frames, state.prefix_frames, state.output_frames) == (12, 12, 0)
+    out = inc.decode(state, codes)
+    assert out.shape == (3 * SPF,)
+    full = decoder.decode(torch.cat([prefix, codes]))
+    _close(out, full[12 * SPF :])
+    # One sample off in either direction would not match.
+    assert (out[1:] - full[12 * SPF : -1]).abs().max() > 1e-2
+    assert (out[:-1] - full[12 * SPF + 1 :]).abs().max() > 1e-2
+
+
+def test_batch_with_skipped_rows_gives_each_stream_its_own_output(decoder):
+    """A skipped (empty) earlier row must not shift any later row's trim or state."""
+    inc = IncrementalDecoder(decoder)
+    prefixes = [_codes(7, seed=10), None, _codes(20, seed=11), None]
+    streams = [_codes(30, seed=20 + i) for i in range(4)]
+    # Chunk plan per step: row 0 is empty on the first step (a stream waiting for frames).
+    plan = [[0, 3, 1, 5], [4, 0, 6, 2], [2, 5, 0, 0], [9, 1, 4, 8]]
+    solo_states = [inc.start(p) for p in prefixes]
+    batch_states = [inc.start(p) for p in prefixes]
+    offsets = [0, 0, 0, 0]
+    for step in plan:
+        chunks = [s[o : o + n] for s, o, n in zip(streams, offsets, step, strict=True)]
+        batched = inc.decode_batch(batch_states, chunks)
+        for row, chunk in enumerate(chunks):
+            solo = inc.decode(solo_states[row], chunk)
+            assert batched[row].shape == (chunk.shape[0] * SPF,)
+            _close(batched[row], solo)
+        offsets = [o + n for o, n in zip(offsets, step, strict=True)]
+    for row, (p, s) in enumerate(zip(prefixes, streams, strict=True)):
+        assert batch_states[row].frames == (0 if p is None else p.shape[0]) + offsets[row]
+        # The concatenated batched outputs also equal the full decode (states restored to the right row).
+        ref_state = inc.start(p)
+        want = inc.decode(ref_state, s[: offsets[row]])
+        got_state = inc.start(p)
+        got = torch.cat(inc.decode_batch([inc.start(), got_state], [s[:0], s[: offsets[row]]]))
+        _close(got, want)
+
+
+def test_reference_audio_does_not_leak_into_the_output(decoder):
+    inc = IncrementalDecoder(decoder)
+    ref_codes = _codes(25, seed=30)
+    reference_audio = decoder.decode(ref_codes)
+    new_codes = _codes(25, seed=31)
+    state = inc.start(ref_codes)
+    out = torch.cat([inc.decode(state, new_codes[i : i + 5]) for i in range(0, 25, 5)])
+    window = min(out.shape[0], reference_audio.shape[0])
+
+    def corr(a: torch.Tensor, b: torch.Tensor) -> float:
+        return torch.corrcoef(torch.stack([a[:window].double(), b[:window].double()]))[0, 1].item()
+
+    assert abs(corr(out, reference_audio)) < 0.05
+    # The probe itself can see a leak: an output that still starts with the reference correlates.
+    leaky = decoder.decode(torch.cat([ref_codes, new_codes]))
+    assert corr(leaky, reference_audio) > 0.9
+
+
+def test_errors(decoder):
+    inc = IncrementalDecoder(decoder)
+    state = inc.start()
+    with pytest.raises(ValueError, match="codes must be"):
+        inc.decode(state, torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="twice"):
+        inc.decode_batch([state, state], [_codes(1, 0), _codes(1, 1)])
+    with pytest.raises(ValueError, match="states but"):
+        inc.decode_batch([state], [])
+    assert inc.decode(state, _codes(0, 0)).shape == (0,)
+    assert state.frames == 0 and state.nbytes() > 0
+    inc.free(state)
+    assert state.nbytes() == 0
+    with pytest.raises(ValueError, match="freed"):
+        inc.decode(state, _codes(1, 0))

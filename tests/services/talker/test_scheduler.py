@@ -1,0 +1,129 @@
+"""Scheduler and engine loop: admission bounds, and credit skips only the stream without credit."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from qtts.errors import ResourceExhausted, Unavailable
+from qtts.metrics import TalkerMetrics
+from services.talker.engine import Admitted, Finished, Frame, GenerationEngine
+from services.talker.scheduler import ScheduledRequest, Scheduler, StreamCredit
+
+from tests.services.talker.fakes import FakeGenerator, FakePrompt
+
+
+def make_req(rid: str, frames: int = 5, window: int = 2, granted: int = 0, sink=None) -> ScheduledRequest:
+    credit = StreamCredit(window=window, granted_until=granted)
+    return ScheduledRequest(rid, FakePrompt(frames), None, None, credit, sink or (lambda ev: None))
+
+
+def test_credit_rules():
+    c = StreamCredit(window=2)
+    assert c.has_credit()
+    c.generated = 2
+    assert not c.has_credit()
+    assert c.grant(3) and c.has_credit()
+    assert not c.grant(1) and c.granted_until == 3  # grants never move backwards
+
+
+def test_admission_respects_max_batch_and_queue_bound():
+    s = Scheduler(max_batch=2, max_waiting=1)
+    for rid in "abc":
+        s.submit(make_req(rid))
+    with pytest.raises(ResourceExhausted, match="capacity"):
+        s.submit(make_req("d"))
+    assert [r.request_id for r in s.admit()] == ["a", "b"]
+    assert s.num_running == 2 and s.num_waiting == 1
+    assert s.admit() == []
+    removed, was_running = s.remove("a")
+    assert removed is not None and was_running
+    assert s.remove("a") == (None, False)
+    assert [r.request_id for r in s.admit()] == ["c"]
+    s.admitting = False
+    with pytest.raises(Unavailable, match="draining"):
+        s.submit(make_req("e"))
+
+
+def test_skip_set_lists_running_streams_without_credit():
+    s = Scheduler(max_batch=4, max_waiting=0)
+    a, b = make_req("a", window=1), make_req("b", window=1)
+    s.submit(a)
+    s.submit(b)
+    s.admit()
+    a.credit.generated = 1
+    assert s.skip_set() == {"a"}
+    assert s.has_steppable()
+    b.credit.generated = 1
+    assert not s.has_steppable()
+
+
+def collect(events: queue.Queue, rid: str, kind: type, n: int, timeout: float = 10.0) -> list:
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        ev_rid, ev = events.get(timeout=max(0.01, deadline - time.monotonic()))
+        if ev_rid == rid and isinstance(ev, kind):
+            got.append(ev)
+    return got
+
+
+def test_stream_without_credit_is_skipped_and_does_not_advance_while_others_continue():
+    gen = FakeGenerator()
+    metrics = TalkerMetrics(CollectorRegistry())
+    engine = GenerationEngine(gen, Scheduler(max_batch=4, max_waiting=4), metrics, idle_wait_s=0.05)
+    events: queue.Queue = queue.Queue()
+    stalled = make_req("stalled", frames=100, window=2, sink=lambda ev: events.put(("stalled", ev)))
+    free = make_req("free", frames=10, window=100, sink=lambda ev: events.put(("free", ev)))
+    engine.start()
+    try:
+        engine.submit(stalled)
+        engine.submit(free)
+        frames = collect(events, "free", Frame, 10)
+        collect(events, "free", Finished, 1)
+        assert [f.index for f in frames] == list(range(10))
+        # "stalled" made exactly its window of frames and was skipped on every later step.
+        assert stalled.credit.generated == 2
+        assert gen._active["stalled"][1] == 2
+        assert any("stalled" in s for s in gen.skips)
+        assert metrics.credit_stalls_total._value.get() >= 1
+        # Credit lets it go on, by exactly the granted amount.
+        engine.grant(stalled, 3)
+        more = collect(events, "stalled", Frame, 3)
+        assert [f.index for f in more] == [2, 3, 4]  # up to granted 3 + window 2
+        time.sleep(0.05)
+        assert stalled.credit.generated == 5 and gen._active["stalled"][1] == 5
+    finally:
+        engine.cancel("stalled")
+        engine.stop()
+    assert gen.num_active == 0
+
+
+def test_engine_bounds_batch_and_cancel_frees_the_generator_slot():
+    gen = FakeGenerator(max_batch=1)
+    metrics = TalkerMetrics(CollectorRegistry())
+    engine = GenerationEngine(gen, Scheduler(max_batch=1, max_waiting=1), metrics, idle_wait_s=0.05)
+    events: queue.Queue = queue.Queue()
+    a = make_req("a", frames=10_000, window=1, sink=lambda ev: events.put(("a", ev)))
+    b = make_req("b", frames=3, window=10, sink=lambda ev: events.put(("b", ev)))
+    engine.start()
+    try:
+        engine.submit(a)
+        engine.submit(b)
+        with pytest.raises(ResourceExhausted):
+            engine.submit(make_req("c"))
+        collect(events, "a", Admitted, 1)
+        assert engine.counts() == (1, 1)  # b waits: the batch is full
+        engine.cancel("a")
+        collect(events, "b", Finished, 1)
+        assert gen.max_seen_active == 1
+        deadline = time.monotonic() + 5
+        while gen.num_active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gen.num_active == 0 and engine.counts() == (0, 0)
+        assert metrics.active_streams._value.get() == 0
+    finally:
+        engine.stop()

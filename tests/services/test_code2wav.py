@@ -1,0 +1,363 @@
+"""code2wav: chunk planner, state registry, and the Decode stream through a real gRPC server."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from qtts.errors import ResourceExhausted
+from qtts.metrics import Code2WavMetrics
+from qtts.pb import code2wav_pb2 as pb
+from qtts.pb import code2wav_pb2_grpc
+from services.code2wav.chunk_planner import ChunkPlan
+from services.code2wav.config import Code2WavConfig, config_from_args
+from services.code2wav.credit import CreditPolicy
+from services.code2wav.registry import StreamRegistry
+from services.code2wav.server import SERVICE_NAME, Code2WavServer
+from services.code2wav.stream import DecodeStream, StreamLimits
+
+SPF = 1920
+
+
+def _codes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2048, (n, 16)).astype(np.int16)
+
+
+def _start(request_id: str = "r", prefix: np.ndarray | None = None, nc: int = 16, **kw) -> pb.DecodeRequest:
+    start = pb.StreamStart(request_id=request_id, num_codebooks=nc, **kw)
+    if prefix is not None:
+        start.prefix_codes_i16 = prefix.astype("<i2").tobytes()
+        start.num_prefix_frames = prefix.shape[0]
+    return pb.DecodeRequest(start=start)
+
+
+def _frames(first: int, codes: np.ndarray) -> pb.DecodeRequest:
+    return pb.DecodeRequest(
+        frames=pb.FrameDelta(
+            first_frame_index=first, num_frames=codes.shape[0], codes_i16=codes.astype("<i2").tobytes()
+        )
+    )
+
+
+def _end(total: int) -> pb.DecodeRequest:
+    return pb.DecodeRequest(end=pb.StreamEnd(total_frames=total))
+
+
+def _ack(samples: int) -> pb.DecodeRequest:
+    return pb.DecodeRequest(ack=pb.AudioAck(samples_delivered=samples))
+
+
+@asynccontextmanager
+async def code2wav(decoder, limits: StreamLimits | None = None, **overrides):
+    config = Code2WavConfig(port=0, metrics_port=0, drain_seconds=0.5, replica_name="replica-a", **overrides)
+    server = Code2WavServer(config.validate(), decoder=decoder, limits=limits)
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield server, code2wav_pb2_grpc.Code2WavServiceStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(0.5)
+
+
+async def run_stream(bidi_client, stub, codes: np.ndarray, prefix=None, delta: int = 3, **start_kw):
+    """A well-behaved producer: sends within credit, acks every chunk, ends; returns what came back."""
+    client = bidi_client(stub.Decode)
+    client.send(_start(prefix=prefix, **start_kw))
+    sent, chunks, grants, done, stream_ids = 0, [], [], None, set()
+    total = codes.shape[0]
+    if total == 0:
+        client.send(_end(0))
+    while (msg := await client.read()) is not None:
+        stream_ids.add(msg.stream_id)
+        kind = msg.WhichOneof("event")
+        if kind == "credit":
+            grants.append(msg.credit.frames_allowed_until)
+            limit = min(msg.credit.frames_allowed_until, total)
+            while sent < limit:
+                n = min(delta, limit - sent)
+                client.send(_frames(sent, codes[sent : sent + n]))
+                sent += n
+            if sent == total and total > 0 and grants[-1] >= total and not getattr(client, "ended", False):
+                client.ended = True
+                client.send(_end(total))
+        elif kind == "audio":
+            chunks.append(msg.audio)
+            client.send(_ack(sum(c.num_samples for c in chunks)))
+        elif kind == "done":
+            done = msg.done
+            client.close_requests()  # half-close after StreamDone, as the protocol asks
+    assert len(stream_ids) == 1
+    return chunks, done, grants
+
+
+# ---------------------------------------------------------------------------- pure units
+
+
+def test_chunk_planner_default_ramp_repeats_last_value():
+    plan = ChunkPlan()
+    assert [plan.size(i) for i in range(8)] == [2, 4, 4, 8, 16, 25, 25, 25]
+    assert plan.split(3) == [2, 1]
+    assert plan.split(40) == [2, 4, 4, 8, 16, 6]
+    assert sum(plan.split(1000)) == 1000
+    assert plan.split(0) == []
+    assert ChunkPlan(1, (3,)).split(7) == [1, 3, 3]
+    assert plan.capped(8).split(30) == [2, 4, 4, 8, 8, 4]
+    assert ChunkPlan.from_request(0, [], plan) == plan
+    assert ChunkPlan.from_request(1, [5], plan) == ChunkPlan(1, (5,))
+    with pytest.raises(ValueError):
+        ChunkPlan(0, (4,))
+    with pytest.raises(ValueError):
+        ChunkPlan(2, ())
+
+
+def test_registry_rejects_beyond_max_states():
+    metrics = Code2WavMetrics(CollectorRegistry())
+    registry = StreamRegistry(2, metrics)
+    streams = [DecodeStream("r", ChunkPlan(), CreditPolicy(), StreamLimits(), metrics) for _ in range(3)]
+    registry.add(streams[0])
+    registry.add(streams[1])
+    with pytest.raises(ResourceExhausted, match="2 live streams"):
+        registry.add(streams[2])
+    assert metrics.registry.get_sample_value("tts_code2wav_rejected_total") == 1
+    assert metrics.registry.get_sample_value("tts_code2wav_live_states") == 2
+    registry.remove(streams[0].stream_id)
+    registry.add(streams[2])
+    assert len(registry) == 2
+    assert streams[0].stream_id != streams[1].stream_id
+
+
+def test_config_rejects_chunks_larger_than_the_credit():
+    with pytest.raises(Exception, match="largest chunk"):
+        config_from_args(["--credit-window-frames", "16"])  # default ramp ends at 25
+    cfg = config_from_args(["--credit-window-frames", "16", "--chunk-frames-ramp", "4,8,16", "--port", "0"])
+    assert cfg.chunk_plan == ChunkPlan(2, (4, 8, 16))
+
+
+# ---------------------------------------------------------------------------- through the server
+
+
+async def test_stream_returns_chunks_in_order_then_done(fake_decoder, bidi_client):
+    codes = _codes(40)
+    async with code2wav(fake_decoder) as (server, stub):
+        health = health_pb2_grpc.HealthStub(grpc.aio.insecure_channel(f"127.0.0.1:{server.host.bound_port}"))
+        resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+        chunks, done, grants = await run_stream(bidi_client, stub, codes)
+        assert [c.num_frames for c in chunks] == ChunkPlan().split(40)
+        assert [c.first_frame_index for c in chunks] == list(
+            np.cumsum([0] + [c.num_frames for c in chunks[:-1]])
+        )
+        assert all(
+            c.num_samples == c.num_frames * SPF and len(c.pcm_s16le) == 2 * c.num_samples for c in chunks
+        )
+        assert done.num_frames == 40 and done.num_samples == 40 * SPF and done.replica == "replica-a"
+        assert grants == sorted(set(grants))  # grants only move forward, and only when they move
+
+        pcm = np.frombuffer(b"".join(c.pcm_s16le for c in chunks), dtype="<i2")
+        expected = (fake_decoder.expected(codes, 0).clamp(-1, 1) * 32767).round().short().numpy()
+        np.testing.assert_array_equal(pcm, expected)
+
+        reg = server.metrics.registry
+        assert reg.get_sample_value("tts_code2wav_frames_total") == 40
+        assert reg.get_sample_value("tts_code2wav_live_states") == 0
+        assert reg.get_sample_value("tts_code2wav_decode_backlog_frames") == 0
+        assert len(server.engine.registry) == 0
+        assert fake_decoder.live == 0
+
+
+async def test_client_chunk_plan_and_prefix_and_empty_stream(fake_decoder, bidi_client):
+    codes, prefix = _codes(9, seed=1), _codes(5, seed=2)
+    async with code2wav(fake_decoder) as (server, stub):
+        chunks, done, _ = await run_stream(
+            bidi_client, stub, codes, prefix=prefix, first_chunk_frames=1, chunk_frames_ramp=[3]
+        )
+        assert [c.num_frames for c in chunks] == [1, 3, 3, 2]
+        pcm = np.frombuffer(b"".join(c.pcm_s16le for c in chunks), dtype="<i2")
+        # Audio starts after the prefix: frame positions continue from 5, prefix audio not returned.
+        expected = (fake_decoder.expected(codes, 5) * 32767).round().short().numpy()
+        np.testing.assert_array_equal(pcm, expected)
+
+        chunks, done, _ = await run_stream(bidi_client, stub, _codes(0))
+        assert chunks == [] and done.num_frames == 0
+        await _eventually_empty(server, fake_decoder)
+
+
+async def _eventually_empty(server, decoder):
+    from tests.services.conftest import wait_until
+
+    await wait_until(lambda: len(server.engine.registry) == 0 and decoder.live == 0, what="states freed")
+    assert server.metrics.registry.get_sample_value("tts_code2wav_live_states") == 0
+    assert server.metrics.registry.get_sample_value("tts_code2wav_decode_backlog_frames") == 0
+
+
+async def test_many_streams_are_decoded_in_batches(bidi_client):
+    import asyncio
+
+    from tests.services.conftest import FakeIncrementalDecoder
+
+    decoder = FakeIncrementalDecoder()
+    async with code2wav(decoder) as (server, stub):
+        decoder.gate.clear()  # hold the worker so chunks of several streams pile up
+        tasks = [asyncio.create_task(run_stream(bidi_client, stub, _codes(12, seed=i))) for i in range(4)]
+        from tests.services.conftest import wait_until
+
+        await wait_until(
+            lambda: sum(s.ready_frames() > 0 for s in server.engine.registry) >= 3, what="ready chunks"
+        )
+        decoder.gate.set()
+        results = await asyncio.gather(*tasks)
+        for i, (chunks, done, _) in enumerate(results):
+            pcm = np.frombuffer(b"".join(c.pcm_s16le for c in chunks), dtype="<i2")
+            expected = (decoder.expected(_codes(12, seed=i), 0) * 32767).round().short().numpy()
+            np.testing.assert_array_equal(pcm, expected)
+            assert done.num_frames == 12
+        assert max(decoder.batches) >= 3
+        await _eventually_empty(server, decoder)
+
+
+async def test_max_states_rejects_with_resource_exhausted(fake_decoder, bidi_client):
+    async with code2wav(fake_decoder, max_states=1) as (server, stub):
+        first = bidi_client(stub.Decode)
+        first.send(_start("a"))
+        assert (await first.read()).WhichOneof("event") == "credit"
+
+        second = bidi_client(stub.Decode)
+        second.send(_start("b"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await second.read()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert server.metrics.registry.get_sample_value("tts_code2wav_rejected_total") == 1
+
+        first.send(_end(0))
+        assert (await first.read()).WhichOneof("event") == "done"
+        first.close_requests()
+        assert await first.read() is None
+        await _eventually_empty(server, fake_decoder)
+        chunks, done, _ = await run_stream(bidi_client, stub, _codes(3))  # the slot is free again
+        assert done.num_frames == 3
+
+
+@pytest.mark.parametrize("how", ["cancel", "channel_close"])
+async def test_state_freed_when_client_goes_away(fake_decoder, bidi_client, how):
+    config = Code2WavConfig(port=0, metrics_port=0, drain_seconds=0.5).validate()
+    server = Code2WavServer(config, decoder=fake_decoder)
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        client = bidi_client(code2wav_pb2_grpc.Code2WavServiceStub(channel).Decode)
+        client.send(_start())
+        assert (await client.read()).WhichOneof("event") == "credit"
+        client.send(_frames(0, _codes(3)))
+        assert (await client.read()).WhichOneof("event") == "audio"
+        assert len(server.engine.registry) == 1 and fake_decoder.live == 1
+        if how == "cancel":
+            client.call.cancel()
+        else:
+            await channel.close()
+        await _eventually_empty(server, fake_decoder)
+    finally:
+        await channel.close()
+        await server.stop(0.5)
+
+
+VIOLATIONS = {
+    "frames_before_start": ([_frames(0, _codes(1))], grpc.StatusCode.FAILED_PRECONDITION),
+    "wrong_codebook_count_in_start": ([_start(nc=8)], grpc.StatusCode.INVALID_ARGUMENT),
+    "wrong_codebook_count_in_frames": (
+        [
+            _start(),
+            pb.DecodeRequest(frames=pb.FrameDelta(first_frame_index=0, num_frames=1, codes_i16=b"\0" * 16)),
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "non_contiguous_index": (
+        [_start(), _frames(0, _codes(1)), _frames(2, _codes(1))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "beyond_credit": ([_start(), _frames(0, _codes(33))], grpc.StatusCode.FAILED_PRECONDITION),
+    "second_start": ([_start(), _start()], grpc.StatusCode.FAILED_PRECONDITION),
+    "end_count_mismatch": ([_start(), _frames(0, _codes(2)), _end(5)], grpc.StatusCode.INVALID_ARGUMENT),
+    "code_out_of_range": (
+        [_start(), _frames(0, np.full((1, 16), 4000, np.int16))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    "ack_beyond_sent_audio": ([_start(), _ack(1)], grpc.StatusCode.INVALID_ARGUMENT),
+    "closed_without_end": ([_start(), None], grpc.StatusCode.FAILED_PRECONDITION),
+}
+
+
+@pytest.mark.parametrize("name", list(VIOLATIONS))
+async def test_protocol_violation_ends_only_that_stream(fake_decoder, bidi_client, name):
+    requests, code = VIOLATIONS[name]
+    async with code2wav(fake_decoder) as (server, stub):
+        healthy = bidi_client(stub.Decode)
+        healthy.send(_start("healthy"))
+        assert (await healthy.read()).WhichOneof("event") == "credit"
+
+        bad = bidi_client(stub.Decode)
+        for req in requests:
+            if req is None:
+                bad.close_requests()
+            else:
+                bad.send(req)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await bad.read() is not None:
+                pass
+        assert err.value.code() == code, err.value.details()
+
+        # The other stream is unaffected and finishes normally.
+        healthy.send(_frames(0, _codes(4)))
+        healthy.send(_end(4))
+        kinds = []
+        while (msg := await healthy.read()) is not None:
+            kinds.append(msg.WhichOneof("event"))
+            if kinds[-1] == "done":
+                healthy.close_requests()
+        assert kinds.count("audio") == 2 and kinds[-1] == "done"
+        await _eventually_empty(server, fake_decoder)
+        assert (
+            server.metrics.registry.get_sample_value(
+                "tts_errors_total", {"service": "code2wav", "code": code.name}
+            )
+            == 1
+        )
+
+
+async def test_audio_equals_incremental_decoder_output(tmp_path, bidi_client):
+    from qtts.model.codec_decoder import load_codec_decoder
+    from qtts.model.incremental import IncrementalDecoder
+    from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
+
+    folder = write_tiny_speech_tokenizer(tmp_path / "speech_tokenizer")
+    codec = load_codec_decoder(folder)
+    limits = StreamLimits(codec.cfg.num_quantizers, codec.cfg.codebook_size, codec.samples_per_frame)
+    codes, prefix = _codes(23, seed=3) % codec.cfg.codebook_size, _codes(6, seed=4) % codec.cfg.codebook_size
+
+    reference = IncrementalDecoder(codec)
+    state = reference.start(torch.from_numpy(prefix.astype(np.int64)))
+    expected = reference.decode(state, torch.from_numpy(codes.astype(np.int64)))
+    expected_pcm = (expected.clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
+
+    async with code2wav(IncrementalDecoder(codec), limits=limits) as (server, stub):
+        chunks, done, _ = await run_stream(bidi_client, stub, codes, prefix=prefix)
+        assert [c.num_frames for c in chunks] == ChunkPlan().split(23)
+        pcm = np.frombuffer(b"".join(c.pcm_s16le for c in chunks), dtype="<i2")
+        assert pcm.shape == expected_pcm.shape == (23 * limits.samples_per_frame,)
+        # Chunked decoding equals one decode within float tolerance: at most 1-2 LSB after rounding.
+        assert np.abs(pcm.astype(np.int32) - expected_pcm.astype(np.int32)).max() <= 2
+        assert np.abs(expected_pcm).max() > 100  # the comparison is not between two silences
+        await _eventually_empty_real(server)
+
+
+async def _eventually_empty_real(server):
+    from tests.services.conftest import wait_until
+
+    await wait_until(lambda: len(server.engine.registry) == 0, what="states freed")
