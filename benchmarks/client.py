@@ -1,7 +1,7 @@
 """Command line benchmark of the TTS gateway: closed-loop concurrency sweeps or open-loop Poisson
 load over HTTP or gRPC, written as JSON + Markdown + PNG plots.
 
-    python -m benchmarks.client --concurrency 1 8 32 64 --num-requests 64 --out results/sweep
+    python -m benchmarks.client --concurrency 1 8 32 64 --num-requests 64 --out run/bench/sweep
     python -m benchmarks.client --rate 2 5 10 --duration 60 --protocol grpc
 """
 
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--time-limit", type=float, default=None, help="hard limit for the whole run, seconds")
 
     out = p.add_argument_group("output and conditions")
-    out.add_argument("--out", default=None, help="output folder (default results/<date>-<tag>)")
+    out.add_argument("--out", default=None, help="output folder (default run/bench/<UTC time>-<tag>)")
     out.add_argument("--tag", default="bench")
     out.add_argument("--gpu", default=None, help="GPU label (default: nvidia-smi on this host)")
     out.add_argument("--weights", default="unknown", help="dummy or real")
@@ -152,7 +152,7 @@ class BenchConfig:
             request_timeout_s=args.request_timeout,
         )
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-        out_dir = Path(args.out) if args.out else Path("results") / f"{stamp}-{args.tag}"
+        out_dir = Path(args.out) if args.out else Path("run") / "bench" / f"{stamp}-{args.tag}"
         return cls(args=args, prompts=tuple(prompts), options=options, out_dir=out_dir)
 
 

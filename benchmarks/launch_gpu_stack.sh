@@ -22,7 +22,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-OUT="results/gpu-$(date -u +%Y%m%dT%H%M%SZ)"
+OUT="run/bench/gpu-$(date -u +%Y%m%dT%H%M%SZ)"
 if [[ $# -gt 0 && "$1" != -* ]]; then
     OUT="$1"
     shift

@@ -126,8 +126,13 @@ class _Trace:
         )
 
 
-def http_payload(options: SynthesisOptions, text: str, index: int) -> dict[str, Any]:
-    """The JSON body of one streaming PCM request; unset options are left out."""
+def http_payload(
+    options: SynthesisOptions, text: str, index: int, ref_audio_url: str | None = None
+) -> dict[str, Any]:
+    """The JSON body of one streaming PCM request; unset options are left out.
+
+    `ref_audio_url` is the reference clip already encoded as a data URL (encoded once per run).
+    """
     payload: dict[str, Any] = {
         "input": text,
         "response_format": "pcm",
@@ -142,7 +147,7 @@ def http_payload(options: SynthesisOptions, text: str, index: int) -> dict[str, 
         "seed": options.seed_for(index),
     }
     if options.ref_audio is not None:
-        payload["ref_audio"] = audio_data_url(options.ref_audio, options.ref_audio_name)
+        payload["ref_audio"] = ref_audio_url or audio_data_url(options.ref_audio, options.ref_audio_name)
     if options.x_vector_only:
         payload["x_vector_only_mode"] = True
     return {k: v for k, v in payload.items() if v is not None}
@@ -169,9 +174,12 @@ class HttpSynthesizer:
         # No pool cap: the load generator, not the pool, decides how many streams are open.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self._client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+        self._ref_audio_url = (
+            None if options.ref_audio is None else audio_data_url(options.ref_audio, options.ref_audio_name)
+        )
 
     async def synthesize(self, index: int, prompt_index: int, text: str) -> RequestRecord:
-        payload = http_payload(self.options, text, index)
+        payload = http_payload(self.options, text, index, self._ref_audio_url)
         trace = _Trace(self.options.audible_dbfs)
         try:
             async with asyncio.timeout(self.options.request_timeout_s):

@@ -63,8 +63,6 @@ class HashRing:
 
     def _rebuild(self) -> None:
         # Ties between points (vanishingly rare) are broken by node name so the ring is deterministic.
-        points = sorted(
-            (_hash64(f"{node}#{v}"), node) for node in self._nodes for v in range(self._vnodes)
-        )
+        points = sorted((_hash64(f"{node}#{v}"), node) for node in self._nodes for v in range(self._vnodes))
         self._points = [p for p, _ in points]
         self._owners = [n for _, n in points]

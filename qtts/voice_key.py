@@ -12,8 +12,9 @@ import hashlib
 KEY_VERSION = "v1"
 
 
-def voice_prompt_key(model_id: str, reference_pcm_f32: bytes, reference_text: str | None,
-                     x_vector_only: bool) -> str:
+def voice_prompt_key(
+    model_id: str, reference_pcm_f32: bytes, reference_text: str | None, x_vector_only: bool
+) -> str:
     """sha256 hex over (version, model id, reference PCM bytes, reference text, mode).
 
     `reference_pcm_f32` is the 24 kHz mono clip as float32 little-endian bytes. In x-vector-only

@@ -358,7 +358,11 @@ def _http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> tup
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw or b"{}")
+        except ValueError:
+            return exc.code, {"error": raw.decode(errors="replace")}
 
 
 def demo_request(stack: Stack) -> dict:
@@ -373,9 +377,11 @@ def demo_request(stack: Stack) -> dict:
     elif info.get("model_type") == "voice_design":
         body["instructions"] = "A warm, calm female voice."
     else:
-        _http_json(f"{stack.http_url}/v1/audio/voices", {
+        status, resp = _http_json(f"{stack.http_url}/v1/audio/voices", {
             "name": "demo", "audio": base64.b64encode(_tone_wav()).decode(), "x_vector_only_mode": True,
         })
+        if status not in (201, 409):  # 409: kept from an earlier run (Redis)
+            raise ValueError(f"creating the demo voice failed ({status}): {resp.get('error', resp)}")
         body["voice"] = "demo"
     return body
 

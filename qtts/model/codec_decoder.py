@@ -95,7 +95,9 @@ class SpeechTokenizerConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read speech tokenizer config {path}: {e}") from e
         if raw.get("model_type") != "qwen3_tts_tokenizer_12hz":
-            raise ValueError(f"{path} is not a Qwen3-TTS 12 Hz speech tokenizer (model_type={raw.get('model_type')!r})")
+            raise ValueError(
+                f"{path} is not a Qwen3-TTS 12 Hz speech tokenizer (model_type={raw.get('model_type')!r})"
+            )
         dec = CodecDecoderConfig.from_dict(raw.get("decoder_config", {}))
         cfg = cls(
             decoder=dec,
@@ -347,7 +349,9 @@ class FrameTransformer(nn.Module):
         dev = x.device
         steps = torch.arange(n, device=dev)
         q_pos = ctx.positions.view(b, 1) + steps.view(1, n)  # [B, n]
-        k_pos = torch.cat([ctx.positions.view(b, 1) - w + torch.arange(w, device=dev).view(1, w), q_pos], dim=1)
+        k_pos = torch.cat(
+            [ctx.positions.view(b, 1) - w + torch.arange(w, device=dev).view(1, w), q_pos], dim=1
+        )
         qp, kp = q_pos.unsqueeze(2), k_pos.unsqueeze(1)
         mask = ((kp >= 0) & (kp <= qp) & (kp > qp - w)).unsqueeze(1)  # [B, 1, n, w+n]
         freqs = q_pos.float().unsqueeze(-1) * self.inv_freq.float().view(1, 1, -1)
@@ -456,7 +460,9 @@ class CodecDecoder(nn.Module):
         self.pre_transformer = FrameTransformer(cfg)
         self.upsample = nn.ModuleList(
             [
-                nn.ModuleList([CausalTransConv1d(cfg.latent_dim, cfg.latent_dim, r, r), ConvNeXtBlock(cfg.latent_dim)])
+                nn.ModuleList(
+                    [CausalTransConv1d(cfg.latent_dim, cfg.latent_dim, r, r), ConvNeXtBlock(cfg.latent_dim)]
+                )
                 for r in cfg.upsampling_ratios
             ]
         )
@@ -554,7 +560,10 @@ def resolve_speech_tokenizer_dir(path_or_id: str | Path, load_format: str = "aut
     for cand in (p / "speech_tokenizer", p):
         if (cand / "config.json").is_file():
             try:
-                if json.loads((cand / "config.json").read_text()).get("model_type") == "qwen3_tts_tokenizer_12hz":
+                if (
+                    json.loads((cand / "config.json").read_text()).get("model_type")
+                    == "qwen3_tts_tokenizer_12hz"
+                ):
                     return cand
             except (OSError, json.JSONDecodeError):
                 continue
@@ -593,10 +602,22 @@ def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
                 # not amplify float rounding by orders of magnitude through the 4 decoder blocks.
                 gain = 0.2 if ".block." in name and (".conv1." in name or ".conv2." in name) else 1.0
                 p.copy_(gain * torch.randn(p.shape, generator=gen) / math.sqrt(max(fan_in, 1)))
+        for mod in module.modules():
+            if isinstance(mod, CausalTransConv1d):
+                # Make each transposed conv map a constant input to a constant output. Otherwise
+                # the DC that SnakeBeta always adds comes out as a code-independent periodic
+                # pattern that every random-weight waveform shares (real weights have none).
+                w, r = mod.conv.weight, mod.stride
+                if w.shape[-1] == 2 * r:
+                    w[..., r:] = -w[..., :r]
+                elif w.shape[-1] == r:
+                    w[...] = w[..., :1]
         if isinstance(module, CodecDecoder):
             # Rescale the output conv so random weights give speech-like levels instead of a
             # clamped square wave (the clamp would hide most of the network in tests).
-            codes = torch.randint(0, module.cfg.codebook_size, (1, 4, module.cfg.num_quantizers), generator=gen)
+            codes = torch.randint(
+                0, module.cfg.codebook_size, (1, 4, module.cfg.num_quantizers), generator=gen
+            )
             last = module.decoder[-1].conv
             last.bias.zero_()
             module.decoder[-1].conv.weight.mul_(0.01)

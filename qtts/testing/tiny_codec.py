@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from qtts.model.codec_decoder import CodecDecoder, CodecDecoderConfig, init_dummy_weights
+from qtts.model.codec_encoder import build_mimi_encoder, init_dummy_codebooks
 
 TINY_DECODER_CONFIG: dict[str, Any] = {
     "attention_bias": False,
@@ -107,24 +108,10 @@ def speech_tokenizer_config(encoder_config: dict[str, Any], decoder_config: dict
 
 def random_mimi_encoder_state(encoder_config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Seeded random Mimi encoder weights (decoder half removed) with non-trivial codebooks."""
-    from transformers import MimiConfig, MimiModel
-
     torch.manual_seed(seed)
-    model = MimiModel(MimiConfig(**encoder_config))
-    model.upsample = None
-    model.decoder_transformer = None
-    model.decoder = None
-    gen = torch.Generator().manual_seed(seed + 1)
-    state = {}
-    for k, v in model.state_dict().items():
-        if k.endswith("codebook.embed_sum"):
-            v = torch.randn(v.shape, generator=gen)
-        elif k.endswith("codebook.cluster_usage"):
-            v = torch.rand(v.shape, generator=gen) + 0.5
-        elif k.endswith("codebook.initialized"):
-            v = torch.ones_like(v)
-        state[k] = v.contiguous()
-    return state
+    model = build_mimi_encoder(encoder_config)
+    init_dummy_codebooks(model, seed + 1)
+    return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
 def write_tiny_speech_tokenizer(dir: Path, seed: int = 0) -> Path:
@@ -136,7 +123,9 @@ def write_tiny_speech_tokenizer(dir: Path, seed: int = 0) -> Path:
     decoder = CodecDecoder(CodecDecoderConfig.from_dict(TINY_DECODER_CONFIG))
     init_dummy_weights(decoder, seed)
     tensors = {f"decoder.{k}": v.contiguous() for k, v in decoder.state_dict().items()}
-    tensors.update({f"encoder.{k}": v for k, v in random_mimi_encoder_state(TINY_ENCODER_CONFIG, seed).items()})
+    tensors.update(
+        {f"encoder.{k}": v for k, v in random_mimi_encoder_state(TINY_ENCODER_CONFIG, seed).items()}
+    )
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = speech_tokenizer_config(TINY_ENCODER_CONFIG, TINY_DECODER_CONFIG)
     (out / "config.json").write_text(json.dumps(config, indent=2))

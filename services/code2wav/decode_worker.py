@@ -149,7 +149,7 @@ class DecodeEngine:
             self._forget(stream)
             raise
         if stream.closed:  # released while its state was being created
-            self._executor.submit(self.decoder.free, stream.decoder_state)
+            self._free_later(stream.decoder_state)
         else:
             stream.start_credit()
         return stream
@@ -162,8 +162,7 @@ class DecodeEngine:
         stream.release_backlog()
         self.registry.remove(stream.stream_id)
         if stream.decoder_state is not None:
-            # Queued behind any batch that still uses the state (one worker thread, FIFO).
-            self._executor.submit(self.decoder.free, stream.decoder_state)
+            self._free_later(stream.decoder_state)
 
     def notify(self) -> None:
         """Frames arrived or a stream ended: look for ready chunks."""
@@ -176,7 +175,14 @@ class DecodeEngine:
 
     def _free_when_done(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
-            self._executor.submit(self.decoder.free, fut.result())
+            self._free_later(fut.result())
+
+    def _free_later(self, state: Any) -> None:
+        try:
+            # Queued behind any batch that still uses the state (one worker thread, FIFO).
+            self._executor.submit(self.decoder.free, state)
+        except RuntimeError:  # the worker is shut down: nothing else can touch the state
+            self.decoder.free(state)
 
     def _start_sync(self, prefix: np.ndarray | None) -> Any:
         with torch.inference_mode():

@@ -31,6 +31,8 @@ class GatewayConfig:
     # Upper bound on max_new_tokens a client may ask for (12.5 frames per second of audio).
     max_new_frames_limit: int = 4096
     max_ref_audio_bytes: int = 20 * 1024 * 1024
+    # Output sample rate when a request does not ask for one (resampled from 24 kHz with soxr).
+    sample_rate: int = 24000
     drain_seconds: float = 30.0
     log_level: str = "INFO"
 
@@ -50,6 +52,8 @@ class GatewayConfig:
             raise InvalidArgument(f"--max-streams must be >= 1, got {self.max_streams}")
         if self.max_input_chars < 1 or self.max_new_frames_limit < 1:
             raise InvalidArgument("--max-input-chars and --max-new-frames-limit must be >= 1")
+        if not 8000 <= self.sample_rate <= 48000:
+            raise InvalidArgument(f"--sample-rate must be in 8000..48000 Hz, got {self.sample_rate}")
         if self.drain_seconds < 0:
             raise InvalidArgument(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
         return self
@@ -90,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(_env("MAX_NEW_FRAMES_LIMIT", str(d.max_new_frames_limit))),
     )
+    p.add_argument("--sample-rate", type=int, default=int(_env("SAMPLE_RATE", str(d.sample_rate))),
+                   help="output sample rate when a request does not set one (native: 24000)")
+    p.add_argument("--max-ref-audio-bytes", type=int,
+                   default=int(_env("MAX_REF_AUDIO_BYTES", str(d.max_ref_audio_bytes))))
     p.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", str(d.drain_seconds))),
                    help="on SIGTERM, how long in-flight streams may run before they are cancelled")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
@@ -110,6 +118,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         max_streams=ns.max_streams,
         max_input_chars=ns.max_input_chars,
         max_new_frames_limit=ns.max_new_frames_limit,
+        max_ref_audio_bytes=ns.max_ref_audio_bytes,
+        sample_rate=ns.sample_rate,
         drain_seconds=ns.drain_seconds,
         log_level=ns.log_level,
     ).validate()

@@ -55,6 +55,8 @@ def fields_from_pb(req: tts_pb2.SynthesizeRequest) -> SpeechFields:
         sampling=sampling,
         sample_rate=req.sample_rate_hz or None,
         request_id=req.request_id,
+        first_chunk_frames=req.streaming.first_chunk_frames,
+        chunk_frames_ramp=tuple(req.streaming.chunk_frames_ramp),
     )
 
 

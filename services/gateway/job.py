@@ -60,6 +60,9 @@ class SpeechFields:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     sample_rate: int | None = None
     request_id: str = ""
+    # Chunking in frames (0 / empty = the talker's defaults).
+    first_chunk_frames: int = 0
+    chunk_frames_ramp: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class SynthesisJob:
     max_new_frames: int
     sampling: SamplingOptions
     sample_rate: int
+    first_chunk_frames: int = 0
+    chunk_frames_ramp: tuple[int, ...] = ()
     # Decoded reference clip (float32 mono, 24 kHz), filled in by the synthesizer.
     reference_pcm: np.ndarray | None = None
 

@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+import numpy as np
 import uvicorn
 from prometheus_client import CollectorRegistry
 
@@ -49,17 +50,19 @@ class GatewayServer:
     checks the talker and speaker_cache on every call.
     """
 
-    def __init__(self, config: GatewayConfig, catalog_retry_s: float = 0.5):
+    def __init__(self, config: GatewayConfig, catalog_retry_s: float = 0.5,
+                 decode: Callable[[bytes], np.ndarray] = decode_reference):
         self.config = config
         self.metrics = GatewayMetrics(CollectorRegistry())
         self.talker = TalkerClient(config.talker)
         self.voice_client = VoiceClient(config.speaker_cache)
         self.catalog: ModelCatalog | None = None
         self._catalog_retry_s = catalog_retry_s
-        limits = RequestLimits(config.max_input_chars, config.max_new_frames_limit, config.max_ref_audio_bytes)
+        limits = RequestLimits(config.max_input_chars, config.max_new_frames_limit, config.max_ref_audio_bytes,
+                               config.sample_rate)
         self.synthesizer = Synthesizer(self.talker, lambda: self.catalog, limits, Admission(config.max_streams),
-                                       self.metrics)
-        self.voices = VoiceService(self.voice_client, decode_reference, lambda: self.catalog,
+                                       self.metrics, decode=decode)
+        self.voices = VoiceService(self.voice_client, decode, lambda: self.catalog,
                                    config.max_ref_audio_bytes)
         self.stage_health = StageHealth({"talker": self.talker.channel,
                                          "speaker_cache": self.voice_client.channel})

@@ -46,6 +46,9 @@ def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
         sampling=sampling,
         max_new_frames=job.max_new_frames,
     )
+    if job.first_chunk_frames or job.chunk_frames_ramp:
+        req.streaming.first_chunk_frames = job.first_chunk_frames
+        req.streaming.chunk_frames_ramp.extend(job.chunk_frames_ramp)
     if job.reference_pcm is not None:
         req.reference_pcm_f32 = np.ascontiguousarray(job.reference_pcm, dtype="<f4").tobytes()
     return req

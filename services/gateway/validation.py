@@ -21,6 +21,8 @@ class RequestLimits:
     max_input_chars: int = 4096
     max_new_frames_limit: int = 4096
     max_ref_audio_bytes: int = 20 * 1024 * 1024
+    # Output rate when a request does not ask for one.
+    default_sample_rate: int = 24000
 
 
 def new_request_id() -> str:
@@ -83,7 +85,7 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         raise InvalidArgument(
             f"max_new_tokens must be in 1..{limits.max_new_frames_limit}, got {fields.max_new_frames}"
         )
-    sample_rate = fields.sample_rate or catalog.sample_rate
+    sample_rate = fields.sample_rate or limits.default_sample_rate
     if not (MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE):
         raise InvalidArgument(
             f"sample_rate must be in {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz, got {sample_rate}"
@@ -141,6 +143,8 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         max_new_frames=fields.max_new_frames or 0,
         sampling=_check_sampling(fields.sampling),
         sample_rate=sample_rate,
+        first_chunk_frames=fields.first_chunk_frames,
+        chunk_frames_ramp=tuple(fields.chunk_frames_ramp),
     )
 
 

@@ -6,13 +6,15 @@ import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from qtts.errors import InvalidArgument
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
-# Where `make run` / a bare `python -m services.talker` builds its tiny random Base snapshot.
-DEFAULT_TINY_MODEL = ".tiny/base"
+# Where `make run` / a bare `python -m services.talker` builds its tiny random Base snapshot
+# (the same folder code2wav uses by default).
+DEFAULT_TINY_MODEL = str(Path(__file__).resolve().parents[2] / ".tiny" / "base")
 
 
 def _env(name: str, default: str) -> str:
@@ -60,7 +62,9 @@ class TalkerConfig:
             if not 0 <= value <= 65535:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
         if self.load_format not in LOAD_FORMATS:
-            raise InvalidArgument(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+            raise InvalidArgument(
+                f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not self.code2wav:
@@ -89,30 +93,58 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.talker", description=__doc__)
     p.add_argument("--host", default=_env("HOST", d.host))
     p.add_argument("--port", type=int, default=int(_env("PORT", str(d.port))))
-    p.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", str(d.metrics_port))),
-                   help="Prometheus metrics port (0 = off)")
-    p.add_argument("--model", default=_env("MODEL", d.model),
-                   help=f"snapshot folder, hub id, or a shipped config name with --load-format dummy "
-                        f"(default: a tiny random Base snapshot in {DEFAULT_TINY_MODEL})")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(_env("METRICS_PORT", str(d.metrics_port))),
+        help="Prometheus metrics port (0 = off)",
+    )
+    p.add_argument(
+        "--model",
+        default=_env("MODEL", d.model),
+        help=f"snapshot folder, hub id, or a shipped config name with --load-format dummy "
+        f"(default: a tiny random Base snapshot in {DEFAULT_TINY_MODEL})",
+    )
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", d.load_format), choices=LOAD_FORMATS)
     p.add_argument("--device", default=_env("DEVICE", d.device))
     p.add_argument("--dtype", default=_env("DTYPE", d.dtype), choices=DTYPES)
-    p.add_argument("--code2wav", default=_env("CODE2WAV", ",".join(d.code2wav)),
-                   help="comma-separated code2wav replica addresses (host:port)")
-    p.add_argument("--speaker-cache", default=_env("SPEAKER_CACHE", d.speaker_cache),
-                   help="speaker_cache address (empty = none)")
-    p.add_argument("--speaker-cache-timeout-s", type=float,
-                   default=float(_env("SPEAKER_CACHE_TIMEOUT_S", str(d.speaker_cache_timeout_s))))
-    p.add_argument("--max-batch", type=int, default=int(_env("MAX_BATCH", str(d.max_batch))),
-                   help="streams generated together in one batched step")
-    p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", str(d.max_queue))),
-                   help="requests that may wait for a slot; beyond it they are rejected")
-    p.add_argument("--credit-window-frames", type=int,
-                   default=int(_env("CREDIT_WINDOW_FRAMES", str(d.credit_window_frames))),
-                   help="frames a stream may generate ahead of its code2wav credit")
+    p.add_argument(
+        "--code2wav",
+        default=_env("CODE2WAV", ",".join(d.code2wav)),
+        help="comma-separated code2wav replica addresses (host:port)",
+    )
+    p.add_argument(
+        "--speaker-cache",
+        default=_env("SPEAKER_CACHE", d.speaker_cache),
+        help="speaker_cache address (empty = none)",
+    )
+    p.add_argument(
+        "--speaker-cache-timeout-s",
+        type=float,
+        default=float(_env("SPEAKER_CACHE_TIMEOUT_S", str(d.speaker_cache_timeout_s))),
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=int(_env("MAX_BATCH", str(d.max_batch))),
+        help="streams generated together in one batched step",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=int(_env("MAX_QUEUE", str(d.max_queue))),
+        help="requests that may wait for a slot; beyond it they are rejected",
+    )
+    p.add_argument(
+        "--credit-window-frames",
+        type=int,
+        default=int(_env("CREDIT_WINDOW_FRAMES", str(d.credit_window_frames))),
+        help="frames a stream may generate ahead of its code2wav credit",
+    )
     p.add_argument("--ring-vnodes", type=int, default=int(_env("RING_VNODES", str(d.ring_vnodes))))
-    p.add_argument("--health-interval-s", type=float,
-                   default=float(_env("HEALTH_INTERVAL_S", str(d.health_interval_s))))
+    p.add_argument(
+        "--health-interval-s", type=float, default=float(_env("HEALTH_INTERVAL_S", str(d.health_interval_s)))
+    )
     p.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", str(d.drain_seconds))))
     p.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
     return p
@@ -123,11 +155,23 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
     parser = build_parser()
     a = parser.parse_args(argv)
     config = TalkerConfig(
-        host=a.host, port=a.port, metrics_port=a.metrics_port, model=a.model, load_format=a.load_format,
-        device=a.device, dtype=a.dtype, code2wav=_addresses(a.code2wav), speaker_cache=a.speaker_cache.strip(),
-        speaker_cache_timeout_s=a.speaker_cache_timeout_s, max_batch=a.max_batch, max_queue=a.max_queue,
-        credit_window_frames=a.credit_window_frames, ring_vnodes=a.ring_vnodes,
-        health_interval_s=a.health_interval_s, drain_seconds=a.drain_seconds, log_level=a.log_level,
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        model=a.model,
+        load_format=a.load_format,
+        device=a.device,
+        dtype=a.dtype,
+        code2wav=_addresses(a.code2wav),
+        speaker_cache=a.speaker_cache.strip(),
+        speaker_cache_timeout_s=a.speaker_cache_timeout_s,
+        max_batch=a.max_batch,
+        max_queue=a.max_queue,
+        credit_window_frames=a.credit_window_frames,
+        ring_vnodes=a.ring_vnodes,
+        health_interval_s=a.health_interval_s,
+        drain_seconds=a.drain_seconds,
+        log_level=a.log_level,
     )
     try:
         return config.validate()

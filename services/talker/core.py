@@ -25,11 +25,15 @@ from .voices import VoiceResolver
 def merge_sampling(defaults: Any, overrides: SamplingOverrides) -> Any:
     """The model's generation defaults with the caller's set fields on top."""
     changes = {
-        name: value for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+        name: value
+        for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
         if (value := getattr(overrides, name)) is not None
     }
     if overrides.greedy:
+        # The API's greedy means argmax for every codebook, the code predictor's included.
         changes["greedy"] = True
+        if any(f.name == "subtalker_greedy" for f in dataclasses.fields(defaults)):
+            changes["subtalker_greedy"] = True
     for name, value in changes.items():
         if name in ("temperature", "top_p", "repetition_penalty") and value < 0:
             raise InvalidArgument(f"sampling {name} must be >= 0, got {value}")
@@ -39,9 +43,17 @@ def merge_sampling(defaults: Any, overrides: SamplingOverrides) -> Any:
 class TalkerCore:
     """Serves generation requests on a loaded `TalkerBundle` through the engine and code2wav."""
 
-    def __init__(self, *, bundle: Any, engine: GenerationEngine, replicas: Code2WavReplicas,
-                 voices: VoiceResolver, metrics: TalkerMetrics, credit_window_frames: int,
-                 spec_factory: Callable[..., Any] | None = None):
+    def __init__(
+        self,
+        *,
+        bundle: Any,
+        engine: GenerationEngine,
+        replicas: Code2WavReplicas,
+        voices: VoiceResolver,
+        metrics: TalkerMetrics,
+        credit_window_frames: int,
+        spec_factory: Callable[..., Any] | None = None,
+    ):
         self.bundle = bundle
         self.info = bundle.info
         self._engine = engine
@@ -67,11 +79,18 @@ class TalkerCore:
         if getattr(prompt, "ref_codes", None) is not None:
             ref_codes = prompt.ref_codes.detach().to("cpu").numpy().astype(np.int16)
         session = StreamSession(
-            request_id=req.request_id, prompt=prompt, sampling=sampling,
-            max_new_frames=req.max_new_frames or None, ref_codes=ref_codes,
-            num_codebooks=self.info.num_codebooks, first_chunk_frames=req.first_chunk_frames,
-            chunk_frames_ramp=req.chunk_frames_ramp, engine=self._engine, replicas=self._replicas,
-            window=self._window, started_at=started_at,
+            request_id=req.request_id,
+            prompt=prompt,
+            sampling=sampling,
+            max_new_frames=req.max_new_frames or None,
+            ref_codes=ref_codes,
+            num_codebooks=self.info.num_codebooks,
+            first_chunk_frames=req.first_chunk_frames,
+            chunk_frames_ramp=req.chunk_frames_ramp,
+            engine=self._engine,
+            replicas=self._replicas,
+            window=self._window,
+            started_at=started_at,
         )
         async for item in session.run():
             yield item
@@ -82,8 +101,13 @@ class TalkerCore:
 
             self._spec_factory = SynthesisSpec
         spec = self._spec_factory(
-            text=req.text, task=checked.task, speaker=checked.speaker, language=checked.language,
-            instruct=req.instructions or None, voice_prompt=voice_prompt, streaming_text=req.streaming_text,
+            text=req.text,
+            task=checked.task,
+            speaker=checked.speaker,
+            language=checked.language,
+            instruct=req.instructions or None,
+            voice_prompt=voice_prompt,
+            streaming_text=req.streaming_text,
         )
         try:
             return self.bundle.build_prompt(spec)

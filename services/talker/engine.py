@@ -8,6 +8,7 @@ event loop (`loop.call_soon_threadsafe`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -83,6 +84,33 @@ def _codes_to_numpy(codes: Sequence[Any]) -> list[np.ndarray]:
     return [np.asarray(c, dtype=np.int16).reshape(-1) for c in codes]
 
 
+def skipping_step(generator: Any) -> Any:
+    """A `step(skip)` function for `generator`.
+
+    Uses the generator's own `step(skip=...)` when it has one. Otherwise the skipped requests are
+    hidden from the generator's `active` map for the one step (their KV slots stay allocated), so
+    they neither advance nor sample.
+    """
+    try:
+        params = inspect.signature(generator.step).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "skip" in params:
+        return lambda skip: generator.step(skip=skip)
+
+    def step(skip: set[str]) -> list[Any]:
+        if not skip:
+            return generator.step()
+        active = generator.active
+        hidden = {rid: active.pop(rid) for rid in skip if rid in active}
+        try:
+            return generator.step()
+        finally:
+            active.update(hidden)
+
+    return step
+
+
 class GenerationEngine:
     """Runs a `BatchGenerator` in its own thread under a `Scheduler`."""
 
@@ -94,6 +122,7 @@ class GenerationEngine:
         idle_wait_s: float = 0.5,
     ):
         self._generator = generator
+        self._step_fn = skipping_step(generator)
         self._scheduler = scheduler
         self._metrics = metrics
         self._idle_wait_s = idle_wait_s
@@ -204,7 +233,7 @@ class GenerationEngine:
         prefilling = any(not r.stepped for r in stepping)
         t0 = time.perf_counter()
         try:
-            outputs = self._generator.step(skip=skip)
+            outputs = self._step_fn(skip)
         except Exception as exc:
             log.exception("generator step failed; failing the %d streams in it", len(stepping))
             self._fail_all(GenerationFailed(f"generation step failed: {exc}"))

@@ -54,17 +54,26 @@ def default_generator_factory(bundle: Any, max_batch: int) -> Any:
 class TalkerServer:
     """The talker process; `bundle` and `generator_factory` may be injected (tests)."""
 
-    def __init__(self, config: TalkerConfig, *, bundle: Any = None,
-                 generator_factory: Callable[[Any, int], Any] | None = None,
-                 spec_factory: Callable[..., Any] | None = None):
+    def __init__(
+        self,
+        config: TalkerConfig,
+        *,
+        bundle: Any = None,
+        generator_factory: Callable[[Any, int], Any] | None = None,
+        spec_factory: Callable[..., Any] | None = None,
+    ):
         self.config = config
         self.metrics = TalkerMetrics(CollectorRegistry())
         self.bundle = bundle
         self._generator_factory = generator_factory or default_generator_factory
         self._spec_factory = spec_factory
         self.host = GrpcServiceHost(
-            service_names=[SERVICE_NAME], metrics=self.metrics, host=config.host, port=config.port,
-            metrics_port=config.metrics_port, drain_seconds=config.drain_seconds,
+            service_names=[SERVICE_NAME],
+            metrics=self.metrics,
+            host=config.host,
+            port=config.port,
+            metrics_port=config.metrics_port,
+            drain_seconds=config.drain_seconds,
         )
         self.servicer = TalkerServicer()
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
@@ -88,14 +97,22 @@ class TalkerServer:
         )
         self.engine.start()
         self.replicas = Code2WavReplicas(
-            self.config.code2wav, vnodes=self.config.ring_vnodes, health_interval_s=self.config.health_interval_s
+            self.config.code2wav,
+            vnodes=self.config.ring_vnodes,
+            health_interval_s=self.config.health_interval_s,
         )
         self.replicas.start()
-        self._cache = SpeakerCacheClient(self.config.speaker_cache or None, self.config.speaker_cache_timeout_s)
+        self._cache = SpeakerCacheClient(
+            self.config.speaker_cache or None, self.config.speaker_cache_timeout_s
+        )
         self._voices = VoiceResolver(self.bundle, self._cache, model_id=info.name)
         self.core = TalkerCore(
-            bundle=self.bundle, engine=self.engine, replicas=self.replicas, voices=self._voices,
-            metrics=self.metrics, credit_window_frames=self.config.credit_window_frames,
+            bundle=self.bundle,
+            engine=self.engine,
+            replicas=self.replicas,
+            voices=self._voices,
+            metrics=self.metrics,
+            credit_window_frames=self.config.credit_window_frames,
             spec_factory=self._spec_factory,
         )
         self.servicer.core = self.core

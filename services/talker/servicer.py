@@ -44,10 +44,18 @@ def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
         greedy=s.greedy,
     )
     return GenerationRequest(
-        request_id=msg.request_id, text=msg.text, task=_TASKS[msg.task_type], voice=msg.voice,
-        language=msg.language, instructions=msg.instructions, reference_pcm_f32=msg.reference_pcm_f32,
-        reference_text=msg.reference_text, x_vector_only=msg.x_vector_only, sampling=sampling,
-        max_new_frames=msg.max_new_frames, first_chunk_frames=msg.streaming.first_chunk_frames,
+        request_id=msg.request_id,
+        text=msg.text,
+        task=_TASKS[msg.task_type],
+        voice=msg.voice,
+        language=msg.language,
+        instructions=msg.instructions,
+        reference_pcm_f32=msg.reference_pcm_f32,
+        reference_text=msg.reference_text,
+        x_vector_only=msg.x_vector_only,
+        sampling=sampling,
+        max_new_frames=msg.max_new_frames,
+        first_chunk_frames=msg.streaming.first_chunk_frames,
         chunk_frames_ramp=tuple(msg.streaming.chunk_frames_ramp),
         streaming_text=msg.streaming_text if msg.HasField("streaming_text") else None,
     )
@@ -77,22 +85,30 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         async for item in self._ready_core().generate(req):
             if isinstance(item, AudioPiece):
                 msg = talker_pb2.GenerateResponse(
-                    request_id=rid, sequence_number=seq,
+                    request_id=rid,
+                    sequence_number=seq,
                     audio=tts_pb2.AudioChunk(
-                        audio=item.pcm_s16le, num_samples=item.num_samples, sample_rate_hz=self._sample_rate_hz,
-                        first_frame_index=item.first_frame_index, num_frames=item.num_frames,
+                        audio=item.pcm_s16le,
+                        num_samples=item.num_samples,
+                        sample_rate_hz=self._sample_rate_hz,
+                        first_frame_index=item.first_frame_index,
+                        num_frames=item.num_frames,
                     ),
                 )
             else:
                 assert isinstance(item, GenerationSummary)
                 msg = talker_pb2.GenerateResponse(
-                    request_id=rid, sequence_number=seq,
+                    request_id=rid,
+                    sequence_number=seq,
                     summary=talker_pb2.GenerateSummary(
                         finish_reason=_FINISH.get(item.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
-                        num_frames=item.num_frames, num_samples=item.num_samples,
+                        num_frames=item.num_frames,
+                        num_samples=item.num_samples,
                         timings=tts_pb2.Timings(
-                            queue_ns=item.queue_ns, prefill_ns=item.prefill_ns,
-                            first_audio_ns=item.first_audio_ns, total_ns=item.total_ns,
+                            queue_ns=item.queue_ns,
+                            prefill_ns=item.prefill_ns,
+                            first_audio_ns=item.first_audio_ns,
+                            total_ns=item.total_ns,
                         ),
                         code2wav_replica=item.replica,
                     ),
@@ -105,8 +121,12 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     ) -> talker_pb2.GetModelInfoResponse:
         info = self._ready_core().info
         return talker_pb2.GetModelInfoResponse(
-            name=info.name, model_type=info.model_type, model_size=str(info.model_size),
-            speakers=sorted(info.speakers), languages=sorted(info.languages),
-            sample_rate_hz=info.sample_rate, samples_per_frame=info.samples_per_frame,
+            name=info.name,
+            model_type=info.model_type,
+            model_size=str(info.model_size),
+            speakers=sorted(info.speakers),
+            languages=sorted(info.languages),
+            sample_rate_hz=info.sample_rate,
+            samples_per_frame=info.samples_per_frame,
             num_codebooks=info.num_codebooks,
         )

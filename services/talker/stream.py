@@ -33,10 +33,22 @@ FRAME_CAP_MESSAGE = "generation hit the frame cap without end of speech"
 class StreamSession:
     """Runs one request from engine submission to the last audio chunk and the summary."""
 
-    def __init__(self, *, request_id: str, prompt: Any, sampling: Any, max_new_frames: int | None,
-                 ref_codes: np.ndarray | None, num_codebooks: int, first_chunk_frames: int,
-                 chunk_frames_ramp: Sequence[int], engine: GenerationEngine,
-                 replicas: Code2WavReplicas, window: int, started_at: float):
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        prompt: Any,
+        sampling: Any,
+        max_new_frames: int | None,
+        ref_codes: np.ndarray | None,
+        num_codebooks: int,
+        first_chunk_frames: int,
+        chunk_frames_ramp: Sequence[int],
+        engine: GenerationEngine,
+        replicas: Code2WavReplicas,
+        window: int,
+        started_at: float,
+    ):
         self.request_id = request_id
         self._engine = engine
         self._replicas = replicas
@@ -48,7 +60,10 @@ class StreamSession:
         self._events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._request = ScheduledRequest(
-            request_id=request_id, prompt=prompt, sampling=sampling, max_new_frames=max_new_frames,
+            request_id=request_id,
+            prompt=prompt,
+            sampling=sampling,
+            max_new_frames=max_new_frames,
             credit=StreamCredit(window=window),
             sink=lambda ev: loop.call_soon_threadsafe(self._events.put_nowait, ev),
         )
@@ -107,13 +122,21 @@ class StreamSession:
                 elif isinstance(ev, c2w.DecodeFailed):
                     await self._on_decode_failed(ev)
                 elif isinstance(ev, c2w.DecodeClosed):
-                    raise Unavailable(f"code2wav replica {self._decode.replica} closed the stream before the end")
+                    raise Unavailable(
+                        f"code2wav replica {self._decode.replica} closed the stream before the end"
+                    )
             end = self._gen_end
             if end is None:
-                raise TTSError(f"code2wav replica {self._decode.replica} ended the stream before generation did")
+                raise TTSError(
+                    f"code2wav replica {self._decode.replica} ended the stream before generation did"
+                )
             yield GenerationSummary(
-                finish_reason=end.reason, num_frames=end.num_frames, num_samples=samples,
-                queue_ns=queue_ns, prefill_ns=prefill_ns, first_audio_ns=first_audio_ns,
+                finish_reason=end.reason,
+                num_frames=end.num_frames,
+                num_samples=samples,
+                queue_ns=queue_ns,
+                prefill_ns=prefill_ns,
+                first_audio_ns=first_audio_ns,
                 total_ns=int((time.perf_counter() - self._started_at) * 1e9),
                 replica=replica,
             )
@@ -129,8 +152,13 @@ class StreamSession:
             self._tried.add(replica)
             decode = c2w.DecodeStream(self._replicas.stub(replica), replica)
             try:
-                await decode.start(self.request_id, self._num_codebooks, self._ref_codes,
-                                   self._first_chunk_frames, self._ramp)
+                await decode.start(
+                    self.request_id,
+                    self._num_codebooks,
+                    self._ref_codes,
+                    self._first_chunk_frames,
+                    self._ramp,
+                )
             except TTSError as exc:
                 decode.cancel()
                 self._replicas.mark_down(replica, exc.message)

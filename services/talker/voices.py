@@ -33,7 +33,9 @@ def prompt_to_record(prompt: Any, model_id: str) -> PromptRecord:
     return PromptRecord(
         model_id=model_id,
         x_vector=prompt.x_vector.detach().to("cpu").float().numpy().reshape(-1),
-        ref_codes=codes, reference_text=prompt.ref_text, x_vector_only=bool(prompt.x_vector_only),
+        ref_codes=codes,
+        reference_text=prompt.ref_text,
+        x_vector_only=bool(prompt.x_vector_only),
     )
 
 
@@ -45,8 +47,10 @@ def record_to_prompt(record: PromptRecord) -> Any:
 
     codes = None if record.ref_codes is None else torch.from_numpy(record.ref_codes.astype(np.int64))
     return VoicePrompt(
-        x_vector=torch.from_numpy(record.x_vector.astype(np.float32)), ref_codes=codes,
-        ref_text=record.reference_text, x_vector_only=record.x_vector_only,
+        x_vector=torch.from_numpy(record.x_vector.astype(np.float32)),
+        ref_codes=codes,
+        ref_text=record.reference_text,
+        x_vector_only=record.x_vector_only,
     )
 
 
@@ -66,7 +70,9 @@ class VoiceResolver:
         if pcm.size == 0:
             raise InvalidArgument("the reference audio is empty")
         if not x_vector_only and not (ref_text or "").strip():
-            raise InvalidArgument("voice clone needs reference_text (the transcript) unless x_vector_only is set")
+            raise InvalidArgument(
+                "voice clone needs reference_text (the transcript) unless x_vector_only is set"
+            )
         key = voice_prompt_key(self._model_id, pcm.astype("<f4").tobytes(), ref_text, x_vector_only)
         if key in self._local:
             self._local.move_to_end(key)
@@ -106,8 +112,10 @@ class VoiceResolver:
     async def _compute(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
         try:
             return await asyncio.to_thread(
-                self._bundle.compute_voice_prompt, np.ascontiguousarray(pcm, dtype=np.float32),
-                None if x_vector_only else ref_text, x_vector_only,
+                self._bundle.compute_voice_prompt,
+                np.ascontiguousarray(pcm, dtype=np.float32),
+                None if x_vector_only else ref_text,
+                x_vector_only,
             )
         except ValueError as exc:
             raise InvalidArgument(f"cannot compute the voice prompt: {exc}") from exc
@@ -129,7 +137,11 @@ class VoiceResolver:
         while len(self._local) > self._local_entries:
             self._local.popitem(last=False)
 
-    async def close(self) -> None:
-        for task in list(self._background):
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Let pending stores finish (briefly), then cancel what is left."""
+        pending = set(self._background)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=timeout_s)
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)

@@ -15,6 +15,15 @@ from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
 from tests.official import import_qwen_tts
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Small tensors on a shared 2-core box: OpenMP threads spin against each other.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("codec")
@@ -47,15 +56,6 @@ def test_decode_matches_official(snapshot, official_tokenizer, frames):
     # The random weights must exercise the network, not collapse to silence or a clamped square.
     assert 0.05 < ours.std().item() < 0.8
     assert (ours.abs() >= 1.0).float().mean().item() < 0.05
-
-
-@pytest.mark.reference
-def test_different_weights_give_different_audio(tmp_path, snapshot, official_tokenizer):
-    other = write_tiny_speech_tokenizer(tmp_path, seed=1).parent
-    codes = _codes(8)
-    a = load_codec_decoder(snapshot).decode(codes)
-    b = load_codec_decoder(other).decode(codes)
-    assert (a - b).abs().max().item() > 0.05
 
 
 def test_unbatched_codes_and_empty(snapshot):

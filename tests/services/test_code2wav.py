@@ -66,10 +66,16 @@ async def code2wav(decoder, limits: StreamLimits | None = None, **overrides):
         await server.stop(0.5)
 
 
-async def run_stream(bidi_client, stub, codes: np.ndarray, prefix=None, delta: int = 3, **start_kw):
-    """A well-behaved producer: sends within credit, acks every chunk, ends; returns what came back."""
-    client = bidi_client(stub.Decode)
-    client.send(_start(prefix=prefix, **start_kw))
+async def run_stream(
+    bidi_client, stub, codes: np.ndarray, prefix=None, delta: int = 3, client=None, **start_kw
+):
+    """A well-behaved producer: sends within credit, acks every chunk, ends; returns what came back.
+
+    With `client`, the stream was started already and its first message is still to be read.
+    """
+    if client is None:
+        client = bidi_client(stub.Decode)
+        client.send(_start(prefix=prefix, **start_kw))
     sent, chunks, grants, done, stream_ids = 0, [], [], None, set()
     total = codes.shape[0]
     if total == 0:
@@ -201,13 +207,24 @@ async def _eventually_empty(server, decoder):
 async def test_many_streams_are_decoded_in_batches(bidi_client):
     import asyncio
 
-    from tests.services.conftest import FakeIncrementalDecoder
+    from tests.services.conftest import FakeIncrementalDecoder, wait_until
 
     decoder = FakeIncrementalDecoder()
     async with code2wav(decoder) as (server, stub):
-        decoder.gate.clear()  # hold the worker so chunks of several streams pile up
-        tasks = [asyncio.create_task(run_stream(bidi_client, stub, _codes(12, seed=i))) for i in range(4)]
-        from tests.services.conftest import wait_until
+        # Start all streams first (starting a state also runs on the worker), then hold the worker
+        # so that the chunks of several streams pile up while one batch is in flight.
+        clients = []
+        for i in range(4):
+            clients.append(bidi_client(stub.Decode))
+            clients[-1].send(_start(f"r{i}"))
+        await wait_until(
+            lambda: sum(s.started for s in server.engine.registry) == 4, what="4 started streams"
+        )
+        decoder.gate.clear()
+        tasks = [
+            asyncio.create_task(run_stream(bidi_client, stub, _codes(12, seed=i), client=c))
+            for i, c in enumerate(clients)
+        ]
 
         await wait_until(
             lambda: sum(s.ready_frames() > 0 for s in server.engine.registry) >= 3, what="ready chunks"

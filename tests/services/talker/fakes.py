@@ -53,10 +53,15 @@ class FakeBundle:
 
     def __init__(self, model_type: str = "base"):
         self.info = SimpleNamespace(
-            name=f"fake-{model_type}", model_type=model_type, model_size="0b6",
+            name=f"fake-{model_type}",
+            model_type=model_type,
+            model_size="0b6",
             speakers={"vivian": 3065, "ryan": 3061} if model_type == "custom_voice" else {},
-            languages={"english": 2050, "chinese": 2055}, num_codebooks=16, codebook_size=2048,
-            sample_rate=24000, samples_per_frame=1920,
+            languages={"english": 2050, "chinese": 2055},
+            num_codebooks=16,
+            codebook_size=2048,
+            sample_rate=24000,
+            samples_per_frame=1920,
         )
         self.generation_defaults = FakeSampling()
         self.compute_calls = 0
@@ -78,8 +83,10 @@ class FakeBundle:
     def compute_voice_prompt(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool):
         self.compute_calls += 1
         return SimpleNamespace(
-            x_vector=torch.full((8,), float(pcm.mean())), ref_codes=None if x_vector_only else
-            torch.arange(3 * 16).reshape(3, 16), ref_text=ref_text, x_vector_only=x_vector_only,
+            x_vector=torch.full((8,), float(pcm.mean())),
+            ref_codes=None if x_vector_only else torch.arange(3 * 16).reshape(3, 16),
+            ref_text=ref_text,
+            x_vector_only=x_vector_only,
         )
 
 
@@ -118,16 +125,22 @@ class FakeGenerator:
             prompt, produced, max_new = st
             if produced == prompt.frames:
                 del self._active[rid]
-                outs.append(SimpleNamespace(request_id=rid, codes=None, finished=True,
-                                            finish_reason=prompt.end_reason))
+                outs.append(
+                    SimpleNamespace(
+                        request_id=rid, codes=None, finished=True, finish_reason=prompt.end_reason
+                    )
+                )
                 continue
             st[1] += 1
             codes = torch.full((16,), produced % 2048, dtype=torch.long)
             done = max_new is not None and st[1] >= max_new
             if done:
                 del self._active[rid]
-            outs.append(SimpleNamespace(request_id=rid, codes=codes, finished=done,
-                                        finish_reason="length" if done else None))
+            outs.append(
+                SimpleNamespace(
+                    request_id=rid, codes=codes, finished=done, finish_reason="length" if done else None
+                )
+            )
         return outs
 
 
@@ -189,7 +202,9 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
                     if d.first_frame_index != received:
                         log.violations.append(f"non-contiguous {d.first_frame_index} != {received}")
                     if d.first_frame_index + d.num_frames > log.max_allowed:
-                        log.violations.append(f"beyond credit {d.first_frame_index + d.num_frames} > {log.max_allowed}")
+                        log.violations.append(
+                            f"beyond credit {d.first_frame_index + d.num_frames} > {log.max_allowed}"
+                        )
                     codes = np.frombuffer(d.codes_i16, dtype="<i2").reshape(d.num_frames, 16)
                     log.frames.extend(int(c) for c in codes[:, 0])
                     received += d.num_frames
@@ -198,10 +213,15 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
                             await self.on_die()
                         await asyncio.sleep(3600)
                     pcm = np.repeat(codes[:, 0].astype("<i2"), 1920)
-                    yield msg(audio=code2wav_pb2.AudioOut(
-                        pcm_s16le=pcm.tobytes(), num_samples=pcm.size, first_frame_index=d.first_frame_index,
-                        num_frames=d.num_frames, decode_ns=1,
-                    ))
+                    yield msg(
+                        audio=code2wav_pb2.AudioOut(
+                            pcm_s16le=pcm.tobytes(),
+                            num_samples=pcm.size,
+                            first_frame_index=d.first_frame_index,
+                            num_frames=d.num_frames,
+                            decode_ns=1,
+                        )
+                    )
                 elif kind == "ack":
                     log.acks.append(req.ack.samples_delivered)
                     if not self.hold:
@@ -209,12 +229,15 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
                         yield grant()
                 elif kind == "end":
                     log.ended = True
-                    yield msg(done=code2wav_pb2.StreamDone(
-                        num_frames=received, num_samples=received * 1920, replica=self.name,
-                    ))
+                    yield msg(
+                        done=code2wav_pb2.StreamDone(
+                            num_frames=received,
+                            num_samples=received * 1920,
+                            replica=self.name,
+                        )
+                    )
                     return
-        except asyncio.CancelledError:
-            log.cancelled = True
-            raise
         finally:
+            # However the call stops (client cancel, server stop) without StreamEnd, it was cut short.
+            log.cancelled = not log.ended
             self.live -= 1

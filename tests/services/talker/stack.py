@@ -39,8 +39,9 @@ class TalkerStack:
 
 
 async def start_replica(servicer: Any) -> Replica:
-    host = GrpcServiceHost(service_names=["code2wav.v1.Code2WavService"], host="127.0.0.1", port=0,
-                           drain_seconds=0.5)
+    host = GrpcServiceHost(
+        service_names=["code2wav.v1.Code2WavService"], host="127.0.0.1", port=0, drain_seconds=0.5
+    )
     code2wav_pb2_grpc.add_Code2WavServiceServicer_to_server(servicer, host.server)
     port = await host.start()
     await host.set_serving()
@@ -48,9 +49,16 @@ async def start_replica(servicer: Any) -> Replica:
 
 
 @asynccontextmanager
-async def talker_stack(replica_servicers: list[Any], *, bundle: Any, generator_factory: Callable | None = None,
-                       spec_factory: Callable | None = None, speaker_cache: str = "",
-                       **config: Any) -> AsyncIterator[TalkerStack]:
+async def talker_stack(
+    replica_servicers: list[Any],
+    *,
+    bundle: Any,
+    generator_factory: Callable | None = None,
+    spec_factory: Callable | None = None,
+    speaker_cache: str = "",
+    code2wav_addresses: list[str] | tuple[str, ...] = (),
+    **config: Any,
+) -> AsyncIterator[TalkerStack]:
     async with AsyncExitStack() as stack:
         replicas = []
         for servicer in replica_servicers:
@@ -58,10 +66,17 @@ async def talker_stack(replica_servicers: list[Any], *, bundle: Any, generator_f
             stack.push_async_callback(r.host.stop, 0)
             replicas.append(r)
         cfg = TalkerConfig(
-            host="127.0.0.1", port=0, metrics_port=0, code2wav=tuple(r.address for r in replicas),
-            speaker_cache=speaker_cache, drain_seconds=1.0, **config,
+            host="127.0.0.1",
+            port=0,
+            metrics_port=0,
+            code2wav=(*(r.address for r in replicas), *code2wav_addresses),
+            speaker_cache=speaker_cache,
+            drain_seconds=1.0,
+            **config,
         ).validate()
-        talker = TalkerServer(cfg, bundle=bundle, generator_factory=generator_factory, spec_factory=spec_factory)
+        talker = TalkerServer(
+            cfg, bundle=bundle, generator_factory=generator_factory, spec_factory=spec_factory
+        )
         port = await talker.start()
         stack.push_async_callback(talker.stop, 0.5)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

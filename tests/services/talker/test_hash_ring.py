@@ -72,12 +72,17 @@ def test_voice_prompt_key_depends_on_every_part():
     pcm = b"\x00\x00\x80\x3f" * 10
     base = voice_prompt_key("m", pcm, "hello", False)
     assert base == voice_prompt_key("m", pcm, "hello", False)
-    assert len({
-        base,
-        voice_prompt_key("m2", pcm, "hello", False),
-        voice_prompt_key("m", pcm + b"\x00\x00\x00\x00", "hello", False),
-        voice_prompt_key("m", pcm, "hello!", False),
-        voice_prompt_key("m", pcm, "hello", True),
-    }) == 5
+    assert (
+        len(
+            {
+                base,
+                voice_prompt_key("m2", pcm, "hello", False),
+                voice_prompt_key("m", pcm + b"\x00\x00\x00\x00", "hello", False),
+                voice_prompt_key("m", pcm, "hello!", False),
+                voice_prompt_key("m", pcm, "hello", True),
+            }
+        )
+        == 5
+    )
     # The transcript does not enter an x-vector-only prompt, so it does not change its key.
     assert voice_prompt_key("m", pcm, "a", True) == voice_prompt_key("m", pcm, None, True)

@@ -12,7 +12,6 @@ from qtts.errors import ResourceExhausted, Unavailable
 from qtts.metrics import TalkerMetrics
 from services.talker.engine import Admitted, Finished, Frame, GenerationEngine
 from services.talker.scheduler import ScheduledRequest, Scheduler, StreamCredit
-
 from tests.services.talker.fakes import FakeGenerator, FakePrompt
 
 
@@ -127,3 +126,37 @@ def test_engine_bounds_batch_and_cancel_frees_the_generator_slot():
         assert metrics.active_streams._value.get() == 0
     finally:
         engine.stop()
+
+
+class NoSkipGenerator(FakeGenerator):
+    """A generator whose step() takes no skip set (it steps everything in `active`)."""
+
+    @property
+    def active(self) -> dict:
+        return self._active
+
+    def step(self) -> list:
+        return super().step(skip=())
+
+
+def test_engine_skips_streams_on_a_generator_without_a_skip_parameter():
+    gen = NoSkipGenerator()
+    metrics = TalkerMetrics(CollectorRegistry())
+    engine = GenerationEngine(gen, Scheduler(max_batch=4, max_waiting=0), metrics, idle_wait_s=0.05)
+    events: queue.Queue = queue.Queue()
+    held = make_req("held", frames=50, window=1, sink=lambda ev: events.put(("held", ev)))
+    free = make_req("free", frames=6, window=100, sink=lambda ev: events.put(("free", ev)))
+    engine.start()
+    try:
+        engine.submit(held)
+        engine.submit(free)
+        collect(events, "free", Finished, 1)
+        assert gen._active["held"][1] == 1 and held.credit.generated == 1
+        engine.grant(held, 2)
+        collect(events, "held", Frame, 2)
+        time.sleep(0.05)
+        assert gen._active["held"][1] == 3
+    finally:
+        engine.cancel("held")
+        engine.stop()
+    assert gen.num_active == 0

@@ -23,8 +23,11 @@ CLONE = dict(task_type=tts_pb2.TASK_TYPE_VOICE_CLONE, reference_pcm_f32=REF_PCM,
 
 def fake_stack(replicas=None, model_type="base", **kw):
     return talker_stack(
-        replicas or [FakeCode2Wav("c2w-a")], bundle=FakeBundle(model_type),
-        generator_factory=FakeGenerator, spec_factory=FakeSpec, **kw,
+        replicas or [FakeCode2Wav("c2w-a")],
+        bundle=FakeBundle(model_type),
+        generator_factory=FakeGenerator,
+        spec_factory=FakeSpec,
+        **kw,
     )
 
 
@@ -62,9 +65,9 @@ async def test_stream_without_credit_stops_generating_at_the_window():
         granted = c2w.logs[0].max_allowed
         assert granted == 4 and produced == granted + 3
         assert len(c2w.logs[0].frames) == granted and c2w.logs[0].violations == []
-        # Another stream is not held up by the stalled one.
-        chunks, summary = await generate_all(s.stub, request_id="other", text="frames=5", **CLONE)
-        assert summary.num_frames == 5 and sum(c.num_samples for c in chunks) == 5 * 1920
+        # Another stream (within its 4 granted frames) is not held up by the stalled one.
+        chunks, summary = await generate_all(s.stub, request_id="other", text="frames=4", **CLONE)
+        assert summary.num_frames == 4 and sum(c.num_samples for c in chunks) == 4 * 1920
         call.cancel()
         await eventually(lambda: s.generator.num_active == 0 and c2w.live == 0)
 
@@ -72,7 +75,9 @@ async def test_stream_without_credit_stops_generating_at_the_window():
 async def test_client_cancel_frees_generator_slot_decoder_call_and_metrics():
     c2w = FakeCode2Wav("c2w-a")
     async with fake_stack([c2w]) as s:
-        call = s.stub.Generate(talker_pb2.GenerateRequest(request_id="gone", text="frames=100000 slow", **CLONE))
+        call = s.stub.Generate(
+            talker_pb2.GenerateRequest(request_id="gone", text="frames=100000 slow", **CLONE)
+        )
         first = await call.read()
         assert first.WhichOneof("event") == "audio"
         assert s.gauge("tts_talker_active_streams") == 1
@@ -100,16 +105,28 @@ async def test_frame_cap_is_an_internal_error_not_a_success():
         await eventually(lambda: c2w.live == 0 and s.generator.num_active == 0)
 
 
-@pytest.mark.parametrize(("model_type", "fields", "code", "text"), [
-    ("base", dict(task_type=tts_pb2.TASK_TYPE_CUSTOM_VOICE, voice="vivian"), "INVALID_ARGUMENT", "base model"),
-    ("base", dict(task_type=tts_pb2.TASK_TYPE_VOICE_CLONE), "INVALID_ARGUMENT", "reference audio"),
-    ("base", dict(task_type=tts_pb2.TASK_TYPE_VOICE_CLONE, reference_pcm_f32=REF_PCM), "INVALID_ARGUMENT",
-     "reference_text"),
-    ("base", dict(CLONE, language="klingon"), "INVALID_ARGUMENT", "unsupported language"),
-    ("custom_voice", dict(voice="nobody"), "NOT_FOUND", "unknown speaker"),
-    ("custom_voice", dict(), "INVALID_ARGUMENT", "needs a speaker"),
-    ("voice_design", dict(), "INVALID_ARGUMENT", "instructions"),
-])
+@pytest.mark.parametrize(
+    ("model_type", "fields", "code", "text"),
+    [
+        (
+            "base",
+            dict(task_type=tts_pb2.TASK_TYPE_CUSTOM_VOICE, voice="vivian"),
+            "INVALID_ARGUMENT",
+            "base model",
+        ),
+        ("base", dict(task_type=tts_pb2.TASK_TYPE_VOICE_CLONE), "INVALID_ARGUMENT", "reference audio"),
+        (
+            "base",
+            dict(task_type=tts_pb2.TASK_TYPE_VOICE_CLONE, reference_pcm_f32=REF_PCM),
+            "INVALID_ARGUMENT",
+            "reference_text",
+        ),
+        ("base", dict(CLONE, language="klingon"), "INVALID_ARGUMENT", "unsupported language"),
+        ("custom_voice", dict(voice="nobody"), "NOT_FOUND", "unknown speaker"),
+        ("custom_voice", dict(), "INVALID_ARGUMENT", "needs a speaker"),
+        ("voice_design", dict(), "INVALID_ARGUMENT", "instructions"),
+    ],
+)
 async def test_requests_the_model_cannot_serve_are_rejected_clearly(model_type, fields, code, text):
     async with fake_stack(model_type=model_type) as s:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -123,7 +140,12 @@ async def test_custom_voice_and_voice_design_reach_the_prompt_builder():
         _, summary = await generate_all(s.stub, text="frames=2", voice="Vivian", language="English")
         assert summary.num_frames == 2
         spec = s.talker.bundle.specs[-1]
-        assert (spec.task, spec.speaker, spec.language, spec.voice_prompt) == ("custom_voice", "vivian", "english", None)
+        assert (spec.task, spec.speaker, spec.language, spec.voice_prompt) == (
+            "custom_voice",
+            "vivian",
+            "english",
+            None,
+        )
         info = await s.stub.GetModelInfo(talker_pb2.GetModelInfoRequest())
         assert info.model_type == "custom_voice" and list(info.speakers) == ["ryan", "vivian"]
         assert info.samples_per_frame == 1920 and info.num_codebooks == 16
@@ -176,17 +198,19 @@ async def test_unreachable_replica_is_skipped_before_the_stream_starts():
 
 async def test_drain_finishes_in_flight_streams_and_refuses_new_ones():
     async with fake_stack() as s:
-        call = s.stub.Generate(talker_pb2.GenerateRequest(request_id="inflight", text="frames=40 slow", **CLONE))
+        call = s.stub.Generate(
+            talker_pb2.GenerateRequest(request_id="inflight", text="frames=40 slow", **CLONE)
+        )
         await call.read()
         stopping = asyncio.create_task(s.talker.stop(grace=10.0))
         await asyncio.sleep(0.05)
         samples, summary = 1920, None
-        async for msg in call:
+        while (msg := await call.read()) is not grpc.aio.EOF:
             if msg.WhichOneof("event") == "audio":
                 samples += msg.audio.num_samples
             else:
                 summary = msg.summary
-        assert summary is not None and summary.num_frames == 40
+        assert summary is not None and summary.num_frames == 40 and samples == 40 * 1920
         with pytest.raises(grpc.aio.AioRpcError):
             await generate_all(s.stub, text="frames=2", **CLONE)
         await stopping

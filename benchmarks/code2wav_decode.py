@@ -1,0 +1,281 @@
+"""GPU benchmark of the code2wav decode engine (`qtts.decode_engine`) on the full-size decoder.
+
+Full-size speech-tokenizer decoder from `configs/speech_tokenizer` with seeded random weights
+(`--load-format dummy` semantics: the same compute as real weights). Measures:
+
+1. steady state: audio seconds decoded per GPU second at 1/8/32/128/256 concurrent streams, every
+   stream past the 72-frame window, one `--chunk`-frame chunk per stream per engine call
+   (`decode_batch`, host work and the device sync included), per precision and graph/eager;
+2. SNR of the bf16 (and TF32) engine against the strict fp32 engine on the same codes;
+3. cost per new frame of a 4- and a 25-frame chunk, stateful vs a stateless decode that re-decodes
+   `--context` left-context frames from scratch (GPU time of the captured steps);
+4. first-chunk latency at batch 1: a 1-4 frame first chunk of a fresh stream (wall time of
+   `decode`, sync included), and `start` with an ICL prefix.
+
+    python -m benchmarks.code2wav_decode --out run/code2wav_decode.json
+    python -m benchmarks.code2wav_decode --quick   # smaller sweep, a minute or two
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qtts.decode_engine import EngineConfig, SlotDecoder
+from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FRAME_SECONDS = 0.08
+
+
+def _codes(frames: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2048, (frames, 16), generator=g).to(device)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_wall(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _median_gpu(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+    """Median seconds of fn measured with CUDA events (wall clock on CPU)."""
+    if not torch.cuda.is_available():
+        return _median_wall(fn, iters, warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def snr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    noise = (ref - x).pow(2).sum().item()
+    return float("inf") if noise == 0 else 10.0 * torch.log10(ref.pow(2).sum() / noise).item()
+
+
+def _engine(dec: CodecDecoder, precision: str, graphs: bool, streams: int, chunks: Sequence[int],
+            batches: Sequence[int], max_step_frames: int, extra: Sequence[tuple[int, int]] = ()) -> SlotDecoder:
+    cfg = EngineConfig(
+        max_streams=streams, precision=precision, cuda_graphs=graphs, batch_sizes=tuple(batches),
+        chunk_sizes=tuple(chunks), max_step_frames=max_step_frames,
+    )
+    eng = SlotDecoder(dec, cfg)
+    t0 = time.perf_counter()
+    n = eng.capture(extra) if graphs else 0
+    print(f"[{precision} graphs={graphs}] captured {n} shapes in {time.perf_counter() - t0:.1f} s", flush=True)
+    return eng
+
+
+def steady_state(eng: SlotDecoder, streams: Sequence[int], chunk: int, iters: int) -> list[dict]:
+    """Audio seconds per GPU second with `b` streams each decoding `chunk` frames per call."""
+    rows = []
+    for b in streams:
+        states = [eng.start() for _ in range(b)]
+        codes = [_codes(chunk, seed=i) for i in range(b)]
+        # Every stream past the attention window: the sliding (steady) phase.
+        while states[0].frames < eng.window + 1:
+            eng.decode_batch(states, codes)
+        _sync()
+        t = _median_wall(lambda states=states, codes=codes: eng.decode_batch(states, codes), iters)
+        audio = b * chunk * FRAME_SECONDS
+        rows.append({
+            "streams": b, "chunk_frames": chunk, "seconds_per_call": t, "xrt": audio / t,
+            "us_per_frame_per_stream": t / (b * chunk) * 1e6,
+        })
+        print(f"  streams={b:4d} chunk={chunk}: {t * 1e3:8.2f} ms/call  {audio / t:8.0f}x real time  "
+              f"{t / (b * chunk) * 1e6:6.1f} us/frame", flush=True)
+        for s in states:
+            eng.free(s)
+    return rows
+
+
+def snr_against(ref_eng: SlotDecoder, eng: SlotDecoder, n_streams: int = 4) -> float:
+    plan = [2, 4, 4, 8, 16, 25, 25, 16]
+    total = sum(plan)
+    refs, outs = [], []
+    for e, dst in ((ref_eng, refs), (eng, outs)):
+        for i in range(n_streams):
+            s = e.start(_codes(20, seed=100 + i) if i % 2 else None)
+            c = _codes(total, seed=200 + i)
+            pieces, off = [], 0
+            for n in plan:
+                pieces.append(e.decode(s, c[off : off + n]).float().cpu())
+                off += n
+            dst.append(torch.cat(pieces))
+            e.free(s)
+    return snr_db(torch.cat(refs), torch.cat(outs))
+
+
+def stateful_vs_stateless(eng: SlotDecoder, batch: int, chunks: Sequence[int], contexts: Sequence[int],
+                          iters: int) -> list[dict]:
+    """GPU time per new frame: a captured n-frame step vs a captured (context + n)-frame step
+    (what a stateless decoder that re-decodes left context computes; timing is data-independent)."""
+    run = eng.runner
+    states = [eng.start() for _ in range(batch)]
+    slots = [s.slot for s in states]
+    rows = []
+
+    def step_time(frames: int) -> float:
+        codes = [_codes(frames, seed=i) for i in range(batch)]
+        positions = [eng.window + 1] * batch
+        if run.has_graph(batch, frames):
+            return _median_gpu(lambda: run.run_static(batch, slots, positions, codes), iters)
+        return _median_gpu(lambda: run.run_eager(slots, positions, codes), iters)
+
+    for n in chunks:
+        t_state = step_time(n)
+        row = {"batch": batch, "chunk_frames": n, "stateful_us_per_new_frame": t_state / (batch * n) * 1e6}
+        for ctx in contexts:
+            t_less = step_time(ctx + n)
+            row[f"stateless_ctx{ctx}_us_per_new_frame"] = t_less / (batch * n) * 1e6
+            row[f"ratio_ctx{ctx}"] = t_less / t_state
+        rows.append(row)
+        print("  " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+    for s in states:
+        eng.free(s)
+    return rows
+
+
+def first_chunk_latency(eng: SlotDecoder, iters: int, prefix_frames: int) -> list[dict]:
+    """Wall time of `decode` of a fresh stream's 1-4 frame first chunk (sync included)."""
+    rows = []
+    for n in (1, 2, 3, 4):
+        codes = _codes(n, seed=n)
+        times: list[float] = []
+        for i in range(iters + 3):
+            s = eng.start()
+            _sync()
+            t0 = time.perf_counter()
+            eng.decode(s, codes)
+            _sync()
+            if i >= 3:  # warm-up
+                times.append(time.perf_counter() - t0)
+            eng.free(s)
+        rows.append({"first_chunk_frames": n, "decode_ms": statistics.median(times) * 1e3})
+    prefix = _codes(prefix_frames, seed=7)
+
+    def icl_start() -> None:
+        s = eng.start(prefix)
+        eng.free(s)
+
+    t = _median_wall(icl_start, max(3, iters // 4))
+    rows.append({"icl_prefix_frames": prefix_frames, "start_ms": t * 1e3})
+    for r in rows:
+        print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+              flush=True)
+    return rows
+
+
+def _git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-tts-12hz-1.7b-base",
+                   help="speech tokenizer folder, or a shipped config name (dummy weights)")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    p.add_argument("--chunk", type=int, default=25, help="steady-state chunk frames")
+    p.add_argument("--precisions", nargs="+", default=["tf32", "bf16"])
+    p.add_argument("--eager", action="store_true", help="also measure the eager (no graph) engine")
+    p.add_argument("--cost-batch", type=int, default=128)
+    p.add_argument("--contexts", type=int, nargs="+", default=[12, 25])
+    p.add_argument("--prefix-frames", type=int, default=75, help="ICL prefix for the start() latency")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--max-step-frames", type=int, default=3200)
+    p.add_argument("--quick", action="store_true", help="fewer iterations and stream counts")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.streams, args.iters = [s for s in args.streams if s in (1, 32, 128)], 5
+
+    torch.manual_seed(0)
+    dec = load_codec_decoder(args.model, device=args.device, load_format=args.load_format)
+    result: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+        "torch": torch.__version__, "git": _git_rev(), "weights": "dummy (seeded random)",
+        "decoder": "full-size speech tokenizer decoder (configs/speech_tokenizer)",
+        "steady_state": {}, "snr_db": {}, "stateful_vs_stateless": {}, "first_chunk": {},
+    }
+    stream_cap = max(max(args.streams), args.cost_batch)
+    batches = sorted(set(args.streams) | {args.cost_batch, 1, 2, 4})
+    cost_chunks = (4, 25)
+    stateless = sorted({c + n for c in args.contexts for n in cost_chunks})
+    chunks = sorted({1, 2, 3, 4, args.chunk, *cost_chunks})
+    # The stateless comparison's longer steps, captured at the cost batch only.
+    extra = [(args.cost_batch, f) for f in stateless if f <= 72]
+    ref = _engine(dec, "fp32", False, 8, (), (), args.max_step_frames)
+    for precision in args.precisions:
+        for graphs in (True, False) if args.eager else (True,):
+            key = f"{precision}_{'graph' if graphs else 'eager'}"
+            eng = _engine(dec, precision, graphs, stream_cap, chunks if graphs else (),
+                          batches if graphs else (), args.max_step_frames, extra if graphs else ())
+            print(f"== {key}: steady state", flush=True)
+            result["steady_state"][key] = steady_state(eng, args.streams, args.chunk, args.iters)
+            if graphs:
+                result["snr_db"][f"{precision}_vs_fp32"] = snr_against(ref, eng)
+                print(f"  SNR {precision} vs fp32: {result['snr_db'][f'{precision}_vs_fp32']:.1f} dB", flush=True)
+                print(f"== {key}: stateful vs stateless (batch {args.cost_batch})", flush=True)
+                result["stateful_vs_stateless"][key] = stateful_vs_stateless(
+                    eng, args.cost_batch, cost_chunks, args.contexts, args.iters
+                )
+                print(f"== {key}: first chunk at batch 1", flush=True)
+                result["first_chunk"][key] = first_chunk_latency(eng, args.iters, args.prefix_frames)
+            del eng
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    print("\nsteady state, audio seconds per GPU second (x real time), chunk", args.chunk)
+    keys = list(result["steady_state"])
+    print(f"{'streams':>8} " + " ".join(f"{k:>14}" for k in keys))
+    for i, b in enumerate(args.streams):
+        print(f"{b:>8} " + " ".join(f"{result['steady_state'][k][i]['xrt']:>14.0f}" for k in keys))
+    for k, v in result["snr_db"].items():
+        print(f"SNR {k}: {v:.1f} dB")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Audio helpers: reference-clip loading (any container, resampled to 24 kHz mono) and PCM16 output."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import soxr
+import torch
+
+from qtts.errors import InvalidArgument
+
+SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 1920
+MAX_REFERENCE_SECONDS = 60.0
+
+
+def load_reference_audio(data: bytes, *, max_seconds: float = MAX_REFERENCE_SECONDS) -> np.ndarray:
+    """Decode a reference clip (wav/flac/mp3/ogg/... via PyAV) to float32 mono at 24 kHz.
+
+    Channels are averaged and the rate converted with soxr (high quality), as the reference
+    implementation does with librosa. Raises InvalidArgument for empty, undecodable or too long input."""
+    if not data:
+        raise InvalidArgument("reference audio is empty")
+    import av
+
+    chunks: list[np.ndarray] = []
+    total = 0
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            streams = container.streams.audio
+            if not streams:
+                raise InvalidArgument("reference audio has no audio stream")
+            rate = 0
+            for frame in container.decode(streams[0]):
+                rate = int(frame.sample_rate)
+                pcm = _frame_to_mono(frame)
+                chunks.append(pcm)
+                total += pcm.shape[0]
+                # Checked while decoding so a huge upload is rejected before it is all in memory.
+                if total > max_seconds * rate:
+                    raise InvalidArgument(f"reference audio is longer than {max_seconds:g} s")
+    except InvalidArgument:
+        raise
+    except Exception as e:  # PyAV raises many FFmpeg error types; all mean "not decodable audio"
+        raise InvalidArgument(f"reference audio could not be decoded: {e}") from e
+    if total == 0 or not rate:
+        raise InvalidArgument("reference audio contains no samples")
+    wav = np.concatenate(chunks)
+    if not np.isfinite(wav).all():
+        raise InvalidArgument("reference audio contains non-finite samples")
+    if rate != SAMPLE_RATE:
+        wav = soxr.resample(wav, rate, SAMPLE_RATE, quality="HQ")
+    return np.ascontiguousarray(wav, dtype=np.float32)
+
+
+def _frame_to_mono(frame) -> np.ndarray:
+    """One decoded frame -> float32 mono, averaging channels (integer formats scaled to [-1, 1])."""
+    arr = frame.to_ndarray()
+    channels = len(frame.layout.channels)
+    if not frame.format.is_planar:
+        arr = arr.reshape(-1, channels).T  # packed: interleaved samples in one row
+    if arr.dtype.kind == "i":
+        arr = arr.astype(np.float32) / float(np.iinfo(arr.dtype).max + 1)
+    elif arr.dtype.kind == "u":  # 8-bit PCM is unsigned, centred on 128
+        arr = (arr.astype(np.float32) - 128.0) / 128.0
+    return arr.astype(np.float32).mean(axis=0)
+
+
+def pcm16_bytes(x: np.ndarray | torch.Tensor) -> bytes:
+    """Float waveform -> signed 16-bit little-endian PCM (clipped to [-1, 1], rounded)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to(device="cpu", dtype=torch.float32).numpy()
+    arr = np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0)
+    return np.round(arr * 32767.0).astype("<i2").tobytes()

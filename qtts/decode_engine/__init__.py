@@ -1,0 +1,262 @@
+"""code2wav GPU decode engine: batched stateful incremental decoding in a static slot pool.
+
+`SlotDecoder` offers the operations of `qtts.model.IncrementalDecoder` (`start`, `decode`,
+`decode_batch`, `free`) on top of three parts:
+
+- `slots.SlotPool`: every stream's decoder history in preallocated static-shape tensors (the hard
+  bound on live streams);
+- `batcher.BatchPlanner`: pure-Python planning of ready chunks into (batch bucket, chunk frames)
+  steps, outputs mapped back by stream id;
+- `runner.StepRunner`: the static-shape step itself, CUDA graphs per captured shape, eager fallback,
+  fp32 / TF32 / bf16.
+
+It is driven from one thread (the code2wav decode worker); it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from qtts.decode_engine.batcher import BatchPlanner, PieceCollector, PlannerConfig, WorkItem
+from qtts.decode_engine.runner import PRECISIONS, StepRunner
+from qtts.decode_engine.slots import SlotPool, SlotPoolFull
+from qtts.model.codec_decoder import CodecDecoder
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The service's default plan is a 2-frame first chunk, then 4, 4, 8, 16, 25; 1 and 3 fill gaps.
+DEFAULT_CHUNK_SIZES = (1, 2, 3, 4, 8, 16, 25)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Pool size, precision and captured shapes of a `SlotDecoder`; validated on construction."""
+
+    max_streams: int = 256
+    precision: str = "tf32"  # fp32 (reference) | tf32 | bf16 (fast path)
+    cuda_graphs: bool = True
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    chunk_sizes: tuple[int, ...] = DEFAULT_CHUNK_SIZES
+    # Bound on batch x frames per step (activation memory of one step grows with it).
+    max_step_frames: int = 3200
+    # Cut chunks of uncaptured lengths into captured ones (exact; graph replays beat eager calls).
+    split_to_captured: bool = True
+    cudnn_benchmark: bool = True
+    # CPU only: run the static-buffer path without graphs (tests of padding and buffers).
+    emulate_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.max_step_frames < 1:
+            raise ValueError(f"max_step_frames must be >= 1, got {self.max_step_frames}")
+        # Shape sanity (distinct, positive) is checked by PlannerConfig.
+        PlannerConfig(self.chunk_sizes, self.batch_sizes, max(self.chunk_sizes, default=1), self.max_step_frames)
+
+
+@dataclass(eq=False)
+class SlotState:
+    """A stream's handle: its stage-local stream id, its pool slot and its frame counters.
+
+    `frames` counts every frame decoded (prefix included) and is the position of the next frame;
+    `prefix_frames` is the reference prefix whose audio is never returned."""
+
+    id: int
+    slot: int
+    frames: int = 0
+    prefix_frames: int = 0
+    freed: bool = False
+    failed: bool = field(default=False, repr=False)
+
+    @property
+    def output_frames(self) -> int:
+        return self.frames - self.prefix_frames
+
+
+class SlotDecoder:
+    """Stateful chunked decoding for many streams at once; see the module docstring."""
+
+    def __init__(self, decoder: CodecDecoder, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        cfg = self.config
+        self.decoder = decoder
+        self.samples_per_frame = decoder.samples_per_frame
+        self.num_quantizers = decoder.cfg.num_quantizers
+        self.device = decoder.device
+        self.runner = StepRunner(
+            decoder, cfg.max_streams, precision=cfg.precision, emulate_graphs=cfg.emulate_graphs
+        )
+        self.window = self.runner.window
+        static = cfg.cuda_graphs and (self.device.type == "cuda" or cfg.emulate_graphs)
+        self.planner = BatchPlanner(
+            PlannerConfig(
+                chunk_sizes=tuple(c for c in cfg.chunk_sizes if c <= self.window) if static else (),
+                batch_sizes=cfg.batch_sizes if static else (),
+                max_chunk_frames=self.window,
+                max_step_frames=cfg.max_step_frames,
+                split_to_captured=cfg.split_to_captured,
+            )
+        )
+        self._ids = itertools.count(1)
+        self._live: dict[int, SlotState] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def pool(self) -> SlotPool:
+        return self.runner.pool
+
+    def capture(self, extra_shapes: Sequence[tuple[int, int]] = ()) -> int:
+        """Capture every (batch, chunk) shape the planner can pick, plus `extra_shapes`, in one
+        call (no-op on CPU unless emulated); returns how many shapes are captured."""
+        pc = self.planner.config
+        shapes = [
+            (b, c) for c in pc.chunk_sizes for b in pc.batch_sizes if b * c <= max(pc.max_step_frames, c)
+        ]
+        return self.runner.capture(shapes + list(extra_shapes), cudnn_benchmark=self.config.cudnn_benchmark)
+
+    # ------------------------------------------------------------------ IncrementalDecoder API
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def start(self, prefix_codes: torch.Tensor | None = None) -> SlotState:
+        """New stream in a free slot (`SlotPoolFull` when none); an ICL reference prefix [P, Q] is
+        decoded now as context and never returned."""
+        prefix = None
+        if prefix_codes is not None and prefix_codes.shape[0] > 0:
+            prefix = self._check_codes(prefix_codes)
+        sid = next(self._ids)
+        state = SlotState(id=sid, slot=self.pool.allocate(sid))
+        self._live[sid] = state
+        try:
+            if prefix is not None:
+                self._decode_prefix(state, prefix)
+        except BaseException:
+            self.free(state)
+            raise
+        return state
+
+    def reset(self, state: SlotState, prefix_codes: torch.Tensor | None = None) -> SlotState:
+        """Restart a stream from scratch (its old state is freed, a new one started)."""
+        self.free(state)
+        return self.start(prefix_codes)
+
+    def decode(self, state: SlotState, codes: torch.Tensor) -> torch.Tensor:
+        """Decode the next frames [n, Q] of one stream -> their samples [n * samples_per_frame]."""
+        return self.decode_batch([state], [codes])[0]
+
+    def decode_batch(self, states: list[SlotState], codes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode the next frames of many streams; result i belongs to states[i] (rows may be empty)."""
+        if len(states) != len(codes):
+            raise ValueError(f"{len(states)} states but {len(codes)} code chunks")
+        if len({s.id for s in states}) != len(states):
+            raise ValueError("a decoder state appears twice in one batch")
+        checked = [self._check_codes(c) for c in codes]
+        for s in states:
+            self._check_state(s)
+        by_id = {s.id: (s, c) for s, c in zip(states, checked, strict=True)}
+        items = [WorkItem(s.id, c.shape[0], first=s.output_frames == 0) for s, c in by_id.values()]
+        collector: PieceCollector[torch.Tensor] = PieceCollector()
+        try:
+            for step in self.planner.plan(items):
+                rows = [by_id[r.stream_id] for r in step.rows]
+                chunks = [c[r.offset : r.offset + step.frames] for r, (_, c) in zip(step.rows, rows, strict=True)]
+                slots = [s.slot for s, _ in rows]
+                positions = [s.frames for s, _ in rows]
+                if step.captured and self.runner.has_graph(step.batch, step.frames):
+                    # Copy out of the shared output buffer before the next step reuses it.
+                    wav = self.runner.run_static(step.batch, slots, positions, chunks).clone()
+                else:
+                    wav = self.runner.run_eager(slots, positions, chunks)
+                collector.add(step, list(wav.unbind(0)))
+                for s, _ in rows:
+                    s.frames += step.frames
+        except BaseException:
+            # Some of these streams' histories may be half-updated: they can not continue.
+            for s in states:
+                s.failed = True
+            raise
+        empty = torch.zeros(0, device=self.device, dtype=torch.float32)
+        out = []
+        for s in states:
+            pieces = collector.get(s.id)
+            out.append(empty if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        return out
+
+    def free(self, state: SlotState) -> None:
+        """Return the stream's slot (on finish, error, cancel or reset). Idempotent."""
+        if state.freed:
+            return
+        state.freed = True
+        self._live.pop(state.id, None)
+        self.pool.release(state.slot, state.id)
+
+    def free_all(self) -> int:
+        """Free every live stream (shutdown); returns how many were live."""
+        live = list(self._live.values())
+        for s in live:
+            self.free(s)
+        return len(live)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
+            raise ValueError(f"codes must be [n, {self.num_quantizers}], got {tuple(codes.shape)}")
+        if codes.device.type == "cuda":
+            return codes.to(dtype=torch.long)
+        # Host codes stay on the host: the step packs them into one pinned buffer and one copy.
+        return codes.to(dtype=torch.long).contiguous()
+
+    def _check_state(self, state: SlotState) -> None:
+        if state.freed:
+            raise ValueError("decoder state was freed")
+        if state.failed:
+            raise ValueError("decoder state is unusable after a failed decode")
+        self.pool.check(state.slot, state.id)
+
+    def _decode_prefix(self, state: SlotState, prefix: torch.Tensor) -> None:
+        """Run a reference prefix through the decoder, keeping only its state.
+
+        The frame-rate part (pre-conv, transformer) sees every prefix frame; the upsampler and
+        conv blocks only the last `prefix_tail_frames` (their receptive field, plus one): their
+        history at the end of the prefix is then exactly that of a full decode, at a fraction of
+        the cost."""
+        run = self.runner
+        total = prefix.shape[0]
+        head = max(0, total - run.prefix_tail_frames)
+        for start, end, frame_only in self._prefix_pieces(head, total):
+            run.run_eager([state.slot], [state.frames], [prefix[start:end]], frame_only=frame_only)
+            state.frames += end - start
+        state.prefix_frames = state.frames
+
+    def _prefix_pieces(self, head: int, total: int) -> list[tuple[int, int, bool]]:
+        pieces = []
+        for lo, hi, frame_only in ((0, head, True), (head, total, False)):
+            for start in range(lo, hi, self.window):
+                pieces.append((start, min(start + self.window, hi), frame_only))
+        return pieces
+
+
+def build_slot_decoder(decoder: CodecDecoder, config: EngineConfig | None = None) -> SlotDecoder:
+    """A `SlotDecoder` with its CUDA graphs captured (start-up cost: seconds per shape)."""
+    engine = SlotDecoder(decoder, config)
+    engine.capture()
+    return engine
+
+
+__all__ = [
+    "EngineConfig",
+    "SlotDecoder",
+    "SlotState",
+    "SlotPool",
+    "SlotPoolFull",
+    "build_slot_decoder",
+]

@@ -1,0 +1,70 @@
+"""Helpers of the end-to-end tests: requests, reference clips, metrics scraping, polling."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+import urllib.request
+import wave
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+FRAME = 1920
+FRAME_BYTES = FRAME * 2
+
+
+@dataclass(frozen=True)
+class VariantGateway:
+    http_url: str
+    grpc_address: str
+    talker_metrics_port: int
+
+
+def reference_wav(seconds: float = 1.5, rate: int = 16000) -> bytes:
+    """A short voiced-sounding clip (harmonics with vibrato), as a 16 kHz wav file."""
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = 140 + 20 * np.sin(2 * np.pi * 3 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / rate
+    x = sum(np.sin(k * phase) / k for k in range(1, 6)) * 0.2
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((x * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+REF_WAV = reference_wav()
+REF_B64 = base64.b64encode(REF_WAV).decode()
+REF_TEXT = "This is the reference clip."
+
+
+def wav_frames(data: bytes) -> int:
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getnchannels(), w.getsampwidth()) == (1, 2)
+        return w.getnframes()
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Prometheus samples of a service as {name{labels}: value} (labels sorted, empty = no braces)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def poll(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()

@@ -1,0 +1,56 @@
+"""The launcher's pure parts and its startup failure report (no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.launcher import (
+    ServiceSpec,
+    StackConfig,
+    StartupError,
+    code2wav_specs,
+    config_from_args,
+    default_code2wav_ports,
+    free_port,
+    gateway_spec,
+    start_service,
+    talker_spec,
+    wait_serving,
+)
+
+
+def test_default_ports_skip_speaker_cache():
+    assert default_code2wav_ports(1) == (50053,)
+    assert default_code2wav_ports(3) == (50053, 50055, 50056)
+    assert default_code2wav_ports(2, 9103, 9104) == (9103, 9105)
+
+
+def test_cli_builds_a_stack_config():
+    cfg = config_from_args(["--model", "/m", "--device", "cuda", "--dtype", "bfloat16", "--redis-url",
+                            "redis://r:6379/0", "--code2wav-replicas", "2", "--load-format", "dummy"])
+    assert (cfg.model, cfg.device, cfg.dtype, cfg.redis_url, cfg.load_format) == (
+        "/m", "cuda", "bfloat16", "redis://r:6379/0", "dummy")
+    assert cfg.code2wav_ports == (50053, 50055) and cfg.code2wav_metrics_ports == (9103, 9105)
+
+
+def test_service_flags_wire_the_stages_together():
+    cfg = StackConfig.on_free_ports(code2wav_replicas=2)
+    talker = talker_spec(cfg, "/snap")
+    c2w = ",".join(f"127.0.0.1:{p}" for p in cfg.code2wav_ports)
+    assert talker.args[talker.args.index("--code2wav") + 1] == c2w
+    assert talker.args[talker.args.index("--speaker-cache") + 1] == f"127.0.0.1:{cfg.speaker_cache_port}"
+    names = [s.args[s.args.index("--replica-name") + 1] for s in code2wav_specs(cfg, "/snap")]
+    assert names == ["code2wav-0", "code2wav-1"]
+    gw = gateway_spec(cfg, talker_port=1234)
+    assert gw.args[gw.args.index("--talker") + 1] == "127.0.0.1:1234"
+    assert gw.grpc_address == f"127.0.0.1:{cfg.grpc_port}"
+
+
+def test_startup_failure_names_the_stage_and_shows_its_log(tmp_path):
+    spec = ServiceSpec("broken-stage", "services.no_such_service", (), f"127.0.0.1:{free_port()}")
+    proc = start_service(spec, tmp_path)
+    with pytest.raises(StartupError) as info:
+        wait_serving(proc, timeout=30)
+    message = str(info.value)
+    assert "broken-stage" in message and "No module named services.no_such_service" in message
+    assert (tmp_path / "broken-stage.log").exists()

@@ -1,0 +1,112 @@
+"""Voice prompts through a real in-process speaker_cache: computed once, shared by content key."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc, tts_pb2
+from qtts.voice_key import voice_prompt_key
+from services.speaker_cache.config import SpeakerCacheConfig
+from services.speaker_cache.server import SpeakerCacheServer
+from tests.services.conftest import free_port
+from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
+from tests.services.talker.stack import eventually, generate_all, talker_stack
+
+PCM = (np.cos(np.arange(12000) / 7) * 0.2).astype("<f4")
+
+
+@asynccontextmanager
+async def speaker_cache():
+    server = SpeakerCacheServer(SpeakerCacheConfig(port=0, metrics_port=0, drain_seconds=0.5).validate())
+    port = await server.start()
+    await server.wait_serving()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield f"127.0.0.1:{port}", speaker_cache_pb2_grpc.SpeakerCacheServiceStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(0.5)
+
+
+def stack(bundle, address):
+    return talker_stack(
+        [FakeCode2Wav("c2w")],
+        bundle=bundle,
+        generator_factory=FakeGenerator,
+        spec_factory=FakeSpec,
+        speaker_cache=address,
+    )
+
+
+async def test_prompt_is_computed_once_then_served_from_speaker_cache_by_content_key():
+    clone = dict(
+        task_type=tts_pb2.TASK_TYPE_VOICE_CLONE, reference_pcm_f32=PCM.tobytes(), reference_text="ref words"
+    )
+    async with speaker_cache() as (address, cache):
+        first = FakeBundle()
+        async with stack(first, address) as s:
+            _, summary = await generate_all(s.stub, text="frames=2", **clone)
+            assert summary.num_frames == 2 and first.compute_calls == 1
+        key = voice_prompt_key(first.info.name, PCM.tobytes(), "ref words", False)
+        stored = await cache.GetVoicePrompt(speaker_cache_pb2.GetVoicePromptRequest(key=key))
+        assert (
+            stored.found
+            and stored.prompt.num_reference_frames == 3
+            and stored.prompt.reference_text == "ref words"
+        )
+
+        second = FakeBundle()  # another talker replica: nothing cached locally
+        async with stack(second, address) as s:
+            _, summary = await generate_all(s.stub, text="frames=2", **clone)
+        assert second.compute_calls == 0
+        vp = second.specs[-1].voice_prompt
+        torch.testing.assert_close(vp.ref_codes, torch.arange(48).reshape(3, 16))
+        torch.testing.assert_close(vp.x_vector, torch.full((8,), float(PCM.mean())))
+        assert vp.ref_text == "ref words" and not vp.x_vector_only
+        c2w = s.replicas[0].servicer
+        assert c2w.logs[0].prefix_frames == 3  # the cached reference codes prefix the decode
+
+
+async def test_named_voice_is_loaded_from_speaker_cache():
+    async with speaker_cache() as (address, cache):
+        await cache.CreateVoice(
+            speaker_cache_pb2.CreateVoiceRequest(
+                voice=speaker_cache_pb2.StoredVoice(
+                    name="narrator",
+                    reference_pcm_f32=PCM.tobytes(),
+                    sample_rate_hz=24000,
+                    reference_text="ref words",
+                )
+            )
+        )
+        bundle = FakeBundle()
+        async with stack(bundle, address) as s:
+            _, summary = await generate_all(
+                s.stub, text="frames=3", voice="narrator", task_type=tts_pb2.TASK_TYPE_VOICE_CLONE
+            )
+            assert summary.num_frames == 3 and bundle.compute_calls == 1
+            assert bundle.specs[-1].voice_prompt.ref_text == "ref words"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate_all(
+                    s.stub, text="frames=3", voice="nobody", task_type=tts_pb2.TASK_TYPE_VOICE_CLONE
+                )
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nobody" in err.value.details()
+
+
+async def test_unreachable_speaker_cache_computes_locally_and_named_voices_are_unavailable():
+    bundle = FakeBundle()
+    async with stack(bundle, f"127.0.0.1:{free_port()}") as s:
+        _, summary = await generate_all(
+            s.stub, text="frames=2", reference_pcm_f32=PCM.tobytes(), x_vector_only=True
+        )
+        assert summary.num_frames == 2 and bundle.compute_calls == 1
+        assert s.replicas[0].servicer.logs[0].prefix_frames == 0  # x-vector only: no ICL prefix
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate_all(s.stub, text="frames=2", voice="narrator")
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "speaker_cache" in err.value.details()
+        await eventually(lambda: s.generator.num_active == 0)

@@ -1,0 +1,99 @@
+"""Reference-audio loading (PyAV decode + soxr resample) and PCM16 conversion."""
+
+from __future__ import annotations
+
+import io
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from qtts.audio import SAMPLE_RATE, SAMPLES_PER_FRAME, load_reference_audio, pcm16_bytes
+from qtts.errors import InvalidArgument
+
+
+def _encode(wav: np.ndarray, rate: int, fmt: str, codec: str) -> bytes:
+    """wav [channels, n] float in [-1, 1] -> container bytes."""
+    channels = wav.shape[0]
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=rate, layout="mono" if channels == 1 else "stereo")
+        frame_fmt = "s16" if codec in ("pcm_s16le", "flac") else "fltp"
+        step = 1152
+        for start in range(0, wav.shape[1], step):
+            part = wav[:, start : start + step]
+            if frame_fmt == "s16":
+                arr = (np.round(part.T * 32767).astype(np.int16)).reshape(1, -1)
+            else:
+                arr = np.ascontiguousarray(part.astype(np.float32))
+            frame = av.AudioFrame.from_ndarray(arr, format=frame_fmt, layout=stream.layout.name)
+            frame.sample_rate = rate
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def _tone(rate: int, seconds: float, hz: float = 440.0) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (0.5 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+
+
+@pytest.mark.parametrize("rate", [16000, 44100])
+@pytest.mark.parametrize(
+    "fmt,codec,exact_length",
+    [("wav", "pcm_s16le", True), ("flac", "flac", True), ("mp3", "libmp3lame", False)],
+)
+def test_round_trip_to_24k(rate, fmt, codec, exact_length):
+    seconds = 1.5
+    data = _encode(_tone(rate, seconds)[None], rate, fmt, codec)
+    wav = load_reference_audio(data)
+    assert wav.dtype == np.float32 and wav.ndim == 1
+    want = int(seconds * SAMPLE_RATE)
+    if exact_length:
+        assert abs(wav.shape[0] - want) <= 1
+    else:  # mp3 adds encoder delay and padding (at most a few frames of 1152 samples)
+        assert want <= wav.shape[0] <= want + 3 * 1152 * SAMPLE_RATE // rate + 1
+    # Still a 440 Hz tone at the new rate: find the best alignment and correlate.
+    ref = _tone(SAMPLE_RATE, seconds)
+    mid = wav[2400 : 2400 + 12000]
+    windows = np.lib.stride_tricks.sliding_window_view(ref[400 : 400 + 16000], 12000)
+    best = (windows @ mid / (np.linalg.norm(windows, axis=1) * np.linalg.norm(mid))).max()
+    assert best > 0.99
+    assert 0.3 < np.abs(mid).max() < 0.6
+
+
+def test_wav_at_24k_is_sample_exact():
+    x = _tone(SAMPLE_RATE, 0.4)
+    wav = load_reference_audio(_encode(x[None], SAMPLE_RATE, "wav", "pcm_s16le"))
+    np.testing.assert_allclose(wav, x, atol=1.0 / 32767)
+
+
+def test_stereo_is_averaged_to_mono():
+    left = _tone(SAMPLE_RATE, 0.2, 440)
+    right = _tone(SAMPLE_RATE, 0.2, 660)
+    wav = load_reference_audio(_encode(np.stack([left, right]), SAMPLE_RATE, "wav", "pcm_s16le"))
+    np.testing.assert_allclose(wav, (left + right) / 2, atol=2.0 / 32767)
+
+
+@pytest.mark.parametrize("data", [b"", b"not audio at all" * 50, bytes(range(256)) * 40])
+def test_bad_bytes_raise_invalid_argument(data):
+    with pytest.raises(InvalidArgument):
+        load_reference_audio(data)
+
+
+def test_too_long_raises_invalid_argument():
+    data = _encode(np.zeros((1, 8000 * 61), dtype=np.float32), 8000, "wav", "pcm_s16le")
+    with pytest.raises(InvalidArgument, match="longer than 60"):
+        load_reference_audio(data)
+    assert load_reference_audio(data, max_seconds=70).shape[0] == 61 * SAMPLE_RATE
+
+
+def test_pcm16_bytes():
+    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -3.0, 1e-6], dtype=np.float32)
+    got = np.frombuffer(pcm16_bytes(x), dtype="<i2")
+    assert got.tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0]
+    assert pcm16_bytes(torch.from_numpy(x)) == pcm16_bytes(x)
+    assert len(pcm16_bytes(np.zeros(SAMPLES_PER_FRAME))) == 2 * SAMPLES_PER_FRAME
