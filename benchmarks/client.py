@@ -200,7 +200,8 @@ async def served_models(url: str) -> Any:
 async def conditions(cfg: BenchConfig) -> dict[str, Any]:
     """What every reported number must come with (BENCHMARKS.md, "Conditions")."""
     args = cfg.args
-    models = await served_models(args.url) if args.protocol == "http" else None
+    # Best effort even for gRPC: the gateway usually serves both.
+    models = await served_models(args.url)
     model = args.model
     if model is None and isinstance(models, dict) and models.get("data"):
         model = ", ".join(str(m.get("id")) for m in models["data"])

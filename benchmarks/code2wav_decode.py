@@ -84,16 +84,30 @@ def snr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
     return float("inf") if noise == 0 else 10.0 * torch.log10(ref.pow(2).sum() / noise).item()
 
 
-def _engine(dec: CodecDecoder, precision: str, graphs: bool, streams: int, chunks: Sequence[int],
-            batches: Sequence[int], max_step_frames: int, extra: Sequence[tuple[int, int]] = ()) -> SlotDecoder:
+def _engine(
+    dec: CodecDecoder,
+    precision: str,
+    graphs: bool,
+    streams: int,
+    chunks: Sequence[int],
+    batches: Sequence[int],
+    max_step_frames: int,
+    extra: Sequence[tuple[int, int]] = (),
+) -> SlotDecoder:
     cfg = EngineConfig(
-        max_streams=streams, precision=precision, cuda_graphs=graphs, batch_sizes=tuple(batches),
-        chunk_sizes=tuple(chunks), max_step_frames=max_step_frames,
+        max_streams=streams,
+        precision=precision,
+        cuda_graphs=graphs,
+        batch_sizes=tuple(batches),
+        chunk_sizes=tuple(chunks),
+        max_step_frames=max_step_frames,
     )
     eng = SlotDecoder(dec, cfg)
     t0 = time.perf_counter()
     n = eng.capture(extra) if graphs else 0
-    print(f"[{precision} graphs={graphs}] captured {n} shapes in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"[{precision} graphs={graphs}] captured {n} shapes in {time.perf_counter() - t0:.1f} s", flush=True
+    )
     return eng
 
 
@@ -109,12 +123,20 @@ def steady_state(eng: SlotDecoder, streams: Sequence[int], chunk: int, iters: in
         _sync()
         t = _median_wall(lambda states=states, codes=codes: eng.decode_batch(states, codes), iters)
         audio = b * chunk * FRAME_SECONDS
-        rows.append({
-            "streams": b, "chunk_frames": chunk, "seconds_per_call": t, "xrt": audio / t,
-            "us_per_frame_per_stream": t / (b * chunk) * 1e6,
-        })
-        print(f"  streams={b:4d} chunk={chunk}: {t * 1e3:8.2f} ms/call  {audio / t:8.0f}x real time  "
-              f"{t / (b * chunk) * 1e6:6.1f} us/frame", flush=True)
+        rows.append(
+            {
+                "streams": b,
+                "chunk_frames": chunk,
+                "seconds_per_call": t,
+                "xrt": audio / t,
+                "us_per_frame_per_stream": t / (b * chunk) * 1e6,
+            }
+        )
+        print(
+            f"  streams={b:4d} chunk={chunk}: {t * 1e3:8.2f} ms/call  {audio / t:8.0f}x real time  "
+            f"{t / (b * chunk) * 1e6:6.1f} us/frame",
+            flush=True,
+        )
         for s in states:
             eng.free(s)
     return rows
@@ -137,8 +159,9 @@ def snr_against(ref_eng: SlotDecoder, eng: SlotDecoder, n_streams: int = 4) -> f
     return snr_db(torch.cat(refs), torch.cat(outs))
 
 
-def stateful_vs_stateless(eng: SlotDecoder, batch: int, chunks: Sequence[int], contexts: Sequence[int],
-                          iters: int) -> list[dict]:
+def stateful_vs_stateless(
+    eng: SlotDecoder, batch: int, chunks: Sequence[int], contexts: Sequence[int], iters: int
+) -> list[dict]:
     """GPU time per new frame: a captured n-frame step vs a captured (context + n)-frame step
     (what a stateless decoder that re-decodes left context computes; timing is data-independent)."""
     run = eng.runner
@@ -161,8 +184,10 @@ def stateful_vs_stateless(eng: SlotDecoder, batch: int, chunks: Sequence[int], c
             row[f"stateless_ctx{ctx}_us_per_new_frame"] = t_less / (batch * n) * 1e6
             row[f"ratio_ctx{ctx}"] = t_less / t_state
         rows.append(row)
-        print("  " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-              flush=True)
+        print(
+            "  " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+            flush=True,
+        )
     for s in states:
         eng.free(s)
     return rows
@@ -193,23 +218,29 @@ def first_chunk_latency(eng: SlotDecoder, iters: int, prefix_frames: int) -> lis
     t = _median_wall(icl_start, max(3, iters // 4))
     rows.append({"icl_prefix_frames": prefix_frames, "start_ms": t * 1e3})
     for r in rows:
-        print("  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
-              flush=True)
+        print(
+            "  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+            flush=True,
+        )
     return rows
 
 
 def _git_rev() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-tts-12hz-1.7b-base",
-                   help="speech tokenizer folder, or a shipped config name (dummy weights)")
+    p.add_argument(
+        "--model",
+        default="qwen3-tts-12hz-1.7b-base",
+        help="speech tokenizer folder, or a shipped config name (dummy weights)",
+    )
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32, 128, 256])
@@ -231,9 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     dec = load_codec_decoder(args.model, device=args.device, load_format=args.load_format)
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
-        "torch": torch.__version__, "git": _git_rev(), "weights": "dummy (seeded random)",
+        "torch": torch.__version__,
+        "git": _git_rev(),
+        "weights": "dummy (seeded random)",
         "decoder": "full-size speech tokenizer decoder (configs/speech_tokenizer)",
-        "steady_state": {}, "snr_db": {}, "stateful_vs_stateless": {}, "first_chunk": {},
+        "steady_state": {},
+        "snr_db": {},
+        "stateful_vs_stateless": {},
+        "first_chunk": {},
     }
     stream_cap = max(max(args.streams), args.cost_batch)
     batches = sorted(set(args.streams) | {args.cost_batch, 1, 2, 4})
@@ -246,13 +282,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for precision in args.precisions:
         for graphs in (True, False) if args.eager else (True,):
             key = f"{precision}_{'graph' if graphs else 'eager'}"
-            eng = _engine(dec, precision, graphs, stream_cap, chunks if graphs else (),
-                          batches if graphs else (), args.max_step_frames, extra if graphs else ())
+            eng = _engine(
+                dec,
+                precision,
+                graphs,
+                stream_cap,
+                chunks if graphs else (),
+                batches if graphs else (),
+                args.max_step_frames,
+                extra if graphs else (),
+            )
             print(f"== {key}: steady state", flush=True)
             result["steady_state"][key] = steady_state(eng, args.streams, args.chunk, args.iters)
             if graphs:
                 result["snr_db"][f"{precision}_vs_fp32"] = snr_against(ref, eng)
-                print(f"  SNR {precision} vs fp32: {result['snr_db'][f'{precision}_vs_fp32']:.1f} dB", flush=True)
+                print(
+                    f"  SNR {precision} vs fp32: {result['snr_db'][f'{precision}_vs_fp32']:.1f} dB",
+                    flush=True,
+                )
                 print(f"== {key}: stateful vs stateless (batch {args.cost_batch})", flush=True)
                 result["stateful_vs_stateless"][key] = stateful_vs_stateless(
                     eng, args.cost_batch, cost_chunks, args.contexts, args.iters

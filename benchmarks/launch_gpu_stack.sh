@@ -14,6 +14,7 @@
 #   TIME_LIMIT       hard limit of the sweep, seconds    (1800)
 #   STARTUP_TIMEOUT  seconds to wait for health          (900)
 #   CODE2WAV_REPLICAS                                    (1)
+#   DEVICE / DTYPE / LOAD_FORMAT                         (cuda / bfloat16 / dummy)
 #   LAUNCHER_ARGS    extra flags for services.launcher   ("")
 #   PYTHON           interpreter with the project installed (python)
 # The results folder gets results.json/.md, the PNG plots, launcher.log and the services' logs.
@@ -38,6 +39,11 @@ PROTOCOL="${PROTOCOL:-http}"
 TIME_LIMIT="${TIME_LIMIT:-1800}"
 STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-900}"
 CODE2WAV_REPLICAS="${CODE2WAV_REPLICAS:-1}"
+DEVICE="${DEVICE:-cuda}"
+DTYPE="${DTYPE:-bfloat16}"
+LOAD_FORMAT="${LOAD_FORMAT:-dummy}"
+WEIGHTS=real
+[[ "$LOAD_FORMAT" == dummy ]] && WEIGHTS=dummy
 LAUNCHER_ARGS="${LAUNCHER_ARGS:-}"
 PYTHON="${PYTHON:-python}"
 HTTP_PORT=8000
@@ -53,7 +59,7 @@ GPU_NAME="${GPU_NAME:-unknown}"
 
 # shellcheck disable=SC2086  # LAUNCHER_ARGS is a list of flags
 "$PYTHON" -m services.launcher \
-    --model "$MODEL" --load-format dummy --device cuda --dtype bfloat16 \
+    --model "$MODEL" --load-format "$LOAD_FORMAT" --device "$DEVICE" --dtype "$DTYPE" \
     --code2wav-replicas "$CODE2WAV_REPLICAS" --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
     --log-dir "$OUT/logs" --startup-timeout "$STARTUP_TIMEOUT" $LAUNCHER_ARGS \
     >"$OUT/launcher.log" 2>&1 &
@@ -107,4 +113,4 @@ echo "stack healthy after $(( $(date +%s) - START ))s"
     --protocol "$PROTOCOL" --url "http://127.0.0.1:$HTTP_PORT" --grpc-target "127.0.0.1:$GRPC_PORT" \
     --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --time-limit "$TIME_LIMIT" --warmup 4 \
-    --gpu "$GPU_NAME" --weights dummy --tag "gpu-sweep" --out "$OUT" "$@"
+    --gpu "$GPU_NAME" --weights "$WEIGHTS" --tag "gpu-sweep" --out "$OUT" "$@"

@@ -1,6 +1,6 @@
 """The asyncio gRPC server every service runs on: health, reflection, error mapping, metrics, drain.
 
-Usage in a service's `server.py`::
+Usage in a service's `server.py`, inside the running event loop (`asyncio.run(serve(config))`)::
 
     from prometheus_client import CollectorRegistry
     from qtts.grpc_server import GrpcServiceHost, service_full_name
@@ -159,6 +159,8 @@ def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
 class GrpcServiceHost:
     """A `grpc.aio` server with health, reflection, error mapping, Prometheus metrics and drain.
 
+    Create it inside the running event loop (e.g. in the coroutine given to `asyncio.run`).
+
     Health is NOT_SERVING (overall and per service) from `start()` until `set_serving()`; on a
     drain it goes back to NOT_SERVING before the server stops accepting RPCs, then in-flight RPCs
     get `drain_seconds` to finish before they are cancelled.
@@ -175,6 +177,12 @@ class GrpcServiceHost:
         drain_seconds: float = 30.0,
         options: Iterable[tuple[str, Any]] = (),
     ):
+        try:
+            # grpc.aio binds the server to the loop it is created on: a host built before
+            # asyncio.run() fails later with "attached to a different loop".
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("GrpcServiceHost must be created inside the running event loop") from None
         self.service_names = list(service_names)
         self.metrics = metrics
         self.host = host

@@ -56,7 +56,9 @@ class EngineConfig:
         if self.max_step_frames < 1:
             raise ValueError(f"max_step_frames must be >= 1, got {self.max_step_frames}")
         # Shape sanity (distinct, positive) is checked by PlannerConfig.
-        PlannerConfig(self.chunk_sizes, self.batch_sizes, max(self.chunk_sizes, default=1), self.max_step_frames)
+        PlannerConfig(
+            self.chunk_sizes, self.batch_sizes, max(self.chunk_sizes, default=1), self.max_step_frames
+        )
 
 
 @dataclass(eq=False)
@@ -167,7 +169,9 @@ class SlotDecoder:
         try:
             for step in self.planner.plan(items):
                 rows = [by_id[r.stream_id] for r in step.rows]
-                chunks = [c[r.offset : r.offset + step.frames] for r, (_, c) in zip(step.rows, rows, strict=True)]
+                chunks = [
+                    c[r.offset : r.offset + step.frames] for r, (_, c) in zip(step.rows, rows, strict=True)
+                ]
                 slots = [s.slot for s, _ in rows]
                 positions = [s.frames for s, _ in rows]
                 if step.captured and self.runner.has_graph(step.batch, step.frames):

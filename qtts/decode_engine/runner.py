@@ -191,7 +191,11 @@ class StepRunner:
         return snake_after_history(x, hist, alpha, inv_beta)
 
     def _with_history(
-        self, mod: CausalConv1d | CausalTransConv1d, x: torch.Tensor, slots: torch.Tensor, act: SnakeBeta | None
+        self,
+        mod: CausalConv1d | CausalTransConv1d,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        act: SnakeBeta | None,
     ) -> torch.Tensor:
         """cat(history, act(x)) for the layer, writing the new history back to the pool."""
         if not mod.history:
@@ -244,8 +248,9 @@ class StepRunner:
         write_cols = torch.remainder(q_pos, w)
         h = t.input_proj(x)
         for layer in t.layers:
-            attn = self._attention(layer.self_attn, layer.input_layernorm(h), cos, sin, allowed, slots,
-                                   write_rows, write_cols)
+            attn = self._attention(
+                layer.self_attn, layer.input_layernorm(h), cos, sin, allowed, slots, write_rows, write_cols
+            )
             h = h + layer.self_attn_layer_scale(attn)
             h = h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
         return t.output_proj(t.norm(h))

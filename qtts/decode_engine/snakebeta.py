@@ -101,7 +101,12 @@ def snake_after_history(
 
 
 def _launch(
-    x: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor, row_stride: int, offset: int
+    x: torch.Tensor,
+    out: torch.Tensor,
+    alpha: torch.Tensor,
+    inv_beta: torch.Tensor,
+    row_stride: int,
+    offset: int,
 ) -> None:
     b, c, t = x.shape
     if b * c == 0 or t == 0:

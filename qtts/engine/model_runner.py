@@ -36,6 +36,7 @@ from qtts.model.layers import KVCache, apply_rope
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+ATTENTION_IMPLS = ("auto", "sdpa", "sdpa_grouped", "matmul")
 
 # Columns of the packed per-slot integer / float state.
 I_POS, I_FRAME, I_SEED, I_TOPK, I_PTOPK, I_GREEDY, I_PGREEDY, I_MINF, I_TLEN = range(9)
@@ -59,8 +60,11 @@ class RunnerConfig:
     use_cuda_graphs: bool = True
     pad_to_buckets: bool = False  # eager steps use the graph shapes too (tests padding on the CPU)
     max_candidates: int | None = None  # sampling candidates per row (None: the whole vocabulary)
-    talker_attention: str = "sdpa"  # "sdpa" or "matmul"
-    predictor_attention: str = "matmul"  # the <= 16-position attention; SDPA is slow at large B
+    # "sdpa" (PyTorch SDPA with GQA, the model core's numerics), "sdpa_grouped" (decode only: the
+    # query heads of a KV group become query positions, so SDPA runs without GQA expansion),
+    # "matmul" (matmul-softmax-matmul), or "auto": "sdpa_grouped" on CUDA, "sdpa" elsewhere.
+    talker_attention: str = "auto"
+    predictor_attention: str = "matmul"  # the <= 16-position attention; SDPA was slow at large B
     prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
 
     def __post_init__(self) -> None:
@@ -69,8 +73,8 @@ class RunnerConfig:
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError("kv_memory_fraction must be in (0, 1]")
         for name in ("talker_attention", "predictor_attention"):
-            if getattr(self, name) not in ("sdpa", "matmul"):
-                raise ValueError(f"{name} must be 'sdpa' or 'matmul'")
+            if getattr(self, name) not in ATTENTION_IMPLS:
+                raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")
         if any(b < 1 for b in self.batch_buckets) or not self.batch_buckets:
             raise ValueError("batch_buckets must be positive")
 
@@ -88,7 +92,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B|1, 1, T, S] (True = attend) -> [B, Hq, T, D]."""
     scale = q.shape[-1] ** -0.5
     hq, hkv = q.shape[1], k.shape[1]
-    if impl == "sdpa":
+    if impl == "sdpa_grouped" and q.shape[2] == 1 and hq != hkv:
+        b, _, _, d = q.shape
+        qg = q.reshape(b, hkv, hq // hkv, d)  # a group's query heads as query positions
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(b, hq, 1, d)
+    if impl in ("sdpa", "sdpa_grouped"):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     b, _, t, d = q.shape
     g = hq // hkv
@@ -134,6 +143,10 @@ class ModelRunner:
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.use_graphs = config.use_cuda_graphs and self.device.type == "cuda"
+        self.talker_attention = config.talker_attention
+        if self.talker_attention == "auto":
+            self.talker_attention = "sdpa_grouped" if self.device.type == "cuda" else "sdpa"
+        self.predictor_attention = "sdpa" if config.predictor_attention == "auto" else config.predictor_attention
 
     # -- sizing and allocation ---------------------------------------------------------------
     def bytes_per_position(self) -> int:
@@ -275,7 +288,7 @@ class ModelRunner:
             self.v_cache[i][rows, :, wpos] = v[:, :, 0].to(self.dtype)
             keys = self.k_cache[i, :n, :, :ctx]
             values = self.v_cache[i, :n, :, :ctx]
-            out = _attend(q, keys, values, mask, self.cfg.talker_attention)
+            out = _attend(q, keys, values, mask, self.talker_attention)
             x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return model.norm(x)[:, 0]
@@ -293,7 +306,7 @@ class ModelRunner:
             self.pv_cache[i, :n, :, start : start + t] = v.to(self.dtype)
             keys = self.pk_cache[i, :n, :, : start + t]
             values = self.pv_cache[i, :n, :, : start + t]
-            out = _attend(q, keys, values, mask, self.cfg.predictor_attention)
+            out = _attend(q, keys, values, mask, self.predictor_attention)
             x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return model.norm(x)

@@ -194,7 +194,11 @@ class EagerGenerator:
         c0_t = torch.tensor(c0, dtype=torch.long, device=self.device)
         c0_embed = self.talker.embed_codec(c0_t)
 
+        all_greedy = all(r.sampling.predictor_greedy for r in kept)
+
         def choose(j: int, lg: torch.Tensor) -> torch.Tensor:
+            if all_greedy:
+                return torch.argmax(lg.float(), dim=-1)
             picks = [choose_residual(lg[b], r.sampling, r.generator) for b, r in enumerate(kept)]
             return torch.tensor(picks, dtype=torch.long, device=self.device)
 

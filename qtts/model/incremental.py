@@ -1,59 +1,82 @@
 """Stateful incremental decoding: each stream's decoder history is carried between chunks, so no
 frame is ever decoded twice, and any number of streams with different chunk sizes share one batch.
+
+Histories live in one slot pool per decoder (batch-first tensors of fixed shape, one row per
+stream), so a batched step gathers its rows with one index_select per tensor and scatters them
+back with one index_copy_, whatever the batch size; fixed shapes are what CUDA graphs need later.
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from qtts.model.codec_decoder import CodecDecoder
 
-_ids = itertools.count()
-
 
 @dataclass(eq=False)
 class DecoderState:
-    """One stream's decoder history: batch-first tensors (batch 1) keyed by layer, plus counters.
+    """One stream's handle: its row in the decoder's slot pool plus counters.
 
     `frames` counts every frame decoded so far (the ICL prefix included): it is the position of
     the next frame in the sliding-window transformer. `prefix_frames` is the reference prefix length
     whose audio was never returned."""
 
-    cache: dict[str, torch.Tensor]
+    slot: int
     frames: int = 0
     prefix_frames: int = 0
     freed: bool = False
-    id: int = field(default_factory=lambda: next(_ids))
 
     @property
     def output_frames(self) -> int:
         """Frames whose audio has been returned."""
         return self.frames - self.prefix_frames
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.cache.values())
-
 
 class IncrementalDecoder:
     """Chunked decoding whose concatenated output equals one full decode of prefix + frames with the
     prefix samples cut. States are independent; `decode_batch` runs many of them in one forward."""
 
-    def __init__(self, decoder: CodecDecoder):
+    def __init__(self, decoder: CodecDecoder, initial_slots: int = 8):
         self.decoder = decoder
         self.samples_per_frame = decoder.samples_per_frame
         self.num_quantizers = decoder.cfg.num_quantizers
+        # Pool tensors are only ever touched under inference mode (callers may or may not be in it).
+        with torch.inference_mode():
+            self._pool: dict[str, torch.Tensor] = decoder.empty_cache(max(1, initial_slots))
+        self._free: list[int] = list(range(max(1, initial_slots)))[::-1]
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self._pool.values())).shape[0]
+
+    @property
+    def num_active(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of decoder history one stream holds."""
+        return sum(t[0].numel() * t.element_size() for t in self._pool.values())
 
     def start(self, prefix_codes: torch.Tensor | None = None) -> DecoderState:
         """New stream; an ICL reference prefix [P, Q] is decoded now as context and never returned."""
-        state = DecoderState(cache=self.decoder.empty_cache(1))
+        state = DecoderState(slot=self._alloc())
         if prefix_codes is not None and prefix_codes.shape[0] > 0:
             prefix = self._check_codes(prefix_codes)
             self._run([state], [prefix])
             state.prefix_frames = state.frames
         return state
+
+    def fork(self, state: DecoderState) -> DecoderState:
+        """An independent copy of a stream's state (same history, own slot)."""
+        self._check_live(state)
+        twin = DecoderState(slot=self._alloc(), frames=state.frames, prefix_frames=state.prefix_frames)
+        with torch.inference_mode():
+            for t in self._pool.values():
+                t[twin.slot].copy_(t[state.slot])
+        return twin
 
     def decode(self, state: DecoderState, codes: torch.Tensor) -> torch.Tensor:
         """Decode the next frames [n, Q] of one stream -> their samples [n * samples_per_frame]."""
@@ -66,12 +89,11 @@ class IncrementalDecoder:
         empty tensor is returned for it)."""
         if len(states) != len(codes):
             raise ValueError(f"{len(states)} states but {len(codes)} code chunks")
-        if len({s.id for s in states}) != len(states):
+        if len({id(s) for s in states}) != len(states):
             raise ValueError("a decoder state appears twice in one batch")
-        checked = [self._check_codes(c) for c in codes]
         for s in states:
-            if s.freed:
-                raise ValueError("decoder state was freed")
+            self._check_live(s)
+        checked = [self._check_codes(c) for c in codes]
         live = [i for i, c in enumerate(checked) if c.shape[0] > 0]
         outputs: list[torch.Tensor] = [
             torch.zeros(0, device=self.decoder.device, dtype=self.decoder.dtype) for _ in states
@@ -83,9 +105,28 @@ class IncrementalDecoder:
         return outputs
 
     def free(self, state: DecoderState) -> None:
-        """Drop the stream's history; the state cannot be used again."""
-        state.cache.clear()
+        """Release the stream's slot; the state cannot be used again. Freeing twice is a no-op."""
+        if state.freed:
+            return
         state.freed = True
+        self._free.append(state.slot)
+
+    @torch.inference_mode()
+    def _alloc(self) -> int:
+        if not self._free:
+            old = self.capacity
+            grown = self.decoder.empty_cache(old)
+            self._pool = {k: torch.cat([v, grown[k]], dim=0) for k, v in self._pool.items()}
+            self._free = list(range(old, 2 * old))[::-1]
+        slot = self._free.pop()
+        # Zero history is exactly the causal zero padding of a fresh decode.
+        for t in self._pool.values():
+            t[slot].zero_()
+        return slot
+
+    def _check_live(self, state: DecoderState) -> None:
+        if state.freed:
+            raise ValueError("decoder state was freed")
 
     def _check_codes(self, codes: torch.Tensor) -> torch.Tensor:
         if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
@@ -101,22 +142,17 @@ class IncrementalDecoder:
         batch = torch.zeros(len(codes), longest, self.num_quantizers, dtype=torch.long, device=dev)
         for row, c in enumerate(codes):
             batch[row, : c.shape[0]] = c
-        if len(states) == 1:
-            cache = dict(states[0].cache)
-        else:
-            cache = {k: torch.cat([s.cache[k] for s in states], dim=0) for k in states[0].cache}
+        slots = torch.tensor([s.slot for s in states], dtype=torch.long, device=dev)
+        cache = {k: v.index_select(0, slots) for k, v in self._pool.items()}
         positions = torch.tensor([s.frames for s in states], dtype=torch.long, device=dev)
         lens = torch.tensor(lengths, dtype=torch.long, device=dev)
         wav = self.decoder.forward_stream(batch, cache, positions, lens)
-        out = []
+        for k, v in self._pool.items():
+            v.index_copy_(0, slots, cache[k].to(v.dtype))
         spf = self.samples_per_frame
+        out = []
         for row, (state, n) in enumerate(zip(states, lengths, strict=True)):
-            # Trim by this row's own length: rows are never shifted against each other.
+            # Each row is trimmed by its own length and written back to its own slot.
             out.append(wav[row, : n * spf])
-            if len(states) == 1:
-                state.cache = cache
-            else:
-                # Clone so a stream's history does not pin the whole batch's tensors.
-                state.cache = {k: v[row : row + 1].clone() for k, v in cache.items()}
             state.frames += n
         return out

@@ -47,7 +47,11 @@ class Snapshot:
 
     @property
     def speech_tokenizer_dir(self) -> Path:
-        return self.folder / "speech_tokenizer"
+        own = self.folder / "speech_tokenizer"
+        # The shipped full-size configs share one codec config: configs/speech_tokenizer/.
+        if not own.is_dir() and self.folder.parent == CONFIGS_DIR:
+            return CONFIGS_DIR / "speech_tokenizer"
+        return own
 
 
 def shipped_configs() -> list[str]:

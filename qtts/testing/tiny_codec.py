@@ -116,9 +116,19 @@ def random_mimi_encoder_state(encoder_config: dict[str, Any], seed: int) -> dict
 
 def write_tiny_speech_tokenizer(dir: Path, seed: int = 0) -> Path:
     """Write `dir/speech_tokenizer/{config.json, model.safetensors, preprocessor_config.json}`."""
+    # Tiny tensors: extra OpenMP threads only spin against each other (30x slower on a busy box).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _write(Path(dir), seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _write(dir: Path, seed: int) -> Path:
     from safetensors.torch import save_file
 
-    out = Path(dir) / "speech_tokenizer"
+    out = dir / "speech_tokenizer"
     out.mkdir(parents=True, exist_ok=True)
     decoder = CodecDecoder(CodecDecoderConfig.from_dict(TINY_DECODER_CONFIG))
     init_dummy_weights(decoder, seed)

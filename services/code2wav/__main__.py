@@ -11,6 +11,11 @@ from services.code2wav.config import config_from_args
 from services.code2wav.server import Code2WavServer
 
 
+async def _serve(config) -> None:
+    # Built inside the loop: grpc.aio servers bind to the loop they are created on.
+    await Code2WavServer(config).run()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(argv)
@@ -18,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"code2wav: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-    asyncio.run(Code2WavServer(config).run())
+    asyncio.run(_serve(config))
     return 0
 
 

@@ -11,6 +11,11 @@ from services.speaker_cache.config import config_from_args
 from services.speaker_cache.server import SpeakerCacheServer
 
 
+async def _serve(config) -> None:
+    # Built inside the loop: grpc.aio servers bind to the loop they are created on.
+    await SpeakerCacheServer(config).run()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(argv)
@@ -18,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speaker_cache: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-    asyncio.run(SpeakerCacheServer(config).run())
+    asyncio.run(_serve(config))
     return 0
 
 

@@ -7,8 +7,13 @@ import sys
 
 from qtts.errors import TTSError
 from qtts.grpc_server import configure_logging
-from services.talker.config import config_from_args
+from services.talker.config import TalkerConfig, config_from_args
 from services.talker.server import TalkerServer
+
+
+async def serve(config: TalkerConfig) -> None:
+    # The grpc.aio server must be created inside the running event loop.
+    await TalkerServer(config).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"talker: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-    asyncio.run(TalkerServer(config).run())
+    asyncio.run(serve(config))
     return 0
 
 

@@ -22,6 +22,7 @@ from .scheduler import Scheduler
 from .servicer import TalkerServicer
 from .speaker_cache_client import SpeakerCacheClient
 from .voices import VoiceResolver
+from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,14 @@ class TalkerServer:
         bundle: Any = None,
         generator_factory: Callable[[Any, int], Any] | None = None,
         spec_factory: Callable[..., Any] | None = None,
+        run_warm_up: bool = True,
     ):
         self.config = config
         self.metrics = TalkerMetrics(CollectorRegistry())
         self.bundle = bundle
         self._generator_factory = generator_factory or default_generator_factory
         self._spec_factory = spec_factory
+        self._run_warm_up = run_warm_up
         self.host = GrpcServiceHost(
             service_names=[SERVICE_NAME],
             metrics=self.metrics,
@@ -92,6 +95,9 @@ class TalkerServer:
         info = self.bundle.info
         log.info("loaded %s (%s, %s)", info.name, info.model_type, info.model_size)
         generator = self._generator_factory(self.bundle, self.config.max_batch)
+        if self._run_warm_up:
+            # Before the engine thread exists: the generator is only ever driven by one thread.
+            await asyncio.to_thread(warm_up, self.bundle, generator)
         self.engine = GenerationEngine(
             generator, Scheduler(self.config.max_batch, self.config.max_queue), self.metrics
         )

@@ -113,7 +113,7 @@ class VoiceResolver:
         try:
             return await asyncio.to_thread(
                 self._bundle.compute_voice_prompt,
-                np.ascontiguousarray(pcm, dtype=np.float32),
+                np.array(pcm, dtype=np.float32),  # a writable copy: torch wraps it
                 None if x_vector_only else ref_text,
                 x_vector_only,
             )

@@ -11,7 +11,10 @@ from qtts.pb import tts_pb2, tts_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
-LONG = 400  # frames: far more than the test reads before it leaves
+# Frames: far more than the test reads before it leaves, and more audio (11.5 MB) than the socket
+# buffers between gateway and client hold, so the stream cannot finish while the client idles.
+LONG = 3000
+TEXT = "A long story that the client will not wait to hear until its very end. " * 20
 
 
 def _live(stack) -> tuple[float, float]:
@@ -23,7 +26,7 @@ def _live(stack) -> tuple[float, float]:
 
 def test_http_client_disconnect_frees_talker_and_decoder(stack):
     assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
-    body = {"input": "A long sentence that the client will not wait for. " * 4, "voice": "v",
+    body = {"input": TEXT, "voice": "v",
             "ref_audio": REF_B64, "x_vector_only_mode": True, "max_new_tokens": LONG, "seed": 1,
             "stream": True, "response_format": "pcm"}
     with httpx.Client(timeout=120) as c, c.stream("POST", f"{stack.http_url}/v1/audio/speech", json=body) as r:
@@ -37,7 +40,7 @@ def test_http_client_disconnect_frees_talker_and_decoder(stack):
 
 def test_grpc_cancel_frees_talker_and_decoder(stack):
     assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
-    req = tts_pb2.SynthesizeRequest(text="A long sentence nobody will hear to the end. " * 4,
+    req = tts_pb2.SynthesizeRequest(text=TEXT,
                                     reference_audio=REF_WAV, x_vector_only=True, max_new_frames=LONG)
     with grpc.insecure_channel(stack.grpc_address) as channel:
         call = tts_pb2_grpc.TextToSpeechServiceStub(channel).Synthesize(req, timeout=120)

@@ -9,7 +9,7 @@ import torch
 
 from qtts.engine.kv_slots import DenseSlotTable
 from qtts.engine.scheduler import KVMove, Scheduler, compose_moves
-from qtts.engine.sequence import Sequence, SeqStatus
+from qtts.engine.sequence import SeqStatus, Sequence
 
 
 def seq(rid: str, prompt_len: int, max_frames: int = 10, prefix_key: str | None = None) -> Sequence:

@@ -12,6 +12,15 @@ from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
 from tests.official import import_qwen_tts
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Small tensors on a shared 2-core box: OpenMP threads spin against each other.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("codec")

@@ -35,14 +35,6 @@ def _codes(t: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2048, (t, 16), generator=torch.Generator().manual_seed(seed))
 
 
-def _fork(state: DecoderState) -> DecoderState:
-    return DecoderState(
-        cache={k: v.clone() for k, v in state.cache.items()},
-        frames=state.frames,
-        prefix_frames=state.prefix_frames,
-    )
-
-
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
@@ -50,20 +42,23 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def _check_every_composition(inc: IncrementalDecoder, state: DecoderState, codes, reference, start=0) -> int:
     """Walk the tree of all compositions of codes[start:] into chunks; every edge's output must be
-    the reference slice. Since each composition is a root-to-leaf path, this checks them all."""
+    the reference slice. Each composition is a root-to-leaf path, so this checks them all. The
+    edges leaving one node run as one batch of forks of that node's state (rows of unequal length)."""
     n = codes.shape[0]
+    ends = list(range(start + 1, n + 1))
+    forks = [inc.fork(state) for _ in ends]
+    outs = inc.decode_batch(forks, [codes[start:end] for end in ends])
     checked = 0
-    for end in range(start + 1, n + 1):
-        branch = _fork(state) if end < n else state
-        out = inc.decode(branch, codes[start:end])
+    for end, fork, out in zip(ends, forks, outs, strict=True):
         _close(out, reference[start * SPF : end * SPF])
         checked += 1
         if end < n:
-            checked += _check_every_composition(inc, branch, codes, reference, end)
+            checked += _check_every_composition(inc, fork, codes, reference, end)
+        inc.free(fork)
     return checked
 
 
-@pytest.mark.parametrize("prefix_frames,frames", [(0, 9), (5, 8)])
+@pytest.mark.parametrize("prefix_frames,frames", [(0, 8), (5, 7)])
 def test_every_partition_matches_full_decode(decoder, prefix_frames, frames):
     inc = IncrementalDecoder(decoder)
     prefix = _codes(prefix_frames, seed=1)
@@ -166,8 +161,29 @@ def test_errors(decoder):
     with pytest.raises(ValueError, match="states but"):
         inc.decode_batch([state], [])
     assert inc.decode(state, _codes(0, 0)).shape == (0,)
-    assert state.frames == 0 and state.nbytes() > 0
+    assert state.frames == 0 and inc.state_nbytes > 0 and inc.num_active == 1
     inc.free(state)
-    assert state.nbytes() == 0
+    inc.free(state)
+    assert inc.num_active == 0
     with pytest.raises(ValueError, match="freed"):
         inc.decode(state, _codes(1, 0))
+
+
+def test_slots_grow_and_are_reused_with_clean_history(decoder):
+    inc = IncrementalDecoder(decoder, initial_slots=2)
+    codes = _codes(4, seed=40)
+    want = decoder.decode(codes)
+    used = [inc.start(_codes(3, seed=41)) for _ in range(5)]  # grows past the initial 2 slots
+    assert inc.capacity >= 5 and inc.num_active == 5
+    for s in used:
+        inc.decode(s, _codes(2, seed=42))
+    for s in used[:3]:
+        inc.free(s)
+    fresh = inc.start()
+    assert fresh.slot in {s.slot for s in used[:3]}
+    _close(inc.decode(fresh, codes), want)
+    # The streams still running were not disturbed by the reuse.
+    ref = IncrementalDecoder(decoder)
+    alone = ref.start(_codes(3, seed=41))
+    ref.decode(alone, _codes(2, seed=42))
+    _close(inc.decode(used[4], codes), ref.decode(alone, codes))

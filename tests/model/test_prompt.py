@@ -46,9 +46,8 @@ def test_token_ids_equal_official_processor(official_factory, bundle_factory, te
 
 
 def test_tokenizer_applies_the_official_regex_swap(bundle_factory):
-    # The tiny snapshot says transformers_version 4.57.3, as the real ones: the official loader
-    # swaps Qwen2's split regex, so must we ("it's" stays one piece under the swapped regex? no:
-    # what matters is only that we equal the official ids, checked above; here: the swap happened).
+    # The tiny snapshot says transformers_version 4.57.3, as the real ones, so the official loader
+    # swaps Qwen2's split regex for the "fixed Mistral" one; ours must have swapped it too.
     pre = bundle_factory("custom_voice").tokenizer.backend_tokenizer.pre_tokenizer
     assert "p{Lu}" in str(pre)
 

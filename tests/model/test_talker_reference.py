@@ -12,7 +12,8 @@ from tests.model.reference import official_codes, voice_clone_item
 pytestmark = pytest.mark.reference
 
 TEXTS = ["Hello world, it's a test.", "你好，世界。今天天气很好！", "Speak slowly and clearly, with a warm voice, please."]
-FRAMES = 7
+FRAMES = 9
+_ALONE: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def _voice(hidden: int, icl: bool, seed: int) -> VoicePrompt:
@@ -65,11 +66,18 @@ def _run_alone(bundle, prompt, sampling, max_new_frames):
     return (torch.stack(frames) if frames else torch.zeros(0, 16, dtype=torch.long)), last
 
 
+def _official_alone(official, mode: str, idx: int, kw) -> torch.Tensor:
+    """The official greedy codes of one request alone, FRAMES long (cached for the batched test)."""
+    if (mode, idx) not in _ALONE:
+        _ALONE[(mode, idx)] = official_codes(official, TASK[mode], frames=FRAMES, **kw)[0]
+    return _ALONE[(mode, idx)]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_unbatched_forced_length_equals_official(official_factory, bundle_factory, mode):
     official, bundle = official_factory(MODEL_TYPE[mode]), bundle_factory(MODEL_TYPE[mode])
-    for kw, spec in _cases(mode, bundle.talker.hidden_size):
-        expected = official_codes(official, TASK[mode], frames=FRAMES, **kw)[0]
+    for idx, (kw, spec) in enumerate(_cases(mode, bundle.talker.hidden_size)):
+        expected = _official_alone(official, mode, idx, kw)
         ours, last = _run_alone(bundle, bundle.build_prompt(spec), SamplingParams(greedy=True, min_new_tokens=10**6), FRAMES)
         assert last.finish_reason == "length"
         assert torch.equal(ours, expected), f"{mode}: {spec.text!r}"
@@ -90,11 +98,11 @@ def test_non_default_text_feeding_equals_official(official_factory, bundle_facto
 def test_unforced_greedy_equals_official(official_factory, bundle_factory, mode):
     """Official rules only (EOS masked for the first 2 steps): same frames, same end."""
     official, bundle = official_factory(MODEL_TYPE[mode]), bundle_factory(MODEL_TYPE[mode])
-    for kw, spec in _cases(mode, bundle.talker.hidden_size):
-        expected = official_codes(official, TASK[mode], max_new_tokens=25, **kw)[0]
-        ours, last = _run_alone(bundle, bundle.build_prompt(spec), SamplingParams(greedy=True), 24)
-        assert torch.equal(ours, expected)
-        assert last.finish_reason == ("stop" if len(expected) < 24 else "length")
+    kw, spec = _cases(mode, bundle.talker.hidden_size)[1]
+    expected = official_codes(official, TASK[mode], max_new_tokens=17, **kw)[0]
+    ours, last = _run_alone(bundle, bundle.build_prompt(spec), SamplingParams(greedy=True), 16)
+    assert torch.equal(ours, expected)
+    assert last.finish_reason == ("stop" if len(expected) < 16 else "length")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -107,14 +115,14 @@ def test_batched_generator_equals_official(official_factory, bundle_factory, mod
     batch_kw = {k: [c[0][k] for c in cases] for k in keys}
     if "voice_clone_prompt" in batch_kw:
         batch_kw["voice_clone_prompt"] = [p[0] for p in batch_kw["voice_clone_prompt"]]
-    expected_batched = official_codes(official, TASK[mode], frames=FRAMES + 4, **batch_kw)
-    expected_alone = [official_codes(official, TASK[mode], frames=FRAMES + 4, **kw)[0] for kw, _ in cases]
+    expected_batched = official_codes(official, TASK[mode], frames=FRAMES, **batch_kw)
+    expected_alone = [_official_alone(official, mode, i, kw) for i, (kw, _) in enumerate(cases)]
     for a, b in zip(expected_batched, expected_alone, strict=True):
         assert torch.equal(a, b)
 
     gen = EagerGenerator(bundle, max_batch=2)  # the third request waits for a free slot
     forced = SamplingParams(greedy=True, min_new_tokens=10**6)
-    lengths = {"r0": FRAMES + 4, "r1": FRAMES, "r2": FRAMES + 2}
+    lengths = {"r0": FRAMES, "r1": FRAMES - 4, "r2": FRAMES - 2}
     got = {rid: [] for rid in lengths}
     reasons = {}
     join_at = {0: ["r0"], 2: ["r1", "r2"]}

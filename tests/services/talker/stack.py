@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -12,7 +13,9 @@ from typing import Any
 import grpc
 
 from qtts.grpc_server import GrpcServiceHost
-from qtts.pb import code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
+from qtts.pb import code2wav_pb2_grpc, speaker_cache_pb2_grpc, talker_pb2, talker_pb2_grpc
+from services.speaker_cache.config import SpeakerCacheConfig
+from services.speaker_cache.server import SpeakerCacheServer
 from services.talker.config import TalkerConfig
 from services.talker.server import TalkerServer
 
@@ -38,6 +41,13 @@ class TalkerStack:
         return self.talker.metrics.registry.get_sample_value(name) or 0.0
 
 
+def free_port() -> int:
+    """A TCP port that was free a moment ago (nothing listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 async def start_replica(servicer: Any) -> Replica:
     host = GrpcServiceHost(
         service_names=["code2wav.v1.Code2WavService"], host="127.0.0.1", port=0, drain_seconds=0.5
@@ -57,6 +67,7 @@ async def talker_stack(
     spec_factory: Callable | None = None,
     speaker_cache: str = "",
     code2wav_addresses: list[str] | tuple[str, ...] = (),
+    run_warm_up: bool | None = None,
     **config: Any,
 ) -> AsyncIterator[TalkerStack]:
     async with AsyncExitStack() as stack:
@@ -74,8 +85,14 @@ async def talker_stack(
             drain_seconds=1.0,
             **config,
         ).validate()
+        # The warm-up needs the real model; fakes skip it unless asked.
+        warm = run_warm_up if run_warm_up is not None else generator_factory is None
         talker = TalkerServer(
-            cfg, bundle=bundle, generator_factory=generator_factory, spec_factory=spec_factory
+            cfg,
+            bundle=bundle,
+            generator_factory=generator_factory,
+            spec_factory=spec_factory,
+            run_warm_up=warm,
         )
         port = await talker.start()
         stack.push_async_callback(talker.stop, 0.5)
@@ -102,3 +119,16 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> No
         if time.monotonic() > deadline:
             raise AssertionError("condition never became true")
         await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def speaker_cache():
+    server = SpeakerCacheServer(SpeakerCacheConfig(port=0, metrics_port=0, drain_seconds=0.5).validate())
+    port = await server.start()
+    await server.wait_serving()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield f"127.0.0.1:{port}", speaker_cache_pb2_grpc.SpeakerCacheServiceStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(0.5)

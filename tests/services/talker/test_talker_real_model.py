@@ -84,8 +84,11 @@ async def test_real_talker_and_real_code2wav_give_the_decoded_audio_of_the_gener
     from services.code2wav.server import Code2WavServer
 
     snapshot = tiny_snapshot("custom_voice")
-    code2wav = Code2WavServer(Code2WavConfig(port=0, metrics_port=0, model=str(snapshot), drain_seconds=0.5,
-                                             replica_name="c2w-real"))
+    code2wav = Code2WavServer(
+        Code2WavConfig(
+            port=0, metrics_port=0, model=str(snapshot), drain_seconds=0.5, replica_name="c2w-real"
+        )
+    )
     port = await code2wav.start()
     speaker = sorted(custom_voice_bundle.info.speakers)[0]
     n = 5
@@ -93,21 +96,30 @@ async def test_real_talker_and_real_code2wav_give_the_decoded_audio_of_the_gener
         cfg_replicas = [f"127.0.0.1:{port}"]
         async with talker_stack([], bundle=custom_voice_bundle, code2wav_addresses=cfg_replicas) as s:
             chunks, summary = await generate_all(
-                s.stub, request_id="e2e", text="Hello world.", voice=speaker, language="english",
-                max_new_frames=n, sampling=tts_pb2.SamplingParams(greedy=True),
+                s.stub,
+                request_id="e2e",
+                text="Hello world.",
+                voice=speaker,
+                language="english",
+                max_new_frames=n,
+                sampling=tts_pb2.SamplingParams(greedy=True),
                 streaming=tts_pb2.StreamingOptions(first_chunk_frames=1, chunk_frames_ramp=[2]),
             )
             assert summary.num_frames == n and summary.code2wav_replica == "c2w-real"
             pcm = np.frombuffer(b"".join(c.audio for c in chunks), dtype="<i2")
             assert pcm.size == n * 1920 == summary.num_samples
             await eventually(lambda: s.generator.num_active == 0)
-            await eventually(lambda: code2wav.metrics.registry.get_sample_value("tts_code2wav_live_states") == 0)
+            await eventually(
+                lambda: code2wav.metrics.registry.get_sample_value("tts_code2wav_live_states") == 0
+            )
     finally:
         await code2wav.stop(0.5)
     # The same greedy request run alone, decoded in one piece, gives the same audio.
     b = custom_voice_bundle
     gen = EagerGenerator(b, max_batch=1)
-    prompt = b.build_prompt(SynthesisSpec(text="Hello world.", task="custom_voice", speaker=speaker, language="english"))
+    prompt = b.build_prompt(
+        SynthesisSpec(text="Hello world.", task="custom_voice", speaker=speaker, language="english")
+    )
     gen.add("x", prompt, dataclasses.replace(b.generation_defaults, greedy=True, subtalker_greedy=True), n)
     frames = []
     while gen.num_active:
@@ -117,3 +129,14 @@ async def test_real_talker_and_real_code2wav_give_the_decoded_audio_of_the_gener
         wav = decoder.decode(torch.stack(frames)[None])[0]
     expected = np.round(np.clip(wav.float().numpy(), -1, 1) * 32767).astype(np.int16)
     assert np.abs(pcm.astype(np.int32) - expected.astype(np.int32)).max() <= 2
+
+
+@pytest.mark.parametrize("model_type", ["custom_voice", "base"])
+def test_warm_up_runs_on_the_real_model_and_leaves_the_generator_empty(tiny_talker_bundle, model_type):
+    from qtts.model import EagerGenerator
+    from services.talker.warmup import warm_up
+
+    bundle = tiny_talker_bundle(model_type)
+    gen = EagerGenerator(bundle, max_batch=2)
+    assert warm_up(bundle, gen, frames=2)
+    assert gen.num_active == 0

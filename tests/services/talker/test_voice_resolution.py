@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
-
 import grpc
 import numpy as np
 import pytest
 import torch
 
-from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc, tts_pb2
+from qtts.pb import speaker_cache_pb2, tts_pb2
 from qtts.voice_key import voice_prompt_key
-from services.speaker_cache.config import SpeakerCacheConfig
-from services.speaker_cache.server import SpeakerCacheServer
-from tests.services.conftest import free_port
 from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
-from tests.services.talker.stack import eventually, generate_all, talker_stack
+from tests.services.talker.stack import eventually, free_port, generate_all, speaker_cache, talker_stack
 
 PCM = (np.cos(np.arange(12000) / 7) * 0.2).astype("<f4")
-
-
-@asynccontextmanager
-async def speaker_cache():
-    server = SpeakerCacheServer(SpeakerCacheConfig(port=0, metrics_port=0, drain_seconds=0.5).validate())
-    port = await server.start()
-    await server.wait_serving()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield f"127.0.0.1:{port}", speaker_cache_pb2_grpc.SpeakerCacheServiceStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(0.5)
 
 
 def stack(bundle, address):

@@ -1,0 +1,134 @@
+"""Snapshot discovery and validation, shipped full-size configs, dummy loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from qtts.model import SnapshotError, load_talker_bundle
+from qtts.model.bundle import build_modules
+from qtts.model.config import ModelConfig
+from qtts.model.snapshot import CONFIGS_DIR, open_snapshot, shipped_configs
+
+VARIANTS = [f"qwen3-tts-12hz-{s}-{v}" for s in ("0.6b", "1.7b") for v in ("base", "customvoice", "voicedesign")]
+
+
+def test_not_a_snapshot_folder(tmp_path):
+    with pytest.raises(SnapshotError, match="no config.json"):
+        load_talker_bundle(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SnapshotError, match="not a Qwen3-TTS snapshot.*llama"):
+        load_talker_bundle(tmp_path)
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(SnapshotError, match="no such folder"):
+        load_talker_bundle(tmp_path / "nope")
+    with pytest.raises(SnapshotError, match="shipped configs"):
+        load_talker_bundle("no-such-config", load_format="dummy")
+
+
+def test_variant_mismatch(tiny_snapshot_factory):
+    folder = tiny_snapshot_factory("custom_voice")
+    with pytest.raises(SnapshotError, match="'custom_voice' model but 'base' was expected"):
+        load_talker_bundle(folder, expect_model_type="base")
+    assert isinstance(SnapshotError("x"), ValueError)
+
+
+def test_incomplete_snapshot(tiny_snapshot_factory, tmp_path):
+    src = tiny_snapshot_factory("voice_design")
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    with pytest.raises(SnapshotError, match="missing model.safetensors"):
+        open_snapshot(dst)
+
+
+def test_weights_that_do_not_match_the_config(tiny_snapshot_factory, tmp_path):
+    src = tiny_snapshot_factory("voice_design")
+    dst = tmp_path / "mismatch"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["talker_config"]["num_hidden_layers"] = 3
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SnapshotError, match="talker weights do not match.*missing"):
+        load_talker_bundle(dst)
+
+
+def test_bundle_info(tiny_snapshot_factory):
+    bundle = load_talker_bundle(tiny_snapshot_factory("custom_voice"), expect_model_type="custom_voice")
+    info = bundle.info
+    assert info.model_type == "custom_voice"
+    assert info.name == "qwen3-tts-tiny-custom_voice"
+    assert info.speakers["vivian"] == 3065 and info.speakers["dylan"] == 2878
+    assert "beijing_dialect" not in info.languages and info.languages["english"] == 2050
+    assert (info.num_codebooks, info.codebook_size, info.sample_rate, info.samples_per_frame) == (16, 2048, 24000, 1920)
+    assert bundle.speaker_encoder is None and bundle.codec_encoder is None
+    d = bundle.generation_defaults
+    assert (d.temperature, d.top_k, d.top_p, d.repetition_penalty, d.greedy) == (0.9, 50, 1.0, 1.05, False)
+
+
+def test_shipped_configs():
+    assert shipped_configs() == sorted(VARIANTS)
+    for name in VARIANTS:
+        cfg = ModelConfig.from_file(CONFIGS_DIR / name / "config.json")
+        size, variant = name.split("-")[3:5]
+        assert cfg.tts_model_type == {"base": "base", "customvoice": "custom_voice", "voicedesign": "voice_design"}[variant]
+        t = cfg.talker
+        assert (t.decoder.num_layers, t.decoder.num_heads, t.decoder.num_kv_heads, t.decoder.head_dim) == (28, 16, 8, 128)
+        assert t.decoder.hidden_size == (1024 if size == "0.6b" else 2048)
+        assert t.decoder.intermediate_size == (3072 if size == "0.6b" else 6144)
+        assert (t.vocab_size, t.text_vocab_size, t.text_hidden_size) == (3072, 151936, 2048)
+        p = t.predictor.decoder
+        assert (p.num_layers, p.hidden_size, p.intermediate_size, p.num_heads, p.num_kv_heads) == (5, 1024, 3072, 16, 8)
+        assert (t.codec_pad_id, t.codec_bos_id, t.codec_eos_id) == (2148, 2149, 2150)
+        assert (cfg.tts_pad_id, cfg.tts_bos_id, cfg.tts_eos_id) == (151671, 151672, 151673)
+        assert t.suppressed_ids[0] == 2048 and 2150 not in t.suppressed_ids and len(t.suppressed_ids) == 1023
+        if variant == "customvoice":
+            assert t.speaker_ids["vivian"] == 3065 and t.speaker_dialects["eric"] == "sichuan_dialect"
+        if variant == "base":
+            assert cfg.speaker_encoder["enc_dim"] == t.decoder.hidden_size
+        assert cfg.supports_instruct == (variant != "customvoice" or size == "1.7b")
+
+
+@pytest.mark.parametrize("name", ["qwen3-tts-12hz-1.7b-base", "qwen3-tts-12hz-0.6b-customvoice"])
+def test_full_size_module_tree_on_meta(name):
+    """The full-size module tree builds (on `meta`: no memory) with the expected parameter count."""
+    cfg = ModelConfig.from_file(CONFIGS_DIR / name / "config.json")
+    talker, predictor = build_modules(cfg)
+    t, p = cfg.talker, cfg.talker.predictor
+    h, th = t.decoder.hidden_size, t.text_hidden_size
+    expected_talker = (
+        t.decoder.num_parameters()
+        + t.vocab_size * h + t.text_vocab_size * th  # codec + text embeddings
+        + th * th + th + th * h + h  # text projection
+        + h * t.vocab_size  # codec head
+    )
+    ph = p.decoder.hidden_size
+    steps = p.num_code_groups - 1
+    expected_predictor = p.decoder.num_parameters() + steps * (p.vocab_size * h + ph * p.vocab_size)
+    if ph != h:
+        expected_predictor += h * ph + ph
+    assert sum(x.numel() for x in talker.parameters()) == expected_talker
+    assert sum(x.numel() for x in predictor.parameters()) == expected_predictor
+    if name.startswith("qwen3-tts-12hz-1.7b"):
+        assert 1.8e9 < expected_talker + expected_predictor < 2.0e9
+    names = {f"talker.{k}" for k in talker.state_dict()} | {f"talker.code_predictor.{k}" for k in predictor.state_dict()}
+    assert "talker.model.layers.27.self_attn.q_norm.weight" in names
+    assert "talker.code_predictor.lm_head.14.weight" in names
+    assert "talker.code_predictor.model.codec_embedding.14.weight" in names
+    assert ("talker.code_predictor.small_to_mtp_projection.weight" in names) == (ph != h)
+
+
+def test_dummy_load_of_a_tiny_config_is_seeded(tiny_snapshot_factory):
+    folder = tiny_snapshot_factory("voice_design")
+    a = load_talker_bundle(folder, load_format="dummy", seed=3)
+    b = load_talker_bundle(folder, load_format="dummy", seed=3)
+    c = load_talker_bundle(folder, load_format="dummy", seed=4)
+    wa, wb, wc = (x.talker.codec_head.weight for x in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert torch.isfinite(a.talker.model.layers[0].self_attn.q_proj.weight).all()
+    assert a.snapshot.load_format == "dummy"

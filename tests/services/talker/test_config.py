@@ -1,0 +1,36 @@
+"""talker flags: env fallbacks, comma-separated replicas, clear errors for unusable values."""
+
+from __future__ import annotations
+
+import pytest
+
+from qtts.errors import InvalidArgument
+from services.talker.config import TalkerConfig, config_from_args
+
+
+def test_flags_and_env_fallbacks(monkeypatch):
+    monkeypatch.setenv("TTS_TALKER_MAX_BATCH", "12")
+    cfg = config_from_args(["--code2wav", "10.0.0.1:50053, 10.0.0.2:50053", "--credit-window-frames", "5"])
+    assert cfg.code2wav == ("10.0.0.1:50053", "10.0.0.2:50053")
+    assert (cfg.max_batch, cfg.credit_window_frames, cfg.port) == (12, 5, 50052)
+    assert cfg.model_path.endswith(".tiny/base")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--code2wav", "nohostport"], "host:port"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--credit-window-frames", "0"], "--credit-window-frames"),
+        (["--port", "70000"], "--port"),
+    ],
+)
+def test_unusable_flags_exit_with_a_clear_message(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        config_from_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_validate_rejects_an_empty_replica_list():
+    with pytest.raises(InvalidArgument, match="at least one"):
+        TalkerConfig(code2wav=()).validate()
