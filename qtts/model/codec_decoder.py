@@ -573,7 +573,12 @@ def resolve_speech_tokenizer_dir(path_or_id: str | Path, load_format: str = "aut
     if not p.exists() and "/" in str(path_or_id) and not str(path_or_id).startswith(("/", ".")):
         from huggingface_hub import snapshot_download
 
-        local = Path(snapshot_download(str(path_or_id), allow_patterns=["speech_tokenizer/*"]))
+        try:
+            local = Path(snapshot_download(str(path_or_id), allow_patterns=["speech_tokenizer/*"]))
+        except Exception as e:  # offline, unknown repo, no access: all mean "cannot load this id"
+            raise ValueError(
+                f"{path_or_id} is not a local folder and could not be fetched from the hub: {e}"
+            ) from e
         return resolve_speech_tokenizer_dir(local, "auto")
     raise ValueError(f"{path_or_id} holds no Qwen3-TTS 12 Hz speech tokenizer (speech_tokenizer/config.json)")
 

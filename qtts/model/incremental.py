@@ -8,6 +8,7 @@ back with one index_copy_, whatever the batch size; fixed shapes are what CUDA g
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,8 @@ class DecoderState:
 
 class IncrementalDecoder:
     """Chunked decoding whose concatenated output equals one full decode of prefix + frames with the
-    prefix samples cut. States are independent; `decode_batch` runs many of them in one forward."""
+    prefix samples cut. States are independent; `decode_batch` runs many of them in one forward.
+    Thread-safe: one lock serialises the pool (a service may free a state from another thread)."""
 
     def __init__(self, decoder: CodecDecoder, initial_slots: int = 8):
         self.decoder = decoder
@@ -46,6 +48,7 @@ class IncrementalDecoder:
         with torch.inference_mode():
             self._pool: dict[str, torch.Tensor] = decoder.empty_cache(max(1, initial_slots))
         self._free: list[int] = list(range(max(1, initial_slots)))[::-1]
+        self._lock = threading.RLock()
 
     @property
     def capacity(self) -> int:
@@ -62,18 +65,21 @@ class IncrementalDecoder:
 
     def start(self, prefix_codes: torch.Tensor | None = None) -> DecoderState:
         """New stream; an ICL reference prefix [P, Q] is decoded now as context and never returned."""
-        state = DecoderState(slot=self._alloc())
+        prefix = None
         if prefix_codes is not None and prefix_codes.shape[0] > 0:
             prefix = self._check_codes(prefix_codes)
-            self._run([state], [prefix])
-            state.prefix_frames = state.frames
+        with self._lock:
+            state = DecoderState(slot=self._alloc())
+            if prefix is not None:
+                self._run([state], [prefix])
+                state.prefix_frames = state.frames
         return state
 
     def fork(self, state: DecoderState) -> DecoderState:
         """An independent copy of a stream's state (same history, own slot)."""
         self._check_live(state)
-        twin = DecoderState(slot=self._alloc(), frames=state.frames, prefix_frames=state.prefix_frames)
-        with torch.inference_mode():
+        with self._lock, torch.inference_mode():
+            twin = DecoderState(slot=self._alloc(), frames=state.frames, prefix_frames=state.prefix_frames)
             for t in self._pool.values():
                 t[twin.slot].copy_(t[state.slot])
         return twin
@@ -99,17 +105,19 @@ class IncrementalDecoder:
             torch.zeros(0, device=self.decoder.device, dtype=self.decoder.dtype) for _ in states
         ]
         if live:
-            decoded = self._run([states[i] for i in live], [checked[i] for i in live])
+            with self._lock:
+                decoded = self._run([states[i] for i in live], [checked[i] for i in live])
             for i, wav in zip(live, decoded, strict=True):
                 outputs[i] = wav
         return outputs
 
     def free(self, state: DecoderState) -> None:
         """Release the stream's slot; the state cannot be used again. Freeing twice is a no-op."""
-        if state.freed:
-            return
-        state.freed = True
-        self._free.append(state.slot)
+        with self._lock:
+            if state.freed:
+                return
+            state.freed = True
+            self._free.append(state.slot)
 
     @torch.inference_mode()
     def _alloc(self) -> int:

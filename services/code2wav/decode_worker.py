@@ -140,7 +140,8 @@ class DecodeEngine:
         fut = asyncio.get_running_loop().run_in_executor(self._executor, self._start_sync, prefix)
         try:
             # shield: a cancelled caller must not orphan a state the worker is still creating.
-            stream.decoder_state = await asyncio.shield(fut)
+            with self.metrics.stage_timer("open_stream"):
+                stream.decoder_state = await asyncio.shield(fut)
         except asyncio.CancelledError:
             fut.add_done_callback(self._free_when_done)
             self._forget(stream)
@@ -192,28 +193,34 @@ class DecodeEngine:
     # ---------------------------------------------------------------- decoding
 
     async def _decode_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while batch := self._collect():
-                streams = [s for s, _, _ in batch]
-                states = [s.decoder_state for s in streams]
-                codes = [c for _, _, c in batch]
-                try:
-                    outputs, elapsed_ns = await loop.run_in_executor(
-                        self._executor, self._decode_sync, states, codes
-                    )
-                except Exception as exc:  # noqa: BLE001 - a failed batch fails its streams, not the server
-                    log.exception("decode of a batch of %d streams failed", len(batch))
-                    for stream in streams:
-                        stream.in_flight = False
-                        stream.fail(GenerationFailed(f"decode failed: {exc}"))
-                    continue
-                self.metrics.decode_seconds.observe(elapsed_ns / 1e9)
-                for (stream, first, chunk_codes), (pcm, num_samples) in zip(batch, outputs, strict=True):
-                    if stream.closed:
-                        continue
+            try:
+                await self._decode_ready()
+            except Exception:  # noqa: BLE001 - the loop must outlive any single bad batch
+                log.exception("decode loop iteration failed")
+
+    async def _decode_ready(self) -> None:
+        """Decode batches until no stream has a ready chunk."""
+        loop = asyncio.get_running_loop()
+        while batch := self._collect():
+            streams = [s for s, _, _ in batch]
+            states = [s.decoder_state for s in streams]
+            codes = [c for _, _, c in batch]
+            try:
+                outputs, elapsed_ns = await loop.run_in_executor(
+                    self._executor, self._decode_sync, states, codes
+                )
+            except Exception as exc:  # noqa: BLE001 - a failed batch fails its streams, not the server
+                log.exception("decode of a batch of %d streams failed", len(batch))
+                for stream in streams:
+                    stream.in_flight = False
+                    stream.fail(GenerationFailed(f"decode failed: {exc}"))
+                continue
+            self.metrics.decode_seconds.observe(elapsed_ns / 1e9)
+            for (stream, first, chunk_codes), (pcm, num_samples) in zip(batch, outputs, strict=True):
+                if not stream.closed:
                     stream.deliver(AudioChunk(pcm, num_samples, first, len(chunk_codes), elapsed_ns))
 
     def _collect(self) -> list[tuple[DecodeStream, int, np.ndarray]]:

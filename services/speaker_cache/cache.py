@@ -38,12 +38,14 @@ class SpeakerCache:
         return n
 
     async def get_prompt(self, key: str) -> PromptRecord | None:
-        prompt = await self.store.get_prompt(validate_prompt_key(key))
+        with self.metrics.stage_timer("get_prompt"):
+            prompt = await self.store.get_prompt(validate_prompt_key(key))
         (self.metrics.misses_total if prompt is None else self.metrics.hits_total).inc()
         return prompt
 
     async def put_prompt(self, key: str, prompt: PromptRecord) -> None:
-        await self.store.put_prompt(validate_prompt_key(key), prompt.validate())
+        with self.metrics.stage_timer("put_prompt"):
+            await self.store.put_prompt(validate_prompt_key(key), prompt.validate())
 
     async def create_voice(self, voice: VoiceRecord, overwrite: bool = False) -> VoiceRecord:
         voice.validate(self.max_audio_bytes)
@@ -54,7 +56,8 @@ class SpeakerCache:
         return stored
 
     async def get_voice(self, name: str) -> VoiceRecord:
-        return await self.store.get_voice(validate_voice_name(name))
+        with self.metrics.stage_timer("get_voice"):
+            return await self.store.get_voice(validate_voice_name(name))
 
     async def list_voices(self) -> list[VoiceRecord]:
         return await self.store.list_voices()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -92,8 +93,10 @@ class TalkerCore:
             window=self._window,
             started_at=started_at,
         )
-        async for item in session.run():
-            yield item
+        # aclosing: a caller that stops early (client gone) frees the stream at once, not at GC.
+        async with contextlib.aclosing(session.run()) as items:
+            async for item in items:
+                yield item
 
     def _build_prompt(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
         if self._spec_factory is None:

@@ -2,8 +2,8 @@
 
 The asyncio side submits requests and cancellations; the thread admits requests into the
 generator (up to `max_batch`), steps every stream that has credit, and hands each new frame to the
-request's sink at once. Sinks are called on the engine thread and must only schedule work on the
-event loop (`loop.call_soon_threadsafe`).
+request's sink at once: the events of one step are handed to the event loop in one
+`loop.call_soon_threadsafe` (one wake-up per step, not one per stream).
 """
 
 from __future__ import annotations
@@ -82,6 +82,26 @@ def _codes_to_numpy(codes: Sequence[Any]) -> list[np.ndarray]:
     except ImportError:  # pragma: no cover - torch is a runtime dependency
         pass
     return [np.asarray(c, dtype=np.int16).reshape(-1) for c in codes]
+
+
+def _deliver(events: list[tuple[ScheduledRequest, Any]]) -> None:
+    for req, ev in events:
+        req.sink(ev)
+
+
+def _emit(events: list[tuple[ScheduledRequest, Any]]) -> None:
+    """Hand events to their sinks: grouped per event loop, or directly for thread-safe sinks."""
+    by_loop: dict[Any, list] = {}
+    for req, ev in events:
+        if req.loop is None:
+            req.sink(ev)
+        else:
+            by_loop.setdefault(req.loop, []).append((req, ev))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
 
 
 def skipping_step(generator: Any) -> Any:
@@ -225,9 +245,9 @@ class GenerationEngine:
             with self._cond:
                 self._scheduler.remove(req.request_id)
                 self._update_gauges()
-            req.sink(Failed(GenerationFailed(f"could not start generation: {exc}")))
+            _emit([(req, Failed(GenerationFailed(f"could not start generation: {exc}")))])
             return
-        req.sink(Admitted(time.perf_counter() - req.submitted_at))
+        _emit([(req, Admitted(time.perf_counter() - req.submitted_at))])
 
     def _step(self, skip: set[str], stepping: list[ScheduledRequest]) -> None:
         prefilling = any(not r.stepped for r in stepping)
@@ -262,8 +282,7 @@ class GenerationEngine:
                 events.append((req, Finished(reason, req.credit.generated)))
             self._update_gauges()
         self._metrics.frames_total.inc(len(with_codes))
-        for req, ev in events:
-            req.sink(ev)
+        _emit(events)
 
     def _fail_all(self, error: Exception) -> None:
         with self._cond:
@@ -273,4 +292,4 @@ class GenerationEngine:
             self._update_gauges()
         for req in failed:
             self._call_generator(self._generator.cancel, req.request_id)
-            req.sink(Failed(error))
+        _emit([(req, Failed(error)) for req in failed])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from qtts.errors import ResourceExhausted, Unavailable
@@ -40,7 +40,12 @@ class StreamCredit:
 
 @dataclass
 class ScheduledRequest:
-    """A request on its way through the generator; `sink` receives its engine events."""
+    """A request on its way through the generator; `sink` receives its engine events.
+
+    With `loop` set, `sink` runs on that event loop (the engine batches one step's events into one
+    `call_soon_threadsafe`); without it, `sink` is called on the engine thread and must be
+    thread-safe.
+    """
 
     request_id: str
     prompt: Any
@@ -51,7 +56,7 @@ class ScheduledRequest:
     submitted_at: float = 0.0
     stalled: bool = False
     stepped: bool = False
-    extra: dict = field(default_factory=dict)
+    loop: Any = None
 
 
 class Scheduler:

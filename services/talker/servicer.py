@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
@@ -61,6 +62,41 @@ def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
     )
 
 
+def audio_message(
+    request_id: str, seq: int, piece: AudioPiece, sample_rate_hz: int
+) -> talker_pb2.GenerateResponse:
+    return talker_pb2.GenerateResponse(
+        request_id=request_id,
+        sequence_number=seq,
+        audio=tts_pb2.AudioChunk(
+            audio=piece.pcm_s16le,
+            num_samples=piece.num_samples,
+            sample_rate_hz=sample_rate_hz,
+            first_frame_index=piece.first_frame_index,
+            num_frames=piece.num_frames,
+        ),
+    )
+
+
+def summary_message(request_id: str, seq: int, summary: GenerationSummary) -> talker_pb2.GenerateResponse:
+    return talker_pb2.GenerateResponse(
+        request_id=request_id,
+        sequence_number=seq,
+        summary=talker_pb2.GenerateSummary(
+            finish_reason=_FINISH.get(summary.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
+            num_frames=summary.num_frames,
+            num_samples=summary.num_samples,
+            timings=tts_pb2.Timings(
+                queue_ns=summary.queue_ns,
+                prefill_ns=summary.prefill_ns,
+                first_audio_ns=summary.first_audio_ns,
+                total_ns=summary.total_ns,
+            ),
+            code2wav_replica=summary.replica,
+        ),
+    )
+
+
 class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     """Generate streams a request's audio then its summary; GetModelInfo describes the model."""
 
@@ -80,41 +116,14 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         req = request_from_proto(request)
         if not req.request_id:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
-        seq = 0
-        rid = req.request_id
-        async for item in self._ready_core().generate(req):
-            if isinstance(item, AudioPiece):
-                msg = talker_pb2.GenerateResponse(
-                    request_id=rid,
-                    sequence_number=seq,
-                    audio=tts_pb2.AudioChunk(
-                        audio=item.pcm_s16le,
-                        num_samples=item.num_samples,
-                        sample_rate_hz=self._sample_rate_hz,
-                        first_frame_index=item.first_frame_index,
-                        num_frames=item.num_frames,
-                    ),
-                )
-            else:
-                assert isinstance(item, GenerationSummary)
-                msg = talker_pb2.GenerateResponse(
-                    request_id=rid,
-                    sequence_number=seq,
-                    summary=talker_pb2.GenerateSummary(
-                        finish_reason=_FINISH.get(item.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
-                        num_frames=item.num_frames,
-                        num_samples=item.num_samples,
-                        timings=tts_pb2.Timings(
-                            queue_ns=item.queue_ns,
-                            prefill_ns=item.prefill_ns,
-                            first_audio_ns=item.first_audio_ns,
-                            total_ns=item.total_ns,
-                        ),
-                        code2wav_replica=item.replica,
-                    ),
-                )
-            seq += 1
-            yield msg
+        async with contextlib.aclosing(self._ready_core().generate(req)) as items:
+            seq = 0
+            async for item in items:
+                if isinstance(item, AudioPiece):
+                    yield audio_message(req.request_id, seq, item, self._sample_rate_hz)
+                else:
+                    yield summary_message(req.request_id, seq, item)
+                seq += 1
 
     async def GetModelInfo(  # noqa: N802 - gRPC method name
         self, request: talker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

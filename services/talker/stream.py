@@ -65,7 +65,8 @@ class StreamSession:
             sampling=sampling,
             max_new_frames=max_new_frames,
             credit=StreamCredit(window=window),
-            sink=lambda ev: loop.call_soon_threadsafe(self._events.put_nowait, ev),
+            sink=self._events.put_nowait,
+            loop=loop,
         )
         self._buffer: list[np.ndarray] = []
         self._sent = 0

@@ -33,7 +33,11 @@ def test_http_client_disconnect_frees_talker_and_decoder(stack):
         assert r.status_code == 200
         first = next(r.iter_raw())
         assert first
-        assert poll(lambda: _live(stack) == (1, 1)), _live(stack)
+        ok = poll(lambda: _live(stack) == (1, 1))
+        if not ok:
+            rest = b"".join(r.iter_raw())
+            print("DEBUG", len(first), len(rest), r.headers)
+        assert ok
     assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
     assert httpx.get(f"{stack.http_url}/health", timeout=10).status_code == 200
 

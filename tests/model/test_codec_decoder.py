@@ -99,3 +99,20 @@ def test_shipped_full_size_config():
     assert dec.samples_per_frame == cfg.decode_upsample_rate == 1920
     assert cfg.encoder_valid_num_quantizers == 16 and cfg.encoder["num_quantizers"] == 32
     assert json.loads((root / "preprocessor_config.json").read_text())["sampling_rate"] == 24000
+
+
+@pytest.mark.reference
+def test_incremental_icl_output_matches_official_cut(snapshot, official_tokenizer):
+    """The official voice-clone path decodes reference + generated frames and cuts
+    int(ref_len / total_len * len(wav)) samples; our incremental stream must return the rest."""
+    from qtts.model.incremental import IncrementalDecoder
+
+    decoder = load_codec_decoder(snapshot)
+    ref, new = _codes(12, seed=5)[0], _codes(9, seed=6)[0]
+    (wav,), _ = official_tokenizer.decode([{"audio_codes": torch.cat([ref, new])}])
+    cut = int(12 / 21 * wav.shape[0])
+    inc = IncrementalDecoder(decoder)
+    state = inc.start(ref)
+    ours = torch.cat([inc.decode(state, new[i : i + 2]) for i in range(0, 9, 2)])
+    assert ours.shape == (wav.shape[0] - cut,)
+    np.testing.assert_allclose(ours.numpy(), wav[cut:], atol=1e-4, rtol=0)

@@ -379,3 +379,55 @@ async def _eventually_empty_real(server):
     from tests.services.conftest import wait_until
 
     await wait_until(lambda: len(server.engine.registry) == 0, what="states freed")
+
+
+async def test_decode_error_fails_the_stream_and_frees_it(bidi_client):
+    from tests.services.conftest import FakeIncrementalDecoder
+
+    class Failing(FakeIncrementalDecoder):
+        def decode(self, state, codes):
+            if int(codes[0, 0]) == 7:
+                raise RuntimeError("bad kernel")
+            return super().decode(state, codes)
+
+    decoder = Failing()
+    async with code2wav(decoder) as (server, stub):
+        client = bidi_client(stub.Decode)
+        client.send(_start())
+        client.send(_frames(0, np.full((2, 16), 7, np.int16)))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await client.read() is not None:
+                pass
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "bad kernel" in err.value.details()
+        await _eventually_empty(server, decoder)
+        chunks, done, _ = await run_stream(bidi_client, stub, _codes(5) % 7)  # the replica still serves
+        assert done.num_frames == 5
+
+
+async def test_drain_lets_an_in_flight_stream_finish(fake_decoder, bidi_client):
+    import asyncio
+
+    config = Code2WavConfig(port=0, metrics_port=0, drain_seconds=10).validate()
+    server = Code2WavServer(config, decoder=fake_decoder)
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = code2wav_pb2_grpc.Code2WavServiceStub(channel)
+    try:
+        client = bidi_client(stub.Decode)
+        client.send(_start())
+        from tests.services.conftest import wait_until
+
+        await wait_until(lambda: any(s.started for s in server.engine.registry), what="stream started")
+        stopping = asyncio.create_task(server.stop())  # what SIGTERM does
+        await asyncio.sleep(0.1)
+        chunks, done, _ = await run_stream(bidi_client, stub, _codes(7), client=client)
+        assert done.num_frames == 7 and sum(c.num_frames for c in chunks) == 7
+        await stopping
+        assert fake_decoder.live == 0
+        late = bidi_client(stub.Decode)
+        late.send(_start())
+        with pytest.raises(grpc.aio.AioRpcError):
+            await late.read(timeout=5)
+    finally:
+        await channel.close()
+        await server.stop(0.5)

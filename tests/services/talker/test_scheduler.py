@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from qtts.errors import ResourceExhausted, Unavailable
 from qtts.metrics import TalkerMetrics
-from services.talker.engine import Admitted, Finished, Frame, GenerationEngine
+from services.talker.engine import Admitted, Failed, Finished, Frame, GenerationEngine
 from services.talker.scheduler import ScheduledRequest, Scheduler, StreamCredit
 from tests.services.talker.fakes import FakeGenerator, FakePrompt
 
@@ -160,3 +160,23 @@ def test_engine_skips_streams_on_a_generator_without_a_skip_parameter():
         engine.cancel("held")
         engine.stop()
     assert gen.num_active == 0
+
+
+class BrokenGenerator(FakeGenerator):
+    def step(self, skip=()):
+        raise RuntimeError("device lost")
+
+
+def test_a_failing_step_fails_the_streams_in_it_and_frees_them():
+    gen = BrokenGenerator()
+    metrics = TalkerMetrics(CollectorRegistry())
+    engine = GenerationEngine(gen, Scheduler(max_batch=4, max_waiting=0), metrics, idle_wait_s=0.05)
+    events: queue.Queue = queue.Queue()
+    engine.start()
+    try:
+        engine.submit(make_req("a", sink=lambda ev: events.put(("a", ev))))
+        (failed,) = collect(events, "a", Failed, 1)
+        assert "device lost" in failed.error.message
+        assert engine.counts() == (0, 0) and gen.num_active == 0
+    finally:
+        engine.stop()

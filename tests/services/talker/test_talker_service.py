@@ -214,3 +214,21 @@ async def test_drain_finishes_in_flight_streams_and_refuses_new_ones():
         with pytest.raises(grpc.aio.AioRpcError):
             await generate_all(s.stub, text="frames=2", **CLONE)
         await stopping
+
+
+class RejectingCode2Wav(FakeCode2Wav):
+    """A replica at its state bound: every stream is refused."""
+
+    async def Decode(self, request_iterator, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decoder state bound reached")
+        yield  # pragma: no cover - makes this an async generator like the real handler
+
+
+async def test_a_replica_refusing_the_stream_ends_it_with_its_status_and_frees_the_slot():
+    async with fake_stack([RejectingCode2Wav("full")]) as s:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate_all(s.stub, text="frames=100000 slow", **CLONE)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "state bound" in err.value.details()
+        await eventually(lambda: s.generator.num_active == 0 and s.talker.engine.counts() == (0, 0))
+        assert s.talker.replicas.healthy == {s.replicas[0].address}  # a refusal is not a dead replica

@@ -1,0 +1,285 @@
+"""GPU benchmark of the talker engine's frame step (`qtts.engine`) on full-size dummy models.
+
+Builds the full-size talker + code predictor from `configs/<model>` with seeded random bf16
+weights (`--load-format dummy`: the same compute as real weights), fills every KV slot with a
+stream at position `--position` (a 300-token prompt by default), and measures per batch bucket:
+
+- graph: median time of the captured frame step (talker decode + 15-step predictor + sampling of
+  16 codebooks + next-input sum), CUDA events around `graph.replay()`;
+- step: wall time of `ModelRunner.decode` (mask upload, replay, codes download, sync);
+- eager: the same frame step without graphs (a few buckets only; launch bound);
+- prefill of one `--prompt-len`-token prompt (and a batch of 8) into a slot;
+- the floor: max(weights + KV bytes / 4.25 TB/s, FLOPs / 690 TFLOP/s) at the real context.
+
+    python -m benchmarks.talker_step --out run/talker_step.json
+    python -m benchmarks.talker_step --quick --models qwen3-tts-12hz-1.7b-base
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qtts.engine.model_runner import (
+    I_GREEDY,
+    I_MINF,
+    I_PGREEDY,
+    I_POS,
+    I_PTOPK,
+    I_SEED,
+    I_TOPK,
+    ModelRunner,
+    RunnerConfig,
+)
+from qtts.engine.scheduler import PrefillChunk
+from qtts.engine.sequence import Sequence
+from qtts.model import load_talker_bundle
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HBM_BYTES_PER_S = 4.25e12
+BF16_FLOPS_PER_S = 690e12
+# Plain-PyTorch one-graph whole-frame baseline on an H200 (1.7B), and the targets, in ms.
+BASELINE_1P7B = {1: 8.2, 64: 10.4, 256: 17.4, 512: 27.7, 1024: 48.2}
+TARGET_1P7B = {1: 5.0, 256: 14.0, 512: 22.0, 1024: 40.0}
+
+
+def _git_rev() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def _event_median(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _wall_median(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _linear_params(module: torch.nn.Module, skip: tuple[str, ...]) -> int:
+    """Parameters read by a decode step: every weight except the embedding tables."""
+    return sum(p.numel() for n, p in module.named_parameters() if not any(s in n for s in skip))
+
+
+def floor_ms(runner: ModelRunner, batch: int, context: int) -> dict[str, float]:
+    """Bandwidth and compute floors of one frame step at `context` cached positions per row."""
+    t, p = runner.tdec, runner.pdec
+    elem = 2
+    talker_params = _linear_params(runner.talker, ("embedding", "text_projection"))
+    pred_params = _linear_params(runner.predictor, ("embedding",))
+    head_params = sum(h.weight.numel() for h in runner.predictor.lm_head)
+    pred_body = pred_params - head_params
+    weight_bytes = (talker_params + pred_params) * elem
+    kv_bytes = batch * context * runner.bytes_per_position()
+    pred_kv = batch * 2 * p.num_layers * p.num_kv_heads * p.head_dim * elem * 16 * 8  # small, ~16 positions
+    bytes_total = weight_bytes + kv_bytes + pred_kv
+    # Matmul FLOPs: talker one token; predictor 16 tokens through its layers, one head per step.
+    flops = 2 * batch * talker_params + 2 * batch * (16 * pred_body + head_params)
+    flops += 4 * batch * t.num_layers * t.num_heads * t.head_dim * context
+    flops += 4 * batch * p.num_layers * p.num_heads * p.head_dim * 16 * 8
+    bw = bytes_total / HBM_BYTES_PER_S * 1e3
+    fl = flops / BF16_FLOPS_PER_S * 1e3
+    return {"bandwidth_ms": bw, "compute_ms": fl, "floor_ms": max(bw, fl), "weight_bytes": weight_bytes,
+            "kv_bytes": kv_bytes}
+
+
+def fill_slots(runner: ModelRunner, position: int) -> None:
+    """Every slot holds a sampled stream at `position` (default sampling settings)."""
+    s = runner.state_i
+    s[:, I_POS] = position
+    s[:, I_SEED] = torch.arange(runner.num_slots, device=s.device)
+    s[:, I_TOPK] = 50
+    s[:, I_PTOPK] = 50
+    s[:, I_GREEDY] = 0
+    s[:, I_MINF] = 2
+    runner.state_f[:, 0] = 0.9  # temperature
+    runner.state_f[:, 1] = 1.0  # top_p
+    runner.state_f[:, 2] = 1.05  # repetition penalty
+    runner.state_f[:, 3] = 0.9
+    runner.state_f[:, 4] = 1.0
+    runner.next_embed.normal_(0, 0.02)
+    runner.trailing.normal_(0, 0.02)
+    runner.k_cache.normal_(0, 1.0)
+    runner.v_cache.normal_(0, 1.0)
+
+
+def bench_model(name: str, args: argparse.Namespace, attention: str) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    bundle = load_talker_bundle(name, device="cuda", dtype=torch.bfloat16, load_format="dummy")
+    load_s = time.perf_counter() - t0
+    batches = [b for b in args.batches if b <= args.max_batch]
+    ctx_bucket = args.context_bucket
+    cfg = RunnerConfig(
+        max_len=ctx_bucket, max_batch=max(batches), num_slots=max(batches), max_trailing=64,
+        batch_buckets=tuple(batches), context_buckets=(ctx_bucket,), talker_attention=attention,
+        max_candidates=args.max_candidates,
+    )
+    runner = ModelRunner(bundle, cfg)
+    fill_slots(runner, args.position)
+    t0 = time.perf_counter()
+    runner.capture_graphs()
+    capture_s = time.perf_counter() - t0
+    rows = []
+    for b in batches:
+        n, ctx = runner.bucket(b, args.position + 1)
+        runner.active[:n] = False
+        runner.active[:b] = True
+        graph = runner.graphs[(n, ctx)]
+        # Positions advance with every replay; keep them in range by resetting between runs.
+        runner.state_i[:, I_POS] = args.position
+        g_ms = _event_median(graph.replay, args.iters)
+        runner.state_i[:, I_POS] = args.position
+        step_ms = _wall_median(lambda b=b: runner.decode(b, range(b), args.position + 1), args.iters)
+        eager_ms = None
+        if b in args.eager_batches:
+            runner.state_i[:, I_POS] = args.position
+            eager_ms = _event_median(lambda n=n, ctx=ctx: runner._frame_step(n, ctx), max(3, args.iters // 10), 1)
+        runner.state_i[:, I_POS] = args.position
+        same = graph_matches_eager(runner, n, ctx)
+        row = {"batch": b, "bucket": n, "context_bucket": ctx, "graph_ms": g_ms, "step_wall_ms": step_ms,
+               "eager_ms": eager_ms, "graph_eq_eager": same, **floor_ms(runner, b, args.position)}
+        if "1.7b" in name:
+            row["baseline_ms"] = BASELINE_1P7B.get(b)
+            row["target_ms"] = TARGET_1P7B.get(b)
+        rows.append(row)
+        print(f"{name} [{attention}] B={b:5d}: graph {g_ms:7.2f} ms  step {step_ms:7.2f} ms  "
+              f"eager {eager_ms if eager_ms is None else round(eager_ms, 2)}  floor {row['floor_ms']:6.2f} ms  "
+              f"graph==eager {same:.4f}",
+              flush=True)
+    prefill = bench_prefill(runner, bundle, args)
+    out = {"model": name, "talker_attention": attention, "load_s": load_s, "capture_s": capture_s,
+           "num_graphs": len(runner.graphs), "position": args.position, "rows": rows, "prefill": prefill}
+    runner = bundle = None  # free the KV cache and weights before the next model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def graph_matches_eager(runner: ModelRunner, n: int, ctx: int) -> float:
+    """Fraction of codes equal between one eager frame step and one graph replay from the same
+    state (greedy rows), a check that the captured graph computes the eager step."""
+    runner.state_i[:, I_GREEDY] = 1
+    runner.state_i[:, I_PGREEDY] = 1
+    saved = [t.clone() for t in (runner.state_i, runner.state_f, runner.next_embed, runner.seen)]
+    runner._frame_step(n, ctx)
+    eager = runner.codes_out[:n].clone()
+    for t, s in zip((runner.state_i, runner.state_f, runner.next_embed, runner.seen), saved, strict=True):
+        t.copy_(s)
+    runner.graphs[(n, ctx)].replay()
+    torch.cuda.synchronize()
+    same = (runner.codes_out[:n] == eager).float().mean().item()
+    for t, s in zip((runner.state_i, runner.state_f, runner.next_embed, runner.seen), saved, strict=True):
+        t.copy_(s)
+    runner.state_i[:, I_GREEDY] = 0
+    runner.state_i[:, I_PGREEDY] = 0
+    return same
+
+
+def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict[str, float]:
+    h = runner.hidden
+    res = {}
+    for count in (1, 8):
+        seqs = []
+        for i in range(count):
+            prompt = type("P", (), {})()
+            prompt.embeds = torch.randn(args.prompt_len, h, device="cuda", dtype=runner.dtype) * 0.02
+            seq = Sequence(f"p{i}", prompt, None, seed=i, max_frames=1, cap_reason="length")
+            seq.slot = i
+            seqs.append(seq)
+        chunks = [PrefillChunk(s, 0, s.num_prefill_positions) for s in seqs]
+        res[f"prefill_{count}x{args.prompt_len}_ms"] = _wall_median(lambda c=chunks: runner.prefill(c), 10)
+    return res
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print()
+    print("| model | attention | batch | graph ms | step wall ms | eager ms | floor ms | baseline ms | target ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for row in r["rows"]:
+            eager = "" if row["eager_ms"] is None else f"{row['eager_ms']:.2f}"
+            base = row.get("baseline_ms") or ""
+            tgt = row.get("target_ms") or ""
+            print(f"| {r['model']} | {r['talker_attention']} | {row['batch']} | {row['graph_ms']:.2f} | "
+                  f"{row['step_wall_ms']:.2f} | {eager} | {row['floor_ms']:.2f} | {base} | {tgt} |")
+        print(f"| {r['model']} | prefill | " + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items()) + " |||||||")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-tts-12hz-1.7b-base,qwen3-tts-12hz-0.6b-base")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512,1024")
+    ap.add_argument("--eager-batches", default="1,64,256")
+    ap.add_argument("--max-batch", type=int, default=1024)
+    ap.add_argument("--position", type=int, default=300, help="cached positions per stream")
+    ap.add_argument("--context-bucket", type=int, default=512, help="attention span of the captured graphs")
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--talker-attention", default="sdpa_grouped,matmul", help="comma-separated variants")
+    ap.add_argument("--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)")
+    ap.add_argument("--quick", action="store_true", help="batches 1,64,256,1024; one attention variant")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("talker_step needs a CUDA GPU")
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.eager_batches = {int(x) for x in args.eager_batches.split(",") if x}
+    variants = args.talker_attention.split(",")
+    if args.quick:
+        args.batches = [1, 64, 256, 1024]
+        args.iters = min(args.iters, 20)
+        variants = variants[:1]
+    if args.position + 1 > args.context_bucket:
+        raise SystemExit("--position must be below --context-bucket")
+    results = []
+    for model in args.models.split(","):
+        for attention in variants:
+            results.append(bench_model(model, args, attention))
+    print_table(results)
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "git": _git_rev(),
+        "host": platform.node(),
+        "weights": "dummy (seeded random, bf16)",
+        "frames": "steady-state frame step, every stream at the same position",
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
