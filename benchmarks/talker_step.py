@@ -134,7 +134,11 @@ def fill_slots(runner: ModelRunner, position: int) -> None:
     runner.v_cache.normal_(0, 1.0)
 
 
-def bench_model(name: str, args: argparse.Namespace, attention: str) -> dict[str, Any]:
+def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    """`variant` is ATTENTION/MODE: mode plain (module calls), fast (fused weights and norms) or
+    compile (fast + torch.compile of the per-layer elementwise work and the sampler)."""
+    attention, _, mode = variant.partition("/")
+    mode = mode or "fast"
     t0 = time.perf_counter()
     bundle = load_talker_bundle(name, device="cuda", dtype=torch.bfloat16, load_format="dummy")
     load_s = time.perf_counter() - t0
@@ -143,7 +147,7 @@ def bench_model(name: str, args: argparse.Namespace, attention: str) -> dict[str
     cfg = RunnerConfig(
         max_len=ctx_bucket, max_batch=max(batches), num_slots=max(batches), max_trailing=64,
         batch_buckets=tuple(batches), context_buckets=(ctx_bucket,), talker_attention=attention,
-        max_candidates=args.max_candidates,
+        max_candidates=args.max_candidates, fast_path=mode != "plain", compile_layers=mode == "compile",
     )
     runner = ModelRunner(bundle, cfg)
     fill_slots(runner, args.position)
@@ -173,12 +177,12 @@ def bench_model(name: str, args: argparse.Namespace, attention: str) -> dict[str
             row["baseline_ms"] = BASELINE_1P7B.get(b)
             row["target_ms"] = TARGET_1P7B.get(b)
         rows.append(row)
-        print(f"{name} [{attention}] B={b:5d}: graph {g_ms:7.2f} ms  step {step_ms:7.2f} ms  "
+        print(f"{name} [{variant}] B={b:5d}: graph {g_ms:7.2f} ms  step {step_ms:7.2f} ms  "
               f"eager {eager_ms if eager_ms is None else round(eager_ms, 2)}  floor {row['floor_ms']:6.2f} ms  "
               f"graph==eager {same:.4f}",
               flush=True)
     prefill = bench_prefill(runner, bundle, args)
-    out = {"model": name, "talker_attention": attention, "load_s": load_s, "capture_s": capture_s,
+    out = {"model": name, "talker_attention": variant, "load_s": load_s, "capture_s": capture_s,
            "num_graphs": len(runner.graphs), "position": args.position, "rows": rows, "prefill": prefill}
     runner = bundle = None  # free the KV cache and weights before the next model
     gc.collect()
@@ -224,7 +228,7 @@ def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print()
-    print("| model | attention | batch | graph ms | step wall ms | eager ms | floor ms | baseline ms | target ms |")
+    print("| model | variant | batch | graph ms | step wall ms | eager ms | floor ms | baseline ms | target ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for row in r["rows"]:
@@ -246,26 +250,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context-bucket", type=int, default=512, help="attention span of the captured graphs")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--talker-attention", default="sdpa_grouped,matmul", help="comma-separated variants")
+    ap.add_argument("--variants", default="sdpa_grouped/fast,matmul/fast,sdpa_grouped/compile",
+                    help="comma-separated ATTENTION/MODE (attention: sdpa, sdpa_grouped, matmul; "
+                    "mode: plain, fast, compile)")
     ap.add_argument("--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)")
-    ap.add_argument("--quick", action="store_true", help="batches 1,64,256,1024; one attention variant")
+    ap.add_argument("--quick", action="store_true", help="batches 1,64,256,1024 and fewer iterations")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("talker_step needs a CUDA GPU")
     args.batches = [int(x) for x in args.batches.split(",")]
     args.eager_batches = {int(x) for x in args.eager_batches.split(",") if x}
-    variants = args.talker_attention.split(",")
+    variants = args.variants.split(",")
     if args.quick:
         args.batches = [1, 64, 256, 1024]
         args.iters = min(args.iters, 20)
-        variants = variants[:1]
     if args.position + 1 > args.context_bucket:
         raise SystemExit("--position must be below --context-bucket")
     results = []
     for model in args.models.split(","):
-        for attention in variants:
-            results.append(bench_model(model, args, attention))
+        for variant in variants:
+            results.append(bench_model(model, args, variant))
     print_table(results)
     meta = {
         "gpu": torch.cuda.get_device_name(),

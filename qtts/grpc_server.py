@@ -115,12 +115,16 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):
 
             async def gen_wrapper(request: Any, context: grpc.aio.ServicerContext):
+                responses = behavior(request, context)
                 try:
-                    async for response in behavior(request, context):
+                    async for response in responses:
                         yield response
                 except BaseException as exc:  # noqa: BLE001 - re-raised or mapped below
                     await self._handle(exc, context, method)
                     raise
+                finally:
+                    # Closed now, not whenever it is collected: its cleanup frees per-stream state.
+                    await responses.aclose()
 
             return gen_wrapper
         # A handler that writes with context.write() and returns None.

@@ -109,7 +109,7 @@ class GraphEngine:
         `skip` (streams without downstream credit keep their state and wait)."""
         sched, runner = self.scheduler, self.runner
         cache = runner.prefix_cache
-        plan = sched.schedule(cache.lookup if cache is not None else None)
+        plan = sched.schedule((lambda s: cache.lookup(s.prefix_key)) if cache is not None else None)
         runner.apply_moves(plan.moves)
         if plan.prefix_hits:
             runner.load_prefixes(plan.prefix_hits)

@@ -65,6 +65,10 @@ class RunnerConfig:
     # "matmul" (matmul-softmax-matmul), or "auto": "sdpa_grouped" on CUDA, "sdpa" elsewhere.
     talker_attention: str = "auto"
     predictor_attention: str = "matmul"  # the <= 16-position attention; SDPA was slow at large B
+    # Decode with concatenated q|k|v and gate|up weights and fused RMSNorm (fewer kernels per layer;
+    # rounding differs slightly from the model core). None: on CUDA only.
+    fast_path: bool | None = None
+    compile_layers: bool = False  # torch.compile the per-layer elementwise work (fast path only)
     prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
 
     def __post_init__(self) -> None:
@@ -119,6 +123,57 @@ def _qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+@dataclass(frozen=True)
+class _LayerWeights:
+    """One decoder layer's weights in the fast-path layout (q|k|v and gate|up concatenated)."""
+
+    ln1: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    ln2: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def _fuse_layer(layer) -> _LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    return _LayerWeights(
+        ln1=layer.input_layernorm.weight,
+        w_qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous(),
+        b_qkv=None if biases[0] is None else torch.cat(biases).contiguous(),
+        q_norm=attn.q_norm.weight,
+        k_norm=attn.k_norm.weight,
+        w_o=attn.o_proj.weight,
+        b_o=attn.o_proj.bias,
+        ln2=layer.post_attention_layernorm.weight,
+        w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
+        w_down=mlp.down_proj.weight,
+    )
+
+
+def _fast_qkv(x, ln1, w_qkv, b_qkv, q_norm, k_norm, cos, sin, eps: float, heads: int, kv_heads: int):
+    """RMSNorm -> one q|k|v matmul -> per-head RMSNorm -> RoPE. x [B, T, H] -> q, k, v [B, h, T, D]."""
+    b, t, _ = x.shape
+    d = q_norm.shape[0]
+    h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
+    q, k, v = F.linear(h, w_qkv, b_qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = F.rms_norm(q.view(b, t, heads, d), (d,), q_norm, eps).transpose(1, 2)
+    k = F.rms_norm(k.view(b, t, kv_heads, d), (d,), k_norm, eps).transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(b, t, kv_heads, d).transpose(1, 2)
+
+
+def _fast_out_mlp(x, attn, w_o, b_o, ln2, w_gate_up, w_down, eps: float):
+    """Output projection + residual, RMSNorm, one gate|up matmul, SwiGLU, down + residual."""
+    x = x + F.linear(attn, w_o, b_o)
+    gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), ln2, eps), w_gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w_down)
+
+
 class ModelRunner:
     """Owns the KV cache, the per-slot state, the frame step and its CUDA graphs."""
 
@@ -147,6 +202,17 @@ class ModelRunner:
         if self.talker_attention == "auto":
             self.talker_attention = "sdpa_grouped" if self.device.type == "cuda" else "sdpa"
         self.predictor_attention = "sdpa" if config.predictor_attention == "auto" else config.predictor_attention
+        self.fast_path = self.device.type == "cuda" if config.fast_path is None else config.fast_path
+        self.talker_weights = [_fuse_layer(layer) for layer in self.talker.model.layers] if self.fast_path else []
+        self.predictor_weights = (
+            [_fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
+        )
+        self._qkv_fn, self._out_fn, self._sample = _fast_qkv, _fast_out_mlp, sampler.sample_rows
+        if self.fast_path and config.compile_layers:
+            # Batch, positions and sequence length vary across buckets and predictor steps.
+            self._qkv_fn = torch.compile(_fast_qkv, dynamic=True)
+            self._out_fn = torch.compile(_fast_out_mlp, dynamic=True)
+            self._sample = torch.compile(sampler.sample_rows, dynamic=True)
 
     # -- sizing and allocation ---------------------------------------------------------------
     def bytes_per_position(self) -> int:
@@ -282,16 +348,35 @@ class ModelRunner:
         mask = (torch.arange(ctx, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
         x = self.next_embed[:n][:, None]  # [n, 1, H]
         for i, layer in enumerate(model.layers):
-            h = layer.input_layernorm(x)
-            q, k, v = _qkv(layer.self_attn, h, cos, sin)
+            q, k, v = self._layer_qkv(i, layer, x, cos, sin, self.talker_weights, self.tdec)
             self.k_cache[i][rows, :, wpos] = k[:, :, 0].to(self.dtype)
             self.v_cache[i][rows, :, wpos] = v[:, :, 0].to(self.dtype)
             keys = self.k_cache[i, :n, :, :ctx]
             values = self.v_cache[i, :n, :, :ctx]
-            out = _attend(q, keys, values, mask, self.talker_attention)
-            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return model.norm(x)[:, 0]
+            out = _attend(q, keys, values, mask, self.talker_attention).transpose(1, 2).reshape(n, 1, -1)
+            x = self._layer_out(i, layer, x, out, self.talker_weights, self.tdec)
+        return self._final_norm(model.norm, x)[:, 0]
+
+    def _layer_qkv(self, i: int, layer, x, cos, sin, weights: list[_LayerWeights], dcfg):
+        if not self.fast_path:
+            return _qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+        w = weights[i]
+        return self._qkv_fn(
+            x, w.ln1, w.w_qkv, w.b_qkv, w.q_norm, w.k_norm, cos, sin, dcfg.rms_norm_eps, dcfg.num_heads,
+            dcfg.num_kv_heads,
+        )
+
+    def _layer_out(self, i: int, layer, x, attn, weights: list[_LayerWeights], dcfg):
+        if not self.fast_path:
+            x = x + layer.self_attn.o_proj(attn)
+            return x + layer.mlp(layer.post_attention_layernorm(x))
+        w = weights[i]
+        return self._out_fn(x, attn, w.w_o, w.b_o, w.ln2, w.w_gate_up, w.w_down, dcfg.rms_norm_eps)
+
+    def _final_norm(self, norm, x):
+        if not self.fast_path:
+            return norm(x)
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
 
     def _predictor_layers(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """Predictor decoder over positions [start, start + T) of its per-frame KV; x [n, T, Hp]."""
@@ -300,16 +385,14 @@ class ModelRunner:
         cos, sin = self.pcos[:, start : start + t], self.psin[:, start : start + t]
         mask = self.start_mask if t == 2 else None
         for i, layer in enumerate(model.layers):
-            h = layer.input_layernorm(x)
-            q, k, v = _qkv(layer.self_attn, h, cos, sin)
+            q, k, v = self._layer_qkv(i, layer, x, cos, sin, self.predictor_weights, self.pdec)
             self.pk_cache[i, :n, :, start : start + t] = k.to(self.dtype)
             self.pv_cache[i, :n, :, start : start + t] = v.to(self.dtype)
             keys = self.pk_cache[i, :n, :, : start + t]
             values = self.pv_cache[i, :n, :, : start + t]
-            out = _attend(q, keys, values, mask, self.predictor_attention)
-            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(n, t, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return model.norm(x)
+            out = _attend(q, keys, values, mask, self.predictor_attention).transpose(1, 2).reshape(n, t, -1)
+            x = self._layer_out(i, layer, x, out, self.predictor_weights, self.pdec)
+        return self._final_norm(model.norm, x)
 
     def _frame_step(self, n: int, ctx: int) -> None:
         """Produce one frame for rows [0, n): reads and writes only persistent buffers."""
@@ -322,7 +405,7 @@ class ModelRunner:
         logits = self.talker.codec_head(hidden).float()
         logits = sampler.apply_repetition_penalty(logits, self.seen[:n], sf[:, F_REP])
         logits = sampler.mask_codebook0(logits, self.suppressed, self.eos_mask, frame, si[:, I_MINF])
-        c0 = sampler.sample_rows(
+        c0 = self._sample(
             logits, sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY].bool(), uniforms[:, 0],
             self.cfg.max_candidates,
         )
@@ -338,7 +421,7 @@ class ModelRunner:
         for j in range(pred.num_steps):
             h = self._predictor_layers(x, start, n)
             start += x.shape[1]
-            code = sampler.sample_rows(
+            code = self._sample(
                 pred.lm_head[j](h[:, -1]).float(), sf[:, F_PTEMP], si[:, I_PTOPK], sf[:, F_PTOPP], pgreedy,
                 uniforms[:, j + 1], self.cfg.max_candidates,
             )

@@ -126,14 +126,13 @@ class StreamContext:
     cache: dict[str, torch.Tensor]
     lengths: torch.Tensor  # LongTensor[B], valid new frames per row
     positions: torch.Tensor  # LongTensor[B], frames decoded before this call per row
-    uniform: bool  # every row has the same valid length (fast slicing path)
+    uniform: bool  # every row is valid over the whole padded length (fast slicing path)
 
 
 def _take_history(full: torch.Tensor, valid: torch.Tensor, h: int, uniform: bool) -> torch.Tensor:
     """The last `h` steps before each row's valid end in `full` = cat(history, new) [B, C, h+L]."""
-    if uniform:
-        v = int(valid[0])
-        return full[:, :, v : v + h].contiguous()
+    if uniform:  # every row is valid to its end: no index tensor (and no host sync) needed
+        return full[:, :, full.shape[2] - h :].contiguous()
     idx = valid.view(-1, 1, 1) + torch.arange(h, device=full.device).view(1, 1, h)
     return torch.gather(full, 2, idx.expand(full.shape[0], full.shape[1], h))
 
@@ -295,8 +294,7 @@ class SlidingAttention(nn.Module):
 def _take_window(full: torch.Tensor, valid: torch.Tensor, w: int, uniform: bool) -> torch.Tensor:
     """Keys/values [B, H, w+L, D] -> the w slots ending at each row's valid end."""
     if uniform:
-        v = int(valid[0])
-        return full[:, :, v : v + w].contiguous()
+        return full[:, :, full.shape[2] - w :].contiguous()
     b, h, _, d = full.shape
     idx = valid.view(-1, 1, 1, 1) + torch.arange(w, device=full.device).view(1, 1, w, 1)
     return torch.gather(full, 2, idx.expand(b, h, w, d))
@@ -515,14 +513,17 @@ class CodecDecoder(nn.Module):
         cache: dict[str, torch.Tensor],
         positions: torch.Tensor,
         lengths: torch.Tensor,
+        uniform: bool | None = None,
     ) -> torch.Tensor:
         """Decode right-padded codes [B, L, Q] continuing from `cache` (updated in place).
 
         `positions[b]` frames were decoded before for row b; `lengths[b]` of the L frames are valid.
-        Returns [B, L*spf]; samples past a row's valid length are garbage and must be dropped."""
+        Returns [B, L*spf]; samples past a row's valid length are garbage and must be dropped.
+        `uniform` (every row valid over all L frames) may be passed to skip a host sync."""
         if codes.shape[-1] != self.cfg.num_quantizers:
             raise ValueError(f"expected {self.cfg.num_quantizers} codebooks, got {codes.shape[-1]}")
-        uniform = bool((lengths == codes.shape[1]).all())
+        if uniform is None:
+            uniform = bool((lengths == codes.shape[1]).all())
         ctx = StreamContext(cache=cache, lengths=lengths, positions=positions, uniform=uniform)
         h = self.quantizer.decode(codes.clamp(min=0)).to(self.dtype)
         h = self.pre_conv(h, ctx)
@@ -546,7 +547,7 @@ class CodecDecoder(nn.Module):
         else:
             pos = torch.zeros(b, dtype=torch.long, device=self.device)
             lens = torch.full((b,), t, dtype=torch.long, device=self.device)
-            out = self.forward_stream(codes, self.empty_cache(b), pos, lens)
+            out = self.forward_stream(codes, self.empty_cache(b), pos, lens, uniform=True)
         return out[0] if squeeze else out
 
 

@@ -154,7 +154,7 @@ class IncrementalDecoder:
         cache = {k: v.index_select(0, slots) for k, v in self._pool.items()}
         positions = torch.tensor([s.frames for s in states], dtype=torch.long, device=dev)
         lens = torch.tensor(lengths, dtype=torch.long, device=dev)
-        wav = self.decoder.forward_stream(batch, cache, positions, lens)
+        wav = self.decoder.forward_stream(batch, cache, positions, lens, uniform=min(lengths) == longest)
         for k, v in self._pool.items():
             v.index_copy_(0, slots, cache[k].to(v.dtype))
         spf = self.samples_per_frame

@@ -6,6 +6,7 @@ for listing. Voices persist as long as Redis does; prompts are a cache and may c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -105,6 +106,16 @@ class RedisStore:
         # HSETNX on the name field claims the voice atomically, even with several replicas.
         if not overwrite and not await self._redis.hsetnx(rkey, "name", voice.name):
             raise AlreadyExists(f"voice {voice.name!r} already exists")
+        try:
+            await self._write_voice(rkey, voice, overwrite)
+        except BaseException:
+            if not overwrite:  # release the claim, or the name would stay taken by a half-written voice
+                with contextlib.suppress(RedisError):
+                    await self._redis.delete(rkey)
+            raise
+        return voice
+
+    async def _write_voice(self, rkey: str, voice: VoiceRecord, overwrite: bool) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
             if overwrite:
                 pipe.delete(rkey)
@@ -121,7 +132,6 @@ class RedisStore:
             )
             pipe.sadd(self._voices_set, voice.name)
             await pipe.execute()
-        return voice
 
     @_unavailable_on_redis_errors
     async def get_voice(self, name: str) -> VoiceRecord:

@@ -146,3 +146,25 @@ def test_prompt_rejects_bad_requests(bundle_factory):
     icl_no_text = VoicePrompt(torch.zeros(base.talker.hidden_size), torch.zeros(2, 16, dtype=torch.long), None, False)
     with pytest.raises(InvalidArgument, match="transcript"):
         base.build_prompt(SynthesisSpec(text="hi", task="voice_clone", voice_prompt=icl_no_text))
+
+
+def test_compute_voice_prompt_equals_official(official_factory, bundle_factory):
+    """The bundle's x-vector and ICL reference codes equal `create_voice_clone_prompt`'s."""
+    import numpy as np
+
+    official = official_factory("base")
+    bundle = bundle_factory("base")
+    assert bundle.speaker_encoder is not None and bundle.codec_encoder is not None
+    rng = np.random.default_rng(0)
+    wav = (0.1 * rng.standard_normal(24000 * 2 + 700)).astype(np.float32)
+    item = official.create_voice_clone_prompt(ref_audio=(wav, 24000), ref_text="Hello world.")[0]
+    voice = bundle.compute_voice_prompt(wav, "Hello world.", x_vector_only=False)
+    torch.testing.assert_close(voice.x_vector, item.ref_spk_embedding.float(), atol=1e-4, rtol=1e-4)
+    assert torch.equal(voice.ref_codes, item.ref_code.long().cpu())
+    assert voice.ref_codes.shape == (26, 16) and voice.ref_text == "Hello world." and not voice.x_vector_only
+    xonly = bundle.compute_voice_prompt(wav, None, x_vector_only=True)
+    assert xonly.ref_codes is None and xonly.x_vector_only and torch.equal(xonly.x_vector, voice.x_vector)
+    with pytest.raises(InvalidArgument, match="reference text"):
+        bundle.compute_voice_prompt(wav, None, x_vector_only=False)
+    with pytest.raises(InvalidArgument, match="not a voice-clone"):
+        bundle_factory("custom_voice").compute_voice_prompt(wav, None, x_vector_only=True)

@@ -66,7 +66,7 @@ def test_bundle_info(tiny_snapshot_factory):
     assert info.speakers["vivian"] == 3065 and info.speakers["dylan"] == 2878
     assert "beijing_dialect" not in info.languages and info.languages["english"] == 2050
     assert (info.num_codebooks, info.codebook_size, info.sample_rate, info.samples_per_frame) == (16, 2048, 24000, 1920)
-    assert bundle.speaker_encoder is None and bundle.codec_encoder is None
+    assert bundle.speaker_encoder is None and bundle.codec_encoder is None  # Base only
     d = bundle.generation_defaults
     assert (d.temperature, d.top_k, d.top_p, d.repetition_penalty, d.greedy) == (0.9, 50, 1.0, 1.05, False)
 
@@ -132,3 +132,24 @@ def test_dummy_load_of_a_tiny_config_is_seeded(tiny_snapshot_factory):
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     assert torch.isfinite(a.talker.model.layers[0].self_attn.q_proj.weight).all()
     assert a.snapshot.load_format == "dummy"
+
+
+def test_shipped_config_name_resolves_for_dummy_only():
+    snap = open_snapshot("qwen3-tts-12hz-1.7b-base", load_format="dummy", expect_model_type="base")
+    assert snap.folder == CONFIGS_DIR / "qwen3-tts-12hz-1.7b-base"
+    assert snap.name == "qwen3-tts-12hz-1.7b-base" and snap.load_format == "dummy"
+    assert snap.speech_tokenizer_dir == CONFIGS_DIR / "speech_tokenizer"
+    assert not snap.has_tokenizer  # dummy loads fall back to the tiny tokenizer
+    with pytest.raises(SnapshotError, match="no such folder"):
+        open_snapshot("qwen3-tts-12hz-1.7b-base")
+
+
+def test_hub_download_failure_is_a_snapshot_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(**kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(SnapshotError, match="Qwen/Qwen3-TTS-12Hz-1.7B-Base: no such local folder and the hub download failed"):
+        load_talker_bundle("Qwen/Qwen3-TTS-12Hz-1.7B-Base")

@@ -128,7 +128,7 @@ def test_batched_generator_equals_official(official_factory, bundle_factory, mod
     join_at = {0: ["r0"], 2: ["r1", "r2"]}
     step = 0
     while step == 0 or gen.num_active:
-        for i, rid in enumerate(join_at.get(step, [])):
+        for rid in join_at.get(step, []):
             idx = int(rid[1])
             gen.add(rid, bundle.build_prompt(cases[idx][1]), forced, max_new_frames=lengths[rid])
         for o in gen.step():
