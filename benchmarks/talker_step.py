@@ -23,6 +23,8 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -240,6 +242,15 @@ def print_table(results: list[dict[str, Any]]) -> None:
         print(f"| {r['model']} | prefill | " + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items()) + " |||||||")
 
 
+def _passthrough(args: argparse.Namespace) -> list[str]:
+    out = ["--batches", ",".join(map(str, args.batches)), "--eager-batches", ",".join(map(str, sorted(args.eager_batches))),
+           "--max-batch", str(args.max_batch), "--position", str(args.position), "--context-bucket",
+           str(args.context_bucket), "--prompt-len", str(args.prompt_len), "--iters", str(args.iters)]
+    if args.max_candidates:
+        out += ["--max-candidates", str(args.max_candidates)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-tts-12hz-1.7b-base,qwen3-tts-12hz-0.6b-base")
@@ -260,17 +271,28 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("talker_step needs a CUDA GPU")
     args.batches = [int(x) for x in args.batches.split(",")]
-    args.eager_batches = {int(x) for x in args.eager_batches.split(",") if x}
+    args.eager_batches = {int(x) for x in args.eager_batches.split(",") if x and x != "none"}
     variants = args.variants.split(",")
-    if args.quick:
+    if args.quick and len(args.batches) == 11:
         args.batches = [1, 64, 256, 1024]
         args.iters = min(args.iters, 20)
     if args.position + 1 > args.context_bucket:
         raise SystemExit("--position must be below --context-bucket")
-    results = []
-    for model in args.models.split(","):
-        for variant in variants:
-            results.append(bench_model(model, args, variant))
+    runs = [(m, v) for m in args.models.split(",") for v in variants]
+    if len(runs) == 1:
+        results = [bench_model(runs[0][0], args, runs[0][1])]
+    else:
+        # One process per run: each sizes its KV cache from the whole GPU.
+        results = []
+        for model, variant in runs:
+            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                cmd = [sys.executable, "-m", "benchmarks.talker_step", "--models", model, "--variants", variant,
+                       "--out", tmp.name, *_passthrough(args)]
+                proc = subprocess.run(cmd, cwd=REPO_ROOT)
+                if proc.returncode != 0:
+                    print(f"{model} [{variant}] failed with exit code {proc.returncode}", flush=True)
+                    continue
+                results += json.loads(Path(tmp.name).read_text())["results"]
     print_table(results)
     meta = {
         "gpu": torch.cuda.get_device_name(),

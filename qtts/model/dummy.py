@@ -50,7 +50,7 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> n
         else:
             vals = torch.empty(p.shape, dtype=torch.float32, device=gen_device).normal_(0.0, std, generator=gen)
             p.copy_(vals.to(p.device, p.dtype))
-    for _, b in module.named_buffers():
-        if b.dtype.is_floating_point and not torch.isfinite(b).all():
-            b.zero_()
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            m.reset_running_stats()  # storage from `to_empty` is garbage
     return module

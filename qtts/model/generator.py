@@ -14,6 +14,7 @@ otherwise the predictor completes the frame.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -101,21 +102,24 @@ class EagerGenerator:
         return True
 
     @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
+    def step(self, skip: Collection[str] = ()) -> list[StepOutput]:
         """Prefill newly added requests (as many as there are free slots) and produce one frame
-        for every running request."""
+        for every running request. Requests named in `skip` (e.g. no downstream credit) neither
+        advance nor sample this step; they keep their KV slot (or their place in the queue)."""
         rows: list[_Request] = []
         hiddens: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
-        running = [r for r in self.active.values() if r.next_embed is not None]
+        running = [r for r in self.active.values() if r.next_embed is not None and r.request_id not in skip]
         if running:
             h, lg = self._decode(running)
             rows += running
             hiddens.append(h)
             logits.append(lg)
         joining = []
-        while self.waiting and self.free_slots:
-            _, req = self.waiting.popitem(last=False)
+        for rid in [rid for rid in self.waiting if rid not in skip]:
+            if not self.free_slots:
+                break
+            req = self.waiting.pop(rid)
             req.slot = self.free_slots.pop()
             self.active[req.request_id] = req
             joining.append(req)

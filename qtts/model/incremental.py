@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from qtts.model.codec_decoder import CodecDecoder
 
@@ -139,7 +140,7 @@ class IncrementalDecoder:
     def _check_codes(self, codes: torch.Tensor) -> torch.Tensor:
         if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
             raise ValueError(f"codes must be [n, {self.num_quantizers}], got {tuple(codes.shape)}")
-        return codes.to(device=self.decoder.device, dtype=torch.long)
+        return codes.long()
 
     @torch.inference_mode()
     def _run(self, states: list[DecoderState], codes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -147,9 +148,8 @@ class IncrementalDecoder:
         dev = self.decoder.device
         lengths = [c.shape[0] for c in codes]
         longest = max(lengths)
-        batch = torch.zeros(len(codes), longest, self.num_quantizers, dtype=torch.long, device=dev)
-        for row, c in enumerate(codes):
-            batch[row, : c.shape[0]] = c
+        # Pad where the codes are (usually the CPU), then move the batch in one copy.
+        batch = pad_sequence([c.to(codes[0].device) for c in codes], batch_first=True).to(dev)
         slots = torch.tensor([s.slot for s in states], dtype=torch.long, device=dev)
         cache = {k: v.index_select(0, slots) for k, v in self._pool.items()}
         positions = torch.tensor([s.frames for s in states], dtype=torch.long, device=dev)

@@ -199,20 +199,9 @@ def tiny_config(model_type: str = "base") -> dict[str, Any]:
 
 def _speaker_encoder_state(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     from qtts.model.dummy import init_dummy_weights
+    from qtts.model.speaker_encoder import SpeakerEncoder
 
-    try:
-        from qtts.model.speaker_encoder import SpeakerEncoder
-
-        enc = SpeakerEncoder.from_config(cfg["speaker_encoder_config"])
-    except ImportError:
-        # Until our own encoder exists, borrow the module tree of the official package.
-        from tests.official import import_qwen_tts
-
-        import_qwen_tts()
-        from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
-        from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder
-
-        enc = Qwen3TTSSpeakerEncoder(Qwen3TTSSpeakerEncoderConfig(**cfg["speaker_encoder_config"]))
+    enc = SpeakerEncoder.from_config(cfg["speaker_encoder_config"])
     init_dummy_weights(enc, seed=seed, std=0.1)
     return {f"speaker_encoder.{k}": v.contiguous() for k, v in enc.state_dict().items()}
 

@@ -160,3 +160,20 @@ def test_kv_cache_grows(bundle):
     assert gen.cache.capacity >= p.embeds.shape[0] + 4
     ref, _ = _drain(EagerGenerator(bundle, max_batch=2), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 5)]})
     assert torch.equal(torch.stack(got["r"]), torch.stack(ref["r"]))
+
+
+def test_skipped_requests_wait_and_resume_unchanged(bundle):
+    prompts = _prompts(bundle)
+    forced = SamplingParams(greedy=True, min_new_tokens=10**6)
+    ref, _ = _drain(EagerGenerator(bundle), {0: [("a", prompts[0], forced, 4)]})
+    gen = EagerGenerator(bundle, max_batch=2)
+    gen.add("a", prompts[0], forced, 4)
+    gen.add("b", prompts[1], forced, 2)
+    out = gen.step(skip={"b"})  # b stays queued
+    assert [o.request_id for o in out] == ["a"] and "b" in gen.waiting
+    frames = [out[0].codes]
+    assert [o.request_id for o in gen.step(skip={"a"})] == ["b"]  # a keeps its slot, no frame
+    for _ in range(3):
+        frames += [o.codes for o in gen.step(skip={"b"})]
+    assert torch.equal(torch.stack(frames), torch.stack(ref["a"]))
+    assert gen.num_active == 1

@@ -153,3 +153,23 @@ def test_hub_download_failure_is_a_snapshot_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(SnapshotError, match="Qwen/Qwen3-TTS-12Hz-1.7B-Base: no such local folder and the hub download failed"):
         load_talker_bundle("Qwen/Qwen3-TTS-12Hz-1.7B-Base")
+
+
+def test_tiny_snapshot_builds_without_qwen_tts_and_is_deterministic(tiny_snapshot_factory, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "again"
+    code = (
+        "import sys; sys.modules['qwen_tts'] = None\n"  # any import of qwen_tts fails
+        "from qtts.testing import build_tiny_snapshot\n"
+        f"build_tiny_snapshot({str(out)!r}, 'base', seed=0)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=600)
+    first = tiny_snapshot_factory("base")
+    for name in ("config.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer_config.json",
+                 "preprocessor_config.json", "model.safetensors"):
+        assert (out / name).read_bytes() == (first / name).read_bytes(), name
+    assert (out / "speech_tokenizer" / "config.json").is_file()
