@@ -258,10 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eager-batches", default="1,64,256")
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--position", type=int, default=300, help="cached positions per stream")
-    ap.add_argument("--context-bucket", type=int, default=512, help="attention span of the captured graphs")
+    ap.add_argument("--context-bucket", type=int, default=384, help="attention span of the captured graphs")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--variants", default="sdpa_grouped/fast,matmul/fast,sdpa_grouped/compile",
+    ap.add_argument("--variants", default="sdpa_grouped/compile,matmul/compile",
                     help="comma-separated ATTENTION/MODE (attention: sdpa, sdpa_grouped, matmul; "
                     "mode: plain, fast, compile)")
     ap.add_argument("--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 import numpy as np
 import soxr
-import torch
 
 from qtts.errors import InvalidArgument
+
+if TYPE_CHECKING:  # the gateway decodes audio without loading torch
+    import torch
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920
@@ -69,7 +72,7 @@ def _frame_to_mono(frame) -> np.ndarray:
 
 def pcm16_bytes(x: np.ndarray | torch.Tensor) -> bytes:
     """Float waveform -> signed 16-bit little-endian PCM (clipped to [-1, 1], rounded)."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach().to(device="cpu", dtype=torch.float32).numpy()
+    if hasattr(x, "detach"):  # a torch tensor; the gateway never loads torch
+        x = x.detach().float().cpu().numpy()
     arr = np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0)
     return np.round(arr * 32767.0).astype("<i2").tobytes()

@@ -56,7 +56,10 @@ class RunnerConfig:
     reserve_bytes: int = 4 << 30  # kept free for graphs, activations and prefill
     max_trailing: int = 512  # trailing text embeddings held per slot
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
-    context_buckets: tuple[int, ...] | None = None  # None: 256, 512, ... up to max_len
+    # Attention spans captured; the decode reads the whole bucket of every row, so finer buckets
+    # read less KV. None: every multiple of `context_step` up to max_len.
+    context_buckets: tuple[int, ...] | None = None
+    context_step: int = 128
     use_cuda_graphs: bool = True
     pad_to_buckets: bool = False  # eager steps use the graph shapes too (tests padding on the CPU)
     max_candidates: int | None = None  # sampling candidates per row (None: the whole vocabulary)
@@ -68,12 +71,14 @@ class RunnerConfig:
     # Decode with concatenated q|k|v and gate|up weights and fused RMSNorm (fewer kernels per layer;
     # rounding differs slightly from the model core). None: on CUDA only.
     fast_path: bool | None = None
-    compile_layers: bool = False  # torch.compile the per-layer elementwise work (fast path only)
+    # torch.compile the per-layer elementwise work and the sampler (fast path only; adds about a
+    # minute of start-up). None: on CUDA only.
+    compile_layers: bool | None = None
     prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
 
     def __post_init__(self) -> None:
-        if self.max_len < 2 or self.max_batch < 1 or self.max_trailing < 0:
-            raise ValueError("max_len >= 2, max_batch >= 1 and max_trailing >= 0 required")
+        if self.max_len < 2 or self.max_batch < 1 or self.max_trailing < 0 or self.context_step < 1:
+            raise ValueError("max_len >= 2, max_batch >= 1, max_trailing >= 0 and context_step >= 1 required")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError("kv_memory_fraction must be in (0, 1]")
         for name in ("talker_attention", "predictor_attention"):
@@ -85,11 +90,8 @@ class RunnerConfig:
     def resolved_context_buckets(self) -> tuple[int, ...]:
         if self.context_buckets:
             return tuple(sorted({min(c, self.max_len) for c in self.context_buckets} | {self.max_len}))
-        out, c = [], 256
-        while c < self.max_len:
-            out.append(c)
-            c *= 2
-        return (*out, self.max_len)
+        steps = range(self.context_step, self.max_len, self.context_step)
+        return (*steps, self.max_len)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str) -> torch.Tensor:
@@ -208,7 +210,8 @@ class ModelRunner:
             [_fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
         )
         self._qkv_fn, self._out_fn, self._sample = _fast_qkv, _fast_out_mlp, sampler.sample_rows
-        if self.fast_path and config.compile_layers:
+        compile_layers = self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
+        if self.fast_path and compile_layers:
             # Batch, positions and sequence length vary across buckets and predictor steps.
             self._qkv_fn = torch.compile(_fast_qkv, dynamic=True)
             self._out_fn = torch.compile(_fast_out_mlp, dynamic=True)

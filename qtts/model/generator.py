@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qtts.model.prompt import TalkerPrompt
-from qtts.model.sampling import SamplingParams, choose_codebook0, choose_residual, make_generator
+from qtts.model.sampling import SamplingParams, choose_codebook0, choose_residual_batch, make_generator
 
 
 @dataclass
@@ -198,13 +198,11 @@ class EagerGenerator:
         c0_t = torch.tensor(c0, dtype=torch.long, device=self.device)
         c0_embed = self.talker.embed_codec(c0_t)
 
-        all_greedy = all(r.sampling.predictor_greedy for r in kept)
+        params = [r.sampling for r in kept]
+        generators = [r.generator for r in kept]
 
         def choose(j: int, lg: torch.Tensor) -> torch.Tensor:
-            if all_greedy:
-                return torch.argmax(lg.float(), dim=-1)
-            picks = [choose_residual(lg[b], r.sampling, r.generator) for b, r in enumerate(kept)]
-            return torch.tensor(picks, dtype=torch.long, device=self.device)
+            return choose_residual_batch(lg, params, generators)
 
         residual = self.predictor(hidden[keep], c0_embed, choose)  # [B, 15]
         frames = torch.cat([c0_t[:, None], residual], dim=1)  # [B, 16]

@@ -121,6 +121,35 @@ def choose_codebook0(
     return _pick(scores, params.greedy, generator)
 
 
+def choose_residual_batch(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Codebook-1..15 codes for a batch of rows: logits [B, V] → LongTensor [B] on the same device.
+
+    Rows with the same settings are warped together and nothing waits on the device (no `.item()`);
+    each sampled row still draws from its own generator, so the result equals `choose_residual`
+    row by row."""
+    scores = logits.float()
+    if all(p.predictor_greedy for p in params):
+        return torch.argmax(scores, dim=-1)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        key = (True,) if p.predictor_greedy else (False, p.subtalker_temperature, p.subtalker_top_k, p.subtalker_top_p)
+        groups.setdefault(key, []).append(i)
+    picks: list[torch.Tensor | None] = [None] * len(params)
+    for key, rows in groups.items():
+        sub = scores[rows]
+        if key[0]:
+            chosen = torch.argmax(sub, dim=-1)
+            for j, i in enumerate(rows):
+                picks[i] = chosen[j]
+            continue
+        probs = torch.softmax(_warp(sub, key[1], key[2], key[3]), dim=-1)
+        for j, i in enumerate(rows):
+            picks[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return torch.stack(picks)
+
+
 def choose_residual(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick a codebook-1..15 code from one row of predictor logits [V]."""
     scores = logits.float()

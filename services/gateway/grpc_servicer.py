@@ -77,9 +77,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     async def Synthesize(self, request: tts_pb2.SynthesizeRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         """Stream audio chunks, each with the request id and a sequence number, then a summary."""
-        if request.audio_encoding not in _ENCODINGS:
-            raise InvalidArgument(f"unsupported audio_encoding {request.audio_encoding}")
         try:
+            if request.audio_encoding not in _ENCODINGS:
+                raise InvalidArgument(f"unsupported audio_encoding {request.audio_encoding}")
             job = self._synth.validate(fields_from_pb(request))
         except Exception as exc:
             self._synth.reject("grpc", exc)

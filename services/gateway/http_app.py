@@ -197,7 +197,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
     async def health() -> JSONResponse:
         """200 only when the talker and speaker_cache are SERVING and the model is known."""
         stages = await deps.stage_health()
-        ready = synth._catalog() is not None
+        ready = synth.ready
         ok = ready and all(status == "SERVING" for status in stages.values())
         body = {"status": "ok" if ok else "unavailable", "model_loaded": ready, "stages": stages}
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -115,6 +115,11 @@ class Synthesizer:
         self.metrics = metrics
         self._decode = decode
 
+    @property
+    def ready(self) -> bool:
+        """Whether the served model is known (the talker answered GetModelInfo)."""
+        return self._catalog() is not None
+
     def catalog(self) -> ModelCatalog:
         catalog = self._catalog()
         if catalog is None:

@@ -127,4 +127,6 @@ def variant_gateways(stack, snapshot_root) -> dict[str, VariantGateway]:
         stop_services(procs, 5.0)
         pytest.fail(f"variant talker did not start: {exc}")
     yield out
-    stop_services(procs, 10.0)
+    exit_codes = stop_services(procs, 20.0)
+    # SIGTERM drains and exits cleanly; a SIGKILL after the grace period shows up as -9.
+    assert exit_codes == {p.name: 0 for p in procs}, exit_codes

@@ -98,7 +98,7 @@ def test_cancel_mid_generation_frees_the_slot_for_others(tiny_bundle):
 
 def test_prefix_cache_hit_gives_the_same_codes(tiny_bundle):
     h = tiny_bundle.config.talker.decoder.hidden_size
-    voice = torch.randn(8, h, generator=torch.Generator().manual_seed(9))
+    voice = torch.randn(8, h, generator=torch.Generator().manual_seed(9), dtype=tiny_bundle.dtype)
     prompts = [make_prompt(tiny_bundle, 14 + i, 2, seed=200 + i, prefix=voice) for i in range(3)]
     want = [run_alone(tiny_bundle, p, GREEDY, 4) for p in prompts]
     eng = engine(tiny_bundle, prefix_cache_bytes=1 << 20, max_prefill_tokens=5)

@@ -13,13 +13,14 @@ def make_prompt(bundle, prompt_len: int, trailing: int, seed: int, max_frames: i
     leading positions (a shared voice prefix)."""
     h = bundle.config.talker.decoder.hidden_size
     g = torch.Generator().manual_seed(seed)
-    embeds = torch.randn(prompt_len, h, generator=g)
+    dtype = bundle.dtype
+    embeds = torch.randn(prompt_len, h, generator=g, dtype=dtype)
     if prefix is not None:
         embeds[: prefix.shape[0]] = prefix
     return TalkerPrompt(
         embeds=embeds,
-        trailing=torch.randn(trailing, h, generator=g),
-        pad_embed=torch.randn(h, generator=g),
+        trailing=torch.randn(trailing, h, generator=g, dtype=dtype),
+        pad_embed=torch.randn(h, generator=g, dtype=dtype),
         ref_codes=None,
         max_frames=max_frames,
         num_text_tokens=max(trailing, 1),

@@ -177,3 +177,19 @@ def test_skipped_requests_wait_and_resume_unchanged(bundle):
         frames += [o.codes for o in gen.step(skip={"b"})]
     assert torch.equal(torch.stack(frames), torch.stack(ref["a"]))
     assert gen.num_active == 1
+
+
+def test_batched_residual_sampling_equals_row_by_row():
+    from qtts.model.sampling import choose_residual, choose_residual_batch, make_generator
+
+    logits = torch.randn(5, 2048, generator=torch.Generator().manual_seed(0)) * 3
+    params = [
+        SamplingParams(seed=1),
+        SamplingParams(seed=2, subtalker_top_k=5, subtalker_temperature=0.5),
+        SamplingParams(greedy=True),
+        SamplingParams(seed=3, subtalker_top_p=0.8),
+        SamplingParams(seed=4),
+    ]
+    batch = choose_residual_batch(logits, params, [make_generator(p.seed, "cpu") for p in params])
+    rows = [choose_residual(logits[i], p, make_generator(p.seed, "cpu")) for i, p in enumerate(params)]
+    assert batch.tolist() == rows
