@@ -228,6 +228,46 @@ def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict
     return res
 
 
+def bench_engine(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The whole GraphEngine on the GPU: `--engine-streams` voice-clone requests (x-vector prompts)
+    joining in waves, greedy, `--engine-frames` frames each; wall time of every `step()`."""
+    from qtts.engine import EngineConfig, GraphEngine
+    from qtts.model import SamplingParams, SynthesisSpec, VoicePrompt
+
+    bundle = load_talker_bundle(name, device="cuda", dtype=torch.bfloat16, load_format="dummy")
+    streams = args.engine_streams
+    cfg = EngineConfig(runner=RunnerConfig(max_len=1024, max_batch=streams, num_slots=streams, max_trailing=256))
+    t0 = time.perf_counter()
+    eng = GraphEngine(bundle, config=cfg)
+    start_s = time.perf_counter() - t0
+    h = bundle.talker.hidden_size
+    text = "The quick brown fox jumps over the lazy dog near the quiet river bank today."
+    prompts = []
+    for _ in range(streams):
+        voice = VoicePrompt(x_vector=torch.randn(h) * 0.02, ref_codes=None, ref_text=None, x_vector_only=True)
+        prompts.append(bundle.build_prompt(SynthesisSpec(text=text, task="voice_clone", voice_prompt=voice)))
+    greedy = SamplingParams(greedy=True)
+    step_ms, frames, finished = [], 0, 0
+    waves = 4
+    i = 0
+    while i < streams or eng.has_work:
+        if i < streams:  # a wave joins every few steps while others run
+            for _ in range(max(1, streams // waves)):
+                if i < streams:
+                    eng.add(f"s{i}", prompts[i], greedy, args.engine_frames)
+                    i += 1
+        t = time.perf_counter()
+        outs = eng.step()
+        step_ms.append((time.perf_counter() - t) * 1e3)
+        frames += sum(o.codes is not None for o in outs)
+        finished += sum(o.finished for o in outs)
+    res = {"model": name, "streams": streams, "frames": frames, "finished": finished, "steps": len(step_ms),
+           "start_s": start_s, "step_ms_median": statistics.median(step_ms), "step_ms_max": max(step_ms),
+           "prompt_len": int(prompts[0].embeds.shape[0])}
+    print(f"engine {name}: {res}", flush=True)
+    return res
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     print()
     print("| model | variant | batch | graph ms | step wall ms | eager ms | floor ms | baseline ms | target ms |")
@@ -261,11 +301,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context-bucket", type=int, default=384, help="attention span of the captured graphs")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--variants", default="sdpa_grouped/compile,matmul/compile",
+    ap.add_argument("--variants", default="matmul/compile",
                     help="comma-separated ATTENTION/MODE (attention: sdpa, sdpa_grouped, matmul; "
                     "mode: plain, fast, compile)")
     ap.add_argument("--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)")
     ap.add_argument("--quick", action="store_true", help="batches 1,64,256,1024 and fewer iterations")
+    ap.add_argument("--engine", action="store_true", help="also run the whole GraphEngine (waves of joins) "
+                    "on the first model")
+    ap.add_argument("--engine-streams", type=int, default=64)
+    ap.add_argument("--engine-frames", type=int, default=40)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -294,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 results += json.loads(Path(tmp.name).read_text())["results"]
     print_table(results)
+    engine_results = [bench_engine(args.models.split(",")[0], args)] if args.engine else []
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -304,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results, "engine": engine_results}, indent=2))
         print(f"wrote {args.out}")
 
 

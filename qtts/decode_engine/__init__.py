@@ -163,6 +163,9 @@ class SlotDecoder:
         checked = [self._check_codes(c) for c in codes]
         for s in states:
             self._check_state(s)
+        return self._decode(states, checked)
+
+    def _decode(self, states: list[SlotState], checked: list[torch.Tensor]) -> list[torch.Tensor]:
         by_id = {s.id: (s, c) for s, c in zip(states, checked, strict=True)}
         items = [WorkItem(s.id, c.shape[0], first=s.output_frames == 0) for s, c in by_id.values()]
         collector: PieceCollector[torch.Tensor] = PieceCollector()
@@ -236,17 +239,13 @@ class SlotDecoder:
         run = self.runner
         total = prefix.shape[0]
         head = max(0, total - run.prefix_tail_frames)
-        for start, end, frame_only in self._prefix_pieces(head, total):
-            run.run_eager([state.slot], [state.frames], [prefix[start:end]], frame_only=frame_only)
+        for start in range(0, head, self.window):
+            end = min(start + self.window, head)
+            run.run_eager([state.slot], [state.frames], [prefix[start:end]], frame_only=True)
             state.frames += end - start
+        # The tail goes through the planned (captured) steps; its audio is dropped.
+        self._decode([state], [prefix[head:]])
         state.prefix_frames = state.frames
-
-    def _prefix_pieces(self, head: int, total: int) -> list[tuple[int, int, bool]]:
-        pieces = []
-        for lo, hi, frame_only in ((0, head, True), (head, total, False)):
-            for start in range(lo, hi, self.window):
-                pieces.append((start, min(start + self.window, hi), frame_only))
-        return pieces
 
 
 def build_slot_decoder(decoder: CodecDecoder, config: EngineConfig | None = None) -> SlotDecoder:

@@ -27,13 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from qtts.decode_engine.slots import SlotPool
-from qtts.decode_engine.snakebeta import snake, snake_after_history, snake_factors
+from qtts.decode_engine.snakebeta import bias_add, snake, snake_after_history, snake_factors
 from qtts.model.codec_decoder import (
     CausalConv1d,
     CausalTransConv1d,
     CodecDecoder,
     ConvNeXtBlock,
-    ResidualUnit,
     SlidingAttention,
     SnakeBeta,
 )
@@ -172,23 +171,34 @@ class StepRunner:
         for trans, block in m.upsample:
             h = self._trans_conv(trans, h, slots)
             h = self._convnext(block, h, slots)
+        # From here on the tensors are large (up to 1920 steps per frame): each conv's bias is
+        # added by the next elementwise pass (SnakeBeta, or the residual add) instead of its own.
         layers = m.decoder
-        h = self._conv(layers[0], h, slots)
+        h, bias = self._conv_deferred(layers[0], h, slots)
         for blk in layers[1:-2]:
             act, trans, *units = blk.block
-            h = self._trans_conv(trans, h, slots, act)
+            full = self._with_history(trans, h, slots, act, bias)
+            y = F.conv_transpose1d(full, trans.conv.weight, None, stride=trans.stride)
+            start = trans.history * trans.stride
+            h = _add_bias(y[..., start : start + h.shape[-1] * trans.stride], trans.conv.bias)
             for unit in units:
-                h = self._residual(unit, h, slots)
+                h1, b1 = self._conv_deferred(unit.conv1, h, slots, unit.act1)
+                h2, b2 = self._conv_deferred(unit.conv2, h1, slots, unit.act2, b1)
+                h = _add_bias(h2, b2, residual=h)
+            bias = None
         h = self._conv(layers[-1], h, slots, layers[-2])
         return h.clamp(min=-1.0, max=1.0).reshape(b, n * self.samples_per_frame).float()
 
-    def _act_input(self, x: torch.Tensor, hist: torch.Tensor | None, act: SnakeBeta | None) -> torch.Tensor:
+    def _act_input(
+        self, x: torch.Tensor, hist: torch.Tensor | None, act: SnakeBeta | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if act is None:
+            x = x if bias is None else _add_bias(x, bias)
             return x if hist is None else torch.cat([hist, x], dim=2)
         alpha, inv_beta = self._snake[id(act)]
         if hist is None:
-            return snake(x, alpha, inv_beta)
-        return snake_after_history(x, hist, alpha, inv_beta)
+            return snake(x, alpha, inv_beta, bias)
+        return snake_after_history(x, hist, alpha, inv_beta, bias)
 
     def _with_history(
         self,
@@ -196,12 +206,13 @@ class StepRunner:
         x: torch.Tensor,
         slots: torch.Tensor,
         act: SnakeBeta | None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """cat(history, act(x)) for the layer, writing the new history back to the pool."""
+        """cat(history, act(x + bias)) for the layer, writing the new history back to the pool."""
         if not mod.history:
-            return self._act_input(x, None, act)
+            return self._act_input(x, None, act, bias)
         buf = self.pool.buffers[mod.key]
-        full = self._act_input(x, buf.index_select(0, slots), act)
+        full = self._act_input(x, buf.index_select(0, slots), act, bias)
         buf.index_copy_(0, slots, full[:, :, full.shape[2] - mod.history :])
         return full
 
@@ -209,6 +220,19 @@ class StepRunner:
         self, mod: CausalConv1d, x: torch.Tensor, slots: torch.Tensor, act: SnakeBeta | None = None
     ) -> torch.Tensor:
         return mod.conv(self._with_history(mod, x, slots, act))
+
+    def _conv_deferred(
+        self,
+        mod: CausalConv1d,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        act: SnakeBeta | None = None,
+        in_bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The conv without its bias, and the bias for the consumer to add."""
+        c = mod.conv
+        full = self._with_history(mod, x, slots, act, in_bias)
+        return F.conv1d(full, c.weight, None, c.stride, 0, c.dilation, c.groups), c.bias
 
     def _trans_conv(
         self, mod: CausalTransConv1d, x: torch.Tensor, slots: torch.Tensor, act: SnakeBeta | None = None
@@ -221,10 +245,6 @@ class StepRunner:
         h = self._conv(block.dwconv, x, slots).transpose(1, 2)
         h = block.pwconv2(block.act(block.pwconv1(block.norm(h))))
         return x + (block.gamma * h).transpose(1, 2)
-
-    def _residual(self, unit: ResidualUnit, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        h = self._conv(unit.conv1, x, slots, unit.act1)
-        return x + self._conv(unit.conv2, h, slots, unit.act2)
 
     def _transformer(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, n, latent] -> [B, n, latent]; keys/values of the last `window` positions live in
@@ -407,6 +427,14 @@ class StepRunner:
                 self._h2d_done.record()
         static.replay()
         return static.outputs[:rows]
+
+
+def _add_bias(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    if bias is None:
+        return x.contiguous() if residual is None else x + residual
+    return bias_add(x, bias, residual)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -50,10 +50,12 @@ if triton is not None:
         out_ptr,
         alpha_ptr,
         inv_beta_ptr,
+        bias_ptr,
         channels,
         length,
         out_row_stride,
         out_offset,
+        HAS_BIAS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)  # b * channels + c
@@ -64,10 +66,35 @@ if triton is not None:
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         m = offs < length
         x = tl.load(x_ptr + row.to(tl.int64) * length + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x = x + tl.load(bias_ptr + c).to(tl.float32)
         s = tl.sin(x * a)
         y = x + ib * s * s
         dst = out_ptr + row.to(tl.int64) * out_row_stride + out_offset + offs
         tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _bias_add_kernel(
+        x_ptr,
+        y_ptr,
+        bias_ptr,
+        out_ptr,
+        channels,
+        length,
+        x_row_stride,
+        HAS_Y: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        c = row % channels
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        m = offs < length
+        x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + offs, mask=m, other=0.0)
+        acc = x.to(tl.float32) + tl.load(bias_ptr + c).to(tl.float32)
+        if HAS_Y:
+            acc = acc + tl.load(y_ptr + row.to(tl.int64) * length + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * length + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 _BLOCK = 1024
@@ -77,26 +104,53 @@ def _use_triton(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
-    """SnakeBeta of x [B, C, T] with precomputed per-channel factors."""
+def snake(
+    x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SnakeBeta of (x + bias) for x [B, C, T] with precomputed per-channel factors; `bias` is the
+    per-channel bias of the conv that produced x, added here instead of in a pass of its own."""
     if not _use_triton(x):
-        return _snake_torch(x, alpha, inv_beta)
-    out = torch.empty_like(x)
-    _launch(x.contiguous(), out, alpha, inv_beta, out.shape[-1], 0)
+        return _snake_torch(x if bias is None else x + bias.to(x.dtype)[None, :, None], alpha, inv_beta)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x.contiguous(), out, alpha, inv_beta, bias, out.shape[-1], 0)
     return out
 
 
 def snake_after_history(
-    x: torch.Tensor, history: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor
+    x: torch.Tensor,
+    history: torch.Tensor,
+    alpha: torch.Tensor,
+    inv_beta: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`cat([history, snake(x)], dim=2)` for x [B, C, T] and history [B, C, h], in one pass over x."""
+    """`cat([history, snake(x + bias)], dim=2)` for x [B, C, T] and history [B, C, h], one pass over x."""
     h = history.shape[-1]
     if not _use_triton(x):
-        return torch.cat([history.to(x.dtype), _snake_torch(x, alpha, inv_beta)], dim=2)
+        return torch.cat([history.to(x.dtype), snake(x, alpha, inv_beta, bias)], dim=2)
     b, c, t = x.shape
     out = torch.empty(b, c, h + t, device=x.device, dtype=x.dtype)
     out[:, :, :h] = history
-    _launch(x.contiguous(), out, alpha, inv_beta, h + t, h)
+    _launch(x.contiguous(), out, alpha, inv_beta, bias, h + t, h)
+    return out
+
+
+def bias_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Contiguous `x + bias[c] (+ residual)` for x [B, C, T] (x may be a time slice of a larger
+    tensor, as a transposed conv's trimmed output is): the conv's bias, the copy that makes the slice
+    contiguous and the residual add in one pass."""
+    b, c, t = x.shape
+    # Triton gets the view's own data pointer; rows (b, c) must be evenly strided.
+    if not (_use_triton(x) and x.stride(2) == 1 and x.stride(0) == c * x.stride(1)):
+        out = x + bias.to(x.dtype)[None, :, None]
+        return out if residual is None else out + residual
+    out = torch.empty(b, c, t, device=x.device, dtype=x.dtype)
+    if b * c == 0 or t == 0:
+        return out
+    y = residual.contiguous() if residual is not None else out
+    grid = (b * c, triton.cdiv(t, _BLOCK))
+    _bias_add_kernel[grid](
+        x, y, bias, out, c, t, x.stride(1), HAS_Y=residual is not None, BLOCK=_BLOCK, num_warps=4
+    )
     return out
 
 
@@ -105,6 +159,7 @@ def _launch(
     out: torch.Tensor,
     alpha: torch.Tensor,
     inv_beta: torch.Tensor,
+    bias: torch.Tensor | None,
     row_stride: int,
     offset: int,
 ) -> None:
@@ -112,4 +167,17 @@ def _launch(
     if b * c == 0 or t == 0:
         return
     grid = (b * c, triton.cdiv(t, _BLOCK))
-    _snake_kernel[grid](x, out, alpha, inv_beta, c, t, row_stride, offset, BLOCK=_BLOCK, num_warps=4)
+    _snake_kernel[grid](
+        x,
+        out,
+        alpha,
+        inv_beta,
+        alpha if bias is None else bias,
+        c,
+        t,
+        row_stride,
+        offset,
+        HAS_BIAS=bias is not None,
+        BLOCK=_BLOCK,
+        num_warps=4,
+    )

@@ -114,16 +114,20 @@ class Scheduler:
         seq.slot = -1
         if move is None:
             return
-        moved = self.running[move.key]
-        moved.slot = move.dst
-        self._pending_moves.append(KVMove(move.src, move.dst, moved.num_kv_positions))
+        self.running[move.key].slot = move.dst
+        # The KV length is read when the move is planned: rows later in this step's output may
+        # still count the frame that this step's decode already wrote.
+        self._pending_moves.append(KVMove(move.src, move.dst, 0))
 
     # -- planning --------------------------------------------------------------------------
     def schedule(self, prefix_lookup: Callable[[Sequence], int] | None = None) -> StepPlan:
         """Plan one step. `prefix_lookup(seq)` returns how many leading prompt positions a cache
         already holds for `seq` (the runner copies them into the slot before prefilling)."""
-        plan = StepPlan(moves=compose_moves(self._pending_moves, self.slots.num_used))
+        moves = compose_moves(self._pending_moves, self.slots.num_used)
         self._pending_moves = []
+        plan = StepPlan(
+            moves=[KVMove(m.src, m.dst, self.running[self.slots.owner(m.dst)].num_kv_positions) for m in moves]
+        )
         while self.waiting and self.slots.num_free > 0:
             seq = self.waiting.popleft()
             seq.slot = self.slots.allocate(seq.request_id)

@@ -68,7 +68,7 @@ class CodePredictor(nn.Module):
         positions = torch.arange(2, device=device).expand(b, 2)
         codes = []
         for j in range(self.num_steps):
-            hidden = self.model(x, positions, slots, cache)
+            hidden = self.model(x, positions, slots, cache, span=j + 2)
             code = choose(j, self.lm_head[j](hidden[:, -1]))
             codes.append(code)
             if j + 1 < self.num_steps:

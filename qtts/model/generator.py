@@ -154,7 +154,7 @@ class EagerGenerator:
         # own later tokens overwrite before they can attend to them.
         positions = torch.arange(t, device=self.device).expand(len(reqs), t)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
-        hidden, logits = self.talker(x, positions, slots, self.cache)
+        hidden, logits = self.talker(x, positions, slots, self.cache, span=t)
         last = torch.tensor(lengths, device=self.device) - 1
         idx = torch.arange(len(reqs), device=self.device)
         for r, n in zip(reqs, lengths, strict=True):
@@ -162,11 +162,12 @@ class EagerGenerator:
         return hidden[idx, last], logits[idx, last]
 
     def _decode(self, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        self._ensure_capacity(max(r.length for r in reqs) + 1)
+        span = max(r.length for r in reqs) + 1
+        self._ensure_capacity(span)
         x = torch.stack([r.next_embed for r in reqs])[:, None]
         positions = torch.tensor([[r.length] for r in reqs], device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
-        hidden, logits = self.talker(x, positions, slots, self.cache)
+        hidden, logits = self.talker(x, positions, slots, self.cache, span=span)
         for r in reqs:
             r.length += 1
         return hidden[:, 0], logits[:, 0]

@@ -178,13 +178,20 @@ class DecoderStack(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+        span: int | None = None,
     ) -> torch.Tensor:
-        """x: [B, T, H] input embeddings; positions: [B, T] (long); slots: [B] cache rows.
+        """x: [B, T, H] input embeddings; positions: [B, T] (long); slots: [B] cache rows;
+        `span` = max(positions) + 1 when the caller knows it (saves a device sync).
 
         Returns the final-normed hidden states [B, T, H]. Writes keys/values of every input token.
         """
-        span = int(positions.max().item()) + 1
+        if span is None:
+            span = int(positions.max().item()) + 1
         if span > cache.capacity:
             raise ValueError(f"position {span - 1} beyond the KV cache capacity {cache.capacity}")
         cols = torch.arange(span, device=x.device)

@@ -61,8 +61,13 @@ class Talker(nn.Module):
         return KVCache.allocate(self.cfg.decoder, slots, capacity, device, dtype)
 
     def forward(
-        self, embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        cache: KVCache,
+        span: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds [B, T, H] → (final-normed hidden [B, T, H], codebook-0 logits [B, T, vocab])."""
-        hidden = self.model(embeds, positions, slots, cache)
+        hidden = self.model(embeds, positions, slots, cache, span)
         return hidden, self.codec_head(hidden)

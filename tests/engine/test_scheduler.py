@@ -120,3 +120,17 @@ def test_compose_moves_matches_sequential_application():
             batched[m.dst] = keys[m.src]
         n = table.num_used
         assert state[:n] == batched[:n] == [table.owner(i) for i in range(n)]
+
+
+def test_move_length_counts_frames_recorded_after_the_free():
+    # Within one step's output, an earlier row can finish (freeing its slot and moving the last
+    # sequence) before the moved sequence's frame of this step is counted.
+    s = Scheduler(DenseSlotTable(num_slots=2, max_len=64), max_prefill_tokens=100)
+    a, b = seq("a", 5), seq("b", 5)
+    s.add(a)
+    s.add(b)
+    run_prefill(s)
+    s.finish(a, "stop")
+    b.num_frames += 1
+    plan = run_prefill(s)
+    assert plan.moves == [KVMove(src=1, dst=0, num_positions=4 + 1)]
