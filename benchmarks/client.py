@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument(
         "--max-new-tokens", type=int, default=None, help="frames per request (12.5 per audio second)"
     )
+    req.add_argument(
+        "--fixed-length",
+        action="store_true",
+        help="forbid end of speech before --max-new-tokens frames (random weights stop at random)",
+    )
     req.add_argument("--seed", type=int, default=0, help="seeds arrivals and per-request sampling")
     req.add_argument(
         "--request-timeout",
@@ -147,6 +152,7 @@ class BenchConfig:
             ref_text=ref_text,
             x_vector_only=args.x_vector_only,
             max_new_tokens=args.max_new_tokens,
+            fixed_length=args.fixed_length,
             seed=args.seed,
             audible_dbfs=args.audible_dbfs,
             request_timeout_s=args.request_timeout,

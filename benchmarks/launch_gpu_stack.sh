@@ -44,6 +44,8 @@ DTYPE="${DTYPE:-bfloat16}"
 LOAD_FORMAT="${LOAD_FORMAT:-dummy}"
 WEIGHTS=real
 [[ "$LOAD_FORMAT" == dummy ]] && WEIGHTS=dummy
+# Random weights end speech at random: fix every request's length unless told otherwise.
+FIXED_LENGTH="${FIXED_LENGTH-$([[ "$WEIGHTS" == dummy ]] && echo 1)}"
 LAUNCHER_ARGS="${LAUNCHER_ARGS:-}"
 PYTHON="${PYTHON:-python}"
 HTTP_PORT=8000
@@ -112,5 +114,5 @@ echo "stack healthy after $(( $(date +%s) - START ))s"
 "$PYTHON" -m benchmarks.client \
     --protocol "$PROTOCOL" --url "http://127.0.0.1:$HTTP_PORT" --grpc-target "127.0.0.1:$GRPC_PORT" \
     --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" \
-    --max-new-tokens "$MAX_NEW_TOKENS" --time-limit "$TIME_LIMIT" --warmup 4 \
+    --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
     --gpu "$GPU_NAME" --weights "$WEIGHTS" --tag "gpu-sweep" --out "$OUT" "$@"

@@ -59,6 +59,8 @@ class SynthesisOptions:
     ref_text: str | None = None
     x_vector_only: bool = False
     max_new_tokens: int | None = None
+    # Random weights end speech at random: a fixed length makes rows comparable.
+    fixed_length: bool = False
     seed: int | None = None
     audible_dbfs: float = DEFAULT_AUDIBLE_DBFS
     request_timeout_s: float = 300.0
@@ -144,6 +146,7 @@ def http_payload(
         "instructions": options.instructions,
         "ref_text": options.ref_text,
         "max_new_tokens": options.max_new_tokens,
+        "min_new_tokens": options.max_new_tokens if options.fixed_length else None,
         "seed": options.seed_for(index),
     }
     if options.ref_audio is not None:
@@ -228,6 +231,8 @@ class GrpcSynthesizer:
         seed = o.seed_for(index)
         if seed is not None:
             sampling.seed = seed
+        if o.fixed_length and o.max_new_tokens:
+            sampling.min_new_frames = o.max_new_tokens
         return pb.SynthesizeRequest(
             request_id=f"{self._prefix}-{index}",
             model=o.model or "",

@@ -33,9 +33,8 @@ def generate(force: bool = False) -> None:
     """Run grpcio-tools' protoc over `protos/` into `qtts/_gen/`."""
     if not force and not _stale():
         return
-    from grpc_tools import protoc  # build-time dependency, also installed at run time
-
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency, also installed at run time
 
     GEN_DIR.mkdir(parents=True, exist_ok=True)
     well_known = str(Path(grpc_tools.__file__).parent / "_proto")

@@ -40,6 +40,7 @@ def fields_from_pb(req: tts_pb2.SynthesizeRequest) -> SpeechFields:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
         seed=s.seed if s.HasField("seed") else None,
         greedy=s.greedy,
+        min_new_frames=s.min_new_frames if s.HasField("min_new_frames") else None,
     )
     return SpeechFields(
         text=req.text,

@@ -34,6 +34,7 @@ _KNOWN_FIELDS = {
     "top_k",
     "top_p",
     "repetition_penalty",
+    "min_new_tokens",
     "sample_rate",
 }
 
@@ -139,6 +140,7 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
             top_p=_number(body, "top_p"),
             repetition_penalty=_number(body, "repetition_penalty"),
             seed=seed,
+            min_new_frames=_integer(body, "min_new_tokens"),
         ),
         sample_rate=_integer(body, "sample_rate"),
     )

@@ -40,6 +40,7 @@ class SamplingOptions:
     repetition_penalty: float | None = None
     seed: int | None = None
     greedy: bool = False
+    min_new_frames: int | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
         sampling.repetition_penalty = s.repetition_penalty
     if s.seed is not None:
         sampling.seed = s.seed
+    if s.min_new_frames is not None:
+        sampling.min_new_frames = s.min_new_frames
     req = talker_pb2.GenerateRequest(
         request_id=job.request_id,
         text=job.text,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from dataclasses import dataclass
@@ -48,9 +49,11 @@ def _check_sampling(s: SamplingOptions) -> SamplingOptions:
         raise InvalidArgument(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
     if s.seed is not None and not (0 <= s.seed < 2**63):
         raise InvalidArgument(f"seed must be a non-negative 63-bit integer, got {s.seed}")
+    if s.min_new_frames is not None and s.min_new_frames < 0:
+        raise InvalidArgument(f"min_new_tokens must be >= 0, got {s.min_new_frames}")
     # Temperature 0 means deterministic decoding, as in the OpenAI sampling APIs.
     if s.temperature == 0 and not s.greedy:
-        return SamplingOptions(None, s.top_k, s.top_p, s.repetition_penalty, s.seed, greedy=True)
+        return dataclasses.replace(s, temperature=None, greedy=True)
     return s
 
 

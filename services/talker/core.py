@@ -30,6 +30,8 @@ def merge_sampling(defaults: Any, overrides: SamplingOverrides) -> Any:
         for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
         if (value := getattr(overrides, name)) is not None
     }
+    if overrides.min_new_frames is not None:
+        changes["min_new_tokens"] = overrides.min_new_frames
     if overrides.greedy:
         # The API's greedy means argmax for every codebook, the code predictor's included.
         changes["greedy"] = True

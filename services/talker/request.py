@@ -22,6 +22,7 @@ class SamplingOverrides:
     repetition_penalty: float | None = None
     seed: int | None = None
     greedy: bool = False
+    min_new_frames: int | None = None
 
 
 @dataclass(frozen=True)

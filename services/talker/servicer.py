@@ -43,6 +43,7 @@ def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
         seed=s.seed if s.HasField("seed") else None,
         greedy=s.greedy,
+        min_new_frames=s.min_new_frames if s.HasField("min_new_frames") else None,
     )
     return GenerationRequest(
         request_id=msg.request_id,
