@@ -254,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-step-frames", type=int, default=3200)
     p.add_argument("--quick", action="store_true", help="fewer iterations and stream counts")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--revision", default=None, help="git revision to record (default: git rev-parse)")
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.iters = [s for s in args.streams if s in (1, 32, 128)], 5
@@ -263,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
-        "git": _git_rev(),
+        "git": args.revision or _git_rev(),
         "weights": "dummy (seeded random)",
         "decoder": "full-size speech tokenizer decoder (configs/speech_tokenizer)",
         "steady_state": {},

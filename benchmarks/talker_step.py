@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from qtts.engine.model_runner import (
+    DEFAULT_BATCH_BUCKETS,
     I_GREEDY,
     I_MINF,
     I_PGREEDY,
@@ -137,10 +138,11 @@ def fill_slots(runner: ModelRunner, position: int) -> None:
 
 
 def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, Any]:
-    """`variant` is ATTENTION/MODE: mode plain (module calls), fast (fused weights and norms) or
-    compile (fast + torch.compile of the per-layer elementwise work and the sampler)."""
+    """`variant` is ATTENTION/MODE: mode plain (module calls), fast (fused weights and norms),
+    compile (fast + torch.compile of the per-layer work and the sampler), or compile-nocarry
+    (compile, with the predictor writing its per-frame KV cache instead of carrying it)."""
     attention, _, mode = variant.partition("/")
-    mode = mode or "fast"
+    mode = mode or "compile"
     t0 = time.perf_counter()
     bundle = load_talker_bundle(name, device="cuda", dtype=torch.bfloat16, load_format="dummy")
     load_s = time.perf_counter() - t0
@@ -148,8 +150,10 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
     ctx_bucket = args.context_bucket
     cfg = RunnerConfig(
         max_len=ctx_bucket, max_batch=max(batches), num_slots=max(batches), max_trailing=64,
-        batch_buckets=tuple(batches), context_buckets=(ctx_bucket,), talker_attention=attention,
-        max_candidates=args.max_candidates, fast_path=mode != "plain", compile_layers=mode == "compile",
+        batch_buckets=tuple(b for b in DEFAULT_BATCH_BUCKETS if b <= max(batches)), context_buckets=(ctx_bucket,),
+        talker_attention=attention,
+        max_candidates=args.max_candidates, fast_path=mode != "plain", compile_layers=mode.startswith("compile"),
+        predictor_carry_kv=mode != "compile-nocarry",
     )
     runner = ModelRunner(bundle, cfg)
     fill_slots(runner, args.position)
@@ -303,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--variants", default="matmul/compile",
                     help="comma-separated ATTENTION/MODE (attention: sdpa, sdpa_grouped, matmul; "
-                    "mode: plain, fast, compile)")
+                    "mode: plain, fast, compile, compile-nocarry)")
     ap.add_argument("--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)")
     ap.add_argument("--quick", action="store_true", help="batches 1,64,256,1024 and fewer iterations")
     ap.add_argument("--engine", action="store_true", help="also run the whole GraphEngine (waves of joins) "

@@ -31,7 +31,8 @@ import asyncio
 import inspect
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+import sys
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -304,3 +305,26 @@ class GrpcServiceHost:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def run_service_main(
+    name: str,
+    config_from_args: Callable[[Sequence[str] | None], Any],
+    server_factory: Callable[[Any], Any],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """The body of every `python -m services.<name>`: parse and validate the config (exit 2 with
+    the message on a bad flag), then run the server until SIGTERM/SIGINT and its drain."""
+    try:
+        config = config_from_args(argv)
+    except TTSError as exc:
+        print(f"{name}: {exc.message}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level)
+
+    async def serve() -> None:
+        # Built inside the running loop: grpc.aio binds a server to the loop current at creation.
+        await server_factory(config).run()
+
+    asyncio.run(serve())
+    return 0

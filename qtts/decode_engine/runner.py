@@ -161,7 +161,9 @@ class StepRunner:
         `frame_only` stops after the transformer (used for the early part of a long prefix)."""
         m = self.model
         b, n, _ = codes.shape
-        idx = codes.clamp(min=0) + self._rvq_offsets
+        # Out-of-range codes must never reach the gather: on CUDA that is a device assert that
+        # poisons the whole process (the service validates codes; this is the last line).
+        idx = codes.clamp(min=0, max=self.cfg.codebook_size - 1) + self._rvq_offsets
         h = F.embedding(idx, self._rvq_table).sum(dim=2).transpose(1, 2)  # [B, codebook_dim, n]
         h = self._conv(m.pre_conv, h, slots)
         h = self._transformer(h.transpose(1, 2), slots, positions)

@@ -14,7 +14,7 @@ import torch
 from qtts.engine.kv_slots import DenseSlotTable
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.scheduler import Scheduler
-from qtts.engine.sequence import SeqStatus, Sequence
+from qtts.engine.sequence import Sequence
 from qtts.model.generator import StepOutput
 
 
@@ -145,7 +145,3 @@ class GraphEngine:
             else:
                 outputs.append(StepOutput(seq.request_id, codes[slot].clone(), False, None))
         return outputs
-
-    def status_of(self, request_id: str) -> SeqStatus | None:
-        seq = self.scheduler.get(request_id)
-        return None if seq is None else seq.status

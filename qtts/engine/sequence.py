@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -35,7 +35,6 @@ class Sequence:
     num_prefilled: int = 0  # prompt positions whose KV is in the slot
     num_frames: int = 0  # frames emitted so far (= talker decode steps taken)
     finish_reason: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_len(self) -> int:

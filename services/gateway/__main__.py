@@ -1,30 +1,16 @@
-"""`python -m services.gateway`: run the gateway (HTTP + tts.v1 gRPC) until SIGTERM/SIGINT."""
+"""`python -m services.gateway`: run the gateway (HTTP + tts.v1 gRPC) until SIGTERM/SIGINT (then drain)."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
-from qtts.errors import TTSError
-from qtts.grpc_server import configure_logging
-from services.gateway.config import GatewayConfig, config_from_args
+from qtts.grpc_server import run_service_main
+from services.gateway.config import config_from_args
 from services.gateway.server import GatewayServer
 
 
-async def _serve(config: GatewayConfig) -> None:
-    # Built inside the running loop: grpc.aio binds its server to the loop current at creation.
-    await GatewayServer(config).run()
-
-
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = config_from_args(argv)
-    except TTSError as exc:
-        print(f"gateway: {exc.message}", file=sys.stderr)
-        return 2
-    configure_logging(config.log_level)
-    asyncio.run(_serve(config))
-    return 0
+    return run_service_main("gateway", config_from_args, GatewayServer, argv)
 
 
 if __name__ == "__main__":

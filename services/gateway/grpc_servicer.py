@@ -8,9 +8,10 @@ import grpc
 
 from qtts.errors import InvalidArgument
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.sampling_overrides import overrides_from_pb
 
 from .audio_encoding import Resampler, make_encoder
-from .job import AudioPiece, SamplingOptions, SpeechFields, SynthesisSummary
+from .job import AudioPiece, SpeechFields, SynthesisSummary
 from .synthesis import SynthesisStream, Synthesizer
 from .voice_client import VoiceInfo
 from .voices import VoiceService
@@ -32,16 +33,7 @@ _FINISH = {"stop": tts_pb2.FINISH_REASON_STOP, "length": tts_pb2.FINISH_REASON_L
 def fields_from_pb(req: tts_pb2.SynthesizeRequest) -> SpeechFields:
     if req.task_type not in _TASKS:
         raise InvalidArgument(f"unknown task_type {req.task_type}")
-    s = req.sampling
-    sampling = SamplingOptions(
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_k=s.top_k if s.HasField("top_k") else None,
-        top_p=s.top_p if s.HasField("top_p") else None,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
-        seed=s.seed if s.HasField("seed") else None,
-        greedy=s.greedy,
-        min_new_frames=s.min_new_frames if s.HasField("min_new_frames") else None,
-    )
+    sampling = overrides_from_pb(req.sampling)
     return SpeechFields(
         text=req.text,
         model=req.model,

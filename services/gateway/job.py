@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qtts.sampling_overrides import SamplingOverrides
+
 TASKS = ("voice_clone", "custom_voice", "voice_design")
 # The task a model variant serves (config.json `tts_model_type` -> task).
 TASK_OF_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "voice_design": "voice_design"}
@@ -30,17 +32,8 @@ class ModelCatalog:
         return TASK_OF_MODEL_TYPE.get(self.model_type, "voice_clone")
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Optional sampling overrides; None keeps the model's generation_config.json default."""
-
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    greedy: bool = False
-    min_new_frames: int | None = None
+# The gateway's name for the shared per-request sampling overrides.
+SamplingOptions = SamplingOverrides
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import numpy as np
 
 from qtts.errors import Unavailable, from_grpc
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+from qtts.sampling_overrides import overrides_to_pb
 
 from .job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
 
@@ -22,20 +23,7 @@ _FINISH = {tts_pb2.FINISH_REASON_STOP: "stop", tts_pb2.FINISH_REASON_LENGTH: "le
 
 def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
     """The talker request of a validated job (reference audio already decoded to 24 kHz)."""
-    s = job.sampling
-    sampling = tts_pb2.SamplingParams(greedy=s.greedy)
-    if s.temperature is not None:
-        sampling.temperature = s.temperature
-    if s.top_k is not None:
-        sampling.top_k = s.top_k
-    if s.top_p is not None:
-        sampling.top_p = s.top_p
-    if s.repetition_penalty is not None:
-        sampling.repetition_penalty = s.repetition_penalty
-    if s.seed is not None:
-        sampling.seed = s.seed
-    if s.min_new_frames is not None:
-        sampling.min_new_frames = s.min_new_frames
+    sampling = overrides_to_pb(job.sampling)
     req = talker_pb2.GenerateRequest(
         request_id=job.request_id,
         text=job.text,

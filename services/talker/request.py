@@ -4,25 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qtts.sampling_overrides import SamplingOverrides
+
 VOICE_CLONE = "voice_clone"
 CUSTOM_VOICE = "custom_voice"
 VOICE_DESIGN = "voice_design"
 
 # The one task each model variant serves (config.json `tts_model_type` -> task).
 TASK_OF_MODEL_TYPE = {"base": VOICE_CLONE, "custom_voice": CUSTOM_VOICE, "voice_design": VOICE_DESIGN}
-
-
-@dataclass(frozen=True)
-class SamplingOverrides:
-    """Sampling fields the caller set; None keeps the model's generation_config default."""
-
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    greedy: bool = False
-    min_new_frames: int | None = None
 
 
 @dataclass(frozen=True)

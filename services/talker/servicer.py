@@ -11,6 +11,7 @@ import grpc
 
 from qtts.errors import InvalidArgument, Unavailable
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+from qtts.sampling_overrides import overrides_from_pb
 
 from .core import TalkerCore
 from .request import (
@@ -20,7 +21,6 @@ from .request import (
     AudioPiece,
     GenerationRequest,
     GenerationSummary,
-    SamplingOverrides,
 )
 
 _TASKS = {
@@ -35,16 +35,7 @@ _FINISH = {"stop": tts_pb2.FINISH_REASON_STOP, "length": tts_pb2.FINISH_REASON_L
 def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
     if msg.task_type not in _TASKS:
         raise InvalidArgument(f"unknown task_type {msg.task_type}")
-    s = msg.sampling
-    sampling = SamplingOverrides(
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_k=s.top_k if s.HasField("top_k") else None,
-        top_p=s.top_p if s.HasField("top_p") else None,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
-        seed=s.seed if s.HasField("seed") else None,
-        greedy=s.greedy,
-        min_new_frames=s.min_new_frames if s.HasField("min_new_frames") else None,
-    )
+    sampling = overrides_from_pb(msg.sampling)
     return GenerationRequest(
         request_id=msg.request_id,
         text=msg.text,

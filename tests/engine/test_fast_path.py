@@ -1,0 +1,70 @@
+"""The runner's fast path (q|k|v and gate|up weights concatenated, fused RMSNorm; the CUDA default)
+computes what the model core's modules compute, to rounding."""
+
+from __future__ import annotations
+
+import torch
+
+from qtts.engine.model_runner import ModelRunner, RunnerConfig
+from qtts.engine.scheduler import PrefillChunk
+from qtts.engine.sequence import Sequence
+from qtts.model import SamplingParams
+from tests.engine.tiny_talker import make_prompt
+
+
+def loaded_runner(bundle, fast: bool, prompts) -> tuple[ModelRunner, list[Sequence]]:
+    runner = ModelRunner(bundle, RunnerConfig(max_batch=4, max_len=64, max_trailing=8, fast_path=fast))
+    seqs = []
+    for slot, p in enumerate(prompts):
+        seq = Sequence(f"s{slot}", p, SamplingParams(greedy=True), seed=slot, max_frames=5, cap_reason="length")
+        seq.slot = slot
+        seqs.append(seq)
+    # Two ragged prefill calls: a chunk of each prompt, then the rest.
+    runner.prefill([PrefillChunk(s, 0, min(5, s.num_prefill_positions)) for s in seqs])
+    runner.prefill([PrefillChunk(s, 5, s.num_prefill_positions) for s in seqs])
+    runner.start(seqs)
+    return runner, seqs
+
+
+def test_fast_prefill_and_decode_match_the_module_path(tiny_bundle):
+    prompts = [make_prompt(tiny_bundle, n, 2, seed=500 + n) for n in (7, 12, 16)]
+    slow, seqs = loaded_runner(tiny_bundle, False, prompts)
+    fast, _ = loaded_runner(tiny_bundle, True, prompts)
+    assert fast.fast_path and not slow.fast_path
+    for s in seqs:
+        n = s.num_prefill_positions
+        assert torch.allclose(fast.k_cache[:, s.slot, :, :n], slow.k_cache[:, s.slot, :, :n], atol=1e-5)
+        assert torch.allclose(fast.v_cache[:, s.slot, :, :n], slow.v_cache[:, s.slot, :, :n], atol=1e-5)
+    for r in (slow, fast):
+        r.active[:3] = True
+    ctx = max(s.num_prefill_positions for s in seqs) + 1
+    h_slow, h_fast = slow._talker_decode(3, ctx), fast._talker_decode(3, ctx)
+    assert torch.allclose(h_fast, h_slow, atol=1e-5)
+    assert not torch.allclose(h_fast[0], h_fast[1])  # the rows are different streams
+
+
+def predictor_hiddens(runner: ModelRunner, hidden: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Final hidden state of every predictor step, teacher-forced with `codes` [n, 16]."""
+    pred = runner.predictor
+    proj = pred.small_to_mtp_projection
+    x = proj(torch.stack([hidden, runner.talker.model.codec_embedding(codes[:, 0])], dim=1))
+    carry: list = [None] * runner.pdec.num_layers
+    start, outs = 0, []
+    for j in range(pred.num_steps):
+        h = runner._predictor_layers(x, start, hidden.shape[0], carry)
+        start += x.shape[1]
+        outs.append(h[:, -1])
+        x = proj(pred.model.codec_embedding[j](codes[:, j + 1]))[:, None]
+    return torch.stack(outs, dim=1)
+
+
+def test_fast_predictor_matches_the_module_path(tiny_bundle):
+    slow = ModelRunner(tiny_bundle, RunnerConfig(max_batch=4, max_len=16, max_trailing=2, fast_path=False))
+    fast = ModelRunner(tiny_bundle, RunnerConfig(max_batch=4, max_len=16, max_trailing=2, fast_path=True))
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(3, slow.hidden, generator=g, dtype=tiny_bundle.dtype)
+    codes = torch.randint(0, 2048, (3, 16), generator=g)
+    want, got = predictor_hiddens(slow, hidden, codes), predictor_hiddens(fast, hidden, codes)
+    assert got.shape == (3, 15, slow.pdec.hidden_size)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(got[:, 0], got[:, 1])
