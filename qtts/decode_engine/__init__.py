@@ -24,7 +24,7 @@ import torch
 from qtts.decode_engine.batcher import BatchPlanner, PieceCollector, PlannerConfig, WorkItem
 from qtts.decode_engine.runner import PRECISIONS, StepRunner
 from qtts.decode_engine.slots import SlotPool, SlotPoolFull
-from qtts.model.codec_decoder import CodecDecoder
+from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # The service's default plan is a 2-frame first chunk, then 4, 4, 8, 16, 25; 1 and 3 fill gaps.
@@ -255,6 +255,19 @@ def build_slot_decoder(decoder: CodecDecoder, config: EngineConfig | None = None
     return engine
 
 
+def load_slot_decoder(
+    path_or_id: str,
+    *,
+    device: str | torch.device = "cuda",
+    load_format: str = "auto",
+    config: EngineConfig | None = None,
+) -> SlotDecoder:
+    """Load the codec decoder (fp32 reference weights; `config.precision` picks the compute path)
+    and build a captured `SlotDecoder` on it: the one call code2wav's model loader needs."""
+    decoder = load_codec_decoder(path_or_id, device=device, dtype=torch.float32, load_format=load_format)
+    return build_slot_decoder(decoder, config)
+
+
 __all__ = [
     "EngineConfig",
     "SlotDecoder",
@@ -262,4 +275,5 @@ __all__ = [
     "SlotPool",
     "SlotPoolFull",
     "build_slot_decoder",
+    "load_slot_decoder",
 ]

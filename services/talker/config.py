@@ -25,6 +25,8 @@ def _addresses(value: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in value.split(",") if a.strip())
 
 
+ENGINES = ("eager", "graph")
+
 @dataclass(frozen=True)
 class TalkerConfig:
     """Everything the talker needs at start-up; validated once by `validate()`."""
@@ -42,6 +44,9 @@ class TalkerConfig:
     speaker_cache: str = "127.0.0.1:50054"
     speaker_cache_timeout_s: float = 2.0
     max_batch: int = 64
+    # "eager": qtts.model.EagerGenerator; "graph": qtts.engine.GraphEngine (static KV slots, CUDA
+    # graphs per batch bucket on a GPU; the same code runs eagerly on a CPU).
+    engine: str = "eager"
     # Requests waiting for a generator slot beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
     max_queue: int = 256
     # Frames a stream may generate ahead of the credit code2wav granted (its send buffer bound).
@@ -73,6 +78,8 @@ class TalkerConfig:
             host, sep, port = addr.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise InvalidArgument(f"--code2wav address {addr!r} is not host:port")
+        if self.engine not in ENGINES:
+            raise InvalidArgument(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.max_batch < 1:
             raise InvalidArgument(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.max_queue < 0:
@@ -130,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="streams generated together in one batched step",
     )
     p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=_env("ENGINE", d.engine),
+        help="generation engine: eager (reference) or graph (CUDA-graph frame step)",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         default=int(_env("MAX_QUEUE", str(d.max_queue))),
@@ -166,6 +179,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         speaker_cache=a.speaker_cache.strip(),
         speaker_cache_timeout_s=a.speaker_cache_timeout_s,
         max_batch=a.max_batch,
+        engine=a.engine,
         max_queue=a.max_queue,
         credit_window_frames=a.credit_window_frames,
         ring_vnodes=a.ring_vnodes,

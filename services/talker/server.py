@@ -46,10 +46,19 @@ def load_bundle(config: TalkerConfig) -> Any:
     )
 
 
-def default_generator_factory(bundle: Any, max_batch: int) -> Any:
+def eager_generator_factory(bundle: Any, max_batch: int) -> Any:
     from qtts.model import EagerGenerator
 
     return EagerGenerator(bundle, max_batch=max_batch)
+
+
+def graph_engine_factory(bundle: Any, max_batch: int) -> Any:
+    from qtts.engine import GraphEngine
+
+    return GraphEngine(bundle, max_batch=max_batch)
+
+
+GENERATOR_FACTORIES = {"eager": eager_generator_factory, "graph": graph_engine_factory}
 
 
 class TalkerServer:
@@ -67,7 +76,7 @@ class TalkerServer:
         self.config = config
         self.metrics = TalkerMetrics(CollectorRegistry())
         self.bundle = bundle
-        self._generator_factory = generator_factory or default_generator_factory
+        self._generator_factory = generator_factory or GENERATOR_FACTORIES[config.engine]
         self._spec_factory = spec_factory
         self._run_warm_up = run_warm_up
         self.host = GrpcServiceHost(
@@ -94,7 +103,8 @@ class TalkerServer:
             self.bundle = await asyncio.to_thread(load_bundle, self.config)
         info = self.bundle.info
         log.info("loaded %s (%s, %s)", info.name, info.model_type, info.model_size)
-        generator = self._generator_factory(self.bundle, self.config.max_batch)
+        # Graph capture takes a while on a GPU: off the loop, so health keeps answering.
+        generator = await asyncio.to_thread(self._generator_factory, self.bundle, self.config.max_batch)
         if self._run_warm_up:
             # Before the engine thread exists: the generator is only ever driven by one thread.
             await asyncio.to_thread(warm_up, self.bundle, generator)

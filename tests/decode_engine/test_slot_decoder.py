@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtts.decode_engine import EngineConfig, SlotDecoder, SlotPoolFull
+from qtts.decode_engine import EngineConfig, SlotDecoder, SlotPoolFull, load_slot_decoder
 from qtts.decode_engine.runner import conv_stack_receptive_frames, precision_flags
 from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
@@ -200,6 +200,15 @@ def test_bf16_fast_path_snr_against_fp32(decoder):
     snr = _snr_db(ref, got)
     assert snr >= BF16_MIN_SNR_DB, f"bf16 SNR {snr:.1f} dB"
     assert snr < 100  # it really ran in bf16
+
+
+def test_load_slot_decoder_from_a_snapshot_folder(decoder, tmp_path):
+    write_tiny_speech_tokenizer(tmp_path, seed=0)
+    engine = load_slot_decoder(str(tmp_path), device="cpu", config=EngineConfig(max_streams=2))
+    assert engine.pool.capacity == 2 and engine.runner.precision == "tf32"
+    codes = _codes(5, seed=8)
+    state = engine.start()
+    torch.testing.assert_close(engine.decode(state, codes), decoder.decode(codes), atol=ATOL, rtol=0)
 
 
 def test_config_validation():

@@ -140,3 +140,25 @@ def test_warm_up_runs_on_the_real_model_and_leaves_the_generator_empty(tiny_talk
     gen = EagerGenerator(bundle, max_batch=2)
     assert warm_up(bundle, gen, frames=2)
     assert gen.num_active == 0
+
+
+async def test_graph_engine_serves_the_same_greedy_frames_as_the_eager_generator(custom_voice_bundle):
+    """`--engine graph` (GraphEngine; eager on a CPU) is a drop-in for the reference generator."""
+    speaker = sorted(custom_voice_bundle.info.speakers)[0]
+    frames = {}
+    for engine in ("eager", "graph"):
+        c2w = FakeCode2Wav("c2w-a")
+        async with real_stack(custom_voice_bundle, [c2w], engine=engine) as s:
+            chunks, summary = await generate_all(
+                s.stub,
+                request_id=f"req-{engine}",
+                text="Hello world.",
+                voice=speaker,
+                language="english",
+                max_new_frames=4,
+                sampling=tts_pb2.SamplingParams(greedy=True),
+            )
+            assert summary.num_frames == 4 and sum(c.num_samples for c in chunks) == 4 * 1920
+            frames[engine] = list(c2w.logs[0].frames)
+            await eventually(lambda: s.generator.num_active == 0)
+    assert len(frames["graph"]) == 4 and frames["graph"] == frames["eager"]
