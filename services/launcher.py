@@ -16,6 +16,7 @@ import base64
 import io
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -57,6 +58,8 @@ def default_code2wav_ports(n: int, first: int = 50053, skip: int = 50054) -> tup
         port += 1
     return tuple(ports)
 
+
+SERVICE_NAMES = ("gateway", "talker", "code2wav", "speaker_cache")
 
 @dataclass(frozen=True)
 class StackConfig:
@@ -428,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    for service in SERVICE_NAMES:
+        p.add_argument(f"--{service.replace('_', '-')}-args", default="", metavar="FLAGS",
+                       help=f"extra flags for {service}, e.g. --talker-args '--engine graph --max-batch 256'")
     return p
 
 
@@ -442,6 +448,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
         host=ns.host, http_port=ns.http_port, grpc_port=ns.grpc_port,
         code2wav_ports=default_code2wav_ports(n), code2wav_metrics_ports=default_code2wav_ports(n, 9103, 9104),
         log_dir=ns.log_dir, startup_timeout_s=ns.startup_timeout,
+        extra_args={s: tuple(shlex.split(getattr(ns, f"{s}_args"))) for s in SERVICE_NAMES},
     ).validate()
 
 
