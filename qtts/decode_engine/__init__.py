@@ -83,6 +83,9 @@ class SlotState:
 class SlotDecoder:
     """Stateful chunked decoding for many streams at once; see the module docstring."""
 
+    # Codes are best passed as CPU tensors: one step gathers every row into one host-to-device copy.
+    accepts_host_codes = True
+
     def __init__(self, decoder: CodecDecoder, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         cfg = self.config

@@ -124,8 +124,14 @@ class StepRunner:
         self.pool = SlotPool(state_layout(self.model), capacity, device=self.device, dtype=self.dtype)
         self.prefix_tail_frames = conv_stack_receptive_frames(self.model)
         self._rvq_table, self._rvq_offsets = self._fold_rvq(decoder)
+        # RoPE frequencies from the fp32 reference: a bf16 copy would round them, and the error
+        # grows with the distance between positions.
+        self._inv_freq = decoder.pre_transformer.inv_freq.detach().float().clone()
+        # SnakeBeta factors from the fp32 parameters too (the model copy has the same module order).
         self._snake = {
-            id(m): snake_factors(m.alpha, m.beta) for m in self.model.modules() if isinstance(m, SnakeBeta)
+            id(mine): snake_factors(ref.alpha, ref.beta)
+            for ref, mine in zip(decoder.modules(), self.model.modules(), strict=True)
+            if isinstance(mine, SnakeBeta)
         }
         self._emulate = emulate_graphs and self.device.type != "cuda"
         self._graphs: dict[tuple[int, int], _StaticStep] = {}
@@ -262,7 +268,7 @@ class StepRunner:
         k_pos = torch.cat([ring_pos, q_pos], dim=1)  # [B, w + n]
         qp, kp = q_pos.unsqueeze(2), k_pos.unsqueeze(1)
         allowed = ((kp >= 0) & (kp <= qp) & (kp > qp - w)).unsqueeze(1)  # [B, 1, n, w + n]
-        freqs = q_pos.float().unsqueeze(-1) * t.inv_freq.float().view(1, 1, -1)
+        freqs = q_pos.float().unsqueeze(-1) * self._inv_freq.view(1, 1, -1)
         emb = torch.cat([freqs, freqs], dim=-1)
         cos = emb.cos().to(x.dtype).unsqueeze(1)
         sin = emb.sin().to(x.dtype).unsqueeze(1)

@@ -18,6 +18,9 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(f"TTS_CODE2WAV_{name}", default)
 
 
+DECODE_ENGINES = ("incremental", "slots")
+DECODE_PRECISIONS = ("fp32", "tf32", "bf16")
+
 @dataclass(frozen=True)
 class Code2WavConfig:
     """Everything code2wav needs at start-up; validated once by `validate()`."""
@@ -30,6 +33,11 @@ class Code2WavConfig:
     load_format: str = "auto"
     device: str = "cpu"
     dtype: str = "float32"
+    # "incremental": qtts.model.IncrementalDecoder (reference); "slots": qtts.decode_engine.SlotDecoder
+    # (static slot pool, CUDA graphs per captured shape, fused SnakeBeta on a GPU).
+    decode_engine: str = "incremental"
+    # Compute path of the slots engine: fp32 (reference) | tf32 | bf16; empty = from --dtype.
+    decode_precision: str = ""
     # Live decoder states; one more stream is rejected with RESOURCE_EXHAUSTED.
     max_states: int = 256
     max_batch: int = 64
@@ -63,6 +71,14 @@ class Code2WavConfig:
             )
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.decode_engine not in DECODE_ENGINES:
+            raise InvalidArgument(
+                f"--decode-engine must be one of {', '.join(DECODE_ENGINES)}, got {self.decode_engine!r}"
+            )
+        if self.decode_precision not in ("", *DECODE_PRECISIONS):
+            raise InvalidArgument(
+                f"--decode-precision must be one of {', '.join(DECODE_PRECISIONS)}, got {self.decode_precision!r}"
+            )
         for name in (
             "max_states",
             "max_batch",
@@ -111,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", d.load_format))
     p.add_argument("--device", default=_env("DEVICE", d.device))
     p.add_argument("--dtype", default=_env("DTYPE", d.dtype))
+    p.add_argument(
+        "--decode-engine",
+        choices=DECODE_ENGINES,
+        default=_env("DECODE_ENGINE", d.decode_engine),
+        help="incremental (reference) or slots (GPU engine: slot pool + CUDA graphs)",
+    )
+    p.add_argument(
+        "--decode-precision",
+        default=_env("DECODE_PRECISION", d.decode_precision),
+        help="slots engine compute path: fp32, tf32 or bf16 (default: from --dtype)",
+    )
     p.add_argument("--max-states", type=int, default=int(_env("MAX_STATES", str(d.max_states))))
     p.add_argument("--max-batch", type=int, default=int(_env("MAX_BATCH", str(d.max_batch))))
     p.add_argument(
@@ -151,6 +178,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> Code2WavConfig:
         load_format=ns.load_format,
         device=ns.device,
         dtype=ns.dtype,
+        decode_engine=ns.decode_engine,
+        decode_precision=ns.decode_precision,
         max_states=ns.max_states,
         max_batch=ns.max_batch,
         first_chunk_frames=ns.first_chunk_frames,

@@ -69,7 +69,8 @@ class DecodeEngine:
         self.policy = policy or CreditPolicy()
         self.limits = limits or StreamLimits()
         self.max_prefix_frames = max_prefix_frames
-        self.device = torch.device(device)
+        # Where codes go before decoding: the slot engine copies a whole step's codes at once.
+        self.device = torch.device("cpu" if getattr(decoder, "accepts_host_codes", False) else device)
         self.replica = replica
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-decode")
         self._wake = asyncio.Event()

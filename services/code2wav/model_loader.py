@@ -27,15 +27,46 @@ def default_model_dir() -> Path:
     return DEFAULT_TINY_MODEL
 
 
+# --dtype -> the slots engine's compute path when --decode-precision is not given.
+_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
+
+
+def _limits(decoder) -> StreamLimits:
+    return StreamLimits(
+        num_codebooks=decoder.cfg.num_quantizers,
+        codebook_size=decoder.cfg.codebook_size,
+        samples_per_frame=decoder.samples_per_frame,
+    )
+
+
 def load_incremental_decoder(model: str, *, load_format: str, device: str, dtype: str):
     """(IncrementalDecoder, StreamLimits) for `model` (path, hub id, or a shipped config name for dummy)."""
     from qtts.model import IncrementalDecoder, load_codec_decoder
 
     path = model or str(default_model_dir())
     decoder = load_codec_decoder(path, device=device, dtype=DTYPES[dtype], load_format=load_format)
-    limits = StreamLimits(
-        num_codebooks=decoder.cfg.num_quantizers,
-        codebook_size=decoder.cfg.codebook_size,
-        samples_per_frame=decoder.samples_per_frame,
-    )
-    return IncrementalDecoder(decoder), limits
+    return IncrementalDecoder(decoder), _limits(decoder)
+
+
+def load_slot_decoder(model: str, *, load_format: str, device: str, precision: str, max_states: int):
+    """(SlotDecoder, StreamLimits): the GPU engine, its pool sized to --max-states, graphs captured
+    here (minutes on a GPU) so the service reports SERVING only once it is ready."""
+    from qtts.decode_engine import EngineConfig
+    from qtts.decode_engine import load_slot_decoder as load
+
+    path = model or str(default_model_dir())
+    on_gpu = torch.device(device).type == "cuda"
+    config = EngineConfig(max_streams=max_states, precision=precision, cuda_graphs=on_gpu)
+    engine = load(path, device=device, load_format=load_format, config=config)
+    return engine, _limits(engine.decoder)
+
+
+def load_decoder(cfg):
+    """The decoder the config asks for: (decoder, StreamLimits)."""
+    if cfg.decode_engine == "slots":
+        precision = cfg.decode_precision or _PRECISION_OF_DTYPE[cfg.dtype]
+        return load_slot_decoder(
+            cfg.model, load_format=cfg.load_format, device=cfg.device, precision=precision,
+            max_states=cfg.max_states,
+        )
+    return load_incremental_decoder(cfg.model, load_format=cfg.load_format, device=cfg.device, dtype=cfg.dtype)

@@ -12,7 +12,7 @@ from qtts.metrics import Code2WavMetrics
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.decode_worker import DecodeEngine, IncrementalDecoderLike
-from services.code2wav.model_loader import load_incremental_decoder
+from services.code2wav.model_loader import load_decoder
 from services.code2wav.servicer import Code2WavServicer
 from services.code2wav.stream import StreamLimits
 
@@ -49,13 +49,7 @@ class Code2WavServer:
         """Load the decoder (unless injected), warm it up, serve; returns the bound port."""
         cfg = self.config
         if self._decoder is None:
-            self._decoder, self._limits = await asyncio.to_thread(
-                load_incremental_decoder,
-                cfg.model,
-                load_format=cfg.load_format,
-                device=cfg.device,
-                dtype=cfg.dtype,
-            )
+            self._decoder, self._limits = await asyncio.to_thread(load_decoder, cfg)
         self.engine = DecodeEngine(
             self._decoder,
             self.metrics,
