@@ -31,6 +31,10 @@ class ResourceExhausted(TTSError):
     """Admission control rejected the request (no free slot, state bound reached)."""
 
 
+class FailedPrecondition(TTSError):
+    """A stream protocol's order was broken (frames before start or beyond the granted credit)."""
+
+
 class Unavailable(TTSError):
     """A stage the request needs is not serving (starting, draining, or gone)."""
 
@@ -55,6 +59,7 @@ ERROR_TABLE: dict[type[TTSError], ErrorMapping] = {
     NotFound: ErrorMapping(404, "not_found_error", grpc.StatusCode.NOT_FOUND),
     AlreadyExists: ErrorMapping(409, "conflict_error", grpc.StatusCode.ALREADY_EXISTS),
     ResourceExhausted: ErrorMapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    FailedPrecondition: ErrorMapping(400, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION),
     Unavailable: ErrorMapping(503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE),
     GenerationFailed: ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL),
     Cancelled: ErrorMapping(499, "cancelled_error", grpc.StatusCode.CANCELLED),

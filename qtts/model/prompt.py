@@ -13,10 +13,16 @@ codec-track embedding C(.) (talker codec embedding), laid out exactly as the off
 The result is a `TalkerPrompt`: the prefill embeddings, the text embeddings to feed one per
 generated frame (`trailing`, then `pad_embed` forever), the ICL reference codes (the decoder's
 prefix) and the frame cap derived from the text length.
+
+It also names its reusable prefix: `prefix_len` leading positions whose embeddings depend only on
+the model and the voice side of the request (voice prompt or preset speaker, language, instruct,
+mode), never on the target text, and `prefix_key`, a sha256 of exactly those inputs, so the engine
+can keep their KV once per voice (`qtts.engine.prefix_cache`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,11 @@ TASK_FOR_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "v
 # instructed voice maybe twice that), so only a request that missed end-of-speech reaches it.
 FRAMES_PER_TEXT_TOKEN = 12
 FRAME_CAP_MARGIN = 40
+
+# A prefix shorter than this is not worth a cache entry: copying its KV into a slot costs about
+# what prefilling it does (a preset speaker or x-vector prompt without instruct has 8-9 positions).
+MIN_CACHED_PREFIX = 16
+PREFIX_KEY_VERSION = b"qtts-prompt-prefix-v1"
 
 
 def frame_cap(num_text_tokens: int, limit: int | None = None) -> int:
@@ -73,6 +84,33 @@ class TalkerPrompt:
     ref_codes: torch.Tensor | None  # [T, 16] decoder prefix (ICL)
     max_frames: int
     num_text_tokens: int
+    # Leading positions of `embeds` that depend only on the voice side of the request (not on the
+    # target text), and a stable hash of those inputs (None when the prefix is too short to cache).
+    prefix_key: str | None = None
+    prefix_len: int = 0
+
+
+class _PrefixHasher:
+    """sha256 over labelled fields, so that different field splits never collide."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256(PREFIX_KEY_VERSION)
+
+    def add(self, label: str, data: bytes | str | int | list[int] | torch.Tensor | None) -> None:
+        if data is None:
+            raw = b"<none>"
+        elif isinstance(data, torch.Tensor):
+            raw = str(data.dtype).encode() + str(tuple(data.shape)).encode() + data.detach().cpu().contiguous().numpy().tobytes()
+        elif isinstance(data, bytes):
+            raw = data
+        elif isinstance(data, list):
+            raw = b",".join(str(int(i)).encode() for i in data)
+        else:
+            raw = str(data).encode()
+        self._h.update(label.encode() + b"\0" + len(raw).to_bytes(8, "little") + raw)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 def assistant_text(text: str) -> str:
@@ -90,12 +128,21 @@ def instruct_text(instruct: str) -> str:
 class PromptBuilder:
     """Builds `TalkerPrompt`s from `SynthesisSpec`s with a loaded talker and tokenizer."""
 
-    def __init__(self, config: ModelConfig, talker, code_predictor, tokenizer, frame_limit: int | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        talker,
+        code_predictor,
+        tokenizer,
+        frame_limit: int | None = None,
+        model_name: str | None = None,
+    ):
         self.config = config
         self.talker = talker
         self.code_predictor = code_predictor
         self.tokenizer = tokenizer
         self.frame_limit = frame_limit
+        self.model_name = model_name  # part of the prefix key (a cache may outlive one model)
 
     # -- helpers ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -192,15 +239,41 @@ class PromptBuilder:
         n = codec.shape[1]
         head = torch.cat([tts_pad.expand(-1, n - 2, -1), tts_bos], dim=1) + codec[:, :-1]
 
+        # Everything that shapes the positions before the body goes into the prefix key.
+        key = _PrefixHasher()
+        key.add("model", f"{cfg.tts_model_type}/{cfg.tts_model_size}/{self.model_name or ''}")
+        key.add("hidden", int(self.talker.codec_head.weight.shape[1]))
+        key.add("codec_prefix", prefix)
+        if spec.task == "custom_voice":
+            key.add("speaker", tcfg.speaker_ids[speaker] if speaker else None)
+        elif spec.task == "voice_clone":
+            key.add("x_vector", voice.x_vector.detach().to("cpu", torch.float32).reshape(-1))
+
         parts = []
         if instruct:
-            parts.append(self._text(encode(self.tokenizer, instruct_text(instruct))))
+            instruct_ids = encode(self.tokenizer, instruct_text(instruct))
+            key.add("instruct", instruct_ids)
+            parts.append(self._text(instruct_ids))
+        else:
+            key.add("instruct", None)
+        # The role's tokens come from the target's tokenisation: a text that starts with a newline
+        # merges into the role's "\n" token, so the key takes the ids actually used.
+        key.add("role", ids[:3])
         parts.append(self._text(ids[:3]))
         parts.append(head)
+        num_head = sum(p.shape[1] for p in parts)
 
         empty = tts_pad[:, :0]
+        num_voice_body = 0  # leading body positions that depend on the voice only
         if icl:
             ref_ids = encode(self.tokenizer, ref_text_block(voice.ref_text))[3:-2]
+            # Body position i is T(x_i) + Y_i (streaming) or T(x_i) + C(pad) (non-streaming) with
+            # x = ref tokens + target tokens + tts_eos and Y = C(codec_bos), reference frames: the
+            # first target token enters at body position len(ref_ids).
+            num_voice_body = len(ref_ids)
+            key.add("icl_streaming", bool(streaming))
+            key.add("ref_text", ref_ids)
+            key.add("ref_codes", voice.ref_codes.detach().to("cpu", torch.long))
             text_embed = torch.cat([self._text(ref_ids + target), tts_eos], dim=1)
             ref_codes = voice.ref_codes.to(self._device(), torch.long)
             codec_embed = torch.cat([self._codec([tcfg.codec_bos_id]), self.frame_embeds(ref_codes)[None]], dim=1)
@@ -224,11 +297,15 @@ class PromptBuilder:
             parts.append(tts_pad + self._codec([tcfg.codec_bos_id]))
             trailing = empty
 
+        embeds = torch.cat(parts, dim=1)[0]
+        prefix_len = min(num_head + num_voice_body, int(embeds.shape[0]))
         return TalkerPrompt(
-            embeds=torch.cat(parts, dim=1)[0],
+            embeds=embeds,
             trailing=trailing[0],
             pad_embed=tts_pad[0, 0],
             ref_codes=voice.ref_codes.to(torch.long).cpu() if icl else None,
             max_frames=frame_cap(len(target), self.frame_limit),
             num_text_tokens=len(target),
+            prefix_key=key.hexdigest() if prefix_len >= MIN_CACHED_PREFIX else None,
+            prefix_len=prefix_len,
         )

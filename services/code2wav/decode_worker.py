@@ -18,12 +18,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from qtts.decode_events import DecodedAudio
 from qtts.errors import GenerationFailed, InvalidArgument
 from qtts.metrics import Code2WavMetrics
 from services.code2wav.chunk_planner import ChunkPlan
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
-from services.code2wav.stream import AudioChunk, DecodeStream, StreamLimits
+from services.code2wav.stream import DecodeStream, StreamLimits
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class DecodeEngine:
             self.metrics.decode_seconds.observe(elapsed_ns / 1e9)
             for (stream, first, chunk_codes), (pcm, num_samples) in zip(batch, outputs, strict=True):
                 if not stream.closed:
-                    stream.deliver(AudioChunk(pcm, num_samples, first, len(chunk_codes), elapsed_ns))
+                    stream.deliver(DecodedAudio(pcm, num_samples, first, len(chunk_codes), elapsed_ns))
 
     def _collect(self) -> list[tuple[DecodeStream, int, np.ndarray]]:
         ready = [s for s in self.registry if s.ready_frames() > 0]

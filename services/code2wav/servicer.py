@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
-from qtts.errors import InvalidArgument, TTSError
+from qtts.decode_events import Credit, DecodedAudio, DecodeEvent, Done
+from qtts.errors import FailedPrecondition, InvalidArgument, TTSError
 from qtts.pb import code2wav_pb2 as pb
 from qtts.pb import code2wav_pb2_grpc
 from services.code2wav.decode_worker import DecodeEngine
-from services.code2wav.stream import AudioChunk, Credit, DecodeStream, Done, FailedPrecondition, StreamEvent
+from services.code2wav.stream import DecodeStream
 
 
 def codes_from_bytes(data: bytes, num_frames: int, num_codebooks: int, what: str) -> np.ndarray:
@@ -26,14 +27,14 @@ def codes_from_bytes(data: bytes, num_frames: int, num_codebooks: int, what: str
     return np.frombuffer(data, dtype="<i2").reshape(num_frames, num_codebooks)
 
 
-def event_to_pb(stream_id: str, seq: int, event: StreamEvent) -> pb.DecodeResponse:
+def event_to_pb(stream_id: str, seq: int, event: DecodeEvent) -> pb.DecodeResponse:
     if isinstance(event, Credit):
         return pb.DecodeResponse(
             stream_id=stream_id,
             sequence_number=seq,
             credit=pb.CreditGrant(frames_allowed_until=event.frames_allowed_until),
         )
-    if isinstance(event, AudioChunk):
+    if isinstance(event, DecodedAudio):
         audio = pb.AudioOut(
             pcm_s16le=event.pcm_s16le,
             num_samples=event.num_samples,

@@ -14,38 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from qtts.errors import InvalidArgument, TTSError
+from qtts.decode_events import Credit, DecodedAudio, DecodeEvent, Done
+from qtts.errors import FailedPrecondition, InvalidArgument
 from qtts.metrics import Code2WavMetrics
 from services.code2wav.chunk_planner import ChunkPlan
 from services.code2wav.credit import CreditPolicy
-
-
-class FailedPrecondition(TTSError):
-    """The client broke the stream protocol's order (frames before start or beyond the credit)."""
-
-
-@dataclass(frozen=True)
-class Credit:
-    frames_allowed_until: int
-
-
-@dataclass(frozen=True)
-class AudioChunk:
-    pcm_s16le: bytes
-    num_samples: int
-    first_frame_index: int
-    num_frames: int
-    decode_ns: int
-
-
-@dataclass(frozen=True)
-class Done:
-    num_frames: int
-    num_samples: int
-    replica: str
-
-
-StreamEvent = Credit | AudioChunk | Done
 
 
 @dataclass(frozen=True)
@@ -88,7 +61,7 @@ class DecodeStream:
         self.closed = False
         self.finished = False
         self._pending = np.zeros((0, limits.num_codebooks), dtype=np.int16)
-        self._outbox: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
+        self._outbox: asyncio.Queue[DecodeEvent | BaseException] = asyncio.Queue()
 
     # ---------------------------------------------------------------- client events
 
@@ -171,7 +144,7 @@ class DecodeStream:
         self.chunk_index += 1
         return self.decoded_frames, codes
 
-    def deliver(self, chunk: AudioChunk) -> None:
+    def deliver(self, chunk: DecodedAudio) -> None:
         """The decoded audio of the chunk taken last."""
         self.in_flight = False
         self.decoded_frames += chunk.num_frames
@@ -198,7 +171,7 @@ class DecodeStream:
         self.received_frames = self.decoded_frames
         self._pending = self._pending[:0]
 
-    async def events(self) -> AsyncIterator[StreamEvent]:
+    async def events(self) -> AsyncIterator[DecodeEvent]:
         """Credit grants and audio chunks in order, then Done; raises the error that ended the stream."""
         while True:
             item = await self._outbox.get()

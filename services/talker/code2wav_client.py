@@ -13,33 +13,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from qtts.decode_events import Credit, DecodedAudio, Done
 from qtts.errors import TTSError, Unavailable, from_grpc
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 
 # Status codes that mean the replica itself is gone or unreachable (not a verdict on the stream).
 # CANCELLED comes from the server side only when it stopped under us: our own cancel ends reading.
 REPLICA_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-
-
-@dataclass(frozen=True)
-class Credit:
-    frames_allowed_until: int
-
-
-@dataclass(frozen=True)
-class Audio:
-    pcm_s16le: bytes
-    num_samples: int
-    first_frame_index: int
-    num_frames: int
-    decode_ns: int
-
-
-@dataclass(frozen=True)
-class Done:
-    num_frames: int
-    num_samples: int
-    replica: str
 
 
 @dataclass(frozen=True)
@@ -55,7 +35,7 @@ class DecodeClosed:
     """The server closed the call without StreamDone."""
 
 
-DecodeEvent = Credit | Audio | Done | DecodeFailed | DecodeClosed
+DecodeEvent = Credit | DecodedAudio | Done | DecodeFailed | DecodeClosed
 
 
 def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
@@ -134,7 +114,7 @@ class DecodeStream:
                     yield Credit(msg.credit.frames_allowed_until)
                 elif kind == "audio":
                     a = msg.audio
-                    yield Audio(a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns)
+                    yield DecodedAudio(a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns)
                 elif kind == "done":
                     self._finished = True
                     yield Done(msg.done.num_frames, msg.done.num_samples, msg.done.replica)

@@ -108,7 +108,7 @@ class StreamSession:
                     self._heard_from_replica = True
                     self._engine.grant(self._request, ev.frames_allowed_until)
                     await self._flush()
-                elif isinstance(ev, c2w.Audio):
+                elif isinstance(ev, c2w.DecodedAudio):
                     self._heard_from_replica = True
                     if not first_audio_ns:
                         first_audio_ns = int((time.perf_counter() - self._started_at) * 1e9)

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from qtts.decode_events import Credit, DecodedAudio
+from qtts.errors import FailedPrecondition
 from qtts.metrics import Code2WavMetrics
 from qtts.pb import code2wav_pb2 as pb
 from qtts.pb import code2wav_pb2_grpc
@@ -14,7 +16,7 @@ from services.code2wav.chunk_planner import ChunkPlan
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.server import Code2WavServer
-from services.code2wav.stream import AudioChunk, Credit, DecodeStream, FailedPrecondition, StreamLimits
+from services.code2wav.stream import DecodeStream, StreamLimits
 
 SPF = 1920
 
@@ -60,7 +62,7 @@ def _decode_ready(stream: DecodeStream) -> None:
     while stream.ready_frames():
         first, codes = stream.take_chunk()
         n = codes.shape[0]
-        stream.deliver(AudioChunk(b"\0\0" * n * SPF, n * SPF, first, n, 0))
+        stream.deliver(DecodedAudio(b"\0\0" * n * SPF, n * SPF, first, n, 0))
 
 
 def test_stream_without_acks_stops_at_max_ahead_and_acks_reopen_it():

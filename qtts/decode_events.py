@@ -1,0 +1,39 @@
+"""What one code2wav Decode stream says back, as domain events on both ends of the stream.
+
+code2wav's servicer turns these into `code2wav.v1.DecodeResponse` messages and the talker's client
+turns the messages back into them, so neither side's core imports the protobuf modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Credit:
+    """Permission to send frames up to (excluding) `frames_allowed_until`."""
+
+    frames_allowed_until: int
+
+
+@dataclass(frozen=True)
+class DecodedAudio:
+    """PCM s16le of frames [first_frame_index, first_frame_index + num_frames)."""
+
+    pcm_s16le: bytes
+    num_samples: int
+    first_frame_index: int
+    num_frames: int
+    decode_ns: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """The stream's last event: every frame decoded and sent."""
+
+    num_frames: int
+    num_samples: int
+    replica: str
+
+
+DecodeEvent = Credit | DecodedAudio | Done
