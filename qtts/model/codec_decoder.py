@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qtts.model.layers import RMSNorm
+
 _REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -217,19 +219,6 @@ class ConvNeXtBlock(nn.Module):
         h = self.dwconv(x, ctx).transpose(1, 2)
         h = self.pwconv2(self.act(self.pwconv1(self.norm(h))))
         return x + (self.gamma * h).transpose(1, 2)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class LayerScale(nn.Module):
