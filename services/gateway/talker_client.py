@@ -58,11 +58,15 @@ def summary_from_pb(s: talker_pb2.GenerateSummary) -> SynthesisSummary:
 
 
 class TalkerClient:
-    """Calls `talker.v1.TalkerService` over one shared channel."""
+    """Calls `talker.v1.TalkerService` over one shared channel.
+
+    With a DNS name that resolves to several talker pods (`dns:///talker-headless:50052`), each
+    Generate call goes to the next pod (round robin), so streams spread over talker replicas.
+    """
 
     def __init__(self, address: str):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=[("grpc.lb_policy_name", "round_robin")])
         self._stub = talker_pb2_grpc.TalkerServiceStub(self._channel)
 
     @property
