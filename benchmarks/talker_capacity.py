@@ -108,7 +108,9 @@ class LevelRun:
     finished: int = 0
 
 
-def run_level(eng: GraphEngine, prompts: list[TalkerPrompt], n: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_level(
+    eng: GraphEngine, counter: PrefillCounter, prompts: list[TalkerPrompt], n: int, args: argparse.Namespace
+) -> dict[str, Any]:
     """Hold `n` requests in the engine (replacing each finished one), measure `args.measure_steps`
     steps once every initial request produced a frame."""
     run = LevelRun(target=n)
@@ -128,14 +130,14 @@ def run_level(eng: GraphEngine, prompts: list[TalkerPrompt], n: int, args: argpa
     warm_steps = 0
     limit = args.max_warmup_steps
     while True:
-        plan_prefill = _prefill_positions(eng)
+        counter.positions = 0
         t0 = time.perf_counter()
         outs = eng.step()
         t1 = time.perf_counter()
         if measuring:
             run.step_ms.append((t1 - t0) * 1e3)
             run.running_per_step.append(len(outs))
-            run.prefill_per_step.append(plan_prefill)
+            run.prefill_per_step.append(counter.positions)
         for o in outs:
             rid = o.request_id
             if o.codes is not None:
@@ -149,9 +151,9 @@ def run_level(eng: GraphEngine, prompts: list[TalkerPrompt], n: int, args: argpa
                     run.started_initial.add(rid)
             if o.finished:
                 run.last_frame_s.pop(rid, None)
-                run.finished += measuring
+                run.finished += int(measuring)
                 add(frames)  # the replacement arrives at once: prefill traffic never stops
-                run.arrivals += measuring
+                run.arrivals += int(measuring)
         if not measuring:
             warm_steps += 1
             if len(run.started_initial) == n or warm_steps >= limit:
@@ -163,11 +165,17 @@ def run_level(eng: GraphEngine, prompts: list[TalkerPrompt], n: int, args: argpa
     return summarize(run, warm_steps, args)
 
 
-def _prefill_positions(eng: GraphEngine) -> int:
-    """Prompt positions still to prefill (an upper bound on this step's prefill work)."""
-    sched = eng.scheduler
-    pending = sum(s.num_prefill_positions - s.num_prefilled for s in sched.running.values() if not s.prefill_done)
-    return min(pending, eng.config.max_prefill_tokens)
+class PrefillCounter:
+    """Wraps the runner's `prefill` to count the prompt positions written per step."""
+
+    def __init__(self, runner) -> None:
+        self.positions = 0
+        self._prefill = runner.prefill
+        runner.prefill = self
+
+    def __call__(self, chunks) -> None:
+        self.positions += sum(c.end - c.start for c in chunks)
+        self._prefill(chunks)
 
 
 def summarize(run: LevelRun, warm_steps: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -285,9 +293,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     eng = GraphEngine(bundle, config=engine_config(args, max(args.streams)))
     start_s = time.perf_counter() - t0
+    counter = PrefillCounter(eng.runner)
     levels = []
     for n in args.streams:
-        res = run_level(eng, prompts, n, args)
+        res = run_level(eng, counter, prompts, n, args)
         levels.append(res)
         print(f"streams {n:5d}: step p50 {res['step_ms_p50']:.2f} ms, interval p99 {res['interval_ms_p99']:.2f} ms "
               f"(max {res['interval_ms_max']:.2f}), p99/step {res['p99_interval_over_median_step']:.2f}, "
