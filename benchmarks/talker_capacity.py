@@ -218,14 +218,14 @@ def load_bundle(args: argparse.Namespace, workdir: Path):
     return load_talker_bundle(args.model, device=args.device, dtype=dtype, load_format="dummy")
 
 
-def engine_config(args: argparse.Namespace, max_streams: int) -> EngineConfig:
+def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int) -> EngineConfig:
     ctx_step = 128 if not args.tiny else 16
     max_len = ctx_step * math.ceil((args.prompt_len + args.frames + 2) / ctx_step)
     runner = RunnerConfig(
         max_len=max_len,
         max_batch=max_streams,
         num_slots=max_streams,
-        max_trailing=64,
+        max_trailing=max(16, max_trailing),
         context_step=ctx_step,
         batch_buckets=tuple(b for b in DEFAULT_BATCH_BUCKETS if b <= max_streams) or (max_streams,),
         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         load_s = time.perf_counter() - t0
     prompts = build_prompts(bundle, args.prompt_pool, args.prompt_len)
     t0 = time.perf_counter()
-    eng = GraphEngine(bundle, config=engine_config(args, max(args.streams)))
+    max_trailing = max(int(p.trailing.shape[0]) for p in prompts)
+    eng = GraphEngine(bundle, config=engine_config(args, max(args.streams), max_trailing))
     start_s = time.perf_counter() - t0
     counter = PrefillCounter(eng.runner)
     levels = []

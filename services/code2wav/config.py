@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qtts.errors import InvalidArgument
+from qtts.service_config import add_server_flags, check_server_fields, env_lookup
 from services.code2wav.chunk_planner import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, ChunkPlan
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.model_loader import DTYPES
 
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TTS_CODE2WAV_{name}", default)
+_env = env_lookup("code2wav")
 
 
 DECODE_ENGINES = ("incremental", "slots")
@@ -61,10 +59,7 @@ class Code2WavConfig:
 
     def validate(self) -> Code2WavConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if not 0 <= value <= 65535:
-                raise InvalidArgument(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
+        check_server_fields(self)
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise InvalidArgument(
                 f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}"
@@ -96,8 +91,6 @@ class Code2WavConfig:
                 f"the largest chunk ({largest} frames) must fit in --credit-window-frames and "
                 f"--max-ahead-frames, or a stream could never fill it"
             )
-        if self.drain_seconds < 0:
-            raise InvalidArgument(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
         return self
 
 
@@ -111,14 +104,7 @@ def _ramp(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     d = Code2WavConfig()
     p = argparse.ArgumentParser(prog="python -m services.code2wav", description=__doc__)
-    p.add_argument("--host", default=_env("HOST", d.host))
-    p.add_argument("--port", type=int, default=int(_env("PORT", str(d.port))))
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(_env("METRICS_PORT", str(d.metrics_port))),
-        help="Prometheus metrics port (0 = off)",
-    )
+    add_server_flags(p, _env, d)
     p.add_argument(
         "--model",
         default=_env("MODEL", d.model),
@@ -162,8 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=_env("REPLICA_NAME", d.replica_name),
         help="name reported in StreamDone (default: host name and port)",
     )
-    p.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", str(d.drain_seconds))))
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
     return p
 
 

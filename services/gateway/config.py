@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qtts.errors import InvalidArgument
+from qtts.service_config import add_server_flags, check_server_fields, env_lookup
 
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TTS_GATEWAY_{name}", default)
+_env = env_lookup("gateway")
 
 
 @dataclass(frozen=True)
@@ -38,10 +36,7 @@ class GatewayConfig:
 
     def validate(self) -> GatewayConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
-        for name in ("http_port", "grpc_port", "metrics_port"):
-            port = getattr(self, name)
-            if not 0 <= port <= 65535:
-                raise InvalidArgument(f"--{name.replace('_', '-')} must be in 0..65535, got {port}")
+        check_server_fields(self, ports=("http_port", "grpc_port"))
         if self.http_port == 0 or self.grpc_port == 0:
             raise InvalidArgument("--http-port and --grpc-port must be set (non-zero)")
         for name in ("talker", "speaker_cache"):
@@ -54,23 +49,13 @@ class GatewayConfig:
             raise InvalidArgument("--max-input-chars and --max-new-frames-limit must be >= 1")
         if not 8000 <= self.sample_rate <= 48000:
             raise InvalidArgument(f"--sample-rate must be in 8000..48000 Hz, got {self.sample_rate}")
-        if self.drain_seconds < 0:
-            raise InvalidArgument(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
         return self
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = GatewayConfig()
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    p.add_argument("--host", default=_env("HOST", d.host))
-    p.add_argument("--http-port", type=int, default=int(_env("HTTP_PORT", str(d.http_port))))
-    p.add_argument("--grpc-port", type=int, default=int(_env("GRPC_PORT", str(d.grpc_port))))
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(_env("METRICS_PORT", str(d.metrics_port))),
-        help="Prometheus metrics port (0 = off)",
-    )
+    add_server_flags(p, _env, d, ports=("http_port", "grpc_port"))
     p.add_argument("--talker", default=_env("TALKER", d.talker), help="talker host:port")
     p.add_argument(
         "--speaker-cache", default=_env("SPEAKER_CACHE", d.speaker_cache), help="speaker_cache host:port"
@@ -98,9 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output sample rate when a request does not set one (native: 24000)")
     p.add_argument("--max-ref-audio-bytes", type=int,
                    default=int(_env("MAX_REF_AUDIO_BYTES", str(d.max_ref_audio_bytes))))
-    p.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", str(d.drain_seconds))),
-                   help="on SIGTERM, how long in-flight streams may run before they are cancelled")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
     return p
 
 

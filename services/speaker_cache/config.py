@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qtts.errors import InvalidArgument
+from qtts.service_config import add_server_flags, check_server_fields, env_lookup
 
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TTS_SPEAKER_CACHE_{name}", default)
+_env = env_lookup("speaker_cache")
 
 
 @dataclass(frozen=True)
@@ -38,10 +37,7 @@ class SpeakerCacheConfig:
 
     def validate(self) -> SpeakerCacheConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if not 0 <= value <= 65535:
-                raise InvalidArgument(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
+        check_server_fields(self)
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise InvalidArgument(
                 f"--redis-url must start with redis://, rediss:// or unix://, got {self.redis_url!r}"
@@ -57,14 +53,7 @@ class SpeakerCacheConfig:
 def build_parser() -> argparse.ArgumentParser:
     d = SpeakerCacheConfig()
     p = argparse.ArgumentParser(prog="python -m services.speaker_cache", description=__doc__)
-    p.add_argument("--host", default=_env("HOST", d.host))
-    p.add_argument("--port", type=int, default=int(_env("PORT", str(d.port))))
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(_env("METRICS_PORT", str(d.metrics_port))),
-        help="Prometheus metrics port (0 = off)",
-    )
+    add_server_flags(p, _env, d)
     p.add_argument(
         "--redis-url",
         default=_env("REDIS_URL", os.environ.get("REDIS_URL", d.redis_url)),
@@ -88,8 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-audio-bytes", type=int, default=int(_env("MAX_AUDIO_BYTES", str(d.max_audio_bytes)))
     )
-    p.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", str(d.drain_seconds))))
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
     return p
 
 

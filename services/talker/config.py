@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from qtts.errors import InvalidArgument
+from qtts.service_config import add_server_flags, check_server_fields, env_lookup
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -17,8 +17,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_TINY_MODEL = str(Path(__file__).resolve().parents[2] / ".tiny" / "base")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TTS_TALKER_{name}", default)
+_env = env_lookup("talker")
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -62,10 +61,7 @@ class TalkerConfig:
 
     def validate(self) -> TalkerConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if not 0 <= value <= 65535:
-                raise InvalidArgument(f"--{name.replace('_', '-')} must be in 0..65535, got {value}")
+        check_server_fields(self)
         if self.load_format not in LOAD_FORMATS:
             raise InvalidArgument(
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
@@ -98,14 +94,7 @@ class TalkerConfig:
 def build_parser() -> argparse.ArgumentParser:
     d = TalkerConfig()
     p = argparse.ArgumentParser(prog="python -m services.talker", description=__doc__)
-    p.add_argument("--host", default=_env("HOST", d.host))
-    p.add_argument("--port", type=int, default=int(_env("PORT", str(d.port))))
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(_env("METRICS_PORT", str(d.metrics_port))),
-        help="Prometheus metrics port (0 = off)",
-    )
+    add_server_flags(p, _env, d)
     p.add_argument(
         "--model",
         default=_env("MODEL", d.model),
@@ -158,8 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--health-interval-s", type=float, default=float(_env("HEALTH_INTERVAL_S", str(d.health_interval_s)))
     )
-    p.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", str(d.drain_seconds))))
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
     return p
 
 

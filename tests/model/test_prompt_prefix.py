@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qtts.model import SynthesisSpec, VoicePrompt
-from qtts.model.prompt import MIN_CACHED_PREFIX, ref_text_block
+from qtts.model.prompt import MIN_CACHED_PREFIX, assistant_text, ref_text_block
 from qtts.model.tokenizer import encode
 
 # Different first tokens, so the first target position differs between the two prompts.
@@ -128,16 +128,14 @@ def test_instruct_prefix_for_custom_voice_and_voice_design(bundle_factory, strea
     assert vd.build_prompt(SynthesisSpec(text=TEXT_A, **{**kw, "instruct": INSTRUCT + "!"})).prefix_key != c.prefix_key
 
 
-def test_text_that_merges_into_the_role_token_still_splits_correctly(bundle_factory):
+def test_text_that_merges_into_the_role_token_gets_its_own_key(bundle_factory):
     bundle = bundle_factory("base")
     vp = voice(bundle, seed=1)
     a, b = clone(bundle, "\nHello there.", vp), clone(bundle, "\nGoodbye now.", vp)
-    assert torch.equal(a.embeds[: a.prefix_len], b.embeds[: b.prefix_len]) and a.prefix_key == b.prefix_key
-    plain = clone(bundle, "Hello there.", vp)
-    # When the newline merges with the role's, the role ids differ, and so must the key.
-    from qtts.model.prompt import assistant_text
-
-    if encode(bundle.tokenizer, assistant_text("\nHello there."))[:3] != encode(bundle.tokenizer, assistant_text("Hello"))[:3]:
-        assert plain.prefix_key != a.prefix_key
-    else:
-        assert plain.prefix_key == a.prefix_key
+    assert_split_at_prefix(a, b)
+    assert a.prefix_key == b.prefix_key
+    # A leading newline merges with the role's "\n" into one token: the role ids differ, so the
+    # cached KV of plain texts must not be reused for it.
+    tok = bundle.tokenizer
+    assert encode(tok, assistant_text("\nHello"))[:3] != encode(tok, assistant_text("Hello"))[:3]
+    assert clone(bundle, "Hello there.", vp).prefix_key != a.prefix_key

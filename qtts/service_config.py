@@ -1,0 +1,56 @@
+"""Flags and checks every service's config shares: listen address, ports, drain, logging.
+
+Each service keeps its own frozen config dataclass; these helpers only add the common flags (with
+`TTS_<SERVICE>_<FLAG>` env fallbacks) and validate the common fields once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from qtts.errors import InvalidArgument
+
+EnvLookup = Callable[[str, str], str]
+
+
+def env_lookup(service: str) -> EnvLookup:
+    """`env(NAME, default)` reading `TTS_<SERVICE>_<NAME>`."""
+    prefix = f"TTS_{service.upper()}_"
+    return lambda name, default: os.environ.get(prefix + name, default)
+
+
+def add_server_flags(
+    p: argparse.ArgumentParser, env: EnvLookup, defaults: Any, *, ports: Sequence[str] = ("port",)
+) -> None:
+    """--host, one --<port> flag per listening port field, --metrics-port, --drain-seconds, --log-level."""
+    p.add_argument("--host", default=env("HOST", defaults.host), help="listen address")
+    for field in ports:
+        p.add_argument(
+            f"--{field.replace('_', '-')}", type=int, default=int(env(field.upper(), str(getattr(defaults, field))))
+        )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("METRICS_PORT", str(defaults.metrics_port))),
+        help="Prometheus metrics port (0 = off)",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=float(env("DRAIN_SECONDS", str(defaults.drain_seconds))),
+        help="on SIGTERM, how long in-flight streams may run before they are cancelled",
+    )
+    p.add_argument("--log-level", default=env("LOG_LEVEL", defaults.log_level))
+
+
+def check_server_fields(config: Any, *, ports: Sequence[str] = ("port",)) -> None:
+    """Raise `InvalidArgument` for a port outside 0..65535 or a negative drain."""
+    for field in (*ports, "metrics_port"):
+        value = getattr(config, field)
+        if not 0 <= value <= 65535:
+            raise InvalidArgument(f"--{field.replace('_', '-')} must be in 0..65535, got {value}")
+    if config.drain_seconds < 0:
+        raise InvalidArgument(f"--drain-seconds must be >= 0, got {config.drain_seconds}")

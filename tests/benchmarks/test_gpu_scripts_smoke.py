@@ -1,0 +1,82 @@
+"""CPU smoke runs of the GPU benchmark scripts (`--device cpu --tiny`): they run end to end and write
+the JSON the results tables are made from. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import official_baseline, talker_capacity
+
+
+def test_talker_capacity_smoke(tmp_path):
+    out = tmp_path / "capacity.json"
+    res = talker_capacity.main(["--device", "cpu", "--tiny", "--keep-going", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(res))
+    settings, levels = data["settings"], data["levels"]
+    assert settings["streams"] == [2, 4] and [lv["streams"] for lv in levels] == [2, 4]
+    assert data["meta"]["num_slots"] == 4 and data["budget_ms"] == 80.0
+    assert settings["prompt_len"] + settings["frames_per_request"] <= data["meta"]["max_len"]
+    for lv in levels:
+        n = lv["streams"]
+        assert lv["measured_steps"] == settings["measure_steps"] == 12
+        assert 0 < lv["running_per_step_mean"] <= n
+        # Every output of a fixed-length request carries codes: frames = rows decoded.
+        assert lv["frames"] == round(lv["running_per_step_mean"] * lv["measured_steps"])
+        # A finished request is replaced at once, and 12 steps outlive 6-frame requests.
+        assert lv["arrivals"] == lv["finished"] > 0 and lv["prefill_positions_per_step_mean"] > 0
+        assert lv["num_intervals"] > 0
+        assert 0 < lv["interval_ms_p50"] <= lv["interval_ms_p99"] <= lv["interval_ms_max"]
+        assert 0 < lv["step_ms_p50"] <= lv["step_ms_p99"] <= lv["step_ms_max"]
+        assert lv["p99_interval_over_median_step"] == pytest.approx(lv["interval_ms_p99"] / lv["step_ms_p50"])
+        assert lv["real_time"] == (lv["interval_ms_p99"] <= data["budget_ms"])
+    passing = [lv["streams"] for lv in levels if lv["real_time"]]
+    assert data["max_realtime_streams"] == (max(passing) if passing else 0)
+
+
+def test_capacity_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert talker_capacity.percentile(values, 50) == 50.0
+    assert talker_capacity.percentile(values, 99) == 99.0
+    assert talker_capacity.percentile(values, 100) == 100.0
+    assert talker_capacity.percentile([7.0], 99) == 7.0
+
+
+@pytest.mark.reference
+def test_official_baseline_smoke(tmp_path):
+    out = tmp_path / "official.json"
+    res = official_baseline.main(["--device", "cpu", "--tiny", "--batches", "1,2", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(res))
+    assert data["meta"]["weights_match_ours"] is True and data["meta"]["model_type"] == "base"
+    frames = data["settings"]["frames"]
+    assert [b["batch"] for b in data["batches"]] == [1, 2]
+    for b in data["batches"]:
+        assert b["frames_per_request"] == [frames] * b["batch"]  # fixed length despite random weights
+        assert len(b["runs"]) == data["settings"]["repeats"]
+        for run in b["runs"]:
+            # The reference frames are cut from the front: one frame of audio per generated frame.
+            assert run["samples"] == [frames * 1920] * b["batch"] and run["sample_rate"] == 24000
+        assert b["audio_s_per_request"] == pytest.approx(frames * 0.08)
+        assert 0 < b["talker_generate_s"] <= b["wall_s"]
+        assert b["rtf"] == pytest.approx(b["wall_s"] / b["audio_s_per_request"])
+        assert b["aggregate_x_real_time"] == pytest.approx(b["batch"] / b["rtf"])
+
+
+def test_random_snapshot_holds_exactly_our_dummy_weights(tmp_path):
+    from qtts.model import load_talker_bundle
+    from qtts.testing import build_tiny_snapshot
+
+    source = build_tiny_snapshot(tmp_path / "qwen3-tts-tiny-base", "base", seed=0)
+    folder = official_baseline.write_random_snapshot(str(source), tmp_path / "random", seed=3, dtype=torch.float32)
+    dummy = load_talker_bundle(source, load_format="dummy", seed=3)
+    saved = load_talker_bundle(folder)  # strict: every weight present with its shape
+    for part in ("talker", "code_predictor", "speaker_encoder"):
+        want, got = getattr(dummy, part).state_dict(), getattr(saved, part).state_dict()
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want), part
+    assert (folder / "speech_tokenizer" / "model.safetensors").is_file()
+    assert json.loads((folder / "config.json").read_text()) == json.loads((source / "config.json").read_text())
