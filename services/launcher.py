@@ -33,8 +33,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from qtts.testing import ensure_tiny_snapshot
+
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TINY_MODEL = ROOT / ".tiny" / "base"
 DEFAULT_LOG_DIR = ROOT / "run" / "logs"
 
 
@@ -65,7 +66,7 @@ SERVICE_NAMES = ("gateway", "talker", "code2wav", "speaker_cache")
 class StackConfig:
     """Where and how to run the stack. Metrics port 0 turns a service's metrics endpoint off."""
 
-    model: str = ""  # empty: the tiny random Base snapshot in .tiny/base (built once)
+    model: str = ""  # empty: the tiny random Base snapshot in .tiny/ (built once)
     load_format: str = "auto"
     device: str = "cpu"
     dtype: str = "float32"
@@ -205,23 +206,6 @@ def wait_serving(proc: ServiceProcess, timeout: float) -> None:
         f"{proc.name} was not SERVING after {timeout:.0f} s (last health: {status}); "
         f"log {proc.log_path}:\n{proc.log_tail()}"
     )
-
-
-def ensure_tiny_snapshot(path: Path = DEFAULT_TINY_MODEL, model_type: str = "base") -> Path:
-    """Build the tiny random snapshot at `path` unless one is there already."""
-    if not (path / "config.json").exists():
-        from qtts.testing import build_tiny_snapshot
-
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        build_tiny_snapshot(tmp, model_type)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            tmp.rename(path)
-        except OSError:  # built concurrently by another process: keep theirs
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 def _addr(host: str, port: int) -> str:
@@ -419,7 +403,7 @@ def describe(stack: Stack, body: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.launcher", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.environ.get("TTS_MODEL", ""),
-                   help="snapshot folder or hub id (default: tiny random Base snapshot in .tiny/base)")
+                   help="snapshot folder or hub id (default: tiny random Base snapshot in .tiny/)")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for talker and code2wav")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))

@@ -100,7 +100,8 @@ class _PrefixHasher:
         if data is None:
             raw = b"<none>"
         elif isinstance(data, torch.Tensor):
-            raw = str(data.dtype).encode() + str(tuple(data.shape)).encode() + data.detach().cpu().contiguous().numpy().tobytes()
+            head = f"{data.dtype}{tuple(data.shape)}".encode()
+            raw = head + data.detach().cpu().contiguous().numpy().tobytes()
         elif isinstance(data, bytes):
             raw = data
         elif isinstance(data, list):

@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
 import torch
 
+from qtts.testing import ensure_tiny_snapshot
 from services.code2wav.stream import StreamLimits
 
-log = logging.getLogger(__name__)
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TINY_MODEL = REPO_ROOT / ".tiny" / "base"
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def default_model_dir() -> Path:
-    """The tiny random Base snapshot used when no --model is given (built once, gitignored)."""
-    if not (DEFAULT_TINY_MODEL / "speech_tokenizer" / "config.json").is_file():
-        from qtts.testing import build_tiny_snapshot
-
-        log.info("building the tiny default snapshot in %s", DEFAULT_TINY_MODEL)
-        build_tiny_snapshot(DEFAULT_TINY_MODEL, "base")
-    return DEFAULT_TINY_MODEL
-
 
 # --dtype -> the slots engine's compute path when --decode-precision is not given.
 _PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
@@ -43,7 +25,7 @@ def load_incremental_decoder(model: str, *, load_format: str, device: str, dtype
     """(IncrementalDecoder, StreamLimits) for `model` (path, hub id, or a shipped config name for dummy)."""
     from qtts.model import IncrementalDecoder, load_codec_decoder
 
-    path = model or str(default_model_dir())
+    path = model or str(ensure_tiny_snapshot())
     decoder = load_codec_decoder(path, device=device, dtype=DTYPES[dtype], load_format=load_format)
     return IncrementalDecoder(decoder), _limits(decoder)
 
@@ -54,7 +36,7 @@ def load_slot_decoder(model: str, *, load_format: str, device: str, precision: s
     from qtts.decode_engine import EngineConfig
     from qtts.decode_engine import load_slot_decoder as load
 
-    path = model or str(default_model_dir())
+    path = model or str(ensure_tiny_snapshot())
     on_gpu = torch.device(device).type == "cuda"
     config = EngineConfig(max_streams=max_states, precision=precision, cuda_graphs=on_gpu)
     engine = load(path, device=device, load_format=load_format, config=config)

@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from qtts.errors import InvalidArgument
 from qtts.service_config import add_server_flags, check_server_fields, env_lookup
+from qtts.testing import DEFAULT_TINY_SNAPSHOT
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
 # Where `make run` / a bare `python -m services.talker` builds its tiny random Base snapshot
 # (the same folder code2wav uses by default).
-DEFAULT_TINY_MODEL = str(Path(__file__).resolve().parents[2] / ".tiny" / "base")
 
 
 _env = env_lookup("talker")
@@ -33,7 +32,7 @@ class TalkerConfig:
     host: str = "127.0.0.1"
     port: int = 50052
     metrics_port: int = 9102
-    # Empty: build (once) and serve a tiny random Base snapshot at DEFAULT_TINY_MODEL.
+    # Empty: build (once) and serve a tiny random Base snapshot at DEFAULT_TINY_SNAPSHOT.
     model: str = ""
     load_format: str = "auto"
     device: str = "cpu"
@@ -57,7 +56,7 @@ class TalkerConfig:
 
     @property
     def model_path(self) -> str:
-        return self.model or DEFAULT_TINY_MODEL
+        return self.model or str(DEFAULT_TINY_SNAPSHOT)
 
     def validate(self) -> TalkerConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
@@ -99,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=_env("MODEL", d.model),
         help=f"snapshot folder, hub id, or a shipped config name with --load-format dummy "
-        f"(default: a tiny random Base snapshot in {DEFAULT_TINY_MODEL})",
+        f"(default: a tiny random Base snapshot in {DEFAULT_TINY_SNAPSHOT})",
     )
     p.add_argument("--load-format", default=_env("LOAD_FORMAT", d.load_format), choices=LOAD_FORMATS)
     p.add_argument("--device", default=_env("DEVICE", d.device))

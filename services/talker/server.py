@@ -13,8 +13,9 @@ from prometheus_client import CollectorRegistry
 from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.metrics import TalkerMetrics
 from qtts.pb import talker_pb2, talker_pb2_grpc
+from qtts.testing import ensure_tiny_snapshot
 
-from .config import DEFAULT_TINY_MODEL, TalkerConfig
+from .config import TalkerConfig
 from .core import TalkerCore
 from .engine import GenerationEngine
 from .replicas import Code2WavReplicas
@@ -36,11 +37,8 @@ def load_bundle(config: TalkerConfig) -> Any:
     from qtts.model import load_talker_bundle
 
     path = config.model_path
-    if not config.model and not (Path(path) / "config.json").exists():
-        from qtts.testing import build_tiny_snapshot
-
-        log.info("no --model given: building a tiny random Base snapshot in %s", DEFAULT_TINY_MODEL)
-        build_tiny_snapshot(Path(path), "base")
+    if not config.model:
+        ensure_tiny_snapshot(Path(path))
     return load_talker_bundle(
         path, device=config.device, dtype=getattr(torch, config.dtype), load_format=config.load_format
     )

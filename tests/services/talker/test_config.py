@@ -13,7 +13,7 @@ def test_flags_and_env_fallbacks(monkeypatch):
     cfg = config_from_args(["--code2wav", "10.0.0.1:50053, 10.0.0.2:50053", "--credit-window-frames", "5"])
     assert cfg.code2wav == ("10.0.0.1:50053", "10.0.0.2:50053")
     assert (cfg.max_batch, cfg.credit_window_frames, cfg.port) == (12, 5, 50052)
-    assert cfg.model_path.endswith(".tiny/base")
+    assert cfg.model_path.endswith(".tiny/qwen3-tts-tiny-base")
 
 
 @pytest.mark.parametrize(
