@@ -199,6 +199,9 @@ class GrpcServiceHost:
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                # Accept the clients' 10 s keepalive pings (also on idle connections).
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 *options,
             ],
         )

@@ -44,6 +44,11 @@ class Code2WavReplicas:
                 options=[
                     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                    # A replica whose host vanishes without closing the connection is detected
+                    # within ~15 s instead of stalling its streams until TCP gives up.
+                    ("grpc.keepalive_time_ms", 10_000),
+                    ("grpc.keepalive_timeout_ms", 5_000),
+                    ("grpc.keepalive_permit_without_calls", 1),
                 ],
             )
         )
