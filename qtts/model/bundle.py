@@ -48,7 +48,12 @@ class TalkerBundle:
     def __post_init__(self) -> None:
         limit = self.generation_config.get("max_new_tokens")
         self.prompt_builder = PromptBuilder(
-            self.config, self.talker, self.code_predictor, self.tokenizer, int(limit) if limit else None
+            self.config,
+            self.talker,
+            self.code_predictor,
+            self.tokenizer,
+            int(limit) if limit else None,
+            model_name=self.info.name,
         )
 
     def build_prompt(self, spec: SynthesisSpec) -> TalkerPrompt:

@@ -45,6 +45,8 @@ class TalkerConfig:
     # "eager": qtts.model.EagerGenerator; "graph": qtts.engine.GraphEngine (static KV slots, CUDA
     # graphs per batch bucket on a GPU; the same code runs eagerly on a CPU).
     engine: str = "eager"
+    # GPU-local KV cache of voice-only prompt prefixes (graph engine), in MiB; 0 = off.
+    prefix_cache_mb: int = 1024
     # Requests waiting for a generator slot beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
     max_queue: int = 256
     # Frames a stream may generate ahead of the credit code2wav granted (its send buffer bound).
@@ -75,6 +77,8 @@ class TalkerConfig:
                 raise InvalidArgument(f"--code2wav address {addr!r} is not host:port")
         if self.engine not in ENGINES:
             raise InvalidArgument(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.prefix_cache_mb < 0:
+            raise InvalidArgument(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
         if self.max_batch < 1:
             raise InvalidArgument(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.max_queue < 0:
@@ -131,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="generation engine: eager (reference) or graph (CUDA-graph frame step)",
     )
     p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=int(_env("PREFIX_CACHE_MB", str(d.prefix_cache_mb))),
+        help="graph engine: KV cache of voice-only prompt prefixes, MiB (0 = off)",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         default=int(_env("MAX_QUEUE", str(d.max_queue))),
@@ -166,6 +176,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         speaker_cache_timeout_s=a.speaker_cache_timeout_s,
         max_batch=a.max_batch,
         engine=a.engine,
+        prefix_cache_mb=a.prefix_cache_mb,
         max_queue=a.max_queue,
         credit_window_frames=a.credit_window_frames,
         ring_vnodes=a.ring_vnodes,

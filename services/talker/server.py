@@ -44,19 +44,21 @@ def load_bundle(config: TalkerConfig) -> Any:
     )
 
 
-def eager_generator_factory(bundle: Any, max_batch: int) -> Any:
-    from qtts.model import EagerGenerator
+def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
+    """Builds the engine `--engine` names: the eager reference generator or the graph engine."""
 
-    return EagerGenerator(bundle, max_batch=max_batch)
+    def eager(bundle: Any, max_batch: int) -> Any:
+        from qtts.model import EagerGenerator
 
+        return EagerGenerator(bundle, max_batch=max_batch)
 
-def graph_engine_factory(bundle: Any, max_batch: int) -> Any:
-    from qtts.engine import GraphEngine
+    def graph(bundle: Any, max_batch: int) -> Any:
+        from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
 
-    return GraphEngine(bundle, max_batch=max_batch)
+        runner = RunnerConfig(max_batch=max_batch, prefix_cache_bytes=config.prefix_cache_mb << 20)
+        return GraphEngine(bundle, max_batch=max_batch, config=EngineConfig(runner=runner))
 
-
-GENERATOR_FACTORIES = {"eager": eager_generator_factory, "graph": graph_engine_factory}
+    return {"eager": eager, "graph": graph}[config.engine]
 
 
 class TalkerServer:
@@ -74,7 +76,7 @@ class TalkerServer:
         self.config = config
         self.metrics = TalkerMetrics(CollectorRegistry())
         self.bundle = bundle
-        self._generator_factory = generator_factory or GENERATOR_FACTORIES[config.engine]
+        self._generator_factory = generator_factory or generator_factory_for(config)
         self._spec_factory = spec_factory
         self._run_warm_up = run_warm_up
         self.host = GrpcServiceHost(
