@@ -1,7 +1,30 @@
-"""Suite-wide settings: tiny models run fastest single-threaded on small CI machines."""
+"""Suite-wide settings and fixtures shared by several test folders."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 import torch
 
 # With two cores shared by the test process and the service subprocesses, intra-op threads only
 # add contention for the tiny models used in tests.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_codec_dir(tmp_path_factory) -> Path:
+    """A folder holding a tiny random `speech_tokenizer/` (seed 0) in the real layout."""
+    from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
+
+    root = tmp_path_factory.mktemp("codec")
+    write_tiny_speech_tokenizer(root, seed=0)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_codec_decoder(tiny_codec_dir):
+    """Our `CodecDecoder` loaded from `tiny_codec_dir` (fp32, CPU)."""
+    from qtts.model import load_codec_decoder
+
+    return load_codec_decoder(tiny_codec_dir)

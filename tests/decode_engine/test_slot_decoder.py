@@ -8,7 +8,7 @@ import torch
 
 from qtts.decode_engine import EngineConfig, SlotDecoder, SlotPoolFull, load_slot_decoder
 from qtts.decode_engine.runner import conv_stack_receptive_frames, precision_flags
-from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
+from qtts.model.codec_decoder import CodecDecoder
 from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
 
 SPF = 1920
@@ -18,20 +18,9 @@ ATOL = 1e-4
 BF16_MIN_SNR_DB = 30.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors on a shared 2-core box: OpenMP threads spin against each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def decoder(tmp_path_factory) -> CodecDecoder:
-    root = tmp_path_factory.mktemp("codec")
-    write_tiny_speech_tokenizer(root, seed=0)
-    return load_codec_decoder(root)
+def decoder(tiny_codec_decoder) -> CodecDecoder:
+    return tiny_codec_decoder
 
 
 def _codes(t: int, seed: int) -> torch.Tensor:

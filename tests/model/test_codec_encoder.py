@@ -8,24 +8,12 @@ import pytest
 import torch
 
 from qtts.model.codec_encoder import CodecEncoder
-from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
 from tests.official import import_qwen_tts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Small tensors on a shared 2-core box: OpenMP threads spin against each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def snapshot(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("codec")
-    write_tiny_speech_tokenizer(root, seed=0)
-    return root
+def snapshot(tiny_codec_dir) -> Path:
+    return tiny_codec_dir
 
 
 def _wav(n: int, seed: int) -> torch.Tensor:

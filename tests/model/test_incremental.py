@@ -7,28 +7,16 @@ import random
 import pytest
 import torch
 
-from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
+from qtts.model.codec_decoder import CodecDecoder
 from qtts.model.incremental import DecoderState, IncrementalDecoder
-from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
 
 SPF = 1920
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors on a shared 2-core box: OpenMP threads spin against each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def decoder(tmp_path_factory) -> CodecDecoder:
-    root = tmp_path_factory.mktemp("codec")
-    write_tiny_speech_tokenizer(root, seed=0)
-    return load_codec_decoder(root)
+def decoder(tiny_codec_decoder) -> CodecDecoder:
+    return tiny_codec_decoder
 
 
 def _codes(t: int, seed: int) -> torch.Tensor:

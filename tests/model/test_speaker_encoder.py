@@ -24,15 +24,6 @@ TINY = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Small tensors on a shared 2-core box: OpenMP threads spin against each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _official():
     import_qwen_tts()
     from qwen_tts.core.models import modeling_qwen3_tts as m
