@@ -5,17 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _torch_single_thread():
-    """Tiny models run ~20x faster on one intra-op thread than on a contended pool (CI runners,
-    several test processes): the matmuls are too small to split and idle threads spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
