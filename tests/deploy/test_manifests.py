@@ -579,3 +579,25 @@ def test_dockerfile_and_entrypoint_pass_their_linters():
     for cmd in ([tool("hadolint"), "--no-color", str(DOCKERFILE)], [tool("shellcheck"), str(ENTRYPOINT)]):
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
         assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_talker_service_is_headless_so_the_gateway_spreads_streams(helm_default_docs, kustomize_docs):
+    """The gateway round-robins Generate calls over the addresses it resolves: the talker Service
+    must be headless (one address per pod) and the gateway must use the dns resolver."""
+    for docs, expanded in ((helm_default_docs, {}), (kustomize_docs, _kustomize_env(kustomize_docs))):
+        services = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("talker")]
+        assert len(services) == 1 and services[0]["spec"].get("clusterIP") == "None"
+        gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("gateway"))
+        args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+        talker = next(a.split("=", 1)[1] for a in args if a.startswith("--talker="))
+        talker = expanded.get(talker.strip("$()"), talker)
+        assert talker.startswith("dns:///") and talker.endswith(":50052")
+
+
+def _kustomize_env(docs: list[dict]) -> dict[str, str]:
+    """Values of the ConfigMaps the kustomize manifests read their `$(VAR)` arguments from."""
+    env: dict[str, str] = {}
+    for d in docs:
+        if d["kind"] == "ConfigMap":
+            env.update(d.get("data") or {})
+    return env
