@@ -16,6 +16,8 @@
 #   CODE2WAV_REPLICAS                                    (1)
 #   DEVICE / DTYPE / LOAD_FORMAT                         (cuda / bfloat16 / dummy)
 #   LAUNCHER_ARGS    extra flags for services.launcher   ("")
+#   TALKER_ARGS / CODE2WAV_ARGS  flags passed through to those services, e.g.
+#                    TALKER_ARGS="--engine graph" CODE2WAV_ARGS="--decode-engine slots"
 #   PYTHON           interpreter with the project installed (python)
 # The results folder gets results.json/.md, the PNG plots, launcher.log and the services' logs.
 set -euo pipefail
@@ -63,7 +65,8 @@ GPU_NAME="${GPU_NAME:-unknown}"
 "$PYTHON" -m services.launcher \
     --model "$MODEL" --load-format "$LOAD_FORMAT" --device "$DEVICE" --dtype "$DTYPE" \
     --code2wav-replicas "$CODE2WAV_REPLICAS" --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
-    --log-dir "$OUT/logs" --startup-timeout "$STARTUP_TIMEOUT" $LAUNCHER_ARGS \
+    --log-dir "$OUT/logs" --startup-timeout "$STARTUP_TIMEOUT" \
+    --talker-args "${TALKER_ARGS:-}" --code2wav-args "${CODE2WAV_ARGS:-}" $LAUNCHER_ARGS \
     >"$OUT/launcher.log" 2>&1 &
 LAUNCHER_PID=$!
 
