@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 
 from qtts.pb import speaker_cache_pb2 as pb
@@ -10,52 +12,25 @@ from services.speaker_cache.cache import SpeakerCache
 from services.speaker_cache.records import PromptRecord, VoiceRecord
 
 
+def _fields(record_type: type, source: object) -> dict:
+    """The record's fields read off a message or record with the same field names."""
+    return {f.name: getattr(source, f.name) for f in dataclasses.fields(record_type)}
+
+
 def prompt_from_pb(p: pb.VoicePrompt) -> PromptRecord:
-    return PromptRecord(
-        model_id=p.model_id,
-        x_vector_f32=p.x_vector_f32,
-        x_vector_dim=p.x_vector_dim,
-        reference_codes_i16=p.reference_codes_i16,
-        num_reference_frames=p.num_reference_frames,
-        num_codebooks=p.num_codebooks,
-        reference_text=p.reference_text,
-        x_vector_only=p.x_vector_only,
-    )
+    return PromptRecord(**_fields(PromptRecord, p))
 
 
 def prompt_to_pb(r: PromptRecord) -> pb.VoicePrompt:
-    return pb.VoicePrompt(
-        model_id=r.model_id,
-        x_vector_f32=r.x_vector_f32,
-        x_vector_dim=r.x_vector_dim,
-        reference_codes_i16=r.reference_codes_i16,
-        num_reference_frames=r.num_reference_frames,
-        num_codebooks=r.num_codebooks,
-        reference_text=r.reference_text,
-        x_vector_only=r.x_vector_only,
-    )
+    return pb.VoicePrompt(**_fields(PromptRecord, r))
 
 
 def voice_from_pb(v: pb.StoredVoice) -> VoiceRecord:
-    return VoiceRecord(
-        name=v.name,
-        reference_pcm_f32=v.reference_pcm_f32,
-        sample_rate_hz=v.sample_rate_hz,
-        reference_text=v.reference_text,
-        x_vector_only=v.x_vector_only,
-        created_unix_s=v.created_unix_s,
-    )
+    return VoiceRecord(**_fields(VoiceRecord, v))
 
 
 def voice_to_pb(r: VoiceRecord) -> pb.StoredVoice:
-    return pb.StoredVoice(
-        name=r.name,
-        reference_pcm_f32=r.reference_pcm_f32,
-        sample_rate_hz=r.sample_rate_hz,
-        reference_text=r.reference_text,
-        x_vector_only=r.x_vector_only,
-        created_unix_s=r.created_unix_s,
-    )
+    return pb.StoredVoice(**_fields(VoiceRecord, r))
 
 
 class SpeakerCacheServicer(speaker_cache_pb2_grpc.SpeakerCacheServiceServicer):
