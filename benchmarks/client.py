@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-requests", type=int, default=32, help="requests per closed-loop level (open: count)"
     )
     load.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="closed loop: at least this many requests per stream slot (requests = max(num, rounds x c))",
+    )
+    load.add_argument(
         "--rate",
         type=float,
         nargs="+",
@@ -129,8 +135,8 @@ class BenchConfig:
             raise ValueError("--concurrency levels must be >= 1")
         if args.rate is not None and any(r <= 0 for r in args.rate):
             raise ValueError("--rate values must be positive")
-        if args.num_requests < 1:
-            raise ValueError("--num-requests must be >= 1")
+        if args.num_requests < 1 or args.rounds < 0:
+            raise ValueError("--num-requests must be >= 1 and --rounds >= 0")
         is_clone = canonical_task(args.task_type) == "voice_clone"
         ref_audio, ref_name, ref_text = None, "ref.wav", args.ref_text
         if is_clone and not args.no_ref_audio:
@@ -286,7 +292,7 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
             continue
         send = send_for(level_no * 1_000_000)
         if mode == "closed":
-            total, label = args.num_requests, f"c={concurrency}"
+            total, label = max(args.num_requests, args.rounds * concurrency), f"c={concurrency}"
         else:
             arrivals = poisson_arrivals(
                 rate,

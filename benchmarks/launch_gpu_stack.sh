@@ -9,6 +9,7 @@
 #   MODEL            shipped config or snapshot folder   (configs/qwen3-tts-12hz-1.7b-base)
 #   CONCURRENCY      sweep levels                        ("1 8 32 64")
 #   NUM_REQUESTS     requests per level                  (64)
+#   ROUNDS           at least ROUNDS x c requests per level (0)
 #   MAX_NEW_TOKENS   frames per request, 12.5 per second (125 = 10 s of audio)
 #   PROTOCOL         http or grpc                        (http)
 #   TIME_LIMIT       hard limit of the sweep, seconds    (1800)
@@ -16,7 +17,7 @@
 #   CODE2WAV_REPLICAS                                    (1)
 #   DEVICE / DTYPE / LOAD_FORMAT                         (cuda / bfloat16 / dummy)
 #   LAUNCHER_ARGS    extra flags for services.launcher   ("")
-#   TALKER_ARGS / CODE2WAV_ARGS  flags passed through to those services, e.g.
+#   TALKER_ARGS / CODE2WAV_ARGS / GATEWAY_ARGS  flags passed through to those services, e.g.
 #                    TALKER_ARGS="--engine graph" CODE2WAV_ARGS="--decode-engine slots"
 #   PYTHON           interpreter with the project installed (python)
 # The results folder gets results.json/.md, the PNG plots, launcher.log and the services' logs.
@@ -36,6 +37,7 @@ fi
 MODEL="${MODEL:-configs/qwen3-tts-12hz-1.7b-base}"
 CONCURRENCY="${CONCURRENCY:-1 8 32 64}"
 NUM_REQUESTS="${NUM_REQUESTS:-64}"
+ROUNDS="${ROUNDS:-0}"
 MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-125}"
 PROTOCOL="${PROTOCOL:-http}"
 TIME_LIMIT="${TIME_LIMIT:-1800}"
@@ -47,7 +49,7 @@ LOAD_FORMAT="${LOAD_FORMAT:-dummy}"
 WEIGHTS=real
 [[ "$LOAD_FORMAT" == dummy ]] && WEIGHTS=dummy
 # Random weights end speech at random: fix every request's length unless told otherwise.
-FIXED_LENGTH="${FIXED_LENGTH-$([[ "$WEIGHTS" == dummy ]] && echo 1)}"
+FIXED_LENGTH="${FIXED_LENGTH-$([[ "$WEIGHTS" == dummy ]] && echo 1 || true)}"
 LAUNCHER_ARGS="${LAUNCHER_ARGS:-}"
 PYTHON="${PYTHON:-python}"
 HTTP_PORT=8000
@@ -66,7 +68,8 @@ GPU_NAME="${GPU_NAME:-unknown}"
     --model "$MODEL" --load-format "$LOAD_FORMAT" --device "$DEVICE" --dtype "$DTYPE" \
     --code2wav-replicas "$CODE2WAV_REPLICAS" --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
     --log-dir "$OUT/logs" --startup-timeout "$STARTUP_TIMEOUT" \
-    --talker-args "${TALKER_ARGS:-}" --code2wav-args "${CODE2WAV_ARGS:-}" $LAUNCHER_ARGS \
+    --talker-args "${TALKER_ARGS:-}" --code2wav-args "${CODE2WAV_ARGS:-}" --gateway-args "${GATEWAY_ARGS:-}" \
+    $LAUNCHER_ARGS \
     >"$OUT/launcher.log" 2>&1 &
 LAUNCHER_PID=$!
 
@@ -116,6 +119,6 @@ echo "stack healthy after $(( $(date +%s) - START ))s"
 # shellcheck disable=SC2086  # CONCURRENCY is a list of levels
 "$PYTHON" -m benchmarks.client \
     --protocol "$PROTOCOL" --url "http://127.0.0.1:$HTTP_PORT" --grpc-target "127.0.0.1:$GRPC_PORT" \
-    --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" \
+    --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" --rounds "$ROUNDS" \
     --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
     --gpu "$GPU_NAME" --weights "$WEIGHTS" --tag "gpu-sweep" --out "$OUT" "$@"

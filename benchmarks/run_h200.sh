@@ -1,51 +1,77 @@
 #!/usr/bin/env bash
-# The pending H200 measurements in two device calls, each well inside one call's 10-minute limit.
+# The H200 measurements in device calls of under 10 minutes each; results go to $OUT as one
+# archive (results.tar.gz) plus the logs' tails on stdout.
 #
-#   engines: talker frame step (both models, the engine run), talker capacity with prefill traffic,
-#            code2wav decode, the official qwen-tts baseline. Carry: .whl .whl_ref
-#   stack:   the end-to-end sweep through all four services (graph talker, slots code2wav).
-#            Carry: .whl .whl_av
+#   talker: talker frame step (1.7B, eager vs graphed prefill, the engine run), prefix KV fetch vs
+#           recompute (with a loopback redis-server), talker capacity with prefill traffic, the
+#           official qwen-tts baseline on the same random weights. Carry: .whl .whl_ref .redis
+#   stack:  the end-to-end sweep through all four services (graph talker, slots code2wav).
+#           Carry: .whl
+#   decode: code2wav decode engine (both precisions). Carry: .whl
 #
 # Usage on the device machine, from the repository root (OUT defaults to $OUT, else run/h200):
-#   benchmarks/run_h200.sh engines|stack
+#   benchmarks/run_h200.sh talker|stack|decode
 # Wheels (made here, see the device README): .whl = grpcio/protobuf/grpcio-tools/health/reflection,
-# fastapi + deps, uvicorn, redis, soxr, prometheus_client; .whl_av = av; .whl_ref = the official
-# package and what it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate, librosa...).
+# fastapi + deps, uvicorn, redis, soxr, prometheus_client; .whl_ref = the official package and what
+# it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate, librosa...); .redis = the
+# redis-server binary with liblzf and libjemalloc beside it.
+# Settings (environment): TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS, CONCURRENCY, NUM_REQUESTS,
+# ROUNDS, TIME_LIMIT (stack); CAPACITY_ARGS (talker).
 set -uo pipefail
-MODE="${1:?engines or stack}"
+MODE="${1:?talker, stack or decode}"
 OUT="${OUT:-run/h200}"
 mkdir -p "$OUT"
-REV="$(git rev-parse --short HEAD 2>/dev/null || echo "${REVISION:-unknown}")"
-export PYTHONUNBUFFERED=1
+RES="$(mktemp -d)/results"
+mkdir -p "$RES"
+REV="${REVISION:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+export PYTHONUNBUFFERED=1 REVISION="$REV"
+echo "revision $REV" >"$RES/revision.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$RES/revision.txt" 2>&1
 
 install() {  # $1: wheel folder, $2: target
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
 }
 
+pack() {
+    tar -czf "$OUT/results.tar.gz" -C "$(dirname "$RES")" results
+    for f in "$RES"/*.log "$RES"/stack/*.md; do
+        [[ -f "$f" ]] && { echo "== $f"; tail -n 30 "$f"; }
+    done
+}
+trap pack EXIT
+
 case "$MODE" in
-engines)
+talker)
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     python3 -c "from qtts import pb; pb.generate(force=True)"
-    timeout 200 python3 -m benchmarks.talker_step --models qwen3-tts-12hz-1.7b-base,qwen3-tts-12hz-0.6b-base \
-        --engine --out "$OUT/talker_step.json" > "$OUT/talker_step.log" 2>&1
-    timeout 150 python3 -m benchmarks.talker_capacity --out "$OUT/talker_capacity.json" > "$OUT/talker_capacity.log" 2>&1
-    timeout 150 python3 -m benchmarks.code2wav_decode --revision "$REV" --out "$OUT/code2wav_decode.json" \
-        > "$OUT/code2wav_decode.log" 2>&1
+    timeout 180 python3 -m benchmarks.talker_step --models qwen3-tts-12hz-1.7b-base \
+        --engine --out "$RES/talker_step.json" >"$RES/talker_step.log" 2>&1
+    timeout 60 python3 -m benchmarks.prefix_kv_transfer --redis-server .redis/redis-server \
+        --out "$RES/prefix_kv.json" >"$RES/prefix_kv.log" 2>&1
+    # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags
+    timeout 170 python3 -m benchmarks.talker_capacity --streams 512,1024,1280,1536 --context-step 256 \
+        --measure-steps 150 ${CAPACITY_ARGS:---prefill-buckets 64,128,256,512} \
+        --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1
     install .whl_ref /tmp/qwen_ref
-    PYTHONPATH=/tmp/qwen_ref:/tmp/site:. timeout 90 python3 -m benchmarks.official_baseline \
-        --out "$OUT/official_baseline.json" > "$OUT/official_baseline.log" 2>&1
-    tail -n 25 "$OUT"/*.log
+    PYTHONPATH=/tmp/qwen_ref:/tmp/site:. timeout 130 python3 -m benchmarks.official_baseline \
+        --frames 60 --repeats 2 --out "$RES/official_baseline.json" >"$RES/official_baseline.log" 2>&1
     ;;
 stack)
-    install .whl /tmp/site && install .whl_av /tmp/site && export PYTHONPATH=/tmp/site:.
-    PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-1 32 128 256}" NUM_REQUESTS="${NUM_REQUESTS:-128}" \
-        TIME_LIMIT=420 TALKER_ARGS="--engine graph --max-batch 512" \
-        CODE2WAV_ARGS="--decode-engine slots --decode-precision bf16 --max-states 512 --max-batch 256" \
-        timeout 560 benchmarks/launch_gpu_stack.sh "$OUT/stack" > "$OUT/stack.log" 2>&1
-    tail -n 40 "$OUT/stack.log"
+    install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
+    PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-1 64 256 512}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
+        ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-330}" \
+        TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 512 --max-len 512 --context-step 256 --max-queue 1024}" \
+        CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024 --max-batch 256}" \
+        GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
+        timeout 570 benchmarks/launch_gpu_stack.sh "$RES/stack" >"$RES/stack.log" 2>&1
+    ;;
+decode)
+    install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
+    timeout 500 python3 -m benchmarks.code2wav_decode --revision "$REV" --out "$RES/code2wav_decode.json" \
+        >"$RES/code2wav_decode.log" 2>&1
     ;;
 *)
-    echo "unknown mode $MODE (engines or stack)" >&2
+    echo "unknown mode $MODE (talker, stack or decode)" >&2
     exit 2
     ;;
 esac

@@ -219,7 +219,7 @@ def load_bundle(args: argparse.Namespace, workdir: Path):
 
 
 def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int) -> EngineConfig:
-    ctx_step = 128 if not args.tiny else 16
+    ctx_step = args.context_step or (128 if not args.tiny else 16)
     max_len = ctx_step * math.ceil((args.prompt_len + args.frames + 2) / ctx_step)
     runner = RunnerConfig(
         max_len=max_len,
@@ -229,6 +229,7 @@ def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int)
         context_step=ctx_step,
         batch_buckets=tuple(b for b in DEFAULT_BATCH_BUCKETS if b <= max_streams) or (max_streams,),
         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+        prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
     )
     return EngineConfig(runner=runner, max_prefill_tokens=args.max_prefill_tokens)
 
@@ -259,6 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-warmup-steps", type=int, default=2000)
     ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill positions per step")
     ap.add_argument("--prompt-pool", type=int, default=64, help="distinct prompts (voices) cycled through")
+    ap.add_argument("--prefill-buckets", default="", help="widths of captured prefill graphs, e.g. 64,128,256,512")
+    ap.add_argument("--context-step", type=int, default=None, help="attention-span bucket step (default 128)")
     ap.add_argument("--prefix-cache-mb", type=float, default=0.0, help="prefix KV cache (0: off)")
     ap.add_argument("--budget-ms", type=float, default=FRAME_MS, help="p99 frame interval of a real-time level")
     ap.add_argument("--max-ratio", type=float, default=1.5, help="p99 interval / median step target")

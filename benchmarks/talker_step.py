@@ -154,6 +154,7 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         talker_attention=attention,
         max_candidates=args.max_candidates, fast_path=mode != "plain", compile_layers=mode.startswith("compile"),
         predictor_carry_kv=mode != "compile-nocarry",
+        prefill_buckets=tuple(args.prefill_buckets),
     )
     runner = ModelRunner(bundle, cfg)
     fill_slots(runner, args.position)
@@ -217,8 +218,11 @@ def graph_matches_eager(runner: ModelRunner, n: int, ctx: int) -> float:
 
 
 def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict[str, float]:
+    """Prefill of one `--prompt-len` prompt (and of 8) into slots: eager ragged batch, and through
+    the captured prefill graphs when there are any (with the KV of both paths compared)."""
     h = runner.hidden
-    res = {}
+    res: dict[str, float] = {}
+    graphed = runner.prefill_buckets
     for count in (1, 8):
         seqs = []
         for i in range(count):
@@ -228,7 +232,16 @@ def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict
             seq.slot = i
             seqs.append(seq)
         chunks = [PrefillChunk(s, 0, s.num_prefill_positions) for s in seqs]
+        runner.prefill_buckets = ()
         res[f"prefill_{count}x{args.prompt_len}_ms"] = _wall_median(lambda c=chunks: runner.prefill(c), 10)
+        if graphed:
+            n = seqs[0].num_prefill_positions
+            want = runner.k_cache[:, :count, :, :n].float().clone()
+            runner.prefill_buckets = graphed
+            res[f"prefill_graph_{count}x{args.prompt_len}_ms"] = _wall_median(lambda c=chunks: runner.prefill(c), 10)
+            got = runner.k_cache[:, :count, :, :n].float()
+            res[f"prefill_graph_{count}_kv_max_abs_diff"] = (got - want).abs().max().item()
+        runner.prefill_buckets = graphed
     return res
 
 
@@ -308,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default="matmul/compile",
                     help="comma-separated ATTENTION/MODE (attention: sdpa, sdpa_grouped, matmul; "
                     "mode: plain, fast, compile, compile-nocarry)")
+    ap.add_argument("--prefill-buckets", default="64,128,256,512",
+                    help="widths of the captured prefill graphs, comma separated ('' : eager prefill only)")
     ap.add_argument("--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)")
     ap.add_argument("--quick", action="store_true", help="batches 1,64,256,1024 and fewer iterations")
     ap.add_argument("--engine", action="store_true", help="also run the whole GraphEngine (waves of joins) "
@@ -319,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("talker_step needs a CUDA GPU")
     args.batches = [int(x) for x in args.batches.split(",")]
+    args.prefill_buckets = [int(x) for x in args.prefill_buckets.split(",") if x]
     args.eager_batches = {int(x) for x in args.eager_batches.split(",") if x and x != "none"}
     variants = args.variants.split(",")
     if args.quick and len(args.batches) == 11:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -70,9 +71,23 @@ def _frame_to_mono(frame) -> np.ndarray:
     return arr.astype(np.float32).mean(axis=0)
 
 
-def pcm16_bytes(x: np.ndarray | torch.Tensor) -> bytes:
-    """Float waveform -> signed 16-bit little-endian PCM (clipped to [-1, 1], rounded)."""
-    if hasattr(x, "detach"):  # a torch tensor; the gateway never loads torch
-        x = x.detach().float().cpu().numpy()
-    arr = np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0)
-    return np.round(arr * 32767.0).astype("<i2").tobytes()
+def pcm_s16le_batch(samples: Sequence[torch.Tensor]) -> list[bytes]:
+    """Float waveforms -> signed 16-bit little-endian PCM, one bytes object per waveform.
+
+    Each sample is clipped to [-1, 1], scaled by 32767 and rounded half to even (torch.round, as
+    np.round). The whole batch is converted in one pass on its device and copied back at once: one
+    sync per decode step instead of one per stream. Tensors of any shape are flattened; all must be
+    on one device."""
+    if not samples:
+        return []
+    import torch  # lazily: the gateway imports this module without torch
+
+    flat = torch.cat([a.detach().reshape(-1) for a in samples])
+    pcm = flat.float().clamp(-1.0, 1.0).mul(32767.0).round().to(torch.int16).cpu().numpy()
+    pcm = pcm.astype("<i2", copy=False)
+    out, offset = [], 0
+    for a in samples:
+        n = a.numel()
+        out.append(pcm[offset : offset + n].tobytes())
+        offset += n
+    return out

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from qtts.audio import SAMPLE_RATE, SAMPLES_PER_FRAME, load_reference_audio, pcm16_bytes
+from qtts.audio import SAMPLE_RATE, SAMPLES_PER_FRAME, load_reference_audio, pcm_s16le_batch
 from qtts.errors import InvalidArgument
 
 
@@ -91,9 +91,36 @@ def test_too_long_raises_invalid_argument():
     assert load_reference_audio(data, max_seconds=70).shape[0] == 61 * SAMPLE_RATE
 
 
-def test_pcm16_bytes():
-    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -3.0, 1e-6], dtype=np.float32)
-    got = np.frombuffer(pcm16_bytes(x), dtype="<i2")
-    assert got.tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0]
-    assert pcm16_bytes(torch.from_numpy(x)) == pcm16_bytes(x)
-    assert len(pcm16_bytes(np.zeros(SAMPLES_PER_FRAME))) == 2 * SAMPLES_PER_FRAME
+def _pcm16_reference(x: np.ndarray) -> bytes:
+    """The conversion spelled out in numpy: clip to [-1, 1], scale, round half to even, int16 LE."""
+    return np.round(np.clip(x.astype(np.float32), -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+def test_pcm_s16le_batch_exact_values():
+    lsb = 1.0 / 32767
+    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -3.0, 1e-6, 1.5 * lsb, 2.5 * lsb, -0.5 * lsb], np.float32)
+    (got,) = pcm_s16le_batch([torch.from_numpy(x)])
+    assert got == _pcm16_reference(x)
+    # Clipped at +-1 (never -32768), rounded half to even, little-endian whatever the host order.
+    want = [0, 16384, -16384, 32767, -32767, 32767, -32767, 0, 2, 2, 0]
+    assert np.frombuffer(got, dtype="<i2").tolist() == want
+    assert got[:8] == bytes([0x00, 0x00, 0x00, 0x40, 0x00, 0xC0, 0xFF, 0x7F])
+
+
+def test_pcm_s16le_batch_splits_the_batch_per_stream():
+    rng = np.random.default_rng(0)
+    lengths = [SAMPLES_PER_FRAME, 0, 7, 3 * SAMPLES_PER_FRAME, 1]
+    waves = [(rng.standard_normal(n) * 0.7).astype(np.float32) for n in lengths]
+    got = pcm_s16le_batch([torch.from_numpy(w) for w in waves])
+    assert [len(b) for b in got] == [2 * n for n in lengths]
+    assert got == [_pcm16_reference(w) for w in waves]
+    # Any shape is flattened; other float dtypes are converted through float32.
+    (shaped,) = pcm_s16le_batch([torch.from_numpy(waves[0]).reshape(1, 1, -1)])
+    assert shaped == got[0]
+    half = torch.from_numpy(waves[2]).to(torch.bfloat16)
+    assert pcm_s16le_batch([half]) == [_pcm16_reference(half.float().numpy())]
+
+
+def test_pcm_s16le_batch_empty_input():
+    assert pcm_s16le_batch([]) == []
+    assert pcm_s16le_batch([torch.zeros(0), torch.zeros(0)]) == [b"", b""]

@@ -81,6 +81,9 @@ class RunnerConfig:
     # function per layer) instead of writing `pk_cache`; False restores the cache writes.
     predictor_carry_kv: bool = True
     prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
+    # Fast path on CUDA: capture the prefill of one prompt chunk as CUDA graphs at these widths
+    # (positions, padded up); wider chunks and CPU runs take the eager ragged batch. Empty: off.
+    prefill_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_len < 2 or self.max_batch < 1 or self.max_trailing < 0 or self.context_step < 1:
@@ -92,6 +95,8 @@ class RunnerConfig:
                 raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")
         if any(b < 1 for b in self.batch_buckets) or not self.batch_buckets:
             raise ValueError("batch_buckets must be positive")
+        if any(b < 1 for b in self.prefill_buckets):
+            raise ValueError("prefill_buckets must be positive")
 
     def resolved_context_buckets(self) -> tuple[int, ...]:
         if self.context_buckets:
@@ -237,6 +242,17 @@ class ModelRunner:
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.use_graphs = config.use_cuda_graphs and self.device.type == "cuda"
+        # Static-width prefill (fast path): inputs are copied into the buffers below and run at a
+        # bucket width, as a CUDA graph once captured (eagerly on the CPU, for tests).
+        self.prefill_buckets = (
+            tuple(sorted({min(w, self.max_len) for w in config.prefill_buckets})) if self.fast_path else ()
+        )
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.prefill_buckets:
+            w = self.prefill_buckets[-1]
+            self.pf_x = torch.zeros(1, w, self.hidden, device=self.device, dtype=self.dtype)
+            self.pf_pos = torch.full((1, w), self.scratch, device=self.device, dtype=torch.long)
+            self.pf_slot = torch.zeros(1, device=self.device, dtype=torch.long)
 
     # -- sizing and allocation ---------------------------------------------------------------
     def bytes_per_position(self) -> int:
@@ -332,12 +348,48 @@ class ModelRunner:
             positions[r] = torch.arange(c.start, c.start + width)
         # Padding tokens write columns the row overwrites before attending to them, or the scratch.
         positions = positions.clamp_(max=self.scratch).to(self.device)
+        if self.prefill_buckets and width <= self.prefill_buckets[-1]:
+            for r, c in enumerate(chunks):
+                self._prefill_replay(x[r : r + 1, : c.end - c.start], c.start, c.seq.slot)
+            return
         slots = torch.tensor([c.seq.slot for c in chunks], device=self.device)
         if not self.fast_path:
             self.talker.model(x, positions, slots, self.kv_view)
             return
         span = min(max(c.end for c in chunks), self.scratch)  # real tokens attend to columns < span
         self._prefill_fast(x, positions, slots, span)
+
+    def _prefill_replay(self, x: torch.Tensor, start: int, slot: int) -> None:
+        """One chunk through the graph of the smallest width that holds it. The graph attends over
+        the whole slot (span max_len + 1); the causal mask keeps each token to its own past."""
+        t = x.shape[1]
+        width = next(w for w in self.prefill_buckets if w >= t)
+        self.pf_x[:, :t].copy_(x)
+        pos = torch.arange(start, start + width).clamp_(max=self.scratch)
+        pos[t:] = self.scratch  # padding writes only the scratch column
+        self.pf_pos[:, :width].copy_(pos[None], non_blocking=True)
+        self.pf_slot.fill_(slot)
+        graph = self.prefill_graphs.get(width)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._prefill_fast(self.pf_x[:, :width], self.pf_pos[:, :width], self.pf_slot, self.scratch + 1)
+
+    def _capture_prefill(self, pool):
+        """Capture one prefill graph per width (largest first) into `pool`; returns the pool."""
+        self.pf_pos.fill_(self.scratch)  # capture writes only scratch columns of slot 0
+        self.pf_slot.zero_()
+        span = self.scratch + 1
+        for w in sorted(self.prefill_buckets, reverse=True):
+            args = (self.pf_x[:, :w], self.pf_pos[:, :w], self.pf_slot, span)
+            self._prefill_fast(*args)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._prefill_fast(*args)
+            pool = pool if pool is not None else graph.pool()
+            self.prefill_graphs[w] = graph
+        return pool
 
     def _prefill_fast(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int) -> None:
         """The bundle's decoder stack with the fused layer functions (fewer launches per layer)."""
@@ -546,4 +598,7 @@ class ModelRunner:
                 if pool is None:
                     pool = graph.pool()
                 self.graphs[(n, ctx)] = graph
+        if self.prefill_buckets:
+            self._capture_prefill(pool)
+            self.pf_x.zero_()
         torch.cuda.synchronize(self.device)

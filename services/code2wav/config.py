@@ -18,6 +18,10 @@ _env = env_lookup("code2wav")
 
 DECODE_ENGINES = ("incremental", "slots")
 DECODE_PRECISIONS = ("fp32", "tf32", "bf16")
+# --max-batch when not given: the slots engine splits a large call into its captured shapes itself,
+# so it takes every ready stream at once; the incremental decoder runs one batch per call.
+DEFAULT_MAX_BATCH = {"incremental": 64, "slots": 256}
+
 
 @dataclass(frozen=True)
 class Code2WavConfig:
@@ -38,7 +42,8 @@ class Code2WavConfig:
     decode_precision: str = ""
     # Live decoder states; one more stream is rejected with RESOURCE_EXHAUSTED.
     max_states: int = 256
-    max_batch: int = 64
+    # Streams decoded per engine step; None = by engine (DEFAULT_MAX_BATCH), see `batch_limit`.
+    max_batch: int | None = None
     first_chunk_frames: int = DEFAULT_FIRST_CHUNK_FRAMES
     chunk_frames_ramp: tuple[int, ...] = DEFAULT_CHUNK_RAMP
     # Credit: frames received but not decoded <= window; audio not acked <= max-ahead (see credit.py).
@@ -48,6 +53,13 @@ class Code2WavConfig:
     replica_name: str = ""
     drain_seconds: float = 30.0
     log_level: str = "INFO"
+
+    @property
+    def batch_limit(self) -> int:
+        """--max-batch, or the decode engine's default when it was not given."""
+        if self.max_batch is not None:
+            return self.max_batch
+        return DEFAULT_MAX_BATCH.get(self.decode_engine, DEFAULT_MAX_BATCH["incremental"])
 
     @property
     def chunk_plan(self) -> ChunkPlan:
@@ -74,9 +86,10 @@ class Code2WavConfig:
             raise InvalidArgument(
                 f"--decode-precision must be one of {', '.join(DECODE_PRECISIONS)}, got {self.decode_precision!r}"
             )
+        if self.max_batch is not None and self.max_batch < 1:
+            raise InvalidArgument(f"--max-batch must be >= 1, got {self.max_batch}")
         for name in (
             "max_states",
-            "max_batch",
             "credit_window_frames",
             "max_ahead_frames",
             "max_prefix_frames",
@@ -125,7 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="slots engine compute path: fp32, tf32 or bf16 (default: from --dtype)",
     )
     p.add_argument("--max-states", type=int, default=int(_env("MAX_STATES", str(d.max_states))))
-    p.add_argument("--max-batch", type=int, default=int(_env("MAX_BATCH", str(d.max_batch))))
+    max_batch = _env("MAX_BATCH", None)
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=int(max_batch) if max_batch else None,
+        help="streams decoded per step (default by engine: "
+        + ", ".join(f"{n} for {e}" for e, n in DEFAULT_MAX_BATCH.items())
+        + ")",
+    )
     p.add_argument(
         "--first-chunk-frames", type=int, default=int(_env("FIRST_CHUNK_FRAMES", str(d.first_chunk_frames)))
     )

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from qtts.audio import pcm_s16le_batch
 from qtts.decode_events import DecodedAudio
 from qtts.errors import GenerationFailed, InvalidArgument
 from qtts.metrics import Code2WavMetrics
@@ -37,24 +38,6 @@ class IncrementalDecoderLike(Protocol):
     def decode(self, state: Any, codes: torch.Tensor) -> torch.Tensor: ...
 
     def free(self, state: Any) -> None: ...
-
-
-def pcm_s16le_batch(samples: list[torch.Tensor]) -> list[bytes]:
-    """Float samples in [-1, 1] as signed 16-bit little-endian PCM, one bytes object per stream.
-
-    The whole batch is converted on its device and copied back at once: one sync per decode step
-    instead of one per stream.
-    """
-    if not samples:
-        return []
-    flat = torch.cat([a.detach().reshape(-1) for a in samples])
-    pcm = flat.float().clamp(-1.0, 1.0).mul(32767.0).round().to(torch.int16).cpu().numpy().astype("<i2", copy=False)
-    out, offset = [], 0
-    for a in samples:
-        n = a.numel()
-        out.append(pcm[offset : offset + n].tobytes())
-        offset += n
-    return out
 
 
 class DecodeEngine:

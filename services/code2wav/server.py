@@ -54,7 +54,7 @@ class Code2WavServer:
             self._decoder,
             self.metrics,
             max_states=cfg.max_states,
-            max_batch=cfg.max_batch,
+            max_batch=cfg.batch_limit,
             plan=cfg.chunk_plan,
             policy=cfg.credit_policy,
             limits=self._limits or StreamLimits(),

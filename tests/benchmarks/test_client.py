@@ -177,22 +177,23 @@ def test_cli_closed_loop_sweep_writes_results(tmp_path, capsys):
             [
                 "--url", server.url, "--concurrency", "1", "2", "--num-requests", "3", "--warmup", "1",
                 "--max-new-tokens", "5", "--out", str(tmp_path), "--no-progress", "--gpu", "test-gpu",
-                "--weights", "dummy", "--tag", "t",
+                "--weights", "dummy", "--tag", "t", "--rounds", "2",
             ]
         )  # fmt: skip
     assert rc == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert [lv["concurrency"] for lv in data["levels"]] == [1, 2]
-    for level in data["levels"]:
-        assert level["aggregates"]["num_ok"] == 3
-        assert [r["index"] for r in level["records"]] == [0, 1, 2]
+    # --rounds 2: max(3, 2 x 1) = 3 requests at c=1, max(3, 2 x 2) = 4 at c=2.
+    for level, n in zip(data["levels"], (3, 4), strict=True):
+        assert level["aggregates"]["num_ok"] == n
+        assert [r["index"] for r in level["records"]] == list(range(n))
         assert all(r["chunk_bytes"] == [4800, 4800] for r in level["records"])
     c = data["conditions"]
     assert c["gpu"] == "test-gpu" and c["weights"] == "dummy" and c["frames_per_request"] == "max 5"
     assert c["git_revision"] and c["date"] and c["host"]
     assert data["warmup"]["num_requests"] == 1
-    assert len(server.requests) == 7
-    assert len({r["seed"] for r in server.requests}) == 7  # distinct per request, across levels
+    assert len(server.requests) == 8
+    assert len({r["seed"] for r in server.requests}) == 8  # distinct per request, across levels
     prompts = read_prompts(build_parser().get_default("prompts"))
     assert [r["input"] for r in server.requests[1:4]] == prompts[:3]  # every level walks the same prompts
     assert "| c=2 |" in capsys.readouterr().out

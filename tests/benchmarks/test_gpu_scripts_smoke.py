@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import official_baseline, talker_capacity
+from benchmarks import official_baseline, prefix_kv_transfer, talker_capacity
 
 
 def test_talker_capacity_smoke(tmp_path):
@@ -80,3 +80,20 @@ def test_random_snapshot_holds_exactly_our_dummy_weights(tmp_path):
         assert all(torch.equal(want[k], got[k]) for k in want), part
     assert (folder / "speech_tokenizer" / "model.safetensors").is_file()
     assert json.loads((folder / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+
+
+def test_prefix_kv_transfer_smoke(tmp_path):
+    """The fetch path round-trips the KV bytes through a real redis-server (the script raises if
+    they differ) and every timing is recorded."""
+    out = tmp_path / "prefix_kv.json"
+    res = prefix_kv_transfer.main(["--device", "cpu", "--tiny", "--iters", "2", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(res))
+    rows = data["rows"]
+    assert [r["positions"] for r in rows] == [8, 16]
+    for r in rows:
+        assert r["kv_bytes"] == r["positions"] * data["meta"]["bytes_per_position"] > 0
+        for key in ("recompute_eager_ms", "gpu_cache_hit_ms", "device_to_host_ms", "bytes_to_slot_ms"):
+            assert r[key] > 0
+        if data["meta"]["redis"].startswith("redis-server on loopback"):
+            assert r["redis_get_ms"] > 0 and r["fetch_total_ms"] > 0

@@ -68,3 +68,36 @@ def test_fast_predictor_matches_the_module_path(tiny_bundle):
     assert got.shape == (3, 15, slow.pdec.hidden_size)
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(got[:, 0], got[:, 1])
+
+
+def test_bucketed_prefill_writes_the_same_kv_as_the_ragged_batch(tiny_bundle):
+    """Prefill at static widths (what the CUDA graphs replay; eager here) pads each chunk with
+    scratch positions and attends over the whole slot; the KV must equal the ragged batch's, and the
+    padding must leave every other slot and the row's later columns untouched."""
+    prompts = [make_prompt(tiny_bundle, n, 2, seed=700 + n) for n in (7, 12, 16)]
+    ragged, seqs = loaded_runner(tiny_bundle, True, prompts)
+    bucketed = ModelRunner(
+        tiny_bundle, RunnerConfig(max_batch=4, max_len=64, max_trailing=8, fast_path=True, prefill_buckets=(4, 8, 16))
+    )
+    assert bucketed.prefill_buckets == (4, 8, 16)
+    sentinel = 123.0
+    bucketed.k_cache.fill_(sentinel)
+    bucketed.v_cache.fill_(sentinel)
+    # The same two chunks per prompt (widths 5 and 2..11 -> buckets 8 and 4/16).
+    bucketed.prefill([PrefillChunk(s, 0, min(5, s.num_prefill_positions)) for s in seqs])
+    bucketed.prefill([PrefillChunk(s, 5, s.num_prefill_positions) for s in seqs])
+    for s in seqs:
+        n = s.num_prefill_positions
+        assert torch.allclose(bucketed.k_cache[:, s.slot, :, :n], ragged.k_cache[:, s.slot, :, :n], atol=1e-5)
+        assert torch.allclose(bucketed.v_cache[:, s.slot, :, :n], ragged.v_cache[:, s.slot, :, :n], atol=1e-5)
+        # Columns past the prompt (below the scratch column) were not written by the padding.
+        assert (bucketed.k_cache[:, s.slot, :, n : bucketed.scratch] == sentinel).all()
+    assert (bucketed.k_cache[:, 3, :, : bucketed.scratch] == sentinel).all()  # an unused slot
+    # A chunk wider than the largest bucket takes the ragged path and still matches.
+    wide = make_prompt(tiny_bundle, 30, 2, seed=799)
+    seq = Sequence("w", wide, SamplingParams(greedy=True), seed=0, max_frames=5, cap_reason="length")
+    seq.slot = 3
+    bucketed.prefill([PrefillChunk(seq, 0, seq.num_prefill_positions)])
+    ragged.prefill([PrefillChunk(seq, 0, seq.num_prefill_positions)])
+    n = seq.num_prefill_positions
+    assert torch.allclose(bucketed.k_cache[:, 3, :, :n], ragged.k_cache[:, 3, :, :n], atol=1e-5)

@@ -466,3 +466,31 @@ def test_config_selects_the_decode_engine():
     assert (cfg.decode_engine, cfg.decode_precision) == ("slots", "bf16")
     with pytest.raises(InvalidArgument, match="--decode-precision"):
         config_from_args(["--decode-engine", "slots", "--decode-precision", "fp8"])
+
+
+def test_max_batch_defaults_by_decode_engine(monkeypatch):
+    monkeypatch.delenv("TTS_CODE2WAV_MAX_BATCH", raising=False)
+    assert config_from_args([]).batch_limit == 64
+    assert config_from_args(["--decode-engine", "slots"]).batch_limit == 256
+    assert Code2WavConfig().batch_limit == 64
+    assert Code2WavConfig(decode_engine="slots").validate().batch_limit == 256
+    # An explicit flag or env var wins over the engine's default, the flag over the env var.
+    assert config_from_args(["--decode-engine", "slots", "--max-batch", "32"]).batch_limit == 32
+    assert config_from_args(["--max-batch", "128"]).batch_limit == 128
+    monkeypatch.setenv("TTS_CODE2WAV_MAX_BATCH", "48")
+    assert config_from_args(["--decode-engine", "slots"]).batch_limit == 48
+    assert config_from_args(["--decode-engine", "slots", "--max-batch", "16"]).batch_limit == 16
+    with pytest.raises(InvalidArgument, match="--max-batch"):
+        config_from_args(["--max-batch", "0"])
+
+
+async def test_server_passes_the_engine_batch_limit(fake_decoder):
+    server = Code2WavServer(
+        Code2WavConfig(port=0, metrics_port=0, drain_seconds=0.5, decode_engine="slots").validate(),
+        decoder=fake_decoder,
+    )
+    await server.start()
+    try:
+        assert server.engine.max_batch == 256
+    finally:
+        await server.stop(0.5)
