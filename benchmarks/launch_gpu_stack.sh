@@ -99,9 +99,11 @@ except Exception:
 PY
 }
 
-echo "waiting for the gateway to be healthy (up to ${STARTUP_TIMEOUT}s) ..."
+echo "waiting for every service to be SERVING and the gateway healthy (up to ${STARTUP_TIMEOUT}s) ..."
 START=$(date +%s)
-until healthy; do
+# The launcher prints "stack is up" once every service (each code2wav replica too) is SERVING;
+# the gateway alone turns healthy as soon as the talker answers.
+until grep -q "stack is up" "$OUT/launcher.log" 2>/dev/null && healthy; do
     if ! kill -0 "$LAUNCHER_PID" 2>/dev/null; then
         echo "the stack exited during start-up; launcher.log:" >&2
         tail -n 60 "$OUT/launcher.log" >&2

@@ -6,13 +6,14 @@
 #           recompute (with a loopback redis-server), talker capacity with prefill traffic, the
 #           official qwen-tts baseline on the same random weights. Carry: .whl .whl_ref .redis
 #   stack:  the end-to-end sweep through all four services (graph talker, slots code2wav).
-#           Carry: .whl
+#           Carry: .whl .whl_av (the gateway decodes reference clips with PyAV)
+#           With .whl_prof (py-spy) carried too, benchmarks/profile_stack.sh samples every process.
 #   decode: code2wav decode engine (both precisions). Carry: .whl
 #
 # Usage on the device machine, from the repository root (OUT defaults to $OUT, else run/h200):
 #   benchmarks/run_h200.sh talker|stack|decode
 # Wheels (made here, see the device README): .whl = grpcio/protobuf/grpcio-tools/health/reflection,
-# fastapi + deps, uvicorn, redis, soxr, prometheus_client; .whl_ref = the official package and what
+# fastapi + deps, uvicorn, redis, soxr, prometheus_client; .whl_av = av; .whl_ref = the official package and what
 # it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate, librosa...); .redis = the
 # redis-server binary with liblzf and libjemalloc beside it.
 # Settings (environment): TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS, CONCURRENCY, NUM_REQUESTS,
@@ -57,10 +58,15 @@ talker)
         --frames 60 --repeats 2 --out "$RES/official_baseline.json" >"$RES/official_baseline.log" 2>&1
     ;;
 stack)
-    install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
+    install .whl /tmp/site && install .whl_av /tmp/site && export PYTHONPATH=/tmp/site:.
+    if [[ -d .whl_prof ]]; then  # PROFILE_AT=<streams>: py-spy every process once the talker carries that many
+        install .whl_prof /tmp/prof
+        PYSPY=/tmp/prof/bin/py-spy benchmarks/profile_stack.sh "$RES/profile" "${PROFILE_AT:-200}" 8 \
+            >"$RES/profile.log" 2>&1 &
+    fi
     PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-1 64 256 512}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
         ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-330}" \
-        TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 512 --max-len 512 --context-step 256 --max-queue 1024}" \
+        TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 512 --max-len 512 --context-step 256 --max-queue 1024 --prefill-buckets 64,128,256,512}" \
         CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024 --max-batch 256}" \
         GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
         timeout 570 benchmarks/launch_gpu_stack.sh "$RES/stack" >"$RES/stack.log" 2>&1

@@ -20,6 +20,9 @@ Usage in a service's `server.py`, inside the running event loop (`asyncio.run(se
     await host.set_serving()
     await host.serve_until_signal()               # SIGTERM/SIGINT: drain, then return
 
+`run_service_main` runs such a server as a process; a SIGTERM/SIGINT before `serve_until_signal()`
+(model load, warm-up) stops it at once with exit code 0 instead of killing it.
+
 Servicers raise `qtts.errors.TTSError` subclasses; the interceptor turns them into the matching gRPC
 status (`qtts.errors.mapping_for`) and counts them in `tts_errors_total{service,code}`. Any other
 exception becomes INTERNAL with its traceback logged; the server keeps running.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -267,18 +271,11 @@ class GrpcServiceHost:
     async def serve_until_signal(self) -> None:
         """Serve until SIGTERM/SIGINT (or `request_stop()`), then drain and stop."""
         loop = asyncio.get_running_loop()
-        installed = []
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(sig, self._on_signal, sig)
-                installed.append(sig)
-            except (NotImplementedError, RuntimeError):  # not the main thread / not supported
-                pass
+        installed = add_signal_handlers(loop, self._on_signal)
         try:
             await self._stop_requested.wait()
         finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
+            remove_signal_handlers(loop, installed)
             await self.stop()
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -317,17 +314,88 @@ def run_service_main(
     argv: Sequence[str] | None = None,
 ) -> int:
     """The body of every `python -m services.<name>`: parse and validate the config (exit 2 with
-    the message on a bad flag), then run the server until SIGTERM/SIGINT and its drain."""
+    the message on a bad flag), then run the server until SIGTERM/SIGINT and its drain.
+
+    A SIGTERM/SIGINT while the server is still starting (model load, warm-up) stops it at once and
+    exits 0 (see `_serve`)."""
     try:
         config = config_from_args(argv)
     except TTSError as exc:
         print(f"{name}: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-
-    async def serve() -> None:
-        # Built inside the running loop: grpc.aio binds a server to the loop current at creation.
-        await server_factory(config).run()
-
-    asyncio.run(serve())
+    asyncio.run(_serve(name, config, server_factory))
     return 0
+
+
+async def _serve(name: str, config: Any, server_factory: Callable[[Any], Any]) -> None:
+    """Run `server_factory(config).run()`; a signal before it serves ends the process with 0.
+
+    Until the server installs its own handlers (`serve_until_signal()` replaces these once it
+    serves), SIGTERM/SIGINT cancel the start-up instead of killing the process (exit 143) or
+    raising KeyboardInterrupt. The start-up work still running in a thread (a model load cannot be
+    interrupted) would hold the interpreter's exit until it finished, so the process exits without
+    joining it, after the server's own shutdown callbacks ran.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    signalled: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not signalled:
+            log.info("received %s during start-up: stopping", sig.name)
+            signalled.append(sig)
+            task.cancel()
+
+    installed = add_signal_handlers(loop, on_signal)
+    server = None
+    try:
+        # Built inside the running loop: grpc.aio binds a server to the loop current at creation.
+        server = server_factory(config)
+        await server.run()
+        return
+    except asyncio.CancelledError:
+        if not signalled:
+            raise
+        task.uncancel()
+    finally:
+        if not signalled:
+            remove_signal_handlers(loop, installed)
+    # The handlers stay: a second signal during this cleanup is ignored, not a kill.
+    await _stop_started(server)
+    log.info("%s stopped during start-up", name)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def add_signal_handlers(
+    loop: asyncio.AbstractEventLoop, handler: Callable[[signal.Signals], None]
+) -> list[signal.Signals]:
+    """`handler(sig)` for SIGTERM and SIGINT on `loop` (replacing earlier ones); returns those set."""
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, handler, sig)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread / not supported
+            pass
+    return installed
+
+
+def remove_signal_handlers(loop: asyncio.AbstractEventLoop, signals: Iterable[signal.Signals]) -> None:
+    for sig in signals:
+        loop.remove_signal_handler(sig)
+
+
+async def _stop_started(server: Any) -> None:
+    """Stop what a server started before it was interrupted: nothing is in flight, so no drain."""
+    host = getattr(server, "host", None)
+    try:
+        if isinstance(host, GrpcServiceHost):
+            await host.stop(0)
+        elif server is not None:
+            await server.stop()
+    except Exception:  # noqa: BLE001 - the process ends either way; say why its cleanup failed
+        log.exception("stopping after an interrupted start-up failed")

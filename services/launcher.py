@@ -43,6 +43,10 @@ class StartupError(RuntimeError):
     """A service did not become SERVING; the message names it and shows the tail of its log."""
 
 
+class StartupInterrupted(StartupError):
+    """A stop (Ctrl-C/SIGTERM) came before every service was SERVING."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (for tests and side-by-side stacks)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -188,11 +192,14 @@ def health_status(address: str, timeout: float = 1.0) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-def wait_serving(proc: ServiceProcess, timeout: float) -> None:
-    """Block until `proc` reports SERVING; StartupError naming it (with its log tail) otherwise."""
+def wait_serving(proc: ServiceProcess, timeout: float, stop: threading.Event | None = None) -> None:
+    """Block until `proc` reports SERVING; StartupError naming it (with its log tail) otherwise,
+    StartupInterrupted as soon as `stop` is set."""
     deadline = time.monotonic() + timeout
     status = "UNREACHABLE"
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise StartupInterrupted(f"stopped while waiting for {proc.name} to be SERVING")
         if not proc.alive():
             raise StartupError(
                 f"{proc.name} exited with code {proc.popen.returncode} before it was SERVING; "
@@ -305,8 +312,11 @@ def stop_services(processes: Sequence[ServiceProcess], grace: float = 10.0) -> d
     return {proc.name: proc.wait_or_kill(max(0.1, deadline - time.monotonic())) for proc in reversed(processes)}
 
 
-def start_stack(config: StackConfig, env: dict[str, str] | None = None) -> Stack:
-    """Start every service and wait until all are SERVING; on failure stop them and raise StartupError."""
+def start_stack(
+    config: StackConfig, env: dict[str, str] | None = None, stop: threading.Event | None = None
+) -> Stack:
+    """Start every service and wait until all are SERVING; on failure stop them and raise StartupError
+    (StartupInterrupted once `stop` is set: services still loading exit at once on SIGTERM)."""
     config.validate()
     model = config.model or str(ensure_tiny_snapshot())
     specs = [speaker_cache_spec(config), *code2wav_specs(config, model), talker_spec(config, model),
@@ -316,7 +326,7 @@ def start_stack(config: StackConfig, env: dict[str, str] | None = None) -> Stack
         for spec in specs:
             processes.append(start_service(spec, config.log_dir, env))
         for proc in processes:
-            wait_serving(proc, config.startup_timeout_s)
+            wait_serving(proc, config.startup_timeout_s, stop)
     except BaseException:
         stop_services(processes, grace=5.0)
         raise
@@ -443,7 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting services (logs in {config.log_dir}/) ...", flush=True)
     try:
-        stack = start_stack(config)
+        stack = start_stack(config, stop=stop)
+    except StartupInterrupted:
+        print("stopped during start-up", flush=True)
+        return 0
     except StartupError as exc:
         print(f"startup failed: {exc}", file=sys.stderr)
         return 1

@@ -15,7 +15,9 @@ It is driven from one thread (the code2wav decode worker); it is not thread-safe
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +49,10 @@ class EngineConfig:
     cudnn_benchmark: bool = True
     # CPU only: run the static-buffer path without graphs (tests of padding and buffers).
     emulate_graphs: bool = False
+    # Decoder states right after a reference prefix, kept per distinct prefix (LRU; 0 = off): a
+    # stream of a voice seen before copies its state instead of decoding the prefix again.
+    # Each entry holds one slot's state (`SlotPool.slot_bytes()`).
+    prefix_cache_entries: int = 64
 
     def __post_init__(self) -> None:
         if self.max_streams < 1:
@@ -55,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.max_step_frames < 1:
             raise ValueError(f"max_step_frames must be >= 1, got {self.max_step_frames}")
+        if self.prefix_cache_entries < 0:
+            raise ValueError(f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries}")
         # Shape sanity (distinct, positive) is checked by PlannerConfig.
         PlannerConfig(
             self.chunk_sizes, self.batch_sizes, max(self.chunk_sizes, default=1), self.max_step_frames
@@ -109,6 +117,10 @@ class SlotDecoder:
         )
         self._ids = itertools.count(1)
         self._live: dict[int, SlotState] = {}
+        # Prefix digest -> (slot snapshot, frames); hits/misses count starts with a prefix.
+        self._prefix_states: OrderedDict[bytes, tuple[dict[str, torch.Tensor], int]] = OrderedDict()
+        self.prefix_hits = 0
+        self.prefix_misses = 0
 
     # ------------------------------------------------------------------ set-up
 
@@ -142,7 +154,7 @@ class SlotDecoder:
         self._live[sid] = state
         try:
             if prefix is not None:
-                self._decode_prefix(state, prefix)
+                self._start_from_prefix(state, prefix)
         except BaseException:
             self.free(state)
             raise
@@ -231,6 +243,28 @@ class SlotDecoder:
         if state.failed:
             raise ValueError("decoder state is unusable after a failed decode")
         self.pool.check(state.slot, state.id)
+
+    def _start_from_prefix(self, state: SlotState, prefix: torch.Tensor) -> None:
+        """The state after `prefix`: copied from the prefix cache, or decoded (and cached)."""
+        entries = self.config.prefix_cache_entries
+        if entries == 0:
+            self._decode_prefix(state, prefix)
+            return
+        host = prefix.detach().to("cpu", torch.long).contiguous()
+        key = hashlib.sha256(repr(tuple(host.shape)).encode() + host.numpy().tobytes()).digest()
+        cached = self._prefix_states.get(key)
+        if cached is not None:
+            self._prefix_states.move_to_end(key)
+            self.prefix_hits += 1
+            snap, frames = cached
+            self.pool.restore(state.slot, snap)
+            state.frames = state.prefix_frames = frames
+            return
+        self.prefix_misses += 1
+        self._decode_prefix(state, prefix)
+        self._prefix_states[key] = (self.pool.snapshot(state.slot), state.frames)
+        while len(self._prefix_states) > entries:
+            self._prefix_states.popitem(last=False)
 
     def _decode_prefix(self, state: SlotState, prefix: torch.Tensor) -> None:
         """Run a reference prefix through the decoder, keeping only its state.

@@ -103,6 +103,15 @@ class SlotPool:
             for v in views:
                 v.zero_()
 
+    def snapshot(self, slot: int) -> dict[str, torch.Tensor]:
+        """A copy of one slot's whole history (restored with `restore`)."""
+        return {key: buf[slot].clone() for key, buf in self.buffers.items()}
+
+    def restore(self, slot: int, snap: dict[str, torch.Tensor]) -> None:
+        """Overwrite one slot's history with a `snapshot` (one grouped copy)."""
+        dst = [self.buffers[key][slot] for key in snap]
+        torch._foreach_copy_(dst, list(snap.values()))
+
     def slot_bytes(self) -> int:
         """Bytes of state one stream holds."""
         return sum(buf[0].numel() * buf.element_size() for buf in self.buffers.values())

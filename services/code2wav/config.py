@@ -49,6 +49,9 @@ class Code2WavConfig:
     # Credit: frames received but not decoded <= window; audio not acked <= max-ahead (see credit.py).
     credit_window_frames: int = 32
     max_ahead_frames: int = 100
+    # slots engine: decoder states after distinct reference prefixes kept for reuse (LRU, 0 = off);
+    # about 5 MB each at full size.
+    prefix_cache_entries: int = 64
     max_prefix_frames: int = 2048
     replica_name: str = ""
     drain_seconds: float = 30.0
@@ -96,6 +99,8 @@ class Code2WavConfig:
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_cache_entries < 0:
+            raise InvalidArgument(f"--prefix-cache-entries must be >= 0, got {self.prefix_cache_entries}")
         if self.first_chunk_frames < 1 or not self.chunk_frames_ramp or min(self.chunk_frames_ramp) < 1:
             raise InvalidArgument("--first-chunk-frames and every --chunk-frames-ramp value must be >= 1")
         largest = self.chunk_plan.largest
@@ -159,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(_env("CREDIT_WINDOW_FRAMES", str(d.credit_window_frames))),
     )
     p.add_argument(
+        "--prefix-cache-entries",
+        type=int,
+        default=int(_env("PREFIX_CACHE_ENTRIES", str(d.prefix_cache_entries))),
+        help="slots engine: decoder states after distinct ICL reference prefixes kept for reuse (0 = off)",
+    )
+    p.add_argument(
         "--max-ahead-frames", type=int, default=int(_env("MAX_AHEAD_FRAMES", str(d.max_ahead_frames)))
     )
     p.add_argument(
@@ -191,6 +202,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> Code2WavConfig:
         chunk_frames_ramp=_ramp(ns.chunk_frames_ramp),
         credit_window_frames=ns.credit_window_frames,
         max_ahead_frames=ns.max_ahead_frames,
+        prefix_cache_entries=ns.prefix_cache_entries,
         max_prefix_frames=ns.max_prefix_frames,
         replica_name=ns.replica_name or f"{socket.gethostname()}:{ns.port}",
         drain_seconds=ns.drain_seconds,

@@ -30,7 +30,9 @@ def load_incremental_decoder(model: str, *, load_format: str, device: str, dtype
     return IncrementalDecoder(decoder), _limits(decoder)
 
 
-def load_slot_decoder(model: str, *, load_format: str, device: str, precision: str, max_states: int):
+def load_slot_decoder(
+    model: str, *, load_format: str, device: str, precision: str, max_states: int, prefix_cache_entries: int = 64
+):
     """(SlotDecoder, StreamLimits): the GPU engine, its pool sized to --max-states, graphs captured
     here (minutes on a GPU) so the service reports SERVING only once it is ready."""
     from qtts.decode_engine import EngineConfig
@@ -38,7 +40,9 @@ def load_slot_decoder(model: str, *, load_format: str, device: str, precision: s
 
     path = model or str(ensure_tiny_snapshot())
     on_gpu = torch.device(device).type == "cuda"
-    config = EngineConfig(max_streams=max_states, precision=precision, cuda_graphs=on_gpu)
+    config = EngineConfig(
+        max_streams=max_states, precision=precision, cuda_graphs=on_gpu, prefix_cache_entries=prefix_cache_entries
+    )
     engine = load(path, device=device, load_format=load_format, config=config)
     return engine, _limits(engine.decoder)
 
@@ -49,6 +53,6 @@ def load_decoder(cfg):
         precision = cfg.decode_precision or _PRECISION_OF_DTYPE[cfg.dtype]
         return load_slot_decoder(
             cfg.model, load_format=cfg.load_format, device=cfg.device, precision=precision,
-            max_states=cfg.max_states,
+            max_states=cfg.max_states, prefix_cache_entries=cfg.prefix_cache_entries,
         )
     return load_incremental_decoder(cfg.model, load_format=cfg.load_format, device=cfg.device, dtype=cfg.dtype)

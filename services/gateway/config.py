@@ -32,6 +32,9 @@ class GatewayConfig:
     # Output sample rate when a request does not ask for one (resampled from 24 kHz with soxr).
     sample_rate: int = 24000
     drain_seconds: float = 30.0
+    # Idle keep-alive of HTTP connections; above a load balancer's idle timeout (60 s is common),
+    # so the proxy, not the gateway, closes idle connections (no close racing a new request).
+    http_keepalive_s: float = 75.0
     log_level: str = "INFO"
 
     def validate(self) -> GatewayConfig:
@@ -47,6 +50,8 @@ class GatewayConfig:
             raise InvalidArgument(f"--max-streams must be >= 1, got {self.max_streams}")
         if self.max_input_chars < 1 or self.max_new_frames_limit < 1:
             raise InvalidArgument("--max-input-chars and --max-new-frames-limit must be >= 1")
+        if self.http_keepalive_s <= 0:
+            raise InvalidArgument(f"--http-keepalive-s must be > 0, got {self.http_keepalive_s}")
         if not 8000 <= self.sample_rate <= 48000:
             raise InvalidArgument(f"--sample-rate must be in 8000..48000 Hz, got {self.sample_rate}")
         return self
@@ -79,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(_env("MAX_NEW_FRAMES_LIMIT", str(d.max_new_frames_limit))),
     )
+    p.add_argument(
+        "--http-keepalive-s",
+        type=float,
+        default=float(_env("HTTP_KEEPALIVE_S", str(d.http_keepalive_s))),
+        help="idle HTTP keep-alive, seconds (keep it above the load balancer's idle timeout)",
+    )
     p.add_argument("--sample-rate", type=int, default=int(_env("SAMPLE_RATE", str(d.sample_rate))),
                    help="output sample rate when a request does not set one (native: 24000)")
     p.add_argument("--max-ref-audio-bytes", type=int,
@@ -98,6 +109,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         speaker_cache=ns.speaker_cache,
         served_model_name=ns.served_model_name,
         max_streams=ns.max_streams,
+        http_keepalive_s=ns.http_keepalive_s,
         max_input_chars=ns.max_input_chars,
         max_new_frames_limit=ns.max_new_frames_limit,
         max_ref_audio_bytes=ns.max_ref_audio_bytes,

@@ -77,6 +77,7 @@ class GatewayServer:
         self.http = _UvicornServer(uvicorn.Config(
             self.app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
             timeout_graceful_shutdown=max(1, int(config.drain_seconds)), access_log=False,
+            timeout_keep_alive=int(max(1, config.http_keepalive_s)),
         ))
         self._http_task: asyncio.Task | None = None
         self._catalog_task: asyncio.Task | None = None

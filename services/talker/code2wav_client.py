@@ -20,6 +20,10 @@ from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 # Status codes that mean the replica itself is gone or unreachable (not a verdict on the stream).
 # CANCELLED comes from the server side only when it stopped under us: our own cancel ends reading.
 REPLICA_DOWN_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+# The details grpc.aio gives a call whose operation failed inside the client's own core (the call
+# or its connection died under it, as when the replica stops mid-stream): a status the replica
+# never sent, however INTERNAL it reads.
+CLIENT_CORE_FAILURE = "Internal error from Core"
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ DecodeEvent = Credit | DecodedAudio | Done | DecodeFailed | DecodeClosed
 
 def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
     code = exc.code()
-    if code in REPLICA_DOWN_CODES:
+    if code in REPLICA_DOWN_CODES or (code == grpc.StatusCode.INTERNAL and exc.details() == CLIENT_CORE_FAILURE):
         return DecodeFailed(
             Unavailable(f"code2wav replica {replica} went away or is unreachable: {exc.details()}"), True
         )

@@ -47,12 +47,22 @@ class TalkerConfig:
     engine: str = "eager"
     # GPU-local KV cache of voice-only prompt prefixes (graph engine), in MiB; 0 = off.
     prefix_cache_mb: int = 1024
+    # Graph engine: KV positions per slot (prompt + frames), the attention-span bucket step of the
+    # captured frame steps (fewer buckets: faster start-up, more KV read per step), and the widths
+    # of captured prefill graphs (empty: eager prefill).
+    max_len: int = 1024
+    context_step: int = 128
+    prefill_buckets: tuple[int, ...] = ()
     # Requests waiting for a generator slot beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
     max_queue: int = 256
     # Frames a stream may generate ahead of the credit code2wav granted (its send buffer bound).
     credit_window_frames: int = 8
     ring_vnodes: int = 160
     health_interval_s: float = 2.0
+    # A stream with frames waiting on its replica that hears nothing from it (no credit, no audio)
+    # for this long fails, and the replica leaves the ring (0 = off): a hung decoder process can
+    # still answer keepalive pings and health checks.
+    code2wav_stall_timeout_s: float = 30.0
     drain_seconds: float = 30.0
     log_level: str = "INFO"
 
@@ -81,6 +91,11 @@ class TalkerConfig:
             raise InvalidArgument(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
         if self.max_batch < 1:
             raise InvalidArgument(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.max_len < 2 or self.context_step < 1 or any(w < 1 for w in self.prefill_buckets):
+            raise InvalidArgument(
+                f"--max-len must be >= 2, --context-step >= 1 and --prefill-buckets positive, got "
+                f"{self.max_len}, {self.context_step}, {list(self.prefill_buckets)}"
+            )
         if self.max_queue < 0:
             raise InvalidArgument(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.credit_window_frames < 1:
@@ -91,7 +106,18 @@ class TalkerConfig:
             raise InvalidArgument(
                 "--drain-seconds must be >= 0; --speaker-cache-timeout-s and --health-interval-s > 0"
             )
+        if self.code2wav_stall_timeout_s < 0:
+            raise InvalidArgument(
+                f"--code2wav-stall-timeout-s must be >= 0 (0 = off), got {self.code2wav_stall_timeout_s}"
+            )
         return self
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise InvalidArgument(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +167,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="graph engine: KV cache of voice-only prompt prefixes, MiB (0 = off)",
     )
     p.add_argument(
+        "--max-len",
+        type=int,
+        default=int(_env("MAX_LEN", str(d.max_len))),
+        help="graph engine: KV positions per slot (prompt + generated frames)",
+    )
+    p.add_argument(
+        "--context-step",
+        type=int,
+        default=int(_env("CONTEXT_STEP", str(d.context_step))),
+        help="graph engine: attention-span bucket step of the captured frame steps",
+    )
+    p.add_argument(
+        "--prefill-buckets",
+        default=_env("PREFILL_BUCKETS", ",".join(map(str, d.prefill_buckets))),
+        help="graph engine on CUDA: widths of captured prefill graphs, e.g. 64,128,256,512 (empty: eager)",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         default=int(_env("MAX_QUEUE", str(d.max_queue))),
@@ -156,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--health-interval-s", type=float, default=float(_env("HEALTH_INTERVAL_S", str(d.health_interval_s)))
     )
+    p.add_argument(
+        "--code2wav-stall-timeout-s",
+        type=float,
+        default=float(_env("CODE2WAV_STALL_TIMEOUT_S", str(d.code2wav_stall_timeout_s))),
+        help="fail a stream whose code2wav replica answers nothing this long while frames wait, and "
+        "take the replica off the ring (0 = off)",
+    )
     return p
 
 
@@ -163,6 +213,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
     """Parse flags (env fallbacks) into a validated config; exits with a message on bad input."""
     parser = build_parser()
     a = parser.parse_args(argv)
+    try:
+        prefill_buckets = _int_list(a.prefill_buckets, "--prefill-buckets")
+    except InvalidArgument as exc:
+        parser.error(exc.message)
     config = TalkerConfig(
         host=a.host,
         port=a.port,
@@ -177,10 +231,14 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         max_batch=a.max_batch,
         engine=a.engine,
         prefix_cache_mb=a.prefix_cache_mb,
+        max_len=a.max_len,
+        context_step=a.context_step,
+        prefill_buckets=prefill_buckets,
         max_queue=a.max_queue,
         credit_window_frames=a.credit_window_frames,
         ring_vnodes=a.ring_vnodes,
         health_interval_s=a.health_interval_s,
+        code2wav_stall_timeout_s=a.code2wav_stall_timeout_s,
         drain_seconds=a.drain_seconds,
         log_level=a.log_level,
     )

@@ -55,6 +55,7 @@ class TalkerCore:
         voices: VoiceResolver,
         metrics: TalkerMetrics,
         credit_window_frames: int,
+        stall_timeout_s: float = 0.0,
         spec_factory: Callable[..., Any] | None = None,
     ):
         self.bundle = bundle
@@ -64,6 +65,7 @@ class TalkerCore:
         self._voices = voices
         self._metrics = metrics
         self._window = credit_window_frames
+        self._stall_timeout_s = stall_timeout_s
         self._spec_factory = spec_factory
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[AudioPiece | GenerationSummary]:
@@ -94,6 +96,7 @@ class TalkerCore:
             replicas=self._replicas,
             window=self._window,
             started_at=started_at,
+            stall_timeout_s=self._stall_timeout_s,
         )
         # aclosing: a caller that stops early (client gone) frees the stream at once, not at GC.
         async with contextlib.aclosing(session.run()) as items:

@@ -2,7 +2,8 @@
 
 A stream is pinned to `pick(request_id)` when it opens and never moves. A replica that fails to
 connect or drops a stream is marked down (taken off the ring, so only its ~1/N share of new
-streams moves); a health-check task puts it back once it reports SERVING again.
+streams moves); a health-check task puts it back once it reports SERVING again. A replica that
+stalled a stream is held off the ring for a while first: a hung decoder may still report SERVING.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -22,6 +24,8 @@ from qtts.pb import code2wav_pb2_grpc
 log = logging.getLogger(__name__)
 
 CODE2WAV_SERVICE = "code2wav.v1.Code2WavService"
+# A replica that stalls again right after its hold is held twice as long, up to this many times.
+MAX_STALL_HOLD_FACTOR = 32
 
 
 class Code2WavReplicas:
@@ -33,6 +37,7 @@ class Code2WavReplicas:
         *,
         vnodes: int = 160,
         health_interval_s: float = 2.0,
+        stall_hold_s: float = 30.0,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
     ):
         if not addresses:
@@ -58,6 +63,9 @@ class Code2WavReplicas:
         # Optimistic start: every replica is on the ring until a connect or a health check fails.
         self._ring = HashRing(self.addresses, vnodes=vnodes)
         self._health_interval_s = health_interval_s
+        self._stall_hold_s = stall_hold_s
+        self._held_until: dict[str, float] = {}
+        self._stall_streak: dict[str, int] = {}
         self._task: asyncio.Task | None = None
 
     @property
@@ -84,8 +92,29 @@ class Code2WavReplicas:
             log.warning("code2wav replica %s marked down: %s", address, reason)
             self._ring.remove(address)
 
+    def mark_stalled(self, address: str, reason: str) -> None:
+        """Take a replica that stalled a stream off the ring and keep it off for its hold, even
+        while its health checks pass. Each stall after the last hold ended without a stream
+        completing there doubles the hold; the stalls of one hang (concurrent streams) count once."""
+        now = time.monotonic()
+        if now >= self._held_until.get(address, 0.0):
+            streak = self._stall_streak.get(address, 0) + 1
+            self._stall_streak[address] = streak
+            hold = self._stall_hold_s * min(2 ** (streak - 1), MAX_STALL_HOLD_FACTOR)
+            self._held_until[address] = now + hold
+            reason = f"{reason}; held off the ring for {hold:.1f} s"
+        self.mark_down(address, reason)
+
+    def stream_completed(self, address: str) -> None:
+        """A stream ended normally on `address`: its stall streak (if any) is over."""
+        self._stall_streak.pop(address, None)
+
+    def held(self, address: str) -> bool:
+        """Whether a stall keeps `address` off the ring for now."""
+        return time.monotonic() < self._held_until.get(address, 0.0)
+
     def mark_up(self, address: str) -> None:
-        if address not in self._ring:
+        if address not in self._ring and not self.held(address):
             log.info("code2wav replica %s is serving again", address)
             self._ring.add(address)
 

@@ -55,7 +55,13 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
     def graph(bundle: Any, max_batch: int) -> Any:
         from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
 
-        runner = RunnerConfig(max_batch=max_batch, prefix_cache_bytes=config.prefix_cache_mb << 20)
+        runner = RunnerConfig(
+            max_batch=max_batch,
+            max_len=config.max_len,
+            context_step=config.context_step,
+            prefix_cache_bytes=config.prefix_cache_mb << 20,
+            prefill_buckets=config.prefill_buckets,
+        )
         return GraphEngine(bundle, max_batch=max_batch, config=EngineConfig(runner=runner))
 
     return {"eager": eager, "graph": graph}[config.engine]
@@ -116,6 +122,7 @@ class TalkerServer:
             self.config.code2wav,
             vnodes=self.config.ring_vnodes,
             health_interval_s=self.config.health_interval_s,
+            stall_hold_s=self.config.code2wav_stall_timeout_s,
         )
         self.replicas.start()
         self._cache = SpeakerCacheClient(
@@ -129,6 +136,7 @@ class TalkerServer:
             voices=self._voices,
             metrics=self.metrics,
             credit_window_frames=self.config.credit_window_frames,
+            stall_timeout_s=self.config.code2wav_stall_timeout_s,
             spec_factory=self._spec_factory,
         )
         self.servicer.core = self.core

@@ -4,6 +4,13 @@ Events from the engine thread (frames, end of generation) and from the Decode ca
 done) meet in one queue and are handled by one task, so writes to the Decode call never overlap.
 Frames wait in `buffer` until code2wav's credit allows them; the engine stops generating for this
 stream once it is `window` frames ahead of that credit, which bounds the buffer.
+
+While the stream waits on its replica (frames buffered for lack of credit, or StreamEnd sent and
+the rest of the audio due) and nothing has passed either way on the call for `stall_timeout_s`,
+the replica is taken to be hung: the stream fails (or moves, when nothing of it reached the
+replica) and the replica is held off the ring. Keepalive alone cannot see this: a hung process
+still answers pings. While the caller has not taken an audio chunk, the stream waits on its
+listener, not on the replica, and is not checked.
 """
 
 from __future__ import annotations
@@ -30,6 +37,13 @@ log = logging.getLogger(__name__)
 FRAME_CAP_MESSAGE = "generation hit the frame cap without end of speech"
 
 
+class _StallCheck:
+    """Queued by the stall timer: time to look whether the replica still answers."""
+
+
+_STALL_CHECK = _StallCheck()
+
+
 class StreamSession:
     """Runs one request from engine submission to the last audio chunk and the summary."""
 
@@ -48,6 +62,7 @@ class StreamSession:
         replicas: Code2WavReplicas,
         window: int,
         started_at: float,
+        stall_timeout_s: float = 0.0,
     ):
         self.request_id = request_id
         self._engine = engine
@@ -57,8 +72,9 @@ class StreamSession:
         self._first_chunk_frames = first_chunk_frames
         self._ramp = tuple(chunk_frames_ramp)
         self._started_at = started_at
+        self._stall_timeout_s = stall_timeout_s
         self._events: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._request = ScheduledRequest(
             request_id=request_id,
             prompt=prompt,
@@ -76,6 +92,9 @@ class StreamSession:
         self._reader: asyncio.Task | None = None
         self._tried: set[str] = set()
         self._heard_from_replica = False
+        # Loop time of the last message either way on the Decode call (the stall clock).
+        self._exchanged_at = 0.0
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     async def run(self) -> AsyncIterator[AudioPiece | GenerationSummary]:
         generating = False
@@ -116,10 +135,14 @@ class StreamSession:
                     yield AudioPiece(ev.pcm_s16le, ev.num_samples, ev.first_frame_index, ev.num_frames)
                     # The caller took the chunk: tell code2wav how far the listener is.
                     await self._decode.ack(samples)
+                    self._exchanged_at = self._loop.time()
                 elif isinstance(ev, c2w.Done):
                     done = True
+                    self._replicas.stream_completed(self._decode.replica)
                     replica = ev.replica or self._decode.replica
                     break
+                elif ev is _STALL_CHECK:
+                    await self._check_stall()
                 elif isinstance(ev, c2w.DecodeFailed):
                     await self._on_decode_failed(ev)
                 elif isinstance(ev, c2w.DecodeClosed):
@@ -142,6 +165,8 @@ class StreamSession:
                 replica=replica,
             )
         finally:
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
             if generating:
                 self._engine.cancel(self.request_id)
             await self._close_decode(cancel=not done)
@@ -165,26 +190,69 @@ class StreamSession:
                 self._replicas.mark_down(replica, exc.message)
                 continue
             self._decode = decode
+            self._exchanged_at = self._loop.time()
             self._reader = asyncio.create_task(self._pump(decode), name=f"decode-{self.request_id}")
             return
 
     async def _pump(self, decode: c2w.DecodeStream) -> None:
         async for ev in decode.events():
+            self._exchanged_at = self._loop.time()
             self._events.put_nowait(ev)
+
+    def _nothing_on_replica(self) -> bool:
+        """The replica never answered and got no frames: the stream may still open elsewhere."""
+        return not self._heard_from_replica and self._sent == 0
+
+    async def _reopen_elsewhere(self) -> None:
+        """Open the Decode call on the next replica of the ring (Unavailable when none is left)."""
+        await self._close_decode(cancel=True)
+        await self._open_decode()
 
     async def _on_decode_failed(self, ev: c2w.DecodeFailed) -> None:
         replica = self._decode.replica
         if ev.replica_down:
             self._replicas.mark_down(replica, ev.error.message)
-        if ev.replica_down and not self._heard_from_replica and self._sent == 0:
+        if ev.replica_down and self._nothing_on_replica():
             # The replica never answered: nothing of this stream lives there yet, so open it on
             # the next replica of the ring instead of failing the request.
             log.info("request %s: code2wav replica %s unreachable, trying another", self.request_id, replica)
-            await self._close_decode(cancel=True)
-            await self._open_decode()
+            await self._reopen_elsewhere()
             await self._flush()
             return
         raise ev.error
+
+    def _waiting_on_replica(self) -> bool:
+        return bool(self._buffer) or self._end_sent
+
+    def _watch_stall(self) -> None:
+        """Arm the stall timer while the stream waits on its replica (unless off or armed)."""
+        if self._stall_timeout_s > 0 and self._stall_timer is None and self._waiting_on_replica():
+            self._stall_timer = self._loop.call_at(
+                self._exchanged_at + self._stall_timeout_s, self._events.put_nowait, _STALL_CHECK
+            )
+
+    async def _check_stall(self) -> None:
+        self._stall_timer = None
+        silent_s = self._loop.time() - self._exchanged_at
+        if silent_s < self._stall_timeout_s or not self._waiting_on_replica():
+            self._watch_stall()
+            return
+        replica = self._decode.replica
+        waiting = f"{len(self._buffer)} frames wait for credit" if self._buffer else "the end of the stream is due"
+        error = Unavailable(
+            f"code2wav replica {replica} stalled: no credit or audio from it for {silent_s:.1f} s "
+            f"while {waiting} (--code2wav-stall-timeout-s {self._stall_timeout_s:g})"
+        )
+        log.warning("request %s: %s", self.request_id, error.message)
+        self._replicas.mark_stalled(replica, error.message)
+        if not self._nothing_on_replica():
+            raise error
+        # Hung before it answered at all: nothing of this stream lives there yet.
+        try:
+            await self._reopen_elsewhere()
+        except Unavailable as exc:
+            raise error from exc
+        await self._flush()
 
     async def _flush(self) -> None:
         """Send buffered frames the credit allows; StreamEnd once generation ended and all are sent."""
@@ -198,9 +266,12 @@ class StreamSession:
                 self._replicas.mark_down(self._decode.replica, exc.message)
                 raise
             self._sent += n
+            self._exchanged_at = self._loop.time()
         if self._gen_end is not None and not self._buffer and not self._end_sent:
             self._end_sent = True
             await self._decode.end(self._gen_end.num_frames)
+            self._exchanged_at = self._loop.time()
+        self._watch_stall()
 
     async def _close_decode(self, cancel: bool) -> None:
         if self._decode is not None and cancel:

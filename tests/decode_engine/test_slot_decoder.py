@@ -245,3 +245,35 @@ def test_cuda_graphs_match_the_full_decode(decoder, precision):
                 assert _snr_db(full, got) > BF16_MIN_SNR_DB
     finally:
         decoder.to("cpu")
+
+
+def test_prefix_state_cache_gives_the_decoded_state_bit_for_bit(decoder):
+    """A second stream of the same reference prefix copies the cached state instead of decoding
+    the prefix: its audio equals the first stream's and an uncached engine's exactly, in another
+    slot, while the first is still live; a different prefix misses; the LRU keeps `entries`."""
+    cached = _engine(decoder, static=True, prefix_cache_entries=2)
+    plain = _engine(decoder, static=True, prefix_cache_entries=0)
+    ref, ref2, ref3 = _codes(30, seed=60), _codes(20, seed=61), _codes(20, seed=62)
+    new = _codes(12, seed=63)
+
+    def run(engine: SlotDecoder, prefix: torch.Tensor):
+        state = engine.start(prefix)
+        return state, torch.cat([engine.decode(state, new[i : i + 4]) for i in range(0, 12, 4)])
+
+    want_state, want = run(plain, ref)
+    first_state, first = run(cached, ref)
+    assert (cached.prefix_hits, cached.prefix_misses) == (0, 1)
+    second_state, second = run(cached, ref)
+    assert (cached.prefix_hits, cached.prefix_misses) == (1, 1)
+    assert second_state.slot != first_state.slot  # both live: the copy went to another slot
+    assert (second_state.frames, second_state.prefix_frames) == (30 + 12, 30) == (want_state.frames, 30)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    # Different prefixes miss; with 2 entries the least recently used one is evicted.
+    run(cached, ref2)
+    run(cached, ref3)
+    assert (cached.prefix_hits, cached.prefix_misses) == (1, 3)
+    run(cached, ref3)
+    run(cached, ref)  # evicted by ref2 and ref3: decoded again
+    assert (cached.prefix_hits, cached.prefix_misses) == (2, 4)
+    with pytest.raises(ValueError, match="prefix_cache_entries"):
+        EngineConfig(prefix_cache_entries=-1)

@@ -7,8 +7,10 @@ import asyncio
 import grpc
 import httpx
 import numpy as np
+import pytest
 from gateway_fakes import FRAME, fake_decode, frame_pcm, free_port, wav_bytes
 
+from qtts.errors import InvalidArgument
 from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2, tts_pb2_grpc
 from services.gateway.config import GatewayConfig
@@ -129,3 +131,17 @@ async def test_gateway_end_to_end_with_fake_talker_and_real_speaker_cache():
         await gateway.stop()
         await cache.stop(0)
         await talker_host.stop(0)
+
+
+async def test_http_keepalive_setting_reaches_uvicorn():
+    """--http-keepalive-s (default 75 s, above common load-balancer idle timeouts) sets uvicorn's
+    keep-alive; zero or negative is rejected with the flag's name."""
+    from services.gateway.config import config_from_args
+
+    assert config_from_args([]).http_keepalive_s == 75.0
+    config = GatewayConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=0,
+                           http_keepalive_s=42).validate()
+    gateway = GatewayServer(config, catalog_retry_s=0.05, decode=fake_decode)
+    assert gateway.http.config.timeout_keep_alive == 42
+    with pytest.raises(InvalidArgument, match="--http-keepalive-s"):
+        GatewayConfig(http_keepalive_s=0).validate()

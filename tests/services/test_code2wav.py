@@ -494,3 +494,14 @@ async def test_server_passes_the_engine_batch_limit(fake_decoder):
         assert server.engine.max_batch == 256
     finally:
         await server.stop(0.5)
+
+
+def test_prefix_cache_entries_flag_reaches_the_slots_engine():
+    from services.code2wav.model_loader import load_decoder
+
+    assert config_from_args([]).prefix_cache_entries == 64
+    cfg = config_from_args(["--decode-engine", "slots", "--prefix-cache-entries", "3", "--max-states", "2"])
+    engine, _ = load_decoder(cfg)
+    assert engine.config.prefix_cache_entries == 3 and engine.pool.capacity == 2
+    with pytest.raises(InvalidArgument, match="--prefix-cache-entries"):
+        config_from_args(["--prefix-cache-entries", "-1"])
