@@ -116,6 +116,16 @@ class GatewayMetrics(ServiceMetrics):
             "Synthesis streams in progress.",
             registry=registry,
         )
+        self.reference_cache_hits = Counter(
+            "tts_gateway_reference_cache_hits_total",
+            "Reference clips served from the decoded-clip cache (no decode).",
+            registry=registry,
+        )
+        self.reference_cache_misses = Counter(
+            "tts_gateway_reference_cache_misses_total",
+            "Reference clips decoded (not in the decoded-clip cache).",
+            registry=registry,
+        )
 
 
 class TalkerMetrics(ServiceMetrics):

@@ -29,6 +29,8 @@ class GatewayConfig:
     # Upper bound on max_new_tokens a client may ask for (12.5 frames per second of audio).
     max_new_frames_limit: int = 4096
     max_ref_audio_bytes: int = 20 * 1024 * 1024
+    # Decoded reference clips kept by content (LRU), MiB; 0 = decode every request's clip.
+    ref_audio_cache_mb: int = 256
     # Output sample rate when a request does not ask for one (resampled from 24 kHz with soxr).
     sample_rate: int = 24000
     drain_seconds: float = 30.0
@@ -50,6 +52,8 @@ class GatewayConfig:
             raise InvalidArgument(f"--max-streams must be >= 1, got {self.max_streams}")
         if self.max_input_chars < 1 or self.max_new_frames_limit < 1:
             raise InvalidArgument("--max-input-chars and --max-new-frames-limit must be >= 1")
+        if self.ref_audio_cache_mb < 0:
+            raise InvalidArgument(f"--ref-audio-cache-mb must be >= 0, got {self.ref_audio_cache_mb}")
         if self.http_keepalive_s <= 0:
             raise InvalidArgument(f"--http-keepalive-s must be > 0, got {self.http_keepalive_s}")
         if not 8000 <= self.sample_rate <= 48000:
@@ -85,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(_env("MAX_NEW_FRAMES_LIMIT", str(d.max_new_frames_limit))),
     )
     p.add_argument(
+        "--ref-audio-cache-mb",
+        type=int,
+        default=int(_env("REF_AUDIO_CACHE_MB", str(d.ref_audio_cache_mb))),
+        help="decoded reference clips kept by content for reuse, MiB (0 = off)",
+    )
+    p.add_argument(
         "--http-keepalive-s",
         type=float,
         default=float(_env("HTTP_KEEPALIVE_S", str(d.http_keepalive_s))),
@@ -110,6 +120,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         served_model_name=ns.served_model_name,
         max_streams=ns.max_streams,
         http_keepalive_s=ns.http_keepalive_s,
+        ref_audio_cache_mb=ns.ref_audio_cache_mb,
         max_input_chars=ns.max_input_chars,
         max_new_frames_limit=ns.max_new_frames_limit,
         max_ref_audio_bytes=ns.max_ref_audio_bytes,

@@ -24,6 +24,7 @@ from .grpc_servicer import TextToSpeechServicer
 from .http_app import HttpDeps, create_app
 from .job import ModelCatalog
 from .stage_health import StageHealth
+from .reference_cache import DecodedReferenceCache
 from .synthesis import Synthesizer, decode_reference
 from .talker_client import TalkerClient
 from .validation import RequestLimits
@@ -60,8 +61,13 @@ class GatewayServer:
         self._catalog_retry_s = catalog_retry_s
         limits = RequestLimits(config.max_input_chars, config.max_new_frames_limit, config.max_ref_audio_bytes,
                                config.sample_rate)
+        self.reference_cache = (
+            DecodedReferenceCache(decode, config.ref_audio_cache_mb << 20, self.metrics.reference_cache_hits.inc,
+                                  self.metrics.reference_cache_misses.inc)
+            if config.ref_audio_cache_mb > 0 else None
+        )
         self.synthesizer = Synthesizer(self.talker, lambda: self.catalog, limits, Admission(config.max_streams),
-                                       self.metrics, decode=decode)
+                                       self.metrics, decode=self.reference_cache or decode)
         self.voices = VoiceService(self.voice_client, decode, lambda: self.catalog,
                                    config.max_ref_audio_bytes)
         self.stage_health = StageHealth({"talker": self.talker.channel,

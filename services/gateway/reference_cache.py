@@ -1,0 +1,66 @@
+"""Decoded reference clips kept by content, so a voice-clone request that repeats a clip (the
+common case: an agent speaks in one cloned voice all day) skips the container decode and resample.
+
+Measured on an H200 host with the full stack (BENCHMARKS.md): decoding every request's clip in the
+gateway's thread pool capped the whole stack at about 20 requests per second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+
+class DecodedReferenceCache:
+    """`decode(data)` with an LRU of results keyed by sha256(data), within `max_bytes`.
+
+    Thread-safe (the gateway decodes in worker threads). Results are read-only arrays shared by
+    every request that sent the same bytes. Failures are not cached: bad input is decoded (and
+    rejected) again each time. Two concurrent first requests of one clip may both decode it."""
+
+    def __init__(
+        self,
+        decode: Callable[[bytes], np.ndarray],
+        max_bytes: int,
+        on_hit: Callable[[], None] | None = None,
+        on_miss: Callable[[], None] | None = None,
+    ):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self._decode = decode
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes_used = 0
+        self._on_hit = on_hit or (lambda: None)
+        self._on_miss = on_miss or (lambda: None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __call__(self, data: bytes) -> np.ndarray:
+        key = hashlib.sha256(data).digest()
+        with self._lock:
+            pcm = self._entries.get(key)
+            if pcm is not None:
+                self._entries.move_to_end(key)
+        if pcm is not None:
+            self._on_hit()
+            return pcm
+        self._on_miss()
+        pcm = np.asarray(self._decode(data))
+        pcm.setflags(write=False)
+        size = pcm.nbytes
+        if size <= self.max_bytes:
+            with self._lock:
+                if key not in self._entries:
+                    self._entries[key] = pcm
+                    self.bytes_used += size
+                while self.bytes_used > self.max_bytes:
+                    _, old = self._entries.popitem(last=False)
+                    self.bytes_used -= old.nbytes
+        return pcm
