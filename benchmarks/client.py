@@ -28,6 +28,7 @@ from benchmarks.loadgen import LevelRun, poisson_arrivals, run_closed_loop, run_
 from benchmarks.metrics import DEFAULT_AUDIBLE_DBFS, RequestRecord
 from benchmarks.reference_audio import SYNTHETIC_REF_TEXT, load_reference
 from benchmarks.report import level_result, markdown_table, write_report
+from benchmarks.revision import git_revision
 from benchmarks.transport import (
     GrpcSynthesizer,
     HttpSynthesizer,
@@ -185,11 +186,6 @@ def _run(cmd: Sequence[str]) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
 
-
-def git_revision() -> str:
-    rev = _run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"]) or "unknown"
-    dirty = _run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"])
-    return f"{rev}-dirty" if dirty else rev
 
 
 def local_gpu() -> str | None:

@@ -22,7 +22,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.revision import git_revision
 from qtts.decode_engine import EngineConfig, SlotDecoder
 from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 
@@ -225,13 +225,6 @@ def first_chunk_latency(eng: SlotDecoder, iters: int, prefix_frames: int) -> lis
     return rows
 
 
-def _git_rev() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -264,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
-        "git": args.revision or _git_rev(),
+        "git": args.revision or git_revision(),
         "weights": "dummy (seeded random)",
         "decoder": "full-size speech tokenizer decoder (configs/speech_tokenizer)",
         "steady_state": {},

@@ -34,7 +34,6 @@ import json
 import platform
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.revision import git_revision
 from qtts.model import load_talker_bundle
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -51,11 +51,6 @@ TEXT = "The quick brown fox jumps over the lazy dog near the quiet river bank to
 REF_TEXT = "This is the reference recording of my voice, read slowly and clearly."
 
 
-def _git_rev() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def _sync(device: str) -> None:
@@ -299,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "torch": torch.__version__,
             "qwen_tts": getattr(qt, "__version__", "0.1.1"),
             "transformers": __import__("transformers").__version__,
-            "git": _git_rev(),
+            "git": git_revision(),
             "host": platform.node(),
             "weights": "dummy (our seeded random init, saved in the official layout)",
             "weights_match_ours": same_weights,

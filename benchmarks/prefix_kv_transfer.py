@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.talker_step import _git_rev
+from benchmarks.revision import git_revision
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.scheduler import PrefillChunk
 from qtts.engine.sequence import Sequence
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
             "dtype": str(dtype).removeprefix("torch."),
             "torch": torch.__version__,
-            "git": _git_rev(),
+            "git": git_revision(),
             "host": platform.node(),
             "weights": "dummy (seeded random)",
             "redis": redis_server.error or "redis-server on loopback (this host)",

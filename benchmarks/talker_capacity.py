@@ -32,7 +32,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.revision import git_revision
 from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
 from qtts.engine.model_runner import DEFAULT_BATCH_BUCKETS
 from qtts.model import SamplingParams, SynthesisSpec, TalkerPrompt, VoicePrompt, load_talker_bundle
@@ -56,11 +56,6 @@ TEXTS = [
 REF_TEXT = "This is the reference recording of my voice."
 
 
-def _git_rev() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -314,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "device": torch.cuda.get_device_name() if str(args.device).startswith("cuda") else platform.processor() or "cpu",
             "dtype": args.dtype,
             "torch": torch.__version__,
-            "git": _git_rev(),
+            "git": git_revision(),
             "host": platform.node(),
             "weights": "dummy (seeded random)",
             "load_s": load_s,

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.revision import git_revision
 from qtts.engine.model_runner import (
     DEFAULT_BATCH_BUCKETS,
     I_GREEDY,
@@ -55,11 +56,6 @@ BASELINE_1P7B = {1: 8.2, 64: 10.4, 256: 17.4, 512: 27.7, 1024: 48.2}
 TARGET_1P7B = {1: 5.0, 256: 14.0, 512: 22.0, 1024: 40.0}
 
 
-def _git_rev() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def _event_median(fn, iters: int, warmup: int = 3) -> float:
@@ -362,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "git": _git_rev(),
+        "git": git_revision(),
         "host": platform.node(),
         "weights": "dummy (seeded random, bf16)",
         "frames": "steady-state frame step, every stream at the same position",

@@ -230,6 +230,14 @@ class ModelRunner:
         self._pred_layer_fn = _fast_predictor_layer
         compile_layers = self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
         if self.fast_path and compile_layers:
+            # Every batch bucket, predictor step and prefill width is its own variant: above the
+            # default limit of 8, dynamo silently runs the rest uncompiled (seen on an H200 with
+            # prefill graphs). Raise the limit for this process.
+            import torch._dynamo.config as dynamo_config
+
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo_config, name):
+                    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
             # Batch, positions and sequence length vary across buckets and predictor steps.
             self._qkv_fn = torch.compile(_fast_qkv, dynamic=True)
             self._out_fn = torch.compile(_fast_out_mlp, dynamic=True)

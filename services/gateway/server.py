@@ -23,8 +23,8 @@ from .config import GatewayConfig
 from .grpc_servicer import TextToSpeechServicer
 from .http_app import HttpDeps, create_app
 from .job import ModelCatalog
-from .stage_health import StageHealth
 from .reference_cache import DecodedReferenceCache
+from .stage_health import StageHealth
 from .synthesis import Synthesizer, decode_reference
 from .talker_client import TalkerClient
 from .validation import RequestLimits
