@@ -32,7 +32,11 @@ def event_to_pb(stream_id: str, seq: int, event: DecodeEvent) -> pb.DecodeRespon
         return pb.DecodeResponse(
             stream_id=stream_id,
             sequence_number=seq,
-            credit=pb.CreditGrant(frames_allowed_until=event.frames_allowed_until),
+            credit=pb.CreditGrant(
+                frames_allowed_until=event.frames_allowed_until,
+                first_chunk_frames=event.first_chunk_frames,
+                chunk_frames_ramp=event.chunk_frames_ramp,
+            ),
         )
     if isinstance(event, DecodedAudio):
         audio = pb.AudioOut(

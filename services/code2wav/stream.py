@@ -156,8 +156,8 @@ class DecodeStream:
         self._maybe_done()
 
     def start_credit(self) -> None:
-        """Send the first grant (after the decoder state exists)."""
-        self._grant()
+        """Send the first grant (after the decoder state exists), with the chunk plan."""
+        self._grant(with_plan=True)
 
     def fail(self, exc: BaseException) -> None:
         """End the stream with `exc` (raised from `events()`)."""
@@ -183,15 +183,16 @@ class DecodeStream:
 
     # ---------------------------------------------------------------- internals
 
-    def _grant(self) -> None:
+    def _grant(self, with_plan: bool = False) -> None:
         if self.total_frames is not None:
             return  # nothing more to send
         allowed = self.policy.frames_allowed_until(
             self.decoded_frames, self.acked_samples // self.limits.samples_per_frame
         )
-        if allowed > self.granted:
-            self.granted = allowed
-            self._outbox.put_nowait(Credit(allowed))
+        if allowed > self.granted or with_plan:
+            self.granted = max(self.granted, allowed)
+            plan = (self.plan.first, self.plan.ramp) if with_plan else (0, ())
+            self._outbox.put_nowait(Credit(self.granted, *plan))
 
     def _maybe_done(self) -> None:
         if self.total_frames is not None and self.decoded_frames == self.total_frames and not self.finished:

@@ -115,7 +115,8 @@ class DecodeStream:
             async for msg in self._call:
                 kind = msg.WhichOneof("event")
                 if kind == "credit":
-                    yield Credit(msg.credit.frames_allowed_until)
+                    c = msg.credit
+                    yield Credit(c.frames_allowed_until, c.first_chunk_frames, tuple(c.chunk_frames_ramp))
                 elif kind == "audio":
                     a = msg.audio
                     yield DecodedAudio(a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns)

@@ -86,6 +86,9 @@ class StreamSession:
         )
         self._buffer: list[np.ndarray] = []
         self._sent = 0
+        # The replica's chunk plan (from its first grant): frames are sent a chunk at a time,
+        # since the replica decodes a chunk only once all its frames are there. None: per frame.
+        self._plan: c2w.Credit | None = None
         self._gen_end: Finished | None = None
         self._end_sent = False
         self._decode: c2w.DecodeStream | None = None
@@ -125,6 +128,8 @@ class StreamSession:
                     raise ev.error
                 elif isinstance(ev, c2w.Credit):
                     self._heard_from_replica = True
+                    if ev.first_chunk_frames > 0:
+                        self._plan = ev
                     self._engine.grant(self._request, ev.frames_allowed_until)
                     await self._flush()
                 elif isinstance(ev, c2w.DecodedAudio):
@@ -185,10 +190,15 @@ class StreamSession:
                     self._first_chunk_frames,
                     self._ramp,
                 )
-            except TTSError as exc:
+            except Unavailable as exc:
                 decode.cancel()
                 self._replicas.mark_down(replica, exc.message)
                 continue
+            except TTSError:
+                # The replica answered with a status of its own (e.g. RESOURCE_EXHAUSTED at its
+                # state bound): not a dead replica; the request fails with that status.
+                decode.cancel()
+                raise
             self._decode = decode
             self._exchanged_at = self._loop.time()
             self._reader = asyncio.create_task(self._pump(decode), name=f"decode-{self.request_id}")
@@ -222,7 +232,9 @@ class StreamSession:
         raise ev.error
 
     def _waiting_on_replica(self) -> bool:
-        return bool(self._buffer) or self._end_sent
+        """Frames held back by the credit (not by the chunk boundary), or the end sent."""
+        blocked = bool(self._buffer) and self._sent >= self._request.credit.granted_until
+        return blocked or self._end_sent
 
     def _watch_stall(self) -> None:
         """Arm the stall timer while the stream waits on its replica (unless off or armed)."""
@@ -255,8 +267,21 @@ class StreamSession:
         await self._flush()
 
     async def _flush(self) -> None:
-        """Send buffered frames the credit allows; StreamEnd once generation ended and all are sent."""
-        n = min(len(self._buffer), self._request.credit.granted_until - self._sent)
+        """Send buffered frames the credit allows, once they complete the replica's next chunk (or
+        fill the credit, or generation ended); StreamEnd once generation ended and all are sent."""
+        allowed = self._request.credit.granted_until
+        n = min(len(self._buffer), allowed - self._sent)
+        if n > 0 and self._gen_end is None and self._plan is not None:
+            # Up to the last chunk boundary within reach: frames past it could not be decoded yet
+            # and go with the rest of their chunk. Short of the next boundary: wait, unless the
+            # credit ends first (then send what it allows).
+            end, boundary = self._sent + n, self._plan.chunk_end_after(self._sent)
+            if boundary <= end:
+                while (following := self._plan.chunk_end_after(boundary)) <= end:
+                    boundary = following
+                n = boundary - self._sent
+            elif end < allowed:
+                n = 0
         if n > 0:
             codes = np.stack(self._buffer[:n])
             del self._buffer[:n]

@@ -67,7 +67,11 @@ def _decode_ready(stream: DecodeStream) -> None:
 
 def test_stream_without_acks_stops_at_max_ahead_and_acks_reopen_it():
     stream = _stream(CreditPolicy(window_frames=8, max_ahead_frames=12))
-    assert _drain(stream) == [Credit(8)]
+    # The first grant carries the chunk plan, so the producer can send a chunk at a time.
+    first = _drain(stream)
+    assert first == [Credit(8, 2, (4,))]
+    assert [first[0].chunk_end_after(n) for n in (0, 1, 2, 5, 6, 10)] == [2, 2, 6, 6, 10, 14]
+    assert Credit(8).chunk_end_after(0) is None
     sent = 0
     for _ in range(10):  # a producer that sends whatever it is granted, a decoder that keeps up
         stream.add_frames(sent, _codes(stream.granted - sent))

@@ -149,6 +149,7 @@ class DecodeLog:
     request_id: str = ""
     prefix_frames: int = 0
     frames: list[int] = field(default_factory=list)
+    delta_sizes: list[int] = field(default_factory=list)
     max_allowed: int = 0
     violations: list[str] = field(default_factory=list)
     acks: list[int] = field(default_factory=list)
@@ -163,8 +164,17 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
     (e.g. to stop the whole server) and stops answering.
     """
 
-    def __init__(self, name: str, window: int = 4, die_after_frames: int | None = None, hold: bool = False):
+    def __init__(
+        self,
+        name: str,
+        window: int = 4,
+        die_after_frames: int | None = None,
+        hold: bool = False,
+        plan: tuple[int, tuple[int, ...]] | None = None,
+    ):
         self.name = name
+        # plan: (first chunk, ramp) announced in the first grant, as the real code2wav does.
+        self.plan = plan
         # hold: grant only the first window, as a decoder that is stuck would.
         self.hold = hold
         self.window = window
@@ -186,9 +196,12 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
             seq += 1
             return code2wav_pb2.DecodeResponse(stream_id="s", sequence_number=seq - 1, **kw)
 
-        def grant():
+        def grant(first: bool = False):
             log.max_allowed = max(log.max_allowed, acked_frames + self.window)
-            return msg(credit=code2wav_pb2.CreditGrant(frames_allowed_until=log.max_allowed))
+            plan = {}
+            if first and self.plan is not None:
+                plan = {"first_chunk_frames": self.plan[0], "chunk_frames_ramp": list(self.plan[1])}
+            return msg(credit=code2wav_pb2.CreditGrant(frames_allowed_until=log.max_allowed, **plan))
 
         try:
             async for req in request_iterator:
@@ -196,7 +209,7 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
                 if kind == "start":
                     log.request_id = req.start.request_id
                     log.prefix_frames = req.start.num_prefix_frames
-                    yield grant()
+                    yield grant(first=True)
                 elif kind == "frames":
                     d = req.frames
                     if d.first_frame_index != received:
@@ -207,6 +220,7 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
                         )
                     codes = np.frombuffer(d.codes_i16, dtype="<i2").reshape(d.num_frames, 16)
                     log.frames.extend(int(c) for c in codes[:, 0])
+                    log.delta_sizes.append(d.num_frames)
                     received += d.num_frames
                     if self.die_after_frames is not None and received >= self.die_after_frames:
                         if self.on_die is not None:

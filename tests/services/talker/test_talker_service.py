@@ -53,6 +53,24 @@ async def test_audio_is_frames_times_1920_samples_in_order_within_credit():
         assert s.gauge("tts_talker_frames_total") == 7
 
 
+async def test_frames_go_to_code2wav_a_chunk_at_a_time_when_it_announces_its_plan():
+    """A replica that announces its chunk plan (2, then 4, 4, 8...) gets frames only in whole chunks
+    (one delta may carry several when the engine ran ahead), the remainder at the end. The audio is
+    the same as without a plan."""
+    c2w = FakeCode2Wav("c2w-a", window=32, plan=(2, (4, 4, 8)))
+    async with fake_stack([c2w], credit_window_frames=8) as s:
+        chunks, summary = await generate_all(s.stub, request_id="r1", text="frames=23", **CLONE)
+        pcm = np.frombuffer(b"".join(c.audio for c in chunks), dtype="<i2")
+        np.testing.assert_array_equal(pcm, np.repeat(np.arange(23), 1920))
+        log = c2w.logs[0]
+        assert log.violations == [] and log.frames == list(range(23)) and log.ended
+        # Chunk boundaries at 2, 6, 10, 18, 26: every delta ends on one, except the last (23).
+        ends = np.cumsum(log.delta_sizes).tolist()
+        assert ends[-1] == 23 and set(ends[:-1]) <= {2, 6, 10, 18}
+        assert len(ends) <= 5
+        assert summary.num_frames == 23
+
+
 async def test_stream_without_credit_stops_generating_at_the_window():
     # The replica grants 4 frames and never more: the talker sends those 4, generates 3 more into
     # its buffer (its own window) and then skips the stream.
