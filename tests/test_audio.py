@@ -124,3 +124,33 @@ def test_pcm_s16le_batch_splits_the_batch_per_stream():
 def test_pcm_s16le_batch_empty_input():
     assert pcm_s16le_batch([]) == []
     assert pcm_s16le_batch([torch.zeros(0), torch.zeros(0)]) == [b"", b""]
+
+
+@pytest.mark.parametrize("rate", [16000, SAMPLE_RATE])
+@pytest.mark.parametrize("channels", [1, 2])
+def test_pcm16_wav_fast_path_equals_the_pyav_decode(rate, channels):
+    """16-bit PCM WAV skips PyAV; its samples are bit-identical to PyAV's decode of the same bytes."""
+    from qtts.audio import _decode_pcm16_wav, _decode_with_pyav
+
+    x = np.stack([_tone(rate, 0.7, 440 + 110 * c) for c in range(channels)])
+    data = _encode(x, rate, "wav", "pcm_s16le")
+    fast, fast_rate = _decode_pcm16_wav(data, 60.0)
+    slow, slow_rate = _decode_with_pyav(data, 60.0)
+    assert fast is not None and fast_rate == slow_rate == rate
+    assert fast.dtype == slow.dtype == np.float32
+    np.testing.assert_array_equal(fast, slow)
+
+
+def test_other_wav_formats_and_containers_take_pyav():
+    from qtts.audio import _decode_pcm16_wav
+
+    x = _tone(SAMPLE_RATE, 0.3)
+    float_wav = _encode(x[None], SAMPLE_RATE, "wav", "pcm_f32le")
+    assert _decode_pcm16_wav(float_wav, 60.0) == (None, 0)
+    np.testing.assert_allclose(load_reference_audio(float_wav), x, atol=1e-6)
+    flac = _encode(x[None], SAMPLE_RATE, "flac", "flac")
+    assert _decode_pcm16_wav(flac, 60.0) == (None, 0)
+    # A truncated PCM16 WAV decodes the samples that are there.
+    data = _encode(x[None], SAMPLE_RATE, "wav", "pcm_s16le")
+    cut = load_reference_audio(data[: len(data) - 2000])
+    assert cut.shape[0] == x.shape[0] - 1000
