@@ -45,16 +45,16 @@ case "$MODE" in
 talker)
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     python3 -c "from qtts import pb; pb.generate(force=True)"
-    timeout 180 python3 -m benchmarks.talker_step --models qwen3-tts-12hz-1.7b-base \
+    timeout 240 python3 -m benchmarks.talker_step --models qwen3-tts-12hz-1.7b-base --prefill-buckets 128,256,384 \
         --engine --out "$RES/talker_step.json" >"$RES/talker_step.log" 2>&1
     timeout 60 python3 -m benchmarks.prefix_kv_transfer --redis-server .redis/redis-server \
         --out "$RES/prefix_kv.json" >"$RES/prefix_kv.log" 2>&1
     # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags
-    timeout 170 python3 -m benchmarks.talker_capacity --streams 512,1024,1280,1536 --context-step 256 \
-        --measure-steps 150 ${CAPACITY_ARGS:---prefill-buckets 64,128,256,512} \
+    timeout 160 python3 -m benchmarks.talker_capacity --streams 512,1024,1280,1536 --context-step 256 \
+        --measure-steps 150 ${CAPACITY_ARGS:---prefill-buckets 128,256,512} \
         --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1
     install .whl_ref /tmp/qwen_ref
-    PYTHONPATH=/tmp/qwen_ref:/tmp/site:. timeout 130 python3 -m benchmarks.official_baseline \
+    PYTHONPATH=/tmp/qwen_ref:/tmp/site:. timeout 110 python3 -m benchmarks.official_baseline \
         --frames 60 --repeats 2 --out "$RES/official_baseline.json" >"$RES/official_baseline.log" 2>&1
     ;;
 stack)

@@ -225,6 +225,7 @@ def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int)
         batch_buckets=tuple(b for b in DEFAULT_BATCH_BUCKETS if b <= max_streams) or (max_streams,),
         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
+        prefill_rows=tuple(int(x) for x in args.prefill_rows.split(",") if x),
     )
     return EngineConfig(runner=runner, max_prefill_tokens=args.max_prefill_tokens)
 
@@ -256,6 +257,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill positions per step")
     ap.add_argument("--prompt-pool", type=int, default=64, help="distinct prompts (voices) cycled through")
     ap.add_argument("--prefill-buckets", default="", help="widths of captured prefill graphs, e.g. 64,128,256,512")
+    ap.add_argument("--prefill-rows", default="1,2,4,8", help="row buckets of the captured prefill graphs")
     ap.add_argument("--context-step", type=int, default=None, help="attention-span bucket step (default 128)")
     ap.add_argument("--prefix-cache-mb", type=float, default=0.0, help="prefix KV cache (0: off)")
     ap.add_argument("--budget-ms", type=float, default=FRAME_MS, help="p99 frame interval of a real-time level")

@@ -151,6 +151,7 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         max_candidates=args.max_candidates, fast_path=mode != "plain", compile_layers=mode.startswith("compile"),
         predictor_carry_kv=mode != "compile-nocarry",
         prefill_buckets=tuple(args.prefill_buckets),
+        prefill_rows=tuple(args.prefill_rows),
     )
     runner = ModelRunner(bundle, cfg)
     fill_slots(runner, args.position)
@@ -319,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                     "mode: plain, fast, compile, compile-nocarry)")
     ap.add_argument("--prefill-buckets", default="64,128,256,512",
                     help="widths of the captured prefill graphs, comma separated ('' : eager prefill only)")
+    ap.add_argument("--prefill-rows", default="1,8", help="row buckets of the captured prefill graphs")
     ap.add_argument("--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)")
     ap.add_argument("--quick", action="store_true", help="batches 1,64,256,1024 and fewer iterations")
     ap.add_argument("--engine", action="store_true", help="also run the whole GraphEngine (waves of joins) "
@@ -331,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("talker_step needs a CUDA GPU")
     args.batches = [int(x) for x in args.batches.split(",")]
     args.prefill_buckets = [int(x) for x in args.prefill_buckets.split(",") if x]
+    args.prefill_rows = [int(x) for x in args.prefill_rows.split(",") if x]
     args.eager_batches = {int(x) for x in args.eager_batches.split(",") if x and x != "none"}
     variants = args.variants.split(",")
     if args.quick and len(args.batches) == 11:

@@ -84,6 +84,9 @@ class RunnerConfig:
     # Fast path on CUDA: capture the prefill of one prompt chunk as CUDA graphs at these widths
     # (positions, padded up); wider chunks and CPU runs take the eager ragged batch. Empty: off.
     prefill_buckets: tuple[int, ...] = ()
+    # Chunks of one width bucket go through one graph in batches of these many rows (padding rows
+    # write only the scratch column): fewer, larger replays when several prompts arrive at once.
+    prefill_rows: tuple[int, ...] = (1, 2, 4, 8)
 
     def __post_init__(self) -> None:
         if self.max_len < 2 or self.max_batch < 1 or self.max_trailing < 0 or self.context_step < 1:
@@ -95,8 +98,8 @@ class RunnerConfig:
                 raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")
         if any(b < 1 for b in self.batch_buckets) or not self.batch_buckets:
             raise ValueError("batch_buckets must be positive")
-        if any(b < 1 for b in self.prefill_buckets):
-            raise ValueError("prefill_buckets must be positive")
+        if any(b < 1 for b in self.prefill_buckets) or not self.prefill_rows or min(self.prefill_rows) < 1:
+            raise ValueError("prefill_buckets and prefill_rows must be positive (prefill_rows non-empty)")
 
     def resolved_context_buckets(self) -> tuple[int, ...]:
         if self.context_buckets:
@@ -255,12 +258,13 @@ class ModelRunner:
         self.prefill_buckets = (
             tuple(sorted({min(w, self.max_len) for w in config.prefill_buckets})) if self.fast_path else ()
         )
-        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_rows = tuple(sorted(set(config.prefill_rows)))
+        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if self.prefill_buckets:
-            w = self.prefill_buckets[-1]
-            self.pf_x = torch.zeros(1, w, self.hidden, device=self.device, dtype=self.dtype)
-            self.pf_pos = torch.full((1, w), self.scratch, device=self.device, dtype=torch.long)
-            self.pf_slot = torch.zeros(1, device=self.device, dtype=torch.long)
+            r, w = self.prefill_rows[-1], self.prefill_buckets[-1]
+            self.pf_x = torch.zeros(r, w, self.hidden, device=self.device, dtype=self.dtype)
+            self.pf_pos = torch.full((r, w), self.scratch, device=self.device, dtype=torch.long)
+            self.pf_slot = torch.zeros(r, device=self.device, dtype=torch.long)
 
     # -- sizing and allocation ---------------------------------------------------------------
     def bytes_per_position(self) -> int:
@@ -349,6 +353,9 @@ class ModelRunner:
         if not chunks:
             return
         width = max(c.end - c.start for c in chunks)
+        if self.prefill_buckets and width <= self.prefill_buckets[-1]:
+            self._prefill_bucketed(chunks)
+            return
         x = torch.zeros(len(chunks), width, self.hidden, device=self.device, dtype=self.dtype)
         positions = torch.empty(len(chunks), width, dtype=torch.long)
         for r, c in enumerate(chunks):
@@ -356,10 +363,6 @@ class ModelRunner:
             positions[r] = torch.arange(c.start, c.start + width)
         # Padding tokens write columns the row overwrites before attending to them, or the scratch.
         positions = positions.clamp_(max=self.scratch).to(self.device)
-        if self.prefill_buckets and width <= self.prefill_buckets[-1]:
-            for r, c in enumerate(chunks):
-                self._prefill_replay(x[r : r + 1, : c.end - c.start], c.start, c.seq.slot)
-            return
         slots = torch.tensor([c.seq.slot for c in chunks], device=self.device)
         if not self.fast_path:
             self.talker.model(x, positions, slots, self.kv_view)
@@ -367,36 +370,54 @@ class ModelRunner:
         span = min(max(c.end for c in chunks), self.scratch)  # real tokens attend to columns < span
         self._prefill_fast(x, positions, slots, span)
 
-    def _prefill_replay(self, x: torch.Tensor, start: int, slot: int) -> None:
-        """One chunk through the graph of the smallest width that holds it. The graph attends over
-        the whole slot (span max_len + 1); the causal mask keeps each token to its own past."""
-        t = x.shape[1]
-        width = next(w for w in self.prefill_buckets if w >= t)
-        self.pf_x[:, :t].copy_(x)
-        pos = torch.arange(start, start + width).clamp_(max=self.scratch)
-        pos[t:] = self.scratch  # padding writes only the scratch column
-        self.pf_pos[:, :width].copy_(pos[None], non_blocking=True)
-        self.pf_slot.fill_(slot)
-        graph = self.prefill_graphs.get(width)
+    def _prefill_bucketed(self, chunks: Seq[PrefillChunk]) -> None:
+        """Chunks grouped by the smallest width bucket that holds them, each group in batches of a
+        row bucket, each batch through the (rows, width) graph (eagerly on the CPU)."""
+        groups: dict[int, list[PrefillChunk]] = {}
+        for c in chunks:
+            groups.setdefault(next(w for w in self.prefill_buckets if w >= c.end - c.start), []).append(c)
+        for width, group in sorted(groups.items()):
+            while group:
+                rows = next((r for r in self.prefill_rows if r >= len(group)), self.prefill_rows[-1])
+                batch, group = group[:rows], group[rows:]
+                self._prefill_replay(batch, rows, width)
+
+    def _prefill_replay(self, batch: Seq[PrefillChunk], rows: int, width: int) -> None:
+        """One batch at a static (rows, width): padding positions and padding rows write only the
+        scratch column; the graph attends over the whole slot (span max_len + 1) under the causal
+        mask, so each token sees its own past only."""
+        pos = torch.full((rows, width), self.scratch, dtype=torch.long)
+        slots = torch.zeros(rows, dtype=torch.long)
+        for r, c in enumerate(batch):
+            t = c.end - c.start
+            self.pf_x[r, :t].copy_(c.seq.prompt.embeds[c.start : c.end].to(self.device, self.dtype))
+            pos[r, :t] = torch.arange(c.start, c.end)
+            slots[r] = c.seq.slot
+        self.pf_pos[:rows, :width].copy_(pos)
+        self.pf_slot[:rows].copy_(slots)
+        graph = self.prefill_graphs.get((rows, width))
         if graph is not None:
             graph.replay()
         else:
-            self._prefill_fast(self.pf_x[:, :width], self.pf_pos[:, :width], self.pf_slot, self.scratch + 1)
+            self._prefill_fast(
+                self.pf_x[:rows, :width], self.pf_pos[:rows, :width], self.pf_slot[:rows], self.scratch + 1
+            )
 
     def _capture_prefill(self, pool):
-        """Capture one prefill graph per width (largest first) into `pool`; returns the pool."""
+        """Capture one prefill graph per (rows, width), largest first, into `pool`; returns it."""
         self.pf_pos.fill_(self.scratch)  # capture writes only scratch columns of slot 0
         self.pf_slot.zero_()
         span = self.scratch + 1
-        for w in sorted(self.prefill_buckets, reverse=True):
-            args = (self.pf_x[:, :w], self.pf_pos[:, :w], self.pf_slot, span)
-            self._prefill_fast(*args)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+        for rows in sorted(self.prefill_rows, reverse=True):
+            for w in sorted(self.prefill_buckets, reverse=True):
+                args = (self.pf_x[:rows, :w], self.pf_pos[:rows, :w], self.pf_slot[:rows], span)
                 self._prefill_fast(*args)
-            pool = pool if pool is not None else graph.pool()
-            self.prefill_graphs[w] = graph
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._prefill_fast(*args)
+                pool = pool if pool is not None else graph.pool()
+                self.prefill_graphs[(rows, w)] = graph
         return pool
 
     def _prefill_fast(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int) -> None:

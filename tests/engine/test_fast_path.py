@@ -3,6 +3,7 @@ computes what the model core's modules compute, to rounding."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
@@ -70,14 +71,19 @@ def test_fast_predictor_matches_the_module_path(tiny_bundle):
     assert not torch.allclose(got[:, 0], got[:, 1])
 
 
-def test_bucketed_prefill_writes_the_same_kv_as_the_ragged_batch(tiny_bundle):
-    """Prefill at static widths (what the CUDA graphs replay; eager here) pads each chunk with
-    scratch positions and attends over the whole slot; the KV must equal the ragged batch's, and the
-    padding must leave every other slot and the row's later columns untouched."""
+@pytest.mark.parametrize("rows", [(1,), (1, 2), (4,)])
+def test_bucketed_prefill_writes_the_same_kv_as_the_ragged_batch(tiny_bundle, rows):
+    """Prefill at static (rows, width) shapes (what the CUDA graphs replay; eager here) pads each
+    chunk with scratch positions, fills batches with padding rows and attends over the whole slot;
+    the KV must equal the ragged batch's, and the padding must leave every other slot and the rows'
+    later columns untouched. Row buckets (1, 2) split a group of 3 into 2 + 1; (4,) pads it to 4."""
     prompts = [make_prompt(tiny_bundle, n, 2, seed=700 + n) for n in (7, 12, 16)]
     ragged, seqs = loaded_runner(tiny_bundle, True, prompts)
     bucketed = ModelRunner(
-        tiny_bundle, RunnerConfig(max_batch=4, max_len=64, max_trailing=8, fast_path=True, prefill_buckets=(4, 8, 16))
+        tiny_bundle,
+        RunnerConfig(
+            max_batch=4, max_len=64, max_trailing=8, fast_path=True, prefill_buckets=(4, 8, 16), prefill_rows=rows
+        ),
     )
     assert bucketed.prefill_buckets == (4, 8, 16)
     sentinel = 123.0
