@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -58,6 +59,27 @@ class TalkerBundle:
 
     def build_prompt(self, spec: SynthesisSpec) -> TalkerPrompt:
         return self.prompt_builder.build(spec)
+
+    @torch.inference_mode()
+    def voice_encoder_fingerprint(self) -> str:
+        """sha256 hex over the weights a voice prompt depends on (speaker encoder and codec
+        encoder: names, dtypes, shapes, bytes), so cached prompts are shared exactly by snapshots
+        whose encoders are equal, whatever they are served as. Computed once (a few hundred MB
+        hashed at start-up for the full-size Base models); "" for models without encoders."""
+        cached = getattr(self, "_voice_fingerprint", None)
+        if cached is not None:
+            return cached
+        h = hashlib.sha256()
+        for name, module in (("speaker_encoder", self.speaker_encoder), ("codec_encoder", self.codec_encoder)):
+            if module is None:
+                continue
+            for key, tensor in sorted(module.state_dict().items()):
+                t = tensor.detach().contiguous().cpu()
+                h.update(f"{name}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest = h.hexdigest() if (self.speaker_encoder is not None or self.codec_encoder is not None) else ""
+        self._voice_fingerprint = digest
+        return digest
 
     @torch.inference_mode()
     def compute_voice_prompt(self, pcm_24k: np.ndarray, ref_text: str | None, x_vector_only: bool) -> VoicePrompt:

@@ -128,7 +128,12 @@ class TalkerServer:
         self._cache = SpeakerCacheClient(
             self.config.speaker_cache or None, self.config.speaker_cache_timeout_s
         )
-        self._voices = VoiceResolver(self.bundle, self._cache, model_id=info.name)
+        # Voice prompts are keyed by the encoders' weights, not the served name: two snapshots
+        # served under one name share prompts only when their encoders are equal.
+        fingerprint = getattr(self.bundle, "voice_encoder_fingerprint", None)
+        digest = await asyncio.to_thread(fingerprint) if fingerprint is not None else ""
+        model_id = f"{info.name}@{digest[:16]}" if digest else info.name
+        self._voices = VoiceResolver(self.bundle, self._cache, model_id=model_id)
         self.core = TalkerCore(
             bundle=self.bundle,
             engine=self.engine,

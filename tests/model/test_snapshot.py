@@ -173,3 +173,20 @@ def test_tiny_snapshot_builds_without_qwen_tts_and_is_deterministic(tiny_snapsho
                  "preprocessor_config.json", "model.safetensors"):
         assert (out / name).read_bytes() == (first / name).read_bytes(), name
     assert (out / "speech_tokenizer" / "config.json").is_file()
+
+
+def test_voice_encoder_fingerprint_follows_the_encoder_weights(tiny_snapshot_factory, tmp_path):
+    """Voice-prompt cache keys use this digest: equal encoders (the same snapshot loaded twice,
+    or a copy under another name) share it; a changed speaker-encoder weight changes it; models
+    without encoders have none."""
+    snap = tiny_snapshot_factory("base")
+    a = load_talker_bundle(snap)
+    b = load_talker_bundle(shutil.copytree(snap, tmp_path / "renamed-base"))
+    assert b.info.name != a.info.name
+    fp = a.voice_encoder_fingerprint()
+    assert len(fp) == 64 and fp == b.voice_encoder_fingerprint()
+    with torch.no_grad():
+        next(iter(b.speaker_encoder.parameters())).view(-1)[0] += 1.0
+    b._voice_fingerprint = None  # computed once per bundle; recompute after the change
+    assert b.voice_encoder_fingerprint() != fp
+    assert load_talker_bundle(tiny_snapshot_factory("custom_voice")).voice_encoder_fingerprint() == ""
