@@ -130,6 +130,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     sample_rate_hz=rate,
                     timings=tts_pb2.Timings(queue_ns=event.queue_ns, prefill_ns=event.prefill_ns,
                                             first_audio_ns=event.first_audio_ns, total_ns=event.total_ns),
+                    num_input_tokens=event.num_input_tokens,
                 ))
 
     async def ListVoices(self, request: tts_pb2.ListVoicesRequest,

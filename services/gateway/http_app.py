@@ -89,7 +89,7 @@ async def _stream_chunks(stream: SynthesisStream, out: OutputOptions, metrics: G
             stream.first_byte_sent()
         if is_sse:
             s = stream.summary
-            yield sse.audio_done(len(stream.job.text), s.num_frames if s else 0,
+            yield sse.audio_done(s.num_input_tokens if s else 0, s.num_frames if s else 0,
                                  finish_reason=s.finish_reason if s else None, request_id=stream.job.request_id)
     except Exception as exc:
         error = exc

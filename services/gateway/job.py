@@ -106,3 +106,4 @@ class SynthesisSummary:
     prefill_ns: int = 0
     first_audio_ns: int = 0
     total_ns: int = 0
+    num_input_tokens: int = 0

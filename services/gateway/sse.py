@@ -18,7 +18,8 @@ def audio_delta(audio: bytes) -> bytes:
 
 
 def audio_done(input_tokens: int, output_tokens: int, **extra) -> bytes:
-    """The final event; usage counts input characters and generated codec frames."""
+    """The final event; usage counts the input's text tokens (the model's tokenizer, as the talker
+    reports them) and the generated codec frames."""
     usage = {
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,

@@ -54,6 +54,7 @@ def summary_from_pb(s: talker_pb2.GenerateSummary) -> SynthesisSummary:
         prefill_ns=s.timings.prefill_ns,
         first_audio_ns=s.timings.first_audio_ns,
         total_ns=s.timings.total_ns,
+        num_input_tokens=s.num_input_tokens,
     )
 
 

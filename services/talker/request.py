@@ -56,3 +56,4 @@ class GenerationSummary:
     first_audio_ns: int
     total_ns: int
     replica: str
+    num_input_tokens: int = 0

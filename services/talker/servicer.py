@@ -85,6 +85,7 @@ def summary_message(request_id: str, seq: int, summary: GenerationSummary) -> ta
                 total_ns=summary.total_ns,
             ),
             code2wav_replica=summary.replica,
+            num_input_tokens=summary.num_input_tokens,
         ),
     )
 

@@ -168,6 +168,7 @@ class StreamSession:
                 first_audio_ns=first_audio_ns,
                 total_ns=int((time.perf_counter() - self._started_at) * 1e9),
                 replica=replica,
+                num_input_tokens=int(getattr(self._request.prompt, "num_text_tokens", 0) or 0),
             )
         finally:
             if self._stall_timer is not None:

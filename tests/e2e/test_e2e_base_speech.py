@@ -50,6 +50,8 @@ def test_voice_clone_streaming_and_non_streaming(stack, icl):
         audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
         assert events[-1]["type"] == "speech.audio.done"
         assert events[-1]["usage"]["output_tokens"] == frames and len(audio) == frames * FRAME_BYTES
+        usage = events[-1]["usage"]
+        assert 0 < usage["input_tokens"] and usage["total_tokens"] == usage["input_tokens"] + frames
 
 
 def test_grpc_synthesize_has_ids_sequence_and_matching_summary(stack):
@@ -67,6 +69,7 @@ def test_grpc_synthesize_has_ids_sequence_and_matching_summary(stack):
     assert 1 <= summary.num_frames <= 8
     assert len(pcm) == summary.num_frames * FRAME_BYTES == summary.num_samples * 2
     assert summary.finish_reason in (tts_pb2.FINISH_REASON_STOP, tts_pb2.FINISH_REASON_LENGTH)
+    assert summary.num_input_tokens > 0  # the model tokenizer's count of the input text
 
 
 def test_bad_input_gets_openai_errors_and_the_service_keeps_serving(stack):

@@ -77,7 +77,8 @@ class FakeTalker:
                 yield AudioPiece(frame_pcm(i, k), i, k)
                 if self.error_after_first is not None:
                     raise self.error_after_first
-            yield SynthesisSummary("length", n, n * FRAME, "fake-replica")
+            # The talker reports the input's text tokens; here one per word of the input.
+            yield SynthesisSummary("length", n, n * FRAME, "fake-replica", num_input_tokens=len(job.text.split()))
             self.completed += 1
         finally:
             self.active -= 1

@@ -59,6 +59,10 @@ async def test_sse_deltas_and_done_with_usage():
         assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == expected_pcm(4)
         assert events[-1]["type"] == "speech.audio.done"
         assert events[-1]["usage"]["output_tokens"] == 4 and events[-1]["finish_reason"] == "length"
+        # input_tokens is the talker's token count (the fake: words), not a character count.
+        words = len(body()["input"].split())
+        assert events[-1]["usage"]["input_tokens"] == words != len(body()["input"])
+        assert events[-1]["usage"]["total_tokens"] == words + 4
 
 
 async def test_error_after_first_byte_is_an_sse_error_event():
