@@ -171,6 +171,16 @@ class TalkerMetrics(ServiceMetrics):
             "Times a stream could not send a frame for lack of credit.",
             registry=registry,
         )
+        self.admission_held = Gauge(
+            "tts_talker_admission_held",
+            "1 while the real-time guard holds waiting requests back (running streams at their pace limit).",
+            registry=registry,
+        )
+        self.admission_holds_total = Counter(
+            "tts_talker_admission_holds_total",
+            "Times the real-time guard started holding waiting requests back.",
+            registry=registry,
+        )
 
 
 class Code2WavMetrics(ServiceMetrics):

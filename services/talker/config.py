@@ -53,6 +53,11 @@ class TalkerConfig:
     max_len: int = 1024
     context_step: int = 128
     prefill_buckets: tuple[int, ...] = ()
+    # Real-time admission guard (services/talker/admission.py): waiting requests start only while the
+    # engine's step stays under this budget and the running streams' delivered audio stays this far
+    # ahead of real time. 0 turns a signal off.
+    admission_step_budget_ms: float = 64.0
+    admission_min_lead_ms: float = 200.0
     # Requests waiting for a generator slot beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
     max_queue: int = 256
     # Frames a stream may generate ahead of the credit code2wav granted (its send buffer bound).
@@ -96,6 +101,8 @@ class TalkerConfig:
                 f"--max-len must be >= 2, --context-step >= 1 and --prefill-buckets positive, got "
                 f"{self.max_len}, {self.context_step}, {list(self.prefill_buckets)}"
             )
+        if self.admission_step_budget_ms < 0 or self.admission_min_lead_ms < 0:
+            raise InvalidArgument("--admission-step-budget-ms and --admission-min-lead-ms must be >= 0")
         if self.max_queue < 0:
             raise InvalidArgument(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.credit_window_frames < 1:
@@ -184,6 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="graph engine on CUDA: widths of captured prefill graphs, e.g. 64,128,256,512 (empty: eager)",
     )
     p.add_argument(
+        "--admission-step-budget-ms",
+        type=float,
+        default=float(_env("ADMISSION_STEP_BUDGET_MS", str(d.admission_step_budget_ms))),
+        help="hold waiting requests while the engine step averages more than this (0 = off)",
+    )
+    p.add_argument(
+        "--admission-min-lead-ms",
+        type=float,
+        default=float(_env("ADMISSION_MIN_LEAD_MS", str(d.admission_min_lead_ms))),
+        help="hold waiting requests while over 5%% of running streams have less audio buffered (0 = off)",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         default=int(_env("MAX_QUEUE", str(d.max_queue))),
@@ -234,6 +253,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         max_len=a.max_len,
         context_step=a.context_step,
         prefill_buckets=prefill_buckets,
+        admission_step_budget_ms=a.admission_step_budget_ms,
+        admission_min_lead_ms=a.admission_min_lead_ms,
         max_queue=a.max_queue,
         credit_window_frames=a.credit_window_frames,
         ring_vnodes=a.ring_vnodes,

@@ -148,6 +148,7 @@ class GenerationEngine:
         self._idle_wait_s = idle_wait_s
         self._cond = threading.Condition()
         self._pending_cancels: list[str] = []
+        self._held = False
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -203,14 +204,22 @@ class GenerationEngine:
         return bool(self._pending_cancels) or s.can_admit() or s.has_steppable()
 
     def _update_gauges(self) -> None:
-        self._metrics.active_streams.set(self._scheduler.num_running)
-        self._metrics.queue_depth.set(self._scheduler.num_waiting)
+        s = self._scheduler
+        self._metrics.active_streams.set(s.num_running)
+        self._metrics.queue_depth.set(s.num_waiting)
+        held = bool(s.waiting) and s.guard is not None and bool(s.guard.reason)
+        if held and not self._held:
+            self._metrics.admission_holds_total.inc()
+            log.info("holding %d waiting requests: %s", s.num_waiting, s.guard.reason)
+        self._held = held
+        self._metrics.admission_held.set(int(held))
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and not self._has_work():
-                    self._cond.wait(self._idle_wait_s)
+                    # Held-back requests are re-checked soon: the guard's signals move with time.
+                    self._cond.wait(self._idle_wait_s if not self._scheduler.waiting else min(self._idle_wait_s, 0.02))
                 cancels, self._pending_cancels = self._pending_cancels, []
                 if self._stop:
                     for rid in cancels:
@@ -260,6 +269,8 @@ class GenerationEngine:
             return
         step_s = time.perf_counter() - t0
         (self._metrics.prefill_seconds if prefilling else self._metrics.step_seconds).observe(step_s)
+        if self._scheduler.guard is not None:
+            self._scheduler.guard.observe_step(step_s)
         self._metrics.batch_size.observe(len(stepping))
         events: list[tuple[ScheduledRequest, Any]] = []
         with self._cond:

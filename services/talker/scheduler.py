@@ -14,6 +14,8 @@ from typing import Any
 
 from qtts.errors import ResourceExhausted, Unavailable
 
+from .admission import RealtimeGuard
+
 
 @dataclass
 class StreamCredit:
@@ -57,12 +59,16 @@ class ScheduledRequest:
     stalled: bool = False
     stepped: bool = False
     loop: Any = None
+    # Written by the asyncio side as audio is handed on (the guard's delivery lead).
+    first_audio_at: float | None = None
+    delivered_s: float = 0.0
 
 
 class Scheduler:
-    """Waiting queue (bounded) and running set (bounded by the generator's batch)."""
+    """Waiting queue (bounded) and running set (bounded by the generator's batch and, with a
+    `guard`, by what keeps the running streams real-time)."""
 
-    def __init__(self, max_batch: int, max_waiting: int):
+    def __init__(self, max_batch: int, max_waiting: int, guard: RealtimeGuard | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_waiting < 0:
@@ -72,6 +78,7 @@ class Scheduler:
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: dict[str, ScheduledRequest] = {}
         self.admitting = True
+        self.guard = guard
 
     @property
     def num_waiting(self) -> int:
@@ -98,9 +105,15 @@ class Scheduler:
         self.waiting.append(req)
 
     def admit(self) -> list[ScheduledRequest]:
-        """Move waiting requests into the running set, first come first served, up to max_batch."""
+        """Move waiting requests into the running set, first come first served, up to max_batch
+        (and, with a guard, only while it allows, at most its per-step number while others run)."""
+        if not self.can_admit():
+            return []
+        limit = self.max_batch
+        if self.guard is not None and self.running:
+            limit = min(limit, len(self.running) + self.guard.config.max_admit_per_step)
         admitted = []
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) < limit:
             req = self.waiting.popleft()
             self.running[req.request_id] = req
             admitted.append(req)
@@ -114,7 +127,9 @@ class Scheduler:
         return any(req.credit.has_credit() for req in self.running.values())
 
     def can_admit(self) -> bool:
-        return bool(self.waiting) and len(self.running) < self.max_batch
+        if not self.waiting or len(self.running) >= self.max_batch:
+            return False
+        return self.guard is None or self.guard.allows(self.running.values())
 
     def remove(self, request_id: str) -> tuple[ScheduledRequest | None, bool]:
         """Forget a request; returns it and whether it was running (so the generator holds it)."""

@@ -15,6 +15,7 @@ from qtts.metrics import TalkerMetrics
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.testing import ensure_tiny_snapshot
 
+from .admission import GuardConfig, RealtimeGuard
 from .config import TalkerConfig
 from .core import TalkerCore
 from .engine import GenerationEngine
@@ -102,6 +103,14 @@ class TalkerServer:
         self._cache: SpeakerCacheClient | None = None
         self._voices: VoiceResolver | None = None
 
+    def _guard(self) -> RealtimeGuard | None:
+        c = self.config
+        if c.admission_step_budget_ms <= 0 and c.admission_min_lead_ms <= 0:
+            return None
+        return RealtimeGuard(
+            GuardConfig(step_budget_s=c.admission_step_budget_ms / 1e3, min_lead_s=c.admission_min_lead_ms / 1e3)
+        )
+
     async def start(self) -> int:
         """Serve (NOT_SERVING), load the model, start the engine, then report SERVING."""
         port = await self.host.start()
@@ -115,7 +124,7 @@ class TalkerServer:
             # Before the engine thread exists: the generator is only ever driven by one thread.
             await asyncio.to_thread(warm_up, self.bundle, generator)
         self.engine = GenerationEngine(
-            generator, Scheduler(self.config.max_batch, self.config.max_queue), self.metrics
+            generator, Scheduler(self.config.max_batch, self.config.max_queue, guard=self._guard()), self.metrics
         )
         self.engine.start()
         self.replicas = Code2WavReplicas(

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from qtts.audio import SAMPLE_RATE
 from qtts.errors import GenerationFailed, TTSError, Unavailable
 
 from . import code2wav_client as c2w
@@ -138,6 +139,10 @@ class StreamSession:
                         first_audio_ns = int((time.perf_counter() - self._started_at) * 1e9)
                     samples += ev.num_samples
                     yield AudioPiece(ev.pcm_s16le, ev.num_samples, ev.first_frame_index, ev.num_frames)
+                    # Handed on: the real-time guard's delivery lead of this stream.
+                    if self._request.first_audio_at is None:
+                        self._request.first_audio_at = time.perf_counter()
+                    self._request.delivered_s = samples / SAMPLE_RATE
                     # The caller took the chunk: tell code2wav how far the listener is.
                     await self._decode.ack(samples)
                     self._exchanged_at = self._loop.time()
