@@ -15,6 +15,7 @@
 #   TIME_LIMIT       hard limit of the sweep, seconds    (1800)
 #   STARTUP_TIMEOUT  seconds to wait for health          (900)
 #   CODE2WAV_REPLICAS                                    (1)
+#   CODE2WAV_DEVICES devices the replicas take in turn   ("": DEVICE), e.g. "cuda:1,cuda:2"
 #   DEVICE / DTYPE / LOAD_FORMAT                         (cuda / bfloat16 / dummy)
 #   LAUNCHER_ARGS    extra flags for services.launcher   ("")
 #   TALKER_ARGS / CODE2WAV_ARGS / GATEWAY_ARGS  flags passed through to those services, e.g.
@@ -66,7 +67,8 @@ GPU_NAME="${GPU_NAME:-unknown}"
 # shellcheck disable=SC2086  # LAUNCHER_ARGS is a list of flags
 "$PYTHON" -m services.launcher \
     --model "$MODEL" --load-format "$LOAD_FORMAT" --device "$DEVICE" --dtype "$DTYPE" \
-    --code2wav-replicas "$CODE2WAV_REPLICAS" --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
+    --code2wav-replicas "$CODE2WAV_REPLICAS" --code2wav-devices "${CODE2WAV_DEVICES:-}" \
+    --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
     --log-dir "$OUT/logs" --startup-timeout "$STARTUP_TIMEOUT" \
     --talker-args "${TALKER_ARGS:-}" --code2wav-args "${CODE2WAV_ARGS:-}" --gateway-args "${GATEWAY_ARGS:-}" \
     $LAUNCHER_ARGS \

@@ -8,6 +8,8 @@
 #   stack:  the end-to-end sweep through all four services (graph talker, slots code2wav).
 #           Carry: .whl .whl_av (the gateway decodes reference clips with PyAV)
 #           With .whl_prof (py-spy) carried too, benchmarks/profile_stack.sh samples every process.
+#   replicas: the sweep with 1, then 2 code2wav replicas (issue #7; CODE2WAV_DEVICES on several
+#           GPUs). Carry: .whl .whl_av
 #   decode: code2wav decode engine (both precisions). Carry: .whl
 #
 # Usage on the device machine, from the repository root (OUT defaults to $OUT, else run/h200):
@@ -19,7 +21,7 @@
 # Settings (environment): TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS, CONCURRENCY, NUM_REQUESTS,
 # ROUNDS, TIME_LIMIT (stack); CAPACITY_ARGS (talker).
 set -uo pipefail
-MODE="${1:?talker, stack or decode}"
+MODE="${1:?talker, stack, replicas or decode}"
 OUT="${OUT:-run/h200}"
 mkdir -p "$OUT"
 RES="$(mktemp -d)/results"
@@ -35,7 +37,7 @@ install() {  # $1: wheel folder, $2: target
 
 pack() {
     tar -czf "$OUT/results.tar.gz" -C "$(dirname "$RES")" results
-    for f in "$RES"/*.log "$RES"/stack/*.md; do
+    for f in "$RES"/*.log "$RES"/stack/*.md "$RES"/replicas-*/*.md; do
         [[ -f "$f" ]] && { echo "== $f"; tail -n 30 "$f"; }
     done
 }
@@ -71,13 +73,26 @@ stack)
         GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
         timeout 570 benchmarks/launch_gpu_stack.sh "$RES/stack" >"$RES/stack.log" 2>&1
     ;;
+replicas)
+    # Issue #7's table: the sweep with 1..N code2wav replicas. On one GPU they share it; on a
+    # multi-GPU host set CODE2WAV_DEVICES (e.g. "cuda:1,cuda:2,cuda:3"; the talker stays on cuda:0).
+    install .whl /tmp/site && install .whl_av /tmp/site && export PYTHONPATH=/tmp/site:.
+    for n in ${REPLICAS:-1 2}; do
+        PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-64 256 512}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
+            ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-120}" CODE2WAV_REPLICAS="$n" \
+            TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 512 --max-len 512 --context-step 256 --max-queue 1024 --prefill-buckets 64,128,256,512}" \
+            CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024}" \
+            GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
+            timeout "${RUN_TIMEOUT:-280}" benchmarks/launch_gpu_stack.sh "$RES/replicas-$n" >"$RES/replicas-$n.log" 2>&1
+    done
+    ;;
 decode)
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     timeout 500 python3 -m benchmarks.code2wav_decode --revision "$REV" --out "$RES/code2wav_decode.json" \
         >"$RES/code2wav_decode.log" 2>&1
     ;;
 *)
-    echo "unknown mode $MODE (talker, stack or decode)" >&2
+    echo "unknown mode $MODE (talker, stack, replicas or decode)" >&2
     exit 2
     ;;
 esac

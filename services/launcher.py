@@ -73,6 +73,9 @@ class StackConfig:
     model: str = ""  # empty: the tiny random Base snapshot in .tiny/ (built once)
     load_format: str = "auto"
     device: str = "cpu"
+    # Devices of the code2wav replicas in turn (e.g. talker on cuda:0, replicas on cuda:1..3);
+    # empty: `device`.
+    code2wav_devices: tuple[str, ...] = ()
     dtype: str = "float32"
     redis_url: str = ""  # empty: speaker_cache keeps voices in memory
     host: str = "127.0.0.1"
@@ -219,8 +222,10 @@ def _addr(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def model_flags(cfg: StackConfig, model: str) -> tuple[str, ...]:
-    return ("--model", model, "--load-format", cfg.load_format, "--device", cfg.device, "--dtype", cfg.dtype)
+def model_flags(cfg: StackConfig, model: str, device: str | None = None) -> tuple[str, ...]:
+    return (
+        "--model", model, "--load-format", cfg.load_format, "--device", device or cfg.device, "--dtype", cfg.dtype,
+    )
 
 
 def speaker_cache_spec(cfg: StackConfig) -> ServiceSpec:
@@ -235,8 +240,9 @@ def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
     specs = []
     for i, (port, mport) in enumerate(zip(cfg.code2wav_ports, cfg.code2wav_metrics_ports, strict=True)):
         name = f"code2wav-{i}"
+        device = cfg.code2wav_devices[i % len(cfg.code2wav_devices)] if cfg.code2wav_devices else None
         args = ["--host", cfg.host, "--port", str(port), "--metrics-port", str(mport),
-                "--replica-name", name, *model_flags(cfg, model), "--drain-seconds", str(cfg.drain_seconds),
+                "--replica-name", name, *model_flags(cfg, model, device), "--drain-seconds", str(cfg.drain_seconds),
                 *cfg.extra_args.get("code2wav", ())]
         specs.append(ServiceSpec(name, "services.code2wav", tuple(args), _addr(cfg.host, port), mport))
     return specs
@@ -416,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="snapshot folder or hub id (default: tiny random Base snapshot in .tiny/)")
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for talker and code2wav")
+    p.add_argument("--code2wav-devices", default="",
+                   help="comma-separated devices the code2wav replicas take in turn, e.g. cuda:1,cuda:2 "
+                   "(default: --device)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
                    help="Redis for speaker_cache (env REDIS_URL; default: in-memory)")
@@ -439,6 +448,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
     return replace(
         StackConfig(),
         model=ns.model, load_format=ns.load_format, device=ns.device, dtype=ns.dtype, redis_url=ns.redis_url,
+        code2wav_devices=tuple(d.strip() for d in ns.code2wav_devices.split(",") if d.strip()),
         host=ns.host, http_port=ns.http_port, grpc_port=ns.grpc_port,
         code2wav_ports=default_code2wav_ports(n), code2wav_metrics_ports=default_code2wav_ports(n, 9103, 9104),
         log_dir=ns.log_dir, startup_timeout_s=ns.startup_timeout,

@@ -266,3 +266,17 @@ async def test_grpc_client_records_chunks_summary_and_errors():
     assert sent.audio_encoding == tts_pb2.AUDIO_ENCODING_PCM_S16LE
     assert sent.reference_audio == b"RIFF...." and sent.reference_text == "ref words"
     assert sent.max_new_frames == 40 and sent.sampling.seed == 8
+
+
+def test_http_body_splices_the_pre_encoded_reference_clip():
+    """The request body with the clip spliced in as pre-encoded JSON parses to the same payload."""
+    from benchmarks.transport import HttpSynthesizer, SynthesisOptions, http_payload
+
+    options = SynthesisOptions(task_type="voice_clone", ref_audio=b"RIFF\x00\x01 clip \xff", ref_text="ref words")
+    synth = HttpSynthesizer("http://127.0.0.1:1", options)
+    payload = http_payload(options, 'Text with "quotes" and ünïcode', 7, synth._ref_audio_url)
+    assert payload["ref_audio"] is synth._ref_audio_url
+    assert json.loads(synth.body(payload)) == payload
+    without = {k: v for k, v in payload.items() if k != "ref_audio"}
+    assert json.loads(synth.body(without)) == without
+    assert json.loads(synth.body({"ref_audio": synth._ref_audio_url})) == {"ref_audio": synth._ref_audio_url}

@@ -33,6 +33,18 @@ def test_cli_builds_a_stack_config():
     assert cfg.code2wav_ports == (50053, 50055) and cfg.code2wav_metrics_ports == (9103, 9105)
 
 
+def test_code2wav_replicas_take_their_devices_in_turn():
+    """--code2wav-devices puts replicas on their own GPUs (the talker keeps --device)."""
+    cfg = config_from_args(["--device", "cuda:0", "--code2wav-replicas", "3", "--code2wav-devices", "cuda:1, cuda:2"])
+    assert cfg.code2wav_devices == ("cuda:1", "cuda:2")
+    devices = [s.args[s.args.index("--device") + 1] for s in code2wav_specs(cfg, "/snap")]
+    assert devices == ["cuda:1", "cuda:2", "cuda:1"]
+    talker = talker_spec(cfg, "/snap")
+    assert talker.args[talker.args.index("--device") + 1] == "cuda:0"
+    plain = config_from_args(["--device", "cuda", "--code2wav-replicas", "2"])
+    assert [s.args[s.args.index("--device") + 1] for s in code2wav_specs(plain, "/snap")] == ["cuda", "cuda"]
+
+
 def test_service_flags_wire_the_stages_together():
     cfg = StackConfig.on_free_ports(code2wav_replicas=2)
     talker = talker_spec(cfg, "/snap")
