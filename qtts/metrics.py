@@ -209,6 +209,16 @@ class Code2WavMetrics(ServiceMetrics):
             "Codec frames decoded.",
             registry=registry,
         )
+        self.prefix_state_hits_total = Counter(
+            "tts_code2wav_prefix_state_hits_total",
+            "Streams whose decoder state after the ICL reference prefix was copied from the cache.",
+            registry=registry,
+        )
+        self.prefix_state_misses_total = Counter(
+            "tts_code2wav_prefix_state_misses_total",
+            "Streams whose ICL reference prefix was decoded (not in the prefix-state cache).",
+            registry=registry,
+        )
         self.rejected_total = Counter(
             "tts_code2wav_rejected_total",
             "Streams rejected because the state bound was reached.",

@@ -185,7 +185,12 @@ class DecodeEngine:
     def _start_sync(self, prefix: np.ndarray | None) -> Any:
         with torch.inference_mode():
             codes = None if prefix is None else torch.from_numpy(prefix.astype(np.int64)).to(self.device)
-            return self.decoder.start(codes)
+            hits = getattr(self.decoder, "prefix_hits", None)
+            state = self.decoder.start(codes)
+            if codes is not None and hits is not None:  # the slots engine's prefix-state cache
+                hit = self.decoder.prefix_hits > hits
+                (self.metrics.prefix_state_hits_total if hit else self.metrics.prefix_state_misses_total).inc()
+            return state
 
     # ---------------------------------------------------------------- decoding
 

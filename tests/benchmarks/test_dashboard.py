@@ -16,6 +16,12 @@ COUNTERS_AND_GAUGES = {
     "tts_talker_queue_depth",
     "tts_talker_frames_total",
     "tts_talker_credit_stalls_total",
+    "tts_talker_admission_held",
+    "tts_talker_admission_holds_total",
+    "tts_gateway_reference_cache_hits_total",
+    "tts_gateway_reference_cache_misses_total",
+    "tts_code2wav_prefix_state_hits_total",
+    "tts_code2wav_prefix_state_misses_total",
     "tts_code2wav_live_states",
     "tts_code2wav_decode_backlog_frames",
     "tts_code2wav_frames_total",
@@ -91,3 +97,19 @@ def test_dashboard_queries_only_exported_metrics():
 def test_dashboard_shows_every_exported_metric():
     used = {_base_name(s) for s in _queried_series()}
     assert (COUNTERS_AND_GAUGES | HISTOGRAMS) - used == set()
+
+
+def test_the_lists_above_are_what_the_services_export():
+    from prometheus_client import CollectorRegistry
+
+    from qtts import metrics
+
+    exported: dict[str, str] = {}
+    for cls in (metrics.GatewayMetrics, metrics.TalkerMetrics, metrics.Code2WavMetrics, metrics.SpeakerCacheMetrics):
+        registry = CollectorRegistry()
+        cls(registry)
+        for family in registry.collect():
+            name = family.name + "_total" if family.type == "counter" else family.name
+            exported[name] = family.type
+    assert {n for n, t in exported.items() if t == "histogram"} == HISTOGRAMS
+    assert {n for n, t in exported.items() if t != "histogram"} == COUNTERS_AND_GAUGES

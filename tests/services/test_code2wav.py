@@ -505,3 +505,23 @@ def test_prefix_cache_entries_flag_reaches_the_slots_engine():
     assert engine.config.prefix_cache_entries == 3 and engine.pool.capacity == 2
     with pytest.raises(InvalidArgument, match="--prefix-cache-entries"):
         config_from_args(["--prefix-cache-entries", "-1"])
+
+
+async def test_prefix_state_cache_hits_and_misses_are_counted():
+    """The slots engine on the tiny model: two streams with one reference prefix decode it once."""
+    from prometheus_client import CollectorRegistry
+
+    from qtts.metrics import Code2WavMetrics
+    from services.code2wav.decode_worker import DecodeEngine
+    from services.code2wav.model_loader import load_decoder
+
+    cfg = config_from_args(["--decode-engine", "slots", "--max-states", "4"])
+    decoder, limits = load_decoder(cfg)
+    metrics = Code2WavMetrics(CollectorRegistry())
+    engine = DecodeEngine(decoder, metrics, max_states=4, limits=limits)
+    prefix = np.random.default_rng(0).integers(0, 2048, (6, 16)).astype(np.int16)
+    states = [engine._start_sync(prefix) for _ in range(2)] + [engine._start_sync(None)]
+    assert metrics.prefix_state_misses_total._value.get() == 1
+    assert metrics.prefix_state_hits_total._value.get() == 1  # no-prefix streams count neither
+    for s in states:
+        decoder.free(s)
