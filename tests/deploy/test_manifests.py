@@ -59,6 +59,8 @@ REQUIRED_FLAGS = {
         "--speaker-cache",
         "--metrics-port",
         "--max-batch",
+        "--engine",
+        "--prefill-buckets",
         "--drain-seconds",
     },
     "code2wav": {
@@ -68,6 +70,8 @@ REQUIRED_FLAGS = {
         "--device",
         "--dtype",
         "--max-states",
+        "--decode-engine",
+        "--decode-precision",
         "--replica-name",
         "--metrics-port",
         "--drain-seconds",
