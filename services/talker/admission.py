@@ -30,7 +30,7 @@ from typing import Any
 @dataclass(frozen=True)
 class GuardConfig:
     step_budget_s: float = 0.064  # 80% of a frame (80 ms); 0 = ignore step time
-    min_lead_s: float = 0.2  # 0 = ignore delivery lead
+    min_lead_s: float = 0.5  # 0 = ignore delivery lead (audio arrives in chunks of up to 2 s)
     max_behind_fraction: float = 0.05
     warmup_s: float = 2.0
     ewma_alpha: float = 0.2

@@ -57,7 +57,7 @@ class TalkerConfig:
     # engine's step stays under this budget and the running streams' delivered audio stays this far
     # ahead of real time. 0 turns a signal off.
     admission_step_budget_ms: float = 64.0
-    admission_min_lead_ms: float = 200.0
+    admission_min_lead_ms: float = 500.0
     # Requests waiting for a generator slot beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
     max_queue: int = 256
     # Frames a stream may generate ahead of the credit code2wav granted (its send buffer bound).
