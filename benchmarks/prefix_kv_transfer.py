@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for n in lengths:
             rows.append(measure(runner, n, args.iters, redis_server.client))
             print(json.dumps(rows[-1]), flush=True)
+            if args.out:  # rows so far, in case a time limit cuts the run
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps({"partial": True, "rows": rows}, indent=2))
     result = {
         "meta": {
             "model": "tiny" if args.tiny else args.model,

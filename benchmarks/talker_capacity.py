@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in args.streams:
         res = run_level(eng, counter, prompts, n, args)
         levels.append(res)
+        if args.out:  # levels so far, in case a time limit cuts the run
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"partial": True, "levels": levels}, indent=2))
         print(f"streams {n:5d}: step p50 {res['step_ms_p50']:.2f} ms, interval p99 {res['interval_ms_p99']:.2f} ms "
               f"(max {res['interval_ms_max']:.2f}), p99/step {res['p99_interval_over_median_step']:.2f}, "
               f"{res['arrivals_per_step']:.2f} arrivals/step, real-time {res['real_time']}", flush=True)

@@ -181,6 +181,7 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
             row["baseline_ms"] = BASELINE_1P7B.get(b)
             row["target_ms"] = TARGET_1P7B.get(b)
         rows.append(row)
+        _write_partial(args, {"model": name, "talker_attention": variant, "position": args.position, "rows": rows})
         print(f"{name} [{variant}] B={b:5d}: graph {g_ms:7.2f} ms  step {step_ms:7.2f} ms  "
               f"eager {eager_ms if eager_ms is None else round(eager_ms, 2)}  floor {row['floor_ms']:6.2f} ms  "
               f"graph==eager {same:.4f}",
@@ -192,6 +193,13 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def _write_partial(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Rows measured so far, so that a run cut by a time limit still leaves them behind."""
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"partial": True, "git": git_revision(), "results": [result]}, indent=2))
 
 
 def graph_matches_eager(runner: ModelRunner, n: int, ctx: int) -> float:
