@@ -2,8 +2,10 @@
 
 Events from the engine thread (frames, end of generation) and from the Decode call (credit, audio,
 done) meet in one queue and are handled by one task, so writes to the Decode call never overlap.
-Frames wait in `buffer` until code2wav's credit allows them; the engine stops generating for this
-stream once it is `window` frames ahead of that credit, which bounds the buffer.
+Frames wait in `buffer` until code2wav's credit allows them and, once the replica announced its
+chunk plan, until they complete a chunk (the replica cannot decode part of one, so one message per
+chunk instead of one per frame); the engine stops generating for this stream once it is `window`
+frames ahead of the credit, which bounds the buffer.
 
 While the stream waits on its replica (frames buffered for lack of credit, or StreamEnd sent and
 the rest of the audio due) and nothing has passed either way on the call for `stall_timeout_s`,
