@@ -15,6 +15,7 @@ from qtts.engine.kv_slots import DenseSlotTable
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.scheduler import Scheduler
 from qtts.engine.sequence import Sequence
+from qtts.errors import InvalidArgument
 from qtts.model.generator import StepOutput
 
 
@@ -76,8 +77,23 @@ class GraphEngine:
         sampling.validate()
         n_trail = int(prompt.trailing.shape[0]) if prompt.trailing is not None else 0
         if n_trail > self.config.runner.max_trailing:
-            raise ValueError(f"{n_trail} trailing text positions exceed max_trailing={self.config.runner.max_trailing}")
-        cap = int(prompt.max_frames)
+            raise InvalidArgument(
+                f"the text is too long for this talker: {n_trail} text positions after the prompt, at most "
+                f"{self.config.runner.max_trailing}; split it into several requests"
+            )
+        # A slot holds the prompt plus one position per frame (and the EOS step).
+        room = self.runner.max_len - int(prompt.embeds.shape[0])
+        if room < 2:
+            raise InvalidArgument(
+                f"the prompt takes {int(prompt.embeds.shape[0])} positions, this talker holds {self.runner.max_len} "
+                "per stream (--max-len); use a shorter text or reference, or raise --max-len"
+            )
+        if max_new_frames is not None and max_new_frames > room:
+            raise InvalidArgument(
+                f"max_new_frames={max_new_frames} does not fit: this talker holds {self.runner.max_len} positions "
+                f"per stream (--max-len) and the prompt takes {int(prompt.embeds.shape[0])}, so at most {room} frames"
+            )
+        cap = min(int(prompt.max_frames), room)  # the text's frame cap, or what the slot holds
         if max_new_frames is not None and max_new_frames <= cap:
             max_frames, reason = max_new_frames, "length"
         else:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from qtts.errors import GenerationFailed
+from qtts.errors import GenerationFailed, TTSError
 from qtts.metrics import TalkerMetrics
 
 from .scheduler import ScheduledRequest, Scheduler
@@ -250,11 +250,15 @@ class GenerationEngine:
         try:
             self._generator.add(req.request_id, req.prompt, req.sampling, req.max_new_frames)
         except Exception as exc:
-            log.exception("could not add request %s to the generator", req.request_id)
+            if isinstance(exc, TTSError):  # the request's own fault (e.g. too long): no traceback
+                log.info("request %s not started: %s", req.request_id, exc)
+            else:
+                log.exception("could not add request %s to the generator", req.request_id)
             with self._cond:
                 self._scheduler.remove(req.request_id)
                 self._update_gauges()
-            _emit([(req, Failed(GenerationFailed(f"could not start generation: {exc}")))])
+            error = exc if isinstance(exc, TTSError) else GenerationFailed(f"could not start generation: {exc}")
+            _emit([(req, Failed(error))])
             return
         _emit([(req, Admitted(time.perf_counter() - req.submitted_at))])
 

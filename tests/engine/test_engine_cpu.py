@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
+from qtts.errors import InvalidArgument
 from qtts.model import SamplingParams
 from tests.engine.tiny_talker import make_prompt, run_alone
 
@@ -152,8 +153,24 @@ def test_add_validates(tiny_bundle):
         eng.add("x", p, GREEDY, 5)
     with pytest.raises(ValueError):
         eng.add("y", p, GREEDY, 0)
-    with pytest.raises(ValueError):  # 90 positions + 10 frames do not fit a 96-position slot
+    # Requests that cannot fit are the caller's error (InvalidArgument: HTTP 400), with the limit named.
+    with pytest.raises(InvalidArgument, match="at most 6 frames"):  # 90 positions + 10 frames > 96
         eng.add("z", make_prompt(tiny_bundle, 90, 0, seed=2), GREEDY, 10)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument, match="--max-len"):  # the prompt alone fills the slot
+        eng.add("v", make_prompt(tiny_bundle, 95, 0, seed=4), GREEDY, None)
+    with pytest.raises(InvalidArgument, match="at most 16"):
         eng.add("w", make_prompt(tiny_bundle, 10, 17, seed=3), GREEDY, 5)
     assert eng.num_active == 1
+
+
+def test_frame_cap_is_clamped_to_what_a_slot_holds(tiny_bundle):
+    """Without max_new_frames the text's frame cap (generous) may exceed the slot: the request runs
+    with the cap lowered to the slot's room and ends with "frame_cap" there, instead of failing."""
+    eng = engine(tiny_bundle, max_len=40)
+    p = make_prompt(tiny_bundle, 30, 2, seed=5, max_frames=500)
+    eng.add("long", p, SamplingParams(greedy=True, min_new_tokens=100), None)  # never stops by itself
+    outs = []
+    while eng.num_active:
+        outs += eng.step()
+    assert outs[-1].finished and outs[-1].finish_reason == "frame_cap"
+    assert sum(o.codes is not None for o in outs) == 40 - 30

@@ -180,3 +180,41 @@ def test_a_failing_step_fails_the_streams_in_it_and_frees_them():
         assert engine.counts() == (0, 0) and gen.num_active == 0
     finally:
         engine.stop()
+
+
+
+def test_a_request_the_generator_refuses_fails_with_its_own_error():
+    """A generator that refuses a request as the caller's fault (InvalidArgument: e.g. longer than a
+    KV slot) fails it with that error, not as an internal one; other failures stay internal."""
+    from qtts.errors import GenerationFailed, InvalidArgument
+
+    class Refusing(FakeGenerator):
+        def add(self, request_id, prompt, sampling, max_new_frames=None):
+            if request_id == "too-long":
+                raise InvalidArgument("the prompt takes 2000 positions, this talker holds 1024")
+            if request_id == "broken":
+                raise RuntimeError("CUDA error")
+            super().add(request_id, prompt, sampling, max_new_frames)
+
+    engine = GenerationEngine(Refusing(), Scheduler(max_batch=4, max_waiting=4), TalkerMetrics(CollectorRegistry()),
+                              idle_wait_s=0.05)
+    queues = {rid: queue.Queue() for rid in ("too-long", "broken", "fine")}
+    engine.start()
+    try:
+        for rid, q in queues.items():
+            engine.submit(make_req(rid, frames=2, window=10, granted=10, sink=q.put))
+
+        def last(rid: str):
+            while True:
+                ev = queues[rid].get(timeout=10)
+                if isinstance(ev, Failed | Finished):
+                    return ev
+
+        too_long, broken, fine = last("too-long"), last("broken"), last("fine")
+    finally:
+        engine.stop()
+    assert isinstance(too_long, Failed) and isinstance(too_long.error, InvalidArgument)
+    assert "2000 positions" in too_long.error.message
+    assert isinstance(broken, Failed) and isinstance(broken.error, GenerationFailed)
+    assert "CUDA error" in broken.error.message
+    assert isinstance(fine, Finished)
