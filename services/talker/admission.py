@@ -34,8 +34,8 @@ class GuardConfig:
     max_behind_fraction: float = 0.05
     warmup_s: float = 2.0
     ewma_alpha: float = 0.2
-    # While streams run, at most this many start per step, so the signals can react before the
-    # next ones start (a burst admitted at once could overshoot the budget).
+    # At most this many start per step, so the signals can react before the next ones start (a
+    # burst admitted at once could overshoot the budget).
     max_admit_per_step: int = 16
 
     def __post_init__(self) -> None:

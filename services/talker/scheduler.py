@@ -106,11 +106,11 @@ class Scheduler:
 
     def admit(self) -> list[ScheduledRequest]:
         """Move waiting requests into the running set, first come first served, up to max_batch
-        (and, with a guard, only while it allows, at most its per-step number while others run)."""
+        (and, with a guard, only while it allows, at most its per-step number at a time)."""
         if not self.can_admit():
             return []
         limit = self.max_batch
-        if self.guard is not None and self.running:
+        if self.guard is not None:  # a burst ramps up, so the guard's signals can react
             limit = min(limit, len(self.running) + self.guard.config.max_admit_per_step)
         admitted = []
         while self.waiting and len(self.running) < limit:

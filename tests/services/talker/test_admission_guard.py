@@ -78,17 +78,21 @@ def make_req(rid, frames, sink, delay=0.0) -> ScheduledRequest:
 def test_scheduler_admits_only_while_the_guard_allows_and_a_few_per_step():
     guard = RealtimeGuard(GuardConfig(step_budget_s=0.010, min_lead_s=0, max_admit_per_step=2))
     s = Scheduler(max_batch=10, max_waiting=10, guard=guard)
-    for i in range(7):
+    for i in range(10):
         s.submit(make_req(f"r{i}", 5, lambda ev: None))
-    assert [r.request_id for r in s.admit()] == [f"r{i}" for i in range(7)]  # nothing ran: all at once
-    for i in range(7, 10):
-        s.submit(make_req(f"r{i}", 5, lambda ev: None))
-    assert [r.request_id for r in s.admit()] == ["r7", "r8"]  # while others run: 2 per step
+    assert [r.request_id for r in s.admit()] == ["r0", "r1"]  # a burst ramps up: 2 per step
+    assert [r.request_id for r in s.admit()] == ["r2", "r3"]
+    assert [r.request_id for r in s.admit()] == ["r4", "r5"]
+    assert [r.request_id for r in s.admit()] == ["r6", "r7"]
+    assert [r.request_id for r in s.admit()] == ["r8", "r9"]
+    assert s.admit() == [] and s.num_running == 10  # max_batch
+    s.remove("r0")
+    s.submit(make_req("r10", 5, lambda ev: None))
     guard.observe_step(0.5)
-    assert not s.can_admit() and s.admit() == []
+    assert not s.can_admit() and s.admit() == []  # a free slot, but slow steps: r10 waits
     for rid in list(s.running):
         s.remove(rid)
-    assert [r.request_id for r in s.admit()] == ["r9"]  # everything finished: admitted again
+    assert [r.request_id for r in s.admit()] == ["r10"]  # everything finished: admitted again
 
 
 @pytest.mark.parametrize("guarded", [True, False])
