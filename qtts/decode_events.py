@@ -8,26 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qtts.chunk_plan import ChunkPlan
+
 
 @dataclass(frozen=True)
 class Credit:
     """Permission to send frames up to (excluding) `frames_allowed_until`. The stream's first grant
-    also carries the server's chunk plan (`first_chunk_frames` > 0, then `chunk_frames_ramp`, the
-    last value repeating); later grants leave them 0 / empty."""
+    also carries the chunk plan the server decodes it with; later grants carry None."""
 
     frames_allowed_until: int
-    first_chunk_frames: int = 0
-    chunk_frames_ramp: tuple[int, ...] = ()
-
-    def chunk_end_after(self, frames: int) -> int | None:
-        """The first chunk boundary above `frames` under this grant's plan (None without a plan)."""
-        if self.first_chunk_frames <= 0 or not self.chunk_frames_ramp:
-            return None
-        end, i = self.first_chunk_frames, 0
-        while end <= frames:
-            end += self.chunk_frames_ramp[min(i, len(self.chunk_frames_ramp) - 1)]
-            i += 1
-        return end
+    plan: ChunkPlan | None = None
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qtts.chunk_plan import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, ChunkPlan
 from qtts.errors import InvalidArgument
 from qtts.service_config import add_server_flags, check_server_fields, env_lookup
-from services.code2wav.chunk_planner import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, ChunkPlan
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.model_loader import DTYPES
 

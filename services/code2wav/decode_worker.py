@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from qtts.audio import pcm_s16le_batch
+from qtts.chunk_plan import ChunkPlan
 from qtts.decode_events import DecodedAudio
 from qtts.errors import GenerationFailed, InvalidArgument
 from qtts.metrics import Code2WavMetrics
-from services.code2wav.chunk_planner import ChunkPlan
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
 from services.code2wav.stream import DecodeStream, StreamLimits

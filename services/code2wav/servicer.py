@@ -34,8 +34,8 @@ def event_to_pb(stream_id: str, seq: int, event: DecodeEvent) -> pb.DecodeRespon
             sequence_number=seq,
             credit=pb.CreditGrant(
                 frames_allowed_until=event.frames_allowed_until,
-                first_chunk_frames=event.first_chunk_frames,
-                chunk_frames_ramp=event.chunk_frames_ramp,
+                first_chunk_frames=event.plan.first if event.plan else 0,
+                chunk_frames_ramp=event.plan.ramp if event.plan else (),
             ),
         )
     if isinstance(event, DecodedAudio):

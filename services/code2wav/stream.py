@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from qtts.chunk_plan import ChunkPlan
 from qtts.decode_events import Credit, DecodedAudio, DecodeEvent, Done
 from qtts.errors import FailedPrecondition, InvalidArgument
 from qtts.metrics import Code2WavMetrics
-from services.code2wav.chunk_planner import ChunkPlan
 from services.code2wav.credit import CreditPolicy
 
 
@@ -191,8 +191,7 @@ class DecodeStream:
         )
         if allowed > self.granted or with_plan:
             self.granted = max(self.granted, allowed)
-            plan = (self.plan.first, self.plan.ramp) if with_plan else (0, ())
-            self._outbox.put_nowait(Credit(self.granted, *plan))
+            self._outbox.put_nowait(Credit(self.granted, self.plan if with_plan else None))
 
     def _maybe_done(self) -> None:
         if self.total_frames is not None and self.decoded_frames == self.total_frames and not self.finished:

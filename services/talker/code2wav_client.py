@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from qtts.chunk_plan import ChunkPlan
 from qtts.decode_events import Credit, DecodedAudio, Done
 from qtts.errors import TTSError, Unavailable, from_grpc
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
@@ -116,7 +117,8 @@ class DecodeStream:
                 kind = msg.WhichOneof("event")
                 if kind == "credit":
                     c = msg.credit
-                    yield Credit(c.frames_allowed_until, c.first_chunk_frames, tuple(c.chunk_frames_ramp))
+                    plan = ChunkPlan(c.first_chunk_frames, tuple(c.chunk_frames_ramp)) if c.first_chunk_frames else None
+                    yield Credit(c.frames_allowed_until, plan)
                 elif kind == "audio":
                     a = msg.audio
                     yield DecodedAudio(a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns)

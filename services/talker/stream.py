@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from qtts.audio import SAMPLE_RATE
+from qtts.chunk_plan import ChunkPlan
 from qtts.errors import GenerationFailed, TTSError, Unavailable
 
 from . import code2wav_client as c2w
@@ -91,7 +92,7 @@ class StreamSession:
         self._sent = 0
         # The replica's chunk plan (from its first grant): frames are sent a chunk at a time,
         # since the replica decodes a chunk only once all its frames are there. None: per frame.
-        self._plan: c2w.Credit | None = None
+        self._plan: ChunkPlan | None = None
         self._gen_end: Finished | None = None
         self._end_sent = False
         self._decode: c2w.DecodeStream | None = None
@@ -131,8 +132,8 @@ class StreamSession:
                     raise ev.error
                 elif isinstance(ev, c2w.Credit):
                     self._heard_from_replica = True
-                    if ev.first_chunk_frames > 0:
-                        self._plan = ev
+                    if ev.plan is not None:
+                        self._plan = ev.plan
                     self._engine.grant(self._request, ev.frames_allowed_until)
                     await self._flush()
                 elif isinstance(ev, c2w.DecodedAudio):
@@ -283,10 +284,9 @@ class StreamSession:
             # Up to the last chunk boundary within reach: frames past it could not be decoded yet
             # and go with the rest of their chunk. Short of the next boundary: wait, unless the
             # credit ends first (then send what it allows).
-            end, boundary = self._sent + n, self._plan.chunk_end_after(self._sent)
-            if boundary <= end:
-                while (following := self._plan.chunk_end_after(boundary)) <= end:
-                    boundary = following
+            end = self._sent + n
+            boundary = self._plan.end_at_or_below(end)
+            if boundary > self._sent:
                 n = boundary - self._sent
             elif end < allowed:
                 n = 0

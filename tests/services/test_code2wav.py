@@ -11,11 +11,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from qtts.chunk_plan import ChunkPlan
 from qtts.errors import InvalidArgument, ResourceExhausted
 from qtts.metrics import Code2WavMetrics
 from qtts.pb import code2wav_pb2 as pb
 from qtts.pb import code2wav_pb2_grpc
-from services.code2wav.chunk_planner import ChunkPlan
 from services.code2wav.config import Code2WavConfig, config_from_args
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
@@ -116,6 +116,17 @@ def test_chunk_planner_default_ramp_repeats_last_value():
     assert ChunkPlan(1, (3,)).split(7) == [1, 3, 3]
     assert plan.capped(8).split(30) == [2, 4, 4, 8, 8, 4]
     assert ChunkPlan.from_request(0, [], plan) == plan
+
+
+def test_chunk_boundaries_match_split():
+    """end_after / end_at_or_below (the talker's batching) agree with the cumulative split."""
+    for plan in (ChunkPlan(), ChunkPlan(1, (3,)), ChunkPlan(2, (4, 4, 8)), ChunkPlan(5, (2, 7))):
+        ends = [0]
+        for size in plan.split(500):
+            ends.append(ends[-1] + size)
+        for frames in range(0, 400):
+            assert plan.end_after(frames) == min(e for e in ends if e > frames)
+            assert plan.end_at_or_below(frames) == max(e for e in ends if e <= frames)
     assert ChunkPlan.from_request(1, [5], plan) == ChunkPlan(1, (5,))
     with pytest.raises(ValueError):
         ChunkPlan(0, (4,))

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from qtts.chunk_plan import ChunkPlan
 from qtts.decode_events import Credit, DecodedAudio
 from qtts.errors import FailedPrecondition
 from qtts.metrics import Code2WavMetrics
 from qtts.pb import code2wav_pb2 as pb
 from qtts.pb import code2wav_pb2_grpc
-from services.code2wav.chunk_planner import ChunkPlan
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.server import Code2WavServer
@@ -69,9 +69,9 @@ def test_stream_without_acks_stops_at_max_ahead_and_acks_reopen_it():
     stream = _stream(CreditPolicy(window_frames=8, max_ahead_frames=12))
     # The first grant carries the chunk plan, so the producer can send a chunk at a time.
     first = _drain(stream)
-    assert first == [Credit(8, 2, (4,))]
-    assert [first[0].chunk_end_after(n) for n in (0, 1, 2, 5, 6, 10)] == [2, 2, 6, 6, 10, 14]
-    assert Credit(8).chunk_end_after(0) is None
+    assert first == [Credit(8, ChunkPlan(2, (4,)))]
+    assert [first[0].plan.end_after(n) for n in (0, 1, 2, 5, 6, 10)] == [2, 2, 6, 6, 10, 14]
+    assert Credit(8).plan is None
     sent = 0
     for _ in range(10):  # a producer that sends whatever it is granted, a decoder that keeps up
         stream.add_frames(sent, _codes(stream.granted - sent))

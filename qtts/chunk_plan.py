@@ -1,4 +1,7 @@
-"""How many frames each audio chunk of a stream decodes: a small first chunk, then a ramp."""
+"""How many frames each audio chunk of a stream decodes: a small first chunk, then a ramp.
+
+code2wav decodes by this plan; the talker gets the plan of each stream in the first credit grant
+and sends frames in whole chunks (`end_at_or_below`), since a partial chunk cannot be decoded."""
 
 from __future__ import annotations
 
@@ -44,6 +47,30 @@ class ChunkPlan:
     def from_request(cls, first: int, ramp: Sequence[int], default: ChunkPlan) -> ChunkPlan:
         """A client's plan, where 0 / empty mean the server default."""
         return cls(first or default.first, tuple(ramp) or default.ramp)
+
+    def end_after(self, frames: int) -> int:
+        """The first chunk boundary (cumulative frames) above `frames`."""
+        end = self.first
+        if end > frames:
+            return end
+        for size in self.ramp[:-1]:
+            end += size
+            if end > frames:
+                return end
+        last = self.ramp[-1]
+        return end + ((frames - end) // last + 1) * last
+
+    def end_at_or_below(self, frames: int) -> int:
+        """The last chunk boundary at or below `frames` (0 when the first chunk is not complete)."""
+        end = self.first
+        if end > frames:
+            return 0
+        for size in self.ramp[:-1]:
+            if end + size > frames:
+                return end
+            end += size
+        last = self.ramp[-1]
+        return end + ((frames - end) // last) * last
 
     def split(self, total_frames: int) -> list[int]:
         """Chunk sizes for a stream of `total_frames` frames (the last one holds the remainder)."""
