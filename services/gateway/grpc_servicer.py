@@ -9,6 +9,7 @@ import grpc
 from qtts.errors import InvalidArgument
 from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.sampling_overrides import overrides_from_pb
+from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 
 from .audio_encoding import Resampler, make_encoder
 from .job import AudioPiece, SpeechFields, SynthesisSummary
@@ -16,28 +17,21 @@ from .synthesis import SynthesisStream, Synthesizer
 from .voice_client import VoiceInfo
 from .voices import VoiceService
 
-_TASKS = {
-    tts_pb2.TASK_TYPE_UNSPECIFIED: None,
-    tts_pb2.TASK_TYPE_VOICE_CLONE: "voice_clone",
-    tts_pb2.TASK_TYPE_CUSTOM_VOICE: "custom_voice",
-    tts_pb2.TASK_TYPE_VOICE_DESIGN: "voice_design",
-}
 _ENCODINGS = {
     tts_pb2.AUDIO_ENCODING_UNSPECIFIED: "pcm",
     tts_pb2.AUDIO_ENCODING_PCM_S16LE: "pcm",
     tts_pb2.AUDIO_ENCODING_WAV: "wav",
 }
-_FINISH = {"stop": tts_pb2.FINISH_REASON_STOP, "length": tts_pb2.FINISH_REASON_LENGTH}
 
 
 def fields_from_pb(req: tts_pb2.SynthesizeRequest) -> SpeechFields:
-    if req.task_type not in _TASKS:
+    if req.task_type not in TASK_FROM_PB:
         raise InvalidArgument(f"unknown task_type {req.task_type}")
     sampling = overrides_from_pb(req.sampling)
     return SpeechFields(
         text=req.text,
         model=req.model,
-        task=_TASKS[req.task_type],
+        task=TASK_FROM_PB[req.task_type],
         voice=req.voice or None,
         language=req.language or None,
         instructions=req.instructions or None,
@@ -124,7 +118,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                         first_frame_index=next_frame, num_frames=0,
                     ))
                 yield response(summary=tts_pb2.SynthesisSummary(
-                    finish_reason=_FINISH.get(event.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
+                    finish_reason=FINISH_TO_PB.get(event.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
                     num_frames=event.num_frames,
                     num_samples=samples_out,
                     sample_rate_hz=rate,

@@ -8,17 +8,11 @@ import grpc
 import numpy as np
 
 from qtts.errors import Unavailable, from_grpc
-from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.sampling_overrides import overrides_to_pb
+from qtts.tts_enums import FINISH_FROM_PB, TASK_TO_PB
 
 from .job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
-
-_TASK_ENUM = {
-    "voice_clone": tts_pb2.TASK_TYPE_VOICE_CLONE,
-    "custom_voice": tts_pb2.TASK_TYPE_CUSTOM_VOICE,
-    "voice_design": tts_pb2.TASK_TYPE_VOICE_DESIGN,
-}
-_FINISH = {tts_pb2.FINISH_REASON_STOP: "stop", tts_pb2.FINISH_REASON_LENGTH: "length"}
 
 
 def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
@@ -27,7 +21,7 @@ def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
     req = talker_pb2.GenerateRequest(
         request_id=job.request_id,
         text=job.text,
-        task_type=_TASK_ENUM[job.task],
+        task_type=TASK_TO_PB[job.task],
         voice=job.voice,
         language=job.language,
         instructions=job.instructions,
@@ -46,7 +40,7 @@ def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
 
 def summary_from_pb(s: talker_pb2.GenerateSummary) -> SynthesisSummary:
     return SynthesisSummary(
-        finish_reason=_FINISH.get(s.finish_reason, "stop"),
+        finish_reason=FINISH_FROM_PB.get(s.finish_reason, "stop"),
         num_frames=s.num_frames,
         num_samples=s.num_samples,
         code2wav_replica=s.code2wav_replica,

@@ -12,34 +12,24 @@ import grpc
 from qtts.errors import InvalidArgument, Unavailable
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
 from qtts.sampling_overrides import overrides_from_pb
+from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 
 from .core import TalkerCore
 from .request import (
-    CUSTOM_VOICE,
-    VOICE_CLONE,
-    VOICE_DESIGN,
     AudioPiece,
     GenerationRequest,
     GenerationSummary,
 )
 
-_TASKS = {
-    tts_pb2.TASK_TYPE_UNSPECIFIED: None,
-    tts_pb2.TASK_TYPE_VOICE_CLONE: VOICE_CLONE,
-    tts_pb2.TASK_TYPE_CUSTOM_VOICE: CUSTOM_VOICE,
-    tts_pb2.TASK_TYPE_VOICE_DESIGN: VOICE_DESIGN,
-}
-_FINISH = {"stop": tts_pb2.FINISH_REASON_STOP, "length": tts_pb2.FINISH_REASON_LENGTH}
-
 
 def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
-    if msg.task_type not in _TASKS:
+    if msg.task_type not in TASK_FROM_PB:
         raise InvalidArgument(f"unknown task_type {msg.task_type}")
     sampling = overrides_from_pb(msg.sampling)
     return GenerationRequest(
         request_id=msg.request_id,
         text=msg.text,
-        task=_TASKS[msg.task_type],
+        task=TASK_FROM_PB[msg.task_type],
         voice=msg.voice,
         language=msg.language,
         instructions=msg.instructions,
@@ -75,7 +65,7 @@ def summary_message(request_id: str, seq: int, summary: GenerationSummary) -> ta
         request_id=request_id,
         sequence_number=seq,
         summary=talker_pb2.GenerateSummary(
-            finish_reason=_FINISH.get(summary.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
+            finish_reason=FINISH_TO_PB.get(summary.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
             num_frames=summary.num_frames,
             num_samples=summary.num_samples,
             timings=tts_pb2.Timings(

@@ -1,0 +1,18 @@
+"""tts.v1 enums <-> the task and finish-reason names the services use internally (one table,
+shared by the gateway and the talker, like `qtts.sampling_overrides` for the sampling fields)."""
+
+from __future__ import annotations
+
+from qtts.pb import tts_pb2
+
+# TASK_TYPE_UNSPECIFIED maps to None: the model's default task.
+TASK_FROM_PB: dict[int, str | None] = {
+    tts_pb2.TASK_TYPE_UNSPECIFIED: None,
+    tts_pb2.TASK_TYPE_VOICE_CLONE: "voice_clone",
+    tts_pb2.TASK_TYPE_CUSTOM_VOICE: "custom_voice",
+    tts_pb2.TASK_TYPE_VOICE_DESIGN: "voice_design",
+}
+TASK_TO_PB: dict[str, int] = {name: value for value, name in TASK_FROM_PB.items() if name is not None}
+
+FINISH_TO_PB: dict[str, int] = {"stop": tts_pb2.FINISH_REASON_STOP, "length": tts_pb2.FINISH_REASON_LENGTH}
+FINISH_FROM_PB: dict[int, str] = {value: name for name, value in FINISH_TO_PB.items()}
