@@ -24,13 +24,14 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.revision import git_revision
+from benchmarks.timing import median_event_s, median_wall_s, sync
 from qtts.decode_engine import EngineConfig, SlotDecoder
 from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 
@@ -41,41 +42,6 @@ FRAME_SECONDS = 0.08
 def _codes(frames: int, seed: int, device: str = "cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2048, (frames, 16), generator=g).to(device)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _median_wall(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _median_gpu(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
-    """Median seconds of fn measured with CUDA events (wall clock on CPU)."""
-    if not torch.cuda.is_available():
-        return _median_wall(fn, iters, warmup)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def snr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -120,8 +86,8 @@ def steady_state(eng: SlotDecoder, streams: Sequence[int], chunk: int, iters: in
         # Every stream past the attention window: the sliding (steady) phase.
         while states[0].frames < eng.window + 1:
             eng.decode_batch(states, codes)
-        _sync()
-        t = _median_wall(lambda states=states, codes=codes: eng.decode_batch(states, codes), iters)
+        sync()
+        t = median_wall_s(lambda states=states, codes=codes: eng.decode_batch(states, codes), iters)
         audio = b * chunk * FRAME_SECONDS
         rows.append(
             {
@@ -173,8 +139,8 @@ def stateful_vs_stateless(
         codes = [_codes(frames, seed=i) for i in range(batch)]
         positions = [eng.window + 1] * batch
         if run.has_graph(batch, frames):
-            return _median_gpu(lambda: run.run_static(batch, slots, positions, codes), iters)
-        return _median_gpu(lambda: run.run_eager(slots, positions, codes), iters)
+            return median_event_s(lambda: run.run_static(batch, slots, positions, codes), iters)
+        return median_event_s(lambda: run.run_eager(slots, positions, codes), iters)
 
     for n in chunks:
         t_state = step_time(n)
@@ -201,22 +167,26 @@ def first_chunk_latency(eng: SlotDecoder, iters: int, prefix_frames: int) -> lis
         times: list[float] = []
         for i in range(iters + 3):
             s = eng.start()
-            _sync()
+            sync()
             t0 = time.perf_counter()
             eng.decode(s, codes)
-            _sync()
+            sync()
             if i >= 3:  # warm-up
                 times.append(time.perf_counter() - t0)
             eng.free(s)
         rows.append({"first_chunk_frames": n, "decode_ms": statistics.median(times) * 1e3})
-    prefix = _codes(prefix_frames, seed=7)
+    # A new reference prefix every call (decoded: a voice seen for the first time), then one
+    # prefix again and again (its state copied from the prefix-state cache: a known voice).
+    seeds = iter(range(1000, 10**9))
 
-    def icl_start() -> None:
-        s = eng.start(prefix)
+    def icl_start(prefix: torch.Tensor | None = None) -> None:
+        s = eng.start(prefix if prefix is not None else _codes(prefix_frames, seed=next(seeds)))
         eng.free(s)
 
-    t = _median_wall(icl_start, max(3, iters // 4))
-    rows.append({"icl_prefix_frames": prefix_frames, "start_ms": t * 1e3})
+    t = median_wall_s(icl_start, max(3, iters // 4))
+    known = _codes(prefix_frames, seed=7)
+    t_known = median_wall_s(lambda: icl_start(known), max(3, iters // 4))
+    rows.append({"icl_prefix_frames": prefix_frames, "start_ms": t * 1e3, "start_known_voice_ms": t_known * 1e3})
     for r in rows:
         print(
             "  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),

@@ -24,7 +24,6 @@ import os
 import platform
 import shutil
 import socket
-import statistics
 import subprocess
 import tempfile
 import time
@@ -34,23 +33,15 @@ from typing import Any
 import torch
 
 from benchmarks.revision import git_revision
+from benchmarks.timing import median_wall_s
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.scheduler import PrefillChunk
 from qtts.engine.sequence import Sequence
 from qtts.model import load_talker_bundle
 
 
-def _median_ms(fn, iters: int, sync, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _median_ms(fn, iters: int) -> float:
+    return median_wall_s(fn, iters) * 1e3
 
 
 def _free_port() -> int:
@@ -108,7 +99,6 @@ class RedisServer:
 
 def measure(runner: ModelRunner, length: int, iters: int, redis_client) -> dict[str, Any]:
     dev = runner.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     prompt = type("P", (), {})()
     prompt.embeds = torch.randn(length + 1, runner.hidden, device=dev, dtype=runner.dtype) * 0.02
     seq = Sequence("p", prompt, None, seed=0, max_frames=1, cap_reason="length")
@@ -117,10 +107,10 @@ def measure(runner: ModelRunner, length: int, iters: int, redis_client) -> dict[
     row: dict[str, Any] = {"positions": length, "kv_bytes": length * runner.bytes_per_position()}
     graphed = runner.prefill_buckets
     runner.prefill_buckets = ()
-    row["recompute_eager_ms"] = _median_ms(lambda: runner.prefill(chunk), iters, sync)
+    row["recompute_eager_ms"] = _median_ms(lambda: runner.prefill(chunk), iters)
     runner.prefill_buckets = graphed
     if runner.prefill_graphs and length <= graphed[-1]:
-        row["recompute_graph_ms"] = _median_ms(lambda: runner.prefill(chunk), iters, sync)
+        row["recompute_graph_ms"] = _median_ms(lambda: runner.prefill(chunk), iters)
     k = runner.k_cache[:, 0, :, :length].clone()
     v = runner.v_cache[:, 0, :, :length].clone()
     # GPU-local hit: the copy `load_prefixes` does.
@@ -128,7 +118,7 @@ def measure(runner: ModelRunner, length: int, iters: int, redis_client) -> dict[
         runner.k_cache[:, 1, :, :length] = k
         runner.v_cache[:, 1, :, :length] = v
 
-    row["gpu_cache_hit_ms"] = _median_ms(hit, iters, sync)
+    row["gpu_cache_hit_ms"] = _median_ms(hit, iters)
     pin = dev.type == "cuda"
     host = torch.empty((2, *k.shape), dtype=k.dtype, pin_memory=pin)
 
@@ -136,7 +126,7 @@ def measure(runner: ModelRunner, length: int, iters: int, redis_client) -> dict[
         host[0].copy_(k, non_blocking=pin)
         host[1].copy_(v, non_blocking=pin)
 
-    row["device_to_host_ms"] = _median_ms(to_host, iters, sync)
+    row["device_to_host_ms"] = _median_ms(to_host, iters)
     blob = host.view(torch.uint8).numpy().tobytes()
     staging = torch.empty_like(host)
 
@@ -145,15 +135,15 @@ def measure(runner: ModelRunner, length: int, iters: int, redis_client) -> dict[
         runner.k_cache[:, 1, :, :length].copy_(staging[0], non_blocking=pin)
         runner.v_cache[:, 1, :, :length].copy_(staging[1], non_blocking=pin)
 
-    row["bytes_to_slot_ms"] = _median_ms(lambda: from_bytes(blob), iters, sync)
+    row["bytes_to_slot_ms"] = _median_ms(lambda: from_bytes(blob), iters)
     if redis_client is not None:
         key = f"bench:kv:{length}"
-        row["redis_set_ms"] = _median_ms(lambda: redis_client.set(key, blob), iters, sync)
-        row["redis_get_ms"] = _median_ms(lambda: redis_client.get(key), iters, sync)
+        row["redis_set_ms"] = _median_ms(lambda: redis_client.set(key, blob), iters)
+        row["redis_get_ms"] = _median_ms(lambda: redis_client.get(key), iters)
         got = redis_client.get(key)
         if got != blob:
             raise RuntimeError("Redis returned different bytes")
-        row["fetch_total_ms"] = _median_ms(lambda: from_bytes(redis_client.get(key)), iters, sync)
+        row["fetch_total_ms"] = _median_ms(lambda: from_bytes(redis_client.get(key)), iters)
         redis_client.delete(key)
         fastest = min(row.get("recompute_graph_ms", float("inf")), row["recompute_eager_ms"])
         row["fetch_over_recompute"] = row["fetch_total_ms"] / fastest

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.revision import git_revision
+from benchmarks.timing import median_event_s, median_wall_s
 from qtts.engine.model_runner import (
     DEFAULT_BATCH_BUCKETS,
     I_GREEDY,
@@ -59,31 +60,11 @@ TARGET_1P7B = {1: 5.0, 256: 14.0, 512: 22.0, 1024: 40.0}
 
 
 def _event_median(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_event_s(fn, iters, warmup) * 1e3
 
 
 def _wall_median(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_wall_s(fn, iters, warmup) * 1e3
 
 
 def _linear_params(module: torch.nn.Module, skip: tuple[str, ...]) -> int:
