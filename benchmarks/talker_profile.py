@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-buckets", default="128,256,384")
     ap.add_argument("--talker-attention", default="auto")
     ap.add_argument("--max-candidates", type=int, default=None)
+    ap.add_argument("--decode-kernels", default="auto", help="auto, triton or torch (RunnerConfig.decode_kernels)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         max_len=args.context_bucket, max_batch=max(buckets), num_slots=max(buckets), max_trailing=64,
         batch_buckets=tuple(b for b in DEFAULT_BATCH_BUCKETS if b in buckets) or tuple(buckets),
         context_buckets=(args.context_bucket,), talker_attention=args.talker_attention,
-        max_candidates=args.max_candidates,
+        max_candidates=args.max_candidates, decode_kernels=args.decode_kernels,
         prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x), prefill_rows=(1,),
     )
     runner = ModelRunner(bundle, cfg)
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     prefill = bench_prefill(runner, args)
     result = {"git": git_revision(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "model": args.model, "weights": "dummy (seeded random, bf16)", "position": args.position,
-              "talker_attention": runner.talker_attention, "max_candidates": args.max_candidates,
+              "talker_attention": runner.talker_attention, "fused_decode": runner.fused_decode, "max_candidates": args.max_candidates,
               "rows": rows, "prefill": prefill}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

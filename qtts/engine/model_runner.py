@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # the M=1 matmuls take slower kernels).
 DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ATTENTION_IMPLS = ("auto", "sdpa", "sdpa_grouped", "matmul")
+DECODE_KERNELS = ("auto", "triton", "torch")
 
 # Columns of the packed per-slot integer / float state.
 I_POS, I_FRAME, I_SEED, I_TOPK, I_PTOPK, I_GREEDY, I_PGREEDY, I_MINF, I_TLEN = range(9)
@@ -77,6 +78,11 @@ class RunnerConfig:
     # torch.compile the per-layer elementwise work and the sampler (fast path only; adds about a
     # minute of start-up). None: on CUDA only.
     compile_layers: bool | None = None
+    # The frame step's decode layers (talker and predictor) on the fast path: "triton" runs the fused
+    # kernels of qtts.engine.triton_ops (about 9 kernels a layer instead of about 23; attention reads
+    # each row's own length, so one graph per batch bucket serves every context), "torch" the
+    # PyTorch ops below, "auto" Triton on CUDA when it is installed.
+    decode_kernels: str = "auto"
     # Fast path: the predictor carries its per-frame K/V as concatenated tensors (one compiled
     # function per layer) instead of writing `pk_cache`; False restores the cache writes.
     predictor_carry_kv: bool = True
@@ -96,6 +102,8 @@ class RunnerConfig:
         for name in ("talker_attention", "predictor_attention"):
             if getattr(self, name) not in ATTENTION_IMPLS:
                 raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")
+        if self.decode_kernels not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}")
         if any(b < 1 for b in self.batch_buckets) or not self.batch_buckets:
             raise ValueError("batch_buckets must be positive")
         if any(b < 1 for b in self.prefill_buckets) or not self.prefill_rows or min(self.prefill_rows) < 1:
@@ -230,6 +238,7 @@ class ModelRunner:
             [_fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
         )
         self._qkv_fn, self._out_fn, self._sample = _fast_qkv, _fast_out_mlp, sampler.sample_rows
+        self.fused_decode = self._use_fused_decode(config.decode_kernels)
         self._pred_layer_fn = _fast_predictor_layer
         compile_layers = self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
         if self.fast_path and compile_layers:
@@ -248,7 +257,8 @@ class ModelRunner:
             self._pred_layer_fn = torch.compile(_fast_predictor_layer, dynamic=True)
         self.num_slots = self._size_slots()
         self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots}))
-        self.context_buckets = config.resolved_context_buckets()
+        # Fused attention reads each row's own length: one context bucket (the whole slot) is enough.
+        self.context_buckets = (self.max_len,) if self.fused_decode else config.resolved_context_buckets()
         self._allocate()
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -259,12 +269,27 @@ class ModelRunner:
             tuple(sorted({min(w, self.max_len) for w in config.prefill_buckets})) if self.fast_path else ()
         )
         self.prefill_rows = tuple(sorted(set(config.prefill_rows)))
-        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # Keyed (rows, width, fresh): a fresh batch starts every chunk at position 0, so its
+        # attention needs only the chunk's own keys (causal SDPA, no gather of the slot's cache).
+        self.prefill_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         if self.prefill_buckets:
             r, w = self.prefill_rows[-1], self.prefill_buckets[-1]
             self.pf_x = torch.zeros(r, w, self.hidden, device=self.device, dtype=self.dtype)
             self.pf_pos = torch.full((r, w), self.scratch, device=self.device, dtype=torch.long)
             self.pf_slot = torch.zeros(r, device=self.device, dtype=torch.long)
+
+    def _use_fused_decode(self, choice: str) -> bool:
+        if choice == "torch" or not self.fast_path:
+            if choice == "triton":
+                raise ValueError("decode_kernels='triton' needs the fast path")
+            return False
+        from qtts.engine import triton_ops
+
+        if choice == "triton":
+            if not triton_ops.available(self.device):
+                raise ValueError("decode_kernels='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
+            return True
+        return self.device.type == "cuda" and triton_ops.available(self.device)
 
     # -- sizing and allocation ---------------------------------------------------------------
     def bytes_per_position(self) -> int:
@@ -315,6 +340,12 @@ class ModelRunner:
         ppos = torch.arange(self.num_codebooks + 1, device=dev)[None]
         self.pcos, self.psin = self.predictor.model.rotary(ppos, dt)  # [1, P, D]
         self.start_mask = torch.tril(torch.ones(2, 2, device=dev, dtype=torch.bool))[None, None]
+        # Fused predictor: token m of a 2-token start is (row m // 2, position m % 2); a one-token
+        # step at position p reads row p of `ppos` (every slot at p).
+        self.prows2 = torch.arange(s, device=dev).repeat_interleave(2)
+        self.ppos2 = torch.arange(2, device=dev).repeat(s)
+        self.pcos2, self.psin2 = self.pcos[0, :2].repeat(s, 1), self.psin[0, :2].repeat(s, 1)
+        self.ppos = torch.arange(self.num_codebooks + 1, device=dev)[:, None].expand(-1, s).contiguous()
         self._active_host = torch.zeros(s, dtype=torch.bool, pin_memory=dev.type == "cuda")
 
     # -- bookkeeping copies (eager, outside the graphs) ---------------------------------------
@@ -368,24 +399,27 @@ class ModelRunner:
             self.talker.model(x, positions, slots, self.kv_view)
             return
         span = min(max(c.end for c in chunks), self.scratch)  # real tokens attend to columns < span
-        self._prefill_fast(x, positions, slots, span)
+        self._prefill_fast(x, positions, slots, span, fresh=all(c.start == 0 for c in chunks))
 
     def _prefill_bucketed(self, chunks: Seq[PrefillChunk]) -> None:
-        """Chunks grouped by the smallest width bucket that holds them, each group in batches of a
-        row bucket, each batch through the (rows, width) graph (eagerly on the CPU)."""
-        groups: dict[int, list[PrefillChunk]] = {}
+        """Chunks grouped by the smallest width bucket that holds them and by whether they start
+        at position 0, each group in batches of a row bucket, each batch through the
+        (rows, width, fresh) graph (eagerly on the CPU)."""
+        groups: dict[tuple[int, bool], list[PrefillChunk]] = {}
         for c in chunks:
-            groups.setdefault(next(w for w in self.prefill_buckets if w >= c.end - c.start), []).append(c)
-        for width, group in sorted(groups.items()):
+            width = next(w for w in self.prefill_buckets if w >= c.end - c.start)
+            groups.setdefault((width, c.start == 0), []).append(c)
+        for (width, fresh), group in sorted(groups.items()):
             while group:
                 rows = next((r for r in self.prefill_rows if r >= len(group)), self.prefill_rows[-1])
                 batch, group = group[:rows], group[rows:]
-                self._prefill_replay(batch, rows, width)
+                self._prefill_replay(batch, rows, width, fresh)
 
-    def _prefill_replay(self, batch: Seq[PrefillChunk], rows: int, width: int) -> None:
+    def _prefill_replay(self, batch: Seq[PrefillChunk], rows: int, width: int, fresh: bool) -> None:
         """One batch at a static (rows, width): padding positions and padding rows write only the
-        scratch column; the graph attends over the whole slot (span max_len + 1) under the causal
-        mask, so each token sees its own past only."""
+        scratch column. A fresh batch attends causally within the chunk (padding comes after every
+        real token); otherwise the graph attends over the whole slot (span max_len + 1) under the
+        causal mask of the positions, so each token sees its own past only."""
         pos = torch.full((rows, width), self.scratch, dtype=torch.long)
         slots = torch.zeros(rows, dtype=torch.long)
         for r, c in enumerate(batch):
@@ -395,37 +429,41 @@ class ModelRunner:
             slots[r] = c.seq.slot
         self.pf_pos[:rows, :width].copy_(pos)
         self.pf_slot[:rows].copy_(slots)
-        graph = self.prefill_graphs.get((rows, width))
+        graph = self.prefill_graphs.get((rows, width, fresh))
         if graph is not None:
             graph.replay()
         else:
             self._prefill_fast(
-                self.pf_x[:rows, :width], self.pf_pos[:rows, :width], self.pf_slot[:rows], self.scratch + 1
+                self.pf_x[:rows, :width], self.pf_pos[:rows, :width], self.pf_slot[:rows], self.scratch + 1, fresh
             )
 
     def _capture_prefill(self, pool):
-        """Capture one prefill graph per (rows, width), largest first, into `pool`; returns it."""
+        """Capture one prefill graph per (rows, width, fresh), largest first, into `pool`; returns it."""
         self.pf_pos.fill_(self.scratch)  # capture writes only scratch columns of slot 0
         self.pf_slot.zero_()
         span = self.scratch + 1
         for rows in sorted(self.prefill_rows, reverse=True):
             for w in sorted(self.prefill_buckets, reverse=True):
-                args = (self.pf_x[:rows, :w], self.pf_pos[:rows, :w], self.pf_slot[:rows], span)
-                self._prefill_fast(*args)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                for fresh in (True, False):
+                    args = (self.pf_x[:rows, :w], self.pf_pos[:rows, :w], self.pf_slot[:rows], span, fresh)
                     self._prefill_fast(*args)
-                pool = pool if pool is not None else graph.pool()
-                self.prefill_graphs[(rows, w)] = graph
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._prefill_fast(*args)
+                    pool = pool if pool is not None else graph.pool()
+                    self.prefill_graphs[(rows, w, fresh)] = graph
         return pool
 
-    def _prefill_fast(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int) -> None:
-        """The bundle's decoder stack with the fused layer functions (fewer launches per layer)."""
+    def _prefill_fast(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
+                      fresh: bool = False) -> None:
+        """The bundle's decoder stack with the fused layer functions (fewer launches per layer).
+        `fresh`: every row's chunk starts at position 0 with its real tokens first, so attention
+        runs causally over the chunk's own keys instead of gathering `span` columns of the slot."""
         model, d = self.talker.model, self.tdec
         r, t = positions.shape
         cos, sin = model.rotary(positions, self.dtype)
-        mask = (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+        mask = None if fresh else (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
         rows = slots[:, None].expand(r, t)
         for i in range(d.num_layers):
             w = self.talker_weights[i]
@@ -434,9 +472,15 @@ class ModelRunner:
             )
             self.k_cache[i][rows, :, positions] = k.transpose(1, 2).to(self.dtype)
             self.v_cache[i][rows, :, positions] = v.transpose(1, 2).to(self.dtype)
-            keys, values = self.k_cache[i][slots, :, :span], self.v_cache[i][slots, :, :span]
-            out = _attend(q, keys, values, mask, "sdpa").transpose(1, 2).reshape(r, t, -1)
-            x = self._out_fn(x, out, w.w_o, w.b_o, w.ln2, w.w_gate_up, w.w_down, d.rms_norm_eps)
+            if fresh:
+                out = F.scaled_dot_product_attention(
+                    q, k.to(self.dtype), v.to(self.dtype), is_causal=True, enable_gqa=d.num_heads != d.num_kv_heads
+                )
+            else:
+                keys, values = self.k_cache[i][slots, :, :span], self.v_cache[i][slots, :, :span]
+                out = _attend(q, keys, values, mask, "sdpa")
+            x = self._out_fn(x, out.transpose(1, 2).reshape(r, t, -1), w.w_o, w.b_o, w.ln2, w.w_gate_up, w.w_down,
+                             d.rms_norm_eps)
 
     def start(self, seqs: Seq[Sequence]) -> None:
         """Load the decode state of sequences whose prompt is now in KV."""
@@ -466,6 +510,8 @@ class ModelRunner:
     # -- the frame step --------------------------------------------------------------------------
     def _talker_decode(self, n: int, ctx: int) -> torch.Tensor:
         """One token per row at its own position; returns final-normed hidden [n, H]."""
+        if self.fused_decode:
+            return self._talker_decode_fused(n)
         model = self.talker.model
         act = self.active[:n]
         pos = self.state_i[:n, I_POS]
@@ -483,6 +529,51 @@ class ModelRunner:
             out = _attend(q, keys, values, mask, self.talker_attention).transpose(1, 2).reshape(n, 1, -1)
             x = self._layer_out(i, layer, x, out, self.talker_weights, self.tdec)
         return self._final_norm(model.norm, x)[:, 0]
+
+    def _talker_decode_fused(self, n: int) -> torch.Tensor:
+        """`_talker_decode` with the fused kernels; attention spans each row's own positions."""
+        model = self.talker.model
+        act = self.active[:n]
+        pos = self.state_i[:n, I_POS]
+        wpos = torch.where(act, pos, torch.full_like(pos, self.scratch))
+        apos = pos.clamp(max=self.max_len - 1)  # padding rows may carry any position
+        cos, sin = model.rotary(pos, self.dtype)  # [n, D]
+        return self._fused_layers(self.next_embed[:n], self.talker_weights, self.tdec, self.k_cache, self.v_cache,
+                                  self.rows[:n], wpos, apos, cos, sin, model.norm)
+
+    def _fused_layers(self, x, weights: list[_LayerWeights], dcfg, k_cache, v_cache, rows, wpos, apos, cos, sin,
+                      final_norm) -> torch.Tensor:
+        """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
+        attends positions [0, apos[m]] of slot rows[m]. Returns the final-normed hidden [M, H]."""
+        from qtts.engine import triton_ops as tops
+
+        eps = dcfg.rms_norm_eps
+        delta = None
+        for i, w in enumerate(weights):
+            x, h = tops.add_rms_norm(x, delta, w.ln1, eps)
+            q = tops.qk_norm_rope_store(
+                F.linear(h, w.w_qkv, w.b_qkv), w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps,
+                dcfg.num_heads, dcfg.num_kv_heads,
+            )
+            attn = tops.decode_attention(q, k_cache[i], v_cache[i], rows, apos)
+            x, h = tops.add_rms_norm(x, F.linear(attn, w.w_o, w.b_o), w.ln2, eps)
+            delta = F.linear(tops.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
+        return tops.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]
+
+    def _predictor_fused(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """`_predictor_layers` with the fused kernels, the per-frame K/V in `pk_cache`/`pv_cache`."""
+        t = x.shape[1]
+        if t == 2:
+            assert start == 0
+            m = 2 * n
+            rows, pos, cos, sin = self.prows2[:m], self.ppos2[:m], self.pcos2[:m], self.psin2[:m]
+        else:
+            m = n
+            rows, pos = self.rows[:n], self.ppos[start, :n]
+            cos, sin = self.pcos[0, start].expand(n, -1), self.psin[0, start].expand(n, -1)
+        h = self._fused_layers(x.reshape(m, -1), self.predictor_weights, self.pdec, self.pk_cache, self.pv_cache,
+                               rows, pos, pos, cos, sin, self.predictor.model.norm)
+        return h.view(n, t, -1)
 
     def _layer_qkv(self, i: int, layer, x, cos, sin, weights: list[_LayerWeights], dcfg):
         if not self.fast_path:
@@ -509,6 +600,8 @@ class ModelRunner:
         """Predictor decoder over positions [start, start + T) of its per-frame KV; x [n, T, Hp].
         On the fast path with matmul attention the KV is carried in `carry` (per layer), else it
         lives in `pk_cache`/`pv_cache`."""
+        if self.fused_decode:
+            return self._predictor_fused(x, start, n)
         model = self.predictor.model
         t = x.shape[1]
         cos, sin = self.pcos[:, start : start + t], self.psin[:, start : start + t]

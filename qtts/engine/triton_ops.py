@@ -1,0 +1,204 @@
+"""Fused Triton kernels for the one-token decode layers of the talker and the code predictor.
+
+The frame step runs 28 talker layers and 15 x 5 predictor layers. Written as PyTorch ops (even
+under torch.compile) each layer became about 23 kernels, and at small batches kernel count, not
+bytes, sets the step time: an H200 profile of the 1.7B step at batch 2 showed 2,401 kernels for
+7.1 ms of kernel time. With these kernels a layer is
+
+    add_rms_norm -> q|k|v matmul -> qk_norm_rope_store -> decode_attention -> o matmul ->
+    add_rms_norm -> gate|up matmul -> silu_mul -> down matmul (its add joins the next layer's norm)
+
+nine kernels plus what cuBLAS launches for the four matmuls. The attention reads only the
+positions a row has (its own length), not a padded context bucket.
+
+Numerics follow the fast path (`model_runner._fast_qkv` / `_fast_out_mlp`): activations in the
+model dtype between kernels, norms and softmax in float32. Rounding points differ slightly from the
+PyTorch ops, so graph and eager codes can differ on near ties, as between any two kernels.
+
+All kernels also run under Triton's interpreter (`TRITON_INTERPRET=1`) on CPU tensors, which is
+how the CPU tests check them against the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU builds run the PyTorch path instead.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+
+def available(device: torch.device) -> bool:
+    """Whether the fused kernels can run on `device` (CUDA with Triton, or Triton's interpreter)."""
+    if triton is None:
+        return False
+    import os
+
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr,
+                             HAS_D: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        m = offs < H
+        x = tl.load(x_ptr + row * H + offs, mask=m, other=0.0)
+        if HAS_D:
+            d = tl.load(d_ptr + row * H + offs, mask=m, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(xo_ptr.dtype.element_ty)
+            tl.store(xo_ptr + row * H + offs, x, mask=m)
+        xf = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * H + offs, (xf * inv * w).to(h_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _qk_norm_rope_store_kernel(
+        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, row_ptr, pos_ptr, eps,
+        cs_stride, kc_s_slot, kc_s_head, kc_s_pos,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    ):
+        m = tl.program_id(0)
+        h = tl.program_id(1)
+        half = tl.arange(0, D // 2)
+        base = qkv_ptr + m * (HQ + 2 * HKV) * D + h * D
+        x1 = tl.load(base + half).to(tl.float32)
+        x2 = tl.load(base + D // 2 + half).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        c1 = tl.load(cos_ptr + m * cs_stride + half).to(tl.float32)
+        c2 = tl.load(cos_ptr + m * cs_stride + D // 2 + half).to(tl.float32)
+        s1 = tl.load(sin_ptr + m * cs_stride + half).to(tl.float32)
+        s2 = tl.load(sin_ptr + m * cs_stride + D // 2 + half).to(tl.float32)
+        if h < HQ:
+            w1 = tl.load(qw_ptr + half).to(tl.float32)
+            w2 = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
+            n1 = x1 * inv * w1
+            n2 = x2 * inv * w2
+            out = q_ptr + m * HQ * D + h * D
+            tl.store(out + half, (n1 * c1 - n2 * s1).to(q_ptr.dtype.element_ty))
+            tl.store(out + D // 2 + half, (n2 * c2 + n1 * s2).to(q_ptr.dtype.element_ty))
+        else:
+            hk = h - HQ
+            w1 = tl.load(kw_ptr + half).to(tl.float32)
+            w2 = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
+            n1 = x1 * inv * w1
+            n2 = x2 * inv * w2
+            slot = tl.load(row_ptr + m)
+            pos = tl.load(pos_ptr + m)
+            dst = slot * kc_s_slot + hk * kc_s_head + pos * kc_s_pos
+            tl.store(kc_ptr + dst + half, (n1 * c1 - n2 * s1).to(kc_ptr.dtype.element_ty))
+            tl.store(kc_ptr + dst + D // 2 + half, (n2 * c2 + n1 * s2).to(kc_ptr.dtype.element_ty))
+            full = tl.arange(0, D)
+            v = tl.load(qkv_ptr + m * (HQ + 2 * HKV) * D + (HQ + HKV + hk) * D + full)
+            tl.store(vc_ptr + dst + full, v.to(vc_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr, kc_ptr, vc_ptr, row_ptr, pos_ptr, o_ptr, scale,
+        kc_s_slot, kc_s_head, kc_s_pos,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """One query token against positions [0, pos] of its slot, for the G = HQ / HKV query heads
+        of one KV head (padded to BLOCK_H rows for tensor-core dots), online softmax."""
+        m = tl.program_id(0)
+        hk = tl.program_id(1)
+        G: tl.constexpr = HQ // HKV
+        gi = tl.arange(0, BLOCK_H)
+        gm = gi < G
+        d = tl.arange(0, D)
+        slot = tl.load(row_ptr + m)
+        n_keys = tl.load(pos_ptr + m) + 1
+        q = tl.load(q_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        base = slot * kc_s_slot + hk * kc_s_head
+        start = 0
+        while start < n_keys:  # (not `range`: Triton's interpreter cannot take a loaded bound there)
+            n = start + tl.arange(0, BLOCK_N)
+            nm = n < n_keys
+            offs = base + n[:, None] * kc_s_pos + d[None, :]
+            k = tl.load(kc_ptr + offs, mask=nm[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.where(nm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + offs, mask=nm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+            start += BLOCK_N
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=gm[:, None])
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = col < inter
+        g = tl.load(gu_ptr + row * 2 * inter + col, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * inter + inter + col, mask=m, other=0.0).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * inter + col, (silu * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(x + delta, rms_norm(x + delta) * weight) for x [M, H] (delta None: x itself)."""
+    m, h = x.shape
+    normed = torch.empty_like(x)
+    x_out = torch.empty_like(x) if delta is not None else x
+    _add_rms_norm_kernel[(m,)](
+        x, delta if delta is not None else x, weight, x_out, normed, eps, H=h, BLOCK=triton.next_power_of_2(h),
+        HAS_D=delta is not None,
+    )
+    return x_out, normed
+
+
+def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, rows, positions, eps: float,
+                       num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """qkv [M, (HQ + 2 HKV) * D] -> q [M, HQ, D] (per-head RMSNorm, RoPE); the normed, rotated key
+    and the value of token m go to k_cache / v_cache [slot, head, pos, D] at (rows[m], positions[m]).
+    cos / sin: [M, D] (a stride-0 first dimension is fine)."""
+    m = qkv.shape[0]
+    d = q_norm.shape[0]
+    q = torch.empty(m, num_heads, d, device=qkv.device, dtype=qkv.dtype)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
+    _qk_norm_rope_store_kernel[(m, num_heads + num_kv_heads)](
+        qkv, q_norm, k_norm, cos, sin, q, k_cache, v_cache, rows, positions, eps,
+        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HQ=num_heads, HKV=num_kv_heads, D=d,
+    )
+    return q
+
+
+def decode_attention(q, k_cache, v_cache, rows, positions, block_n: int = 64) -> torch.Tensor:
+    """q [M, HQ, D]; token m attends positions [0, positions[m]] of slot rows[m] in
+    k_cache / v_cache [slot, HKV, pos, D] (positions must lie inside the cache). Returns [M, HQ * D]."""
+    m, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty(m, hq * d, device=q.device, dtype=q.dtype)
+    block_h = max(16, triton.next_power_of_2(hq // hkv))
+    _decode_attention_kernel[(m, hkv)](
+        q, k_cache, v_cache, rows, positions, out, d**-0.5,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HQ=hq, HKV=hkv, D=d, BLOCK_H=block_h, BLOCK_N=block_n,
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] (gate | up) -> silu(gate) * up, [M, I]."""
+    m, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(m, inter, device=gate_up.device, dtype=gate_up.dtype)
+    block = 1024
+    _silu_mul_kernel[(m, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    return out
