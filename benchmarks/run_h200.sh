@@ -52,8 +52,8 @@ talker)
     timeout 60 python3 -m benchmarks.prefix_kv_transfer --redis-server .redis/redis-server \
         --out "$RES/prefix_kv.json" >"$RES/prefix_kv.log" 2>&1
     # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags
-    timeout 160 python3 -m benchmarks.talker_capacity --streams 512,1024,1280,1536 --context-step 256 \
-        --measure-steps 150 ${CAPACITY_ARGS:---prefill-buckets 128,256,512} \
+    timeout 160 python3 -m benchmarks.talker_capacity --streams 1024,1280,1536 \
+        --measure-steps 120 ${CAPACITY_ARGS:---prefill-buckets 64,128,192,256,320,384,448,512} \
         --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1
     install .whl_ref /tmp/qwen_ref
     PYTHONPATH=/tmp/qwen_ref:/tmp/site:. timeout 110 python3 -m benchmarks.official_baseline \
@@ -68,7 +68,7 @@ stack)
     fi
     PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-1 64 256 512}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
         ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-330}" \
-        TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 512 --max-len 512 --context-step 256 --max-queue 1024 --prefill-buckets 64,128,256,512}" \
+        TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512}" \
         CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024 --max-batch 256}" \
         GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
         timeout 570 benchmarks/launch_gpu_stack.sh "$RES/stack" >"$RES/stack.log" 2>&1
@@ -80,7 +80,7 @@ replicas)
     for n in ${REPLICAS:-1 2}; do
         PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-64 256 512}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
             ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-120}" CODE2WAV_REPLICAS="$n" \
-            TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 512 --max-len 512 --context-step 256 --max-queue 1024 --prefill-buckets 64,128,256,512}" \
+            TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512}" \
             CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024}" \
             GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
             timeout "${RUN_TIMEOUT:-280}" benchmarks/launch_gpu_stack.sh "$RES/replicas-$n" >"$RES/replicas-$n.log" 2>&1

@@ -102,42 +102,53 @@ if triton is not None:
     def _decode_attention_kernel(
         q_ptr, kc_ptr, vc_ptr, row_ptr, pos_ptr, o_ptr, scale,
         kc_s_slot, kc_s_head, kc_s_pos,
-        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ):
         """One query token against positions [0, pos] of its slot, for the G = HQ / HKV query heads
-        of one KV head (padded to BLOCK_H rows for tensor-core dots), online softmax."""
+        of one KV head (padded to BLOCK_H rows and BLOCK_D >= 16 columns for tensor-core dots),
+        online softmax. IEEE: full-precision float32 dots (float32 models; TF32 otherwise)."""
         m = tl.program_id(0)
         hk = tl.program_id(1)
         G: tl.constexpr = HQ // HKV
         gi = tl.arange(0, BLOCK_H)
         gm = gi < G
-        d = tl.arange(0, D)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
         slot = tl.load(row_ptr + m)
         n_keys = tl.load(pos_ptr + m) + 1
-        q = tl.load(q_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+        q = tl.load(q_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :],
+                    other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         base = slot * kc_s_slot + hk * kc_s_head
         start = 0
         while start < n_keys:  # (not `range`: Triton's interpreter cannot take a loaded bound there)
             n = start + tl.arange(0, BLOCK_N)
             nm = n < n_keys
             offs = base + n[:, None] * kc_s_pos + d[None, :]
-            k = tl.load(kc_ptr + offs, mask=nm[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            kv_mask = nm[:, None] & dm[None, :]
+            k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             s = tl.where(nm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + offs, mask=nm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
             start += BLOCK_N
         out = acc / l_i[:, None]
         tl.store(o_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=gm[:, None])
+                 mask=gm[:, None] & dm[None, :])
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -169,6 +180,8 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, rows, po
     cos / sin: [M, D] (a stride-0 first dimension is fine)."""
     m = qkv.shape[0]
     d = q_norm.shape[0]
+    if d < 2 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two for the fused kernels, got {d}")
     q = torch.empty(m, num_heads, d, device=qkv.device, dtype=qkv.dtype)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
     _qk_norm_rope_store_kernel[(m, num_heads + num_kv_heads)](
@@ -189,7 +202,8 @@ def decode_attention(q, k_cache, v_cache, rows, positions, block_n: int = 64) ->
     _decode_attention_kernel[(m, hkv)](
         q, k_cache, v_cache, rows, positions, out, d**-0.5,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HQ=hq, HKV=hkv, D=d, BLOCK_H=block_h, BLOCK_N=block_n,
+        HQ=hq, HKV=hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_H=block_h, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32,
     )
     return out
 
