@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 CODE2WAV_SERVICE = "code2wav.v1.Code2WavService"
 # A replica that stalls again right after its hold is held twice as long, up to this many times.
 MAX_STALL_HOLD_FACTOR = 32
+PROBE_INTERVAL_S = 0.25  # least time between two on-demand probe rounds (no replica on the ring)
 
 
 class Code2WavReplicas:
@@ -67,6 +68,8 @@ class Code2WavReplicas:
         self._held_until: dict[str, float] = {}
         self._stall_streak: dict[str, int] = {}
         self._task: asyncio.Task | None = None
+        self._probe: asyncio.Task | None = None
+        self._last_probe = float("-inf")
 
     @property
     def healthy(self) -> frozenset[str]:
@@ -83,6 +86,24 @@ class Code2WavReplicas:
             raise Unavailable(
                 f"no code2wav replica is available (configured: {', '.join(self.addresses)})"
             ) from None
+
+    async def pick_or_probe(self, key: str, exclude: frozenset[str] = frozenset()) -> str:
+        """`pick`, but when no replica is on the ring, first check the ones that are off it (a
+        replica that came up since the last periodic check must not fail requests until the
+        next one). Concurrent callers share one probe round, and rounds are at least
+        PROBE_INTERVAL_S apart, so an outage does not turn every request into a health check."""
+        try:
+            return self.pick(key, exclude)
+        except Unavailable:
+            if not (set(self.addresses) - exclude - self._ring.nodes):
+                raise
+        if self._probe is None or self._probe.done():
+            if time.monotonic() - self._last_probe >= PROBE_INTERVAL_S:
+                self._last_probe = time.monotonic()
+                self._probe = asyncio.ensure_future(self.check_all())
+        if self._probe is not None:
+            await asyncio.shield(self._probe)
+        return self.pick(key, exclude)
 
     def stub(self, address: str) -> code2wav_pb2_grpc.Code2WavServiceStub:
         return self._stubs[address]
@@ -153,6 +174,10 @@ class Code2WavReplicas:
                 log.exception("code2wav health check round failed")
 
     async def close(self) -> None:
+        if self._probe is not None and not self._probe.done():
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

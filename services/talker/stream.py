@@ -188,7 +188,7 @@ class StreamSession:
     async def _open_decode(self) -> None:
         """Open the Decode call on the ring's replica for this request and send StreamStart."""
         while True:
-            replica = self._replicas.pick(self.request_id, exclude=frozenset(self._tried))
+            replica = await self._replicas.pick_or_probe(self.request_id, exclude=frozenset(self._tried))
             self._tried.add(replica)
             decode = c2w.DecodeStream(self._replicas.stub(replica), replica)
             try:
