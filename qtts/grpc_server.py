@@ -49,6 +49,15 @@ from prometheus_client import start_http_server
 from qtts.errors import TTSError, mapping_for
 from qtts.metrics import ServiceMetrics
 
+# Client channels between the services: after failed connects gRPC backs off exponentially (up to
+# 120 s by default), so a peer that took two minutes to start (graph capture) stayed unreachable
+# long after it was serving. Retry connects every 0.25-2 s instead.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
 log = logging.getLogger(__name__)
 
 OVERALL = ""  # the health service name that stands for the whole server

@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 
 from qtts.errors import Unavailable, from_grpc
+from qtts.grpc_server import RECONNECT_OPTIONS
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.sampling_overrides import overrides_to_pb
 from qtts.tts_enums import FINISH_FROM_PB, TASK_TO_PB
@@ -61,7 +62,9 @@ class TalkerClient:
 
     def __init__(self, address: str):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=[("grpc.lb_policy_name", "round_robin")])
+        self._channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS]
+        )
         self._stub = talker_pb2_grpc.TalkerServiceStub(self._channel)
 
     @property

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 
 from qtts.errors import TTSError, Unavailable, from_grpc
+from qtts.grpc_server import RECONNECT_OPTIONS
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 
 
@@ -57,7 +58,7 @@ class VoiceClient:
 
     def __init__(self, address: str):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
         self._stub = speaker_cache_pb2_grpc.SpeakerCacheServiceStub(self._channel)
 
     @property

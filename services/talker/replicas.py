@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qtts.errors import Unavailable
+from qtts.grpc_server import RECONNECT_OPTIONS
 from qtts.hash_ring import HashRing
 from qtts.pb import code2wav_pb2_grpc
 
@@ -55,6 +56,7 @@ class Code2WavReplicas:
                     ("grpc.keepalive_time_ms", 10_000),
                     ("grpc.keepalive_timeout_ms", 5_000),
                     ("grpc.keepalive_permit_without_calls", 1),
+                    *RECONNECT_OPTIONS,
                 ],
             )
         )
@@ -143,7 +145,9 @@ class Code2WavReplicas:
         """One health check; updates the ring and returns whether the replica serves."""
         try:
             resp = await self._health[address].Check(
-                health_pb2.HealthCheckRequest(service=CODE2WAV_SERVICE), timeout=timeout_s
+                # wait_for_ready: a channel between reconnect attempts gets its next try within
+                # the timeout instead of failing the check at once.
+                health_pb2.HealthCheckRequest(service=CODE2WAV_SERVICE), timeout=timeout_s, wait_for_ready=True
             )
             serving = resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError as exc:

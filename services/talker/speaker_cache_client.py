@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 
 from qtts.errors import NotFound, Unavailable, from_grpc
+from qtts.grpc_server import RECONNECT_OPTIONS
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 
 
@@ -52,6 +53,7 @@ class SpeakerCacheClient:
                 options=[
                     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                    *RECONNECT_OPTIONS,
                 ],
             )
             if address

@@ -19,7 +19,7 @@ class FakeHealth:
         self.serving = serving
         self.calls = 0
 
-    async def Check(self, request, timeout=None):  # noqa: N802 - gRPC method name
+    async def Check(self, request, timeout=None, wait_for_ready=None):  # noqa: N802 - gRPC method name
         self.calls += 1
         status = health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)
