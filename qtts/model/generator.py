@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from qtts.model.prompt import TalkerPrompt
@@ -26,7 +27,9 @@ from qtts.model.sampling import SamplingParams, choose_codebook0, choose_residua
 @dataclass
 class StepOutput:
     request_id: str
-    codes: torch.Tensor | None  # LongTensor[16] on the CPU; None on the EOS step
+    # The frame's 16 codes on the CPU, None on the EOS step: a LongTensor[16] from EagerGenerator, an
+    # int16 ndarray[16] (a row of the step's one host array) from the GraphEngine.
+    codes: torch.Tensor | np.ndarray | None
     finished: bool
     finish_reason: str | None = None  # None | "stop" | "length" | "frame_cap"
 

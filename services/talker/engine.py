@@ -72,6 +72,8 @@ class Failed:
 def _codes_to_numpy(codes: Sequence[Any]) -> list[np.ndarray]:
     if not codes:
         return []
+    if all(isinstance(c, np.ndarray) and c.dtype == np.int16 and c.ndim == 1 for c in codes):
+        return list(codes)  # the GraphEngine's rows, already one host array
     try:
         import torch
 
