@@ -24,6 +24,7 @@ def _addresses(value: str) -> tuple[str, ...]:
 
 
 ENGINES = ("eager", "graph")
+DECODE_KERNELS = ("auto", "triton", "torch")  # qtts.engine.model_runner.DECODE_KERNELS (checked by a test)
 
 @dataclass(frozen=True)
 class TalkerConfig:
@@ -53,6 +54,11 @@ class TalkerConfig:
     max_len: int = 1024
     context_step: int = 128
     prefill_buckets: tuple[int, ...] = ()
+    # Graph engine: prompt positions prefilled per step (bounds a running stream's stall; must keep
+    # up with arrivals), and the frame step's decode layers: "auto" (fused Triton kernels on CUDA),
+    # "triton" or "torch" (the PyTorch ops, a fallback).
+    max_prefill_tokens: int = 4096
+    decode_kernels: str = "auto"
     # Real-time admission guard (services/talker/admission.py): waiting requests start only while the
     # engine's step stays under this budget and the running streams' delivered audio stays this far
     # ahead of real time. 0 turns a signal off.
@@ -94,6 +100,12 @@ class TalkerConfig:
             raise InvalidArgument(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.prefix_cache_mb < 0:
             raise InvalidArgument(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
+        if self.max_prefill_tokens < 1:
+            raise InvalidArgument(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.decode_kernels not in DECODE_KERNELS:
+            raise InvalidArgument(
+                f"--decode-kernels must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernels!r}"
+            )
         if self.max_batch < 1:
             raise InvalidArgument(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.max_len < 2 or self.context_step < 1 or any(w < 1 for w in self.prefill_buckets):
@@ -191,6 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="graph engine on CUDA: widths of captured prefill graphs, e.g. 64,128,256,512 (empty: eager)",
     )
     p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=int(_env("MAX_PREFILL_TOKENS", str(d.max_prefill_tokens))),
+        help="graph engine: prompt positions prefilled per step",
+    )
+    p.add_argument(
+        "--decode-kernels",
+        default=_env("DECODE_KERNELS", d.decode_kernels),
+        choices=DECODE_KERNELS,
+        help="graph engine: frame-step decode layers: auto (fused Triton kernels on CUDA), triton or torch",
+    )
+    p.add_argument(
         "--admission-step-budget-ms",
         type=float,
         default=float(_env("ADMISSION_STEP_BUDGET_MS", str(d.admission_step_budget_ms))),
@@ -253,6 +277,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         max_len=a.max_len,
         context_step=a.context_step,
         prefill_buckets=prefill_buckets,
+        max_prefill_tokens=a.max_prefill_tokens,
+        decode_kernels=a.decode_kernels,
         admission_step_budget_ms=a.admission_step_budget_ms,
         admission_min_lead_ms=a.admission_min_lead_ms,
         max_queue=a.max_queue,

@@ -62,8 +62,11 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
             context_step=config.context_step,
             prefix_cache_bytes=config.prefix_cache_mb << 20,
             prefill_buckets=config.prefill_buckets,
+            decode_kernels=config.decode_kernels,
         )
-        return GraphEngine(bundle, max_batch=max_batch, config=EngineConfig(runner=runner))
+        return GraphEngine(
+            bundle, max_batch=max_batch, config=EngineConfig(runner=runner, max_prefill_tokens=config.max_prefill_tokens)
+        )
 
     return {"eager": eager, "graph": graph}[config.engine]
 

@@ -23,6 +23,8 @@ def test_flags_and_env_fallbacks(monkeypatch):
         (["--max-batch", "0"], "--max-batch"),
         (["--credit-window-frames", "0"], "--credit-window-frames"),
         (["--port", "70000"], "--port"),
+        (["--max-prefill-tokens", "0"], "--max-prefill-tokens"),
+        (["--decode-kernels", "cuda"], "--decode-kernels"),
     ],
 )
 def test_unusable_flags_exit_with_a_clear_message(flags, message, capsys):
@@ -34,3 +36,14 @@ def test_unusable_flags_exit_with_a_clear_message(flags, message, capsys):
 def test_validate_rejects_an_empty_replica_list():
     with pytest.raises(InvalidArgument, match="at least one"):
         TalkerConfig(code2wav=()).validate()
+
+
+def test_engine_flags_reach_the_graph_engine_config(monkeypatch):
+    from qtts.engine.model_runner import DECODE_KERNELS
+    from services.talker import config as config_mod
+
+    assert config_mod.DECODE_KERNELS == DECODE_KERNELS
+    monkeypatch.setenv("TTS_TALKER_DECODE_KERNELS", "torch")
+    cfg = config_from_args(["--max-prefill-tokens", "1024"])
+    assert (cfg.decode_kernels, cfg.max_prefill_tokens) == ("torch", 1024)
+    assert config_from_args([]).max_prefill_tokens == 4096
