@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+# Without a GPU, the talker's fused Triton kernels run under Triton's interpreter (when triton is
+# installed). Triton reads this when it is imported (its own library functions are decorated then),
+# and `import torch._dynamo` imports it, so it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # With two cores shared by the test process and the service subprocesses, intra-op threads only
 # add contention for the tiny models used in tests.
 torch.set_num_threads(1)

@@ -28,11 +28,3 @@ def tiny_bundle():
     return SimpleNamespace(
         talker=talker, code_predictor=predictor, config=cfg, device=torch.device("cpu"), dtype=torch.float64
     )
-
-
-# Without a GPU the fused Triton kernels run under Triton's interpreter (when triton is installed);
-# it is read when the kernels are defined, so it has to be set before qtts.engine.triton_ops loads.
-if not torch.cuda.is_available():
-    import os
-
-    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,6 +1,6 @@
 """The fused decode kernels (qtts.engine.triton_ops) against the PyTorch ops they replace.
 
-On a machine without CUDA they run under Triton's interpreter (tests/engine/conftest.py sets
+On a machine without CUDA they run under Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 there), in float32; on a GPU they compile and run in bfloat16 as well."""
 
 from __future__ import annotations
