@@ -333,6 +333,7 @@ def run_service_main(
         print(f"{name}: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
+    sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
     asyncio.run(_serve(name, config, server_factory))
     return 0
 

@@ -1,7 +1,17 @@
-"""Flags and checks every service's config shares: listen address, ports, drain, logging.
+"""Flags and checks every service's config shares: listen address, ports, drain, logging, GIL
+switch interval.
 
 Each service keeps its own frozen config dataclass; these helpers only add the common flags (with
 `TTS_<SERVICE>_<FLAG>` env fallbacks) and validate the common fields once.
+
+`--gil-switch-interval-ms` (default 0.25): a thread that releases the GIL (a CUDA graph replay, a
+device-to-host copy, a socket read) and wants it back waits until the thread holding it is forced
+to yield, up to `sys.getswitchinterval()` (CPython default 5 ms) per re-take. The talker's and
+code2wav's engine threads release it several times a step while the asyncio thread serves
+hundreds of streams, so every step can stall that long repeatedly. On the CPU machine
+(`python -m benchmarks.gil_convoy`) a simulated step with eight GIL-releasing calls and a 2 ms wait
+took 2.9 ms alone and, beside one busy Python thread, 43 ms at 5 ms, 11 ms at 1 ms and 5.4 ms at
+0.25 ms.
 """
 
 from __future__ import annotations
@@ -44,6 +54,12 @@ def add_server_flags(
         help="on SIGTERM, how long in-flight streams may run before they are cancelled",
     )
     p.add_argument("--log-level", default=env("LOG_LEVEL", defaults.log_level))
+    p.add_argument(
+        "--gil-switch-interval-ms",
+        type=float,
+        default=float(env("GIL_SWITCH_INTERVAL_MS", str(defaults.gil_switch_interval_ms))),
+        help="how long a thread may hold the GIL while another waits (sys.setswitchinterval)",
+    )
 
 
 def check_server_fields(config: Any, *, ports: Sequence[str] = ("port",)) -> None:
@@ -54,3 +70,5 @@ def check_server_fields(config: Any, *, ports: Sequence[str] = ("port",)) -> Non
             raise InvalidArgument(f"--{field.replace('_', '-')} must be in 0..65535, got {value}")
     if config.drain_seconds < 0:
         raise InvalidArgument(f"--drain-seconds must be >= 0, got {config.drain_seconds}")
+    if not 0 < config.gil_switch_interval_ms <= 1000:
+        raise InvalidArgument(f"--gil-switch-interval-ms must be in (0, 1000], got {config.gil_switch_interval_ms}")

@@ -55,6 +55,10 @@ class Code2WavConfig:
     max_prefix_frames: int = 2048
     replica_name: str = ""
     drain_seconds: float = 30.0
+    # The engine threads (talker, code2wav) give the GIL back to the asyncio thread on every GPU wait
+    # and must get it back at once: with CPython's default 5 ms interval, each re-take can wait for
+    # the busy event loop's full turn (see qtts/service_config.py).
+    gil_switch_interval_ms: float = 0.25
     log_level: str = "INFO"
 
     @property
@@ -206,5 +210,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> Code2WavConfig:
         max_prefix_frames=ns.max_prefix_frames,
         replica_name=ns.replica_name or f"{socket.gethostname()}:{ns.port}",
         drain_seconds=ns.drain_seconds,
+        gil_switch_interval_ms=ns.gil_switch_interval_ms,
         log_level=ns.log_level,
     ).validate()

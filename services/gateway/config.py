@@ -34,6 +34,10 @@ class GatewayConfig:
     # Output sample rate when a request does not ask for one (resampled from 24 kHz with soxr).
     sample_rate: int = 24000
     drain_seconds: float = 30.0
+    # The engine threads (talker, code2wav) give the GIL back to the asyncio thread on every GPU wait
+    # and must get it back at once: with CPython's default 5 ms interval, each re-take can wait for
+    # the busy event loop's full turn (see qtts/service_config.py).
+    gil_switch_interval_ms: float = 0.25
     # Idle keep-alive of HTTP connections; above a load balancer's idle timeout (60 s is common),
     # so the proxy, not the gateway, closes idle connections (no close racing a new request).
     http_keepalive_s: float = 75.0
@@ -126,5 +130,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         max_ref_audio_bytes=ns.max_ref_audio_bytes,
         sample_rate=ns.sample_rate,
         drain_seconds=ns.drain_seconds,
+        gil_switch_interval_ms=ns.gil_switch_interval_ms,
         log_level=ns.log_level,
     ).validate()

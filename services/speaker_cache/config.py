@@ -33,6 +33,10 @@ class SpeakerCacheConfig:
     max_voices: int = 10_000
     max_audio_bytes: int = 20 * 1024 * 1024
     drain_seconds: float = 10.0
+    # The engine threads (talker, code2wav) give the GIL back to the asyncio thread on every GPU wait
+    # and must get it back at once: with CPython's default 5 ms interval, each re-take can wait for
+    # the busy event loop's full turn (see qtts/service_config.py).
+    gil_switch_interval_ms: float = 0.25
     log_level: str = "INFO"
 
     def validate(self) -> SpeakerCacheConfig:
@@ -95,5 +99,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> SpeakerCacheConfig:
         max_voices=ns.max_voices,
         max_audio_bytes=ns.max_audio_bytes,
         drain_seconds=ns.drain_seconds,
+        gil_switch_interval_ms=ns.gil_switch_interval_ms,
         log_level=ns.log_level,
     ).validate()

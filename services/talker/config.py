@@ -75,6 +75,10 @@ class TalkerConfig:
     # still answer keepalive pings and health checks.
     code2wav_stall_timeout_s: float = 30.0
     drain_seconds: float = 30.0
+    # The engine threads (talker, code2wav) give the GIL back to the asyncio thread on every GPU wait
+    # and must get it back at once: with CPython's default 5 ms interval, each re-take can wait for
+    # the busy event loop's full turn (see qtts/service_config.py).
+    gil_switch_interval_ms: float = 0.25
     log_level: str = "INFO"
 
     @property
@@ -287,6 +291,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         health_interval_s=a.health_interval_s,
         code2wav_stall_timeout_s=a.code2wav_stall_timeout_s,
         drain_seconds=a.drain_seconds,
+        gil_switch_interval_ms=a.gil_switch_interval_ms,
         log_level=a.log_level,
     )
     try:

@@ -97,3 +97,16 @@ def test_prefix_kv_transfer_smoke(tmp_path):
             assert r[key] > 0
         if data["meta"]["redis"].startswith("redis-server on loopback"):
             assert r["redis_get_ms"] > 0 and r["fetch_total_ms"] > 0
+
+
+def test_gil_convoy_reports_every_interval_and_restores_the_switch_interval():
+    import sys
+
+    from benchmarks import gil_convoy
+
+    before = sys.getswitchinterval()
+    rows = gil_convoy.main(["--intervals-ms", "2,0.5", "--steps", "3"])
+    assert [r["interval_ms"] for r in rows] == [None, 2.0, 0.5]
+    assert [r["busy_thread"] for r in rows] == [False, True, True]
+    assert all(r["max_ms"] >= r["median_ms"] > 0 for r in rows)
+    assert sys.getswitchinterval() == before

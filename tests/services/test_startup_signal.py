@@ -39,7 +39,7 @@ SERVICE = textwrap.dedent(
             print("SERVING", file=sys.stderr, flush=True)
             await self.host.serve_until_signal()
 
-    config = SimpleNamespace(log_level="INFO")
+    config = SimpleNamespace(log_level="INFO", gil_switch_interval_ms=0.25)
     sys.exit(run_service_main("slow", lambda argv: config, SlowStartServer, []))
     """
 )
