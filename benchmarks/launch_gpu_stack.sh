@@ -21,6 +21,9 @@
 #   TALKER_ARGS / CODE2WAV_ARGS / GATEWAY_ARGS  flags passed through to those services, e.g.
 #                    TALKER_ARGS="--engine graph" CODE2WAV_ARGS="--decode-engine slots"
 #   PYTHON           interpreter with the project installed (python)
+#   MPS              1: run the services under an NVIDIA MPS daemon (started here, stopped at
+#                    the end), so the talker's and code2wav's kernels share the GPU instead of
+#                    taking turns in time slices between the two processes' contexts   (0)
 # The results folder gets results.json/.md, the PNG plots, launcher.log and the services' logs.
 set -euo pipefail
 
@@ -64,6 +67,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"
 GPU_NAME="$(head -n1 "$OUT/gpu.txt" 2>/dev/null | cut -d, -f1)"
 GPU_NAME="${GPU_NAME:-unknown}"
 
+MPS_STARTED=0
+if [[ "${MPS:-0}" == 1 ]]; then
+    if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+        export CUDA_MPS_PIPE_DIRECTORY="$OUT/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$OUT/mps/log"
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        if nvidia-cuda-mps-control -d; then
+            MPS_STARTED=1
+            echo "mps: on" >>"$OUT/gpu.txt"
+        else
+            echo "MPS=1: nvidia-cuda-mps-control -d failed; running without MPS" >&2
+        fi
+    else
+        echo "MPS=1: nvidia-cuda-mps-control is not installed; running without MPS" >&2
+    fi
+fi
+
 # shellcheck disable=SC2086  # LAUNCHER_ARGS is a list of flags
 "$PYTHON" -m services.launcher \
     --model "$MODEL" --load-format "$LOAD_FORMAT" --device "$DEVICE" --dtype "$DTYPE" \
@@ -87,6 +106,9 @@ stop_stack() {
         kill -KILL "$LAUNCHER_PID" 2>/dev/null || true
     fi
     wait "$LAUNCHER_PID" 2>/dev/null || true
+    if [[ "$MPS_STARTED" == 1 ]]; then
+        echo quit | nvidia-cuda-mps-control || true
+    fi
 }
 trap stop_stack EXIT
 
