@@ -46,6 +46,7 @@ import torch
 from benchmarks.revision import git_revision
 from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
 from qtts.engine.model_runner import DEFAULT_BATCH_BUCKETS
+from qtts.engine.sequence import SeqStatus
 from qtts.model import SamplingParams, SynthesisSpec, TalkerPrompt, VoicePrompt, load_talker_bundle
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +103,10 @@ class LevelRun:
     running_per_step: list[int] = field(default_factory=list)
     prefill_per_step: list[int] = field(default_factory=list)
     waiting_per_step: list[int] = field(default_factory=list)
+    prefilling_per_step: list[int] = field(default_factory=list)  # admitted, prompt not yet all in KV
+    prefill_chunks: int = 0
+    prefill_completed: int = 0  # chunks that finished a prompt
+    prefill_requests: int = 0  # distinct requests prefilled, summed over steps
     arrivals: int = 0
     frames: int = 0
     finished: int = 0
@@ -129,7 +134,7 @@ def run_level(
     warm_steps = 0
     limit = args.max_warmup_steps
     while True:
-        counter.positions = 0
+        counter.reset()
         t0 = time.perf_counter()
         outs = eng.step()
         t1 = time.perf_counter()
@@ -138,6 +143,10 @@ def run_level(
             run.running_per_step.append(len(outs))
             run.prefill_per_step.append(counter.positions)
             run.waiting_per_step.append(len(eng.scheduler.waiting))
+            run.prefilling_per_step.append(sum(s.status is SeqStatus.PREFILLING for s in eng.scheduler.running.values()))
+            run.prefill_chunks += counter.chunks
+            run.prefill_completed += counter.completed
+            run.prefill_requests += len(counter.requests)
         for o in outs:
             rid = o.request_id
             if o.codes is not None:
@@ -166,15 +175,23 @@ def run_level(
 
 
 class PrefillCounter:
-    """Wraps the runner's `prefill` to count the prompt positions written per step."""
+    """Wraps the runner's `prefill` to count, per step, the prompt positions written, the chunks,
+    the distinct requests they belong to and the chunks that complete a prompt."""
 
     def __init__(self, runner) -> None:
-        self.positions = 0
+        self.reset()
         self._prefill = runner.prefill
         runner.prefill = self
 
+    def reset(self) -> None:
+        self.positions = self.chunks = self.completed = 0
+        self.requests: set[str] = set()
+
     def __call__(self, chunks) -> None:
         self.positions += sum(c.end - c.start for c in chunks)
+        self.chunks += len(chunks)
+        self.completed += sum(c.end >= c.seq.num_prefill_positions for c in chunks)
+        self.requests.update(c.seq.request_id for c in chunks)
         self._prefill(chunks)
 
 
@@ -202,6 +219,12 @@ def summarize(run: LevelRun, warm_steps: int, args: argparse.Namespace) -> dict[
         "running_per_step_mean": statistics.fmean(run.running_per_step),
         "prefill_positions_per_step_mean": statistics.fmean(run.prefill_per_step),
         "waiting_per_step_mean": statistics.fmean(run.waiting_per_step),
+        "prefilling_per_step_mean": statistics.fmean(run.prefilling_per_step),
+        "prefill_chunks_per_step": run.prefill_chunks / len(steps),
+        "prompts_completed_per_step": run.prefill_completed / len(steps),
+        "prefill_positions_per_completed_prompt": (
+            sum(run.prefill_per_step) / run.prefill_completed if run.prefill_completed else float("nan")
+        ),
         "carried": carried,
         "arrivals": run.arrivals,
         "arrivals_per_step": run.arrivals / len(steps),
@@ -321,7 +344,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"streams {n:5d}: step p50 {res['step_ms_p50']:.2f} ms, interval p99 {res['interval_ms_p99']:.2f} ms "
               f"(max {res['interval_ms_max']:.2f}), p99/step {res['p99_interval_over_median_step']:.2f}, "
               f"{res['arrivals_per_step']:.2f} arrivals/step, running {res['running_per_step_mean']:.0f}, "
-              f"waiting {res['waiting_per_step_mean']:.0f}, real-time {res['real_time']}", flush=True)
+              f"waiting {res['waiting_per_step_mean']:.0f}, prefilling {res['prefilling_per_step_mean']:.0f}, "
+              f"{res['prompts_completed_per_step']:.2f} prompts completed/step "
+              f"({res['prefill_positions_per_completed_prompt']:.0f} positions each), real-time {res['real_time']}", flush=True)
         if not res["real_time"] and not args.keep_going:
             break
     passing = [r["streams"] for r in levels if r["real_time"]]

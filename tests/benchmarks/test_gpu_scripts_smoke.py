@@ -29,6 +29,10 @@ def test_talker_capacity_smoke(tmp_path):
         # A finished request is replaced at once, and 12 steps outlive 6-frame requests.
         assert lv["arrivals"] == lv["finished"] > 0 and lv["prefill_positions_per_step_mean"] > 0
         assert lv["num_intervals"] > 0
+        # Without the prefix cache every prompt is prefilled whole, once: all but its last position.
+        assert lv["prompts_completed_per_step"] > 0 and lv["prefill_chunks_per_step"] > 0
+        assert lv["prefill_positions_per_completed_prompt"] == pytest.approx(settings["prompt_len"] - 1, rel=0.5)
+        assert lv["prefilling_per_step_mean"] >= 0 and lv["waiting_per_step_mean"] >= 0
         assert 0 < lv["interval_ms_p50"] <= lv["interval_ms_p99"] <= lv["interval_ms_max"]
         assert 0 < lv["step_ms_p50"] <= lv["step_ms_p99"] <= lv["step_ms_max"]
         assert lv["p99_interval_over_median_step"] == pytest.approx(lv["interval_ms_p99"] / lv["step_ms_p50"])
