@@ -183,7 +183,8 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, rows, po
     if d < 2 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two for the fused kernels, got {d}")
     q = torch.empty(m, num_heads, d, device=qkv.device, dtype=qkv.dtype)
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cos.stride(-1) == 1
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or cos.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need equal strides with contiguous heads, cos/sin contiguous rows")
     _qk_norm_rope_store_kernel[(m, num_heads + num_kv_heads)](
         qkv, q_norm, k_norm, cos, sin, q, k_cache, v_cache, rows, positions, eps,
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
