@@ -86,9 +86,8 @@ def bench_bucket(runner: ModelRunner, n: int, ctx: int, args: argparse.Namespace
 
     def talker_c0():
         hidden = runner._talker_decode(n, ctx)
-        logits = runner.talker.codec_head(hidden).float()
-        logits = sampler.apply_repetition_penalty(logits, runner.seen[:n], sf[:, F_REP])
-        logits = sampler.mask_codebook0(logits, runner.suppressed, runner.eos_mask, si[:, I_FRAME], si[:, I_MINF])
+        logits = runner._c0_logits(runner.talker.codec_head(hidden), runner.seen[:n], sf[:, F_REP], runner.suppressed,
+                                   runner.eos_mask, si[:, I_FRAME], si[:, I_MINF])
         u = sampler.frame_uniforms(si[:, I_SEED], si[:, I_FRAME], runner.num_codebooks)
         runner._sample(logits, sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY].bool(), u[:, 0],
                        runner.cfg.max_candidates)

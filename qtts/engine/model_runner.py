@@ -240,6 +240,7 @@ class ModelRunner:
             [_fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
         )
         self._qkv_fn, self._out_fn, self._sample = _fast_qkv, _fast_out_mlp, sampler.sample_rows
+        self._c0_logits = sampler.codebook0_logits
         self.fused_decode = self._use_fused_decode(config.decode_kernels)
         self._pred_layer_fn = _fast_predictor_layer
         compile_layers = self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
@@ -256,6 +257,7 @@ class ModelRunner:
             self._qkv_fn = torch.compile(_fast_qkv, dynamic=True)
             self._out_fn = torch.compile(_fast_out_mlp, dynamic=True)
             self._sample = torch.compile(sampler.sample_rows, dynamic=True)
+            self._c0_logits = torch.compile(sampler.codebook0_logits, dynamic=True)
             self._pred_layer_fn = torch.compile(_fast_predictor_layer, dynamic=True)
         self.num_slots = self._size_slots()
         self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots}))
@@ -638,9 +640,11 @@ class ModelRunner:
         uniforms = sampler.frame_uniforms(si[:, I_SEED], frame, self.num_codebooks)
 
         hidden = self._talker_decode(n, ctx)
-        logits = self.talker.codec_head(hidden).float()
-        logits = sampler.apply_repetition_penalty(logits, self.seen[:n], sf[:, F_REP])
-        logits = sampler.mask_codebook0(logits, self.suppressed, self.eos_mask, frame, si[:, I_MINF])
+        # Casts to float32 happen inside the (compiled) logits and sampling functions, fused there.
+        logits = self._c0_logits(
+            self.talker.codec_head(hidden), self.seen[:n], sf[:, F_REP], self.suppressed, self.eos_mask, frame,
+            si[:, I_MINF],
+        )
         c0 = self._sample(
             logits, sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY].bool(), uniforms[:, 0],
             self.cfg.max_candidates,
@@ -659,7 +663,7 @@ class ModelRunner:
             h = self._predictor_layers(x, start, n, carry)
             start += x.shape[1]
             code = self._sample(
-                pred.lm_head[j](h[:, -1]).float(), sf[:, F_PTEMP], si[:, I_PTOPK], sf[:, F_PTOPP], pgreedy,
+                pred.lm_head[j](h[:, -1]), sf[:, F_PTEMP], si[:, I_PTOPK], sf[:, F_PTOPP], pgreedy,
                 uniforms[:, j + 1], self.cfg.max_candidates,
             )
             codes.append(code)

@@ -69,6 +69,21 @@ def mask_codebook0(
     return logits.masked_fill(too_early, _NEG_INF)
 
 
+def codebook0_logits(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    penalty: torch.Tensor,
+    suppressed: torch.Tensor,
+    eos_mask: torch.Tensor,
+    frame_idx: torch.Tensor,
+    min_frames: torch.Tensor,
+) -> torch.Tensor:
+    """Codebook-0 head output -> float32 logits with the repetition penalty and the masks applied
+    (one function, so that torch.compile fuses the cast, penalty and masks into few kernels)."""
+    logits = apply_repetition_penalty(logits.float(), seen, penalty)
+    return mask_codebook0(logits, suppressed, eos_mask, frame_idx, min_frames)
+
+
 def codebook0_masks(vocab_size: int, eos_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(suppressed, eos) bool [V] masks: the top 1024 ids except EOS are never sampled."""
     suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
