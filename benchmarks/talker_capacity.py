@@ -10,7 +10,9 @@ ones) into one `GraphEngine` with a slot per stream of the largest level, then f
   spread out, and every request that finishes is replaced at once by a new one, so a new prompt
   arrives every L/N steps on average and prefill traffic never stops (distinct voices: the
   prefix cache is off unless `--prefix-cache-mb`);
-- after every initial stream produced its first frame, measures `--measure-steps` steps: the wall
+- once every initial stream produced its first frame and the prompts queued meanwhile fit in one
+  step's prefill budget, or `--frames` steps after that (steady state), measures `--measure-steps`
+  steps: the wall
   time of each `step()` (it ends with the codes' device-to-host copy, so it is synchronous) and,
   for every running stream, the interval between consecutive frames (the first frame of a
   stream is excluded: that is its start-up, not its cadence);
@@ -131,7 +133,7 @@ def run_level(
     for i in range(n):  # staggered lengths: departures (and so arrivals) spread over the frames
         run.initial.add(add(1 + (i * frames) // n if args.stagger else frames))
     measuring = False
-    warm_steps = 0
+    warm_steps = since_started = 0
     limit = args.max_warmup_steps
     while True:
         counter.reset()
@@ -165,13 +167,32 @@ def run_level(
                 run.arrivals += int(measuring)
         if not measuring:
             warm_steps += 1
-            if len(run.started_initial) == n or warm_steps >= limit:
+            # Steady state: every initial request produced a frame and the prompts queued meanwhile
+            # (replacements of the short initial requests, prefilled after all initial ones) fit in
+            # one step's prefill budget, or one request lifetime has passed since (a backlog left
+            # then is the level's own: prefill does not keep up). Measuring earlier counted that
+            # start-up backlog as this level's prefill traffic and its requests as missing streams.
+            if len(run.started_initial) == n:
+                since_started += 1
+                settled = prefill_backlog(eng) <= eng.scheduler.max_prefill_tokens
+                if settled or since_started >= frames:
+                    measuring = True
+            if warm_steps >= limit:
                 measuring = True
         elif len(run.step_ms) >= args.measure_steps:
             break
     for rid in list(eng.scheduler.running) + [s.request_id for s in eng.scheduler.waiting]:
         eng.cancel(rid)
     return summarize(run, warm_steps, args)
+
+
+def prefill_backlog(eng: GraphEngine) -> int:
+    """Prompt positions still to prefill: admitted requests' remainders plus the waiting prompts."""
+    sched = eng.scheduler
+    pending = sum(
+        s.num_prefill_positions - s.num_prefilled for s in sched.running.values() if s.status is SeqStatus.PREFILLING
+    )
+    return pending + sum(s.num_prefill_positions for s in sched.waiting)
 
 
 class PrefillCounter:
