@@ -27,15 +27,9 @@ from benchmarks.timing import median_event_s
 from qtts.engine import sampler
 from qtts.engine.model_runner import (
     DEFAULT_BATCH_BUCKETS,
-    F_REP,
-    F_TEMP,
-    F_TOPP,
     I_FRAME,
-    I_GREEDY,
-    I_MINF,
     I_POS,
     I_SEED,
-    I_TOPK,
     ModelRunner,
     RunnerConfig,
 )
@@ -79,18 +73,14 @@ def kernel_profile(fn, steps: int, top: int) -> dict[str, Any]:
 
 def bench_bucket(runner: ModelRunner, n: int, ctx: int, args: argparse.Namespace) -> dict[str, Any]:
     runner.active[:n] = True
-    si, sf = runner.state_i[:n], runner.state_f[:n]
+    si = runner.state_i[:n]
 
     def talker_only():
         runner._talker_decode(n, ctx)
 
     def talker_c0():
-        hidden = runner._talker_decode(n, ctx)
-        logits = runner._c0_logits(runner.talker.codec_head(hidden), runner.seen[:n], sf[:, F_REP], runner.suppressed,
-                                   runner.eos_mask, si[:, I_FRAME], si[:, I_MINF])
         u = sampler.frame_uniforms(si[:, I_SEED], si[:, I_FRAME], runner.num_codebooks)
-        runner._sample(logits, sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY].bool(), u[:, 0],
-                       runner.cfg.max_candidates)
+        runner._codebook0(runner._talker_decode(n, ctx), n, u[:, 0])
 
     def reset():
         runner.state_i[:, I_POS] = args.position

@@ -84,16 +84,17 @@ class GraphEngine:
                 f"{self.config.runner.max_trailing}; split it into several requests"
             )
         # A slot holds the prompt plus one position per frame (and the EOS step).
-        room = self.runner.max_len - int(prompt.embeds.shape[0])
+        prompt_len = int(prompt.embeds.shape[0])
+        room = self.runner.max_len - prompt_len
         if room < 2:
             raise InvalidArgument(
-                f"the prompt takes {int(prompt.embeds.shape[0])} positions, this talker holds {self.runner.max_len} "
+                f"the prompt takes {prompt_len} positions, this talker holds {self.runner.max_len} "
                 "per stream (--max-len); use a shorter text or reference, or raise --max-len"
             )
         if max_new_frames is not None and max_new_frames > room:
             raise InvalidArgument(
                 f"max_new_frames={max_new_frames} does not fit: this talker holds {self.runner.max_len} positions "
-                f"per stream (--max-len) and the prompt takes {int(prompt.embeds.shape[0])}, so at most {room} frames"
+                f"per stream (--max-len) and the prompt takes {prompt_len}, so at most {room} frames"
             )
         cap = min(int(prompt.max_frames), room)  # the text's frame cap, or what the slot holds
         if max_new_frames is not None and max_new_frames <= cap:
@@ -103,7 +104,7 @@ class GraphEngine:
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         key = prefix_key if prefix_key is not None else getattr(prompt, "prefix_key", None)
         plen = prefix_len if prefix_len is not None else getattr(prompt, "prefix_len", 0) or 0
-        plen = min(int(plen), int(prompt.embeds.shape[0]) - 1)
+        plen = min(int(plen), prompt_len - 1)
         use_prefix = self.runner.prefix_cache is not None and key is not None and plen > 0
         seq = Sequence(
             request_id=request_id,

@@ -283,6 +283,8 @@ class ModelRunner:
             self.pf_slot = torch.zeros(r, device=self.device, dtype=torch.long)
 
     def _use_fused_decode(self, choice: str) -> bool:
+        """Whether the decode layers run the fused kernels; binds `self._tops` (the kernel module)."""
+        self._tops = None
         if choice == "torch" or not self.fast_path:
             if choice == "triton":
                 raise ValueError("decode_kernels='triton' needs the fast path")
@@ -292,8 +294,10 @@ class ModelRunner:
         if choice == "triton":
             if not triton_ops.available(self.device):
                 raise ValueError("decode_kernels='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
-            return True
-        return self.device.type == "cuda" and triton_ops.available(self.device)
+        elif not (self.device.type == "cuda" and triton_ops.available(self.device)):
+            return False
+        self._tops = triton_ops
+        return True
 
     # -- sizing and allocation ---------------------------------------------------------------
     def bytes_per_position(self) -> int:
@@ -549,8 +553,7 @@ class ModelRunner:
                       final_norm) -> torch.Tensor:
         """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
         attends positions [0, apos[m]] of slot rows[m]. Returns the final-normed hidden [M, H]."""
-        from qtts.engine import triton_ops as tops
-
+        tops = self._tops
         eps = dcfg.rms_norm_eps
         delta = None
         for i, w in enumerate(weights):
@@ -632,6 +635,19 @@ class ModelRunner:
             x = self._layer_out(i, layer, x, out, self.predictor_weights, self.pdec)
         return self._final_norm(model.norm, x)
 
+    def _codebook0(self, hidden: torch.Tensor, n: int, uniform: torch.Tensor) -> torch.Tensor:
+        """Codebook 0 of rows [0, n) from the talker's hidden state: head, repetition penalty,
+        masks, sampling. The float32 casts happen inside the (compiled) functions, fused there."""
+        si, sf = self.state_i[:n], self.state_f[:n]
+        logits = self._c0_logits(
+            self.talker.codec_head(hidden), self.seen[:n], sf[:, F_REP], self.suppressed, self.eos_mask,
+            si[:, I_FRAME], si[:, I_MINF],
+        )
+        return self._sample(
+            logits, sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY].bool(), uniform,
+            self.cfg.max_candidates,
+        )
+
     def _frame_step(self, n: int, ctx: int) -> None:
         """Produce one frame for rows [0, n): reads and writes only persistent buffers."""
         si, sf = self.state_i[:n], self.state_f[:n]
@@ -640,15 +656,7 @@ class ModelRunner:
         uniforms = sampler.frame_uniforms(si[:, I_SEED], frame, self.num_codebooks)
 
         hidden = self._talker_decode(n, ctx)
-        # Casts to float32 happen inside the (compiled) logits and sampling functions, fused there.
-        logits = self._c0_logits(
-            self.talker.codec_head(hidden), self.seen[:n], sf[:, F_REP], self.suppressed, self.eos_mask, frame,
-            si[:, I_MINF],
-        )
-        c0 = self._sample(
-            logits, sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY].bool(), uniforms[:, 0],
-            self.cfg.max_candidates,
-        )
+        c0 = self._codebook0(hidden, n, uniforms[:, 0])
 
         pred = self.predictor
         proj = pred.small_to_mtp_projection

@@ -72,7 +72,8 @@ class Failed:
 def _codes_to_numpy(codes: Sequence[Any]) -> list[np.ndarray]:
     if not codes:
         return []
-    if all(isinstance(c, np.ndarray) and c.dtype == np.int16 and c.ndim == 1 for c in codes):
+    first = codes[0]  # one generator per engine: every step's codes have one type
+    if isinstance(first, np.ndarray) and first.dtype == np.int16 and first.ndim == 1:
         return list(codes)  # the GraphEngine's rows, already one host array
     try:
         import torch
