@@ -161,6 +161,40 @@ if triton is not None:
         tl.store(out_ptr + row * inter + col, (silu * u).to(out_ptr.dtype.element_ty), mask=m)
 
 
+    @triton.jit
+    def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, K_ITERS: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+        """y[M, N] = x[M, K] @ w[N, K]^T (+ b) for a few rows: each program streams BLOCK_N rows of
+        the weight (contiguous along K) once; the rows of x ride along padded to BLOCK_M >= 16 for
+        the tensor-core dot. SPLIT_K > 1 writes float32 partial sums [SPLIT_K, M, N] instead."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mm = rm < M
+        nm = rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        k_lo = pid_k * (K_ITERS * BLOCK_K)
+        for i in range(K_ITERS):  # a compile-time trip count: pipelined, and the interpreter can run it
+            kk = k_lo + i * BLOCK_K + rk
+            km = kk < K
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * swn + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        out_mask = mm[:, None] & nm[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=out_mask)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(x + delta, rms_norm(x + delta) * weight) for x [M, H] (delta None: x itself)."""
     m, h = x.shape
@@ -217,3 +251,51 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(m, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
     return out
+
+
+# Skinny-matmul tiles per weight shape (N, K), from benchmarks/skinny_linear.py on an H200:
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Shapes not listed take SKINNY_DEFAULT.
+SKINNY_DEFAULT = (32, 128, 1, 4, 4)
+SKINNY_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+SKINNY_MAX_M = 16  # more rows than this go to cuBLAS
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """F.linear for x [M, K] with M <= 64 rows, as one Triton kernel that reads the weight once
+    (split-K > 1: a second, summing step). `config` overrides the tile table."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1 or m > 64:
+        raise ValueError("skinny_linear needs x [M <= 64, K] and weight [N, K] with contiguous rows")
+    block_n, block_k, split_k, warps, stages = config or SKINNY_CONFIGS.get((n, k), SKINNY_DEFAULT)
+    block_m = max(16, triton.next_power_of_2(m))
+    k_per = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per)
+    grid = (triton.cdiv(n, block_n), split_k)
+    ieee = x.dtype == torch.float32
+    if split_k == 1:
+        y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        _skinny_linear_kernel[grid](
+            x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+            k_per // block_k, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1,
+            IEEE=ieee, num_warps=warps, num_stages=stages,
+        )
+        return y
+    part = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
+    _skinny_linear_kernel[grid](
+        x, weight, weight, part, m, n, k, x.stride(0), weight.stride(0), n, k_per // block_k, HAS_BIAS=False,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, IEEE=ieee, num_warps=warps,
+        num_stages=stages,
+    )
+    y = part.sum(0)
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through `skinny_linear` for at most SKINNY_MAX_M rows (decode batches)."""
+    if x.shape[0] <= SKINNY_MAX_M and x.stride(-1) == 1 and weight.stride(-1) == 1:
+        return skinny_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)

@@ -174,3 +174,27 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle)
     assert torch.equal(fused.state_i[3], torch_runner.state_i[3])  # the padding row did not advance
     k_t, k_f = torch_runner.k_cache[:, :3], fused.k_cache[:, :3]
     assert torch.allclose(k_f[:, :, :, :30], k_t[:, :, :, :30], atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_matches_linear(dtype, m, split_k, with_bias):
+    g = torch.Generator().manual_seed(7)
+    n, k = 40, 96  # neither a multiple of the tiles below
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype) / k**0.5
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
+    y = triton_ops.skinny_linear(x, w, b, config=(16, 32, split_k, 4, 2))
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert torch.allclose(y.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), **_tol(dtype))
+
+
+def test_linear_takes_cublas_above_the_row_limit():
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(24, 32, generator=g).to(DEVICE)
+    x = torch.randn(triton_ops.SKINNY_MAX_M + 1, 32, generator=g).to(DEVICE)
+    assert torch.equal(triton_ops.linear(x, w), F.linear(x, w))
+    small = x[:2].contiguous()
+    assert torch.allclose(triton_ops.linear(small, w), F.linear(small, w), atol=1e-4, rtol=1e-4)
