@@ -24,12 +24,9 @@ import torch
 from benchmarks.revision import git_revision
 from benchmarks.talker_step import fill_slots
 from benchmarks.timing import median_event_s
-from qtts.engine import sampler
 from qtts.engine.model_runner import (
     DEFAULT_BATCH_BUCKETS,
-    I_FRAME,
     I_POS,
-    I_SEED,
     ModelRunner,
     RunnerConfig,
 )
@@ -73,14 +70,12 @@ def kernel_profile(fn, steps: int, top: int) -> dict[str, Any]:
 
 def bench_bucket(runner: ModelRunner, n: int, ctx: int, args: argparse.Namespace) -> dict[str, Any]:
     runner.active[:n] = True
-    si = runner.state_i[:n]
 
     def talker_only():
         runner._talker_decode(n, ctx)
 
     def talker_c0():
-        u = sampler.frame_uniforms(si[:, I_SEED], si[:, I_FRAME], runner.num_codebooks)
-        runner._codebook0(runner._talker_decode(n, ctx), n, u[:, 0])
+        runner._codebook0(runner._talker_decode(n, ctx), n, runner._frame_uniforms(n))
 
     def reset():
         runner.state_i[:, I_POS] = args.position
@@ -133,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--talker-attention", default="auto")
     ap.add_argument("--max-candidates", type=int, default=None)
     ap.add_argument("--decode-kernels", default="auto", help="auto, triton or torch (RunnerConfig.decode_kernels)")
+    ap.add_argument("--sample-kernel", default="auto", help="auto, triton or torch (RunnerConfig.sample_kernel)")
+    ap.add_argument("--skinny-matmul", default="auto", choices=("auto", "on", "off"),
+                    help="few-row matmuls on the Triton skinny kernel (RunnerConfig.skinny_matmul)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
@@ -146,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         max_len=args.context_bucket, max_batch=max(buckets), num_slots=max(buckets), max_trailing=64,
         batch_buckets=tuple(b for b in DEFAULT_BATCH_BUCKETS if b in buckets) or tuple(buckets),
         context_buckets=(args.context_bucket,), talker_attention=args.talker_attention,
-        max_candidates=args.max_candidates, decode_kernels=args.decode_kernels,
+        max_candidates=args.max_candidates, decode_kernels=args.decode_kernels, sample_kernel=args.sample_kernel,
+        skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
         prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x), prefill_rows=(1,),
     )
     runner = ModelRunner(bundle, cfg)
@@ -163,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"git": git_revision(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "model": args.model, "weights": "dummy (seeded random, bf16)", "position": args.position,
               "talker_attention": runner.talker_attention, "fused_decode": runner.fused_decode, "max_candidates": args.max_candidates,
+              "sample_kernel": runner._tsample is not None, "skinny_matmul": runner._lin is not torch.nn.functional.linear,
               "rows": rows, "prefill": prefill}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -132,7 +132,8 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         max_candidates=args.max_candidates, fast_path=mode != "plain", compile_layers=mode.startswith("compile"),
         predictor_carry_kv=mode != "compile-nocarry",
         prefill_buckets=tuple(args.prefill_buckets),
-        prefill_rows=tuple(args.prefill_rows), decode_kernels=args.decode_kernels,
+        prefill_rows=tuple(args.prefill_rows), decode_kernels=args.decode_kernels, sample_kernel=args.sample_kernel,
+        skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
     )
     runner = ModelRunner(bundle, cfg)
     fill_slots(runner, args.position)
@@ -168,7 +169,8 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
               f"graph==eager {same:.4f}",
               flush=True)
     prefill = bench_prefill(runner, bundle, args)
-    out = {"model": name, "talker_attention": variant, "fused_decode": runner.fused_decode, "load_s": load_s, "capture_s": capture_s,
+    out = {"model": name, "talker_attention": variant, "fused_decode": runner.fused_decode, "sample_kernel": runner._tsample is not None,
+           "skinny_matmul": runner._lin is not torch.nn.functional.linear, "load_s": load_s, "capture_s": capture_s,
            "num_graphs": len(runner.graphs), "position": args.position, "rows": rows, "prefill": prefill}
     runner = bundle = None  # free the KV cache and weights before the next model
     gc.collect()
@@ -291,7 +293,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
            str(args.context_bucket), "--prompt-len", str(args.prompt_len), "--iters", str(args.iters)]
     if args.max_candidates:
         out += ["--max-candidates", str(args.max_candidates)]
-    out += ["--decode-kernels", args.decode_kernels]
+    out += ["--decode-kernels", args.decode_kernels, "--sample-kernel", args.sample_kernel, "--skinny-matmul",
+            args.skinny_matmul]
     return out
 
 
@@ -313,6 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-rows", default="1,8", help="row buckets of the captured prefill graphs")
     ap.add_argument("--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)")
     ap.add_argument("--decode-kernels", default="auto", help="auto, triton or torch (RunnerConfig.decode_kernels)")
+    ap.add_argument("--sample-kernel", default="auto", help="auto, triton or torch (RunnerConfig.sample_kernel)")
+    ap.add_argument("--skinny-matmul", default="auto", choices=("auto", "on", "off"),
+                    help="few-row matmuls on the Triton skinny kernel (RunnerConfig.skinny_matmul)")
     ap.add_argument("--quick", action="store_true", help="batches 1,64,256,1024 and fewer iterations")
     ap.add_argument("--engine", action="store_true", help="also run the whole GraphEngine (waves of joins) "
                     "on the first model")

@@ -42,6 +42,7 @@ DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 
                          1792, 2048)
 ATTENTION_IMPLS = ("auto", "sdpa", "sdpa_grouped", "matmul")
 DECODE_KERNELS = ("auto", "triton", "torch")
+SAMPLE_KERNELS = ("auto", "triton", "torch")
 
 # Columns of the packed per-slot integer / float state.
 I_POS, I_FRAME, I_SEED, I_TOPK, I_PTOPK, I_GREEDY, I_PGREEDY, I_MINF, I_TLEN = range(9)
@@ -85,6 +86,15 @@ class RunnerConfig:
     # each row's own length, so one graph per batch bucket serves every context), "torch" the
     # PyTorch ops below, "auto" Triton on CUDA when it is installed.
     decode_kernels: str = "auto"
+    # With the fused decode kernels: the few-row matmuls whose weight shapes are listed in
+    # triton_ops.SKINNY_RULES (measured faster than cuBLAS there) take the Triton skinny kernel.
+    # None: on whenever the fused decode is.
+    skinny_matmul: bool | None = None
+    # Sampling of the 16 codebooks: "triton" runs qtts.engine.triton_sampling (one kernel per
+    # codebook that also computes the row's counter uniform; no sort), "torch" the PyTorch reference
+    # sampler.sample_rows (same semantics; it sorts), "auto" Triton on CUDA when it is installed and
+    # `max_candidates` is not set (the kernel has no candidate cap).
+    sample_kernel: str = "auto"
     # Fast path: the predictor carries its per-frame K/V as concatenated tensors (one compiled
     # function per layer) instead of writing `pk_cache`; False restores the cache writes.
     predictor_carry_kv: bool = True
@@ -106,6 +116,10 @@ class RunnerConfig:
                 raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")
         if self.decode_kernels not in DECODE_KERNELS:
             raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}")
+        if self.sample_kernel not in SAMPLE_KERNELS:
+            raise ValueError(f"sample_kernel must be one of {SAMPLE_KERNELS}")
+        if self.sample_kernel == "triton" and self.max_candidates:
+            raise ValueError("sample_kernel='triton' has no candidate cap: leave max_candidates unset")
         if any(b < 1 for b in self.batch_buckets) or not self.batch_buckets:
             raise ValueError("batch_buckets must be positive")
         if any(b < 1 for b in self.prefill_buckets) or not self.prefill_rows or min(self.prefill_rows) < 1:
@@ -243,6 +257,11 @@ class ModelRunner:
         self._c0_logits = sampler.codebook0_logits
         self.fused_decode = self._use_fused_decode(config.decode_kernels)
         self._pred_layer_fn = _fast_predictor_layer
+        skinny = self.fused_decode if config.skinny_matmul is None else config.skinny_matmul
+        if skinny and not self.fused_decode:
+            raise ValueError("skinny_matmul needs the fused decode kernels")
+        self._lin = self._tops.linear if skinny else F.linear
+        self._tsample = self._sampling_kernel(config)
         compile_layers = self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
         if self.fast_path and compile_layers:
             # Every batch bucket, predictor step and prefill width is its own variant: above the
@@ -298,6 +317,18 @@ class ModelRunner:
             return False
         self._tops = triton_ops
         return True
+
+    def _sampling_kernel(self, config: RunnerConfig):
+        """The Triton sampling module when the frame step samples with it, else None."""
+        if config.sample_kernel == "torch" or (config.sample_kernel == "auto" and config.max_candidates):
+            return None
+        from qtts.engine import triton_sampling
+
+        if config.sample_kernel == "triton":
+            if not triton_sampling.available(self.device):
+                raise ValueError("sample_kernel='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
+            return triton_sampling
+        return triton_sampling if self.device.type == "cuda" and triton_sampling.available(self.device) else None
 
     # -- sizing and allocation ---------------------------------------------------------------
     def bytes_per_position(self) -> int:
@@ -553,18 +584,18 @@ class ModelRunner:
                       final_norm) -> torch.Tensor:
         """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
         attends positions [0, apos[m]] of slot rows[m]. Returns the final-normed hidden [M, H]."""
-        tops = self._tops
+        tops, lin = self._tops, self._lin
         eps = dcfg.rms_norm_eps
         delta = None
         for i, w in enumerate(weights):
             x, h = tops.add_rms_norm(x, delta, w.ln1, eps)
             q = tops.qk_norm_rope_store(
-                F.linear(h, w.w_qkv, w.b_qkv), w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps,
+                lin(h, w.w_qkv, w.b_qkv), w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps,
                 dcfg.num_heads, dcfg.num_kv_heads,
             )
             attn = tops.decode_attention(q, k_cache[i], v_cache[i], rows, apos)
-            x, h = tops.add_rms_norm(x, F.linear(attn, w.w_o, w.b_o), w.ln2, eps)
-            delta = F.linear(tops.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
+            x, h = tops.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
+            delta = lin(tops.silu_mul(lin(h, w.w_gate_up)), w.w_down)
         return tops.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]
 
     def _predictor_fused(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
@@ -635,34 +666,48 @@ class ModelRunner:
             x = self._layer_out(i, layer, x, out, self.predictor_weights, self.pdec)
         return self._final_norm(model.norm, x)
 
-    def _codebook0(self, hidden: torch.Tensor, n: int, uniform: torch.Tensor) -> torch.Tensor:
+    def _frame_uniforms(self, n: int) -> torch.Tensor | None:
+        """[n, 16] counter uniforms of this frame (None: the sampling kernel computes its own)."""
+        if self._tsample is not None:
+            return None
+        si = self.state_i[:n]
+        return sampler.frame_uniforms(si[:, I_SEED], si[:, I_FRAME], self.num_codebooks)
+
+    def _sample_codebook(self, logits: torch.Tensor, n: int, codebook: int, uniforms: torch.Tensor | None):
+        """Codebook `codebook` of rows [0, n) from its logits, with the talker's sampling parameters
+        for codebook 0 and the predictor's for the others."""
+        si, sf = self.state_i[:n], self.state_f[:n]
+        if codebook == 0:
+            temp, top_k, top_p, greedy = sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY]
+        else:
+            temp, top_k, top_p, greedy = sf[:, F_PTEMP], si[:, I_PTOPK], sf[:, F_PTOPP], si[:, I_PGREEDY]
+        if self._tsample is not None:
+            return self._tsample.sample(logits, temp, top_k, top_p, greedy, si[:, I_SEED], si[:, I_FRAME], codebook)
+        return self._sample(logits, temp, top_k, top_p, greedy.bool(), uniforms[:, codebook], self.cfg.max_candidates)
+
+    def _codebook0(self, hidden: torch.Tensor, n: int, uniforms: torch.Tensor | None) -> torch.Tensor:
         """Codebook 0 of rows [0, n) from the talker's hidden state: head, repetition penalty,
         masks, sampling. The float32 casts happen inside the (compiled) functions, fused there."""
         si, sf = self.state_i[:n], self.state_f[:n]
         logits = self._c0_logits(
-            self.talker.codec_head(hidden), self.seen[:n], sf[:, F_REP], self.suppressed, self.eos_mask,
+            self._lin(hidden, self.talker.codec_head.weight), self.seen[:n], sf[:, F_REP], self.suppressed, self.eos_mask,
             si[:, I_FRAME], si[:, I_MINF],
         )
-        return self._sample(
-            logits, sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY].bool(), uniform,
-            self.cfg.max_candidates,
-        )
+        return self._sample_codebook(logits, n, 0, uniforms)
 
     def _frame_step(self, n: int, ctx: int) -> None:
         """Produce one frame for rows [0, n): reads and writes only persistent buffers."""
-        si, sf = self.state_i[:n], self.state_f[:n]
+        si = self.state_i[:n]
         act = self.active[:n]
         frame = si[:, I_FRAME]
-        uniforms = sampler.frame_uniforms(si[:, I_SEED], frame, self.num_codebooks)
+        uniforms = self._frame_uniforms(n)
 
         hidden = self._talker_decode(n, ctx)
-        c0 = self._codebook0(hidden, n, uniforms[:, 0])
+        c0 = self._codebook0(hidden, n, uniforms)
 
         pred = self.predictor
-        proj = pred.small_to_mtp_projection
         c0_embed = self.talker.model.codec_embedding(c0)
-        x = proj(torch.stack([hidden, c0_embed], dim=1))
-        pgreedy = si[:, I_PGREEDY].bool()
+        x = self._project(torch.stack([hidden, c0_embed], dim=1))
         codes = [c0]
         embed_sum = c0_embed
         start = 0
@@ -670,15 +715,13 @@ class ModelRunner:
         for j in range(pred.num_steps):
             h = self._predictor_layers(x, start, n, carry)
             start += x.shape[1]
-            code = self._sample(
-                pred.lm_head[j](h[:, -1]), sf[:, F_PTEMP], si[:, I_PTOPK], sf[:, F_PTOPP], pgreedy,
-                uniforms[:, j + 1], self.cfg.max_candidates,
-            )
+            head = pred.lm_head[j]
+            code = self._sample_codebook(self._lin(h[:, -1], head.weight, head.bias), n, j + 1, uniforms)
             codes.append(code)
             e = pred.model.codec_embedding[j](code)
             embed_sum = embed_sum + e
             if j + 1 < pred.num_steps:
-                x = proj(e)[:, None]
+                x = self._project(e[:, None])
 
         trail_idx = torch.minimum(frame, si[:, I_TLEN])
         next_embed = embed_sum + self.trailing[:n].gather(
@@ -692,6 +735,14 @@ class ModelRunner:
         step = act.long()
         self.state_i[:n, I_POS] += step
         self.state_i[:n, I_FRAME] += step
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """The predictor's input projection (talker width -> predictor width) of x [n, T, H]."""
+        proj = self.predictor.small_to_mtp_projection
+        if not isinstance(proj, torch.nn.Linear):
+            return proj(x)
+        n, t, h = x.shape
+        return self._lin(x.reshape(n * t, h), proj.weight, proj.bias).view(n, t, -1)
 
     def bucket(self, n_rows: int, ctx_needed: int) -> tuple[int, int]:
         n = next((b for b in self.batch_buckets if b >= n_rows), self.num_slots)

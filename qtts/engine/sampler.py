@@ -6,8 +6,12 @@ uniform number that picks a row's token is a hash of (seed, frame index, codeboo
 request's samples never depend on which other requests share its batch, on the batch bucket,
 or on the order rows were admitted, and a seeded request replays exactly.
 
-A token is drawn by inverse-CDF over the row's sorted, filtered distribution, which needs one
-uniform per (row, codebook) instead of one per vocabulary entry (Gumbel-max).
+A token is drawn by inverse-CDF over the row's filtered distribution in vocabulary (index)
+order, which needs one uniform per (row, codebook) instead of one per vocabulary entry
+(Gumbel-max). Top-k and top-p are value thresholds (ties at a threshold are kept or dropped
+together), so neither the filter nor the draw needs the distribution sorted: `sample_rows` here
+is the PyTorch reference (it sorts, which is fine on the CPU), and
+`qtts.engine.triton_sampling.sample` computes the same with one kernel per call and no sort.
 """
 
 from __future__ import annotations
@@ -103,12 +107,22 @@ def sample_rows(
     uniform: torch.Tensor,
     max_candidates: int | None = None,
 ) -> torch.Tensor:
-    """One id per row. Greedy rows take the argmax; the others sample from
-    softmax(logits / T) restricted to the top-k ids (k <= 0: all) and then to the smallest
-    prefix whose mass reaches top-p (top_p >= 1: all), with `uniform` in [0, 1) as the draw.
+    """One id per row of float logits [B, V] (NaN-free; -inf ids are never sampled).
 
-    `max_candidates` caps the sorted candidate list (a cheaper top-k instead of a full sort);
-    with it, a row's top-k is at most that cap.
+    Greedy rows take the argmax of the logits (the first id on ties). The others, with
+    s = logits / max(T, 1e-5):
+      top-k: keep the ids with s >= the k-th largest s (ties counted with multiplicity; every id
+        tied at the threshold stays; k <= 0 or k >= V: all);
+      probs = softmax of s over the kept ids;
+      top-p (p < 1): keep a kept id i iff S(i) < p, S(i) = the probs of kept ids with s strictly
+        above s[i] (tie groups stay or go together; the top group always stays);
+      draw: w = probs of the kept ids in vocabulary order, cdf = cumsum(w), the id is the number
+        of ids with cdf <= uniform * sum(w); if that is V or an id with w == 0 (rounding), the
+        last id with w > 0.
+
+    `max_candidates` restricts the candidates to the row's `max_candidates` largest s (topk, ties
+    at that cut broken arbitrarily) with the same rules among them; a row's top-k is then at most
+    the cap. The Triton kernel (`triton_sampling.sample`) has no cap.
     """
     logits = logits.float()
     vocab = logits.shape[-1]
@@ -122,16 +136,22 @@ def sample_rows(
         vals, idx = scaled.topk(num_cand, dim=-1)
     rank = torch.arange(num_cand, device=logits.device)
     k = torch.where((top_k <= 0) | (top_k > num_cand), torch.full_like(top_k, num_cand), top_k)
-    vals = vals.masked_fill(rank[None, :] >= k[:, None], _NEG_INF)
-    probs = torch.softmax(vals, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
-    probs = probs.masked_fill(drop, 0.0)
-    cdf = probs.cumsum(dim=-1)
-    target = uniform * cdf[:, -1]
+    keep = vals >= vals.gather(1, (k - 1)[:, None])
+    e = torch.where(keep, torch.exp(vals - vals[:, :1]), 0.0)
+    probs = e / e.sum(dim=-1, keepdim=True)
+    # Top-p: S(i) is the exclusive cumulative mass at the first member of i's tie group.
+    before = torch.cat([torch.zeros_like(probs[:, :1]), probs.cumsum(dim=-1)[:, :-1]], dim=-1)
+    new_group = torch.cat([torch.ones_like(keep[:, :1]), vals[:, 1:] != vals[:, :-1]], dim=-1)
+    start = torch.where(new_group, rank, 0).cummax(dim=-1).values
+    mass_above = before.gather(1, start)
+    keep_p = (mass_above < top_p[:, None]) | (start == 0) | (top_p >= 1.0)[:, None]
+    kept = torch.where(keep & keep_p, probs, 0.0)
+    w = torch.zeros_like(scaled).scatter(1, idx, kept)
+    cdf = w.cumsum(dim=-1)
+    target = uniform * w.sum(dim=-1)
     choice = (cdf <= target[:, None]).sum(dim=-1)
-    # Kept ids form a prefix of the sorted list; rounding must not step past it.
-    num_kept = (probs > 0).sum(dim=-1).clamp_min(1)
-    choice = torch.minimum(choice, num_kept - 1)
-    sampled = idx.gather(1, choice[:, None]).squeeze(1)
+    ids = torch.arange(vocab, device=logits.device)
+    last = torch.where(w > 0, ids, -1).amax(dim=-1)
+    hit = w.gather(1, choice.clamp(max=vocab - 1)[:, None]).squeeze(1)
+    sampled = torch.where((choice >= vocab) | (hit == 0), last, choice)
     return torch.where(greedy, greedy_ids, sampled)

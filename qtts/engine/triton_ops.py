@@ -253,11 +253,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Skinny-matmul tiles per weight shape (N, K), from benchmarks/skinny_linear.py on an H200:
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Shapes not listed take SKINNY_DEFAULT.
+# Skinny-matmul tiles: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
 SKINNY_DEFAULT = (32, 128, 1, 4, 4)
-SKINNY_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
-SKINNY_MAX_M = 16  # more rows than this go to cuBLAS
+# Weight shapes (N, K) where the skinny kernel beat cuBLAS inside CUDA graphs on an H200
+# (benchmarks/skinny_linear.py, bf16, weights not in L2; results/2026-11-29-h200-skinny-linear-*):
+# (most rows it wins at, tile). Everything else measured equal or slower and stays on cuBLAS.
+#   predictor q|k|v 4096x1024: 4.8 vs 5.4 us (rows 1-16)
+#   predictor o / projection 1024x2048: 5.9-6.1 vs 8.1-12.8 us (rows 1-4; equal at 8-16)
+#   predictor heads 2048x1024: 4.0 vs 4.7 us (rows 1-32)
+SKINNY_RULES: dict[tuple[int, int], tuple[int, tuple[int, int, int, int, int]]] = {
+    (4096, 1024): (16, (32, 128, 1, 4, 5)),
+    (1024, 2048): (4, (16, 256, 1, 4, 5)),
+    (2048, 1024): (32, (16, 128, 1, 4, 5)),
+}
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -268,7 +276,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n = weight.shape[0]
     if weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1 or m > 64:
         raise ValueError("skinny_linear needs x [M <= 64, K] and weight [N, K] with contiguous rows")
-    block_n, block_k, split_k, warps, stages = config or SKINNY_CONFIGS.get((n, k), SKINNY_DEFAULT)
+    rule = SKINNY_RULES.get((n, k))
+    block_n, block_k, split_k, warps, stages = config or (rule[1] if rule else SKINNY_DEFAULT)
     block_m = max(16, triton.next_power_of_2(m))
     k_per = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per)
@@ -294,8 +303,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.to(x.dtype)
 
 
+def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes the skinny kernel for this input and weight (see SKINNY_RULES)."""
+    rule = SKINNY_RULES.get(tuple(weight.shape))
+    return rule is not None and x.dim() == 2 and x.shape[0] <= rule[0] and x.stride(-1) == 1 and weight.stride(-1) == 1
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through `skinny_linear` for at most SKINNY_MAX_M rows (decode batches)."""
-    if x.shape[0] <= SKINNY_MAX_M and x.stride(-1) == 1 and weight.stride(-1) == 1:
+    """F.linear, through `skinny_linear` where SKINNY_RULES says it is faster (few rows, 2-D x)."""
+    if use_skinny(x, weight):
         return skinny_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)

@@ -77,7 +77,7 @@ def test_top_k_only_draws_the_k_best_and_follows_the_distribution():
     assert torch.allclose(freq, p, atol=0.03)
 
 
-def test_top_p_keeps_the_smallest_prefix_reaching_p():
+def test_top_p_keeps_the_ids_whose_mass_above_is_below_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(3000, 4).contiguous()
     out = draw(logits, torch.arange(3000), top_p=0.7)  # 0.5 < 0.7 <= 0.8: ids 0 and 1 stay
     assert set(out.tolist()) == {0, 1}
@@ -85,6 +85,46 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert abs(freq1 - 0.3 / 0.8) < 0.04
     full = draw(logits, torch.arange(3000), top_p=1.0)
     assert set(full.tolist()) == {0, 1, 2, 3}
+
+
+def test_ties_at_the_top_k_threshold_are_all_kept():
+    logits = torch.tensor([[3.0, 2.0, 0.0, 2.0, 1.0, 2.0]]).expand(3000, 6).contiguous()
+    out = draw(logits, torch.arange(3000), top_k=2)  # the 2nd largest is 2.0, held by ids 1, 3, 5
+    assert set(out.tolist()) == {0, 1, 3, 5}
+    top1 = draw(logits, torch.arange(3000), top_k=1)
+    assert set(top1.tolist()) == {0}
+
+
+def test_top_p_keeps_or_drops_a_tie_group_together():
+    logits = torch.log(torch.tensor([[0.2, 0.4, 0.2, 0.2]])).expand(3000, 4).contiguous()
+    # Ids 0, 2, 3 tie with 0.4 above them: all stay when 0.4 < p, all go otherwise.
+    assert set(draw(logits, torch.arange(3000), top_p=0.45).tolist()) == {0, 1, 2, 3}
+    assert set(draw(logits, torch.arange(3000), top_p=0.35).tolist()) == {1}
+    # The top group always stays, even when its own mass exceeds p.
+    assert set(draw(logits, torch.arange(3000), top_p=0.01).tolist()) == {1}
+
+
+def test_draw_walks_the_kept_ids_in_vocabulary_order():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0, 3.0, 6.0, 2.0, 5.5]]).expand(3, 8).contiguous()
+    temp, top_k, top_p, greedy = rows(3, top_k=3)  # kept: ids 1, 5, 7
+    u = torch.tensor([0.0, 1.0 - 2.0**-24, 0.5])
+    out = sampler.sample_rows(logits, temp, top_k, top_p, greedy, u)
+    assert out[:2].tolist() == [1, 7]
+    # Index-order CDF: [p1, p1 + p5, 1]; u = 0.5 lands in id 5's interval.
+    p = torch.softmax(torch.tensor([5.0, 6.0, 5.5]), -1)
+    assert p[0] < 0.5 < p[0] + p[1] and out[2].item() == 5
+
+
+def test_minus_inf_ids_are_never_sampled():
+    logits = torch.full((4, 10), float("-inf"))
+    logits[:, 6] = -3.0
+    logits[2:, 2] = 1.0
+    seeds = torch.arange(4)
+    u = torch.tensor([0.0, 0.999, 0.0, 0.999])
+    for kw in ({}, {"top_k": 5}, {"top_p": 0.5}, {"greedy": True}):
+        out = sampler.sample_rows(logits, *rows(4, **kw), uniform=u)
+        assert out[:2].tolist() == [6, 6] and set(out[2:].tolist()) <= {2, 6}, kw
+    assert draw(logits, seeds, top_p=1.0)[:2].tolist() == [6, 6]
 
 
 def test_temperature_sharpens():

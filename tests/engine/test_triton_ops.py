@@ -138,8 +138,11 @@ def _runner(bundle, kernels: str, prompts):
     return runner
 
 
-def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle):
-    """CPU: the float64 tiny model under the interpreter; GPU: the same weights in float32."""
+@pytest.mark.parametrize("skinny", [False, True])
+def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle, skinny, monkeypatch):
+    """CPU: the float64 tiny model under the interpreter; GPU: the same weights in float32.
+    `skinny`: every few-row matmul of the fused step takes the skinny kernel (the real rules name
+    only full-size shapes)."""
     import copy
     from types import SimpleNamespace
 
@@ -153,6 +156,9 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle)
             config=tiny_bundle.config, device=DEVICE, dtype=torch.float32,
         )
     tol = 1e-5 if DEVICE.type == "cpu" else 1e-3
+    calls = []
+    if skinny:
+        monkeypatch.setattr(triton_ops, "use_skinny", lambda x, w: calls.append(tuple(w.shape)) or x.dim() == 2)
     torch_runner = _runner(tiny_bundle, "torch", prompts)
     fused = _runner(tiny_bundle, "triton", prompts)
     assert fused.fused_decode and not torch_runner.fused_decode
@@ -166,7 +172,7 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle)
     frames = []
     for r in (torch_runner, fused):
         codes = []
-        for _ in range(4):
+        for _ in range(1 if skinny else 4):  # (the interpreter is slow: one frame covers every matmul)
             r._frame_step(4, ctx)
             codes.append(r.codes_out[:3].clone())
         frames.append(torch.stack(codes))
@@ -174,6 +180,7 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle)
     assert torch.equal(fused.state_i[3], torch_runner.state_i[3])  # the padding row did not advance
     k_t, k_f = torch_runner.k_cache[:, :3], fused.k_cache[:, :3]
     assert torch.allclose(k_f[:, :, :, :30], k_t[:, :, :, :30], atol=tol)
+    assert bool(calls) == skinny
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -191,10 +198,16 @@ def test_skinny_linear_matches_linear(dtype, m, split_k, with_bias):
     assert torch.allclose(y.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), **_tol(dtype))
 
 
-def test_linear_takes_cublas_above_the_row_limit():
+def test_linear_takes_the_skinny_kernel_only_where_the_rules_say(monkeypatch):
     g = torch.Generator().manual_seed(8)
     w = torch.randn(24, 32, generator=g).to(DEVICE)
-    x = torch.randn(triton_ops.SKINNY_MAX_M + 1, 32, generator=g).to(DEVICE)
-    assert torch.equal(triton_ops.linear(x, w), F.linear(x, w))
-    small = x[:2].contiguous()
+    monkeypatch.setitem(triton_ops.SKINNY_RULES, (24, 32), (2, (16, 16, 1, 4, 2)))
+    calls = []
+    real = triton_ops.skinny_linear
+    monkeypatch.setattr(triton_ops, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    small, big = torch.randn(2, 32, generator=g).to(DEVICE), torch.randn(3, 32, generator=g).to(DEVICE)
     assert torch.allclose(triton_ops.linear(small, w), F.linear(small, w), atol=1e-4, rtol=1e-4)
+    assert torch.equal(triton_ops.linear(big, w), F.linear(big, w))
+    other = torch.randn(5, 32, generator=g).to(DEVICE)
+    assert torch.equal(triton_ops.linear(small, other), F.linear(small, other))  # no rule for [5, 32]
+    assert calls == [2]
