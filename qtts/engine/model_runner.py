@@ -581,9 +581,10 @@ class ModelRunner:
                                   self.rows[:n], wpos, apos, cos, sin, model.norm)
 
     def _fused_layers(self, x, weights: list[_LayerWeights], dcfg, k_cache, v_cache, rows, wpos, apos, cos, sin,
-                      final_norm) -> torch.Tensor:
+                      final_norm, block_n: int = 64) -> torch.Tensor:
         """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
-        attends positions [0, apos[m]] of slot rows[m]. Returns the final-normed hidden [M, H]."""
+        attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
+        final-normed hidden [M, H]."""
         tops, lin = self._tops, self._lin
         eps = dcfg.rms_norm_eps
         delta = None
@@ -593,7 +594,7 @@ class ModelRunner:
                 lin(h, w.w_qkv, w.b_qkv), w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps,
                 dcfg.num_heads, dcfg.num_kv_heads,
             )
-            attn = tops.decode_attention(q, k_cache[i], v_cache[i], rows, apos)
+            attn = tops.decode_attention(q, k_cache[i], v_cache[i], rows, apos, block_n=block_n)
             x, h = tops.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
             delta = lin(tops.silu_mul(lin(h, w.w_gate_up)), w.w_down)
         return tops.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]
@@ -609,8 +610,9 @@ class ModelRunner:
             m = n
             rows, pos = self.rows[:n], self.ppos[start, :n]
             cos, sin = self.pcos[0, start].expand(n, -1), self.psin[0, start].expand(n, -1)
+        # At most 16 keys per row (the 2-token start, then 14 steps): one block of 32, not the talker's 64.
         h = self._fused_layers(x.reshape(m, -1), self.predictor_weights, self.pdec, self.pk_cache, self.pv_cache,
-                               rows, pos, pos, cos, sin, self.predictor.model.norm)
+                               rows, pos, pos, cos, sin, self.predictor.model.norm, block_n=32)
         return h.view(n, t, -1)
 
     def _layer_qkv(self, i: int, layer, x, cos, sin, weights: list[_LayerWeights], dcfg):

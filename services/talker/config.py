@@ -25,6 +25,7 @@ def _addresses(value: str) -> tuple[str, ...]:
 
 ENGINES = ("eager", "graph")
 DECODE_KERNELS = ("auto", "triton", "torch")  # qtts.engine.model_runner.DECODE_KERNELS (checked by a test)
+SAMPLE_KERNELS = ("auto", "triton", "torch")  # qtts.engine.model_runner.SAMPLE_KERNELS (checked by a test)
 
 @dataclass(frozen=True)
 class TalkerConfig:
@@ -59,6 +60,9 @@ class TalkerConfig:
     # "triton" or "torch" (the PyTorch ops, a fallback).
     max_prefill_tokens: int = 4096
     decode_kernels: str = "auto"
+    # Sampling of the 16 codebooks: "auto" (one Triton kernel per codebook on CUDA), "triton", or
+    # "torch" (the PyTorch reference; same semantics, more kernels).
+    sample_kernel: str = "auto"
     # Real-time admission guard (services/talker/admission.py): waiting requests start only while the
     # engine's step stays under this budget and the running streams' delivered audio stays this far
     # ahead of real time. 0 turns a signal off.
@@ -109,6 +113,10 @@ class TalkerConfig:
         if self.decode_kernels not in DECODE_KERNELS:
             raise InvalidArgument(
                 f"--decode-kernels must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernels!r}"
+            )
+        if self.sample_kernel not in SAMPLE_KERNELS:
+            raise InvalidArgument(
+                f"--sample-kernel must be one of {', '.join(SAMPLE_KERNELS)}, got {self.sample_kernel!r}"
             )
         if self.max_batch < 1:
             raise InvalidArgument(f"--max-batch must be >= 1, got {self.max_batch}")
@@ -219,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="graph engine: frame-step decode layers: auto (fused Triton kernels on CUDA), triton or torch",
     )
     p.add_argument(
+        "--sample-kernel",
+        default=_env("SAMPLE_KERNEL", d.sample_kernel),
+        choices=SAMPLE_KERNELS,
+        help="graph engine: codebook sampling: auto (one Triton kernel per codebook on CUDA), triton or torch",
+    )
+    p.add_argument(
         "--admission-step-budget-ms",
         type=float,
         default=float(_env("ADMISSION_STEP_BUDGET_MS", str(d.admission_step_budget_ms))),
@@ -283,6 +297,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         prefill_buckets=prefill_buckets,
         max_prefill_tokens=a.max_prefill_tokens,
         decode_kernels=a.decode_kernels,
+        sample_kernel=a.sample_kernel,
         admission_step_budget_ms=a.admission_step_budget_ms,
         admission_min_lead_ms=a.admission_min_lead_ms,
         max_queue=a.max_queue,

@@ -63,6 +63,7 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
             prefix_cache_bytes=config.prefix_cache_mb << 20,
             prefill_buckets=config.prefill_buckets,
             decode_kernels=config.decode_kernels,
+            sample_kernel=config.sample_kernel,
         )
         return GraphEngine(
             bundle, max_batch=max_batch, config=EngineConfig(runner=runner, max_prefill_tokens=config.max_prefill_tokens)

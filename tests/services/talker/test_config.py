@@ -25,6 +25,7 @@ def test_flags_and_env_fallbacks(monkeypatch):
         (["--port", "70000"], "--port"),
         (["--max-prefill-tokens", "0"], "--max-prefill-tokens"),
         (["--decode-kernels", "cuda"], "--decode-kernels"),
+        (["--sample-kernel", "sort"], "--sample-kernel"),
     ],
 )
 def test_unusable_flags_exit_with_a_clear_message(flags, message, capsys):
@@ -39,11 +40,12 @@ def test_validate_rejects_an_empty_replica_list():
 
 
 def test_engine_flags_reach_the_graph_engine_config(monkeypatch):
-    from qtts.engine.model_runner import DECODE_KERNELS
+    from qtts.engine.model_runner import DECODE_KERNELS, SAMPLE_KERNELS
     from services.talker import config as config_mod
 
     assert config_mod.DECODE_KERNELS == DECODE_KERNELS
+    assert config_mod.SAMPLE_KERNELS == SAMPLE_KERNELS
     monkeypatch.setenv("TTS_TALKER_DECODE_KERNELS", "torch")
-    cfg = config_from_args(["--max-prefill-tokens", "1024"])
-    assert (cfg.decode_kernels, cfg.max_prefill_tokens) == ("torch", 1024)
+    cfg = config_from_args(["--max-prefill-tokens", "1024", "--sample-kernel", "torch"])
+    assert (cfg.decode_kernels, cfg.max_prefill_tokens, cfg.sample_kernel) == ("torch", 1024, "torch")
     assert config_from_args([]).max_prefill_tokens == 4096
