@@ -19,25 +19,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.revision import git_revision
+from benchmarks.timing import graph_call_us
 from qtts.engine import triton_ops
-
-
-def time_us(fn, calls: int = 10, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def bench_rows(m: int, variants, args) -> dict:
@@ -56,7 +39,7 @@ def bench_rows(m: int, variants, args) -> dict:
             return triton_ops.decode_attention(q, k_cache, v_cache, rows, pos, block_n=bn, num_stages=st,
                                                num_warps=w, pipelined=pipelined)
         err = (call().float() - ref.float()).abs().max().item()
-        us = time_us(call)
+        us = graph_call_us(lambda _i: call(), 10)
         entry["variants"].append({"pipelined": pipelined, "block_n": bn, "stages": st, "warps": w,
                                   "us": round(us, 2), "max_abs_err": err})
     best = min(entry["variants"], key=lambda v: v["us"])

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.revision import git_revision
+from benchmarks.timing import graph_call_us
 from qtts.engine import triton_ops
 
 # (name, N, K, bias) of the 1.7B model's decode matmuls (the predictor runs 15 times a frame).
@@ -48,29 +49,6 @@ def configs(n: int, sms: int):
             yield (bn, bk, sk, warps, stages)
 
 
-def time_calls(fn_per_copy, copies: int, replays: int = 20) -> float:
-    """Median microseconds per call over graph replays of `copies` calls (one per weight copy)."""
-    for i in range(copies):
-        fn_per_copy(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn_per_copy(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / copies)
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
 def sweep_shape(name: str, n: int, k: int, has_bias: bool, rows: list[int], tune_rows: list[int], args,
                 l2: int, sms: int) -> dict:
     dev = torch.device("cuda")
@@ -86,7 +64,7 @@ def sweep_shape(name: str, n: int, k: int, has_bias: bool, rows: list[int], tune
         total = 0.0
         try:
             for m in tune_rows:
-                total += time_calls(lambda i, m=m, cfg=cfg: triton_ops.skinny_linear(xs[m], ws[i], bias, cfg), copies)
+                total += graph_call_us(lambda i, m=m, cfg=cfg: triton_ops.skinny_linear(xs[m], ws[i], bias, cfg), copies)
         except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
             print(f"  {name} tile {cfg}: {type(exc).__name__}: {exc}"[:200])
             continue
@@ -99,8 +77,8 @@ def sweep_shape(name: str, n: int, k: int, has_bias: bool, rows: list[int], tune
         ref = F.linear(xs[m], ws[0], bias)
         got = triton_ops.skinny_linear(xs[m], ws[0], bias, best) if m <= 64 else ref
         err = (got.float() - ref.float()).abs().max().item()
-        cublas = time_calls(lambda i, m=m: F.linear(xs[m], ws[i], bias), copies)
-        skinny = time_calls(lambda i, m=m: triton_ops.skinny_linear(xs[m], ws[i], bias, best), copies) if m <= 64 else None
+        cublas = graph_call_us(lambda i, m=m: F.linear(xs[m], ws[i], bias), copies)
+        skinny = graph_call_us(lambda i, m=m: triton_ops.skinny_linear(xs[m], ws[i], bias, best), copies) if m <= 64 else None
         floor = (nbytes + m * k * 2 + m * n * 2) / args.bandwidth * 1e6
         entry["rows"].append({"m": m, "cublas_us": round(cublas, 3), "skinny_us": None if skinny is None else round(skinny, 3),
                               "floor_us": round(floor, 3), "max_abs_err": err})

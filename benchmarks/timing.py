@@ -46,3 +46,26 @@ def median_event_s(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def graph_call_us(fn: Callable[[int], Any], calls: int, replays: int = 20) -> float:
+    """Median microseconds per call of `fn(i)` for i in range(calls), all captured in one CUDA graph
+    and replayed: what one call costs between other kernels of a replayed step (CUDA only)."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)

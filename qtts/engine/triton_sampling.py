@@ -25,21 +25,10 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; CPU builds run the PyTorch path instead.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
+# The same Triton import guard and device check as the decode kernels (None without Triton).
+from qtts.engine.triton_ops import available, tl, triton
 
-
-def available(device: torch.device) -> bool:
-    """Whether the kernel can run on `device` (CUDA with Triton, or Triton's interpreter)."""
-    if triton is None:
-        return False
-    import os
-
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+__all__ = ["available", "sample"]
 
 
 if triton is not None:

@@ -114,3 +114,24 @@ def test_gil_convoy_reports_every_interval_and_restores_the_switch_interval():
     assert [r["busy_thread"] for r in rows] == [False, True, True]
     assert all(r["max_ms"] >= r["median_ms"] > 0 for r in rows)
     assert sys.getswitchinterval() == before
+
+
+def test_skinny_linear_sweeps_the_real_model_shapes():
+    """The tile sweep (CUDA only) covers every few-row decode matmul of the 1.7B config, and the
+    frame step's rules name only shapes it swept."""
+    from benchmarks import skinny_linear
+    from qtts.engine import triton_ops
+    from qtts.model.config import TalkerConfig
+
+    with open("configs/qwen3-tts-12hz-1.7b-base/config.json") as f:
+        cfg = json.load(f)
+    talker = TalkerConfig.from_dict(cfg["talker_config"])
+    want = set()
+    for d, vocab in ((talker.decoder, talker.vocab_size), (talker.predictor.decoder, talker.predictor.vocab_size)):
+        q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        want |= {(q + 2 * kv, d.hidden_size), (d.hidden_size, q), (2 * d.intermediate_size, d.hidden_size),
+                 (d.hidden_size, d.intermediate_size), (vocab, d.hidden_size)}
+    want.add((talker.predictor.decoder.hidden_size, talker.decoder.hidden_size))  # the input projection
+    swept = {(n, k) for _, n, k, _ in skinny_linear.SHAPES}
+    assert swept == want
+    assert set(triton_ops.SKINNY_RULES) <= swept
