@@ -4,14 +4,15 @@ switch interval.
 Each service keeps its own frozen config dataclass; these helpers only add the common flags (with
 `TTS_<SERVICE>_<FLAG>` env fallbacks) and validate the common fields once.
 
-`--gil-switch-interval-ms` (default 0.25): a thread that releases the GIL (a CUDA graph replay, a
-device-to-host copy, a socket read) and wants it back waits until the thread holding it is forced
-to yield, up to `sys.getswitchinterval()` (CPython default 5 ms) per re-take. The talker's and
-code2wav's engine threads release it several times a step while the asyncio thread serves
-hundreds of streams, so every step can stall that long repeatedly. On the CPU machine
-(`python -m benchmarks.gil_convoy`) a simulated step with eight GIL-releasing calls and a 2 ms wait
-took 2.9 ms alone and, beside one busy Python thread, 43 ms at 5 ms, 11 ms at 1 ms and 5.4 ms at
-0.25 ms.
+`--gil-switch-interval-ms` (default 5, CPython's own): a thread that releases the GIL (a CUDA graph
+replay, a device-to-host copy, a socket read) and wants it back waits until the thread holding it
+is forced to yield, up to `sys.getswitchinterval()` per re-take. On the CPU machine
+(`python -m benchmarks.gil_convoy`) a simulated engine step with eight GIL-releasing calls and a
+2 ms wait took 2.9 ms alone and, beside one busy Python thread, 43 ms at 5 ms, 11 ms at 1 ms and
+5.4 ms at 0.25 ms. In the whole stack on an H200, though, 0.25 ms in every service did worse than
+5 ms: gap-free streams at c=64 / c=256 were 81-83% / 60-63% at 0.25 ms (revision 9b33bcc) and
+94.5% / 83.4% at 5 ms (f3162db, which also has a faster predictor attention; BENCHMARKS.md). So the
+default stays CPython's, and the flag is there to measure other settings per service.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from qtts.errors import InvalidArgument
+
+DEFAULT_GIL_SWITCH_INTERVAL_MS = 5.0  # CPython's default (sys.getswitchinterval() = 0.005)
 
 EnvLookup = Callable[[str, str], str]
 

@@ -9,7 +9,12 @@ from dataclasses import dataclass
 
 from qtts.chunk_plan import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, ChunkPlan
 from qtts.errors import InvalidArgument
-from qtts.service_config import add_server_flags, check_server_fields, env_lookup
+from qtts.service_config import (
+    DEFAULT_GIL_SWITCH_INTERVAL_MS,
+    add_server_flags,
+    check_server_fields,
+    env_lookup,
+)
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.model_loader import DTYPES
 
@@ -55,10 +60,8 @@ class Code2WavConfig:
     max_prefix_frames: int = 2048
     replica_name: str = ""
     drain_seconds: float = 30.0
-    # The engine threads (talker, code2wav) give the GIL back to the asyncio thread on every GPU wait
-    # and must get it back at once: with CPython's default 5 ms interval, each re-take can wait for
-    # the busy event loop's full turn (see qtts/service_config.py).
-    gil_switch_interval_ms: float = 0.25
+    # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
+    gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     log_level: str = "INFO"
 
     @property

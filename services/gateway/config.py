@@ -7,7 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qtts.errors import InvalidArgument
-from qtts.service_config import add_server_flags, check_server_fields, env_lookup
+from qtts.service_config import (
+    DEFAULT_GIL_SWITCH_INTERVAL_MS,
+    add_server_flags,
+    check_server_fields,
+    env_lookup,
+)
 
 _env = env_lookup("gateway")
 
@@ -34,10 +39,8 @@ class GatewayConfig:
     # Output sample rate when a request does not ask for one (resampled from 24 kHz with soxr).
     sample_rate: int = 24000
     drain_seconds: float = 30.0
-    # The engine threads (talker, code2wav) give the GIL back to the asyncio thread on every GPU wait
-    # and must get it back at once: with CPython's default 5 ms interval, each re-take can wait for
-    # the busy event loop's full turn (see qtts/service_config.py).
-    gil_switch_interval_ms: float = 0.25
+    # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
+    gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     # Idle keep-alive of HTTP connections; above a load balancer's idle timeout (60 s is common),
     # so the proxy, not the gateway, closes idle connections (no close racing a new request).
     http_keepalive_s: float = 75.0

@@ -7,7 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qtts.errors import InvalidArgument
-from qtts.service_config import add_server_flags, check_server_fields, env_lookup
+from qtts.service_config import (
+    DEFAULT_GIL_SWITCH_INTERVAL_MS,
+    add_server_flags,
+    check_server_fields,
+    env_lookup,
+)
 from qtts.testing import DEFAULT_TINY_SNAPSHOT
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -79,10 +84,8 @@ class TalkerConfig:
     # still answer keepalive pings and health checks.
     code2wav_stall_timeout_s: float = 30.0
     drain_seconds: float = 30.0
-    # The engine threads (talker, code2wav) give the GIL back to the asyncio thread on every GPU wait
-    # and must get it back at once: with CPython's default 5 ms interval, each re-take can wait for
-    # the busy event loop's full turn (see qtts/service_config.py).
-    gil_switch_interval_ms: float = 0.25
+    # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
+    gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     log_level: str = "INFO"
 
     @property
