@@ -7,6 +7,10 @@ keeps it busy. A released GIL is taken back only when its holder yields, after a
 all) alone and beside one thread that runs Python without pause, at several intervals; the
 services set the interval with `--gil-switch-interval-ms` (qtts/service_config.py).
 
+This models one engine thread beside one busy thread, not the stack: there a shorter interval
+did worse (on an H200, 0.25 ms in every service: 60-63% gap-free streams at c=256 against 83% at
+CPython's 5 ms; BENCHMARKS.md), so the services keep 5 ms by default.
+
     python -m benchmarks.gil_convoy
 """
 
