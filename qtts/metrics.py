@@ -204,6 +204,19 @@ class Code2WavMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.decode_batch_streams = Histogram(
+            "tts_code2wav_decode_batch_streams",
+            "Streams in one batched decode call.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=registry,
+        )
+        self.decode_model_steps = Histogram(
+            "tts_code2wav_decode_model_steps",
+            "Decoder runs (graph replays or eager steps) one batched decode call took: one per "
+            "(rows, frames) shape the batch planner split it into.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
+            registry=registry,
+        )
         self.frames_total = Counter(
             "tts_code2wav_frames_total",
             "Codec frames decoded.",

@@ -105,6 +105,7 @@ class SlotDecoder:
             decoder, cfg.max_streams, precision=cfg.precision, emulate_graphs=cfg.emulate_graphs
         )
         self.window = self.runner.window
+        self.steps_total = 0  # decoder runs (graph replays or eager steps) so far, for metrics
         static = cfg.cuda_graphs and (self.device.type == "cuda" or cfg.emulate_graphs)
         self.planner = BatchPlanner(
             PlannerConfig(
@@ -198,6 +199,7 @@ class SlotDecoder:
                 else:
                     wav = self.runner.run_eager(slots, positions, chunks)
                 collector.add(step, list(wav.unbind(0)))
+                self.steps_total += 1
                 for s, _ in rows:
                     s.frames += step.frames
         except BaseException:

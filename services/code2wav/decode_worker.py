@@ -211,7 +211,7 @@ class DecodeEngine:
             states = [s.decoder_state for s in streams]
             codes = [c for _, _, c in batch]
             try:
-                outputs, elapsed_ns = await loop.run_in_executor(
+                outputs, elapsed_ns, steps = await loop.run_in_executor(
                     self._executor, self._decode_sync, states, codes
                 )
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its streams, not the server
@@ -221,6 +221,9 @@ class DecodeEngine:
                     stream.fail(GenerationFailed(f"decode failed: {exc}"))
                 continue
             self.metrics.decode_seconds.observe(elapsed_ns / 1e9)
+            self.metrics.decode_batch_streams.observe(len(batch))
+            if steps is not None:
+                self.metrics.decode_model_steps.observe(steps)
             for (stream, first, chunk_codes), (pcm, num_samples) in zip(batch, outputs, strict=True):
                 if not stream.closed:
                     stream.deliver(DecodedAudio(pcm, num_samples, first, len(chunk_codes), elapsed_ns))
@@ -235,8 +238,13 @@ class DecodeEngine:
             batch.append((stream, first, codes))
         return batch
 
-    def _decode_sync(self, states: list[Any], codes: list[np.ndarray]) -> tuple[list[tuple[bytes, int]], int]:
+    def _decode_sync(
+        self, states: list[Any], codes: list[np.ndarray]
+    ) -> tuple[list[tuple[bytes, int]], int, int | None]:
+        """(PCM and sample count per stream, nanoseconds, decoder runs or None when the decoder
+        does not count them). Runs in the worker thread, the only one that touches the decoder."""
         start = time.perf_counter_ns()
+        steps_before = getattr(self.decoder, "steps_total", None)
         with torch.inference_mode():
             tensors = [torch.from_numpy(c.astype(np.int64)).to(self.device) for c in codes]
             decode_batch = getattr(self.decoder, "decode_batch", None)
@@ -245,4 +253,5 @@ class DecodeEngine:
             else:
                 audio = [self.decoder.decode(s, t) for s, t in zip(states, tensors, strict=True)]
             out = list(zip(pcm_s16le_batch(audio), (int(a.numel()) for a in audio), strict=True))
-        return out, time.perf_counter_ns() - start
+        steps = None if steps_before is None else self.decoder.steps_total - steps_before
+        return out, time.perf_counter_ns() - start, steps

@@ -38,6 +38,8 @@ HISTOGRAMS = {
     "tts_talker_prefill_seconds",
     "tts_talker_batch_size",
     "tts_code2wav_decode_seconds",
+    "tts_code2wav_decode_batch_streams",
+    "tts_code2wav_decode_model_steps",
     "tts_stage_latency_seconds",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

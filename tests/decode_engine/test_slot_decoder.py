@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qtts.decode_engine import EngineConfig, SlotDecoder, SlotPoolFull, load_slot_decoder
+from qtts.decode_engine.batcher import WorkItem
 from qtts.decode_engine.runner import conv_stack_receptive_frames, precision_flags
 from qtts.model.codec_decoder import CodecDecoder
 from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
@@ -75,7 +76,12 @@ def test_streams_in_mixed_batches_equal_one_full_decode(decoder, static):
     offsets = [0] * len(states)
     for step in SCHEDULE:
         chunks = [s[o : o + n] for s, o, n in zip(streams, offsets, step, strict=True)]
+        runs_before = engine.steps_total
+        planned = len(engine.planner.plan(
+            [WorkItem(st.id, n, first=st.output_frames == 0) for st, n in zip(states, step, strict=True)]
+        ))
         got = engine.decode_batch(states, chunks)
+        assert engine.steps_total - runs_before == planned  # one decoder run per planned step (metrics)
         for i, (g, n) in enumerate(zip(got, step, strict=True)):
             assert g.shape == (n * SPF,) and g.dtype == torch.float32
             outputs[i].append(g)

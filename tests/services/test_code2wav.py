@@ -184,6 +184,10 @@ async def test_stream_returns_chunks_in_order_then_done(fake_decoder, bidi_clien
 
         reg = server.metrics.registry
         assert reg.get_sample_value("tts_code2wav_frames_total") == 40
+        calls = reg.get_sample_value("tts_code2wav_decode_seconds_count")
+        assert calls >= len(chunks) and reg.get_sample_value("tts_code2wav_decode_batch_streams_count") == calls
+        assert reg.get_sample_value("tts_code2wav_decode_batch_streams_sum") == calls  # one stream: one per call
+        assert reg.get_sample_value("tts_code2wav_decode_model_steps_count") == 0  # the fake decoder counts none
         assert reg.get_sample_value("tts_code2wav_live_states") == 0
         assert reg.get_sample_value("tts_code2wav_decode_backlog_frames") == 0
         assert len(server.engine.registry) == 0
