@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
                          1792, 2048)
 ATTENTION_IMPLS = ("auto", "sdpa", "sdpa_grouped", "matmul")
-DECODE_KERNELS = ("auto", "triton", "torch")
-SAMPLE_KERNELS = ("auto", "triton", "torch")
+KERNEL_CHOICES = ("auto", "triton", "torch")
+DECODE_KERNELS = SAMPLE_KERNELS = KERNEL_CHOICES
 
 # Columns of the packed per-slot integer / float state.
 I_POS, I_FRAME, I_SEED, I_TOPK, I_PTOPK, I_GREEDY, I_PGREEDY, I_MINF, I_TLEN = range(9)
@@ -255,13 +255,20 @@ class ModelRunner:
         )
         self._qkv_fn, self._out_fn, self._sample = _fast_qkv, _fast_out_mlp, sampler.sample_rows
         self._c0_logits = sampler.codebook0_logits
-        self.fused_decode = self._use_fused_decode(config.decode_kernels)
+        if config.decode_kernels == "triton" and not self.fast_path:
+            raise ValueError("decode_kernels='triton' needs the fast path")
+        # The fused decode kernels' module (None: the PyTorch decode layers).
+        self._tops = self._kernel_module(config.decode_kernels, "triton_ops", "decode_kernels") if self.fast_path else None
+        self.fused_decode = self._tops is not None
         self._pred_layer_fn = _fast_predictor_layer
         skinny = self.fused_decode if config.skinny_matmul is None else config.skinny_matmul
         if skinny and not self.fused_decode:
             raise ValueError("skinny_matmul needs the fused decode kernels")
         self._lin = self._tops.linear if skinny else F.linear
-        self._tsample = self._sampling_kernel(config)
+        # The sampling kernel's module (None: sampler.sample_rows). It has no candidate cap, so "auto"
+        # with max_candidates set takes the reference.
+        sample_choice = "torch" if config.sample_kernel == "auto" and config.max_candidates else config.sample_kernel
+        self._tsample = self._kernel_module(sample_choice, "triton_sampling", "sample_kernel")
         compile_layers = self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
         if self.fast_path and compile_layers:
             # Every batch bucket, predictor step and prefill width is its own variant: above the
@@ -301,34 +308,19 @@ class ModelRunner:
             self.pf_pos = torch.full((r, w), self.scratch, device=self.device, dtype=torch.long)
             self.pf_slot = torch.zeros(r, device=self.device, dtype=torch.long)
 
-    def _use_fused_decode(self, choice: str) -> bool:
-        """Whether the decode layers run the fused kernels; binds `self._tops` (the kernel module)."""
-        self._tops = None
-        if choice == "torch" or not self.fast_path:
-            if choice == "triton":
-                raise ValueError("decode_kernels='triton' needs the fast path")
-            return False
-        from qtts.engine import triton_ops
-
-        if choice == "triton":
-            if not triton_ops.available(self.device):
-                raise ValueError("decode_kernels='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
-        elif not (self.device.type == "cuda" and triton_ops.available(self.device)):
-            return False
-        self._tops = triton_ops
-        return True
-
-    def _sampling_kernel(self, config: RunnerConfig):
-        """The Triton sampling module when the frame step samples with it, else None."""
-        if config.sample_kernel == "torch" or (config.sample_kernel == "auto" and config.max_candidates):
+    def _kernel_module(self, choice: str, module_name: str, setting: str):
+        """The Triton kernel module `qtts.engine.<module_name>` when `choice` ("auto", "triton" or
+        "torch") selects it on this device, else None ("auto": CUDA with Triton installed)."""
+        if choice == "torch":
             return None
-        from qtts.engine import triton_sampling
+        import importlib
 
-        if config.sample_kernel == "triton":
-            if not triton_sampling.available(self.device):
-                raise ValueError("sample_kernel='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
-            return triton_sampling
-        return triton_sampling if self.device.type == "cuda" and triton_sampling.available(self.device) else None
+        module = importlib.import_module(f"qtts.engine.{module_name}")
+        if choice == "triton":
+            if not module.available(self.device):
+                raise ValueError(f"{setting}='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
+            return module
+        return module if self.device.type == "cuda" and module.available(self.device) else None
 
     # -- sizing and allocation ---------------------------------------------------------------
     def bytes_per_position(self) -> int:

@@ -29,8 +29,9 @@ def _addresses(value: str) -> tuple[str, ...]:
 
 
 ENGINES = ("eager", "graph")
-DECODE_KERNELS = ("auto", "triton", "torch")  # qtts.engine.model_runner.DECODE_KERNELS (checked by a test)
-SAMPLE_KERNELS = ("auto", "triton", "torch")  # qtts.engine.model_runner.SAMPLE_KERNELS (checked by a test)
+# qtts.engine.model_runner.KERNEL_CHOICES, copied so that parsing flags does not import torch
+# (a test checks they are equal).
+DECODE_KERNELS = SAMPLE_KERNELS = ("auto", "triton", "torch")
 
 @dataclass(frozen=True)
 class TalkerConfig:
