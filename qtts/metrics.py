@@ -45,6 +45,9 @@ LATENCY_BUCKETS = (
     60.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Deadline slack (audio a listener has buffered when a chunk is handed on): no negative bounds, since
+# prometheus_client drops `_sum` for them; a late chunk falls in the first bucket and counts as an underrun.
+SLACK_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.6, 2.0, 3.0, 5.0, 10.0)
 
 
 class ServiceMetrics:
@@ -181,6 +184,33 @@ class TalkerMetrics(ServiceMetrics):
             "Times the real-time guard started holding waiting requests back.",
             registry=registry,
         )
+        self.paused_streams = Gauge(
+            "tts_talker_paused_streams",
+            "Running streams paused because they are far enough ahead of their listener.",
+            registry=registry,
+        )
+        self.deadline_slack_seconds = Histogram(
+            "tts_talker_deadline_slack_seconds",
+            "Audio the listener had buffered when a chunk was handed on (its playback clock starts "
+            "at the first chunk); below 0 the listener heard a gap.",
+            buckets=SLACK_BUCKETS,
+            registry=registry,
+        )
+        self.underruns_total = Counter(
+            "tts_talker_underruns_total",
+            "Chunks handed on after their playback deadline (server-detected gaps).",
+            registry=registry,
+        )
+        self.refused_total = Counter(
+            "tts_talker_refused_total",
+            "Requests refused by admission (queue full or first-audio budget spent).",
+            registry=registry,
+        )
+        self.predicted_step_seconds = Gauge(
+            "tts_talker_predicted_step_seconds",
+            "Frame step time the admission model predicts for every running stream stepping at once.",
+            registry=registry,
+        )
 
 
 class Code2WavMetrics(ServiceMetrics):
@@ -235,6 +265,18 @@ class Code2WavMetrics(ServiceMetrics):
         self.rejected_total = Counter(
             "tts_code2wav_rejected_total",
             "Streams rejected because the state bound was reached.",
+            registry=registry,
+        )
+        self.deadline_slack_seconds = Histogram(
+            "tts_code2wav_deadline_slack_seconds",
+            "Audio already sent ahead of the stream's playback clock when a decoded chunk is "
+            "handed on; below 0 the chunk is late (the listener ran dry).",
+            buckets=SLACK_BUCKETS,
+            registry=registry,
+        )
+        self.underruns_total = Counter(
+            "tts_code2wav_underruns_total",
+            "Decoded chunks handed on after their playback deadline.",
             registry=registry,
         )
 

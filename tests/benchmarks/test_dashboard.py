@@ -30,6 +30,11 @@ COUNTERS_AND_GAUGES = {
     "tts_speaker_cache_misses_total",
     "tts_speaker_cache_voices",
     "tts_errors_total",
+    "tts_talker_paused_streams",
+    "tts_talker_underruns_total",
+    "tts_talker_refused_total",
+    "tts_talker_predicted_step_seconds",
+    "tts_code2wav_underruns_total",
 }
 HISTOGRAMS = {
     "tts_gateway_ttfa_seconds",
@@ -41,6 +46,8 @@ HISTOGRAMS = {
     "tts_code2wav_decode_batch_streams",
     "tts_code2wav_decode_model_steps",
     "tts_stage_latency_seconds",
+    "tts_talker_deadline_slack_seconds",
+    "tts_code2wav_deadline_slack_seconds",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC = re.compile(r"\b(tts_[a-z0-9_]+)")
