@@ -28,7 +28,14 @@ class AlreadyExists(TTSError):
 
 
 class ResourceExhausted(TTSError):
-    """Admission control rejected the request (no free slot, state bound reached)."""
+    """Admission control rejected the request (no free slot, state bound reached).
+
+    `retry_after_s`, when known, is how long the refusing stage expects its queue to take to
+    drain: sent as gRPC trailing metadata `retry-after` and as the HTTP `Retry-After` header."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class FailedPrecondition(TTSError):
@@ -77,12 +84,26 @@ def mapping_for(exc: BaseException) -> ErrorMapping:
     return _INTERNAL
 
 
-def from_grpc(code: grpc.StatusCode, details: str | None) -> TTSError:
-    """Rebuild the domain error a downstream stage reported through a gRPC status."""
+def from_grpc(code: grpc.StatusCode, details: str | None, trailing_metadata=None) -> TTSError:
+    """Rebuild the domain error a downstream stage reported through a gRPC status (with the
+    `retry-after` its trailing metadata carries, for RESOURCE_EXHAUSTED)."""
     cls = _BY_GRPC_CODE.get(code, TTSError)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         cls = Unavailable
+    if cls is ResourceExhausted:
+        return ResourceExhausted(details or code.name.lower(), retry_after_of(trailing_metadata))
     return cls(details or code.name.lower())
+
+
+def retry_after_of(metadata) -> int | None:
+    """The whole seconds of a `retry-after` metadata entry, or None."""
+    for key, value in metadata or ():
+        if key == "retry-after":
+            try:
+                return max(0, int(value))
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 def openai_error_body(exc: BaseException) -> dict:

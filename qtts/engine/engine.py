@@ -123,12 +123,13 @@ class GraphEngine:
         return self.scheduler.cancel(request_id) is not None
 
     @torch.inference_mode()
-    def step(self, skip: frozenset[str] | set[str] | tuple = ()) -> list[StepOutput]:
-        """Admit and prefill (within the budget), then one frame for every running request not in
-        `skip` (streams without downstream credit keep their state and wait)."""
+    def step(self, skip: frozenset[str] | set[str] | tuple = (), prefill_budget: int | None = None) -> list[StepOutput]:
+        """Admit and prefill (within `prefill_budget` prompt positions, at most the configured
+        budget), then one frame for every running request not in `skip` (streams without
+        downstream credit, or paused ahead of their listener, keep their state and wait)."""
         sched, runner = self.scheduler, self.runner
         cache = runner.prefix_cache
-        plan = sched.schedule((lambda s: cache.lookup(s.prefix_key)) if cache is not None else None)
+        plan = sched.schedule((lambda s: cache.lookup(s.prefix_key)) if cache is not None else None, prefill_budget)
         runner.apply_moves(plan.moves)
         if plan.prefix_hits:
             runner.load_prefixes(plan.prefix_hits)

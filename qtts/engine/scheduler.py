@@ -120,9 +120,12 @@ class Scheduler:
         self._pending_moves.append(KVMove(move.src, move.dst, 0))
 
     # -- planning --------------------------------------------------------------------------
-    def schedule(self, prefix_lookup: Callable[[Sequence], int] | None = None) -> StepPlan:
+    def schedule(
+        self, prefix_lookup: Callable[[Sequence], int] | None = None, prefill_budget: int | None = None
+    ) -> StepPlan:
         """Plan one step. `prefix_lookup(seq)` returns how many leading prompt positions a cache
-        already holds for `seq` (the runner copies them into the slot before prefilling)."""
+        already holds for `seq` (the runner copies them into the slot before prefilling);
+        `prefill_budget` lowers this step's prefill budget (the caller's deadline slack)."""
         moves = compose_moves(self._pending_moves, self.slots.num_used)
         self._pending_moves = []
         plan = StepPlan(
@@ -137,7 +140,7 @@ class Scheduler:
             if hit > 0:
                 seq.num_prefilled = min(hit, seq.num_prefill_positions)
                 plan.prefix_hits.append(seq)
-        budget = self.max_prefill_tokens
+        budget = self.max_prefill_tokens if prefill_budget is None else max(1, min(prefill_budget, self.max_prefill_tokens))
         for seq in self.running.values():  # insertion order = admission order
             if seq.status is not SeqStatus.PREFILLING or budget <= 0:
                 continue

@@ -44,7 +44,9 @@ def error_response(exc: BaseException, metrics: GatewayMetrics | None = None) ->
         metrics.error(m.grpc_code.name)
     if not isinstance(exc, TTSError):
         log.error("unexpected error", exc_info=exc)
-    return JSONResponse(openai_error_body(exc), status_code=m.http_status)
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return JSONResponse(openai_error_body(exc), status_code=m.http_status, headers=headers)
 
 
 async def _json_body(request: Request) -> object:

@@ -99,7 +99,7 @@ class TalkerClient:
                 elif kind == "summary":
                     yield summary_from_pb(msg.summary)
         except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc.code(), exc.details()) from None
+            raise from_grpc(exc.code(), exc.details(), exc.trailing_metadata()) from None
         finally:
             # No-op when the call already finished; cancels it when the consumer went away.
             call.cancel()

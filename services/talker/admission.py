@@ -1,90 +1,161 @@
-"""Real-time admission guard: a new stream starts only while the running ones keep their pace.
+"""Admission from measured capacity: a waiting request starts only when, with it, every running
+stream still meets its playback deadline.
 
-Under overload, admitting every request makes every stream late (each gets a smaller share of the
-steps and of the pipeline behind them). The guard holds waiting requests in the queue instead, so
-the admitted streams stay gap-free and the excess shows up as time to first audio (or, past the
-queue bound, as RESOURCE_EXHAUSTED), never as gaps in audio already playing.
+Two predictions decide it, both from what the engine measured on this GPU:
 
-Two signals, each can be switched off (0):
+- the frame step: `StepModel` fits step time = base + per_stream * batch from the steps it saw
+  (steps with a prefill are left out). With one more stream, stepping every running stream at
+  once must take at most `max_duty` of a frame's 80 ms, leaving the rest of the GPU to prefill and
+  to the decoder sharing it;
+- the newcomer's prefill: it runs inside one step, so the tightest running stream must have more
+  slack (audio buffered ahead of its listener) than that prefill costs plus `safety_s`.
 
-- step time: an exponential average of the engine's step wall time (frame step plus any prefill
-  in it) above `step_budget_s` means the GPU side is at its limit (one step makes one frame =
-  80 ms of audio for every running stream);
-- delivery lead: for every stream older than `warmup_s` since its first audio, lead = audio handed
-  on to the caller minus wall time since the first audio, i.e. how much the listener has buffered
-  if it plays in real time. More than `max_behind_fraction` of those streams under `min_lead_s`
-  means the pipeline after the engine (code2wav, gateway, network) is not keeping up. A fraction,
-  not the minimum, so that one slow client cannot stop admission for everyone.
+Streams whose listener is short of audio (`behind`) mean the pipeline after the talker is not
+keeping up: admission holds while more than `max_behind_fraction` of the mature streams are behind
+(a fraction, so that one slow client cannot stop admission for everyone).
 
-A request is always admitted when nothing is running (there is nothing to protect).
+A request that cannot start waits in a bounded queue with a first-audio budget. `Admission` also
+measures the queue's drain rate (admissions per second), so a request whose predicted wait is past
+the budget is refused at once with a `Retry-After`, instead of after waiting for nothing.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
+import math
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
-class GuardConfig:
-    step_budget_s: float = 0.064  # 80% of a frame (80 ms); 0 = ignore step time
-    min_lead_s: float = 0.5  # 0 = ignore delivery lead (audio arrives in chunks of up to 2 s)
+class AdmissionConfig:
+    """Limits of capacity-based admission; 0 turns the duty and behind checks off."""
+
+    max_duty: float = 0.6
+    # Longest a request waits for its start before it is refused; 0 = wait until the queue bound.
+    first_audio_budget_s: float = 1.5
+    safety_s: float = 0.04
     max_behind_fraction: float = 0.05
-    warmup_s: float = 2.0
-    ewma_alpha: float = 0.2
-    # At most this many start per step, so the signals can react before the next ones start (a
-    # burst admitted at once could overshoot the budget).
-    max_admit_per_step: int = 16
+    # At most this many start per step, so the measurements can react before the next ones start.
+    max_admit_per_step: int = 32
+    # Priors of the step model until steps are measured (an H200's 1.7B frame step).
+    step_base_s: float = 0.0047
+    step_per_stream_s: float = 0.00002
+    prefill_position_s: float = 0.000011
+    ewma_alpha: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.step_budget_s < 0 or self.min_lead_s < 0 or self.warmup_s < 0:
-            raise ValueError("step_budget_s, min_lead_s and warmup_s must be >= 0")
+        if self.max_duty < 0 or self.first_audio_budget_s < 0 or self.safety_s < 0:
+            raise ValueError("max_duty, first_audio_budget_s and safety_s must be >= 0")
         if not 0.0 <= self.max_behind_fraction < 1.0 or not 0.0 < self.ewma_alpha <= 1.0:
             raise ValueError("max_behind_fraction must be in [0, 1) and ewma_alpha in (0, 1]")
         if self.max_admit_per_step < 1:
             raise ValueError("max_admit_per_step must be >= 1")
 
 
-class RealtimeGuard:
-    """Decides whether the scheduler may start another stream now; see the module docstring.
+class StepModel:
+    """Frame step time as base + per_stream * batch, fitted from measured steps.
 
-    `observe_step` is called by the engine thread after every step; `allows` by the scheduler
-    (same thread). Streams expose `first_audio_at` (perf_counter seconds, None before the first
-    audio) and `delivered_s` (audio seconds handed on), written by the asyncio side."""
+    Small batches (<= 8) measure the base (launch-bound); larger ones the per-stream slope over it.
+    Each is an exponential average, so the model follows a GPU that another process shares."""
 
-    def __init__(self, config: GuardConfig | None = None, clock=time.perf_counter):
-        self.config = config or GuardConfig()
-        self._clock = clock
-        self.step_s: float | None = None
-        self.reason = ""  # why admission is held ("" while open)
+    _SMALL = 8
 
-    def observe_step(self, seconds: float) -> None:
-        a = self.config.ewma_alpha
-        self.step_s = seconds if self.step_s is None else (1 - a) * self.step_s + a * seconds
+    def __init__(self, config: AdmissionConfig):
+        self._alpha = config.ewma_alpha
+        self.base_s = config.step_base_s
+        self.per_stream_s = config.step_per_stream_s
+        self.prefill_position_s = config.prefill_position_s
+        self._base_seen = False
 
-    def allows(self, running: Iterable[Any]) -> bool:
-        running = list(running)
-        if not running:
+    def predict(self, batch: int) -> float:
+        return self.base_s + self.per_stream_s * max(batch, 0)
+
+    def observe(self, batch: int, seconds: float, prefill_positions: int = 0) -> None:
+        if batch < 1 or seconds <= 0:
+            return
+        a = self._alpha
+        if prefill_positions > 0:
+            extra = seconds - self.predict(batch)
+            if extra > 0:
+                per = extra / prefill_positions
+                self.prefill_position_s += a * (per - self.prefill_position_s)
+            return
+        if batch <= self._SMALL or not self._base_seen:
+            self.base_s = seconds if not self._base_seen else self.base_s + a * (seconds - self.base_s)
+            self._base_seen = True
+            if batch <= self._SMALL:
+                return
+        slope = max(0.0, seconds - self.base_s) / batch
+        self.per_stream_s += a * (slope - self.per_stream_s)
+
+    def prefill_s(self, positions: int) -> float:
+        return self.prefill_position_s * max(positions, 0)
+
+
+class Admission:
+    """Decides whether the next waiting request may start; see the module docstring."""
+
+    def __init__(self, config: AdmissionConfig | None = None, frame_s: float = 0.08):
+        self.config = config or AdmissionConfig()
+        self.frame_s = frame_s
+        self.model = StepModel(self.config)
+        self.reason = ""  # why admission holds ("" while open)
+        self._last_admit_at: float | None = None
+        self._drain_per_s: float | None = None
+
+    def allows(
+        self, num_running: int, tightest_slack_s: float, prefill_positions: int, behind: int, mature: int
+    ) -> bool:
+        """May one more stream (with `prefill_positions` to prefill) start now?"""
+        if num_running == 0:
             self.reason = ""
             return True
         cfg = self.config
-        if cfg.step_budget_s > 0 and self.step_s is not None and self.step_s > cfg.step_budget_s:
-            self.reason = f"step time {self.step_s * 1e3:.1f} ms over the {cfg.step_budget_s * 1e3:.0f} ms budget"
-            return False
-        if cfg.min_lead_s > 0:
-            now = self._clock()
-            mature = behind = 0
-            for req in running:
-                first = getattr(req, "first_audio_at", None)
-                if first is None or now - first < cfg.warmup_s:
-                    continue
-                mature += 1
-                if getattr(req, "delivered_s", 0.0) - (now - first) < cfg.min_lead_s:
-                    behind += 1
-            if mature and behind > cfg.max_behind_fraction * mature:
-                self.reason = f"{behind} of {mature} streams under {cfg.min_lead_s * 1e3:.0f} ms of buffered audio"
+        if cfg.max_duty > 0:
+            step = self.model.predict(num_running + 1)
+            if step > cfg.max_duty * self.frame_s:
+                self.reason = (
+                    f"a step of {num_running + 1} streams would take {step * 1e3:.1f} ms, over "
+                    f"{cfg.max_duty:.0%} of a {self.frame_s * 1e3:.0f} ms frame"
+                )
                 return False
+        need = self.model.prefill_s(prefill_positions) + cfg.safety_s
+        if tightest_slack_s < need:
+            self.reason = f"the tightest stream has {tightest_slack_s * 1e3:.0f} ms of slack, a prefill needs {need * 1e3:.0f}"
+            return False
+        if cfg.max_behind_fraction > 0 and mature and behind > cfg.max_behind_fraction * mature:
+            self.reason = f"{behind} of {mature} streams are short of audio"
+            return False
         self.reason = ""
         return True
+
+    def observe_admit(self, now: float) -> None:
+        """One request started: update the drain rate (admissions per second)."""
+        if self._last_admit_at is not None:
+            gap = max(now - self._last_admit_at, 1e-4)
+            rate = 1.0 / gap
+            a = self.config.ewma_alpha
+            self._drain_per_s = (
+                rate if self._drain_per_s is None else self._drain_per_s + a * (rate - self._drain_per_s)
+            )
+        self._last_admit_at = now
+
+    def drain_per_s(self, now: float) -> float | None:
+        """Admissions per second, decayed while none happen (a stalled queue drains at 0)."""
+        if self._drain_per_s is None or self._last_admit_at is None:
+            return None
+        idle = now - self._last_admit_at
+        return min(self._drain_per_s, 1.0 / idle) if idle > 0 else self._drain_per_s
+
+    def predicted_wait_s(self, queue_position: int, now: float) -> float | None:
+        """Seconds until a request at `queue_position` (0 = next) starts; None when unknown."""
+        rate = self.drain_per_s(now)
+        if rate is None or rate <= 0:
+            return None
+        return (queue_position + 1) / rate
+
+    def retry_after_s(self, queue_len: int, now: float) -> int:
+        """Whole seconds after which a refused request should retry (the queue's drain time)."""
+        wait = self.predicted_wait_s(queue_len, now)
+        if wait is None:
+            wait = self.config.first_audio_budget_s or 1.0
+        return max(1, min(60, math.ceil(wait)))

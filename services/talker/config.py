@@ -33,6 +33,7 @@ ENGINES = ("eager", "graph")
 # (a test checks they are equal).
 DECODE_KERNELS = SAMPLE_KERNELS = ("auto", "triton", "torch")
 
+
 @dataclass(frozen=True)
 class TalkerConfig:
     """Everything the talker needs at start-up; validated once by `validate()`."""
@@ -69,11 +70,16 @@ class TalkerConfig:
     # Sampling of the 16 codebooks: "auto" (one Triton kernel per codebook on CUDA), "triton", or
     # "torch" (the PyTorch reference; same semantics, more kernels).
     sample_kernel: str = "auto"
-    # Real-time admission guard (services/talker/admission.py): waiting requests start only while the
-    # engine's step stays under this budget and the running streams' delivered audio stays this far
-    # ahead of real time. 0 turns a signal off.
-    admission_step_budget_ms: float = 64.0
-    admission_min_lead_ms: float = 500.0
+    # Playback-deadline scheduling (services/talker/scheduler.py): a step runs once a stream's
+    # listener would have less than the urgent lead buffered after its next chunk, and a stream
+    # whose generated audio leads its listener by the max lead pauses.
+    urgent_lead_ms: float = 1000.0
+    max_lead_ms: float = 3000.0
+    # Admission from measured capacity (services/talker/admission.py): a request starts only while a
+    # step of every running stream is predicted to take at most this share of a frame (0 = no
+    # limit), and waits at most the first-audio budget before it is refused (0 = no budget).
+    admission_max_duty: float = 0.6
+    first_audio_budget_ms: float = 1500.0
     # Requests waiting for a generator slot beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
     max_queue: int = 256
     # Frames a stream may generate ahead of the credit code2wav granted (its send buffer bound).
@@ -129,8 +135,13 @@ class TalkerConfig:
                 f"--max-len must be >= 2, --context-step >= 1 and --prefill-buckets positive, got "
                 f"{self.max_len}, {self.context_step}, {list(self.prefill_buckets)}"
             )
-        if self.admission_step_budget_ms < 0 or self.admission_min_lead_ms < 0:
-            raise InvalidArgument("--admission-step-budget-ms and --admission-min-lead-ms must be >= 0")
+        if not 0 <= self.urgent_lead_ms <= self.max_lead_ms:
+            raise InvalidArgument(
+                f"--urgent-lead-ms and --max-lead-ms must satisfy 0 <= urgent <= max, got "
+                f"{self.urgent_lead_ms:g} and {self.max_lead_ms:g}"
+            )
+        if self.admission_max_duty < 0 or self.first_audio_budget_ms < 0:
+            raise InvalidArgument("--admission-max-duty and --first-audio-budget-ms must be >= 0")
         if self.max_queue < 0:
             raise InvalidArgument(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.credit_window_frames < 1:
@@ -237,16 +248,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="graph engine: codebook sampling: auto (one Triton kernel per codebook on CUDA), triton or torch",
     )
     p.add_argument(
-        "--admission-step-budget-ms",
+        "--urgent-lead-ms",
         type=float,
-        default=float(_env("ADMISSION_STEP_BUDGET_MS", str(d.admission_step_budget_ms))),
-        help="hold waiting requests while the engine step averages more than this (0 = off)",
+        default=float(_env("URGENT_LEAD_MS", str(d.urgent_lead_ms))),
+        help="a step runs once a stream's listener would have less than this buffered after its next chunk",
     )
     p.add_argument(
-        "--admission-min-lead-ms",
+        "--max-lead-ms",
         type=float,
-        default=float(_env("ADMISSION_MIN_LEAD_MS", str(d.admission_min_lead_ms))),
-        help="hold waiting requests while over 5%% of running streams have less audio buffered (0 = off)",
+        default=float(_env("MAX_LEAD_MS", str(d.max_lead_ms))),
+        help="a stream this far ahead of its listener pauses, leaving the steps to others",
+    )
+    p.add_argument(
+        "--admission-max-duty",
+        type=float,
+        default=float(_env("ADMISSION_MAX_DUTY", str(d.admission_max_duty))),
+        help="start a request only while a step of every running stream is predicted to take at "
+        "most this share of a frame (0 = no limit)",
+    )
+    p.add_argument(
+        "--first-audio-budget-ms",
+        type=float,
+        default=float(_env("FIRST_AUDIO_BUDGET_MS", str(d.first_audio_budget_ms))),
+        help="longest a request waits to start before it is refused with a retry hint (0 = no budget)",
     )
     p.add_argument(
         "--max-queue",
@@ -302,8 +326,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         max_prefill_tokens=a.max_prefill_tokens,
         decode_kernels=a.decode_kernels,
         sample_kernel=a.sample_kernel,
-        admission_step_budget_ms=a.admission_step_budget_ms,
-        admission_min_lead_ms=a.admission_min_lead_ms,
+        urgent_lead_ms=a.urgent_lead_ms,
+        max_lead_ms=a.max_lead_ms,
+        admission_max_duty=a.admission_max_duty,
+        first_audio_budget_ms=a.first_audio_budget_ms,
         max_queue=a.max_queue,
         credit_window_frames=a.credit_window_frames,
         ring_vnodes=a.ring_vnodes,

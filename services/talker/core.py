@@ -97,6 +97,7 @@ class TalkerCore:
             window=self._window,
             started_at=started_at,
             stall_timeout_s=self._stall_timeout_s,
+            metrics=self._metrics,
         )
         # aclosing: a caller that stops early (client gone) frees the stream at once, not at GC.
         async with contextlib.aclosing(session.run()) as items:

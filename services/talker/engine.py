@@ -12,16 +12,16 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from qtts.errors import GenerationFailed, TTSError
+from qtts.errors import GenerationFailed, ResourceExhausted, TTSError
 from qtts.metrics import TalkerMetrics
 
-from .scheduler import ScheduledRequest, Scheduler
+from .scheduler import ScheduledRequest, Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,10 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Frame:
-    """One generated frame: int16 codes [num_codebooks]; `index` counts from 0."""
+    """Generated frames `index` .. `index + len(codes) - 1` (counted from 0): int16 codes
+    [n, num_codebooks]. The engine hands a stream's frames on a whole chunk at a time once the
+    stream's chunk plan is known (code2wav decodes no partial chunk), so the event loop wakes once
+    per chunk, not once per frame; `step_s` is the time of the step that made the last one."""
 
     index: int
     codes: np.ndarray
@@ -108,20 +111,23 @@ def _emit(events: list[tuple[ScheduledRequest, Any]]) -> None:
 
 
 def skipping_step(generator: Any) -> Any:
-    """A `step(skip)` function for `generator`.
+    """A `step(skip, prefill_budget)` function for `generator`.
 
-    Uses the generator's own `step(skip=...)` when it has one. Otherwise the skipped requests are
-    hidden from the generator's `active` map for the one step (their KV slots stay allocated), so
-    they neither advance nor sample.
+    Uses the generator's own `step(skip=..., prefill_budget=...)` where it has them. Otherwise
+    the skipped requests are hidden from the generator's `active` map for the one step (their KV
+    slots stay allocated), so they neither advance nor sample; a generator without a prefill
+    budget prefills as it always does.
     """
     try:
         params = inspect.signature(generator.step).parameters
     except (TypeError, ValueError):
         params = {}
+    if "skip" in params and "prefill_budget" in params:
+        return lambda skip, budget: generator.step(skip=skip, prefill_budget=budget)
     if "skip" in params:
-        return lambda skip: generator.step(skip=skip)
+        return lambda skip, budget: generator.step(skip=skip)
 
-    def step(skip: set[str]) -> list[Any]:
+    def step(skip: set[str], budget: int | None) -> list[Any]:
         if not skip:
             return generator.step()
         active = generator.active
@@ -143,7 +149,9 @@ class GenerationEngine:
         scheduler: Scheduler,
         metrics: TalkerMetrics,
         idle_wait_s: float = 0.5,
+        clock: Callable[[], float] = time.perf_counter,
     ):
+        self._clock = clock
         self._generator = generator
         self._step_fn = skipping_step(generator)
         self._scheduler = scheduler
@@ -176,9 +184,12 @@ class GenerationEngine:
 
     def submit(self, req: ScheduledRequest) -> None:
         """Queue a request (raises ResourceExhausted/Unavailable when it cannot be taken)."""
-        req.submitted_at = time.perf_counter()
         with self._cond:
-            self._scheduler.submit(req)
+            try:
+                self._scheduler.submit(req, self._clock())
+            except ResourceExhausted:
+                self._metrics.refused_total.inc()
+                raise
             self._update_gauges()
             self._cond.notify()
 
@@ -202,46 +213,63 @@ class GenerationEngine:
         with self._cond:
             return self._scheduler.num_running, self._scheduler.num_waiting
 
-    def _has_work(self) -> bool:
-        s = self._scheduler
-        return bool(self._pending_cancels) or s.can_admit() or s.has_steppable()
-
-    def _update_gauges(self) -> None:
+    def _update_gauges(self, plan: StepPlan | None = None) -> None:
         s = self._scheduler
         self._metrics.active_streams.set(s.num_running)
         self._metrics.queue_depth.set(s.num_waiting)
-        held = bool(s.waiting) and s.guard is not None and bool(s.guard.reason)
+        if plan is not None:
+            self._metrics.paused_streams.set(plan.num_paused)
+        if s.admission is not None:
+            self._metrics.predicted_step_seconds.set(s.admission.model.predict(s.num_running))
+        reason = s.holding_reason
+        held = bool(reason)
         if held and not self._held:
             self._metrics.admission_holds_total.inc()
-            log.info("holding %d waiting requests: %s", s.num_waiting, s.guard.reason)
+            log.info("holding %d waiting requests: %s", s.num_waiting, reason)
         self._held = held
         self._metrics.admission_held.set(int(held))
+
+    def _next_plan(self) -> tuple[list[str], StepPlan] | None:
+        """Wait until there is something to do; None once stopped. Call with the lock held."""
+        while True:
+            cancels, self._pending_cancels = self._pending_cancels, []
+            if self._stop:
+                for rid in cancels:
+                    self._call_generator(self._generator.cancel, rid)
+                return None
+            now = self._clock()
+            plan = self._scheduler.plan(now)
+            if cancels or plan.admitted or plan.refused or plan.step:
+                return cancels, plan
+            self._update_gauges(plan)
+            timeout = self._idle_wait_s
+            if plan.wake_at is not None:
+                timeout = min(timeout, max(plan.wake_at - now, 0.0005))
+            if self._scheduler.waiting:  # held-back requests are re-checked soon
+                timeout = min(timeout, 0.005)
+            self._cond.wait(timeout)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._has_work():
-                    # Held-back requests are re-checked soon: the guard's signals move with time.
-                    self._cond.wait(self._idle_wait_s if not self._scheduler.waiting else min(self._idle_wait_s, 0.02))
-                cancels, self._pending_cancels = self._pending_cancels, []
-                if self._stop:
-                    for rid in cancels:
-                        self._call_generator(self._generator.cancel, rid)
+                nxt = self._next_plan()
+                if nxt is None:
                     return
-                admitted = self._scheduler.admit()
-                skip = self._scheduler.skip_set()
-                stepping = [r for rid, r in self._scheduler.running.items() if rid not in skip]
+                cancels, plan = nxt
                 for rid, req in self._scheduler.running.items():
-                    if rid in skip and not req.stalled:
+                    stalled = rid in plan.skip and not req.credit.has_credit()
+                    if stalled and not req.stalled:
                         self._metrics.credit_stalls_total.inc()
-                    req.stalled = rid in skip
-                self._update_gauges()
+                    req.stalled = stalled
+                self._update_gauges(plan)
             for rid in cancels:
                 self._call_generator(self._generator.cancel, rid)
-            for req in admitted:
+            if plan.refused:
+                _emit([(req, Failed(err)) for req, err in plan.refused])
+            for req in plan.admitted:
                 self._add(req)
-            if stepping:
-                self._step(skip, stepping)
+            if plan.step:
+                self._step(plan)
 
     def _call_generator(self, fn: Any, *args: Any) -> None:
         try:
@@ -260,24 +288,30 @@ class GenerationEngine:
             with self._cond:
                 self._scheduler.remove(req.request_id)
                 self._update_gauges()
-            error = exc if isinstance(exc, TTSError) else GenerationFailed(f"could not start generation: {exc}")
+            error = (
+                exc if isinstance(exc, TTSError) else GenerationFailed(f"could not start generation: {exc}")
+            )
             _emit([(req, Failed(error))])
             return
-        _emit([(req, Admitted(time.perf_counter() - req.submitted_at))])
+        _emit([(req, Admitted(self._clock() - req.submitted_at))])
 
-    def _step(self, skip: set[str], stepping: list[ScheduledRequest]) -> None:
-        prefilling = any(not r.stepped for r in stepping)
+    def _step(self, plan: StepPlan) -> None:
+        stepping = plan.stepping
+        # Prompt positions this step may prefill (an estimate: prefix-cache hits write fewer).
+        prefill = sum(r.prefill_positions for r in stepping if not r.stepped)
         t0 = time.perf_counter()
         try:
-            outputs = self._step_fn(skip)
+            outputs = self._step_fn(plan.skip, plan.prefill_budget)
         except Exception as exc:
             log.exception("generator step failed; failing the %d streams in it", len(stepping))
             self._fail_all(GenerationFailed(f"generation step failed: {exc}"))
             return
         step_s = time.perf_counter() - t0
-        (self._metrics.prefill_seconds if prefilling else self._metrics.step_seconds).observe(step_s)
-        if self._scheduler.guard is not None:
-            self._scheduler.guard.observe_step(step_s)
+        (self._metrics.prefill_seconds if prefill else self._metrics.step_seconds).observe(step_s)
+        decoded = sum(1 for r in stepping if r.stepped)
+        if self._scheduler.admission is not None:
+            budget = plan.prefill_budget if plan.prefill_budget is not None else prefill
+            self._scheduler.admission.model.observe(max(decoded, 1), step_s, min(prefill, budget))
         self._metrics.batch_size.observe(len(stepping))
         events: list[tuple[ScheduledRequest, Any]] = []
         with self._cond:
@@ -293,14 +327,24 @@ class GenerationEngine:
                 if out.finished:
                     self._scheduler.remove(out.request_id)
                     finished.append((req, out.finish_reason or "stop"))
+            ending = {req.request_id for req, _ in finished}
             for (req, _), codes in zip(with_codes, _codes_to_numpy([c for _, c in with_codes]), strict=True):
-                events.append((req, Frame(req.credit.generated, codes, step_s)))
+                req.held_codes.append(codes)
                 req.credit.generated += 1
+                if req.hand_on_now() or req.request_id in ending:
+                    events.append((req, self._held_frames(req, step_s)))
             for req, reason in finished:
+                if req.held_codes:  # an end without a frame of its own (EOS) after held frames
+                    events.append((req, self._held_frames(req, step_s)))
                 events.append((req, Finished(reason, req.credit.generated)))
             self._update_gauges()
         self._metrics.frames_total.inc(len(with_codes))
         _emit(events)
+
+    @staticmethod
+    def _held_frames(req: ScheduledRequest, step_s: float) -> Frame:
+        held, req.held_codes = req.held_codes, []
+        return Frame(req.credit.generated - len(held), np.stack(held), step_s)
 
     def _fail_all(self, error: Exception) -> None:
         with self._cond:

@@ -1,20 +1,61 @@
-"""Which requests the generator holds, which wait, and which may step: pure bookkeeping, no torch.
+"""Which requests run, which wait, and which step next, by playback deadline: pure bookkeeping.
 
-A request runs ahead of the credit code2wav granted by at most `window` frames: those frames wait
-in the request's send buffer, so the talker's memory per stream is bounded by the window, and a
-stream whose decoder or listener is slow stops generating (it is skipped) without holding up others.
+Every running stream carries a playback clock: its listener starts playing when the first chunk
+is handed on, so from then on the stream owes one frame (80 ms of audio) per 80 ms of wall time.
+Two numbers come from it:
+
+- *time left*: the audio the listener has buffered, minus the time to generate the rest of the
+  stream's next chunk (audio reaches it a whole chunk at a time). A stream without audio yet, or
+  with less time left than `urgent_lead_s`, is urgent: a step runs now;
+- *lead*: the audio generated minus the wall time since the first audio. A step takes every
+  stream whose lead is under `max_lead_s` (as wide as possible: the batched step costs little
+  more per extra row) and pauses those further ahead, so new and late streams get the steps and
+  the GPU time instead of streams racing ahead of their listeners;
+- when no stream is urgent, no step runs: the engine sleeps until the first one will be
+  (`StepPlan.wake_at`). In steady state every stream then steps together about once per frame,
+  in one wide batch, and the GPU is free in between for prefill and for the decoder.
+
+Prefill of new prompts is budgeted per step from the tightest running stream's slack, so a new
+prompt never makes a running stream late. Admission (`admission.Admission`) starts a waiting
+request only when the predicted step and its prefill keep every running stream on time; waiting
+requests have a first-audio budget and are refused with a retry hint past it, or at once when the
+queue's drain rate says they could not start within it.
+
+A stream never runs further ahead of code2wav's credit than its `window` (its send buffer bound),
+whatever its lead.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from qtts.errors import ResourceExhausted, Unavailable
 
-from .admission import RealtimeGuard
+from .admission import Admission
+
+FRAME_S = 0.08  # one codec frame: 1920 samples at 24 kHz
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    """How far ahead of its listener a stream runs; seconds of audio."""
+
+    urgent_lead_s: float = 1.0
+    max_lead_s: float = 3.0
+    # Prefill positions per step when a running stream is close to its deadline, and at most.
+    min_prefill_positions: int = 64
+    max_prefill_positions: int = 4096
+    frame_s: float = FRAME_S
+
+    def __post_init__(self) -> None:
+        if self.urgent_lead_s < 0 or self.max_lead_s < self.urgent_lead_s:
+            raise ValueError("leads must satisfy 0 <= urgent_lead_s <= max_lead_s")
+        if self.min_prefill_positions < 1 or self.max_prefill_positions < self.min_prefill_positions:
+            raise ValueError("prefill positions must satisfy 1 <= min <= max")
 
 
 @dataclass
@@ -47,6 +88,9 @@ class ScheduledRequest:
     With `loop` set, `sink` runs on that event loop (the engine batches one step's events into one
     `call_soon_threadsafe`); without it, `sink` is called on the engine thread and must be
     thread-safe.
+
+    The playback clock (`first_audio_at`, `delivered_s`) is written by the asyncio side as audio
+    is handed on; the scheduler reads it (a float store is atomic under the GIL).
     """
 
     request_id: str
@@ -59,26 +103,94 @@ class ScheduledRequest:
     stalled: bool = False
     stepped: bool = False
     loop: Any = None
-    # Written by the asyncio side as audio is handed on (the guard's delivery lead).
     first_audio_at: float | None = None
     delivered_s: float = 0.0
+    # code2wav's chunk plan for this stream (a qtts.chunk_plan.ChunkPlan, from its first grant):
+    # audio reaches the listener a whole chunk at a time.
+    chunk_plan: Any = None
+    # Frames generated and not yet handed to the event loop (engine thread only).
+    held_codes: list = field(default_factory=list)
+
+    def hand_on_now(self) -> bool:
+        """Whether the frames held so far go to the event loop now: at a chunk boundary, when the
+        credit stops the stream, or while the chunk plan is unknown (frame by frame)."""
+        plan = self.chunk_plan
+        generated = self.credit.generated
+        return plan is None or plan.end_at_or_below(generated) == generated or not self.credit.has_credit()
+
+    @property
+    def prefill_positions(self) -> int:
+        embeds = getattr(self.prompt, "embeds", None)
+        return int(embeds.shape[0]) if embeds is not None else 0
+
+    def lead_s(self, now: float, frame_s: float = FRAME_S) -> float:
+        """Audio generated ahead of the listener's playback; -inf before the first audio."""
+        if self.first_audio_at is None:
+            return -math.inf
+        return self.credit.generated * frame_s - (now - self.first_audio_at)
+
+    def slack_s(self, now: float) -> float:
+        """Audio handed on ahead of the listener's playback (what it has buffered)."""
+        if self.first_audio_at is None:
+            return math.inf
+        return self.delivered_s - (now - self.first_audio_at)
+
+    def frames_to_next_chunk(self) -> int:
+        """Frames still to generate before the stream's next chunk can be handed on."""
+        generated = self.credit.generated
+        if self.chunk_plan is None:
+            return 1
+        return max(1, self.chunk_plan.end_after(generated) - generated)
+
+    def time_left_s(self, now: float, step_s: float) -> float:
+        """Slack left once the frames of its next chunk are generated at `step_s` a frame: how
+        long a step may be delayed before this stream's listener runs dry."""
+        slack = self.slack_s(now)
+        if self.chunk_plan is None or math.isinf(slack):
+            return slack
+        return slack - self.frames_to_next_chunk() * step_s
+
+
+@dataclass
+class StepPlan:
+    """The engine's next move: start `admitted`, refuse `refused`, and step unless `step` is False.
+
+    `skip` lists running streams that must not advance (no credit, or paused far ahead);
+    `prefill_budget` bounds the prompt positions prefilled in the step; without a step, the engine
+    sleeps until `wake_at` (None: until something happens)."""
+
+    admitted: list[ScheduledRequest] = field(default_factory=list)
+    refused: list[tuple[ScheduledRequest, ResourceExhausted]] = field(default_factory=list)
+    skip: set[str] = field(default_factory=set)
+    stepping: list[ScheduledRequest] = field(default_factory=list)
+    step: bool = False
+    wake_at: float | None = None
+    prefill_budget: int | None = None
+    num_paused: int = 0
+    num_credit_stalled: int = 0
 
 
 class Scheduler:
-    """Waiting queue (bounded) and running set (bounded by the generator's batch and, with a
-    `guard`, by what keeps the running streams real-time)."""
+    """Waiting queue (bounded, with a first-audio budget) and the running set, stepped by deadline."""
 
-    def __init__(self, max_batch: int, max_waiting: int, guard: RealtimeGuard | None = None):
+    def __init__(
+        self,
+        max_batch: int,
+        max_waiting: int,
+        admission: Admission | None = None,
+        policy: DeadlinePolicy | None = None,
+    ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.max_batch = max_batch
         self.max_waiting = max_waiting
+        self.admission = admission
+        self.policy = policy or DeadlinePolicy()
         self.waiting: deque[ScheduledRequest] = deque()
         self.running: dict[str, ScheduledRequest] = {}
         self.admitting = True
-        self.guard = guard
 
     @property
     def num_waiting(self) -> int:
@@ -88,10 +200,19 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def submit(self, req: ScheduledRequest) -> None:
-        """Queue a request; it runs when a generator slot is free.
+    @property
+    def holding_reason(self) -> str:
+        """Why waiting requests are held back ("" when they are not)."""
+        if not self.waiting or self.admission is None:
+            return ""
+        return self.admission.reason
 
-        Raises Unavailable while draining and ResourceExhausted when the waiting queue is full.
+    # -- queue --------------------------------------------------------------------------------
+    def submit(self, req: ScheduledRequest, now: float) -> None:
+        """Queue a request; it starts when admission allows.
+
+        Raises Unavailable while draining, and ResourceExhausted when the queue is full or the
+        queue's drain rate says the request could not start within its first-audio budget.
         """
         if not self.admitting:
             raise Unavailable("the talker is draining and admits no new requests")
@@ -100,36 +221,20 @@ class Scheduler:
         if len(self.running) + len(self.waiting) >= self.max_batch + self.max_waiting:
             raise ResourceExhausted(
                 f"the talker is at capacity ({self.max_batch} streams generating, "
-                f"{self.max_waiting} waiting); retry later"
+                f"{self.max_waiting} waiting); retry later",
+                self._retry_after(now),
             )
+        adm = self.admission
+        if adm is not None and self.waiting and adm.config.first_audio_budget_s > 0:
+            wait = adm.predicted_wait_s(len(self.waiting), now)
+            if wait is not None and wait > adm.config.first_audio_budget_s:
+                raise ResourceExhausted(
+                    f"the talker is at capacity: {len(self.waiting)} requests wait to start, about "
+                    f"{wait:.1f} s, over the {adm.config.first_audio_budget_s:g} s first-audio budget",
+                    self._retry_after(now),
+                )
+        req.submitted_at = now
         self.waiting.append(req)
-
-    def admit(self) -> list[ScheduledRequest]:
-        """Move waiting requests into the running set, first come first served, up to max_batch
-        (and, with a guard, only while it allows, at most its per-step number at a time)."""
-        if not self.can_admit():
-            return []
-        limit = self.max_batch
-        if self.guard is not None:  # a burst ramps up, so the guard's signals can react
-            limit = min(limit, len(self.running) + self.guard.config.max_admit_per_step)
-        admitted = []
-        while self.waiting and len(self.running) < limit:
-            req = self.waiting.popleft()
-            self.running[req.request_id] = req
-            admitted.append(req)
-        return admitted
-
-    def skip_set(self) -> set[str]:
-        """Running requests without credit: the next step must not advance them."""
-        return {rid for rid, req in self.running.items() if not req.credit.has_credit()}
-
-    def has_steppable(self) -> bool:
-        return any(req.credit.has_credit() for req in self.running.values())
-
-    def can_admit(self) -> bool:
-        if not self.waiting or len(self.running) >= self.max_batch:
-            return False
-        return self.guard is None or self.guard.allows(self.running.values())
 
     def remove(self, request_id: str) -> tuple[ScheduledRequest | None, bool]:
         """Forget a request; returns it and whether it was running (so the generator holds it)."""
@@ -141,3 +246,129 @@ class Scheduler:
                 self.waiting.remove(w)
                 return w, False
         return None, False
+
+    def _retry_after(self, now: float) -> int | None:
+        return self.admission.retry_after_s(len(self.waiting), now) if self.admission is not None else None
+
+    # -- planning -------------------------------------------------------------------------------
+    def plan(self, now: float) -> StepPlan:
+        """Admit, refuse the requests past their budget, and decide the next step."""
+        plan = StepPlan()
+        self._refuse_expired(now, plan)
+        self._admit(now, plan)
+        pol = self.policy
+        model = self.admission.model if self.admission is not None else None
+        step_s = model.predict(len(self.running)) if model is not None else 0.0
+        urgent: list[ScheduledRequest] = []
+        optional: list[tuple[float, ScheduledRequest]] = []  # (lead, stream) under the max lead
+        wake_at = math.inf
+        tightest = math.inf  # time left of the tightest stream with audio, still on time
+        frame_budget = math.inf  # longest step the urgent streams' next chunks allow
+        for rid, req in self.running.items():
+            if not req.credit.has_credit():
+                plan.skip.add(rid)
+                plan.num_credit_stalled += 1
+                continue
+            if req.first_audio_at is None:
+                # Before its first audio is handed on, a stream is the most urgent work there is.
+                urgent.append(req)
+                frame_budget = min(frame_budget, pol.frame_s / 2)
+                continue
+            left = req.time_left_s(now, step_s)
+            if req.slack_s(now) >= 0:  # a stream already dry (a slow reader) sets no budget
+                tightest = min(tightest, left)
+            if left < pol.urgent_lead_s:
+                urgent.append(req)
+                need = req.frames_to_next_chunk()
+                frame_budget = min(frame_budget, max(req.slack_s(now), 0.0) / need)
+                continue
+            lead = req.lead_s(now, pol.frame_s)
+            if lead >= pol.max_lead_s:
+                plan.skip.add(rid)
+                plan.num_paused += 1
+            else:
+                optional.append((lead, req))
+            wake_at = min(wake_at, now + left - pol.urgent_lead_s)
+        if not urgent:
+            # Nobody is due yet: sleep until the first stream will be.
+            plan.skip.update(r.request_id for _, r in optional)
+            plan.wake_at = None if math.isinf(wake_at) else wake_at
+            return plan
+        # As wide as the tightest urgent stream allows: the streams least ahead join first.
+        optional.sort(key=lambda item: item[0])
+        room = len(optional)
+        if model is not None and not math.isinf(frame_budget) and model.per_stream_s > 0:
+            room = int((frame_budget - model.base_s) / model.per_stream_s) - len(urgent)
+            room = max(0, min(room, len(optional)))
+        plan.stepping = urgent + [r for _, r in optional[:room]]
+        plan.skip.update(r.request_id for _, r in optional[room:])
+        plan.step = True
+        plan.prefill_budget = self._prefill_budget(tightest)
+        return plan
+
+    def _prefill_budget(self, tightest_slack_s: float) -> int:
+        """Prompt positions the step may prefill without making the tightest stream late."""
+        pol = self.policy
+        if self.admission is None or math.isinf(tightest_slack_s):
+            return pol.max_prefill_positions
+        model = self.admission.model
+        spare = tightest_slack_s - self.admission.config.safety_s
+        per = max(model.prefill_position_s, 1e-9)
+        return int(min(pol.max_prefill_positions, max(pol.min_prefill_positions, spare / per)))
+
+    def _refuse_expired(self, now: float, plan: StepPlan) -> None:
+        adm = self.admission
+        if adm is None or adm.config.first_audio_budget_s <= 0:
+            return
+        budget = adm.config.first_audio_budget_s
+        while self.waiting and now - self.waiting[0].submitted_at > budget:
+            req = self.waiting.popleft()
+            waited = now - req.submitted_at
+            plan.refused.append(
+                (
+                    req,
+                    ResourceExhausted(
+                        f"the talker is at capacity: the request waited {waited:.1f} s to start, "
+                        f"past the {budget:g} s first-audio budget; retry later",
+                        self._retry_after(now),
+                    ),
+                )
+            )
+
+    def _admit(self, now: float, plan: StepPlan) -> None:
+        adm = self.admission
+        limit = self.max_batch
+        if adm is not None:  # a burst ramps up, so the measurements can react
+            limit = min(limit, len(self.running) + adm.config.max_admit_per_step)
+        tightest, behind, mature = self._health(now) if adm is not None and self.waiting else (math.inf, 0, 0)
+        while self.waiting and len(self.running) < limit:
+            req = self.waiting[0]
+            # Prefill is budgeted per step from the slack: only its first step's share must fit now.
+            first_prefill = min(req.prefill_positions, self.policy.min_prefill_positions)
+            if adm is not None and not adm.allows(len(self.running), tightest, first_prefill, behind, mature):
+                return
+            self.waiting.popleft()
+            self.running[req.request_id] = req
+            plan.admitted.append(req)
+            if adm is not None:
+                adm.observe_admit(now)
+                # The newcomer's prefill eats into everyone's slack within this step.
+                tightest -= adm.model.prefill_s(first_prefill)
+
+    def _health(self, now: float) -> tuple[float, int, int]:
+        """(tightest slack of a stream on time, streams short of audio, streams with audio).
+
+        Streams already short of audio count by their share only, so that one slow reader
+        cannot stop admission for everyone."""
+        tightest = math.inf
+        behind = mature = 0
+        step_s = self.admission.model.predict(len(self.running) + 1) if self.admission is not None else 0.0
+        for req in self.running.values():
+            if req.first_audio_at is None:
+                continue
+            mature += 1
+            if req.slack_s(now) < 0:
+                behind += 1
+            else:
+                tightest = min(tightest, req.time_left_s(now, step_s))
+        return tightest, behind, mature

@@ -15,12 +15,12 @@ from qtts.metrics import TalkerMetrics
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.testing import ensure_tiny_snapshot
 
-from .admission import GuardConfig, RealtimeGuard
+from .admission import Admission, AdmissionConfig
 from .config import TalkerConfig
 from .core import TalkerCore
 from .engine import GenerationEngine
 from .replicas import Code2WavReplicas
-from .scheduler import Scheduler
+from .scheduler import DeadlinePolicy, Scheduler
 from .servicer import TalkerServicer
 from .speaker_cache_client import SpeakerCacheClient
 from .voices import VoiceResolver
@@ -66,7 +66,9 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
             sample_kernel=config.sample_kernel,
         )
         return GraphEngine(
-            bundle, max_batch=max_batch, config=EngineConfig(runner=runner, max_prefill_tokens=config.max_prefill_tokens)
+            bundle,
+            max_batch=max_batch,
+            config=EngineConfig(runner=runner, max_prefill_tokens=config.max_prefill_tokens),
         )
 
     return {"eager": eager, "graph": graph}[config.engine]
@@ -107,13 +109,17 @@ class TalkerServer:
         self._cache: SpeakerCacheClient | None = None
         self._voices: VoiceResolver | None = None
 
-    def _guard(self) -> RealtimeGuard | None:
+    def _scheduler(self) -> Scheduler:
         c = self.config
-        if c.admission_step_budget_ms <= 0 and c.admission_min_lead_ms <= 0:
-            return None
-        return RealtimeGuard(
-            GuardConfig(step_budget_s=c.admission_step_budget_ms / 1e3, min_lead_s=c.admission_min_lead_ms / 1e3)
+        admission = Admission(
+            AdmissionConfig(max_duty=c.admission_max_duty, first_audio_budget_s=c.first_audio_budget_ms / 1e3)
         )
+        policy = DeadlinePolicy(
+            urgent_lead_s=c.urgent_lead_ms / 1e3,
+            max_lead_s=c.max_lead_ms / 1e3,
+            max_prefill_positions=c.max_prefill_tokens,
+        )
+        return Scheduler(c.max_batch, c.max_queue, admission=admission, policy=policy)
 
     async def start(self) -> int:
         """Serve (NOT_SERVING), load the model, start the engine, then report SERVING."""
@@ -127,9 +133,7 @@ class TalkerServer:
         if self._run_warm_up:
             # Before the engine thread exists: the generator is only ever driven by one thread.
             await asyncio.to_thread(warm_up, self.bundle, generator)
-        self.engine = GenerationEngine(
-            generator, Scheduler(self.config.max_batch, self.config.max_queue, guard=self._guard()), self.metrics
-        )
+        self.engine = GenerationEngine(generator, self._scheduler(), self.metrics)
         self.engine.start()
         self.replicas = Code2WavReplicas(
             self.config.code2wav,

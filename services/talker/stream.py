@@ -67,7 +67,9 @@ class StreamSession:
         window: int,
         started_at: float,
         stall_timeout_s: float = 0.0,
+        metrics: Any = None,
     ):
+        self._metrics = metrics
         self.request_id = request_id
         self._engine = engine
         self._replicas = replicas
@@ -119,7 +121,7 @@ class StreamSession:
                 elif isinstance(ev, Frame):
                     if ev.index == 0:
                         prefill_ns = int(ev.step_s * 1e9)
-                    self._buffer.append(ev.codes)
+                    self._buffer.extend(ev.codes)
                     await self._flush()
                 elif isinstance(ev, Finished):
                     generating = False
@@ -134,6 +136,7 @@ class StreamSession:
                     self._heard_from_replica = True
                     if ev.plan is not None:
                         self._plan = ev.plan
+                        self._request.chunk_plan = ev.plan
                     self._engine.grant(self._request, ev.frames_allowed_until)
                     await self._flush()
                 elif isinstance(ev, c2w.DecodedAudio):
@@ -142,10 +145,8 @@ class StreamSession:
                         first_audio_ns = int((time.perf_counter() - self._started_at) * 1e9)
                     samples += ev.num_samples
                     yield AudioPiece(ev.pcm_s16le, ev.num_samples, ev.first_frame_index, ev.num_frames)
-                    # Handed on: the real-time guard's delivery lead of this stream.
-                    if self._request.first_audio_at is None:
-                        self._request.first_audio_at = time.perf_counter()
-                    self._request.delivered_s = samples / SAMPLE_RATE
+                    # Handed on: the playback clock the scheduler paces this stream by.
+                    self._hand_on(samples / SAMPLE_RATE)
                     # The caller took the chunk: tell code2wav how far the listener is.
                     await self._decode.ack(samples)
                     self._exchanged_at = self._loop.time()
@@ -184,6 +185,19 @@ class StreamSession:
             if generating:
                 self._engine.cancel(self.request_id)
             await self._close_decode(cancel=not done)
+
+    def _hand_on(self, delivered_s: float) -> None:
+        """Advance the playback clock; a chunk handed on after the listener ran dry is an underrun."""
+        req = self._request
+        now = time.perf_counter()
+        if req.first_audio_at is None:
+            req.first_audio_at = now
+        elif self._metrics is not None:
+            slack = req.slack_s(now)
+            self._metrics.deadline_slack_seconds.observe(slack)
+            if slack < 0:
+                self._metrics.underruns_total.inc()
+        req.delivered_s = delivered_s
 
     async def _open_decode(self) -> None:
         """Open the Decode call on the ring's replica for this request and send StreamStart."""
@@ -259,7 +273,9 @@ class StreamSession:
             self._watch_stall()
             return
         replica = self._decode.replica
-        waiting = f"{len(self._buffer)} frames wait for credit" if self._buffer else "the end of the stream is due"
+        waiting = (
+            f"{len(self._buffer)} frames wait for credit" if self._buffer else "the end of the stream is due"
+        )
         error = Unavailable(
             f"code2wav replica {replica} stalled: no credit or audio from it for {silent_s:.1f} s "
             f"while {waiting} (--code2wav-stall-timeout-s {self._stall_timeout_s:g})"

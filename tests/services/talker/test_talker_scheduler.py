@@ -1,4 +1,4 @@
-"""Scheduler and engine loop: admission bounds, and credit skips only the stream without credit."""
+"""The engine loop: batch bounds, and credit skips only the stream without credit."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from qtts.errors import ResourceExhausted, Unavailable
+from qtts.errors import ResourceExhausted
 from qtts.metrics import TalkerMetrics
 from services.talker.engine import Admitted, Failed, Finished, Frame, GenerationEngine
 from services.talker.scheduler import ScheduledRequest, Scheduler, StreamCredit
@@ -27,37 +27,6 @@ def test_credit_rules():
     assert not c.has_credit()
     assert c.grant(3) and c.has_credit()
     assert not c.grant(1) and c.granted_until == 3  # grants never move backwards
-
-
-def test_admission_respects_max_batch_and_queue_bound():
-    s = Scheduler(max_batch=2, max_waiting=1)
-    for rid in "abc":
-        s.submit(make_req(rid))
-    with pytest.raises(ResourceExhausted, match="capacity"):
-        s.submit(make_req("d"))
-    assert [r.request_id for r in s.admit()] == ["a", "b"]
-    assert s.num_running == 2 and s.num_waiting == 1
-    assert s.admit() == []
-    removed, was_running = s.remove("a")
-    assert removed is not None and was_running
-    assert s.remove("a") == (None, False)
-    assert [r.request_id for r in s.admit()] == ["c"]
-    s.admitting = False
-    with pytest.raises(Unavailable, match="draining"):
-        s.submit(make_req("e"))
-
-
-def test_skip_set_lists_running_streams_without_credit():
-    s = Scheduler(max_batch=4, max_waiting=0)
-    a, b = make_req("a", window=1), make_req("b", window=1)
-    s.submit(a)
-    s.submit(b)
-    s.admit()
-    a.credit.generated = 1
-    assert s.skip_set() == {"a"}
-    assert s.has_steppable()
-    b.credit.generated = 1
-    assert not s.has_steppable()
 
 
 def collect(events: queue.Queue, rid: str, kind: type, n: int, timeout: float = 10.0) -> list:
@@ -182,7 +151,6 @@ def test_a_failing_step_fails_the_streams_in_it_and_frees_them():
         engine.stop()
 
 
-
 def test_a_request_the_generator_refuses_fails_with_its_own_error():
     """A generator that refuses a request as the caller's fault (InvalidArgument: e.g. longer than a
     KV slot) fails it with that error, not as an internal one; other failures stay internal."""
@@ -196,8 +164,12 @@ def test_a_request_the_generator_refuses_fails_with_its_own_error():
                 raise RuntimeError("CUDA error")
             super().add(request_id, prompt, sampling, max_new_frames)
 
-    engine = GenerationEngine(Refusing(), Scheduler(max_batch=4, max_waiting=4), TalkerMetrics(CollectorRegistry()),
-                              idle_wait_s=0.05)
+    engine = GenerationEngine(
+        Refusing(),
+        Scheduler(max_batch=4, max_waiting=4),
+        TalkerMetrics(CollectorRegistry()),
+        idle_wait_s=0.05,
+    )
     queues = {rid: queue.Queue() for rid in ("too-long", "broken", "fine")}
     engine.start()
     try:

@@ -1,0 +1,218 @@
+"""The talker's deadline scheduler and capacity admission, on a simulated clock (no timings)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qtts.chunk_plan import ChunkPlan
+from qtts.errors import ResourceExhausted, Unavailable
+from services.talker.admission import Admission, AdmissionConfig, StepModel
+from services.talker.config import config_from_args
+from services.talker.scheduler import DeadlinePolicy, ScheduledRequest, Scheduler, StreamCredit
+from tests.services.talker.playback_sim import Cost, _prompt, simulate
+
+
+def req(rid: str, positions: int = 10, window: int = 10**6) -> ScheduledRequest:
+    return ScheduledRequest(
+        rid, _prompt(positions), None, None, StreamCredit(window, granted_until=10**6), lambda e: None
+    )
+
+
+def started(s: Scheduler, rid: str, *, first_audio_at: float, generated: int) -> ScheduledRequest:
+    r = s.running[rid]
+    r.stepped = True
+    r.first_audio_at = first_audio_at
+    r.credit.generated = generated
+    r.delivered_s = generated * 0.08
+    return r
+
+
+def test_streams_far_ahead_pause_and_the_engine_sleeps_until_the_first_is_due():
+    s = Scheduler(8, 8, policy=DeadlinePolicy(urgent_lead_s=1.0, max_lead_s=2.0))
+    for rid in "abc":
+        s.submit(req(rid), now=0.0)
+    plan = s.plan(0.0)
+    assert [r.request_id for r in plan.admitted] == ["a", "b", "c"]
+    assert plan.step and len(plan.stepping) == 3  # new streams are the most urgent work
+    now = 10.0
+    started(s, "a", first_audio_at=now - 1.0, generated=40)  # 2.2 s ahead: paused
+    started(s, "b", first_audio_at=now - 1.0, generated=30)  # 1.4 s buffered: not due yet
+    started(s, "c", first_audio_at=now - 1.0, generated=27)  # 1.16 s buffered: not due yet
+    plan = s.plan(now)
+    assert not plan.step and plan.skip == {"a", "b", "c"} and plan.num_paused == 1
+    assert plan.wake_at == pytest.approx(now + 0.16)  # c's lead falls to 1.0 s then
+    plan = s.plan(now + 0.17)
+    # c is due: everyone under the max lead joins the step (one wide batch), a stays paused.
+    assert plan.step and {r.request_id for r in plan.stepping} == {"b", "c"} and plan.skip == {"a"}
+
+
+def test_a_stream_without_credit_is_skipped_whatever_its_lead():
+    s = Scheduler(4, 0)
+    s.submit(req("a", window=2), now=0.0)
+    s.plan(0.0)
+    s.running["a"].credit.granted_until = 0
+    s.running["a"].credit.generated = 2
+    plan = s.plan(0.0)
+    assert not plan.step and plan.skip == {"a"} and plan.num_credit_stalled == 1
+
+
+def test_queue_bounds_and_draining():
+    s = Scheduler(max_batch=2, max_waiting=1)
+    for rid in "abc":
+        s.submit(req(rid), now=0.0)
+    with pytest.raises(ResourceExhausted, match="capacity"):
+        s.submit(req("d"), now=0.0)
+    with pytest.raises(ResourceExhausted, match="already in progress"):
+        s.submit(req("a"), now=0.0)
+    assert [r.request_id for r in s.plan(0.0).admitted] == ["a", "b"]
+    assert s.remove("a")[1] and s.remove("a") == (None, False)
+    assert [r.request_id for r in s.plan(0.0).admitted] == ["c"]
+    s.admitting = False
+    with pytest.raises(Unavailable, match="draining"):
+        s.submit(req("e"), now=0.0)
+
+
+def test_step_model_learns_base_and_slope():
+    m = StepModel(AdmissionConfig(step_base_s=0.001, step_per_stream_s=0.0, ewma_alpha=0.5))
+    for _ in range(30):
+        m.observe(4, 0.010)
+        m.observe(200, 0.010 + 200 * 0.0003)
+    assert m.base_s == pytest.approx(0.010, rel=1e-3)
+    assert m.per_stream_s == pytest.approx(0.0003, rel=0.02)
+    assert m.predict(400) == pytest.approx(0.010 + 400 * 0.0003, rel=0.02)
+    for _ in range(30):
+        m.observe(200, m.predict(200) + 300 * 0.00002, prefill_positions=300)
+    assert m.prefill_s(300) == pytest.approx(300 * 0.00002, rel=0.05)
+
+
+def test_admission_refuses_at_capacity_and_admits_again_when_load_falls():
+    cfg = AdmissionConfig(
+        max_duty=0.5, step_base_s=0.0045, step_per_stream_s=0.001, first_audio_budget_s=0, ewma_alpha=0.5
+    )
+    s = Scheduler(max_batch=100, max_waiting=100, admission=Admission(cfg))
+    for i in range(50):
+        s.submit(req(f"r{i}"), now=0.0)
+    admitted = []
+    for _ in range(5):
+        admitted += s.plan(0.0).admitted
+    # 4.5 ms + 1 ms a stream within 40 ms (half a frame): 35 streams, never more.
+    assert len(admitted) == 35 and s.num_waiting == 15
+    assert "36 streams" in s.holding_reason
+    for r in admitted[:10]:
+        s.remove(r.request_id)
+    assert len(s.plan(0.0).admitted) == 10  # load fell: the queue moves again
+    assert s.num_running == 35
+
+
+def test_admission_waits_for_slack_before_a_prefill_and_holds_while_streams_are_short_of_audio():
+    cfg = AdmissionConfig(max_duty=0, safety_s=0.04, prefill_position_s=0.0001, max_behind_fraction=0.2)
+    s = Scheduler(max_batch=10, max_waiting=10, admission=Admission(cfg))
+    s.submit(req("a"), now=0.0)
+    s.plan(0.0)
+    a = started(s, "a", first_audio_at=0.0, generated=2)  # 160 ms delivered
+    # A 200 ms prefill, spread over steps: its first step's 64 positions (6.4 ms) plus the 40 ms
+    # safety must fit in a's slack. At 130 ms a has 30 ms left: the prompt waits.
+    s.submit(req("big", positions=2000), now=0.13)
+    assert s.plan(0.13).admitted == [] and "slack" in s.holding_reason
+    a.delivered_s = a.credit.generated * 0.08 + 1.0
+    assert [r.request_id for r in s.plan(0.13).admitted] == ["big"]
+    # A stream whose listener ran dry holds admission (1 of 2 behind > 20%).
+    started(s, "big", first_audio_at=0.0, generated=1).delivered_s = 0.0
+    s.submit(req("c"), now=1.0)
+    assert s.plan(1.0).admitted == [] and "short of audio" in s.holding_reason
+
+
+def test_requests_past_their_first_audio_budget_are_refused_with_a_retry_hint():
+    cfg = AdmissionConfig(max_duty=0.5, step_base_s=0.05, first_audio_budget_s=1.0)
+    s = Scheduler(max_batch=10, max_waiting=10, admission=Admission(cfg))
+    s.submit(req("a"), now=0.0)
+    assert len(s.plan(0.0).admitted) == 1  # nothing runs: always admitted
+    s.submit(req("b"), now=0.0)  # 50 ms steps: over half a frame, b waits
+    assert s.plan(0.5).refused == []
+    (refused,) = s.plan(1.2).refused
+    assert refused[0].request_id == "b" and refused[1].retry_after_s >= 1
+    assert "first-audio budget" in refused[1].message
+
+
+def test_a_queue_that_cannot_drain_in_time_refuses_new_requests_at_once():
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
+    s = Scheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    for t in (0.0, 0.5, 1.0):  # two admissions per second
+        adm.observe_admit(t)
+    for i in range(2):
+        s.submit(req(f"w{i}"), now=1.0)
+    with pytest.raises(ResourceExhausted, match="first-audio budget") as err:
+        s.submit(req("late"), now=1.0)  # third in line: about 1.5 s to wait
+    assert err.value.retry_after_s == 2
+
+
+def steady_load(n: int, frames: int, positions: int, spread_s: float) -> list[tuple[float, int, int]]:
+    return [(spread_s * i / n, frames, positions) for i in range(n)]
+
+
+COST = Cost(base_s=0.004, per_stream_s=0.0002, prefill_position_s=0.00001, decode_s=0.005)
+
+
+def round_robin() -> Scheduler:
+    """The baseline: every stream steps every step, no pacing, no admission, whole prefills."""
+    return Scheduler(
+        10_000,
+        10_000,
+        policy=DeadlinePolicy(urgent_lead_s=math.inf, max_lead_s=math.inf, max_prefill_positions=10**9),
+    )
+
+
+def deadline() -> Scheduler:
+    return Scheduler(10_000, 10_000, admission=Admission(AdmissionConfig(first_audio_budget_s=0)))
+
+
+def test_deadline_scheduler_keeps_every_stream_on_time_where_round_robin_misses():
+    """200 closed-loop streams of 10 s, each 300-position prompt replaced as it finishes: a
+    round-robin step of all 200 takes 44 ms, so a newcomer's second chunk (4 frames) comes after
+    its first 160 ms have played. Paused streams leave the newcomers short steps."""
+    load = steady_load(200, 125, 300, spread_s=2.0)
+    rr = simulate(round_robin(), load, COST, closed_loop=200, until_s=40)
+    dl = simulate(deadline(), load, COST, closed_loop=200, until_s=40)
+    rr_done = [x for x in rr if x.finished_at is not None]
+    dl_done = [x for x in dl if x.finished_at is not None]
+    assert len(rr_done) >= 300 and len(dl_done) >= 300
+    rr_gapped = sum(x.max_underrun_s() > 0 for x in rr_done)
+    assert rr_gapped > len(rr_done) // 4  # the baseline misses for many streams
+    assert all(x.max_underrun_s() == 0 for x in dl_done)
+    assert not any(x.refused for x in dl)
+
+
+def test_a_long_prefill_beside_running_streams_makes_none_of_them_late():
+    """Running streams paced 300-500 ms ahead; a 60,000-position prompt (0.6 s of prefill) arrives.
+    Budgeted per step from the tightest slack it is spread over steps: no running stream is late.
+    The same prompt prefilled whole in one step makes them all late."""
+    policy = DeadlinePolicy(urgent_lead_s=0.3, max_lead_s=0.5, max_prefill_positions=10**9)
+    load = steady_load(20, 100, 100, spread_s=0.5) + [(3.0, 10, 60_000)]
+    budgeted = Scheduler(
+        100, 100, admission=Admission(AdmissionConfig(max_duty=0, safety_s=0.04)), policy=policy
+    )
+    whole = Scheduler(100, 100, policy=policy)
+    for sched, late_expected in ((budgeted, False), (whole, True)):
+        out = simulate(sched, load, COST, until_s=20, plan=ChunkPlan(1, (1,)))
+        running = [x for x in out if x.prompt_positions == 100]
+        assert all(x.finished_at is not None for x in running)
+        late = [x for x in running if x.max_underrun_s() > 0]
+        assert bool(late) is late_expected
+        big = next(x for x in out if x.prompt_positions == 60_000)
+        assert big.finished_at is not None and big.ttfa_s > 0.6
+
+
+def test_config_flags_for_deadlines_and_admission():
+    c = config_from_args([])
+    assert (c.urgent_lead_ms, c.max_lead_ms, c.admission_max_duty, c.first_audio_budget_ms) == (
+        1000,
+        3000,
+        0.6,
+        1500,
+    )
+    with pytest.raises(SystemExit):
+        config_from_args(["--urgent-lead-ms", "4000", "--max-lead-ms", "3000"])
+    with pytest.raises(SystemExit):
+        config_from_args(["--admission-max-duty", "-1"])
