@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_FIRST_CHUNK_FRAMES = 2
-DEFAULT_CHUNK_RAMP = (4, 4, 8, 16, 25)
+DEFAULT_CHUNK_RAMP = (2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,9 @@ class ChunkPlan:
     """Chunk sizes in frames: `first`, then `ramp[0]`, `ramp[1]`, ..., the last value repeating.
 
     A tiny first chunk starts audio fast; growing chunks amortise decode cost once the listener
-    has a buffer (each chunk arrives while the previous one is still playing).
+    has a buffer (each chunk arrives while the previous one is still playing). The default ramp ends
+    in one repeating size that is a captured decode shape, so the chunks of streams in steady state
+    all have one length and share one graph step.
     """
 
     first: int = DEFAULT_FIRST_CHUNK_FRAMES

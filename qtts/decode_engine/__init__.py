@@ -29,8 +29,9 @@ from qtts.decode_engine.slots import SlotPool, SlotPoolFull
 from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# The service's default plan is a 2-frame first chunk, then 4, 4, 8, 16, 25; 1 and 3 fill gaps.
-DEFAULT_CHUNK_SIZES = (1, 2, 3, 4, 8, 16, 25)
+# The service's default plan is 2, 2, 4, 8, then 16 frames; other lengths a client asks for are cut
+# into these (exactly: the state carries from piece to piece), 1 fills any remainder.
+DEFAULT_CHUNK_SIZES = (1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ Output: an ordered list of `Step`s, each one decode call over a fixed (batch siz
 - Within a round, pieces of equal length form a group (the phase of the stream does not matter:
   the ring KV window makes a growing and a sliding-window stream the same shape). A group becomes
   one or more steps padded up to a captured batch size; `max_step_frames` bounds batch x frames.
+  Padding is accepted when it is a small share of the step, or when the padded rows x frames are
+  few enough to cost less than the launch floor of the extra step a split would take.
 - Steps holding a stream's first audio go first in their round (they decide time to first audio).
 
 Rows are identified by stream id, never by their index in the caller's list, so a skipped or empty
@@ -72,10 +74,14 @@ class PlannerConfig:
     max_chunk_frames: int = 72
     max_step_frames: int = 3200
     split_to_captured: bool = True
+    # Padding rows x frames always accepted rather than split off into one more step.
+    max_pad_frames: int = 64
 
     def __post_init__(self) -> None:
         if self.max_chunk_frames < 1 or self.max_step_frames < 1:
             raise ValueError("max_chunk_frames and max_step_frames must be >= 1")
+        if self.max_pad_frames < 0:
+            raise ValueError("max_pad_frames must be >= 0")
         for name in ("chunk_sizes", "batch_sizes"):
             values = getattr(self, name)
             if any(v < 1 for v in values) or len(set(values)) != len(values):
@@ -153,7 +159,8 @@ class BatchPlanner:
                 take, batch, graph = min(left, limit), min(left, limit), False
             else:
                 up = next((b for b in buckets if b >= left), None)
-                if up is not None and (up - left) <= _MAX_PAD_SHARE * up:
+                pad = None if up is None else up - left
+                if pad is not None and (pad <= _MAX_PAD_SHARE * up or pad * frames <= cfg.max_pad_frames):
                     take, batch = left, up
                 else:
                     down = [b for b in buckets if b <= left]

@@ -58,6 +58,11 @@ class Code2WavConfig:
     # about 5 MB each at full size.
     prefix_cache_entries: int = 64
     max_prefix_frames: int = 2048
+    # Decode scheduling (see decode_worker.py): wait up to this long for more ready streams before a
+    # call when no stream is starting (0 = never wait), and never within the safety margin of the
+    # nearest playback deadline.
+    coalesce_max_ms: float = 10.0
+    deadline_safety_ms: float = 100.0
     replica_name: str = ""
     drain_seconds: float = 30.0
     # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
@@ -106,6 +111,9 @@ class Code2WavConfig:
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("coalesce_max_ms", "deadline_safety_ms"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.prefix_cache_entries < 0:
             raise InvalidArgument(f"--prefix-cache-entries must be >= 0, got {self.prefix_cache_entries}")
         if self.first_chunk_frames < 1 or not self.chunk_frames_ramp or min(self.chunk_frames_ramp) < 1:
@@ -183,6 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prefix-frames", type=int, default=int(_env("MAX_PREFIX_FRAMES", str(d.max_prefix_frames)))
     )
     p.add_argument(
+        "--coalesce-max-ms",
+        type=float,
+        default=float(_env("COALESCE_MAX_MS", str(d.coalesce_max_ms))),
+        help="longest wait for more ready streams before a decode call (0 = decode at once)",
+    )
+    p.add_argument(
+        "--deadline-safety-ms",
+        type=float,
+        default=float(_env("DEADLINE_SAFETY_MS", str(d.deadline_safety_ms))),
+        help="no waiting once a ready stream is this close to running out of audio",
+    )
+    p.add_argument(
         "--replica-name",
         default=_env("REPLICA_NAME", d.replica_name),
         help="name reported in StreamDone (default: host name and port)",
@@ -211,6 +231,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> Code2WavConfig:
         max_ahead_frames=ns.max_ahead_frames,
         prefix_cache_entries=ns.prefix_cache_entries,
         max_prefix_frames=ns.max_prefix_frames,
+        coalesce_max_ms=ns.coalesce_max_ms,
+        deadline_safety_ms=ns.deadline_safety_ms,
         replica_name=ns.replica_name or f"{socket.gethostname()}:{ns.port}",
         drain_seconds=ns.drain_seconds,
         gil_switch_interval_ms=ns.gil_switch_interval_ms,

@@ -2,7 +2,13 @@
 
 All torch work runs in one dedicated worker thread, so the asyncio loop (gRPC I/O, credit) never
 blocks on a decode. One batch is in flight at a time; while it runs, frames keep arriving and the
-next batch takes every stream that has a ready chunk by then.
+next batch takes the ready streams earliest playback deadline first (`DecodeStream.deadline`; a
+stream still waiting for its first audio before all others).
+
+A decode call costs a fixed launch floor plus a share per frame, so narrow calls waste the GPU. When
+no ready stream is starting and the nearest deadline is far enough away, the loop waits a short,
+bounded interval (`coalesce_max_s`, never closer than `deadline_safety_s` to that deadline) for
+more streams to become ready, and decodes them in one wider call.
 """
 
 from __future__ import annotations
@@ -10,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -56,6 +63,9 @@ class DecodeEngine:
         max_prefix_frames: int = 2048,
         device: torch.device | str = "cpu",
         replica: str = "",
+        coalesce_max_s: float = 0.0,
+        deadline_safety_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.decoder = decoder
         self.metrics = metrics
@@ -68,6 +78,9 @@ class DecodeEngine:
         # Where codes go before decoding: the slot engine copies a whole step's codes at once.
         self.device = torch.device("cpu" if getattr(decoder, "accepts_host_codes", False) else device)
         self.replica = replica
+        self.coalesce_max_s = coalesce_max_s
+        self.deadline_safety_s = deadline_safety_s
+        self.clock = clock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-decode")
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -131,7 +144,9 @@ class DecodeEngine:
             plan = ChunkPlan.from_request(first_chunk_frames, chunk_frames_ramp, self.plan)
         except ValueError as exc:
             raise InvalidArgument(f"bad chunk plan: {exc}") from None
-        stream = DecodeStream(request_id, plan, self.policy, self.limits, self.metrics, self.replica)
+        stream = DecodeStream(
+            request_id, plan, self.policy, self.limits, self.metrics, self.replica, clock=self.clock
+        )
         self.registry.add(stream)
         prefix = None if prefix_codes is None or not len(prefix_codes) else prefix_codes
         fut = asyncio.get_running_loop().run_in_executor(self._executor, self._start_sync, prefix)
@@ -189,7 +204,9 @@ class DecodeEngine:
             state = self.decoder.start(codes)
             if codes is not None and hits is not None:  # the slots engine's prefix-state cache
                 hit = self.decoder.prefix_hits > hits
-                (self.metrics.prefix_state_hits_total if hit else self.metrics.prefix_state_misses_total).inc()
+                (
+                    self.metrics.prefix_state_hits_total if hit else self.metrics.prefix_state_misses_total
+                ).inc()
             return state
 
     # ---------------------------------------------------------------- decoding
@@ -206,7 +223,10 @@ class DecodeEngine:
     async def _decode_ready(self) -> None:
         """Decode batches until no stream has a ready chunk."""
         loop = asyncio.get_running_loop()
-        while batch := self._collect():
+        while True:
+            await self._coalesce()
+            if not (batch := self._collect()):
+                return
             streams = [s for s, _, _ in batch]
             states = [s.decoder_state for s in streams]
             codes = [c for _, _, c in batch]
@@ -228,10 +248,36 @@ class DecodeEngine:
                 if not stream.closed:
                     stream.deliver(DecodedAudio(pcm, num_samples, first, len(chunk_codes), elapsed_ns))
 
+    async def _coalesce(self) -> None:
+        """Wait for more ready streams while every ready one can afford it (see the module docstring).
+
+        Re-checks on every arrival: a first chunk or a nearer deadline ends the wait early, and so
+        do a full batch, no other stream that could become ready, or a wait with no arrival.
+        """
+        if self.coalesce_max_s <= 0:
+            return
+        until = self.clock() + self.coalesce_max_s
+        while True:
+            ready, nearest, others = 0, math.inf, False
+            for stream in self.registry:
+                if stream.ready_frames():
+                    ready += 1
+                    nearest = min(nearest, stream.deadline)
+                elif not stream.closed and stream.total_frames is None:
+                    others = True
+            until = min(until, nearest - self.deadline_safety_s)
+            wait = until - self.clock()
+            if not ready or ready >= self.max_batch or not others or wait <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait)
+            except TimeoutError:
+                return
+
     def _collect(self) -> list[tuple[DecodeStream, int, np.ndarray]]:
         ready = [s for s in self.registry if s.ready_frames() > 0]
-        # Streams whose listener has the least audio buffered go first: they are closest to a gap.
-        ready.sort(key=lambda s: s.audio_ahead_frames)
+        ready.sort(key=lambda s: s.deadline)  # earliest deadline first; streams not yet playing lead
         batch = []
         for stream in ready[: self.max_batch]:
             first, codes = stream.take_chunk()

@@ -61,6 +61,8 @@ class Code2WavServer:
             max_prefix_frames=cfg.max_prefix_frames,
             device=cfg.device,
             replica=cfg.replica_name,
+            coalesce_max_s=cfg.coalesce_max_ms / 1e3,
+            deadline_safety_s=cfg.deadline_safety_ms / 1e3,
         )
         await self.engine.start()
         code2wav_pb2_grpc.add_Code2WavServiceServicer_to_server(

@@ -2,18 +2,26 @@
 
 Everything here runs on the asyncio loop; the decoder state itself is only touched by the decode
 worker thread (see `decode_worker`).
+
+Playback clock: the listener is assumed to start playing when the first decoded chunk is handed on,
+with no pre-roll (the underrun definition of DESIGN.md section 5). From then on the stream runs dry
+at `first_audio_at + emitted_samples / SAMPLE_RATE`, its `deadline`, by which the decode loop
+orders streams.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from qtts.audio import SAMPLE_RATE
 from qtts.chunk_plan import ChunkPlan
 from qtts.decode_events import Credit, DecodedAudio, DecodeEvent, Done
 from qtts.errors import FailedPrecondition, InvalidArgument
@@ -41,6 +49,7 @@ class DecodeStream:
         limits: StreamLimits,
         metrics: Code2WavMetrics,
         replica: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.stream_id = uuid.uuid4().hex
         self.request_id = request_id
@@ -60,6 +69,8 @@ class DecodeStream:
         self.in_flight = False
         self.closed = False
         self.finished = False
+        self.clock = clock
+        self.first_audio_at: float | None = None
         self._pending = np.zeros((0, limits.num_codebooks), dtype=np.int16)
         self._outbox: asyncio.Queue[DecodeEvent | BaseException] = asyncio.Queue()
 
@@ -131,9 +142,12 @@ class DecodeStream:
         return len(self._pending) if self.total_frames is not None else 0
 
     @property
-    def audio_ahead_frames(self) -> float:
-        """Audio sent but not yet acknowledged, in frames (how much the listener has buffered)."""
-        return (self.emitted_samples - self.acked_samples) / self.limits.samples_per_frame
+    def deadline(self) -> float:
+        """When the listener runs out of audio (clock seconds); -inf before the first audio, since
+        nothing is more urgent than starting a stream."""
+        if self.first_audio_at is None:
+            return -math.inf
+        return self.first_audio_at + self.emitted_samples / SAMPLE_RATE
 
     def take_chunk(self) -> tuple[int, np.ndarray]:
         """Remove the next chunk's frames for decoding; returns (first frame index, codes)."""
@@ -147,6 +161,14 @@ class DecodeStream:
     def deliver(self, chunk: DecodedAudio) -> None:
         """The decoded audio of the chunk taken last."""
         self.in_flight = False
+        now = self.clock()
+        if self.first_audio_at is None:
+            self.first_audio_at = now
+        else:
+            slack = self.deadline - now
+            self.metrics.deadline_slack_seconds.observe(slack)
+            if slack < 0:
+                self.metrics.underruns_total.inc()
         self.decoded_frames += chunk.num_frames
         self.emitted_samples += chunk.num_samples
         self.metrics.decode_backlog_frames.dec(chunk.num_frames)

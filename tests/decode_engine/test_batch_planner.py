@@ -78,6 +78,20 @@ def test_large_padding_is_avoided_by_splitting_and_step_frames_are_bounded():
     assert sum(len(s.rows) for s in steps) == 200
 
 
+def test_padding_cheaper_than_one_more_step_keeps_a_group_in_one_step():
+    p = BatchPlanner(CAPTURED)
+    # 5 rows of 16 frames: 3 padding rows x 16 frames = 48 <= max_pad_frames, one step of 8.
+    (step,) = p.plan([WorkItem(i, 16) for i in range(5)])
+    assert (step.batch, len(step.rows)) == (8, 5)
+    # 5 rows of 25 frames: 75 padded frames and 3/8 of the step: split as before.
+    steps = p.plan([WorkItem(i, 25) for i in range(5)])
+    assert sorted((s.batch, len(s.rows)) for s in steps) == [(1, 1), (4, 4)]
+    strict = BatchPlanner(PlannerConfig(CAPTURED.chunk_sizes, CAPTURED.batch_sizes, max_pad_frames=0))
+    assert len(strict.plan([WorkItem(i, 16) for i in range(5)])) == 2
+    with pytest.raises(ValueError, match="max_pad_frames"):
+        PlannerConfig(max_pad_frames=-1)
+
+
 def test_uncaptured_lengths_run_eagerly_without_padding():
     p = BatchPlanner(PlannerConfig(chunk_sizes=(4,), batch_sizes=(8,), split_to_captured=False))
     (step,) = p.plan([WorkItem(1, 5), WorkItem(2, 5), WorkItem(3, 5)])

@@ -108,13 +108,14 @@ async def run_stream(
 
 def test_chunk_planner_default_ramp_repeats_last_value():
     plan = ChunkPlan()
-    assert [plan.size(i) for i in range(8)] == [2, 4, 4, 8, 16, 25, 25, 25]
+    # Each chunk as long as the audio before it: a step under 80 ms keeps any stream's ramp on time.
+    assert [plan.size(i) for i in range(8)] == [2, 2, 4, 8, 16, 16, 16, 16]
     assert plan.split(3) == [2, 1]
-    assert plan.split(40) == [2, 4, 4, 8, 16, 6]
+    assert plan.split(40) == [2, 2, 4, 8, 16, 8]
     assert sum(plan.split(1000)) == 1000
     assert plan.split(0) == []
     assert ChunkPlan(1, (3,)).split(7) == [1, 3, 3]
-    assert plan.capped(8).split(30) == [2, 4, 4, 8, 8, 4]
+    assert plan.capped(8).split(30) == [2, 2, 4, 8, 8, 6]
     assert ChunkPlan.from_request(0, [], plan) == plan
 
 
@@ -152,9 +153,9 @@ def test_registry_rejects_beyond_max_states():
 
 def test_config_rejects_chunks_larger_than_the_credit():
     with pytest.raises(Exception, match="largest chunk"):
-        config_from_args(["--credit-window-frames", "16"])  # default ramp ends at 25
-    cfg = config_from_args(["--credit-window-frames", "16", "--chunk-frames-ramp", "4,8,16", "--port", "0"])
-    assert cfg.chunk_plan == ChunkPlan(2, (4, 8, 16))
+        config_from_args(["--credit-window-frames", "8"])  # default ramp ends at 16
+    cfg = config_from_args(["--credit-window-frames", "8", "--chunk-frames-ramp", "4,8", "--port", "0"])
+    assert cfg.chunk_plan == ChunkPlan(2, (4, 8))
 
 
 # ---------------------------------------------------------------------------- through the server
@@ -185,9 +186,11 @@ async def test_stream_returns_chunks_in_order_then_done(fake_decoder, bidi_clien
         reg = server.metrics.registry
         assert reg.get_sample_value("tts_code2wav_frames_total") == 40
         calls = reg.get_sample_value("tts_code2wav_decode_seconds_count")
-        assert calls >= len(chunks) and reg.get_sample_value("tts_code2wav_decode_batch_streams_count") == calls
-        assert reg.get_sample_value("tts_code2wav_decode_batch_streams_sum") == calls  # one stream: one per call
-        assert reg.get_sample_value("tts_code2wav_decode_model_steps_count") == 0  # the fake decoder counts none
+        assert calls >= len(chunks)
+        assert reg.get_sample_value("tts_code2wav_decode_batch_streams_count") == calls
+        # One stream: one per call; the fake decoder counts no model steps.
+        assert reg.get_sample_value("tts_code2wav_decode_batch_streams_sum") == calls
+        assert reg.get_sample_value("tts_code2wav_decode_model_steps_count") == 0
         assert reg.get_sample_value("tts_code2wav_live_states") == 0
         assert reg.get_sample_value("tts_code2wav_decode_backlog_frames") == 0
         assert len(server.engine.registry) == 0

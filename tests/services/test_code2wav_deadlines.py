@@ -1,0 +1,245 @@
+"""code2wav scheduling: playback deadlines, earliest-deadline-first batches, coalescing, slack metrics.
+
+The engine is driven directly (`_decode_ready`, no gRPC) with a simulated clock; waits are bounded by
+timeouts, and only order and batch width are asserted, never durations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from qtts.chunk_plan import ChunkPlan
+from qtts.decode_events import DecodedAudio
+from qtts.errors import InvalidArgument
+from qtts.metrics import Code2WavMetrics
+from services.code2wav.config import Code2WavConfig, config_from_args
+from services.code2wav.credit import CreditPolicy
+from services.code2wav.decode_worker import DecodeEngine
+from services.code2wav.server import Code2WavServer
+from services.code2wav.stream import DecodeStream, StreamLimits
+from tests.services.conftest import FakeIncrementalDecoder
+
+SPF = 1920  # samples per 80 ms frame at 24 kHz
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class CallLog(FakeIncrementalDecoder):
+    """Records each decode call as the list of states it decoded, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[list[int]] = []
+        self._in_batch = False
+
+    def decode(self, state, codes):
+        if not self._in_batch:
+            self.calls.append([id(state)])
+        return super().decode(state, codes)
+
+    def decode_batch(self, states, codes):
+        self.calls.append([id(s) for s in states])
+        self._in_batch = True
+        try:
+            return super().decode_batch(states, codes)
+        finally:
+            self._in_batch = False
+
+
+def _codes(n: int) -> np.ndarray:
+    return np.ones((n, 16), dtype=np.int16)
+
+
+@asynccontextmanager
+async def engine_with(plan: ChunkPlan, **kw):
+    clock = FakeClock()
+    decoder = CallLog()
+    engine = DecodeEngine(decoder, Code2WavMetrics(CollectorRegistry()), plan=plan, clock=clock, **kw)
+    try:
+        yield engine, decoder, clock
+    finally:
+        await engine.close()
+
+
+async def _open(engine: DecodeEngine, *names: str) -> dict[str, DecodeStream]:
+    return {n: await engine.open_stream(n, 16) for n in names}
+
+
+def _feed(stream: DecodeStream, n: int) -> None:
+    stream.add_frames(stream.received_frames, _codes(n))
+
+
+def _named(decoder: CallLog, streams: dict[str, DecodeStream]) -> list[list[str]]:
+    by_state = {id(s.decoder_state): name for name, s in streams.items()}
+    return [[by_state[i] for i in call] for call in decoder.calls]
+
+
+async def _decode_now(engine: DecodeEngine) -> None:
+    await asyncio.wait_for(engine._decode_ready(), timeout=5)
+
+
+async def test_earliest_deadline_first_and_new_streams_before_everyone():
+    async with engine_with(ChunkPlan(2, (4,)), max_batch=2) as (engine, decoder, clock):
+        # Opened in the reverse of the order they must be decoded in.
+        streams = await _open(engine, "far", "near", "new")
+        for name in ("far", "near"):
+            _feed(streams[name], 2)
+        await _decode_now(engine)  # both start playing at t=100
+        _feed(streams["far"], 4)
+        await _decode_now(engine)  # "far" has 6 frames of audio out, "near" 2
+        # The client took all of "far"'s audio: acks say what was read, not when playback runs dry.
+        streams["far"].ack(streams["far"].emitted_samples)
+        assert streams["near"].deadline == pytest.approx(100 + 2 * SPF / 24000)
+        assert streams["far"].deadline == pytest.approx(100 + 6 * SPF / 24000)
+        assert streams["new"].deadline == -math.inf
+
+        decoder.calls.clear()
+        for name in ("far", "near", "new"):
+            _feed(streams[name], 4 if name != "new" else 2)
+        await _decode_now(engine)
+        assert _named(decoder, streams) == [["new", "near"], ["far"]]
+
+
+async def test_coalescing_waits_for_more_streams_until_the_batch_is_full():
+    # 16-frame chunks: 1.28 s of audio out, so the deadline leaves room for a long wait.
+    async with engine_with(ChunkPlan(16, (16,)), max_batch=2, coalesce_max_s=1.0, deadline_safety_s=0.1) as (
+        engine,
+        decoder,
+        _,
+    ):
+        streams = await _open(engine, "a", "b")
+        for s in streams.values():
+            _feed(s, 16)
+        await _decode_now(engine)  # first chunks: no waiting, one call
+        assert _named(decoder, streams) == [["a", "b"]]
+
+        _feed(streams["a"], 16)
+        task = asyncio.create_task(engine._decode_ready())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(decoder.calls) == 1 and not task.done()  # "a" is ready, but waits for company
+        _feed(streams["b"], 16)
+        engine.notify()
+        await asyncio.wait_for(task, timeout=5)
+        assert _named(decoder, streams)[1:] == [["a", "b"]]
+
+
+async def test_coalescing_is_bounded_by_the_clock():
+    async with engine_with(ChunkPlan(16, (16,)), coalesce_max_s=1.0, deadline_safety_s=0.1) as (
+        engine,
+        decoder,
+        clock,
+    ):
+        streams = await _open(engine, "a", "b")
+        for s in streams.values():
+            _feed(s, 16)
+        await _decode_now(engine)
+        _feed(streams["a"], 16)
+        task = asyncio.create_task(engine._decode_ready())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not task.done()
+        clock.t += 1.0  # the longest wait has passed; any wake-up re-checks the clock
+        engine.notify()
+        await asyncio.wait_for(task, timeout=5)
+        assert _named(decoder, streams)[1:] == [["a"]]
+
+
+async def test_no_coalescing_for_first_chunks_or_tight_deadlines():
+    async with engine_with(ChunkPlan(2, (16,)), coalesce_max_s=30.0, deadline_safety_s=0.1) as (
+        engine,
+        decoder,
+        clock,
+    ):
+        streams = await _open(engine, "a", "idle")  # "idle" could become ready, so waiting would pay
+        _feed(streams["a"], 2)
+        await _decode_now(engine)  # a first chunk never waits
+        assert _named(decoder, streams) == [["a"]]
+
+        clock.t += 0.1  # 2 frames (0.16 s) were handed on at t=100: 0.06 s left, under the safety
+        _feed(streams["a"], 16)
+        await _decode_now(engine)
+        assert _named(decoder, streams) == [["a"], ["a"]]
+
+
+async def test_a_first_chunk_ends_a_coalescing_wait_and_leads_the_call():
+    async with engine_with(ChunkPlan(16, (16,)), coalesce_max_s=30.0, deadline_safety_s=0.1) as (
+        engine,
+        decoder,
+        _,
+    ):
+        streams = await _open(engine, "a", "new")
+        _feed(streams["a"], 16)
+        await _decode_now(engine)
+        _feed(streams["a"], 16)
+        task = asyncio.create_task(engine._decode_ready())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not task.done()
+        _feed(streams["new"], 16)
+        engine.notify()
+        await asyncio.wait_for(task, timeout=5)
+        assert _named(decoder, streams) == [["a"], ["new", "a"]]
+
+
+def test_slack_and_underruns_follow_the_playback_clock():
+    clock = FakeClock(10.0)
+    metrics = Code2WavMetrics(CollectorRegistry())
+    stream = DecodeStream("r", ChunkPlan(2, (4,)), CreditPolicy(), StreamLimits(), metrics, clock=clock)
+
+    def deliver(frames: int) -> None:
+        stream.deliver(DecodedAudio(b"", frames * SPF, stream.decoded_frames, frames, 0))
+
+    def sample(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, labels) or 0.0
+
+    deliver(2)  # playback starts: no slack for the first chunk
+    assert stream.first_audio_at == 10.0 and stream.deadline == pytest.approx(10.16)
+    assert sample("tts_code2wav_deadline_slack_seconds_count") == 0
+    clock.t = 10.1
+    deliver(4)  # 0.06 s before the listener runs dry
+    clock.t = 10.6
+    deliver(4)  # deadline 10.48: 0.12 s late
+    assert sample("tts_code2wav_deadline_slack_seconds_count") == 2
+    assert sample("tts_code2wav_deadline_slack_seconds_sum") == pytest.approx(0.06 - 0.12)
+    bucket = "tts_code2wav_deadline_slack_seconds_bucket"
+    assert [sample(bucket, le=le) for le in ("0.0", "0.05", "0.1")] == [1, 1, 2]
+    assert sample("tts_code2wav_underruns_total") == 1
+    assert stream.deadline == pytest.approx(10.0 + 10 * SPF / 24000)
+
+
+def test_scheduling_flags(monkeypatch):
+    monkeypatch.delenv("TTS_CODE2WAV_COALESCE_MAX_MS", raising=False)
+    cfg = config_from_args([])
+    assert (cfg.coalesce_max_ms, cfg.deadline_safety_ms) == (10.0, 100.0)
+    cfg = config_from_args(["--coalesce-max-ms", "0", "--deadline-safety-ms", "50"])
+    assert (cfg.coalesce_max_ms, cfg.deadline_safety_ms) == (0.0, 50.0)
+    monkeypatch.setenv("TTS_CODE2WAV_COALESCE_MAX_MS", "4.5")
+    assert config_from_args([]).coalesce_max_ms == 4.5
+    with pytest.raises(InvalidArgument, match="--coalesce-max-ms"):
+        config_from_args(["--coalesce-max-ms", "-1"])
+
+
+async def test_server_passes_the_scheduling_settings(fake_decoder):
+    config = Code2WavConfig(
+        port=0, metrics_port=0, drain_seconds=0.5, coalesce_max_ms=7, deadline_safety_ms=80
+    )
+    server = Code2WavServer(config.validate(), decoder=fake_decoder)
+    await server.start()
+    try:
+        assert server.engine.coalesce_max_s == pytest.approx(0.007)
+        assert server.engine.deadline_safety_s == pytest.approx(0.08)
+    finally:
+        await server.stop(0.5)
