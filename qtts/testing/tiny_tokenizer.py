@@ -14,46 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-BASE_VOCAB_SIZE = 151643
-
-# id -> content, Qwen3 special tokens followed by the TTS ones.
-SPECIAL_TOKENS: dict[int, str] = {
-    151643: "<|endoftext|>",
-    151644: "<|im_start|>",
-    151645: "<|im_end|>",
-    151646: "<|object_ref_start|>",
-    151647: "<|object_ref_end|>",
-    151648: "<|box_start|>",
-    151649: "<|box_end|>",
-    151650: "<|quad_start|>",
-    151651: "<|quad_end|>",
-    151652: "<|vision_start|>",
-    151653: "<|vision_end|>",
-    151654: "<|vision_pad|>",
-    151655: "<|image_pad|>",
-    151656: "<|video_pad|>",
-    151657: "<tool_call>",
-    151658: "</tool_call>",
-    151659: "<|fim_prefix|>",
-    151660: "<|fim_middle|>",
-    151661: "<|fim_suffix|>",
-    151662: "<|fim_pad|>",
-    151663: "<|repo_name|>",
-    151664: "<|file_sep|>",
-    151665: "<tool_response>",
-    151666: "</tool_response>",
-    151667: "<think>",
-    151668: "</think>",
-    151669: "<|audio_start|>",
-    151670: "<|audio_end|>",
-    151671: "<tts_pad>",
-    151672: "<tts_text_bos>",
-    151673: "<tts_text_eod>",
-    151674: "<tts_text_bos_single>",
-    151675: "<|audio_pad|>",
-}
-# Tokens the Qwen2 tokenizer treats as special (not split, skipped on decode).
-_NOT_SPECIAL = {151657, 151658, 151665, 151666, 151667, 151668}
+# The added-token layout (`qtts.model.tokenizer.SPECIAL_TOKENS`) is shared with the real-BPE
+# tokenizer of dummy loads (`qtts.model.bpe_vocab`).
+from qtts.model.tokenizer import BASE_VOCAB_SIZE, write_tokenizer_config
 
 TRAINING_TEXT = [
     "Hello world, this is a tiny tokenizer for tests.",
@@ -95,33 +58,4 @@ def write_tiny_tokenizer(out_dir: str | Path) -> None:
         f.write("#version: 0.2\n")
         for m in merges:
             f.write(m + "\n")
-    added = {
-        str(i): {
-            "content": s,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": i not in _NOT_SPECIAL,
-        }
-        for i, s in SPECIAL_TOKENS.items()
-    }
-    cfg = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": [
-            s for i, s in SPECIAL_TOKENS.items() if i not in _NOT_SPECIAL and i != 151643
-        ],
-        "bos_token": None,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 131072,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    with open(out / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump(cfg, f, ensure_ascii=False, indent=2)
+    write_tokenizer_config(out)

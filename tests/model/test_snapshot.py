@@ -139,7 +139,7 @@ def test_shipped_config_name_resolves_for_dummy_only():
     assert snap.folder == CONFIGS_DIR / "qwen3-tts-12hz-1.7b-base"
     assert snap.name == "qwen3-tts-12hz-1.7b-base" and snap.load_format == "dummy"
     assert snap.speech_tokenizer_dir == CONFIGS_DIR / "speech_tokenizer"
-    assert not snap.has_tokenizer  # dummy loads fall back to the tiny tokenizer
+    assert not snap.has_tokenizer  # dummy loads assemble one (Qwen's BPE, else the tiny test tokenizer)
     with pytest.raises(SnapshotError, match="no such folder"):
         open_snapshot("qwen3-tts-12hz-1.7b-base")
 
