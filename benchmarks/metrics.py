@@ -173,6 +173,16 @@ def percentiles(values: Iterable[float | None], qs: Sequence[float] = PERCENTILE
 
 
 LATENCY_FIELDS = ("ttfa_s", "first_audible_s", "e2e_s", "rtf", "max_underrun_s")
+# Admission control's answer to overload (HTTP 429 / gRPC RESOURCE_EXHAUSTED), given at once.
+REFUSAL_STATUSES = frozenset({"429", "RESOURCE_EXHAUSTED"})
+
+
+def is_refusal(record: RequestRecord) -> bool:
+    """A request the server refused before any audio: a refusal status and no audio byte.
+
+    The same status after audio started is a stream that broke, counted with the other errors.
+    """
+    return not record.ok and record.status in REFUSAL_STATUSES and not any(n > 0 for n in record.chunk_bytes)
 
 
 def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
@@ -182,8 +192,15 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
     meaningful end-to-end time). xRT counts every audio second delivered, including the part of a
     stream that later failed. A request *passes* when it succeeded with zero underrun (Nari Labs'
     protocol: a row with any late chunk does not pass).
+
+    Failures split into refusals (`is_refusal`: admission control said no before any audio;
+    `num_refused`, `refusals` by status, `refused_share` of all requests, and `refusal_latency_s`,
+    send -> refusal) and errors (everything else: `num_errors`, `errors` by status);
+    `num_failed` is both together.
     """
     ok = [r for r in records if r.ok]
+    refused = [r for r in records if is_refusal(r)]
+    errored = [r for r in records if not r.ok and not is_refusal(r)]
     n = len(records)
     zero_underrun = [r for r in ok if r.max_underrun_s is not None and r.max_underrun_s <= 0.0]
     audio_total = sum(r.audio_s for r in records)
@@ -191,6 +208,9 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
         "num_requests": n,
         "num_ok": len(ok),
         "num_failed": n - len(ok),
+        "num_refused": len(refused),
+        "num_errors": len(errored),
+        "refused_share": len(refused) / n if n else None,
         "success_rate": len(ok) / n if n else None,
         "zero_underrun_share": len(zero_underrun) / len(ok) if ok else None,
         "pass_rate": len(zero_underrun) / n if n else None,
@@ -198,10 +218,15 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
         "audio_s_total": audio_total,
         "xrt": audio_total / wall_s if wall_s > 0 else None,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
-        "errors": dict(Counter(r.status for r in records if not r.ok)),
+        "errors": dict(Counter(r.status for r in errored)),
+        "refusals": dict(Counter(r.status for r in refused)),
     }
     for name in LATENCY_FIELDS:
         out[name] = percentiles(getattr(r, name) for r in ok)
+    out["refusal_latency_s"] = percentiles(r.e2e_s for r in refused)
+    # Tail against median: a flat TTFA tail stays near 1, a queueing server drifts far above it.
+    ttfa = out["ttfa_s"]
+    out["ttfa_p99_over_p50"] = ttfa["p99"] / ttfa["p50"] if ttfa["p50"] and ttfa["p99"] is not None else None
     # With random weights end of speech comes at random: the audio per request shows what was measured.
     out["audio_s"] = percentiles(r.audio_s for r in ok)
     return out

@@ -3,7 +3,12 @@ table, and PNG plots (latency CDF, max underrun per request, TTFA and underrun a
 
 A result is a plain dict so a saved `results.json` can be loaded and re-rendered:
 `{"conditions": {...}, "levels": [{"mode", "concurrency", "rate", "wall_s", "aborted",
-"hit_deadline", "aggregates", "records"}]}`.
+"hit_deadline", "gap_free", "aggregates", "records"}], "highest_gap_free_load": {...}}`.
+
+A level is *gap-free* when every request succeeded (no refusal, no error) with zero underrun, and
+none was aborted by the time limit. The highest gap-free load of a run is, per mode, the highest
+closed-loop concurrency and the highest open-loop rate among the gap-free levels (Nari Labs'
+protocol: a row with any underrun or failure does not pass).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from matplotlib.figure import Figure  # Figure without pyplot: no global state, Agg canvas
@@ -29,6 +34,7 @@ def level_result(
     mode: str, run: LevelRun, *, concurrency: int | None = None, rate: float | None = None
 ) -> dict[str, Any]:
     """The JSON-ready result of one load level."""
+    aggregates = summarize(run.records, run.wall_s)
     return {
         "mode": mode,
         "concurrency": concurrency,
@@ -36,9 +42,71 @@ def level_result(
         "wall_s": run.wall_s,
         "aborted": run.aborted,
         "hit_deadline": run.hit_deadline,
-        "aggregates": summarize(run.records, run.wall_s),
+        "gap_free": is_gap_free(aggregates, aborted=run.aborted, hit_deadline=run.hit_deadline),
+        "aggregates": aggregates,
         "records": [r.to_dict() for r in run.records],
     }
+
+
+def is_gap_free(aggregates: dict[str, Any], *, aborted: int = 0, hit_deadline: bool = False) -> bool:
+    """Every request of the level succeeded with a max underrun of exactly 0, none aborted."""
+    n = aggregates["num_requests"]
+    # pass_rate == 1: every request ok *and* zero underrun (ok requests without audio do not pass).
+    return bool(n) and aggregates["pass_rate"] == 1.0 and not aborted and not hit_deadline
+
+
+def _level_gap_free(level: dict[str, Any]) -> bool:
+    if "gap_free" in level:
+        return bool(level["gap_free"])
+    return is_gap_free(level["aggregates"], aborted=level["aborted"], hit_deadline=level["hit_deadline"])
+
+
+def highest_gap_free_load(levels: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode that ran: its loads, the gap-free ones, the highest gap-free (None when none), and
+    the loads below that highest which did not pass (a non-monotone sweep is worth a look)."""
+    out: dict[str, Any] = {}
+    for mode, key in (("closed", "concurrency"), ("open", "rate")):
+        group = [lv for lv in levels if lv["mode"] == mode]
+        if not group:
+            continue
+        loads = sorted({lv[key] for lv in group})
+        # A load measured twice passes only if every measurement of it passed.
+        passing = [x for x in loads if all(_level_gap_free(lv) for lv in group if lv[key] == x)]
+        highest = max(passing) if passing else None
+        out[mode] = {
+            "key": key,
+            "loads": loads,
+            "gap_free": passing,
+            "highest": highest,
+            "not_gap_free_below_highest": [
+                x for x in loads if highest is not None and x < highest and x not in passing
+            ],
+        }
+    return out
+
+
+def _load_text(mode: Literal["closed", "open"], value: float) -> str:
+    return f"c={value}" if mode == "closed" else f"{value:g} req/s"
+
+
+def gap_free_lines(levels: Sequence[dict[str, Any]]) -> list[str]:
+    """The highest gap-free load, one line per mode that ran."""
+    summary = highest_gap_free_load(levels)
+    lines = []
+    for mode, title in (("closed", "closed loop"), ("open", "open loop")):
+        if mode not in summary:
+            continue
+        s = summary[mode]
+        if s["highest"] is None:
+            tried = ", ".join(_load_text(mode, x) for x in s["loads"])
+            text = f"none (no level passed: {tried})"
+        else:
+            text = _load_text(mode, s["highest"])
+            if s["not_gap_free_below_highest"]:
+                below = ", ".join(_load_text(mode, x) for x in s["not_gap_free_below_highest"])
+                text += f" (but {below} did not pass)"
+        lines.append(f"Highest gap-free load ({title}, zero underruns and 100% success): {text}")
+    return lines
 
 
 def load_label(level: dict[str, Any]) -> str:
@@ -47,8 +115,8 @@ def load_label(level: dict[str, Any]) -> str:
     return f"{level['rate']:g} req/s"
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
+def _ms(value: float | None, fmt: str = ".0f") -> str:
+    return "-" if value is None else format(value * 1000, fmt)
 
 
 def _num(value: float | None, fmt: str = ".2f") -> str:
@@ -60,8 +128,9 @@ def _pct(value: float | None) -> str:
 
 
 TABLE_HEADER = (
-    "| load | n | ok | audio p50 s | TTFA p50/p95/p99 ms | audible p50 ms | E2E p50/p95 s | RTF p50/p95 "
-    "| max underrun p95/p99 ms | zero underrun | xRT | req/s |"
+    "| load | n | ok | refused | refusal p50/p95 ms | audio p50 s | TTFA p50/p95/p99 ms | TTFA p99/p50 "
+    "| audible p50 ms | E2E p50/p95 s | RTF p50/p95 | max underrun p95/p99 ms | zero underrun | gap-free "
+    "| xRT | req/s |"
 )
 
 
@@ -71,11 +140,17 @@ def markdown_table(levels: Sequence[dict[str, Any]]) -> str:
     for level in levels:
         a = level["aggregates"]
         t, e, r, u = a["ttfa_s"], a["e2e_s"], a["rtf"], a["max_underrun_s"]
+        # Results written before refusals were counted apart have none of these keys.
+        refusal = a.get("refusal_latency_s") or {}
         lines.append(
-            f"| {load_label(level)} | {a['num_requests']} | {_pct(a['success_rate'])} | {_num(a['audio_s']['p50'])} "
-            f"| {_ms(t['p50'])}/{_ms(t['p95'])}/{_ms(t['p99'])} | {_ms(a['first_audible_s']['p50'])} "
+            f"| {load_label(level)} | {a['num_requests']} | {_pct(a['success_rate'])} "
+            f"| {_pct(a.get('refused_share'))} | {_ms(refusal.get('p50'), '.1f')}/{_ms(refusal.get('p95'), '.1f')} "
+            f"| {_num(a['audio_s']['p50'])} "
+            f"| {_ms(t['p50'])}/{_ms(t['p95'])}/{_ms(t['p99'])} | {_num(a.get('ttfa_p99_over_p50'))} "
+            f"| {_ms(a['first_audible_s']['p50'])} "
             f"| {_num(e['p50'])}/{_num(e['p95'])} | {_num(r['p50'], '.3f')}/{_num(r['p95'], '.3f')} "
             f"| {_ms(u['p95'])}/{_ms(u['p99'])} | {_pct(a['zero_underrun_share'])} "
+            f"| {'yes' if _level_gap_free(level) else 'no'} "
             f"| {_num(a['xrt'], '.1f')} | {_num(a['requests_per_s'])} |"
         )
     return "\n".join(lines)
@@ -85,6 +160,7 @@ CONDITION_KEYS = (
     "gpu",
     "model",
     "weights",
+    "tokenizer",
     "frames_per_request",
     "protocol",
     "task_type",
@@ -100,11 +176,22 @@ def markdown_report(result: dict[str, Any]) -> str:
     lines = ["# TTS streaming benchmark", ""]
     lines += [f"- {key}: {c.get(key, 'unknown')}" for key in CONDITION_KEYS]
     lines += ["", markdown_table(result["levels"]), ""]
+    lines += [f"- {line}" for line in gap_free_lines(result["levels"])] + [""]
+    refusals = {
+        load_label(lv): lv["aggregates"]["refusals"]
+        for lv in result["levels"]
+        if lv["aggregates"].get("refusals")
+    }
+    if refusals:
+        lines += ["Refused by status: " + "; ".join(f"{k}: {v}" for k, v in refusals.items()), ""]
     errors = {
         load_label(lv): lv["aggregates"]["errors"] for lv in result["levels"] if lv["aggregates"]["errors"]
     }
     if errors:
-        lines += ["Errors by status: " + "; ".join(f"{k}: {v}" for k, v in errors.items()), ""]
+        lines += [
+            "Errors by status (refusals apart): " + "; ".join(f"{k}: {v}" for k, v in errors.items()),
+            "",
+        ]
     aborted = {load_label(lv): lv["aborted"] for lv in result["levels"] if lv["aborted"]}
     if aborted:
         lines += [
@@ -192,6 +279,7 @@ def write_report(result: dict[str, Any], out_dir: str | Path, *, plots: bool = T
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / JSON_NAME, "markdown": out / MARKDOWN_NAME}
+    result = {**result, "highest_gap_free_load": highest_gap_free_load(result["levels"])}
     paths["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
     paths["markdown"].write_text(markdown_report(result))
     if plots:

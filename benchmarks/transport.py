@@ -77,9 +77,15 @@ class SynthesisOptions:
 
 
 class Synthesizer(Protocol):
-    """Sends one request and records its stream."""
+    """Sends one request and records its stream.
 
-    async def synthesize(self, index: int, prompt_index: int, text: str) -> RequestRecord: ...
+    `max_new_tokens`, when given, replaces the shared option for this request only (mixed lengths;
+    with `fixed_length` it is also the request's minimum).
+    """
+
+    async def synthesize(
+        self, index: int, prompt_index: int, text: str, *, max_new_tokens: int | None = None
+    ) -> RequestRecord: ...
 
     async def aclose(self) -> None: ...
 
@@ -129,12 +135,18 @@ class _Trace:
 
 
 def http_payload(
-    options: SynthesisOptions, text: str, index: int, ref_audio_url: str | None = None
+    options: SynthesisOptions,
+    text: str,
+    index: int,
+    ref_audio_url: str | None = None,
+    max_new_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The JSON body of one streaming PCM request; unset options are left out.
 
-    `ref_audio_url` is the reference clip already encoded as a data URL (encoded once per run).
+    `ref_audio_url` is the reference clip already encoded as a data URL (encoded once per run);
+    `max_new_tokens` overrides `options.max_new_tokens` for this request.
     """
+    frames = options.max_new_tokens if max_new_tokens is None else max_new_tokens
     payload: dict[str, Any] = {
         "input": text,
         "response_format": "pcm",
@@ -145,8 +157,8 @@ def http_payload(
         "language": options.language,
         "instructions": options.instructions,
         "ref_text": options.ref_text,
-        "max_new_tokens": options.max_new_tokens,
-        "min_new_tokens": options.max_new_tokens if options.fixed_length else None,
+        "max_new_tokens": frames,
+        "min_new_tokens": frames if options.fixed_length else None,
         "seed": options.seed_for(index),
     }
     if options.ref_audio is not None:
@@ -189,10 +201,14 @@ class HttpSynthesizer:
         if self._ref_audio_json is None or payload.get("ref_audio") is not self._ref_audio_url:
             return json.dumps(payload).encode()
         rest = json.dumps({k: v for k, v in payload.items() if k != "ref_audio"})
-        return (rest[:-1] + (", " if rest != "{}" else "") + '"ref_audio": ' + self._ref_audio_json + "}").encode()
+        return (
+            rest[:-1] + (", " if rest != "{}" else "") + '"ref_audio": ' + self._ref_audio_json + "}"
+        ).encode()
 
-    async def synthesize(self, index: int, prompt_index: int, text: str) -> RequestRecord:
-        payload = http_payload(self.options, text, index, self._ref_audio_url)
+    async def synthesize(
+        self, index: int, prompt_index: int, text: str, *, max_new_tokens: int | None = None
+    ) -> RequestRecord:
+        payload = http_payload(self.options, text, index, self._ref_audio_url, max_new_tokens)
         trace = _Trace(self.options.audible_dbfs)
         try:
             async with asyncio.timeout(self.options.request_timeout_s):
@@ -236,15 +252,16 @@ class GrpcSynthesizer:
         self._channels = [grpc.aio.insecure_channel(target) for _ in range(max(1, channels))]
         self._stubs = [tts_pb2_grpc.TextToSpeechServiceStub(c) for c in self._channels]
 
-    def request(self, text: str, index: int) -> Any:
-        """The `SynthesizeRequest` of request `index`."""
+    def request(self, text: str, index: int, max_new_tokens: int | None = None) -> Any:
+        """The `SynthesizeRequest` of request `index` (`max_new_tokens` overrides the option)."""
         pb, o = self._pb, self.options
+        frames = o.max_new_tokens if max_new_tokens is None else max_new_tokens
         sampling = pb.SamplingParams()
         seed = o.seed_for(index)
         if seed is not None:
             sampling.seed = seed
-        if o.fixed_length and o.max_new_tokens:
-            sampling.min_new_frames = o.max_new_tokens
+        if o.fixed_length and frames:
+            sampling.min_new_frames = frames
         return pb.SynthesizeRequest(
             request_id=f"{self._prefix}-{index}",
             model=o.model or "",
@@ -257,13 +274,15 @@ class GrpcSynthesizer:
             reference_text=o.ref_text or "",
             x_vector_only=o.x_vector_only,
             audio_encoding=pb.AUDIO_ENCODING_PCM_S16LE,
-            max_new_frames=o.max_new_tokens or 0,
+            max_new_frames=frames or 0,
             sampling=sampling,
         )
 
-    async def synthesize(self, index: int, prompt_index: int, text: str) -> RequestRecord:
+    async def synthesize(
+        self, index: int, prompt_index: int, text: str, *, max_new_tokens: int | None = None
+    ) -> RequestRecord:
         stub = self._stubs[index % len(self._stubs)]
-        request = self.request(text, index)
+        request = self.request(text, index, max_new_tokens)
         trace = _Trace(self.options.audible_dbfs)
         extra: dict[str, Any] = {}
         try:

@@ -272,7 +272,9 @@ def test_http_body_splices_the_pre_encoded_reference_clip():
     """The request body with the clip spliced in as pre-encoded JSON parses to the same payload."""
     from benchmarks.transport import HttpSynthesizer, SynthesisOptions, http_payload
 
-    options = SynthesisOptions(task_type="voice_clone", ref_audio=b"RIFF\x00\x01 clip \xff", ref_text="ref words")
+    options = SynthesisOptions(
+        task_type="voice_clone", ref_audio=b"RIFF\x00\x01 clip \xff", ref_text="ref words"
+    )
     synth = HttpSynthesizer("http://127.0.0.1:1", options)
     payload = http_payload(options, 'Text with "quotes" and ünïcode', 7, synth._ref_audio_url)
     assert payload["ref_audio"] is synth._ref_audio_url
@@ -280,3 +282,99 @@ def test_http_body_splices_the_pre_encoded_reference_clip():
     without = {k: v for k, v in payload.items() if k != "ref_audio"}
     assert json.loads(synth.body(without)) == without
     assert json.loads(synth.body({"ref_audio": synth._ref_audio_url})) == {"ref_audio": synth._ref_audio_url}
+
+
+def test_cli_open_loop_mixed_lengths_are_sent_and_recorded(tmp_path, capsys):
+    with FakeSpeechServer([(0.0, LOUD)]) as server:
+        rc = main(
+            ["--url", server.url, "--rate", "200", "100", "--num-requests", "40", "--warmup", "1",
+             "--length-dist", "mixed:2:20", "--fixed-length", "--max-new-tokens", "125", "--seed", "3",
+             "--out", str(tmp_path), "--no-progress", "--no-plots"]
+        )  # fmt: skip
+    assert rc == 0
+    assert "--max-new-tokens 125 is not used" in capsys.readouterr().err
+    frames = [r["max_new_tokens"] for r in server.requests[1:]]  # after the warm-up request
+    assert len(frames) == 80 and all(25 <= f <= 250 for f in frames)
+    assert len(set(frames)) > 10  # drawn per request, not one length for all
+    assert frames[:40] == frames[40:]  # every level walks the same seeded length sequence
+    assert all(r["min_new_tokens"] == r["max_new_tokens"] for r in server.requests)  # --fixed-length
+    data = json.loads((tmp_path / "results.json").read_text())
+    dist = data["conditions"]["length_distribution"]
+    assert dist["spec"] == "mixed:2:20" and dist["kind"] == "truncated log-normal"
+    assert dist["lo_s"] == 2.0 and dist["hi_s"] == 20.0 and dist["target_mean_s"] == 4.8
+    realised = dist["realised"]
+    assert realised["num_requests"] == 80
+    assert realised["mean_s"] == pytest.approx(sum(frames) / 80 / 12.5)
+    assert realised["min_s"] == min(frames) / 12.5 and realised["max_s"] == max(frames) / 12.5
+    assert "mixed:2:20" in data["conditions"]["frames_per_request"]
+    assert "realised over 80 requests" in data["conditions"]["frames_per_request"]
+    for level in data["levels"]:
+        assert [r["extra"]["max_new_tokens"] for r in level["records"]] == frames[:40]
+        assert level["requested_length"]["num_requests"] == 40
+    assert data["highest_gap_free_load"]["open"]["loads"] == [100, 200]
+    assert "realised over 80 requests" in (tmp_path / "results.md").read_text()
+
+
+def test_cli_closed_loop_mixed_lengths_and_fixed_default(tmp_path):
+    with FakeSpeechServer([(0.0, LOUD)]) as server:
+        rc = main(
+            ["--url", server.url, "--concurrency", "2", "--num-requests", "6", "--warmup", "0",
+             "--length-dist", "mixed:2:20", "--out", str(tmp_path / "mix"), "--no-progress", "--no-plots"]
+        )  # fmt: skip
+        assert rc == 0
+        frames = [r["max_new_tokens"] for r in server.requests]
+        assert len(frames) == 6 and all(25 <= f <= 250 for f in frames)
+        assert all("min_new_tokens" not in r for r in server.requests)
+        server.requests.clear()
+        rc = main(
+            ["--url", server.url, "--concurrency", "2", "--num-requests", "3", "--warmup", "0",
+             "--max-new-tokens", "30", "--out", str(tmp_path / "fixed"), "--no-progress", "--no-plots"]
+        )  # fmt: skip
+    assert rc == 0
+    assert [r["max_new_tokens"] for r in server.requests] == [30, 30, 30]
+    data = json.loads((tmp_path / "fixed" / "results.json").read_text())
+    dist = data["conditions"]["length_distribution"]
+    assert dist["spec"] == "fixed" and dist["realised"]["mean_s"] == pytest.approx(30 / 12.5)
+    assert data["conditions"]["frames_per_request"] == "max 30"
+    assert "max_new_tokens" not in data["levels"][0]["records"][0]["extra"]
+    assert main(["--length-dist", "mixed:20:2", "--out", str(tmp_path)]) == 1
+
+
+def test_cli_counts_refusals_and_reports_the_highest_gap_free_load(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\nreject\n")
+    with FakeSpeechServer([(0.0, LOUD)]) as server:
+        rc = main(
+            ["--url", server.url, "--concurrency", "1", "2", "--num-requests", "4", "--warmup", "0",
+             "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--no-progress", "--no-plots"]
+        )  # fmt: skip
+    assert rc == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    for level in data["levels"]:
+        agg = level["aggregates"]
+        assert agg["num_refused"] == 2 and agg["refused_share"] == 0.5 and agg["refusals"] == {"429": 2}
+        assert agg["num_errors"] == 0 and agg["errors"] == {}
+        assert agg["refusal_latency_s"]["p50"] > 0 and agg["refusal_latency_s"]["p95"] is not None
+        assert not level["gap_free"]
+    assert data["highest_gap_free_load"]["closed"]["highest"] is None
+    out = capsys.readouterr().out
+    assert "| 50.0% |" in out  # refused share in the table
+    assert "Highest gap-free load (closed loop, zero underruns and 100% success): none" in out
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "Highest gap-free load" in md and "Refused by status" in md
+
+
+async def test_per_request_frames_override_the_shared_option():
+    from benchmarks.transport import http_payload
+
+    options = SynthesisOptions(task_type="custom_voice", voice="v", max_new_tokens=125, fixed_length=True)
+    payload = http_payload(options, "hi", 0, max_new_tokens=33)
+    assert payload["max_new_tokens"] == 33 and payload["min_new_tokens"] == 33
+    assert http_payload(options, "hi", 0)["max_new_tokens"] == 125
+    synth = GrpcSynthesizer("127.0.0.1:1", options)
+    try:
+        request = synth.request("hi", 0, max_new_tokens=33)
+        assert request.max_new_frames == 33 and request.sampling.min_new_frames == 33
+        assert synth.request("hi", 0).max_new_frames == 125
+    finally:
+        await synth.aclose()

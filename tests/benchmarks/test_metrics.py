@@ -156,7 +156,9 @@ def test_summarize_aggregates():
     assert agg["audio_s_total"] == pytest.approx(4.5)
     assert agg["xrt"] == pytest.approx(4.5 / 4.0)
     assert agg["requests_per_s"] == pytest.approx(0.5)
-    assert agg["errors"] == {"429": 1, "TRANSPORT": 1}
+    # The 429 is a refusal, counted apart from the other errors (num_failed has both).
+    assert agg["errors"] == {"TRANSPORT": 1} and agg["num_errors"] == 1
+    assert agg["refusals"] == {"429": 1} and agg["num_refused"] == 1 and agg["refused_share"] == 0.25
     assert agg["max_underrun_s"]["max"] == pytest.approx(2.0)
     assert agg["ttfa_s"]["p50"] == pytest.approx(0.1)
     assert set(agg["rtf"]) >= {"p50", "p90", "p95", "p99"}

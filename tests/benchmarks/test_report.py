@@ -61,7 +61,9 @@ def test_write_report_files_and_json_keys(tmp_path):
     paths = write_report(_result(), tmp_path / "out")
     assert set(paths) == {"json", "markdown", *PLOT_NAMES}
     data = json.loads(paths["json"].read_text())
-    assert set(data) == {"conditions", "levels"}
+    assert set(data) == {"conditions", "levels", "highest_gap_free_load"}
+    assert data["highest_gap_free_load"]["closed"]["highest"] == 1  # c=8 has stalls and failures
+    assert data["highest_gap_free_load"]["open"]["highest"] == 2.5
     assert data["conditions"]["weights"] == "dummy"
     level = data["levels"][1]
     assert {
@@ -71,6 +73,7 @@ def test_write_report_files_and_json_keys(tmp_path):
         "wall_s",
         "aborted",
         "hit_deadline",
+        "gap_free",
         "aggregates",
         "records",
     } <= set(level)
