@@ -150,3 +150,14 @@ TOKENIZER="$("$PYTHON" -c 'from qtts.model.bpe_vocab import dummy_tokenizer_labe
     --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" --rounds "$ROUNDS" \
     --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
     --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$OUT" "$@"
+
+# Server-side view of the run: every service's Prometheus metrics once the sweep is done.
+"$PYTHON" - "$OUT" <<'PY' || true
+import sys, urllib.request
+for name, port in (("gateway", 9100), ("talker", 9102), ("code2wav", 9103)):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            open(f"{sys.argv[1]}/metrics-{name}.txt", "wb").write(r.read())
+    except Exception as exc:  # noqa: BLE001 - a missing scrape must not fail the run
+        print(f"metrics of {name} (:{port}) not scraped: {exc}", file=sys.stderr)
+PY
