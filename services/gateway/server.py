@@ -67,7 +67,8 @@ class GatewayServer:
             if config.ref_audio_cache_mb > 0 else None
         )
         self.synthesizer = Synthesizer(self.talker, lambda: self.catalog, limits, Admission(config.max_streams),
-                                       self.metrics, decode=self.reference_cache or decode)
+                                       self.metrics,
+                                       decode=self.reference_cache if self.reference_cache is not None else decode)
         self.voices = VoiceService(self.voice_client, decode, lambda: self.catalog,
                                    config.max_ref_audio_bytes)
         self.stage_health = StageHealth({"talker": self.talker.channel,

@@ -77,6 +77,8 @@ async def test_server_uses_the_cache_unless_disabled():
     config = GatewayConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=0).validate()
     server = GatewayServer(config, decode=fake_decode)
     assert server.reference_cache is not None and server.reference_cache.max_bytes == 256 << 20
+    # Synthesis decodes through the cache, also while it is still empty (and so falsy).
+    assert server.synthesizer._decode is server.reference_cache
     clip = wav_bytes()
     server.reference_cache(clip)
     server.reference_cache(clip)
@@ -86,6 +88,6 @@ async def test_server_uses_the_cache_unless_disabled():
         GatewayConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=0, ref_audio_cache_mb=0).validate(),
         decode=fake_decode,
     )
-    assert off.reference_cache is None
+    assert off.reference_cache is None and off.synthesizer._decode is fake_decode
     with pytest.raises(InvalidArgument, match="--ref-audio-cache-mb"):
         GatewayConfig(ref_audio_cache_mb=-1).validate()
