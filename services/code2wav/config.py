@@ -60,8 +60,10 @@ class Code2WavConfig:
     max_prefix_frames: int = 2048
     # Decode scheduling (see decode_worker.py): wait up to this long for more ready streams before a
     # call when no stream is starting (0 = never wait), and never within the safety margin of the
-    # nearest playback deadline.
-    coalesce_max_ms: float = 10.0
+    # nearest playback deadline. Off by default: the wait re-checks every stream on each arrival,
+    # which at hundreds of streams kept the event loop so busy on the H200 that health checks
+    # timed out.
+    coalesce_max_ms: float = 0.0
     deadline_safety_ms: float = 100.0
     replica_name: str = ""
     drain_seconds: float = 30.0

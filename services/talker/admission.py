@@ -7,8 +7,9 @@ Two predictions decide it, both from what the engine measured on this GPU:
   (steps with a prefill are left out). With one more stream, stepping every running stream at
   once must take at most `max_duty` of a frame's 80 ms, leaving the rest of the GPU to prefill and
   to the decoder sharing it;
-- the newcomer's prefill: it runs inside one step, so the tightest running stream must have more
-  slack (audio buffered ahead of its listener) than that prefill costs plus `safety_s`.
+- the newcomer's prefill is not a condition here: the scheduler spreads it over steps within the
+  slack of the tightest running stream (young streams always have little slack, so holding
+  admission on it refused most requests on the H200).
 
 Streams whose listener is short of audio (`behind`) mean the pipeline after the talker is not
 keeping up: admission holds while more than `max_behind_fraction` of the mature streams are behind
@@ -35,7 +36,7 @@ class AdmissionConfig:
     safety_s: float = 0.04
     max_behind_fraction: float = 0.05
     # At most this many start per step, so the measurements can react before the next ones start.
-    max_admit_per_step: int = 32
+    max_admit_per_step: int = 16
     # Priors of the step model until steps are measured (an H200's 1.7B frame step).
     step_base_s: float = 0.0047
     step_per_stream_s: float = 0.00002
@@ -102,10 +103,9 @@ class Admission:
         self._last_admit_at: float | None = None
         self._drain_per_s: float | None = None
 
-    def allows(
-        self, num_running: int, tightest_slack_s: float, prefill_positions: int, behind: int, mature: int
-    ) -> bool:
-        """May one more stream (with `prefill_positions` to prefill) start now?"""
+    def allows(self, num_running: int, behind: int, mature: int) -> bool:
+        """May one more stream start now, beside `num_running` of which `behind` of the `mature`
+        ones (with audio) are short of it?"""
         if num_running == 0:
             self.reason = ""
             return True
@@ -118,10 +118,6 @@ class Admission:
                     f"{cfg.max_duty:.0%} of a {self.frame_s * 1e3:.0f} ms frame"
                 )
                 return False
-        need = self.model.prefill_s(prefill_positions) + cfg.safety_s
-        if tightest_slack_s < need:
-            self.reason = f"the tightest stream has {tightest_slack_s * 1e3:.0f} ms of slack, a prefill needs {need * 1e3:.0f}"
-            return False
         if cfg.max_behind_fraction > 0 and mature and behind > cfg.max_behind_fraction * mature:
             self.reason = f"{behind} of {mature} streams are short of audio"
             return False

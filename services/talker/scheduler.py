@@ -17,7 +17,7 @@ Two numbers come from it:
 
 Prefill of new prompts is budgeted per step from the tightest running stream's slack, so a new
 prompt never makes a running stream late. Admission (`admission.Admission`) starts a waiting
-request only when the predicted step and its prefill keep every running stream on time; waiting
+request only when the predicted step with it stays within its share of a frame; waiting
 requests have a first-audio budget and are refused with a retry hint past it, or at once when the
 queue's drain rate says they could not start within it.
 
@@ -47,7 +47,7 @@ class DeadlinePolicy:
     urgent_lead_s: float = 1.0
     max_lead_s: float = 3.0
     # Prefill positions per step when a running stream is close to its deadline, and at most.
-    min_prefill_positions: int = 64
+    min_prefill_positions: int = 320
     max_prefill_positions: int = 4096
     frame_s: float = FRAME_S
 
@@ -340,35 +340,22 @@ class Scheduler:
         limit = self.max_batch
         if adm is not None:  # a burst ramps up, so the measurements can react
             limit = min(limit, len(self.running) + adm.config.max_admit_per_step)
-        tightest, behind, mature = self._health(now) if adm is not None and self.waiting else (math.inf, 0, 0)
+        behind, mature = self._behind(now) if adm is not None and self.waiting else (0, 0)
         while self.waiting and len(self.running) < limit:
             req = self.waiting[0]
-            # Prefill is budgeted per step from the slack: only its first step's share must fit now.
-            first_prefill = min(req.prefill_positions, self.policy.min_prefill_positions)
-            if adm is not None and not adm.allows(len(self.running), tightest, first_prefill, behind, mature):
+            if adm is not None and not adm.allows(len(self.running), behind, mature):
                 return
             self.waiting.popleft()
             self.running[req.request_id] = req
             plan.admitted.append(req)
             if adm is not None:
                 adm.observe_admit(now)
-                # The newcomer's prefill eats into everyone's slack within this step.
-                tightest -= adm.model.prefill_s(first_prefill)
 
-    def _health(self, now: float) -> tuple[float, int, int]:
-        """(tightest slack of a stream on time, streams short of audio, streams with audio).
-
-        Streams already short of audio count by their share only, so that one slow reader
-        cannot stop admission for everyone."""
-        tightest = math.inf
+    def _behind(self, now: float) -> tuple[int, int]:
+        """(streams whose listener ran dry, streams with audio)."""
         behind = mature = 0
-        step_s = self.admission.model.predict(len(self.running) + 1) if self.admission is not None else 0.0
         for req in self.running.values():
-            if req.first_audio_at is None:
-                continue
-            mature += 1
-            if req.slack_s(now) < 0:
-                behind += 1
-            else:
-                tightest = min(tightest, req.time_left_s(now, step_s))
-        return tightest, behind, mature
+            if req.first_audio_at is not None:
+                mature += 1
+                behind += req.slack_s(now) < 0
+        return behind, mature

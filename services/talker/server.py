@@ -117,6 +117,7 @@ class TalkerServer:
         policy = DeadlinePolicy(
             urgent_lead_s=c.urgent_lead_ms / 1e3,
             max_lead_s=c.max_lead_ms / 1e3,
+            min_prefill_positions=min(DeadlinePolicy.min_prefill_positions, c.max_prefill_tokens),
             max_prefill_positions=c.max_prefill_tokens,
         )
         return Scheduler(c.max_batch, c.max_queue, admission=admission, policy=policy)

@@ -223,7 +223,7 @@ def test_slack_and_underruns_follow_the_playback_clock():
 def test_scheduling_flags(monkeypatch):
     monkeypatch.delenv("TTS_CODE2WAV_COALESCE_MAX_MS", raising=False)
     cfg = config_from_args([])
-    assert (cfg.coalesce_max_ms, cfg.deadline_safety_ms) == (10.0, 100.0)
+    assert (cfg.coalesce_max_ms, cfg.deadline_safety_ms) == (0.0, 100.0)
     cfg = config_from_args(["--coalesce-max-ms", "0", "--deadline-safety-ms", "50"])
     assert (cfg.coalesce_max_ms, cfg.deadline_safety_ms) == (0.0, 50.0)
     monkeypatch.setenv("TTS_CODE2WAV_COALESCE_MAX_MS", "4.5")
