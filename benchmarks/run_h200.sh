@@ -10,6 +10,8 @@
 #           With .whl_prof (py-spy) carried too, benchmarks/profile_stack.sh samples every process.
 #   replicas: the sweep with 1, then 2 code2wav replicas (issue #7; CODE2WAV_DEVICES on several
 #           GPUs). Carry: .whl .whl_av
+#   gaps:   float32 graph-vs-eager greedy agreement per bucket, talker-alone capacity, then the
+#           stack sweep (one fresh machine, the same day). Carry: .whl .whl_av
 #   decode: code2wav decode engine (both precisions). Carry: .whl
 #
 # Usage on the device machine, from the repository root (OUT defaults to $OUT, else run/h200):
@@ -23,7 +25,7 @@
 # Settings (environment): TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS, CONCURRENCY, NUM_REQUESTS,
 # ROUNDS, TIME_LIMIT (stack); CAPACITY_ARGS (talker).
 set -uo pipefail
-MODE="${1:?talker, stack, replicas or decode}"
+MODE="${1:?talker, stack, gaps, replicas or decode}"
 OUT="${OUT:-run/h200}"
 mkdir -p "$OUT"
 RES="$(mktemp -d)/results"
@@ -40,6 +42,7 @@ install() {  # $1: wheel folder, $2: target
 pack() {
     tar -czf "$OUT/results.tar.gz" -C "$(dirname "$RES")" results
     for f in "$RES"/*.log "$RES"/stack/*.md "$RES"/replicas-*/*.md; do
+        [[ "$f" == */stack.log ]] && continue  # progress bars only; results.md has the table
         [[ -f "$f" ]] && { echo "== $f"; tail -n 30 "$f"; }
     done
 }
@@ -75,6 +78,26 @@ stack)
         GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
         timeout 570 benchmarks/launch_gpu_stack.sh "$RES/stack" >"$RES/stack.log" 2>&1
     ;;
+gaps)
+    # Zero-gaps measurements of one fresh machine: the float32 (TF32 off) greedy agreement of the
+    # graph engine with the eager reference in every batch bucket, the talker-alone capacity
+    # with prefill traffic, then the closed-loop stack sweep. Carry: .whl .whl_av
+    install .whl /tmp/site && install .whl_av /tmp/site && export PYTHONPATH=/tmp/site:.
+    python3 -c "from qtts import pb; pb.generate(force=True)"
+    timeout "${AGREEMENT_TIMEOUT:-150}" python3 -m benchmarks.talker_step --models qwen3-tts-12hz-1.7b-base \
+        --dtype float32 --agreement-only --batches all --out "$RES/talker_fp32_agreement.json" \
+        >"$RES/talker_fp32_agreement.log" 2>&1
+    # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags
+    timeout "${CAPACITY_TIMEOUT:-140}" python3 -m benchmarks.talker_capacity --streams "${CAPACITY_STREAMS:-768,1024}" \
+        --measure-steps 100 ${CAPACITY_ARGS:---prefill-buckets 64,128,192,256,320,384,448,512} \
+        --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1
+    PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-256 512 768}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
+        ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-200}" \
+        TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512}" \
+        CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024 --max-batch 256}" \
+        GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
+        timeout "${STACK_TIMEOUT:-300}" benchmarks/launch_gpu_stack.sh "$RES/stack" >"$RES/stack.log" 2>&1
+    ;;
 replicas)
     # Issue #7's table: the sweep with 1..N code2wav replicas. On one GPU they share it; on a
     # multi-GPU host set CODE2WAV_DEVICES (e.g. "cuda:1,cuda:2,cuda:3"; the talker stays on cuda:0).
@@ -94,7 +117,7 @@ decode)
         >"$RES/code2wav_decode.log" 2>&1
     ;;
 *)
-    echo "unknown mode $MODE (talker, stack, replicas or decode)" >&2
+    echo "unknown mode $MODE (talker, stack, gaps, replicas or decode)" >&2
     exit 2
     ;;
 esac

@@ -203,9 +203,12 @@ class GenerationEngine:
             self._cond.notify()
 
     def grant(self, req: ScheduledRequest, frames_allowed_until: int) -> None:
-        """Record code2wav credit for a request and wake the loop when it grew."""
+        """Record code2wav credit for a request; wake the loop only when the stream was stopped
+        for lack of it (every other grant changes nothing the next plan depends on, and a plan
+        looks at every running stream)."""
         with self._cond:
-            if req.credit.grant(frames_allowed_until):
+            blocked = not req.credit.has_credit()
+            if req.credit.grant(frames_allowed_until) and blocked:
                 self._cond.notify()
 
     def counts(self) -> tuple[int, int]:
@@ -246,7 +249,7 @@ class GenerationEngine:
             if plan.wake_at is not None:
                 timeout = min(timeout, max(plan.wake_at - now, 0.0005))
             if self._scheduler.waiting:  # held-back requests are re-checked soon
-                timeout = min(timeout, 0.005)
+                timeout = min(timeout, 0.02)
             self._cond.wait(timeout)
 
     def _run(self) -> None:
