@@ -73,8 +73,8 @@ class TalkerConfig:
     # Playback-deadline scheduling (services/talker/scheduler.py): a step runs once a stream's
     # listener would have less than the urgent lead buffered after its next chunk, and a stream
     # whose generated audio leads its listener by the max lead pauses.
-    urgent_lead_ms: float = 1000.0
-    max_lead_ms: float = 3000.0
+    urgent_lead_ms: float = 2000.0
+    max_lead_ms: float = 4000.0
     # Admission from measured capacity (services/talker/admission.py): a request starts only while a
     # step of every running stream is predicted to take at most this share of a frame (0 = no
     # limit), and waits at most the first-audio budget before it is refused (0 = no budget).

@@ -44,8 +44,8 @@ FRAME_S = 0.08  # one codec frame: 1920 samples at 24 kHz
 class DeadlinePolicy:
     """How far ahead of its listener a stream runs; seconds of audio."""
 
-    urgent_lead_s: float = 1.0
-    max_lead_s: float = 3.0
+    urgent_lead_s: float = 2.0
+    max_lead_s: float = 4.0
     # Prefill positions per step when a running stream is close to its deadline, and at most.
     min_prefill_positions: int = 320
     max_prefill_positions: int = 4096

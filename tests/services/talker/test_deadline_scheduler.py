@@ -206,13 +206,9 @@ def test_a_long_prefill_beside_running_streams_makes_none_of_them_late():
 
 def test_config_flags_for_deadlines_and_admission():
     c = config_from_args([])
-    assert (c.urgent_lead_ms, c.max_lead_ms, c.admission_max_duty, c.first_audio_budget_ms) == (
-        1000,
-        3000,
-        0.6,
-        1500,
-    )
+    assert (c.urgent_lead_ms, c.max_lead_ms) == (2000, 4000)
+    assert (c.admission_max_duty, c.first_audio_budget_ms) == (0.6, 1500)
     with pytest.raises(SystemExit):
-        config_from_args(["--urgent-lead-ms", "4000", "--max-lead-ms", "3000"])
+        config_from_args(["--urgent-lead-ms", "5000", "--max-lead-ms", "4000"])
     with pytest.raises(SystemExit):
         config_from_args(["--admission-max-duty", "-1"])
