@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DEFAULT_FIRST_CHUNK_FRAMES = 2
-DEFAULT_CHUNK_RAMP = (2, 4, 8, 16)
+DEFAULT_FIRST_CHUNK_FRAMES = 4
+DEFAULT_CHUNK_RAMP = (4, 8, 16)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class TalkerConfig:
     # Graph engine: prompt positions prefilled per step (bounds a running stream's stall; must keep
     # up with arrivals), and the frame step's decode layers: "auto" (fused Triton kernels on CUDA),
     # "triton" or "torch" (the PyTorch ops, a fallback).
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = 2048
     decode_kernels: str = "auto"
     # Sampling of the 16 codebooks: "auto" (one Triton kernel per codebook on CUDA), "triton", or
     # "torch" (the PyTorch reference; same semantics, more kernels).

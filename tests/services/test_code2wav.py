@@ -29,6 +29,9 @@ def _codes(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 2048, (n, 16)).astype(np.int16)
 
 
+TEST_PLAN = ChunkPlan(2, (2, 4, 8, 16))
+
+
 def _start(request_id: str = "r", prefix: np.ndarray | None = None, nc: int = 16, **kw) -> pb.DecodeRequest:
     start = pb.StreamStart(request_id=request_id, num_codebooks=nc, **kw)
     if prefix is not None:
@@ -55,6 +58,9 @@ def _ack(samples: int) -> pb.DecodeRequest:
 
 @asynccontextmanager
 async def code2wav(decoder, limits: StreamLimits | None = None, **overrides):
+    # A plan of 2-frame chunks first, so that the protocol tests' 2-frame deltas decode at once.
+    overrides.setdefault("first_chunk_frames", TEST_PLAN.first)
+    overrides.setdefault("chunk_frames_ramp", TEST_PLAN.ramp)
     config = Code2WavConfig(port=0, metrics_port=0, drain_seconds=0.5, replica_name="replica-a", **overrides)
     server = Code2WavServer(config.validate(), decoder=decoder, limits=limits)
     port = await server.start()
@@ -109,13 +115,13 @@ async def run_stream(
 def test_chunk_planner_default_ramp_repeats_last_value():
     plan = ChunkPlan()
     # Each chunk as long as the audio before it: a step under 80 ms keeps any stream's ramp on time.
-    assert [plan.size(i) for i in range(8)] == [2, 2, 4, 8, 16, 16, 16, 16]
-    assert plan.split(3) == [2, 1]
-    assert plan.split(40) == [2, 2, 4, 8, 16, 8]
+    assert [plan.size(i) for i in range(8)] == [4, 4, 8, 16, 16, 16, 16, 16]
+    assert plan.split(3) == [3]
+    assert plan.split(40) == [4, 4, 8, 16, 8]
     assert sum(plan.split(1000)) == 1000
     assert plan.split(0) == []
     assert ChunkPlan(1, (3,)).split(7) == [1, 3, 3]
-    assert plan.capped(8).split(30) == [2, 2, 4, 8, 8, 6]
+    assert plan.capped(8).split(30) == [4, 4, 8, 8, 6]
     assert ChunkPlan.from_request(0, [], plan) == plan
 
 
@@ -155,7 +161,7 @@ def test_config_rejects_chunks_larger_than_the_credit():
     with pytest.raises(Exception, match="largest chunk"):
         config_from_args(["--credit-window-frames", "8"])  # default ramp ends at 16
     cfg = config_from_args(["--credit-window-frames", "8", "--chunk-frames-ramp", "4,8", "--port", "0"])
-    assert cfg.chunk_plan == ChunkPlan(2, (4, 8))
+    assert cfg.chunk_plan == ChunkPlan(4, (4, 8))
 
 
 # ---------------------------------------------------------------------------- through the server
@@ -169,7 +175,7 @@ async def test_stream_returns_chunks_in_order_then_done(fake_decoder, bidi_clien
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
         chunks, done, grants = await run_stream(bidi_client, stub, codes)
-        assert [c.num_frames for c in chunks] == ChunkPlan().split(40)
+        assert [c.num_frames for c in chunks] == TEST_PLAN.split(40)
         assert [c.first_frame_index for c in chunks] == list(
             np.cumsum([0] + [c.num_frames for c in chunks[:-1]])
         )
@@ -282,7 +288,7 @@ async def test_max_states_rejects_with_resource_exhausted(fake_decoder, bidi_cli
 
 @pytest.mark.parametrize("how", ["cancel", "channel_close"])
 async def test_state_freed_when_client_goes_away(fake_decoder, bidi_client, how):
-    config = Code2WavConfig(port=0, metrics_port=0, drain_seconds=0.5).validate()
+    config = Code2WavConfig(port=0, metrics_port=0, drain_seconds=0.5, first_chunk_frames=2).validate()
     server = Code2WavServer(config, decoder=fake_decoder)
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -384,7 +390,7 @@ async def test_audio_equals_incremental_decoder_output(bidi_client):
 
     async with code2wav(IncrementalDecoder(codec), limits=limits) as (server, stub):
         chunks, done, _ = await run_stream(bidi_client, stub, codes, prefix=prefix)
-        assert [c.num_frames for c in chunks] == ChunkPlan().split(13)
+        assert [c.num_frames for c in chunks] == TEST_PLAN.split(13)
         pcm = np.frombuffer(b"".join(c.pcm_s16le for c in chunks), dtype="<i2")
         assert pcm.shape == expected_pcm.shape == (13 * limits.samples_per_frame,)
         # Chunked decoding equals one decode within float tolerance: at most 1-2 LSB after rounding.

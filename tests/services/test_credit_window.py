@@ -172,7 +172,9 @@ async def test_stalled_consumer_bounds_the_producer_through_the_server(fake_deco
 async def test_stalled_decoder_bounds_the_backlog_through_the_server(fake_decoder, bidi_client):
     from tests.services.conftest import wait_until
 
-    config = Code2WavConfig(port=0, metrics_port=0, drain_seconds=0.5, credit_window_frames=32).validate()
+    config = Code2WavConfig(
+        port=0, metrics_port=0, drain_seconds=0.5, credit_window_frames=32, first_chunk_frames=2
+    ).validate()
     server = Code2WavServer(config, decoder=fake_decoder)
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

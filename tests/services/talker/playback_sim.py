@@ -2,7 +2,7 @@
 
 The engine's step costs `base_s + per_stream_s * rows` plus `prefill_position_s` per prompt
 position prefilled in it (prefill honours the scheduler's per-step budget, chunked as the graph
-engine does). A stream's frames reach its listener a chunk at a time (2, 2, 4, 8, then 16 frames,
+engine does). A stream's frames reach its listener a chunk at a time (4, 4, 8, then 16 frames,
 as code2wav's default plan), `decode_s` after the chunk's last frame. Each listener starts playing
 when its first chunk arrives and measures underruns as the benchmark client does.
 """

@@ -48,4 +48,4 @@ def test_engine_flags_reach_the_graph_engine_config(monkeypatch):
     monkeypatch.setenv("TTS_TALKER_DECODE_KERNELS", "torch")
     cfg = config_from_args(["--max-prefill-tokens", "1024", "--sample-kernel", "torch"])
     assert (cfg.decode_kernels, cfg.max_prefill_tokens, cfg.sample_kernel) == ("torch", 1024, "torch")
-    assert config_from_args([]).max_prefill_tokens == 4096
+    assert config_from_args([]).max_prefill_tokens == 2048
