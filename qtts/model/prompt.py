@@ -150,7 +150,13 @@ class PromptBuilder:
         return self.talker.codec_head.weight.device
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor([ids], dtype=torch.long, device=self._device())
+        device = self._device()
+        host = torch.tensor([ids], dtype=torch.long)
+        if device.type != "cuda":
+            return host.to(device)
+        # Pinned and non-blocking: a plain copy from pageable memory waits until the GPU has run
+        # everything queued before it, i.e. the engine's frame step, on every prompt built.
+        return host.pin_memory().to(device, non_blocking=True)
 
     def _text(self, ids: list[int]) -> torch.Tensor:
         return self.talker.embed_text(self._ids(ids))  # [1, n, H]

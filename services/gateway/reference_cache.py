@@ -42,14 +42,24 @@ class DecodedReferenceCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __call__(self, data: bytes) -> np.ndarray:
-        key = hashlib.sha256(data).digest()
+    def cached(self, data: bytes) -> np.ndarray | None:
+        """The decoded clip when it is in the cache (a hit), else None; cheap enough for an event
+        loop (a hash of the bytes), so a hit needs no trip through a worker thread."""
+        return self._lookup(hashlib.sha256(data).digest())
+
+    def _lookup(self, key: bytes) -> np.ndarray | None:
         with self._lock:
             pcm = self._entries.get(key)
             if pcm is not None:
                 self._entries.move_to_end(key)
         if pcm is not None:
             self._on_hit()
+        return pcm
+
+    def __call__(self, data: bytes) -> np.ndarray:
+        key = hashlib.sha256(data).digest()
+        pcm = self._lookup(key)
+        if pcm is not None:
             return pcm
         self._on_miss()
         pcm = np.asarray(self._decode(data))

@@ -79,10 +79,11 @@ class TalkerCore:
         if checked.task == VOICE_CLONE:
             with self._metrics.stage_timer("voice_prompt"):
                 voice_prompt = await self._voices.resolve(req)
-        prompt = await asyncio.to_thread(self._build_prompt, req, checked, voice_prompt)
-        ref_codes = None
-        if getattr(prompt, "ref_codes", None) is not None:
-            ref_codes = prompt.ref_codes.detach().to("cpu").numpy().astype(np.int16)
+        # Built in a worker thread, the host copy of the reference frames too: that copy waits for
+        # the GPU (behind the engine's step), which must never block the event loop.
+        prompt, ref_codes = await asyncio.to_thread(
+            self._build_prompt_and_ref_codes, req, checked, voice_prompt
+        )
         session = StreamSession(
             request_id=req.request_id,
             prompt=prompt,
@@ -103,6 +104,14 @@ class TalkerCore:
         async with contextlib.aclosing(session.run()) as items:
             async for item in items:
                 yield item
+
+    def _build_prompt_and_ref_codes(
+        self, req: GenerationRequest, checked: Any, voice_prompt: Any
+    ) -> tuple[Any, np.ndarray | None]:
+        """The prompt, and its ICL reference frames as int16 host rows for code2wav (or None)."""
+        prompt = self._build_prompt(req, checked, voice_prompt)
+        ref = getattr(prompt, "ref_codes", None)
+        return prompt, None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
 
     def _build_prompt(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
         if self._spec_factory is None:

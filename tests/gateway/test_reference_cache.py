@@ -84,6 +84,10 @@ async def test_server_uses_the_cache_unless_disabled():
     server.reference_cache(clip)
     assert server.metrics.reference_cache_hits._value.get() == 1
     assert server.metrics.reference_cache_misses._value.get() == 1
+    # A hit is also answered without decoding (on the event loop); a miss is None.
+    assert server.reference_cache.cached(clip) is not None
+    assert server.reference_cache.cached(wav_bytes(seconds=0.5)) is None
+    assert server.metrics.reference_cache_hits._value.get() == 2
     off = GatewayServer(
         GatewayConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=0, ref_audio_cache_mb=0).validate(),
         decode=fake_decode,
