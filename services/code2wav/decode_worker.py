@@ -84,6 +84,9 @@ class DecodeEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-decode")
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        # Streams that became ready during a coalescing wait (None while no wait is on).
+        self._arrived: set[DecodeStream] | None = None
+        self._rescan = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -177,8 +180,14 @@ class DecodeEngine:
         if stream.decoder_state is not None:
             self._free_later(stream.decoder_state)
 
-    def notify(self) -> None:
-        """Frames arrived or a stream ended: look for ready chunks."""
+    def notify(self, stream: DecodeStream | None = None) -> None:
+        """Frames arrived or a stream ended (`stream`, when the caller knows it): look for ready
+        chunks."""
+        if self._arrived is not None:  # a coalescing wait is on
+            if stream is None:
+                self._rescan = True
+            elif stream.ready_frames():
+                self._arrived.add(stream)
         self._wake.set()
 
     def _forget(self, stream: DecodeStream) -> None:
@@ -251,29 +260,47 @@ class DecodeEngine:
     async def _coalesce(self) -> None:
         """Wait for more ready streams while every ready one can afford it (see the module docstring).
 
-        Re-checks on every arrival: a first chunk or a nearer deadline ends the wait early, and so
-        do a full batch, no other stream that could become ready, or a wait with no arrival.
+        One scan of the streams at the start; after that each arrival is looked at alone (the
+        servicer names the stream in `notify`), so a wait costs O(1) per message at any number of
+        streams. A first chunk or a nearer deadline ends the wait early, and so do a full batch,
+        no other stream that could become ready, or a wait with no arrival.
         """
         if self.coalesce_max_s <= 0:
             return
+        ready, nearest, others = self._scan()
         until = self.clock() + self.coalesce_max_s
-        while True:
-            ready, nearest, others = 0, math.inf, False
-            for stream in self.registry:
-                if stream.ready_frames():
-                    ready += 1
-                    nearest = min(nearest, stream.deadline)
-                elif not stream.closed and stream.total_frames is None:
-                    others = True
-            until = min(until, nearest - self.deadline_safety_s)
-            wait = until - self.clock()
-            if not ready or ready >= self.max_batch or not others or wait <= 0:
-                return
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait)
-            except TimeoutError:
-                return
+        self._arrived = set()
+        try:
+            while True:
+                if self._rescan:  # woken without a stream named: look at all of them again
+                    self._rescan = False
+                    ready, nearest, others = self._scan()
+                    self._arrived.clear()
+                for stream in self._arrived:
+                    if stream.ready_frames():
+                        nearest = min(nearest, stream.deadline)
+                until = min(until, nearest - self.deadline_safety_s)
+                wait = until - self.clock()
+                if not ready or ready + len(self._arrived) >= self.max_batch or not others or wait <= 0:
+                    return
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                except TimeoutError:
+                    return
+        finally:
+            self._arrived = None
+
+    def _scan(self) -> tuple[int, float, bool]:
+        """(ready streams, their nearest deadline, whether any other stream could become ready)."""
+        ready, nearest, others = 0, math.inf, False
+        for stream in self.registry:
+            if stream.ready_frames():
+                ready += 1
+                nearest = min(nearest, stream.deadline)
+            elif not stream.closed and stream.total_frames is None:
+                others = True
+        return ready, nearest, others
 
     def _collect(self) -> list[tuple[DecodeStream, int, np.ndarray]]:
         ready = [s for s in self.registry if s.ready_frames() > 0]

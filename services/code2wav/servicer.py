@@ -123,12 +123,12 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
                 if kind == "frames":
                     codes = codes_from_bytes(req.frames.codes_i16, req.frames.num_frames, nc, "frames")
                     stream.add_frames(req.frames.first_frame_index, codes)
-                    self.engine.notify()
+                    self.engine.notify(stream)
                 elif kind == "ack":
                     stream.ack(req.ack.samples_delivered)
                 elif kind == "end":
                     stream.end(req.end.total_frames)
-                    self.engine.notify()
+                    self.engine.notify(stream)
                 elif kind == "start":
                     raise FailedPrecondition("second StreamStart on one stream")
                 else:
