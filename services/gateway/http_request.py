@@ -41,15 +41,19 @@ _KNOWN_FIELDS = {
 
 @dataclass(frozen=True)
 class OutputOptions:
-    """How the client wants the audio delivered."""
+    """How the client wants the audio delivered.
+
+    The body streams as audio is produced unless the client sends `"stream": false` (then it is one
+    complete file with exact sizes and the `x-tts-*` result headers); OpenAI's API streams by default
+    and its SDK's `with_streaming_response` relies on that. SSE always streams."""
 
     response_format: str = "mp3"
-    stream: bool = False
+    stream: bool | None = None
     stream_format: str = "audio"
 
     @property
     def streaming(self) -> bool:
-        return self.stream or self.stream_format == "sse"
+        return self.stream is not False or self.stream_format == "sse"
 
 
 def _get(body: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -144,4 +148,4 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
         ),
         sample_rate=_integer(body, "sample_rate"),
     )
-    return fields, OutputOptions(response_format=fmt, stream=bool(stream), stream_format=stream_format)
+    return fields, OutputOptions(response_format=fmt, stream=stream, stream_format=stream_format)

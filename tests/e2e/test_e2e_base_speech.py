@@ -27,7 +27,7 @@ def clone_body(icl: bool, **kw) -> dict:
 @pytest.mark.parametrize("icl", [True, False], ids=["icl", "x_vector_only"])
 def test_voice_clone_streaming_and_non_streaming(stack, icl):
     with httpx.Client(base_url=stack.http_url, timeout=120) as c:
-        r = c.post("/v1/audio/speech", json=clone_body(icl))
+        r = c.post("/v1/audio/speech", json=clone_body(icl, stream=False))
         assert r.status_code == 200, r.text
         frames = int(r.headers["x-tts-num-frames"])
         assert 1 <= frames <= MAX_FRAMES
@@ -41,7 +41,7 @@ def test_voice_clone_streaming_and_non_streaming(stack, icl):
             pcm = b"".join(s.iter_bytes())
         assert len(pcm) % FRAME_BYTES == 0 and len(pcm) == frames * FRAME_BYTES
 
-        with c.stream("POST", "/v1/audio/speech", json=clone_body(icl, stream=True)) as s:
+        with c.stream("POST", "/v1/audio/speech", json=clone_body(icl)) as s:  # streams by default
             wav = b"".join(s.iter_bytes())
         assert wav[4:8] == b"\xff\xff\xff\xff" and len(wav) - 44 == frames * FRAME_BYTES
 
@@ -93,7 +93,7 @@ def test_bad_input_gets_openai_errors_and_the_service_keeps_serving(stack):
             error = r.json()["error"]
             assert error["code"] == status and error["message"] and error["type"], error
         assert c.get("/health").status_code == 200
-        r = c.post("/v1/audio/speech", json=clone_body(False, max_new_tokens=4))
+        r = c.post("/v1/audio/speech", json=clone_body(False, max_new_tokens=4, stream=False))
         assert r.status_code == 200 and wav_frames(r.content) == int(r.headers["x-tts-num-frames"]) * FRAME
 
 
@@ -103,11 +103,14 @@ def test_openai_sdk(stack):
     model = client.models.list().data[0].id
     extra = {"ref_audio": REF_B64, "x_vector_only_mode": True, "max_new_tokens": 6, "temperature": 0}
     audio = client.audio.speech.create(model=model, voice="caller", input="Hello from the SDK.",
-                                       response_format="wav", extra_body=extra)
+                                       response_format="wav", extra_body={**extra, "stream": False})
     assert wav_frames(audio.content) % FRAME == 0 and wav_frames(audio.content) > 0
+    # No extra streaming field: the body streams by default, as OpenAI's does.
+    streamed = client.audio.speech.create(model=model, voice="caller", input="Hello from the SDK.",
+                                          response_format="wav", extra_body=extra)
+    assert streamed.content[4:8] == b"\xff\xff\xff\xff" and streamed.content[44:] == audio.content[44:]
     with client.audio.speech.with_streaming_response.create(
-        model=model, voice="caller", input="Hello from the SDK.", response_format="pcm",
-        extra_body={**extra, "stream": True},
+        model=model, voice="caller", input="Hello from the SDK.", response_format="pcm", extra_body=extra,
     ) as response:
         pcm = b"".join(response.iter_bytes())
     assert len(pcm) == wav_frames(audio.content) * 2

@@ -27,7 +27,8 @@ def test_voice_created_through_the_api_survives_a_speaker_cache_restart(stack):
         names = [v["name"] for v in c.get("/v1/audio/voices").json()["voices"]]
         assert "persisted" in names
         r = c.post("/v1/audio/speech", json={"input": "Using a stored voice.", "voice": "persisted",
-                                             "max_new_tokens": 5, "response_format": "wav"})
+                                             "max_new_tokens": 5, "response_format": "wav",
+                                             "stream": False})
         assert r.status_code == 200, r.text
         assert wav_frames(r.content) == int(r.headers["x-tts-num-frames"]) * FRAME
         assert c.delete("/v1/audio/voices/persisted").status_code == 200

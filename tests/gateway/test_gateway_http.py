@@ -8,10 +8,13 @@ import io
 import json
 import wave
 
+import av
 import httpx
+import pytest
 from gateway_fakes import BASE, CUSTOM, FRAME, build_gateway, frame_pcm, serve_http, wav_bytes
 
 from qtts.errors import NotFound, Unavailable
+from services.gateway.audio_encoding import MEDIA_TYPES
 
 REF = base64.b64encode(wav_bytes()).decode()
 
@@ -27,7 +30,7 @@ def expected_pcm(frames: int) -> bytes:
 
 async def test_non_streaming_wav_has_headers_and_whole_frames():
     async with serve_http(build_gateway(frames=5)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
-        r = await c.post("/v1/audio/speech", json=body(response_format="wav"))
+        r = await c.post("/v1/audio/speech", json=body(response_format="wav", stream=False))
         assert r.status_code == 200, r.text
         assert r.headers["content-type"] == "audio/wav"
         assert r.headers["x-tts-num-frames"] == "5" and r.headers["x-tts-finish-reason"] == "length"
@@ -47,6 +50,33 @@ async def test_streaming_pcm_and_wav_bytes_as_produced():
         r = await c.post("/v1/audio/speech", json=body(stream=True, response_format="wav"))
         assert r.content[4:8] == b"\xff\xff\xff\xff" and r.content[44:] == expected_pcm(6)
         assert gw.talker.completed == 2 and gw.synth.admission.active == 0
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "wav", "mp3", "flac", "opus", "aac"])
+async def test_every_format_streams_by_default(fmt):
+    # As OpenAI's API: no `stream` field, and the first bytes arrive while the talker still runs.
+    gw0 = build_gateway(frames=40, chunk=2, delay_s=0.01)
+    async with serve_http(gw0) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        payload = body(response_format=fmt)
+        if fmt == "mp3":
+            del payload["response_format"]  # OpenAI's default format
+        async with c.stream("POST", "/v1/audio/speech", json=payload) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == MEDIA_TYPES[fmt]
+            chunks = r.aiter_raw()
+            parts = [await chunks.__anext__()]
+            assert gw.talker.active == 1 and gw.talker.completed == 0
+            parts += [chunk async for chunk in chunks]
+        data = b"".join(parts)
+        assert gw.talker.completed == 1 and gw.synth.admission.active == 0
+    if fmt == "pcm":
+        assert data == expected_pcm(40)
+        return
+    if fmt == "wav":
+        assert data[4:8] == data[40:44] == b"\xff\xff\xff\xff" and data[44:] == expected_pcm(40)
+        return
+    with av.open(io.BytesIO(data)) as container:
+        seconds = sum(f.samples / f.sample_rate for f in container.decode(audio=0))
+    assert abs(seconds - 40 * FRAME / 24000) < 0.1, seconds
 
 
 async def test_sse_deltas_and_done_with_usage():
@@ -78,7 +108,7 @@ async def test_error_after_first_byte_is_an_sse_error_event():
 
 async def test_resampled_output_rate():
     async with serve_http(build_gateway(frames=5)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
-        r = await c.post("/v1/audio/speech", json=body(response_format="wav", sample_rate=16000))
+        r = await c.post("/v1/audio/speech", json=body(response_format="wav", sample_rate=16000, stream=False))
         with wave.open(io.BytesIO(r.content)) as w:
             assert w.getframerate() == 16000 and abs(w.getnframes() - 5 * 1280) <= 2
 

@@ -86,7 +86,8 @@ async def test_gateway_end_to_end_with_fake_talker_and_real_speaker_cache():
             assert [v["name"] for v in (await c.get("/v1/audio/voices")).json()["voices"]] == ["alice"]
 
             r = await c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alice", "max_new_tokens": 4,
-                                                       "seed": 9, "top_k": 5, "response_format": "pcm"})
+                                                       "seed": 9, "top_k": 5, "response_format": "pcm",
+                                                       "stream": False})
             assert r.status_code == 200 and r.content == frame_pcm(0, 4)
             assert r.headers["x-tts-code2wav-replica"] == "c2w-a"
             req = talker.requests[-1]

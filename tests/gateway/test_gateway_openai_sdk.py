@@ -1,0 +1,27 @@
+"""The official `openai` SDK, unmodified, against the HTTP app with a fake talker."""
+
+from __future__ import annotations
+
+import base64
+
+import openai
+from gateway_fakes import FRAME, build_gateway, frame_pcm, serve_http, wav_bytes
+
+REF = base64.b64encode(wav_bytes()).decode()
+CLONE = {"ref_audio": REF, "x_vector_only_mode": True}
+
+
+async def test_with_streaming_response_gets_bytes_while_the_talker_runs():
+    async with serve_http(build_gateway(frames=30, chunk=1, delay_s=0.01)) as gw:
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        async with client.audio.speech.with_streaming_response.create(
+            model="tiny-base", voice="any", input="Hello from the SDK.", response_format="pcm",
+            extra_body=CLONE,
+        ) as response:
+            chunks = response.iter_bytes()
+            first = await chunks.__anext__()
+            assert first and gw.talker.active == 1 and gw.talker.completed == 0
+            pcm = first + b"".join([chunk async for chunk in chunks])
+        assert pcm == frame_pcm(0, 30) and len(pcm) == 30 * FRAME * 2
+        assert gw.talker.completed == 1 and gw.synth.admission.active == 0
+        await client.close()
