@@ -86,6 +86,16 @@ def _integer(body: dict, key: str) -> int | None:
     return value
 
 
+def _voice(body: dict) -> str | None:
+    """A voice name, or OpenAI's custom voice object `{"id": "<voice id>"}` (the id is the name)."""
+    value = body.get("voice")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and set(value) == {"id"} and isinstance(value["id"], str) and value["id"].strip():
+        return value["id"]
+    raise InvalidArgument(f'voice must be a voice name or an object {{"id": "<voice id>"}}, got {value!r}'[:200])
+
+
 def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
     """Decode plain base64 or a `data:audio/...;base64,` URL; raise InvalidArgument otherwise."""
     data = value.strip()
@@ -131,7 +141,7 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
         text=text,
         model=_get(body, "model", str, "a string") or "",
         task=_get(body, "task_type", str, "a string"),
-        voice=_get(body, "voice", str, "a string"),
+        voice=_voice(body),
         language=_get(body, "language", str, "a string"),
         instructions=_get(body, "instructions", str, "a string"),
         reference_audio=decode_base64_audio(ref_audio) if ref_audio is not None else None,

@@ -133,6 +133,18 @@ async def test_openai_shaped_errors_and_service_keeps_serving():
         assert (await c.post("/v1/audio/speech", json=body())).status_code == 200
 
 
+async def test_voice_as_a_name_or_an_openai_id_object():
+    async with serve_http(build_gateway(CUSTOM, frames=2)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        for voice in ("vivian", {"id": "ryan"}):
+            r = await c.post("/v1/audio/speech", json={"input": "hi", "voice": voice, "response_format": "pcm"})
+            assert r.status_code == 200, r.text
+        assert [job.voice for job in gw.talker.jobs] == ["vivian", "ryan"]
+        for bad in ({}, {"id": ""}, {"id": 3}, {"name": "ryan"}, {"id": "ryan", "extra": 1}, ["ryan"], 7):
+            r = await c.post("/v1/audio/speech", json={"input": "hi", "voice": bad, "response_format": "pcm"})
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith("voice "), (bad, r.text)
+        assert len(gw.talker.jobs) == 2
+
+
 async def test_talker_error_before_audio_keeps_its_status():
     gw0 = build_gateway(error_before=NotFound("voice 'bob' does not exist"))
     async with serve_http(gw0) as gw, httpx.AsyncClient(base_url=gw.url) as c:

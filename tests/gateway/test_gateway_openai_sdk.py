@@ -25,3 +25,12 @@ async def test_with_streaming_response_gets_bytes_while_the_talker_runs():
         assert pcm == frame_pcm(0, 30) and len(pcm) == 30 * FRAME * 2
         assert gw.talker.completed == 1 and gw.synth.admission.active == 0
         await client.close()
+
+
+async def test_custom_voice_object():
+    async with serve_http(build_gateway(frames=2)) as gw:
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        audio = await client.audio.speech.create(model="tiny-base", voice={"id": "stored"}, input="Hi.",
+                                                 response_format="pcm", extra_body=CLONE)
+        assert audio.content == frame_pcm(0, 2) and gw.talker.jobs[0].voice == "stored"
+        await client.close()
