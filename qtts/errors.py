@@ -8,11 +8,14 @@ import grpc
 
 
 class TTSError(Exception):
-    """Base class of errors a request can end with; the message is shown to the client."""
+    """Base class of errors a request can end with; the message is shown to the client.
 
-    def __init__(self, message: str):
+    `param`, when known, names the request field at fault (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.message = message
+        self.param = param
 
 
 class InvalidArgument(TTSError):
@@ -33,8 +36,8 @@ class ResourceExhausted(TTSError):
     `retry_after_s`, when known, is how long the refusing stage expects its queue to take to
     drain: sent as gRPC trailing metadata `retry-after` and as the HTTP `Retry-After` header."""
 
-    def __init__(self, message: str, retry_after_s: int | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, retry_after_s: int | None = None, param: str | None = None):
+        super().__init__(message, param)
         self.retry_after_s = retry_after_s
 
 
@@ -59,20 +62,25 @@ class ErrorMapping:
     http_status: int
     openai_type: str
     grpc_code: grpc.StatusCode
+    # OpenAI's error `code`: a short string, or None (null) where nothing more specific is known.
+    openai_code: str | None
 
 
 ERROR_TABLE: dict[type[TTSError], ErrorMapping] = {
-    InvalidArgument: ErrorMapping(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
-    NotFound: ErrorMapping(404, "not_found_error", grpc.StatusCode.NOT_FOUND),
-    AlreadyExists: ErrorMapping(409, "conflict_error", grpc.StatusCode.ALREADY_EXISTS),
-    ResourceExhausted: ErrorMapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
-    FailedPrecondition: ErrorMapping(400, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION),
-    Unavailable: ErrorMapping(503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE),
-    GenerationFailed: ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL),
-    Cancelled: ErrorMapping(499, "cancelled_error", grpc.StatusCode.CANCELLED),
+    InvalidArgument: ErrorMapping(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT,
+                                  "invalid_value"),
+    NotFound: ErrorMapping(404, "not_found_error", grpc.StatusCode.NOT_FOUND, "not_found"),
+    AlreadyExists: ErrorMapping(409, "conflict_error", grpc.StatusCode.ALREADY_EXISTS, "already_exists"),
+    ResourceExhausted: ErrorMapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    "rate_limit_exceeded"),
+    FailedPrecondition: ErrorMapping(400, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION,
+                                     "failed_precondition"),
+    Unavailable: ErrorMapping(503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE, "unavailable"),
+    GenerationFailed: ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL, "generation_failed"),
+    Cancelled: ErrorMapping(499, "cancelled_error", grpc.StatusCode.CANCELLED, "cancelled"),
 }
 
-_INTERNAL = ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL)
+_INTERNAL = ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL, None)
 _BY_GRPC_CODE = {m.grpc_code: cls for cls, m in ERROR_TABLE.items()}
 
 
@@ -107,7 +115,11 @@ def retry_after_of(metadata) -> int | None:
 
 
 def openai_error_body(exc: BaseException) -> dict:
-    """The OpenAI-shaped JSON error body for an exception."""
+    """The OpenAI-shaped JSON error body for an exception: `param` names the field at fault when
+    known, `code` is a string or null (the HTTP status is the response's own)."""
     m = mapping_for(exc)
-    message = exc.message if isinstance(exc, TTSError) else "internal server error"
-    return {"error": {"message": message, "type": m.openai_type, "param": None, "code": m.http_status}}
+    if isinstance(exc, TTSError):
+        message, param = exc.message, exc.param
+    else:
+        message, param = "internal server error", None
+    return {"error": {"message": message, "type": m.openai_type, "param": param, "code": m.openai_code}}

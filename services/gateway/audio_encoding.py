@@ -166,10 +166,11 @@ class PyAVEncoder:
 def check_output_format(fmt: str, sample_rate: int) -> None:
     """Reject format/rate pairs the encoder cannot produce, before any work is done."""
     if fmt not in MEDIA_TYPES:
-        raise InvalidArgument(f"unsupported response_format {fmt!r}")
+        raise InvalidArgument(f"unsupported response_format {fmt!r}", param="response_format")
     if fmt == "opus" and sample_rate not in OPUS_SAMPLE_RATES:
         raise InvalidArgument(
-            f"opus supports sample rates {', '.join(map(str, OPUS_SAMPLE_RATES))}, got {sample_rate}"
+            f"opus supports sample rates {', '.join(map(str, OPUS_SAMPLE_RATES))}, got {sample_rate}",
+            param="sample_rate",
         )
 
 

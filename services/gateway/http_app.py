@@ -135,9 +135,9 @@ def create_app(deps: HttpDeps) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None,
-                          "code": exc.status_code}}
+                          "code": None}}
         if exc.status_code == 404:
-            body["error"]["type"] = "not_found_error"
+            body["error"].update(type="not_found_error", code="not_found")
         return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -216,7 +216,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
             form = await request.form()
             upload = form.get("audio") or form.get("file") or form.get("ref_audio")
             if upload is None:
-                raise InvalidArgument("multipart voice upload needs a file field 'audio'")
+                raise InvalidArgument("multipart voice upload needs a file field 'audio'", param="audio")
             audio = await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), "audio")
             name, ref_text = str(form.get("name") or ""), str(form.get("ref_text") or "")
             x_only = str(form.get("x_vector_only_mode") or "false").lower() in ("1", "true", "yes", "on")
@@ -226,14 +226,16 @@ def create_app(deps: HttpDeps) -> FastAPI:
                 raise InvalidArgument("request body must be a JSON object")
             b64 = body.get("audio", body.get("ref_audio"))
             if not isinstance(b64, str):
-                raise InvalidArgument("audio must be a base64 string or data URL")
+                raise InvalidArgument("audio must be a base64 string or data URL", param="audio")
             audio = decode_base64_audio(b64, "audio")
             name, ref_text = body.get("name"), body.get("ref_text")
-            if not isinstance(name, str) or not isinstance(ref_text, str | None):
-                raise InvalidArgument("name must be a string and ref_text a string")
+            if not isinstance(name, str):
+                raise InvalidArgument("name must be a string", param="name")
+            if not isinstance(ref_text, str | None):
+                raise InvalidArgument("ref_text must be a string", param="ref_text")
             x_only = body.get("x_vector_only_mode", False)
             if not isinstance(x_only, bool):
-                raise InvalidArgument("x_vector_only_mode must be a boolean")
+                raise InvalidArgument("x_vector_only_mode must be a boolean", param="x_vector_only_mode")
         voice = await deps.voices.create(name, audio, ref_text, x_only)
         return JSONResponse(voice.to_json(), status_code=201)
 

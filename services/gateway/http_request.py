@@ -62,16 +62,16 @@ def _get(body: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
         return None
     # bool is an int subclass: never accept true/false where a number is expected.
     if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise InvalidArgument(f"{key} must be {what}, got {value!r}")
+        raise InvalidArgument(f"{key} must be {what}, got {value!r}", param=key)
     if not isinstance(value, kind):
-        raise InvalidArgument(f"{key} must be {what}, got {type(value).__name__}")
+        raise InvalidArgument(f"{key} must be {what}, got {type(value).__name__}", param=key)
     return value
 
 
 def _number(body: dict, key: str) -> float | None:
     value = _get(body, key, (int, float), "a number")
     if value is not None and not math.isfinite(value):
-        raise InvalidArgument(f"{key} must be a finite number")
+        raise InvalidArgument(f"{key} must be a finite number", param=key)
     return None if value is None else float(value)
 
 
@@ -81,7 +81,7 @@ def _integer(body: dict, key: str) -> int | None:
         return None
     if isinstance(value, float):
         if not value.is_integer():
-            raise InvalidArgument(f"{key} must be an integer, got {value}")
+            raise InvalidArgument(f"{key} must be an integer, got {value}", param=key)
         value = int(value)
     return value
 
@@ -91,9 +91,12 @@ def _voice(body: dict) -> str | None:
     value = body.get("voice")
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, dict) and set(value) == {"id"} and isinstance(value["id"], str) and value["id"].strip():
-        return value["id"]
-    raise InvalidArgument(f'voice must be a voice name or an object {{"id": "<voice id>"}}, got {value!r}'[:200])
+    voice_id = value.get("id") if isinstance(value, dict) and set(value) == {"id"} else None
+    if isinstance(voice_id, str) and voice_id.strip():
+        return voice_id
+    shown = repr(value)[:100]
+    raise InvalidArgument(f'voice must be a voice name or an object {{"id": "<voice id>"}}, got {shown}',
+                          param="voice")
 
 
 def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
@@ -102,15 +105,17 @@ def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
     if data.startswith("data:"):
         header, sep, data = data.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise InvalidArgument(f"{field_name} data URL must be base64 encoded (data:audio/...;base64,...)")
+            raise InvalidArgument(f"{field_name} data URL must be base64 encoded (data:audio/...;base64,...)",
+                                  param=field_name)
     elif data.startswith(("http://", "https://", "file:")):
-        raise InvalidArgument(f"{field_name} must be base64 audio or a data URL; URLs are not fetched")
+        raise InvalidArgument(f"{field_name} must be base64 audio or a data URL; URLs are not fetched",
+                              param=field_name)
     try:
         raw = base64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise InvalidArgument(f"{field_name} is not valid base64: {exc}") from None
+        raise InvalidArgument(f"{field_name} is not valid base64: {exc}", param=field_name) from None
     if not raw:
-        raise InvalidArgument(f"{field_name} is empty")
+        raise InvalidArgument(f"{field_name} is empty", param=field_name)
     return raw
 
 
@@ -120,19 +125,21 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
         raise InvalidArgument("request body must be a JSON object")
     unknown = sorted(set(body) - _KNOWN_FIELDS)
     if unknown:
-        raise InvalidArgument(f"unknown field(s): {', '.join(unknown)}")
+        raise InvalidArgument(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
     text = _get(body, "input", str, "a string")
     if text is None:
-        raise InvalidArgument("input is required")
+        raise InvalidArgument("input is required", param="input")
     fmt = (_get(body, "response_format", str, "a string") or "mp3").lower()
     if fmt not in RESPONSE_FORMATS:
-        raise InvalidArgument(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {fmt!r}")
+        raise InvalidArgument(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {fmt!r}",
+                              param="response_format")
     stream_format = (_get(body, "stream_format", str, "a string") or "audio").lower()
     if stream_format not in STREAM_FORMATS:
-        raise InvalidArgument(f"stream_format must be 'audio' or 'sse', got {stream_format!r}")
+        raise InvalidArgument(f"stream_format must be 'audio' or 'sse', got {stream_format!r}",
+                              param="stream_format")
     speed = _number(body, "speed")
     if speed is not None and speed != 1.0:
-        raise InvalidArgument(f"speed {speed} is not supported; only 1.0 is")
+        raise InvalidArgument(f"speed {speed} is not supported; only 1.0 is", param="speed")
     stream = _get(body, "stream", bool, "a boolean")
     ref_audio = _get(body, "ref_audio", str, "a base64 string or data URL")
     seed = _integer(body, "seed")

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Protocol
 
-from qtts.errors import GenerationFailed, Unavailable, mapping_for
+from qtts.errors import GenerationFailed, InvalidArgument, Unavailable, mapping_for
 from qtts.metrics import GatewayMetrics
 
 from .admission import Admission
@@ -143,7 +143,7 @@ class Synthesizer:
                     cached = getattr(self._decode, "cached", None)
                     pcm = cached(job.reference_audio) if cached is not None else None
                     if pcm is None:
-                        pcm = await asyncio.to_thread(self._decode, job.reference_audio)
+                        pcm = await _decode_field(self._decode, job.reference_audio, "ref_audio")
                 job = _with_pcm(job, pcm)
             events = self.talker.generate(job)
             try:
@@ -167,6 +167,15 @@ class Synthesizer:
         self.metrics.active_streams.dec()
         self.metrics.request_duration_seconds.observe(time.perf_counter() - started)
         self.metrics.requests_total.labels(protocol, status_label(error)).inc()
+
+
+async def _decode_field(decode: Callable[[bytes], object], data: bytes, field: str):
+    """Decode a reference clip in a worker thread; an undecodable clip names `field`."""
+    try:
+        return await asyncio.to_thread(decode, data)
+    except InvalidArgument as exc:
+        exc.param = exc.param or field
+        raise
 
 
 def _with_pcm(job: SynthesisJob, pcm) -> SynthesisJob:

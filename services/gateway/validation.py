@@ -33,24 +33,24 @@ def new_request_id() -> str:
 def check_model(model: str, catalog: ModelCatalog) -> None:
     """Unknown model names are 404, as in the OpenAI API; empty means the served model."""
     if model and model != catalog.name:
-        raise NotFound(f"model {model!r} does not exist; this server serves {catalog.name!r}")
+        raise NotFound(f"model {model!r} does not exist; this server serves {catalog.name!r}", param="model")
 
 
 def _check_sampling(s: SamplingOptions) -> SamplingOptions:
     if s.temperature is not None and (not math.isfinite(s.temperature) or s.temperature < 0):
-        raise InvalidArgument(f"temperature must be >= 0, got {s.temperature}")
+        raise InvalidArgument(f"temperature must be >= 0, got {s.temperature}", param="temperature")
     if s.top_k is not None and s.top_k < 0:
-        raise InvalidArgument(f"top_k must be >= 0, got {s.top_k}")
+        raise InvalidArgument(f"top_k must be >= 0, got {s.top_k}", param="top_k")
     if s.top_p is not None and not (0 < s.top_p <= 1):
-        raise InvalidArgument(f"top_p must be in (0, 1], got {s.top_p}")
+        raise InvalidArgument(f"top_p must be in (0, 1], got {s.top_p}", param="top_p")
     if s.repetition_penalty is not None and not (
         math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0
     ):
-        raise InvalidArgument(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
+        raise InvalidArgument(f"repetition_penalty must be > 0, got {s.repetition_penalty}", param="repetition_penalty")
     if s.seed is not None and not (0 <= s.seed < 2**63):
-        raise InvalidArgument(f"seed must be a non-negative 63-bit integer, got {s.seed}")
+        raise InvalidArgument(f"seed must be a non-negative 63-bit integer, got {s.seed}", param="seed")
     if s.min_new_frames is not None and s.min_new_frames < 0:
-        raise InvalidArgument(f"min_new_tokens must be >= 0, got {s.min_new_frames}")
+        raise InvalidArgument(f"min_new_tokens must be >= 0, got {s.min_new_frames}", param="min_new_tokens")
     # Temperature 0 means deterministic decoding, as in the OpenAI sampling APIs.
     if s.temperature == 0 and not s.greedy:
         return dataclasses.replace(s, temperature=None, greedy=True)
@@ -63,7 +63,8 @@ def _language(language: str | None, catalog: ModelCatalog) -> str:
         return lang
     if catalog.languages and lang not in catalog.languages:
         raise InvalidArgument(
-            f"unsupported language {language!r}; supported: auto, {', '.join(sorted(catalog.languages))}"
+            f"unsupported language {language!r}; supported: auto, {', '.join(sorted(catalog.languages))}",
+            param="language",
         )
     return lang
 
@@ -73,25 +74,30 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
     check_model(fields.model, catalog)
     text = (fields.text or "").strip()
     if not text:
-        raise InvalidArgument("input must be a non-empty string")
+        raise InvalidArgument("input must be a non-empty string", param="input")
     if len(text) > limits.max_input_chars:
-        raise InvalidArgument(f"input is {len(text)} characters long; the limit is {limits.max_input_chars}")
+        raise InvalidArgument(f"input is {len(text)} characters long; the limit is {limits.max_input_chars}",
+                              param="input")
     task = (fields.task or catalog.task).strip().lower()
     if task not in TASKS:
-        raise InvalidArgument(f"task_type must be one of {', '.join(TASKS)}, got {fields.task!r}")
+        raise InvalidArgument(f"task_type must be one of {', '.join(TASKS)}, got {fields.task!r}",
+                              param="task_type")
     if task != catalog.task:
         raise InvalidArgument(
             f"task_type {task!r} is not served by model {catalog.name!r} "
-            f"({catalog.model_type} variant, which serves {catalog.task!r})"
+            f"({catalog.model_type} variant, which serves {catalog.task!r})",
+            param="task_type",
         )
     if fields.max_new_frames is not None and not (1 <= fields.max_new_frames <= limits.max_new_frames_limit):
         raise InvalidArgument(
-            f"max_new_tokens must be in 1..{limits.max_new_frames_limit}, got {fields.max_new_frames}"
+            f"max_new_tokens must be in 1..{limits.max_new_frames_limit}, got {fields.max_new_frames}",
+            param="max_new_tokens",
         )
     sample_rate = fields.sample_rate or limits.default_sample_rate
     if not (MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE):
         raise InvalidArgument(
-            f"sample_rate must be in {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz, got {sample_rate}"
+            f"sample_rate must be in {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz, got {sample_rate}",
+            param="sample_rate",
         )
     voice = (fields.voice or "").strip()
     instructions = (fields.instructions or "").strip()
@@ -103,34 +109,38 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         if ref_audio is not None:
             if len(ref_audio) > limits.max_ref_audio_bytes:
                 raise InvalidArgument(
-                    f"ref_audio is {len(ref_audio)} bytes; the limit is {limits.max_ref_audio_bytes}"
+                    f"ref_audio is {len(ref_audio)} bytes; the limit is {limits.max_ref_audio_bytes}",
+                    param="ref_audio",
                 )
             if not x_vector_only and not ref_text:
                 raise InvalidArgument(
-                    "ref_text (the transcript of ref_audio) is required unless x_vector_only_mode is true"
+                    "ref_text (the transcript of ref_audio) is required unless x_vector_only_mode is true",
+                    param="ref_text",
                 )
             if x_vector_only:
                 ref_text = ""
         elif not voice:
-            raise InvalidArgument("voice clone needs ref_audio, or voice naming a stored voice")
+            raise InvalidArgument("voice clone needs ref_audio, or voice naming a stored voice", param="voice")
         else:
             # A stored voice carries its own transcript and mode.
             ref_text, x_vector_only = "", False
     elif task == "custom_voice":
         if ref_audio is not None:
-            raise InvalidArgument("ref_audio is only used for voice_clone")
+            raise InvalidArgument("ref_audio is only used for voice_clone", param="ref_audio")
         voice = voice.lower()
         if not voice:
-            raise InvalidArgument(f"voice is required; speakers: {', '.join(sorted(catalog.speakers))}")
+            raise InvalidArgument(f"voice is required; speakers: {', '.join(sorted(catalog.speakers))}",
+                                  param="voice")
         if catalog.speakers and voice not in catalog.speakers:
             raise NotFound(
-                f"unknown speaker {fields.voice!r}; available: {', '.join(sorted(catalog.speakers))}"
+                f"unknown speaker {fields.voice!r}; available: {', '.join(sorted(catalog.speakers))}",
+                param="voice",
             )
     else:  # voice_design
         if ref_audio is not None:
-            raise InvalidArgument("ref_audio is only used for voice_clone")
+            raise InvalidArgument("ref_audio is only used for voice_clone", param="ref_audio")
         if not instructions:
-            raise InvalidArgument("voice_design needs instructions describing the voice")
+            raise InvalidArgument("voice_design needs instructions describing the voice", param="instructions")
         voice = ""
 
     return SynthesisJob(
@@ -158,9 +168,10 @@ def check_voice_name(name: str) -> str:
     """Voice names are 1-64 characters of letters, digits, '_', '-', '.'."""
     name = (name or "").strip()
     if not name:
-        raise InvalidArgument("voice name is required")
+        raise InvalidArgument("voice name is required", param="name")
     if len(name) > 64 or not set(name) <= _VOICE_NAME_CHARS:
         raise InvalidArgument(
-            f"voice name {name!r} must be 1-64 characters of letters, digits, '_', '-' or '.'"
+            f"voice name {name!r} must be 1-64 characters of letters, digits, '_', '-' or '.'",
+            param="name",
         )
     return name

@@ -41,16 +41,23 @@ class VoiceService:
         return [*sorted(await self._store.list(), key=lambda v: v.name), *presets]
 
     async def create(self, name: str, audio: bytes | None, reference_text: str | None,
-                     x_vector_only: bool) -> VoiceInfo:
+                     x_vector_only: bool, audio_field: str = "audio") -> VoiceInfo:
+        """Store a cloned voice; `audio_field` is the request field the clip came in (for errors)."""
         name = check_voice_name(name)
         if not audio:
-            raise InvalidArgument("reference audio is required to create a voice")
+            raise InvalidArgument("reference audio is required to create a voice", param=audio_field)
         if len(audio) > self._max_audio_bytes:
-            raise InvalidArgument(f"reference audio is {len(audio)} bytes; the limit is {self._max_audio_bytes}")
+            raise InvalidArgument(f"reference audio is {len(audio)} bytes; the limit is {self._max_audio_bytes}",
+                                  param=audio_field)
         ref_text = (reference_text or "").strip()
         if not x_vector_only and not ref_text:
-            raise InvalidArgument("ref_text (the transcript of the audio) is required unless x_vector_only_mode")
-        pcm = await asyncio.to_thread(self._decode, audio)
+            raise InvalidArgument("ref_text (the transcript of the audio) is required unless x_vector_only_mode",
+                                  param="ref_text")
+        try:
+            pcm = await asyncio.to_thread(self._decode, audio)
+        except InvalidArgument as exc:
+            exc.param = exc.param or audio_field
+            raise
         return await self._store.create(name, pcm, "" if x_vector_only else ref_text, x_vector_only)
 
     async def delete(self, name: str) -> None:

@@ -100,10 +100,12 @@ def test_sse_framing():
 
 
 def test_openai_error_shape():
-    for exc, status, kind in [(InvalidArgument("x"), 400, "invalid_request_error"),
-                              (NotFound("x"), 404, "not_found_error"),
-                              (ResourceExhausted("x"), 429, "rate_limit_error")]:
+    for exc, kind, param, code in [(InvalidArgument("x", param="input"), "invalid_request_error", "input",
+                                    "invalid_value"),
+                                   (NotFound("x"), "not_found_error", None, "not_found"),
+                                   (ResourceExhausted("x", 3), "rate_limit_error", None, "rate_limit_exceeded")]:
         body = openai_error_body(exc)
-        assert body == {"error": {"message": "x", "type": kind, "param": None, "code": status}}
-    assert openai_error_body(RuntimeError("secret"))["error"]["message"] == "internal server error"
+        assert body == {"error": {"message": "x", "type": kind, "param": param, "code": code}}
+    assert openai_error_body(RuntimeError("secret")) == {"error": {
+        "message": "internal server error", "type": "server_error", "param": None, "code": None}}
     assert np.frombuffer(frame_pcm(0), "<i2").size == 1920

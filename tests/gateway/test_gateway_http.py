@@ -102,7 +102,7 @@ async def test_error_after_first_byte_is_an_sse_error_event():
         events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line]
         assert [e["type"] for e in events] == ["speech.audio.delta", "error"]
         assert events[1]["error"]["message"] == "code2wav went away"
-        assert events[1]["error"]["code"] == 503
+        assert events[1]["error"]["code"] == "unavailable" and events[1]["error"]["param"] is None
         assert gw.synth.admission.active == 0
 
 
@@ -116,19 +116,34 @@ async def test_resampled_output_rate():
 async def test_openai_shaped_errors_and_service_keeps_serving():
     async with serve_http(build_gateway()) as gw, httpx.AsyncClient(base_url=gw.url) as c:
         cases = [
-            (body(model="tts-1"), 404), (body(input=""), 400), (body(ref_audio="!!!"), 400),
-            (body(ref_audio=base64.b64encode(b"not audio").decode()), 400),
-            (body(x_vector_only_mode=False), 400), (body(speed=2.0), 400), (body(input="x" * 201), 400),
-            (body(task_type="custom_voice"), 400), (body(response_format="ogg"), 400),
+            (body(model="tts-1"), 404, "model", "not_found"), (body(input=""), 400, "input", "invalid_value"),
+            (body(ref_audio="!!!"), 400, "ref_audio", "invalid_value"),
+            (body(ref_audio=base64.b64encode(b"not audio").decode()), 400, "ref_audio", "invalid_value"),
+            (body(x_vector_only_mode=False), 400, "ref_text", "invalid_value"),
+            (body(speed=2.0), 400, "speed", "invalid_value"),
+            (body(input="x" * 201), 400, "input", "invalid_value"),
+            (body(task_type="custom_voice"), 400, "task_type", "invalid_value"),
+            (body(response_format="ogg"), 400, "response_format", "invalid_value"),
+            (body(response_format="opus", sample_rate=22050), 400, "sample_rate", "invalid_value"),
+            (body(temperature="hot"), 400, "temperature", "invalid_value"),
+            (body(top_p=2.0), 400, "top_p", "invalid_value"),
+            (body(max_new_tokens=0), 400, "max_new_tokens", "invalid_value"),
+            (body(language="klingon"), 400, "language", "invalid_value"),
+            (body(voice={"name": "x"}), 400, "voice", "invalid_value"),
+            (body(bogus=1, zzz=2), 400, "bogus", "invalid_value"),
+            ({"voice": "any"}, 400, "input", "invalid_value"),
         ]
-        for payload, status in cases:
+        for payload, status, param, code in cases:
             r = await c.post("/v1/audio/speech", json=payload)
             assert r.status_code == status, (payload, r.text)
             err = r.json()["error"]
-            assert err["code"] == status and err["message"] and err["type"] and "param" in err
+            assert (err["param"], err["code"]) == (param, code), (payload, err)
+            assert err["message"] and err["type"]
         r = await c.post("/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-        assert (await c.get("/v1/nothing")).json()["error"]["type"] == "not_found_error"
+        assert r.json()["error"]["param"] is None and r.json()["error"]["code"] == "invalid_value"
+        err = (await c.get("/v1/nothing")).json()["error"]
+        assert (err["type"], err["code"], err["param"]) == ("not_found_error", "not_found", None)
         assert gw.talker.jobs == []  # nothing reached the talker
         assert (await c.post("/v1/audio/speech", json=body())).status_code == 200
 
@@ -204,7 +219,13 @@ async def test_models_health_and_voices():
         r = await c.post("/v1/audio/voices", json={"name": "bob", "audio": REF, "x_vector_only_mode": True})
         assert r.status_code == 201
         assert (await c.post("/v1/audio/voices", json={"name": "bob", "audio": REF, "ref_text": "x"})).status_code == 409
-        assert (await c.post("/v1/audio/voices", json={"name": "carl", "audio": REF})).status_code == 400
+        r = await c.post("/v1/audio/voices", json={"name": "carl", "audio": REF})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "ref_text"
+        r = await c.post("/v1/audio/voices", json={"name": "bad name!", "audio": REF, "ref_text": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+        r = await c.post("/v1/audio/voices", json={"name": "dan", "audio": base64.b64encode(b"junk").decode(),
+                                                   "ref_text": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "audio"
         voices = (await c.get("/v1/audio/voices")).json()["voices"]
         assert [(v["name"], v["kind"]) for v in voices] == [
             ("alice", "cloned"), ("bob", "cloned"), ("vivian", "preset"), ("ryan", "preset")]
