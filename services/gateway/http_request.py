@@ -18,6 +18,7 @@ _KNOWN_FIELDS = {
     "model",
     "input",
     "voice",
+    "speaker",
     "response_format",
     "speed",
     "stream",
@@ -99,6 +100,15 @@ def _voice(body: dict) -> str | None:
                           param="voice")
 
 
+def _voice_or_speaker(body: dict) -> str | None:
+    """`voice`, or vLLM-Omni's `speaker` (its CustomVoice field) as another name for it."""
+    voice, speaker = _voice(body), _get(body, "speaker", str, "a string")
+    if voice is not None and speaker is not None and voice.strip().lower() != speaker.strip().lower():
+        raise InvalidArgument(f"voice {voice!r} and speaker {speaker!r} disagree; send one of them",
+                              param="speaker")
+    return voice if voice is not None else speaker
+
+
 def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
     """Decode plain base64 or a `data:audio/...;base64,` URL; raise InvalidArgument otherwise."""
     data = value.strip()
@@ -148,7 +158,7 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
         text=text,
         model=_get(body, "model", str, "a string") or "",
         task=_get(body, "task_type", str, "a string"),
-        voice=_voice(body),
+        voice=_voice_or_speaker(body),
         language=_get(body, "language", str, "a string"),
         instructions=_get(body, "instructions", str, "a string"),
         reference_audio=decode_base64_audio(ref_audio) if ref_audio is not None else None,

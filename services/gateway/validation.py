@@ -11,6 +11,8 @@ from qtts.errors import InvalidArgument, NotFound
 
 from .job import TASKS, ModelCatalog, SamplingOptions, SpeechFields, SynthesisJob
 
+# vLLM-Omni's task_type spellings (the model variants' own names), lower-cased.
+TASK_ALIASES = {"base": "voice_clone", "customvoice": "custom_voice", "voicedesign": "voice_design"}
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 48000
 
@@ -46,7 +48,8 @@ def _check_sampling(s: SamplingOptions) -> SamplingOptions:
     if s.repetition_penalty is not None and not (
         math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0
     ):
-        raise InvalidArgument(f"repetition_penalty must be > 0, got {s.repetition_penalty}", param="repetition_penalty")
+        raise InvalidArgument(f"repetition_penalty must be > 0, got {s.repetition_penalty}",
+                              param="repetition_penalty")
     if s.seed is not None and not (0 <= s.seed < 2**63):
         raise InvalidArgument(f"seed must be a non-negative 63-bit integer, got {s.seed}", param="seed")
     if s.min_new_frames is not None and s.min_new_frames < 0:
@@ -79,9 +82,13 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         raise InvalidArgument(f"input is {len(text)} characters long; the limit is {limits.max_input_chars}",
                               param="input")
     task = (fields.task or catalog.task).strip().lower()
+    task = TASK_ALIASES.get(task, task)
     if task not in TASKS:
-        raise InvalidArgument(f"task_type must be one of {', '.join(TASKS)}, got {fields.task!r}",
-                              param="task_type")
+        raise InvalidArgument(
+            f"task_type must be one of {', '.join(TASKS)} (or Base, CustomVoice, VoiceDesign), "
+            f"got {fields.task!r}",
+            param="task_type",
+        )
     if task != catalog.task:
         raise InvalidArgument(
             f"task_type {task!r} is not served by model {catalog.name!r} "
@@ -120,7 +127,8 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
             if x_vector_only:
                 ref_text = ""
         elif not voice:
-            raise InvalidArgument("voice clone needs ref_audio, or voice naming a stored voice", param="voice")
+            raise InvalidArgument("voice clone needs ref_audio, or voice naming a stored voice",
+                                  param="voice")
         else:
             # A stored voice carries its own transcript and mode.
             ref_text, x_vector_only = "", False
@@ -140,7 +148,8 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         if ref_audio is not None:
             raise InvalidArgument("ref_audio is only used for voice_clone", param="ref_audio")
         if not instructions:
-            raise InvalidArgument("voice_design needs instructions describing the voice", param="instructions")
+            raise InvalidArgument("voice_design needs instructions describing the voice",
+                                  param="instructions")
         voice = ""
 
     return SynthesisJob(

@@ -11,7 +11,7 @@ import wave
 import av
 import httpx
 import pytest
-from gateway_fakes import BASE, CUSTOM, FRAME, build_gateway, frame_pcm, serve_http, wav_bytes
+from gateway_fakes import BASE, CUSTOM, DESIGN, FRAME, build_gateway, frame_pcm, serve_http, wav_bytes
 
 from qtts.errors import NotFound, Unavailable
 from services.gateway.audio_encoding import MEDIA_TYPES
@@ -158,6 +158,28 @@ async def test_voice_as_a_name_or_an_openai_id_object():
             r = await c.post("/v1/audio/speech", json={"input": "hi", "voice": bad, "response_format": "pcm"})
             assert r.status_code == 400 and r.json()["error"]["message"].startswith("voice "), (bad, r.text)
         assert len(gw.talker.jobs) == 2
+
+
+async def test_vllm_omni_task_type_spellings_and_speaker():
+    pcm = {"input": "hi", "response_format": "pcm"}
+    async with serve_http(build_gateway(CUSTOM, frames=2)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        for extra in ({"task_type": "CustomVoice", "speaker": "Vivian"}, {"speaker": "ryan", "voice": "Ryan"}):
+            r = await c.post("/v1/audio/speech", json={**pcm, **extra})
+            assert r.status_code == 200, r.text
+        assert [(j.task, j.voice) for j in gw.talker.jobs] == [("custom_voice", "vivian"), ("custom_voice", "ryan")]
+        r = await c.post("/v1/audio/speech", json={**pcm, "voice": "vivian", "speaker": "ryan"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speaker"
+        r = await c.post("/v1/audio/speech", json={**pcm, "task_type": "Base", "voice": "vivian"})
+        assert r.status_code == 400 and "not served" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "task_type"
+    async with serve_http(build_gateway(DESIGN, frames=2)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/speech", json={**pcm, "task_type": "VoiceDesign", "instructions": "calm"})
+        assert r.status_code == 200 and gw.talker.jobs[0].task == "voice_design"
+    async with serve_http(build_gateway(BASE, frames=2)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/speech", json=body(task_type="Base"))
+        assert r.status_code == 200 and gw.talker.jobs[0].task == "voice_clone"
+        r = await c.post("/v1/audio/speech", json=body(task_type="Clone"))
+        assert r.status_code == 400 and "Base, CustomVoice, VoiceDesign" in r.json()["error"]["message"]
 
 
 async def test_talker_error_before_audio_keeps_its_status():
