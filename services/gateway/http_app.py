@@ -59,6 +59,18 @@ async def _json_body(request: Request) -> object:
         raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
 
 
+# Where a voice's clip may come: OpenAI's name first, then this API's older names.
+_VOICE_AUDIO_FIELDS = ("audio_sample", "audio", "file", "ref_audio")
+
+
+def _check_voice_extras(kind: object, consent: object) -> None:
+    """OpenAI's `type` (only "audio_sample" is served) and `consent` (accepted, no effect here)."""
+    if kind is not None and kind != "audio_sample":
+        raise InvalidArgument(f"voice type {kind!r} is not supported; only 'audio_sample' is", param="type")
+    if consent is not None and not isinstance(consent, str):
+        raise InvalidArgument("consent must be a consent recording id (a string)", param="consent")
+
+
 def _result_headers(stream: SynthesisStream, sample_rate: int) -> dict[str, str]:
     headers = {"x-request-id": stream.job.request_id, "x-tts-sample-rate": str(sample_rate)}
     s = stream.summary
@@ -210,24 +222,31 @@ def create_app(deps: HttpDeps) -> FastAPI:
 
     @app.post("/v1/audio/voices", status_code=201)
     async def create_voice(request: Request) -> JSONResponse:
-        """Multipart (`name`, `ref_text`, `x_vector_only_mode`, file `audio`) or JSON with base64."""
+        """Multipart (`name`, `ref_text`, `x_vector_only_mode`, the clip as file `audio_sample`, OpenAI's
+        name, or `audio`) or JSON with the clip in base64. OpenAI's `consent` (a consent recording id)
+        and `type: "audio_sample"` are accepted; consent is not checked or stored here."""
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
             form = await request.form()
-            upload = form.get("audio") or form.get("file") or form.get("ref_audio")
+            field = next((f for f in _VOICE_AUDIO_FIELDS if form.get(f) is not None), "audio_sample")
+            upload = form.get(field)
             if upload is None:
-                raise InvalidArgument("multipart voice upload needs a file field 'audio'", param="audio")
-            audio = await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), "audio")
+                raise InvalidArgument("multipart voice upload needs a file field 'audio_sample' (or 'audio')",
+                                      param="audio_sample")
+            audio = await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), field)
+            _check_voice_extras(form.get("type"), form.get("consent"))
             name, ref_text = str(form.get("name") or ""), str(form.get("ref_text") or "")
             x_only = str(form.get("x_vector_only_mode") or "false").lower() in ("1", "true", "yes", "on")
         else:
             body = await _json_body(request)
             if not isinstance(body, dict):
                 raise InvalidArgument("request body must be a JSON object")
-            b64 = body.get("audio", body.get("ref_audio"))
+            field = next((f for f in _VOICE_AUDIO_FIELDS if body.get(f) is not None), "audio_sample")
+            b64 = body.get(field)
             if not isinstance(b64, str):
-                raise InvalidArgument("audio must be a base64 string or data URL", param="audio")
-            audio = decode_base64_audio(b64, "audio")
+                raise InvalidArgument(f"{field} must be a base64 string or data URL", param=field)
+            audio = decode_base64_audio(b64, field)
+            _check_voice_extras(body.get("type"), body.get("consent"))
             name, ref_text = body.get("name"), body.get("ref_text")
             if not isinstance(name, str):
                 raise InvalidArgument("name must be a string", param="name")
@@ -236,7 +255,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
             x_only = body.get("x_vector_only_mode", False)
             if not isinstance(x_only, bool):
                 raise InvalidArgument("x_vector_only_mode must be a boolean", param="x_vector_only_mode")
-        voice = await deps.voices.create(name, audio, ref_text, x_only)
+        voice = await deps.voices.create(name, audio, ref_text, x_only, audio_field=field)
         return JSONResponse(voice.to_json(), status_code=201)
 
     @app.delete("/v1/audio/voices/{name}")

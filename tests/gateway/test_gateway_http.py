@@ -258,6 +258,31 @@ async def test_models_health_and_voices():
         assert r.status_code == 404
 
 
+async def test_voice_upload_with_openai_field_names():
+    async with serve_http(build_gateway(BASE)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/voices", files={"audio_sample": ("a.wav", wav_bytes(), "audio/wav")},
+                         data={"name": "erin", "consent": "cons_1234", "type": "audio_sample", "ref_text": "hi"})
+        assert r.status_code == 201, r.text
+        assert r.json()["name"] == "erin" and r.json()["ref_text"] == "hi"
+        r = await c.post("/v1/audio/voices", json={"name": "fay", "audio_sample": REF, "consent": "cons_1",
+                                                   "x_vector_only_mode": True})
+        assert r.status_code == 201, r.text
+        assert sorted(gw.voices.voices) == ["erin", "fay"]
+        cases = [
+            ({"files": {"audio_sample": ("a.wav", b"junk", "audio/wav")}, "data": {"name": "g", "ref_text": "x"}},
+             "audio_sample"),
+            ({"files": {"audio_sample": ("a.wav", wav_bytes(), "audio/wav")},
+              "data": {"name": "g", "ref_text": "x", "type": "prompt"}}, "type"),
+            ({"data": {"name": "g", "ref_text": "x"}, "files": {"other": ("a.wav", wav_bytes(), "audio/wav")}},
+             "audio_sample"),
+            ({"json": {"name": "g", "audio_sample": REF, "ref_text": "x", "consent": 5}}, "consent"),
+        ]
+        for kw, param in cases:
+            r = await c.post("/v1/audio/voices", **kw)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (kw, r.text)
+        assert sorted(gw.voices.voices) == ["erin", "fay"]
+
+
 async def test_health_is_503_when_a_stage_is_not_serving():
     stages = {"talker": "NOT_SERVING", "speaker_cache": "SERVING"}
     async with serve_http(build_gateway(BASE), stages) as gw, httpx.AsyncClient(base_url=gw.url) as c:

@@ -34,3 +34,16 @@ async def test_custom_voice_object():
                                                  response_format="pcm", extra_body=CLONE)
         assert audio.content == frame_pcm(0, 2) and gw.talker.jobs[0].voice == "stored"
         await client.close()
+
+
+async def test_voices_create_with_audio_sample_and_consent_then_speak_by_id():
+    async with serve_http(build_gateway(frames=2)) as gw:
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        await client.audio.voices.create(name="sdk-voice", consent="cons_1234",
+                                         audio_sample=("ref.wav", wav_bytes(), "audio/wav"),
+                                         extra_body={"ref_text": "Hello."})
+        assert gw.voices.voices["sdk-voice"].reference_text == "Hello."
+        audio = await client.audio.speech.create(model="tiny-base", voice={"id": "sdk-voice"}, input="Hi.",
+                                                 response_format="pcm")
+        assert audio.content == frame_pcm(0, 2) and gw.talker.jobs[0].voice == "sdk-voice"
+        await client.close()
