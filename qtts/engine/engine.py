@@ -97,8 +97,10 @@ class GraphEngine:
                 f"per stream (--max-len) and the prompt takes {prompt_len}, so at most {room} frames"
             )
         cap = min(int(prompt.max_frames), room)  # the text's frame cap, or what the slot holds
-        if max_new_frames is not None and max_new_frames <= cap:
-            max_frames, reason = max_new_frames, "length"
+        if max_new_frames is not None:
+            # The caller bounded the length: reaching that bound, or the text's cap below it, ends
+            # as "length". Only an unbounded run into the cap is a failure (no end of speech).
+            max_frames, reason = min(max_new_frames, cap), "length"
         else:
             max_frames, reason = cap, "frame_cap"
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)

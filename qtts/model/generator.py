@@ -216,10 +216,10 @@ class EagerGenerator:
             step = r.frames  # index of this frame's trailing text embedding
             r.frames += 1
             reason = None
-            if r.max_new_frames is not None and r.frames >= r.max_new_frames:
-                reason = "length"
-            elif r.frames >= r.prompt.max_frames:
-                reason = "frame_cap"
+            if r.frames >= r.prompt.max_frames or (r.max_new_frames is not None and r.frames >= r.max_new_frames):
+                # A caller's bound ends as "length" even where the text's cap came first; only an
+                # unbounded run into the cap is a failure.
+                reason = "frame_cap" if r.max_new_frames is None else "length"
             if reason:
                 self._release(r)
                 outputs.append(StepOutput(r.request_id, frames_cpu[b], True, reason))

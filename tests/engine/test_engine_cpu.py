@@ -177,3 +177,16 @@ def test_frame_cap_is_clamped_to_what_a_slot_holds(tiny_bundle):
         outs += eng.step()
     assert outs[-1].finished and outs[-1].finish_reason == "frame_cap"
     assert sum(o.codes is not None for o in outs) == 40 - 30
+
+
+def test_a_bound_above_the_text_cap_ends_as_length(tiny_bundle):
+    """max_new_frames above the text's frame cap: the cap ends the request, as "length" (the
+    caller bounded its length), not as the "frame_cap" failure of an unbounded run."""
+    eng = engine(tiny_bundle, max_len=96)
+    p = make_prompt(tiny_bundle, 20, 2, seed=6, max_frames=5)
+    eng.add("bounded", p, SamplingParams(greedy=True, min_new_tokens=100), 50)
+    outs = []
+    while eng.num_active:
+        outs += eng.step()
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert sum(o.codes is not None for o in outs) == 5

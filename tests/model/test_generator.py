@@ -76,6 +76,9 @@ def test_frame_cap_ends_request(bundle):
     # max_new_frames below the cap wins as "length".
     got, ends = _drain(EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 2)]})
     assert ends == {"r": "length"} and len(got["r"]) == 2
+    # A bound above the cap: the cap ends it, as "length" (the caller bounded it), not a failure.
+    got, ends = _drain(EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 9)]})
+    assert ends == {"r": "length"} and len(got["r"]) == 4
 
 
 def test_frame_cap_formula():
