@@ -14,6 +14,8 @@ from .job import SamplingOptions, SpeechFields
 
 RESPONSE_FORMATS = ("pcm", "wav", "mp3", "flac", "opus", "aac")
 STREAM_FORMATS = ("audio", "sse")
+# Larger values are capped by the code2wav replica (its credit window) anyway.
+MAX_INITIAL_CHUNK_FRAMES = 4096
 _KNOWN_FIELDS = {
     "model",
     "input",
@@ -37,6 +39,13 @@ _KNOWN_FIELDS = {
     "repetition_penalty",
     "min_new_tokens",
     "sample_rate",
+    # vLLM-Omni's speech API: initial_codec_chunk_frames and non_streaming_mode map onto the
+    # talker's chunking and text feeding; speaker_embedding and extra_params are accepted and have
+    # no effect here.
+    "speaker_embedding",
+    "initial_codec_chunk_frames",
+    "non_streaming_mode",
+    "extra_params",
 }
 
 
@@ -109,6 +118,26 @@ def _voice_or_speaker(body: dict) -> str | None:
     return voice if voice is not None else speaker
 
 
+def _speaker_embedding(body: dict) -> None:
+    """vLLM-Omni's precomputed x-vector: checked (numbers, or lists of numbers), then not used."""
+    value = body.get("speaker_embedding")
+    if value is None:
+        return
+    rows = value if isinstance(value, list) and value and isinstance(value[0], list) else [value]
+    for row in rows:
+        if not isinstance(row, list) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row
+        ):
+            raise InvalidArgument("speaker_embedding must be a list of finite numbers (or of such lists)",
+                                  param="speaker_embedding")
+
+
+def _streaming_text(body: dict) -> bool | None:
+    """vLLM-Omni's `non_streaming_mode`: true feeds the whole text up front, false one token per frame."""
+    value = _get(body, "non_streaming_mode", bool, "a boolean")
+    return None if value is None else not value
+
+
 def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
     """Decode plain base64 or a `data:audio/...;base64,` URL; raise InvalidArgument otherwise."""
     data = value.strip()
@@ -153,7 +182,15 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
     stream = _get(body, "stream", bool, "a boolean")
     ref_audio = _get(body, "ref_audio", str, "a base64 string or data URL")
     seed = _integer(body, "seed")
+    if seed is not None and -(2**63) <= seed < 0:
+        seed %= 2**63  # vLLM-Omni takes any signed 64-bit seed; ours are 63-bit non-negative
     top_k = _integer(body, "top_k")
+    first_chunk = _integer(body, "initial_codec_chunk_frames")
+    if first_chunk is not None and not (0 <= first_chunk <= MAX_INITIAL_CHUNK_FRAMES):
+        raise InvalidArgument(f"initial_codec_chunk_frames must be in 0..{MAX_INITIAL_CHUNK_FRAMES}, "
+                              f"got {first_chunk}", param="initial_codec_chunk_frames")
+    _get(body, "extra_params", dict, "an object")
+    _speaker_embedding(body)
     fields = SpeechFields(
         text=text,
         model=_get(body, "model", str, "a string") or "",
@@ -174,5 +211,7 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
             min_new_frames=_integer(body, "min_new_tokens"),
         ),
         sample_rate=_integer(body, "sample_rate"),
+        first_chunk_frames=first_chunk or 0,
+        streaming_text=_streaming_text(body),
     )
     return fields, OutputOptions(response_format=fmt, stream=stream, stream_format=stream_format)

@@ -57,6 +57,8 @@ class SpeechFields:
     # Chunking in frames (0 / empty = the talker's defaults).
     first_chunk_frames: int = 0
     chunk_frames_ramp: tuple[int, ...] = ()
+    # Feed the text one token per frame (True) or all up front (False); None = the talker's default.
+    streaming_text: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class SynthesisJob:
     sample_rate: int
     first_chunk_frames: int = 0
     chunk_frames_ramp: tuple[int, ...] = ()
+    streaming_text: bool | None = None
     # Decoded reference clip (float32 mono, 24 kHz), filled in by the synthesizer.
     reference_pcm: np.ndarray | None = None
 

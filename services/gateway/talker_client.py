@@ -34,6 +34,8 @@ def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
     if job.first_chunk_frames or job.chunk_frames_ramp:
         req.streaming.first_chunk_frames = job.first_chunk_frames
         req.streaming.chunk_frames_ramp.extend(job.chunk_frames_ramp)
+    if job.streaming_text is not None:
+        req.streaming_text = job.streaming_text
     if job.reference_pcm is not None:
         req.reference_pcm_f32 = np.ascontiguousarray(job.reference_pcm, dtype="<f4").tobytes()
     return req

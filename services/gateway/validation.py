@@ -60,10 +60,19 @@ def _check_sampling(s: SamplingOptions) -> SamplingOptions:
     return s
 
 
+# ISO 639-1 codes (as vLLM-Omni's clients send them, optionally with a region: en-US, pt_BR) -> the
+# model's language names.
+LANGUAGE_CODES = {
+    "zh": "chinese", "en": "english", "de": "german", "es": "spanish", "ja": "japanese",
+    "fr": "french", "ko": "korean", "ru": "russian", "it": "italian", "pt": "portuguese",
+}
+
+
 def _language(language: str | None, catalog: ModelCatalog) -> str:
     lang = (language or "auto").strip().lower()
     if lang == "auto":
         return lang
+    lang = LANGUAGE_CODES.get(lang.replace("_", "-").split("-")[0], lang)
     if catalog.languages and lang not in catalog.languages:
         raise InvalidArgument(
             f"unsupported language {language!r}; supported: auto, {', '.join(sorted(catalog.languages))}",
@@ -167,6 +176,7 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         sample_rate=sample_rate,
         first_chunk_frames=fields.first_chunk_frames,
         chunk_frames_ramp=tuple(fields.chunk_frames_ramp),
+        streaming_text=fields.streaming_text,
     )
 
 

@@ -182,6 +182,39 @@ async def test_vllm_omni_task_type_spellings_and_speaker():
         assert r.status_code == 400 and "Base, CustomVoice, VoiceDesign" in r.json()["error"]["message"]
 
 
+async def test_every_vllm_omni_field_is_accepted_with_its_meaning():
+    from services.gateway.talker_client import generate_request
+
+    omni = body(task_type="Base", language="en", seed=-1, max_new_tokens=8, sample_rate=16000,
+                initial_codec_chunk_frames=3, non_streaming_mode=True, extra_params={"anything": [1]},
+                speaker_embedding=[0.5, -1, 2.0])
+    async with serve_http(build_gateway(BASE, frames=2)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/speech", json=omni)
+        assert r.status_code == 200, r.text
+        job = gw.talker.jobs[0]
+        assert (job.language, job.max_new_frames, job.sample_rate) == ("english", 8, 16000)
+        assert job.sampling.seed == 2**63 - 1 and job.x_vector_only
+        assert job.first_chunk_frames == 3 and job.streaming_text is False
+        req = generate_request(job)
+        assert req.streaming.first_chunk_frames == 3 and req.HasField("streaming_text") and not req.streaming_text
+        r = await c.post("/v1/audio/speech", json=body(language="zh-CN", non_streaming_mode=False,
+                                                       speaker_embedding=[[0.1, 0.2], [0.3, 0.4]],
+                                                       extra_params=None, initial_codec_chunk_frames=0))
+        assert r.status_code == 200, r.text
+        job = gw.talker.jobs[1]
+        assert (job.language, job.streaming_text, job.first_chunk_frames) == ("chinese", True, 0)
+        r = await c.post("/v1/audio/speech", json=body())
+        assert r.status_code == 200 and not generate_request(gw.talker.jobs[2]).HasField("streaming_text")
+        for bad, param in (({"language": "de"}, "language"), ({"non_streaming_mode": "yes"}, "non_streaming_mode"),
+                           ({"extra_params": [1]}, "extra_params"), ({"speaker_embedding": [1, "x"]},
+                                                                      "speaker_embedding"),
+                           ({"initial_codec_chunk_frames": -1}, "initial_codec_chunk_frames"),
+                           ({"ambient_noise": 1}, "ambient_noise")):
+            r = await c.post("/v1/audio/speech", json=body(**bad))
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+        assert len(gw.talker.jobs) == 3
+
+
 async def test_talker_error_before_audio_keeps_its_status():
     gw0 = build_gateway(error_before=NotFound("voice 'bob' does not exist"))
     async with serve_http(gw0) as gw, httpx.AsyncClient(base_url=gw.url) as c:
