@@ -1,4 +1,5 @@
-"""Output audio: resampling of the talker's 24 kHz PCM and encoding to pcm/wav/mp3/flac/opus/aac.
+"""Output audio: time-stretch and resampling of the talker's 24 kHz PCM, and encoding to
+pcm/wav/mp3/flac/opus/aac/mulaw/alaw.
 
 Every encoder takes PCM s16le mono at the output rate through `push()` and returns the bytes that
 are ready to send; `finish()` returns the rest. Streaming encoders hand out bytes as they are
@@ -22,6 +23,8 @@ MEDIA_TYPES = {
     "flac": "audio/flac",
     "opus": "audio/ogg",
     "aac": "audio/aac",
+    "mulaw": "audio/basic",
+    "alaw": "audio/x-alaw-basic",
 }
 # (container, codec) for the formats PyAV encodes.
 _PYAV_FORMATS = {
@@ -31,6 +34,12 @@ _PYAV_FORMATS = {
     "aac": ("adts", "aac"),
 }
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
+# G.711 as telephony carries it: raw bytes (one a sample, no container or header) at 8 kHz.
+G711_CODECS = {"mulaw": "pcm_mulaw", "alaw": "pcm_alaw"}
+G711_SAMPLE_RATE = 8000
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
+# One atempo instance is asked for no more than older FFmpeg releases accept; beyond, they chain.
+_ATEMPO_MIN, _ATEMPO_MAX = 0.5, 2.0
 UNKNOWN_SIZE = 0xFFFFFFFF
 
 
@@ -163,6 +172,50 @@ class PyAVEncoder:
         return self._sink.drain()
 
 
+class G711Encoder:
+    """mulaw / alaw: raw G.711 bytes through PyAV's pcm_mulaw / pcm_alaw encoders, one byte a sample.
+
+    No container: a telephony peer (RTP, Twilio/Asterisk media streams) takes the bare bytes, and
+    each chunk is sent as soon as it is encoded."""
+
+    def __init__(self, fmt: str, sample_rate: int, streaming: bool):
+        import av
+
+        self.media_type = MEDIA_TYPES[fmt]
+        self._av = av
+        self._rate = sample_rate
+        self._streaming = streaming
+        self._buffer = bytearray()
+        self._codec = av.CodecContext.create(G711_CODECS[fmt], "w")
+        self._codec.sample_rate = sample_rate
+        self._codec.layout = "mono"
+        self._codec.format = "s16"
+        self._codec.open()
+        self._pts = 0
+
+    def _encode(self, frame) -> bytes:
+        return b"".join(bytes(packet) for packet in self._codec.encode(frame))
+
+    def push(self, pcm: bytes) -> bytes:
+        samples = np.frombuffer(pcm, dtype="<i2")
+        if not samples.size:
+            return b""
+        frame = self._av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = self._rate
+        frame.pts = self._pts
+        self._pts += samples.size
+        data = self._encode(frame)
+        if self._streaming:
+            return data
+        self._buffer += data
+        return b""
+
+    def finish(self) -> bytes:
+        data = bytes(self._buffer) + self._encode(None)
+        self._buffer.clear()
+        return data
+
+
 def check_output_format(fmt: str, sample_rate: int) -> None:
     """Reject format/rate pairs the encoder cannot produce, before any work is done."""
     if fmt not in MEDIA_TYPES:
@@ -172,6 +225,9 @@ def check_output_format(fmt: str, sample_rate: int) -> None:
             f"opus supports sample rates {', '.join(map(str, OPUS_SAMPLE_RATES))}, got {sample_rate}",
             param="sample_rate",
         )
+    if fmt in G711_CODECS and sample_rate != G711_SAMPLE_RATE:
+        raise InvalidArgument(f"{fmt} is G.711 at {G711_SAMPLE_RATE} Hz only, got sample_rate {sample_rate}",
+                              param="sample_rate")
 
 
 def make_encoder(fmt: str, sample_rate: int, streaming: bool) -> AudioEncoder:
@@ -181,15 +237,88 @@ def make_encoder(fmt: str, sample_rate: int, streaming: bool) -> AudioEncoder:
         return PcmEncoder(streaming)
     if fmt == "wav":
         return WavEncoder(sample_rate, streaming)
+    if fmt in G711_CODECS:
+        return G711Encoder(fmt, sample_rate, streaming)
     return PyAVEncoder(fmt, sample_rate, streaming)
 
 
-class Resampler:
-    """Streaming soxr resampler of PCM s16le from the native rate to the requested one."""
+def check_speed(speed: float) -> None:
+    if not MIN_SPEED <= speed <= MAX_SPEED:
+        raise InvalidArgument(f"speed must be in {MIN_SPEED}..{MAX_SPEED}, got {speed}", param="speed")
 
-    def __init__(self, in_rate: int, out_rate: int):
+
+def atempo_factors(speed: float) -> list[float]:
+    """`speed` as a product of atempo factors, each within 0.5..2.0 (0.25 = 0.5 x 0.5)."""
+    check_speed(speed)
+    factors = []
+    while speed < _ATEMPO_MIN:
+        factors.append(_ATEMPO_MIN)
+        speed /= _ATEMPO_MIN
+    while speed > _ATEMPO_MAX:
+        factors.append(_ATEMPO_MAX)
+        speed /= _ATEMPO_MAX
+    return [*factors, speed]
+
+
+class TimeStretch:
+    """Pitch-preserving time-stretch of a PCM s16le mono stream by `speed` (2.0 = twice as fast,
+    half the duration): libavfilter's `atempo` through PyAV, chained where one instance cannot
+    reach. One filter graph per stream, fed each chunk as it comes; `flush()` drains the tail."""
+
+    def __init__(self, sample_rate: int, speed: float):
+        import av
+
+        self._av = av
+        self._rate = sample_rate
+        self._pts = 0
+        graph = av.filter.Graph()
+        nodes = [graph.add_abuffer(format="s16", sample_rate=sample_rate, layout="mono",
+                                   time_base=f"1/{sample_rate}")]
+        nodes += [graph.add("atempo", f"{factor:.6f}") for factor in atempo_factors(speed)]
+        nodes += [graph.add("aformat", "sample_fmts=s16:channel_layouts=mono"), graph.add("abuffersink")]
+        for a, b in zip(nodes, nodes[1:], strict=False):
+            a.link_to(b)
+        graph.configure()
+        self._graph = graph
+        self._done = False
+
+    def _drain(self) -> bytes:
+        parts = []
+        while True:
+            try:
+                frame = self._graph.pull()
+            except (self._av.error.BlockingIOError, self._av.error.EOFError):
+                break
+            parts.append(np.ascontiguousarray(frame.to_ndarray().reshape(-1), dtype="<i2").tobytes())
+        return b"".join(parts)
+
+    def push(self, pcm: bytes) -> bytes:
+        samples = np.frombuffer(pcm, dtype="<i2")
+        if not samples.size or self._done:
+            return b""
+        frame = self._av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = self._rate
+        frame.pts = self._pts
+        self._pts += samples.size
+        self._graph.push(frame)
+        return self._drain()
+
+    def flush(self) -> bytes:
+        if self._done:
+            return b""
+        self._done = True
+        self._graph.push(None)
+        return self._drain()
+
+
+class Resampler:
+    """The talker's PCM s16le to the output: an optional time-stretch (`speed` != 1.0, at the native
+    rate), then a streaming soxr resampler from the native rate to the requested one."""
+
+    def __init__(self, in_rate: int, out_rate: int, speed: float = 1.0):
         self.in_rate = in_rate
         self.out_rate = out_rate
+        self._stretch = TimeStretch(in_rate, speed) if speed != 1.0 else None
         self._stream = None
         if in_rate != out_rate:
             import soxr
@@ -198,16 +327,21 @@ class Resampler:
 
     @property
     def passthrough(self) -> bool:
-        return self._stream is None
+        return self._stream is None and self._stretch is None
 
-    def push(self, pcm: bytes) -> bytes:
+    def _resample(self, pcm: bytes, last: bool) -> bytes:
         if self._stream is None:
             return pcm
-        out = self._stream.resample_chunk(np.frombuffer(pcm, dtype="<i2"), last=False)
+        out = self._stream.resample_chunk(np.frombuffer(pcm, dtype="<i2"), last=last)
         return np.ascontiguousarray(out, dtype="<i2").tobytes()
 
+    def push(self, pcm: bytes) -> bytes:
+        if self._stretch is not None:
+            pcm = self._stretch.push(pcm)
+        return self._resample(pcm, last=False)
+
     def flush(self) -> bytes:
+        tail = self._stretch.flush() if self._stretch is not None else b""
         if self._stream is None:
-            return b""
-        out = self._stream.resample_chunk(np.zeros(0, dtype="<i2"), last=True)
-        return np.ascontiguousarray(out, dtype="<i2").tobytes()
+            return tail
+        return self._resample(tail, last=True)

@@ -88,7 +88,7 @@ async def _stream_chunks(stream: SynthesisStream, out: OutputOptions, metrics: G
     """Encoded audio (or SSE events) as the talker produces it; always closes `stream`."""
     is_sse = out.stream_format == "sse"
     encoder = make_encoder(out.response_format, sample_rate, streaming=True)
-    resampler = Resampler(24000, sample_rate)
+    resampler = Resampler(24000, sample_rate, out.speed)
     error: BaseException | None = None
     try:
         async for event in stream:
@@ -122,7 +122,7 @@ async def _stream_chunks(stream: SynthesisStream, out: OutputOptions, metrics: G
 
 async def _collect(stream: SynthesisStream, out: OutputOptions, sample_rate: int) -> bytes:
     encoder = make_encoder(out.response_format, sample_rate, streaming=False)
-    resampler = Resampler(24000, sample_rate)
+    resampler = Resampler(24000, sample_rate, out.speed)
     async for event in stream:
         if isinstance(event, AudioPiece):
             encoder.push(resampler.push(event.pcm))

@@ -10,9 +10,10 @@ from typing import Any
 
 from qtts.errors import InvalidArgument
 
+from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, check_speed
 from .job import SamplingOptions, SpeechFields
 
-RESPONSE_FORMATS = ("pcm", "wav", "mp3", "flac", "opus", "aac")
+RESPONSE_FORMATS = ("pcm", "wav", "mp3", "flac", "opus", "aac", "mulaw", "alaw")
 STREAM_FORMATS = ("audio", "sse")
 # Larger values are capped by the code2wav replica (its credit window) anyway.
 MAX_INITIAL_CHUNK_FRAMES = 4096
@@ -60,6 +61,8 @@ class OutputOptions:
     response_format: str = "mp3"
     stream: bool | None = None
     stream_format: str = "audio"
+    # Time-stretch of the output (pitch kept): 2.0 speaks twice as fast.
+    speed: float = 1.0
 
     @property
     def streaming(self) -> bool:
@@ -177,8 +180,11 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
         raise InvalidArgument(f"stream_format must be 'audio' or 'sse', got {stream_format!r}",
                               param="stream_format")
     speed = _number(body, "speed")
-    if speed is not None and speed != 1.0:
-        raise InvalidArgument(f"speed {speed} is not supported; only 1.0 is", param="speed")
+    if speed is not None:
+        check_speed(speed)
+    sample_rate = _integer(body, "sample_rate")
+    if sample_rate is None and fmt in G711_CODECS:
+        sample_rate = G711_SAMPLE_RATE  # G.711's only rate; another one is refused naming sample_rate
     stream = _get(body, "stream", bool, "a boolean")
     ref_audio = _get(body, "ref_audio", str, "a base64 string or data URL")
     seed = _integer(body, "seed")
@@ -210,8 +216,9 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
             seed=seed,
             min_new_frames=_integer(body, "min_new_tokens"),
         ),
-        sample_rate=_integer(body, "sample_rate"),
+        sample_rate=sample_rate,
         first_chunk_frames=first_chunk or 0,
         streaming_text=_streaming_text(body),
     )
-    return fields, OutputOptions(response_format=fmt, stream=stream, stream_format=stream_format)
+    return fields, OutputOptions(response_format=fmt, stream=stream, stream_format=stream_format,
+                                 speed=1.0 if speed is None else speed)

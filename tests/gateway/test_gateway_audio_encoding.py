@@ -1,4 +1,5 @@
-"""Output encoders (pcm, streaming/complete wav, PyAV formats), resampling and SSE framing."""
+"""Output encoders (pcm, streaming/complete wav, PyAV formats, G.711), resampling, time-stretch and
+SSE framing."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from gateway_fakes import frame_pcm
 
 from qtts.errors import InvalidArgument, NotFound, ResourceExhausted, openai_error_body
 from services.gateway import sse
-from services.gateway.audio_encoding import Resampler, make_encoder, wav_header
+from services.gateway.audio_encoding import (
+    MEDIA_TYPES,
+    Resampler,
+    TimeStretch,
+    atempo_factors,
+    make_encoder,
+    wav_header,
+)
 
 
 def test_streaming_wav_header_has_unknown_sizes_and_audio_follows():
@@ -81,6 +89,71 @@ def test_streaming_resampler_output_length(rate):
 def test_native_rate_is_passthrough():
     r = Resampler(24000, 24000)
     assert r.passthrough and r.push(frame_pcm(0)) == frame_pcm(0) and r.flush() == b""
+
+
+def _tone(seconds: float, rate: int = 24000, hz: float = 440.0) -> np.ndarray:
+    return (np.sin(2 * np.pi * hz * np.arange(int(seconds * rate)) / rate) * 8000).astype("<i2")
+
+
+def _dominant_hz(samples: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(samples.astype(np.float64) * np.hanning(samples.size)))
+    return float(np.fft.rfftfreq(samples.size, 1 / rate)[np.argmax(spectrum)])
+
+
+@pytest.mark.parametrize("speed", [0.5, 2.0])
+def test_time_stretch_changes_duration_and_keeps_pitch(speed):
+    tone = _tone(2.0)
+    stretch = TimeStretch(24000, speed)
+    chunks = [stretch.push(tone[i:i + 1920].tobytes()) for i in range(0, tone.size, 1920)]
+    assert any(chunks[:-1]), "the stretch must hand out audio while the stream runs"
+    out = np.frombuffer(b"".join(chunks) + stretch.flush(), dtype="<i2")
+    assert abs(out.size / tone.size - 1 / speed) <= 0.05 / speed, out.size
+    assert abs(_dominant_hz(out, 24000) - 440.0) <= 0.02 * 440.0
+    assert stretch.flush() == b"" and stretch.push(tone[:100].tobytes()) == b""
+
+
+def test_atempo_chains_beyond_one_instance():
+    assert atempo_factors(0.25) == [0.5, 0.5] and atempo_factors(4.0) == [2.0, 2.0]
+    assert atempo_factors(1.5) == [1.5] and atempo_factors(3.0) == [2.0, 1.5]
+    for bad in (0.1, 5.0):
+        with pytest.raises(InvalidArgument) as err:
+            atempo_factors(bad)
+        assert err.value.param == "speed"
+
+
+@pytest.mark.parametrize("speed", [0.25, 4.0])
+def test_resampler_stretches_then_resamples(speed):
+    r = Resampler(24000, 16000, speed)
+    assert not r.passthrough
+    out = b"".join(r.push(frame_pcm(i)) for i in range(25)) + r.flush()
+    expected = 25 * 1920 * 16000 / 24000 / speed
+    assert abs(len(out) // 2 - expected) <= 0.05 * expected
+
+
+@pytest.mark.parametrize("fmt, codec", [("mulaw", "pcm_mulaw"), ("alaw", "pcm_alaw")])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_g711_is_raw_8khz_and_decodes_back(fmt, codec, streaming):
+    enc = make_encoder(fmt, 8000, streaming=streaming)
+    tone = _tone(1.0, rate=8000)
+    parts = [enc.push(tone[i:i + 400].tobytes()) for i in range(0, tone.size, 400)] + [enc.finish()]
+    if streaming:
+        assert all(len(p) == 400 for p in parts[:-1]), "one byte a sample, sent as it is encoded"
+    else:
+        assert not any(parts[:-1])
+    data = b"".join(parts)
+    assert len(data) == tone.size and enc.media_type == MEDIA_TYPES[fmt]
+    with av.open(io.BytesIO(data), format=fmt, options={"sample_rate": "8000", "ch_layout": "mono"}) as c:
+        stream = c.streams.audio[0]
+        assert stream.codec_context.name == codec and stream.rate == 8000
+        pcm = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(stream)])
+    assert pcm.size == tone.size and np.abs(pcm.astype(int) - tone).max() < 300  # G.711's step at 8000
+
+
+@pytest.mark.parametrize("fmt", ["mulaw", "alaw"])
+def test_g711_rejects_other_rates(fmt):
+    with pytest.raises(InvalidArgument) as err:
+        make_encoder(fmt, 16000, streaming=True)
+    assert err.value.param == "sample_rate"
 
 
 def _events(raw: bytes) -> list[dict]:

@@ -113,6 +113,35 @@ async def test_resampled_output_rate():
             assert w.getframerate() == 16000 and abs(w.getnframes() - 5 * 1280) <= 2
 
 
+@pytest.mark.parametrize("stream", [None, False])
+async def test_speed_time_stretches_the_output(stream):
+    async with serve_http(build_gateway(frames=40, chunk=2)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        sizes = {}
+        for speed in (1.0, 2.0, 0.5):
+            extra = {} if stream is None else {"stream": stream}
+            r = await c.post("/v1/audio/speech", json=body(speed=speed, **extra))
+            assert r.status_code == 200, r.text
+            sizes[speed] = len(r.content) // 2
+        assert sizes[1.0] == 40 * FRAME
+        assert abs(sizes[2.0] / sizes[1.0] - 0.5) <= 0.025 and abs(sizes[0.5] / sizes[1.0] - 2.0) <= 0.1, sizes
+        assert gw.synth.admission.active == 0
+
+
+@pytest.mark.parametrize("fmt, codec, media", [("mulaw", "pcm_mulaw", "audio/basic"),
+                                               ("alaw", "pcm_alaw", "audio/x-alaw-basic")])
+async def test_g711_streams_raw_at_8khz(fmt, codec, media):
+    async with serve_http(build_gateway(frames=20, chunk=2)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        async with c.stream("POST", "/v1/audio/speech", json=body(response_format=fmt)) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == media
+            assert r.headers["x-tts-sample-rate"] == "8000"
+            data = b"".join([chunk async for chunk in r.aiter_raw()])
+    with av.open(io.BytesIO(data), format=fmt, options={"sample_rate": "8000", "ch_layout": "mono"}) as cont:
+        stream = cont.streams.audio[0]
+        assert stream.codec_context.name == codec and stream.rate == 8000
+        samples = sum(f.samples for f in cont.decode(stream))
+    assert abs(samples - 20 * FRAME / 3) <= FRAME / 3  # 20 frames of 80 ms, within one frame
+
+
 async def test_openai_shaped_errors_and_service_keeps_serving():
     async with serve_http(build_gateway()) as gw, httpx.AsyncClient(base_url=gw.url) as c:
         cases = [
@@ -120,11 +149,12 @@ async def test_openai_shaped_errors_and_service_keeps_serving():
             (body(ref_audio="!!!"), 400, "ref_audio", "invalid_value"),
             (body(ref_audio=base64.b64encode(b"not audio").decode()), 400, "ref_audio", "invalid_value"),
             (body(x_vector_only_mode=False), 400, "ref_text", "invalid_value"),
-            (body(speed=2.0), 400, "speed", "invalid_value"),
+            (body(speed=0.1), 400, "speed", "invalid_value"), (body(speed=5), 400, "speed", "invalid_value"),
             (body(input="x" * 201), 400, "input", "invalid_value"),
             (body(task_type="custom_voice"), 400, "task_type", "invalid_value"),
             (body(response_format="ogg"), 400, "response_format", "invalid_value"),
             (body(response_format="opus", sample_rate=22050), 400, "sample_rate", "invalid_value"),
+            (body(response_format="mulaw", sample_rate=16000), 400, "sample_rate", "invalid_value"),
             (body(temperature="hot"), 400, "temperature", "invalid_value"),
             (body(top_p=2.0), 400, "top_p", "invalid_value"),
             (body(max_new_tokens=0), 400, "max_new_tokens", "invalid_value"),

@@ -90,7 +90,8 @@ def test_parse_openai_body():
     ([], "JSON object"),
     ({}, "input is required"),
     ({"input": 3}, "input must be a string"),
-    ({"input": "a", "speed": 1.5}, "only 1.0"),
+    ({"input": "a", "speed": 0.1}, "speed must be in 0.25..4.0"),
+    ({"input": "a", "speed": 5}, "speed must be in 0.25..4.0"),
     ({"input": "a", "response_format": "ogg"}, "response_format"),
     ({"input": "a", "stream_format": "ws"}, "stream_format"),
     ({"input": "a", "stream": "yes"}, "boolean"),
@@ -119,3 +120,12 @@ def test_voice_names():
     for bad in ("", "a b", "x" * 65, "../etc"):
         with pytest.raises(InvalidArgument):
             check_voice_name(bad)
+
+
+def test_speed_and_g711_sample_rate_defaults():
+    fields, out = parse_speech_body({"input": "hi", "speed": 4, "response_format": "MULAW"})
+    assert (out.speed, out.response_format, fields.sample_rate) == (4.0, "mulaw", 8000)
+    fields, out = parse_speech_body({"input": "hi", "response_format": "alaw", "sample_rate": 16000})
+    assert fields.sample_rate == 16000  # refused later by the encoder check, naming sample_rate
+    fields, out = parse_speech_body({"input": "hi"})
+    assert out.speed == 1.0 and fields.sample_rate is None
