@@ -1,0 +1,80 @@
+"""Host cost of the talker's deadline scheduler: one `Scheduler.plan()` over N running streams.
+
+The plan runs on the engine thread before every frame step, in Python, under the GIL the talker's
+event loop also needs; this measures it on the CPU (no GPU work involved), with every stream
+playing, its chunk plan known and its lead spread over the urgent-to-max range:
+
+    python -m benchmarks.scheduler_cost --streams 64,256,768,1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from qtts.chunk_plan import ChunkPlan
+from services.talker.admission import Admission, AdmissionConfig
+from services.talker.scheduler import DeadlinePolicy, ScheduledRequest, Scheduler, StreamCredit
+
+
+def build(n: int, now: float) -> Scheduler:
+    s = Scheduler(
+        max_batch=max(n, 1), max_waiting=0, admission=Admission(AdmissionConfig()), policy=DeadlinePolicy()
+    )
+    rng = np.random.default_rng(0)
+    plan = ChunkPlan()
+    for i in range(n):
+        req = ScheduledRequest(
+            f"r{i}",
+            SimpleNamespace(embeds=np.zeros((300, 1))),
+            None,
+            None,
+            StreamCredit(8, 10**6),
+            lambda e: None,
+        )
+        s.submit(req, now)
+        s.plan(now)
+        elapsed = float(rng.uniform(0.5, 8.0))
+        lead = float(rng.uniform(1.5, 4.0))
+        req.stepped = True
+        req.first_audio_at = now - elapsed
+        req.credit.generated = int((elapsed + lead) / 0.08)
+        req.delivered_s = plan.end_at_or_below(req.credit.generated) * 0.08
+        req.chunk_plan = plan
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="64,256,768,1024")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for n in (int(x) for x in args.streams.split(",")):
+        now = 1000.0
+        s = build(n, now)
+        times = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            s.plan(now)
+            times.append(time.perf_counter() - t0)
+        rows.append(
+            {"streams": n, "plan_ms_median": 1e3 * statistics.median(times), "plan_ms_max": 1e3 * max(times)}
+        )
+        print(
+            f"streams {n:5d}: plan {rows[-1]['plan_ms_median']:.3f} ms median, {rows[-1]['plan_ms_max']:.3f} ms max"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
