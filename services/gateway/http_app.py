@@ -224,7 +224,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
     async def create_voice(request: Request) -> JSONResponse:
         """Multipart (`name`, `ref_text`, `x_vector_only_mode`, the clip as file `audio_sample`, OpenAI's
         name, or `audio`) or JSON with the clip in base64. OpenAI's `consent` (a consent recording id)
-        and `type: "audio_sample"` are accepted; consent is not checked or stored here."""
+        and `type: "audio_sample"` are accepted; consent is not checked or stored here. Without
+        `ref_text` and without `x_vector_only_mode`, the voice is x-vector only."""
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
             form = await request.form()
@@ -236,7 +237,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
             audio = await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), field)
             _check_voice_extras(form.get("type"), form.get("consent"))
             name, ref_text = str(form.get("name") or ""), str(form.get("ref_text") or "")
-            x_only = str(form.get("x_vector_only_mode") or "false").lower() in ("1", "true", "yes", "on")
+            x_field = form.get("x_vector_only_mode")
+            x_only = None if x_field is None else str(x_field).lower() in ("1", "true", "yes", "on")
         else:
             body = await _json_body(request)
             if not isinstance(body, dict):
@@ -252,16 +254,21 @@ def create_app(deps: HttpDeps) -> FastAPI:
                 raise InvalidArgument("name must be a string", param="name")
             if not isinstance(ref_text, str | None):
                 raise InvalidArgument("ref_text must be a string", param="ref_text")
-            x_only = body.get("x_vector_only_mode", False)
-            if not isinstance(x_only, bool):
+            x_only = body.get("x_vector_only_mode")
+            if not isinstance(x_only, bool | None):
                 raise InvalidArgument("x_vector_only_mode must be a boolean", param="x_vector_only_mode")
         voice = await deps.voices.create(name, audio, ref_text, x_only, audio_field=field)
         return JSONResponse(voice.to_json(), status_code=201)
 
+    @app.get("/v1/audio/voices/{name}")
+    async def get_voice(name: str) -> dict:
+        return (await deps.voices.get(name)).to_json()
+
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(name: str) -> dict:
+        """OpenAI's `VoiceDeleted` shape (plus `name`)."""
         await deps.voices.delete(name)
-        return {"name": name, "deleted": True}
+        return {"id": name, "object": "audio.voice.deleted", "deleted": True, "name": name}
 
     return app
 

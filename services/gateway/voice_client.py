@@ -25,7 +25,11 @@ class VoiceInfo:
     created_unix_s: int = 0
 
     def to_json(self) -> dict:
+        """OpenAI's voice object (`id`, `object`, `type`, `name`, `created_at`) plus this API's fields."""
         return {
+            "id": self.name,
+            "object": "audio.voice",
+            "type": "audio_sample" if self.kind == "cloned" else self.kind,
             "name": self.name,
             "kind": self.kind,
             "ref_text": self.reference_text,
@@ -42,7 +46,7 @@ def _voice_info(v: speaker_cache_pb2.StoredVoice) -> VoiceInfo:
         kind="cloned",
         reference_text=v.reference_text,
         x_vector_only=v.x_vector_only,
-        reference_duration_s=len(v.reference_pcm_f32) / 4 / rate,
+        reference_duration_s=(len(v.reference_pcm_f32) // 4 or v.num_samples) / rate,
         created_unix_s=v.created_unix_s,
     )
 
@@ -71,6 +75,14 @@ class VoiceClient:
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
         return [_voice_info(v) for v in resp.voices]
+
+    async def get(self, name: str, timeout: float = 10.0) -> VoiceInfo:
+        """One voice, with the duration of its stored clip."""
+        try:
+            resp = await self._stub.GetVoice(speaker_cache_pb2.GetVoiceRequest(name=name), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, self.address) from None
+        return _voice_info(resp.voice)
 
     async def create(
         self, name: str, pcm_24k: np.ndarray, reference_text: str, x_vector_only: bool, timeout: float = 10.0

@@ -18,6 +18,8 @@ from .voice_client import VoiceInfo
 class VoiceStoreAPI(Protocol):
     async def list(self) -> list[VoiceInfo]: ...
 
+    async def get(self, name: str) -> VoiceInfo: ...
+
     async def create(self, name: str, pcm_24k: np.ndarray, reference_text: str,
                      x_vector_only: bool) -> VoiceInfo: ...
 
@@ -40,9 +42,20 @@ class VoiceService:
         presets = [VoiceInfo(name=s, kind="preset") for s in (catalog.speakers if catalog else ())]
         return [*sorted(await self._store.list(), key=lambda v: v.name), *presets]
 
+    async def get(self, name: str) -> VoiceInfo:
+        """A stored voice (with its clip's duration) or one of the model's preset speakers."""
+        name = check_voice_name(name)
+        catalog = self._catalog()
+        if catalog and name.lower() in catalog.speakers:
+            return VoiceInfo(name=name.lower(), kind="preset")
+        return await self._store.get(name)
+
     async def create(self, name: str, audio: bytes | None, reference_text: str | None,
-                     x_vector_only: bool, audio_field: str = "audio") -> VoiceInfo:
-        """Store a cloned voice; `audio_field` is the request field the clip came in (for errors)."""
+                     x_vector_only: bool | None, audio_field: str = "audio") -> VoiceInfo:
+        """Store a cloned voice; `audio_field` is the request field the clip came in (for errors).
+
+        Without a transcript and without an explicit `x_vector_only`, the voice is x-vector only
+        (cloned from the speaker embedding alone), as OpenAI's voice upload sends no transcript."""
         name = check_voice_name(name)
         if not audio:
             raise InvalidArgument("reference audio is required to create a voice", param=audio_field)
@@ -50,6 +63,8 @@ class VoiceService:
             raise InvalidArgument(f"reference audio is {len(audio)} bytes; the limit is {self._max_audio_bytes}",
                                   param=audio_field)
         ref_text = (reference_text or "").strip()
+        if x_vector_only is None:
+            x_vector_only = not ref_text
         if not x_vector_only and not ref_text:
             raise InvalidArgument("ref_text (the transcript of the audio) is required unless x_vector_only_mode",
                                   param="ref_text")

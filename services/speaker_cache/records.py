@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -55,11 +56,15 @@ class VoiceRecord:
     reference_text: str = ""
     x_vector_only: bool = False
     created_unix_s: int = 0
+    # Samples in the clip where the audio is left out (listings); derived from the audio, never stored.
+    num_samples: int = 0
+
+    @property
+    def samples(self) -> int:
+        return len(self.reference_pcm_f32) // 4 if self.reference_pcm_f32 else self.num_samples
 
     def without_audio(self) -> VoiceRecord:
-        return VoiceRecord(
-            self.name, b"", self.sample_rate_hz, self.reference_text, self.x_vector_only, self.created_unix_s
-        )
+        return dataclasses.replace(self, reference_pcm_f32=b"", num_samples=self.samples)
 
     def validate(self, max_audio_bytes: int) -> VoiceRecord:
         validate_voice_name(self.name)

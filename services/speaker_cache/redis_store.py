@@ -7,6 +7,7 @@ for listing. Voices persist as long as Redis does; prompts are a cache and may c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -148,14 +149,14 @@ class RedisStore:
         async with self._redis.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.hmget(self._voice_key(name), _VOICE_LIST_FIELDS)
-            rows = await pipe.execute()
+                pipe.hstrlen(self._voice_key(name), "reference_pcm_f32")
+            replies = await pipe.execute()
         voices = []
-        for row in rows:
+        for row, audio_bytes in zip(replies[::2], replies[1::2], strict=True):
             if row[0] is None:
                 continue  # deleted between SMEMBERS and HMGET
-            voices.append(
-                _voice_from_fields(dict(zip((f.encode() for f in _VOICE_LIST_FIELDS), row, strict=True)))
-            )
+            voice = _voice_from_fields(dict(zip((f.encode() for f in _VOICE_LIST_FIELDS), row, strict=True)))
+            voices.append(dataclasses.replace(voice, num_samples=int(audio_bytes) // 4))
         return voices
 
     @_unavailable_on_redis_errors

@@ -92,6 +92,11 @@ class FakeVoiceStore:
     async def list(self) -> list[VoiceInfo]:
         return list(self.voices.values())
 
+    async def get(self, name) -> VoiceInfo:
+        if name not in self.voices:
+            raise NotFound(f"voice {name!r} does not exist")
+        return self.voices[name]
+
     async def create(self, name, pcm_24k, reference_text, x_vector_only) -> VoiceInfo:
         from qtts.errors import AlreadyExists
 

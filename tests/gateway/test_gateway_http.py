@@ -304,17 +304,31 @@ async def test_models_health_and_voices():
         r = await c.post("/v1/audio/voices", json={"name": "bob", "audio": REF, "x_vector_only_mode": True})
         assert r.status_code == 201
         assert (await c.post("/v1/audio/voices", json={"name": "bob", "audio": REF, "ref_text": "x"})).status_code == 409
-        r = await c.post("/v1/audio/voices", json={"name": "carl", "audio": REF})
+        r = await c.post("/v1/audio/voices", json={"name": "carl", "audio": REF, "x_vector_only_mode": False})
         assert r.status_code == 400 and r.json()["error"]["param"] == "ref_text"
+        # No transcript and no mode: an x-vector-only voice, as OpenAI's upload (no transcript) needs.
+        r = await c.post("/v1/audio/voices", json={"name": "carl", "audio": REF})
+        assert r.status_code == 201 and r.json()["x_vector_only_mode"] and r.json()["ref_text"] == ""
+        r = await c.post("/v1/audio/voices", files={"audio": ("a.wav", wav_bytes(), "audio/wav")},
+                         data={"name": "cleo"})
+        assert r.status_code == 201 and r.json()["x_vector_only_mode"], r.text
         r = await c.post("/v1/audio/voices", json={"name": "bad name!", "audio": REF, "ref_text": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "name"
         r = await c.post("/v1/audio/voices", json={"name": "dan", "audio": base64.b64encode(b"junk").decode(),
                                                    "ref_text": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "audio"
         voices = (await c.get("/v1/audio/voices")).json()["voices"]
-        assert [(v["name"], v["kind"]) for v in voices] == [
-            ("alice", "cloned"), ("bob", "cloned"), ("vivian", "preset"), ("ryan", "preset")]
-        assert (await c.delete("/v1/audio/voices/alice")).status_code == 200
+        assert [(v["name"], v["kind"]) for v in voices] == [("alice", "cloned"), ("bob", "cloned"), ("carl", "cloned"),
+                                                            ("cleo", "cloned"), ("vivian", "preset"), ("ryan", "preset")]
+        assert [(v["id"], v["object"], v["type"]) for v in voices[:1]] == [("alice", "audio.voice", "audio_sample")]
+        r = await c.get("/v1/audio/voices/alice")
+        assert r.status_code == 200 and (r.json()["id"], r.json()["ref_text"]) == ("alice", "hello")
+        assert r.json()["duration_s"] == 1.0  # the fake decoder's clip: 24000 samples at 24 kHz
+        assert (await c.get("/v1/audio/voices/Vivian")).json()["kind"] == "preset"
+        assert (await c.get("/v1/audio/voices/nobody")).status_code == 404
+        r = await c.delete("/v1/audio/voices/alice")
+        assert r.status_code == 200 and r.json() == {"id": "alice", "object": "audio.voice.deleted", "deleted": True,
+                                                     "name": "alice"}
         r = await c.delete("/v1/audio/voices/alice")
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
         r = await c.post("/v1/audio/speech", json={"input": "hi", "voice": "nobody", "response_format": "pcm"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 
 import openai
+import pytest
 from gateway_fakes import FRAME, build_gateway, frame_pcm, serve_http, wav_bytes
 
 REF = base64.b64encode(wav_bytes()).decode()
@@ -46,4 +47,23 @@ async def test_voices_create_with_audio_sample_and_consent_then_speak_by_id():
         audio = await client.audio.speech.create(model="tiny-base", voice={"id": "sdk-voice"}, input="Hi.",
                                                  response_format="pcm")
         assert audio.content == frame_pcm(0, 2) and gw.talker.jobs[0].voice == "sdk-voice"
+        await client.close()
+
+
+async def test_voices_create_speak_by_id_and_delete_with_the_sdk_unmodified():
+    # No transcript and no extra fields: the voice is x-vector only (cloned from the speaker embedding).
+    async with serve_http(build_gateway(frames=2)) as gw:
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        voice = await client.audio.voices.create(name="plain", consent="cons_1",
+                                                 audio_sample=("ref.wav", wav_bytes(), "audio/wav"))
+        assert (voice.id, voice.name, voice.object, voice.type) == ("plain", "plain", "audio.voice", "audio_sample")
+        assert voice.created_at > 0 and gw.voices.voices["plain"].x_vector_only
+        audio = await client.audio.speech.create(model="tiny-base", voice={"id": voice.id}, input="Hi.",
+                                                 response_format="pcm")
+        assert audio.content == frame_pcm(0, 2) and gw.talker.jobs[0].voice == "plain"
+        deleted = await client.audio.voices.delete(voice.id)
+        assert (deleted.id, deleted.object, deleted.deleted) == ("plain", "audio.voice.deleted", True)
+        assert "plain" not in gw.voices.voices
+        with pytest.raises(openai.NotFoundError):
+            await client.audio.voices.delete(voice.id)
         await client.close()

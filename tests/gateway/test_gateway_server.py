@@ -84,6 +84,9 @@ async def test_gateway_end_to_end_with_fake_talker_and_real_speaker_cache():
                              data={"name": "alice", "ref_text": "hello"})
             assert r.status_code == 201, r.text
             assert [v["name"] for v in (await c.get("/v1/audio/voices")).json()["voices"]] == ["alice"]
+            one = (await c.get("/v1/audio/voices/alice")).json()
+            assert (one["id"], one["object"], one["duration_s"]) == ("alice", "audio.voice", 1.0)
+            assert (await c.get("/v1/audio/voices")).json()["voices"][0]["duration_s"] == 1.0
 
             r = await c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alice", "max_new_tokens": 4,
                                                        "seed": 9, "top_k": 5, "response_format": "pcm",

@@ -138,6 +138,7 @@ async def test_lru_voices_crud():
         await store.create_voice(_voice("a"), overwrite=False)
     await store.create_voice(_voice("a", samples=100), overwrite=True)
     assert len((await store.get_voice("a")).reference_pcm_f32) == 400
+    assert [(v.reference_pcm_f32, v.num_samples) for v in await store.list_voices()] == [(b"", 100)]
     await store.delete_voice("a")
     with pytest.raises(NotFound):
         await store.get_voice("a")
@@ -189,6 +190,7 @@ async def test_redis_store_round_trip_and_key_layout(redis_url):
         listed = await store.list_voices()
         assert [v.name for v in listed] == ["amy", "bob"]
         assert all(v.reference_pcm_f32 == b"" for v in listed)
+        assert [v.num_samples for v in listed] == [10, 2400]  # from the stored clip's length
         assert await store.count_voices() == 2
 
         raw = aioredis.from_url(redis_url)
@@ -279,6 +281,7 @@ async def test_service_over_grpc(store_url):
         assert got.voice.reference_pcm_f32 == v.reference_pcm_f32 and got.voice.reference_text == "hi"
         listed = await stub.ListVoices(pb.ListVoicesRequest())
         assert [x.name for x in listed.voices] == ["carol"] and listed.voices[0].reference_pcm_f32 == b""
+        assert listed.voices[0].num_samples == created.voice.num_samples == 2400
 
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.CreateVoice(pb.CreateVoiceRequest(voice=pb.StoredVoice(name="bad name!")))
