@@ -67,14 +67,17 @@ class ErrorMapping:
 
 
 ERROR_TABLE: dict[type[TTSError], ErrorMapping] = {
-    InvalidArgument: ErrorMapping(400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT,
-                                  "invalid_value"),
+    InvalidArgument: ErrorMapping(
+        400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "invalid_value"
+    ),
     NotFound: ErrorMapping(404, "not_found_error", grpc.StatusCode.NOT_FOUND, "not_found"),
     AlreadyExists: ErrorMapping(409, "conflict_error", grpc.StatusCode.ALREADY_EXISTS, "already_exists"),
-    ResourceExhausted: ErrorMapping(429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    "rate_limit_exceeded"),
-    FailedPrecondition: ErrorMapping(400, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION,
-                                     "failed_precondition"),
+    ResourceExhausted: ErrorMapping(
+        429, "rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_exceeded"
+    ),
+    FailedPrecondition: ErrorMapping(
+        400, "invalid_request_error", grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"
+    ),
     Unavailable: ErrorMapping(503, "service_unavailable_error", grpc.StatusCode.UNAVAILABLE, "unavailable"),
     GenerationFailed: ErrorMapping(500, "server_error", grpc.StatusCode.INTERNAL, "generation_failed"),
     Cancelled: ErrorMapping(499, "cancelled_error", grpc.StatusCode.CANCELLED, "cancelled"),

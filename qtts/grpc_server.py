@@ -162,7 +162,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         self._count(mapping.grpc_code)
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after:
-            await context.abort(mapping.grpc_code, message, trailing_metadata=(("retry-after", str(retry_after)),))
+            await context.abort(
+                mapping.grpc_code, message, trailing_metadata=(("retry-after", str(retry_after)),)
+            )
         await context.abort(mapping.grpc_code, message)
 
     def _count(self, code: grpc.StatusCode | None) -> None:

@@ -226,8 +226,10 @@ def check_output_format(fmt: str, sample_rate: int) -> None:
             param="sample_rate",
         )
     if fmt in G711_CODECS and sample_rate != G711_SAMPLE_RATE:
-        raise InvalidArgument(f"{fmt} is G.711 at {G711_SAMPLE_RATE} Hz only, got sample_rate {sample_rate}",
-                              param="sample_rate")
+        raise InvalidArgument(
+            f"{fmt} is G.711 at {G711_SAMPLE_RATE} Hz only, got sample_rate {sample_rate}",
+            param="sample_rate",
+        )
 
 
 def make_encoder(fmt: str, sample_rate: int, streaming: bool) -> AudioEncoder:
@@ -272,8 +274,11 @@ class TimeStretch:
         self._rate = sample_rate
         self._pts = 0
         graph = av.filter.Graph()
-        nodes = [graph.add_abuffer(format="s16", sample_rate=sample_rate, layout="mono",
-                                   time_base=f"1/{sample_rate}")]
+        nodes = [
+            graph.add_abuffer(
+                format="s16", sample_rate=sample_rate, layout="mono", time_base=f"1/{sample_rate}"
+            )
+        ]
         nodes += [graph.add("atempo", f"{factor:.6f}") for factor in atempo_factors(speed)]
         nodes += [graph.add("aformat", "sample_fmts=s16:channel_layouts=mono"), graph.add("abuffersink")]
         for a, b in zip(nodes, nodes[1:], strict=False):

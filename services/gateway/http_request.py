@@ -108,16 +108,18 @@ def _voice(body: dict) -> str | None:
     if isinstance(voice_id, str) and voice_id.strip():
         return voice_id
     shown = repr(value)[:100]
-    raise InvalidArgument(f'voice must be a voice name or an object {{"id": "<voice id>"}}, got {shown}',
-                          param="voice")
+    raise InvalidArgument(
+        f'voice must be a voice name or an object {{"id": "<voice id>"}}, got {shown}', param="voice"
+    )
 
 
 def _voice_or_speaker(body: dict) -> str | None:
     """`voice`, or vLLM-Omni's `speaker` (its CustomVoice field) as another name for it."""
     voice, speaker = _voice(body), _get(body, "speaker", str, "a string")
     if voice is not None and speaker is not None and voice.strip().lower() != speaker.strip().lower():
-        raise InvalidArgument(f"voice {voice!r} and speaker {speaker!r} disagree; send one of them",
-                              param="speaker")
+        raise InvalidArgument(
+            f"voice {voice!r} and speaker {speaker!r} disagree; send one of them", param="speaker"
+        )
     return voice if voice is not None else speaker
 
 
@@ -131,8 +133,10 @@ def _speaker_embedding(body: dict) -> None:
         if not isinstance(row, list) or not all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row
         ):
-            raise InvalidArgument("speaker_embedding must be a list of finite numbers (or of such lists)",
-                                  param="speaker_embedding")
+            raise InvalidArgument(
+                "speaker_embedding must be a list of finite numbers (or of such lists)",
+                param="speaker_embedding",
+            )
 
 
 def _streaming_text(body: dict) -> bool | None:
@@ -147,11 +151,13 @@ def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
     if data.startswith("data:"):
         header, sep, data = data.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise InvalidArgument(f"{field_name} data URL must be base64 encoded (data:audio/...;base64,...)",
-                                  param=field_name)
+            raise InvalidArgument(
+                f"{field_name} data URL must be base64 encoded (data:audio/...;base64,...)", param=field_name
+            )
     elif data.startswith(("http://", "https://", "file:")):
-        raise InvalidArgument(f"{field_name} must be base64 audio or a data URL; URLs are not fetched",
-                              param=field_name)
+        raise InvalidArgument(
+            f"{field_name} must be base64 audio or a data URL; URLs are not fetched", param=field_name
+        )
     try:
         raw = base64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -173,12 +179,15 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
         raise InvalidArgument("input is required", param="input")
     fmt = (_get(body, "response_format", str, "a string") or "mp3").lower()
     if fmt not in RESPONSE_FORMATS:
-        raise InvalidArgument(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {fmt!r}",
-                              param="response_format")
+        raise InvalidArgument(
+            f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {fmt!r}",
+            param="response_format",
+        )
     stream_format = (_get(body, "stream_format", str, "a string") or "audio").lower()
     if stream_format not in STREAM_FORMATS:
-        raise InvalidArgument(f"stream_format must be 'audio' or 'sse', got {stream_format!r}",
-                              param="stream_format")
+        raise InvalidArgument(
+            f"stream_format must be 'audio' or 'sse', got {stream_format!r}", param="stream_format"
+        )
     speed = _number(body, "speed")
     if speed is not None:
         check_speed(speed)
@@ -193,8 +202,10 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
     top_k = _integer(body, "top_k")
     first_chunk = _integer(body, "initial_codec_chunk_frames")
     if first_chunk is not None and not (0 <= first_chunk <= MAX_INITIAL_CHUNK_FRAMES):
-        raise InvalidArgument(f"initial_codec_chunk_frames must be in 0..{MAX_INITIAL_CHUNK_FRAMES}, "
-                              f"got {first_chunk}", param="initial_codec_chunk_frames")
+        raise InvalidArgument(
+            f"initial_codec_chunk_frames must be in 0..{MAX_INITIAL_CHUNK_FRAMES}, got {first_chunk}",
+            param="initial_codec_chunk_frames",
+        )
     _get(body, "extra_params", dict, "an object")
     _speaker_embedding(body)
     fields = SpeechFields(
@@ -220,5 +231,6 @@ def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
         first_chunk_frames=first_chunk or 0,
         streaming_text=_streaming_text(body),
     )
-    return fields, OutputOptions(response_format=fmt, stream=stream, stream_format=stream_format,
-                                 speed=1.0 if speed is None else speed)
+    return fields, OutputOptions(
+        response_format=fmt, stream=stream, stream_format=stream_format, speed=1.0 if speed is None else speed
+    )

@@ -48,8 +48,9 @@ def _check_sampling(s: SamplingOptions) -> SamplingOptions:
     if s.repetition_penalty is not None and not (
         math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0
     ):
-        raise InvalidArgument(f"repetition_penalty must be > 0, got {s.repetition_penalty}",
-                              param="repetition_penalty")
+        raise InvalidArgument(
+            f"repetition_penalty must be > 0, got {s.repetition_penalty}", param="repetition_penalty"
+        )
     if s.seed is not None and not (0 <= s.seed < 2**63):
         raise InvalidArgument(f"seed must be a non-negative 63-bit integer, got {s.seed}", param="seed")
     if s.min_new_frames is not None and s.min_new_frames < 0:
@@ -63,8 +64,16 @@ def _check_sampling(s: SamplingOptions) -> SamplingOptions:
 # ISO 639-1 codes (as vLLM-Omni's clients send them, optionally with a region: en-US, pt_BR) -> the
 # model's language names.
 LANGUAGE_CODES = {
-    "zh": "chinese", "en": "english", "de": "german", "es": "spanish", "ja": "japanese",
-    "fr": "french", "ko": "korean", "ru": "russian", "it": "italian", "pt": "portuguese",
+    "zh": "chinese",
+    "en": "english",
+    "de": "german",
+    "es": "spanish",
+    "ja": "japanese",
+    "fr": "french",
+    "ko": "korean",
+    "ru": "russian",
+    "it": "italian",
+    "pt": "portuguese",
 }
 
 
@@ -88,8 +97,9 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
     if not text:
         raise InvalidArgument("input must be a non-empty string", param="input")
     if len(text) > limits.max_input_chars:
-        raise InvalidArgument(f"input is {len(text)} characters long; the limit is {limits.max_input_chars}",
-                              param="input")
+        raise InvalidArgument(
+            f"input is {len(text)} characters long; the limit is {limits.max_input_chars}", param="input"
+        )
     task = (fields.task or catalog.task).strip().lower()
     task = TASK_ALIASES.get(task, task)
     if task not in TASKS:
@@ -136,8 +146,9 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
             if x_vector_only:
                 ref_text = ""
         elif not voice:
-            raise InvalidArgument("voice clone needs ref_audio, or voice naming a stored voice",
-                                  param="voice")
+            raise InvalidArgument(
+                "voice clone needs ref_audio, or voice naming a stored voice", param="voice"
+            )
         else:
             # A stored voice carries its own transcript and mode.
             ref_text, x_vector_only = "", False
@@ -146,8 +157,9 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
             raise InvalidArgument("ref_audio is only used for voice_clone", param="ref_audio")
         voice = voice.lower()
         if not voice:
-            raise InvalidArgument(f"voice is required; speakers: {', '.join(sorted(catalog.speakers))}",
-                                  param="voice")
+            raise InvalidArgument(
+                f"voice is required; speakers: {', '.join(sorted(catalog.speakers))}", param="voice"
+            )
         if catalog.speakers and voice not in catalog.speakers:
             raise NotFound(
                 f"unknown speaker {fields.voice!r}; available: {', '.join(sorted(catalog.speakers))}",
@@ -157,8 +169,9 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         if ref_audio is not None:
             raise InvalidArgument("ref_audio is only used for voice_clone", param="ref_audio")
         if not instructions:
-            raise InvalidArgument("voice_design needs instructions describing the voice",
-                                  param="instructions")
+            raise InvalidArgument(
+                "voice_design needs instructions describing the voice", param="instructions"
+            )
         voice = ""
 
     return SynthesisJob(

@@ -34,10 +34,15 @@ def test_parses_float32_agreement_only():
 
 
 def test_parses_all_buckets_and_rejects_bad_settings(capsys):
-    args = talker_step.parse_args(["--batches", "all", "--max-batch", "256", "--agreement-only",
-                                   "--min-agreement", "0.995"])
+    args = talker_step.parse_args(
+        ["--batches", "all", "--max-batch", "256", "--agreement-only", "--min-agreement", "0.995"]
+    )
     assert args.batches == [b for b in DEFAULT_BATCH_BUCKETS if b <= 256] and args.min_agreement == 0.995
-    for bad in (["--dtype", "float16"], ["--agreement-frames", "0"], ["--position", "380", "--agreement-frames", "8"]):
+    for bad in (
+        ["--dtype", "float16"],
+        ["--agreement-frames", "0"],
+        ["--position", "380", "--agreement-frames", "8"],
+    ):
         with pytest.raises(SystemExit):
             talker_step.parse_args(bad)
     with pytest.raises(SystemExit) as exit_info:
@@ -48,8 +53,11 @@ def test_parses_all_buckets_and_rejects_bad_settings(capsys):
 
 
 def test_float32_turns_tf32_off_and_records_it():
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -71,8 +79,10 @@ def test_bucket_map_follows_the_runner():
 
 
 def test_verdict_needs_every_bucket_above_the_threshold():
-    rows = [{"batch": 1, "bucket": 2, "graph_eq_eager": 1.0, "graph_eq_eager_frames": 1.0},
-            {"batch": 64, "bucket": 64, "graph_eq_eager": 0.999, "graph_eq_eager_frames": 0.995}]
+    rows = [
+        {"batch": 1, "bucket": 2, "graph_eq_eager": 1.0, "graph_eq_eager_frames": 1.0},
+        {"batch": 64, "bucket": 64, "graph_eq_eager": 0.999, "graph_eq_eager_frames": 0.995},
+    ]
     results = [{"model": "m", "talker_attention": "matmul/compile", "rows": rows}]
     ok = talker_step.agreement_verdict(results, 0.99)
     assert ok["pass"] and ok["worst"] == {"batch": 64, "bucket": 64, "graph_eq_eager_frames": 0.995}
@@ -106,7 +116,10 @@ def _tiny_bundle(dtype=torch.float32):
     return SimpleNamespace(
         talker=init_dummy_weights(materialize(talker, "cpu", dtype), seed=0).eval(),
         code_predictor=init_dummy_weights(materialize(predictor, "cpu", dtype), seed=1).eval(),
-        config=cfg, device=torch.device("cpu"), dtype=dtype, tokenizer_name="tiny",
+        config=cfg,
+        device=torch.device("cpu"),
+        dtype=dtype,
+        tokenizer_name="tiny",
     )
 
 
@@ -125,7 +138,10 @@ def test_agreement_compares_several_frames_of_the_active_rows(tiny_runner):
     runner.active[:3] = True
     before = [t.clone() for t in (runner.state_i, runner.state_f, runner.next_embed, runner.seen)]
     runner.graphs[(n, ctx)] = _Replay(runner, n, ctx)
-    assert talker_step.graph_eager_agreement(runner, n, ctx, rows=3, frames=3) == {"codes": 1.0, "frames": 1.0}
+    assert talker_step.graph_eager_agreement(runner, n, ctx, rows=3, frames=3) == {
+        "codes": 1.0,
+        "frames": 1.0,
+    }
     # One code of row 1 differs in every frame; row 3 is padding, outside the comparison.
     runner.graphs[(n, ctx)] = _Replay(runner, n, ctx, flip=((1, 5), (3, 0)))
     got = talker_step.graph_eager_agreement(runner, n, ctx, rows=3, frames=4)
@@ -154,29 +170,56 @@ def test_agreement_only_run_end_to_end_on_the_cpu(tmp_path, monkeypatch, capsys,
         return _tiny_bundle(dtype)
 
     def capture(runner):
-        runner.graphs = {(n, c): _Replay(runner, n, c, flip=((0, 3),) if broken and n == 3 else ())
-                         for n in runner.batch_buckets for c in runner.context_buckets}
+        runner.graphs = {
+            (n, c): _Replay(runner, n, c, flip=((0, 3),) if broken and n == 3 else ())
+            for n in runner.batch_buckets
+            for c in runner.context_buckets
+        }
 
     monkeypatch.setattr(talker_step, "load_talker_bundle", load)
     monkeypatch.setattr(ModelRunner, "capture_graphs", capture)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu (test)")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision())
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
     out = tmp_path / "agree.json"
     try:
         with pytest.raises(SystemExit) if broken else contextlib.nullcontext() as exit_info:
-            talker_step.main(["--models", "tiny", "--variants", "matmul/fast", "--dtype", "float32", "--agreement-only",
-                              "--batches", "1,2,3", "--position", "10", "--context-bucket", "32",
-                              "--agreement-frames", "2", "--out", str(out)])
+            talker_step.main(
+                [
+                    "--models",
+                    "tiny",
+                    "--variants",
+                    "matmul/fast",
+                    "--dtype",
+                    "float32",
+                    "--agreement-only",
+                    "--batches",
+                    "1,2,3",
+                    "--position",
+                    "10",
+                    "--context-bucket",
+                    "32",
+                    "--agreement-frames",
+                    "2",
+                    "--out",
+                    str(out),
+                ]
+            )
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
         torch.set_float32_matmul_precision(saved[2])
     assert dtypes == [torch.float32]
     data = json.loads(out.read_text())
     assert data["meta"]["dtype"] == "float32" and data["meta"]["mode"] == "agreement-only"
-    assert data["meta"]["tf32"]["matmul_allow_tf32"] is False and data["meta"]["tf32"]["cudnn_allow_tf32"] is False
+    assert (
+        data["meta"]["tf32"]["matmul_allow_tf32"] is False
+        and data["meta"]["tf32"]["cudnn_allow_tf32"] is False
+    )
     assert data["agreement"]["pass"] is not broken and data["engine"] == []
     (res,) = data["results"]
     assert res["dtype"] == "float32" and res["tf32"]["float32_matmul_precision"] == "highest"
