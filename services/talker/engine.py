@@ -1,9 +1,10 @@
 """The generation loop: one dedicated thread drives the batched generator, never the asyncio loop.
 
-The asyncio side submits requests and cancellations; the thread admits requests into the
-generator (up to `max_batch`), steps every stream that has credit, and hands each new frame to the
-request's sink at once: the events of one step are handed to the event loop in one
-`loop.call_soon_threadsafe` (one wake-up per step, not one per stream).
+The asyncio side submits requests and cancellations; the thread asks the deadline `Scheduler` for
+each step's plan (requests to start or refuse, streams to skip, the prefill budget, or how long to
+sleep), runs it on the generator, and hands the streams' frames to their sinks a chunk at a time:
+the events of one step go to the event loop in one `loop.call_soon_threadsafe` (one wake-up per
+step, not one per stream).
 """
 
 from __future__ import annotations
