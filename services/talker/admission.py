@@ -80,11 +80,11 @@ class StepModel:
                 per = extra / prefill_positions
                 self.prefill_position_s += a * (per - self.prefill_position_s)
             return
-        if batch <= self._SMALL or not self._base_seen:
+        if batch <= self._SMALL:
             self.base_s = seconds if not self._base_seen else self.base_s + a * (seconds - self.base_s)
             self._base_seen = True
-            if batch <= self._SMALL:
-                return
+            return
+        # A large batch measures the slope over the base (the prior until a small batch is seen).
         slope = max(0.0, seconds - self.base_s) / batch
         self.per_stream_s += a * (slope - self.per_stream_s)
 

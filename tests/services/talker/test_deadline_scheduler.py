@@ -74,6 +74,12 @@ def test_queue_bounds_and_draining():
         s.submit(req("e"), now=0.0)
 
 
+def test_a_large_batch_first_measures_the_slope_not_the_base():
+    m = StepModel(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0, ewma_alpha=1.0))
+    m.observe(200, 0.004 + 200 * 0.0001)
+    assert m.base_s == 0.004 and m.per_stream_s == pytest.approx(0.0001)
+
+
 def test_step_model_learns_base_and_slope():
     m = StepModel(AdmissionConfig(step_base_s=0.001, step_per_stream_s=0.0, ewma_alpha=0.5))
     for _ in range(30):
