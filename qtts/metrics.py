@@ -206,6 +206,16 @@ class TalkerMetrics(ServiceMetrics):
             "Requests refused by admission (queue full or first-audio budget spent).",
             registry=registry,
         )
+        self.chunk_hop_seconds = Histogram(
+            "tts_talker_chunk_hop_seconds",
+            "Where a chunk's time goes, per hop: generate (from the previous chunk's hand-on to the "
+            "chunk's last frame), engine_to_loop (engine thread to the stream's task), to_code2wav "
+            "(waiting for credit or the chunk boundary), code2wav (frames sent to audio back), "
+            "to_gateway (audio yielded until the caller took it).",
+            ["hop"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.predicted_step_seconds = Gauge(
             "tts_talker_predicted_step_seconds",
             "Frame step time the admission model predicts for every running stream stepping at once.",
@@ -265,6 +275,12 @@ class Code2WavMetrics(ServiceMetrics):
         self.rejected_total = Counter(
             "tts_code2wav_rejected_total",
             "Streams rejected because the state bound was reached.",
+            registry=registry,
+        )
+        self.chunk_wait_seconds = Histogram(
+            "tts_code2wav_chunk_wait_seconds",
+            "Time a chunk waited for a decode call once all its frames were there.",
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.deadline_slack_seconds = Histogram(

@@ -71,6 +71,7 @@ class DecodeStream:
         self.finished = False
         self.clock = clock
         self.first_audio_at: float | None = None
+        self._ready_at: float | None = None  # since when the next chunk could be decoded
         self._pending = np.zeros((0, limits.num_codebooks), dtype=np.int16)
         self._outbox: asyncio.Queue[DecodeEvent | BaseException] = asyncio.Queue()
 
@@ -106,6 +107,13 @@ class DecodeStream:
         self._pending = np.concatenate([self._pending, codes]) if len(self._pending) else codes
         self.received_frames += n
         self.metrics.decode_backlog_frames.inc(n)
+        self._mark_ready()
+
+    def _mark_ready(self) -> None:
+        if self._ready_at is None and len(self._pending) and (
+            len(self._pending) >= self.plan.size(self.chunk_index) or self.total_frames is not None
+        ):
+            self._ready_at = self.clock()
 
     def end(self, total_frames: int) -> None:
         if not self.started:
@@ -115,6 +123,7 @@ class DecodeStream:
         if total_frames != self.received_frames:
             raise InvalidArgument(f"StreamEnd says {total_frames} frames, {self.received_frames} were sent")
         self.total_frames = total_frames
+        self._mark_ready()
         self._maybe_done()
 
     def ack(self, samples_delivered: int) -> None:
@@ -156,6 +165,10 @@ class DecodeStream:
         codes, self._pending = self._pending[:n], self._pending[n:]
         self.in_flight = True
         self.chunk_index += 1
+        if self._ready_at is not None:
+            self.metrics.chunk_wait_seconds.observe(max(self.clock() - self._ready_at, 0.0))
+        self._ready_at = None
+        self._mark_ready()
         return self.decoded_frames, codes
 
     def deliver(self, chunk: DecodedAudio) -> None:

@@ -51,11 +51,13 @@ class Frame:
     """Generated frames `index` .. `index + len(codes) - 1` (counted from 0): int16 codes
     [n, num_codebooks]. The engine hands a stream's frames on a whole chunk at a time once the
     stream's chunk plan is known (code2wav decodes no partial chunk), so the event loop wakes once
-    per chunk, not once per frame; `step_s` is the time of the step that made the last one."""
+    per chunk, not once per frame; `step_s` is the time of the step that made the last one, and
+    `made_at` (perf_counter) when that step ended."""
 
     index: int
     codes: np.ndarray
     step_s: float
+    made_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -348,7 +350,7 @@ class GenerationEngine:
     @staticmethod
     def _held_frames(req: ScheduledRequest, step_s: float) -> Frame:
         held, req.held_codes = req.held_codes, []
-        return Frame(req.credit.generated - len(held), np.stack(held), step_s)
+        return Frame(req.credit.generated - len(held), np.stack(held), step_s, time.perf_counter())
 
     def _fail_all(self, error: Exception) -> None:
         with self._cond:

@@ -103,6 +103,11 @@ class StreamSession:
         self._heard_from_replica = False
         # Loop time of the last message either way on the Decode call (the stall clock).
         self._exchanged_at = 0.0
+        # Per-chunk hop timing (perf_counter): when the frames up to each index were made by the
+        # engine, reached this task, and were sent to the replica; and the last hand-on.
+        self._made_at: dict[int, tuple[float, float]] = {}
+        self._sent_at: dict[int, float] = {}
+        self._handed_at = 0.0
         self._stall_timer: asyncio.TimerHandle | None = None
 
     async def run(self) -> AsyncIterator[AudioPiece | GenerationSummary]:
@@ -121,6 +126,7 @@ class StreamSession:
                 elif isinstance(ev, Frame):
                     if ev.index == 0:
                         prefill_ns = int(ev.step_s * 1e9)
+                    self._made_at[ev.index + len(ev.codes)] = (ev.made_at, time.perf_counter())
                     self._buffer.extend(ev.codes)
                     await self._flush()
                 elif isinstance(ev, Finished):
@@ -144,9 +150,10 @@ class StreamSession:
                     if not first_audio_ns:
                         first_audio_ns = int((time.perf_counter() - self._started_at) * 1e9)
                     samples += ev.num_samples
+                    arrived = time.perf_counter()
                     yield AudioPiece(ev.pcm_s16le, ev.num_samples, ev.first_frame_index, ev.num_frames)
                     # Handed on: the playback clock the scheduler paces this stream by.
-                    self._hand_on(samples / SAMPLE_RATE)
+                    self._hand_on(samples / SAMPLE_RATE, ev.first_frame_index + ev.num_frames, arrived)
                     # The caller took the chunk: tell code2wav how far the listener is.
                     await self._decode.ack(samples)
                     self._exchanged_at = self._loop.time()
@@ -186,7 +193,7 @@ class StreamSession:
                 self._engine.cancel(self.request_id)
             await self._close_decode(cancel=not done)
 
-    def _hand_on(self, delivered_s: float) -> None:
+    def _hand_on(self, delivered_s: float, end_frame: int = 0, arrived: float = 0.0) -> None:
         """Advance the playback clock; a chunk handed on after the listener ran dry is an underrun."""
         req = self._request
         now = time.perf_counter()
@@ -195,9 +202,36 @@ class StreamSession:
         elif self._metrics is not None:
             slack = req.slack_s(now)
             self._metrics.deadline_slack_seconds.observe(slack)
+            hops = self._hops(end_frame, arrived, now)
+            if hops:
+                for hop, seconds in hops.items():
+                    self._metrics.chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
             if slack < 0:
                 self._metrics.underruns_total.inc()
+                log.info(
+                    "request %s: audio up to frame %d handed on %.0f ms late; %s",
+                    self.request_id,
+                    end_frame,
+                    -slack * 1e3,
+                    ", ".join(f"{hop} {seconds * 1e3:.0f} ms" for hop, seconds in hops.items()),
+                )
+        self._handed_at = now
         req.delivered_s = delivered_s
+
+    def _hops(self, end_frame: int, arrived: float, now: float) -> dict[str, float]:
+        """The time of the chunk ending at `end_frame` per hop (empty when it is not known)."""
+        made = self._made_at.pop(end_frame, None)
+        sent = self._sent_at.pop(end_frame, None)
+        if made is None or sent is None or not arrived:
+            return {}
+        made_at, received_at = made
+        return {
+            "generate": made_at - self._handed_at,
+            "engine_to_loop": received_at - made_at,
+            "to_code2wav": sent - received_at,
+            "code2wav": arrived - sent,
+            "to_gateway": now - arrived,
+        }
 
     async def _open_decode(self) -> None:
         """Open the Decode call on the ring's replica for this request and send StreamStart."""
@@ -315,6 +349,7 @@ class StreamSession:
                 self._replicas.mark_down(self._decode.replica, exc.message)
                 raise
             self._sent += n
+            self._sent_at[self._sent] = time.perf_counter()
             self._exchanged_at = self._loop.time()
         if self._gen_end is not None and not self._buffer and not self._end_sent:
             self._end_sent = True
