@@ -110,8 +110,10 @@ class DecodeStream:
         self._mark_ready()
 
     def _mark_ready(self) -> None:
-        if self._ready_at is None and len(self._pending) and (
-            len(self._pending) >= self.plan.size(self.chunk_index) or self.total_frames is not None
+        if (
+            self._ready_at is None
+            and len(self._pending)
+            and (len(self._pending) >= self.plan.size(self.chunk_index) or self.total_frames is not None)
         ):
             self._ready_at = self.clock()
 
