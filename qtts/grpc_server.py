@@ -63,6 +63,19 @@ log = logging.getLogger(__name__)
 OVERALL = ""  # the health service name that stands for the whole server
 
 
+def connection_age_options(max_age_s: float, grace_s: float) -> list[tuple[str, int]]:
+    """Server options that close each client connection after `max_age_s` (gRPC adds +-10%
+    jitter) with a GOAWAY, so clients reconnect and re-resolve and new pods behind a DNS name get
+    traffic. Calls in flight on the old connection get `grace_s` to finish: keep it at least as
+    long as the longest stream, or aging would cut streams. `max_age_s` 0 turns it off."""
+    if max_age_s <= 0:
+        return []
+    return [
+        ("grpc.max_connection_age_ms", int(max_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(grace_s * 1000)),
+    ]
+
+
 def service_full_name(pb2_module: ModuleType, service: str) -> str:
     """The fully qualified proto name of `service` in a generated `*_pb2` module."""
     return pb2_module.DESCRIPTOR.services_by_name[service].full_name
@@ -187,6 +200,9 @@ class GrpcServiceHost:
     Health is NOT_SERVING (overall and per service) from `start()` until `set_serving()`; on a
     drain it goes back to NOT_SERVING before the server stops accepting RPCs, then in-flight RPCs
     get `drain_seconds` to finish before they are cancelled.
+
+    `max_connection_age_s` > 0 ages client connections out (`connection_age_options`); the grace
+    for calls on an aged connection is `max_connection_age_grace_s`, or `drain_seconds` when 0.
     """
 
     def __init__(
@@ -198,6 +214,8 @@ class GrpcServiceHost:
         port: int = 0,
         metrics_port: int = 0,
         drain_seconds: float = 30.0,
+        max_connection_age_s: float = 0.0,
+        max_connection_age_grace_s: float = 0.0,
         options: Iterable[tuple[str, Any]] = (),
     ):
         try:
@@ -220,6 +238,7 @@ class GrpcServiceHost:
                 # Accept the clients' 10 s keepalive pings (also on idle connections).
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                *connection_age_options(max_connection_age_s, max_connection_age_grace_s or drain_seconds),
                 *options,
             ],
         )

@@ -75,3 +75,30 @@ def check_server_fields(config: Any, *, ports: Sequence[str] = ("port",)) -> Non
         raise InvalidArgument(f"--drain-seconds must be >= 0, got {config.drain_seconds}")
     if not 0 < config.gil_switch_interval_ms <= 1000:
         raise InvalidArgument(f"--gil-switch-interval-ms must be in (0, 1000], got {config.gil_switch_interval_ms}")
+
+
+# Connection aging for the GPU stages' gRPC servers (see qtts.grpc_server.connection_age_options).
+DEFAULT_MAX_CONNECTION_AGE_S = 120.0
+
+
+def add_connection_age_flags(p: argparse.ArgumentParser, env: EnvLookup, defaults: Any) -> None:
+    """--max-connection-age-s and --max-connection-age-grace-s."""
+    p.add_argument(
+        "--max-connection-age-s",
+        type=float,
+        default=float(env("MAX_CONNECTION_AGE_S", str(defaults.max_connection_age_s))),
+        help="close client connections after this long (GOAWAY) so clients re-resolve and reach "
+        "new replicas (0 = never)",
+    )
+    p.add_argument(
+        "--max-connection-age-grace-s",
+        type=float,
+        default=float(env("MAX_CONNECTION_AGE_GRACE_S", str(defaults.max_connection_age_grace_s))),
+        help="how long streams on an aged connection may still run (0 = --drain-seconds)",
+    )
+
+
+def check_connection_age(config: Any) -> None:
+    """Raise `InvalidArgument` for a negative connection age or grace."""
+    if config.max_connection_age_s < 0 or config.max_connection_age_grace_s < 0:
+        raise InvalidArgument("--max-connection-age-s and --max-connection-age-grace-s must be >= 0")

@@ -11,7 +11,10 @@ from qtts.chunk_plan import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, Chun
 from qtts.errors import InvalidArgument
 from qtts.service_config import (
     DEFAULT_GIL_SWITCH_INTERVAL_MS,
+    DEFAULT_MAX_CONNECTION_AGE_S,
+    add_connection_age_flags,
     add_server_flags,
+    check_connection_age,
     check_server_fields,
     env_lookup,
 )
@@ -67,6 +70,10 @@ class Code2WavConfig:
     deadline_safety_ms: float = 100.0
     replica_name: str = ""
     drain_seconds: float = 30.0
+    # Client connections are closed after this long so gateways/talkers re-resolve (0 = never);
+    # streams on an aged connection get the grace (0 = drain_seconds) to finish.
+    max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S
+    max_connection_age_grace_s: float = 0.0
     # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     log_level: str = "INFO"
@@ -89,6 +96,7 @@ class Code2WavConfig:
     def validate(self) -> Code2WavConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
         check_server_fields(self)
+        check_connection_age(self)
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise InvalidArgument(
                 f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}"
@@ -140,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = Code2WavConfig()
     p = argparse.ArgumentParser(prog="python -m services.code2wav", description=__doc__)
     add_server_flags(p, _env, d)
+    add_connection_age_flags(p, _env, d)
     p.add_argument(
         "--model",
         default=_env("MODEL", d.model),
@@ -237,6 +246,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> Code2WavConfig:
         deadline_safety_ms=ns.deadline_safety_ms,
         replica_name=ns.replica_name or f"{socket.gethostname()}:{ns.port}",
         drain_seconds=ns.drain_seconds,
+        max_connection_age_s=ns.max_connection_age_s,
+        max_connection_age_grace_s=ns.max_connection_age_grace_s,
         gil_switch_interval_ms=ns.gil_switch_interval_ms,
         log_level=ns.log_level,
     ).validate()

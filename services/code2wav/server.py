@@ -42,6 +42,8 @@ class Code2WavServer:
             port=config.port,
             metrics_port=config.metrics_port,
             drain_seconds=config.drain_seconds,
+            max_connection_age_s=config.max_connection_age_s,
+            max_connection_age_grace_s=config.max_connection_age_grace_s,
         )
         self.host.add_shutdown_callback(self._close_engine)
 

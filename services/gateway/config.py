@@ -16,6 +16,11 @@ from qtts.service_config import (
 
 _env = env_lookup("gateway")
 
+# "pool": re-resolve --talker every --talker-refresh-s and send each new stream to the ready talker
+# with the fewest of this gateway's streams (services/gateway/talker_pool.py); "channel": one gRPC
+# channel round-robining over the addresses resolved when it connected.
+TALKER_BALANCING = ("pool", "channel")
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -27,6 +32,9 @@ class GatewayConfig:
     metrics_port: int = 9100
     talker: str = "127.0.0.1:50052"
     speaker_cache: str = "127.0.0.1:50054"
+    # How new streams reach talkers (TALKER_BALANCING) and how often the pool re-resolves --talker.
+    talker_balancing: str = "pool"
+    talker_refresh_s: float = 5.0
     # Empty: the name the talker reports through GetModelInfo.
     served_model_name: str = ""
     max_streams: int = 256
@@ -55,6 +63,12 @@ class GatewayConfig:
             addr = getattr(self, name)
             if ":" not in addr:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be host:port, got {addr!r}")
+        if self.talker_balancing not in TALKER_BALANCING:
+            raise InvalidArgument(
+                f"--talker-balancing must be one of {', '.join(TALKER_BALANCING)}, got {self.talker_balancing!r}"
+            )
+        if self.talker_refresh_s <= 0:
+            raise InvalidArgument(f"--talker-refresh-s must be > 0, got {self.talker_refresh_s}")
         if self.max_streams < 1:
             raise InvalidArgument(f"--max-streams must be >= 1, got {self.max_streams}")
         if self.max_input_chars < 1 or self.max_new_frames_limit < 1:
@@ -73,6 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
     add_server_flags(p, _env, d, ports=("http_port", "grpc_port"))
     p.add_argument("--talker", default=_env("TALKER", d.talker), help="talker host:port")
+    p.add_argument(
+        "--talker-balancing",
+        default=_env("TALKER_BALANCING", d.talker_balancing),
+        help="pool: re-resolve --talker and spread new streams over every ready talker (fewest "
+        "streams first); channel: one channel, round robin over the first resolution",
+    )
+    p.add_argument(
+        "--talker-refresh-s",
+        type=float,
+        default=float(_env("TALKER_REFRESH_S", str(d.talker_refresh_s))),
+        help="how often the pool re-resolves --talker and health-checks each talker, seconds",
+    )
     p.add_argument(
         "--speaker-cache", default=_env("SPEAKER_CACHE", d.speaker_cache), help="speaker_cache host:port"
     )
@@ -124,6 +150,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         metrics_port=ns.metrics_port,
         talker=ns.talker,
         speaker_cache=ns.speaker_cache,
+        talker_balancing=ns.talker_balancing,
+        talker_refresh_s=ns.talker_refresh_s,
         served_model_name=ns.served_model_name,
         max_streams=ns.max_streams,
         http_keepalive_s=ns.http_keepalive_s,

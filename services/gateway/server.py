@@ -27,6 +27,7 @@ from .reference_cache import DecodedReferenceCache
 from .stage_health import StageHealth
 from .synthesis import Synthesizer, decode_reference
 from .talker_client import TalkerClient
+from .talker_pool import DnsResolver, TalkerPool
 from .validation import RequestLimits
 from .voice_client import VoiceClient
 from .voices import VoiceService
@@ -55,7 +56,11 @@ class GatewayServer:
                  decode: Callable[[bytes], np.ndarray] = decode_reference):
         self.config = config
         self.metrics = GatewayMetrics(CollectorRegistry())
-        self.talker = TalkerClient(config.talker)
+        self.talker_pool = (
+            TalkerPool(DnsResolver(config.talker), refresh_s=config.talker_refresh_s)
+            if config.talker_balancing == "pool" else None
+        )
+        self.talker = TalkerClient(config.talker, pool=self.talker_pool)
         self.voice_client = VoiceClient(config.speaker_cache)
         self.catalog: ModelCatalog | None = None
         self._catalog_retry_s = catalog_retry_s
@@ -92,6 +97,8 @@ class GatewayServer:
     async def start(self) -> None:
         """Bind both ports; model info is fetched from the talker in the background."""
         await self.host.start()
+        if self.talker_pool is not None:
+            self.talker_pool.start()
         self._http_task = asyncio.create_task(self.http.serve())
         while not self.http.started:
             if self._http_task.done():

@@ -14,6 +14,7 @@ from qtts.sampling_overrides import overrides_to_pb
 from qtts.tts_enums import FINISH_FROM_PB, TASK_TO_PB
 
 from .job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
+from .talker_pool import TalkerPool
 
 
 def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
@@ -56,14 +57,17 @@ def summary_from_pb(s: talker_pb2.GenerateSummary) -> SynthesisSummary:
 
 
 class TalkerClient:
-    """Calls `talker.v1.TalkerService` over one shared channel.
+    """Calls `talker.v1.TalkerService`.
 
-    With a DNS name that resolves to several talker pods (`dns:///talker-headless:50052`), each
-    Generate call goes to the next pod (round robin), so streams spread over talker replicas.
+    With a `pool`, each Generate call goes to the talker the pool picks (every ready pod behind the
+    re-resolved name, fewest streams first) and stays there. Without one, calls share one channel
+    that round-robins over the addresses the name resolved to when it connected. GetModelInfo and
+    the gateway's health check use that shared channel either way.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, pool: TalkerPool | None = None):
         self.address = address
+        self.pool = pool
         self._channel = grpc.aio.insecure_channel(
             address, options=[("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS]
         )
@@ -91,7 +95,14 @@ class TalkerClient:
     async def generate(self, job: SynthesisJob) -> AsyncIterator[AudioPiece | SynthesisSummary]:
         """Stream the job's audio pieces, then its summary. Closing the iterator cancels the call,
         which makes the talker free the request's KV slot and decoder state."""
-        call = self._stub.Generate(generate_request(job))
+        lease = await self.pool.acquire() if self.pool is not None else None
+        stub = self._stub if lease is None else talker_pb2_grpc.TalkerServiceStub(lease.channel)
+        try:
+            call = stub.Generate(generate_request(job))
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
         try:
             async for msg in call:
                 kind = msg.WhichOneof("event")
@@ -101,10 +112,16 @@ class TalkerClient:
                 elif kind == "summary":
                     yield summary_from_pb(msg.summary)
         except grpc.aio.AioRpcError as exc:
+            if lease is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                lease.mark_unavailable()
             raise from_grpc(exc.code(), exc.details(), exc.trailing_metadata()) from None
         finally:
             # No-op when the call already finished; cancels it when the consumer went away.
             call.cancel()
+            if lease is not None:
+                lease.release()
 
     async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
         await self._channel.close()

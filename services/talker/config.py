@@ -9,7 +9,10 @@ from dataclasses import dataclass
 from qtts.errors import InvalidArgument
 from qtts.service_config import (
     DEFAULT_GIL_SWITCH_INTERVAL_MS,
+    DEFAULT_MAX_CONNECTION_AGE_S,
+    add_connection_age_flags,
     add_server_flags,
+    check_connection_age,
     check_server_fields,
     env_lookup,
 )
@@ -91,6 +94,10 @@ class TalkerConfig:
     # still answer keepalive pings and health checks.
     code2wav_stall_timeout_s: float = 30.0
     drain_seconds: float = 30.0
+    # Client connections are closed after this long so gateways/talkers re-resolve (0 = never);
+    # streams on an aged connection get the grace (0 = drain_seconds) to finish.
+    max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S
+    max_connection_age_grace_s: float = 0.0
     # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     log_level: str = "INFO"
@@ -102,6 +109,7 @@ class TalkerConfig:
     def validate(self) -> TalkerConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
         check_server_fields(self)
+        check_connection_age(self)
         if self.load_format not in LOAD_FORMATS:
             raise InvalidArgument(
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
@@ -170,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = TalkerConfig()
     p = argparse.ArgumentParser(prog="python -m services.talker", description=__doc__)
     add_server_flags(p, _env, d)
+    add_connection_age_flags(p, _env, d)
     p.add_argument(
         "--model",
         default=_env("MODEL", d.model),
@@ -336,6 +345,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         health_interval_s=a.health_interval_s,
         code2wav_stall_timeout_s=a.code2wav_stall_timeout_s,
         drain_seconds=a.drain_seconds,
+        max_connection_age_s=a.max_connection_age_s,
+        max_connection_age_grace_s=a.max_connection_age_grace_s,
         gil_switch_interval_ms=a.gil_switch_interval_ms,
         log_level=a.log_level,
     )

@@ -99,6 +99,8 @@ class TalkerServer:
             port=config.port,
             metrics_port=config.metrics_port,
             drain_seconds=config.drain_seconds,
+            max_connection_age_s=config.max_connection_age_s,
+            max_connection_age_grace_s=config.max_connection_age_grace_s,
         )
         self.servicer = TalkerServicer()
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)

@@ -1,0 +1,287 @@
+"""Spreads new synthesis streams over every ready talker pod, re-resolving the talker's name.
+
+One gRPC channel over a headless Service resolves the name once and keeps its HTTP/2 connections,
+so talker pods added later get no streams from gateways already connected. The pool instead
+resolves the name every `refresh_s` (and when no talker is usable), keeps one channel per address
+and health-checks each; a new stream goes to the ready talker with the fewest streams this gateway
+has in flight there (round robin among equals). A stream stays on the channel it started on until
+it ends: an address that leaves the resolution only stops getting new streams, and its channel is
+closed once its last stream is done. An address that comes back before that is used again.
+
+The resolver is pluggable (`Resolver`): `DnsResolver` in production, a fake one in the tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from qtts.errors import Unavailable
+from qtts.grpc_server import RECONNECT_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+class Resolver(Protocol):
+    """Turns the configured talker target into the addresses ("ip:port") of its pods."""
+
+    async def resolve(self) -> list[str]: ...
+
+
+def split_target(target: str) -> tuple[str, int]:
+    """host and port of a gRPC target: `dns:///host:port`, `dns://auth/host:port`, `dns:host:port`,
+    `ipv4:host:port` or `host:port` (`[v6]:port` for IPv6)."""
+    rest = target
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if rest.startswith(scheme):
+            rest = rest[len(scheme) :]
+            if rest.startswith("//"):
+                rest = rest[2:].split("/", 1)[1] if "/" in rest[2:] else ""
+            break
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"talker target {target!r} is not [dns:///]host:port")
+    return host.strip("[]"), int(port)
+
+
+def _address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+class DnsResolver:
+    """Every A/AAAA record of the target's host (a headless Service has one per ready pod)."""
+
+    def __init__(self, target: str):
+        self.host, self.port = split_target(target)
+
+    async def resolve(self) -> list[str]:
+        infos = await asyncio.get_running_loop().getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        return sorted({_address(info[4][0], self.port) for info in infos})
+
+
+class StaticResolver:
+    """A fixed address list (also what a test changes to add or remove talkers)."""
+
+    def __init__(self, addresses: Iterable[str]):
+        self.addresses = list(addresses)
+
+    async def resolve(self) -> list[str]:
+        return list(self.addresses)
+
+
+async def health_probe(channel: Any, timeout_s: float = 1.0) -> bool:
+    """Whether the server behind `channel` reports SERVING (overall) through grpc.health.v1."""
+    try:
+        resp = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+        )
+    except grpc.aio.AioRpcError:
+        return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
+
+
+@dataclass
+class Endpoint:
+    """One talker address: its channel, whether it is ready, and this gateway's streams on it."""
+
+    address: str
+    channel: Any
+    ready: bool = False
+    # No longer in the resolution: no new streams; closed when `active` reaches 0.
+    retired: bool = False
+    active: int = 0
+
+
+class Lease:
+    """A stream's hold on one endpoint; `release()` (or leaving the `with`) exactly once."""
+
+    def __init__(self, pool: TalkerPool, endpoint: Endpoint):
+        self._pool = pool
+        self.endpoint = endpoint
+        self._released = False
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    @property
+    def channel(self) -> Any:
+        return self.endpoint.channel
+
+    def mark_unavailable(self) -> None:
+        """The talker failed the call as unreachable: no new streams until a probe says SERVING."""
+        self.endpoint.ready = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._pool._release(self.endpoint)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class TalkerPool:
+    """The ready talkers behind one name, refreshed in the background (`start()`)."""
+
+    def __init__(
+        self,
+        resolver: Resolver,
+        *,
+        connect: Callable[[str], Any] = insecure_channel,
+        probe: Callable[[Any], Awaitable[bool]] = health_probe,
+        refresh_s: float = 5.0,
+        min_refresh_gap_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._resolver = resolver
+        self._connect = connect
+        self._probe = probe
+        self.refresh_s = refresh_s
+        self._min_gap_s = min_refresh_gap_s
+        self._clock = clock
+        self._endpoints: dict[str, Endpoint] = {}
+        self._turn = 0
+        self._last_refresh: float | None = None
+        self._refreshing: asyncio.Task | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def endpoints(self) -> dict[str, Endpoint]:
+        """Every known address (retired ones still carrying streams included)."""
+        return dict(self._endpoints)
+
+    def usable(self) -> list[Endpoint]:
+        """Endpoints that may take a new stream, sorted by address."""
+        return [e for _, e in sorted(self._endpoints.items()) if e.ready and not e.retired]
+
+    # ------------------------------------------------------------------ refresh
+
+    async def refresh(self) -> None:
+        """Resolve once, add and retire addresses, probe every current one. Concurrent callers
+        share one refresh."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh())
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh(self) -> None:
+        self._last_refresh = self._clock()
+        try:
+            addresses = set(await self._resolver.resolve())
+        except Exception as exc:  # noqa: BLE001 - a DNS hiccup must not drop every talker
+            log.warning("talker resolution failed (keeping %d talkers): %s", len(self.usable()), exc)
+            addresses = None
+        if addresses:
+            self._apply(addresses)
+        current = [e for e in self._endpoints.values() if not e.retired]
+        results = await asyncio.gather(*(self._probe(e.channel) for e in current), return_exceptions=True)
+        for endpoint, ok in zip(current, results, strict=True):
+            ready = ok is True
+            if ready != endpoint.ready:
+                log.info("talker %s %s", endpoint.address, "ready" if ready else "not ready")
+            endpoint.ready = ready
+
+    def _apply(self, addresses: set[str]) -> None:
+        for address in addresses:
+            endpoint = self._endpoints.get(address)
+            if endpoint is None:
+                log.info("talker %s added", address)
+                self._endpoints[address] = Endpoint(address, self._connect(address))
+            elif endpoint.retired:
+                log.info("talker %s is back", address)
+                endpoint.retired = False
+        for address, endpoint in list(self._endpoints.items()):
+            if address not in addresses and not endpoint.retired:
+                log.info("talker %s removed (%d streams finish there)", address, endpoint.active)
+                endpoint.retired = True
+                endpoint.ready = False
+                if endpoint.active == 0:
+                    self._drop(endpoint)
+
+    def _drop(self, endpoint: Endpoint) -> None:
+        del self._endpoints[endpoint.address]
+        close = getattr(endpoint.channel, "close", None)
+        if close is not None:
+            result = close()
+            if asyncio.iscoroutine(result):
+                asyncio.ensure_future(result)
+
+    # ------------------------------------------------------------------ streams
+
+    def pick(self) -> Lease | None:
+        """A lease on the usable talker with the fewest streams of ours, or None if there is none."""
+        usable = self.usable()
+        if not usable:
+            return None
+        # Rotate the start so that equally loaded talkers take turns (round robin).
+        start = self._turn % len(usable)
+        self._turn += 1
+        rotated = usable[start:] + usable[:start]
+        endpoint = min(rotated, key=lambda e: e.active)
+        endpoint.active += 1
+        return Lease(self, endpoint)
+
+    async def acquire(self) -> Lease:
+        """A lease for a new stream; refreshes first when no talker is usable (at most every
+        `min_refresh_gap_s`). Raises `Unavailable` when still none is."""
+        lease = self.pick()
+        if lease is None and (
+            self._last_refresh is None or self._clock() - self._last_refresh >= self._min_gap_s
+        ):
+            await self.refresh()
+            lease = self.pick()
+        if lease is None:
+            raise Unavailable("no talker is ready")
+        return lease
+
+    def _release(self, endpoint: Endpoint) -> None:
+        endpoint.active -= 1
+        if endpoint.retired and endpoint.active == 0 and self._endpoints.get(endpoint.address) is endpoint:
+            self._drop(endpoint)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Refresh now and then every `refresh_s` until `close()`."""
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - keep refreshing whatever one round did
+                log.exception("talker pool refresh failed")
+            await asyncio.sleep(self.refresh_s)
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        for endpoint in list(self._endpoints.values()):
+            close = getattr(endpoint.channel, "close", None)
+            if close is not None:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result
+        self._endpoints.clear()
