@@ -20,6 +20,7 @@ from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_en
 from .http_request import OutputOptions, decode_base64_audio, parse_speech_body
 from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconnected
 from .job import AudioPiece
+from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
 from .synthesis import SynthesisStream, Synthesizer
 from .voices import VoiceService
 
@@ -55,7 +56,7 @@ async def _json_body(request: Request) -> object:
         raise InvalidArgument("request body must be a JSON object")
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # bad JSON, bad UTF-8, or an integer too long to convert
         raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
 
 
@@ -132,7 +133,8 @@ async def _collect(stream: SynthesisStream, out: OutputOptions, sample_rate: int
 
 def create_app(deps: HttpDeps) -> FastAPI:
     """Build the FastAPI app around injected dependencies (no globals)."""
-    app = FastAPI(title="Qwen3-TTS gateway", docs_url=None, redoc_url=None)
+    app = FastAPI(title="Qwen3-TTS gateway", docs_url="/docs", redoc_url=None)
+    install_openapi(app)
     synth, metrics = deps.synthesizer, deps.metrics
 
     @app.exception_handler(TTSError)
@@ -156,7 +158,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(InvalidArgument(str(exc.errors())), metrics)
 
-    @app.post("/v1/audio/speech")
+    @app.post("/v1/audio/speech", response_class=Response, responses=SPEECH_RESPONSES, openapi_extra=SPEECH_OPENAPI)
     async def speech(request: Request) -> Response:
         """OpenAI `audio.speech.create`, plus Qwen3-TTS fields (task_type, ref_audio, ...)."""
         try:

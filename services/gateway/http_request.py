@@ -1,4 +1,12 @@
-"""Parsing of the OpenAI-shaped `POST /v1/audio/speech` JSON body into protocol-neutral fields."""
+"""The typed request bodies of the HTTP API: `POST /v1/audio/speech` (OpenAI's fields and
+vLLM-Omni's) and the WebSocket `session.config` of `/v1/audio/speech/stream`.
+
+These pydantic models are the one place where the request fields are declared, with their type,
+default and range: the parser validates with them and `/openapi.json` and `/docs` are generated
+from them. A validation failure becomes one `InvalidArgument` whose `param` names the field at
+fault (OpenAI's error shape); checks that depend on the served model (task, voice, language) or on
+the server's limits (input length, frame cap) come later, in `validation.build_job`.
+"""
 
 from __future__ import annotations
 
@@ -6,48 +14,316 @@ import base64
 import binascii
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+import annotated_types as at
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from qtts.errors import InvalidArgument
 
-from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, check_speed
+from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, MAX_SPEED, MIN_SPEED
 from .job import SamplingOptions, SpeechFields
+from .validation import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
-RESPONSE_FORMATS = ("pcm", "wav", "mp3", "flac", "opus", "aac", "mulaw", "alaw")
-STREAM_FORMATS = ("audio", "sse")
+ResponseFormat = Literal["pcm", "wav", "mp3", "flac", "opus", "aac", "mulaw", "alaw"]
+RESPONSE_FORMATS: tuple[str, ...] = get_args(ResponseFormat)
+StreamFormat = Literal["audio", "sse"]
+SplitGranularity = Literal["sentence", "clause", "none"]
 # Larger values are capped by the code2wav replica (its credit window) anyway.
 MAX_INITIAL_CHUNK_FRAMES = 4096
-_KNOWN_FIELDS = {
-    "model",
-    "input",
-    "voice",
-    "speaker",
-    "response_format",
-    "speed",
-    "stream",
-    "stream_format",
-    "task_type",
-    "language",
-    "instructions",
-    "ref_audio",
-    "ref_text",
-    "x_vector_only_mode",
-    "max_new_tokens",
-    "seed",
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "min_new_tokens",
-    "sample_rate",
-    # vLLM-Omni's speech API: initial_codec_chunk_frames and non_streaming_mode map onto the
-    # talker's chunking and text feeding; speaker_embedding and extra_params are accepted and have
-    # no effect here.
-    "speaker_embedding",
-    "initial_codec_chunk_frames",
-    "non_streaming_mode",
-    "extra_params",
-}
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _integer(value: Any) -> Any:
+    """JSON integers, and floats with an integral value (12.0); never booleans or strings."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("int_type", "must be an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise PydanticCustomError("int_from_float", "must be an integer, got {value}", {"value": value})
+        return int(value)
+    return value
+
+
+def _number(value: Any) -> Any:
+    """JSON numbers that are finite; never booleans or strings."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("float_type", "must be a number")
+    if not math.isfinite(value):
+        raise PydanticCustomError("finite_number", "must be a finite number")
+    return value
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+# The validators wrap the whole optional type, so that a Field's range lands in the JSON schema.
+Integer = Annotated[int | None, BeforeValidator(_integer)]
+Number = Annotated[float | None, BeforeValidator(_number)]
+Speed = Annotated[float, BeforeValidator(_number)]
+Flag = Annotated[bool, Field(strict=True)]
+Text = Annotated[str, Field(strict=True)]
+
+
+class VoiceId(BaseModel):
+    """OpenAI's custom voice object: the id of a voice created through `POST /v1/audio/voices`."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, description="The voice id (this server's voice name).")
+
+
+class SpeechOptions(BaseModel):
+    """The synthesis fields shared by `POST /v1/audio/speech` and the WebSocket `session.config`.
+    A field sent as `null` counts as absent."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    model: Text | None = Field(None, description="Served model name; absent or empty: the served model.")
+    voice: Text | VoiceId | None = Field(
+        None,
+        description="A preset speaker (CustomVoice), a stored voice's name (voice clone), or OpenAI's "
+        'custom voice object `{"id": "<voice id>"}`. Ignored by VoiceDesign.',
+    )
+    speaker: Text | None = Field(
+        None, description="vLLM-Omni's name for `voice`; when both are sent they must name the same voice."
+    )
+    response_format: ResponseFormat = Field(
+        "mp3", description="Audio encoding. `mulaw` / `alaw` are raw G.711 bytes at 8 kHz."
+    )
+    speed: Speed = Field(
+        1.0,
+        ge=MIN_SPEED,
+        le=MAX_SPEED,
+        description="Time-stretch with the pitch kept (libavfilter atempo): 2.0 speaks twice as fast.",
+    )
+    task_type: Text | None = Field(
+        None,
+        description="`voice_clone`, `custom_voice`, `voice_design`, or vLLM-Omni's `Base`, `CustomVoice`, "
+        "`VoiceDesign` (any case). Absent: the task of the served variant; another task is a 400.",
+        examples=["Base", "CustomVoice", "VoiceDesign", "voice_clone"],
+    )
+    language: Text | None = Field(
+        None,
+        description="A language name of the model (`English`, `Chinese`, ...), an ISO 639-1 code (`en`, "
+        "`zh-CN`, ...), or `auto` (the default).",
+    )
+    instructions: Text | None = Field(
+        None, description="Voice or style instruction: required by VoiceDesign, optional for CustomVoice."
+    )
+    ref_audio: Text | None = Field(
+        None,
+        description="Voice clone reference clip (wav, flac, mp3, ogg, ...) as base64 or a "
+        "`data:audio/...;base64,` URL; URLs are not fetched.",
+    )
+    ref_text: Text | None = Field(
+        None, description="Transcript of `ref_audio`; required with it unless `x_vector_only_mode`."
+    )
+    x_vector_only_mode: Flag = Field(
+        False,
+        description="Clone from the clip's speaker embedding only (no transcript, no reference frames).",
+    )
+    max_new_tokens: Integer = Field(
+        None,
+        ge=1,
+        description="Cap on generated codec frames (12.5 per second of audio), at most the server's "
+        "`--max-new-frames-limit`. Above the cap derived from the text length the request ends with finish "
+        "reason `length`. Absent: derived from the text length.",
+    )
+    min_new_tokens: Integer = Field(
+        None, ge=0, description="End of speech is not allowed before this many frames (default 2)."
+    )
+    seed: Integer = Field(
+        None,
+        ge=INT64_MIN,
+        le=INT64_MAX,
+        description="Sampling seed for reproducible output; a negative seed is taken modulo 2^63.",
+    )
+    temperature: Number = Field(
+        None, ge=0, description="Sampling temperature; 0 is greedy decoding. Absent: the model's default."
+    )
+    top_k: Integer = Field(None, ge=0, description="Top-k sampling; 0 disables it.")
+    top_p: Number = Field(None, gt=0, le=1, description="Nucleus sampling threshold.")
+    repetition_penalty: Number = Field(
+        None, gt=0, description="Penalty on repeated codebook-0 tokens (the model's default is 1.05)."
+    )
+    sample_rate: Integer = Field(
+        None,
+        ge=MIN_SAMPLE_RATE,
+        le=MAX_SAMPLE_RATE,
+        description="Output sample rate in Hz. Absent: 24000 (the model's), 8000 for mulaw/alaw (their only "
+        "rate); opus takes 8000, 12000, 16000, 24000 or 48000.",
+    )
+    initial_codec_chunk_frames: Integer = Field(
+        None,
+        ge=0,
+        le=MAX_INITIAL_CHUNK_FRAMES,
+        description="vLLM-Omni: frames in the first audio chunk; 0 or absent: the server's chunking "
+        "(code2wav caps it at its credit window).",
+    )
+    non_streaming_mode: Flag | None = Field(
+        None,
+        description="vLLM-Omni: true feeds the model the whole text up front instead of one token per frame; "
+        "absent: the variant's default. It does not change how the response streams.",
+    )
+    speaker_embedding: list[float] | list[list[float]] | None = Field(
+        None,
+        description="vLLM-Omni's precomputed x-vector. Checked (finite numbers), but has **no effect** here: "
+        "a clone's speaker embedding is always computed from `ref_audio` or the stored voice.",
+    )
+    extra_params: dict[str, Any] | None = Field(
+        None, description="vLLM-Omni's model-specific parameters: accepted, **no effect** here."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        voice_id = value.get("id") if isinstance(value, dict) and set(value) == {"id"} else None
+        if isinstance(voice_id, str) and voice_id.strip():
+            return voice_id
+        message = f'voice must be a voice name or an object {{"id": "<voice id>"}}, got {repr(value)[:100]}'
+        raise PydanticCustomError("tts_voice", "{message}", {"message": message})
+
+    @field_validator("speaker_embedding", mode="before")
+    @classmethod
+    def _speaker_embedding(cls, value: Any) -> Any:
+        rows = value if isinstance(value, list) and value and isinstance(value[0], list) else [value]
+        for row in rows:
+            if not isinstance(row, list) or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in row
+            ):
+                raise PydanticCustomError(
+                    "tts_speaker_embedding",
+                    "speaker_embedding must be a list of finite numbers (or of such lists)",
+                )
+        return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _format_any_case(cls, value: Any) -> Any:
+        return _lower(value)
+
+    def to_fields(self, text: str) -> SpeechFields:
+        """The protocol-neutral request fields (cross-field checks and base64 decoding included)."""
+        voice = self.voice.id if isinstance(self.voice, VoiceId) else self.voice
+        if (
+            voice is not None
+            and self.speaker is not None
+            and voice.strip().lower() != self.speaker.strip().lower()
+        ):
+            raise InvalidArgument(
+                f"voice {voice!r} and speaker {self.speaker!r} disagree; send one of them", param="speaker"
+            )
+        seed = self.seed
+        if seed is not None and seed < 0:
+            seed %= 2**63  # vLLM-Omni takes any signed 64-bit seed; ours are 63-bit non-negative
+        sample_rate = self.sample_rate
+        if sample_rate is None and self.response_format in G711_CODECS:
+            sample_rate = G711_SAMPLE_RATE  # G.711's only rate; another one is refused naming sample_rate
+        return SpeechFields(
+            text=text,
+            model=self.model or "",
+            task=self.task_type,
+            voice=voice if voice is not None else self.speaker,
+            language=self.language,
+            instructions=self.instructions,
+            reference_audio=decode_base64_audio(self.ref_audio) if self.ref_audio is not None else None,
+            reference_text=self.ref_text,
+            x_vector_only=self.x_vector_only_mode,
+            max_new_frames=self.max_new_tokens,
+            sampling=SamplingOptions(
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                repetition_penalty=self.repetition_penalty,
+                seed=seed,
+                min_new_frames=self.min_new_tokens,
+            ),
+            sample_rate=sample_rate,
+            first_chunk_frames=self.initial_codec_chunk_frames or 0,
+            streaming_text=None if self.non_streaming_mode is None else not self.non_streaming_mode,
+        )
+
+
+class SpeechRequest(SpeechOptions):
+    """`POST /v1/audio/speech`: OpenAI's `audio.speech.create` body plus vLLM-Omni's speech fields.
+    Any other field is a 400 naming it."""
+
+    input: Text = Field(description="The text to speak, at most the server's `--max-input-chars`.")
+    stream: Flag | None = Field(
+        None,
+        description="Absent or true: the body streams as audio is produced, as OpenAI's does (a `wav` "
+        "stream has a header whose size fields are 0xFFFFFFFF). false: one complete file with exact sizes "
+        "and the `x-tts-num-frames` / `x-tts-finish-reason` headers.",
+    )
+    stream_format: StreamFormat = Field(
+        "audio",
+        description="`audio`: the encoded audio bytes. `sse`: server-sent `speech.audio.delta` events "
+        "(base64 audio) and a final `speech.audio.done` with usage; an error after the first byte is an "
+        "`error` event.",
+    )
+
+    @field_validator("stream_format", mode="before")
+    @classmethod
+    def _stream_format_any_case(cls, value: Any) -> Any:
+        return _lower(value)
+
+    def output(self) -> OutputOptions:
+        return OutputOptions(self.response_format, self.stream, self.stream_format, self.speed)
+
+
+class StreamingSessionConfig(SpeechOptions):
+    """The first message of a `/v1/audio/speech/stream` WebSocket session (vLLM-Omni's
+    `session.config`); it may be sent again between utterances to replace the configuration."""
+
+    type: Literal["session.config"] = "session.config"
+    response_format: ResponseFormat = Field(
+        "wav", description="Audio encoding of each segment's audio (vLLM-Omni's default: wav)."
+    )
+    stream_audio: Flag = Field(
+        False,
+        description="true: binary frames as the audio is produced (a streaming encoder; raw PCM for `pcm`). "
+        "false: one binary frame per segment, a complete file, once the segment is synthesised.",
+    )
+    split_granularity: SplitGranularity = Field(
+        "sentence",
+        description="Where buffered text is cut into segments, each synthesised as soon as it is complete: "
+        "`sentence` (. ! ? and CJK marks), `clause` (also , ; and CJK commas), or `none` (only at "
+        "`input.done`). vLLM-Omni's own default is `none`; here audio starts before the text is complete.",
+    )
+    word_timestamps: Flag = Field(
+        False, description="vLLM-Omni's forced-aligner word timestamps: not available here (true is refused)."
+    )
+
+    @field_validator("word_timestamps")
+    @classmethod
+    def _no_aligner(cls, value: bool) -> bool:
+        if value:
+            raise PydanticCustomError(
+                "tts_word_timestamps",
+                "word_timestamps needs a forced aligner, which this server does not have",
+            )
+        return value
 
 
 @dataclass(frozen=True)
@@ -67,82 +343,6 @@ class OutputOptions:
     @property
     def streaming(self) -> bool:
         return self.stream is not False or self.stream_format == "sse"
-
-
-def _get(body: dict, key: str, kind: type | tuple[type, ...], what: str) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    # bool is an int subclass: never accept true/false where a number is expected.
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise InvalidArgument(f"{key} must be {what}, got {value!r}", param=key)
-    if not isinstance(value, kind):
-        raise InvalidArgument(f"{key} must be {what}, got {type(value).__name__}", param=key)
-    return value
-
-
-def _number(body: dict, key: str) -> float | None:
-    value = _get(body, key, (int, float), "a number")
-    if value is not None and not math.isfinite(value):
-        raise InvalidArgument(f"{key} must be a finite number", param=key)
-    return None if value is None else float(value)
-
-
-def _integer(body: dict, key: str) -> int | None:
-    value = _get(body, key, (int, float), "an integer")
-    if value is None:
-        return None
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise InvalidArgument(f"{key} must be an integer, got {value}", param=key)
-        value = int(value)
-    return value
-
-
-def _voice(body: dict) -> str | None:
-    """A voice name, or OpenAI's custom voice object `{"id": "<voice id>"}` (the id is the name)."""
-    value = body.get("voice")
-    if value is None or isinstance(value, str):
-        return value
-    voice_id = value.get("id") if isinstance(value, dict) and set(value) == {"id"} else None
-    if isinstance(voice_id, str) and voice_id.strip():
-        return voice_id
-    shown = repr(value)[:100]
-    raise InvalidArgument(
-        f'voice must be a voice name or an object {{"id": "<voice id>"}}, got {shown}', param="voice"
-    )
-
-
-def _voice_or_speaker(body: dict) -> str | None:
-    """`voice`, or vLLM-Omni's `speaker` (its CustomVoice field) as another name for it."""
-    voice, speaker = _voice(body), _get(body, "speaker", str, "a string")
-    if voice is not None and speaker is not None and voice.strip().lower() != speaker.strip().lower():
-        raise InvalidArgument(
-            f"voice {voice!r} and speaker {speaker!r} disagree; send one of them", param="speaker"
-        )
-    return voice if voice is not None else speaker
-
-
-def _speaker_embedding(body: dict) -> None:
-    """vLLM-Omni's precomputed x-vector: checked (numbers, or lists of numbers), then not used."""
-    value = body.get("speaker_embedding")
-    if value is None:
-        return
-    rows = value if isinstance(value, list) and value and isinstance(value[0], list) else [value]
-    for row in rows:
-        if not isinstance(row, list) or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row
-        ):
-            raise InvalidArgument(
-                "speaker_embedding must be a list of finite numbers (or of such lists)",
-                param="speaker_embedding",
-            )
-
-
-def _streaming_text(body: dict) -> bool | None:
-    """vLLM-Omni's `non_streaming_mode`: true feeds the whole text up front, false one token per frame."""
-    value = _get(body, "non_streaming_mode", bool, "a boolean")
-    return None if value is None else not value
 
 
 def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
@@ -167,70 +367,78 @@ def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
     return raw
 
 
+def validate_body(model: type[SpeechOptions], body: Any, what: str = "request body") -> Any:
+    """`model` validated from `body`; the first failure as one InvalidArgument naming its field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_argument(model, exc, what) from None
+
+
 def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
     """Turn the JSON body into request fields and output options; type errors are 400s."""
-    if not isinstance(body, dict):
-        raise InvalidArgument("request body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN_FIELDS)
+    request = validate_body(SpeechRequest, body)
+    return request.to_fields(request.input), request.output()
+
+
+_TYPE_WORDS = {
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "dict_type": "an object",
+    "list_type": "a list",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+
+def invalid_argument(
+    model: type[BaseModel], exc: ValidationError, what: str = "request body"
+) -> InvalidArgument:
+    """One InvalidArgument for a pydantic failure: unknown fields first (all of them named), then
+    the first failing field in declaration order, worded with the field's declared range."""
+    errors = exc.errors(include_url=False)
+    unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden" and e["loc"])
     if unknown:
-        raise InvalidArgument(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
-    text = _get(body, "input", str, "a string")
-    if text is None:
-        raise InvalidArgument("input is required", param="input")
-    fmt = (_get(body, "response_format", str, "a string") or "mp3").lower()
-    if fmt not in RESPONSE_FORMATS:
-        raise InvalidArgument(
-            f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {fmt!r}",
-            param="response_format",
-        )
-    stream_format = (_get(body, "stream_format", str, "a string") or "audio").lower()
-    if stream_format not in STREAM_FORMATS:
-        raise InvalidArgument(
-            f"stream_format must be 'audio' or 'sse', got {stream_format!r}", param="stream_format"
-        )
-    speed = _number(body, "speed")
-    if speed is not None:
-        check_speed(speed)
-    sample_rate = _integer(body, "sample_rate")
-    if sample_rate is None and fmt in G711_CODECS:
-        sample_rate = G711_SAMPLE_RATE  # G.711's only rate; another one is refused naming sample_rate
-    stream = _get(body, "stream", bool, "a boolean")
-    ref_audio = _get(body, "ref_audio", str, "a base64 string or data URL")
-    seed = _integer(body, "seed")
-    if seed is not None and -(2**63) <= seed < 0:
-        seed %= 2**63  # vLLM-Omni takes any signed 64-bit seed; ours are 63-bit non-negative
-    top_k = _integer(body, "top_k")
-    first_chunk = _integer(body, "initial_codec_chunk_frames")
-    if first_chunk is not None and not (0 <= first_chunk <= MAX_INITIAL_CHUNK_FRAMES):
-        raise InvalidArgument(
-            f"initial_codec_chunk_frames must be in 0..{MAX_INITIAL_CHUNK_FRAMES}, got {first_chunk}",
-            param="initial_codec_chunk_frames",
-        )
-    _get(body, "extra_params", dict, "an object")
-    _speaker_embedding(body)
-    fields = SpeechFields(
-        text=text,
-        model=_get(body, "model", str, "a string") or "",
-        task=_get(body, "task_type", str, "a string"),
-        voice=_voice_or_speaker(body),
-        language=_get(body, "language", str, "a string"),
-        instructions=_get(body, "instructions", str, "a string"),
-        reference_audio=decode_base64_audio(ref_audio) if ref_audio is not None else None,
-        reference_text=_get(body, "ref_text", str, "a string"),
-        x_vector_only=bool(_get(body, "x_vector_only_mode", bool, "a boolean")),
-        max_new_frames=_integer(body, "max_new_tokens"),
-        sampling=SamplingOptions(
-            temperature=_number(body, "temperature"),
-            top_k=top_k,
-            top_p=_number(body, "top_p"),
-            repetition_penalty=_number(body, "repetition_penalty"),
-            seed=seed,
-            min_new_frames=_integer(body, "min_new_tokens"),
-        ),
-        sample_rate=sample_rate,
-        first_chunk_frames=first_chunk or 0,
-        streaming_text=_streaming_text(body),
-    )
-    return fields, OutputOptions(
-        response_format=fmt, stream=stream, stream_format=stream_format, speed=1.0 if speed is None else speed
-    )
+        return InvalidArgument(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    e = errors[0]
+    if not e["loc"]:
+        return InvalidArgument(f"{what} must be a JSON object")
+    name = str(e["loc"][0])
+    kind, value = e["type"], e.get("input")
+    if kind == "missing":
+        message = f"{name} is required"
+    elif kind.startswith("tts_"):
+        message = e["msg"]
+    elif kind in _TYPE_WORDS:
+        message = f"{name} must be {_TYPE_WORDS[kind]}, got {type(value).__name__}"
+    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        message = f"{name} must be {_declared_range(model, name)}, got {value}"
+    elif kind == "literal_error":
+        message = f"{name} must be one of {e['ctx']['expected']}, got {value!r}"
+    else:
+        message = f"{name} {e['msg']}"
+    return InvalidArgument(message, param=name)
+
+
+def _declared_range(model: type[BaseModel], name: str) -> str:
+    """A field's range as declared (`in 0.25..4.0`, `in (0, 1]`, `>= 0`)."""
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in model.model_fields[name].metadata:
+        if isinstance(m, at.Ge):
+            lo = m.ge
+        elif isinstance(m, at.Gt):
+            lo, lo_open = m.gt, True
+        elif isinstance(m, at.Le):
+            hi = m.le
+        elif isinstance(m, at.Lt):
+            hi, hi_open = m.lt, True
+    if lo is not None and hi is not None:
+        if not lo_open and not hi_open:
+            return f"in {lo}..{hi}"
+        return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo}"
+    return f"{'<' if hi_open else '<='} {hi}"

@@ -1,0 +1,118 @@
+"""The typed request model: /openapi.json and /docs describe the body the handler really accepts."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from gateway_fakes import build_gateway, serve_http
+
+from qtts.errors import InvalidArgument
+from services.gateway.http_request import SpeechRequest, StreamingSessionConfig, parse_speech_body
+
+# Every field the speech endpoint accepts (OpenAI's and vLLM-Omni's), as clients send them.
+ACCEPTED = {
+    "model",
+    "input",
+    "voice",
+    "speaker",
+    "response_format",
+    "speed",
+    "stream",
+    "stream_format",
+    "task_type",
+    "language",
+    "instructions",
+    "ref_audio",
+    "ref_text",
+    "x_vector_only_mode",
+    "max_new_tokens",
+    "seed",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "min_new_tokens",
+    "sample_rate",
+    "speaker_embedding",
+    "initial_codec_chunk_frames",
+    "non_streaming_mode",
+    "extra_params",
+}
+
+
+async def test_openapi_documents_the_speech_body_and_responses():
+    async with serve_http(build_gateway()) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        schema = (await c.get("/openapi.json")).json()
+        docs = await c.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    op = schema["paths"]["/v1/audio/speech"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/SpeechRequest"
+    }
+    body = schema["components"]["schemas"]["SpeechRequest"]
+    assert set(body["properties"]) == ACCEPTED and body["required"] == ["input"]
+    assert body["additionalProperties"] is False
+    props = body["properties"]
+    assert (props["speed"]["minimum"], props["speed"]["maximum"], props["speed"]["default"]) == (
+        0.25,
+        4.0,
+        1.0,
+    )
+    assert props["response_format"]["default"] == "mp3" and "mulaw" in props["response_format"]["enum"]
+    top_p = props["top_p"]["anyOf"][0]
+    assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0, 1)
+    assert {"$ref": "#/components/schemas/VoiceId"} in props["voice"]["anyOf"]
+    assert all(p.get("description") for p in props.values())
+    content = op["responses"]["200"]["content"]
+    assert {"audio/mpeg", "audio/wav", "audio/pcm", "audio/basic", "text/event-stream"} <= set(content)
+    assert "Retry-After" in op["responses"]["429"]["headers"]
+    for status in ("400", "404", "429", "500", "503"):
+        ref = op["responses"][status]["content"]["application/json"]["schema"]
+        assert ref == {"$ref": "#/components/schemas/ErrorResponse"}
+    error = schema["components"]["schemas"]["ErrorDetail"]["properties"]
+    assert set(error) == {"message", "type", "param", "code"}
+    session = schema["components"]["schemas"]["StreamingSessionConfig"]["properties"]
+    assert {"stream_audio", "split_granularity", "voice", "ref_audio"} <= set(session)
+
+
+def test_the_model_declares_what_the_parser_accepts():
+    assert set(SpeechRequest.model_fields) == ACCEPTED
+    fields, out = parse_speech_body({k: None for k in ACCEPTED} | {"input": "hi"})  # null is absent
+    assert (fields.text, out.response_format, out.speed, fields.x_vector_only) == ("hi", "mp3", 1.0, False)
+    assert set(StreamingSessionConfig.model_fields) - set(SpeechRequest.model_fields) == {
+        "type",
+        "stream_audio",
+        "split_granularity",
+        "word_timestamps",
+    }
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"initial_codec_chunk_frames": 5000}, "initial_codec_chunk_frames", "must be in 0..4096, got 5000"),
+        ({"top_p": 0}, "top_p", "must be in (0, 1], got 0"),
+        ({"temperature": -0.5}, "temperature", "must be >= 0, got -0.5"),
+        ({"sample_rate": 96000}, "sample_rate", "must be in 8000..48000, got 96000"),
+        ({"temperature": float("nan")}, "temperature", "finite"),
+        ({"top_k": 1.5}, "top_k", "must be an integer"),
+        ({"x_vector_only_mode": 1}, "x_vector_only_mode", "must be a boolean"),
+        ({"extra_params": [1]}, "extra_params", "must be an object"),
+        ({"speaker": "a", "voice": {"id": "b"}}, "speaker", "disagree"),
+    ],
+)
+def test_errors_name_the_field_and_its_declared_range(body, param, words):
+    with pytest.raises(InvalidArgument) as info:
+        parse_speech_body({"input": "hi", **body})
+    assert info.value.param == param and words in info.value.message
+
+
+async def test_an_integer_too_long_to_convert_is_a_400():
+    async with serve_http(build_gateway()) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post(
+            "/v1/audio/speech",
+            content=b'{"input": "a", "seed": ' + b"9" * 5000 + b"}",
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
+        assert gw.talker.jobs == []
