@@ -48,6 +48,8 @@ HISTOGRAMS = {
     "tts_stage_latency_seconds",
     "tts_talker_deadline_slack_seconds",
     "tts_code2wav_deadline_slack_seconds",
+    "tts_talker_chunk_hop_seconds",
+    "tts_code2wav_chunk_wait_seconds",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC = re.compile(r"\b(tts_[a-z0-9_]+)")

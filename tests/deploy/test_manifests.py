@@ -303,6 +303,11 @@ BAD_VALUES = {
     "external-redis-without-secret": {"redis": {"enabled": False}},
     "probe-without-handler": {"talker": {"startupProbe": {"grpc": None}}},
     "misspelled-key": {"talker": {"replicas": 2}},
+    "misspelled-top-level-key": {"talkr": {"replicaCount": 2}},
+    "no-code2wav-replica": {"code2wav": {"replicaCount": 0}},
+    "no-talker-replica": {"talker": {"replicaCount": 0}},
+    "unknown-autoscaling-provider": {"talker": {"autoscaling": {"provider": "cpu"}}},
+    "misspelled-monitoring-key": {"monitoring": {"serviceMonitors": {"enabled": True}}},
     "two-model-volumes": {"model": {"volume": {"hostPath": {"path": "/data/models"}}}},
 }
 

@@ -206,3 +206,23 @@ lifecycle:
   {{- fail "model.volume needs persistentVolumeClaim or hostPath" }}
   {{- end }}
 {{- end }}
+
+{{/* HPA scaling behaviour: scale in slowly, a removed pod drains its streams for up to its grace period. */}}
+{{- define "qwen3-tts.scaleBehavior" -}}
+behavior:
+  scaleDown:
+    stabilizationWindowSeconds: 300
+    policies:
+      - type: Pods
+        value: 1
+        periodSeconds: 120
+{{- end }}
+
+{{/*
+PromQL label matchers for one stage's pods: namespace="<ns>",pod=~"<name>-.+". Works with the
+chart's ServiceMonitor / PodMonitor and with annotation-based scraping that sets namespace and pod.
+Call with (dict "root" $ "component" "talker").
+*/}}
+{{- define "qwen3-tts.podMatchers" -}}
+{{- printf "namespace=\"%s\",pod=~\"%s-.+\"" .root.Release.Namespace (include "qwen3-tts.componentName" .) }}
+{{- end }}
