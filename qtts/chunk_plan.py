@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_FIRST_CHUNK_FRAMES = 4
-DEFAULT_CHUNK_RAMP = (4, 8, 16)
+DEFAULT_CHUNK_RAMP = (4, 4, 8, 8, 16)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class AdmissionConfig:
 
     max_duty: float = 0.6
     # Longest a request waits for its start before it is refused; 0 = wait until the queue bound.
-    first_audio_budget_s: float = 1.5
+    first_audio_budget_s: float = 3.0
     safety_s: float = 0.04
     max_behind_fraction: float = 0.05
     # At most this many start per step, so the measurements can react before the next ones start.

@@ -82,7 +82,7 @@ class TalkerConfig:
     # step of every running stream is predicted to take at most this share of a frame (0 = no
     # limit), and waits at most the first-audio budget before it is refused (0 = no budget).
     admission_max_duty: float = 0.6
-    first_audio_budget_ms: float = 1500.0
+    first_audio_budget_ms: float = 3000.0
     # Requests waiting for a generator slot beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
     max_queue: int = 256
     # Frames a stream may generate ahead of the credit code2wav granted (its send buffer bound).

@@ -114,14 +114,15 @@ async def run_stream(
 
 def test_chunk_planner_default_ramp_repeats_last_value():
     plan = ChunkPlan()
-    # Each chunk as long as the audio before it: a step under 80 ms keeps any stream's ramp on time.
-    assert [plan.size(i) for i in range(8)] == [4, 4, 8, 16, 16, 16, 16, 16]
+    # No chunk longer than the audio before it, growing slowly: the ramp needs its frames at most
+    # 1.43x faster than real time (chunk 6, frames 29-44, while 28 frames play).
+    assert [plan.size(i) for i in range(8)] == [4, 4, 4, 8, 8, 16, 16, 16]
     assert plan.split(3) == [3]
-    assert plan.split(40) == [4, 4, 8, 16, 8]
+    assert plan.split(40) == [4, 4, 4, 8, 8, 12]
     assert sum(plan.split(1000)) == 1000
     assert plan.split(0) == []
     assert ChunkPlan(1, (3,)).split(7) == [1, 3, 3]
-    assert plan.capped(8).split(30) == [4, 4, 8, 8, 6]
+    assert plan.capped(8).split(30) == [4, 4, 4, 8, 8, 2]
     assert ChunkPlan.from_request(0, [], plan) == plan
 
 

@@ -175,12 +175,13 @@ def deadline() -> Scheduler:
 
 
 def test_deadline_scheduler_keeps_every_stream_on_time_where_round_robin_misses():
-    """200 closed-loop streams of 10 s, each 300-position prompt replaced as it finishes: a
-    round-robin step of all 200 takes 44 ms, so a newcomer's second chunk (4 frames) comes after
-    its first 160 ms have played. Paused streams leave the newcomers short steps."""
-    load = steady_load(200, 125, 300, spread_s=2.0)
-    rr = simulate(round_robin(), load, COST, closed_loop=200, until_s=40)
-    dl = simulate(deadline(), load, COST, closed_loop=200, until_s=40)
+    """260 closed-loop streams of 10 s, each 300-position prompt replaced as it finishes: a
+    round-robin step of all 260 takes 56 ms, while a newcomer's chunk ramp (4 | 4, 4, 8, 8, 16)
+    needs its frames up to 1.43x faster than real time (one every 56 ms), before the prefill
+    steps of the others. Paused streams leave the newcomers short steps."""
+    load = steady_load(260, 125, 300, spread_s=2.0)
+    rr = simulate(round_robin(), load, COST, closed_loop=260, until_s=40)
+    dl = simulate(deadline(), load, COST, closed_loop=260, until_s=40)
     rr_done = [x for x in rr if x.finished_at is not None]
     dl_done = [x for x in dl if x.finished_at is not None]
     assert len(rr_done) >= 300 and len(dl_done) >= 300
@@ -213,7 +214,7 @@ def test_a_long_prefill_beside_running_streams_makes_none_of_them_late():
 def test_config_flags_for_deadlines_and_admission():
     c = config_from_args([])
     assert (c.urgent_lead_ms, c.max_lead_ms) == (2000, 4000)
-    assert (c.admission_max_duty, c.first_audio_budget_ms) == (0.6, 1500)
+    assert (c.admission_max_duty, c.first_audio_budget_ms) == (0.6, 3000)
     with pytest.raises(SystemExit):
         config_from_args(["--urgent-lead-ms", "5000", "--max-lead-ms", "4000"])
     with pytest.raises(SystemExit):
