@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 
-from qtts.errors import InvalidArgument
+from qtts.errors import Cancelled, InvalidArgument
 from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.sampling_overrides import overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
@@ -14,6 +16,8 @@ from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 from .audio_encoding import Resampler, make_encoder
 from .job import AudioPiece, SpeechFields, SynthesisSummary
 from .synthesis import SynthesisStream, Synthesizer
+from .text_stream import TextSplitter, check_session, open_segment
+from .validation import new_request_id
 from .voice_client import VoiceInfo
 from .voices import VoiceService
 
@@ -22,6 +26,14 @@ _ENCODINGS = {
     tts_pb2.AUDIO_ENCODING_PCM_S16LE: "pcm",
     tts_pb2.AUDIO_ENCODING_WAV: "wav",
 }
+_TEXT_SPLITS = {
+    tts_pb2.TEXT_SPLIT_UNSPECIFIED: "sentence",
+    tts_pb2.TEXT_SPLIT_SENTENCE: "sentence",
+    tts_pb2.TEXT_SPLIT_CLAUSE: "clause",
+    tts_pb2.TEXT_SPLIT_NONE: "none",
+}
+# The end of a StreamingSynthesize call's input, in its segment queue.
+_END_OF_INPUT = object()
 
 
 def fields_from_pb(req: tts_pb2.SynthesizeRequest) -> SpeechFields:
@@ -47,6 +59,44 @@ def fields_from_pb(req: tts_pb2.SynthesizeRequest) -> SpeechFields:
     )
 
 
+def _encoding(value: int) -> str:
+    if value not in _ENCODINGS:
+        raise InvalidArgument(f"unsupported audio_encoding {value}", param="audio_encoding")
+    return _ENCODINGS[value]
+
+
+async def _first_config(requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest]):
+    first = await anext(requests, None)
+    if first is None or not first.HasField("streaming_config"):
+        raise InvalidArgument("the first StreamingSynthesizeRequest must carry streaming_config",
+                              param="streaming_config")
+    return first.streaming_config
+
+
+async def _read_text(requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], splitter: TextSplitter,
+                     queue: asyncio.Queue) -> None:
+    """Cut the incoming text into segments onto `queue`, then the end of input (or the error)."""
+    try:
+        async for req in requests:
+            if not req.HasField("input"):
+                raise InvalidArgument("streaming_config is only allowed in the first message",
+                                      param="streaming_config")
+            for piece in splitter.feed(req.input.text):
+                queue.put_nowait(piece)
+            if req.input.flush:
+                for piece in splitter.flush():
+                    queue.put_nowait(piece)
+        for piece in splitter.flush():
+            queue.put_nowait(piece)
+        queue.put_nowait(_END_OF_INPUT)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        # The client's side of the call broke (it cancelled, or its stream failed).
+        failed = Cancelled(f"the request stream ended with an error: {type(exc).__name__}")
+        queue.put_nowait(exc if isinstance(exc, InvalidArgument) else failed)
+
+
 def voice_to_pb(v: VoiceInfo) -> tts_pb2.Voice:
     return tts_pb2.Voice(
         name=v.name, kind=v.kind, reference_text=v.reference_text, x_vector_only=v.x_vector_only,
@@ -65,8 +115,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                          context: grpc.aio.ServicerContext) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         """Stream audio chunks, each with the request id and a sequence number, then a summary."""
         try:
-            if request.audio_encoding not in _ENCODINGS:
-                raise InvalidArgument(f"unsupported audio_encoding {request.audio_encoding}")
+            fmt = _encoding(request.audio_encoding)
             job = self._synth.validate(fields_from_pb(request))
         except Exception as exc:
             self._synth.reject("grpc", exc)
@@ -74,13 +123,67 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         stream = await self._synth.open(job, "grpc")
         error: BaseException | None = None
         try:
-            async for msg in self._responses(stream, _ENCODINGS[request.audio_encoding]):
+            async for msg in self._responses(stream, fmt):
                 yield msg
         except BaseException as exc:
             error = exc
             raise
         finally:
             await stream.close(error)
+
+    async def StreamingSynthesize(
+        self, request_iterator: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tts_pb2.StreamingSynthesizeResponse]:
+        """Text in as it is produced, audio out per segment: segment_start, audio chunks, segment_summary.
+
+        The segments are synthesised in order while more text arrives; an error in any of them ends
+        the call with its status (the segments before it were delivered whole)."""
+        requests = aiter(request_iterator)
+        try:
+            config = await _first_config(requests)
+            synthesis = config.synthesis
+            if synthesis.text:
+                raise InvalidArgument("streaming_config.synthesis.text must be empty: text comes in input messages",
+                                      param="text")
+            if config.text_split not in _TEXT_SPLITS:
+                raise InvalidArgument(f"unknown text_split {config.text_split}", param="text_split")
+            fmt = _encoding(synthesis.audio_encoding)
+            fields = fields_from_pb(synthesis)
+            check_session(self._synth, fields, fmt)
+        except Exception as exc:
+            self._synth.reject("grpc", exc)
+            raise
+        request_id = synthesis.request_id or new_request_id()
+        splitter = TextSplitter(_TEXT_SPLITS[config.text_split], self._synth.limits.max_input_chars)
+        queue: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.create_task(_read_text(requests, splitter, queue))
+        seq = segment = 0
+        try:
+            while (item := await queue.get()) is not _END_OF_INPUT:
+                if isinstance(item, BaseException):
+                    raise item
+                start = tts_pb2.SegmentStart(text=item)
+                yield tts_pb2.StreamingSynthesizeResponse(request_id=request_id, sequence_number=seq,
+                                                          segment_index=segment, segment_start=start)
+                seq += 1
+                stream = await open_segment(self._synth, fields, item, f"{request_id}-{segment}", "grpc")
+                error: BaseException | None = None
+                try:
+                    async for msg in self._responses(stream, fmt):
+                        event = {"audio": msg.audio} if msg.HasField("audio") else {"segment_summary": msg.summary}
+                        yield tts_pb2.StreamingSynthesizeResponse(request_id=request_id, sequence_number=seq,
+                                                                  segment_index=segment, **event)
+                        seq += 1
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    await stream.close(error)
+                segment += 1
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
     async def _responses(self, stream: SynthesisStream, fmt: str) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         rate = stream.job.sample_rate

@@ -7,7 +7,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -20,6 +20,8 @@ from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_en
 from .http_request import OutputOptions, decode_base64_audio, parse_speech_body
 from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconnected
 from .job import AudioPiece
+from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
+from .speech_ws import SpeechStreamEndpoint
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
 from .synthesis import SynthesisStream, Synthesizer
 from .voices import VoiceService
@@ -194,8 +196,16 @@ def create_app(deps: HttpDeps) -> FastAPI:
         finally:
             await stream.close(error)
 
+    speech_stream_endpoint = SpeechStreamEndpoint(synth)
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket) -> None:
+        """Text streamed in, audio streamed out: vLLM-Omni's streaming speech protocol (speech_ws.py)."""
+        await speech_stream_endpoint(websocket)
+
     @app.get("/v1/models")
     async def models() -> dict:
+
         catalog = synth.catalog()
         return {"object": "list", "data": [
             {"id": catalog.name, "object": "model", "created": 0, "owned_by": "qwen",

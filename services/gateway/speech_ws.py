@@ -1,0 +1,370 @@
+"""WebSocket `/v1/audio/speech/stream`: text streamed in, audio streamed out, speaking vLLM-Omni's
+streaming speech protocol so its clients work unmodified.
+
+Client -> server (JSON text frames):
+    {"type": "session.config", ...}      first message (StreamingSessionConfig); again between utterances
+    {"type": "input.text", "text": "..."} the next piece of text
+    {"type": "input.done"}               flush: finish the utterance, keep the session
+    {"type": "input.cancel"}             stop now: drop buffered and queued text, cut the segment in flight
+    {"type": "session.close"}            finish what was sent, then close
+
+Server -> client:
+    {"type": "audio.start", "utterance_index", "sentence_index", "sentence_text", "format", ...}
+    binary frames: the segment's audio
+    {"type": "audio.done", "utterance_index", "sentence_index", "total_bytes", "error", ...}
+    {"type": "session.done", "utterance_index", "total_sentences", "usage", ...}  one per input.done
+    {"type": "error", "message", "code", "param", ...}
+
+A receiver reads messages and cuts the text into segments; a worker synthesises them one after
+another, so audio for the first sentence plays while the next one is still being written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from qtts.errors import InvalidArgument, TTSError, mapping_for, openai_error_body
+
+from .http_request import StreamingSessionConfig, validate_body
+from .job import SpeechFields
+from .synthesis import Synthesizer
+from .text_stream import SegmentAudio, TextSplitter, check_session, encoded_audio, open_segment
+from .validation import new_request_id
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "websocket"
+# Close codes (RFC 6455): normal, protocol error of the client, server error.
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_INTERNAL = 1000, 1008, 1011
+
+
+@dataclass(frozen=True)
+class _Segment:
+    utterance: int
+    index: int
+    text: str
+    fields: SpeechFields
+    audio: SegmentAudio
+
+
+@dataclass
+class _UtteranceEnd:
+    utterance: int
+    total: int
+    cancelled: bool = False
+
+
+@dataclass
+class _Close:
+    pass
+
+
+@dataclass
+class _Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
+
+
+@dataclass
+class _Session:
+    """One connection's state, shared by its receiver and its worker."""
+
+    ws: WebSocket
+    synth: Synthesizer
+    session_id: str = field(default_factory=new_request_id)
+    config: StreamingSessionConfig | None = None
+    fields: SpeechFields | None = None
+    audio: SegmentAudio | None = None
+    splitter: TextSplitter = field(default_factory=TextSplitter)
+    utterance: int = 0  # the utterance that takes input.text now
+    sentences: int = 0  # segments cut from it so far
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    current: asyncio.Task | None = None
+    current_utterance: int = -1
+    usage: dict[int, _Usage] = field(default_factory=dict)
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def utterance_open(self) -> bool:
+        return self.sentences > 0 or bool(self.splitter.buffered.strip())
+
+    @property
+    def idle(self) -> bool:
+        return self.queue.empty() and self.current is None
+
+    async def send_json(self, payload: dict) -> None:
+        async with self.send_lock:
+            await self.ws.send_json(payload)
+
+    async def send_bytes(self, data: bytes) -> None:
+        async with self.send_lock:
+            await self.ws.send_bytes(data)
+
+    async def send_error(self, exc: BaseException, **context) -> None:
+        body = openai_error_body(exc)["error"]
+        await self.send_json(
+            {
+                "type": "error",
+                "message": body["message"],
+                "code": body["code"],
+                "param": body["param"],
+                **context,
+            }
+        )
+
+
+class SpeechStreamEndpoint:
+    """The `/v1/audio/speech/stream` handler: one `_Session` per connection."""
+
+    def __init__(
+        self,
+        synth: Synthesizer,
+        config_timeout_s: float = 10.0,
+        idle_timeout_s: float = 30.0,
+        max_message_bytes: int = 32 << 20,
+    ):
+        self.synth = synth
+        self.config_timeout_s = config_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_message_bytes = max_message_bytes
+
+    async def __call__(self, ws: WebSocket) -> None:
+        await ws.accept()
+        session = _Session(ws, self.synth)
+        worker = asyncio.create_task(self._work(session))
+        code = CLOSE_NORMAL
+        try:
+            code = await self._receive(session, worker)
+            if code == CLOSE_NORMAL:
+                await worker  # session.close: the worker finishes what was sent, then stops
+        except WebSocketDisconnect:
+            code = None
+        except Exception as exc:
+            log.error("speech stream %s failed", session.session_id, exc_info=exc)
+            code = CLOSE_INTERNAL
+            with contextlib.suppress(Exception):
+                await session.send_error(exc)
+        finally:
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await worker
+            if code is not None and ws.application_state == WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):
+                    await ws.close(code)
+
+    async def _receive(self, s: _Session, worker: asyncio.Task) -> int:
+        """Read messages until session.close (CLOSE_NORMAL) or a fatal client error (CLOSE_POLICY)."""
+        while True:
+            message = await self._next_message(s, worker)
+            if message is None:
+                return CLOSE_POLICY
+            if message.get("type") == "websocket.disconnect":
+                raise WebSocketDisconnect(message.get("code", 1000))
+            try:
+                msg = self._parse(message)
+            except InvalidArgument as exc:
+                await s.send_error(exc)
+                if s.config is None:
+                    return CLOSE_POLICY
+                continue
+            kind = msg.get("type")
+            if kind == "session.config":
+                if not await self._configure(s, msg) and s.config is None:
+                    return CLOSE_POLICY
+            elif s.config is None:
+                await s.send_error(
+                    InvalidArgument(f"expected session.config first, got {kind!r}", param="type")
+                )
+                return CLOSE_POLICY
+            elif kind == "input.text":
+                text = msg.get("text", "")
+                if not isinstance(text, str):
+                    await s.send_error(InvalidArgument("input.text needs a string text", param="text"))
+                    continue
+                for piece in s.splitter.feed(text):
+                    self._enqueue(s, piece)
+            elif kind == "input.done":
+                self._end_utterance(s)
+            elif kind == "input.cancel":
+                self._cancel(s)
+            elif kind == "session.close":
+                if s.utterance_open:
+                    self._end_utterance(s)
+                s.queue.put_nowait(_Close())
+                return CLOSE_NORMAL
+            else:
+                await s.send_error(
+                    InvalidArgument(
+                        f"unknown message type {kind!r}; expected session.config, input.text, input.done, "
+                        "input.cancel or session.close",
+                        param="type",
+                    )
+                )
+
+    async def _next_message(self, s: _Session, worker: asyncio.Task) -> dict | None:
+        """The next ASGI message; None (after an error event) when the client stayed silent too long.
+        The idle clock runs only while nothing is being synthesised."""
+        while True:
+            timeout = self.config_timeout_s if s.config is None else self.idle_timeout_s
+            try:
+                return await asyncio.wait_for(s.ws.receive(), timeout)
+            except TimeoutError:
+                if worker.done():
+                    worker.result()  # a crashed worker ends the session with its error
+                if s.config is not None and not s.idle:
+                    continue
+                what = "session.config" if s.config is None else "a message"
+                await s.send_error(InvalidArgument(f"no {what} within {timeout:g} s; closing"))
+                return None
+
+    def _parse(self, message: dict) -> dict:
+        raw = message.get("text")
+        if raw is None:
+            raise InvalidArgument("binary frames are not accepted; send JSON text messages")
+        if len(raw) > self.max_message_bytes:
+            raise InvalidArgument(f"message of {len(raw)} characters; the limit is {self.max_message_bytes}")
+        try:
+            msg = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidArgument(f"message is not valid JSON: {exc}") from None
+        if not isinstance(msg, dict):
+            raise InvalidArgument("messages must be JSON objects")
+        return msg
+
+    async def _configure(self, s: _Session, msg: dict) -> bool:
+        """Apply a session.config; False (after an error event) when it is refused."""
+        try:
+            if s.utterance_open:
+                raise InvalidArgument(
+                    "session.config cannot change an utterance in progress; send input.done first",
+                    param="type",
+                )
+            config = validate_body(StreamingSessionConfig, msg, "session.config")
+            fields = config.to_fields("")
+            rate = check_session(self.synth, fields, config.response_format)
+        except TTSError as exc:
+            self.synth.reject(PROTOCOL, exc)
+            self.synth.metrics.error(mapping_for(exc).grpc_code.name)
+            await s.send_error(exc)
+            return False
+        s.config, s.fields = config, fields
+        s.audio = SegmentAudio(config.response_format, rate, config.speed, config.stream_audio)
+        s.splitter = TextSplitter(config.split_granularity, self.synth.limits.max_input_chars)
+        return True
+
+    def _enqueue(self, s: _Session, text: str) -> None:
+        s.queue.put_nowait(_Segment(s.utterance, s.sentences, text, s.fields, s.audio))
+        s.sentences += 1
+
+    def _end_utterance(self, s: _Session, cancelled: bool = False) -> None:
+        if not cancelled:
+            for piece in s.splitter.flush():
+                self._enqueue(s, piece)
+        s.queue.put_nowait(_UtteranceEnd(s.utterance, s.sentences, cancelled))
+        s.utterance += 1
+        s.sentences = 0
+
+    def _cancel(self, s: _Session) -> None:
+        """Drop the buffered text and every queued segment, cut the one in flight. The open utterance
+        ends at once, and every utterance that loses audio still gets its session.done, marked
+        cancelled (the acknowledgement of the cancel)."""
+        s.splitter.reset()
+        kept = []
+        while not s.queue.empty():
+            item = s.queue.get_nowait()
+            if isinstance(item, _UtteranceEnd):
+                item.cancelled = True
+                kept.append(item)
+        for item in kept:
+            s.queue.put_nowait(item)
+        if s.current is not None:
+            s.current.cancel()
+        self._end_utterance(s, cancelled=True)
+
+    async def _work(self, s: _Session) -> None:
+        """Synthesise queued segments in order; send session.done at each utterance's end."""
+        while True:
+            item = await s.queue.get()
+            if isinstance(item, _Close):
+                return
+            if isinstance(item, _UtteranceEnd):
+                usage = s.usage.pop(item.utterance, _Usage())
+                done = {
+                    "type": "session.done",
+                    "utterance_index": item.utterance,
+                    "total_sentences": item.total,
+                    "usage": usage.to_json(),
+                }
+                await s.send_json(done | ({"cancelled": True} if item.cancelled else {}))
+                continue
+            s.current_utterance = item.utterance
+            s.current = asyncio.create_task(self._segment(s, item))
+            try:
+                await s.current
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # the session ends
+            finally:
+                s.current = None
+
+    async def _segment(self, s: _Session, seg: _Segment) -> None:
+        """One segment: audio.start, its audio as binary frames, audio.done (also on failure)."""
+        request_id = f"{s.session_id}-u{seg.utterance}-s{seg.index}"
+        ids = {"utterance_index": seg.utterance, "sentence_index": seg.index}
+        await s.send_json(
+            {
+                "type": "audio.start",
+                **ids,
+                "sentence_text": seg.text,
+                "format": seg.audio.response_format,
+                "sample_rate": seg.audio.sample_rate,
+                "channels": 1,
+                "request_id": request_id,
+            }
+        )
+        total, done, stream, error = 0, {"error": False}, None, None
+        try:
+            stream = await open_segment(self.synth, seg.fields, seg.text, request_id, PROTOCOL)
+            async for data in encoded_audio(stream, seg.audio):
+                await s.send_bytes(data)
+                total += len(data)
+            summary = stream.summary
+            if summary is not None:
+                usage = s.usage.setdefault(seg.utterance, _Usage())
+                usage.input_tokens += summary.num_input_tokens
+                usage.output_tokens += summary.num_frames
+                done |= {"finish_reason": summary.finish_reason, "num_frames": summary.num_frames}
+        except asyncio.CancelledError as exc:
+            error = exc
+            done |= {"cancelled": True}
+            raise
+        except WebSocketDisconnect as exc:
+            error = exc
+            raise
+        except Exception as exc:
+            error = exc
+            done = {"error": True}
+            if not isinstance(exc, TTSError):
+                log.error("segment %s failed", request_id, exc_info=exc)
+            self.synth.metrics.error(mapping_for(exc).grpc_code.name)
+            partial = {"partial_audio": True, "action": "discard"} if total else {}
+            await s.send_error(exc, **ids, **partial)
+        finally:
+            if stream is not None:
+                await stream.close(error)
+            if not isinstance(error, WebSocketDisconnect):
+                with contextlib.suppress(Exception):
+                    await s.send_json({"type": "audio.done", **ids, "total_bytes": total, **done})
