@@ -22,7 +22,6 @@ from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconn
 from .job import AudioPiece
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
 from .speech_ws import SpeechStreamEndpoint
-from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
 from .synthesis import SynthesisStream, Synthesizer
 from .voices import VoiceService
 
