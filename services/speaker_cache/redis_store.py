@@ -2,6 +2,10 @@
 
 Each record is a Redis hash of its fields (binary-safe). The set `tts:voices` holds the voice names
 for listing. Voices persist as long as Redis does; prompts are a cache and may carry a TTL.
+
+Run Redis with `--maxmemory-policy volatile-lru` (deploy/): only keys with a TTL, the prompts, are
+evicted when memory runs out, never a named voice; a write that still finds no room (memory full of
+voices) fails with ResourceExhausted, not silently.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from qtts.errors import AlreadyExists, NotFound, Unavailable
+from qtts.errors import AlreadyExists, NotFound, ResourceExhausted, Unavailable
 from services.speaker_cache.records import PromptRecord, VoiceRecord
 
 T = TypeVar("T")
@@ -35,6 +39,12 @@ def _unavailable_on_redis_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise Unavailable(f"redis unavailable: {exc}") from exc
         except RedisError as exc:
+            if isinstance(exc, OutOfMemoryError):
+                # maxmemory reached with nothing evictable left (only named voices, which carry no
+                # TTL, so volatile-lru never evicts them): say so instead of a generic outage.
+                raise ResourceExhausted(
+                    "the voice store is full (Redis maxmemory): delete voices or give Redis more memory"
+                ) from exc
             raise Unavailable(f"redis error: {exc}") from exc
 
     return wrapper

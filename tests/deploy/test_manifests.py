@@ -5,6 +5,7 @@ Kubernetes JSON schemas shipped by `kubernetes-validate`, plus the image's entry
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import json
 import os
@@ -22,6 +23,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "qwen3-tts"
 KUSTOMIZE_DIR = ROOT / "deploy" / "k8s"
+OVERLAYS = {name: KUSTOMIZE_DIR / "overlays" / name for name in ("dev", "prod")}
+STACKS = ["helm", "kustomize", "helm-dev", "helm-prod", "kustomize-dev", "kustomize-prod"]
+# Custom resources of operators (Prometheus Operator, KEDA): not in the Kubernetes schemas;
+# tests/deploy/test_observability.py checks them.
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"}
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 ENTRYPOINT = ROOT / "deploy" / "docker" / "entrypoint.sh"
 
@@ -127,16 +133,25 @@ def tool(name: str) -> str:
     return found
 
 
+@functools.cache
+def _kustomize(path: Path) -> str:
+    return subprocess.run(
+        [tool("kubectl"), "kustomize", str(path)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+
+
+def kustomize(path: Path) -> list[dict]:
+    """`kubectl kustomize <path>` as objects (rendered once per session)."""
+    return [d for d in yaml.safe_load_all(_kustomize(path)) if d]
+
+
+def helm_values_file(overlay: str) -> dict:
+    return yaml.safe_load((CHART / f"values-{overlay}.yaml").read_text())
+
+
 @pytest.fixture(scope="module")
 def kustomize_docs() -> list[dict]:
-    out = subprocess.run(
-        [tool("kubectl"), "kustomize", str(KUSTOMIZE_DIR)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return kustomize(KUSTOMIZE_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +159,19 @@ def helm_default_docs(chart) -> list[dict]:
     return render_chart(chart)
 
 
-@pytest.fixture(scope="module", params=["helm", "kustomize"])
-def stack(request) -> list[dict]:
-    """The whole stack as plain objects, from the chart's defaults or from deploy/k8s."""
-    name = "helm_default_docs" if request.param == "helm" else "kustomize_docs"
-    return request.getfixturevalue(name)
+def stack_docs(source: str, chart) -> list[dict]:
+    """`helm`, `kustomize`, or either with `-dev` / `-prod`: the overlay or its values file."""
+    tool_name, _, overlay = source.partition("-")
+    if tool_name == "kustomize":
+        return kustomize(OVERLAYS[overlay] if overlay else KUSTOMIZE_DIR)
+    return render_chart(chart, helm_values_file(overlay) if overlay else None)
+
+
+@pytest.fixture(scope="module", params=STACKS)
+def stack(request, chart) -> list[dict]:
+    """The whole stack as plain objects: the chart (defaults, dev or prod values) or deploy/k8s
+    (the base, dev or prod overlay)."""
+    return stack_docs(request.param, chart)
 
 
 # ---------------------------------------------------------------- helpers over objects
@@ -270,16 +293,12 @@ OTHER_VALUES = {
 }
 
 
-@pytest.mark.parametrize("source", ["helm-default", "helm-other-values", "kustomize"])
+@pytest.mark.parametrize("source", ["helm-other-values", *STACKS])
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
-def test_every_manifest_validates_against_the_kubernetes_schema(source, kube_version, request):
-    if source == "kustomize":
-        docs = request.getfixturevalue("kustomize_docs")
-    else:
-        chart = request.getfixturevalue("chart")
-        docs = render_chart(chart, OTHER_VALUES if source == "helm-other-values" else None)
+def test_every_manifest_validates_against_the_kubernetes_schema(source, kube_version, chart):
+    docs = render_chart(chart, OTHER_VALUES) if source == "helm-other-values" else stack_docs(source, chart)
     assert docs
-    for doc in docs:
+    for doc in [d for d in docs if d["kind"] not in CRD_KINDS]:
         try:
             kubernetes_validate.validate(doc, kube_version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -447,7 +466,7 @@ def test_speaker_cache_reads_the_redis_url_from_a_secret(stack):
     (ref,) = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "REDIS_URL"]
     secret = [s for s in of_kind(stack, "Secret") if s["metadata"]["name"] == ref["name"]]
     assert secret and ref["key"] in (secret[0].get("stringData") or secret[0].get("data"))
-    assert [d for d in of_kind(stack, "Deployment") if component(d) == "redis"]
+    assert [d for d in of_kind(stack, "StatefulSet") if component(d) == "redis"]
 
 
 def test_gpu_stages_mount_the_model_snapshot_read_only(stack):
@@ -522,7 +541,7 @@ def test_kustomize_replica_list_is_read_by_the_talker_only(kustomize_docs):
 def test_helm_other_values_take_effect(chart):
     docs = render_chart(chart, OTHER_VALUES)
     loads = workloads(docs)
-    assert not [d for d in of_kind(docs, "Deployment") if component(d) == "redis"]
+    assert not [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and component(d) == "redis"]
     (ref,) = [
         e["valueFrom"]["secretKeyRef"]
         for e in container(loads["speaker-cache"])["env"]

@@ -154,6 +154,20 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- range . }}
+  - {{- toYaml (omit . "labelSelector") | nindent 4 }}
+    {{- /* No selector given: the stage's own pods. */}}
+    labelSelector:
+      {{- if .labelSelector }}
+      {{- toYaml .labelSelector | nindent 6 }}
+      {{- else }}
+      matchLabels:
+        {{- include "qwen3-tts.selectorLabels" $ | nindent 8 }}
+      {{- end }}
+  {{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Container fields every stage shares (image, probes, resources, preStop, security). */}}
