@@ -237,10 +237,17 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
 
     async def CreateVoice(self, request: tts_pb2.CreateVoiceRequest,
                           context: grpc.aio.ServicerContext) -> tts_pb2.CreateVoiceResponse:
-        """Store a reference clip (any container) and its transcript under a name."""
+        """Store a reference clip (any container) under a name; without a transcript (and without
+        x_vector_only set) the voice is x-vector only, as over HTTP."""
+        x_vector_only = request.x_vector_only if request.HasField("x_vector_only") else None
         voice = await self._voices.create(request.name, request.reference_audio, request.reference_text,
-                                          request.x_vector_only)
+                                          x_vector_only, audio_field="reference_audio")
         return tts_pb2.CreateVoiceResponse(voice=voice_to_pb(voice))
+
+    async def GetVoice(self, request: tts_pb2.GetVoiceRequest,
+                       context: grpc.aio.ServicerContext) -> tts_pb2.GetVoiceResponse:
+        """One stored voice (with its clip's duration) or preset speaker."""
+        return tts_pb2.GetVoiceResponse(voice=voice_to_pb(await self._voices.get(request.name)))
 
     async def DeleteVoice(self, request: tts_pb2.DeleteVoiceRequest,
                           context: grpc.aio.ServicerContext) -> tts_pb2.DeleteVoiceResponse:
