@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -67,6 +68,10 @@ class TalkerCore:
         self._window = credit_window_frames
         self._stall_timeout_s = stall_timeout_s
         self._spec_factory = spec_factory
+        # One thread builds every prompt, in arrival order. A pool of them (asyncio.to_thread's)
+        # ran a burst's prompts side by side: dozens of threads taking the GIL back after each
+        # of their many small torch calls, and the engine thread waiting behind them for its own.
+        self._prompt_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="talker-prompt")
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[AudioPiece | GenerationSummary]:
         """Audio pieces as code2wav produces them, then one summary (errors are TTSError)."""
@@ -79,10 +84,10 @@ class TalkerCore:
         if checked.task == VOICE_CLONE:
             with self._metrics.stage_timer("voice_prompt"):
                 voice_prompt = await self._voices.resolve(req)
-        # Built in a worker thread, the host copy of the reference frames too: that copy waits for
-        # the GPU (behind the engine's step), which must never block the event loop.
-        prompt, ref_codes = await asyncio.to_thread(
-            self._build_prompt_and_ref_codes, req, checked, voice_prompt
+        # Built in the prompt thread, the host copy of the reference frames too: that copy waits
+        # for the GPU (behind the engine's step), which must never block the event loop.
+        prompt, ref_codes = await asyncio.get_running_loop().run_in_executor(
+            self._prompt_thread, self._build_prompt_and_ref_codes, req, checked, voice_prompt
         )
         session = StreamSession(
             request_id=req.request_id,

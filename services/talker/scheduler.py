@@ -49,8 +49,6 @@ class DeadlinePolicy:
     # Prefill positions per step when a running stream is close to its deadline, and at most.
     min_prefill_positions: int = 320
     max_prefill_positions: int = 4096
-    # A step with a prefill may take this share of the urgent streams' frame budget.
-    prefill_frame_share: float = 0.8
     frame_s: float = FRAME_S
 
     def __post_init__(self) -> None:
@@ -58,8 +56,6 @@ class DeadlinePolicy:
             raise ValueError("leads must satisfy 0 <= urgent_lead_s <= max_lead_s")
         if self.min_prefill_positions < 1 or self.max_prefill_positions < self.min_prefill_positions:
             raise ValueError("prefill positions must satisfy 1 <= min <= max")
-        if not 0.0 < self.prefill_frame_share <= 1.0:
-            raise ValueError("prefill_frame_share must be in (0, 1]")
 
 
 @dataclass
@@ -307,26 +303,21 @@ class Scheduler:
         plan.stepping = urgent + [r for _, r in optional[:room]]
         plan.skip.update(r.request_id for _, r in optional[room:])
         plan.step = True
-        plan.prefill_budget = self._prefill_budget(tightest, frame_budget, len(plan.stepping))
+        plan.prefill_budget = self._prefill_budget(tightest)
         return plan
 
-    def _prefill_budget(
-        self, tightest_slack_s: float, frame_budget_s: float = math.inf, batch: int = 0
-    ) -> int:
-        """Prompt positions the step may prefill without making a running stream late.
+    def _prefill_budget(self, tightest_slack_s: float) -> int:
+        """Prompt positions the step may prefill without making the tightest stream late.
 
-        Two bounds: this one step may not eat the tightest stream's slack, and, since a burst of
-        arrivals puts a prefill in every step, the step with its prefill may not be longer than the
-        frame time the urgent streams' next chunks allow (a young stream in its chunk ramp must be
-        generated faster than real time, whatever the queue of prompts behind it)."""
+        Only one step's slack bounds it, not the urgent streams' per-frame budget: on the H200 a
+        step with a prefill cost about 60-85 ms whatever its size in the stack (2048 or 320
+        positions), so a per-frame bound only cut the prefill rate of a burst (TTFA 9.5 s at
+        c=512) without shortening the steps."""
         pol = self.policy
-        if self.admission is None or (math.isinf(tightest_slack_s) and math.isinf(frame_budget_s)):
+        if self.admission is None or math.isinf(tightest_slack_s):
             return pol.max_prefill_positions
         model = self.admission.model
-        safety = self.admission.config.safety_s
-        spare = min(
-            tightest_slack_s - safety, frame_budget_s * pol.prefill_frame_share - model.predict(batch)
-        )
+        spare = tightest_slack_s - self.admission.config.safety_s
         per = max(model.prefill_position_s, 1e-9)
         return int(min(pol.max_prefill_positions, max(pol.min_prefill_positions, spare / per)))
 
