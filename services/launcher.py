@@ -261,14 +261,20 @@ def talker_spec(cfg: StackConfig, model: str, *, name: str = "talker", port: int
 
 def gateway_spec(cfg: StackConfig, *, name: str = "gateway", talker_port: int | None = None,
                  http_port: int | None = None, grpc_port: int | None = None,
-                 metrics_port: int | None = None) -> ServiceSpec:
+                 metrics_port: int | None = None, talker_metrics_port: int | None = None) -> ServiceSpec:
+    """The gateway in front of the stack's talker, or of the one on `talker_port` (whose metrics
+    port, for the playground's status strip, is then `talker_metrics_port` or unknown)."""
     grpc_port = cfg.grpc_port if grpc_port is None else grpc_port
+    if talker_metrics_port is None and talker_port is None:
+        talker_metrics_port = cfg.talker_metrics_port
+    talker_metrics = (["--talker-metrics-url", f"http://{cfg.host}:{talker_metrics_port}/metrics"]
+                      if talker_metrics_port else [])
     args = ["--host", cfg.host,
             "--http-port", str(cfg.http_port if http_port is None else http_port),
             "--grpc-port", str(grpc_port),
             "--metrics-port", str(cfg.gateway_metrics_port if metrics_port is None else metrics_port),
             "--talker", _addr(cfg.host, cfg.talker_port if talker_port is None else talker_port),
-            "--speaker-cache", _addr(cfg.host, cfg.speaker_cache_port),
+            "--speaker-cache", _addr(cfg.host, cfg.speaker_cache_port), *talker_metrics,
             "--drain-seconds", str(cfg.drain_seconds), *cfg.extra_args.get("gateway", ())]
     return ServiceSpec(name, "services.gateway", tuple(args), _addr(cfg.host, grpc_port),
                        cfg.gateway_metrics_port if metrics_port is None else metrics_port)
@@ -406,6 +412,8 @@ def describe(stack: Stack, body: dict) -> str:
                                         if p.spec.metrics_port),
         f"  model          {stack.model}",
         f"  logs           {c.log_dir}/",
+        "",
+        f"Playground (type, pick a voice, hear it stream): {stack.http_url}/",
         "",
         "Try:",
         f"  curl -s {stack.http_url}/v1/audio/speech -H 'Content-Type: application/json' "

@@ -35,6 +35,8 @@ class GatewayConfig:
     # How new streams reach talkers (TALKER_BALANCING) and how often the pool re-resolves --talker.
     talker_balancing: str = "pool"
     talker_refresh_s: float = 5.0
+    # The talker's Prometheus page (http://host:port/metrics) for GET /v1/status; empty = not shown.
+    talker_metrics_url: str = ""
     # Empty: the name the talker reports through GetModelInfo.
     served_model_name: str = ""
     max_streams: int = 256
@@ -63,6 +65,8 @@ class GatewayConfig:
             addr = getattr(self, name)
             if ":" not in addr:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be host:port, got {addr!r}")
+        if self.talker_metrics_url and not self.talker_metrics_url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"--talker-metrics-url must be an http(s) URL, got {self.talker_metrics_url!r}")
         if self.talker_balancing not in TALKER_BALANCING:
             raise InvalidArgument(
                 f"--talker-balancing must be one of {', '.join(TALKER_BALANCING)}, got {self.talker_balancing!r}"
@@ -101,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--speaker-cache", default=_env("SPEAKER_CACHE", d.speaker_cache), help="speaker_cache host:port"
+    )
+    p.add_argument(
+        "--talker-metrics-url",
+        default=_env("TALKER_METRICS_URL", d.talker_metrics_url),
+        help="the talker's /metrics URL, for the queue and step time in GET /v1/status (default: not shown)",
     )
     p.add_argument(
         "--served-model-name",
@@ -152,6 +161,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         speaker_cache=ns.speaker_cache,
         talker_balancing=ns.talker_balancing,
         talker_refresh_s=ns.talker_refresh_s,
+        talker_metrics_url=ns.talker_metrics_url,
         served_model_name=ns.served_model_name,
         max_streams=ns.max_streams,
         http_keepalive_s=ns.http_keepalive_s,

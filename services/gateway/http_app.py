@@ -6,10 +6,12 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qtts.errors import InvalidArgument, NotFound, TTSError, mapping_for, openai_error_body
@@ -22,10 +24,14 @@ from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconn
 from .job import AudioPiece
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
 from .speech_ws import SpeechStreamEndpoint
+from .status import StatusReporter
 from .synthesis import SynthesisStream, Synthesizer
 from .voices import VoiceService
 
 log = logging.getLogger(__name__)
+
+# The playground page (GET /): static HTML, CSS and JavaScript shipped with the gateway.
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class HttpDeps:
     metrics: GatewayMetrics
     # Status name per stage the gateway needs ("SERVING", ...).
     stage_health: Callable[[], Awaitable[dict[str, str]]]
+    # GET /v1/status; None: gateway figures only (no talker metrics).
+    status: StatusReporter | None = None
 
 
 def error_response(exc: BaseException, metrics: GatewayMetrics | None = None) -> JSONResponse:
@@ -226,6 +234,18 @@ def create_app(deps: HttpDeps) -> FastAPI:
         ok = ready and all(status == "SERVING" for status in stages.values())
         body = {"status": "ok" if ok else "unavailable", "model_loaded": ready, "stages": stages}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    status = deps.status or StatusReporter(synth)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", headers={"cache-control": "no-cache"})
+
+    @app.get("/v1/status")
+    async def load_status() -> dict:
+        """The served model and load figures (active streams, queue, step time) for the playground."""
+        return await status.snapshot()
 
     @app.get("/v1/audio/voices")
     async def list_voices() -> dict:

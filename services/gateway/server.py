@@ -25,6 +25,7 @@ from .http_app import HttpDeps, create_app
 from .job import ModelCatalog
 from .reference_cache import DecodedReferenceCache
 from .stage_health import StageHealth
+from .status import StatusReporter
 from .synthesis import Synthesizer, decode_reference
 from .talker_client import TalkerClient
 from .talker_pool import DnsResolver, TalkerPool
@@ -85,7 +86,8 @@ class GatewayServer:
         tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
             TextToSpeechServicer(self.synthesizer, self.voices), self.host.server
         )
-        self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check))
+        self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check,
+                                       StatusReporter(self.synthesizer, config.talker_metrics_url)))
         self.http = _UvicornServer(uvicorn.Config(
             self.app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
             timeout_graceful_shutdown=max(1, int(config.drain_seconds)), access_log=False,

@@ -117,7 +117,8 @@ def variant_gateways(stack, snapshot_root) -> dict[str, VariantGateway]:
                                           metrics_port=talker_metrics), cfg.log_dir)
             procs.append(t)
             g = start_service(gateway_spec(cfg, name=f"gateway-{kind}", talker_port=talker_port,
-                                           http_port=http_port, grpc_port=grpc_port, metrics_port=0),
+                                           http_port=http_port, grpc_port=grpc_port, metrics_port=0,
+                                           talker_metrics_port=talker_metrics),
                               cfg.log_dir)
             procs.append(g)
             out[kind] = VariantGateway(f"http://{cfg.host}:{http_port}", f"{cfg.host}:{grpc_port}", talker_metrics)

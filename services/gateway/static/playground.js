@@ -1,0 +1,620 @@
+// The gateway's playground: streams POST /v1/audio/speech as raw PCM (24 kHz s16le unless the server
+// says otherwise in x-tts-sample-rate) into Web Audio as it arrives, and shows how well it streamed.
+// Plain JavaScript, no build step, nothing fetched from outside the gateway.
+"use strict";
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const KEY_STORAGE = "qtts-playground-api-key";
+  // Scheduling margin for the first chunk and after a gap: a buffer started "now" would begin late.
+  const LEAD_S = 0.03;
+  const STATUS_POLL_MS = 2000;
+  const METER_FULL_S = 2.0;
+  const VARIANTS = {
+    base: "Base · voice clone",
+    custom_voice: "CustomVoice · preset speakers",
+    voice_design: "VoiceDesign · described voice",
+  };
+
+  // What reached the Web Audio graph, and when (performance.now() ms): read by the browser tests.
+  const probe = {
+    liveProbe: "pending", // "open" when the WebSocket endpoint answered, "failed" when it did not
+    reset(mode) {
+      Object.assign(this, {
+        mode, state: "requesting", error: null, sampleRate: null, ttfaMs: null, chunks: 0,
+        samplesScheduled: 0, samplesBeforeLastChunk: 0, firstScheduledAt: null, fetchDone: false,
+        fetchDoneAt: null, segments: 0, gaps: 0, gapSeconds: 0, maxGapSeconds: 0, durationSeconds: 0,
+      });
+    },
+  };
+  probe.reset(null);
+  probe.state = "idle";
+  window.playground = probe;
+
+  const state = { model: null, languages: [], ctx: null, take: null, live: null, lastStep: null };
+
+  // ---- HTTP helpers ----------------------------------------------------------------------------
+
+  function authHeaders(extra = {}) {
+    const key = $("api-key").value.trim();
+    return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+  }
+
+  function api(path, opts = {}) {
+    return fetch(path, { ...opts, headers: authHeaders(opts.headers || {}) });
+  }
+
+  // The server's own message (OpenAI's error shape), never a generic one.
+  async function errorMessage(resp) {
+    let text = "";
+    try { text = await resp.text(); } catch (_) { /* body unreadable: status only */ }
+    let message = null;
+    try {
+      const body = JSON.parse(text);
+      message = (body && body.error && body.error.message) || (typeof body.detail === "string" ? body.detail : null);
+    } catch (_) { /* not JSON */ }
+    message = message || (text ? `${resp.status} ${resp.statusText}: ${text.slice(0, 300)}` : `${resp.status} ${resp.statusText}`);
+    if (resp.status === 401 || resp.status === 403) message += "  (enter an API key below)";
+    return message;
+  }
+
+  function showError(message) {
+    const box = $("error");
+    box.textContent = message;
+    box.hidden = false;
+    probe.error = message;
+  }
+
+  function clearError() {
+    $("error").hidden = true;
+    $("error").textContent = "";
+  }
+
+  // ---- model, voices, languages ----------------------------------------------------------------
+
+  async function loadModel() {
+    let resp;
+    try { resp = await api("/v1/models"); } catch (e) { showError(`gateway unreachable: ${e.message}`); return; }
+    if (!resp.ok) { showError(await errorMessage(resp)); return; }
+    const info = (await resp.json()).data[0];
+    state.model = info;
+    $("model-name").textContent = info.id;
+    $("model-variant").textContent = [VARIANTS[info.model_type] || info.model_type, info.model_size].filter(Boolean).join(" · ");
+    const design = info.model_type === "voice_design";
+    $("voice-row").hidden = design;
+    $("instructions-row").hidden = !(design || info.model_type === "custom_voice");
+    $("upload").hidden = info.model_type !== "base";
+    if (info.model_size === "tiny" && !$("max-frames").value) {
+      // The tiny random test model never says end-of-speech: without a budget it runs to the text cap.
+      $("max-frames").value = "40";
+    }
+    await loadVoices();
+  }
+
+  async function loadVoices(select) {
+    const resp = await api("/v1/audio/voices");
+    if (!resp.ok) { showError(await errorMessage(resp)); return; }
+    const voices = (await resp.json()).voices;
+    const type = state.model && state.model.model_type;
+    const groups = [];
+    if (type !== "base") groups.push(["Preset speakers", voices.filter((v) => v.kind === "preset")]);
+    if (type !== "custom_voice") groups.push(["Stored voices", voices.filter((v) => v.kind !== "preset")]);
+    const box = $("voice");
+    const previous = select || box.value;
+    box.replaceChildren();
+    for (const [label, list] of groups) {
+      if (!list.length) continue;
+      const group = document.createElement("optgroup");
+      group.label = label;
+      for (const v of list) {
+        const opt = new Option(v.kind === "preset" ? v.name : `${v.name} (${v.duration_s.toFixed(1)} s${v.x_vector_only_mode ? ", x-vector" : ""})`, v.name);
+        opt.dataset.kind = v.kind;
+        group.append(opt);
+      }
+      box.append(group);
+    }
+    if (!box.options.length) {
+      box.append(new Option(type === "base" ? "no stored voice yet: upload one below" : "no voice", ""));
+      if (type === "base") $("upload").open = true;
+    }
+    if ([...box.options].some((o) => o.value === previous)) box.value = previous;
+    voiceChanged();
+    probe.voicesLoaded = true;
+  }
+
+  function voiceChanged() {
+    const opt = $("voice").selectedOptions[0];
+    $("voice-delete").hidden = !(opt && opt.dataset.kind && opt.dataset.kind !== "preset");
+  }
+
+  async function deleteVoice() {
+    const name = $("voice").value;
+    if (!name || !confirm(`Delete the stored voice ${name}?`)) return;
+    const resp = await api(`/v1/audio/voices/${encodeURIComponent(name)}`, { method: "DELETE" });
+    if (!resp.ok) { showError(await errorMessage(resp)); return; }
+    await loadVoices();
+  }
+
+  async function uploadVoice(event) {
+    event.preventDefault();
+    clearError();
+    const file = $("upload-file").files[0];
+    const name = $("upload-name").value.trim();
+    const form = new FormData();
+    form.append("name", name);
+    if (file) form.append("audio_sample", file, file.name);
+    const transcript = $("upload-text").value.trim();
+    if (transcript) form.append("ref_text", transcript);
+    $("upload-button").disabled = true;
+    $("upload-result").textContent = "uploading…";
+    try {
+      const resp = await api("/v1/audio/voices", { method: "POST", body: form });
+      if (!resp.ok) { $("upload-result").textContent = ""; showError(await errorMessage(resp)); return; }
+      const voice = await resp.json();
+      await loadVoices(voice.name);
+      $("upload-result").textContent = `stored ${voice.name} (${voice.duration_s.toFixed(1)} s)`;
+    } catch (e) {
+      $("upload-result").textContent = "";
+      showError(`upload failed: ${e.message}`);
+    } finally {
+      $("upload-button").disabled = false;
+    }
+  }
+
+  function fillLanguages(languages) {
+    if (!languages || languages.join() === state.languages.join()) return;
+    state.languages = languages;
+    const box = $("language");
+    const previous = box.value;
+    box.replaceChildren(new Option("auto", ""), ...languages.map((l) => new Option(l, l)));
+    box.value = languages.includes(previous) ? previous : "";
+  }
+
+  // The request as the form describes it (empty fields are left to the server's defaults).
+  function requestFields() {
+    const body = {};
+    if (state.model) body.model = state.model.id;
+    const type = state.model && state.model.model_type;
+    if (type !== "voice_design" && $("voice").value) body.voice = $("voice").value;
+    if ($("language").value) body.language = $("language").value;
+    if (!$("instructions-row").hidden && $("instructions").value.trim()) body.instructions = $("instructions").value.trim();
+    for (const [id, field] of [["speed", "speed"], ["seed", "seed"], ["max-frames", "max_new_tokens"]]) {
+      const raw = $(id).value.trim();
+      if (raw !== "") body[field] = Number(raw);
+    }
+    return body;
+  }
+
+  // ---- playback --------------------------------------------------------------------------------
+
+  async function audioContext() {
+    if (!state.ctx) state.ctx = new (window.AudioContext || window.webkitAudioContext)();
+    if (state.ctx.state !== "running") await state.ctx.resume();
+    return state.ctx;
+  }
+
+  /** One synthesis as it plays: PCM chunks scheduled back to back on the AudioContext clock. */
+  class Take {
+    constructor(ctx, mode) {
+      this.ctx = ctx;
+      this.rate = 24000;
+      this.t0 = performance.now();
+      this.nextTime = 0;
+      this.started = false;
+      this.streamEnded = false;
+      this.stopped = false;
+      this.failed = false;
+      this.carry = null;
+      this.segmentStart = false;
+      this.pcm = [];
+      this.samples = 0;
+      this.sources = new Set();
+      this.out = ctx.createGain();
+      this.out.connect(ctx.destination);
+      this.controller = new AbortController();
+      this.body = null;
+      probe.reset(mode);
+      setState("requesting");
+    }
+
+    begin(rate) {
+      this.rate = rate || 24000;
+      probe.sampleRate = this.rate;
+      setState("streaming");
+    }
+
+    /** Raw s16le bytes as they came off the network (a sample may straddle two chunks). */
+    pushBytes(chunk) {
+      let bytes = chunk;
+      if (this.carry !== null) {
+        bytes = new Uint8Array(chunk.length + 1);
+        bytes[0] = this.carry;
+        bytes.set(chunk, 1);
+        this.carry = null;
+      }
+      if (bytes.length % 2) {
+        this.carry = bytes[bytes.length - 1];
+        bytes = bytes.subarray(0, bytes.length - 1);
+      }
+      if (!bytes.length) return;
+      const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.length);
+      const pcm = new Int16Array(bytes.length / 2);
+      for (let i = 0; i < pcm.length; i++) pcm[i] = view.getInt16(2 * i, true);
+      this.schedule(pcm);
+    }
+
+    schedule(pcm) {
+      if (this.stopped) return;
+      const now = this.ctx.currentTime;
+      if (!this.started) {
+        this.started = true;
+        probe.ttfaMs = performance.now() - this.t0;
+        probe.firstScheduledAt = performance.now();
+        this.nextTime = now + LEAD_S;
+      } else if (now > this.nextTime) {
+        // Underrun: the playback clock reached the end of the buffered audio before the stream ended.
+        // Typing as you go, silence before a new segment is the typist's pause, not an underrun.
+        if (!this.segmentStart) {
+          const gap = now - this.nextTime;
+          probe.gaps += 1;
+          probe.gapSeconds += gap;
+          probe.maxGapSeconds = Math.max(probe.maxGapSeconds, gap);
+        }
+        this.nextTime = now + LEAD_S;
+      }
+      this.segmentStart = false;
+      const floats = new Float32Array(pcm.length);
+      for (let i = 0; i < pcm.length; i++) floats[i] = pcm[i] / 32768;
+      const buffer = this.ctx.createBuffer(1, pcm.length, this.rate);
+      buffer.copyToChannel(floats, 0);
+      const src = this.ctx.createBufferSource();
+      src.buffer = buffer;
+      src.connect(this.out);
+      src.onended = () => {
+        this.sources.delete(src);
+        if (this.streamEnded && !this.sources.size && !this.failed) setState("done");
+      };
+      this.sources.add(src);
+      src.start(this.nextTime);
+      this.nextTime += buffer.duration;
+      this.pcm.push(pcm);
+      probe.samplesBeforeLastChunk = this.samples;
+      this.samples += pcm.length;
+      probe.samplesScheduled = this.samples;
+      probe.chunks += 1;
+      probe.durationSeconds = this.samples / this.rate;
+      render();
+    }
+
+    finish() {
+      this.streamEnded = true;
+      probe.fetchDone = true;
+      probe.fetchDoneAt = performance.now();
+      $("download").disabled = !this.samples;
+      setState(this.sources.size ? "playing out" : "done");
+    }
+
+    fail(message) {
+      this.failed = true;
+      this.streamEnded = true;
+      probe.fetchDoneAt = performance.now();
+      $("download").disabled = !this.samples;
+      setState("error");
+      showError(message);
+    }
+
+    stop() {
+      this.stopped = true;
+      this.controller.abort();
+      for (const src of this.sources) { try { src.stop(); } catch (_) { /* not started yet */ } }
+      this.sources.clear();
+      this.out.disconnect();
+    }
+
+    bufferedSeconds() {
+      return this.started && !this.stopped ? Math.max(0, this.nextTime - this.ctx.currentTime) : 0;
+    }
+
+    starving() {
+      return this.started && !this.streamEnded && this.ctx.currentTime > this.nextTime;
+    }
+
+    wav() {
+      const data = new Uint8Array(this.samples * 2);
+      let offset = 0;
+      for (const pcm of this.pcm) {
+        data.set(new Uint8Array(pcm.buffer, pcm.byteOffset, pcm.byteLength), offset);
+        offset += pcm.byteLength;
+      }
+      const header = new DataView(new ArrayBuffer(44));
+      const ascii = (at, s) => { for (let i = 0; i < s.length; i++) header.setUint8(at + i, s.charCodeAt(i)); };
+      ascii(0, "RIFF"); header.setUint32(4, 36 + data.length, true); ascii(8, "WAVE");
+      ascii(12, "fmt "); header.setUint32(16, 16, true); header.setUint16(20, 1, true); header.setUint16(22, 1, true);
+      header.setUint32(24, this.rate, true); header.setUint32(28, this.rate * 2, true);
+      header.setUint16(32, 2, true); header.setUint16(34, 16, true);
+      ascii(36, "data"); header.setUint32(40, data.length, true);
+      return { header: new Uint8Array(header.buffer), data };
+    }
+  }
+
+  function setState(text) {
+    probe.state = text;
+    const busy = text === "requesting" || text === "streaming";
+    $("play").disabled = busy;
+    $("stop").disabled = !(busy || text === "playing out");
+    render();
+  }
+
+  async function play() {
+    clearError();
+    if ($("live-mode").checked) { startLive(); return; }
+    stopTake();
+    const ctx = await audioContext();
+    const take = state.take = new Take(ctx, "http");
+    take.body = probe.body = { ...requestFields(), input: $("text").value, response_format: "pcm", stream: true };
+    let resp;
+    try {
+      resp = await api("/v1/audio/speech", {
+        method: "POST", headers: { "Content-Type": "application/json" },
+        body: JSON.stringify(take.body), signal: take.controller.signal,
+      });
+    } catch (e) {
+      if (!take.stopped) take.fail(`request failed: ${e.message}`);
+      return;
+    }
+    if (!resp.ok) { take.fail(await errorMessage(resp)); return; }
+    take.begin(Number(resp.headers.get("x-tts-sample-rate")));
+    const requestId = resp.headers.get("x-request-id");
+    const reader = resp.body.getReader();
+    try {
+      for (;;) {
+        const { done, value } = await reader.read();
+        if (done) break;
+        take.pushBytes(value);
+      }
+    } catch (e) {
+      // A raw audio body that fails after its first byte is aborted by the server, which has no way
+      // left to send its message; the request id names the request to whoever reads the server side.
+      if (!take.stopped) {
+        take.fail(`the server aborted the stream after ${(take.samples / take.rate).toFixed(2)} s of audio`
+          + ` (request ${requestId || "?"}; ${e.message})`);
+      }
+      return;
+    }
+    take.finish();
+  }
+
+  function stopTake() {
+    if (state.live) stopLive();
+    if (state.take) {
+      const take = state.take;
+      take.stop();
+      if (!take.streamEnded) { take.streamEnded = true; setState("stopped"); }
+      else if (probe.state === "playing out") setState("stopped");
+    }
+  }
+
+  async function download() {
+    const take = state.take;
+    if (!take) return;
+    const fmt = $("format").value;
+    let blob;
+    if (fmt === "wav" || fmt === "pcm") {
+      const { header, data } = take.wav();
+      blob = new Blob(fmt === "wav" ? [header, data] : [data], { type: fmt === "wav" ? "audio/wav" : "audio/pcm" });
+    } else {
+      // Another container means another synthesis of the same request (the same seed gives the same take).
+      const body = { ...(take.body || { ...requestFields(), input: $("text").value }), response_format: fmt, stream: false };
+      delete body.stream_format;
+      $("download").disabled = true;
+      try {
+        const resp = await api("/v1/audio/speech", {
+          method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+        });
+        if (!resp.ok) { showError(await errorMessage(resp)); return; }
+        blob = await resp.blob();
+      } finally {
+        $("download").disabled = false;
+      }
+    }
+    const link = document.createElement("a");
+    link.href = URL.createObjectURL(blob);
+    link.download = `speech.${fmt}`;
+    document.body.append(link);
+    link.click();
+    link.remove();
+    setTimeout(() => URL.revokeObjectURL(link.href), 30000);
+  }
+
+  // ---- type as you go (WebSocket /v1/audio/speech/stream, when the server has it) ---------------
+
+  function wsUrl() {
+    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    return `${scheme}//${location.host}/v1/audio/speech/stream`;
+  }
+
+  // Show the mode only when the endpoint answers; a server without it simply has no such mode.
+  function probeLive() {
+    let ws;
+    try { ws = new WebSocket(wsUrl()); } catch (_) { probe.liveProbe = "failed"; return; }
+    const give_up = setTimeout(() => { probe.liveProbe = "failed"; ws.close(); }, 3000);
+    ws.onopen = () => {
+      clearTimeout(give_up);
+      probe.liveProbe = "open";
+      $("live-mode-label").hidden = false;
+      ws.close(1000, "probe");
+    };
+    ws.onerror = () => { clearTimeout(give_up); if (probe.liveProbe === "pending") probe.liveProbe = "failed"; };
+  }
+
+  async function startLive() {
+    stopTake();
+    const ctx = await audioContext();
+    const take = state.take = new Take(ctx, "ws");
+    const ws = new WebSocket(wsUrl());
+    ws.binaryType = "arraybuffer";
+    const live = state.live = { ws, take, sent: "", timer: null, done: false };
+    take.body = { ...requestFields(), input: $("text").value, response_format: "pcm" };
+    $("live-done").hidden = false;
+    ws.onopen = () => {
+      // Raw PCM as it is produced; the server cuts the text at clauses and speaks each as it completes.
+      ws.send(JSON.stringify({
+        type: "session.config", ...requestFields(), response_format: "pcm", stream_audio: true,
+        split_granularity: "clause",
+      }));
+      take.begin(24000);
+      take.t0 = performance.now();
+      sendLiveText();
+    };
+    ws.onmessage = (event) => {
+      if (typeof event.data !== "string") { take.pushBytes(new Uint8Array(event.data)); return; }
+      let msg;
+      try { msg = JSON.parse(event.data); } catch (_) { return; }
+      if (msg.type === "audio.start") {
+        take.begin(msg.sample_rate);
+        take.segmentStart = true;
+        probe.segments += 1;
+      } else if (msg.type === "session.done") {
+        live.done = true;
+        take.finish();
+        ws.close(1000);
+      } else if (msg.type === "error") {
+        take.fail(msg.message || (msg.error && msg.error.message) || JSON.stringify(msg));
+      }
+    };
+    ws.onclose = (event) => {
+      if (!live.done && !take.streamEnded && !take.stopped) {
+        take.fail(`the WebSocket closed (${event.code}${event.reason ? `: ${event.reason}` : ""}) before the session ended`);
+      }
+      if (state.live === live) finishLiveUi();
+    };
+  }
+
+  // The text appended since the last send goes out as one input.text piece.
+  function sendLiveText() {
+    const live = state.live;
+    if (!live || live.ws.readyState !== WebSocket.OPEN) return;
+    const text = $("text").value;
+    if (!text.startsWith(live.sent)) {
+      $("play-state").textContent = "only appended text is sent while typing";
+      live.sent = text.slice(0, live.sent.length);
+      return;
+    }
+    const piece = text.slice(live.sent.length);
+    if (!piece) return;
+    live.ws.send(JSON.stringify({ type: "input.text", text: piece }));
+    live.sent = text;
+  }
+
+  function textTyped() {
+    const live = state.live;
+    if (!live) return;
+    clearTimeout(live.timer);
+    live.timer = setTimeout(sendLiveText, 200);
+  }
+
+  function finishLive() {
+    const live = state.live;
+    if (!live || live.ws.readyState !== WebSocket.OPEN) return;
+    sendLiveText();
+    live.ws.send(JSON.stringify({ type: "input.done" }));
+    live.ws.send(JSON.stringify({ type: "session.close" }));
+    $("live-done").hidden = true;
+  }
+
+  function stopLive() {
+    const live = state.live;
+    state.live = null;
+    if (live && live.ws.readyState <= WebSocket.OPEN) live.ws.close(1000, "stopped");
+    finishLiveUi();
+  }
+
+  function finishLiveUi() {
+    $("live-done").hidden = true;
+  }
+
+  // ---- figures and status strip ----------------------------------------------------------------
+
+  function render() {
+    const take = state.take;
+    $("fig-ttfa").textContent = probe.ttfaMs === null ? "–" : `${Math.round(probe.ttfaMs)} ms`;
+    const buffered = take ? take.bufferedSeconds() : 0;
+    $("fig-buffered").textContent = take && take.started ? `${buffered.toFixed(2)} s` : "–";
+    $("buffer-bar").style.width = `${Math.min(100, (100 * buffered) / METER_FULL_S)}%`;
+    $("fig-gaps").textContent = !take || !take.started ? "–"
+      : probe.gaps ? `${probe.gaps} (${Math.round(probe.gapSeconds * 1000)} ms)` : "0";
+    $("fig-duration").textContent = take && take.started ? `${probe.durationSeconds.toFixed(2)} s` : "–";
+    let text = probe.state;
+    if (take && take.starving()) text = "streaming: starved, waiting for audio";
+    if (probe.state === "idle") text = "idle";
+    $("play-state").textContent = text;
+  }
+
+  async function pollStatus() {
+    if (document.hidden) return;
+    const dot = $("status-ready");
+    let status;
+    try {
+      const resp = await api("/v1/status");
+      if (!resp.ok) {
+        dot.className = "dot bad";
+        $("status-note").textContent = resp.status === 401 ? "API key needed" : `status: HTTP ${resp.status}`;
+        return;
+      }
+      status = await resp.json();
+    } catch (_) {
+      dot.className = "dot bad";
+      $("status-note").textContent = "gateway unreachable";
+      return;
+    }
+    dot.className = status.ready ? "dot ok" : "dot bad";
+    const g = status.gateway;
+    $("status-streams").textContent = `${g.active_streams} / ${g.max_streams}`;
+    $("status-requests").textContent = String(g.requests_total);
+    if (status.model) fillLanguages(status.model.languages);
+    const t = status.talker;
+    let note = status.ready ? "" : "waiting for the talker";
+    if (t && !t.error) {
+      $("status-queue").textContent = String(t.queue_depth);
+      const last = state.lastStep;
+      const steps = last ? t.step_seconds_count - last.count : t.step_seconds_count;
+      const secs = last ? t.step_seconds_sum - last.sum : t.step_seconds_sum;
+      $("status-step").textContent = steps > 0 ? `${((1000 * secs) / steps).toFixed(1)} ms` : "idle";
+      state.lastStep = { count: t.step_seconds_count, sum: t.step_seconds_sum };
+    } else {
+      $("status-queue").textContent = "n/a";
+      $("status-step").textContent = "n/a";
+      if (t && t.error) note = t.error;
+    }
+    $("status-note").textContent = note;
+  }
+
+  // ---- wiring ----------------------------------------------------------------------------------
+
+  function init() {
+    const key = $("api-key");
+    key.value = sessionStorage.getItem(KEY_STORAGE) || "";
+    key.addEventListener("change", () => {
+      sessionStorage.setItem(KEY_STORAGE, key.value.trim());
+      clearError();
+      loadModel();
+      pollStatus();
+    });
+    $("play").addEventListener("click", play);
+    $("stop").addEventListener("click", stopTake);
+    $("download").addEventListener("click", download);
+    $("voice").addEventListener("change", voiceChanged);
+    $("voice-delete").addEventListener("click", deleteVoice);
+    $("upload-form").addEventListener("submit", uploadVoice);
+    $("text").addEventListener("input", textTyped);
+    $("live-done").addEventListener("click", finishLive);
+    $("live-mode").addEventListener("change", () => { if (!$("live-mode").checked) stopLive(); });
+    setInterval(render, 100);
+    setInterval(pollStatus, STATUS_POLL_MS);
+    loadModel();
+    pollStatus();
+    probeLive();
+  }
+
+  init();
+})();
