@@ -73,6 +73,11 @@
   // ---- model, voices, languages ----------------------------------------------------------------
 
   async function loadModel() {
+    state.loadingModel = true;
+    try { await fetchModel(); } finally { state.loadingModel = false; }
+  }
+
+  async function fetchModel() {
     let resp;
     try { resp = await api("/v1/models"); } catch (e) { showError(`gateway unreachable: ${e.message}`); return; }
     if (!resp.ok) { showError(await errorMessage(resp)); return; }
@@ -568,6 +573,11 @@
       return;
     }
     dot.className = status.ready ? "dot ok" : "dot bad";
+    if (status.ready && !state.model && !state.loadingModel) {
+      // The page was opened before the talker was up (or the key was missing): try again now.
+      clearError();
+      loadModel();
+    }
     const g = status.gateway;
     $("status-streams").textContent = `${g.active_streams} / ${g.max_streams}`;
     $("status-requests").textContent = String(g.requests_total);
