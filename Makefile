@@ -11,18 +11,30 @@ TORCH_SPEC ?= torch==2.13.0
 QWEN_TTS_REF ?= qwen-tts==0.1.1
 PYTEST_ARGS ?=
 
-.PHONY: setup protos run test lint clean
+.PHONY: setup protos run test lint clean lock
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-test.txt Makefile
+# requirements.lock pins every package these pull in (make lock writes it from the venv).
+REQUIREMENTS := $(wildcard requirements*.txt) requirements.lock
+LOCK := -c requirements.lock
+
+$(VENV)/.installed: $(REQUIREMENTS) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q -r requirements-test.txt
+	$(PY) -m pip install -q $(LOCK) -r requirements.txt -r requirements-bench.txt
+	$(PY) -m pip install -q $(LOCK) -r requirements-test.txt -r requirements-deploy.txt
 	$(PY) -m pip install -q --no-deps "$(QWEN_TTS_REF)"
 	touch $@
+
+# Rewrite requirements.lock from the venv (after changing a requirements*.txt and `make setup`).
+# torch and triton are left out: which build is right depends on the host (TORCH_SPEC).
+lock: setup
+	{ echo "# Every package of a full checkout venv, pinned (pip constraints: pip install -c requirements.lock)."; \
+	  echo "# Written by make lock from pip freeze; torch and triton come from the build's own index."; \
+	  $(PY) -m pip freeze --exclude-editable --exclude torch --exclude triton --exclude qwen3-tts-serving; \
+	} > requirements.lock
 
 protos: setup
 	$(PY) -c "from qtts import pb; pb.generate(force=True)"

@@ -33,10 +33,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from qtts.resources import state_dir
 from qtts.testing import ensure_tiny_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_LOG_DIR = ROOT / "run" / "logs"
+DEFAULT_LOG_DIR = state_dir() / "run" / "logs"
 
 
 class StartupError(RuntimeError):

@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qtts import resources
 from qtts.model.layers import RMSNorm
 
-_REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+_REPO_CONFIGS = resources.CONFIGS_DIR
 
 
 @dataclass(frozen=True)

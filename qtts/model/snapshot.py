@@ -12,11 +12,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from qtts import resources
 from qtts.model.config import MODEL_TYPES, ModelConfig
 
 log = logging.getLogger(__name__)
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS_DIR = resources.CONFIGS_DIR
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 

@@ -6,9 +6,11 @@ import os
 import shutil
 from pathlib import Path
 
+from qtts.resources import state_dir
+
 # The model every service serves when no --model is given: built once, git-ignored. Its folder name
 # is the served model name.
-DEFAULT_TINY_SNAPSHOT = Path(__file__).resolve().parents[2] / ".tiny" / "qwen3-tts-tiny-base"
+DEFAULT_TINY_SNAPSHOT = state_dir() / ".tiny" / "qwen3-tts-tiny-base"
 
 
 def build_tiny_snapshot(out_dir, model_type: str = "base", seed: int = 0):

@@ -1,6 +1,7 @@
 """Deployment manifests: the Helm chart rendered by Helm's own engine (the Helm v4 Go SDK through
 `helm-python-sdk`), the kustomize tree rendered by `kubectl kustomize`, both validated against the
-Kubernetes JSON schemas shipped by `kubernetes-validate`, plus the image's entry point."""
+Kubernetes JSON schemas shipped by `kubernetes-validate`, plus the images' entry point (the
+Dockerfiles and the wheel: test_packaging.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ STACKS = ["helm", "kustomize", "helm-dev", "helm-prod", "kustomize-dev", "kustom
 # Custom resources of operators (Prometheus Operator, KEDA): not in the Kubernetes schemas;
 # tests/deploy/test_observability.py checks them.
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"}
-DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 ENTRYPOINT = ROOT / "deploy" / "docker" / "entrypoint.sh"
 
 # Oldest Kubernetes the chart supports (gRPC probes are GA from 1.27) and the newest schemas shipped.
@@ -582,31 +582,6 @@ def test_entrypoint_runs_the_named_service_module(tmp_path):
     for bad in (["nope"], ["../gateway"], []):
         res = run(*bad)
         assert res.returncode == 64 and res.stdout == "", bad
-
-
-def test_dockerfile_copies_what_exists_and_runs_as_non_root():
-    text = DOCKERFILE.read_text()
-    final_stage = text.rsplit("\nFROM ", 1)[1]
-    for line in text.splitlines():
-        if line.startswith("COPY ") and "--from=" not in line:
-            sources = [p for p in line.split()[1:-1] if not p.startswith("--")]
-            for src in sources:
-                assert (ROOT / src).exists(), f"COPY source {src} is not in the repository"
-    (user,) = re.findall(r"^USER (\S+)$", final_stage, flags=re.M)
-    assert user.split(":")[0] not in ("0", "root")
-    assert re.search(r"^ARG TORCH_VARIANT=cpu$", text, flags=re.M)
-    assert '"torch==${TORCH_VERSION}"' in text and "${TORCH_INDEX_URL}" in text
-    assert 'ENTRYPOINT ["qtts-entrypoint"]' in final_stage
-    ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().splitlines()
-    assert "!deploy/docker/entrypoint.sh" in ignore and "qtts/_gen/" in ignore
-
-
-def test_dockerfile_and_entrypoint_pass_their_linters():
-    # hadolint also runs shellcheck over the RUN lines when shellcheck is on PATH.
-    env = {**os.environ, "PATH": f"{Path(tool('shellcheck')).parent}:{os.environ['PATH']}"}
-    for cmd in ([tool("hadolint"), "--no-color", str(DOCKERFILE)], [tool("shellcheck"), str(ENTRYPOINT)]):
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
-        assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_talker_service_is_headless_so_the_gateway_spreads_streams(helm_default_docs, kustomize_docs):

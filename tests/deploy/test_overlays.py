@@ -223,7 +223,8 @@ async def test_full_redis_drops_prompts_keeps_every_voice_and_refuses_one_more(s
     try:
         for i in range(60):  # ~6 MB of prompts into 4 MB: the oldest are evicted, no write fails
             await store.put_prompt(f"p{i}", _prompt(i))
-        assert await store.get_prompt("p59") is not None and await store.get_prompt("p0") is None
+        kept = [i for i in range(60) if await store.get_prompt(f"p{i}") is not None]
+        assert 59 in kept and len(kept) < 60  # approximate LRU: some of the older ones are gone
         created = []
         with pytest.raises(ResourceExhausted, match="voice store is full"):
             for i in range(40):  # 8 MB of voices: prompts make room until only voices are left
@@ -233,7 +234,8 @@ async def test_full_redis_drops_prompts_keeps_every_voice_and_refuses_one_more(s
         assert sorted(v.name for v in await store.list_voices()) == sorted(created)
         for name in created:
             assert (await store.get_voice(name)).name == name
-        assert await store.get_prompt("p59") is None
+        # Refused only once no prompt was left to evict.
+        assert [i for i in range(60) if await store.get_prompt(f"p{i}") is not None] == []
         # The refused voice left no half-written record behind.
         assert await store.count_voices() == len(created)
     finally:

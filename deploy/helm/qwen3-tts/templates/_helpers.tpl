@@ -42,14 +42,27 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: qwen3-tts
 {{- end }}
 
-{{/* Image of a stage: its own `image` block over global.image. Call with (dict "root" $ "values" .Values.talker). */}}
+{{/*
+A stage's image fields: its own `image` block over global.cpuImage (gateway, speaker-cache) or
+global.image (the GPU stages). Call with (dict "root" $ "component" "talker" "values" .Values.talker).
+*/}}
+{{- define "qwen3-tts.imageFields" -}}
+{{- $base := ternary .root.Values.global.cpuImage .root.Values.global.image (has .component (list "gateway" "speaker-cache")) }}
+{{- toJson (merge (deepCopy (.values.image | default dict)) $base) }}
+{{- end }}
+
+{{/* repository@digest when a digest is given, else repository:tag (default: the appVersion). */}}
 {{- define "qwen3-tts.image" -}}
-{{- $img := merge (deepCopy (.values.image | default dict)) .root.Values.global.image }}
+{{- $img := include "qwen3-tts.imageFields" . | fromJson }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $img.repository $img.digest }}
+{{- else }}
 {{- printf "%s:%s" $img.repository (default .root.Chart.AppVersion $img.tag) }}
+{{- end }}
 {{- end }}
 
 {{- define "qwen3-tts.imagePullPolicy" -}}
-{{- $img := merge (deepCopy (.values.image | default dict)) .root.Values.global.image }}
+{{- $img := include "qwen3-tts.imageFields" . | fromJson }}
 {{- $img.pullPolicy | default "IfNotPresent" }}
 {{- end }}
 
