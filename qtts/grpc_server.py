@@ -31,11 +31,13 @@ exception becomes INTERNAL with its traceback logged; the server keeps running.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
@@ -288,6 +290,7 @@ class GrpcServiceHost:
 
     async def set_serving(self) -> None:
         """Report SERVING for every service and overall (call after model load and warm-up)."""
+        settle_heap()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
 
     async def set_not_serving(self) -> None:
@@ -334,6 +337,35 @@ class GrpcServiceHost:
             self._metrics_http.server_close()
             self._metrics_http = None
         log.info("stopped")
+
+
+_SLOW_GC_S = 0.02
+_gc_started: list[float] = []
+
+
+def _time_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[:] = [time.perf_counter()]
+    elif _gc_started:
+        took = time.perf_counter() - _gc_started[0]
+        if took >= _SLOW_GC_S:
+            log.warning(
+                "garbage collection of generation %d took %.0f ms (%d objects collected)",
+                info.get("generation", -1),
+                took * 1e3,
+                info.get("collected", 0),
+            )
+
+
+def settle_heap() -> None:
+    """Move everything alive once the service is loaded (model, graphs, modules) out of the
+    garbage collector's reach (`gc.freeze`), so a full collection under load walks only the objects
+    of requests in flight: a collection holds the GIL, and with it every thread of the process,
+    the one driving the GPU too. Collections that still take 20 ms or more are logged."""
+    gc.collect()
+    gc.freeze()
+    if _time_gc not in gc.callbacks:
+        gc.callbacks.append(_time_gc)
 
 
 def _bracket(host: str) -> str:

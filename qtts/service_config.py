@@ -42,7 +42,9 @@ def add_server_flags(
     p.add_argument("--host", default=env("HOST", defaults.host), help="listen address")
     for field in ports:
         p.add_argument(
-            f"--{field.replace('_', '-')}", type=int, default=int(env(field.upper(), str(getattr(defaults, field))))
+            f"--{field.replace('_', '-')}",
+            type=int,
+            default=int(env(field.upper(), str(getattr(defaults, field)))),
         )
     p.add_argument(
         "--metrics-port",
@@ -74,11 +76,17 @@ def check_server_fields(config: Any, *, ports: Sequence[str] = ("port",)) -> Non
     if config.drain_seconds < 0:
         raise InvalidArgument(f"--drain-seconds must be >= 0, got {config.drain_seconds}")
     if not 0 < config.gil_switch_interval_ms <= 1000:
-        raise InvalidArgument(f"--gil-switch-interval-ms must be in (0, 1000], got {config.gil_switch_interval_ms}")
+        raise InvalidArgument(
+            f"--gil-switch-interval-ms must be in (0, 1000], got {config.gil_switch_interval_ms}"
+        )
 
 
 # Connection aging for the GPU stages' gRPC servers (see qtts.grpc_server.connection_age_options).
 DEFAULT_MAX_CONNECTION_AGE_S = 120.0
+# Streams on an aged connection may run this long: a stream of the longest text lasts minutes, and
+# cutting it would fail a listener mid-sentence (the H200 sweep at 8b638fb lost 115 streams at c=256
+# to a grace of --drain-seconds, 5 s).
+DEFAULT_MAX_CONNECTION_AGE_GRACE_S = 900.0
 
 
 def add_connection_age_flags(p: argparse.ArgumentParser, env: EnvLookup, defaults: Any) -> None:

@@ -11,6 +11,7 @@ from qtts.chunk_plan import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, Chun
 from qtts.errors import InvalidArgument
 from qtts.service_config import (
     DEFAULT_GIL_SWITCH_INTERVAL_MS,
+    DEFAULT_MAX_CONNECTION_AGE_GRACE_S,
     DEFAULT_MAX_CONNECTION_AGE_S,
     add_connection_age_flags,
     add_server_flags,
@@ -73,7 +74,7 @@ class Code2WavConfig:
     # Client connections are closed after this long so gateways/talkers re-resolve (0 = never);
     # streams on an aged connection get the grace (0 = drain_seconds) to finish.
     max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S
-    max_connection_age_grace_s: float = 0.0
+    max_connection_age_grace_s: float = DEFAULT_MAX_CONNECTION_AGE_GRACE_S
     # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     log_level: str = "INFO"

@@ -22,7 +22,8 @@ def test_connection_age_options():
 @pytest.mark.parametrize("parse", [talker_config, code2wav_config])
 def test_gpu_stages_age_connections_by_default_and_take_the_flags(parse):
     default = parse([])
-    assert default.max_connection_age_s > 0 and default.max_connection_age_grace_s == 0
+    # Streams on an aged connection run to their end: the grace is longer than any stream.
+    assert default.max_connection_age_s > 0 and default.max_connection_age_grace_s == 900
     given = parse(["--max-connection-age-s=60", "--max-connection-age-grace-s=400"])
     assert (given.max_connection_age_s, given.max_connection_age_grace_s) == (60, 400)
     assert parse(["--max-connection-age-s=0"]).max_connection_age_s == 0
