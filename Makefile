@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 QWEN_TTS_REF ?= qwen-tts==0.1.1
 PYTEST_ARGS ?=
 
-.PHONY: setup protos run test lint clean lock
+.PHONY: setup protos run test lint clean lock checkov-env
 
 setup: $(VENV)/.installed
 
@@ -45,6 +45,17 @@ run: setup protos
 test: setup protos
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing the suite"; exit 1; fi; exit $$rc
+
+# checkov (tests/deploy/test_checkov.py; .ci/run sets it up) pins packages that clash with the
+# main venv's, so it gets a venv of its own; requirements-checkov.lock pins all of it.
+CHECKOV_VENV ?= .venv-checkov
+
+checkov-env: $(CHECKOV_VENV)/.installed
+
+$(CHECKOV_VENV)/.installed: requirements-checkov.lock
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q -r requirements-checkov.lock
+	touch $@
 
 lint: setup
 	$(VENV)/bin/ruff check .
