@@ -92,7 +92,8 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps domain errors to gRPC status codes and counts every error a handler ends with."""
+    """Maps domain errors to gRPC status codes, counts every error a handler ends with, and
+    counts and times every call by method and final code (tts_rpc_*)."""
 
     def __init__(self, metrics: ServiceMetrics | None):
         self._metrics = metrics
@@ -132,11 +133,15 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_unary(self, behavior: Callable, method: str) -> Callable:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start, code = time.monotonic(), None
             try:
                 return await behavior(request, context)
             except BaseException as exc:  # noqa: BLE001 - re-raised or mapped below
+                code = _final_code(exc, context)
                 await self._handle(exc, context, method)
                 raise
+            finally:
+                self._record(method, code or _code_of(context), start)
 
         return wrapper
 
@@ -144,16 +149,19 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):
 
             async def gen_wrapper(request: Any, context: grpc.aio.ServicerContext):
+                start, code = time.monotonic(), None
                 responses = behavior(request, context)
                 try:
                     async for response in responses:
                         yield response
                 except BaseException as exc:  # noqa: BLE001 - re-raised or mapped below
+                    code = _final_code(exc, context)
                     await self._handle(exc, context, method)
                     raise
                 finally:
                     # Closed now, not whenever it is collected: its cleanup frees per-stream state.
                     await responses.aclose()
+                    self._record(method, code or _code_of(context), start)
 
             return gen_wrapper
         # A handler that writes with context.write() and returns None.
@@ -185,6 +193,20 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def _count(self, code: grpc.StatusCode | None) -> None:
         if self._metrics is not None and code is not None and code != grpc.StatusCode.OK:
             self._metrics.error(code.name)
+
+    def _record(self, method: str, code: grpc.StatusCode | None, start: float) -> None:
+        """tts_rpc_requests_total / tts_rpc_duration_seconds for one finished call."""
+        if self._metrics is not None:
+            self._metrics.rpc(method, (code or grpc.StatusCode.OK).name, time.monotonic() - start)
+
+
+def _final_code(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a call that raised `exc` ends with."""
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(exc, grpc.aio.AbortError):
+        return _code_of(context) or grpc.StatusCode.UNKNOWN
+    return mapping_for(exc).grpc_code
 
 
 def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:

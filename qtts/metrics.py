@@ -23,6 +23,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
 # Latencies of a streaming TTS stack span ~1 ms (a decode step) to tens of seconds (a long stream).
 LATENCY_BUCKETS = (
@@ -48,6 +51,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Deadline slack (audio a listener has buffered when a chunk is handed on): no negative bounds, since
 # prometheus_client drops `_sum` for them; a late chunk falls in the first bucket and counts as an underrun.
 SLACK_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.6, 2.0, 3.0, 5.0, 10.0)
+# A call's whole life: a health check takes a millisecond, a stream up to the longest audio (330 s).
+CALL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class ServiceMetrics:
@@ -60,6 +65,23 @@ class ServiceMetrics:
     def __init__(self, registry: CollectorRegistry, service: str):
         self.registry = registry
         self.service = service
+        # process_* (CPU, memory, open files) and python_* (GC, version) series, as on the default registry.
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        self.rpc_total = Counter(
+            "tts_rpc_requests_total",
+            "gRPC calls this service handled, by method and final status code.",
+            ["service", "method", "code"],
+            registry=registry,
+        )
+        self.rpc_duration_seconds = Histogram(
+            "tts_rpc_duration_seconds",
+            "gRPC call time from arrival to the last message (a stream's whole life).",
+            ["service", "method"],
+            buckets=CALL_BUCKETS,
+            registry=registry,
+        )
         self.errors_total = Counter(
             "tts_errors_total",
             "Requests that ended with an error, by gRPC status code.",
@@ -77,6 +99,11 @@ class ServiceMetrics:
     def error(self, code: str) -> None:
         """Count one error by its gRPC status code name (e.g. "INVALID_ARGUMENT")."""
         self.errors_total.labels(self.service, code).inc()
+
+    def rpc(self, method: str, code: str, seconds: float) -> None:
+        """Count one finished gRPC call (`method` is the full /package.Service/Method path)."""
+        self.rpc_total.labels(self.service, method, code).inc()
+        self.rpc_duration_seconds.labels(self.service, method).observe(seconds)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage_latency_seconds.labels(self.service, stage).observe(seconds)
@@ -129,6 +156,23 @@ class GatewayMetrics(ServiceMetrics):
             "Reference clips decoded (not in the decoded-clip cache).",
             registry=registry,
         )
+        self.http_requests_total = Counter(
+            "tts_http_requests_total",
+            "HTTP requests by route template, method and status.",
+            ["route", "method", "status"],
+            registry=registry,
+        )
+        self.http_request_duration_seconds = Histogram(
+            "tts_http_request_duration_seconds",
+            "HTTP request time to the last body byte (a streamed response's whole life), by route.",
+            ["route", "method"],
+            buckets=CALL_BUCKETS,
+            registry=registry,
+        )
+
+    def http_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.http_requests_total.labels(route, method, str(status)).inc()
+        self.http_request_duration_seconds.labels(route, method).observe(seconds)
 
 
 class TalkerMetrics(ServiceMetrics):

@@ -22,6 +22,7 @@ from .admission import Admission
 from .config import GatewayConfig
 from .grpc_servicer import TextToSpeechServicer
 from .http_app import HttpDeps, create_app
+from .http_metrics import HttpMetricsMiddleware
 from .job import ModelCatalog
 from .reference_cache import DecodedReferenceCache
 from .stage_health import StageHealth
@@ -88,6 +89,7 @@ class GatewayServer:
         )
         self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check,
                                        StatusReporter(self.synthesizer, config.talker_metrics_url)))
+        self.app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)
         self.http = _UvicornServer(uvicorn.Config(
             self.app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
             timeout_graceful_shutdown=max(1, int(config.drain_seconds)), access_log=False,

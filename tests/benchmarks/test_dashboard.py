@@ -35,6 +35,8 @@ COUNTERS_AND_GAUGES = {
     "tts_talker_refused_total",
     "tts_talker_predicted_step_seconds",
     "tts_code2wav_underruns_total",
+    "tts_rpc_requests_total",
+    "tts_http_requests_total",
 }
 HISTOGRAMS = {
     "tts_gateway_ttfa_seconds",
@@ -50,6 +52,8 @@ HISTOGRAMS = {
     "tts_code2wav_deadline_slack_seconds",
     "tts_talker_chunk_hop_seconds",
     "tts_code2wav_chunk_wait_seconds",
+    "tts_rpc_duration_seconds",
+    "tts_http_request_duration_seconds",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC = re.compile(r"\b(tts_[a-z0-9_]+)")
@@ -120,6 +124,8 @@ def test_the_lists_above_are_what_the_services_export():
         registry = CollectorRegistry()
         cls(registry)
         for family in registry.collect():
+            if not family.name.startswith("tts_"):
+                continue  # process_* / python_*: the client library's own
             name = family.name + "_total" if family.type == "counter" else family.name
             exported[name] = family.type
     assert {n for n, t in exported.items() if t == "histogram"} == HISTOGRAMS
