@@ -49,6 +49,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from qtts.errors import TTSError, mapping_for
+from qtts.log_context import bind_request_id, log_handler, request_id_from_metadata, request_id_var
 from qtts.metrics import ServiceMetrics
 
 # Client channels between the services: after failed connects gRPC backs off exponentially (up to
@@ -83,12 +84,11 @@ def service_full_name(pb2_module: ModuleType, service: str) -> str:
     return pb2_module.DESCRIPTOR.services_by_name[service].full_name
 
 
-def configure_logging(level: str = "INFO") -> None:
-    """One log format for every service process."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def configure_logging(level: str = "INFO", fmt: str | None = None, service: str = "") -> None:
+    """One log format for every service process: text (default) or one JSON object per line
+    (`fmt="json"`, or `TTS_LOG_FORMAT=json`), each line tagged with the request id in flight."""
+    fmt = fmt or os.environ.get("TTS_LOG_FORMAT", "text")
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[log_handler(fmt, service)])
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
@@ -134,6 +134,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_unary(self, behavior: Callable, method: str) -> Callable:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start, code = time.monotonic(), None
+            token = _bind_caller_request_id(context)
             try:
                 return await behavior(request, context)
             except BaseException as exc:  # noqa: BLE001 - re-raised or mapped below
@@ -142,6 +143,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 raise
             finally:
                 self._record(method, code or _code_of(context), start)
+                _reset(token)
 
         return wrapper
 
@@ -150,6 +152,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             async def gen_wrapper(request: Any, context: grpc.aio.ServicerContext):
                 start, code = time.monotonic(), None
+                token = _bind_caller_request_id(context)
                 responses = behavior(request, context)
                 try:
                     async for response in responses:
@@ -162,6 +165,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     # Closed now, not whenever it is collected: its cleanup frees per-stream state.
                     await responses.aclose()
                     self._record(method, code or _code_of(context), start)
+                    _reset(token)
 
             return gen_wrapper
         # A handler that writes with context.write() and returns None.
@@ -198,6 +202,22 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         """tts_rpc_requests_total / tts_rpc_duration_seconds for one finished call."""
         if self._metrics is not None:
             self._metrics.rpc(method, (code or grpc.StatusCode.OK).name, time.monotonic() - start)
+
+
+def _bind_caller_request_id(context: grpc.aio.ServicerContext):
+    """Bind the caller's x-request-id (if it sent one) for the call; returns the reset token."""
+    try:
+        metadata = context.invocation_metadata()
+    except Exception:  # noqa: BLE001 - a context without metadata: nothing to bind
+        metadata = ()
+    return bind_request_id(request_id_from_metadata(metadata))
+
+
+def _reset(token) -> None:
+    try:
+        request_id_var.reset(token)
+    except ValueError:  # an async generator closed from another context: nothing bound here
+        pass
 
 
 def _final_code(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
@@ -410,7 +430,11 @@ def run_service_main(
     except TTSError as exc:
         print(f"{name}: {exc.message}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level)
+    try:
+        configure_logging(config.log_level, getattr(config, "log_format", None), service=name)
+    except ValueError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
     sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
     asyncio.run(_serve(name, config, server_factory))
     return 0

@@ -25,6 +25,7 @@ from .http_app import HttpDeps, create_app
 from .http_metrics import HttpMetricsMiddleware
 from .job import ModelCatalog
 from .reference_cache import DecodedReferenceCache
+from .request_id import RequestIdMiddleware
 from .stage_health import StageHealth
 from .status import StatusReporter
 from .synthesis import Synthesizer, decode_reference
@@ -90,6 +91,7 @@ class GatewayServer:
         self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check,
                                        StatusReporter(self.synthesizer, config.talker_metrics_url)))
         self.app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)
+        self.app.add_middleware(RequestIdMiddleware)
         self.http = _UvicornServer(uvicorn.Config(
             self.app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
             timeout_graceful_shutdown=max(1, int(config.drain_seconds)), access_log=False,

@@ -9,6 +9,7 @@ import numpy as np
 
 from qtts.errors import Unavailable, from_grpc
 from qtts.grpc_server import RECONNECT_OPTIONS
+from qtts.log_context import outgoing_metadata
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.sampling_overrides import overrides_to_pb
 from qtts.tts_enums import FINISH_FROM_PB, TASK_TO_PB
@@ -98,7 +99,7 @@ class TalkerClient:
         lease = await self.pool.acquire() if self.pool is not None else None
         stub = self._stub if lease is None else talker_pb2_grpc.TalkerServiceStub(lease.channel)
         try:
-            call = stub.Generate(generate_request(job))
+            call = stub.Generate(generate_request(job), metadata=outgoing_metadata(job.request_id))
         except BaseException:
             if lease is not None:
                 lease.release()

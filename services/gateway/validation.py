@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from qtts.errors import InvalidArgument, NotFound
+from qtts.log_context import current_request_id
 
 from .job import TASKS, ModelCatalog, SamplingOptions, SpeechFields, SynthesisJob
 
@@ -175,7 +176,7 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         voice = ""
 
     return SynthesisJob(
-        request_id=fields.request_id or new_request_id(),
+        request_id=fields.request_id or current_request_id() or new_request_id(),
         text=text,
         task=task,
         voice=voice,

@@ -16,6 +16,7 @@ import numpy as np
 from qtts.chunk_plan import ChunkPlan
 from qtts.decode_events import Credit, DecodedAudio, Done
 from qtts.errors import TTSError, Unavailable, from_grpc
+from qtts.log_context import outgoing_metadata
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 
 # Status codes that mean the replica itself is gone or unreachable (not a verdict on the stream).
@@ -58,7 +59,8 @@ class DecodeStream:
 
     def __init__(self, stub: code2wav_pb2_grpc.Code2WavServiceStub, replica: str):
         self.replica = replica
-        self._call = stub.Decode()
+        # The request id bound for the talker's call (qtts.log_context) reaches code2wav's logs.
+        self._call = stub.Decode(metadata=outgoing_metadata())
         self._finished = False
 
     async def start(

@@ -213,6 +213,8 @@ lifecycle:
       fieldPath: metadata.name
 - name: PYTHONUNBUFFERED
   value: "1"
+- name: TTS_LOG_FORMAT
+  value: {{ .root.Values.global.logFormat | default "text" | quote }}
 {{- with .values.env }}
 {{ toYaml . }}
 {{- end }}

@@ -1,0 +1,96 @@
+"""One request id in every stage's logs, and log lines as JSON when asked.
+
+The gateway takes a client's `X-Request-Id` (or makes one) and every hop passes it on as the gRPC
+metadata key `x-request-id`; each service's interceptor binds it for the call (`request_id_var`,
+a context variable, so tasks the call starts inherit it), and `RequestIdFilter` puts it on every
+log record made meanwhile. `TTS_LOG_FORMAT=json` (or `configure_logging(fmt="json")`) writes one
+JSON object per line: time, level, logger, message, service, request_id, exception.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from contextvars import ContextVar, Token
+
+METADATA_KEY = "x-request-id"
+HEADER = "X-Request-Id"
+LOG_FORMATS = ("text", "json")
+
+request_id_var: ContextVar[str] = ContextVar("request_id", default="")
+
+# What a caller may send: ids, UUIDs, trace-ish tokens; anything else is replaced by our own.
+_VALID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+def valid_request_id(value: str | None) -> bool:
+    return bool(value) and _VALID.match(value) is not None
+
+
+def current_request_id() -> str:
+    return request_id_var.get()
+
+
+def bind_request_id(request_id: str) -> Token:
+    return request_id_var.set(request_id)
+
+
+def outgoing_metadata(request_id: str | None = None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying `request_id` (default: the bound one); empty when there is none."""
+    rid = request_id if request_id is not None else request_id_var.get()
+    return ((METADATA_KEY, rid),) if rid else ()
+
+
+def request_id_from_metadata(metadata: object) -> str:
+    for key, value in metadata or ():
+        if key == METADATA_KEY and isinstance(value, str) and valid_request_id(value):
+            return value
+    return ""
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` (and `request_tag`, " [id]" or "") to every record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = getattr(record, "request_id", None) or request_id_var.get()
+        record.request_id = rid
+        record.request_tag = f" [{rid}]" if rid else ""
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record."""
+
+    def __init__(self, service: str = ""):
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if self.service:
+            entry["service"] = self.service
+        rid = getattr(record, "request_id", "")
+        if rid:
+            entry["request_id"] = rid
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s%(request_tag)s: %(message)s"
+
+
+def log_handler(fmt: str = "text", service: str = "") -> logging.Handler:
+    """A stderr handler in `fmt` ("text" or "json") that tags records with the request id."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(JsonFormatter(service) if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    return handler
