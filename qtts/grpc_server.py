@@ -31,6 +31,7 @@ exception becomes INTERNAL with its traceback logged; the server keeps running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import logging
@@ -48,6 +49,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from qtts import tracing
 from qtts.errors import TTSError, mapping_for
 from qtts.log_context import bind_request_id, log_handler, request_id_from_metadata, request_id_var
 from qtts.metrics import ServiceMetrics
@@ -62,8 +64,11 @@ RECONNECT_OPTIONS = [
 ]
 
 log = logging.getLogger(__name__)
+# One line per finished call (method, code, seconds), tagged with its request id.
+access_log = logging.getLogger("qtts.access")
 
 OVERALL = ""  # the health service name that stands for the whole server
+_UNTRACED = ("/grpc.health.", "/grpc.reflection.")
 
 
 def connection_age_options(max_age_s: float, grace_s: float) -> list[tuple[str, int]]:
@@ -136,7 +141,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             start, code = time.monotonic(), None
             token = _bind_caller_request_id(context)
             try:
-                return await behavior(request, context)
+                with self._span(method, context):
+                    return await behavior(request, context)
             except BaseException as exc:  # noqa: BLE001 - re-raised or mapped below
                 code = _final_code(exc, context)
                 await self._handle(exc, context, method)
@@ -155,8 +161,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 token = _bind_caller_request_id(context)
                 responses = behavior(request, context)
                 try:
-                    async for response in responses:
-                        yield response
+                    with self._span(method, context):
+                        async for response in responses:
+                            yield response
                 except BaseException as exc:  # noqa: BLE001 - re-raised or mapped below
                     code = _final_code(exc, context)
                     await self._handle(exc, context, method)
@@ -198,10 +205,32 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if self._metrics is not None and code is not None and code != grpc.StatusCode.OK:
             self._metrics.error(code.name)
 
+    def _span(self, method: str, context: grpc.aio.ServicerContext):
+        """The call's SERVER span (qtts.tracing), child of the caller's trace; none for health
+        checks and reflection, which probes call every few seconds."""
+        if not tracing.enabled() or method.startswith(_UNTRACED):
+            return contextlib.nullcontext()
+        try:
+            carrier = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        except Exception:  # noqa: BLE001 - no metadata: a new trace
+            carrier = {}
+        attrs = {
+            "rpc.system": "grpc",
+            "rpc.method": method,
+            "qtts.service": getattr(self._metrics, "service", ""),
+            "qtts.request_id": request_id_var.get(),
+        }
+        return tracing.server_span(method.lstrip("/"), carrier, attrs)
+
     def _record(self, method: str, code: grpc.StatusCode | None, start: float) -> None:
-        """tts_rpc_requests_total / tts_rpc_duration_seconds for one finished call."""
+        """tts_rpc_requests_total / tts_rpc_duration_seconds and an access log line (logger
+        qtts.access, not for health checks) for one finished call."""
+        seconds = time.monotonic() - start
+        name = (code or grpc.StatusCode.OK).name
         if self._metrics is not None:
-            self._metrics.rpc(method, (code or grpc.StatusCode.OK).name, time.monotonic() - start)
+            self._metrics.rpc(method, name, seconds)
+        if not method.startswith(_UNTRACED):
+            access_log.info("%s %s %.3fs", method, name, seconds)
 
 
 def _bind_caller_request_id(context: grpc.aio.ServicerContext):
@@ -436,7 +465,11 @@ def run_service_main(
         print(f"{name}: {exc}", file=sys.stderr)
         return 2
     sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
-    asyncio.run(_serve(name, config, server_factory))
+    tracing.setup_tracing(name)
+    try:
+        asyncio.run(_serve(name, config, server_factory))
+    finally:
+        tracing.shutdown_tracing()
     return 0
 
 

@@ -14,6 +14,8 @@ import logging
 import re
 from contextvars import ContextVar, Token
 
+from qtts import tracing
+
 METADATA_KEY = "x-request-id"
 HEADER = "X-Request-Id"
 LOG_FORMATS = ("text", "json")
@@ -37,9 +39,12 @@ def bind_request_id(request_id: str) -> Token:
 
 
 def outgoing_metadata(request_id: str | None = None) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata carrying `request_id` (default: the bound one); empty when there is none."""
+    """gRPC metadata for a call to the next stage: `request_id` (default: the bound one) and the
+    current trace context (qtts.tracing), whichever there are."""
     rid = request_id if request_id is not None else request_id_var.get()
-    return ((METADATA_KEY, rid),) if rid else ()
+    metadata = [(METADATA_KEY, rid)] if rid else []
+    metadata += tracing.inject({}).items()
+    return tuple(metadata)
 
 
 def request_id_from_metadata(metadata: object) -> str:

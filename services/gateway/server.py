@@ -17,6 +17,7 @@ from qtts.errors import TTSError
 from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.metrics import GatewayMetrics
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.tracing import TracingMiddleware
 
 from .admission import Admission
 from .config import GatewayConfig
@@ -91,6 +92,7 @@ class GatewayServer:
         self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check,
                                        StatusReporter(self.synthesizer, config.talker_metrics_url)))
         self.app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)
+        self.app.add_middleware(TracingMiddleware)
         self.app.add_middleware(RequestIdMiddleware)
         self.http = _UvicornServer(uvicorn.Config(
             self.app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
+from qtts import tracing
 from qtts.errors import Unavailable, from_grpc
 from qtts.grpc_server import RECONNECT_OPTIONS
 from qtts.log_context import outgoing_metadata
@@ -55,6 +56,22 @@ def summary_from_pb(s: talker_pb2.GenerateSummary) -> SynthesisSummary:
         total_ns=s.timings.total_ns,
         num_input_tokens=s.num_input_tokens,
     )
+
+
+def summary_span_attributes(s: SynthesisSummary, lease: object | None) -> dict[str, object]:
+    """The stage timings the talker reports, as attributes of the request's span."""
+    attrs: dict[str, object] = {
+        "qtts.finish_reason": s.finish_reason,
+        "qtts.num_frames": s.num_frames,
+        "qtts.code2wav_replica": s.code2wav_replica,
+        "qtts.queue_ns": s.queue_ns,
+        "qtts.prefill_ns": s.prefill_ns,
+        "qtts.first_audio_ns": s.first_audio_ns,
+        "qtts.total_ns": s.total_ns,
+    }
+    if lease is not None:
+        attrs["qtts.talker"] = lease.address
+    return attrs
 
 
 class TalkerClient:
@@ -111,7 +128,9 @@ class TalkerClient:
                     a = msg.audio
                     yield AudioPiece(a.audio, a.first_frame_index, a.num_frames)
                 elif kind == "summary":
-                    yield summary_from_pb(msg.summary)
+                    summary = summary_from_pb(msg.summary)
+                    tracing.set_attributes(summary_span_attributes(summary, lease))
+                    yield summary
         except grpc.aio.AioRpcError as exc:
             if lease is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 lease.mark_unavailable()

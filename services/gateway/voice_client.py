@@ -10,6 +10,7 @@ import numpy as np
 
 from qtts.errors import TTSError, Unavailable, from_grpc
 from qtts.grpc_server import RECONNECT_OPTIONS
+from qtts.log_context import outgoing_metadata
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 
 
@@ -71,7 +72,7 @@ class VoiceClient:
 
     async def list(self, timeout: float = 10.0) -> list[VoiceInfo]:
         try:
-            resp = await self._stub.ListVoices(speaker_cache_pb2.ListVoicesRequest(), timeout=timeout)
+            resp = await self._stub.ListVoices(speaker_cache_pb2.ListVoicesRequest(), timeout=timeout, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
         return [_voice_info(v) for v in resp.voices]
@@ -79,7 +80,7 @@ class VoiceClient:
     async def get(self, name: str, timeout: float = 10.0) -> VoiceInfo:
         """One voice, with the duration of its stored clip."""
         try:
-            resp = await self._stub.GetVoice(speaker_cache_pb2.GetVoiceRequest(name=name), timeout=timeout)
+            resp = await self._stub.GetVoice(speaker_cache_pb2.GetVoiceRequest(name=name), timeout=timeout, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
         return _voice_info(resp.voice)
@@ -97,7 +98,7 @@ class VoiceClient:
         )
         try:
             resp = await self._stub.CreateVoice(
-                speaker_cache_pb2.CreateVoiceRequest(voice=voice), timeout=timeout
+                speaker_cache_pb2.CreateVoiceRequest(voice=voice), timeout=timeout, metadata=outgoing_metadata()
             )
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
@@ -108,7 +109,7 @@ class VoiceClient:
 
     async def delete(self, name: str, timeout: float = 10.0) -> None:
         try:
-            await self._stub.DeleteVoice(speaker_cache_pb2.DeleteVoiceRequest(name=name), timeout=timeout)
+            await self._stub.DeleteVoice(speaker_cache_pb2.DeleteVoiceRequest(name=name), timeout=timeout, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from qtts.errors import NotFound, Unavailable, from_grpc
 from qtts.grpc_server import RECONNECT_OPTIONS
+from qtts.log_context import outgoing_metadata
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 
 
@@ -75,7 +76,7 @@ class SpeakerCacheClient:
         """The named voice; NotFound when there is none, SpeakerCacheUnreachable when no answer."""
         try:
             resp = await self._require().GetVoice(
-                speaker_cache_pb2.GetVoiceRequest(name=name), timeout=self._timeout_s
+                speaker_cache_pb2.GetVoiceRequest(name=name), timeout=self._timeout_s, metadata=outgoing_metadata()
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -93,7 +94,7 @@ class SpeakerCacheClient:
     async def get_prompt(self, key: str) -> PromptRecord | None:
         try:
             resp = await self._require().GetVoicePrompt(
-                speaker_cache_pb2.GetVoicePromptRequest(key=key), timeout=self._timeout_s
+                speaker_cache_pb2.GetVoicePromptRequest(key=key), timeout=self._timeout_s, metadata=outgoing_metadata()
             )
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
@@ -129,7 +130,7 @@ class SpeakerCacheClient:
             prompt.num_codebooks = int(record.ref_codes.shape[1])
         try:
             await self._require().PutVoicePrompt(
-                speaker_cache_pb2.PutVoicePromptRequest(key=key, prompt=prompt), timeout=self._timeout_s
+                speaker_cache_pb2.PutVoicePromptRequest(key=key, prompt=prompt), timeout=self._timeout_s, metadata=outgoing_metadata()
             )
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None

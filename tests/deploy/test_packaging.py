@@ -64,7 +64,8 @@ def test_runtime_requirements_leave_out_torch_benchmark_and_test_packages():
     gpu = pins(ROOT / "requirements-gpu.txt") | pins(ROOT / "requirements-torch.txt")
     assert {"torch", "transformers", "safetensors"} <= set(gpu)
     runtime = pins(ROOT / "requirements.txt")
-    assert set(runtime) == set(cpu) | set(pins(ROOT / "requirements-gpu.txt")) | {"grpcio-tools"}
+    tracing = set(pins(ROOT / "requirements-tracing.txt"))
+    assert set(runtime) == set(cpu) | set(pins(ROOT / "requirements-gpu.txt")) | tracing | {"grpcio-tools"}
     assert not set(runtime) & (BENCH_ONLY | {"pytest", "ruff", "helm-python-sdk"})
     assert set(pins(ROOT / "requirements-bench.txt")) == BENCH_ONLY
 
@@ -163,6 +164,7 @@ def test_wheel_ships_stubs_protos_configs_and_its_dependencies(wheel):
     assert "services/gateway/__main__.py" in names and "qtts/pb.py" in names
     assert set(requires[""]) == set(pins(ROOT / "requirements-cpu.txt"))
     assert {"torch", "transformers"} <= set(requires["gpu"]) and set(requires["bench"]) == BENCH_ONLY
+    assert set(requires["tracing"]) == set(pins(ROOT / "requirements-tracing.txt"))
     assert {"pytest"} <= set(requires["test"]) and {"helm-python-sdk", "kubernetes-validate"} <= set(
         requires["deploy"]
     )
@@ -367,10 +369,13 @@ def test_dockerfile_copies_what_exists_and_its_context_lets_through(kind):
 
 def test_cpu_image_has_no_torch_and_gpu_image_installs_the_gpu_extra():
     cpu, gpu = DOCKERFILES["cpu"].read_text(), DOCKERFILES["gpu"].read_text()
-    assert "torch==" not in cpu and "[gpu]" not in cpu and "TORCH" not in cpu
+    assert "torch==" not in cpu and "[gpu" not in cpu and "TORCH" not in cpu
     assert "find_spec('torch') is not None" in cpu  # the build fails if torch slipped in
     assert re.search(r"^ARG TORCH_VARIANT=cu\d+$", gpu, flags=re.M)
-    assert '"torch==${TORCH_VERSION}"' in gpu and "${TORCH_INDEX_URL}" in gpu and '"${whl}[gpu]"' in gpu
+    assert (
+        '"torch==${TORCH_VERSION}"' in gpu and "${TORCH_INDEX_URL}" in gpu and '"${whl}[gpu,tracing]"' in gpu
+    )
+    assert '"${whl}[tracing]"' in cpu
     for text in (cpu, gpu):
         assert (
             "[bench]" not in text

@@ -215,6 +215,10 @@ lifecycle:
   value: "1"
 - name: TTS_LOG_FORMAT
   value: {{ .root.Values.global.logFormat | default "text" | quote }}
+{{- with .root.Values.global.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
 {{- with .values.env }}
 {{ toYaml . }}
 {{- end }}
