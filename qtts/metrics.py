@@ -146,6 +146,18 @@ class GatewayMetrics(ServiceMetrics):
             "Synthesis streams in progress.",
             registry=registry,
         )
+        self.deadline_slack_seconds = Histogram(
+            "tts_gateway_deadline_slack_seconds",
+            "Audio the listener had buffered when the gateway handed a chunk to its connection "
+            "(playback starts at the first chunk); below 0 the listener heard a gap.",
+            buckets=SLACK_BUCKETS,
+            registry=registry,
+        )
+        self.underruns_total = Counter(
+            "tts_gateway_underruns_total",
+            "Chunks handed to the client's connection after their playback deadline.",
+            registry=registry,
+        )
         self.reference_cache_hits = Counter(
             "tts_gateway_reference_cache_hits_total",
             "Reference clips served from the decoded-clip cache (no decode).",

@@ -23,6 +23,7 @@ from .http_request import OutputOptions, decode_base64_audio, parse_speech_body
 from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconnected
 from .job import AudioPiece
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
+from .playback import PlaybackClock
 from .speech_ws import SpeechStreamEndpoint
 from .status import StatusReporter
 from .synthesis import SynthesisStream, Synthesizer
@@ -99,13 +100,20 @@ async def _stream_chunks(stream: SynthesisStream, out: OutputOptions, metrics: G
     is_sse = out.stream_format == "sse"
     encoder = make_encoder(out.response_format, sample_rate, streaming=True)
     resampler = Resampler(24000, sample_rate, out.speed)
+    clock = PlaybackClock(metrics, out.speed)
+    pending = 0  # talker samples not yet on the connection (an encoder may hold some back)
     error: BaseException | None = None
     try:
         async for event in stream:
             if isinstance(event, AudioPiece):
                 data = encoder.push(resampler.push(event.pcm))
+                pending += event.num_samples
                 if data:
                     yield sse.audio_delta(data) if is_sse else data
+                    # The response sends each chunk before asking for the next: it is on the
+                    # connection now.
+                    clock.handed_on(pending)
+                    pending = 0
                     stream.first_byte_sent()
         tail = encoder.push(resampler.flush()) + encoder.finish()
         if tail:
