@@ -97,6 +97,9 @@ class GraphEngine:
                 f"per stream (--max-len) and the prompt takes {prompt_len}, so at most {room} frames"
             )
         cap = min(int(prompt.max_frames), room)  # the text's frame cap, or what the slot holds
+        if max_new_frames is None and getattr(prompt, "default_max_frames", None):
+            # The model's own bound for callers that give none: ends as "length", like theirs.
+            max_new_frames = min(int(prompt.default_max_frames), cap)
         if max_new_frames is not None:
             # The caller bounded the length: reaching that bound, or the text's cap below it, ends
             # as "length". Only an unbounded run into the cap is a failure (no end of speech).

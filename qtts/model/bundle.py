@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 TALKER_PREFIX = "talker."
 PREDICTOR_PREFIX = "talker.code_predictor."
 SPEAKER_PREFIX = "speaker_encoder."
+# generation_config.json key of a model that never ends speech by itself (the tiny random
+# snapshots): a request without a length bound ends as "length" after this many frames per text
+# token (`qtts.model.prompt.default_length`). Real checkpoints have no such key.
+DEFAULT_LENGTH_KEY = "qtts_default_frames_per_text_token"
 
 
 @dataclass
@@ -51,6 +55,7 @@ class TalkerBundle:
 
     def __post_init__(self) -> None:
         limit = self.generation_config.get("max_new_tokens")
+        per_token = self.generation_config.get(DEFAULT_LENGTH_KEY)
         self.prompt_builder = PromptBuilder(
             self.config,
             self.talker,
@@ -58,6 +63,7 @@ class TalkerBundle:
             self.tokenizer,
             int(limit) if limit else None,
             model_name=self.info.name,
+            default_frames_per_text_token=float(per_token) if per_token else None,
         )
 
     def build_prompt(self, spec: SynthesisSpec) -> TalkerPrompt:

@@ -86,6 +86,8 @@ class EagerGenerator:
         if max_new_frames is not None and max_new_frames < 1:
             raise ValueError("max_new_frames must be >= 1")
         sampling.validate()
+        if max_new_frames is None:
+            max_new_frames = getattr(prompt, "default_max_frames", None)
         self.waiting[request_id] = _Request(
             request_id=request_id,
             prompt=prompt,

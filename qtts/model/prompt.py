@@ -23,6 +23,7 @@ can keep their KV once per voice (`qtts.engine.prefix_cache`).
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,9 @@ TASK_FOR_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "v
 # instructed voice maybe twice that), so only a request that missed end-of-speech reaches it.
 FRAMES_PER_TEXT_TOKEN = 12
 FRAME_CAP_MARGIN = 40
+# Frames added to a model-declared default length (see `default_length`), so a one-word text
+# still gets a short clip.
+DEFAULT_LENGTH_MARGIN = 8
 
 # A prefix shorter than this is not worth a cache entry: copying its KV into a slot costs about
 # what prefilling it does (a preset speaker or x-vector prompt without instruct has 8-9 positions).
@@ -48,6 +52,16 @@ def frame_cap(num_text_tokens: int, limit: int | None = None) -> int:
     """Most frames a request may produce before it is ended as "frame_cap"."""
     cap = FRAME_CAP_MARGIN + FRAMES_PER_TEXT_TOKEN * max(num_text_tokens, 1)
     return min(cap, limit) if limit else cap
+
+
+def default_length(num_text_tokens: int, frames_per_text_token: float | None, cap: int) -> int | None:
+    """The length bound a model declares for callers that give none (None: the model declares none
+    and ends by itself, as real checkpoints do). Kept below the text's frame cap, so such a request
+    always ends as "length", never as the "frame_cap" failure."""
+    if not frames_per_text_token:
+        return None
+    frames = DEFAULT_LENGTH_MARGIN + math.ceil(frames_per_text_token * max(num_text_tokens, 1))
+    return max(1, min(frames, cap))
 
 
 @dataclass
@@ -88,6 +102,10 @@ class TalkerPrompt:
     # target text), and a stable hash of those inputs (None when the prefix is too short to cache).
     prefix_key: str | None = None
     prefix_len: int = 0
+    # The bound a request without max_new_frames ends at, as "length" (None: it runs until end of
+    # speech, or fails at `max_frames`). Only models that never end speech by themselves (the tiny
+    # random snapshots) declare one.
+    default_max_frames: int | None = None
 
 
 class _PrefixHasher:
@@ -137,12 +155,14 @@ class PromptBuilder:
         tokenizer,
         frame_limit: int | None = None,
         model_name: str | None = None,
+        default_frames_per_text_token: float | None = None,
     ):
         self.config = config
         self.talker = talker
         self.code_predictor = code_predictor
         self.tokenizer = tokenizer
         self.frame_limit = frame_limit
+        self.default_frames_per_text_token = default_frames_per_text_token
         self.model_name = model_name  # part of the prefix key (a cache may outlive one model)
 
     # -- helpers ---------------------------------------------------------------------------
@@ -306,13 +326,15 @@ class PromptBuilder:
 
         embeds = torch.cat(parts, dim=1)[0]
         prefix_len = min(num_head + num_voice_body, int(embeds.shape[0]))
+        cap = frame_cap(len(target), self.frame_limit)
         return TalkerPrompt(
             embeds=embeds,
             trailing=trailing[0],
             pad_embed=tts_pad[0, 0],
             ref_codes=voice.ref_codes.to(torch.long).cpu() if icl else None,
-            max_frames=frame_cap(len(target), self.frame_limit),
+            max_frames=cap,
             num_text_tokens=len(target),
             prefix_key=key.hexdigest() if prefix_len >= MIN_CACHED_PREFIX else None,
             prefix_len=prefix_len,
+            default_max_frames=default_length(len(target), self.default_frames_per_text_token, cap),
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +12,13 @@ from qtts.resources import state_dir
 # The model every service serves when no --model is given: built once, git-ignored. Its folder name
 # is the served model name.
 DEFAULT_TINY_SNAPSHOT = state_dir() / ".tiny" / "qwen3-tts-tiny-base"
+
+
+# Random weights never say end-of-speech: a request without a length bound ends as "length" after
+# about a real speaking rate (1.5 frames of 80 ms per tiny-tokenizer token) instead of failing at
+# the text's frame cap. The generation_config.json key is qtts.model.bundle.DEFAULT_LENGTH_KEY
+# (spelled out here: importing qtts.model loads torch).
+TINY_DEFAULT_LENGTH = {"qtts_default_frames_per_text_token": 1.5}
 
 
 def build_tiny_snapshot(out_dir, model_type: str = "base", seed: int = 0):
@@ -34,7 +42,24 @@ def ensure_tiny_snapshot(path: Path = DEFAULT_TINY_SNAPSHOT, model_type: str = "
             tmp.rename(path)
         except OSError:  # built concurrently by another process: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        _update_generation_config(path)
     return path
 
 
-__all__ = ["DEFAULT_TINY_SNAPSHOT", "build_tiny_snapshot", "ensure_tiny_snapshot"]
+def _update_generation_config(path: Path) -> None:
+    """Give a snapshot built by an older checkout the tiny default length (its weights stay): one
+    without it fails every request that gives no length bound."""
+    file = path / "generation_config.json"
+    try:
+        current = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # not a snapshot this checkout built; loading it reports what is wrong
+    if all(current.get(k) == v for k, v in TINY_DEFAULT_LENGTH.items()):
+        return
+    tmp = file.with_name(file.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({**current, **TINY_DEFAULT_LENGTH}, indent=2), encoding="utf-8")
+    os.replace(tmp, file)  # atomic: a service starting alongside reads the old file or the new
+
+
+__all__ = ["DEFAULT_TINY_SNAPSHOT", "TINY_DEFAULT_LENGTH", "build_tiny_snapshot", "ensure_tiny_snapshot"]

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from qtts.model.config import MODEL_TYPES, ModelConfig
+from qtts.testing import TINY_DEFAULT_LENGTH
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ GENERATION_CONFIG = {
     "subtalker_top_k": 50,
     "subtalker_top_p": 1.0,
     "max_new_tokens": 8192,
+    **TINY_DEFAULT_LENGTH,
 }
 # Random weights with a larger spread than the usual 0.02, so greedy logits are well separated
 # and implementations that differ only in float rounding pick the same codes.

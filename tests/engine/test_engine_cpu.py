@@ -179,6 +179,22 @@ def test_frame_cap_is_clamped_to_what_a_slot_holds(tiny_bundle):
     assert sum(o.codes is not None for o in outs) == 40 - 30
 
 
+@pytest.mark.parametrize(("default", "max_len", "frames"), [(6, 96, 6), (500, 40, 10)])
+def test_a_model_default_length_ends_as_length(tiny_bundle, default, max_len, frames):
+    """A prompt's model-declared default length (the tiny snapshots') bounds a request that gives
+    none, as "length"; one above what the slot holds is lowered to it rather than refused."""
+    import dataclasses
+
+    eng = engine(tiny_bundle, max_len=max_len)
+    p = dataclasses.replace(make_prompt(tiny_bundle, 30, 2, seed=7, max_frames=500), default_max_frames=default)
+    eng.add("plain", p, SamplingParams(greedy=True, min_new_tokens=100), None)
+    outs = []
+    while eng.num_active:
+        outs += eng.step()
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert sum(o.codes is not None for o in outs) == frames
+
+
 def test_a_bound_above_the_text_cap_ends_as_length(tiny_bundle):
     """max_new_frames above the text's frame cap: the cap ends the request, as "length" (the
     caller bounded its length), not as the "frame_cap" failure of an unbounded run."""

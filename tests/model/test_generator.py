@@ -9,7 +9,7 @@ import torch
 
 import qtts.model.generator as generator_module
 from qtts.model import EagerGenerator, SamplingParams, SynthesisSpec
-from qtts.model.prompt import frame_cap
+from qtts.model.prompt import default_length, frame_cap
 from qtts.model.sampling import choose_codebook0
 
 TEXTS = ["Hello world.", "The quick brown fox jumps over the lazy dog, again and again.", "你好"]
@@ -70,7 +70,8 @@ def test_seed_reproducible_and_distinct(bundle):
 
 
 def test_frame_cap_ends_request(bundle):
-    p = dataclasses.replace(_prompts(bundle)[0], max_frames=4)
+    # As a real checkpoint's prompt: no default length, so an unbounded run into the cap fails.
+    p = dataclasses.replace(_prompts(bundle)[0], max_frames=4, default_max_frames=None)
     got, ends = _drain(EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), None)]})
     assert ends == {"r": "frame_cap"} and len(got["r"]) == 4
     # max_new_frames below the cap wins as "length".
@@ -79,6 +80,24 @@ def test_frame_cap_ends_request(bundle):
     # A bound above the cap: the cap ends it, as "length" (the caller bounded it), not a failure.
     got, ends = _drain(EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 9)]})
     assert ends == {"r": "length"} and len(got["r"]) == 4
+
+
+def test_tiny_model_default_length_ends_as_length(bundle):
+    """The tiny random snapshot never says end of speech: without a caller's bound it ends as
+    "length" at its declared text-proportional default, below the text's frame cap."""
+    prompts = _prompts(bundle)
+    want = [default_length(p.num_text_tokens, 1.5, p.max_frames) for p in prompts]
+    assert [p.default_max_frames for p in prompts] == want
+    assert all(w < p.max_frames for w, p in zip(want, prompts, strict=True)) and want[0] < want[1]
+    got, ends = _drain(EagerGenerator(bundle), {0: [("r", prompts[0], SamplingParams(min_new_tokens=10**6), None)]})
+    assert ends == {"r": "length"} and len(got["r"]) == want[0]
+
+
+def test_default_length_formula():
+    assert default_length(10, None, 160) is None
+    assert default_length(10, 1.5, 160) == 8 + 15
+    assert default_length(0, 1.5, 160) == 8 + 2  # at least one token's worth
+    assert default_length(1000, 1.5, 52) == 52  # never past the cap: a default ends as "length"
 
 
 def test_frame_cap_formula():
