@@ -37,6 +37,7 @@ COUNTERS_AND_GAUGES = {
     "tts_code2wav_underruns_total",
     "tts_rpc_requests_total",
     "tts_http_requests_total",
+    "tts_gateway_underruns_total",
 }
 HISTOGRAMS = {
     "tts_gateway_ttfa_seconds",
@@ -54,6 +55,7 @@ HISTOGRAMS = {
     "tts_code2wav_chunk_wait_seconds",
     "tts_rpc_duration_seconds",
     "tts_http_request_duration_seconds",
+    "tts_gateway_deadline_slack_seconds",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC = re.compile(r"\b(tts_[a-z0-9_]+)")

@@ -121,12 +121,14 @@ def test_alert_rules_cover_underruns_refusals_step_budget_and_stage_down(everyth
     for name in (
         "TTSTalkerUnderruns",
         "TTSCode2WavUnderruns",
+        "TTSGatewayUnderruns",
         "TTSAdmissionRefusals",
         "TTSTalkerStepOverBudget",
     ):
         assert name in alerts, name
     assert "tts_talker_underruns_total" in alerts["TTSTalkerUnderruns"]["expr"]
     assert "tts_code2wav_underruns_total" in alerts["TTSCode2WavUnderruns"]["expr"]
+    assert "tts_gateway_underruns_total" in alerts["TTSGatewayUnderruns"]["expr"]
     assert "tts_talker_refused_total" in alerts["TTSAdmissionRefusals"]["expr"]
     assert "tts_talker_step_seconds_bucket" in alerts["TTSTalkerStepOverBudget"]["expr"]
     assert alerts["TTSTalkerStepOverBudget"]["expr"].endswith("> 0.06")
