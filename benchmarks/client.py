@@ -33,6 +33,8 @@ from benchmarks.loadgen import (
     run_open_loop,
 )
 from benchmarks.metrics import DEFAULT_AUDIBLE_DBFS, RequestRecord
+from benchmarks.multiproc import LevelSpec
+from benchmarks.multiproc import run_level as run_level_in_processes
 from benchmarks.reference_audio import SYNTHETIC_REF_TEXT, load_reference
 from benchmarks.report import (
     gap_free_lines,
@@ -129,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     load.add_argument("--duration", type=float, default=None, help="open loop: seconds of arrivals per rate")
     load.add_argument("--warmup", type=int, default=2, help="unrecorded requests before the first level")
+    load.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="client processes per level (one Python process can fall behind hundreds of streams)",
+    )
     load.add_argument("--time-limit", type=float, default=None, help="hard limit for the whole run, seconds")
 
     out = p.add_argument_group("output and conditions")
@@ -163,6 +171,8 @@ class BenchConfig:
             raise ValueError("--concurrency levels must be >= 1")
         if args.rate is not None and any(r <= 0 for r in args.rate):
             raise ValueError("--rate values must be positive")
+        if getattr(args, "processes", 1) < 1:
+            raise ValueError("--processes must be >= 1")
         if args.num_requests < 1 or args.rounds < 0:
             raise ValueError("--num-requests must be >= 1 and --rounds >= 0")
         lengths = LengthDistribution.parse(args.length_dist)
@@ -297,32 +307,37 @@ def make_synthesizer(cfg: BenchConfig) -> Synthesizer:
     return HttpSynthesizer(cfg.args.url, cfg.options)
 
 
+def make_send(cfg: BenchConfig, synthesizer: Synthesizer, offset: int, count: int):
+    """`send(index)` for a level of `count` requests: request `index` of every level takes the same
+    prompt (and length, from one seeded draw); `offset` keeps seeds and request ids unique across
+    levels while the record keeps its index within the level."""
+    args = cfg.args
+    prompts = cfg.prompts
+    frames = None if cfg.lengths.is_fixed else cfg.lengths.frames(count, args.seed)
+
+    async def send(index: int) -> RequestRecord:
+        text = prompts[index % len(prompts)]
+        if frames is None:
+            record = await synthesizer.synthesize(offset + index, index % len(prompts), text)
+        else:
+            record = await synthesizer.synthesize(
+                offset + index, index % len(prompts), text, max_new_tokens=frames[index]
+            )
+            record.extra["max_new_tokens"] = frames[index]
+        record.index = index
+        return record
+
+    return send
+
+
 async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str, Any]:
     """Warm up, run every level in order, and return the result dict (see `benchmarks.report`)."""
     args = cfg.args
     deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
-    prompts = cfg.prompts
     result: dict[str, Any] = {"conditions": await conditions(cfg), "levels": []}
 
     def send_for(offset: int, count: int):
-        # Every level also walks the same length sequence (a prefix of one seeded draw).
-        frames = None if cfg.lengths.is_fixed else cfg.lengths.frames(count, args.seed)
-
-        async def send(index: int) -> RequestRecord:
-            # Every level walks the same prompt sequence; the offset keeps seeds and request ids
-            # unique across levels while the record keeps its index within the level.
-            text = prompts[index % len(prompts)]
-            if frames is None:
-                record = await synthesizer.synthesize(offset + index, index % len(prompts), text)
-            else:
-                record = await synthesizer.synthesize(
-                    offset + index, index % len(prompts), text, max_new_tokens=frames[index]
-                )
-                record.extra["max_new_tokens"] = frames[index]
-            record.index = index
-            return record
-
-        return send
+        return make_send(cfg, synthesizer, offset, count)
 
     def requested_frames(run: LevelRun) -> list[int | None]:
         return [r.extra.get("max_new_tokens", args.max_new_tokens) for r in run.records]
@@ -362,6 +377,22 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
                 seed=args.seed + level_no,
             )
             total, label = len(arrivals), f"{rate:g} req/s"
+        if args.processes > 1:
+            spec = LevelSpec(
+                mode,
+                total,
+                level_no * 1_000_000,
+                concurrency=concurrency,
+                arrivals=tuple(arrivals) if mode == "open" else (),
+            )
+            print(f"tts-bench: {label} over {args.processes} client processes", file=sys.stderr)
+            run = await asyncio.to_thread(run_level_in_processes, args, spec, args.processes, deadline)
+            level = level_result(mode, run, concurrency=concurrency, rate=rate)
+            level["requested_length"] = length_stats(requested_frames(run))
+            level["client_processes"] = args.processes
+            sent_frames += requested_frames(run)
+            result["levels"].append(level)
+            continue
         send = send_for(level_no * 1_000_000, total)
         with tqdm(total=total, desc=label, unit="req", disable=args.no_progress, file=sys.stderr) as bar:
             on_done = lambda _record: bar.update(1)  # noqa: E731

@@ -378,3 +378,50 @@ async def test_per_request_frames_override_the_shared_option():
         assert synth.request("hi", 0).max_new_frames == 125
     finally:
         await synth.aclose()
+
+
+def test_cli_levels_over_several_client_processes(tmp_path):
+    """--processes 2: each level's requests are split over two spawned clients and merged back
+    into one level with every index once, the same prompts, and unique seeds."""
+    script = [(0.0, LOUD), (0.01, LOUD)]
+    with FakeSpeechServer(script) as server:
+        rc = main(
+            [
+                "--url", server.url, "--concurrency", "3", "--num-requests", "5", "--warmup", "0",
+                "--max-new-tokens", "5", "--out", str(tmp_path), "--no-progress", "--no-plots",
+                "--processes", "2",
+            ]
+        )  # fmt: skip
+    assert rc == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    (level,) = data["levels"]
+    assert level["client_processes"] == 2
+    assert level["aggregates"]["num_ok"] == 5
+    assert [r["index"] for r in level["records"]] == list(range(5))
+    assert all(r["start_s"] >= 0 for r in level["records"]) and level["wall_s"] > 0
+    assert len(server.requests) == 5 and len({r["seed"] for r in server.requests}) == 5
+    prompts = read_prompts(build_parser().get_default("prompts"))
+    assert sorted(r["input"] for r in server.requests) == sorted(prompts[:5])
+
+
+def test_level_shards_and_merge_keep_every_request_once():
+    from benchmarks.loadgen import LevelRun
+    from benchmarks.metrics import RequestRecord
+    from benchmarks.multiproc import LevelSpec, merge, shard
+
+    spec = LevelSpec("closed", total=7, offset=0, concurrency=5)
+    shards = [shard(spec, w, 3) for w in range(3)]
+    assert [s[0] for s in shards] == [[0, 3, 6], [1, 4], [2, 5]]
+    assert [s[1] for s in shards] == [2, 2, 1]  # 5 slots over 3 workers
+    open_spec = LevelSpec("open", total=4, offset=0, arrivals=(0.0, 0.5, 1.0, 1.5))
+    assert shard(open_spec, 1, 2) == ([1, 3], None, [0.5, 1.5])
+
+    def rec(i: int, start: float) -> RequestRecord:
+        return RequestRecord(index=i, prompt_index=i, start_s=start, ok=True, status="ok")
+
+    a = LevelRun(records=[rec(0, 0.0), rec(2, 1.0)], wall_s=3.0)
+    b = LevelRun(records=[rec(1, 0.0)], wall_s=1.0, aborted=1, hit_deadline=True)
+    merged = merge([(10.0, a), (10.5, b)])
+    assert [r.index for r in merged.records] == [0, 1, 2]
+    assert [r.start_s for r in merged.records] == [0.0, 0.5, 1.0]
+    assert merged.wall_s == 3.0 and merged.aborted == 1 and merged.hit_deadline
