@@ -21,6 +21,8 @@
 #   TALKER_ARGS / CODE2WAV_ARGS / GATEWAY_ARGS  flags passed through to those services, e.g.
 #                    TALKER_ARGS="--engine graph" CODE2WAV_ARGS="--decode-engine slots"
 #   PYTHON           interpreter with the project installed (python)
+#   CLIENT_PROCESSES client processes per level (1); one Python client can fall behind hundreds
+#                    of streams, and its lag reads as gaps
 #   MPS              1: run the services under an NVIDIA MPS daemon (started here, stopped at
 #                    the end), so the talker's and code2wav's kernels share the GPU instead of
 #                    taking turns in time slices between the two processes' contexts   (0)
@@ -149,7 +151,8 @@ TOKENIZER="$("$PYTHON" -c 'from qtts.model.bpe_vocab import dummy_tokenizer_labe
     --protocol "$PROTOCOL" --url "http://127.0.0.1:$HTTP_PORT" --grpc-target "127.0.0.1:$GRPC_PORT" \
     --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" --rounds "$ROUNDS" \
     --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
-    --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$OUT" "$@"
+    --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$OUT" \
+    --processes "${CLIENT_PROCESSES:-1}" "$@"
 
 # Server-side view of the run: every service's Prometheus metrics once the sweep is done.
 "$PYTHON" - "$OUT" <<'PY' || true
