@@ -66,10 +66,12 @@ def test_api_md_examples_run_as_written(stack, workdir):
     assert len(blocks) >= 6
     for kind, code in blocks:
         _run(kind, _on_stack(code, stack), workdir)
+    # No length field in the examples: the tiny model's declared default length ends them.
     wav = (workdir / "hello.wav").read_bytes()  # streamed: its size fields are 0xFFFFFFFF
     with wave.open(io.BytesIO(wav)) as w:
-        assert w.getframerate() == 24000 and len(wav) - 44 == 40 * FRAME_BYTES
-    assert (workdir / "hello.pcm").stat().st_size == 40 * FRAME_BYTES
+        assert w.getframerate() == 24000 and len(wav) > 44 and (len(wav) - 44) % FRAME_BYTES == 0
+    size = (workdir / "hello.pcm").stat().st_size
+    assert size > 0 and size % FRAME_BYTES == 0
     assert (workdir / "mine.mp3").stat().st_size > 0
     for name in ("synthesize.json", "streamed.json"):
         text = (workdir / name).read_text()

@@ -7,6 +7,7 @@ import json
 
 import grpc
 import httpx
+import openai  # a test dependency (requirements-test.txt): missing, the suite fails loudly
 import pytest
 from e2e_helpers import FRAME, FRAME_BYTES, REF_B64, REF_TEXT, REF_WAV, wav_frames
 
@@ -100,7 +101,6 @@ def test_bad_input_gets_openai_errors_and_the_service_keeps_serving(stack):
 
 
 def test_openai_sdk(stack):
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     extra = {"ref_audio": REF_B64, "x_vector_only_mode": True, "max_new_tokens": 6, "temperature": 0}
