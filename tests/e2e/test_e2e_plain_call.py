@@ -33,7 +33,9 @@ def test_a_plain_openai_sdk_call_returns_audio(stack):
         assert _seconds(audio.content) > 0.5  # OpenAI's default format (mp3), decoded back
         short = client.audio.speech.create(model=model, voice=voice.id, input="Hi.", response_format="wav")
         longer = client.audio.speech.create(
-            model=model, voice=voice.id, response_format="wav",
+            model=model,
+            voice=voice.id,
+            response_format="wav",
             input="A longer sentence gets a longer clip, in proportion to its text.",
         )
         # Streamed as OpenAI's body is: the header's size fields are 0xFFFFFFFF, samples follow it.
