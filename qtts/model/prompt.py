@@ -178,6 +178,13 @@ class PromptBuilder:
         # everything queued before it, i.e. the engine's frame step, on every prompt built.
         return host.pin_memory().to(device, non_blocking=True)
 
+    def _to_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of the voice prompt on the model's device, copied without a sync."""
+        device = self._device()
+        if device.type != "cuda" or t.device.type != "cpu":
+            return t.to(device, dtype)
+        return t.to(dtype).pin_memory().to(device, non_blocking=True)
+
     def _text(self, ids: list[int]) -> torch.Tensor:
         return self.talker.embed_text(self._ids(ids))  # [1, n, H]
 
@@ -236,7 +243,7 @@ class PromptBuilder:
         elif spec.task == "voice_clone":
             if voice is None:
                 raise InvalidArgument("voice clone needs a voice prompt")
-            speaker_embed = voice.x_vector.to(self._device(), self.talker.codec_head.weight.dtype).view(1, 1, -1)
+            speaker_embed = self._to_device(voice.x_vector, self.talker.codec_head.weight.dtype).view(1, 1, -1)
             instruct = None
         icl = spec.task == "voice_clone" and not voice.x_vector_only and voice.ref_codes is not None
         if icl and not voice.ref_text:
@@ -302,7 +309,7 @@ class PromptBuilder:
             key.add("ref_text", ref_ids)
             key.add("ref_codes", voice.ref_codes.detach().to("cpu", torch.long))
             text_embed = torch.cat([self._text(ref_ids + target), tts_eos], dim=1)
-            ref_codes = voice.ref_codes.to(self._device(), torch.long)
+            ref_codes = self._to_device(voice.ref_codes, torch.long)
             codec_embed = torch.cat([self._codec([tcfg.codec_bos_id]), self.frame_embeds(ref_codes)[None]], dim=1)
             tl, cl = text_embed.shape[1], codec_embed.shape[1]
             if not streaming:

@@ -72,6 +72,7 @@ class TalkerCore:
         # ran a burst's prompts side by side: dozens of threads taking the GIL back after each
         # of their many small torch calls, and the engine thread waiting behind them for its own.
         self._prompt_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="talker-prompt")
+        self._prompt_stream: Any = None  # None: not looked at yet; False: no GPU
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[AudioPiece | GenerationSummary]:
         """Audio pieces as code2wav produces them, then one summary (errors are TTSError)."""
@@ -86,8 +87,9 @@ class TalkerCore:
                 voice_prompt = await self._voices.resolve(req)
         # Built in the prompt thread, the host copy of the reference frames too: that copy waits
         # for the GPU (behind the engine's step), which must never block the event loop.
+        queued_at = time.perf_counter()
         prompt, ref_codes = await asyncio.get_running_loop().run_in_executor(
-            self._prompt_thread, self._build_prompt_and_ref_codes, req, checked, voice_prompt
+            self._prompt_thread, self._build_prompt_and_ref_codes, req, checked, voice_prompt, queued_at
         )
         session = StreamSession(
             request_id=req.request_id,
@@ -111,12 +113,40 @@ class TalkerCore:
                 yield item
 
     def _build_prompt_and_ref_codes(
-        self, req: GenerationRequest, checked: Any, voice_prompt: Any
+        self, req: GenerationRequest, checked: Any, voice_prompt: Any, queued_at: float | None = None
     ) -> tuple[Any, np.ndarray | None]:
-        """The prompt, and its ICL reference frames as int16 host rows for code2wav (or None)."""
-        prompt = self._build_prompt(req, checked, voice_prompt)
+        """The prompt, and its ICL reference frames as int16 host rows for code2wav (or None).
+
+        On a GPU the prompt's kernels run on a CUDA stream of their own, and the thread waits for
+        that stream only: on the engine's stream every host copy of a prompt waited behind the
+        frame step queued before it."""
+        started = time.perf_counter()
+        if queued_at is not None:
+            self._metrics.observe_stage("prompt_queue", started - queued_at)
+        stream = self._cuda_prompt_stream()
+        if stream is None:
+            prompt = self._build_prompt(req, checked, voice_prompt)
+        else:
+            import torch
+
+            with torch.cuda.stream(stream):
+                prompt = self._build_prompt(req, checked, voice_prompt)
+            stream.synchronize()  # the engine reads the embeddings from its own stream
+        self._metrics.observe_stage("build_prompt", time.perf_counter() - started)
         ref = getattr(prompt, "ref_codes", None)
         return prompt, None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
+
+    def _cuda_prompt_stream(self) -> Any:
+        """The prompt thread's CUDA stream (made on first use), or None off the GPU."""
+        if self._prompt_stream is None:
+            device = getattr(self.bundle, "device", None)
+            if device is None or getattr(device, "type", str(device).split(":")[0]) != "cuda":
+                self._prompt_stream = False
+            else:
+                import torch
+
+                self._prompt_stream = torch.cuda.Stream(device=device)
+        return self._prompt_stream or None
 
     def _build_prompt(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
         if self._spec_factory is None:

@@ -38,6 +38,11 @@ async def test_real_model_audio_is_frames_times_1920(custom_voice_bundle):
         assert log.violations == [] and len(log.frames) == 3 and log.prefix_frames == 0
         assert all(0 <= f < 2048 for f in log.frames)  # real codebook-0 codes
         await eventually(lambda: s.generator.num_active == 0)
+        # The prompt was built on the prompt thread, timed with its wait for that thread.
+        registry = s.talker.metrics.registry
+        for stage in ("prompt_queue", "build_prompt"):
+            labels = {"service": "talker", "stage": stage}
+            assert registry.get_sample_value("tts_stage_latency_seconds_count", labels) == 1
 
 
 async def test_real_model_cancel_frees_the_slot(custom_voice_bundle):
