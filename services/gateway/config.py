@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qtts import request_limits
 from qtts.errors import InvalidArgument
 from qtts.service_config import (
     DEFAULT_GIL_SWITCH_INTERVAL_MS,
@@ -75,8 +76,10 @@ class GatewayConfig:
             raise InvalidArgument(f"--talker-refresh-s must be > 0, got {self.talker_refresh_s}")
         if self.max_streams < 1:
             raise InvalidArgument(f"--max-streams must be >= 1, got {self.max_streams}")
-        if self.max_input_chars < 1 or self.max_new_frames_limit < 1:
-            raise InvalidArgument("--max-input-chars and --max-new-frames-limit must be >= 1")
+        if not 1 <= self.max_input_chars <= request_limits.TEXT_MAX_CHARS:
+            raise InvalidArgument(f"--max-input-chars must be in 1..{request_limits.TEXT_MAX_CHARS}")
+        if not 1 <= self.max_new_frames_limit <= request_limits.MAX_FRAMES:
+            raise InvalidArgument(f"--max-new-frames-limit must be in 1..{request_limits.MAX_FRAMES}")
         if self.ref_audio_cache_mb < 0:
             raise InvalidArgument(f"--ref-audio-cache-mb must be >= 0, got {self.ref_audio_cache_mb}")
         if self.http_keepalive_s <= 0:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from qtts.metrics import GatewayMetrics
 
 from . import sse
 from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
-from .http_request import OutputOptions, decode_base64_audio, parse_speech_body
+from .http_request import OutputOptions, decode_base64_audio, parse_json, parse_speech_body
 from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconnected
 from .job import AudioPiece
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
@@ -64,10 +63,7 @@ async def _json_body(request: Request) -> object:
     raw = await request.body()
     if not raw:
         raise InvalidArgument("request body must be a JSON object")
-    try:
-        return json.loads(raw)
-    except ValueError as exc:  # bad JSON, bad UTF-8, or an integer too long to convert
-        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    return parse_json(raw)
 
 
 # Where a voice's clip may come: OpenAI's name first, then this API's older names.

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 
 import annotated_types as at
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -28,6 +30,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from qtts import request_limits as lim
 from qtts.errors import InvalidArgument
 
 from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, MAX_SPEED, MIN_SPEED
@@ -38,8 +41,6 @@ ResponseFormat = Literal["pcm", "wav", "mp3", "flac", "opus", "aac", "mulaw", "a
 RESPONSE_FORMATS: tuple[str, ...] = get_args(ResponseFormat)
 StreamFormat = Literal["audio", "sse"]
 SplitGranularity = Literal["sentence", "clause", "none"]
-# Larger values are capped by the code2wav replica (its credit window) anyway.
-MAX_INITIAL_CHUNK_FRAMES = 4096
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -71,19 +72,39 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
+def _unicode_text(value: str) -> str:
+    """Refuse lone UTF-16 surrogates (JSON's `"\\ud800"`): they have no UTF-8 encoding."""
+    if lim.has_surrogate(value):
+        raise PydanticCustomError(
+            "unicode_surrogate", "contains a lone UTF-16 surrogate (not valid Unicode text)"
+        )
+    return value
+
+
+def _temperature(value: float | None) -> float | None:
+    if value is not None and 0 < value < lim.TEMPERATURE_MIN:
+        raise PydanticCustomError(
+            "tts_temperature",
+            "temperature must be 0 (greedy) or in {lo}..{hi}, got {value}",
+            {"lo": lim.TEMPERATURE_MIN, "hi": lim.TEMPERATURE_MAX, "value": value},
+        )
+    return value
+
+
 # The validators wrap the whole optional type, so that a Field's range lands in the JSON schema.
 Integer = Annotated[int | None, BeforeValidator(_integer)]
 Number = Annotated[float | None, BeforeValidator(_number)]
 Speed = Annotated[float, BeforeValidator(_number)]
 Flag = Annotated[bool, Field(strict=True)]
-Text = Annotated[str, Field(strict=True)]
+Text = Annotated[str, Field(strict=True), AfterValidator(_unicode_text)]
+VoiceName = Annotated[Text, Field(max_length=lim.VOICE_MAX_CHARS)]
 
 
 class VoiceId(BaseModel):
     """OpenAI's custom voice object: the id of a voice created through `POST /v1/audio/voices`."""
 
     model_config = ConfigDict(extra="forbid")
-    id: str = Field(min_length=1, description="The voice id (this server's voice name).")
+    id: VoiceName = Field(min_length=1, description="The voice id (this server's voice name).")
 
 
 class SpeechOptions(BaseModel):
@@ -92,13 +113,17 @@ class SpeechOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    model: Text | None = Field(None, description="Served model name; absent or empty: the served model.")
-    voice: Text | VoiceId | None = Field(
+    model: Text | None = Field(
+        None,
+        max_length=lim.MODEL_MAX_CHARS,
+        description="Served model name; absent or empty: the served model.",
+    )
+    voice: VoiceName | VoiceId | None = Field(
         None,
         description="A preset speaker (CustomVoice), a stored voice's name (voice clone), or OpenAI's "
         'custom voice object `{"id": "<voice id>"}`. Ignored by VoiceDesign.',
     )
-    speaker: Text | None = Field(
+    speaker: VoiceName | None = Field(
         None, description="vLLM-Omni's name for `voice`; when both are sent they must name the same voice."
     )
     response_format: ResponseFormat = Field(
@@ -112,17 +137,21 @@ class SpeechOptions(BaseModel):
     )
     task_type: Text | None = Field(
         None,
+        max_length=lim.TASK_MAX_CHARS,
         description="`voice_clone`, `custom_voice`, `voice_design`, or vLLM-Omni's `Base`, `CustomVoice`, "
         "`VoiceDesign` (any case). Absent: the task of the served variant; another task is a 400.",
         examples=["Base", "CustomVoice", "VoiceDesign", "voice_clone"],
     )
     language: Text | None = Field(
         None,
+        max_length=lim.LANGUAGE_MAX_CHARS,
         description="A language name of the model (`English`, `Chinese`, ...), an ISO 639-1 code (`en`, "
         "`zh-CN`, ...), or `auto` (the default).",
     )
     instructions: Text | None = Field(
-        None, description="Voice or style instruction: required by VoiceDesign, optional for CustomVoice."
+        None,
+        max_length=lim.INSTRUCTIONS_MAX_CHARS,
+        description="Voice or style instruction: required by VoiceDesign, optional for CustomVoice.",
     )
     ref_audio: Text | None = Field(
         None,
@@ -130,7 +159,9 @@ class SpeechOptions(BaseModel):
         "`data:audio/...;base64,` URL; URLs are not fetched.",
     )
     ref_text: Text | None = Field(
-        None, description="Transcript of `ref_audio`; required with it unless `x_vector_only_mode`."
+        None,
+        max_length=lim.REF_TEXT_MAX_CHARS,
+        description="Transcript of `ref_audio`; required with it unless `x_vector_only_mode`.",
     )
     x_vector_only_mode: Flag = Field(
         False,
@@ -139,12 +170,16 @@ class SpeechOptions(BaseModel):
     max_new_tokens: Integer = Field(
         None,
         ge=1,
+        le=lim.MAX_FRAMES,
         description="Cap on generated codec frames (12.5 per second of audio), at most the server's "
         "`--max-new-frames-limit`. Above the cap derived from the text length the request ends with finish "
         "reason `length`. Absent: derived from the text length.",
     )
     min_new_tokens: Integer = Field(
-        None, ge=0, description="End of speech is not allowed before this many frames (default 2)."
+        None,
+        ge=0,
+        le=lim.MAX_FRAMES,
+        description="End of speech is not allowed before this many frames (default 2).",
     )
     seed: Integer = Field(
         None,
@@ -152,13 +187,20 @@ class SpeechOptions(BaseModel):
         le=INT64_MAX,
         description="Sampling seed for reproducible output; a negative seed is taken modulo 2^63.",
     )
-    temperature: Number = Field(
-        None, ge=0, description="Sampling temperature; 0 is greedy decoding. Absent: the model's default."
+    temperature: Annotated[Number, AfterValidator(_temperature)] = Field(
+        None,
+        ge=0,
+        le=lim.TEMPERATURE_MAX,
+        description=f"Sampling temperature: 0 is greedy decoding, otherwise in {lim.TEMPERATURE_MIN}.."
+        f"{lim.TEMPERATURE_MAX}. Absent: the model's default.",
     )
-    top_k: Integer = Field(None, ge=0, description="Top-k sampling; 0 disables it.")
-    top_p: Number = Field(None, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: Integer = Field(None, ge=0, le=lim.TOP_K_MAX, description="Top-k sampling; 0 disables it.")
+    top_p: Number = Field(None, ge=lim.TOP_P_MIN, le=lim.TOP_P_MAX, description="Nucleus sampling threshold.")
     repetition_penalty: Number = Field(
-        None, gt=0, description="Penalty on repeated codebook-0 tokens (the model's default is 1.05)."
+        None,
+        ge=lim.REPETITION_PENALTY_MIN,
+        le=lim.REPETITION_PENALTY_MAX,
+        description="Penalty on repeated codebook-0 tokens (the model's default is 1.05).",
     )
     sample_rate: Integer = Field(
         None,
@@ -170,7 +212,7 @@ class SpeechOptions(BaseModel):
     initial_codec_chunk_frames: Integer = Field(
         None,
         ge=0,
-        le=MAX_INITIAL_CHUNK_FRAMES,
+        le=lim.MAX_CHUNK_FRAMES,
         description="vLLM-Omni: frames in the first audio chunk; 0 or absent: the server's chunking "
         "(code2wav caps it at its credit window).",
     )
@@ -208,6 +250,12 @@ class SpeechOptions(BaseModel):
     @classmethod
     def _speaker_embedding(cls, value: Any) -> Any:
         rows = value if isinstance(value, list) and value and isinstance(value[0], list) else [value]
+        if sum(len(row) if isinstance(row, list) else 1 for row in rows) > lim.SPEAKER_EMBEDDING_MAX_VALUES:
+            raise PydanticCustomError(
+                "tts_speaker_embedding",
+                "speaker_embedding has more than {limit} numbers",
+                {"limit": lim.SPEAKER_EMBEDDING_MAX_VALUES},
+            )
         for row in rows:
             if not isinstance(row, list) or not all(
                 isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in row
@@ -269,7 +317,11 @@ class SpeechRequest(SpeechOptions):
     """`POST /v1/audio/speech`: OpenAI's `audio.speech.create` body plus vLLM-Omni's speech fields.
     Any other field is a 400 naming it."""
 
-    input: Text = Field(description="The text to speak, at most the server's `--max-input-chars`.")
+    input: Text = Field(
+        max_length=lim.TEXT_MAX_CHARS,
+        description="The text to speak, at most the server's `--max-input-chars`; text made only of "
+        "whitespace and control characters is refused.",
+    )
     stream: Flag | None = Field(
         None,
         description="Absent or true: the body streams as audio is produced, as OpenAI's does (a `wav` "
@@ -367,6 +419,16 @@ def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
     return raw
 
 
+def parse_json(raw: bytes | str, what: str = "request body") -> Any:
+    """JSON text -> Python; bad JSON, bad UTF-8, too deep nesting or a too long integer is a 400."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise InvalidArgument(f"{what} is nested too deeply") from None
+    except ValueError as exc:  # bad JSON, bad UTF-8, or an integer too long to convert
+        raise InvalidArgument(f"{what} is not valid JSON: {exc}") from None
+
+
 def validate_body(model: type[SpeechOptions], body: Any, what: str = "request body") -> Any:
     """`model` validated from `body`; the first failure as one InvalidArgument naming its field."""
     try:
@@ -415,6 +477,10 @@ def invalid_argument(
         message = f"{name} must be {_TYPE_WORDS[kind]}, got {type(value).__name__}"
     elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         message = f"{name} must be {_declared_range(model, name)}, got {value}"
+    elif kind in ("string_too_long", "too_long") and isinstance(value, str):
+        message = f"{name} is {len(value)} characters long; the limit is {e['ctx']['max_length']}"
+    elif kind == "string_unicode":
+        message = f"{name} is not valid Unicode text (a lone UTF-16 surrogate?)"
     elif kind == "literal_error":
         message = f"{name} must be one of {e['ctx']['expected']}, got {value!r}"
     else:

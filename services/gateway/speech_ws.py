@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import dataclass, field
 
@@ -31,7 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from qtts.errors import InvalidArgument, TTSError, mapping_for, openai_error_body
 
-from .http_request import StreamingSessionConfig, validate_body
+from .http_request import StreamingSessionConfig, parse_json, validate_body
 from .job import SpeechFields
 from .synthesis import Synthesizer
 from .text_stream import SegmentAudio, TextSplitter, check_session, encoded_audio, open_segment
@@ -236,10 +235,7 @@ class SpeechStreamEndpoint:
             raise InvalidArgument("binary frames are not accepted; send JSON text messages")
         if len(raw) > self.max_message_bytes:
             raise InvalidArgument(f"message of {len(raw)} characters; the limit is {self.max_message_bytes}")
-        try:
-            msg = json.loads(raw)
-        except ValueError as exc:
-            raise InvalidArgument(f"message is not valid JSON: {exc}") from None
+        msg = parse_json(raw, "message")
         if not isinstance(msg, dict):
             raise InvalidArgument("messages must be JSON objects")
         return msg

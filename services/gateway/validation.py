@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 from dataclasses import dataclass
 
+from qtts import request_limits as lim
 from qtts.errors import InvalidArgument, NotFound
 from qtts.log_context import current_request_id
 
@@ -40,22 +40,7 @@ def check_model(model: str, catalog: ModelCatalog) -> None:
 
 
 def _check_sampling(s: SamplingOptions) -> SamplingOptions:
-    if s.temperature is not None and (not math.isfinite(s.temperature) or s.temperature < 0):
-        raise InvalidArgument(f"temperature must be >= 0, got {s.temperature}", param="temperature")
-    if s.top_k is not None and s.top_k < 0:
-        raise InvalidArgument(f"top_k must be >= 0, got {s.top_k}", param="top_k")
-    if s.top_p is not None and not (0 < s.top_p <= 1):
-        raise InvalidArgument(f"top_p must be in (0, 1], got {s.top_p}", param="top_p")
-    if s.repetition_penalty is not None and not (
-        math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0
-    ):
-        raise InvalidArgument(
-            f"repetition_penalty must be > 0, got {s.repetition_penalty}", param="repetition_penalty"
-        )
-    if s.seed is not None and not (0 <= s.seed < 2**63):
-        raise InvalidArgument(f"seed must be a non-negative 63-bit integer, got {s.seed}", param="seed")
-    if s.min_new_frames is not None and s.min_new_frames < 0:
-        raise InvalidArgument(f"min_new_tokens must be >= 0, got {s.min_new_frames}", param="min_new_tokens")
+    lim.check_sampling(s)  # the same ranges as the HTTP model's and the talker's
     # Temperature 0 means deterministic decoding, as in the OpenAI sampling APIs.
     if s.temperature == 0 and not s.greedy:
         return dataclasses.replace(s, temperature=None, greedy=True)
@@ -91,8 +76,24 @@ def _language(language: str | None, catalog: ModelCatalog) -> str:
     return lang
 
 
+def _check_strings(fields: SpeechFields) -> None:
+    """Every string field within its limit and valid Unicode (gRPC's as well as HTTP's)."""
+    for value, param, max_chars in (
+        (fields.text, "input", lim.TEXT_MAX_CHARS),
+        (fields.model, "model", lim.MODEL_MAX_CHARS),
+        (fields.task, "task_type", lim.TASK_MAX_CHARS),
+        (fields.voice, "voice", lim.VOICE_MAX_CHARS),
+        (fields.language, "language", lim.LANGUAGE_MAX_CHARS),
+        (fields.instructions, "instructions", lim.INSTRUCTIONS_MAX_CHARS),
+        (fields.reference_text, "ref_text", lim.REF_TEXT_MAX_CHARS),
+        (fields.request_id, "request_id", lim.DERIVED_REQUEST_ID_MAX_CHARS),
+    ):
+        lim.check_string(value, param, max_chars)
+
+
 def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits) -> SynthesisJob:
     """Check `fields` against the served model and the limits; return the job for the talker."""
+    _check_strings(fields)
     check_model(fields.model, catalog)
     text = (fields.text or "").strip()
     if not text:
@@ -101,6 +102,11 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         raise InvalidArgument(
             f"input is {len(text)} characters long; the limit is {limits.max_input_chars}", param="input"
         )
+    if not lim.has_speakable_text(text):
+        raise InvalidArgument(
+            "input has nothing to speak (only whitespace or control characters)", param="input"
+        )
+    lim.check_chunking(fields.first_chunk_frames, fields.chunk_frames_ramp)
     task = (fields.task or catalog.task).strip().lower()
     task = TASK_ALIASES.get(task, task)
     if task not in TASKS:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from qtts import request_limits as lim
 from qtts.errors import InvalidArgument, NotFound
 
 from .request import CUSTOM_VOICE, TASK_OF_MODEL_TYPE, VOICE_CLONE, VOICE_DESIGN, GenerationRequest
@@ -20,9 +23,13 @@ class CheckedRequest:
 
 
 def check_request(req: GenerationRequest, info: Any) -> CheckedRequest:
-    """Validate `req` against `info` (a `qtts.model.ModelInfo`); raises InvalidArgument/NotFound."""
-    if not req.text.strip():
-        raise InvalidArgument("text is empty")
+    """Validate `req` against `info` (a `qtts.model.ModelInfo`); raises InvalidArgument/NotFound.
+
+    The field ranges are the gateway's (`qtts.request_limits`), checked again here: a direct caller
+    must not be able to put a row into a batch that fails the shared sampling step."""
+    check_limits(req)
+    if not lim.has_speakable_text(req.text):
+        raise InvalidArgument("text is empty (or only whitespace and control characters)", param="text")
     served = TASK_OF_MODEL_TYPE.get(info.model_type)
     task = req.task or served
     if task not in TASK_OF_MODEL_TYPE.values():
@@ -63,6 +70,24 @@ def check_request(req: GenerationRequest, info: Any) -> CheckedRequest:
                 )
         elif not req.voice:
             raise InvalidArgument("voice clone needs reference audio or a named voice")
-    if req.max_new_frames < 0:
-        raise InvalidArgument("max_new_frames must be >= 0")
     return CheckedRequest(task=task, language=language, speaker=speaker)
+
+
+def check_limits(req: GenerationRequest) -> None:
+    """Every field within `qtts.request_limits`, whatever the served model."""
+    for value, param, max_chars in (
+        (req.text, "text", lim.TEXT_MAX_CHARS),
+        (req.voice, "voice", lim.VOICE_MAX_CHARS),
+        (req.language, "language", lim.LANGUAGE_MAX_CHARS),
+        (req.instructions, "instructions", lim.INSTRUCTIONS_MAX_CHARS),
+        (req.reference_text, "reference_text", lim.REF_TEXT_MAX_CHARS),
+        (req.request_id, "request_id", lim.DERIVED_REQUEST_ID_MAX_CHARS),
+    ):
+        lim.check_string(value, param, max_chars)
+    lim.check_sampling(req.sampling)
+    lim.check_chunking(req.first_chunk_frames, req.chunk_frames_ramp)
+    if not 0 <= req.max_new_frames <= lim.MAX_FRAMES:
+        raise InvalidArgument(f"max_new_frames must be in 0..{lim.MAX_FRAMES}", param="max_new_frames")
+    pcm = req.reference_pcm_f32
+    if pcm and len(pcm) % 4 == 0 and not np.isfinite(np.frombuffer(pcm, dtype="<f4")).all():
+        raise InvalidArgument("reference_pcm_f32 holds non-finite samples", param="reference_pcm_f32")

@@ -6,6 +6,7 @@ import httpx
 import pytest
 from gateway_fakes import build_gateway, serve_http
 
+from qtts import request_limits as lim
 from qtts.errors import InvalidArgument
 from services.gateway.http_request import SpeechRequest, StreamingSessionConfig, parse_speech_body
 
@@ -60,7 +61,11 @@ async def test_openapi_documents_the_speech_body_and_responses():
     )
     assert props["response_format"]["default"] == "mp3" and "mulaw" in props["response_format"]["enum"]
     top_p = props["top_p"]["anyOf"][0]
-    assert (top_p["exclusiveMinimum"], top_p["maximum"]) == (0, 1)
+    assert (top_p["minimum"], top_p["maximum"]) == (lim.TOP_P_MIN, 1)
+    temperature = props["temperature"]["anyOf"][0]
+    assert (temperature["minimum"], temperature["maximum"]) == (0, lim.TEMPERATURE_MAX)
+    assert props["input"]["maxLength"] == lim.TEXT_MAX_CHARS
+    assert props["ref_text"]["anyOf"][0]["maxLength"] == lim.REF_TEXT_MAX_CHARS
     assert {"$ref": "#/components/schemas/VoiceId"} in props["voice"]["anyOf"]
     assert all(p.get("description") for p in props.values())
     content = op["responses"]["200"]["content"]
@@ -91,8 +96,8 @@ def test_the_model_declares_what_the_parser_accepts():
     "body, param, words",
     [
         ({"initial_codec_chunk_frames": 5000}, "initial_codec_chunk_frames", "must be in 0..4096, got 5000"),
-        ({"top_p": 0}, "top_p", "must be in (0, 1], got 0"),
-        ({"temperature": -0.5}, "temperature", "must be >= 0, got -0.5"),
+        ({"top_p": 0}, "top_p", "must be in 0.001..1.0, got 0"),
+        ({"temperature": -0.5}, "temperature", "must be in 0..10.0, got -0.5"),
         ({"sample_rate": 96000}, "sample_rate", "must be in 8000..48000, got 96000"),
         ({"temperature": float("nan")}, "temperature", "finite"),
         ({"top_k": 1.5}, "top_k", "must be an integer"),
