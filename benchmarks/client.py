@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     target = p.add_argument_group("target")
     target.add_argument("--protocol", choices=("http", "grpc"), default="http")
-    target.add_argument("--url", default="http://127.0.0.1:8000", help="gateway HTTP base URL")
+    target.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="gateway HTTP base URL; several, comma-separated, take the requests in turn (gateway pods)",
+    )
     target.add_argument("--grpc-target", default="127.0.0.1:50051", help="gateway gRPC host:port")
     target.add_argument("--grpc-channels", type=int, default=1, help="gRPC channels to spread streams over")
     target.add_argument("--model", default=None, help="served model name (default: the server's)")
@@ -253,7 +257,7 @@ async def conditions(cfg: BenchConfig) -> dict[str, Any]:
     """What every reported number must come with (BENCHMARKS.md, "Conditions")."""
     args = cfg.args
     # Best effort even for gRPC: the gateway usually serves both.
-    models = await served_models(args.url)
+    models = await served_models(args.url.split(",")[0].strip())
     model = args.model
     if model is None and isinstance(models, dict) and models.get("data"):
         model = ", ".join(str(m.get("id")) for m in models["data"])
@@ -304,7 +308,28 @@ def make_synthesizer(cfg: BenchConfig) -> Synthesizer:
         return GrpcSynthesizer(
             cfg.args.grpc_target, cfg.options, channels=cfg.args.grpc_channels, request_id_prefix=cfg.args.tag
         )
-    return HttpSynthesizer(cfg.args.url, cfg.options)
+    urls = [u.strip() for u in cfg.args.url.split(",") if u.strip()]
+    if len(urls) > 1:
+        return RoundRobinSynthesizer([HttpSynthesizer(u, cfg.options) for u in urls])
+    return HttpSynthesizer(urls[0] if urls else cfg.args.url, cfg.options)
+
+
+class RoundRobinSynthesizer:
+    """Request i goes to synthesizer i mod n (one per gateway URL), as a Service spreads streams
+    over gateway pods; the records do not say which gateway served them."""
+
+    def __init__(self, synthesizers: Sequence[Synthesizer]):
+        self._synthesizers = list(synthesizers)
+
+    async def synthesize(
+        self, index: int, prompt_index: int, text: str, *, max_new_tokens: int | None = None
+    ) -> RequestRecord:
+        target = self._synthesizers[index % len(self._synthesizers)]
+        return await target.synthesize(index, prompt_index, text, max_new_tokens=max_new_tokens)
+
+    async def aclose(self) -> None:
+        for synthesizer in self._synthesizers:
+            await synthesizer.aclose()
 
 
 def make_send(cfg: BenchConfig, synthesizer: Synthesizer, offset: int, count: int):

@@ -21,6 +21,8 @@
 #   TALKER_ARGS / CODE2WAV_ARGS / GATEWAY_ARGS  flags passed through to those services, e.g.
 #                    TALKER_ARGS="--engine graph" CODE2WAV_ARGS="--decode-engine slots"
 #   PYTHON           interpreter with the project installed (python)
+#   GATEWAY_REPLICAS gateways in front of the talker (1), HTTP on HTTP_PORT, +1, ...; the client
+#                    sends request i to gateway i mod N, as a Service over gateway pods would
 #   CLIENT_PROCESSES client processes per level (1); one Python client can fall behind hundreds
 #                    of streams, and its lag reads as gaps
 #   MPS              1: run the services under an NVIDIA MPS daemon (started here, stopped at
@@ -89,6 +91,7 @@ fi
 "$PYTHON" -m services.launcher \
     --model "$MODEL" --load-format "$LOAD_FORMAT" --device "$DEVICE" --dtype "$DTYPE" \
     --code2wav-replicas "$CODE2WAV_REPLICAS" --code2wav-devices "${CODE2WAV_DEVICES:-}" \
+    --gateway-replicas "${GATEWAY_REPLICAS:-1}" \
     --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
     --log-dir "$OUT/logs" --startup-timeout "$STARTUP_TIMEOUT" \
     --talker-args "${TALKER_ARGS:-}" --code2wav-args "${CODE2WAV_ARGS:-}" --gateway-args "${GATEWAY_ARGS:-}" \
@@ -144,20 +147,23 @@ until grep -q "stack is up" "$OUT/launcher.log" 2>/dev/null && healthy; do
 done
 echo "stack healthy after $(( $(date +%s) - START ))s"
 
+GATEWAY_URLS="http://127.0.0.1:$HTTP_PORT"
+for ((i = 1; i < ${GATEWAY_REPLICAS:-1}; i++)); do GATEWAY_URLS+=",http://127.0.0.1:$((HTTP_PORT + i))"; done
 # The text tokenizer the talker's dummy load uses (the real BPE vocabulary when it is installed).
 TOKENIZER="$("$PYTHON" -c 'from qtts.model.bpe_vocab import dummy_tokenizer_label; print(dummy_tokenizer_label())' 2>/dev/null || echo unknown)"
 # shellcheck disable=SC2086  # CONCURRENCY is a list of levels
 "$PYTHON" -m benchmarks.client \
-    --protocol "$PROTOCOL" --url "http://127.0.0.1:$HTTP_PORT" --grpc-target "127.0.0.1:$GRPC_PORT" \
+    --protocol "$PROTOCOL" --url "$GATEWAY_URLS" --grpc-target "127.0.0.1:$GRPC_PORT" \
     --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" --rounds "$ROUNDS" \
     --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
     --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$OUT" \
     --processes "${CLIENT_PROCESSES:-1}" "$@"
 
 # Server-side view of the run: every service's Prometheus metrics once the sweep is done.
-"$PYTHON" - "$OUT" <<'PY' || true
+"$PYTHON" - "$OUT" "${GATEWAY_REPLICAS:-1}" <<'PY' || true
 import sys, urllib.request
-for name, port in (("gateway", 9100), ("talker", 9102), ("code2wav", 9103)):
+extra = [(f"gateway-{i}", 9110 + i) for i in range(1, int(sys.argv[2]))]
+for name, port in (("gateway", 9100), ("talker", 9102), ("code2wav", 9103), *extra):
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             open(f"{sys.argv[1]}/metrics-{name}.txt", "wb").write(r.read())

@@ -92,6 +92,10 @@ class StackConfig:
     log_dir: Path = DEFAULT_LOG_DIR
     startup_timeout_s: float = 600.0
     drain_seconds: float = 5.0
+    # Gateways in front of the one talker: the first on http_port / grpc_port / gateway_metrics_port,
+    # gateway-i (i >= 1) on http_port + i, grpc_port + 10 + i and gateway_metrics_port + 10 + i, as
+    # several gateway pods behind one Service would be.
+    gateway_replicas: int = 1
     # Extra flags per service name ("gateway", "talker", "code2wav", "speaker_cache").
     extra_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
@@ -100,7 +104,16 @@ class StackConfig:
             raise ValueError("at least one code2wav replica is needed")
         if len(self.code2wav_metrics_ports) != len(self.code2wav_ports):
             raise ValueError("one metrics port per code2wav replica is needed (0 = off)")
+        if self.gateway_replicas < 1:
+            raise ValueError("at least one gateway is needed")
         return self
+
+    def gateway_ports(self, i: int) -> tuple[int, int, int]:
+        """(HTTP, gRPC, metrics) port of gateway number `i` (0 = the first)."""
+        if i == 0:
+            return self.http_port, self.grpc_port, self.gateway_metrics_port
+        metrics = self.gateway_metrics_port + 10 + i if self.gateway_metrics_port else 0
+        return self.http_port + i, self.grpc_port + 10 + i, metrics
 
     @classmethod
     def on_free_ports(cls, code2wav_replicas: int = 1, **overrides) -> StackConfig:
@@ -300,6 +313,12 @@ class Stack:
         return f"http://{self.config.host}:{self.config.http_port}"
 
     @property
+    def http_urls(self) -> list[str]:
+        """Every gateway's HTTP base URL, the first one first."""
+        return [f"http://{self.config.host}:{self.config.gateway_ports(i)[0]}"
+                for i in range(self.config.gateway_replicas)]
+
+    @property
     def grpc_address(self) -> str:
         return _addr(self.config.host, self.config.grpc_port)
 
@@ -325,6 +344,17 @@ def stop_services(processes: Sequence[ServiceProcess], grace: float = 10.0) -> d
     return {proc.name: proc.wait_or_kill(max(0.1, deadline - time.monotonic())) for proc in reversed(processes)}
 
 
+def stack_specs(config: StackConfig, model: str) -> list[ServiceSpec]:
+    """Every service of the stack, in start order (speaker_cache, code2wav, talker, gateways)."""
+    specs = [speaker_cache_spec(config), *code2wav_specs(config, model), talker_spec(config, model),
+             gateway_spec(config)]
+    for i in range(1, config.gateway_replicas):
+        http, grpc_port, metrics = config.gateway_ports(i)
+        specs.append(gateway_spec(config, name=f"gateway-{i}", http_port=http, grpc_port=grpc_port,
+                                  metrics_port=metrics))
+    return specs
+
+
 def start_stack(
     config: StackConfig, env: dict[str, str] | None = None, stop: threading.Event | None = None
 ) -> Stack:
@@ -332,8 +362,7 @@ def start_stack(
     (StartupInterrupted once `stop` is set: services still loading exit at once on SIGTERM)."""
     config.validate()
     model = config.model or str(ensure_tiny_snapshot())
-    specs = [speaker_cache_spec(config), *code2wav_specs(config, model), talker_spec(config, model),
-             gateway_spec(config)]
+    specs = stack_specs(config, model)
     processes: list[ServiceProcess] = []
     try:
         for spec in specs:
@@ -403,6 +432,8 @@ def describe(stack: Stack, body: dict) -> str:
     lines = [
         "Qwen3-TTS stack is up:",
         f"  gateway        HTTP {stack.http_url}   gRPC {stack.grpc_address} (tts.v1)",
+        *[f"  {p.name:<14} HTTP {url}" for p, url in zip(
+            [p for p in stack.processes if p.name.startswith("gateway-")], stack.http_urls[1:], strict=True)],
         f"  talker         {_addr(c.host, c.talker_port)}",
         *[f"  {p.name:<14} {p.spec.grpc_address}" for p in stack.processes if p.name.startswith("code2wav")],
         f"  speaker_cache  {_addr(c.host, c.speaker_cache_port)}"
@@ -436,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
                    help="Redis for speaker_cache (env REDIS_URL; default: in-memory)")
     p.add_argument("--code2wav-replicas", type=int, default=1)
+    p.add_argument("--gateway-replicas", type=int, default=1,
+                   help="gateways in front of the talker (HTTP on --http-port, +1, +2, ...)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
@@ -458,7 +491,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
         code2wav_devices=tuple(d.strip() for d in ns.code2wav_devices.split(",") if d.strip()),
         host=ns.host, http_port=ns.http_port, grpc_port=ns.grpc_port,
         code2wav_ports=default_code2wav_ports(n), code2wav_metrics_ports=default_code2wav_ports(n, 9103, 9104),
-        log_dir=ns.log_dir, startup_timeout_s=ns.startup_timeout,
+        log_dir=ns.log_dir, startup_timeout_s=ns.startup_timeout, gateway_replicas=ns.gateway_replicas,
         extra_args={s: tuple(shlex.split(getattr(ns, f"{s}_args"))) for s in SERVICE_NAMES},
     ).validate()
 

@@ -425,3 +425,20 @@ def test_level_shards_and_merge_keep_every_request_once():
     assert [r.index for r in merged.records] == [0, 1, 2]
     assert [r.start_s for r in merged.records] == [0.0, 0.5, 1.0]
     assert merged.wall_s == 3.0 and merged.aborted == 1 and merged.hit_deadline
+
+
+def test_cli_spreads_requests_over_several_gateway_urls(tmp_path):
+    """--url a,b: request i goes to gateway i mod 2, as a Service over two gateway pods."""
+    script = [(0.0, LOUD)]
+    with FakeSpeechServer(script) as first, FakeSpeechServer(script) as second:
+        rc = main(
+            [
+                "--url", f"{first.url},{second.url}", "--concurrency", "2", "--num-requests", "4",
+                "--warmup", "0", "--max-new-tokens", "5", "--out", str(tmp_path), "--no-progress",
+                "--no-plots",
+            ]
+        )  # fmt: skip
+    assert rc == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["levels"][0]["aggregates"]["num_ok"] == 4
+    assert len(first.requests) == 2 and len(second.requests) == 2

@@ -13,6 +13,7 @@ from services.launcher import (
     default_code2wav_ports,
     free_port,
     gateway_spec,
+    stack_specs,
     start_service,
     talker_spec,
     wait_serving,
@@ -56,6 +57,19 @@ def test_service_flags_wire_the_stages_together():
     gw = gateway_spec(cfg, talker_port=1234)
     assert gw.args[gw.args.index("--talker") + 1] == "127.0.0.1:1234"
     assert gw.grpc_address == f"127.0.0.1:{cfg.grpc_port}"
+
+
+def test_gateway_replicas_front_the_one_talker_on_their_own_ports():
+    cfg = config_from_args(["--gateway-replicas", "3"])
+    gateways = [s for s in stack_specs(cfg, "/snap") if s.module == "services.gateway"]
+    assert [g.name for g in gateways] == ["gateway", "gateway-1", "gateway-2"]
+    flag = lambda spec, name: spec.args[spec.args.index(name) + 1]  # noqa: E731
+    assert [flag(g, "--http-port") for g in gateways] == ["8000", "8001", "8002"]
+    assert [flag(g, "--grpc-port") for g in gateways] == ["50051", "50062", "50063"]
+    assert [g.metrics_port for g in gateways] == [9100, 9111, 9112]
+    assert {flag(g, "--talker") for g in gateways} == {f"127.0.0.1:{cfg.talker_port}"}
+    with pytest.raises(ValueError, match="at least one gateway"):
+        StackConfig(gateway_replicas=0).validate()
 
 
 def test_startup_failure_names_the_stage_and_shows_its_log(tmp_path):
