@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qtts.model_variants import supports_instructions
+
 MODEL_TYPES = ("base", "custom_voice", "voice_design")
 
 
@@ -184,8 +186,9 @@ class ModelConfig:
 
     @property
     def supports_instruct(self) -> bool:
-        """The official wrapper drops the instruct of 0.6B CustomVoice (`tts_model_size in "0b6"`)."""
-        return not (self.tts_model_type == "custom_voice" and self.tts_model_size in "0b6")
+        """The official wrapper drops the instruct of 0.6B CustomVoice (`tts_model_size in "0b6"`).
+        (The prompt builder asks this of CustomVoice only; a voice-clone prompt never has one.)"""
+        return self.tts_model_type != "custom_voice" or supports_instructions(self.tts_model_type, self.tts_model_size)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,10 @@ from qtts.service_config import (
 
 _env = env_lookup("gateway")
 
+# What --unsupported-instructions accepts (services/gateway/instructions.py applies it; listed here
+# so that parsing flags imports nothing of the gateway).
+UNSUPPORTED_INSTRUCTIONS = ("reject", "ignore")
+
 # "pool": re-resolve --talker every --talker-refresh-s and send each new stream to the ready talker
 # with the fewest of this gateway's streams (services/gateway/talker_pool.py); "channel": one gRPC
 # channel round-robining over the addresses resolved when it connected.
@@ -56,6 +60,10 @@ class GatewayConfig:
     # so the proxy, not the gateway, closes idle connections (no close racing a new request).
     http_keepalive_s: float = 75.0
     log_level: str = "INFO"
+    # `instructions` sent to a variant that has no instruct block (Base, 0.6B CustomVoice):
+    # "reject" (400 / INVALID_ARGUMENT naming the field) or "ignore" (dropped, reported in the
+    # x-tts-ignored-fields header / metadata), for clients that always send one.
+    unsupported_instructions: str = "reject"
 
     def validate(self) -> GatewayConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
@@ -84,6 +92,11 @@ class GatewayConfig:
             raise InvalidArgument(f"--ref-audio-cache-mb must be >= 0, got {self.ref_audio_cache_mb}")
         if self.http_keepalive_s <= 0:
             raise InvalidArgument(f"--http-keepalive-s must be > 0, got {self.http_keepalive_s}")
+        if self.unsupported_instructions not in UNSUPPORTED_INSTRUCTIONS:
+            raise InvalidArgument(
+                f"--unsupported-instructions must be one of {', '.join(UNSUPPORTED_INSTRUCTIONS)}, "
+                f"got {self.unsupported_instructions!r}"
+            )
         if not 8000 <= self.sample_rate <= 48000:
             raise InvalidArgument(f"--sample-rate must be in 8000..48000 Hz, got {self.sample_rate}")
         return self
@@ -149,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output sample rate when a request does not set one (native: 24000)")
     p.add_argument("--max-ref-audio-bytes", type=int,
                    default=int(_env("MAX_REF_AUDIO_BYTES", str(d.max_ref_audio_bytes))))
+    p.add_argument(
+        "--unsupported-instructions",
+        default=_env("UNSUPPORTED_INSTRUCTIONS", d.unsupported_instructions),
+        help="instructions on a variant without an instruct block (Base, 0.6B CustomVoice): reject "
+        "(400 naming the field) or ignore (drop them, report them in the x-tts-ignored-fields header)",
+    )
     return p
 
 
@@ -176,4 +195,5 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         drain_seconds=ns.drain_seconds,
         gil_switch_interval_ms=ns.gil_switch_interval_ms,
         log_level=ns.log_level,
+        unsupported_instructions=ns.unsupported_instructions,
     ).validate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,7 +15,8 @@ from qtts.sampling_overrides import overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 
 from .audio_encoding import Resampler, make_encoder
-from .job import AudioPiece, SpeechFields, SynthesisSummary
+from .instructions import ignored_fields_header
+from .job import AudioPiece, SpeechFields, SynthesisJob, SynthesisSummary
 from .synthesis import SynthesisStream, Synthesizer
 from .text_stream import TextSplitter, check_session, open_segment
 from .validation import new_request_id
@@ -97,6 +99,12 @@ async def _read_text(requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest]
         queue.put_nowait(exc if isinstance(exc, InvalidArgument) else failed)
 
 
+async def _report_ignored(context: grpc.aio.ServicerContext, job: SynthesisJob) -> None:
+    """Initial metadata naming the fields the served variant ignored (instructions.py)."""
+    if job.ignored_fields:
+        await context.send_initial_metadata(tuple(ignored_fields_header(job).items()))
+
+
 def voice_to_pb(v: VoiceInfo) -> tts_pb2.Voice:
     return tts_pb2.Voice(
         name=v.name, kind=v.kind, reference_text=v.reference_text, x_vector_only=v.x_vector_only,
@@ -120,6 +128,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         except Exception as exc:
             self._synth.reject("grpc", exc)
             raise
+        await _report_ignored(context, job)
         stream = await self._synth.open(job, "grpc")
         error: BaseException | None = None
         try:
@@ -153,6 +162,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         except Exception as exc:
             self._synth.reject("grpc", exc)
             raise
+        await _report_ignored(context, self._synth.validate(dataclasses.replace(fields, text=".")))
         request_id = synthesis.request_id or new_request_id()
         splitter = TextSplitter(_TEXT_SPLITS[config.text_split], self._synth.limits.max_input_chars)
         queue: asyncio.Queue = asyncio.Queue()

@@ -20,6 +20,7 @@ from . import sse
 from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
 from .http_request import OutputOptions, decode_base64_audio, parse_json, parse_speech_body
 from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconnected
+from .instructions import ignored_fields_header
 from .job import AudioPiece
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
 from .playback import PlaybackClock
@@ -79,7 +80,8 @@ def _check_voice_extras(kind: object, consent: object) -> None:
 
 
 def _result_headers(stream: SynthesisStream, sample_rate: int) -> dict[str, str]:
-    headers = {"x-request-id": stream.job.request_id, "x-tts-sample-rate": str(sample_rate)}
+    headers = {"x-request-id": stream.job.request_id, "x-tts-sample-rate": str(sample_rate),
+               **ignored_fields_header(stream.job)}
     s = stream.summary
     if s is not None:
         headers.update({
@@ -188,6 +190,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
         if out.streaming:
             media = "text/event-stream" if out.stream_format == "sse" else MEDIA_TYPES[out.response_format]
             headers = {"x-request-id": job.request_id, "x-tts-sample-rate": str(job.sample_rate),
+                       **ignored_fields_header(job),
                        "cache-control": "no-cache"}
             return DisconnectAwareStreamingResponse(
                 _stream_chunks(stream, out, metrics, job.sample_rate), headers=headers, media_type=media

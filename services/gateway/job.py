@@ -82,6 +82,9 @@ class SynthesisJob:
     streaming_text: bool | None = None
     # Decoded reference clip (float32 mono, 24 kHz), filled in by the synthesizer.
     reference_pcm: np.ndarray | None = None
+    # Request fields the served variant cannot honour, dropped and reported to the client
+    # (instructions.py: only under --unsupported-instructions ignore).
+    ignored_fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

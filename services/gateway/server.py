@@ -77,7 +77,8 @@ class GatewayServer:
         )
         self.synthesizer = Synthesizer(self.talker, lambda: self.catalog, limits, Admission(config.max_streams),
                                        self.metrics,
-                                       decode=self.reference_cache if self.reference_cache is not None else decode)
+                                       decode=self.reference_cache if self.reference_cache is not None else decode,
+                                       unsupported_instructions=config.unsupported_instructions)
         self.voices = VoiceService(self.voice_client, decode, lambda: self.catalog,
                                    config.max_ref_audio_bytes)
         self.stage_health = StageHealth({"talker": self.talker.channel,

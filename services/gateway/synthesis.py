@@ -18,6 +18,7 @@ from qtts.errors import GenerationFailed, InvalidArgument, Unavailable, mapping_
 from qtts.metrics import GatewayMetrics
 
 from .admission import Admission
+from .instructions import apply_instructions_policy
 from .job import AudioPiece, ModelCatalog, SpeechFields, SynthesisJob, SynthesisSummary
 from .validation import RequestLimits, build_job
 
@@ -107,6 +108,7 @@ class Synthesizer:
         admission: Admission,
         metrics: GatewayMetrics,
         decode: Callable[[bytes], object] = decode_reference,
+        unsupported_instructions: str = "reject",
     ):
         self.talker = talker
         self._catalog = catalog
@@ -114,6 +116,7 @@ class Synthesizer:
         self.admission = admission
         self.metrics = metrics
         self._decode = decode
+        self._unsupported_instructions = unsupported_instructions
 
     @property
     def ready(self) -> bool:
@@ -127,7 +130,9 @@ class Synthesizer:
         return catalog
 
     def validate(self, fields: SpeechFields) -> SynthesisJob:
-        return build_job(fields, self.catalog(), self.limits)
+        catalog = self.catalog()
+        return apply_instructions_policy(build_job(fields, catalog, self.limits), catalog,
+                                         self._unsupported_instructions)
 
     async def open(self, job: SynthesisJob, protocol: str) -> SynthesisStream:
         """Admit `job`, decode its reference clip, start the talker call and await its first event."""

@@ -130,11 +130,13 @@ class GatewayUnderTest:
     url: str = ""
 
 
-def build_gateway(catalog: ModelCatalog = BASE, max_streams: int = 4, **talker_kw) -> GatewayUnderTest:
+def build_gateway(catalog: ModelCatalog = BASE, max_streams: int = 4, unsupported_instructions: str = "reject",
+                  **talker_kw) -> GatewayUnderTest:
     talker = FakeTalker(**talker_kw)
     metrics = GatewayMetrics(CollectorRegistry())
     synth = Synthesizer(talker, lambda: catalog, RequestLimits(max_input_chars=200, max_new_frames_limit=100),
-                        Admission(max_streams), metrics, decode=fake_decode)
+                        Admission(max_streams), metrics, decode=fake_decode,
+                        unsupported_instructions=unsupported_instructions)
     store = FakeVoiceStore()
     voices = VoiceService(store, fake_decode, lambda: catalog, max_audio_bytes=1 << 20)
     return GatewayUnderTest(talker, store, synth, metrics, voices)
