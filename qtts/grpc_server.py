@@ -40,6 +40,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -50,7 +51,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from qtts import tracing
-from qtts.errors import TTSError, mapping_for
+from qtts.errors import InvalidArgument, TTSError, mapping_for
 from qtts.log_context import bind_request_id, log_handler, request_id_from_metadata, request_id_var
 from qtts.metrics import ServiceMetrics
 
@@ -112,35 +113,37 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
+        deserializer = _tolerant(handler.request_deserializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, method),
-                handler.request_deserializer,
+                deserializer,
                 handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(handler.stream_unary, method),
-                handler.request_deserializer,
+                self._wrap_unary(handler.stream_unary, method, streamed_requests=True),
+                deserializer,
                 handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream, method),
-                handler.request_deserializer,
+                deserializer,
                 handler.response_serializer,
             )
         return grpc.stream_stream_rpc_method_handler(
-            self._wrap_stream(handler.stream_stream, method),
-            handler.request_deserializer,
+            self._wrap_stream(handler.stream_stream, method, streamed_requests=True),
+            deserializer,
             handler.response_serializer,
         )
 
-    def _wrap_unary(self, behavior: Callable, method: str) -> Callable:
+    def _wrap_unary(self, behavior: Callable, method: str, streamed_requests: bool = False) -> Callable:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start, code = time.monotonic(), None
             token = _bind_caller_request_id(context)
             try:
+                request = _checked_requests(request) if streamed_requests else _checked(request)
                 with self._span(method, context):
                     return await behavior(request, context)
             except BaseException as exc:  # noqa: BLE001 - re-raised or mapped below
@@ -153,14 +156,16 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapper
 
-    def _wrap_stream(self, behavior: Callable, method: str) -> Callable:
+    def _wrap_stream(self, behavior: Callable, method: str, streamed_requests: bool = False) -> Callable:
         if inspect.isasyncgenfunction(behavior):
 
             async def gen_wrapper(request: Any, context: grpc.aio.ServicerContext):
                 start, code = time.monotonic(), None
                 token = _bind_caller_request_id(context)
-                responses = behavior(request, context)
+                responses = None
                 try:
+                    request = _checked_requests(request) if streamed_requests else _checked(request)
+                    responses = behavior(request, context)
                     with self._span(method, context):
                         async for response in responses:
                             yield response
@@ -170,13 +175,14 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     # Closed now, not whenever it is collected: its cleanup frees per-stream state.
-                    await responses.aclose()
+                    if responses is not None:
+                        await responses.aclose()
                     self._record(method, code or _code_of(context), start)
                     _reset(token)
 
             return gen_wrapper
         # A handler that writes with context.write() and returns None.
-        return self._wrap_unary(behavior, method)
+        return self._wrap_unary(behavior, method, streamed_requests)
 
     async def _handle(self, exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
         """Abort the call with the mapped status; returns only for exceptions to re-raise as is."""
@@ -231,6 +237,39 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             self._metrics.rpc(method, name, seconds)
         if not method.startswith(_UNTRACED):
             access_log.info("%s %s %.3fs", method, name, seconds)
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """What a request that is not a valid protobuf message of its type deserializes to."""
+
+    error: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserializer`, but bad bytes become an `_Undecodable` for the handler wrapper to refuse as
+    INVALID_ARGUMENT (grpc answers a deserializer's exception with UNKNOWN)."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+            return _Undecodable(type(exc).__name__)
+
+    return deserialize
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument(f"the request is not a valid protobuf message of its type ({request.error})")
+    return request
+
+
+async def _checked_requests(requests: Any):
+    async for request in requests:
+        yield _checked(request)
 
 
 def _bind_caller_request_id(context: grpc.aio.ServicerContext):

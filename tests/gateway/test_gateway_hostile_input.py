@@ -4,6 +4,7 @@ connection that goes on serving, and the fake talker never sees any of them."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 
 import grpc
@@ -13,7 +14,9 @@ from gateway_fakes import build_gateway, frame_pcm, serve_http, wav_bytes
 from test_gateway_grpc import serve_grpc
 
 from qtts import request_limits as lim
-from qtts.pb import tts_pb2
+from qtts.grpc_server import ErrorMappingInterceptor
+from qtts.pb import tts_pb2, tts_pb2_grpc
+from services.gateway.grpc_servicer import TextToSpeechServicer
 
 REF = base64.b64encode(wav_bytes()).decode()
 GOOD = {
@@ -158,3 +161,39 @@ async def test_grpc_out_of_range_fields_are_invalid_argument_naming_the_field(kw
         msgs = [m async for m in stub.Synthesize(grpc_request(max_new_frames=2))]
         assert msgs[-1].summary.num_frames == 2
     assert len(gw.talker.jobs) == 1
+
+
+@contextlib.asynccontextmanager
+async def grpc_channel(gw):
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(gw.metrics)])
+    servicer = TextToSpeechServicer(gw.synth, gw.voice_service)
+    tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield channel
+    await server.stop(0)
+
+
+@pytest.mark.parametrize("method", ["Synthesize", "StreamingSynthesize", "GetVoice"])
+@pytest.mark.parametrize(
+    "payload", [b"\xff\xff\xff", b"\x0a\x05\xc3\x28\xc3\x28\x00"], ids=["junk", "bad-utf8"]
+)
+async def test_bad_protobuf_is_invalid_argument_and_the_server_keeps_serving(method, payload):
+    gw = build_gateway(frames=2)
+    async with grpc_channel(gw) as channel:
+        path = f"/tts.v1.TextToSpeechService/{method}"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            if method == "Synthesize":
+                async for _ in channel.unary_stream(path)(payload):
+                    pass
+            elif method == "StreamingSynthesize":
+                async for _ in channel.stream_stream(path)(iter([payload])):
+                    pass
+            else:
+                await channel.unary_unary(path)(payload)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+        assert "protobuf" in info.value.details()
+        stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
+        msgs = [m async for m in stub.Synthesize(grpc_request(max_new_frames=2))]
+        assert msgs[-1].summary.num_frames == 2
