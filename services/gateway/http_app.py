@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request, WebSocket
@@ -18,6 +18,7 @@ from qtts.metrics import GatewayMetrics
 
 from . import sse
 from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
+from .consents import ConsentStore, consent_router
 from .http_request import OutputOptions, decode_base64_audio, parse_json, parse_speech_body
 from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconnected
 from .instructions import ignored_fields_header
@@ -46,6 +47,8 @@ class HttpDeps:
     stage_health: Callable[[], Awaitable[dict[str, str]]]
     # GET /v1/status; None: gateway figures only (no talker metrics).
     status: StatusReporter | None = None
+    # /v1/audio/voice_consents, and what a voice upload's `consent` is checked against.
+    consents: ConsentStore = field(default_factory=ConsentStore)
 
 
 def error_response(exc: BaseException, metrics: GatewayMetrics | None = None) -> JSONResponse:
@@ -72,7 +75,7 @@ _VOICE_AUDIO_FIELDS = ("audio_sample", "audio", "file", "ref_audio")
 
 
 def _check_voice_extras(kind: object, consent: object) -> None:
-    """OpenAI's `type` (only "audio_sample" is served) and `consent` (accepted, no effect here)."""
+    """OpenAI's `type` (only "audio_sample" is served) and the type of `consent` (ConsentStore checks the id)."""
     if kind is not None and kind != "audio_sample":
         raise InvalidArgument(f"voice type {kind!r} is not supported; only 'audio_sample' is", param="type")
     if consent is not None and not isinstance(consent, str):
@@ -261,8 +264,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
     @app.post("/v1/audio/voices", status_code=201)
     async def create_voice(request: Request) -> JSONResponse:
         """Multipart (`name`, `ref_text`, `x_vector_only_mode`, the clip as file `audio_sample`, OpenAI's
-        name, or `audio`) or JSON with the clip in base64. OpenAI's `consent` (a consent recording id)
-        and `type: "audio_sample"` are accepted; consent is not checked or stored here. Without
+        name, or `audio`) or JSON with the clip in base64. OpenAI's `consent`, when given, must name a
+        record of /v1/audio/voice_consents (consents.py); `type: "audio_sample"` is accepted. Without
         `ref_text` and without `x_vector_only_mode`, the voice is x-vector only."""
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
@@ -274,6 +277,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
                                       param="audio_sample")
             audio = await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), field)
             _check_voice_extras(form.get("type"), form.get("consent"))
+            deps.consents.check(form.get("consent"))
             name, ref_text = str(form.get("name") or ""), str(form.get("ref_text") or "")
             x_field = form.get("x_vector_only_mode")
             x_only = None if x_field is None else str(x_field).lower() in ("1", "true", "yes", "on")
@@ -287,6 +291,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
                 raise InvalidArgument(f"{field} must be a base64 string or data URL", param=field)
             audio = decode_base64_audio(b64, field)
             _check_voice_extras(body.get("type"), body.get("consent"))
+            deps.consents.check(body.get("consent"))
             name, ref_text = body.get("name"), body.get("ref_text")
             if not isinstance(name, str):
                 raise InvalidArgument("name must be a string", param="name")
@@ -297,6 +302,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
                 raise InvalidArgument("x_vector_only_mode must be a boolean", param="x_vector_only_mode")
         voice = await deps.voices.create(name, audio, ref_text, x_only, audio_field=field)
         return JSONResponse(voice.to_json(), status_code=201)
+
+    app.include_router(consent_router(deps.consents))
 
     @app.get("/v1/audio/voices/{name}")
     async def get_voice(name: str) -> dict:

@@ -25,8 +25,11 @@ def test_a_plain_openai_sdk_call_returns_audio(stack):
     into the text-derived frame cap and failed (a 500 the SDK retried twice)."""
     client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
+    consent = client.audio.voice_consents.create(
+        name="Me", language="en-US", recording=("consent.wav", REF_WAV, "audio/wav")
+    )
     voice = client.audio.voices.create(
-        name="plain-call", consent="cons_unused", audio_sample=("me.wav", REF_WAV, "audio/wav")
+        name="plain-call", consent=consent.id, audio_sample=("me.wav", REF_WAV, "audio/wav")
     )
     try:
         audio = client.audio.speech.create(model=model, voice=voice.id, input="Hello from a plain call.")

@@ -337,11 +337,15 @@ async def test_models_health_and_voices():
 
 async def test_voice_upload_with_openai_field_names():
     async with serve_http(build_gateway(BASE)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/voice_consents", files={"recording": ("c.wav", wav_bytes(), "audio/wav")},
+                         data={"name": "Erin", "language": "en-US"})
+        assert r.status_code == 200, r.text
+        consent = r.json()["id"]
         r = await c.post("/v1/audio/voices", files={"audio_sample": ("a.wav", wav_bytes(), "audio/wav")},
-                         data={"name": "erin", "consent": "cons_1234", "type": "audio_sample", "ref_text": "hi"})
+                         data={"name": "erin", "consent": consent, "type": "audio_sample", "ref_text": "hi"})
         assert r.status_code == 201, r.text
         assert r.json()["name"] == "erin" and r.json()["ref_text"] == "hi"
-        r = await c.post("/v1/audio/voices", json={"name": "fay", "audio_sample": REF, "consent": "cons_1",
+        r = await c.post("/v1/audio/voices", json={"name": "fay", "audio_sample": REF, "consent": consent,
                                                    "x_vector_only_mode": True})
         assert r.status_code == 201, r.text
         assert sorted(gw.voices.voices) == ["erin", "fay"]

@@ -44,9 +44,12 @@ async def test_custom_voice_object():
 async def test_voices_create_with_audio_sample_and_consent_then_speak_by_id():
     async with serve_http(build_gateway(frames=2)) as gw:
         client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        consent = await client.audio.voice_consents.create(
+            name="Speaker", language="en-US", recording=("consent.wav", wav_bytes(), "audio/wav")
+        )
         await client.audio.voices.create(
             name="sdk-voice",
-            consent="cons_1234",
+            consent=consent.id,
             audio_sample=("ref.wav", wav_bytes(), "audio/wav"),
             extra_body={"ref_text": "Hello."},
         )
@@ -62,8 +65,11 @@ async def test_voices_create_speak_by_id_and_delete_with_the_sdk_unmodified():
     # No transcript and no extra fields: the voice is x-vector only (cloned from the speaker embedding).
     async with serve_http(build_gateway(frames=2)) as gw:
         client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        consent = await client.audio.voice_consents.create(
+            name="Speaker", language="en-US", recording=("consent.wav", wav_bytes(), "audio/wav")
+        )
         voice = await client.audio.voices.create(
-            name="plain", consent="cons_1", audio_sample=("ref.wav", wav_bytes(), "audio/wav")
+            name="plain", consent=consent.id, audio_sample=("ref.wav", wav_bytes(), "audio/wav")
         )
         assert (voice.id, voice.name, voice.object, voice.type) == (
             "plain",
