@@ -18,6 +18,7 @@ from qtts.metrics import GatewayMetrics
 
 from . import sse
 from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
+from .batch import batch_router
 from .consents import ConsentStore, consent_router
 from .http_request import OutputOptions, decode_base64_audio, parse_json, parse_speech_body
 from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconnected
@@ -304,6 +305,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
         return JSONResponse(voice.to_json(), status_code=201)
 
     app.include_router(consent_router(deps.consents))
+    app.include_router(batch_router(synth))
 
     @app.get("/v1/audio/voices/{name}")
     async def get_voice(name: str) -> dict:
