@@ -124,6 +124,13 @@ class Admission:
         self.reason = ""
         return True
 
+    def capacity(self) -> int | None:
+        """The most streams that may run at once under the duty bound (None: no bound)."""
+        cfg = self.config
+        if cfg.max_duty <= 0 or self.model.per_stream_s <= 0:
+            return None
+        return max(1, int((cfg.max_duty * self.frame_s - self.model.base_s) / self.model.per_stream_s))
+
     def observe_admit(self, now: float) -> None:
         """One request started: update the drain rate (admissions per second)."""
         if self._last_admit_at is not None:

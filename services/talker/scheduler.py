@@ -225,8 +225,8 @@ class Scheduler:
                 self._retry_after(now),
             )
         adm = self.admission
-        if adm is not None and self.waiting and adm.config.first_audio_budget_s > 0:
-            wait = adm.predicted_wait_s(len(self.waiting), now)
+        if adm is not None and adm.config.first_audio_budget_s > 0:
+            wait = self.predicted_wait_s(now)
             if wait is not None and wait > adm.config.first_audio_budget_s:
                 raise ResourceExhausted(
                     f"the talker is at capacity: {len(self.waiting)} requests wait to start, about "
@@ -235,6 +235,45 @@ class Scheduler:
                 )
         req.submitted_at = now
         self.waiting.append(req)
+
+    def predicted_wait_s(self, now: float) -> float | None:
+        """How long a request submitted now would wait to start (None: no estimate, or at once).
+
+        The later of two predictions: the queue's drain rate, and, when the running
+        streams fill the capacity admission allows, the time until enough of them finish to let
+        every request ahead and this one in (from each stream's expected length, paced at most
+        `max_lead_s` ahead of its listener). At capacity the queue drains only as streams end, which
+        a rate measured while it still admitted freely overestimates."""
+        adm = self.admission
+        if adm is None:
+            return None
+        waits = []
+        if self.waiting:
+            rate_wait = adm.predicted_wait_s(len(self.waiting), now)
+            if rate_wait is not None:
+                waits.append(rate_wait)
+        cap = adm.capacity()
+        if cap is not None:
+            need = len(self.running) + len(self.waiting) + 1 - cap
+            if need > 0:
+                ends = sorted(self._finish_in_s(r, now) for r in self.running.values())
+                end = ends[need - 1] if need <= len(ends) else math.inf
+                if not math.isinf(end):  # streams of unknown length give no estimate
+                    waits.append(end)
+        return max(waits) if waits else None
+
+    def _finish_in_s(self, req: ScheduledRequest, now: float) -> float:
+        """When a running stream is expected to end generating, from now."""
+        pol = self.policy
+        total = (
+            req.max_new_frames
+            or getattr(req.prompt, "default_max_frames", None)
+            or getattr(req.prompt, "max_frames", None)
+        )
+        if not total:
+            return math.inf
+        played = 0.0 if req.first_audio_at is None else now - req.first_audio_at
+        return max(0.0, total * pol.frame_s - played - pol.max_lead_s)
 
     def remove(self, request_id: str) -> tuple[ScheduledRequest | None, bool]:
         """Forget a request; returns it and whether it was running (so the generator holds it)."""

@@ -2,8 +2,8 @@
 
 The engine's step costs `base_s + per_stream_s * rows` plus `prefill_position_s` per prompt
 position prefilled in it (prefill honours the scheduler's per-step budget, chunked as the graph
-engine does). A stream's frames reach its listener a chunk at a time (4, 4, 8, then 16 frames,
-as code2wav's default plan), `decode_s` after the chunk's last frame. Each listener starts playing
+engine does). A stream's frames reach its listener a chunk at a time (code2wav's default plan
+unless one is given), `decode_s` after the chunk's last frame. Each listener starts playing
 when its first chunk arrives and measures underruns as the benchmark client does.
 """
 
@@ -40,6 +40,7 @@ class Listener:
     prompt_positions: int
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival time, frames)
     refused: bool = False
+    refused_at: float | None = None
     prefilled: int = 0
     finished_at: float | None = None
 
@@ -102,7 +103,7 @@ def simulate(
         try:
             scheduler.submit(req, t)
         except Exception:  # noqa: BLE001 - refusals are the outcome being measured
-            lis.refused = True
+            lis.refused, lis.refused_at = True, t
             return
         reqs[rid] = req
 
@@ -121,6 +122,7 @@ def simulate(
         step = scheduler.plan(now)
         for req, _ in step.refused:
             listeners[req.request_id].refused = True
+            listeners[req.request_id].refused_at = now
             reqs.pop(req.request_id, None)
         if step.step:
             budget = step.prefill_budget if step.prefill_budget is not None else math.inf

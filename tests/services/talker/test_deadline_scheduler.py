@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from qtts.chunk_plan import ChunkPlan
@@ -142,6 +143,26 @@ def test_requests_past_their_first_audio_budget_are_refused_with_a_retry_hint():
     assert "first-audio budget" in refused[1].message
 
 
+def test_at_capacity_the_wait_is_predicted_from_when_running_streams_end():
+    """Capacity (duty 0.6, 4 ms + 2 ms per stream): 22 streams. With 22 running, 125 frames each
+    and 4 s ahead of playback, ending 2.0, 2.1, ... 4.1 s from now, the k-th newcomer waits for
+    the k-th end: those within the 3 s budget queue, the next is refused at submission."""
+    adm = Admission(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.002, first_audio_budget_s=3.0))
+    s = Scheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    assert adm.capacity() == 22
+    for i in range(22):
+        r = req(f"run{i}")
+        r.max_new_frames = 125
+        s.running[r.request_id] = r
+        started(s, r.request_id, first_audio_at=-4.0 + 0.1 * i, generated=100)
+    assert s.predicted_wait_s(0.0) == pytest.approx(2.0)  # 10 s - 4 s played - 4 s lead
+    for k in range(11):  # waits 2.0 .. 3.0 s
+        s.submit(req(f"fits{k}"), now=0.0)
+    with pytest.raises(ResourceExhausted, match="first-audio budget"):
+        s.submit(req("too-late"), now=0.0)  # 3.1 s
+    assert s.num_waiting == 11
+
+
 def test_a_queue_that_cannot_drain_in_time_refuses_new_requests_at_once():
     adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
     s = Scheduler(max_batch=1000, max_waiting=1000, admission=adm)
@@ -209,6 +230,40 @@ def test_a_long_prefill_beside_running_streams_makes_none_of_them_late():
         assert bool(late) is late_expected
         big = next(x for x in out if x.prompt_positions == 60_000)
         assert big.finished_at is not None and big.ttfa_s > 0.6
+
+
+def poisson_load(rate: float, duration_s: float, frames: int, positions: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    t, out = 0.0, []
+    while (t := t + rng.exponential(1.0 / rate)) < duration_s:
+        out.append((t, frames, positions))
+    return out
+
+
+def test_at_three_times_the_gap_free_load_the_admitted_stay_on_time_and_the_rest_are_refused_at_once():
+    """10 s streams under the default admission (duty 0.6 of a frame: about 220 streams with this
+    cost model) carry 22 requests/s with every stream on time and none refused. At 66/s, three
+    times that: every admitted stream is still gap-free, and every refusal comes at submission
+    (the queue is at capacity and its wait is predicted from when running streams end), none
+    after waiting for its first-audio budget."""
+    light = simulate(
+        Scheduler(10_000, 10_000, admission=Admission(AdmissionConfig())),
+        poisson_load(22, 30, 125, 300),
+        COST,
+        until_s=60,
+    )
+    assert not any(x.refused for x in light) and all(x.max_underrun_s() == 0 for x in light)
+    heavy = simulate(
+        Scheduler(10_000, 10_000, admission=Admission(AdmissionConfig())),
+        poisson_load(66, 30, 125, 300),
+        COST,
+        until_s=60,
+    )
+    admitted = [x for x in heavy if not x.refused]
+    refused = [x for x in heavy if x.refused]
+    assert len(admitted) >= len(light) and len(refused) > len(heavy) // 3
+    assert all(x.max_underrun_s() == 0 for x in admitted)
+    assert max(x.refused_at - x.arrived_at for x in refused) <= 0.05
 
 
 def test_config_flags_for_deadlines_and_admission():
