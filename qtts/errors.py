@@ -57,6 +57,14 @@ class Cancelled(TTSError):
     """The client went away or cancelled the request."""
 
 
+class PayloadTooLarge(TTSError):
+    """The HTTP request body is larger than the server accepts (it never crosses a gRPC hop)."""
+
+
+class RequestTimeout(TTSError):
+    """The HTTP client stopped sending its request body."""
+
+
 @dataclass(frozen=True)
 class ErrorMapping:
     http_status: int
@@ -67,6 +75,11 @@ class ErrorMapping:
 
 
 ERROR_TABLE: dict[type[TTSError], ErrorMapping] = {
+    # HTTP-only errors first: a gRPC code maps back to the last class that has it.
+    PayloadTooLarge: ErrorMapping(
+        413, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "payload_too_large"
+    ),
+    RequestTimeout: ErrorMapping(408, "invalid_request_error", grpc.StatusCode.CANCELLED, "request_timeout"),
     InvalidArgument: ErrorMapping(
         400, "invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT, "invalid_value"
     ),

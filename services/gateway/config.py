@@ -59,6 +59,18 @@ class GatewayConfig:
     # Idle keep-alive of HTTP connections; above a load balancer's idle timeout (60 s is common),
     # so the proxy, not the gateway, closes idle connections (no close racing a new request).
     http_keepalive_s: float = 75.0
+    # A connection whose request headers are not complete this long after it opened (or after the
+    # previous response) is closed (slowloris); a body that stalls this long between pieces is a 408.
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    # Request bodies above this are a 413 (before they are read); 0 = room for a base64
+    # --max-ref-audio-bytes clip and the other fields.
+    max_body_bytes: int = 0
+    # A streaming HTTP response whose client takes no bytes for this long loses its stream (and
+    # its slot); 0 = never.
+    http_write_timeout_s: float = 30.0
+    # Concurrent streams one client (API key, else address) may hold; 0 = only --max-streams.
+    max_streams_per_client: int = 0
     log_level: str = "INFO"
     # `instructions` sent to a variant that has no instruct block (Base, 0.6B CustomVoice):
     # "reject" (400 / INVALID_ARGUMENT naming the field) or "ignore" (dropped, reported in the
@@ -97,9 +109,18 @@ class GatewayConfig:
                 f"--unsupported-instructions must be one of {', '.join(UNSUPPORTED_INSTRUCTIONS)}, "
                 f"got {self.unsupported_instructions!r}"
             )
+        if min(self.http_header_timeout_s, self.http_body_timeout_s, self.http_write_timeout_s) < 0:
+            raise InvalidArgument("--http-{header,body,write}-timeout-s must be >= 0")
+        if self.max_body_bytes < 0 or self.max_streams_per_client < 0:
+            raise InvalidArgument("--max-body-bytes and --max-streams-per-client must be >= 0")
         if not 8000 <= self.sample_rate <= 48000:
             raise InvalidArgument(f"--sample-rate must be in 8000..48000 Hz, got {self.sample_rate}")
         return self
+
+    @property
+    def body_limit_bytes(self) -> int:
+        """--max-body-bytes, or a base64 clip of --max-ref-audio-bytes (4/3 of it) plus 1 MiB."""
+        return self.max_body_bytes or self.max_ref_audio_bytes * 4 // 3 + (1 << 20)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +183,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output sample rate when a request does not set one (native: 24000)")
     p.add_argument("--max-ref-audio-bytes", type=int,
                    default=int(_env("MAX_REF_AUDIO_BYTES", str(d.max_ref_audio_bytes))))
+    for flag, help_text in (
+        ("http_header_timeout_s", "close a connection whose request headers take longer, seconds (0 = never)"),
+        ("http_body_timeout_s", "408 for a request body that stalls this long, seconds (0 = never)"),
+        ("http_write_timeout_s", "end a stream whose client reads nothing this long, seconds (0 = never)"),
+    ):
+        p.add_argument(
+            "--" + flag.replace("_", "-"),
+            type=float,
+            default=float(_env(flag.upper(), str(getattr(d, flag)))),
+            help=help_text,
+        )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=int(_env("MAX_BODY_BYTES", str(d.max_body_bytes))),
+        help="413 above this request body size (0 = room for a base64 --max-ref-audio-bytes clip)",
+    )
+    p.add_argument(
+        "--max-streams-per-client",
+        type=int,
+        default=int(_env("MAX_STREAMS_PER_CLIENT", str(d.max_streams_per_client))),
+        help="concurrent streams per API key (or client address); more are a 429 (0 = no such limit)",
+    )
     p.add_argument(
         "--unsupported-instructions",
         default=_env("UNSUPPORTED_INSTRUCTIONS", d.unsupported_instructions),
@@ -196,4 +240,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         gil_switch_interval_ms=ns.gil_switch_interval_ms,
         log_level=ns.log_level,
         unsupported_instructions=ns.unsupported_instructions,
+        http_header_timeout_s=ns.http_header_timeout_s,
+        http_body_timeout_s=ns.http_body_timeout_s,
+        http_write_timeout_s=ns.http_write_timeout_s,
+        max_body_bytes=ns.max_body_bytes,
+        max_streams_per_client=ns.max_streams_per_client,
     ).validate()

@@ -20,8 +20,13 @@ from . import sse
 from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
 from .batch import batch_router
 from .consents import ConsentStore, consent_router
+from .http_limits import BodyLimitMiddleware
 from .http_request import OutputOptions, decode_base64_audio, parse_json, parse_speech_body
-from .http_streaming import DisconnectAwareStreamingResponse, run_unless_disconnected
+from .http_streaming import (
+    DisconnectAwareStreamingResponse,
+    install_abort_log_filter,
+    run_unless_disconnected,
+)
 from .instructions import ignored_fields_header
 from .job import AudioPiece
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
@@ -50,6 +55,10 @@ class HttpDeps:
     status: StatusReporter | None = None
     # /v1/audio/voice_consents, and what a voice upload's `consent` is checked against.
     consents: ConsentStore = field(default_factory=ConsentStore)
+    # What one client may hold (services/gateway/http_limits.py); 0 = no limit.
+    max_body_bytes: int = 0
+    body_timeout_s: float = 0.0
+    write_timeout_s: float = 0.0
 
 
 def error_response(exc: BaseException, metrics: GatewayMetrics | None = None) -> JSONResponse:
@@ -154,6 +163,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
     """Build the FastAPI app around injected dependencies (no globals)."""
     app = FastAPI(title="Qwen3-TTS gateway", docs_url="/docs", redoc_url=None)
     install_openapi(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=deps.max_body_bytes, body_timeout_s=deps.body_timeout_s)
+    install_abort_log_filter()
     synth, metrics = deps.synthesizer, deps.metrics
 
     @app.exception_handler(TTSError)
@@ -197,7 +208,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
                        **ignored_fields_header(job),
                        "cache-control": "no-cache"}
             return DisconnectAwareStreamingResponse(
-                _stream_chunks(stream, out, metrics, job.sample_rate), headers=headers, media_type=media
+                _stream_chunks(stream, out, metrics, job.sample_rate), headers=headers, media_type=media,
+                write_timeout_s=deps.write_timeout_s, request_id=job.request_id,
             )
         error: BaseException | None = None
         try:

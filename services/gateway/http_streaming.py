@@ -4,12 +4,21 @@ Starlette's StreamingResponse only learns that the client left on its next write
 which can be long after the client went away; a TTS stream must free its talker slot and decoder
 state at once. This response watches `receive()` for `http.disconnect` next to the body pump,
 cancels the pump when it comes, and always closes the body iterator and runs `on_close`.
+
+Two more ways a stream ends early, both aborting the connection so the client sees an incomplete
+body (no terminating chunk), never a clean end of a shorter file:
+- an error after the first byte (the stream failed mid-way);
+- a client that takes no bytes for `write_timeout_s` (a listener that never reads would otherwise
+  hold its talker slot for as long as it likes).
+The abort is a `StreamAborted` raised to the server, whose traceback `AbortedStreamLogFilter`
+keeps out of the log: the stream's own one-line reason has been logged already.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -17,17 +26,51 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from qtts.errors import Cancelled
+from qtts.errors import Cancelled, mapping_for
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class StreamAborted(BaseException):
+    """Raised to the ASGI server to drop a connection whose response has already started (a
+    BaseException: Starlette would turn an Exception into a RuntimeError and a traceback)."""
+
+
+class AbortedStreamLogFilter(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" record for a `StreamAborted`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        while exc is not None:
+            if isinstance(exc, StreamAborted):
+                return False
+            exc = exc.__cause__ or exc.__context__
+        return True
+
+
+def install_abort_log_filter(logger_name: str = "uvicorn.error") -> None:
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, AbortedStreamLogFilter) for f in logger.filters):
+        logger.addFilter(AbortedStreamLogFilter())
 
 
 class DisconnectAwareStreamingResponse(Response):
     """Streams `chunks`; cancels them when the client disconnects."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], *, status_code: int = 200,
-                 headers: dict[str, str] | None = None, media_type: str | None = None):
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        *,
+        status_code: int = 200,
+        headers: dict[str, str] | None = None,
+        media_type: str | None = None,
+        write_timeout_s: float = 0.0,
+        request_id: str = "",
+    ):
         self._chunks = chunks
+        self._write_timeout_s = write_timeout_s
+        self._request_id = request_id
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
@@ -36,21 +79,41 @@ class DisconnectAwareStreamingResponse(Response):
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for chunk in self._chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await self._send_body(send, chunk)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send_body(self, send: Send, chunk: bytes) -> None:
+        # The server's send blocks while the client's TCP window is full (flow control).
+        message = {"type": "http.response.body", "body": chunk, "more_body": True}
+        if self._write_timeout_s <= 0:
+            await send(message)
+            return
+        try:
+            await asyncio.wait_for(send(message), self._write_timeout_s)
+        except TimeoutError:
+            raise Cancelled(f"the client took no audio for {self._write_timeout_s:g} s") from None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.create_task(self._pump(send))
         watch = asyncio.create_task(wait_for_disconnect(receive))
         try:
             await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if pump.done():
-                pump.result()  # an error after the first byte aborts the connection
+            if pump.done() and not pump.cancelled() and (exc := pump.exception()) is not None:
+                # The response has started: only dropping the connection tells the client.
+                m = mapping_for(exc)
+                log.warning(
+                    "stream %s aborted: %s: %s",
+                    self._request_id,
+                    m.grpc_code.name,
+                    getattr(exc, "message", None) or type(exc).__name__,
+                )
+                raise StreamAborted(self._request_id) from exc
         finally:
             for task in (pump, watch):
                 task.cancel()
             for task in (pump, watch):
-                with contextlib.suppress(asyncio.CancelledError, OSError):
+                # A pump error has been reported above (or the client went away): not again here.
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await self._chunks.aclose()
 

@@ -23,6 +23,7 @@ from .admission import Admission
 from .config import GatewayConfig
 from .grpc_servicer import TextToSpeechServicer
 from .http_app import HttpDeps, create_app
+from .http_limits import header_timeout_protocol
 from .http_metrics import HttpMetricsMiddleware
 from .job import ModelCatalog
 from .reference_cache import DecodedReferenceCache
@@ -91,7 +92,10 @@ class GatewayServer:
             TextToSpeechServicer(self.synthesizer, self.voices), self.host.server
         )
         self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check,
-                                       StatusReporter(self.synthesizer, config.talker_metrics_url)))
+                                       StatusReporter(self.synthesizer, config.talker_metrics_url),
+                                       max_body_bytes=config.body_limit_bytes,
+                                       body_timeout_s=config.http_body_timeout_s,
+                                       write_timeout_s=config.http_write_timeout_s))
         self.app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)
         self.app.add_middleware(TracingMiddleware)
         self.app.add_middleware(RequestIdMiddleware)
@@ -99,6 +103,7 @@ class GatewayServer:
             self.app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
             timeout_graceful_shutdown=max(1, int(config.drain_seconds)), access_log=False,
             timeout_keep_alive=int(max(1, config.http_keepalive_s)),
+            http=header_timeout_protocol(config.http_header_timeout_s),
         ))
         self._http_task: asyncio.Task | None = None
         self._catalog_task: asyncio.Task | None = None

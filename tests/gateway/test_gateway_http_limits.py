@@ -1,0 +1,164 @@
+"""What one HTTP client can hold of the gateway: body size, slow requests, listeners that never
+read, and how a stream that fails mid-way ends (real uvicorn, raw sockets, a fake talker)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import socket
+import time
+
+import httpx
+import pytest
+import uvicorn
+from gateway_fakes import build_gateway, free_port, wav_bytes
+
+from qtts.errors import Unavailable
+from services.gateway.http_app import HttpDeps, create_app
+from services.gateway.http_limits import header_timeout_protocol
+from services.gateway.server import _UvicornServer
+
+REF = base64.b64encode(wav_bytes(0.2)).decode()
+GOOD = {
+    "model": "tiny-base",
+    "input": "Hello there.",
+    "ref_audio": REF,
+    "x_vector_only_mode": True,
+    "response_format": "pcm",
+}
+
+
+@contextlib.asynccontextmanager
+async def serve(gw, header_timeout_s: float = 0.0, **limits):
+    async def stage_health():
+        return {"talker": "SERVING", "speaker_cache": "SERVING"}
+
+    app = create_app(HttpDeps(gw.synth, gw.voice_service, gw.metrics, stage_health, **limits))
+    port = free_port()
+    server = _UvicornServer(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            http=header_timeout_protocol(header_timeout_s),
+        )
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    gw.url = f"http://127.0.0.1:{port}"
+    gw.port = port
+    try:
+        yield gw
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def read_all(reader: asyncio.StreamReader, timeout: float = 5.0) -> bytes:
+    return await asyncio.wait_for(reader.read(), timeout)
+
+
+async def test_a_body_over_the_limit_is_a_413_before_it_is_read():
+    async with serve(build_gateway(), max_body_bytes=10_000) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        # Announce 200 MB and send none of it: the answer comes at once.
+        writer.write(
+            b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 200000000\r\n\r\n"
+        )
+        await writer.drain()
+        response = await read_all(reader)
+        writer.close()
+        assert response.startswith(b"HTTP/1.1 413") and b"payload_too_large" in response
+        # Chunked (no content-length): refused once the count passes the limit.
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(
+            b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + b"1000\r\n" + b" " * 4096 + b"\r\n"
+        )
+        for _ in range(3):
+            writer.write(b"1000\r\n" + b" " * 4096 + b"\r\n")
+        await writer.drain()
+        response = await read_all(reader)
+        writer.close()
+        assert response.startswith(b"HTTP/1.1 413") and b"connection: close" in response.lower()
+        async with httpx.AsyncClient(base_url=gw.url) as c:
+            r = await c.post("/v1/audio/speech", json={**GOOD, "stream": False})
+            assert r.status_code == 200
+    assert len(gw.talker.jobs) == 1
+
+
+async def test_slow_headers_and_stalled_bodies_are_closed():
+    async with serve(build_gateway(), header_timeout_s=0.3, max_body_bytes=1 << 20, body_timeout_s=0.3) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\n")  # and never the rest
+        await writer.drain()
+        start = time.monotonic()
+        assert await read_all(reader) == b""  # closed, no response
+        assert time.monotonic() - start < 2
+        writer.close()
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", gw.port)  # sends nothing
+        assert await read_all(idle_reader) == b""
+        idle_writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(
+            b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 1000\r\n\r\n{"input": '
+        )
+        await writer.drain()
+        response = await read_all(reader)
+        writer.close()
+        assert response.startswith(b"HTTP/1.1 408") and b"request_timeout" in response
+        async with httpx.AsyncClient(base_url=gw.url) as c:
+            assert (await c.post("/v1/audio/speech", json={**GOOD, "stream": False})).status_code == 200
+
+
+async def test_a_listener_that_never_reads_loses_its_stream_and_slot():
+    gw = build_gateway(max_streams=1, frames=100_000, chunk=100, delay_s=0.001)
+    async with serve(gw, write_timeout_s=0.5) as gw:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", gw.port))
+        sock.setblocking(False)
+        body = httpx.Request("POST", gw.url + "/v1/audio/speech", json=GOOD).read()
+        head = (
+            f"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode()
+        sock.sendall(head + body)  # and never reads
+        try:
+            await asyncio.sleep(0.2)
+            assert gw.synth.admission.active == 1
+            deadline = time.monotonic() + 10
+            while gw.synth.admission.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert gw.synth.admission.active == 0 and gw.talker.active == 0
+            async with httpx.AsyncClient(base_url=gw.url) as c:
+                r = await c.post("/v1/audio/speech", json={**GOOD, "stream": False, "max_new_tokens": 2})
+                assert r.status_code == 200
+        finally:
+            sock.close()
+
+
+async def test_a_raw_stream_that_fails_mid_way_is_aborted_not_ended_cleanly(caplog):
+    gw = build_gateway(
+        frames=6, chunk=1, error_after_first=Unavailable("code2wav at 10.0.0.7:50053 went away")
+    )
+    async with serve(gw) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        with caplog.at_level(logging.INFO):
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with c.stream("POST", "/v1/audio/speech", json=GOOD) as r:
+                    assert r.status_code == 200
+                    async for _ in r.aiter_raw():
+                        pass
+            await asyncio.sleep(0.1)
+        assert gw.synth.admission.active == 0
+        r = await c.post("/v1/audio/speech", json={**GOOD, "stream_format": "sse"})
+        assert r.status_code == 200  # a new connection serves on
+    assert not [rec for rec in caplog.records if rec.exc_info], [rec.getMessage() for rec in caplog.records]
+    assert any("aborted: UNAVAILABLE" in rec.getMessage() for rec in caplog.records)
