@@ -202,9 +202,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         self._count(mapping.grpc_code)
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after:
-            await context.abort(
-                mapping.grpc_code, message, trailing_metadata=(("retry-after", str(retry_after)),)
+            # gRPC's own retry policy reads grpc-retry-pushback-ms; our clients read retry-after.
+            pushback = (
+                ("retry-after", str(retry_after)),
+                ("grpc-retry-pushback-ms", str(int(retry_after * 1000))),
             )
+            await context.abort(mapping.grpc_code, message, trailing_metadata=pushback)
         await context.abort(mapping.grpc_code, message)
 
     def _count(self, code: grpc.StatusCode | None) -> None:

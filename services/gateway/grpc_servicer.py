@@ -15,6 +15,7 @@ from qtts.sampling_overrides import overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 
 from .audio_encoding import Resampler, make_encoder
+from .client_identity import client_var, grpc_client_key
 from .instructions import ignored_fields_header
 from .job import AudioPiece, SpeechFields, SynthesisJob, SynthesisSummary
 from .synthesis import SynthesisStream, Synthesizer
@@ -122,6 +123,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     async def Synthesize(self, request: tts_pb2.SynthesizeRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         """Stream audio chunks, each with the request id and a sequence number, then a summary."""
+        client_var.set(grpc_client_key(context))  # this call's own task: no reset needed
         try:
             fmt = _encoding(request.audio_encoding)
             job = self._synth.validate(fields_from_pb(request))
@@ -148,6 +150,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         The segments are synthesised in order while more text arrives; an error in any of them ends
         the call with its status (the segments before it were delivered whole)."""
         requests = aiter(request_iterator)
+        client_var.set(grpc_client_key(context))
         try:
             config = await _first_config(requests)
             synthesis = config.synthesis

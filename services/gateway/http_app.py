@@ -19,6 +19,7 @@ from qtts.metrics import GatewayMetrics
 from . import sse
 from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
 from .batch import batch_router
+from .client_identity import ClientIdentityMiddleware
 from .consents import ConsentStore, consent_router
 from .http_limits import BodyLimitMiddleware
 from .http_request import OutputOptions, decode_base64_audio, parse_json, parse_speech_body
@@ -164,6 +165,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app = FastAPI(title="Qwen3-TTS gateway", docs_url="/docs", redoc_url=None)
     install_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=deps.max_body_bytes, body_timeout_s=deps.body_timeout_s)
+    app.add_middleware(ClientIdentityMiddleware)
     install_abort_log_filter()
     synth, metrics = deps.synthesizer, deps.metrics
 

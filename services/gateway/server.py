@@ -76,7 +76,7 @@ class GatewayServer:
                                   self.metrics.reference_cache_misses.inc)
             if config.ref_audio_cache_mb > 0 else None
         )
-        self.synthesizer = Synthesizer(self.talker, lambda: self.catalog, limits, Admission(config.max_streams),
+        self.synthesizer = Synthesizer(self.talker, lambda: self.catalog, limits, Admission(config.max_streams, config.max_streams_per_client),
                                        self.metrics,
                                        decode=self.reference_cache if self.reference_cache is not None else decode,
                                        unsupported_instructions=config.unsupported_instructions)

@@ -18,6 +18,7 @@ from qtts.errors import GenerationFailed, InvalidArgument, Unavailable, mapping_
 from qtts.metrics import GatewayMetrics
 
 from .admission import Admission
+from .client_identity import current_client
 from .instructions import apply_instructions_policy
 from .job import AudioPiece, ModelCatalog, SpeechFields, SynthesisJob, SynthesisSummary
 from .validation import RequestLimits, build_job
@@ -56,8 +57,10 @@ class SynthesisStream:
         events: AsyncIterator[Event],
         first: Event,
         started: float,
+        client: str = "",
     ):
         self.job = job
+        self._client = client
         self._synth = synth
         self._protocol = protocol
         self._events = events
@@ -94,7 +97,7 @@ class SynthesisStream:
         try:
             await self._events.aclose()
         finally:
-            self._synth._finish(self._protocol, self._started, error)
+            self._synth._finish(self._protocol, self._started, error, self._client)
 
 
 class Synthesizer:
@@ -137,7 +140,8 @@ class Synthesizer:
     async def open(self, job: SynthesisJob, protocol: str) -> SynthesisStream:
         """Admit `job`, decode its reference clip, start the talker call and await its first event."""
         started = time.perf_counter()
-        self.admission.admit()
+        client = current_client()
+        self.admission.admit(client)
         self.metrics.active_streams.inc()
         events: AsyncIterator[Event] | None = None
         try:
@@ -158,17 +162,17 @@ class Synthesizer:
         except BaseException as exc:
             if events is not None:
                 await events.aclose()
-            self._finish(protocol, started, exc)
+            self._finish(protocol, started, exc, client)
             raise
-        return SynthesisStream(self, job, protocol, events, first, started)
+        return SynthesisStream(self, job, protocol, events, first, started, client)
 
     def reject(self, protocol: str, exc: BaseException) -> None:
         """Count a request that failed before it was admitted (validation, parsing). Errors by code
         (`tts_errors_total`) are counted by the front end: the gRPC interceptor, or the HTTP app."""
         self.metrics.requests_total.labels(protocol, status_label(exc)).inc()
 
-    def _finish(self, protocol: str, started: float, error: BaseException | None) -> None:
-        self.admission.release()
+    def _finish(self, protocol: str, started: float, error: BaseException | None, client: str = "") -> None:
+        self.admission.release(client)
         self.metrics.active_streams.dec()
         self.metrics.request_duration_seconds.observe(time.perf_counter() - started)
         self.metrics.requests_total.labels(protocol, status_label(error)).inc()

@@ -1,0 +1,64 @@
+"""Who is asking: the key that per-client limits count by.
+
+A client is its API key when it sends one (`Authorization: Bearer <key>`, on HTTP and as gRPC
+metadata; only a hash of it is kept), else its address. Behind a proxy, the address is the
+proxy's unless uvicorn is told to trust its X-Forwarded-For (--forwarded-allow-ips). The key is a
+context variable bound per request, like the request id, so the synthesis core needs no
+transport objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextvars import ContextVar
+from typing import Any
+
+client_var: ContextVar[str] = ContextVar("gateway_client", default="")
+
+
+def current_client() -> str:
+    return client_var.get()
+
+
+def bearer_token(authorization: str | None) -> str:
+    scheme, _, token = (authorization or "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def client_key(token: str, address: str) -> str:
+    if token:
+        return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    return "addr:" + address if address else ""
+
+
+def grpc_peer_host(peer: str) -> str:
+    """`ipv4:1.2.3.4:5678` / `ipv6:[::1]:5678` -> the host part."""
+    _, _, rest = (peer or "").partition(":")
+    host = rest.rpartition(":")[0] if rest.count(":") >= 1 else rest
+    return host.strip("[]") or peer
+
+
+def grpc_client_key(context: Any) -> str:
+    metadata = dict(context.invocation_metadata() or ())
+    return client_key(bearer_token(metadata.get("authorization")), grpc_peer_host(context.peer()))
+
+
+class ClientIdentityMiddleware:
+    """A pure ASGI middleware binding `client_var` for each HTTP request and WebSocket."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        auth = next(
+            (v.decode("latin-1") for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), ""
+        )
+        address = (scope.get("client") or ("",))[0]
+        token = client_var.set(client_key(bearer_token(auth), address))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            client_var.reset(token)

@@ -1,0 +1,81 @@
+"""Per-client stream limits (by API key, else address) and the Retry-After of every refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import grpc
+import httpx
+import pytest
+from gateway_fakes import build_gateway, serve_http, wav_bytes
+from test_gateway_grpc import request as grpc_request
+from test_gateway_grpc import serve_grpc
+
+from qtts.errors import ResourceExhausted
+from services.gateway.admission import Admission
+from services.gateway.client_identity import grpc_peer_host
+
+REF = base64.b64encode(wav_bytes(0.2)).decode()
+GOOD = {
+    "model": "tiny-base",
+    "input": "Hello there.",
+    "ref_audio": REF,
+    "x_vector_only_mode": True,
+    "response_format": "pcm",
+    "stream": False,
+}
+
+
+def test_admission_bounds_each_client_and_the_total():
+    a = Admission(3, max_per_client=2)
+    a.admit("key:a")
+    a.admit("key:a")
+    with pytest.raises(ResourceExhausted) as info:
+        a.admit("key:a")
+    assert info.value.retry_after_s == 1 and "this client" in info.value.message
+    a.admit("key:b")
+    with pytest.raises(ResourceExhausted):
+        a.admit("key:c")  # the total bound
+    a.release("key:a")
+    a.admit("key:c")
+    assert (a.active, a.active_for("key:a"), a.active_for("key:c")) == (3, 1, 1)
+
+
+def test_grpc_peer_host():
+    assert grpc_peer_host("ipv4:10.1.2.3:5555") == "10.1.2.3"
+    assert grpc_peer_host("ipv6:[::1]:5555") == "::1"
+
+
+async def test_one_key_cannot_take_every_slot_over_http():
+    gw = build_gateway(max_streams=8, frames=20, chunk=1, delay_s=0.05)
+    gw.synth.admission = Admission(8, max_per_client=2)
+    async with serve_http(gw) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        hog = {"authorization": "Bearer key-a"}
+        held = [asyncio.create_task(c.post("/v1/audio/speech", json=GOOD, headers=hog)) for _ in range(2)]
+        while gw.synth.admission.active < 2:
+            await asyncio.sleep(0.01)
+        refused = await c.post("/v1/audio/speech", json=GOOD, headers=hog)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        other = await c.post(
+            "/v1/audio/speech", json={**GOOD, "max_new_tokens": 2}, headers={"authorization": "Bearer key-b"}
+        )
+        assert other.status_code == 200
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+    assert gw.synth.admission.active == 0
+
+
+async def test_grpc_refusal_carries_retry_after_and_pushback():
+    gw = build_gateway(max_streams=8, frames=20, chunk=1, delay_s=0.05)
+    gw.synth.admission = Admission(8, max_per_client=1)
+    async with serve_grpc(gw) as stub:
+        first = stub.Synthesize(grpc_request())
+        await first.read()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.Synthesize(grpc_request()):
+                pass
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(info.value.trailing_metadata())
+        assert trailers["retry-after"] == "1" and trailers["grpc-retry-pushback-ms"] == "1000"
+        first.cancel()
