@@ -50,14 +50,40 @@ def _unavailable_on_redis_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..
     return wrapper
 
 
+# KEYS: the voices set, the voice's hash; ARGV: name, max voices, overwrite (0/1).
+# Returns _EXISTS, _FULL, _NEW (a new name claimed) or _REPLACED (an existing one, overwrite).
+_CLAIM_VOICE = """
+local known = redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1
+if known then
+  if ARGV[3] == '0' then return 0 end
+  return 3
+end
+if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 1 end
+redis.call('HSET', KEYS[2], 'name', ARGV[1])
+redis.call('SADD', KEYS[1], ARGV[1])
+return 2
+"""
+_EXISTS, _FULL, _NEW, _REPLACED = 0, 1, 2, 3
+
+
 class RedisStore:
     """`SpeakerStore` on Redis; several speaker_cache replicas may share one Redis."""
 
-    def __init__(self, url: str, *, namespace: str = "tts:", prompt_ttl_s: int = 0, timeout_s: float = 5.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "tts:",
+        prompt_ttl_s: int = 0,
+        timeout_s: float = 5.0,
+        max_voices: int = 10_000,
+    ):
         self.url = url
         self.namespace = namespace
         self.prompt_ttl_s = prompt_ttl_s
+        self.max_voices = max_voices
         self._redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._claim = self._redis.register_script(_CLAIM_VOICE)
 
     def _prompt_key(self, key: str) -> str:
         return f"{self.namespace}prompt:{key}"
@@ -114,15 +140,24 @@ class RedisStore:
     @_unavailable_on_redis_errors
     async def create_voice(self, voice: VoiceRecord, overwrite: bool) -> VoiceRecord:
         rkey = self._voice_key(voice.name)
-        # HSETNX on the name field claims the voice atomically, even with several replicas.
-        if not overwrite and not await self._redis.hsetnx(rkey, "name", voice.name):
+        # One script claims the name and a place under --max-voices atomically, even with several
+        # replicas sharing the Redis (a count, then a write, would let a race pass the limit).
+        claimed = await self._claim(
+            keys=[self._voices_set, rkey], args=[voice.name, self.max_voices, int(overwrite)]
+        )
+        if claimed == _EXISTS:
             raise AlreadyExists(f"voice {voice.name!r} already exists")
+        if claimed == _FULL:
+            raise ResourceExhausted(f"voice limit reached ({self.max_voices})")
         try:
             await self._write_voice(rkey, voice, overwrite)
         except BaseException:
-            if not overwrite:  # release the claim, or the name would stay taken by a half-written voice
+            if claimed == _NEW:  # release the claim, or the name would stay taken by a half-written voice
                 with contextlib.suppress(RedisError):
-                    await self._redis.delete(rkey)
+                    async with self._redis.pipeline(transaction=True) as pipe:
+                        pipe.delete(rkey)
+                        pipe.srem(self._voices_set, voice.name)
+                        await pipe.execute()
             raise
         return voice
 

@@ -26,7 +26,10 @@ SERVICE_NAME = service_full_name(speaker_cache_pb2, "SpeakerCacheService")
 def build_store(config: SpeakerCacheConfig) -> SpeakerStore:
     if config.redis_url:
         return RedisStore(
-            config.redis_url, namespace=config.redis_namespace, prompt_ttl_s=config.prompt_ttl_s
+            config.redis_url,
+            namespace=config.redis_namespace,
+            prompt_ttl_s=config.prompt_ttl_s,
+            max_voices=config.max_voices,
         )
     return LruStore(config.lru_entries, config.lru_bytes, config.max_voices)
 
