@@ -332,6 +332,7 @@ class GrpcServiceHost:
         max_connection_age_s: float = 0.0,
         max_connection_age_grace_s: float = 0.0,
         options: Iterable[tuple[str, Any]] = (),
+        interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     ):
         try:
             # grpc.aio binds the server to the loop it is created on: a host built before
@@ -346,7 +347,7 @@ class GrpcServiceHost:
         self.metrics_port = metrics_port
         self.drain_seconds = drain_seconds
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(metrics)],
+            interceptors=[ErrorMappingInterceptor(metrics), *interceptors],
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),

@@ -71,6 +71,8 @@ class GatewayConfig:
     http_write_timeout_s: float = 30.0
     # Concurrent streams one client (API key, else address) may hold; 0 = only --max-streams.
     max_streams_per_client: int = 0
+    # API keys, one a line (services/gateway/auth.py), next to TTS_GATEWAY_API_KEYS; none: no auth.
+    api_keys_file: str = ""
     log_level: str = "INFO"
     # `instructions` sent to a variant that has no instruct block (Base, 0.6B CustomVoice):
     # "reject" (400 / INVALID_ARGUMENT naming the field) or "ignore" (dropped, reported in the
@@ -207,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="concurrent streams per API key (or client address); more are a 429 (0 = no such limit)",
     )
     p.add_argument(
+        "--api-keys-file",
+        default=_env("API_KEYS_FILE", d.api_keys_file),
+        help="file of API keys, one a line; with it (or TTS_GATEWAY_API_KEYS) every /v1/ route and "
+        "tts.v1 RPC needs Authorization: Bearer <key> (default: no authentication)",
+    )
+    p.add_argument(
         "--unsupported-instructions",
         default=_env("UNSUPPORTED_INSTRUCTIONS", d.unsupported_instructions),
         help="instructions on a variant without an instruct block (Base, 0.6B CustomVoice): reject "
@@ -245,4 +253,5 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         http_write_timeout_s=ns.http_write_timeout_s,
         max_body_bytes=ns.max_body_bytes,
         max_streams_per_client=ns.max_streams_per_client,
+        api_keys_file=ns.api_keys_file,
     ).validate()

@@ -15,6 +15,7 @@ from qtts.sampling_overrides import overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 
 from .audio_encoding import Resampler, make_encoder
+from .auth import ApiKeys, grpc_owner, owner_var
 from .client_identity import client_var, grpc_client_key
 from .instructions import ignored_fields_header
 from .job import AudioPiece, SpeechFields, SynthesisJob, SynthesisSummary
@@ -116,14 +117,21 @@ def voice_to_pb(v: VoiceInfo) -> tts_pb2.Voice:
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     """Synthesize and the voices API; errors are raised as TTSError and mapped by the interceptor."""
 
-    def __init__(self, synthesizer: Synthesizer, voices: VoiceService):
+    def __init__(self, synthesizer: Synthesizer, voices: VoiceService, api_keys: ApiKeys | None = None):
         self._synth = synthesizer
         self._voices = voices
+        self._api_keys = api_keys
+
+    def _bind_caller(self, context: grpc.aio.ServicerContext) -> None:
+        """The caller's client key and voice owner, for this call's task (no reset needed)."""
+        client_var.set(grpc_client_key(context))
+        if self._api_keys is not None and self._api_keys.enabled:
+            owner_var.set(grpc_owner(context))  # the interceptor has checked the key
 
     async def Synthesize(self, request: tts_pb2.SynthesizeRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         """Stream audio chunks, each with the request id and a sequence number, then a summary."""
-        client_var.set(grpc_client_key(context))  # this call's own task: no reset needed
+        self._bind_caller(context)
         try:
             fmt = _encoding(request.audio_encoding)
             job = self._synth.validate(fields_from_pb(request))
@@ -150,7 +158,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         The segments are synthesised in order while more text arrives; an error in any of them ends
         the call with its status (the segments before it were delivered whole)."""
         requests = aiter(request_iterator)
-        client_var.set(grpc_client_key(context))
+        self._bind_caller(context)
         try:
             config = await _first_config(requests)
             synthesis = config.synthesis
@@ -246,12 +254,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     async def ListVoices(self, request: tts_pb2.ListVoicesRequest,
                          context: grpc.aio.ServicerContext) -> tts_pb2.ListVoicesResponse:
         """Cloned voices from speaker_cache and the model's preset speakers."""
+        self._bind_caller(context)
         return tts_pb2.ListVoicesResponse(voices=[voice_to_pb(v) for v in await self._voices.list()])
 
     async def CreateVoice(self, request: tts_pb2.CreateVoiceRequest,
                           context: grpc.aio.ServicerContext) -> tts_pb2.CreateVoiceResponse:
         """Store a reference clip (any container) under a name; without a transcript (and without
         x_vector_only set) the voice is x-vector only, as over HTTP."""
+        self._bind_caller(context)
         x_vector_only = request.x_vector_only if request.HasField("x_vector_only") else None
         voice = await self._voices.create(request.name, request.reference_audio, request.reference_text,
                                           x_vector_only, audio_field="reference_audio")
@@ -260,9 +270,11 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     async def GetVoice(self, request: tts_pb2.GetVoiceRequest,
                        context: grpc.aio.ServicerContext) -> tts_pb2.GetVoiceResponse:
         """One stored voice (with its clip's duration) or preset speaker."""
+        self._bind_caller(context)
         return tts_pb2.GetVoiceResponse(voice=voice_to_pb(await self._voices.get(request.name)))
 
     async def DeleteVoice(self, request: tts_pb2.DeleteVoiceRequest,
                           context: grpc.aio.ServicerContext) -> tts_pb2.DeleteVoiceResponse:
+        self._bind_caller(context)
         await self._voices.delete(request.name)
         return tts_pb2.DeleteVoiceResponse()

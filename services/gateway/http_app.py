@@ -18,6 +18,7 @@ from qtts.metrics import GatewayMetrics
 
 from . import sse
 from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
+from .auth import ApiKeyMiddleware, ApiKeys
 from .batch import batch_router
 from .client_identity import ClientIdentityMiddleware
 from .consents import ConsentStore, consent_router
@@ -60,6 +61,8 @@ class HttpDeps:
     max_body_bytes: int = 0
     body_timeout_s: float = 0.0
     write_timeout_s: float = 0.0
+    # None or no keys: no authentication.
+    api_keys: ApiKeys | None = None
 
 
 def error_response(exc: BaseException, metrics: GatewayMetrics | None = None) -> JSONResponse:
@@ -166,6 +169,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
     install_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=deps.max_body_bytes, body_timeout_s=deps.body_timeout_s)
     app.add_middleware(ClientIdentityMiddleware)
+    if deps.api_keys is not None and deps.api_keys.enabled:
+        app.add_middleware(ApiKeyMiddleware, keys=deps.api_keys)
     install_abort_log_filter()
     synth, metrics = deps.synthesizer, deps.metrics
 

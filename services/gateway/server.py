@@ -20,6 +20,7 @@ from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.tracing import TracingMiddleware
 
 from .admission import Admission
+from .auth import ApiKeyInterceptor, ApiKeys, load_api_keys
 from .config import GatewayConfig
 from .grpc_servicer import TextToSpeechServicer
 from .http_app import HttpDeps, create_app
@@ -84,18 +85,21 @@ class GatewayServer:
                                    config.max_ref_audio_bytes)
         self.stage_health = StageHealth({"talker": self.talker.channel,
                                          "speaker_cache": self.voice_client.channel})
+        self.api_keys = ApiKeys(load_api_keys(config.api_keys_file))
         self.host = GrpcServiceHost(
             service_names=[SERVICE_NAME], metrics=self.metrics, host=config.host, port=config.grpc_port,
             metrics_port=config.metrics_port, drain_seconds=config.drain_seconds,
+            interceptors=[ApiKeyInterceptor(self.api_keys, [SERVICE_NAME])],
         )
         tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
-            TextToSpeechServicer(self.synthesizer, self.voices), self.host.server
+            TextToSpeechServicer(self.synthesizer, self.voices, self.api_keys), self.host.server
         )
         self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check,
                                        StatusReporter(self.synthesizer, config.talker_metrics_url),
                                        max_body_bytes=config.body_limit_bytes,
                                        body_timeout_s=config.http_body_timeout_s,
-                                       write_timeout_s=config.http_write_timeout_s))
+                                       write_timeout_s=config.http_write_timeout_s,
+                                       api_keys=self.api_keys))
         self.app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)
         self.app.add_middleware(TracingMiddleware)
         self.app.add_middleware(RequestIdMiddleware)

@@ -18,6 +18,7 @@ from qtts.errors import GenerationFailed, InvalidArgument, Unavailable, mapping_
 from qtts.metrics import GatewayMetrics
 
 from .admission import Admission
+from .auth import current_owner, scoped_voice_name
 from .client_identity import current_client
 from .instructions import apply_instructions_policy
 from .job import AudioPiece, ModelCatalog, SpeechFields, SynthesisJob, SynthesisSummary
@@ -134,8 +135,11 @@ class Synthesizer:
 
     def validate(self, fields: SpeechFields) -> SynthesisJob:
         catalog = self.catalog()
-        return apply_instructions_policy(build_job(fields, catalog, self.limits), catalog,
-                                         self._unsupported_instructions)
+        job = apply_instructions_policy(build_job(fields, catalog, self.limits), catalog,
+                                        self._unsupported_instructions)
+        if job.task == "voice_clone" and job.voice and job.reference_audio is None and (owner := current_owner()):
+            job = replace(job, voice=scoped_voice_name(job.voice, owner))  # the key's own stored voice
+        return job
 
     async def open(self, job: SynthesisJob, protocol: str) -> SynthesisStream:
         """Admit `job`, decode its reference clip, start the talker call and await its first event."""

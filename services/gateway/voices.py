@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from qtts.errors import InvalidArgument
 
+from .auth import current_owner, scoped_voice_name, unscoped_voice_name
 from .job import ModelCatalog
 from .validation import check_voice_name
 from .voice_client import VoiceInfo
@@ -40,7 +42,13 @@ class VoiceService:
         """Cloned voices from the store, then the model's preset speakers."""
         catalog = self._catalog()
         presets = [VoiceInfo(name=s, kind="preset") for s in (catalog.speakers if catalog else ())]
-        return [*sorted(await self._store.list(), key=lambda v: v.name), *presets]
+        owner = current_owner()
+        own = [
+            dataclasses.replace(v, name=name)
+            for v in await self._store.list()
+            if (name := unscoped_voice_name(v.name, owner)) is not None
+        ]
+        return [*sorted(own, key=lambda v: v.name), *presets]
 
     async def get(self, name: str) -> VoiceInfo:
         """A stored voice (with its clip's duration) or one of the model's preset speakers."""
@@ -48,7 +56,8 @@ class VoiceService:
         catalog = self._catalog()
         if catalog and name.lower() in catalog.speakers:
             return VoiceInfo(name=name.lower(), kind="preset")
-        return await self._store.get(name)
+        voice = await self._store.get(scoped_voice_name(name, current_owner()))
+        return dataclasses.replace(voice, name=name)
 
     async def create(self, name: str, audio: bytes | None, reference_text: str | None,
                      x_vector_only: bool | None, audio_field: str = "audio") -> VoiceInfo:
@@ -73,7 +82,9 @@ class VoiceService:
         except InvalidArgument as exc:
             exc.param = exc.param or audio_field
             raise
-        return await self._store.create(name, pcm, "" if x_vector_only else ref_text, x_vector_only)
+        stored = scoped_voice_name(name, current_owner())
+        voice = await self._store.create(stored, pcm, "" if x_vector_only else ref_text, x_vector_only)
+        return dataclasses.replace(voice, name=name)
 
     async def delete(self, name: str) -> None:
-        await self._store.delete(check_voice_name(name))
+        await self._store.delete(scoped_voice_name(check_voice_name(name), current_owner()))

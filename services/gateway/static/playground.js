@@ -435,7 +435,10 @@
 
   function wsUrl() {
     const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-    return `${scheme}//${location.host}/v1/audio/speech/stream`;
+    // A browser cannot set headers on a WebSocket: the gateway takes the key as a query parameter.
+    const key = $("api-key").value.trim();
+    const query = key ? `?api_key=${encodeURIComponent(key)}` : "";
+    return `${scheme}//${location.host}/v1/audio/speech/stream${query}`;
   }
 
   // Show the mode only when the endpoint answers; a server without it simply has no such mode.
