@@ -40,6 +40,9 @@ from .voices import VoiceService
 
 log = logging.getLogger(__name__)
 
+# The stages synthesis cannot do without; the others (speaker_cache) only degrade the service.
+REQUIRED_STAGES = ("talker",)
+
 # The playground page (GET /): static HTML, CSS and JavaScript shipped with the gateway.
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
@@ -256,13 +259,24 @@ def create_app(deps: HttpDeps) -> FastAPI:
             raise NotFound(f"model {model_id!r} does not exist; this server serves {catalog.name!r}")
         return {"id": catalog.name, "object": "model", "created": 0, "owned_by": "qwen"}
 
+    @app.get("/livez")
+    async def livez() -> dict:
+        """Liveness: the process and its event loop answer (a stage being down is not a reason to
+        restart the gateway)."""
+        return {"status": "ok"}
+
     @app.get("/health")
+    @app.get("/readyz")
     async def health() -> JSONResponse:
-        """200 only when the talker and speaker_cache are SERVING and the model is known."""
+        """Readiness: 200 when the model is known and the talker is SERVING. speaker_cache (and its
+        Redis) only serves the voice API: when it is down the gateway stays ready, synthesis with
+        inline clips and presets goes on, and the body says `degraded`."""
         stages = await deps.stage_health()
         ready = synth.ready
-        ok = ready and all(status == "SERVING" for status in stages.values())
-        body = {"status": "ok" if ok else "unavailable", "model_loaded": ready, "stages": stages}
+        ok = ready and all(stages.get(name, "SERVING") == "SERVING" for name in REQUIRED_STAGES)
+        degraded = ok and any(status != "SERVING" for status in stages.values())
+        body = {"status": "degraded" if degraded else "ok" if ok else "unavailable", "model_loaded": ready,
+                "stages": stages}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     status = deps.status or StatusReporter(synth)

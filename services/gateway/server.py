@@ -142,6 +142,21 @@ class GatewayServer:
         self.catalog = catalog
         log.info("serving model %s (%s)", catalog.name, catalog.model_type)
         await self.host.set_serving()
+        await self._follow_talker()
+
+    async def _follow_talker(self) -> None:
+        """The gateway's gRPC health follows the talker's (every --talker-refresh-s): a gateway
+        whose talker is down must not draw gRPC clients. speaker_cache does not count: without
+        it only the voice API fails."""
+        serving = True
+        while True:
+            await asyncio.sleep(self.config.talker_refresh_s)
+            talker_ok = (await self.stage_health.check()).get("talker") == "SERVING"
+            if talker_ok != serving:
+                serving = talker_ok
+                log.warning("talker %s: gRPC health %s", "back" if serving else "not serving",
+                            "SERVING" if serving else "NOT_SERVING")
+                await (self.host.set_serving() if serving else self.host.set_not_serving())
 
     async def stop(self) -> None:
         """Drain: health NOT_SERVING, no new requests, in-flight streams get drain_seconds."""
