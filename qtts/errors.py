@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -130,12 +131,29 @@ def retry_after_of(metadata) -> int | None:
     return None
 
 
+# What a message must not show a client: addresses of the services behind the gateway (gRPC
+# peers, host:port, URLs with credentials). Internal hops keep them; the public edge redacts.
+_INTERNAL_ADDRESS = re.compile(
+    r"(?:\b(?:ipv4|ipv6|unix|dns):\S+)"
+    r"|(?:\b(?:redis|rediss|http|https)://\S+)"
+    r"|(?:\[[0-9A-Fa-f:.]+\](?::\d+)?)"
+    r"|(?:\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b)"
+    r"|(?:\b[A-Za-z][\w-]*(?:\.[\w-]+)*:\d{2,5}\b)"
+)
+
+
+def redact_internal(message: str) -> str:
+    """`message` with internal addresses replaced by `<internal>`."""
+    return _INTERNAL_ADDRESS.sub("<internal>", message)
+
+
 def openai_error_body(exc: BaseException) -> dict:
     """The OpenAI-shaped JSON error body for an exception: `param` names the field at fault when
-    known, `code` is a string or null (the HTTP status is the response's own)."""
+    known, `code` is a string or null (the HTTP status is the response's own). Internal addresses
+    in the message are redacted: this body goes to the public."""
     m = mapping_for(exc)
     if isinstance(exc, TTSError):
-        message, param = exc.message, exc.param
+        message, param = redact_internal(exc.message), exc.param
     else:
         message, param = "internal server error", None
     return {"error": {"message": message, "type": m.openai_type, "param": param, "code": m.openai_code}}

@@ -51,7 +51,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from qtts import tracing
-from qtts.errors import InvalidArgument, TTSError, mapping_for
+from qtts.errors import InvalidArgument, TTSError, mapping_for, redact_internal
 from qtts.log_context import bind_request_id, log_handler, request_id_from_metadata, request_id_var
 from qtts.metrics import ServiceMetrics
 
@@ -101,8 +101,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Maps domain errors to gRPC status codes, counts every error a handler ends with, and
     counts and times every call by method and final code (tts_rpc_*)."""
 
-    def __init__(self, metrics: ServiceMetrics | None):
+    def __init__(self, metrics: ServiceMetrics | None, redact: bool = False):
         self._metrics = metrics
+        # A public front end (the gateway): no internal address in a status message.
+        self._redact = redact
 
     async def intercept_service(
         self,
@@ -196,6 +198,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if isinstance(exc, TTSError):
             message = exc.message
             log.info("%s failed: %s: %s", method, mapping.grpc_code.name, message)
+            if self._redact:
+                message = redact_internal(message)
         else:
             message = "internal error"
             log.error("%s raised an unexpected exception", method, exc_info=exc)
@@ -333,6 +337,7 @@ class GrpcServiceHost:
         max_connection_age_grace_s: float = 0.0,
         options: Iterable[tuple[str, Any]] = (),
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+        redact_errors: bool = False,
     ):
         try:
             # grpc.aio binds the server to the loop it is created on: a host built before
@@ -347,7 +352,7 @@ class GrpcServiceHost:
         self.metrics_port = metrics_port
         self.drain_seconds = drain_seconds
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(metrics), *interceptors],
+            interceptors=[ErrorMappingInterceptor(metrics, redact_errors), *interceptors],
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),

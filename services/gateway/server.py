@@ -89,7 +89,7 @@ class GatewayServer:
         self.host = GrpcServiceHost(
             service_names=[SERVICE_NAME], metrics=self.metrics, host=config.host, port=config.grpc_port,
             metrics_port=config.metrics_port, drain_seconds=config.drain_seconds,
-            interceptors=[ApiKeyInterceptor(self.api_keys, [SERVICE_NAME])],
+            interceptors=[ApiKeyInterceptor(self.api_keys, [SERVICE_NAME])], redact_errors=True,
         )
         tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
             TextToSpeechServicer(self.synthesizer, self.voices, self.api_keys), self.host.server

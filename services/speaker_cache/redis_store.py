@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -26,6 +27,8 @@ from services.speaker_cache.records import PromptRecord, VoiceRecord
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 _VOICE_LIST_FIELDS = ("name", "sample_rate_hz", "reference_text", "x_vector_only", "created_unix_s")
 
 
@@ -37,7 +40,8 @@ def _unavailable_on_redis_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..
         try:
             return await fn(*args, **kwargs)
         except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise Unavailable(f"redis unavailable: {exc}") from exc
+            log.warning("redis unavailable: %s", exc)
+            raise Unavailable("the voice store (Redis) is unavailable") from exc
         except RedisError as exc:
             if isinstance(exc, OutOfMemoryError):
                 # maxmemory reached with nothing evictable left (only named voices, which carry no
@@ -45,7 +49,9 @@ def _unavailable_on_redis_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..
                 raise ResourceExhausted(
                     "the voice store is full (Redis maxmemory): delete voices or give Redis more memory"
                 ) from exc
-            raise Unavailable(f"redis error: {exc}") from exc
+            # The reply names commands and keys: for the log, not for the caller.
+            log.error("redis error: %s", exc)
+            raise Unavailable("the voice store (Redis) failed the request") from exc
 
     return wrapper
 
