@@ -26,6 +26,7 @@ from urllib.parse import parse_qs
 import grpc
 
 from qtts.errors import InvalidArgument
+from qtts.internal_auth import rejecting_handler
 
 from .client_identity import bearer_token
 
@@ -145,15 +146,17 @@ async def _refuse(scope: dict, send: Any, message: str) -> None:
         await send({"type": "websocket.close", "code": 1008, "reason": "invalid_api_key"})
         return
     body = _unauthorized_body(message)
-    await send({
-        "type": "http.response.start",
-        "status": 401,
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -173,29 +176,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or not self.keys.enabled or not handler_call_details.method.startswith(self.prefixes):
+        if (
+            handler is None
+            or not self.keys.enabled
+            or not handler_call_details.method.startswith(self.prefixes)
+        ):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         token = bearer_token(metadata.get("authorization"))
         if self.keys.owner(token) is not None:
             return handler
         message = "missing API key: send authorization: Bearer <key>" if not token else "incorrect API key"
-        return _rejecting(handler, message)
-
-
-def _rejecting(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def reject(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def reject_stream(request: Any, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - an async generator, as the handler type needs
-
-    des, ser = handler.request_deserializer, handler.response_serializer
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(reject, des, ser)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(reject, des, ser)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(reject_stream, des, ser)
-    return grpc.stream_stream_rpc_method_handler(reject_stream, des, ser)
+        return rejecting_handler(handler, grpc.StatusCode.UNAUTHENTICATED, message)

@@ -73,6 +73,8 @@ class GatewayConfig:
     max_streams_per_client: int = 0
     # API keys, one a line (services/gateway/auth.py), next to TTS_GATEWAY_API_KEYS; none: no auth.
     api_keys_file: str = ""
+    # Shared secret of the services (qtts/internal_auth.py); empty: off.
+    internal_token: str = ""
     log_level: str = "INFO"
     # `instructions` sent to a variant that has no instruct block (Base, 0.6B CustomVoice):
     # "reject" (400 / INVALID_ARGUMENT naming the field) or "ignore" (dropped, reported in the
@@ -215,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tts.v1 RPC needs Authorization: Bearer <key> (default: no authentication)",
     )
     p.add_argument(
+        "--internal-token",
+        default=_env("INTERNAL_TOKEN", d.internal_token),
+        help="shared secret of the services (qtts/internal_auth.py): sent on calls to the other "
+        "services and required from callers; prefer the env var to the flag (default: off)",
+    )
+    p.add_argument(
         "--unsupported-instructions",
         default=_env("UNSUPPORTED_INSTRUCTIONS", d.unsupported_instructions),
         help="instructions on a variant without an instruct block (Base, 0.6B CustomVoice): reject "
@@ -254,4 +262,5 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         max_body_bytes=ns.max_body_bytes,
         max_streams_per_client=ns.max_streams_per_client,
         api_keys_file=ns.api_keys_file,
+        internal_token=ns.internal_token,
     ).validate()

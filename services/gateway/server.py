@@ -9,12 +9,14 @@ import signal
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+import grpc
 import numpy as np
 import uvicorn
 from prometheus_client import CollectorRegistry
 
 from qtts.errors import TTSError
-from qtts.grpc_server import GrpcServiceHost, service_full_name
+from qtts.grpc_server import RECONNECT_OPTIONS, GrpcServiceHost, service_full_name
+from qtts.internal_auth import client_interceptors
 from qtts.metrics import GatewayMetrics
 from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.tracing import TracingMiddleware
@@ -63,11 +65,13 @@ class GatewayServer:
         self.config = config
         self.metrics = GatewayMetrics(CollectorRegistry())
         self.talker_pool = (
-            TalkerPool(DnsResolver(config.talker), refresh_s=config.talker_refresh_s)
+            TalkerPool(DnsResolver(config.talker), refresh_s=config.talker_refresh_s,
+                       connect=lambda addr: grpc.aio.insecure_channel(
+                           addr, options=RECONNECT_OPTIONS, interceptors=client_interceptors(config.internal_token)))
             if config.talker_balancing == "pool" else None
         )
-        self.talker = TalkerClient(config.talker, pool=self.talker_pool)
-        self.voice_client = VoiceClient(config.speaker_cache)
+        self.talker = TalkerClient(config.talker, pool=self.talker_pool, token=config.internal_token)
+        self.voice_client = VoiceClient(config.speaker_cache, token=config.internal_token)
         self.catalog: ModelCatalog | None = None
         self._catalog_retry_s = catalog_retry_s
         limits = RequestLimits(config.max_input_chars, config.max_new_frames_limit, config.max_ref_audio_bytes,

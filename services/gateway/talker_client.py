@@ -10,6 +10,7 @@ import numpy as np
 from qtts import tracing
 from qtts.errors import Unavailable, from_grpc
 from qtts.grpc_server import RECONNECT_OPTIONS
+from qtts.internal_auth import client_interceptors
 from qtts.log_context import outgoing_metadata
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.sampling_overrides import overrides_to_pb
@@ -83,11 +84,13 @@ class TalkerClient:
     the gateway's health check use that shared channel either way.
     """
 
-    def __init__(self, address: str, pool: TalkerPool | None = None):
+    def __init__(self, address: str, pool: TalkerPool | None = None, token: str = ""):
         self.address = address
         self.pool = pool
         self._channel = grpc.aio.insecure_channel(
-            address, options=[("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS]
+            address,
+            options=[("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS],
+            interceptors=client_interceptors(token),
         )
         self._stub = talker_pb2_grpc.TalkerServiceStub(self._channel)
 

@@ -41,6 +41,8 @@ class SpeakerCacheConfig:
     # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     log_level: str = "INFO"
+    # Shared secret of the services (qtts/internal_auth.py); empty: off.
+    internal_token: str = ""
 
     def validate(self) -> SpeakerCacheConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
@@ -61,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = SpeakerCacheConfig()
     p = argparse.ArgumentParser(prog="python -m services.speaker_cache", description=__doc__)
     add_server_flags(p, _env, d)
+    p.add_argument(
+        "--internal-token",
+        default=_env("INTERNAL_TOKEN", d.internal_token),
+        help="shared secret of the services (qtts/internal_auth.py): sent on calls to the other "
+        "services and required from callers; prefer the env var to the flag (default: off)",
+    )
     p.add_argument(
         "--redis-url",
         default=_env("REDIS_URL", os.environ.get("REDIS_URL", d.redis_url)),
@@ -104,4 +112,5 @@ def config_from_args(argv: Sequence[str] | None = None) -> SpeakerCacheConfig:
         drain_seconds=ns.drain_seconds,
         gil_switch_interval_ms=ns.gil_switch_interval_ms,
         log_level=ns.log_level,
+        internal_token=ns.internal_token,
     ).validate()

@@ -9,6 +9,7 @@ import logging
 from prometheus_client import CollectorRegistry
 
 from qtts.grpc_server import GrpcServiceHost, service_full_name
+from qtts.internal_auth import server_interceptors
 from qtts.metrics import SpeakerCacheMetrics
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 from services.speaker_cache.cache import SpeakerCache
@@ -51,6 +52,7 @@ class SpeakerCacheServer:
             port=config.port,
             metrics_port=config.metrics_port,
             drain_seconds=config.drain_seconds,
+            interceptors=server_interceptors(config.internal_token),
         )
         speaker_cache_pb2_grpc.add_SpeakerCacheServiceServicer_to_server(
             SpeakerCacheServicer(self.cache), self.host.server

@@ -106,6 +106,8 @@ class TalkerConfig:
     # c=256/512: 100%/93% of streams gap-free against 94%/89% at 5 ms).
     gil_switch_interval_ms: float = TALKER_GIL_SWITCH_INTERVAL_MS
     log_level: str = "INFO"
+    # Shared secret of the services (qtts/internal_auth.py); empty: off.
+    internal_token: str = ""
 
     @property
     def model_path(self) -> str:
@@ -183,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = TalkerConfig()
     p = argparse.ArgumentParser(prog="python -m services.talker", description=__doc__)
     add_server_flags(p, _env, d)
+    p.add_argument(
+        "--internal-token",
+        default=_env("INTERNAL_TOKEN", d.internal_token),
+        help="shared secret of the services (qtts/internal_auth.py): sent on calls to the other "
+        "services and required from callers; prefer the env var to the flag (default: off)",
+    )
     add_connection_age_flags(p, _env, d)
     p.add_argument(
         "--model",
@@ -321,6 +329,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
     except InvalidArgument as exc:
         parser.error(exc.message)
     config = TalkerConfig(
+        internal_token=a.internal_token,
         host=a.host,
         port=a.port,
         metrics_port=a.metrics_port,

@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from qtts.grpc_server import GrpcServiceHost, service_full_name
+from qtts.internal_auth import server_interceptors
 from qtts.metrics import TalkerMetrics
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.testing import ensure_tiny_snapshot
@@ -101,6 +102,7 @@ class TalkerServer:
             drain_seconds=config.drain_seconds,
             max_connection_age_s=config.max_connection_age_s,
             max_connection_age_grace_s=config.max_connection_age_grace_s,
+            interceptors=server_interceptors(config.internal_token),
         )
         self.servicer = TalkerServicer()
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
@@ -146,7 +148,9 @@ class TalkerServer:
         )
         self.replicas.start()
         self._cache = SpeakerCacheClient(
-            self.config.speaker_cache or None, self.config.speaker_cache_timeout_s
+            self.config.speaker_cache or None,
+            self.config.speaker_cache_timeout_s,
+            token=self.config.internal_token,
         )
         # Voice prompts are keyed by the encoders' weights, not the served name: two snapshots
         # served under one name share prompts only when their encoders are equal.

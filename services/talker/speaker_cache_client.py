@@ -12,6 +12,7 @@ import numpy as np
 
 from qtts.errors import NotFound, Unavailable, from_grpc
 from qtts.grpc_server import RECONNECT_OPTIONS
+from qtts.internal_auth import client_interceptors
 from qtts.log_context import outgoing_metadata
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 
@@ -45,7 +46,7 @@ class PromptRecord:
 class SpeakerCacheClient:
     """Calls speaker_cache with a per-call timeout; `address=None` means no speaker_cache."""
 
-    def __init__(self, address: str | None, timeout_s: float = 2.0):
+    def __init__(self, address: str | None, timeout_s: float = 2.0, token: str = ""):
         self.address = address
         self._timeout_s = timeout_s
         self._channel = (
@@ -56,6 +57,7 @@ class SpeakerCacheClient:
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
                     *RECONNECT_OPTIONS,
                 ],
+                interceptors=client_interceptors(token),
             )
             if address
             else None

@@ -1,0 +1,110 @@
+"""The optional shared secret between the services: a stage with a token refuses callers without
+it (health excepted), and the clients of the stages send it."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from qtts.internal_auth import client_interceptors
+from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc, talker_pb2, talker_pb2_grpc
+from services.gateway.job import AudioPiece, SamplingOptions, SynthesisJob, SynthesisSummary
+from services.gateway.talker_client import TalkerClient
+from services.gateway.voice_client import VoiceClient
+from services.speaker_cache.config import SpeakerCacheConfig
+from services.speaker_cache.server import SpeakerCacheServer
+from services.talker.speaker_cache_client import SpeakerCacheClient
+from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
+from tests.services.talker.stack import talker_stack
+
+TOKEN = "s3cret"
+
+
+async def test_speaker_cache_refuses_callers_without_the_token():
+    config = SpeakerCacheConfig(port=0, metrics_port=0, drain_seconds=0.5, internal_token=TOKEN).validate()
+    server = SpeakerCacheServer(config)
+    port = await server.start()
+    await server.wait_serving()
+    address = f"127.0.0.1:{port}"
+    try:
+        for interceptors in (None, client_interceptors("wrong")):
+            async with grpc.aio.insecure_channel(address, interceptors=interceptors) as channel:
+                stub = speaker_cache_pb2_grpc.SpeakerCacheServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.PutVoicePrompt(speaker_cache_pb2.PutVoicePromptRequest(key="k"))
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.ListVoices(speaker_cache_pb2.ListVoicesRequest())
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes carry no token
+        # The gateway's and the talker's clients send it.
+        voices = VoiceClient(address, token=TOKEN)
+        assert await voices.list() == []
+        await voices.close()
+        cache = SpeakerCacheClient(address, token=TOKEN)
+        assert await cache.get_prompt("k" * 16) is None
+        await cache.close()
+    finally:
+        await server.stop(0.5)
+
+
+async def test_talker_refuses_callers_without_the_token():
+    async with talker_stack(
+        [FakeCode2Wav("c2w-a")],
+        bundle=FakeBundle("base"),
+        generator_factory=FakeGenerator,
+        spec_factory=FakeSpec,
+        internal_token=TOKEN,
+    ) as s:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await s.stub.GetModelInfo(talker_pb2.GetModelInfoRequest())
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        port = s.talker.host.bound_port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = talker_pb2_grpc.TalkerServiceStub(channel).Generate(
+                talker_pb2.GenerateRequest(text="frames=2")
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        client = TalkerClient(f"127.0.0.1:{port}", token=TOKEN)
+        try:
+            assert (await client.model_info()).model_type == "base"
+        finally:
+            await client.close()
+
+
+async def test_a_stream_through_the_token_interceptor_is_whole():
+    async with talker_stack(
+        [FakeCode2Wav("c2w-a")],
+        bundle=FakeBundle("base"),
+        generator_factory=FakeGenerator,
+        spec_factory=FakeSpec,
+        internal_token=TOKEN,
+    ) as s:
+        client = TalkerClient(f"127.0.0.1:{s.talker.host.bound_port}", token=TOKEN)
+        job = SynthesisJob(
+            request_id="tok",
+            text="frames=3",
+            task="voice_clone",
+            voice="",
+            language="auto",
+            instructions="",
+            reference_audio=b"x",
+            reference_text="",
+            x_vector_only=True,
+            max_new_frames=0,
+            sampling=SamplingOptions(),
+            sample_rate=24000,
+            reference_pcm=np.zeros(2400, dtype=np.float32),
+        )
+        try:
+            events = [e async for e in client.generate(job)]
+        finally:
+            await client.close()
+    assert sum(e.num_frames for e in events if isinstance(e, AudioPiece)) == 3
+    assert isinstance(events[-1], SynthesisSummary) and events[-1].num_frames == 3
