@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from contextvars import ContextVar
 from typing import Any
+from urllib.parse import parse_qs
 
 client_var: ContextVar[str] = ContextVar("gateway_client", default="")
 
@@ -57,7 +58,10 @@ class ClientIdentityMiddleware:
             (v.decode("latin-1") for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), ""
         )
         address = (scope.get("client") or ("",))[0]
-        token = client_var.set(client_key(bearer_token(auth), address))
+        key = bearer_token(auth)
+        if not key and scope["type"] == "websocket":  # browsers send the key as ?api_key=
+            key = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key") or [""])[0]
+        token = client_var.set(client_key(key, address))
         try:
             await self.app(scope, receive, send)
         finally:

@@ -79,3 +79,18 @@ async def test_grpc_refusal_carries_retry_after_and_pushback():
         trailers = dict(info.value.trailing_metadata())
         assert trailers["retry-after"] == "1" and trailers["grpc-retry-pushback-ms"] == "1000"
         first.cancel()
+
+
+async def test_client_key_of_a_websocket_comes_from_its_api_key_parameter():
+    from services.gateway.client_identity import ClientIdentityMiddleware, client_key, current_client
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(current_client())
+
+    middleware = ClientIdentityMiddleware(app)
+    scope = {"type": "websocket", "headers": [], "client": ("10.0.0.9", 1), "query_string": b"api_key=k1"}
+    await middleware(scope, None, None)
+    await middleware({**scope, "query_string": b""}, None, None)
+    assert seen == [client_key("k1", ""), "addr:10.0.0.9"]
