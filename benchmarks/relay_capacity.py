@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import shlex
 import subprocess
 import sys
 import time
@@ -168,7 +169,10 @@ def run_stack(args: argparse.Namespace, client_args: Sequence[str]) -> int:
 
     out = Path(args.out)
     cfg = dataclasses.replace(
-        StackConfig.on_free_ports(), log_dir=out / "logs", gateway_replicas=args.gateways
+        StackConfig.on_free_ports(),
+        log_dir=out / "logs",
+        gateway_replicas=args.gateways,
+        extra_args={"gateway": tuple(shlex.split(args.gateway_args))},
     )
     talker = ServiceSpec(
         "talker",
@@ -249,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True)
     r.add_argument("--gateways", type=int, default=1)
     r.add_argument("--processes", type=int, default=1, help="client processes per level")
+    r.add_argument(
+        "--gateway-args",
+        default="--max-streams 1024",
+        help="extra flags for every gateway (as the H200 runs)",
+    )
     r.add_argument("--frames", type=int, default=125)
     r.add_argument("--first-audio-ms", type=float, default=50.0)
     r.add_argument("--speedup", type=float, default=4.0)
