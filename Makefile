@@ -1,6 +1,8 @@
 # Qwen3-TTS streaming serving stack.
-#   make run   - set up what is missing, start the whole stack locally, print where it listens
-#   make test  - set up what is missing and run the whole test suite
+#   make run   - install what running needs (if missing), start the whole stack locally, print where
+#                it listens
+#   make test  - install that plus the test, benchmark and deployment-test packages (if missing) and
+#                run the whole test suite
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,29 +13,38 @@ TORCH_SPEC ?= torch==2.13.0
 QWEN_TTS_REF ?= qwen-tts==0.1.1
 PYTEST_ARGS ?=
 
-.PHONY: setup protos run test lint clean lock checkov-env
+.PHONY: setup setup-test protos run test lint clean lock checkov-env
 
-setup: $(VENV)/.installed
+# setup: what `make run` needs (requirements.txt: every service's runtime, grpcio-tools for the
+# stubs, torch); setup-test adds requirements-{bench,test,deploy}.txt and the reference qwen-tts.
+setup: $(VENV)/.installed-run
+setup-test: $(VENV)/.installed
 
 # requirements.lock pins every package these pull in (make lock writes it from the venv).
-REQUIREMENTS := $(wildcard requirements*.txt) requirements.lock
 LOCK := -c requirements.lock
+RUN_REQUIREMENTS := requirements.txt requirements-cpu.txt requirements-gpu.txt requirements-tracing.txt \
+	requirements-torch.txt
+TEST_REQUIREMENTS := requirements-bench.txt requirements-test.txt requirements-deploy.txt
 
-$(VENV)/.installed: $(REQUIREMENTS) Makefile
+$(VENV)/.installed-run: $(RUN_REQUIREMENTS) requirements.lock Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q $(LOCK) -r requirements.txt -r requirements-bench.txt
-	$(PY) -m pip install -q $(LOCK) -r requirements-test.txt -r requirements-deploy.txt
+	$(PY) -m pip install -q $(LOCK) -r requirements.txt
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-run $(TEST_REQUIREMENTS)
+	$(PY) -m pip install -q $(LOCK) -r requirements-bench.txt -r requirements-test.txt -r requirements-deploy.txt
 	$(PY) -m pip install -q --no-deps "$(QWEN_TTS_REF)"
 	touch $@
 
-# Rewrite requirements.lock from the venv (after changing a requirements*.txt and `make setup`).
+# Rewrite requirements.lock from the venv (after changing a requirements*.txt and `make setup-test`).
 # torch and triton are left out: which build is right depends on the host (TORCH_SPEC).
-lock: setup
+lock: setup-test
 	{ echo "# Every package of a full checkout venv, pinned (pip constraints: pip install -c requirements.lock)."; \
 	  echo "# Written by make lock from pip freeze; torch and triton come from the build's own index."; \
-	  $(PY) -m pip freeze --exclude-editable --exclude torch --exclude triton --exclude qwen3-tts-serving; \
+	  echo "# setuptools is in it (torch needs it at run time; it also pins the wheel's build); pip is not."; \
+	  $(PY) -m pip freeze --all --exclude pip --exclude-editable --exclude torch --exclude triton --exclude qwen3-tts-serving; \
 	} > requirements.lock
 
 protos: setup
@@ -42,7 +53,7 @@ protos: setup
 run: setup protos
 	$(PY) -m services.launcher
 
-test: setup protos
+test: setup-test protos
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing the suite"; exit 1; fi; exit $$rc
 
@@ -57,7 +68,7 @@ $(CHECKOV_VENV)/.installed: requirements-checkov.lock
 	$(CHECKOV_VENV)/bin/python -m pip install -q -r requirements-checkov.lock
 	touch $@
 
-lint: setup
+lint: setup-test
 	$(VENV)/bin/ruff check .
 
 clean:
