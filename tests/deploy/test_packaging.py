@@ -1,5 +1,6 @@
-"""The package and the images: requirements split by what runs where, the lock, a wheel with its
-dependencies, stubs, protos and configs, the installed package serving a request from its console
+"""The package and the images: requirements split by what runs where, the lock, `make run` against
+`make test` installs, a wheel with its dependencies, stubs, protos and configs, the package
+installed with `pip install .` into a fresh venv from the lock serving requests from its console
 scripts, and the two Dockerfiles (linted, copying only files that exist)."""
 
 from __future__ import annotations
@@ -94,23 +95,64 @@ def test_the_makefile_installs_with_the_lock():
         assert name in makefile
 
 
+def _make_dry_run(target: str, venv: Path) -> str:
+    """The commands `make` would run to build `target` of a venv that does not exist yet."""
+    done = subprocess.run(
+        ["make", "-n", "-B", f"VENV={venv}", f"{venv}/{target}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout
+
+
+def test_make_run_installs_only_what_running_needs_and_make_test_adds_the_rest(tmp_path):
+    venv = tmp_path / "venv"
+    # make run -> setup -> .installed-run; make test -> setup-test -> .installed (after .installed-run).
+    dry = subprocess.run(
+        ["make", "-n", "-p", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    ).stdout
+    assert re.search(r"^run: setup protos$", dry, flags=re.M) and re.search(
+        r"^setup: \S+/\.installed-run$", dry, flags=re.M
+    )
+    assert re.search(r"^test: setup-test protos$", dry, flags=re.M)
+    assert re.search(
+        rf"^{re.escape(str(venv))}/\.installed: {re.escape(str(venv))}/\.installed-run ", dry, flags=re.M
+    )
+    run = _make_dry_run(".installed-run", venv)
+    assert "-c requirements.lock -r requirements.txt" in run
+    for test_only in ("requirements-test", "requirements-bench", "requirements-deploy", "qwen-tts"):
+        assert test_only not in run, f"make run installs {test_only}"
+    test = _make_dry_run(".installed", venv)
+    for extra in ("requirements-test.txt", "requirements-bench.txt", "requirements-deploy.txt", "qwen-tts"):
+        assert extra in test, extra
+
+
 # ---------------------------------------------------------------- the wheel
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel, built from a copy of the sources (no build/ or egg-info in the checkout)."""
-    src = tmp_path_factory.mktemp("src")
+def copy_sources(dest: Path) -> Path:
+    """What `pip install .` reads from a checkout (and clients/python), without build outputs."""
+    dest.mkdir(parents=True)
     for name in (
         "pyproject.toml",
         "setup.py",
         "requirements.lock",
         *[p.name for p in ROOT.glob("requirements*.txt")],
     ):
-        shutil.copy2(ROOT / name, src / name)
-    ignore = shutil.ignore_patterns("__pycache__", "_gen", "_data", "*.pyc")
-    for name in ("protos", "configs", "qtts", "services", "benchmarks"):
-        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+        shutil.copy2(ROOT / name, dest / name)
+    ignore = shutil.ignore_patterns("__pycache__", "_gen", "_data", "*.pyc", "build", "*.egg-info")
+    for name in ("protos", "configs", "qtts", "services", "benchmarks", "clients/python"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, built from a copy of the sources (no build/ or egg-info in the checkout)."""
+    src = copy_sources(tmp_path_factory.mktemp("src") / "src")
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
@@ -209,61 +251,112 @@ def _http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int,
         return 0, b""
 
 
+def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
+    assert done.returncode == 0, f"{cmd} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
 @pytest.fixture(scope="module")
-def installed(wheel, tmp_path_factory) -> dict:
-    """The wheel installed into its own folder (dependencies: this venv's), run from elsewhere."""
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "--no-index",
-            "-q",
-            "--target",
-            str(target),
-            str(wheel),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
+def installed(tmp_path_factory):
+    """`pip install .[gpu,tracing]`, then `pip install ./clients/python`, into a fresh venv, from a
+    copy of the sources, with requirements.lock as the constraints of both the install and the build
+    environments (pip's build isolation: setuptools and grpcio-tools come from the index too).
+
+    What this proves: the package builds through its PEP 517 backend in isolation (stubs generated,
+    protos and configs packaged), its declared dependencies resolve within the lock to a venv that
+    needs nothing else (below: every distribution pinned by the lock, none of the test, benchmark
+    or deploy packages), and that venv alone runs the stack (test_installed_console_scripts_...).
+
+    Where it is short of a bare machine: the pip that installs is this venv's (`pip --python`, the
+    version `make setup` upgrades to, for `--build-constraint`; the fresh venv has none of its own),
+    and packages come through the ambient pip configuration and cache, the same sources as the
+    Makefile's: torch (TORCH_SPEC) from the local CPU wheel that PIP_FIND_LINKS points at here, the
+    rest from the package index, so nothing large downloads twice. setuptools, which the lock does
+    not pin (pip freeze leaves it out), floats within pyproject.toml's `>=77`."""
+    tmp = tmp_path_factory.mktemp("fresh")
+    src = copy_sources(tmp / "src")
+    venv = tmp / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], timeout=120)
+    python = venv / "bin" / "python"
+    lock = src / "requirements.lock"
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "-c", lock]
+    pip += ["--build-constraint", lock]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    _run([*pip, ".[gpu,tracing]"], cwd=src, env=env, timeout=900)
+    _run([*pip, "./clients/python"], cwd=src, env=env, timeout=300)
+    home = tmp / "home"
+    home.mkdir()
+    run_env = {**env, "QTTS_HOME": str(home), "PYTHONDONTWRITEBYTECODE": "1"}
+    yield {"venv": venv, "python": python, "env": run_env, "cwd": home}
+    shutil.rmtree(venv, ignore_errors=True)  # over a GB with torch; pytest keeps its last 3 temp dirs
+
+
+def test_fresh_venv_holds_the_locked_runtime_and_nothing_of_tests_or_benchmarks(installed):
+    code = (
+        "import json, importlib.metadata as m;"
+        "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
     )
-    home = tmp_path_factory.mktemp("home")
-    env = {**os.environ, "PYTHONPATH": str(target), "QTTS_HOME": str(home), "PYTHONDONTWRITEBYTECODE": "1"}
-    return {"target": target, "env": env, "cwd": home}
+    found = json.loads(_run([installed["python"], "-c", code], cwd=installed["cwd"], timeout=60).stdout)
+    found = {norm(name): version for name, version in found.items()}
+    lock = pins(ROOT / "requirements.lock")
+    ours = {"qwen3-tts-serving", "qwen3-tts-client"}
+    assert ours <= set(found)
+    for name, version in found.items():
+        if name in ours:
+            continue
+        if name == "torch":  # the host's build of the TORCH_SPEC release: this venv's torch
+            assert version.split("+")[0] == pins(ROOT / "requirements-torch.txt")["torch"]
+            continue
+        assert lock.get(name) == version, f"{name}=={version} is not the lock's ({lock.get(name)})"
+    test_only = (
+        BENCH_ONLY | set(pins(ROOT / "requirements-test.txt")) | set(pins(ROOT / "requirements-deploy.txt"))
+    )
+    test_only -= {"tqdm"}  # the benchmarks' progress bars, but transformers and huggingface_hub need it
+    assert not test_only & set(found), sorted(test_only & set(found))
 
 
 def test_installed_package_uses_its_packaged_stubs_and_configs(installed):
+    # The server's and the client's stubs both register tts.v1 in protobuf's default pool, under
+    # different file names, so one process cannot import both: two probes.
     code = (
-        "import json, qtts, qtts.pb, qtts.resources as r; from qtts.model.snapshot import shipped_configs;"
+        "import json, sys, qtts, qtts.pb, qtts.resources as r;"
+        "from qtts.model.snapshot import shipped_configs;"
         "print(json.dumps([qtts.__file__, r.IN_CHECKOUT, str(r.PROTOS_DIR), shipped_configs(),"
-        " qtts.pb.tts_pb2.__file__, str(r.state_dir())]))"
+        " qtts.pb.tts_pb2.__file__, str(r.state_dir()), sys.path]))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=installed["env"],
-        cwd=installed["cwd"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    module, in_checkout, protos, configs, stub, state = json.loads(out)
-    target = str(installed["target"])
-    assert module.startswith(target) and stub.startswith(target) and not in_checkout
-    assert protos.startswith(target) and "qwen3-tts-12hz-1.7b-base" in configs
+    probe = {"env": installed["env"], "cwd": installed["cwd"], "timeout": 60}
+    out = _run([installed["python"], "-c", code], **probe).stdout
+    module, in_checkout, protos, configs, stub, state, path = json.loads(out)
+    venv = str(installed["venv"])
+    assert module.startswith(venv) and stub.startswith(venv) and not in_checkout
+    assert protos.startswith(venv) and "qwen3-tts-12hz-1.7b-base" in configs
     assert state == str(installed["cwd"])
+    assert not any(p.startswith(str(ROOT)) for p in path), path  # nothing of the checkout or its venv
+    code = "import qwen3_tts_client as c, qwen3_tts_client._proto.tts_pb2 as p; print(c.__file__, p.__file__)"
+    client = _run([installed["python"], "-c", code], **probe).stdout.split()
+    assert client and all(f.startswith(venv) for f in client), client
     for script in SCRIPTS:
-        assert (installed["target"] / "bin" / script).is_file(), script
+        assert (installed["venv"] / "bin" / script).is_file(), script
+
+
+CLIENT_SYNTHESIS = """
+import json, sys
+from qwen3_tts_client import Audio, Summary, SynthesisOptions, TTSClient
+with TTSClient(sys.argv[1]) as client:
+    events = list(client.synthesize("Hello.", SynthesisOptions(voice="demo", max_new_frames=6)))
+audio = b"".join(e.data for e in events if isinstance(e, Audio))
+(summary,) = [e for e in events if isinstance(e, Summary)]
+print(json.dumps({"bytes": len(audio), "samples": summary.num_samples, "finish": summary.finish_reason}))
+"""
 
 
 @pytest.mark.e2e
 def test_installed_console_scripts_serve_a_synthesis_request(installed, tmp_path):
-    """speaker_cache, code2wav, talker and gateway started from the installed console scripts (the
-    tiny default model) answer POST /v1/audio/speech."""
-    bin_dir = installed["target"] / "bin"
+    """speaker_cache, code2wav, talker and gateway started from the fresh venv's console scripts
+    (the tiny default model, built into QTTS_HOME) answer POST /v1/audio/speech, and the installed
+    client package synthesizes a registered voice through the gateway's tts.v1 gRPC port."""
+    bin_dir = installed["venv"] / "bin"
     sc, sc_m, c2w, c2w_m, tk, tk_m, http, grpc_port, gw_m = _free_ports(9)
     host = "127.0.0.1"
     commands = {
@@ -320,6 +413,24 @@ def test_installed_console_scripts_serve_a_synthesis_request(installed, tmp_path
         )
         assert status == 200, audio[:500]
         assert len(audio) > 0 and len(audio) % 2 == 0
+        status, body = _http(
+            f"{url}/v1/audio/voices",
+            {
+                "name": "demo",
+                "audio_sample": base64.b64encode(_tone_wav()).decode(),
+                "x_vector_only_mode": True,
+            },
+        )
+        assert status == 201, body[:500]
+        done = _run(
+            [installed["python"], "-c", CLIENT_SYNTHESIS, f"{host}:{grpc_port}"],
+            env=installed["env"],
+            cwd=installed["cwd"],
+            timeout=120,
+        )
+        result = json.loads(done.stdout)
+        assert result["samples"] > 0 and result["bytes"] == 2 * result["samples"], result
+        assert result["finish"] in ("stop", "length"), result
     finally:
         for p in procs.values():
             if p.poll() is None:
