@@ -78,6 +78,8 @@ class Code2WavConfig:
     # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     log_level: str = "INFO"
+    # Shared secret of the services (qtts/internal_auth.py); empty: off.
+    internal_token: str = ""
 
     @property
     def batch_limit(self) -> int:
@@ -149,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = Code2WavConfig()
     p = argparse.ArgumentParser(prog="python -m services.code2wav", description=__doc__)
     add_server_flags(p, _env, d)
+    p.add_argument(
+        "--internal-token",
+        default=_env("INTERNAL_TOKEN", d.internal_token),
+        help="shared secret of the services (qtts/internal_auth.py): required from callers; "
+        "prefer the env var to the flag (default: off)",
+    )
     add_connection_age_flags(p, _env, d)
     p.add_argument(
         "--model",
@@ -251,4 +259,5 @@ def config_from_args(argv: Sequence[str] | None = None) -> Code2WavConfig:
         max_connection_age_grace_s=ns.max_connection_age_grace_s,
         gil_switch_interval_ms=ns.gil_switch_interval_ms,
         log_level=ns.log_level,
+        internal_token=ns.internal_token,
     ).validate()

@@ -8,6 +8,7 @@ import logging
 from prometheus_client import CollectorRegistry
 
 from qtts.grpc_server import GrpcServiceHost, service_full_name
+from qtts.internal_auth import server_interceptors
 from qtts.metrics import Code2WavMetrics
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 from services.code2wav.config import Code2WavConfig
@@ -44,6 +45,7 @@ class Code2WavServer:
             drain_seconds=config.drain_seconds,
             max_connection_age_s=config.max_connection_age_s,
             max_connection_age_grace_s=config.max_connection_age_grace_s,
+            interceptors=server_interceptors(config.internal_token),
         )
         self.host.add_shutdown_callback(self._close_engine)
 

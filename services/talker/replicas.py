@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qtts.errors import Unavailable
 from qtts.grpc_server import RECONNECT_OPTIONS
+from qtts.internal_auth import client_interceptors
 from qtts.hash_ring import HashRing
 from qtts.pb import code2wav_pb2_grpc
 
@@ -41,6 +42,7 @@ class Code2WavReplicas:
         health_interval_s: float = 2.0,
         stall_hold_s: float = 30.0,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+        token: str = "",
     ):
         if not addresses:
             raise ValueError("at least one code2wav address is needed")
@@ -58,6 +60,8 @@ class Code2WavReplicas:
                     ("grpc.keepalive_permit_without_calls", 1),
                     *RECONNECT_OPTIONS,
                 ],
+                # The shared secret (qtts/internal_auth.py) on every call; None without a token.
+                interceptors=client_interceptors(token),
             )
         )
         self._channels = {addr: factory(addr) for addr in self.addresses}

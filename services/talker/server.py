@@ -145,6 +145,7 @@ class TalkerServer:
             vnodes=self.config.ring_vnodes,
             health_interval_s=self.config.health_interval_s,
             stall_hold_s=self.config.code2wav_stall_timeout_s,
+            token=self.config.internal_token,
         )
         self.replicas.start()
         self._cache = SpeakerCacheClient(
