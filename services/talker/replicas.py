@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from qtts.errors import Unavailable
 from qtts.grpc_server import RECONNECT_OPTIONS
-from qtts.internal_auth import client_interceptors
 from qtts.hash_ring import HashRing
+from qtts.internal_auth import client_interceptors
 from qtts.pb import code2wav_pb2_grpc
 
 log = logging.getLogger(__name__)
