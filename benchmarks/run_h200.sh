@@ -29,7 +29,11 @@
 # package and what it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate,
 # librosa...); .redis = the redis-server binary with liblzf and libjemalloc beside it.
 # Settings (environment): TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS, CONCURRENCY, NUM_REQUESTS,
-# ROUNDS, TIME_LIMIT (stack); CAPACITY_ARGS (talker).
+# ROUNDS, TIME_LIMIT (stack); CAPACITY_ARGS (talker). launch_gpu_stack.sh also reads
+# CLIENT_PROCESSES (client processes per level) and GATEWAY_REPLICAS (gateways in front of the
+# talker): at 430f96f the talker and code2wav saw no underrun where the client saw gaps, so run
+# e.g. CLIENT_PROCESSES=4 with GATEWAY_REPLICAS=1 and 2 to tell the gateway from the client.
+# Without a GPU, `python -m benchmarks.relay_capacity run` measures the gateway and client alone.
 set -uo pipefail
 MODE="${1:?talker, stack, gaps, replicas or decode}"
 OUT="${OUT:-run/h200}"
