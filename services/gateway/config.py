@@ -66,8 +66,8 @@ class GatewayConfig:
     # Request bodies above this are a 413 (before they are read); 0 = room for a base64
     # --max-ref-audio-bytes clip and the other fields.
     max_body_bytes: int = 0
-    # A streaming HTTP response whose client takes no bytes for this long loses its stream (and
-    # its slot); 0 = never.
+    # A stream (HTTP response, WebSocket, gRPC Synthesize/StreamingSynthesize) whose client takes
+    # no bytes for this long loses its stream (and its slot); 0 = never.
     http_write_timeout_s: float = 30.0
     # Concurrent streams one client (API key, else address) may hold; 0 = only --max-streams.
     max_streams_per_client: int = 0
@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, help_text in (
         ("http_header_timeout_s", "close a connection whose request headers take longer, seconds (0 = never)"),
         ("http_body_timeout_s", "408 for a request body that stalls this long, seconds (0 = never)"),
-        ("http_write_timeout_s", "end a stream whose client reads nothing this long, seconds (0 = never)"),
+        ("http_write_timeout_s", "end a stream (HTTP, WebSocket, gRPC) whose client reads nothing this long, "
+         "seconds (0 = never)"),
     ):
         p.add_argument(
             "--" + flag.replace("_", "-"),

@@ -117,10 +117,13 @@ def voice_to_pb(v: VoiceInfo) -> tts_pb2.Voice:
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     """Synthesize and the voices API; errors are raised as TTSError and mapped by the interceptor."""
 
-    def __init__(self, synthesizer: Synthesizer, voices: VoiceService, api_keys: ApiKeys | None = None):
+    def __init__(self, synthesizer: Synthesizer, voices: VoiceService, api_keys: ApiKeys | None = None,
+                 write_timeout_s: float = 0.0):
         self._synth = synthesizer
         self._voices = voices
         self._api_keys = api_keys
+        # A response write that does not complete this long ends the call (0 = never); see _write_all.
+        self._write_timeout_s = write_timeout_s
 
     def _bind_caller(self, context: grpc.aio.ServicerContext) -> None:
         """The caller's client key and voice owner, for this call's task (no reset needed)."""
@@ -128,9 +131,50 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         if self._api_keys is not None and self._api_keys.enabled:
             owner_var.set(grpc_owner(context))  # the interceptor has checked the key
 
-    async def Synthesize(self, request: tts_pb2.SynthesizeRequest,
-                         context: grpc.aio.ServicerContext) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+    async def _write_all(self, responses: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
+        """Write `responses` with context.write(), each watched by the write timeout.
+
+        A write blocks while the client's flow-control window is full: a caller that never reads
+        would hold its stream and admission slot for good. When a write has not completed within
+        the timeout, the stream is closed at once (its slot is free for others) and the call ends
+        with CANCELLED once that write completes, i.e. when the client reads again (or with the
+        call, if the client goes away). The write is not cancelled: a cancelled write leaves the
+        call without a status the client could ever read."""
+        try:
+            async for msg in responses:
+                if self._write_timeout_s <= 0:
+                    await context.write(msg)
+                    continue
+                write = asyncio.ensure_future(context.write(msg))
+                await asyncio.wait({write}, timeout=self._write_timeout_s)
+                if write.done():
+                    write.result()
+                    continue
+                stalled = Cancelled(f"the client took no audio for {self._write_timeout_s:g} s")
+                # Into the generator at its yield: its finally closes the stream and frees the slot.
+                with contextlib.suppress(Exception):
+                    await responses.athrow(stalled)
+                with contextlib.suppress(Exception):
+                    await write
+                raise stalled
+        finally:
+            await responses.aclose()
+
+    async def Synthesize(self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext) -> None:
         """Stream audio chunks, each with the request id and a sequence number, then a summary."""
+        await self._write_all(self._synthesize(request, context), context)
+
+    async def StreamingSynthesize(
+        self, request_iterator: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Text in as it is produced, audio out per segment: segment_start, audio chunks, segment_summary.
+
+        The segments are synthesised in order while more text arrives; an error in any of them ends
+        the call with its status (the segments before it were delivered whole)."""
+        await self._write_all(self._streaming_synthesize(request_iterator, context), context)
+
+    async def _synthesize(self, request: tts_pb2.SynthesizeRequest,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         self._bind_caller(context)
         try:
             fmt = _encoding(request.audio_encoding)
@@ -150,13 +194,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         finally:
             await stream.close(error)
 
-    async def StreamingSynthesize(
+    async def _streaming_synthesize(
         self, request_iterator: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tts_pb2.StreamingSynthesizeResponse]:
-        """Text in as it is produced, audio out per segment: segment_start, audio chunks, segment_summary.
-
-        The segments are synthesised in order while more text arrives; an error in any of them ends
-        the call with its status (the segments before it were delivered whole)."""
         requests = aiter(request_iterator)
         self._bind_caller(context)
         try:

@@ -236,7 +236,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
         finally:
             await stream.close(error)
 
-    speech_stream_endpoint = SpeechStreamEndpoint(synth)
+    speech_stream_endpoint = SpeechStreamEndpoint(synth, write_timeout_s=deps.write_timeout_s)
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:

@@ -96,7 +96,8 @@ class GatewayServer:
             interceptors=[ApiKeyInterceptor(self.api_keys, [SERVICE_NAME])], redact_errors=True,
         )
         tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
-            TextToSpeechServicer(self.synthesizer, self.voices, self.api_keys), self.host.server
+            TextToSpeechServicer(self.synthesizer, self.voices, self.api_keys,
+                                 write_timeout_s=config.http_write_timeout_s), self.host.server
         )
         self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check,
                                        StatusReporter(self.synthesizer, config.talker_metrics_url),

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from qtts.errors import InvalidArgument, TTSError, mapping_for, openai_error_body
+from qtts.errors import Cancelled, InvalidArgument, TTSError, mapping_for, openai_error_body
 
 from .http_request import StreamingSessionConfig, parse_json, validate_body
 from .job import SpeechFields
@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 PROTOCOL = "websocket"
 # Close codes (RFC 6455): normal, protocol error of the client, server error.
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_INTERNAL = 1000, 1008, 1011
+
+
+class StalledClient(Cancelled):
+    """A send did not complete within the write timeout: the client stopped reading."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,9 @@ class _Session:
     current_utterance: int = -1
     usage: dict[int, _Usage] = field(default_factory=dict)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # A send that does not complete this long ends the session (0 = never); see `_send`.
+    write_timeout_s: float = 0.0
+    stalled: list[StalledClient] = field(default_factory=list)
 
     @property
     def utterance_open(self) -> bool:
@@ -105,12 +112,26 @@ class _Session:
         return self.queue.empty() and self.current is None
 
     async def send_json(self, payload: dict) -> None:
-        async with self.send_lock:
-            await self.ws.send_json(payload)
+        await self._send(self.ws.send_json, payload)
 
     async def send_bytes(self, data: bytes) -> None:
+        await self._send(self.ws.send_bytes, data)
+
+    async def _send(self, send, data) -> None:
+        # A send blocks while the client's TCP window is full: a listener that never reads would
+        # hold its stream and admission slot for good. Once one send stalls, every later one
+        # fails at once (the connection is unusable), so the session ends without more waiting.
+        if self.stalled:
+            raise self.stalled[0]
         async with self.send_lock:
-            await self.ws.send_bytes(data)
+            if self.write_timeout_s <= 0:
+                await send(data)
+                return
+            try:
+                await asyncio.wait_for(send(data), self.write_timeout_s)
+            except TimeoutError:
+                self.stalled.append(StalledClient(f"the client took no audio for {self.write_timeout_s:g} s"))
+                raise self.stalled[0] from None
 
     async def send_error(self, exc: BaseException, **context) -> None:
         body = openai_error_body(exc)["error"]
@@ -134,15 +155,17 @@ class SpeechStreamEndpoint:
         config_timeout_s: float = 10.0,
         idle_timeout_s: float = 30.0,
         max_message_bytes: int = 32 << 20,
+        write_timeout_s: float = 0.0,
     ):
         self.synth = synth
+        self.write_timeout_s = write_timeout_s
         self.config_timeout_s = config_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_message_bytes = max_message_bytes
 
     async def __call__(self, ws: WebSocket) -> None:
         await ws.accept()
-        session = _Session(ws, self.synth)
+        session = _Session(ws, self.synth, write_timeout_s=self.write_timeout_s)
         worker = asyncio.create_task(self._work(session))
         code = CLOSE_NORMAL
         try:
@@ -151,6 +174,10 @@ class SpeechStreamEndpoint:
                 await worker  # session.close: the worker finishes what was sent, then stops
         except WebSocketDisconnect:
             code = None
+        except StalledClient as exc:
+            # Its stream and slot are freed already (the segment's finally); one line, no traceback.
+            log.info("speech stream %s closed: %s", session.session_id, exc.message)
+            code = CLOSE_POLICY
         except Exception as exc:
             log.error("speech stream %s failed", session.session_id, exc_info=exc)
             code = CLOSE_INTERNAL
@@ -218,16 +245,26 @@ class SpeechStreamEndpoint:
         The idle clock runs only while nothing is being synthesised."""
         while True:
             timeout = self.config_timeout_s if s.config is None else self.idle_timeout_s
+            receive = asyncio.ensure_future(s.ws.receive())
+            # The worker ends early only when it fails (a client that stopped reading): that ends
+            # the session at once, not at the next idle timeout.
+            waiting = {receive} if worker.done() else {receive, worker}
             try:
-                return await asyncio.wait_for(s.ws.receive(), timeout)
-            except TimeoutError:
-                if worker.done():
-                    worker.result()  # a crashed worker ends the session with its error
-                if s.config is not None and not s.idle:
-                    continue
-                what = "session.config" if s.config is None else "a message"
-                await s.send_error(InvalidArgument(f"no {what} within {timeout:g} s; closing"))
-                return None
+                await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not receive.done():
+                    receive.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await receive
+            if not receive.cancelled():
+                return receive.result()
+            if worker.done():
+                worker.result()  # a crashed worker ends the session with its error
+            if s.config is not None and not s.idle:
+                continue
+            what = "session.config" if s.config is None else "a message"
+            await s.send_error(InvalidArgument(f"no {what} within {timeout:g} s; closing"))
+            return None
 
     def _parse(self, message: dict) -> dict:
         raw = message.get("text")
@@ -347,7 +384,7 @@ class SpeechStreamEndpoint:
             error = exc
             done |= {"cancelled": True}
             raise
-        except WebSocketDisconnect as exc:
+        except (WebSocketDisconnect, StalledClient) as exc:
             error = exc
             raise
         except Exception as exc:
