@@ -16,9 +16,8 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from benchmarks.loadgen import LevelRun, run_closed_loop, run_open_loop
 from benchmarks.metrics import RequestRecord
@@ -62,9 +61,6 @@ def merge(parts: Sequence[tuple[float, LevelRun]]) -> LevelRun:
     merged.wall_s = end - t0
     merged.records.sort(key=lambda r: r.index)
     return merged
-
-
-SendFactory = Callable[[Any, Any, int, int], Callable[[int], Any]]
 
 
 async def _drive(

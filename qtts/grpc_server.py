@@ -94,7 +94,9 @@ def configure_logging(level: str = "INFO", fmt: str | None = None, service: str 
     """One log format for every service process: text (default) or one JSON object per line
     (`fmt="json"`, or `TTS_LOG_FORMAT=json`), each line tagged with the request id in flight."""
     fmt = fmt or os.environ.get("TTS_LOG_FORMAT", "text")
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[log_handler(fmt, service)])
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO), handlers=[log_handler(fmt, service)]
+    )
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):

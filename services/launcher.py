@@ -67,6 +67,7 @@ def default_code2wav_ports(n: int, first: int = 50053, skip: int = 50054) -> tup
 
 SERVICE_NAMES = ("gateway", "talker", "code2wav", "speaker_cache")
 
+
 @dataclass(frozen=True)
 class StackConfig:
     """Where and how to run the stack. Metrics port 0 turns a service's metrics endpoint off."""
@@ -119,9 +120,12 @@ class StackConfig:
     def on_free_ports(cls, code2wav_replicas: int = 1, **overrides) -> StackConfig:
         """A config whose every port is a currently free one (tests, several stacks side by side)."""
         ports = dict(
-            http_port=free_port(), grpc_port=free_port(), talker_port=free_port(),
+            http_port=free_port(),
+            grpc_port=free_port(),
+            talker_port=free_port(),
             code2wav_ports=tuple(free_port() for _ in range(code2wav_replicas)),
-            speaker_cache_port=free_port(), gateway_metrics_port=free_port(),
+            speaker_cache_port=free_port(),
+            gateway_metrics_port=free_port(),
             talker_metrics_port=free_port(),
             code2wav_metrics_ports=tuple(free_port() for _ in range(code2wav_replicas)),
             speaker_cache_metrics_port=free_port(),
@@ -185,11 +189,16 @@ def start_service(spec: ServiceSpec, log_dir: Path, env: dict[str, str] | None =
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
     with open(log_path, "ab") as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {spec.module} {' '.join(spec.args)}\n".encode())
+        log.write(
+            f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {spec.module} {' '.join(spec.args)}\n".encode()
+        )
         log.flush()
         popen = subprocess.Popen(
             [sys.executable, "-m", spec.module, *spec.args],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             # Own process group: a Ctrl-C in the terminal reaches the launcher only, which then
             # drains the services in order.
@@ -202,8 +211,9 @@ def health_status(address: str, timeout: float = 1.0) -> str:
     """The overall grpc.health.v1 status name of a server, or "UNREACHABLE"."""
     with grpc.insecure_channel(address) as channel:
         try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                            timeout=timeout)
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
         except grpc.RpcError:
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
@@ -238,16 +248,38 @@ def _addr(host: str, port: int) -> str:
 
 def model_flags(cfg: StackConfig, model: str, device: str | None = None) -> tuple[str, ...]:
     return (
-        "--model", model, "--load-format", cfg.load_format, "--device", device or cfg.device, "--dtype", cfg.dtype,
+        "--model",
+        model,
+        "--load-format",
+        cfg.load_format,
+        "--device",
+        device or cfg.device,
+        "--dtype",
+        cfg.dtype,
     )
 
 
 def speaker_cache_spec(cfg: StackConfig) -> ServiceSpec:
-    args = ["--host", cfg.host, "--port", str(cfg.speaker_cache_port),
-            "--metrics-port", str(cfg.speaker_cache_metrics_port), "--redis-url", cfg.redis_url,
-            "--drain-seconds", str(cfg.drain_seconds), *cfg.extra_args.get("speaker_cache", ())]
-    return ServiceSpec("speaker_cache", "services.speaker_cache", tuple(args),
-                       _addr(cfg.host, cfg.speaker_cache_port), cfg.speaker_cache_metrics_port)
+    args = [
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.speaker_cache_port),
+        "--metrics-port",
+        str(cfg.speaker_cache_metrics_port),
+        "--redis-url",
+        cfg.redis_url,
+        "--drain-seconds",
+        str(cfg.drain_seconds),
+        *cfg.extra_args.get("speaker_cache", ()),
+    ]
+    return ServiceSpec(
+        "speaker_cache",
+        "services.speaker_cache",
+        tuple(args),
+        _addr(cfg.host, cfg.speaker_cache_port),
+        cfg.speaker_cache_metrics_port,
+    )
 
 
 def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
@@ -255,43 +287,98 @@ def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
     for i, (port, mport) in enumerate(zip(cfg.code2wav_ports, cfg.code2wav_metrics_ports, strict=True)):
         name = f"code2wav-{i}"
         device = cfg.code2wav_devices[i % len(cfg.code2wav_devices)] if cfg.code2wav_devices else None
-        args = ["--host", cfg.host, "--port", str(port), "--metrics-port", str(mport),
-                "--replica-name", name, *model_flags(cfg, model, device), "--drain-seconds", str(cfg.drain_seconds),
-                *cfg.extra_args.get("code2wav", ())]
+        args = [
+            "--host",
+            cfg.host,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(mport),
+            "--replica-name",
+            name,
+            *model_flags(cfg, model, device),
+            "--drain-seconds",
+            str(cfg.drain_seconds),
+            *cfg.extra_args.get("code2wav", ()),
+        ]
         specs.append(ServiceSpec(name, "services.code2wav", tuple(args), _addr(cfg.host, port), mport))
     return specs
 
 
-def talker_spec(cfg: StackConfig, model: str, *, name: str = "talker", port: int | None = None,
-                metrics_port: int | None = None) -> ServiceSpec:
+def talker_spec(
+    cfg: StackConfig,
+    model: str,
+    *,
+    name: str = "talker",
+    port: int | None = None,
+    metrics_port: int | None = None,
+) -> ServiceSpec:
     port = cfg.talker_port if port is None else port
     mport = cfg.talker_metrics_port if metrics_port is None else metrics_port
-    args = ["--host", cfg.host, "--port", str(port), "--metrics-port", str(mport), *model_flags(cfg, model),
-            "--code2wav", ",".join(_addr(cfg.host, p) for p in cfg.code2wav_ports),
-            "--speaker-cache", _addr(cfg.host, cfg.speaker_cache_port),
-            "--drain-seconds", str(cfg.drain_seconds), *cfg.extra_args.get("talker", ())]
+    args = [
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(mport),
+        *model_flags(cfg, model),
+        "--code2wav",
+        ",".join(_addr(cfg.host, p) for p in cfg.code2wav_ports),
+        "--speaker-cache",
+        _addr(cfg.host, cfg.speaker_cache_port),
+        "--drain-seconds",
+        str(cfg.drain_seconds),
+        *cfg.extra_args.get("talker", ()),
+    ]
     return ServiceSpec(name, "services.talker", tuple(args), _addr(cfg.host, port), mport)
 
 
-def gateway_spec(cfg: StackConfig, *, name: str = "gateway", talker_port: int | None = None,
-                 http_port: int | None = None, grpc_port: int | None = None,
-                 metrics_port: int | None = None, talker_metrics_port: int | None = None) -> ServiceSpec:
+def gateway_spec(
+    cfg: StackConfig,
+    *,
+    name: str = "gateway",
+    talker_port: int | None = None,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    talker_metrics_port: int | None = None,
+) -> ServiceSpec:
     """The gateway in front of the stack's talker, or of the one on `talker_port` (whose metrics
     port, for the playground's status strip, is then `talker_metrics_port` or unknown)."""
     grpc_port = cfg.grpc_port if grpc_port is None else grpc_port
     if talker_metrics_port is None and talker_port is None:
         talker_metrics_port = cfg.talker_metrics_port
-    talker_metrics = (["--talker-metrics-url", f"http://{cfg.host}:{talker_metrics_port}/metrics"]
-                      if talker_metrics_port else [])
-    args = ["--host", cfg.host,
-            "--http-port", str(cfg.http_port if http_port is None else http_port),
-            "--grpc-port", str(grpc_port),
-            "--metrics-port", str(cfg.gateway_metrics_port if metrics_port is None else metrics_port),
-            "--talker", _addr(cfg.host, cfg.talker_port if talker_port is None else talker_port),
-            "--speaker-cache", _addr(cfg.host, cfg.speaker_cache_port), *talker_metrics,
-            "--drain-seconds", str(cfg.drain_seconds), *cfg.extra_args.get("gateway", ())]
-    return ServiceSpec(name, "services.gateway", tuple(args), _addr(cfg.host, grpc_port),
-                       cfg.gateway_metrics_port if metrics_port is None else metrics_port)
+    talker_metrics = (
+        ["--talker-metrics-url", f"http://{cfg.host}:{talker_metrics_port}/metrics"]
+        if talker_metrics_port
+        else []
+    )
+    args = [
+        "--host",
+        cfg.host,
+        "--http-port",
+        str(cfg.http_port if http_port is None else http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--metrics-port",
+        str(cfg.gateway_metrics_port if metrics_port is None else metrics_port),
+        "--talker",
+        _addr(cfg.host, cfg.talker_port if talker_port is None else talker_port),
+        "--speaker-cache",
+        _addr(cfg.host, cfg.speaker_cache_port),
+        *talker_metrics,
+        "--drain-seconds",
+        str(cfg.drain_seconds),
+        *cfg.extra_args.get("gateway", ()),
+    ]
+    return ServiceSpec(
+        name,
+        "services.gateway",
+        tuple(args),
+        _addr(cfg.host, grpc_port),
+        cfg.gateway_metrics_port if metrics_port is None else metrics_port,
+    )
 
 
 class Stack:
@@ -315,8 +402,10 @@ class Stack:
     @property
     def http_urls(self) -> list[str]:
         """Every gateway's HTTP base URL, the first one first."""
-        return [f"http://{self.config.host}:{self.config.gateway_ports(i)[0]}"
-                for i in range(self.config.gateway_replicas)]
+        return [
+            f"http://{self.config.host}:{self.config.gateway_ports(i)[0]}"
+            for i in range(self.config.gateway_replicas)
+        ]
 
     @property
     def grpc_address(self) -> str:
@@ -341,17 +430,26 @@ def stop_services(processes: Sequence[ServiceProcess], grace: float = 10.0) -> d
     for proc in reversed(processes):
         proc.terminate()
     deadline = time.monotonic() + grace
-    return {proc.name: proc.wait_or_kill(max(0.1, deadline - time.monotonic())) for proc in reversed(processes)}
+    return {
+        proc.name: proc.wait_or_kill(max(0.1, deadline - time.monotonic())) for proc in reversed(processes)
+    }
 
 
 def stack_specs(config: StackConfig, model: str) -> list[ServiceSpec]:
     """Every service of the stack, in start order (speaker_cache, code2wav, talker, gateways)."""
-    specs = [speaker_cache_spec(config), *code2wav_specs(config, model), talker_spec(config, model),
-             gateway_spec(config)]
+    specs = [
+        speaker_cache_spec(config),
+        *code2wav_specs(config, model),
+        talker_spec(config, model),
+        gateway_spec(config),
+    ]
     for i in range(1, config.gateway_replicas):
         http, grpc_port, metrics = config.gateway_ports(i)
-        specs.append(gateway_spec(config, name=f"gateway-{i}", http_port=http, grpc_port=grpc_port,
-                                  metrics_port=metrics))
+        specs.append(
+            gateway_spec(
+                config, name=f"gateway-{i}", http_port=http, grpc_port=grpc_port, metrics_port=metrics
+            )
+        )
     return specs
 
 
@@ -418,9 +516,14 @@ def demo_request(stack: Stack) -> dict:
     elif info.get("model_type") == "voice_design":
         body["instructions"] = "A warm, calm female voice."
     else:
-        status, resp = _http_json(f"{stack.http_url}/v1/audio/voices", {
-            "name": "demo", "audio": base64.b64encode(_tone_wav()).decode(), "x_vector_only_mode": True,
-        })
+        status, resp = _http_json(
+            f"{stack.http_url}/v1/audio/voices",
+            {
+                "name": "demo",
+                "audio": base64.b64encode(_tone_wav()).decode(),
+                "x_vector_only_mode": True,
+            },
+        )
         if status not in (201, 409):  # 409: kept from an earlier run (Redis)
             raise ValueError(f"creating the demo voice failed ({status}): {resp.get('error', resp)}")
         body["voice"] = "demo"
@@ -432,14 +535,20 @@ def describe(stack: Stack, body: dict) -> str:
     lines = [
         "Qwen3-TTS stack is up:",
         f"  gateway        HTTP {stack.http_url}   gRPC {stack.grpc_address} (tts.v1)",
-        *[f"  {p.name:<14} HTTP {url}" for p, url in zip(
-            [p for p in stack.processes if p.name.startswith("gateway-")], stack.http_urls[1:], strict=True)],
+        *[
+            f"  {p.name:<14} HTTP {url}"
+            for p, url in zip(
+                [p for p in stack.processes if p.name.startswith("gateway-")],
+                stack.http_urls[1:],
+                strict=True,
+            )
+        ],
         f"  talker         {_addr(c.host, c.talker_port)}",
         *[f"  {p.name:<14} {p.spec.grpc_address}" for p in stack.processes if p.name.startswith("code2wav")],
         f"  speaker_cache  {_addr(c.host, c.speaker_cache_port)}"
         f" ({'redis ' + c.redis_url if c.redis_url else 'in-memory'})",
-        "  metrics        " + ", ".join(f"{p.name}:{p.spec.metrics_port}" for p in stack.processes
-                                        if p.spec.metrics_port),
+        "  metrics        "
+        + ", ".join(f"{p.name}:{p.spec.metrics_port}" for p in stack.processes if p.spec.metrics_port),
         f"  model          {stack.model}",
         f"  logs           {c.log_dir}/",
         "",
@@ -456,27 +565,44 @@ def describe(stack: Stack, body: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.launcher", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=os.environ.get("TTS_MODEL", ""),
-                   help="snapshot folder or hub id (default: tiny random Base snapshot in .tiny/)")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("TTS_MODEL", ""),
+        help="snapshot folder or hub id (default: tiny random Base snapshot in .tiny/)",
+    )
     p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for talker and code2wav")
-    p.add_argument("--code2wav-devices", default="",
-                   help="comma-separated devices the code2wav replicas take in turn, e.g. cuda:1,cuda:2 "
-                   "(default: --device)")
+    p.add_argument(
+        "--code2wav-devices",
+        default="",
+        help="comma-separated devices the code2wav replicas take in turn, e.g. cuda:1,cuda:2 "
+        "(default: --device)",
+    )
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""),
-                   help="Redis for speaker_cache (env REDIS_URL; default: in-memory)")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", ""),
+        help="Redis for speaker_cache (env REDIS_URL; default: in-memory)",
+    )
     p.add_argument("--code2wav-replicas", type=int, default=1)
-    p.add_argument("--gateway-replicas", type=int, default=1,
-                   help="gateways in front of the talker (HTTP on --http-port, +1, +2, ...)")
+    p.add_argument(
+        "--gateway-replicas",
+        type=int,
+        default=1,
+        help="gateways in front of the talker (HTTP on --http-port, +1, +2, ...)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
     for service in SERVICE_NAMES:
-        p.add_argument(f"--{service.replace('_', '-')}-args", default="", metavar="FLAGS",
-                       help=f"extra flags for {service}, e.g. --talker-args '--engine graph --max-batch 256'")
+        p.add_argument(
+            f"--{service.replace('_', '-')}-args",
+            default="",
+            metavar="FLAGS",
+            help=f"extra flags for {service}, e.g. --talker-args '--engine graph --max-batch 256'",
+        )
     return p
 
 
@@ -487,11 +613,20 @@ def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
     n = ns.code2wav_replicas
     return replace(
         StackConfig(),
-        model=ns.model, load_format=ns.load_format, device=ns.device, dtype=ns.dtype, redis_url=ns.redis_url,
+        model=ns.model,
+        load_format=ns.load_format,
+        device=ns.device,
+        dtype=ns.dtype,
+        redis_url=ns.redis_url,
         code2wav_devices=tuple(d.strip() for d in ns.code2wav_devices.split(",") if d.strip()),
-        host=ns.host, http_port=ns.http_port, grpc_port=ns.grpc_port,
-        code2wav_ports=default_code2wav_ports(n), code2wav_metrics_ports=default_code2wav_ports(n, 9103, 9104),
-        log_dir=ns.log_dir, startup_timeout_s=ns.startup_timeout, gateway_replicas=ns.gateway_replicas,
+        host=ns.host,
+        http_port=ns.http_port,
+        grpc_port=ns.grpc_port,
+        code2wav_ports=default_code2wav_ports(n),
+        code2wav_metrics_ports=default_code2wav_ports(n, 9103, 9104),
+        log_dir=ns.log_dir,
+        startup_timeout_s=ns.startup_timeout,
+        gateway_replicas=ns.gateway_replicas,
         extra_args={s: tuple(shlex.split(getattr(ns, f"{s}_args"))) for s in SERVICE_NAMES},
     ).validate()
 
@@ -521,8 +656,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             dead = [p for p in stack.processes if not p.alive()]
             if dead:
                 for p in dead:
-                    print(f"{p.name} exited with code {p.popen.returncode}; log tail:\n{p.log_tail()}",
-                          file=sys.stderr)
+                    print(
+                        f"{p.name} exited with code {p.popen.returncode}; log tail:\n{p.log_tail()}",
+                        file=sys.stderr,
+                    )
                 return 1
         print("stopping ...", flush=True)
         return 0

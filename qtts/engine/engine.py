@@ -36,13 +36,17 @@ class EngineConfig:
 class GraphEngine:
     """Static KV slots, chunked batched prefill, one graph-captured frame step per batch bucket."""
 
-    def __init__(self, bundle, max_batch: int = 64, config: EngineConfig | None = None, capture: bool = True) -> None:
+    def __init__(
+        self, bundle, max_batch: int = 64, config: EngineConfig | None = None, capture: bool = True
+    ) -> None:
         if config is None:
             config = EngineConfig(runner=RunnerConfig(max_batch=max_batch))
         self.config = config
         self.bundle = bundle
         self.runner = ModelRunner(bundle, config.runner)
-        self.scheduler = Scheduler(DenseSlotTable(self.runner.num_slots, self.runner.max_len), config.max_prefill_tokens)
+        self.scheduler = Scheduler(
+            DenseSlotTable(self.runner.num_slots, self.runner.max_len), config.max_prefill_tokens
+        )
         if capture:
             self.runner.capture_graphs()
 
@@ -128,13 +132,17 @@ class GraphEngine:
         return self.scheduler.cancel(request_id) is not None
 
     @torch.inference_mode()
-    def step(self, skip: frozenset[str] | set[str] | tuple = (), prefill_budget: int | None = None) -> list[StepOutput]:
+    def step(
+        self, skip: frozenset[str] | set[str] | tuple = (), prefill_budget: int | None = None
+    ) -> list[StepOutput]:
         """Admit and prefill (within `prefill_budget` prompt positions, at most the configured
         budget), then one frame for every running request not in `skip` (streams without
         downstream credit, or paused ahead of their listener, keep their state and wait)."""
         sched, runner = self.scheduler, self.runner
         cache = runner.prefix_cache
-        plan = sched.schedule((lambda s: cache.lookup(s.prefix_key)) if cache is not None else None, prefill_budget)
+        plan = sched.schedule(
+            (lambda s: cache.lookup(s.prefix_key)) if cache is not None else None, prefill_budget
+        )
         runner.apply_moves(plan.moves)
         if plan.prefix_hits:
             runner.load_prefixes(plan.prefix_hits)
@@ -143,7 +151,11 @@ class GraphEngine:
         if cache is not None:
             for chunk in plan.prefills:
                 seq = chunk.seq
-                if seq.prefix_key is not None and chunk.start < seq.prefix_len <= chunk.end and seq.prefix_key not in cache:
+                if (
+                    seq.prefix_key is not None
+                    and chunk.start < seq.prefix_len <= chunk.end
+                    and seq.prefix_key not in cache
+                ):
                     runner.store_prefix(seq)
         runner.start(plan.started)
         rows = sched.decode_rows(plan, frozenset(skip))

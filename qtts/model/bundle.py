@@ -79,7 +79,10 @@ class TalkerBundle:
         if cached is not None:
             return cached
         h = hashlib.sha256()
-        for name, module in (("speaker_encoder", self.speaker_encoder), ("codec_encoder", self.codec_encoder)):
+        for name, module in (
+            ("speaker_encoder", self.speaker_encoder),
+            ("codec_encoder", self.codec_encoder),
+        ):
             if module is None:
                 continue
             for key, tensor in sorted(module.state_dict().items()):
@@ -91,7 +94,9 @@ class TalkerBundle:
         return digest
 
     @torch.inference_mode()
-    def compute_voice_prompt(self, pcm_24k: np.ndarray, ref_text: str | None, x_vector_only: bool) -> VoicePrompt:
+    def compute_voice_prompt(
+        self, pcm_24k: np.ndarray, ref_text: str | None, x_vector_only: bool
+    ) -> VoicePrompt:
         """Speaker x-vector (and for ICL the reference codes) of a 24 kHz mono float32 clip."""
         if self.config.tts_model_type != "base" or self.speaker_encoder is None:
             raise InvalidArgument(f"{self.info.name} is not a voice-clone (Base) model")
@@ -130,11 +135,11 @@ def _split(sd: dict[str, torch.Tensor], is_base: bool):
     talker, predictor, speaker, unexpected = {}, {}, {}, []
     for k, v in sd.items():
         if k.startswith(PREDICTOR_PREFIX):
-            predictor[k[len(PREDICTOR_PREFIX):]] = v
+            predictor[k[len(PREDICTOR_PREFIX) :]] = v
         elif k.startswith(TALKER_PREFIX):
-            talker[k[len(TALKER_PREFIX):]] = v
+            talker[k[len(TALKER_PREFIX) :]] = v
         elif k.startswith(SPEAKER_PREFIX) and is_base:
-            speaker[k[len(SPEAKER_PREFIX):]] = v
+            speaker[k[len(SPEAKER_PREFIX) :]] = v
         else:
             unexpected.append(k)
     return talker, predictor, speaker, unexpected

@@ -188,7 +188,9 @@ class ModelConfig:
     def supports_instruct(self) -> bool:
         """The official wrapper drops the instruct of 0.6B CustomVoice (`tts_model_size in "0b6"`).
         (The prompt builder asks this of CustomVoice only; a voice-clone prompt never has one.)"""
-        return self.tts_model_type != "custom_voice" or supports_instructions(self.tts_model_type, self.tts_model_size)
+        return self.tts_model_type != "custom_voice" or supports_instructions(
+            self.tts_model_type, self.tts_model_size
+        )
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,9 @@ class EagerGenerator:
         self.active.pop(req.request_id, None)
         self.free_slots.append(req.slot)
 
-    def _finish_frames(self, rows: list[_Request], hidden: torch.Tensor, logits: torch.Tensor) -> list[StepOutput]:
+    def _finish_frames(
+        self, rows: list[_Request], hidden: torch.Tensor, logits: torch.Tensor
+    ) -> list[StepOutput]:
         eos = self.cfg.codec_eos_id
         outputs: list[StepOutput] = []
         keep: list[int] = []
@@ -218,7 +220,9 @@ class EagerGenerator:
             step = r.frames  # index of this frame's trailing text embedding
             r.frames += 1
             reason = None
-            if r.frames >= r.prompt.max_frames or (r.max_new_frames is not None and r.frames >= r.max_new_frames):
+            if r.frames >= r.prompt.max_frames or (
+                r.max_new_frames is not None and r.frames >= r.max_new_frames
+            ):
                 # A caller's bound ends as "length" even where the text's cap came first; only an
                 # unbounded run into the cap is a failure.
                 reason = "frame_cap" if r.max_new_frames is None else "length"

@@ -243,7 +243,9 @@ class PromptBuilder:
         elif spec.task == "voice_clone":
             if voice is None:
                 raise InvalidArgument("voice clone needs a voice prompt")
-            speaker_embed = self._to_device(voice.x_vector, self.talker.codec_head.weight.dtype).view(1, 1, -1)
+            speaker_embed = self._to_device(voice.x_vector, self.talker.codec_head.weight.dtype).view(
+                1, 1, -1
+            )
             instruct = None
         icl = spec.task == "voice_clone" and not voice.x_vector_only and voice.ref_codes is not None
         if icl and not voice.ref_text:
@@ -310,7 +312,9 @@ class PromptBuilder:
             key.add("ref_codes", voice.ref_codes.detach().to("cpu", torch.long))
             text_embed = torch.cat([self._text(ref_ids + target), tts_eos], dim=1)
             ref_codes = self._to_device(voice.ref_codes, torch.long)
-            codec_embed = torch.cat([self._codec([tcfg.codec_bos_id]), self.frame_embeds(ref_codes)[None]], dim=1)
+            codec_embed = torch.cat(
+                [self._codec([tcfg.codec_bos_id]), self.frame_embeds(ref_codes)[None]], dim=1
+            )
             tl, cl = text_embed.shape[1], codec_embed.shape[1]
             if not streaming:
                 parts.append(text_embed + self._codec([tcfg.codec_pad_id] * tl))

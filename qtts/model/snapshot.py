@@ -58,7 +58,11 @@ class Snapshot:
 def shipped_configs() -> list[str]:
     if not CONFIGS_DIR.is_dir():
         return []
-    return sorted(p.name for p in CONFIGS_DIR.iterdir() if (p / "config.json").is_file() and p.name.startswith("qwen3-tts"))
+    return sorted(
+        p.name
+        for p in CONFIGS_DIR.iterdir()
+        if (p / "config.json").is_file() and p.name.startswith("qwen3-tts")
+    )
 
 
 def _served_name(path_or_id: str, folder: Path) -> str:
@@ -76,7 +80,11 @@ def _resolve_folder(path_or_id: str, load_format: str) -> Path:
     if load_format == "dummy" and (CONFIGS_DIR / path_or_id / "config.json").is_file():
         return CONFIGS_DIR / path_or_id
     if path_or_id.count("/") != 1 or path_or_id.startswith((".", "/")):
-        hint = f"; shipped configs for --load-format dummy: {', '.join(shipped_configs())}" if load_format == "dummy" else ""
+        hint = (
+            f"; shipped configs for --load-format dummy: {', '.join(shipped_configs())}"
+            if load_format == "dummy"
+            else ""
+        )
         raise SnapshotError(f"{path_or_id}: no such folder, and not a hub id (owner/name){hint}")
     try:
         from huggingface_hub import snapshot_download
@@ -88,7 +96,9 @@ def _resolve_folder(path_or_id: str, load_format: str) -> Path:
         ) from e
 
 
-def open_snapshot(path_or_id: str | Path, load_format: str = "auto", expect_model_type: str | None = None) -> Snapshot:
+def open_snapshot(
+    path_or_id: str | Path, load_format: str = "auto", expect_model_type: str | None = None
+) -> Snapshot:
     """Find and validate a snapshot; raises `SnapshotError` with a message naming what is wrong."""
     if load_format not in LOAD_FORMATS:
         raise SnapshotError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")

@@ -112,7 +112,12 @@ def full_config(
         "max_position_embeddings": 32768,
         "num_code_groups": 16,
         "rms_norm_eps": 1e-06,
-        "rope_scaling": {"interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default", "type": "default"},
+        "rope_scaling": {
+            "interleaved": True,
+            "mrope_section": [24, 20, 20],
+            "rope_type": "default",
+            "type": "default",
+        },
         "rope_theta": 1000000,
         "sliding_window": None,
         "use_cache": True,
@@ -177,7 +182,12 @@ def tiny_config(model_type: str = "base") -> dict[str, Any]:
             "num_key_value_heads": 2,
             "head_dim": 16,
             "text_hidden_size": 32,
-            "rope_scaling": {"interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default", "type": "default"},
+            "rope_scaling": {
+                "interleaved": True,
+                "mrope_section": [4, 2, 2],
+                "rope_type": "default",
+                "type": "default",
+            },
         },
         # Narrower than the talker, so `small_to_mtp_projection` is a real Linear as in 1.7B.
         predictor={
@@ -215,7 +225,9 @@ def tiny_state_dict(cfg_dict: dict[str, Any], seed: int = 0) -> dict[str, torch.
     cfg = ModelConfig.from_dict(cfg_dict)
     talker, predictor = build_modules(cfg)
     talker = init_dummy_weights(materialize(talker, "cpu", torch.float32), seed=seed, std=TINY_INIT_STD)
-    predictor = init_dummy_weights(materialize(predictor, "cpu", torch.float32), seed=seed + 1, std=TINY_INIT_STD)
+    predictor = init_dummy_weights(
+        materialize(predictor, "cpu", torch.float32), seed=seed + 1, std=TINY_INIT_STD
+    )
     sd = {f"talker.{k}": v for k, v in talker.state_dict().items()}
     sd.update({f"talker.code_predictor.{k}": v for k, v in predictor.state_dict().items()})
     if cfg.tts_model_type == "base":

@@ -91,7 +91,9 @@ class GatewayConfig:
             if ":" not in addr:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be host:port, got {addr!r}")
         if self.talker_metrics_url and not self.talker_metrics_url.startswith(("http://", "https://")):
-            raise InvalidArgument(f"--talker-metrics-url must be an http(s) URL, got {self.talker_metrics_url!r}")
+            raise InvalidArgument(
+                f"--talker-metrics-url must be an http(s) URL, got {self.talker_metrics_url!r}"
+            )
         if self.talker_balancing not in TALKER_BALANCING:
             raise InvalidArgument(
                 f"--talker-balancing must be one of {', '.join(TALKER_BALANCING)}, got {self.talker_balancing!r}"
@@ -183,15 +185,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=float(_env("HTTP_KEEPALIVE_S", str(d.http_keepalive_s))),
         help="idle HTTP keep-alive, seconds (keep it above the load balancer's idle timeout)",
     )
-    p.add_argument("--sample-rate", type=int, default=int(_env("SAMPLE_RATE", str(d.sample_rate))),
-                   help="output sample rate when a request does not set one (native: 24000)")
-    p.add_argument("--max-ref-audio-bytes", type=int,
-                   default=int(_env("MAX_REF_AUDIO_BYTES", str(d.max_ref_audio_bytes))))
+    p.add_argument(
+        "--sample-rate",
+        type=int,
+        default=int(_env("SAMPLE_RATE", str(d.sample_rate))),
+        help="output sample rate when a request does not set one (native: 24000)",
+    )
+    p.add_argument(
+        "--max-ref-audio-bytes",
+        type=int,
+        default=int(_env("MAX_REF_AUDIO_BYTES", str(d.max_ref_audio_bytes))),
+    )
     for flag, help_text in (
-        ("http_header_timeout_s", "close a connection whose request headers take longer, seconds (0 = never)"),
+        (
+            "http_header_timeout_s",
+            "close a connection whose request headers take longer, seconds (0 = never)",
+        ),
         ("http_body_timeout_s", "408 for a request body that stalls this long, seconds (0 = never)"),
-        ("http_write_timeout_s", "end a stream (HTTP, WebSocket, gRPC) whose client reads nothing this long, "
-         "seconds (0 = never)"),
+        (
+            "http_write_timeout_s",
+            "end a stream (HTTP, WebSocket, gRPC) whose client reads nothing this long, seconds (0 = never)",
+        ),
     ):
         p.add_argument(
             "--" + flag.replace("_", "-"),

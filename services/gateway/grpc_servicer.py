@@ -72,19 +72,22 @@ def _encoding(value: int) -> str:
 async def _first_config(requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest]):
     first = await anext(requests, None)
     if first is None or not first.HasField("streaming_config"):
-        raise InvalidArgument("the first StreamingSynthesizeRequest must carry streaming_config",
-                              param="streaming_config")
+        raise InvalidArgument(
+            "the first StreamingSynthesizeRequest must carry streaming_config", param="streaming_config"
+        )
     return first.streaming_config
 
 
-async def _read_text(requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], splitter: TextSplitter,
-                     queue: asyncio.Queue) -> None:
+async def _read_text(
+    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], splitter: TextSplitter, queue: asyncio.Queue
+) -> None:
     """Cut the incoming text into segments onto `queue`, then the end of input (or the error)."""
     try:
         async for req in requests:
             if not req.HasField("input"):
-                raise InvalidArgument("streaming_config is only allowed in the first message",
-                                      param="streaming_config")
+                raise InvalidArgument(
+                    "streaming_config is only allowed in the first message", param="streaming_config"
+                )
             for piece in splitter.feed(req.input.text):
                 queue.put_nowait(piece)
             if req.input.flush:
@@ -109,16 +112,25 @@ async def _report_ignored(context: grpc.aio.ServicerContext, job: SynthesisJob) 
 
 def voice_to_pb(v: VoiceInfo) -> tts_pb2.Voice:
     return tts_pb2.Voice(
-        name=v.name, kind=v.kind, reference_text=v.reference_text, x_vector_only=v.x_vector_only,
-        reference_duration_s=v.reference_duration_s, created_unix_s=v.created_unix_s,
+        name=v.name,
+        kind=v.kind,
+        reference_text=v.reference_text,
+        x_vector_only=v.x_vector_only,
+        reference_duration_s=v.reference_duration_s,
+        created_unix_s=v.created_unix_s,
     )
 
 
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     """Synthesize and the voices API; errors are raised as TTSError and mapped by the interceptor."""
 
-    def __init__(self, synthesizer: Synthesizer, voices: VoiceService, api_keys: ApiKeys | None = None,
-                 write_timeout_s: float = 0.0):
+    def __init__(
+        self,
+        synthesizer: Synthesizer,
+        voices: VoiceService,
+        api_keys: ApiKeys | None = None,
+        write_timeout_s: float = 0.0,
+    ):
         self._synth = synthesizer
         self._voices = voices
         self._api_keys = api_keys
@@ -165,7 +177,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         await self._write_all(self._synthesize(request, context), context)
 
     async def StreamingSynthesize(
-        self, request_iterator: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[tts_pb2.StreamingSynthesizeRequest],
+        context: grpc.aio.ServicerContext,
     ) -> None:
         """Text in as it is produced, audio out per segment: segment_start, audio chunks, segment_summary.
 
@@ -173,8 +187,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         the call with its status (the segments before it were delivered whole)."""
         await self._write_all(self._streaming_synthesize(request_iterator, context), context)
 
-    async def _synthesize(self, request: tts_pb2.SynthesizeRequest,
-                          context: grpc.aio.ServicerContext) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+    async def _synthesize(
+        self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         self._bind_caller(context)
         try:
             fmt = _encoding(request.audio_encoding)
@@ -195,7 +210,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             await stream.close(error)
 
     async def _streaming_synthesize(
-        self, request_iterator: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[tts_pb2.StreamingSynthesizeRequest],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tts_pb2.StreamingSynthesizeResponse]:
         requests = aiter(request_iterator)
         self._bind_caller(context)
@@ -203,8 +220,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             config = await _first_config(requests)
             synthesis = config.synthesis
             if synthesis.text:
-                raise InvalidArgument("streaming_config.synthesis.text must be empty: text comes in input messages",
-                                      param="text")
+                raise InvalidArgument(
+                    "streaming_config.synthesis.text must be empty: text comes in input messages",
+                    param="text",
+                )
             if config.text_split not in _TEXT_SPLITS:
                 raise InvalidArgument(f"unknown text_split {config.text_split}", param="text_split")
             fmt = _encoding(synthesis.audio_encoding)
@@ -224,16 +243,22 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                 if isinstance(item, BaseException):
                     raise item
                 start = tts_pb2.SegmentStart(text=item)
-                yield tts_pb2.StreamingSynthesizeResponse(request_id=request_id, sequence_number=seq,
-                                                          segment_index=segment, segment_start=start)
+                yield tts_pb2.StreamingSynthesizeResponse(
+                    request_id=request_id, sequence_number=seq, segment_index=segment, segment_start=start
+                )
                 seq += 1
                 stream = await open_segment(self._synth, fields, item, f"{request_id}-{segment}", "grpc")
                 error: BaseException | None = None
                 try:
                     async for msg in self._responses(stream, fmt):
-                        event = {"audio": msg.audio} if msg.HasField("audio") else {"segment_summary": msg.summary}
-                        yield tts_pb2.StreamingSynthesizeResponse(request_id=request_id, sequence_number=seq,
-                                                                  segment_index=segment, **event)
+                        event = (
+                            {"audio": msg.audio}
+                            if msg.HasField("audio")
+                            else {"segment_summary": msg.summary}
+                        )
+                        yield tts_pb2.StreamingSynthesizeResponse(
+                            request_id=request_id, sequence_number=seq, segment_index=segment, **event
+                        )
                         seq += 1
                 except BaseException as exc:
                     error = exc
@@ -246,7 +271,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    async def _responses(self, stream: SynthesisStream, fmt: str) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
+    async def _responses(
+        self, stream: SynthesisStream, fmt: str
+    ) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         rate = stream.job.sample_rate
         encoder = make_encoder(fmt, rate, streaming=True)
         resampler = Resampler(24000, rate)
@@ -267,54 +294,81 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                 samples_out += len(pcm) // 2
                 next_frame = event.first_frame_index + event.num_frames
                 if data:
-                    yield response(audio=tts_pb2.AudioChunk(
-                        audio=data, num_samples=len(pcm) // 2, sample_rate_hz=rate,
-                        first_frame_index=event.first_frame_index, num_frames=event.num_frames,
-                    ))
+                    yield response(
+                        audio=tts_pb2.AudioChunk(
+                            audio=data,
+                            num_samples=len(pcm) // 2,
+                            sample_rate_hz=rate,
+                            first_frame_index=event.first_frame_index,
+                            num_frames=event.num_frames,
+                        )
+                    )
                     stream.first_byte_sent()
             elif isinstance(event, SynthesisSummary):
                 pcm = resampler.flush()
                 tail = encoder.push(pcm) + encoder.finish()
                 samples_out += len(pcm) // 2
                 if tail:
-                    yield response(audio=tts_pb2.AudioChunk(
-                        audio=tail, num_samples=len(pcm) // 2, sample_rate_hz=rate,
-                        first_frame_index=next_frame, num_frames=0,
-                    ))
-                yield response(summary=tts_pb2.SynthesisSummary(
-                    finish_reason=FINISH_TO_PB.get(event.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
-                    num_frames=event.num_frames,
-                    num_samples=samples_out,
-                    sample_rate_hz=rate,
-                    timings=tts_pb2.Timings(queue_ns=event.queue_ns, prefill_ns=event.prefill_ns,
-                                            first_audio_ns=event.first_audio_ns, total_ns=event.total_ns),
-                    num_input_tokens=event.num_input_tokens,
-                ))
+                    yield response(
+                        audio=tts_pb2.AudioChunk(
+                            audio=tail,
+                            num_samples=len(pcm) // 2,
+                            sample_rate_hz=rate,
+                            first_frame_index=next_frame,
+                            num_frames=0,
+                        )
+                    )
+                yield response(
+                    summary=tts_pb2.SynthesisSummary(
+                        finish_reason=FINISH_TO_PB.get(
+                            event.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED
+                        ),
+                        num_frames=event.num_frames,
+                        num_samples=samples_out,
+                        sample_rate_hz=rate,
+                        timings=tts_pb2.Timings(
+                            queue_ns=event.queue_ns,
+                            prefill_ns=event.prefill_ns,
+                            first_audio_ns=event.first_audio_ns,
+                            total_ns=event.total_ns,
+                        ),
+                        num_input_tokens=event.num_input_tokens,
+                    )
+                )
 
-    async def ListVoices(self, request: tts_pb2.ListVoicesRequest,
-                         context: grpc.aio.ServicerContext) -> tts_pb2.ListVoicesResponse:
+    async def ListVoices(
+        self, request: tts_pb2.ListVoicesRequest, context: grpc.aio.ServicerContext
+    ) -> tts_pb2.ListVoicesResponse:
         """Cloned voices from speaker_cache and the model's preset speakers."""
         self._bind_caller(context)
         return tts_pb2.ListVoicesResponse(voices=[voice_to_pb(v) for v in await self._voices.list()])
 
-    async def CreateVoice(self, request: tts_pb2.CreateVoiceRequest,
-                          context: grpc.aio.ServicerContext) -> tts_pb2.CreateVoiceResponse:
+    async def CreateVoice(
+        self, request: tts_pb2.CreateVoiceRequest, context: grpc.aio.ServicerContext
+    ) -> tts_pb2.CreateVoiceResponse:
         """Store a reference clip (any container) under a name; without a transcript (and without
         x_vector_only set) the voice is x-vector only, as over HTTP."""
         self._bind_caller(context)
         x_vector_only = request.x_vector_only if request.HasField("x_vector_only") else None
-        voice = await self._voices.create(request.name, request.reference_audio, request.reference_text,
-                                          x_vector_only, audio_field="reference_audio")
+        voice = await self._voices.create(
+            request.name,
+            request.reference_audio,
+            request.reference_text,
+            x_vector_only,
+            audio_field="reference_audio",
+        )
         return tts_pb2.CreateVoiceResponse(voice=voice_to_pb(voice))
 
-    async def GetVoice(self, request: tts_pb2.GetVoiceRequest,
-                       context: grpc.aio.ServicerContext) -> tts_pb2.GetVoiceResponse:
+    async def GetVoice(
+        self, request: tts_pb2.GetVoiceRequest, context: grpc.aio.ServicerContext
+    ) -> tts_pb2.GetVoiceResponse:
         """One stored voice (with its clip's duration) or preset speaker."""
         self._bind_caller(context)
         return tts_pb2.GetVoiceResponse(voice=voice_to_pb(await self._voices.get(request.name)))
 
-    async def DeleteVoice(self, request: tts_pb2.DeleteVoiceRequest,
-                          context: grpc.aio.ServicerContext) -> tts_pb2.DeleteVoiceResponse:
+    async def DeleteVoice(
+        self, request: tts_pb2.DeleteVoiceRequest, context: grpc.aio.ServicerContext
+    ) -> tts_pb2.DeleteVoiceResponse:
         self._bind_caller(context)
         await self._voices.delete(request.name)
         return tts_pb2.DeleteVoiceResponse()

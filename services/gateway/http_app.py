@@ -100,20 +100,26 @@ def _check_voice_extras(kind: object, consent: object) -> None:
 
 
 def _result_headers(stream: SynthesisStream, sample_rate: int) -> dict[str, str]:
-    headers = {"x-request-id": stream.job.request_id, "x-tts-sample-rate": str(sample_rate),
-               **ignored_fields_header(stream.job)}
+    headers = {
+        "x-request-id": stream.job.request_id,
+        "x-tts-sample-rate": str(sample_rate),
+        **ignored_fields_header(stream.job),
+    }
     s = stream.summary
     if s is not None:
-        headers.update({
-            "x-tts-num-frames": str(s.num_frames),
-            "x-tts-finish-reason": s.finish_reason,
-            "x-tts-code2wav-replica": s.code2wav_replica,
-        })
+        headers.update(
+            {
+                "x-tts-num-frames": str(s.num_frames),
+                "x-tts-finish-reason": s.finish_reason,
+                "x-tts-code2wav-replica": s.code2wav_replica,
+            }
+        )
     return headers
 
 
-async def _stream_chunks(stream: SynthesisStream, out: OutputOptions, metrics: GatewayMetrics,
-                         sample_rate: int) -> AsyncIterator[bytes]:
+async def _stream_chunks(
+    stream: SynthesisStream, out: OutputOptions, metrics: GatewayMetrics, sample_rate: int
+) -> AsyncIterator[bytes]:
     """Encoded audio (or SSE events) as the talker produces it; always closes `stream`."""
     is_sse = out.stream_format == "sse"
     encoder = make_encoder(out.response_format, sample_rate, streaming=True)
@@ -139,8 +145,12 @@ async def _stream_chunks(stream: SynthesisStream, out: OutputOptions, metrics: G
             stream.first_byte_sent()
         if is_sse:
             s = stream.summary
-            yield sse.audio_done(s.num_input_tokens if s else 0, s.num_frames if s else 0,
-                                 finish_reason=s.finish_reason if s else None, request_id=stream.job.request_id)
+            yield sse.audio_done(
+                s.num_input_tokens if s else 0,
+                s.num_frames if s else 0,
+                finish_reason=s.finish_reason if s else None,
+                request_id=stream.job.request_id,
+            )
     except Exception as exc:
         error = exc
         metrics.error(mapping_for(exc).grpc_code.name)
@@ -188,8 +198,14 @@ def create_app(deps: HttpDeps) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None,
-                          "code": None}}
+        body = {
+            "error": {
+                "message": str(exc.detail),
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }
         if exc.status_code == 404:
             body["error"].update(type="not_found_error", code="not_found")
         return JSONResponse(body, status_code=exc.status_code)
@@ -198,7 +214,9 @@ def create_app(deps: HttpDeps) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(InvalidArgument(str(exc.errors())), metrics)
 
-    @app.post("/v1/audio/speech", response_class=Response, responses=SPEECH_RESPONSES, openapi_extra=SPEECH_OPENAPI)
+    @app.post(
+        "/v1/audio/speech", response_class=Response, responses=SPEECH_RESPONSES, openapi_extra=SPEECH_OPENAPI
+    )
     async def speech(request: Request) -> Response:
         """OpenAI `audio.speech.create`, plus Qwen3-TTS fields (task_type, ref_audio, ...)."""
         try:
@@ -214,19 +232,28 @@ def create_app(deps: HttpDeps) -> FastAPI:
             return error_response(exc, metrics)
         if out.streaming:
             media = "text/event-stream" if out.stream_format == "sse" else MEDIA_TYPES[out.response_format]
-            headers = {"x-request-id": job.request_id, "x-tts-sample-rate": str(job.sample_rate),
-                       **ignored_fields_header(job),
-                       "cache-control": "no-cache"}
+            headers = {
+                "x-request-id": job.request_id,
+                "x-tts-sample-rate": str(job.sample_rate),
+                **ignored_fields_header(job),
+                "cache-control": "no-cache",
+            }
             return DisconnectAwareStreamingResponse(
-                _stream_chunks(stream, out, metrics, job.sample_rate), headers=headers, media_type=media,
-                write_timeout_s=deps.write_timeout_s, request_id=job.request_id,
+                _stream_chunks(stream, out, metrics, job.sample_rate),
+                headers=headers,
+                media_type=media,
+                write_timeout_s=deps.write_timeout_s,
+                request_id=job.request_id,
             )
         error: BaseException | None = None
         try:
             audio = await run_unless_disconnected(request, lambda: _collect(stream, out, job.sample_rate))
             stream.first_byte_sent()
-            return Response(audio, media_type=MEDIA_TYPES[out.response_format],
-                            headers=_result_headers(stream, job.sample_rate))
+            return Response(
+                audio,
+                media_type=MEDIA_TYPES[out.response_format],
+                headers=_result_headers(stream, job.sample_rate),
+            )
         except TTSError as exc:
             error = exc
             return error_response(exc, metrics)
@@ -247,10 +274,19 @@ def create_app(deps: HttpDeps) -> FastAPI:
     async def models() -> dict:
 
         catalog = synth.catalog()
-        return {"object": "list", "data": [
-            {"id": catalog.name, "object": "model", "created": 0, "owned_by": "qwen",
-             "model_type": catalog.model_type, "model_size": catalog.model_size},
-        ]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": catalog.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "qwen",
+                    "model_type": catalog.model_type,
+                    "model_size": catalog.model_size,
+                },
+            ],
+        }
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str) -> dict:
@@ -275,8 +311,11 @@ def create_app(deps: HttpDeps) -> FastAPI:
         ready = synth.ready
         ok = ready and all(stages.get(name, "SERVING") == "SERVING" for name in REQUIRED_STAGES)
         degraded = ok and any(status != "SERVING" for status in stages.values())
-        body = {"status": "degraded" if degraded else "ok" if ok else "unavailable", "model_loaded": ready,
-                "stages": stages}
+        body = {
+            "status": "degraded" if degraded else "ok" if ok else "unavailable",
+            "model_loaded": ready,
+            "stages": stages,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     status = deps.status or StatusReporter(synth)
@@ -307,9 +346,13 @@ def create_app(deps: HttpDeps) -> FastAPI:
             field = next((f for f in _VOICE_AUDIO_FIELDS if form.get(f) is not None), "audio_sample")
             upload = form.get(field)
             if upload is None:
-                raise InvalidArgument("multipart voice upload needs a file field 'audio_sample' (or 'audio')",
-                                      param="audio_sample")
-            audio = await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), field)
+                raise InvalidArgument(
+                    "multipart voice upload needs a file field 'audio_sample' (or 'audio')",
+                    param="audio_sample",
+                )
+            audio = (
+                await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), field)
+            )
             _check_voice_extras(form.get("type"), form.get("consent"))
             deps.consents.check(form.get("consent"))
             name, ref_text = str(form.get("name") or ""), str(form.get("ref_text") or "")
@@ -351,4 +394,3 @@ def create_app(deps: HttpDeps) -> FastAPI:
         return {"id": name, "object": "audio.voice.deleted", "deleted": True, "name": name}
 
     return app
-

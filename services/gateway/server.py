@@ -60,60 +60,106 @@ class GatewayServer:
     checks the talker and speaker_cache on every call.
     """
 
-    def __init__(self, config: GatewayConfig, catalog_retry_s: float = 0.5,
-                 decode: Callable[[bytes], np.ndarray] = decode_reference):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        catalog_retry_s: float = 0.5,
+        decode: Callable[[bytes], np.ndarray] = decode_reference,
+    ):
         self.config = config
         self.metrics = GatewayMetrics(CollectorRegistry())
         self.talker_pool = (
-            TalkerPool(DnsResolver(config.talker), refresh_s=config.talker_refresh_s,
-                       connect=lambda addr: grpc.aio.insecure_channel(
-                           addr, options=RECONNECT_OPTIONS, interceptors=client_interceptors(config.internal_token)))
-            if config.talker_balancing == "pool" else None
+            TalkerPool(
+                DnsResolver(config.talker),
+                refresh_s=config.talker_refresh_s,
+                connect=lambda addr: grpc.aio.insecure_channel(
+                    addr, options=RECONNECT_OPTIONS, interceptors=client_interceptors(config.internal_token)
+                ),
+            )
+            if config.talker_balancing == "pool"
+            else None
         )
         self.talker = TalkerClient(config.talker, pool=self.talker_pool, token=config.internal_token)
         self.voice_client = VoiceClient(config.speaker_cache, token=config.internal_token)
         self.catalog: ModelCatalog | None = None
         self._catalog_retry_s = catalog_retry_s
-        limits = RequestLimits(config.max_input_chars, config.max_new_frames_limit, config.max_ref_audio_bytes,
-                               config.sample_rate)
-        self.reference_cache = (
-            DecodedReferenceCache(decode, config.ref_audio_cache_mb << 20, self.metrics.reference_cache_hits.inc,
-                                  self.metrics.reference_cache_misses.inc)
-            if config.ref_audio_cache_mb > 0 else None
+        limits = RequestLimits(
+            config.max_input_chars,
+            config.max_new_frames_limit,
+            config.max_ref_audio_bytes,
+            config.sample_rate,
         )
-        self.synthesizer = Synthesizer(self.talker, lambda: self.catalog, limits, Admission(config.max_streams, config.max_streams_per_client),
-                                       self.metrics,
-                                       decode=self.reference_cache if self.reference_cache is not None else decode,
-                                       unsupported_instructions=config.unsupported_instructions)
-        self.voices = VoiceService(self.voice_client, decode, lambda: self.catalog,
-                                   config.max_ref_audio_bytes)
-        self.stage_health = StageHealth({"talker": self.talker.channel,
-                                         "speaker_cache": self.voice_client.channel})
+        self.reference_cache = (
+            DecodedReferenceCache(
+                decode,
+                config.ref_audio_cache_mb << 20,
+                self.metrics.reference_cache_hits.inc,
+                self.metrics.reference_cache_misses.inc,
+            )
+            if config.ref_audio_cache_mb > 0
+            else None
+        )
+        self.synthesizer = Synthesizer(
+            self.talker,
+            lambda: self.catalog,
+            limits,
+            Admission(config.max_streams, config.max_streams_per_client),
+            self.metrics,
+            decode=self.reference_cache if self.reference_cache is not None else decode,
+            unsupported_instructions=config.unsupported_instructions,
+        )
+        self.voices = VoiceService(
+            self.voice_client, decode, lambda: self.catalog, config.max_ref_audio_bytes
+        )
+        self.stage_health = StageHealth(
+            {"talker": self.talker.channel, "speaker_cache": self.voice_client.channel}
+        )
         self.api_keys = ApiKeys(load_api_keys(config.api_keys_file))
         self.host = GrpcServiceHost(
-            service_names=[SERVICE_NAME], metrics=self.metrics, host=config.host, port=config.grpc_port,
-            metrics_port=config.metrics_port, drain_seconds=config.drain_seconds,
-            interceptors=[ApiKeyInterceptor(self.api_keys, [SERVICE_NAME])], redact_errors=True,
+            service_names=[SERVICE_NAME],
+            metrics=self.metrics,
+            host=config.host,
+            port=config.grpc_port,
+            metrics_port=config.metrics_port,
+            drain_seconds=config.drain_seconds,
+            interceptors=[ApiKeyInterceptor(self.api_keys, [SERVICE_NAME])],
+            redact_errors=True,
         )
         tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
-            TextToSpeechServicer(self.synthesizer, self.voices, self.api_keys,
-                                 write_timeout_s=config.http_write_timeout_s), self.host.server
+            TextToSpeechServicer(
+                self.synthesizer, self.voices, self.api_keys, write_timeout_s=config.http_write_timeout_s
+            ),
+            self.host.server,
         )
-        self.app = create_app(HttpDeps(self.synthesizer, self.voices, self.metrics, self.stage_health.check,
-                                       StatusReporter(self.synthesizer, config.talker_metrics_url),
-                                       max_body_bytes=config.body_limit_bytes,
-                                       body_timeout_s=config.http_body_timeout_s,
-                                       write_timeout_s=config.http_write_timeout_s,
-                                       api_keys=self.api_keys))
+        self.app = create_app(
+            HttpDeps(
+                self.synthesizer,
+                self.voices,
+                self.metrics,
+                self.stage_health.check,
+                StatusReporter(self.synthesizer, config.talker_metrics_url),
+                max_body_bytes=config.body_limit_bytes,
+                body_timeout_s=config.http_body_timeout_s,
+                write_timeout_s=config.http_write_timeout_s,
+                api_keys=self.api_keys,
+            )
+        )
         self.app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)
         self.app.add_middleware(TracingMiddleware)
         self.app.add_middleware(RequestIdMiddleware)
-        self.http = _UvicornServer(uvicorn.Config(
-            self.app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
-            timeout_graceful_shutdown=max(1, int(config.drain_seconds)), access_log=False,
-            timeout_keep_alive=int(max(1, config.http_keepalive_s)),
-            http=header_timeout_protocol(config.http_header_timeout_s),
-        ))
+        self.http = _UvicornServer(
+            uvicorn.Config(
+                self.app,
+                host=config.host,
+                port=config.http_port,
+                log_level="warning",
+                lifespan="off",
+                timeout_graceful_shutdown=max(1, int(config.drain_seconds)),
+                access_log=False,
+                timeout_keep_alive=int(max(1, config.http_keepalive_s)),
+                http=header_timeout_protocol(config.http_header_timeout_s),
+            )
+        )
         self._http_task: asyncio.Task | None = None
         self._catalog_task: asyncio.Task | None = None
 
@@ -159,8 +205,11 @@ class GatewayServer:
             talker_ok = (await self.stage_health.check()).get("talker") == "SERVING"
             if talker_ok != serving:
                 serving = talker_ok
-                log.warning("talker %s: gRPC health %s", "back" if serving else "not serving",
-                            "SERVING" if serving else "NOT_SERVING")
+                log.warning(
+                    "talker %s: gRPC health %s",
+                    "back" if serving else "not serving",
+                    "SERVING" if serving else "NOT_SERVING",
+                )
                 await (self.host.set_serving() if serving else self.host.set_not_serving())
 
     async def stop(self) -> None:

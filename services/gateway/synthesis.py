@@ -135,9 +135,15 @@ class Synthesizer:
 
     def validate(self, fields: SpeechFields) -> SynthesisJob:
         catalog = self.catalog()
-        job = apply_instructions_policy(build_job(fields, catalog, self.limits), catalog,
-                                        self._unsupported_instructions)
-        if job.task == "voice_clone" and job.voice and job.reference_audio is None and (owner := current_owner()):
+        job = apply_instructions_policy(
+            build_job(fields, catalog, self.limits), catalog, self._unsupported_instructions
+        )
+        if (
+            job.task == "voice_clone"
+            and job.voice
+            and job.reference_audio is None
+            and (owner := current_owner())
+        ):
             job = replace(job, voice=scoped_voice_name(job.voice, owner))  # the key's own stored voice
         return job
 

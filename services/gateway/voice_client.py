@@ -75,7 +75,9 @@ class VoiceClient:
 
     async def list(self, timeout: float = 10.0) -> list[VoiceInfo]:
         try:
-            resp = await self._stub.ListVoices(speaker_cache_pb2.ListVoicesRequest(), timeout=timeout, metadata=outgoing_metadata())
+            resp = await self._stub.ListVoices(
+                speaker_cache_pb2.ListVoicesRequest(), timeout=timeout, metadata=outgoing_metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
         return [_voice_info(v) for v in resp.voices]
@@ -83,7 +85,9 @@ class VoiceClient:
     async def get(self, name: str, timeout: float = 10.0) -> VoiceInfo:
         """One voice, with the duration of its stored clip."""
         try:
-            resp = await self._stub.GetVoice(speaker_cache_pb2.GetVoiceRequest(name=name), timeout=timeout, metadata=outgoing_metadata())
+            resp = await self._stub.GetVoice(
+                speaker_cache_pb2.GetVoiceRequest(name=name), timeout=timeout, metadata=outgoing_metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
         return _voice_info(resp.voice)
@@ -101,7 +105,9 @@ class VoiceClient:
         )
         try:
             resp = await self._stub.CreateVoice(
-                speaker_cache_pb2.CreateVoiceRequest(voice=voice), timeout=timeout, metadata=outgoing_metadata()
+                speaker_cache_pb2.CreateVoiceRequest(voice=voice),
+                timeout=timeout,
+                metadata=outgoing_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
@@ -112,7 +118,9 @@ class VoiceClient:
 
     async def delete(self, name: str, timeout: float = 10.0) -> None:
         try:
-            await self._stub.DeleteVoice(speaker_cache_pb2.DeleteVoiceRequest(name=name), timeout=timeout, metadata=outgoing_metadata())
+            await self._stub.DeleteVoice(
+                speaker_cache_pb2.DeleteVoiceRequest(name=name), timeout=timeout, metadata=outgoing_metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
 

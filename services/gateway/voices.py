@@ -22,8 +22,9 @@ class VoiceStoreAPI(Protocol):
 
     async def get(self, name: str) -> VoiceInfo: ...
 
-    async def create(self, name: str, pcm_24k: np.ndarray, reference_text: str,
-                     x_vector_only: bool) -> VoiceInfo: ...
+    async def create(
+        self, name: str, pcm_24k: np.ndarray, reference_text: str, x_vector_only: bool
+    ) -> VoiceInfo: ...
 
     async def delete(self, name: str) -> None: ...
 
@@ -31,8 +32,13 @@ class VoiceStoreAPI(Protocol):
 class VoiceService:
     """Validates voice requests, decodes reference clips and talks to the voice store."""
 
-    def __init__(self, store: VoiceStoreAPI, decode: Callable[[bytes], np.ndarray],
-                 catalog: Callable[[], ModelCatalog | None], max_audio_bytes: int):
+    def __init__(
+        self,
+        store: VoiceStoreAPI,
+        decode: Callable[[bytes], np.ndarray],
+        catalog: Callable[[], ModelCatalog | None],
+        max_audio_bytes: int,
+    ):
         self._store = store
         self._decode = decode
         self._catalog = catalog
@@ -59,8 +65,14 @@ class VoiceService:
         voice = await self._store.get(scoped_voice_name(name, current_owner()))
         return dataclasses.replace(voice, name=name)
 
-    async def create(self, name: str, audio: bytes | None, reference_text: str | None,
-                     x_vector_only: bool | None, audio_field: str = "audio") -> VoiceInfo:
+    async def create(
+        self,
+        name: str,
+        audio: bytes | None,
+        reference_text: str | None,
+        x_vector_only: bool | None,
+        audio_field: str = "audio",
+    ) -> VoiceInfo:
         """Store a cloned voice; `audio_field` is the request field the clip came in (for errors).
 
         Without a transcript and without an explicit `x_vector_only`, the voice is x-vector only
@@ -69,14 +81,18 @@ class VoiceService:
         if not audio:
             raise InvalidArgument("reference audio is required to create a voice", param=audio_field)
         if len(audio) > self._max_audio_bytes:
-            raise InvalidArgument(f"reference audio is {len(audio)} bytes; the limit is {self._max_audio_bytes}",
-                                  param=audio_field)
+            raise InvalidArgument(
+                f"reference audio is {len(audio)} bytes; the limit is {self._max_audio_bytes}",
+                param=audio_field,
+            )
         ref_text = (reference_text or "").strip()
         if x_vector_only is None:
             x_vector_only = not ref_text
         if not x_vector_only and not ref_text:
-            raise InvalidArgument("ref_text (the transcript of the audio) is required unless x_vector_only_mode",
-                                  param="ref_text")
+            raise InvalidArgument(
+                "ref_text (the transcript of the audio) is required unless x_vector_only_mode",
+                param="ref_text",
+            )
         try:
             pcm = await asyncio.to_thread(self._decode, audio)
         except InvalidArgument as exc:

@@ -46,7 +46,9 @@ DecodeEvent = Credit | DecodedAudio | Done | DecodeFailed | DecodeClosed
 
 def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
     code = exc.code()
-    if code in REPLICA_DOWN_CODES or (code == grpc.StatusCode.INTERNAL and exc.details() == CLIENT_CORE_FAILURE):
+    if code in REPLICA_DOWN_CODES or (
+        code == grpc.StatusCode.INTERNAL and exc.details() == CLIENT_CORE_FAILURE
+    ):
         return DecodeFailed(
             Unavailable(f"code2wav replica {replica} went away or is unreachable: {exc.details()}"), True
         )
@@ -119,11 +121,17 @@ class DecodeStream:
                 kind = msg.WhichOneof("event")
                 if kind == "credit":
                     c = msg.credit
-                    plan = ChunkPlan(c.first_chunk_frames, tuple(c.chunk_frames_ramp)) if c.first_chunk_frames else None
+                    plan = (
+                        ChunkPlan(c.first_chunk_frames, tuple(c.chunk_frames_ramp))
+                        if c.first_chunk_frames
+                        else None
+                    )
                     yield Credit(c.frames_allowed_until, plan)
                 elif kind == "audio":
                     a = msg.audio
-                    yield DecodedAudio(a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns)
+                    yield DecodedAudio(
+                        a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns
+                    )
                 elif kind == "done":
                     self._finished = True
                     yield Done(msg.done.num_frames, msg.done.num_samples, msg.done.replica)

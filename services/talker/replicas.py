@@ -151,7 +151,9 @@ class Code2WavReplicas:
             resp = await self._health[address].Check(
                 # wait_for_ready: a channel between reconnect attempts gets its next try within
                 # the timeout instead of failing the check at once.
-                health_pb2.HealthCheckRequest(service=CODE2WAV_SERVICE), timeout=timeout_s, wait_for_ready=True
+                health_pb2.HealthCheckRequest(service=CODE2WAV_SERVICE),
+                timeout=timeout_s,
+                wait_for_ready=True,
             )
             serving = resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError as exc:

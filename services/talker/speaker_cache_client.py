@@ -78,7 +78,9 @@ class SpeakerCacheClient:
         """The named voice; NotFound when there is none, SpeakerCacheUnreachable when no answer."""
         try:
             resp = await self._require().GetVoice(
-                speaker_cache_pb2.GetVoiceRequest(name=name), timeout=self._timeout_s, metadata=outgoing_metadata()
+                speaker_cache_pb2.GetVoiceRequest(name=name),
+                timeout=self._timeout_s,
+                metadata=outgoing_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -96,7 +98,9 @@ class SpeakerCacheClient:
     async def get_prompt(self, key: str) -> PromptRecord | None:
         try:
             resp = await self._require().GetVoicePrompt(
-                speaker_cache_pb2.GetVoicePromptRequest(key=key), timeout=self._timeout_s, metadata=outgoing_metadata()
+                speaker_cache_pb2.GetVoicePromptRequest(key=key),
+                timeout=self._timeout_s,
+                metadata=outgoing_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None
@@ -132,7 +136,9 @@ class SpeakerCacheClient:
             prompt.num_codebooks = int(record.ref_codes.shape[1])
         try:
             await self._require().PutVoicePrompt(
-                speaker_cache_pb2.PutVoicePromptRequest(key=key, prompt=prompt), timeout=self._timeout_s, metadata=outgoing_metadata()
+                speaker_cache_pb2.PutVoicePromptRequest(key=key, prompt=prompt),
+                timeout=self._timeout_s,
+                metadata=outgoing_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             raise self._unreachable(exc) from None

@@ -122,7 +122,12 @@ def test_the_lists_above_are_what_the_services_export():
     from qtts import metrics
 
     exported: dict[str, str] = {}
-    for cls in (metrics.GatewayMetrics, metrics.TalkerMetrics, metrics.Code2WavMetrics, metrics.SpeakerCacheMetrics):
+    for cls in (
+        metrics.GatewayMetrics,
+        metrics.TalkerMetrics,
+        metrics.Code2WavMetrics,
+        metrics.SpeakerCacheMetrics,
+    ):
         registry = CollectorRegistry()
         cls(registry)
         for family in registry.collect():

@@ -590,7 +590,9 @@ def test_talker_service_is_headless_so_the_gateway_spreads_streams(helm_default_
     for docs, expanded in ((helm_default_docs, {}), (kustomize_docs, _kustomize_env(kustomize_docs))):
         services = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("talker")]
         assert len(services) == 1 and services[0]["spec"].get("clusterIP") == "None"
-        gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("gateway"))
+        gateway = next(
+            d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("gateway")
+        )
         args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
         talker = next(a.split("=", 1)[1] for a in args if a.startswith("--talker="))
         talker = expanded.get(talker.strip("$()"), talker)

@@ -57,9 +57,21 @@ def redis_url(tmp_path_factory) -> str:
     port = free_port()
     log = open(data_dir / "redis.log", "wb")
     proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(data_dir)],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data_dir),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         _wait_redis(port, proc)
@@ -92,8 +104,12 @@ def stack(redis_url, snapshot_root, tmp_path_factory) -> Stack:
     """Base model stack: speaker_cache (Redis), 2 code2wav replicas, talker, gateway."""
     model = _snapshot(snapshot_root, "base")
     config = StackConfig.on_free_ports(
-        code2wav_replicas=2, model=str(model), redis_url=redis_url, startup_timeout_s=300.0,
-        drain_seconds=2.0, log_dir=tmp_path_factory.mktemp("logs"),
+        code2wav_replicas=2,
+        model=str(model),
+        redis_url=redis_url,
+        startup_timeout_s=300.0,
+        drain_seconds=2.0,
+        log_dir=tmp_path_factory.mktemp("logs"),
     )
     try:
         started = start_stack(config)
@@ -113,15 +129,27 @@ def variant_gateways(stack, snapshot_root) -> dict[str, VariantGateway]:
             model = str(_snapshot(snapshot_root, kind))
             talker_port, talker_metrics = free_port(), free_port()
             http_port, grpc_port = free_port(), free_port()
-            t = start_service(talker_spec(cfg, model, name=f"talker-{kind}", port=talker_port,
-                                          metrics_port=talker_metrics), cfg.log_dir)
+            t = start_service(
+                talker_spec(cfg, model, name=f"talker-{kind}", port=talker_port, metrics_port=talker_metrics),
+                cfg.log_dir,
+            )
             procs.append(t)
-            g = start_service(gateway_spec(cfg, name=f"gateway-{kind}", talker_port=talker_port,
-                                           http_port=http_port, grpc_port=grpc_port, metrics_port=0,
-                                           talker_metrics_port=talker_metrics),
-                              cfg.log_dir)
+            g = start_service(
+                gateway_spec(
+                    cfg,
+                    name=f"gateway-{kind}",
+                    talker_port=talker_port,
+                    http_port=http_port,
+                    grpc_port=grpc_port,
+                    metrics_port=0,
+                    talker_metrics_port=talker_metrics,
+                ),
+                cfg.log_dir,
+            )
             procs.append(g)
-            out[kind] = VariantGateway(f"http://{cfg.host}:{http_port}", f"{cfg.host}:{grpc_port}", talker_metrics)
+            out[kind] = VariantGateway(
+                f"http://{cfg.host}:{http_port}", f"{cfg.host}:{grpc_port}", talker_metrics
+            )
         for proc in procs:
             wait_serving(proc, cfg.startup_timeout_s)
     except StartupError as exc:

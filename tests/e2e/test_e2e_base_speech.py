@@ -19,8 +19,14 @@ MAX_FRAMES = 10
 
 
 def clone_body(icl: bool, **kw) -> dict:
-    body = {"input": "Hello there, nice to meet you.", "voice": "caller", "ref_audio": REF_B64,
-            "max_new_tokens": MAX_FRAMES, "temperature": 0, "response_format": "wav"}
+    body = {
+        "input": "Hello there, nice to meet you.",
+        "voice": "caller",
+        "ref_audio": REF_B64,
+        "max_new_tokens": MAX_FRAMES,
+        "temperature": 0,
+        "response_format": "wav",
+    }
     body.update({"ref_text": REF_TEXT} if icl else {"x_vector_only_mode": True})
     return {**body, **kw}
 
@@ -37,7 +43,9 @@ def test_voice_clone_streaming_and_non_streaming(stack, icl):
             assert r.headers["x-tts-finish-reason"] == "length"
         assert wav_frames(r.content) == frames * FRAME
 
-        with c.stream("POST", "/v1/audio/speech", json=clone_body(icl, stream=True, response_format="pcm")) as s:
+        with c.stream(
+            "POST", "/v1/audio/speech", json=clone_body(icl, stream=True, response_format="pcm")
+        ) as s:
             assert s.status_code == 200
             pcm = b"".join(s.iter_bytes())
         assert len(pcm) % FRAME_BYTES == 0 and len(pcm) == frames * FRAME_BYTES
@@ -47,7 +55,7 @@ def test_voice_clone_streaming_and_non_streaming(stack, icl):
         assert wav[4:8] == b"\xff\xff\xff\xff" and len(wav) - 44 == frames * FRAME_BYTES
 
         r = c.post("/v1/audio/speech", json=clone_body(icl, stream_format="sse", response_format="pcm"))
-        events = [json.loads(block[len("data: "):]) for block in r.text.split("\n\n") if block]
+        events = [json.loads(block[len("data: ") :]) for block in r.text.split("\n\n") if block]
         audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
         assert events[-1]["type"] == "speech.audio.done"
         assert events[-1]["usage"]["output_tokens"] == frames and len(audio) == frames * FRAME_BYTES
@@ -57,8 +65,12 @@ def test_voice_clone_streaming_and_non_streaming(stack, icl):
 
 def test_grpc_synthesize_has_ids_sequence_and_matching_summary(stack):
     req = tts_pb2.SynthesizeRequest(
-        request_id="e2e-grpc-1", text="Hello over gRPC.", reference_audio=REF_WAV, reference_text=REF_TEXT,
-        max_new_frames=8, sampling=tts_pb2.SamplingParams(greedy=True),
+        request_id="e2e-grpc-1",
+        text="Hello over gRPC.",
+        reference_audio=REF_WAV,
+        reference_text=REF_TEXT,
+        max_new_frames=8,
+        sampling=tts_pb2.SamplingParams(greedy=True),
         audio_encoding=tts_pb2.AUDIO_ENCODING_PCM_S16LE,
     )
     with grpc.insecure_channel(stack.grpc_address) as channel:
@@ -104,15 +116,25 @@ def test_openai_sdk(stack):
     client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     extra = {"ref_audio": REF_B64, "x_vector_only_mode": True, "max_new_tokens": 6, "temperature": 0}
-    audio = client.audio.speech.create(model=model, voice="caller", input="Hello from the SDK.",
-                                       response_format="wav", extra_body={**extra, "stream": False})
+    audio = client.audio.speech.create(
+        model=model,
+        voice="caller",
+        input="Hello from the SDK.",
+        response_format="wav",
+        extra_body={**extra, "stream": False},
+    )
     assert wav_frames(audio.content) % FRAME == 0 and wav_frames(audio.content) > 0
     # No extra streaming field: the body streams by default, as OpenAI's does.
-    streamed = client.audio.speech.create(model=model, voice="caller", input="Hello from the SDK.",
-                                          response_format="wav", extra_body=extra)
+    streamed = client.audio.speech.create(
+        model=model, voice="caller", input="Hello from the SDK.", response_format="wav", extra_body=extra
+    )
     assert streamed.content[4:8] == b"\xff\xff\xff\xff" and streamed.content[44:] == audio.content[44:]
     with client.audio.speech.with_streaming_response.create(
-        model=model, voice="caller", input="Hello from the SDK.", response_format="pcm", extra_body=extra,
+        model=model,
+        voice="caller",
+        input="Hello from the SDK.",
+        response_format="pcm",
+        extra_body=extra,
     ) as response:
         pcm = b"".join(response.iter_bytes())
     assert len(pcm) == wav_frames(audio.content) * 2

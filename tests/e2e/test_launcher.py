@@ -27,16 +27,37 @@ def test_default_ports_skip_speaker_cache():
 
 
 def test_cli_builds_a_stack_config():
-    cfg = config_from_args(["--model", "/m", "--device", "cuda", "--dtype", "bfloat16", "--redis-url",
-                            "redis://r:6379/0", "--code2wav-replicas", "2", "--load-format", "dummy"])
+    cfg = config_from_args(
+        [
+            "--model",
+            "/m",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "--redis-url",
+            "redis://r:6379/0",
+            "--code2wav-replicas",
+            "2",
+            "--load-format",
+            "dummy",
+        ]
+    )
     assert (cfg.model, cfg.device, cfg.dtype, cfg.redis_url, cfg.load_format) == (
-        "/m", "cuda", "bfloat16", "redis://r:6379/0", "dummy")
+        "/m",
+        "cuda",
+        "bfloat16",
+        "redis://r:6379/0",
+        "dummy",
+    )
     assert cfg.code2wav_ports == (50053, 50055) and cfg.code2wav_metrics_ports == (9103, 9105)
 
 
 def test_code2wav_replicas_take_their_devices_in_turn():
     """--code2wav-devices puts replicas on their own GPUs (the talker keeps --device)."""
-    cfg = config_from_args(["--device", "cuda:0", "--code2wav-replicas", "3", "--code2wav-devices", "cuda:1, cuda:2"])
+    cfg = config_from_args(
+        ["--device", "cuda:0", "--code2wav-replicas", "3", "--code2wav-devices", "cuda:1, cuda:2"]
+    )
     assert cfg.code2wav_devices == ("cuda:1", "cuda:2")
     devices = [s.args[s.args.index("--device") + 1] for s in code2wav_specs(cfg, "/snap")]
     assert devices == ["cuda:1", "cuda:2", "cuda:1"]

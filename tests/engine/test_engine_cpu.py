@@ -28,20 +28,32 @@ def same_outputs(got: list, want: list) -> bool:
             return False
         if (g.codes is None) != (w.codes is None):
             return False
-        if g.codes is not None and not np.array_equal(np.asarray(g.codes, dtype=np.int64), np.asarray(w.codes)):
+        if g.codes is not None and not np.array_equal(
+            np.asarray(g.codes, dtype=np.int64), np.asarray(w.codes)
+        ):
             return False
     return True
 
 
 # (prompt length, trailing text positions, max_new_frames, frame cap, join at step); with the tiny
 # model's weights, r1, r4, r5 and r7 meet EOS, r2 hits its frame cap, the others their length.
-REQUESTS = [(12, 0, 6, 40, 0), (23, 5, None, 40, 0), (9, 3, None, 5, 0), (17, 0, 7, 40, 2),
-            (30, 8, None, 40, 3), (11, 2, None, 40, 5), (20, 4, 6, 40, 6), (14, 1, None, 40, 6)]
+REQUESTS = [
+    (12, 0, 6, 40, 0),
+    (23, 5, None, 40, 0),
+    (9, 3, None, 5, 0),
+    (17, 0, 7, 40, 2),
+    (30, 8, None, 40, 3),
+    (11, 2, None, 40, 5),
+    (20, 4, 6, 40, 6),
+    (14, 1, None, 40, 6),
+]
 
 
 @pytest.fixture(scope="module")
 def mixed_reference(tiny_bundle):
-    prompts = [make_prompt(tiny_bundle, L, t, seed=i, max_frames=cap) for i, (L, t, _, cap, _) in enumerate(REQUESTS)]
+    prompts = [
+        make_prompt(tiny_bundle, L, t, seed=i, max_frames=cap) for i, (L, t, _, cap, _) in enumerate(REQUESTS)
+    ]
     want = {f"r{i}": run_alone(tiny_bundle, p, GREEDY, REQUESTS[i][2]) for i, p in enumerate(prompts)}
     return prompts, want
 
@@ -186,7 +198,9 @@ def test_a_model_default_length_ends_as_length(tiny_bundle, default, max_len, fr
     import dataclasses
 
     eng = engine(tiny_bundle, max_len=max_len)
-    p = dataclasses.replace(make_prompt(tiny_bundle, 30, 2, seed=7, max_frames=500), default_max_frames=default)
+    p = dataclasses.replace(
+        make_prompt(tiny_bundle, 30, 2, seed=7, max_frames=500), default_max_frames=default
+    )
     eng.add("plain", p, SamplingParams(greedy=True, min_new_tokens=100), None)
     outs = []
     while eng.num_active:

@@ -27,8 +27,12 @@ from services.gateway.voices import VoiceService
 FRAME = 1920
 
 BASE = ModelCatalog(name="tiny-base", model_type="base", languages=("english", "chinese"))
-CUSTOM = ModelCatalog(name="tiny-custom", model_type="custom_voice", speakers=("vivian", "ryan"),
-                      languages=("english", "chinese"))
+CUSTOM = ModelCatalog(
+    name="tiny-custom",
+    model_type="custom_voice",
+    speakers=("vivian", "ryan"),
+    languages=("english", "chinese"),
+)
 DESIGN = ModelCatalog(name="tiny-design", model_type="voice_design", languages=("english",))
 
 
@@ -78,7 +82,9 @@ class FakeTalker:
                 if self.error_after_first is not None:
                     raise self.error_after_first
             # The talker reports the input's text tokens; here one per word of the input.
-            yield SynthesisSummary("length", n, n * FRAME, "fake-replica", num_input_tokens=len(job.text.split()))
+            yield SynthesisSummary(
+                "length", n, n * FRAME, "fake-replica", num_input_tokens=len(job.text.split())
+            )
             self.completed += 1
         finally:
             self.active -= 1
@@ -130,13 +136,20 @@ class GatewayUnderTest:
     url: str = ""
 
 
-def build_gateway(catalog: ModelCatalog = BASE, max_streams: int = 4, unsupported_instructions: str = "reject",
-                  **talker_kw) -> GatewayUnderTest:
+def build_gateway(
+    catalog: ModelCatalog = BASE, max_streams: int = 4, unsupported_instructions: str = "reject", **talker_kw
+) -> GatewayUnderTest:
     talker = FakeTalker(**talker_kw)
     metrics = GatewayMetrics(CollectorRegistry())
-    synth = Synthesizer(talker, lambda: catalog, RequestLimits(max_input_chars=200, max_new_frames_limit=100),
-                        Admission(max_streams), metrics, decode=fake_decode,
-                        unsupported_instructions=unsupported_instructions)
+    synth = Synthesizer(
+        talker,
+        lambda: catalog,
+        RequestLimits(max_input_chars=200, max_new_frames_limit=100),
+        Admission(max_streams),
+        metrics,
+        decode=fake_decode,
+        unsupported_instructions=unsupported_instructions,
+    )
     store = FakeVoiceStore()
     voices = VoiceService(store, fake_decode, lambda: catalog, max_audio_bytes=1 << 20)
     return GatewayUnderTest(talker, store, synth, metrics, voices)
@@ -157,8 +170,9 @@ async def serve_http(gw: GatewayUnderTest, stages: dict[str, str] | None = None)
 
     app = create_app(HttpDeps(gw.synth, gw.voice_service, gw.metrics, stage_health))
     port = free_port()
-    server = _UvicornServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
+    server = _UvicornServer(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)

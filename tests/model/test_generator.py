@@ -54,7 +54,11 @@ def test_batched_equals_alone(bundle, greedy):
         got, ends = _drain(EagerGenerator(bundle, max_batch=1), {0: [("x", prompts[i], params[i], n[i])]})
         assert ends["x"] == "length" and len(got["x"]) == n[i]
         alone.append(torch.stack(got["x"]))
-    joins = {0: [("a", prompts[0], params[0], n[0])], 1: [("b", prompts[1], params[1], n[1])], 3: [("c", prompts[2], params[2], n[2])]}
+    joins = {
+        0: [("a", prompts[0], params[0], n[0])],
+        1: [("b", prompts[1], params[1], n[1])],
+        3: [("c", prompts[2], params[2], n[2])],
+    }
     got, ends = _drain(EagerGenerator(bundle, max_batch=3), joins)
     for rid, i in (("a", 0), ("b", 1), ("c", 2)):
         assert torch.equal(torch.stack(got[rid]), alone[i]), rid
@@ -64,7 +68,9 @@ def test_seed_reproducible_and_distinct(bundle):
     p = _prompts(bundle)[0]
     runs = []
     for seed in (1, 1, 2):
-        got, _ = _drain(EagerGenerator(bundle), {0: [("r", p, SamplingParams(seed=seed, min_new_tokens=99), 6)]})
+        got, _ = _drain(
+            EagerGenerator(bundle), {0: [("r", p, SamplingParams(seed=seed, min_new_tokens=99), 6)]}
+        )
         runs.append(torch.stack(got["r"]))
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
 
@@ -72,13 +78,19 @@ def test_seed_reproducible_and_distinct(bundle):
 def test_frame_cap_ends_request(bundle):
     # As a real checkpoint's prompt: no default length, so an unbounded run into the cap fails.
     p = dataclasses.replace(_prompts(bundle)[0], max_frames=4, default_max_frames=None)
-    got, ends = _drain(EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), None)]})
+    got, ends = _drain(
+        EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), None)]}
+    )
     assert ends == {"r": "frame_cap"} and len(got["r"]) == 4
     # max_new_frames below the cap wins as "length".
-    got, ends = _drain(EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 2)]})
+    got, ends = _drain(
+        EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 2)]}
+    )
     assert ends == {"r": "length"} and len(got["r"]) == 2
     # A bound above the cap: the cap ends it, as "length" (the caller bounded it), not a failure.
-    got, ends = _drain(EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 9)]})
+    got, ends = _drain(
+        EagerGenerator(bundle), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 9)]}
+    )
     assert ends == {"r": "length"} and len(got["r"]) == 4
 
 
@@ -89,7 +101,9 @@ def test_tiny_model_default_length_ends_as_length(bundle):
     want = [default_length(p.num_text_tokens, 1.5, p.max_frames) for p in prompts]
     assert [p.default_max_frames for p in prompts] == want
     assert all(w < p.max_frames for w, p in zip(want, prompts, strict=True)) and want[0] < want[1]
-    got, ends = _drain(EagerGenerator(bundle), {0: [("r", prompts[0], SamplingParams(min_new_tokens=10**6), None)]})
+    got, ends = _drain(
+        EagerGenerator(bundle), {0: [("r", prompts[0], SamplingParams(min_new_tokens=10**6), None)]}
+    )
     assert ends == {"r": "length"} and len(got["r"]) == want[0]
 
 
@@ -180,7 +194,10 @@ def test_kv_cache_grows(bundle):
     p = _prompts(bundle)[1]
     got, ends = _drain(gen, {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 5)]})
     assert gen.cache.capacity >= p.embeds.shape[0] + 4
-    ref, _ = _drain(EagerGenerator(bundle, max_batch=2), {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 5)]})
+    ref, _ = _drain(
+        EagerGenerator(bundle, max_batch=2),
+        {0: [("r", p, SamplingParams(greedy=True, min_new_tokens=10**6), 5)]},
+    )
     assert torch.equal(torch.stack(got["r"]), torch.stack(ref["r"]))
 
 

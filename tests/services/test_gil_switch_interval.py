@@ -14,8 +14,12 @@ from services.gateway.config import config_from_args as gateway_config
 from services.speaker_cache.config import config_from_args as speaker_cache_config
 from services.talker.config import config_from_args as talker_config
 
-PARSERS = {"talker": talker_config, "code2wav": code2wav_config, "gateway": gateway_config,
-           "speaker_cache": speaker_cache_config}
+PARSERS = {
+    "talker": talker_config,
+    "code2wav": code2wav_config,
+    "gateway": gateway_config,
+    "speaker_cache": speaker_cache_config,
+}
 
 
 @pytest.mark.parametrize("service", sorted(PARSERS))
