@@ -16,7 +16,7 @@ from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.scheduler import Scheduler
 from qtts.engine.sequence import Sequence
 from qtts.errors import InvalidArgument
-from qtts.model.generator import StepOutput
+from qtts.model.generator import SAMPLING_FAILED, StepOutput
 
 
 @dataclass(frozen=True)
@@ -171,9 +171,14 @@ class GraphEngine:
         # cost the engine thread milliseconds a step at hundreds of streams, contending for the GIL).
         host = codes.to(torch.int16).numpy()
         c0 = host[:, 0].tolist()
+        broken = (host < 0).any(axis=1).tolist()  # sampler.INVALID_ID: this row's scores broke
         outputs: list[StepOutput] = []
         # Finishing a stream moves another into its slot: read every row by its slot at decode time.
         for seq, slot in [(s, s.slot) for s in rows]:
+            if broken[slot]:
+                outputs.append(StepOutput(seq.request_id, None, True, SAMPLING_FAILED))
+                self.scheduler.finish(seq, SAMPLING_FAILED)
+                continue
             if c0[slot] == eos:
                 outputs.append(StepOutput(seq.request_id, None, True, "stop"))
                 self.scheduler.finish(seq, "stop")

@@ -698,9 +698,12 @@ class ModelRunner:
 
         hidden = self._talker_decode(n, ctx)
         c0 = self._codebook0(hidden, n, uniforms)
+        # A broken row samples sampler.INVALID_ID (-1): looked up as id 0 here, so the batch goes
+        # on; codes_out keeps the -1 and the engine fails that row alone.
+        c0_safe = c0.clamp_min(0)
 
         pred = self.predictor
-        c0_embed = self.talker.model.codec_embedding(c0)
+        c0_embed = self.talker.model.codec_embedding(c0_safe)
         x = self._project(torch.stack([hidden, c0_embed], dim=1))
         codes = [c0]
         embed_sum = c0_embed
@@ -712,7 +715,7 @@ class ModelRunner:
             head = pred.lm_head[j]
             code = self._sample_codebook(self._lin(h[:, -1], head.weight, head.bias), n, j + 1, uniforms)
             codes.append(code)
-            e = pred.model.codec_embedding[j](code)
+            e = pred.model.codec_embedding[j](code.clamp_min(0))
             embed_sum = embed_sum + e
             if j + 1 < pred.num_steps:
                 x = self._project(e[:, None])
@@ -724,8 +727,8 @@ class ModelRunner:
         # Commit, masked by `active` so padding / prefilling / skipped rows keep their state.
         self.codes_out[:n] = torch.stack(codes, dim=1)
         self.next_embed[:n] = torch.where(act[:, None], next_embed.to(self.dtype), self.next_embed[:n])
-        seen_c0 = self.seen[:n].gather(1, c0[:, None])
-        self.seen[:n].scatter_(1, c0[:, None], seen_c0 | act[:, None])
+        seen_c0 = self.seen[:n].gather(1, c0_safe[:, None])
+        self.seen[:n].scatter_(1, c0_safe[:, None], seen_c0 | act[:, None])
         step = act.long()
         self.state_i[:n, I_POS] += step
         self.state_i[:n, I_FRAME] += step

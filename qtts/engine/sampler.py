@@ -20,6 +20,9 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
+# What a row whose scores are broken (NaN, +inf, or no finite id) samples: never a valid id, so
+# the engine fails that row alone (`model_runner` clamps it before any embedding lookup).
+INVALID_ID = -1
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -107,7 +110,11 @@ def sample_rows(
     uniform: torch.Tensor,
     max_candidates: int | None = None,
 ) -> torch.Tensor:
-    """One id per row of float logits [B, V] (NaN-free; -inf ids are never sampled).
+    """One id per row of float logits [B, V] (-inf ids are never sampled).
+
+    A row whose scaled logits hold a NaN or +inf, or no finite value, gets `INVALID_ID` (greedy or
+    not): one row's overflow (a temperature or penalty far outside the API's ranges, a broken
+    prompt) fails only that row, never its neighbours.
 
     Greedy rows take the argmax of the logits (the first id on ties). The others, with
     s = logits / max(T, 1e-5):
@@ -154,4 +161,5 @@ def sample_rows(
     last = torch.where(w > 0, ids, -1).amax(dim=-1)
     hit = w.gather(1, choice.clamp(max=vocab - 1)[:, None]).squeeze(1)
     sampled = torch.where((choice >= vocab) | (hit == 0), last, choice)
-    return torch.where(greedy, greedy_ids, sampled)
+    broken = (scaled.isnan() | (scaled == float("inf"))).any(dim=-1) | ~(scaled > _NEG_INF).any(dim=-1)
+    return torch.where(broken, INVALID_ID, torch.where(greedy, greedy_ids, sampled))

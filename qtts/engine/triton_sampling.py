@@ -117,13 +117,19 @@ if triton is not None:
                                  codebook)
         if WRITE_U:
             tl.store(u_out_ptr + row, u)
-        if tl.load(g_ptr + row * g_stride) != 0:
+        greedy = tl.load(g_ptr + row * g_stride) != 0
+        temp = tl.load(t_ptr + row * t_stride).to(tl.float32)
+        if greedy:
             choice = tl.argmax(x, axis=0).to(tl.int32)
         else:
-            temp = tl.load(t_ptr + row * t_stride).to(tl.float32)
             k = tl.load(k_ptr + row * k_stride)
             p = tl.load(p_ptr + row * p_stride).to(tl.float32)
             choice = _sample_row(x, valid, offs, temp, k, p, u, V).to(tl.int32)
+        # sampler.INVALID_ID for a row whose scaled logits hold NaN or +inf, or no finite value.
+        s = tl.div_rn(x, tl.where(greedy, 1.0, tl.maximum(temp, 1e-5)))
+        nonfinite = tl.sum((((s != s) | (s == float("inf"))) & valid).to(tl.int32), axis=0)
+        finite = tl.sum(((s > float("-inf")) & valid).to(tl.int32), axis=0)
+        choice = tl.where((nonfinite > 0) | (finite == 0), -1, choice)
         tl.store(out_ptr + row, choice.to(tl.int64))
 
 
@@ -149,7 +155,8 @@ def sample(
     num_warps: int | None = None,
 ):
     """One int64 id per row of `logits` [B, V] (bf16 / fp16 / fp32, unit column stride, any row
-    stride; NaN-free, -inf allowed), with `sampler.sample_rows`'s semantics (no max_candidates).
+    stride; -inf allowed), with `sampler.sample_rows`'s semantics (no max_candidates), including
+    `sampler.INVALID_ID` for a row with NaN / +inf scores or no finite one.
 
     Per row: temperature (float), top_k (integer; <= 0 or >= V: all), top_p (float; >= 1: off),
     greedy (bool or integer, nonzero: argmax), seed and frame (int64, seed in [0, 2**63)). All are

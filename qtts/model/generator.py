@@ -23,6 +23,10 @@ import torch
 from qtts.model.prompt import TalkerPrompt
 from qtts.model.sampling import SamplingParams, choose_codebook0, choose_residual_batch, make_generator
 
+# The finish reason of a row whose sampling broke (non-finite scores: a sampling setting far
+# outside the API's ranges, or a broken prompt); only that row ends, its batch goes on.
+SAMPLING_FAILED = "sampling_failed"
+
 
 @dataclass
 class StepOutput:
@@ -31,7 +35,7 @@ class StepOutput:
     # int16 ndarray[16] (a row of the step's one host array) from the GraphEngine.
     codes: torch.Tensor | np.ndarray | None
     finished: bool
-    finish_reason: str | None = None  # None | "stop" | "length" | "frame_cap"
+    finish_reason: str | None = None  # None | "stop" | "length" | "frame_cap" | SAMPLING_FAILED
 
 
 @dataclass
@@ -188,11 +192,23 @@ class EagerGenerator:
         outputs: list[StepOutput] = []
         keep: list[int] = []
         c0: list[int] = []
+        # A row whose hidden state or logits are not finite would give its predictor NaN logits
+        # (torch.multinomial then fails the whole step): it ends here, alone.
+        finite = (
+            torch.isfinite(hidden).all(dim=-1) & ~(logits.isnan() | (logits == float("inf"))).any(dim=-1)
+        ).tolist()
         for i, r in enumerate(rows):
             hist = torch.tensor(r.history, dtype=torch.long, device=self.device) if r.history else None
-            tok = choose_codebook0(
-                logits[i], r.sampling, hist, len(r.history), eos, self.suppress_mask, r.generator
-            )
+            try:
+                if not finite[i]:
+                    raise ValueError("non-finite talker output")
+                tok = choose_codebook0(
+                    logits[i], r.sampling, hist, len(r.history), eos, self.suppress_mask, r.generator
+                )
+            except (RuntimeError, ValueError):  # multinomial on NaN / inf probabilities
+                self._release(r)
+                outputs.append(StepOutput(r.request_id, None, True, SAMPLING_FAILED))
+                continue
             r.history.append(tok)
             if tok == eos:
                 self._release(r)

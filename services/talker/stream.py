@@ -39,6 +39,8 @@ from .scheduler import ScheduledRequest, StreamCredit
 log = logging.getLogger(__name__)
 
 FRAME_CAP_MESSAGE = "generation hit the frame cap without end of speech"
+# qtts.model.generator.SAMPLING_FAILED: this stream's sampling broke (its batch went on).
+SAMPLING_FAILED = "sampling_failed"
 
 
 class _StallCheck:
@@ -133,6 +135,8 @@ class StreamSession:
                     generating = False
                     if ev.reason == "frame_cap":
                         raise GenerationFailed(FRAME_CAP_MESSAGE)
+                    if ev.reason == SAMPLING_FAILED:
+                        raise GenerationFailed("sampling failed: the model's scores were not finite")
                     self._gen_end = ev
                     await self._flush()
                 elif isinstance(ev, Failed):
