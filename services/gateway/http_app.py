@@ -33,6 +33,7 @@ from .instructions import ignored_fields_header
 from .job import AudioPiece
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
 from .playback import PlaybackClock
+from .rate_limit import RateLimiter, RateLimitMiddleware
 from .speech_ws import SpeechStreamEndpoint
 from .status import StatusReporter
 from .synthesis import SynthesisStream, Synthesizer
@@ -66,6 +67,8 @@ class HttpDeps:
     write_timeout_s: float = 0.0
     # None or no keys: no authentication.
     api_keys: ApiKeys | None = None
+    # Requests per client and second (rate_limit.py); None: no such limit.
+    rate_limiter: RateLimiter | None = None
 
 
 def error_response(exc: BaseException, metrics: GatewayMetrics | None = None) -> JSONResponse:
@@ -181,6 +184,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app = FastAPI(title="Qwen3-TTS gateway", docs_url="/docs", redoc_url=None)
     install_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=deps.max_body_bytes, body_timeout_s=deps.body_timeout_s)
+    if deps.rate_limiter is not None:
+        app.add_middleware(RateLimitMiddleware, limiter=deps.rate_limiter)  # inside: the client is known
     app.add_middleware(ClientIdentityMiddleware)
     if deps.api_keys is not None and deps.api_keys.enabled:
         app.add_middleware(ApiKeyMiddleware, keys=deps.api_keys)
