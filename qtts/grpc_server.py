@@ -324,6 +324,8 @@ class GrpcServiceHost:
 
     `max_connection_age_s` > 0 ages client connections out (`connection_age_options`); the grace
     for calls on an aged connection is `max_connection_age_grace_s`, or `drain_seconds` when 0.
+
+    `credentials` (qtts.tls): serve TLS (or mutual TLS) on the port; None: plaintext.
     """
 
     def __init__(
@@ -340,6 +342,7 @@ class GrpcServiceHost:
         options: Iterable[tuple[str, Any]] = (),
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
         redact_errors: bool = False,
+        credentials: grpc.ServerCredentials | None = None,
     ):
         try:
             # grpc.aio binds the server to the loop it is created on: a host built before
@@ -353,6 +356,7 @@ class GrpcServiceHost:
         self.port = port
         self.metrics_port = metrics_port
         self.drain_seconds = drain_seconds
+        self.credentials = credentials
         self.server = grpc.aio.server(
             interceptors=[ErrorMappingInterceptor(metrics, redact_errors), *interceptors],
             options=[
@@ -389,7 +393,10 @@ class GrpcServiceHost:
     async def start(self) -> int:
         """Bind, start serving (health NOT_SERVING) and the metrics endpoint; returns the gRPC port."""
         address = f"{_bracket(self.host)}:{self.port}"
-        self.bound_port = self.server.add_insecure_port(address)
+        if self.credentials is None:
+            self.bound_port = self.server.add_insecure_port(address)
+        else:
+            self.bound_port = self.server.add_secure_port(address, self.credentials)
         if self.bound_port == 0:
             raise OSError(f"could not bind gRPC server to {address}")
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -401,10 +408,11 @@ class GrpcServiceHost:
             self._metrics_http = http_server
             self.bound_metrics_port = http_server.server_port
         log.info(
-            "serving %s on %s:%d (metrics port %s)",
+            "serving %s on %s:%d%s (metrics port %s)",
             ", ".join(self.service_names),
             self.host,
             self.bound_port,
+            "" if self.credentials is None else " with TLS",
             self.bound_metrics_port or "off",
         )
         return self.bound_port

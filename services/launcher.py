@@ -30,11 +30,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from qtts import probe
+from qtts.errors import TTSError
 from qtts.resources import state_dir
+from qtts.service_config import env_lookup
 from qtts.testing import ensure_tiny_snapshot
+from qtts.tls import TlsConfig, add_tls_flags, tls_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LOG_DIR = state_dir() / "run" / "logs"
@@ -99,6 +100,9 @@ class StackConfig:
     gateway_replicas: int = 1
     # Extra flags per service name ("gateway", "talker", "code2wav", "speaker_cache").
     extra_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # TLS between the services (qtts/tls.py), the same files for every one; None: plaintext. The
+    # gateway's public ports stay plaintext unless its extra_args give --public-tls-*.
+    tls: TlsConfig | None = None
 
     def validate(self) -> StackConfig:
         if not self.code2wav_ports:
@@ -143,6 +147,8 @@ class ServiceSpec:
     args: tuple[str, ...]
     grpc_address: str
     metrics_port: int = 0
+    # How the health check reaches `grpc_address` (None: plaintext).
+    tls: TlsConfig | None = None
 
 
 class ServiceProcess:
@@ -207,16 +213,9 @@ def start_service(spec: ServiceSpec, log_dir: Path, env: dict[str, str] | None =
     return ServiceProcess(spec, popen, log_path)
 
 
-def health_status(address: str, timeout: float = 1.0) -> str:
+def health_status(address: str, timeout: float = 1.0, tls: TlsConfig | None = None) -> str:
     """The overall grpc.health.v1 status name of a server, or "UNREACHABLE"."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout
-            )
-        except grpc.RpcError:
-            return "UNREACHABLE"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    return probe.health_status(address, tls, timeout=timeout)
 
 
 def wait_serving(proc: ServiceProcess, timeout: float, stop: threading.Event | None = None) -> None:
@@ -232,7 +231,7 @@ def wait_serving(proc: ServiceProcess, timeout: float, stop: threading.Event | N
                 f"{proc.name} exited with code {proc.popen.returncode} before it was SERVING; "
                 f"log {proc.log_path}:\n{proc.log_tail()}"
             )
-        status = health_status(proc.spec.grpc_address)
+        status = health_status(proc.spec.grpc_address, tls=proc.spec.tls)
         if status == "SERVING":
             return
         time.sleep(0.2)
@@ -244,6 +243,11 @@ def wait_serving(proc: ServiceProcess, timeout: float, stop: threading.Event | N
 
 def _addr(host: str, port: int) -> str:
     return f"{host}:{port}"
+
+
+def _tls_flags(cfg: StackConfig, client: bool = True) -> list[str]:
+    """--tls-* for a service; `client`: it also dials others (--tls-server-name)."""
+    return cfg.tls.flags(server_name=client) if cfg.tls is not None else []
 
 
 def model_flags(cfg: StackConfig, model: str, device: str | None = None) -> tuple[str, ...]:
@@ -271,6 +275,7 @@ def speaker_cache_spec(cfg: StackConfig) -> ServiceSpec:
         cfg.redis_url,
         "--drain-seconds",
         str(cfg.drain_seconds),
+        *_tls_flags(cfg, client=False),
         *cfg.extra_args.get("speaker_cache", ()),
     ]
     return ServiceSpec(
@@ -279,6 +284,7 @@ def speaker_cache_spec(cfg: StackConfig) -> ServiceSpec:
         tuple(args),
         _addr(cfg.host, cfg.speaker_cache_port),
         cfg.speaker_cache_metrics_port,
+        cfg.tls,
     )
 
 
@@ -299,9 +305,12 @@ def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
             *model_flags(cfg, model, device),
             "--drain-seconds",
             str(cfg.drain_seconds),
+            *_tls_flags(cfg, client=False),
             *cfg.extra_args.get("code2wav", ()),
         ]
-        specs.append(ServiceSpec(name, "services.code2wav", tuple(args), _addr(cfg.host, port), mport))
+        specs.append(
+            ServiceSpec(name, "services.code2wav", tuple(args), _addr(cfg.host, port), mport, cfg.tls)
+        )
     return specs
 
 
@@ -329,9 +338,10 @@ def talker_spec(
         _addr(cfg.host, cfg.speaker_cache_port),
         "--drain-seconds",
         str(cfg.drain_seconds),
+        *_tls_flags(cfg),
         *cfg.extra_args.get("talker", ()),
     ]
-    return ServiceSpec(name, "services.talker", tuple(args), _addr(cfg.host, port), mport)
+    return ServiceSpec(name, "services.talker", tuple(args), _addr(cfg.host, port), mport, cfg.tls)
 
 
 def gateway_spec(
@@ -370,6 +380,7 @@ def gateway_spec(
         *talker_metrics,
         "--drain-seconds",
         str(cfg.drain_seconds),
+        *_tls_flags(cfg),
         *cfg.extra_args.get("gateway", ()),
     ]
     return ServiceSpec(
@@ -596,6 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    add_tls_flags(p, env_lookup("launcher"), what="gRPC between the services (passed to each one)")
     for service in SERVICE_NAMES:
         p.add_argument(
             f"--{service.replace('_', '-')}-args",
@@ -611,6 +623,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
     if ns.code2wav_replicas < 1:
         raise SystemExit("--code2wav-replicas must be >= 1")
     n = ns.code2wav_replicas
+    try:
+        tls = tls_from_args(ns).validate()
+    except TTSError as exc:
+        raise SystemExit(exc.message) from None
     return replace(
         StackConfig(),
         model=ns.model,
@@ -628,6 +644,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
         startup_timeout_s=ns.startup_timeout,
         gateway_replicas=ns.gateway_replicas,
         extra_args={s: tuple(shlex.split(getattr(ns, f"{s}_args"))) for s in SERVICE_NAMES},
+        tls=tls if tls.enabled else None,
     ).validate()
 
 

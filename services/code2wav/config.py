@@ -19,6 +19,7 @@ from qtts.service_config import (
     check_server_fields,
     env_lookup,
 )
+from qtts.tls import TlsConfig, add_tls_flags, tls_from_args
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.model_loader import DTYPES
 
@@ -80,6 +81,8 @@ class Code2WavConfig:
     log_level: str = "INFO"
     # Shared secret of the services (qtts/internal_auth.py); empty: off.
     internal_token: str = ""
+    # TLS / mutual TLS on the gRPC port (qtts/tls.py); off by default.
+    tls: TlsConfig = TlsConfig()
 
     @property
     def batch_limit(self) -> int:
@@ -100,6 +103,7 @@ class Code2WavConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
         check_server_fields(self)
         check_connection_age(self)
+        self.tls.validate()
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise InvalidArgument(
                 f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}"
@@ -157,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="shared secret of the services (qtts/internal_auth.py): required from callers; "
         "prefer the env var to the flag (default: off)",
     )
+    add_tls_flags(p, _env, server_name=False)
     add_connection_age_flags(p, _env, d)
     p.add_argument(
         "--model",
@@ -260,4 +265,5 @@ def config_from_args(argv: Sequence[str] | None = None) -> Code2WavConfig:
         gil_switch_interval_ms=ns.gil_switch_interval_ms,
         log_level=ns.log_level,
         internal_token=ns.internal_token,
+        tls=tls_from_args(ns),
     ).validate()

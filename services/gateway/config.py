@@ -14,6 +14,7 @@ from qtts.service_config import (
     check_server_fields,
     env_lookup,
 )
+from qtts.tls import TlsConfig, add_tls_flags, tls_from_args
 
 _env = env_lookup("gateway")
 
@@ -75,6 +76,10 @@ class GatewayConfig:
     api_keys_file: str = ""
     # Shared secret of the services (qtts/internal_auth.py); empty: off.
     internal_token: str = ""
+    # TLS / mutual TLS to talker and speaker_cache (qtts/tls.py: --tls-*), and TLS on the public
+    # HTTP and gRPC ports (--public-tls-*); both off by default.
+    tls: TlsConfig = TlsConfig()
+    public_tls: TlsConfig = TlsConfig(flag="public-tls")
     log_level: str = "INFO"
     # `instructions` sent to a variant that has no instruct block (Base, 0.6B CustomVoice):
     # "reject" (400 / INVALID_ARGUMENT naming the field) or "ignore" (dropped, reported in the
@@ -84,6 +89,8 @@ class GatewayConfig:
     def validate(self) -> GatewayConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
         check_server_fields(self, ports=("http_port", "grpc_port"))
+        self.tls.validate(serves=False)
+        self.public_tls.validate()
         if self.http_port == 0 or self.grpc_port == 0:
             raise InvalidArgument("--http-port and --grpc-port must be set (non-zero)")
         for name in ("talker", "speaker_cache"):
@@ -237,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="shared secret of the services (qtts/internal_auth.py): sent on calls to the other "
         "services and required from callers; prefer the env var to the flag (default: off)",
     )
+    add_tls_flags(p, _env, what="the gateway's calls to talker and speaker_cache")
+    add_tls_flags(p, _env, prefix="public-tls", what="the public HTTP and gRPC ports", server_name=False)
     p.add_argument(
         "--unsupported-instructions",
         default=_env("UNSUPPORTED_INSTRUCTIONS", d.unsupported_instructions),
@@ -278,4 +287,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         max_streams_per_client=ns.max_streams_per_client,
         api_keys_file=ns.api_keys_file,
         internal_token=ns.internal_token,
+        tls=tls_from_args(ns),
+        public_tls=tls_from_args(ns, "public-tls"),
     ).validate()

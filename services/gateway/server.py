@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any
 
-import grpc
 import numpy as np
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -19,6 +20,7 @@ from qtts.grpc_server import RECONNECT_OPTIONS, GrpcServiceHost, service_full_na
 from qtts.internal_auth import client_interceptors
 from qtts.metrics import GatewayMetrics
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.tls import TlsConfig, aio_channel
 from qtts.tracing import TracingMiddleware
 
 from .admission import Admission
@@ -53,6 +55,17 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
+def _uvicorn_tls(tls: TlsConfig) -> dict[str, Any]:
+    """uvicorn's TLS settings for the public HTTP port (none: plaintext)."""
+    if not tls.cert:
+        return {}
+    extra: dict[str, Any] = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+    if tls.ca:
+        extra["ssl_ca_certs"] = tls.ca
+        extra["ssl_cert_reqs"] = ssl.CERT_REQUIRED if tls.mutual else ssl.CERT_NONE
+    return extra
+
+
 class GatewayServer:
     """The gateway process: HTTP + gRPC front ends over one synthesis core.
 
@@ -72,15 +85,20 @@ class GatewayServer:
             TalkerPool(
                 DnsResolver(config.talker),
                 refresh_s=config.talker_refresh_s,
-                connect=lambda addr: grpc.aio.insecure_channel(
-                    addr, options=RECONNECT_OPTIONS, interceptors=client_interceptors(config.internal_token)
+                connect=lambda addr: aio_channel(
+                    addr,
+                    config.tls,
+                    options=RECONNECT_OPTIONS,
+                    interceptors=client_interceptors(config.internal_token),
                 ),
             )
             if config.talker_balancing == "pool"
             else None
         )
-        self.talker = TalkerClient(config.talker, pool=self.talker_pool, token=config.internal_token)
-        self.voice_client = VoiceClient(config.speaker_cache, token=config.internal_token)
+        self.talker = TalkerClient(
+            config.talker, pool=self.talker_pool, token=config.internal_token, tls=config.tls
+        )
+        self.voice_client = VoiceClient(config.speaker_cache, token=config.internal_token, tls=config.tls)
         self.catalog: ModelCatalog | None = None
         self._catalog_retry_s = catalog_retry_s
         limits = RequestLimits(
@@ -124,6 +142,7 @@ class GatewayServer:
             drain_seconds=config.drain_seconds,
             interceptors=[ApiKeyInterceptor(self.api_keys, [SERVICE_NAME])],
             redact_errors=True,
+            credentials=config.public_tls.server_credentials(),
         )
         tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
             TextToSpeechServicer(
@@ -158,6 +177,7 @@ class GatewayServer:
                 access_log=False,
                 timeout_keep_alive=int(max(1, config.http_keepalive_s)),
                 http=header_timeout_protocol(config.http_header_timeout_s),
+                **_uvicorn_tls(config.public_tls),
             )
         )
         self._http_task: asyncio.Task | None = None
@@ -174,7 +194,8 @@ class GatewayServer:
                 self._http_task.result()
                 raise OSError(f"HTTP server did not start on {self.config.host}:{self.config.http_port}")
             await asyncio.sleep(0.02)
-        log.info("HTTP on http://%s:%d", self.config.host, self.config.http_port)
+        scheme = "https" if self.config.public_tls.cert else "http"
+        log.info("HTTP on %s://%s:%d", scheme, self.config.host, self.config.http_port)
         self._catalog_task = asyncio.create_task(self._fetch_catalog())
 
     async def _fetch_catalog(self) -> None:

@@ -14,6 +14,7 @@ from qtts.internal_auth import client_interceptors
 from qtts.log_context import outgoing_metadata
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.sampling_overrides import overrides_to_pb
+from qtts.tls import TlsConfig, aio_channel
 from qtts.tts_enums import FINISH_FROM_PB, TASK_TO_PB
 
 from .job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
@@ -84,11 +85,14 @@ class TalkerClient:
     the gateway's health check use that shared channel either way.
     """
 
-    def __init__(self, address: str, pool: TalkerPool | None = None, token: str = ""):
+    def __init__(
+        self, address: str, pool: TalkerPool | None = None, token: str = "", tls: TlsConfig | None = None
+    ):
         self.address = address
         self.pool = pool
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = aio_channel(
             address,
+            tls,
             options=[("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS],
             interceptors=client_interceptors(token),
         )

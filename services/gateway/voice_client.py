@@ -13,6 +13,7 @@ from qtts.grpc_server import RECONNECT_OPTIONS
 from qtts.internal_auth import client_interceptors
 from qtts.log_context import outgoing_metadata
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
+from qtts.tls import TlsConfig, aio_channel
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,10 @@ def _error(exc: grpc.aio.AioRpcError, address: str) -> TTSError:
 class VoiceClient:
     """Create, list and delete named voices stored by speaker_cache."""
 
-    def __init__(self, address: str, token: str = ""):
+    def __init__(self, address: str, token: str = "", tls: TlsConfig | None = None):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(
-            address, options=RECONNECT_OPTIONS, interceptors=client_interceptors(token)
+        self._channel = aio_channel(
+            address, tls, options=RECONNECT_OPTIONS, interceptors=client_interceptors(token)
         )
         self._stub = speaker_cache_pb2_grpc.SpeakerCacheServiceStub(self._channel)
 

@@ -18,8 +18,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    OutOfMemoryError,
+    RedisError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from qtts.errors import AlreadyExists, NotFound, ResourceExhausted, Unavailable
@@ -39,6 +44,8 @@ def _unavailable_on_redis_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..
     async def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return await fn(*args, **kwargs)
+        except (AuthenticationError, AuthenticationWrongNumberOfArgsError) as exc:
+            raise _refused_credentials(exc) from exc
         except (RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("redis unavailable: %s", exc)
             raise Unavailable("the voice store (Redis) is unavailable") from exc
@@ -54,6 +61,16 @@ def _unavailable_on_redis_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..
             raise Unavailable("the voice store (Redis) failed the request") from exc
 
     return wrapper
+
+
+def _refused_credentials(exc: Exception) -> Unavailable:
+    # Redis's reply names no password; neither does this (the URL is never part of it).
+    log.error(
+        "redis refused speaker_cache's credentials (%s): check the password and user in "
+        "--redis-url or --redis-username / --redis-password(-file)",
+        exc,
+    )
+    return Unavailable("the voice store (Redis) refused this service's credentials")
 
 
 # KEYS: the voices set, the voice's hash; ARGV: name, max voices, overwrite (0/1).
@@ -83,12 +100,20 @@ class RedisStore:
         prompt_ttl_s: int = 0,
         timeout_s: float = 5.0,
         max_voices: int = 10_000,
+        username: str | None = None,
+        password: str | None = None,
+        ssl_ca_certs: str | None = None,
     ):
-        self.url = url
         self.namespace = namespace
         self.prompt_ttl_s = prompt_ttl_s
         self.max_voices = max_voices
-        self._redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # The URL's own user / password win over these in redis-py; the config refuses both.
+        extra: dict[str, Any] = {"username": username, "password": password}
+        if ssl_ca_certs:
+            extra["ssl_ca_certs"] = ssl_ca_certs
+        self._redis = aioredis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **extra
+        )
         self._claim = self._redis.register_script(_CLAIM_VOICE)
 
     def _prompt_key(self, key: str) -> str:

@@ -13,7 +13,7 @@ from qtts.internal_auth import server_interceptors
 from qtts.metrics import SpeakerCacheMetrics
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 from services.speaker_cache.cache import SpeakerCache
-from services.speaker_cache.config import SpeakerCacheConfig
+from services.speaker_cache.config import SpeakerCacheConfig, redacted_url
 from services.speaker_cache.lru_store import LruStore
 from services.speaker_cache.redis_store import RedisStore
 from services.speaker_cache.servicer import SpeakerCacheServicer
@@ -26,11 +26,16 @@ SERVICE_NAME = service_full_name(speaker_cache_pb2, "SpeakerCacheService")
 
 def build_store(config: SpeakerCacheConfig) -> SpeakerStore:
     if config.redis_url:
+        username, password = config.redis_credentials()
+        log.info("voice store: Redis at %s", redacted_url(config.redis_url))
         return RedisStore(
             config.redis_url,
             namespace=config.redis_namespace,
             prompt_ttl_s=config.prompt_ttl_s,
             max_voices=config.max_voices,
+            username=username,
+            password=password,
+            ssl_ca_certs=config.redis_ca or None,
         )
     return LruStore(config.lru_entries, config.lru_bytes, config.max_voices)
 
@@ -53,6 +58,7 @@ class SpeakerCacheServer:
             metrics_port=config.metrics_port,
             drain_seconds=config.drain_seconds,
             interceptors=server_interceptors(config.internal_token),
+            credentials=config.tls.server_credentials(),
         )
         speaker_cache_pb2_grpc.add_SpeakerCacheServiceServicer_to_server(
             SpeakerCacheServicer(self.cache), self.host.server

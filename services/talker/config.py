@@ -17,6 +17,7 @@ from qtts.service_config import (
     env_lookup,
 )
 from qtts.testing import DEFAULT_TINY_SNAPSHOT
+from qtts.tls import TlsConfig, add_tls_flags, tls_from_args
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -108,6 +109,8 @@ class TalkerConfig:
     log_level: str = "INFO"
     # Shared secret of the services (qtts/internal_auth.py); empty: off.
     internal_token: str = ""
+    # TLS / mutual TLS on the gRPC port and to code2wav and speaker_cache (qtts/tls.py); off by default.
+    tls: TlsConfig = TlsConfig()
 
     @property
     def model_path(self) -> str:
@@ -117,6 +120,7 @@ class TalkerConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
         check_server_fields(self)
         check_connection_age(self)
+        self.tls.validate()
         if self.load_format not in LOAD_FORMATS:
             raise InvalidArgument(
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
@@ -191,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="shared secret of the services (qtts/internal_auth.py): sent on calls to the other "
         "services and required from callers; prefer the env var to the flag (default: off)",
     )
+    add_tls_flags(p, _env)
     add_connection_age_flags(p, _env, d)
     p.add_argument(
         "--model",
@@ -330,6 +335,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         parser.error(exc.message)
     config = TalkerConfig(
         internal_token=a.internal_token,
+        tls=tls_from_args(a),
         host=a.host,
         port=a.port,
         metrics_port=a.metrics_port,

@@ -22,6 +22,7 @@ from qtts.grpc_server import RECONNECT_OPTIONS
 from qtts.hash_ring import HashRing
 from qtts.internal_auth import client_interceptors
 from qtts.pb import code2wav_pb2_grpc
+from qtts.tls import TlsConfig, aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,15 @@ class Code2WavReplicas:
         stall_hold_s: float = 30.0,
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         token: str = "",
+        tls: TlsConfig | None = None,
     ):
         if not addresses:
             raise ValueError("at least one code2wav address is needed")
         self.addresses = tuple(dict.fromkeys(addresses))
         factory = channel_factory or (
-            lambda addr: grpc.aio.insecure_channel(
+            lambda addr: aio_channel(
                 addr,
+                tls,
                 options=[
                     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),

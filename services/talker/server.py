@@ -103,6 +103,7 @@ class TalkerServer:
             max_connection_age_s=config.max_connection_age_s,
             max_connection_age_grace_s=config.max_connection_age_grace_s,
             interceptors=server_interceptors(config.internal_token),
+            credentials=config.tls.server_credentials(),
         )
         self.servicer = TalkerServicer()
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
@@ -146,12 +147,14 @@ class TalkerServer:
             health_interval_s=self.config.health_interval_s,
             stall_hold_s=self.config.code2wav_stall_timeout_s,
             token=self.config.internal_token,
+            tls=self.config.tls,
         )
         self.replicas.start()
         self._cache = SpeakerCacheClient(
             self.config.speaker_cache or None,
             self.config.speaker_cache_timeout_s,
             token=self.config.internal_token,
+            tls=self.config.tls,
         )
         # Voice prompts are keyed by the encoders' weights, not the served name: two snapshots
         # served under one name share prompts only when their encoders are equal.

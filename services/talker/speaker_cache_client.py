@@ -15,6 +15,7 @@ from qtts.grpc_server import RECONNECT_OPTIONS
 from qtts.internal_auth import client_interceptors
 from qtts.log_context import outgoing_metadata
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
+from qtts.tls import TlsConfig, aio_channel
 
 
 class SpeakerCacheUnreachable(Unavailable):
@@ -46,12 +47,15 @@ class PromptRecord:
 class SpeakerCacheClient:
     """Calls speaker_cache with a per-call timeout; `address=None` means no speaker_cache."""
 
-    def __init__(self, address: str | None, timeout_s: float = 2.0, token: str = ""):
+    def __init__(
+        self, address: str | None, timeout_s: float = 2.0, token: str = "", tls: TlsConfig | None = None
+    ):
         self.address = address
         self._timeout_s = timeout_s
         self._channel = (
-            grpc.aio.insecure_channel(
+            aio_channel(
                 address,
+                tls,
                 options=[
                     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
