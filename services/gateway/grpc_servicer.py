@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from qtts.errors import Cancelled, InvalidArgument
+from qtts.errors import Cancelled, InvalidArgument, TTSError
 from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.sampling_overrides import overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
@@ -39,10 +39,43 @@ _TEXT_SPLITS = {
 # The end of a StreamingSynthesize call's input, in its segment queue.
 _END_OF_INPUT = object()
 
+# Errors name a field as the HTTP API spells it (`param`); a gRPC caller's google.rpc.BadRequest
+# names the field of its own request message instead.
+_SYNTHESIZE_FIELDS = {
+    "input": "text",
+    "ref_audio": "reference_audio",
+    "ref_text": "reference_text",
+    "x_vector_only_mode": "x_vector_only",
+    "max_new_tokens": "max_new_frames",
+    "sample_rate": "sample_rate_hz",
+    "response_format": "audio_encoding",
+    "temperature": "sampling.temperature",
+    "top_k": "sampling.top_k",
+    "top_p": "sampling.top_p",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "seed": "sampling.seed",
+    "min_new_tokens": "sampling.min_new_frames",
+    "first_chunk_frames": "streaming.first_chunk_frames",
+    "chunk_frames_ramp": "streaming.chunk_frames_ramp",
+}
+_SYNTHESIZE_MESSAGE_FIELDS = frozenset(tts_pb2.SynthesizeRequest.DESCRIPTOR.fields_by_name)
+
+
+def _grpc_field(param: str | None, streaming: bool = False) -> str | None:
+    """The request message's field path for an error's `param`."""
+    if param is None:
+        return None
+    if streaming and param == "input":
+        return "input.text"
+    field = _SYNTHESIZE_FIELDS.get(param, param)
+    if streaming and field.split(".")[0] in _SYNTHESIZE_MESSAGE_FIELDS:
+        return "streaming_config.synthesis." + field
+    return field
+
 
 def fields_from_pb(req: tts_pb2.SynthesizeRequest) -> SpeechFields:
     if req.task_type not in TASK_FROM_PB:
-        raise InvalidArgument(f"unknown task_type {req.task_type}")
+        raise InvalidArgument(f"unknown task_type {req.task_type}", param="task_type")
     sampling = overrides_from_pb(req.sampling)
     return SpeechFields(
         text=req.text,
@@ -143,7 +176,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         if self._api_keys is not None and self._api_keys.enabled:
             owner_var.set(grpc_owner(context))  # the interceptor has checked the key
 
-    async def _write_all(self, responses: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
+    async def _write_all(
+        self, responses: AsyncIterator, context: grpc.aio.ServicerContext, streaming: bool = False
+    ) -> None:
         """Write `responses` with context.write(), each watched by the write timeout.
 
         A write blocks while the client's flow-control window is full: a caller that never reads
@@ -169,6 +204,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                 with contextlib.suppress(Exception):
                     await write
                 raise stalled
+        except TTSError as exc:
+            exc.param = _grpc_field(exc.param, streaming)
+            raise
         finally:
             await responses.aclose()
 
@@ -185,7 +223,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
 
         The segments are synthesised in order while more text arrives; an error in any of them ends
         the call with its status (the segments before it were delivered whole)."""
-        await self._write_all(self._streaming_synthesize(request_iterator, context), context)
+        await self._write_all(self._streaming_synthesize(request_iterator, context), context, streaming=True)
 
     async def _synthesize(
         self, request: tts_pb2.SynthesizeRequest, context: grpc.aio.ServicerContext
@@ -350,13 +388,17 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         x_vector_only set) the voice is x-vector only, as over HTTP."""
         self._bind_caller(context)
         x_vector_only = request.x_vector_only if request.HasField("x_vector_only") else None
-        voice = await self._voices.create(
-            request.name,
-            request.reference_audio,
-            request.reference_text,
-            x_vector_only,
-            audio_field="reference_audio",
-        )
+        try:
+            voice = await self._voices.create(
+                request.name,
+                request.reference_audio,
+                request.reference_text,
+                x_vector_only,
+                audio_field="reference_audio",
+            )
+        except TTSError as exc:
+            exc.param = _grpc_field(exc.param)
+            raise
         return tts_pb2.CreateVoiceResponse(voice=voice_to_pb(voice))
 
     async def GetVoice(

@@ -94,6 +94,14 @@ async def _json_body(request: Request) -> object:
 _VOICE_AUDIO_FIELDS = ("audio_sample", "audio", "file", "ref_audio")
 
 
+def _form_text(form, key: str) -> str | None:
+    """A multipart text field; a file sent in its place is a 400 naming it."""
+    value = form.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgument(f"{key} must be a text field, not a file", param=key)
+    return value
+
+
 def _check_voice_extras(kind: object, consent: object) -> None:
     """OpenAI's `type` (only "audio_sample" is served) and the type of `consent` (ConsentStore checks the id)."""
     if kind is not None and kind != "audio_sample":
@@ -358,10 +366,10 @@ def create_app(deps: HttpDeps) -> FastAPI:
             audio = (
                 await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), field)
             )
-            _check_voice_extras(form.get("type"), form.get("consent"))
+            _check_voice_extras(_form_text(form, "type"), _form_text(form, "consent"))
             deps.consents.check(form.get("consent"))
-            name, ref_text = str(form.get("name") or ""), str(form.get("ref_text") or "")
-            x_field = form.get("x_vector_only_mode")
+            name, ref_text = _form_text(form, "name") or "", _form_text(form, "ref_text") or ""
+            x_field = _form_text(form, "x_vector_only_mode")
             x_only = None if x_field is None else str(x_field).lower() in ("1", "true", "yes", "on")
         else:
             body = await _json_body(request)

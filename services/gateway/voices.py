@@ -9,6 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
+from qtts import request_limits as lim
 from qtts.errors import InvalidArgument
 
 from .auth import current_owner, scoped_voice_name, unscoped_voice_name
@@ -78,6 +79,7 @@ class VoiceService:
         Without a transcript and without an explicit `x_vector_only`, the voice is x-vector only
         (cloned from the speaker embedding alone), as OpenAI's voice upload sends no transcript."""
         name = check_voice_name(name)
+        lim.check_string(reference_text, "ref_text", lim.REF_TEXT_MAX_CHARS)
         if not audio:
             raise InvalidArgument("reference audio is required to create a voice", param=audio_field)
         if len(audio) > self._max_audio_bytes:
