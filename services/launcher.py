@@ -5,6 +5,11 @@ Starts speaker_cache, N code2wav replicas, the talker and the gateway as separat
 prints where everything listens and a `curl` line that produces a wav, and on Ctrl-C/SIGTERM stops
 them all (SIGTERM, then SIGKILL after a grace period). Logs go to `run/logs/<service>.log`.
 
+Every service runs tethered to the process that started it (services/tether.py): a launcher that
+dies, SIGKILL included, takes the services with it. A start on ports that something already holds
+(an earlier stack still running) fails at once, naming the ports, instead of mistaking the old
+stack's health answers for the new one's.
+
 The functions here (`StackConfig`, `start_stack`, `Stack.stop`, `start_service`, ...) are also what
 the end-to-end tests use to run the stack on free ports.
 """
@@ -120,6 +125,22 @@ class StackConfig:
         metrics = self.gateway_metrics_port + 10 + i if self.gateway_metrics_port else 0
         return self.http_port + i, self.grpc_port + 10 + i, metrics
 
+    def ports(self) -> dict[str, int]:
+        """Every port the stack listens on, by what listens there (0 = off)."""
+        ports = {
+            "speaker_cache": self.speaker_cache_port,
+            "speaker_cache metrics": self.speaker_cache_metrics_port,
+            "talker": self.talker_port,
+            "talker metrics": self.talker_metrics_port,
+        }
+        for i, (port, metrics) in enumerate(zip(self.code2wav_ports, self.code2wav_metrics_ports, strict=True)):
+            ports[f"code2wav-{i}"], ports[f"code2wav-{i} metrics"] = port, metrics
+        for i in range(self.gateway_replicas):
+            name = "gateway" if i == 0 else f"gateway-{i}"
+            http, grpc_port, metrics = self.gateway_ports(i)
+            ports.update({f"{name} HTTP": http, f"{name} gRPC": grpc_port, f"{name} metrics": metrics})
+        return ports
+
     @classmethod
     def on_free_ports(cls, code2wav_replicas: int = 1, **overrides) -> StackConfig:
         """A config whose every port is a currently free one (tests, several stacks side by side)."""
@@ -149,6 +170,23 @@ class ServiceSpec:
     metrics_port: int = 0
     # How the health check reaches `grpc_address` (None: plaintext).
     tls: TlsConfig | None = None
+
+
+def ports_in_use(host: str, ports: dict[str, int]) -> dict[str, int]:
+    """The entries of `ports` (name -> port, 0 = none) that a listener holds on `host` now."""
+    taken = {}
+    for name, port in ports.items():
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            # SO_REUSEADDR as the servers bind: a port whose last connections linger in TIME_WAIT
+            # is free for them, only a listener is in the way.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                taken[name] = port
+    return taken
 
 
 class ServiceProcess:
@@ -190,8 +228,24 @@ class ServiceProcess:
         return self.wait_or_kill(grace)
 
 
-def start_service(spec: ServiceSpec, log_dir: Path, env: dict[str, str] | None = None) -> ServiceProcess:
-    """Start `python -m <module> <args>` from the repository root, output into `<log_dir>/<name>.log`."""
+def start_service(
+    spec: ServiceSpec, log_dir: Path, env: dict[str, str] | None = None, *, orphan_grace_s: float = 15.0
+) -> ServiceProcess:
+    """Start `python -m <module> <args>` from the repository root, output into `<log_dir>/<name>.log`.
+
+    The service is tethered to this process (services/tether.py): when it dies the service drains
+    and exits, and is ended after `orphan_grace_s` if the drain takes longer."""
+    tether = [
+        "-m",
+        "services.tether",
+        "--parent",
+        str(os.getpid()),
+        "--grace",
+        str(orphan_grace_s),
+        # The kernel's parent-death signal follows the forking thread: only the main thread's
+        # children may use it (a worker thread that ends would take its services along).
+        *(["--pdeathsig"] if threading.current_thread() is threading.main_thread() else []),
+    ]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
     with open(log_path, "ab") as log:
@@ -200,7 +254,7 @@ def start_service(spec: ServiceSpec, log_dir: Path, env: dict[str, str] | None =
         )
         log.flush()
         popen = subprocess.Popen(
-            [sys.executable, "-m", spec.module, *spec.args],
+            [sys.executable, *tether, spec.module, *spec.args],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -426,7 +480,7 @@ class Stack:
         """Stop one service and start it again with the same flags; waits until SERVING."""
         old = self[name]
         old.stop(grace)
-        new = start_service(old.spec, self.config.log_dir)
+        new = start_service(old.spec, self.config.log_dir, orphan_grace_s=self.config.drain_seconds + 5.0)
         self.processes[self.processes.index(old)] = new
         wait_serving(new, self.config.startup_timeout_s)
         return new
@@ -470,12 +524,22 @@ def start_stack(
     """Start every service and wait until all are SERVING; on failure stop them and raise StartupError
     (StartupInterrupted once `stop` is set: services still loading exit at once on SIGTERM)."""
     config.validate()
+    taken = ports_in_use(config.host, config.ports())
+    if taken:
+        raise StartupError(
+            "ports already in use on "
+            + config.host
+            + ": "
+            + ", ".join(f"{port} ({name})" for name, port in taken.items())
+            + "; is an earlier stack still running? Stop it, or start this one on other ports"
+        )
     model = config.model or str(ensure_tiny_snapshot())
     specs = stack_specs(config, model)
     processes: list[ServiceProcess] = []
+    grace = config.drain_seconds + 5.0
     try:
         for spec in specs:
-            processes.append(start_service(spec, config.log_dir, env))
+            processes.append(start_service(spec, config.log_dir, env, orphan_grace_s=grace))
         for proc in processes:
             wait_serving(proc, config.startup_timeout_s, stop)
     except BaseException:
@@ -605,6 +669,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--talker-port", type=int, default=50052)
+    p.add_argument(
+        "--code2wav-port", type=int, default=50053, help="the first replica's; more on the next ports"
+    )
+    p.add_argument("--speaker-cache-port", type=int, default=50054)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9100,
+        help="the gateway's metrics port; talker +2, code2wav +3 on, speaker_cache +4 (0: no metrics)",
+    )
     p.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
     add_tls_flags(p, env_lookup("launcher"), what="gRPC between the services (passed to each one)")
@@ -623,6 +698,22 @@ def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
     if ns.code2wav_replicas < 1:
         raise SystemExit("--code2wav-replicas must be >= 1")
     n = ns.code2wav_replicas
+    m = ns.metrics_port
+    metrics = (
+        dict(
+            gateway_metrics_port=m,
+            talker_metrics_port=m + 2,
+            code2wav_metrics_ports=default_code2wav_ports(n, m + 3, m + 4),
+            speaker_cache_metrics_port=m + 4,
+        )
+        if m
+        else dict(
+            gateway_metrics_port=0,
+            talker_metrics_port=0,
+            code2wav_metrics_ports=(0,) * n,
+            speaker_cache_metrics_port=0,
+        )
+    )
     try:
         tls = tls_from_args(ns).validate()
     except TTSError as exc:
@@ -638,8 +729,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
         host=ns.host,
         http_port=ns.http_port,
         grpc_port=ns.grpc_port,
-        code2wav_ports=default_code2wav_ports(n),
-        code2wav_metrics_ports=default_code2wav_ports(n, 9103, 9104),
+        talker_port=ns.talker_port,
+        speaker_cache_port=ns.speaker_cache_port,
+        code2wav_ports=default_code2wav_ports(n, ns.code2wav_port, ns.speaker_cache_port),
+        **metrics,
         log_dir=ns.log_dir,
         startup_timeout_s=ns.startup_timeout,
         gateway_replicas=ns.gateway_replicas,
