@@ -2,10 +2,16 @@
 
 `step()` is: plan (scheduler), move / load / prefill KV (runner), one batched frame for every
 running stream (runner: one CUDA graph replay on the GPU), then retire finished streams.
+
+Streams whose text is still arriving (an open `TextFeed` on the prompt) get their new trailing
+embeddings copied into their slot before the step, and sit the step out while the text for their
+next input has not arrived (no `tts_pad` that would end their speech). Only those streams are
+looked at one by one; every other row costs the step nothing extra.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass, field
 
@@ -14,9 +20,11 @@ import torch
 from qtts.engine.kv_slots import DenseSlotTable
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.scheduler import Scheduler
-from qtts.engine.sequence import Sequence
+from qtts.engine.sequence import SeqStatus, Sequence
 from qtts.errors import InvalidArgument
 from qtts.model.generator import SAMPLING_FAILED, StepOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class GraphEngine:
         self.scheduler = Scheduler(
             DenseSlotTable(self.runner.num_slots, self.runner.max_len), config.max_prefill_tokens
         )
+        self._open_text: dict[str, Sequence] = {}  # sequences whose text feed is still open
         if capture:
             self.runner.capture_graphs()
 
@@ -63,6 +72,11 @@ class GraphEngine:
     @property
     def max_batch(self) -> int:
         return self.runner.num_slots
+
+    @property
+    def max_text_positions(self) -> int:
+        """Trailing text positions a stream's slot holds (text appended while it runs included)."""
+        return self.config.runner.max_trailing
 
     def add(
         self,
@@ -100,16 +114,13 @@ class GraphEngine:
                 f"max_new_frames={max_new_frames} does not fit: this talker holds {self.runner.max_len} positions "
                 f"per stream (--max-len) and the prompt takes {prompt_len}, so at most {room} frames"
             )
-        cap = min(int(prompt.max_frames), room)  # the text's frame cap, or what the slot holds
-        if max_new_frames is None and getattr(prompt, "default_max_frames", None):
-            # The model's own bound for callers that give none: ends as "length", like theirs.
-            max_new_frames = min(int(prompt.default_max_frames), cap)
-        if max_new_frames is not None:
-            # The caller bounded the length: reaching that bound, or the text's cap below it, ends
-            # as "length". Only an unbounded run into the cap is a failure (no end of speech).
-            max_frames, reason = min(max_new_frames, cap), "length"
-        else:
-            max_frames, reason = cap, "frame_cap"
+        feed = getattr(prompt, "text_feed", None)
+        if feed is None:
+            max_frames, reason = self._frame_bound(
+                prompt.max_frames, getattr(prompt, "default_max_frames", None), max_new_frames, room
+            )
+        else:  # the text's bounds come with its end; meanwhile what the slot holds
+            max_frames, reason = self._frame_bound(room, None, max_new_frames, room)
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         key = prefix_key if prefix_key is not None else getattr(prompt, "prefix_key", None)
         plen = prefix_len if prefix_len is not None else getattr(prompt, "prefix_len", 0) or 0
@@ -124,11 +135,31 @@ class GraphEngine:
             cap_reason=reason,
             prefix_key=key if use_prefix else None,
             prefix_len=plen if use_prefix else 0,
+            text_feed=feed,
+            max_new_frames=max_new_frames,
         )
         self.scheduler.add(seq)
+        if feed is not None:
+            self._open_text[request_id] = seq
+
+    @staticmethod
+    def _frame_bound(
+        text_cap: int, default_max: int | None, max_new_frames: int | None, room: int
+    ) -> tuple[int, str]:
+        """(most frames, finish reason when they are reached) of a stream."""
+        cap = min(int(text_cap), room)  # the text's frame cap, or what the slot holds
+        if max_new_frames is None and default_max:
+            # The model's own bound for callers that give none: ends as "length", like theirs.
+            max_new_frames = min(int(default_max), cap)
+        if max_new_frames is not None:
+            # The caller bounded the length: reaching that bound, or the text's cap below it, ends
+            # as "length". Only an unbounded run into the cap is a failure (no end of speech).
+            return min(max_new_frames, cap), "length"
+        return cap, "frame_cap"
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request and free its KV slot; False if it is unknown (or already finished)."""
+        self._open_text.pop(request_id, None)
         return self.scheduler.cancel(request_id) is not None
 
     @torch.inference_mode()
@@ -158,12 +189,49 @@ class GraphEngine:
                 ):
                     runner.store_prefix(seq)
         runner.start(plan.started)
+        for seq in plan.started:
+            seq.num_trailing = int(seq.prompt.trailing.shape[0]) if seq.prompt.trailing is not None else 0
+        if self._open_text:
+            skip = frozenset(skip) | self._take_text()
         rows = sched.decode_rows(plan, frozenset(skip))
         if not rows:
             return []
         ctx = max(s.next_position for s in rows) + 1
         codes = runner.decode(plan.num_rows, [s.slot for s in rows], ctx)
         return self._postprocess(rows, codes)
+
+    def _take_text(self) -> set[str]:
+        """Copy the open feeds' new text into their slots; the ids of streams still waiting for
+        theirs (or still prefilling: their text is copied once their slot state is loaded)."""
+        waiting = set()
+        runner = self.runner
+        for rid, seq in list(self._open_text.items()):
+            if seq.status is SeqStatus.FINISHED:
+                del self._open_text[rid]
+                continue
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            feed = seq.text_feed
+            chunks, closed = feed.chunks_from(seq.chunks_taken)
+            if chunks:
+                embeds = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+                room = runner.cfg.max_trailing - seq.num_trailing
+                if embeds.shape[0] > room:  # the talker checks before it appends; never cut silently
+                    log.error("request %s: %d trailing text positions dropped", rid, embeds.shape[0] - room)
+                    embeds = embeds[:room]
+                runner.append_trailing(seq.slot, seq.num_trailing, embeds, seq.prompt.pad_embed)
+                seq.num_trailing += int(embeds.shape[0])
+                seq.chunks_taken += len(chunks)
+            if closed:
+                del self._open_text[rid]
+                seq.text_feed = None
+                room = runner.max_len - seq.prompt_len
+                seq.max_frames, seq.cap_reason = self._frame_bound(
+                    feed.max_frames, feed.default_max_frames, seq.max_new_frames, room
+                )
+            elif seq.waiting_for_text:
+                waiting.add(rid)
+        return waiting
 
     def _postprocess(self, rows: list[Sequence], codes: torch.Tensor) -> list[StepOutput]:
         eos = self.runner.eos_id

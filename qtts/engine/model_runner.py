@@ -538,6 +538,14 @@ class ModelRunner:
         self.state_f[idx] = torch.tensor(floats, dtype=torch.float32).to(self.device)
         self.seen[idx] = False
 
+    def append_trailing(self, slot: int, start: int, embeds: torch.Tensor, pad_embed: torch.Tensor) -> None:
+        """Text that arrived for a running stream: trailing positions [start, start + k) of its
+        slot, `tts_pad` after them, and the row's trailing length (eager copies between replays)."""
+        end = start + int(embeds.shape[0])
+        self.trailing[slot, start:end] = embeds.to(self.device, self.dtype)
+        self.trailing[slot, end] = pad_embed.reshape(-1).to(self.device, self.dtype)
+        self.state_i[slot, I_TLEN] = end
+
     # -- the frame step --------------------------------------------------------------------------
     def _talker_decode(self, n: int, ctx: int) -> torch.Tensor:
         """One token per row at its own position; returns final-normed hidden [n, H]."""

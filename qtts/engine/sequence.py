@@ -35,6 +35,18 @@ class Sequence:
     num_prefilled: int = 0  # prompt positions whose KV is in the slot
     num_frames: int = 0  # frames emitted so far (= talker decode steps taken)
     finish_reason: str | None = None
+    # Text still arriving (a qtts.model.text_feed.TextFeed; None: a whole text), the caller's
+    # own length bound (the bounds are set again from the whole text when the feed closes), and
+    # the trailing positions and feed chunks in the runner so far.
+    text_feed: Any = None
+    max_new_frames: int | None = None
+    num_trailing: int = 0
+    chunks_taken: int = 0
+
+    @property
+    def waiting_for_text(self) -> bool:
+        """The next frame's input needs trailing text that has not arrived."""
+        return self.text_feed is not None and self.num_trailing <= self.num_frames
 
     @property
     def prompt_len(self) -> int:

@@ -9,10 +9,16 @@ One request's life: prefill(prompt) → logits → codebook 0 → predictor → 
 then each step feeds the frame's summed 16 code embeddings plus the next trailing text embedding
 (or tts_pad) to the talker at the next position → codebook 0 → EOS ends it ("stop", no codes),
 otherwise the predictor completes the frame.
+
+A request whose prompt has an open `TextFeed` (text still arriving) takes the feed's new
+embeddings before each step and does not step while the feed has no text for its next input
+(`TextFeed.ready`); it keeps its slot and waits. Its frame cap and default length come from the
+whole text once the feed closes.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -22,6 +28,7 @@ import torch
 
 from qtts.model.prompt import TalkerPrompt
 from qtts.model.sampling import SamplingParams, choose_codebook0, choose_residual_batch, make_generator
+from qtts.model.text_feed import TextFeed
 
 # The finish reason of a row whose sampling broke (non-finite scores: a sampling setting far
 # outside the API's ranges, or a broken prompt); only that row ends, its batch goes on.
@@ -50,6 +57,15 @@ class _Request:
     frames: int = 0
     history: list[int] = field(default_factory=list)  # codebook-0 tokens generated
     next_embed: torch.Tensor | None = None  # [H] talker input of the next step
+    # Text appended while it runs (None: a whole text); chunks of it taken so far.
+    feed: TextFeed | None = None
+    chunks_taken: int = 0
+    trailing: torch.Tensor | None = None  # [N, H] the prompt's trailing text plus what was taken
+    max_frames: float = math.inf  # the text's frame cap (unknown while the text is open)
+
+    def text_ready(self) -> bool:
+        """The text the next step feeds is here (always, for a whole text)."""
+        return self.feed is None or self.trailing.shape[0] > self.frames
 
 
 class EagerGenerator:
@@ -69,6 +85,7 @@ class EagerGenerator:
         self.free_slots = list(range(max_batch - 1, -1, -1))
         self.waiting: OrderedDict[str, _Request] = OrderedDict()
         self.active: OrderedDict[str, _Request] = OrderedDict()
+        self._open_text: dict[str, _Request] = {}  # requests whose text feed is still open
         self.suppress_mask = torch.zeros(self.cfg.vocab_size, dtype=torch.bool, device=self.device)
         self.suppress_mask[self.cfg.suppressed_ids] = True
 
@@ -90,7 +107,8 @@ class EagerGenerator:
         if max_new_frames is not None and max_new_frames < 1:
             raise ValueError("max_new_frames must be >= 1")
         sampling.validate()
-        if max_new_frames is None:
+        feed = getattr(prompt, "text_feed", None)
+        if max_new_frames is None and feed is None:
             max_new_frames = getattr(prompt, "default_max_frames", None)
         self.waiting[request_id] = _Request(
             request_id=request_id,
@@ -98,10 +116,16 @@ class EagerGenerator:
             sampling=sampling,
             max_new_frames=max_new_frames,
             generator=make_generator(sampling.seed, self.device),
+            feed=feed,
+            trailing=prompt.trailing,
+            max_frames=math.inf if feed is not None else prompt.max_frames,
         )
+        if feed is not None:
+            self._open_text[request_id] = self.waiting[request_id]
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request and free its KV slot; False if it is unknown (or already finished)."""
+        self._open_text.pop(request_id, None)
         if self.waiting.pop(request_id, None) is not None:
             return True
         req = self.active.pop(request_id, None)
@@ -114,10 +138,13 @@ class EagerGenerator:
     def step(self, skip: Collection[str] = ()) -> list[StepOutput]:
         """Prefill newly added requests (as many as there are free slots) and produce one frame
         for every running request. Requests named in `skip` (e.g. no downstream credit) neither
-        advance nor sample this step; they keep their KV slot (or their place in the queue)."""
+        advance nor sample this step; they keep their KV slot (or their place in the queue), as do
+        requests whose open text has nothing for their next input yet."""
         rows: list[_Request] = []
         hiddens: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
+        if self._open_text:
+            skip = set(skip) | self._take_text()
         running = [r for r in self.active.values() if r.next_embed is not None and r.request_id not in skip]
         if running:
             h, lg = self._decode(running)
@@ -144,6 +171,27 @@ class EagerGenerator:
         return self._finish_frames(rows, hidden, logit)
 
     # -- internals -------------------------------------------------------------------------
+    def _take_text(self) -> set[str]:
+        """Take the open feeds' new text; the ids of requests still waiting for theirs."""
+        waiting = set()
+        for rid, r in list(self._open_text.items()):
+            chunks, closed = r.feed.chunks_from(r.chunks_taken)
+            if chunks:
+                r.trailing = torch.cat(
+                    [r.trailing, *(c.to(r.trailing.device, r.trailing.dtype) for c in chunks)]
+                )
+                r.chunks_taken += len(chunks)
+            if closed:
+                # Bounded by the whole text now, as a whole-text request is from the start.
+                del self._open_text[rid]
+                r.max_frames = r.feed.max_frames
+                if r.max_new_frames is None:
+                    r.max_new_frames = r.feed.default_max_frames
+                r.feed = None
+            elif not r.text_ready():
+                waiting.add(rid)
+        return waiting
+
     def _ensure_capacity(self, needed: int) -> None:
         if needed > self.cache.capacity:
             cap = self.cache.capacity
@@ -183,6 +231,7 @@ class EagerGenerator:
 
     def _release(self, req: _Request) -> None:
         self.active.pop(req.request_id, None)
+        self._open_text.pop(req.request_id, None)
         self.free_slots.append(req.slot)
 
     def _finish_frames(
@@ -236,9 +285,7 @@ class EagerGenerator:
             step = r.frames  # index of this frame's trailing text embedding
             r.frames += 1
             reason = None
-            if r.frames >= r.prompt.max_frames or (
-                r.max_new_frames is not None and r.frames >= r.max_new_frames
-            ):
+            if r.frames >= r.max_frames or (r.max_new_frames is not None and r.frames >= r.max_new_frames):
                 # A caller's bound ends as "length" even where the text's cap came first; only an
                 # unbounded run into the cap is a failure.
                 reason = "frame_cap" if r.max_new_frames is None else "length"
@@ -246,7 +293,7 @@ class EagerGenerator:
                 self._release(r)
                 outputs.append(StepOutput(r.request_id, frames_cpu[b], True, reason))
                 continue
-            trailing = r.prompt.trailing
+            trailing = r.trailing
             text = trailing[step] if step < trailing.shape[0] else r.prompt.pad_embed
             r.next_embed = frame_sum[b] + text.to(self.device, self.dtype)
             outputs.append(StepOutput(r.request_id, frames_cpu[b], False, None))

@@ -30,6 +30,7 @@ import torch
 
 from qtts.errors import InvalidArgument
 from qtts.model.config import ModelConfig
+from qtts.model.text_feed import TextFeed
 from qtts.model.tokenizer import encode
 
 TASK_FOR_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "voice_design": "voice_design"}
@@ -86,6 +87,14 @@ class SynthesisSpec:
     instruct: str | None = None
     voice_prompt: VoicePrompt | None = None
     streaming_text: bool | None = None
+    # More text follows while the request runs (`text` is what is safe to tokenise so far): the
+    # prompt gets a `TextFeed` and no `tts_eos` yet. Needs the streaming-text prompt.
+    text_open: bool = False
+
+
+class NeedMoreText(InvalidArgument):
+    """A text-open ICL prompt whose text does not yet fill the reference frames: a whole-text
+    prompt would pad it with tts_pad, so the prompt waits for more text (or the end of it)."""
 
 
 @dataclass
@@ -106,6 +115,8 @@ class TalkerPrompt:
     # speech, or fails at `max_frames`). Only models that never end speech by themselves (the tiny
     # random snapshots) declare one.
     default_max_frames: int | None = None
+    # Text appended while the request runs (`text_open` specs); None for a whole text.
+    text_feed: TextFeed | None = None
 
 
 class _PrefixHasher:
@@ -191,6 +202,23 @@ class PromptBuilder:
     def _codec(self, ids: list[int]) -> torch.Tensor:
         return self.talker.embed_codec(self._ids(ids))  # [1, n, H]
 
+    def text_embeds(self, ids: list[int]) -> torch.Tensor:
+        """Projected text embeddings [len(ids), H] (trailing text appended to a running request)."""
+        return self._text(ids)[0] if ids else self.talker.embed_text(self._ids([0]))[0, :0]
+
+    def eos_embed(self) -> torch.Tensor:
+        """T(tts_eos) as one trailing position [1, H]."""
+        return self._text([self.config.tts_eos_id])[0]
+
+    def role_and_target_ids(self, text: str) -> list[int]:
+        """The role's and the target's ids of `text`, as a whole-text prompt tokenises it."""
+        return encode(self.tokenizer, assistant_text(text))[:-5]
+
+    def text_bounds(self, num_text_tokens: int) -> tuple[int, int | None]:
+        """(frame cap, default length) of a target text of `num_text_tokens` tokens."""
+        cap = frame_cap(num_text_tokens, self.frame_limit)
+        return cap, default_length(num_text_tokens, self.default_frames_per_text_token, cap)
+
     def frame_embeds(self, codes: torch.Tensor) -> torch.Tensor:
         """Summed 16-codebook embeddings of frames: codes [T, 16] → [T, H]."""
         c0 = self.talker.embed_codec(codes[:, 0])
@@ -252,7 +280,10 @@ class PromptBuilder:
             raise InvalidArgument("ICL voice clone needs the reference transcript")
         streaming = spec.streaming_text
         if streaming is None:
-            streaming = spec.task == "voice_clone"
+            streaming = spec.task == "voice_clone" or spec.text_open
+        if spec.text_open and not streaming:
+            raise InvalidArgument("text streamed in needs the streaming-text prompt (streaming_text)")
+        open_ = spec.text_open
 
         ids = encode(self.tokenizer, assistant_text(spec.text))
         target = ids[3:-5]
@@ -310,7 +341,12 @@ class PromptBuilder:
             key.add("icl_streaming", bool(streaming))
             key.add("ref_text", ref_ids)
             key.add("ref_codes", voice.ref_codes.detach().to("cpu", torch.long))
-            text_embed = torch.cat([self._text(ref_ids + target), tts_eos], dim=1)
+            text_embed = self._text(ref_ids + target)
+            if not open_:
+                text_embed = torch.cat([text_embed, tts_eos], dim=1)
+            elif text_embed.shape[1] < voice.ref_codes.shape[0] + 1:
+                # The whole text might still end inside the reference frames (padded there).
+                raise NeedMoreText("the text so far does not reach past the reference frames")
             ref_codes = self._to_device(voice.ref_codes, torch.long)
             codec_embed = torch.cat(
                 [self._codec([tcfg.codec_bos_id]), self.frame_embeds(ref_codes)[None]], dim=1
@@ -328,7 +364,8 @@ class PromptBuilder:
                 trailing = empty
         elif streaming:
             parts.append(self._text(ids[3:4]) + codec[:, -1:])
-            trailing = torch.cat([self._text(ids[4:-5]), tts_eos], dim=1)
+            rest = self._text(ids[4:-5]) if len(target) > 1 else empty
+            trailing = rest if open_ else torch.cat([rest, tts_eos], dim=1)
         else:
             body = torch.cat([self._text(target), tts_eos], dim=1)
             parts.append(body + self._codec([tcfg.codec_pad_id] * body.shape[1]))
@@ -337,7 +374,7 @@ class PromptBuilder:
 
         embeds = torch.cat(parts, dim=1)[0]
         prefix_len = min(num_head + num_voice_body, int(embeds.shape[0]))
-        cap = frame_cap(len(target), self.frame_limit)
+        cap, default_max = self.text_bounds(len(target))
         return TalkerPrompt(
             embeds=embeds,
             trailing=trailing[0],
@@ -347,5 +384,6 @@ class PromptBuilder:
             num_text_tokens=len(target),
             prefix_key=key.hexdigest() if prefix_len >= MIN_CACHED_PREFIX else None,
             prefix_len=prefix_len,
-            default_max_frames=default_length(len(target), self.default_frames_per_text_token, cap),
+            default_max_frames=default_max,
+            text_feed=TextFeed(int(trailing.shape[1])) if open_ else None,
         )
