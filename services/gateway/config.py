@@ -72,6 +72,13 @@ class GatewayConfig:
     http_write_timeout_s: float = 30.0
     # Concurrent streams one client (API key, else address) may hold; 0 = only --max-streams.
     max_streams_per_client: int = 0
+    # Requests a second one client may send to the public API (HTTP /v1/, tts.v1), after a burst
+    # of --rate-limit-burst (0: twice the rate, at least 1); 0 = no rate limit.
+    rate_limit_per_s: float = 0.0
+    rate_limit_burst: int = 0
+    # Reference clips (requests and voice uploads) longer than this are a 400 naming the field;
+    # decoding stops there, so a small compressed file cannot expand into hours of audio.
+    max_ref_audio_seconds: float = 60.0
     # API keys, one a line (services/gateway/auth.py), next to TTS_GATEWAY_API_KEYS; none: no auth.
     api_keys_file: str = ""
     # Shared secret of the services (qtts/internal_auth.py); empty: off.
@@ -126,9 +133,18 @@ class GatewayConfig:
             raise InvalidArgument("--http-{header,body,write}-timeout-s must be >= 0")
         if self.max_body_bytes < 0 or self.max_streams_per_client < 0:
             raise InvalidArgument("--max-body-bytes and --max-streams-per-client must be >= 0")
+        if self.rate_limit_per_s < 0 or self.rate_limit_burst < 0:
+            raise InvalidArgument("--rate-limit-per-s and --rate-limit-burst must be >= 0")
+        if self.max_ref_audio_seconds <= 0:
+            raise InvalidArgument(f"--max-ref-audio-seconds must be > 0, got {self.max_ref_audio_seconds}")
         if not 8000 <= self.sample_rate <= 48000:
             raise InvalidArgument(f"--sample-rate must be in 8000..48000 Hz, got {self.sample_rate}")
         return self
+
+    @property
+    def rate_limit_burst_size(self) -> int:
+        """--rate-limit-burst, or twice the rate (at least 1)."""
+        return self.rate_limit_burst or max(1, int(2 * self.rate_limit_per_s))
 
     @property
     def body_limit_bytes(self) -> int:
@@ -233,6 +249,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="concurrent streams per API key (or client address); more are a 429 (0 = no such limit)",
     )
     p.add_argument(
+        "--rate-limit-per-s",
+        type=float,
+        default=float(_env("RATE_LIMIT_PER_S", str(d.rate_limit_per_s))),
+        help="requests a second per API key (or client address) to /v1/ and tts.v1, beyond a burst; "
+        "more are a 429 with Retry-After / RESOURCE_EXHAUSTED (0 = no such limit)",
+    )
+    p.add_argument(
+        "--rate-limit-burst",
+        type=int,
+        default=int(_env("RATE_LIMIT_BURST", str(d.rate_limit_burst))),
+        help="requests one client may send at once before --rate-limit-per-s applies (0 = twice the rate)",
+    )
+    p.add_argument(
+        "--max-ref-audio-seconds",
+        type=float,
+        default=float(_env("MAX_REF_AUDIO_SECONDS", str(d.max_ref_audio_seconds))),
+        help="longest reference clip (requests and voice uploads), seconds; longer ones are a 400",
+    )
+    p.add_argument(
         "--api-keys-file",
         default=_env("API_KEYS_FILE", d.api_keys_file),
         help="file of API keys, one a line; with it (or TTS_GATEWAY_API_KEYS) every /v1/ route and "
@@ -285,6 +320,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         http_write_timeout_s=ns.http_write_timeout_s,
         max_body_bytes=ns.max_body_bytes,
         max_streams_per_client=ns.max_streams_per_client,
+        rate_limit_per_s=ns.rate_limit_per_s,
+        rate_limit_burst=ns.rate_limit_burst,
+        max_ref_audio_seconds=ns.max_ref_audio_seconds,
         api_keys_file=ns.api_keys_file,
         internal_token=ns.internal_token,
         tls=tls_from_args(ns),

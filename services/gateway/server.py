@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import ssl
@@ -31,6 +32,7 @@ from .http_app import HttpDeps, create_app
 from .http_limits import header_timeout_protocol
 from .http_metrics import HttpMetricsMiddleware
 from .job import ModelCatalog
+from .rate_limit import RateLimiter, RateLimitInterceptor
 from .reference_cache import DecodedReferenceCache
 from .request_id import RequestIdMiddleware
 from .stage_health import StageHealth
@@ -77,9 +79,11 @@ class GatewayServer:
         self,
         config: GatewayConfig,
         catalog_retry_s: float = 0.5,
-        decode: Callable[[bytes], np.ndarray] = decode_reference,
+        decode: Callable[[bytes], np.ndarray] | None = None,
     ):
         self.config = config
+        if decode is None:
+            decode = functools.partial(decode_reference, max_seconds=config.max_ref_audio_seconds)
         self.metrics = GatewayMetrics(CollectorRegistry())
         self.talker_pool = (
             TalkerPool(
@@ -133,6 +137,12 @@ class GatewayServer:
             {"talker": self.talker.channel, "speaker_cache": self.voice_client.channel}
         )
         self.api_keys = ApiKeys(load_api_keys(config.api_keys_file))
+        # One bucket per client for HTTP and gRPC together: a client cannot double its rate.
+        self.rate_limiter = (
+            RateLimiter(config.rate_limit_per_s, config.rate_limit_burst_size)
+            if config.rate_limit_per_s > 0
+            else None
+        )
         self.host = GrpcServiceHost(
             service_names=[SERVICE_NAME],
             metrics=self.metrics,
@@ -140,7 +150,7 @@ class GatewayServer:
             port=config.grpc_port,
             metrics_port=config.metrics_port,
             drain_seconds=config.drain_seconds,
-            interceptors=[ApiKeyInterceptor(self.api_keys, [SERVICE_NAME])],
+            interceptors=[ApiKeyInterceptor(self.api_keys, [SERVICE_NAME]), *self._rate_interceptors()],
             redact_errors=True,
             credentials=config.public_tls.server_credentials(),
         )
@@ -158,6 +168,7 @@ class GatewayServer:
                 self.stage_health.check,
                 StatusReporter(self.synthesizer, config.talker_metrics_url),
                 max_body_bytes=config.body_limit_bytes,
+                rate_limiter=self.rate_limiter,
                 body_timeout_s=config.http_body_timeout_s,
                 write_timeout_s=config.http_write_timeout_s,
                 api_keys=self.api_keys,
@@ -182,6 +193,11 @@ class GatewayServer:
         )
         self._http_task: asyncio.Task | None = None
         self._catalog_task: asyncio.Task | None = None
+
+    def _rate_interceptors(self) -> list[RateLimitInterceptor]:
+        if self.rate_limiter is None:
+            return []
+        return [RateLimitInterceptor(self.rate_limiter, [SERVICE_NAME])]
 
     async def start(self) -> None:
         """Bind both ports; model info is fetched from the talker in the background."""

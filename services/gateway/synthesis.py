@@ -40,11 +40,14 @@ def status_label(exc: BaseException | None) -> str:
     return mapping_for(exc).grpc_code.name.lower()
 
 
-def decode_reference(data: bytes):
-    """Reference clip -> float32 mono 24 kHz (PyAV + soxr); undecodable audio is InvalidArgument."""
+def decode_reference(data: bytes, max_seconds: float | None = None):
+    """Reference clip -> float32 mono 24 kHz (PyAV + soxr); undecodable audio, or a clip longer
+    than `max_seconds` (None: qtts.audio's default), is InvalidArgument."""
     from qtts.audio import load_reference_audio
 
-    return load_reference_audio(data)
+    if max_seconds is None:
+        return load_reference_audio(data)
+    return load_reference_audio(data, max_seconds=max_seconds)
 
 
 class SynthesisStream:

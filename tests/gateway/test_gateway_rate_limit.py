@@ -164,3 +164,71 @@ async def test_grpc_client_over_its_rate_gets_resource_exhausted_with_pushback()
     finally:
         await server.stop(0)
     assert len(gw.talker.jobs) == 3
+
+
+def test_flags_and_env_fallbacks(monkeypatch):
+    from services.gateway.config import config_from_args
+
+    base = ["--http-port", "8000", "--grpc-port", "50051"]
+    c = config_from_args([*base, "--rate-limit-per-s", "5", "--max-ref-audio-seconds", "20"])
+    assert (c.rate_limit_per_s, c.rate_limit_burst_size, c.max_ref_audio_seconds) == (5.0, 10, 20.0)
+    monkeypatch.setenv("TTS_GATEWAY_RATE_LIMIT_PER_S", "0.5")
+    monkeypatch.setenv("TTS_GATEWAY_RATE_LIMIT_BURST", "3")
+    c = config_from_args(base)
+    assert (c.rate_limit_per_s, c.rate_limit_burst_size, c.max_ref_audio_seconds) == (0.5, 3, 60.0)
+    with pytest.raises(SystemExit):
+        config_from_args([*base, "--rate-limit-per-s", "lots"])
+    from qtts.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="max-ref-audio-seconds"):
+        config_from_args([*base, "--max-ref-audio-seconds", "0"])
+
+
+async def test_the_assembled_gateway_limits_rate_over_http_and_grpc_and_clip_length():
+    from test_gateway_server import FakeTalkerServicer, _start_talker
+
+    from services.gateway.config import GatewayConfig
+    from services.gateway.server import GatewayServer
+
+    talker_host = await _start_talker(FakeTalkerServicer())
+    config = GatewayConfig(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=0,
+        talker=f"127.0.0.1:{talker_host.bound_port}",
+        speaker_cache=f"127.0.0.1:{free_port()}",
+        drain_seconds=1.0,
+        rate_limit_per_s=0.01,
+        rate_limit_burst=3,
+        max_ref_audio_seconds=2.0,
+    ).validate()
+    gateway = GatewayServer(config, catalog_retry_s=0.05)  # the real reference decoder
+    await gateway.start()
+    body = {**GOOD, "model": ""}
+    try:
+        for _ in range(100):
+            if gateway.catalog is not None:
+                break
+            await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.http_port}", timeout=10) as c:
+            assert (await c.post("/v1/audio/speech", json=body)).status_code == 200
+            long_clip = {**body, "ref_audio": base64.b64encode(wav_bytes(3.0)).decode()}
+            r = await c.post("/v1/audio/speech", json=long_clip)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "ref_audio"
+            assert "longer than 2 s" in r.json()["error"]["message"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+            stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
+            # The third request of this client (127.0.0.1), over either protocol, uses up its burst.
+            msgs = [m async for m in stub.Synthesize(grpc_request(max_new_frames=2))]
+            assert msgs[-1].summary.num_frames == 2
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Synthesize(grpc_request(max_new_frames=2)):
+                    pass
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.http_port}", timeout=10) as c:
+            r = await c.post("/v1/audio/speech", json=body)
+            assert r.status_code == 429 and r.headers["retry-after"]
+            assert (await c.get("/health")).status_code == 200
+    finally:
+        await gateway.stop()
+        await talker_host.stop()
