@@ -7,7 +7,13 @@ Two predictions decide it, both from what the engine measured on this GPU:
   (steps with a prefill are left out). With one more stream, stepping every running stream at
   once must take at most `max_duty` of a frame's 80 ms, leaving the rest of the GPU to prefill and
   to the decoder sharing it;
-- the newcomer's prefill is not a condition here: the scheduler spreads it over steps within the
+- the steady load: with one more stream, the frame steps (every stream about once a frame) plus
+  the prefills of the streams that replace those ending (running streams / their mean length, each
+  at its measured prefill cost) must keep the engine thread busy at most `max_load` of the time.
+  A prefill is the dearer part: in the stack a step with one cost about 30 ms more than without,
+  against a 10 ms frame step at 500 streams, so a bound on the step alone admitted streams the
+  engine could not keep on time;
+- the newcomer's own prefill is not a condition: the scheduler spreads it over steps within the
   slack of the tightest running stream (young streams always have little slack, so holding
   admission on it refused most requests on the H200).
 
@@ -31,6 +37,8 @@ class AdmissionConfig:
     """Limits of capacity-based admission; 0 turns the duty and behind checks off."""
 
     max_duty: float = 0.6
+    # Busy fraction of the engine thread that the predicted steady load may take (0: unchecked).
+    max_load: float = 0.8
     # Longest a request waits for its start before it is refused; 0 = wait until the queue bound.
     first_audio_budget_s: float = 3.0
     safety_s: float = 0.04
@@ -41,11 +49,17 @@ class AdmissionConfig:
     step_base_s: float = 0.0047
     step_per_stream_s: float = 0.00002
     prefill_position_s: float = 0.000011
+    # Engine time one request's prefill adds to a step, and the stream length assumed while no
+    # running stream says its own.
+    prefill_request_s: float = 0.01
+    default_stream_s: float = 10.0
     ewma_alpha: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.max_duty < 0 or self.first_audio_budget_s < 0 or self.safety_s < 0:
-            raise ValueError("max_duty, first_audio_budget_s and safety_s must be >= 0")
+        if self.max_duty < 0 or self.max_load < 0 or self.first_audio_budget_s < 0 or self.safety_s < 0:
+            raise ValueError("max_duty, max_load, first_audio_budget_s and safety_s must be >= 0")
+        if self.default_stream_s <= 0 or self.prefill_request_s < 0:
+            raise ValueError("default_stream_s must be > 0 and prefill_request_s >= 0")
         if not 0.0 <= self.max_behind_fraction < 1.0 or not 0.0 < self.ewma_alpha <= 1.0:
             raise ValueError("max_behind_fraction must be in [0, 1) and ewma_alpha in (0, 1]")
         if self.max_admit_per_step < 1:
@@ -65,20 +79,21 @@ class StepModel:
         self.base_s = config.step_base_s
         self.per_stream_s = config.step_per_stream_s
         self.prefill_position_s = config.prefill_position_s
+        self.prefill_request_s = config.prefill_request_s
         self._base_seen = False
 
     def predict(self, batch: int) -> float:
         return self.base_s + self.per_stream_s * max(batch, 0)
 
-    def observe(self, batch: int, seconds: float, prefill_positions: int = 0) -> None:
+    def observe(self, batch: int, seconds: float, prefill_positions: int = 0, prefill_requests: int = 0) -> None:
         if batch < 1 or seconds <= 0:
             return
         a = self._alpha
         if prefill_positions > 0:
-            extra = seconds - self.predict(batch)
-            if extra > 0:
-                per = extra / prefill_positions
-                self.prefill_position_s += a * (per - self.prefill_position_s)
+            extra = max(0.0, seconds - self.predict(batch))
+            self.prefill_position_s += a * (extra / prefill_positions - self.prefill_position_s)
+            if prefill_requests > 0:
+                self.prefill_request_s += a * (extra / prefill_requests - self.prefill_request_s)
             return
         if batch <= self._SMALL:
             self.base_s = seconds if not self._base_seen else self.base_s + a * (seconds - self.base_s)
@@ -103,13 +118,28 @@ class Admission:
         self._last_admit_at: float | None = None
         self._drain_per_s: float | None = None
 
-    def allows(self, num_running: int, behind: int, mature: int) -> bool:
+    def load(self, num_streams: int, mean_stream_s: float | None = None) -> float:
+        """Predicted busy fraction of the engine thread with `num_streams` running in steady state:
+        their frame steps once a frame, and the prefills of the streams replacing those that end."""
+        length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else self.config.default_stream_s
+        n = max(num_streams, 0)
+        return self.model.predict(n) / self.frame_s + n * self.model.prefill_request_s / length
+
+    def allows(self, num_running: int, behind: int, mature: int, mean_stream_s: float | None = None) -> bool:
         """May one more stream start now, beside `num_running` of which `behind` of the `mature`
-        ones (with audio) are short of it?"""
+        ones (with audio) are short of it? `mean_stream_s`: the running streams' mean length."""
         if num_running == 0:
             self.reason = ""
             return True
         cfg = self.config
+        if cfg.max_load > 0:
+            load = self.load(num_running + 1, mean_stream_s)
+            if load > cfg.max_load:
+                self.reason = (
+                    f"{num_running + 1} streams would keep the engine busy {load:.0%} of the time "
+                    f"(frame steps and the prefills replacing ending streams), over {cfg.max_load:.0%}"
+                )
+                return False
         if cfg.max_duty > 0:
             step = self.model.predict(num_running + 1)
             if step > cfg.max_duty * self.frame_s:
@@ -124,12 +154,18 @@ class Admission:
         self.reason = ""
         return True
 
-    def capacity(self) -> int | None:
-        """The most streams that may run at once under the duty bound (None: no bound)."""
-        cfg = self.config
-        if cfg.max_duty <= 0 or self.model.per_stream_s <= 0:
-            return None
-        return max(1, int((cfg.max_duty * self.frame_s - self.model.base_s) / self.model.per_stream_s))
+    def capacity(self, mean_stream_s: float | None = None) -> int | None:
+        """The most streams that may run at once under the duty and load bounds (None: no bound)."""
+        cfg, m = self.config, self.model
+        caps = []
+        if cfg.max_duty > 0 and m.per_stream_s > 0:
+            caps.append(int((cfg.max_duty * self.frame_s - m.base_s) / m.per_stream_s))
+        if cfg.max_load > 0:
+            length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else cfg.default_stream_s
+            per_stream = m.per_stream_s / self.frame_s + m.prefill_request_s / length
+            if per_stream > 0:
+                caps.append(int((cfg.max_load - m.base_s / self.frame_s) / per_stream))
+        return max(1, min(caps)) if caps else None
 
     def observe_admit(self, now: float) -> None:
         """One request started: update the drain rate (admissions per second)."""

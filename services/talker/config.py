@@ -86,6 +86,9 @@ class TalkerConfig:
     # step of every running stream is predicted to take at most this share of a frame (0 = no
     # limit), and waits at most the first-audio budget before it is refused (0 = no budget).
     admission_max_duty: float = 0.6
+    # ... and while the predicted steady load (frame steps plus the prefills of the streams that
+    # replace those ending) keeps the engine thread busy at most this fraction of the time.
+    admission_max_load: float = 0.8
     first_audio_budget_ms: float = 3000.0
     # Requests waiting for a generator slot beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
     max_queue: int = 256
@@ -159,8 +162,10 @@ class TalkerConfig:
                 f"--urgent-lead-ms and --max-lead-ms must satisfy 0 <= urgent <= max, got "
                 f"{self.urgent_lead_ms:g} and {self.max_lead_ms:g}"
             )
-        if self.admission_max_duty < 0 or self.first_audio_budget_ms < 0:
-            raise InvalidArgument("--admission-max-duty and --first-audio-budget-ms must be >= 0")
+        if self.admission_max_duty < 0 or self.admission_max_load < 0 or self.first_audio_budget_ms < 0:
+            raise InvalidArgument(
+                "--admission-max-duty, --admission-max-load and --first-audio-budget-ms must be >= 0"
+            )
         if self.max_queue < 0:
             raise InvalidArgument(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.credit_window_frames < 1:
@@ -294,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
         "most this share of a frame (0 = no limit)",
     )
     p.add_argument(
+        "--admission-max-load",
+        type=float,
+        default=float(_env("ADMISSION_MAX_LOAD", str(d.admission_max_load))),
+        help="start a request only while the predicted steady load (frame steps plus the prefills "
+        "replacing ending streams) keeps the engine busy at most this fraction of the time (0 = no limit)",
+    )
+    p.add_argument(
         "--first-audio-budget-ms",
         type=float,
         default=float(_env("FIRST_AUDIO_BUDGET_MS", str(d.first_audio_budget_ms))),
@@ -358,6 +370,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         urgent_lead_ms=a.urgent_lead_ms,
         max_lead_ms=a.max_lead_ms,
         admission_max_duty=a.admission_max_duty,
+        admission_max_load=a.admission_max_load,
         first_audio_budget_ms=a.first_audio_budget_ms,
         max_queue=a.max_queue,
         credit_window_frames=a.credit_window_frames,

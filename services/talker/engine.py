@@ -317,7 +317,8 @@ class GenerationEngine:
         decoded = sum(1 for r in stepping if r.stepped)
         if self._scheduler.admission is not None:
             budget = plan.prefill_budget if plan.prefill_budget is not None else prefill
-            self._scheduler.admission.model.observe(max(decoded, 1), step_s, min(prefill, budget))
+            prompts = sum(1 for r in stepping if not r.stepped)  # rows prefilling in this step
+            self._scheduler.admission.model.observe(max(decoded, 1), step_s, min(prefill, budget), prompts)
         self._metrics.batch_size.observe(len(stepping))
         events: list[tuple[ScheduledRequest, Any]] = []
         with self._cond:

@@ -23,6 +23,12 @@ queue's drain rate says they could not start within it.
 
 A stream never runs further ahead of code2wav's credit than its `window` (its send buffer bound),
 whatever its lead.
+
+A stream whose text is still arriving (an open `TextFeed`) and has none for its next frame is
+skipped: it waits in the batch. Its listener plays out what it has and then waits for the text,
+which is not a gap of ours, so its playback clock pauses: when the text comes back after the
+listener ran dry, the clock restarts with the next chunk handed on (as at the first chunk), and
+until then the stream counts as one without audio yet (urgent, never late or behind).
 """
 
 from __future__ import annotations
@@ -110,6 +116,17 @@ class ScheduledRequest:
     chunk_plan: Any = None
     # Frames generated and not yet handed to the event loop (engine thread only).
     held_codes: list = field(default_factory=list)
+    # Text still arriving (qtts.model.text_feed.TextFeed; None: the whole text is in the prompt).
+    text: Any = None
+    # Skipped for lack of text in the last plan; and, once the text came back after the
+    # listener ran dry, the playback clock restarts at the next chunk handed on.
+    text_waiting: bool = False
+    clock_restart: bool = False
+
+    @property
+    def clock_running(self) -> bool:
+        """Whether the listener is playing: audio was handed on and the clock is not paused."""
+        return self.first_audio_at is not None and not self.clock_restart
 
     def hand_on_now(self) -> bool:
         """Whether the frames held so far go to the event loop now: at a chunk boundary, when the
@@ -125,13 +142,13 @@ class ScheduledRequest:
 
     def lead_s(self, now: float, frame_s: float = FRAME_S) -> float:
         """Audio generated ahead of the listener's playback; -inf before the first audio."""
-        if self.first_audio_at is None:
+        if not self.clock_running:
             return -math.inf
         return self.credit.generated * frame_s - (now - self.first_audio_at)
 
     def slack_s(self, now: float) -> float:
         """Audio handed on ahead of the listener's playback (what it has buffered)."""
-        if self.first_audio_at is None:
+        if not self.clock_running:
             return math.inf
         return self.delivered_s - (now - self.first_audio_at)
 
@@ -168,6 +185,7 @@ class StepPlan:
     prefill_budget: int | None = None
     num_paused: int = 0
     num_credit_stalled: int = 0
+    num_text_waiting: int = 0
 
 
 class Scheduler:
@@ -252,7 +270,7 @@ class Scheduler:
             rate_wait = adm.predicted_wait_s(len(self.waiting), now)
             if rate_wait is not None:
                 waits.append(rate_wait)
-        cap = adm.capacity()
+        cap = adm.capacity(self._mean_stream_s())
         if cap is not None:
             need = len(self.running) + len(self.waiting) + 1 - cap
             if need > 0:
@@ -262,18 +280,27 @@ class Scheduler:
                     waits.append(end)
         return max(waits) if waits else None
 
-    def _finish_in_s(self, req: ScheduledRequest, now: float) -> float:
-        """When a running stream is expected to end generating, from now."""
-        pol = self.policy
+    def _length_s(self, req: ScheduledRequest) -> float | None:
+        """A stream's expected length in seconds of audio (None: unknown)."""
         total = (
             req.max_new_frames
             or getattr(req.prompt, "default_max_frames", None)
             or getattr(req.prompt, "max_frames", None)
         )
-        if not total:
+        return total * self.policy.frame_s if total else None
+
+    def _mean_stream_s(self) -> float | None:
+        """Mean expected length of the running streams and the next waiting one (None: unknown)."""
+        lengths = [s for r in (*self.running.values(), *list(self.waiting)[:1]) if (s := self._length_s(r))]
+        return sum(lengths) / len(lengths) if lengths else None
+
+    def _finish_in_s(self, req: ScheduledRequest, now: float) -> float:
+        """When a running stream is expected to end generating, from now."""
+        length = self._length_s(req)
+        if length is None:
             return math.inf
         played = 0.0 if req.first_audio_at is None else now - req.first_audio_at
-        return max(0.0, total * pol.frame_s - played - pol.max_lead_s)
+        return max(0.0, length - played - self.policy.max_lead_s)
 
     def remove(self, request_id: str) -> tuple[ScheduledRequest | None, bool]:
         """Forget a request; returns it and whether it was running (so the generator holds it)."""
@@ -304,11 +331,15 @@ class Scheduler:
         tightest = math.inf  # time left of the tightest stream with audio, still on time
         frame_budget = math.inf  # longest step the urgent streams' next chunks allow
         for rid, req in self.running.items():
+            if req.text is not None and self._waits_for_text(req, now):
+                plan.skip.add(rid)
+                plan.num_text_waiting += 1
+                continue
             if not req.credit.has_credit():
                 plan.skip.add(rid)
                 plan.num_credit_stalled += 1
                 continue
-            if req.first_audio_at is None:
+            if not req.clock_running:
                 # Before its first audio is handed on, a stream is the most urgent work there is.
                 urgent.append(req)
                 frame_budget = min(frame_budget, pol.frame_s / 2)
@@ -344,6 +375,19 @@ class Scheduler:
         plan.step = True
         plan.prefill_budget = self._prefill_budget(tightest)
         return plan
+
+    @staticmethod
+    def _waits_for_text(req: ScheduledRequest, now: float) -> bool:
+        """Whether the stream has no text for its next frame (and, when the text came back after
+        its listener ran dry, restart its playback clock)."""
+        if not req.text.ready(req.credit.generated):
+            req.text_waiting = True
+            return True
+        if req.text_waiting:
+            req.text_waiting = False
+            if req.first_audio_at is not None and req.slack_s(now) < 0:
+                req.clock_restart = True
+        return False
 
     def _prefill_budget(self, tightest_slack_s: float) -> int:
         """Prompt positions the step may prefill without making the tightest stream late.
@@ -384,10 +428,14 @@ class Scheduler:
         limit = self.max_batch
         if adm is not None:  # a burst ramps up, so the measurements can react
             limit = min(limit, len(self.running) + adm.config.max_admit_per_step)
-        behind, mature = self._behind(now) if adm is not None and self.waiting else (0, 0)
+        if adm is None or not self.waiting:
+            behind, mature, mean_s = 0, 0, None
+        else:
+            behind, mature = self._behind(now)
+            mean_s = self._mean_stream_s()
         while self.waiting and len(self.running) < limit:
             req = self.waiting[0]
-            if adm is not None and not adm.allows(len(self.running), behind, mature):
+            if adm is not None and not adm.allows(len(self.running), behind, mature, mean_s):
                 return
             self.waiting.popleft()
             self.running[req.request_id] = req
@@ -399,7 +447,7 @@ class Scheduler:
         """(streams whose listener ran dry, streams with audio)."""
         behind = mature = 0
         for req in self.running.values():
-            if req.first_audio_at is not None:
+            if req.clock_running and not req.text_waiting:
                 mature += 1
                 behind += req.slack_s(now) < 0
         return behind, mature

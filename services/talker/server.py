@@ -117,7 +117,11 @@ class TalkerServer:
     def _scheduler(self) -> Scheduler:
         c = self.config
         admission = Admission(
-            AdmissionConfig(max_duty=c.admission_max_duty, first_audio_budget_s=c.first_audio_budget_ms / 1e3)
+            AdmissionConfig(
+                max_duty=c.admission_max_duty,
+                max_load=c.admission_max_load,
+                first_audio_budget_s=c.first_audio_budget_ms / 1e3,
+            )
         )
         policy = DeadlinePolicy(
             urgent_lead_s=c.urgent_lead_ms / 1e3,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -111,6 +112,40 @@ def test_admission_refuses_at_capacity_and_admits_again_when_load_falls():
         s.remove(r.request_id)
     assert len(s.plan(0.0).admitted) == 10  # load fell: the queue moves again
     assert s.num_running == 35
+
+
+def test_admission_counts_the_prefills_that_replace_ending_streams():
+    """Frame steps of 4 ms + 20 us a stream take 0.05 + N/4000 of the engine thread; with 10 s
+    streams each replaced by a 20 ms prefill, N/500 more. Under a 0.8 load bound that is
+    (0.8 - 0.05) / (1/4000 + 1/500) = 333 streams, where the step bound alone (duty 0.6) would
+    have allowed about 2,200."""
+    cfg = AdmissionConfig(
+        max_duty=0.6, max_load=0.8, step_base_s=0.004, step_per_stream_s=0.00002,
+        prefill_request_s=0.02, first_audio_budget_s=0,
+    )
+    adm = Admission(cfg)
+    assert adm.capacity(mean_stream_s=10.0) == 333
+    assert adm.capacity(mean_stream_s=20.0) == 600  # longer streams: fewer prefills a second
+    s = Scheduler(max_batch=5000, max_waiting=5000, admission=adm)
+    for i in range(400):
+        r = req(f"r{i}")
+        r.max_new_frames = 125  # 10 s
+        s.submit(r, now=0.0)
+    admitted = []
+    for _ in range(40):
+        admitted += s.plan(0.0).admitted
+    assert len(admitted) == 333 and s.num_waiting == 67
+    assert "busy" in s.holding_reason and "prefills" in s.holding_reason
+    no_load_bound = Admission(dataclasses.replace(cfg, max_load=0))
+    assert abs(no_load_bound.capacity(mean_stream_s=10.0) - 2200) <= 1  # (48 - 4) ms / 20 us
+
+
+def test_the_step_model_learns_what_a_request_s_prefill_costs():
+    m = StepModel(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0, prefill_request_s=0.0, ewma_alpha=0.5))
+    for _ in range(30):
+        m.observe(100, 0.004 + 3 * 0.012, prefill_positions=90, prefill_requests=3)
+    assert m.prefill_request_s == pytest.approx(0.012, rel=1e-3)
+    assert m.prefill_s(90) == pytest.approx(0.036, rel=1e-3)
 
 
 def test_admission_holds_while_too_many_streams_are_short_of_audio():
