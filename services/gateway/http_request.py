@@ -482,7 +482,7 @@ def invalid_argument(
     elif kind == "string_unicode":
         message = f"{name} is not valid Unicode text (a lone UTF-16 surrogate?)"
     elif kind == "literal_error":
-        message = f"{name} must be one of {e['ctx']['expected']}, got {value!r}"
+        message = f"{name} must be one of {e['ctx']['expected']}, got {repr(value)[:100]}"
     else:
         message = f"{name} {e['msg']}"
     return InvalidArgument(message, param=name)

@@ -4,6 +4,10 @@
 errors that happen before any audio (unknown voice, bad reference, no capacity) still reach the
 client as a proper status. The returned `SynthesisStream` must be closed; closing it cancels the
 talker call when it is still running and records the request's metrics.
+
+`Synthesizer.cut_all()` ends the streams still running when a drain's grace is over: each raises
+the given error where it waits for its next event, so every front end ends it the way it ends a
+failed stream (an SSE or WebSocket error event, a gRPC status), not with a silent cut.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from .auth import current_owner, scoped_voice_name
 from .client_identity import current_client
 from .instructions import apply_instructions_policy
 from .job import AudioPiece, ModelCatalog, SpeechFields, SynthesisJob, SynthesisSummary
-from .validation import RequestLimits, build_job
+from .validation import RequestLimits, build_job, named_field
 
 Event = AudioPiece | SynthesisSummary
 
@@ -73,6 +77,9 @@ class SynthesisStream:
         self._first_byte_seen = False
         self._closed = False
         self.summary: SynthesisSummary | None = None
+        self._reader: asyncio.Task | None = None  # the task iterating the stream
+        self._cut: Exception | None = None
+        synth._live.add(self)
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         if self._first is not None:
@@ -80,12 +87,29 @@ class SynthesisStream:
             if isinstance(first, SynthesisSummary):
                 self.summary = first
             yield first
-        async for event in self._events:
-            if isinstance(event, SynthesisSummary):
-                self.summary = event
-            yield event
+        self._reader = asyncio.current_task()
+        try:
+            async for event in self._events:
+                if isinstance(event, SynthesisSummary):
+                    self.summary = event
+                yield event
+        except asyncio.CancelledError:
+            # Our own cancel (cut) becomes the cut's error; any other cancel stays a cancel.
+            if self._cut is None or asyncio.current_task().uncancel() > 0:
+                raise
+            raise self._cut from None
+        finally:
+            self._reader = None
         if self.summary is None:
             raise GenerationFailed("the talker ended the stream without a summary")
+
+    def cut(self, error: Exception) -> None:
+        """End the stream with `error` where its reader waits for the next event (a drain's end)."""
+        if self._closed or self._cut is not None:
+            return
+        self._cut = error
+        if self._reader is not None:
+            self._reader.cancel()
 
     def first_byte_sent(self) -> None:
         """Record time to first audio once, when the first audio byte went out."""
@@ -98,6 +122,7 @@ class SynthesisStream:
         if self._closed:
             return
         self._closed = True
+        self._synth._live.discard(self)
         try:
             await self._events.aclose()
         finally:
@@ -124,6 +149,8 @@ class Synthesizer:
         self.metrics = metrics
         self._decode = decode
         self._unsupported_instructions = unsupported_instructions
+        self._live: set[SynthesisStream] = set()
+        self._refusal: Exception | None = None  # set once a drain is over: no new streams
 
     @property
     def ready(self) -> bool:
@@ -152,6 +179,8 @@ class Synthesizer:
 
     async def open(self, job: SynthesisJob, protocol: str) -> SynthesisStream:
         """Admit `job`, decode its reference clip, start the talker call and await its first event."""
+        if self._refusal is not None:
+            raise self._refusal
         started = time.perf_counter()
         client = current_client()
         self.admission.admit(client)
@@ -179,6 +208,14 @@ class Synthesizer:
             raise
         return SynthesisStream(self, job, protocol, events, first, started, client)
 
+    def cut_all(self, error: Exception) -> int:
+        """End every running stream with `error`, and refuse new ones with it; returns how many."""
+        self._refusal = error
+        live = list(self._live)
+        for stream in live:
+            stream.cut(error)
+        return len(live)
+
     def reject(self, protocol: str, exc: BaseException) -> None:
         """Count a request that failed before it was admitted (validation, parsing). Errors by code
         (`tts_errors_total`) are counted by the front end: the gRPC interceptor, or the HTTP app."""
@@ -196,8 +233,8 @@ async def _decode_field(decode: Callable[[bytes], object], data: bytes, field: s
     try:
         return await asyncio.to_thread(decode, data)
     except InvalidArgument as exc:
-        exc.param = exc.param or field
-        raise
+        raise named_field(exc, field) from None
+
 
 
 def _with_pcm(job: SynthesisJob, pcm) -> SynthesisJob:

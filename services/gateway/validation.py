@@ -200,6 +200,13 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
     )
 
 
+def named_field(exc: InvalidArgument, field: str) -> InvalidArgument:
+    """`exc` naming `field` in its message and its param, unless it names one already."""
+    if exc.param:
+        return exc
+    return InvalidArgument(f"{field}: {exc.message}", param=field)
+
+
 _VOICE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
@@ -209,8 +216,9 @@ def check_voice_name(name: str) -> str:
     if not name:
         raise InvalidArgument("voice name is required", param="name")
     if len(name) > 64 or not set(name) <= _VOICE_NAME_CHARS:
+        shown = repr(name) if len(name) <= 80 else f"{name[:64]!r}... ({len(name)} characters)"
         raise InvalidArgument(
-            f"voice name {name!r} must be 1-64 characters of letters, digits, '_', '-' or '.'",
+            f"voice name {shown} must be 1-64 characters of letters, digits, '_', '-' or '.'",
             param="name",
         )
     return name

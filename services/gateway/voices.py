@@ -14,7 +14,7 @@ from qtts.errors import InvalidArgument
 
 from .auth import current_owner, scoped_voice_name, unscoped_voice_name
 from .job import ModelCatalog
-from .validation import check_voice_name
+from .validation import check_voice_name, named_field
 from .voice_client import VoiceInfo
 
 
@@ -81,10 +81,12 @@ class VoiceService:
         name = check_voice_name(name)
         lim.check_string(reference_text, "ref_text", lim.REF_TEXT_MAX_CHARS)
         if not audio:
-            raise InvalidArgument("reference audio is required to create a voice", param=audio_field)
+            raise InvalidArgument(
+                f"{audio_field} (the reference clip) is required to create a voice", param=audio_field
+            )
         if len(audio) > self._max_audio_bytes:
             raise InvalidArgument(
-                f"reference audio is {len(audio)} bytes; the limit is {self._max_audio_bytes}",
+                f"{audio_field} is {len(audio)} bytes; the limit is {self._max_audio_bytes}",
                 param=audio_field,
             )
         ref_text = (reference_text or "").strip()
@@ -98,8 +100,7 @@ class VoiceService:
         try:
             pcm = await asyncio.to_thread(self._decode, audio)
         except InvalidArgument as exc:
-            exc.param = exc.param or audio_field
-            raise
+            raise named_field(exc, audio_field) from None
         stored = scoped_voice_name(name, current_owner())
         voice = await self._store.create(stored, pcm, "" if x_vector_only else ref_text, x_vector_only)
         return dataclasses.replace(voice, name=name)
