@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import numpy as np
@@ -52,6 +52,9 @@ def event_to_pb(stream_id: str, seq: int, event: DecodeEvent) -> pb.DecodeRespon
     return pb.DecodeResponse(stream_id=stream_id, sequence_number=seq, done=done)
 
 
+CANCEL_SETTLE_S = 0.5
+
+
 class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
     """One Decode call = one stream: StreamStart, frame deltas, acks, StreamEnd in; grants, audio, done out.
 
@@ -67,14 +70,14 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
         self, request_iterator: AsyncIterator[pb.DecodeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeResponse]:
         try:
-            async for response in self._decode(request_iterator):
+            async for response in self._decode(request_iterator, context.cancelled):
                 yield response
         except FailedPrecondition as exc:
             # Not in the shared error table: this status only exists on this internal API.
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
 
     async def _decode(
-        self, request_iterator: AsyncIterator[pb.DecodeRequest]
+        self, request_iterator: AsyncIterator[pb.DecodeRequest], cancelled: Callable[[], bool] = lambda: False
     ) -> AsyncIterator[pb.DecodeResponse]:
         requests = request_iterator.__aiter__()
         try:
@@ -98,7 +101,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
             start.first_chunk_frames,
             list(start.chunk_frames_ramp),
         )
-        reader = asyncio.create_task(self._read(requests, stream))
+        reader = asyncio.create_task(self._read(requests, stream, cancelled))
         seq = 0
         try:
             async for event in stream.events():
@@ -114,7 +117,12 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
             self.engine.release(stream)
             reader.cancel()
 
-    async def _read(self, requests: AsyncIterator[pb.DecodeRequest], stream: DecodeStream) -> None:
+    async def _read(
+        self,
+        requests: AsyncIterator[pb.DecodeRequest],
+        stream: DecodeStream,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
         """Apply the client's messages to the stream; a violation ends this stream only."""
         nc = stream.limits.num_codebooks
         try:
@@ -134,6 +142,14 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
                 else:
                     raise InvalidArgument("empty DecodeRequest")
             if stream.total_frames is None:
+                # A caller's cancel (its client went away, or it failed) also reads as the end of the
+                # requests, just before grpc cancels this call's handler (which cancels this task):
+                # give it that moment rather than call a cancel a protocol violation, and fail no
+                # call whose caller can read no status any more.
+                await asyncio.sleep(CANCEL_SETTLE_S)
+                if cancelled():
+                    stream.fail(asyncio.CancelledError("the caller cancelled the stream"))
+                    return
                 raise FailedPrecondition("request stream closed before StreamEnd")
         except asyncio.CancelledError:
             raise

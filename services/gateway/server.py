@@ -16,7 +16,7 @@ import numpy as np
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from qtts.errors import TTSError
+from qtts.errors import TTSError, Unavailable
 from qtts.grpc_server import RECONNECT_OPTIONS, GrpcServiceHost, service_full_name
 from qtts.internal_auth import client_interceptors
 from qtts.metrics import GatewayMetrics
@@ -47,6 +47,10 @@ from .voices import VoiceService
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = service_full_name(tts_pb2, "TextToSpeechService")
+
+
+# After the drain's grace, how long the streams still running have to send their error event.
+END_EVENT_GRACE_S = 1.0
 
 
 class _UvicornServer(uvicorn.Server):
@@ -184,7 +188,7 @@ class GatewayServer:
                 port=config.http_port,
                 log_level="warning",
                 lifespan="off",
-                timeout_graceful_shutdown=max(1, int(config.drain_seconds)),
+                timeout_graceful_shutdown=max(1.0, config.drain_seconds + END_EVENT_GRACE_S),
                 access_log=False,
                 timeout_keep_alive=int(max(1, config.http_keepalive_s)),
                 http=header_timeout_protocol(config.http_header_timeout_s),
@@ -250,16 +254,25 @@ class GatewayServer:
                 await (self.host.set_serving() if serving else self.host.set_not_serving())
 
     async def stop(self) -> None:
-        """Drain: health NOT_SERVING, no new requests, in-flight streams get drain_seconds."""
+        """Drain: health NOT_SERVING, no new requests, in-flight streams get drain_seconds; those
+        still running then end with an error event or status (END_EVENT_GRACE_S to send it)."""
         if self._catalog_task is not None:
             self._catalog_task.cancel()
+        cut = asyncio.create_task(self._cut_streams_after(self.config.drain_seconds))
         self.http.should_exit = True
-        await self.host.stop()
+        await self.host.stop(self.config.drain_seconds + END_EVENT_GRACE_S)
         if self._http_task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._http_task
+        cut.cancel()
         await self.talker.close()
         await self.voice_client.close()
+
+    async def _cut_streams_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        cut = self.synthesizer.cut_all(Unavailable("the gateway is shutting down; retry the request"))
+        if cut:
+            log.warning("drain over: %d streams still running end with an error", cut)
 
     async def run(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain both front ends."""
