@@ -265,7 +265,11 @@ def chart_values(overrides: dict | None = None) -> dict:
 
 
 OTHER_VALUES = {
-    "redis": {"enabled": False, "external": {"existingSecret": "managed-redis", "secretKey": "url"}},
+    "redis": {
+        "enabled": False,
+        "external": {"existingSecret": "managed-redis", "secretKey": "url"},
+        "auth": {"existingSecret": "managed-redis", "secretKey": "password"},
+    },
     "model": {
         "volume": {"persistentVolumeClaim": None, "hostPath": {"path": "/data/models", "type": "Directory"}}
     },
@@ -290,6 +294,16 @@ OTHER_VALUES = {
         "env": [{"name": "CUDA_MODULE_LOADING", "value": "LAZY"}],
     },
     "speakerCache": {"pdb": {"maxUnavailable": None, "minAvailable": 1}},
+    # Transport security and credentials, every option on (tests/deploy/test_network_security.py).
+    "tls": {"enabled": True, "secretName": "qwen3-tts-tls", "mtls": False, "publicSecretName": "public-tls"},
+    "auth": {
+        "apiKeys": {"existingSecret": "gateway-api-keys", "secretKey": "keys"},
+        "internalToken": {"existingSecret": "internal-token", "secretKey": "token"},
+    },
+    "networkPolicy": {
+        "gatewayFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}],
+        "metricsFrom": [],
+    },
 }
 
 
@@ -427,12 +441,39 @@ def test_stages_run_their_service_with_its_flags(stack):
     )
 
 
-def test_each_service_accepts_its_rendered_arguments(stack):
-    """The arguments go through the service's own parser and validation, as at container start."""
+def mount_secrets(wl: dict, root: Path) -> dict[str, str]:
+    """Stand-ins under `root` for the Secrets a workload mounts (a test CA's certificates for a
+    whole Secret, a line of text for each item); {mount path: stand-in folder}."""
+    from tests.tls_certs import TestCA
+
+    volumes = {v["name"]: v for v in wl["spec"]["template"]["spec"]["volumes"]}
+    moved = {}
+    for m in container(wl).get("volumeMounts", []):
+        secret = volumes[m["name"]].get("secret")
+        if secret is None:
+            continue
+        folder = root / m["name"]
+        if secret.get("items"):
+            folder.mkdir(parents=True)
+            for item in secret["items"]:
+                (folder / item["path"]).write_text("stand-in-secret\n")
+        else:
+            files = TestCA(folder / "ca").issue("pod")
+            folder.mkdir(exist_ok=True)
+            for src, dst in ((files.cert, "tls.crt"), (files.key, "tls.key"), (files.ca, "ca.crt")):
+                shutil.copy(src, folder / dst)
+        moved[m["mountPath"]] = str(folder)
+    return moved
+
+
+def test_each_service_accepts_its_rendered_arguments(stack, tmp_path):
+    """The arguments go through the service's own parser and validation, as at container start
+    (with the Secrets it mounts)."""
     runtime_values = {"<POD_NAME>": "code2wav-0", "<REDIS_URL>": "redis://redis:6379/0"}
     for name, wl in workloads(stack).items():
         args = expanded_args(stack, container(wl))
-        for placeholder, value in runtime_values.items():
+        runtime = {**runtime_values, **mount_secrets(wl, tmp_path / name)}
+        for placeholder, value in runtime.items():
             args = [a.replace(placeholder, value) for a in args]
         config_module = importlib.import_module(f"services.{SERVICE_MODULE[name]}.config")
         config = config_module.config_from_args(args[1:])

@@ -192,11 +192,11 @@ securityContext:
 resources:
   {{- toYaml .values.resources | nindent 2 }}
 startupProbe:
-  {{- toYaml .values.startupProbe | nindent 2 }}
+  {{- include "qwen3-tts.probe" (dict "root" .root "probe" .values.startupProbe) | nindent 2 }}
 readinessProbe:
-  {{- toYaml .values.readinessProbe | nindent 2 }}
+  {{- include "qwen3-tts.probe" (dict "root" .root "probe" .values.readinessProbe) | nindent 2 }}
 livenessProbe:
-  {{- toYaml .values.livenessProbe | nindent 2 }}
+  {{- include "qwen3-tts.probe" (dict "root" .root "probe" .values.livenessProbe) | nindent 2 }}
 lifecycle:
   # Give endpoint controllers and clients time to stop sending new streams here; SIGTERM then
   # starts the service's own drain of the streams in flight.
@@ -219,6 +219,7 @@ lifecycle:
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
 {{- end }}
+{{- include "qwen3-tts.internalTokenEnv" . }}
 {{- with .values.env }}
 {{ toYaml . }}
 {{- end }}
@@ -258,4 +259,98 @@ Call with (dict "root" $ "component" "talker").
 */}}
 {{- define "qwen3-tts.podMatchers" -}}
 {{- printf "namespace=\"%s\",pod=~\"%s-.+\"" .root.Release.Namespace (include "qwen3-tts.componentName" .) }}
+{{- end }}
+
+{{/*
+TLS between the services. Where the Secrets are mounted in every stage's container.
+*/}}
+{{- define "qwen3-tts.tlsDir" -}}/etc/qwen3-tts/tls{{- end }}
+{{- define "qwen3-tts.publicTlsDir" -}}/etc/qwen3-tts/public-tls{{- end }}
+
+{{/*
+The --tls-* flags of a stage as a JSON list (empty without tls.enabled). `client`: the stage dials
+others (talker, gateway, the probe), so it also checks their certificates for tls.serverName.
+Call with (dict "root" $ "client" true).
+*/}}
+{{- define "qwen3-tts.tlsFlags" -}}
+{{- $t := .root.Values.tls }}
+{{- $flags := list }}
+{{- if $t.enabled }}
+{{- $dir := include "qwen3-tts.tlsDir" . }}
+{{- $flags = list (printf "--tls-cert=%s/tls.crt" $dir) (printf "--tls-key=%s/tls.key" $dir) (printf "--tls-ca=%s/ca.crt" $dir) }}
+{{- if not $t.mtls }}
+{{- $flags = append $flags "--tls-client-auth=none" }}
+{{- end }}
+{{- if .client }}
+{{- $flags = append $flags (printf "--tls-server-name=%s" $t.serverName) }}
+{{- end }}
+{{- end }}
+{{- toJson $flags }}
+{{- end }}
+
+{{/*
+A probe as the values give it, except that with tls.enabled a gRPC probe (the kubelet's own speaks
+plaintext only) becomes an exec of `python -m qtts.probe` with the pod's certificate, and with the
+gateway's public TLS an httpGet probe uses HTTPS. Call with (dict "root" $ "probe" .values.startupProbe).
+*/}}
+{{- define "qwen3-tts.probe" -}}
+{{- $p := deepCopy .probe }}
+{{- if and .root.Values.tls.enabled $p.grpc }}
+{{- $g := $p.grpc }}
+{{- $_ := unset $p "grpc" }}
+{{- $cmd := list "python" "-m" "qtts.probe" (printf "127.0.0.1:%v" $g.port) }}
+{{- with $g.service }}
+{{- $cmd = append $cmd (printf "--service=%s" .) }}
+{{- end }}
+{{- $cmd = concat $cmd (include "qwen3-tts.tlsFlags" (dict "root" .root "client" true) | fromJsonArray) }}
+{{- $_ := set $p "exec" (dict "command" $cmd) }}
+{{- end }}
+{{- if and .root.Values.tls.publicSecretName $p.httpGet }}
+{{- $_ := set $p "httpGet" (merge (dict "scheme" "HTTPS") $p.httpGet) }}
+{{- end }}
+{{- toYaml $p }}
+{{- end }}
+
+{{/* The volume and the mount of the tls.secretName Secret (include them with tls.enabled). */}}
+{{- define "qwen3-tts.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required when tls.enabled is true" .Values.tls.secretName }}
+    # Readable by the pod's group (fsGroup) only: the private key is in it.
+    defaultMode: 0440
+{{- end }}
+
+{{- define "qwen3-tts.tlsMount" -}}
+- name: tls
+  mountPath: {{ include "qwen3-tts.tlsDir" . }}
+  readOnly: true
+{{- end }}
+
+{{/*
+The env var with the shared secret of the services (auth.internalToken), named as the service
+reads it (TTS_<SERVICE>_INTERNAL_TOKEN). Call with (dict "root" $ "component" "speaker-cache").
+*/}}
+{{- define "qwen3-tts.internalTokenEnv" -}}
+{{- with .root.Values.auth.internalToken.existingSecret }}
+- name: {{ printf "TTS_%s_INTERNAL_TOKEN" ($.component | upper | replace "-" "_") }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.root.Values.auth.internalToken.secretKey }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Secret and key holding the Redis password, as "name/key"; empty when there is none (no
+redis.auth, or an external Redis whose credentials are in its URL).
+*/}}
+{{- define "qwen3-tts.redisPasswordRef" -}}
+{{- $a := .Values.redis.auth }}
+{{- if $a.enabled }}
+{{- if $a.existingSecret }}
+{{- printf "%s/%s" $a.existingSecret $a.secretKey }}
+{{- else if .Values.redis.enabled }}
+{{- printf "%s-redis/redis-password" (include "qwen3-tts.fullname" .) }}
+{{- end }}
+{{- end }}
 {{- end }}
