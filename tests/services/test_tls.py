@@ -316,3 +316,20 @@ def test_flags_and_env_fallbacks_reach_every_service(pki, monkeypatch):
     with pytest.raises(InvalidArgument, match="--public-tls-cert and --public-tls-key go together"):
         gateway_config_from_args(["--public-tls-cert", server.cert])
     assert not gateway_config_from_args([]).tls.enabled
+
+
+def test_the_launcher_passes_its_tls_flags_to_every_service_and_its_health_checks(pki):
+    from services.launcher import config_from_args as launcher_config_from_args
+    from services.launcher import stack_specs
+
+    server, _, _ = pki["files"]
+    config = launcher_config_from_args([*_flags(server), "--tls-server-name", SERVICE_NAME])
+    specs = {s.name: s for s in stack_specs(config, "/models/tiny")}
+    for name, spec in specs.items():
+        assert spec.args[spec.args.index("--tls-cert") + 1] == server.cert, name
+        # Only the services that dial others take the name their peers' certificates carry.
+        assert ("--tls-server-name" in spec.args) is (name in ("talker", "gateway")), name
+        # The launcher checks the internal services' health over TLS; the gateway's own ports
+        # stay plaintext.
+        assert spec.tls is (None if name == "gateway" else config.tls), name
+    assert launcher_config_from_args([]).tls is None
