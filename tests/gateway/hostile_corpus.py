@@ -9,14 +9,19 @@ server may configure differently (text length, frame cap).
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import io
 import json
 import wave
 from dataclasses import dataclass
 
 import grpc
+import h11
 import numpy as np
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from qtts import request_limits as lim
 from qtts.pb import tts_pb2
@@ -86,7 +91,9 @@ def spliced(field: str, literal: str, base=speech) -> bytes:
 
 
 def voice_json(**fields) -> bytes:
-    return json.dumps({"name": "corpus-voice", "audio_sample": REF, "x_vector_only_mode": True, **fields}).encode()
+    return json.dumps(
+        {"name": "corpus-voice", "audio_sample": REF, "x_vector_only_mode": True, **fields}
+    ).encode()
 
 
 BOUNDARY = "corpusboundary0123456789"
@@ -273,6 +280,53 @@ ISSUE_HTTP_CASES = (
 )  # fmt: skip
 
 
+class Http11:
+    """One HTTP/1.1 connection, kept: the corpus checks that this very connection goes on serving."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+        self.conn = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    async def open(cls, port: int, host: str = "127.0.0.1") -> Http11:
+        return cls(*await asyncio.open_connection(host, port))
+
+    async def request(
+        self, method: str, path: str, body: bytes = b"", content_type: str = "application/json"
+    ):
+        """(status, headers, body) of one request; the connection stays open for the next."""
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+            self.conn.start_next_cycle()
+        headers = [("host", "gateway"), ("content-length", str(len(body)))]
+        if body:
+            headers.append(("content-type", content_type))
+        out = self.conn.send(h11.Request(method=method, target=path, headers=headers))
+        out += self.conn.send(h11.Data(data=body)) if body else b""
+        self.writer.write(out + self.conn.send(h11.EndOfMessage()))
+        with contextlib.suppress(ConnectionError):  # a refused body may be cut off mid-write
+            await self.writer.drain()
+        status, response_headers, chunks = None, {}, []
+        while True:
+            event = self.conn.next_event()
+            if event is h11.NEED_DATA:
+                self.conn.receive_data(await asyncio.wait_for(self.reader.read(65536), 30))
+                continue
+            if isinstance(event, h11.Response):
+                status = event.status_code
+                response_headers = {k.decode().lower(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                return status, response_headers, b"".join(chunks)
+
+    @property
+    def usable(self) -> bool:
+        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 # -- gRPC -----------------------------------------------------------------------------------------
 
 
@@ -293,7 +347,9 @@ class GrpcCase:
 def synthesize(**kw) -> tts_pb2.SynthesizeRequest:
     sampling = kw.pop("sampling", None)
     streaming = kw.pop("streaming", None)
-    msg = tts_pb2.SynthesizeRequest(**{"text": "Hello.", "reference_audio": REF_WAV, "x_vector_only": True, **kw})
+    msg = tts_pb2.SynthesizeRequest(
+        **{"text": "Hello.", "reference_audio": REF_WAV, "x_vector_only": True, **kw}
+    )
     if sampling:
         msg.sampling.CopyFrom(tts_pb2.SamplingParams(**sampling))
     if streaming:
@@ -372,7 +428,9 @@ def streaming_request(**synthesis) -> bytes:
 
 
 def text_input(text: str) -> bytes:
-    return tts_pb2.StreamingSynthesizeRequest(input=tts_pb2.StreamingSynthesisInput(text=text)).SerializeToString()
+    return tts_pb2.StreamingSynthesizeRequest(
+        input=tts_pb2.StreamingSynthesisInput(text=text)
+    ).SerializeToString()
 
 
 def _other_cases() -> list[GrpcCase]:
@@ -392,27 +450,69 @@ def _other_cases() -> list[GrpcCase]:
     cases = [
         GrpcCase("streaming-input-first", s, (text_input("Hello."),), "streaming_config", "streaming_config"),
         GrpcCase("streaming-no-messages", s, (), "streaming_config", "streaming_config"),
-        GrpcCase("streaming-config-text", s, (streaming_request(text="Hello."),), "text", synth_prefix + "text"),
-        GrpcCase("streaming-second-config", s, (streaming_request(), streaming_request()), "streaming_config",
-                 "streaming_config"),
+        GrpcCase(
+            "streaming-config-text", s, (streaming_request(text="Hello."),), "text", synth_prefix + "text"
+        ),
+        GrpcCase(
+            "streaming-second-config",
+            s,
+            (streaming_request(), streaming_request()),
+            "streaming_config",
+            "streaming_config",
+        ),
         GrpcCase("streaming-text_split-unknown", s, (bad_split,), "text_split", "text_split"),
-        GrpcCase("streaming-temperature-3.5e38", s, (streaming_request(sampling={"temperature": 3.5e38}),),
-                 "temperature", synth_prefix + "sampling.temperature"),
-        GrpcCase("streaming-instructions-200k", s, (streaming_request(instructions="a" * LONG),), "instructions",
-                 synth_prefix + "instructions"),
+        GrpcCase(
+            "streaming-temperature-3.5e38",
+            s,
+            (streaming_request(sampling={"temperature": 3.5e38}),),
+            "temperature",
+            synth_prefix + "sampling.temperature",
+        ),
+        GrpcCase(
+            "streaming-instructions-200k",
+            s,
+            (streaming_request(instructions="a" * LONG),),
+            "instructions",
+            synth_prefix + "instructions",
+        ),
         GrpcCase("streaming-input-surrogate", s, (streaming_request(), surrogate_input), None, ""),
         GrpcCase("create-voice-bad-name", "CreateVoice", (voice(name="../x"),), "name", "name"),
         GrpcCase("create-voice-empty-name", "CreateVoice", (voice(name=""),), "name", "name"),
-        GrpcCase("create-voice-reference_text-200k", "CreateVoice", (voice(reference_text="a" * LONG),), "ref_text",
-                 "reference_text"),
-        GrpcCase("create-voice-no-audio", "CreateVoice", (voice(reference_audio=b""),), "reference_audio",
-                 "reference_audio"),
-        GrpcCase("create-voice-audio-too-big", "CreateVoice", (voice(reference_audio=TOO_BIG_CLIP),),
-                 "reference_audio", "reference_audio"),
-        GrpcCase("get-voice-bad-name", "GetVoice", (tts_pb2.GetVoiceRequest(name="a b").SerializeToString(),),
-                 "name", "name"),
-        GrpcCase("delete-voice-200k-name", "DeleteVoice",
-                 (tts_pb2.DeleteVoiceRequest(name="a" * LONG).SerializeToString(),), "name", "name"),
+        GrpcCase(
+            "create-voice-reference_text-200k",
+            "CreateVoice",
+            (voice(reference_text="a" * LONG),),
+            "ref_text",
+            "reference_text",
+        ),
+        GrpcCase(
+            "create-voice-no-audio",
+            "CreateVoice",
+            (voice(reference_audio=b""),),
+            "reference_audio",
+            "reference_audio",
+        ),
+        GrpcCase(
+            "create-voice-audio-too-big",
+            "CreateVoice",
+            (voice(reference_audio=TOO_BIG_CLIP),),
+            "reference_audio",
+            "reference_audio",
+        ),
+        GrpcCase(
+            "get-voice-bad-name",
+            "GetVoice",
+            (tts_pb2.GetVoiceRequest(name="a b").SerializeToString(),),
+            "name",
+            "name",
+        ),
+        GrpcCase(
+            "delete-voice-200k-name",
+            "DeleteVoice",
+            (tts_pb2.DeleteVoiceRequest(name="a" * LONG).SerializeToString(),),
+            "name",
+            "name",
+        ),
         GrpcCase("synthesize-text-surrogate", "Synthesize", (surrogate_text,), None, ""),
     ]
     for method in ("Synthesize", "StreamingSynthesize", "CreateVoice", "GetVoice", "DeleteVoice"):
@@ -428,3 +528,34 @@ ISSUE_GRPC_CASES = (
     "reference_text-200k", "instructions-200k", "voice-200k", "request_id-200k", "chunk_frames_ramp-1000-values",
     "control-only-text", "Synthesize-junk-bytes", "StreamingSynthesize-bad-utf8",
 )  # fmt: skip
+
+
+async def call(
+    channel: grpc.aio.Channel, method: str, payloads: tuple[bytes, ...]
+) -> grpc.aio.AioRpcError | None:
+    path = f"/tts.v1.TextToSpeechService/{method}"
+    try:
+        if method == "Synthesize":
+            async for _ in channel.unary_stream(path)(payloads[0], timeout=30):
+                pass
+        elif method == "StreamingSynthesize":
+            async for _ in channel.stream_stream(path)(iter(payloads), timeout=30):
+                pass
+        else:
+            await channel.unary_unary(path)(payloads[0], timeout=30)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    return None
+
+
+def bad_request_field(exc: grpc.aio.AioRpcError) -> str | None:
+    """The field of the google.rpc.BadRequest detail of a status (None: no such detail)."""
+    status = rpc_status.from_call(exc)
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            return bad_request.field_violations[0].field
+    return None

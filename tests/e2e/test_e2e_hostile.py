@@ -1,0 +1,390 @@
+"""Hostile traffic against the real processes: a gateway process of its own (the corpus's limits,
+short timeouts, a per-client rate) in front of the stack's talker, code2wav and speaker_cache.
+
+- The bad-input corpus (tests/gateway/hostile_corpus.py) over HTTP and gRPC: each case its status
+  and field, on one keep-alive connection (one channel) that goes on serving; a seeded good
+  request repeated while the corpus runs comes back bit-identical to the same request alone.
+- Slowloris, a body bomb, listeners that never read, and a flood of 2,000 connections from one
+  client: every other client's requests succeed, and the gateway's memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import psutil
+import pytest
+from e2e_helpers import FRAME, REF_B64
+
+from qtts.pb import tts_pb2, tts_pb2_grpc
+from services.launcher import free_port, gateway_spec, start_service, stop_services, wait_serving
+from tests.gateway import hostile_corpus as corpus
+
+pytestmark = pytest.mark.e2e
+
+WRITE_TIMEOUT_S = 2.0
+HEADER_TIMEOUT_S = 1.0
+RATE_PER_S, BURST = 100, 600
+# The gateway process's resident memory may grow by at most this much under each attack, and
+# never pass the peak bound (it starts at about 110 MB: numpy, PyAV, grpc, FastAPI; the 2,000
+# connection flood took it about 40 MB higher). A 200 MB body held in memory would pass both.
+RSS_GROWTH_BOUND_MB = 120
+RSS_PEAK_BOUND_MB = 400
+
+
+@dataclasses.dataclass
+class Guarded:
+    http_url: str
+    http_port: int
+    grpc_address: str
+    pid: int
+    log_path: Path
+
+    def rss_mb(self) -> float:
+        return psutil.Process(self.pid).memory_info().rss / 2**20
+
+
+@pytest.fixture(scope="module")
+def guarded(stack) -> Guarded:
+    cfg = stack.config
+    http_port, grpc_port = free_port(), free_port()
+    spec = gateway_spec(cfg, name="gateway-guarded", http_port=http_port, grpc_port=grpc_port, metrics_port=0)
+    flags = {
+        "--max-ref-audio-bytes": corpus.MAX_REF_AUDIO_BYTES,
+        "--max-body-bytes": corpus.MAX_BODY_BYTES,
+        "--max-ref-audio-seconds": corpus.MAX_REF_AUDIO_SECONDS,
+        "--http-header-timeout-s": HEADER_TIMEOUT_S,
+        "--http-body-timeout-s": 2,
+        "--http-write-timeout-s": WRITE_TIMEOUT_S,
+        "--max-streams-per-client": 4,
+        "--rate-limit-per-s": RATE_PER_S,
+        "--rate-limit-burst": BURST,
+    }
+    spec = dataclasses.replace(spec, args=(*spec.args, *(str(x) for kv in flags.items() for x in kv)))
+    proc = start_service(spec, cfg.log_dir)
+    try:
+        wait_serving(proc, cfg.startup_timeout_s)
+        url = f"http://{cfg.host}:{http_port}"
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the guarded gateway did not get ready"
+            time.sleep(0.2)
+        yield Guarded(url, http_port, f"{cfg.host}:{grpc_port}", proc.popen.pid, proc.log_path)
+    finally:
+        assert stop_services([proc], 20.0) == {proc.name: 0}
+
+
+GOOD = {
+    "input": "A good request, spoken while others misbehave.",
+    "ref_audio": REF_B64,
+    "x_vector_only_mode": True,
+    "seed": 1234,
+    "max_new_tokens": 30,
+    "response_format": "pcm",
+    "stream": False,
+}
+
+
+def good_from(url: str, address: str = "127.0.0.2", timeout: float = 120) -> bytes:
+    """The seeded good request from another client (its own source address)."""
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=timeout) as c:
+        r = c.post(url + "/v1/audio/speech", json=GOOD)
+    assert r.status_code == 200, r.text
+    assert len(r.content) == int(r.headers["x-tts-num-frames"]) * FRAME * 2
+    return r.content
+
+
+class Repeating:
+    """The good request, again and again in a thread, until stopped; every answer kept."""
+
+    def __init__(self, url: str):
+        self.url, self.stop, self.answers, self.errors = url, threading.Event(), [], []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set() or not (self.answers or self.errors):
+            try:
+                self.answers.append(good_from(self.url))
+            except Exception as exc:  # noqa: BLE001 - reported by join()
+                self.errors.append(exc)
+
+    def join(self) -> list[bytes]:
+        self.stop.set()
+        self.thread.join(180)
+        assert not self.errors, self.errors
+        return self.answers
+
+
+def test_corpus_over_http_and_grpc_with_a_bit_identical_neighbour(guarded):
+    # The corpus's own checks between cases are cheap calls that never reach the talker: on the
+    # CPU a stream batched with another can round differently, and the neighbour must be alone
+    # there to be compared bit for bit (no bad request may reach the talker either).
+    alone = good_from(guarded.http_url)
+    assert good_from(guarded.http_url) == alone  # the seed makes it deterministic
+    neighbour = Repeating(guarded.http_url)
+    http_failures = asyncio.run(_http_corpus(guarded.http_port))
+    grpc_failures = asyncio.run(_grpc_corpus(guarded.grpc_address))
+    answers = neighbour.join()
+    assert not http_failures, http_failures
+    assert not grpc_failures, grpc_failures
+    assert answers and all(a == alone for a in answers), [len(a) for a in answers]
+    assert httpx.get(guarded.http_url + "/health", timeout=5).json()["status"] == "ok"
+    assert asyncio.run(_grpc_synthesis(guarded.grpc_address)) >= 1
+
+
+async def _http_corpus(port: int) -> list:
+    conn, failures = await corpus.Http11.open(port), []
+    try:
+        for case in corpus.HTTP_CASES:
+            status, headers, body = await conn.request(case.method, case.path, case.body, case.content_type)
+            error = json.loads(body).get("error", {}) if body.startswith(b"{") else {}
+            if (status, error.get("param")) != (case.status, case.param) or not error.get("message"):
+                failures.append((case.id, status, body[:200]))
+            if case.closes:
+                conn.close()
+                conn = await corpus.Http11.open(port)
+                continue
+            # The same connection serves on (a cheap request: the talker is busy with the neighbour).
+            assert conn.usable and headers.get("connection") != "close", case.id
+            status, _, body = await conn.request("GET", "/v1/models")
+            assert status == 200 and json.loads(body)["data"], case.id
+    finally:
+        conn.close()
+    return failures
+
+
+async def _grpc_corpus(address: str) -> list:
+    failures = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
+        for case in corpus.GRPC_CASES:
+            exc = await corpus.call(channel, case.method, case.payloads)
+            got = (exc.code(), exc.details()) if exc is not None else (grpc.StatusCode.OK, "")
+            if got[0] != case.code or (case.param is not None and case.param not in got[1]):
+                failures.append((case.id, got[0], got[1][:200]))
+            elif corpus.bad_request_field(exc) != case.field:
+                failures.append((case.id, "BadRequest field", corpus.bad_request_field(exc), case.field))
+            await stub.ListVoices(tts_pb2.ListVoicesRequest(), timeout=30)  # the channel serves on
+    return failures
+
+
+async def _grpc_synthesis(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
+        msgs = [m async for m in stub.Synthesize(corpus.synthesize(max_new_frames=4), timeout=120)]
+    return msgs[-1].summary.num_frames
+
+
+class RssWatch:
+    """The gateway process's peak resident memory while the block runs (sampled every 20 ms)."""
+
+    def __init__(self, guarded: Guarded):
+        self.guarded, self.start_mb, self.peak_mb = guarded, guarded.rss_mb(), 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mb = max(self.peak_mb, self.guarded.rss_mb())
+            time.sleep(0.02)
+
+    def __enter__(self) -> RssWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, self.guarded.rss_mb())
+
+    def assert_bounded(self) -> None:
+        growth = self.peak_mb - self.start_mb
+        assert growth < RSS_GROWTH_BOUND_MB and self.peak_mb < RSS_PEAK_BOUND_MB, (
+            self.start_mb,
+            self.peak_mb,
+        )
+
+
+def test_slowloris_connections_are_closed_by_the_header_timeout(guarded):
+    conns = []
+    with RssWatch(guarded) as rss:
+        for _ in range(400):
+            s = socket.create_connection(("127.0.0.1", guarded.http_port))
+            s.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n")
+            conns.append(s)
+        opened = time.monotonic()
+        assert good_from(guarded.http_url)  # another client is served meanwhile
+        for s in conns:  # one more header line now and then keeps none of them alive
+            with contextlib.suppress(OSError):
+                s.sendall(b"x-slow: 1\r\n")
+        closed = 0
+        for s in conns:
+            s.settimeout(max(0.1, opened + HEADER_TIMEOUT_S + 10 - time.monotonic()))
+            try:
+                data = s.recv(1)
+            except TimeoutError:
+                data = None  # still open: the header timeout did not hold
+            except ConnectionResetError:
+                data = b""
+            closed += data == b""  # closed without a response
+            s.close()
+    assert closed == len(conns)
+    rss.assert_bounded()
+
+
+def test_a_body_bomb_is_refused_before_it_is_read_and_memory_stays_bounded(guarded):
+    with RssWatch(guarded) as rss:
+        # Announced: a 413 at once, without sending any of it.
+        s = socket.create_connection(("127.0.0.1", guarded.http_port))
+        s.sendall(
+            b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 200000000\r\n\r\n"
+        )
+        s.settimeout(10)
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+        s.close()
+
+        # Unannounced (chunked), three at once, sent as fast as the gateway takes it: each is cut
+        # off at the limit; the gateway never holds more than the limit of any of them.
+        def bomb() -> bytes:
+            s = socket.create_connection(("127.0.0.1", guarded.http_port))
+            s.sendall(
+                b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            chunk = b"100000\r\n" + b" " * 0x100000 + b"\r\n"
+            try:
+                for _ in range(200):  # 200 MB
+                    s.sendall(chunk)
+            except OSError:
+                pass  # the gateway closed the connection: the rest is never read
+            s.settimeout(10)
+            try:
+                return s.recv(4096)
+            except OSError:
+                return b""
+            finally:
+                s.close()
+
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(bomb())) for _ in range(3)]
+        for t in threads:
+            t.start()
+        assert good_from(guarded.http_url)
+        for t in threads:
+            t.join(60)
+    # A 413 when the client was still there to read it (a reset may come first).
+    assert all(r.startswith(b"HTTP/1.1 413") or r == b"" for r in results), results
+    rss.assert_bounded()
+
+
+def test_listeners_that_never_read_lose_their_own_stream_and_slot(guarded):
+    # Streams that never read: slow audio (speed 0.25 at 48 kHz, 30 KB a frame) fills the socket
+    # buffers, a write then waits, and after WRITE_TIMEOUT_S the stream is ended and its slot freed.
+    body = json.dumps(
+        {**GOOD, "max_new_tokens": 2000, "speed": 0.25, "sample_rate": 48000, "stream": True, "seed": 5}
+    ).encode()
+    head = (
+        f"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+    watcher = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=10)
+
+    def active() -> int:
+        return watcher.get(guarded.http_url + "/v1/status").json()["gateway"]["active_streams"]
+
+    socks = []
+    try:
+        for _ in range(2):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", guarded.http_port))
+            s.sendall(head + body)
+            socks.append(s)
+        deadline = time.monotonic() + 60
+        while active() < len(socks):
+            assert time.monotonic() < deadline, "the listeners' streams never started"
+            time.sleep(0.1)
+        assert good_from(guarded.http_url)  # another client is served while they stall
+        while active() > 0:
+            assert time.monotonic() < deadline + 60, "stalled streams kept their slots"
+            time.sleep(0.25)
+        # Cut by the write timeout, not ended: 2,000 frames take far longer than this.
+        cut = guarded.log_path.read_text(errors="replace").count("the client took no audio")
+        assert cut >= len(socks), cut
+        r = httpx.post(guarded.http_url + "/v1/audio/speech", json={**GOOD, "max_new_tokens": 2}, timeout=60)
+        assert r.status_code == 200  # the same client's slots are its own again
+    finally:
+        watcher.close()
+        for s in socks:
+            s.close()
+
+
+def test_a_flood_of_2000_connections_from_one_client_leaves_others_served(guarded):
+    small = {**GOOD, "max_new_tokens": 2, "ref_audio": base64.b64encode(corpus.wav(0.3)).decode()}
+    small_body = json.dumps(small).encode()
+    with RssWatch(guarded) as rss:
+        neighbour = Repeating(guarded.http_url)
+        outcome = asyncio.run(_flood(guarded.http_port, 2000, small_body))
+        answers = neighbour.join()
+    # The flood's own requests: served within its per-client limits, the rest refused with 429.
+    assert outcome["statuses"] and set(outcome["statuses"]) <= {200, 429}, outcome["statuses"]
+    assert outcome["connected"] >= 1900, outcome["connected"]
+    assert answers and len({len(a) for a in answers}) == 1  # every neighbour request whole
+    rss.assert_bounded()
+    # After the flood the flooding client is served again, as soon as its bucket has a token and
+    # its streams have ended.
+    deadline = time.monotonic() + 30
+    while (r := httpx.post(guarded.http_url + "/v1/audio/speech", json=small, timeout=60)).status_code == 429:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    assert r.status_code == 200 and len(r.content) == int(r.headers["x-tts-num-frames"]) * FRAME * 2
+
+
+async def _flood(port: int, connections: int, body: bytes) -> dict:
+    head = (
+        f"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+    statuses: list[int] = []
+    connected = 0
+
+    async def one() -> None:
+        nonlocal connected
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            return
+        connected += 1
+        try:
+            for _ in range(2):  # keep-alive: two requests each
+                writer.write(head + body)
+                await writer.drain()
+                line = await asyncio.wait_for(reader.readline(), 60)
+                if not line:
+                    return
+                statuses.append(int(line.split()[1]))
+                length = 0
+                while (header := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = header.decode("latin-1").partition(":")
+                    if name.lower() == "content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(one() for _ in range(connections)))
+    return {"statuses": statuses, "connected": connected}
