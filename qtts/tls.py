@@ -9,8 +9,8 @@ Off unless files are given. Every service takes the same flags (env fallbacks
   servers with it (without it: the system's roots); a server with it requires every client to
   present a certificate it signed (mutual TLS) unless `--tls-client-auth none`.
 - `--tls-server-name`: the name the servers' certificates must carry, instead of the host of the
-  address dialled. The gateway reaches talker pods by IP and the talker code2wav pods by stable
-  DNS names, so one name on one certificate stands for all of them.
+  address dialled. The gateway reaches talker pods by IP and the talker reaches code2wav pods
+  by per-pod DNS names, so one name on one certificate stands for all of them.
 
 With TLS on, a client dials every internal service with TLS: the stack is TLS throughout or not at
 all. Health checks need the same credentials (the chart's probes run `python -m qtts.probe`).
