@@ -24,7 +24,8 @@ Usage in a service's `server.py`, inside the running event loop (`asyncio.run(se
 (model load, warm-up) stops it at once with exit code 0 instead of killing it.
 
 Servicers raise `qtts.errors.TTSError` subclasses; the interceptor turns them into the matching gRPC
-status (`qtts.errors.mapping_for`) and counts them in `tts_errors_total{service,code}`. Any other
+status (`qtts.errors.mapping_for`; INVALID_ARGUMENT also carries a `google.rpc.BadRequest` naming
+the error's `param`) and counts them in `tts_errors_total{service,code}`. Any other
 exception becomes INTERNAL with its traceback logged; the server keeps running.
 """
 
@@ -45,9 +46,11 @@ from types import ModuleType
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
 from prometheus_client import start_http_server
 
 from qtts import tracing
@@ -69,7 +72,12 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("qtts.access")
 
 OVERALL = ""  # the health service name that stands for the whole server
+# Liveness (the process and its event loop answer): SERVING from start() until a drain or a device
+# failure, whatever the stages behind it do, so a probe of it never restarts a pod for an outage
+# elsewhere. Readiness is OVERALL.
+LIVENESS = "liveness"
 _UNTRACED = ("/grpc.health.", "/grpc.reflection.")
+MAX_STATUS_MESSAGE_CHARS = 1000
 
 
 def connection_age_options(max_age_s: float, grace_s: float) -> list[tuple[str, int]]:
@@ -107,6 +115,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         self._metrics = metrics
         # A public front end (the gateway): no internal address in a status message.
         self._redact = redact
+        # Sees every unexpected exception (qtts.device_failure: a dead GPU ends the process).
+        self.on_unexpected: Callable[[BaseException], Any] | None = None
 
     async def intercept_service(
         self,
@@ -205,15 +215,24 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         else:
             message = "internal error"
             log.error("%s raised an unexpected exception", method, exc_info=exc)
+            if self.on_unexpected is not None:
+                self.on_unexpected(exc)
+        if len(message) > MAX_STATUS_MESSAGE_CHARS:
+            # The status travels in trailing metadata, which clients cap at a few KiB.
+            message = message[:MAX_STATUS_MESSAGE_CHARS] + "..."
         self._count(mapping.grpc_code)
+        trailing: tuple[tuple[str, str | bytes], ...] = ()
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after:
             # gRPC's own retry policy reads grpc-retry-pushback-ms; our clients read retry-after.
-            pushback = (
+            trailing = (
                 ("retry-after", str(retry_after)),
                 ("grpc-retry-pushback-ms", str(int(retry_after * 1000))),
             )
-            await context.abort(mapping.grpc_code, message, trailing_metadata=pushback)
+        if mapping.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
+            trailing += bad_request_details(mapping.grpc_code, message, getattr(exc, "param", None))
+        if trailing:
+            await context.abort(mapping.grpc_code, message, trailing_metadata=trailing)
         await context.abort(mapping.grpc_code, message)
 
     def _count(self, code: grpc.StatusCode | None) -> None:
@@ -246,6 +265,18 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             self._metrics.rpc(method, name, seconds)
         if not method.startswith(_UNTRACED):
             access_log.info("%s %s %.3fs", method, name, seconds)
+
+
+def bad_request_details(
+    code: grpc.StatusCode, message: str, field: str | None
+) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata of a `google.rpc.Status` carrying a `google.rpc.BadRequest` that names
+    the field at fault ("" for the request as a whole), as grpcio-status's `rpc_status.from_call`
+    reads it (`grpc-status-details-bin`)."""
+    violation = error_details_pb2.BadRequest.FieldViolation(field=field or "", description=message)
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 @dataclass(frozen=True)
@@ -357,9 +388,13 @@ class GrpcServiceHost:
         self.metrics_port = metrics_port
         self.drain_seconds = drain_seconds
         self.credentials = credentials
+        self._error_mapper = ErrorMappingInterceptor(metrics, redact_errors)
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(metrics, redact_errors), *interceptors],
+            interceptors=[self._error_mapper, *interceptors],
             options=[
+                # A second server on a taken port must fail to bind, not share it: with
+                # SO_REUSEPORT a stale process kept answering health checks for a new one.
+                ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
                 # Accept the clients' 10 s keepalive pings (also on idle connections).
@@ -400,6 +435,7 @@ class GrpcServiceHost:
         if self.bound_port == 0:
             raise OSError(f"could not bind gRPC server to {address}")
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
         if self.metrics_port and self.metrics is not None:
             http_server, _ = start_http_server(
@@ -424,6 +460,15 @@ class GrpcServiceHost:
 
     async def set_not_serving(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def set_failed(self) -> None:
+        """NOT_SERVING for readiness and liveness: the process cannot serve again (a device failure)."""
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def on_unexpected_error(self, callback: Callable[[BaseException], Any]) -> None:
+        """`callback(exc)` for every exception a handler raises that is no TTSError."""
+        self._error_mapper.on_unexpected = callback
 
     async def _set_all(self, status: int) -> None:
         for name in [OVERALL, *self.service_names]:

@@ -245,6 +245,12 @@ class TalkerMetrics(ServiceMetrics):
             "Running streams paused because they are far enough ahead of their listener.",
             registry=registry,
         )
+        self.text_waiting_streams = Gauge(
+            "tts_talker_text_waiting_streams",
+            "Running streams whose text is still arriving and has no token for their next frame "
+            "(skipped, their playback clock paused).",
+            registry=registry,
+        )
         self.deadline_slack_seconds = Histogram(
             "tts_talker_deadline_slack_seconds",
             "Audio the listener had buffered when a chunk was handed on (its playback clock starts "

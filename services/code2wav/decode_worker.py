@@ -28,7 +28,7 @@ import torch
 from qtts.audio import pcm_s16le_batch
 from qtts.chunk_plan import ChunkPlan
 from qtts.decode_events import DecodedAudio
-from qtts.errors import GenerationFailed, InvalidArgument
+from qtts.errors import GenerationFailed, InvalidArgument, Unavailable
 from qtts.metrics import Code2WavMetrics
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
@@ -66,8 +66,11 @@ class DecodeEngine:
         coalesce_max_s: float = 0.0,
         deadline_safety_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        device_failure: Callable[[BaseException], bool] | None = None,
     ):
         self.decoder = decoder
+        # Reports a fatal device error (qtts.device_failure) and says whether it was one.
+        self._device_failure = device_failure
         self.metrics = metrics
         self.registry = StreamRegistry(max_states, metrics)
         self.max_batch = max_batch
@@ -244,6 +247,12 @@ class DecodeEngine:
                     self._executor, self._decode_sync, states, codes
                 )
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its streams, not the server
+                if self._device_failure is not None and self._device_failure(exc):
+                    # The device is gone: every stream here fails, and the process is exiting.
+                    for stream in list(self.registry):
+                        stream.in_flight = False
+                        stream.fail(Unavailable("code2wav's GPU failed; retry the request"))
+                    return
                 log.exception("decode of a batch of %d streams failed", len(batch))
                 for stream in streams:
                     stream.in_flight = False

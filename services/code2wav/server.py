@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
+from qtts.device_failure import DeviceFailure
 from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.internal_auth import server_interceptors
 from qtts.metrics import Code2WavMetrics
@@ -23,15 +26,21 @@ SERVICE_NAME = service_full_name(code2wav_pb2, "Code2WavService")
 
 
 class Code2WavServer:
-    """One code2wav replica. RPCs are accepted from `start()`; health is SERVING after warm-up."""
+    """One code2wav replica. RPCs are accepted from `start()`; health is SERVING after warm-up.
+
+    A fatal device error turns health NOT_SERVING and ends the process (qtts.device_failure);
+    `exit_process` replaces the exit in tests."""
 
     def __init__(
         self,
         config: Code2WavConfig,
         decoder: IncrementalDecoderLike | None = None,
         limits: StreamLimits | None = None,
+        exit_process: Callable[[int], object] = os._exit,
     ):
         self.config = config
+        self._exit_process = exit_process
+        self.device_failure: DeviceFailure | None = None
         self.metrics = Code2WavMetrics(CollectorRegistry())
         self._decoder = decoder
         self._limits = limits
@@ -53,6 +62,8 @@ class Code2WavServer:
     async def start(self) -> int:
         """Load the decoder (unless injected), warm it up, serve; returns the bound port."""
         cfg = self.config
+        self.device_failure = DeviceFailure(self.host, exit=self._exit_process)
+        self.host.on_unexpected_error(self.device_failure.check)
         if self._decoder is None:
             self._decoder, self._limits = await asyncio.to_thread(load_decoder, cfg)
         self.engine = DecodeEngine(
@@ -68,6 +79,7 @@ class Code2WavServer:
             replica=cfg.replica_name,
             coalesce_max_s=cfg.coalesce_max_ms / 1e3,
             deadline_safety_s=cfg.deadline_safety_ms / 1e3,
+            device_failure=self.device_failure.check,
         )
         await self.engine.start()
         code2wav_pb2_grpc.add_Code2WavServiceServicer_to_server(

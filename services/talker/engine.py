@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from qtts.errors import GenerationFailed, ResourceExhausted, TTSError
+from qtts.errors import GenerationFailed, ResourceExhausted, TTSError, Unavailable
 from qtts.metrics import TalkerMetrics
 
 from .scheduler import ScheduledRequest, Scheduler, StepPlan
@@ -153,8 +153,11 @@ class GenerationEngine:
         metrics: TalkerMetrics,
         idle_wait_s: float = 0.5,
         clock: Callable[[], float] = time.perf_counter,
+        device_failure: Callable[[BaseException], bool] | None = None,
     ):
         self._clock = clock
+        # Reports a fatal device error (qtts.device_failure) and says whether it was one.
+        self._device_failure = device_failure
         self._generator = generator
         self._step_fn = skipping_step(generator)
         self._scheduler = scheduler
@@ -214,6 +217,11 @@ class GenerationEngine:
             if req.credit.grant(frames_allowed_until) and blocked:
                 self._cond.notify()
 
+    def text_appended(self) -> None:
+        """Text arrived for a stream that may be waiting for it: wake the loop to plan again."""
+        with self._cond:
+            self._cond.notify()
+
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests."""
         with self._cond:
@@ -225,6 +233,7 @@ class GenerationEngine:
         self._metrics.queue_depth.set(s.num_waiting)
         if plan is not None:
             self._metrics.paused_streams.set(plan.num_paused)
+            self._metrics.text_waiting_streams.set(plan.num_text_waiting)
         if s.admission is not None:
             self._metrics.predicted_step_seconds.set(s.admission.model.predict(s.num_running))
         reason = s.holding_reason
@@ -280,13 +289,26 @@ class GenerationEngine:
     def _call_generator(self, fn: Any, *args: Any) -> None:
         try:
             fn(*args)
-        except Exception:
-            log.exception("generator %s%r failed", getattr(fn, "__name__", fn), args)
+        except Exception as exc:
+            if not self._device_failed(exc):
+                log.exception("generator %s%r failed", getattr(fn, "__name__", fn), args)
+
+    def _device_failed(self, exc: BaseException) -> bool:
+        """A fatal device error: nothing more is admitted, every running stream fails with
+        UNAVAILABLE (another talker can serve it) and the process is on its way out."""
+        if self._device_failure is None or not self._device_failure(exc):
+            return False
+        with self._cond:
+            self._scheduler.admitting = False
+        self._fail_all(Unavailable("the talker's GPU failed; retry the request"))
+        return True
 
     def _add(self, req: ScheduledRequest) -> None:
         try:
             self._generator.add(req.request_id, req.prompt, req.sampling, req.max_new_frames)
         except Exception as exc:
+            if self._device_failed(exc):  # the request was running: failed with the others
+                return
             if isinstance(exc, TTSError):  # the request's own fault (e.g. too long): no traceback
                 log.info("request %s not started: %s", req.request_id, exc)
             else:
@@ -309,6 +331,8 @@ class GenerationEngine:
         try:
             outputs = self._step_fn(plan.skip, plan.prefill_budget)
         except Exception as exc:
+            if self._device_failed(exc):
+                return
             log.exception("generator step failed; failing the %d streams in it", len(stepping))
             self._fail_all(GenerationFailed(f"generation step failed: {exc}"))
             return

@@ -4,6 +4,8 @@ A stream is pinned to `pick(request_id)` when it opens and never moves. A replic
 connect or drops a stream is marked down (taken off the ring, so only its ~1/N share of new
 streams moves); a health-check task puts it back once it reports SERVING again. A replica that
 stalled a stream is held off the ring for a while first: a hung decoder may still report SERVING.
+`on_availability(False)` is called when the last replica leaves the ring and `(True)` when one is
+back, so the talker's own health can say that it cannot decode.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Code2WavReplicas:
         channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
         token: str = "",
         tls: TlsConfig | None = None,
+        on_availability: Callable[[bool], None] | None = None,
     ):
         if not addresses:
             raise ValueError("at least one code2wav address is needed")
@@ -79,6 +82,7 @@ class Code2WavReplicas:
         self._task: asyncio.Task | None = None
         self._probe: asyncio.Task | None = None
         self._last_probe = float("-inf")
+        self._on_availability = on_availability
 
     @property
     def healthy(self) -> frozenset[str]:
@@ -121,6 +125,8 @@ class Code2WavReplicas:
         if address in self._ring:
             log.warning("code2wav replica %s marked down: %s", address, reason)
             self._ring.remove(address)
+            if not len(self._ring) and self._on_availability is not None:
+                self._on_availability(False)
 
     def mark_stalled(self, address: str, reason: str) -> None:
         """Take a replica that stalled a stream off the ring and keep it off for its hold, even
@@ -146,7 +152,10 @@ class Code2WavReplicas:
     def mark_up(self, address: str) -> None:
         if address not in self._ring and not self.held(address):
             log.info("code2wav replica %s is serving again", address)
+            was_empty = not len(self._ring)
             self._ring.add(address)
+            if was_empty and self._on_availability is not None:
+                self._on_availability(True)
 
     async def check(self, address: str, timeout_s: float = 1.0) -> bool:
         """One health check; updates the ring and returns whether the replica serves."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from qtts.device_failure import DeviceFailure
 from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.internal_auth import server_interceptors
 from qtts.metrics import TalkerMetrics
@@ -76,7 +78,12 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
 
 
 class TalkerServer:
-    """The talker process; `bundle` and `generator_factory` may be injected (tests)."""
+    """The talker process; `bundle`, `generator_factory` and `exit_process` may be injected (tests).
+
+    Health is SERVING while it can serve: after warm-up, and while at least one code2wav replica
+    is on the ring (without one every request would fail). A fatal device error turns it
+    NOT_SERVING for good and ends the process (qtts.device_failure).
+    """
 
     def __init__(
         self,
@@ -86,6 +93,7 @@ class TalkerServer:
         generator_factory: Callable[[Any, int], Any] | None = None,
         spec_factory: Callable[..., Any] | None = None,
         run_warm_up: bool = True,
+        exit_process: Callable[[int], object] = os._exit,
     ):
         self.config = config
         self.metrics = TalkerMetrics(CollectorRegistry())
@@ -113,6 +121,10 @@ class TalkerServer:
         self.core: TalkerCore | None = None
         self._cache: SpeakerCacheClient | None = None
         self._voices: VoiceResolver | None = None
+        self._exit_process = exit_process
+        self.device_failure: DeviceFailure | None = None
+        self._started = False
+        self._health_sync: asyncio.Task | None = None
 
     def _scheduler(self) -> Scheduler:
         c = self.config
@@ -132,8 +144,11 @@ class TalkerServer:
         return Scheduler(c.max_batch, c.max_queue, admission=admission, policy=policy)
 
     async def start(self) -> int:
-        """Serve (NOT_SERVING), load the model, start the engine, then report SERVING."""
+        """Serve (NOT_SERVING), load the model, start the engine, then report SERVING (once a code2wav
+        replica answers)."""
         port = await self.host.start()
+        self.device_failure = DeviceFailure(self.host, exit=self._exit_process)
+        self.host.on_unexpected_error(self.device_failure.check)
         if self.bundle is None:
             self.bundle = await asyncio.to_thread(load_bundle, self.config)
         info = self.bundle.info
@@ -143,7 +158,9 @@ class TalkerServer:
         if self._run_warm_up:
             # Before the engine thread exists: the generator is only ever driven by one thread.
             await asyncio.to_thread(warm_up, self.bundle, generator)
-        self.engine = GenerationEngine(generator, self._scheduler(), self.metrics)
+        self.engine = GenerationEngine(
+            generator, self._scheduler(), self.metrics, device_failure=self.device_failure.check
+        )
         self.engine.start()
         self.replicas = Code2WavReplicas(
             self.config.code2wav,
@@ -152,6 +169,7 @@ class TalkerServer:
             stall_hold_s=self.config.code2wav_stall_timeout_s,
             token=self.config.internal_token,
             tls=self.config.tls,
+            on_availability=lambda _: self._sync_health_soon(),
         )
         self.replicas.start()
         self._cache = SpeakerCacheClient(
@@ -177,8 +195,23 @@ class TalkerServer:
             spec_factory=self._spec_factory,
         )
         self.servicer.core = self.core
-        await self.host.set_serving()
+        await self.replicas.check_all()
+        self._started = True
+        await self._apply_health()
         return port
+
+    def _sync_health_soon(self) -> None:
+        self._health_sync = asyncio.ensure_future(self._apply_health())
+
+    async def _apply_health(self) -> None:
+        """Health from the current state, whatever changed last (so calls may run in any order)."""
+        if not self._started or self.device_failure.failed or self.replicas is None:
+            return
+        if self.replicas.healthy:
+            await self.host.set_serving()
+        else:
+            log.warning("no code2wav replica is reachable: NOT_SERVING until one is")
+            await self.host.set_not_serving()
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: stop admitting, let in-flight streams finish up to the grace, then free everything."""

@@ -68,6 +68,7 @@ async def talker_stack(
     speaker_cache: str = "",
     code2wav_addresses: list[str] | tuple[str, ...] = (),
     run_warm_up: bool | None = None,
+    exit_process: Callable[[int], object] | None = None,
     **config: Any,
 ) -> AsyncIterator[TalkerStack]:
     async with AsyncExitStack() as stack:
@@ -93,6 +94,7 @@ async def talker_stack(
             generator_factory=generator_factory,
             spec_factory=spec_factory,
             run_warm_up=warm,
+            **({} if exit_process is None else {"exit_process": exit_process}),
         )
         port = await talker.start()
         stack.push_async_callback(talker.stop, 0.5)
