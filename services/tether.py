@@ -81,5 +81,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.argv = [ns.module, *ns.args]
     runpy.run_module(ns.module, run_name="__main__", alter_sys=True)
 
+
 if __name__ == "__main__":
     main()

@@ -1,8 +1,12 @@
-"""Redis stopped and restarted under load: only the voice API notices, and no voice is lost.
+"""Stages going away and coming back, through the real processes.
 
-A stack of its own (speaker_cache on a redis-server with the deployed AOF settings, one code2wav, a
-Base talker and gateway, plus a CustomVoice talker and gateway for presets) serves a steady stream
-of inline-clip and preset requests while Redis goes away and comes back on the same data folder.
+Redis stopped and restarted under load: only the voice API notices, and no voice is lost. A stack
+of its own (speaker_cache on a redis-server with the deployed AOF settings, one code2wav, a Base
+talker and gateway, plus a CustomVoice talker and gateway for presets) serves a steady stream of
+inline-clip and preset requests while Redis goes away and comes back on the same data folder.
+
+The talker killed, then code2wav: the gateway's readiness and gRPC health (and, for code2wav, the
+talker's) say NOT_SERVING until a process is back on the same address, then SERVING again.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ import time
 import wave
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 from e2e_helpers import REF_TEXT, poll
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis_process import RedisProcess
 
+from qtts.grpc_server import LIVENESS
 from qtts.testing import build_tiny_snapshot
 from services.launcher import (
     Stack,
@@ -74,6 +81,8 @@ def outage_stack(redis_server, snapshot_root: Path, tmp_path_factory):
         startup_timeout_s=300.0,
         drain_seconds=1.0,
         log_dir=tmp_path_factory.mktemp("outage-logs"),
+        # Health that follows the stages within a second (defaults: 5 s and 2 s).
+        extra_args={"gateway": ("--talker-refresh-s", "0.3"), "talker": ("--health-interval-s", "0.3")},
     )
     stack: Stack = start_stack(config)
     talker_port, http_port = free_port(), free_port()
@@ -123,7 +132,12 @@ class Load:
                 i += 1
                 if kind == "inline":
                     url = f"{self.base_url}/v1/audio/speech"
-                    body = {"input": f"Line {i}.", "voice": "inline", "ref_audio": _clip(i), "ref_text": REF_TEXT}
+                    body = {
+                        "input": f"Line {i}.",
+                        "voice": "inline",
+                        "ref_audio": _clip(i),
+                        "ref_text": REF_TEXT,
+                    }
                 else:
                     url = f"{self.custom_url}/v1/audio/speech"
                     body = {"input": f"Preset line {i}.", "voice": speaker}
@@ -153,10 +167,16 @@ class Load:
         return sum(1 for t, k, _, _ in self.results if k == kind and since <= t <= until)
 
 
+def _health(address: str, service: str = "") -> str:
+    with grpc.insecure_channel(address) as channel:
+        resp = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2
+        )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
 def _create_voice(client: httpx.Client, name: str, i: int) -> httpx.Response:
-    return client.post(
-        "/v1/audio/voices", json={"name": name, "audio": _clip(i), "ref_text": REF_TEXT}
-    )
+    return client.post("/v1/audio/voices", json={"name": name, "audio": _clip(i), "ref_text": REF_TEXT})
 
 
 def test_redis_outage_degrades_only_the_voice_api_and_loses_no_voice(outage_stack, redis_server):
@@ -185,6 +205,9 @@ def test_redis_outage_degrades_only_the_voice_api_and_loses_no_voice(outage_stac
                 )
                 time.sleep(0.2)
             ready_json = c.get("/readyz").json()
+            # speaker_cache: unready (its store is gone), alive (a restart would not bring Redis back).
+            cache = stack["speaker_cache"].spec.grpc_address
+            cache_health = (_health(cache), _health(cache, LIVENESS))
             up_at = time.monotonic()
             redis_server.start()
 
@@ -195,6 +218,7 @@ def test_redis_outage_degrades_only_the_voice_api_and_loses_no_voice(outage_stac
         assert {a[:2] for a in outage_answers} == {(200, 200)}, outage_answers
         assert {a[2:] for a in outage_answers} == {(503, 503, 503)}, outage_answers
         assert ready_json["status"] == "degraded", ready_json
+        assert cache_health == ("NOT_SERVING", "SERVING"), cache_health
         assert ready_json["stages"]["talker"] == "SERVING", ready_json
 
         failures = [r for r in load.results if r[2] != 200]
@@ -213,3 +237,57 @@ def test_redis_outage_degrades_only_the_voice_api_and_loses_no_voice(outage_stac
         )
         assert r.status_code == 200 and len(r.content) == 3 * 1920 * 2, r.text[:200]
         assert _create_voice(c, "after-outage", 901).status_code == 201
+
+
+def _kill_and_restart(stack: Stack, name: str, while_down) -> None:
+    """SIGKILL `name`, run `while_down()`, start it again with the same flags (same address)."""
+    old = stack[name]
+    old.popen.kill()
+    old.popen.wait(10)
+    try:
+        while_down()
+    finally:
+        new = start_service(old.spec, stack.config.log_dir)
+        stack.processes[stack.processes.index(old)] = new
+        wait_serving(new, stack.config.startup_timeout_s)
+
+
+def test_gateway_and_talker_health_follow_a_killed_stage_and_its_return(outage_stack):
+    stack, _ = outage_stack
+    gateway, talker = stack.grpc_address, stack["talker"].spec.grpc_address
+    body = {"input": "Still here?", "voice": "x", "ref_audio": _clip(1), "x_vector_only_mode": True,
+            "max_new_tokens": 3, "response_format": "pcm"}  # fmt: skip
+
+    def serving() -> bool:
+        return (
+            httpx.get(f"{stack.http_url}/readyz", timeout=5).status_code == 200
+            and _health(gateway) == "SERVING"
+        )
+
+    def not_serving() -> bool:
+        return (
+            httpx.get(f"{stack.http_url}/readyz", timeout=5).status_code == 503
+            and _health(gateway) == "NOT_SERVING"
+        )
+
+    assert poll(serving, timeout=10)
+
+    def talker_down() -> None:
+        assert poll(not_serving, timeout=10)
+        assert _health(gateway, LIVENESS) == "SERVING"  # unready, not dead
+        assert httpx.get(f"{stack.http_url}/livez", timeout=5).status_code == 200
+
+    _kill_and_restart(stack, "talker", talker_down)
+    assert poll(serving, timeout=15)
+    assert httpx.post(f"{stack.http_url}/v1/audio/speech", json=body, timeout=60).status_code == 200
+
+    def code2wav_down() -> None:
+        # The talker cannot decode without a replica: it says so, and the gateway follows.
+        assert poll(lambda: _health(talker) == "NOT_SERVING", timeout=10)
+        assert _health(talker, LIVENESS) == "SERVING"
+        assert poll(not_serving, timeout=10)
+
+    _kill_and_restart(stack, "code2wav-0", code2wav_down)
+    assert poll(lambda: _health(talker) == "SERVING", timeout=15)
+    assert poll(serving, timeout=15)
+    assert httpx.post(f"{stack.http_url}/v1/audio/speech", json=body, timeout=60).status_code == 200
