@@ -8,6 +8,8 @@ import logging
 import time
 from typing import Any
 
+from qtts.device_failure import is_fatal_device_error
+
 log = logging.getLogger(__name__)
 
 WARMUP_ID = "__warmup__"
@@ -41,7 +43,9 @@ def warm_up(bundle: Any, generator: Any, frames: int = 2) -> bool:
             if not generator.num_active:
                 break
             generator.step()
-    except Exception:  # noqa: BLE001 - a warm-up failure must not keep a working model from serving
+    except Exception as exc:  # noqa: BLE001 - a warm-up failure must not keep a working model from serving
+        if is_fatal_device_error(exc):
+            raise  # not a working model: the process must end, never serve on a dead device
         log.exception("warm-up generation failed; serving without it")
         return False
     finally:

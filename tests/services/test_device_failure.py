@@ -151,3 +151,20 @@ async def test_code2wav_device_error_turns_not_serving_and_exits(fatal):
                 assert await _health(channel, LIVENESS) == SERVING
     finally:
         await server.stop(0.5)
+
+
+@pytest.mark.parametrize("fatal", [True, False], ids=["device-error", "ordinary-error"])
+def test_a_device_error_in_the_warm_up_ends_the_start_an_ordinary_one_does_not(fatal):
+    from services.talker.warmup import warm_up
+
+    class Failing(FakeGenerator):
+        def step(self, skip=()):
+            raise torch.AcceleratorError(ILLEGAL_ACCESS) if fatal else ValueError("a lazy init that failed")
+
+    bundle = FakeBundle("custom_voice")
+    bundle.build_prompt = lambda spec: FakeBundle.build_prompt(bundle, FakeSpec(text="frames=2", task="x"))
+    if fatal:
+        with pytest.raises(torch.AcceleratorError):
+            warm_up(bundle, Failing())
+    else:
+        assert warm_up(bundle, Failing()) is False  # serves without the warm-up
