@@ -140,7 +140,8 @@ class Scheduler:
             if hit > 0:
                 seq.num_prefilled = min(hit, seq.num_prefill_positions)
                 plan.prefix_hits.append(seq)
-        budget = self.max_prefill_tokens if prefill_budget is None else max(1, min(prefill_budget, self.max_prefill_tokens))
+        # A budget of 0: no prefill this step (the caller holds new prompts back to batch them).
+        budget = self.max_prefill_tokens if prefill_budget is None else max(0, min(prefill_budget, self.max_prefill_tokens))
         for seq in self.running.values():  # insertion order = admission order
             if seq.status is not SeqStatus.PREFILLING or budget <= 0:
                 continue

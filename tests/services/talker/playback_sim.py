@@ -1,7 +1,7 @@
 """A simulated clock for the talker's scheduler: a batched engine, code2wav chunks, listeners.
 
 The engine's step costs `base_s + per_stream_s * rows` plus `prefill_position_s` per prompt
-position prefilled in it (prefill honours the scheduler's per-step budget, chunked as the graph
+position prefilled in it and `prefill_step_s` once if it prefilled any (prefill honours the scheduler's per-step budget, chunked as the graph
 engine does). A stream's frames reach its listener a chunk at a time (code2wav's default plan
 unless one is given), `decode_s` after the chunk's last frame. Each listener starts playing
 when its first chunk arrives and measures underruns as the benchmark client does.
@@ -28,6 +28,8 @@ class Cost:
     per_stream_s: float = 0.0002
     prefill_position_s: float = 0.00001
     decode_s: float = 0.005
+    # What a step with any prefill costs on top (in the stack about 30 ms, whatever its size).
+    prefill_step_s: float = 0.0
 
 
 @dataclass
@@ -139,6 +141,7 @@ def simulate(
                 decoding.append(req)
             rows = len(decoding)
             dt = cost.base_s + cost.per_stream_s * rows + cost.prefill_position_s * prefill
+            dt += cost.prefill_step_s if prefill else 0.0
             old = sum(1 for r in decoding if r.stepped)
             now += dt
             if adm is not None:

@@ -148,6 +148,33 @@ def test_the_step_model_learns_what_a_request_s_prefill_costs():
     assert m.prefill_s(90) == pytest.approx(0.036, rel=1e-3)
 
 
+def test_new_prompts_wait_for_company_while_streams_play_and_go_at_once_on_an_idle_server():
+    s = Scheduler(10, 100, admission=Admission(AdmissionConfig(first_audio_budget_s=0)),
+                  policy=DeadlinePolicy(coalesce_s=0.1, coalesce_rows=3))
+    s.submit(req("first", positions=50), now=0.0)
+    plan = s.plan(0.0)
+    assert plan.step and plan.prefill_budget >= 50  # nothing plays: no waiting
+    started(s, "first", first_audio_at=0.0, generated=8)
+    s.submit(req("a", positions=40), now=0.50)
+    plan = s.plan(0.50)  # "first" is due (little buffered) and steps; a's prefill waits
+    assert plan.step and plan.prefill_budget == 0 and [r.request_id for r in plan.stepping] == ["first"]
+    s.submit(req("b", positions=40), now=0.55)
+    assert s.plan(0.55).prefill_budget == 0
+    plan = s.plan(0.61)  # the oldest waited its 100 ms: both go in one step
+    assert plan.step and plan.prefill_budget >= 80 and {r.request_id for r in plan.stepping} >= {"a", "b"}
+    for rid in ("a", "b"):
+        started(s, rid, first_audio_at=0.7, generated=4)
+    for r in s.running.values():
+        r.delivered_s = 8.0  # well buffered: nobody is due, so nothing else forces a step
+    s.submit(req("c", positions=40), now=1.0)
+    plan = s.plan(1.0)
+    assert not plan.step and plan.wake_at == pytest.approx(1.1)  # sleeps until c's wait is over
+    for rid in ("d", "e"):
+        s.submit(req(rid, positions=40), now=1.01)
+    plan = s.plan(1.01)  # a full batch (3) does not wait
+    assert plan.step and plan.prefill_budget >= 120
+
+
 def test_admission_holds_while_too_many_streams_are_short_of_audio():
     """One listener of two running dry (50% > 20%) holds admission; one of five (20%) does not, so
     that a single slow reader cannot stop admission for everyone."""
