@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from qtts.errors import InvalidArgument
+from qtts import request_limits as lim
+from qtts.errors import Cancelled, InvalidArgument, TTSError
 from qtts.metrics import TalkerMetrics
 
 from .engine import GenerationEngine
@@ -74,8 +75,13 @@ class TalkerCore:
         self._prompt_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="talker-prompt")
         self._prompt_stream: Any = None  # None: not looked at yet; False: no GPU
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[AudioPiece | GenerationSummary]:
-        """Audio pieces as code2wav produces them, then one summary (errors are TTSError)."""
+    async def generate(
+        self, req: GenerationRequest, text: AsyncIterator[tuple[str, bool]] | None = None
+    ) -> AsyncIterator[AudioPiece | GenerationSummary]:
+        """Audio pieces as code2wav produces them, then one summary (errors are TTSError).
+
+        With `text`, more text follows `req.text` while the request runs: (piece, final) pairs in
+        order, the end of the iterator completing the text as a final piece does."""
         started_at = time.perf_counter()
         if not req.request_id:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
@@ -88,9 +94,18 @@ class TalkerCore:
         # Built in the prompt thread, the host copy of the reference frames too: that copy waits
         # for the GPU (behind the engine's step), which must never block the event loop.
         queued_at = time.perf_counter()
-        prompt, ref_codes = await asyncio.get_running_loop().run_in_executor(
-            self._prompt_thread, self._build_prompt_and_ref_codes, req, checked, voice_prompt, queued_at
-        )
+        open_text = None
+        if text is None:
+            prompt, ref_codes = await asyncio.get_running_loop().run_in_executor(
+                self._prompt_thread, self._build_prompt_and_ref_codes, req, checked, voice_prompt, queued_at
+            )
+        else:
+            open_text = self._open_text(req, checked, voice_prompt)
+            built = await self._push_text(open_text, req.text, False)
+            while built is None:  # an ICL prompt waits for text past its reference frames
+                piece, final = await anext(text, ("", True))
+                built = await self._push_text(open_text, piece, final)
+            prompt, ref_codes = built
         session = StreamSession(
             request_id=req.request_id,
             prompt=prompt,
@@ -107,10 +122,84 @@ class TalkerCore:
             stall_timeout_s=self._stall_timeout_s,
             metrics=self._metrics,
         )
-        # aclosing: a caller that stops early (client gone) frees the stream at once, not at GC.
-        async with contextlib.aclosing(session.run()) as items:
-            async for item in items:
-                yield item
+        feeder = None
+        if open_text is not None and not open_text.closed:
+            feeder = asyncio.create_task(self._feed_text(open_text, text, session))
+        try:
+            # aclosing: a caller that stops early (client gone) frees the stream at once, not at GC.
+            async with contextlib.aclosing(session.run()) as items:
+                async for item in items:
+                    yield item
+        finally:
+            if feeder is not None:
+                feeder.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await feeder
+
+    def _open_text(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
+        from qtts.model.open_text import OpenText
+
+        spec = dataclasses.replace(self._spec(req, checked, voice_prompt), text="", text_open=True)
+        stream = self._cuda_prompt_stream()
+        return OpenText(
+            self.bundle.prompt_builder,
+            spec,
+            max_positions=getattr(self._engine.generator, "max_text_positions", None),
+            sync=stream.synchronize if stream is not None else (lambda: None),
+        )
+
+    async def _push_text(
+        self, open_text: Any, piece: str, final: bool
+    ) -> tuple[Any, np.ndarray | None] | None:
+        """Hand a piece to `open_text` in the prompt thread (in arrival order, after the prompts
+        queued before it); the prompt and its reference frames once it is built, else None."""
+        if len(open_text.text) + len(piece) > lim.TEXT_MAX_CHARS:
+            raise InvalidArgument(f"the text is longer than {lim.TEXT_MAX_CHARS} characters", param="text")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._prompt_thread, self._push_text_sync, open_text, piece, final
+        )
+
+    def _push_text_sync(
+        self, open_text: Any, piece: str, final: bool
+    ) -> tuple[Any, np.ndarray | None] | None:
+        started = time.perf_counter()
+        stream = self._cuda_prompt_stream()
+        try:
+            if stream is None:
+                prompt = open_text.push(piece, final)
+            else:
+                import torch
+
+                with torch.cuda.stream(stream):
+                    prompt = open_text.push(piece, final)
+                stream.synchronize()
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        if prompt is None:
+            return None
+        self._metrics.observe_stage("build_prompt", time.perf_counter() - started)
+        ref = getattr(prompt, "ref_codes", None)
+        return prompt, None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
+
+    async def _feed_text(
+        self, open_text: Any, text: AsyncIterator[tuple[str, bool]], session: StreamSession
+    ) -> None:
+        """Append the rest of the text to the running stream; a refused piece fails the stream."""
+        try:
+            async for piece, final in text:
+                await self._push_text(open_text, piece, final)
+                self._engine.text_appended()
+                if final:
+                    return
+            if not open_text.closed:  # the caller's side ended: the text is complete
+                await self._push_text(open_text, "", True)
+                self._engine.text_appended()
+        except asyncio.CancelledError:
+            raise
+        except TTSError as exc:
+            session.fail(exc)
+        except Exception as exc:  # the caller's request stream broke
+            session.fail(Cancelled(f"the text stream ended with an error: {type(exc).__name__}"))
 
     def _build_prompt_and_ref_codes(
         self, req: GenerationRequest, checked: Any, voice_prompt: Any, queued_at: float | None = None
@@ -148,12 +237,12 @@ class TalkerCore:
                 self._prompt_stream = torch.cuda.Stream(device=device)
         return self._prompt_stream or None
 
-    def _build_prompt(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
+    def _spec(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
         if self._spec_factory is None:
             from qtts.model import SynthesisSpec
 
             self._spec_factory = SynthesisSpec
-        spec = self._spec_factory(
+        return self._spec_factory(
             text=req.text,
             task=checked.task,
             speaker=checked.speaker,
@@ -162,6 +251,9 @@ class TalkerCore:
             voice_prompt=voice_prompt,
             streaming_text=req.streaming_text,
         )
+
+    def _build_prompt(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
+        spec = self._spec(req, checked, voice_prompt)
         try:
             return self.bundle.build_prompt(spec)
         except ValueError as exc:

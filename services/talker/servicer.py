@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -45,9 +46,9 @@ def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
 
 
 def audio_message(
-    request_id: str, seq: int, piece: AudioPiece, sample_rate_hz: int
+    request_id: str, seq: int, piece: AudioPiece, sample_rate_hz: int, cls: type = talker_pb2.GenerateResponse
 ) -> talker_pb2.GenerateResponse:
-    return talker_pb2.GenerateResponse(
+    return cls(
         request_id=request_id,
         sequence_number=seq,
         audio=tts_pb2.AudioChunk(
@@ -60,8 +61,10 @@ def audio_message(
     )
 
 
-def summary_message(request_id: str, seq: int, summary: GenerationSummary) -> talker_pb2.GenerateResponse:
-    return talker_pb2.GenerateResponse(
+def summary_message(
+    request_id: str, seq: int, summary: GenerationSummary, cls: type = talker_pb2.GenerateResponse
+) -> talker_pb2.GenerateResponse:
+    return cls(
         request_id=request_id,
         sequence_number=seq,
         summary=talker_pb2.GenerateSummary(
@@ -80,6 +83,18 @@ def summary_message(request_id: str, seq: int, summary: GenerationSummary) -> ta
     )
 
 
+async def _appended_text(
+    requests: AsyncIterator[talker_pb2.GenerateStreamRequest],
+) -> AsyncIterator[tuple[str, bool]]:
+    """(text, final) of the GenerateStream messages after the first."""
+    async for msg in requests:
+        if not msg.HasField("append"):
+            raise InvalidArgument("start is only allowed in the first GenerateStreamRequest", param="start")
+        yield msg.append.text, msg.append.final
+        if msg.append.final:
+            return
+
+
 class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     """Generate streams a request's audio then its summary; GetModelInfo describes the model."""
 
@@ -96,16 +111,36 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: talker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[talker_pb2.GenerateResponse]:
+        async for msg in self._generate(request, None, talker_pb2.GenerateResponse):
+            yield msg
+
+    async def GenerateStream(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[talker_pb2.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[talker_pb2.GenerateStreamResponse]:
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
+        if first is None or not first.HasField("start"):
+            raise InvalidArgument("the first GenerateStreamRequest must carry start", param="start")
+        async for msg in self._generate(
+            first.start, _appended_text(requests), talker_pb2.GenerateStreamResponse
+        ):
+            yield msg
+
+    async def _generate(
+        self, request: talker_pb2.GenerateRequest, text: AsyncIterator[tuple[str, bool]] | None, cls: type
+    ) -> AsyncIterator[Any]:
         req = request_from_proto(request)
         if not req.request_id:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
-        async with contextlib.aclosing(self._ready_core().generate(req)) as items:
+        async with contextlib.aclosing(self._ready_core().generate(req, text)) as items:
             seq = 0
             async for item in items:
                 if isinstance(item, AudioPiece):
-                    yield audio_message(req.request_id, seq, item, self._sample_rate_hz)
+                    yield audio_message(req.request_id, seq, item, self._sample_rate_hz, cls)
                 else:
-                    yield summary_message(req.request_id, seq, item)
+                    yield summary_message(req.request_id, seq, item, cls)
                 seq += 1
 
     async def GetModelInfo(  # noqa: N802 - gRPC method name

@@ -50,6 +50,13 @@ class _StallCheck:
 _STALL_CHECK = _StallCheck()
 
 
+class _Abort:
+    """Queued by `fail`: end the stream with `error` (generation still runs and is cancelled)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
 class StreamSession:
     """Runs one request from engine submission to the last audio chunk and the summary."""
 
@@ -91,6 +98,7 @@ class StreamSession:
             credit=StreamCredit(window=window),
             sink=self._events.put_nowait,
             loop=loop,
+            text=getattr(prompt, "text_feed", None),
         )
         self._buffer: list[np.ndarray] = []
         self._sent = 0
@@ -111,6 +119,10 @@ class StreamSession:
         self._sent_at: dict[int, float] = {}
         self._handed_at = 0.0
         self._stall_timer: asyncio.TimerHandle | None = None
+
+    def fail(self, error: Exception) -> None:
+        """End the stream with `error` (from outside its events: e.g. appended text refused)."""
+        self._events.put_nowait(_Abort(error))
 
     async def run(self) -> AsyncIterator[AudioPiece | GenerationSummary]:
         generating = False
@@ -166,6 +178,8 @@ class StreamSession:
                     self._replicas.stream_completed(self._decode.replica)
                     replica = ev.replica or self._decode.replica
                     break
+                elif isinstance(ev, _Abort):
+                    raise ev.error
                 elif ev is _STALL_CHECK:
                     await self._check_stall()
                 elif isinstance(ev, c2w.DecodeFailed):
@@ -188,7 +202,7 @@ class StreamSession:
                 first_audio_ns=first_audio_ns,
                 total_ns=int((time.perf_counter() - self._started_at) * 1e9),
                 replica=replica,
-                num_input_tokens=int(getattr(self._request.prompt, "num_text_tokens", 0) or 0),
+                num_input_tokens=self._num_input_tokens(),
             )
         finally:
             if self._stall_timer is not None:
@@ -197,12 +211,23 @@ class StreamSession:
                 self._engine.cancel(self.request_id)
             await self._close_decode(cancel=not done)
 
+    def _num_input_tokens(self) -> int:
+        feed = self._request.text
+        if feed is not None and feed.closed:
+            return feed.num_text_tokens
+        return int(getattr(self._request.prompt, "num_text_tokens", 0) or 0)
+
     def _hand_on(self, delivered_s: float, end_frame: int = 0, arrived: float = 0.0) -> None:
         """Advance the playback clock; a chunk handed on after the listener ran dry is an underrun."""
         req = self._request
         now = time.perf_counter()
         if req.first_audio_at is None:
             req.first_audio_at = now
+        elif req.clock_restart:
+            # The listener ran dry waiting for text, not for us: its clock resumes with this chunk
+            # (first_audio_at before the flag: the engine thread reads both).
+            req.first_audio_at = now - req.delivered_s
+            req.clock_restart = False
         elif self._metrics is not None:
             slack = req.slack_s(now)
             self._metrics.deadline_slack_seconds.observe(slack)
