@@ -222,11 +222,6 @@ class GenerationEngine:
         with self._cond:
             self._cond.notify()
 
-    def text_appended(self) -> None:
-        """Text arrived for a stream that may be waiting for it: wake the loop to plan again."""
-        with self._cond:
-            self._cond.notify()
-
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests."""
         with self._cond:
@@ -238,7 +233,6 @@ class GenerationEngine:
         self._metrics.queue_depth.set(s.num_waiting)
         if plan is not None:
             self._metrics.paused_streams.set(plan.num_paused)
-            self._metrics.text_waiting_streams.set(plan.num_text_waiting)
             self._metrics.text_waiting_streams.set(plan.num_text_waiting)
         if s.admission is not None:
             self._metrics.predicted_step_seconds.set(s.admission.model.predict(s.num_running))
