@@ -20,7 +20,7 @@ from .client_identity import client_var, grpc_client_key
 from .instructions import ignored_fields_header
 from .job import AudioPiece, SpeechFields, SynthesisJob, SynthesisSummary
 from .synthesis import SynthesisStream, Synthesizer
-from .text_stream import TextSplitter, check_session, open_segment
+from .text_stream import SegmentText, TextPiece, TextSplitter, check_session, open_segment
 from .validation import new_request_id
 from .voice_client import VoiceInfo
 from .voices import VoiceService
@@ -31,7 +31,7 @@ _ENCODINGS = {
     tts_pb2.AUDIO_ENCODING_WAV: "wav",
 }
 _TEXT_SPLITS = {
-    tts_pb2.TEXT_SPLIT_UNSPECIFIED: "sentence",
+    tts_pb2.TEXT_SPLIT_UNSPECIFIED: "none",
     tts_pb2.TEXT_SPLIT_SENTENCE: "sentence",
     tts_pb2.TEXT_SPLIT_CLAUSE: "clause",
     tts_pb2.TEXT_SPLIT_NONE: "none",
@@ -114,25 +114,40 @@ async def _first_config(requests: AsyncIterator[tts_pb2.StreamingSynthesizeReque
 async def _read_text(
     requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], splitter: TextSplitter, queue: asyncio.Queue
 ) -> None:
-    """Cut the incoming text into segments onto `queue`, then the end of input (or the error)."""
+    """Route the incoming text into segments (each queued when its first text arrives, and fed
+    the rest as it comes), then the end of input (or the error) onto `queue`."""
+    segment: SegmentText | None = None
+
+    def route(pieces: list[TextPiece]) -> None:
+        nonlocal segment
+        for piece in pieces:
+            if piece.text:
+                if segment is None:
+                    segment = SegmentText()
+                    queue.put_nowait(segment)
+                segment.append(piece.text)
+            if piece.end and segment is not None:
+                segment.close()
+                segment = None
+
     try:
         async for req in requests:
             if not req.HasField("input"):
                 raise InvalidArgument(
                     "streaming_config is only allowed in the first message", param="streaming_config"
                 )
-            for piece in splitter.feed(req.input.text):
-                queue.put_nowait(piece)
+            route(splitter.feed(req.input.text))
             if req.input.flush:
-                for piece in splitter.flush():
-                    queue.put_nowait(piece)
-        for piece in splitter.flush():
-            queue.put_nowait(piece)
+                route(splitter.flush())
+        route(splitter.flush())
         queue.put_nowait(_END_OF_INPUT)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        # The client's side of the call broke (it cancelled, or its stream failed).
+        # A protocol error, or the client's side of the call broke (it cancelled, or its stream
+        # failed): the segment in flight ends with the text it has, then the call with the error.
+        if segment is not None:
+            segment.close()
         failed = Cancelled(f"the request stream ended with an error: {type(exc).__name__}")
         queue.put_nowait(exc if isinstance(exc, InvalidArgument) else failed)
 
@@ -221,8 +236,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     ) -> None:
         """Text in as it is produced, audio out per segment: segment_start, audio chunks, segment_summary.
 
-        The segments are synthesised in order while more text arrives; an error in any of them ends
-        the call with its status (the segments before it were delivered whole)."""
+        A segment (by default everything up to a flush or the end of input) is one running
+        talker request that takes its text as it arrives; segments run in order. An error in any
+        of them ends the call with its status (the segments before it were delivered whole)."""
         await self._write_all(self._streaming_synthesize(request_iterator, context), context, streaming=True)
 
     async def _synthesize(
@@ -280,7 +296,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             while (item := await queue.get()) is not _END_OF_INPUT:
                 if isinstance(item, BaseException):
                     raise item
-                start = tts_pb2.SegmentStart(text=item)
+                start = tts_pb2.SegmentStart(text=item.text)  # the text so far: more may follow
                 yield tts_pb2.StreamingSynthesizeResponse(
                     request_id=request_id, sequence_number=seq, segment_index=segment, segment_start=start
                 )

@@ -358,10 +358,11 @@ class StreamingSessionConfig(SpeechOptions):
         "false: one binary frame per segment, a complete file, once the segment is synthesised.",
     )
     split_granularity: SplitGranularity = Field(
-        "sentence",
-        description="Where buffered text is cut into segments, each synthesised as soon as it is complete: "
-        "`sentence` (. ! ? and CJK marks), `clause` (also , ; and CJK commas), or `none` (only at "
-        "`input.done`). vLLM-Omni's own default is `none`; here audio starts before the text is complete.",
+        "none",
+        description="Where the text is cut into segments, each one running request that takes its text as it "
+        "arrives (audio starts before the text is complete): `none` (vLLM-Omni's default) one per utterance, "
+        "cut only at `input.done`; `sentence` also after . ! ? and CJK marks; `clause` also after , ; and CJK "
+        "commas.",
     )
     word_timestamps: Flag = Field(
         False, description="vLLM-Omni's forced-aligner word timestamps: not available here (true is refused)."

@@ -5,18 +5,19 @@ Client -> server (JSON text frames):
     {"type": "session.config", ...}      first message (StreamingSessionConfig); again between utterances
     {"type": "input.text", "text": "..."} the next piece of text
     {"type": "input.done"}               flush: finish the utterance, keep the session
-    {"type": "input.cancel"}             stop now: drop buffered and queued text, cut the segment in flight
+    {"type": "input.cancel"}             stop now: drop queued text, cut the segment in flight
     {"type": "session.close"}            finish what was sent, then close
 
 Server -> client:
     {"type": "audio.start", "utterance_index", "sentence_index", "sentence_text", "format", ...}
     binary frames: the segment's audio
-    {"type": "audio.done", "utterance_index", "sentence_index", "total_bytes", "error", ...}
+    {"type": "audio.done", "utterance_index", "sentence_index", "sentence_text", "total_bytes", ...}
     {"type": "session.done", "utterance_index", "total_sentences", "usage", ...}  one per input.done
     {"type": "error", "message", "code", "param", ...}
 
-A receiver reads messages and cuts the text into segments; a worker synthesises them one after
-another, so audio for the first sentence plays while the next one is still being written.
+A receiver reads messages and routes the text into segments (text_stream.py: by default one per
+utterance, each one running talker request that takes its text as it arrives); a worker runs the
+segments one after another, so audio starts with the first words while the rest is being written.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ from qtts.errors import Cancelled, InvalidArgument, TTSError, mapping_for, opena
 from .http_request import StreamingSessionConfig, parse_json, validate_body
 from .job import SpeechFields
 from .synthesis import Synthesizer
-from .text_stream import SegmentAudio, TextSplitter, check_session, encoded_audio, open_segment
+from .text_stream import (
+    SegmentAudio,
+    SegmentText,
+    TextPiece,
+    TextSplitter,
+    check_session,
+    encoded_audio,
+    open_segment,
+)
 from .validation import new_request_id
 
 log = logging.getLogger(__name__)
@@ -51,7 +60,7 @@ class StalledClient(Cancelled):
 class _Segment:
     utterance: int
     index: int
-    text: str
+    text: SegmentText
     fields: SpeechFields
     audio: SegmentAudio
 
@@ -94,6 +103,7 @@ class _Session:
     splitter: TextSplitter = field(default_factory=TextSplitter)
     utterance: int = 0  # the utterance that takes input.text now
     sentences: int = 0  # segments cut from it so far
+    segment: _Segment | None = None  # the segment that takes input.text now
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     current: asyncio.Task | None = None
     current_utterance: int = -1
@@ -105,11 +115,13 @@ class _Session:
 
     @property
     def utterance_open(self) -> bool:
-        return self.sentences > 0 or bool(self.splitter.buffered.strip())
+        return self.sentences > 0 or self.splitter.open
 
     @property
     def idle(self) -> bool:
-        return self.queue.empty() and self.current is None
+        """Nothing to synthesise but what the client has still to send (a segment in flight that
+        waits for its text is the client's to continue)."""
+        return self.queue.empty() and (self.current is None or self.segment is not None)
 
     async def send_json(self, payload: dict) -> None:
         await self._send(self.ws.send_json, payload)
@@ -220,8 +232,7 @@ class SpeechStreamEndpoint:
                 if not isinstance(text, str):
                     await s.send_error(InvalidArgument("input.text needs a string text", param="text"))
                     continue
-                for piece in s.splitter.feed(text):
-                    self._enqueue(s, piece)
+                self._route(s, s.splitter.feed(text))
             elif kind == "input.done":
                 self._end_utterance(s)
             elif kind == "input.cancel":
@@ -298,14 +309,25 @@ class SpeechStreamEndpoint:
         s.splitter = TextSplitter(config.split_granularity, self.synth.limits.max_input_chars)
         return True
 
-    def _enqueue(self, s: _Session, text: str) -> None:
-        s.queue.put_nowait(_Segment(s.utterance, s.sentences, text, s.fields, s.audio))
-        s.sentences += 1
+    def _route(self, s: _Session, pieces: list[TextPiece]) -> None:
+        """Text into the open segment (a new one, queued, for the first text after an end)."""
+        for piece in pieces:
+            if piece.text:
+                if s.segment is None:
+                    s.segment = _Segment(s.utterance, s.sentences, SegmentText(), s.fields, s.audio)
+                    s.queue.put_nowait(s.segment)
+                    s.sentences += 1
+                s.segment.text.append(piece.text)
+            if piece.end and s.segment is not None:
+                s.segment.text.close()
+                s.segment = None
 
     def _end_utterance(self, s: _Session, cancelled: bool = False) -> None:
         if not cancelled:
-            for piece in s.splitter.flush():
-                self._enqueue(s, piece)
+            self._route(s, s.splitter.flush())
+        if s.segment is not None:
+            s.segment.text.close()
+            s.segment = None
         s.queue.put_nowait(_UtteranceEnd(s.utterance, s.sentences, cancelled))
         s.utterance += 1
         s.sentences = 0
@@ -321,6 +343,8 @@ class SpeechStreamEndpoint:
             if isinstance(item, _UtteranceEnd):
                 item.cancelled = True
                 kept.append(item)
+            elif isinstance(item, _Segment):
+                item.text.close()
         for item in kept:
             s.queue.put_nowait(item)
         if s.current is not None:
@@ -361,7 +385,7 @@ class SpeechStreamEndpoint:
             {
                 "type": "audio.start",
                 **ids,
-                "sentence_text": seg.text,
+                "sentence_text": seg.text.text,  # the text so far: more may follow
                 "format": seg.audio.response_format,
                 "sample_rate": seg.audio.sample_rate,
                 "channels": 1,
@@ -390,6 +414,9 @@ class SpeechStreamEndpoint:
         except Exception as exc:
             error = exc
             done = {"error": True}
+            if s.segment is seg:  # the utterance's next text starts a segment of its own
+                seg.text.close()
+                s.segment = None
             if not isinstance(exc, TTSError):
                 log.error("segment %s failed", request_id, exc_info=exc)
             self.synth.metrics.error(mapping_for(exc).grpc_code.name)
@@ -400,4 +427,12 @@ class SpeechStreamEndpoint:
                 await stream.close(error)
             if not isinstance(error, WebSocketDisconnect):
                 with contextlib.suppress(Exception):
-                    await s.send_json({"type": "audio.done", **ids, "total_bytes": total, **done})
+                    await s.send_json(
+                        {
+                            "type": "audio.done",
+                            **ids,
+                            "sentence_text": seg.text.text,
+                            "total_bytes": total,
+                            **done,
+                        }
+                    )

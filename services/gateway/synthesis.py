@@ -32,7 +32,9 @@ Event = AudioPiece | SynthesisSummary
 
 
 class TalkerAPI(Protocol):
-    def generate(self, job: SynthesisJob) -> AsyncIterator[Event]: ...
+    def generate(
+        self, job: SynthesisJob, text: AsyncIterator[tuple[str, bool]] | None = None
+    ) -> AsyncIterator[Event]: ...
 
 
 def status_label(exc: BaseException | None) -> str:
@@ -177,8 +179,13 @@ class Synthesizer:
             job = replace(job, voice=scoped_voice_name(job.voice, owner))  # the key's own stored voice
         return job
 
-    async def open(self, job: SynthesisJob, protocol: str) -> SynthesisStream:
-        """Admit `job`, decode its reference clip, start the talker call and await its first event."""
+    async def open(
+        self, job: SynthesisJob, protocol: str, text: AsyncIterator[tuple[str, bool]] | None = None
+    ) -> SynthesisStream:
+        """Admit `job`, decode its reference clip, start the talker call and await its first event.
+
+        With `text`, more text follows `job.text` while the request runs: (piece, final) pairs,
+        appended to the one talker request as they come (text_stream.py)."""
         if self._refusal is not None:
             raise self._refusal
         started = time.perf_counter()
@@ -196,7 +203,7 @@ class Synthesizer:
                     if pcm is None:
                         pcm = await _decode_field(self._decode, job.reference_audio, "ref_audio")
                 job = _with_pcm(job, pcm)
-            events = self.talker.generate(job)
+            events = self.talker.generate(job) if text is None else self.talker.generate(job, text)
             try:
                 first = await events.__anext__()
             except StopAsyncIteration:

@@ -46,6 +46,16 @@ def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
     return req
 
 
+async def _stream_requests(
+    job: SynthesisJob, text: AsyncIterator[tuple[str, bool]]
+) -> AsyncIterator[talker_pb2.GenerateStreamRequest]:
+    yield talker_pb2.GenerateStreamRequest(start=generate_request(job))
+    async for piece, final in text:
+        yield talker_pb2.GenerateStreamRequest(append=talker_pb2.TextAppend(text=piece, final=final))
+        if final:
+            return
+
+
 def summary_from_pb(s: talker_pb2.GenerateSummary) -> SynthesisSummary:
     return SynthesisSummary(
         finish_reason=FINISH_FROM_PB.get(s.finish_reason, "stop"),
@@ -117,13 +127,22 @@ class TalkerClient:
             samples_per_frame=info.samples_per_frame or 1920,
         )
 
-    async def generate(self, job: SynthesisJob) -> AsyncIterator[AudioPiece | SynthesisSummary]:
+    async def generate(
+        self, job: SynthesisJob, text: AsyncIterator[tuple[str, bool]] | None = None
+    ) -> AsyncIterator[AudioPiece | SynthesisSummary]:
         """Stream the job's audio pieces, then its summary. Closing the iterator cancels the call,
-        which makes the talker free the request's KV slot and decoder state."""
+        which makes the talker free the request's KV slot and decoder state.
+
+        With `text`, the job's text is the first piece of one utterance and the (piece, final)
+        pairs of `text` are appended to the running request (GenerateStream)."""
         lease = await self.pool.acquire() if self.pool is not None else None
         stub = self._stub if lease is None else talker_pb2_grpc.TalkerServiceStub(lease.channel)
+        metadata = outgoing_metadata(job.request_id)
         try:
-            call = stub.Generate(generate_request(job), metadata=outgoing_metadata(job.request_id))
+            if text is None:
+                call = stub.Generate(generate_request(job), metadata=metadata)
+            else:
+                call = stub.GenerateStream(_stream_requests(job, text), metadata=metadata)
         except BaseException:
             if lease is not None:
                 lease.release()

@@ -1,13 +1,18 @@
-"""Text streamed in (WebSocket and gRPC): the buffered text cut into segments at sentence ends,
-and one segment's synthesis through the ordinary request path.
+"""Text streamed in (WebSocket and gRPC): the text cut into segments, each segment one running
+talker request that takes its text as it arrives.
 
-Each segment is one talker request, synthesised after the previous one in order, so text-in needs
-nothing from the talker beyond what a plain request uses. The cost: every segment pays its own
-prefill and first chunk, and prosody does not carry across a segment boundary.
+A segment is an utterance (the text up to `input.done` / flush / the end of input) unless the
+session asks to cut at sentence or clause ends, and never longer than `--max-input-chars`. Its
+talker request starts with the first piece and gets every later piece appended (talker.v1
+GenerateStream): the talker feeds one text token per frame and, when the text runs dry before
+the segment ends, the stream waits instead of ending its speech. So audio for the first words
+starts before the text is complete, with one prefill per segment and prosody that carries
+across the pieces.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -26,15 +31,24 @@ _SCRIPT_CLAUSE = frozenset("，；、،")
 _CLOSERS = frozenset("\"')]}”’»」』）")
 
 
-class TextSplitter:
-    """Buffers text pieces and hands out complete segments (pure, no I/O).
+@dataclass(frozen=True)
+class TextPiece:
+    """Text for the current segment (maybe empty); `end`: the segment ends after it."""
 
-    `feed` returns the segments the new text completed; `flush` returns the rest of the buffer.
-    A buffer longer than `max_chars` without a boundary is cut at its last space before the limit,
-    so no segment is ever refused as too long.
+    text: str
+    end: bool = False
+
+
+class TextSplitter:
+    """Hands incoming text on as soon as it arrives, marking where segments end (pure, no I/O).
+
+    A segment's leading whitespace is dropped and its trailing whitespace held until more text
+    follows (so a segment never ends in a space). With `sentence` / `clause` a segment ends after
+    a sentence (clause) mark; with `none` only at `flush`. A segment reaching `max_chars` ends at its
+    last space below the limit, so no segment is ever refused as too long.
     """
 
-    def __init__(self, granularity: str = "sentence", max_chars: int = 0):
+    def __init__(self, granularity: str = "none", max_chars: int = 0):
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
         self.granularity = granularity
@@ -47,31 +61,46 @@ class TextSplitter:
             ascii_marks |= _ASCII_CLAUSE
             script_marks |= _SCRIPT_CLAUSE
         self._ascii, self._script = frozenset(ascii_marks), frozenset(script_marks)
-        self._buf = ""
-        self._scanned = 0  # the buffer before this index holds no boundary
+        self.reset()
 
     @property
-    def buffered(self) -> str:
-        return self._buf
+    def open(self) -> bool:
+        """Whether the current segment has text."""
+        return bool(self._seg.strip())
 
     def reset(self) -> None:
-        self._buf, self._scanned = "", 0
+        self._seg = ""  # the current segment's text so far
+        self._sent = 0  # of which handed on
+        self._scanned = 0  # no boundary before this index
 
-    def feed(self, text: str) -> list[str]:
-        self._buf += text
-        segments = self._cut_boundaries()
-        segments += self._cut_overlong()
-        return segments
+    def feed(self, text: str) -> list[TextPiece]:
+        self._seg += text if self._seg else text.lstrip()
+        pieces = []
+        while True:
+            cut = self._boundary()
+            if cut is None:
+                cut = self._overlong_cut()
+            if cut is None:
+                break
+            pieces.append(TextPiece(self._seg[self._sent : cut], end=True))
+            self._seg, self._sent, self._scanned = self._seg[cut:].lstrip(), 0, 0
+        ready = len(self._seg.rstrip())
+        if ready > self._sent:
+            pieces.append(TextPiece(self._seg[self._sent : ready]))
+            self._sent = ready
+        return pieces
 
-    def flush(self) -> list[str]:
-        segments = self._cut_boundaries()
-        segments += self._cut_overlong()
-        tail = self._buf.strip()
+    def flush(self) -> list[TextPiece]:
+        """The rest of the text; the current segment ends (nothing when it has no text)."""
+        pieces = self.feed("")
+        if self.open:
+            pieces.append(TextPiece("", end=True))
         self.reset()
-        return segments + ([tail] if tail else [])
+        return pieces
 
-    def _cut_boundaries(self) -> list[str]:
-        segments, buf, start, i = [], self._buf, 0, self._scanned
+    def _boundary(self) -> int | None:
+        """The end of the first unit (sentence, clause) in the segment, or None."""
+        buf, i = self._seg, self._scanned
         while i < len(buf):
             ch = buf[i]
             if ch not in self._ascii and ch not in self._script:
@@ -86,23 +115,66 @@ class TextSplitter:
                 if not buf[j].isspace():
                     i = j
                     continue
-            piece = buf[start:j].strip()
-            if piece:
-                segments.append(piece)
-            start = i = j
-        self._buf = buf[start:]
-        self._scanned = max(0, i - start)
-        return segments
+            self._scanned = j
+            return j
+        self._scanned = i
+        return None
 
-    def _cut_overlong(self) -> list[str]:
-        segments = []
-        while self.max_chars and len(self._buf.strip()) > self.max_chars:
-            buf = self._buf.lstrip()
-            cut = buf.rfind(" ", 0, self.max_chars + 1)
-            cut = cut if cut > 0 else self.max_chars
-            segments.append(buf[:cut].strip())
-            self._buf, self._scanned = buf[cut:], 0
-        return segments
+    def _overlong_cut(self) -> int | None:
+        if not self.max_chars or len(self._seg.rstrip()) <= self.max_chars:
+            return None
+        # Text already handed on stays in this segment: cut at a space after it if there is one.
+        cut = self._seg.rfind(" ", self._sent, self.max_chars + 1)
+        return cut if cut > 0 else max(self.max_chars, self._sent)
+
+
+class SegmentText:
+    """One segment's text on its way to the talker: appended by the receiver, read by the request.
+
+    `first()` is the text the request starts with; `rest()` yields the later text as
+    (text, final) for talker.v1 GenerateStream, what piled up meanwhile in one piece."""
+
+    def __init__(self) -> None:
+        self.text = ""  # all of it so far
+        self.closed = False
+        self._taken = 0
+        self._changed = asyncio.Event()
+
+    def append(self, text: str) -> None:
+        if text and not self.closed:
+            self.text += text
+            self._changed.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._changed.set()
+
+    async def first(self) -> str:
+        while not self.text.strip() and not self.closed:
+            await self._wait()
+        self._taken = len(self.text)
+        return self.text
+
+    async def whole(self) -> str:
+        """All the text, once the segment ended."""
+        while not self.closed:
+            await self._wait()
+        self._taken = len(self.text)
+        return self.text
+
+    async def rest(self) -> AsyncIterator[tuple[str, bool]]:
+        while True:
+            if self._taken < len(self.text) or self.closed:
+                piece, self._taken = self.text[self._taken :], len(self.text)
+                yield piece, self.closed
+                if self.closed and self._taken == len(self.text):
+                    return
+                continue
+            await self._wait()
+
+    async def _wait(self) -> None:
+        self._changed.clear()
+        await self._changed.wait()
 
 
 @dataclass(frozen=True)
@@ -125,15 +197,20 @@ def check_session(synth: Synthesizer, fields: SpeechFields, response_format: str
 
 
 async def open_segment(
-    synth: Synthesizer, fields: SpeechFields, text: str, request_id: str, protocol: str
+    synth: Synthesizer, fields: SpeechFields, text: SegmentText, request_id: str, protocol: str
 ) -> SynthesisStream:
-    """Validate, admit and start one segment (its errors before audio raise here)."""
+    """Validate, admit and start one segment's talker request with its first text, the rest
+    appended as it arrives (its errors before audio raise here). With the non-streaming text
+    prompt (`streaming_text` false: the model sees all the text up front) the request waits for
+    the segment's whole text."""
+    whole = fields.streaming_text is False
+    first = await (text.whole() if whole else text.first())
     try:
-        job = synth.validate(replace(fields, text=text, request_id=request_id))
+        job = synth.validate(replace(fields, text=first, request_id=request_id))
     except Exception as exc:
         synth.reject(protocol, exc)
         raise
-    return await synth.open(job, protocol)
+    return await synth.open(job, protocol, text=None if whole or text.closed else text.rest())
 
 
 async def encoded_audio(stream: SynthesisStream, audio: SegmentAudio) -> AsyncIterator[bytes]:

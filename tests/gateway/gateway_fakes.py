@@ -66,10 +66,24 @@ class FakeTalker:
     active: int = 0
     closed: int = 0
     completed: int = 0
+    # The whole text of each job: its own, plus what was appended while it ran (text streamed in).
+    texts: list[str] = field(default_factory=list)
+    streamed: list[bool] = field(default_factory=list)
 
-    async def generate(self, job: SynthesisJob):
+    async def generate(self, job: SynthesisJob, text=None):
         self.jobs.append(job)
+        self.texts.append(job.text)
+        self.streamed.append(text is not None)
+        index = len(self.texts) - 1
         self.active += 1
+        reader = None
+        if text is not None:
+
+            async def read() -> None:
+                async for piece, _ in text:
+                    self.texts[index] += piece
+
+            reader = asyncio.create_task(read())
         try:
             if self.error_before is not None:
                 raise self.error_before
@@ -81,12 +95,16 @@ class FakeTalker:
                 yield AudioPiece(frame_pcm(i, k), i, k)
                 if self.error_after_first is not None:
                     raise self.error_after_first
+            if reader is not None:  # a running request ends only once its text is complete
+                await reader
             # The talker reports the input's text tokens; here one per word of the input.
             yield SynthesisSummary(
-                "length", n, n * FRAME, "fake-replica", num_input_tokens=len(job.text.split())
+                "length", n, n * FRAME, "fake-replica", num_input_tokens=len(self.texts[index].split())
             )
             self.completed += 1
         finally:
+            if reader is not None:
+                reader.cancel()
             self.active -= 1
             self.closed += 1
 

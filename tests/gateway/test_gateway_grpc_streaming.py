@@ -34,53 +34,56 @@ async def read_segment(call) -> list[tts_pb2.StreamingSynthesizeResponse]:
     return msgs
 
 
-async def test_text_in_pieces_gets_audio_before_the_input_ends():
+async def test_text_in_pieces_is_one_running_request_with_audio_before_the_input_ends():
     gw = build_gateway(CUSTOM, frames=3, chunk=2)
     async with serve_grpc(gw) as stub:
         call = stub.StreamingSynthesize()
         await call.write(config(request_id="s-1"))
         await call.write(text("Hello "))
         await call.write(text("there. How"))
-        first = await read_segment(call)  # before the rest of the text is sent
-        assert first[0].segment_start.text == "Hello there."
-        assert b"".join(m.audio.audio for m in first[1:-1]) == frame_pcm(0, 3)
+        first = [await asyncio.wait_for(call.read(), 5)]
+        assert first[0].segment_start.text.startswith("Hello")
+        while len(first) < 3:  # both audio chunks, before the rest of the text is sent
+            first.append(await asyncio.wait_for(call.read(), 5))
+        assert b"".join(m.audio.audio for m in first[1:]) == frame_pcm(0, 3)
+        await call.write(text(" are you"))
+        await call.write(text(" today", flush=True))  # the utterance ends: its request finishes
+        first.append(await asyncio.wait_for(call.read(), 5))
         summary = first[-1].segment_summary
         assert (summary.num_frames, summary.num_samples, summary.finish_reason) == (
             3,
             3 * FRAME,
             tts_pb2.FINISH_REASON_LENGTH,
         )
-        await call.write(text(" are you"))
-        await call.write(text(" today", flush=True))
-        second = await read_segment(call)
-        assert second[0].segment_start.text == "How are you today"
         await call.write(text("Last words."))
         await call.done_writing()
-        third = await read_segment(call)
+        second = await read_segment(call)
         assert await call.read() == grpc.aio.EOF
         assert await call.code() == grpc.StatusCode.OK
-    msgs = first + second + third
+    msgs = first + second
     assert [m.sequence_number for m in msgs] == list(range(len(msgs)))
     assert {m.request_id for m in msgs} == {"s-1"}
-    assert [m.segment_index for m in (first[0], second[0], third[0])] == [0, 1, 2]
-    assert [(j.text, j.request_id) for j in gw.talker.jobs] == [
-        ("Hello there.", "s-1-0"),
-        ("How are you today", "s-1-1"),
-        ("Last words.", "s-1-2"),
-    ]
-    assert gw.synth.admission.active == 0
+    assert [m.segment_index for m in (first[0], second[0])] == [0, 1]
+    assert gw.talker.texts == ["Hello there. How are you today", "Last words."]
+    assert [j.request_id for j in gw.talker.jobs] == ["s-1-0", "s-1-1"]
+    assert gw.talker.streamed[0] is True and gw.synth.admission.active == 0
 
 
-async def test_wav_segments_and_no_split_until_the_end():
+async def test_sentence_split_makes_a_running_request_per_sentence():
     gw = build_gateway(CUSTOM, frames=2, chunk=2)
     async with serve_grpc(gw) as stub:
-        requests = [
-            config(audio_encoding=tts_pb2.AUDIO_ENCODING_WAV, text_split=tts_pb2.TEXT_SPLIT_NONE),
-            text("One. "),
-            text("Two."),
-        ]
+        requests = [config(text_split=tts_pb2.TEXT_SPLIT_SENTENCE), text("One. Tw"), text("o. Three")]
         msgs = [m async for m in stub.StreamingSynthesize(iter(requests))]
-    assert [m.segment_start.text for m in msgs if m.HasField("segment_start")] == ["One. Two."]
+    assert [m.segment_index for m in msgs if m.HasField("segment_summary")] == [0, 1, 2]
+    assert gw.talker.texts == ["One.", "Two.", "Three"]
+
+
+async def test_wav_and_one_segment_until_the_end():
+    gw = build_gateway(CUSTOM, frames=2, chunk=2)
+    async with serve_grpc(gw) as stub:
+        requests = [config(audio_encoding=tts_pb2.AUDIO_ENCODING_WAV), text("One. "), text("Two.")]
+        msgs = [m async for m in stub.StreamingSynthesize(iter(requests))]
+    assert len([m for m in msgs if m.HasField("segment_start")]) == 1 and gw.talker.texts == ["One. Two."]
     data = b"".join(m.audio.audio for m in msgs if m.HasField("audio"))
     assert data[:4] == b"RIFF" and data[44:] == frame_pcm(0, 2)
 
@@ -117,7 +120,7 @@ async def test_a_failed_segment_ends_the_call_with_its_status():
             async for m in call:
                 msgs.append(m)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and info.value.details() == "voice went away"
-    assert [m.segment_start.text for m in msgs] == ["One."] and len(gw.talker.jobs) == 1
+    assert len([m for m in msgs if m.HasField("segment_start")]) == 1 and len(gw.talker.jobs) == 1
 
 
 async def test_admission_refusal_is_resource_exhausted():

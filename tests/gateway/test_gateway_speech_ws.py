@@ -14,7 +14,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from qtts.errors import NotFound
-from services.gateway.text_stream import TextSplitter
+from services.gateway.text_stream import SegmentText, TextPiece, TextSplitter
 
 REF = base64.b64encode(wav_bytes()).decode()
 CONFIG = {
@@ -50,48 +50,88 @@ async def send(ws, kind: str, **kw) -> None:
     await ws.send(json.dumps({"type": kind, **kw}))
 
 
-def test_splitter_cuts_at_sentence_ends_only_when_complete():
+def segments(splitter: TextSplitter, pieces: list[str], flush: bool = True) -> list[str]:
+    """The segments the pieces make, text handed on as it came ("|" marks an open segment's end)."""
+    out, cur = [], ""
+    for piece in pieces:
+        for p in splitter.feed(piece):
+            cur += p.text
+            if p.end:
+                out.append(cur)
+                cur = ""
+    for p in splitter.flush() if flush else []:
+        cur += p.text
+        if p.end:
+            out.append(cur)
+            cur = ""
+    return out + ([cur + "|"] if cur else [])
+
+
+def test_splitter_hands_text_on_at_once_and_ends_segments_at_sentence_ends():
     s = TextSplitter("sentence")
-    assert s.feed("Hello world") == [] and s.feed(".") == [] and s.feed(" It costs 3.") == ["Hello world."]
-    assert s.feed("14 dollars! Re") == ["It costs 3.14 dollars!"]
-    assert s.feed('ally? He said "no." ') == ["Really?", 'He said "no."']
-    assert s.feed("你好。再见") == ["你好。"] and s.flush() == ["再见"] and s.flush() == []
-    assert TextSplitter("clause").feed("one, two; three") == ["one,", "two;"]
-    assert TextSplitter("none").feed("One. Two. ") == []
+    assert s.feed("Hello wor") == [TextPiece("Hello wor")]  # at once: the talker holds partial words
+    assert s.feed("ld.") == [TextPiece("ld.")]
+    assert s.feed(" It costs 3.") == [TextPiece("", end=True), TextPiece("It costs 3.")]
+    assert s.feed("14 dollars! Re") == [TextPiece("14 dollars!", end=True), TextPiece("Re")]
+    assert s.feed('ally? He said "no." ') == [
+        TextPiece("ally?", end=True),
+        TextPiece('He said "no."', end=True),
+    ]
+    assert segments(s, ["你好。再见"]) == ["你好。", "再见"]
+    assert segments(TextSplitter("clause"), ["one, two; three"], flush=False) == ["one,", "two;", "three|"]
+    assert segments(TextSplitter("none"), ["  One. Two. ", "Three  "]) == ["One. Two. Three"]
+    # Trailing whitespace waits for the next word; a flush of nothing ends nothing.
+    s = TextSplitter("none")
+    assert s.feed("Hi   ") == [TextPiece("Hi")] and s.feed(" there") == [TextPiece("    there")]
+    assert TextSplitter().flush() == [] and TextSplitter().granularity == "none"
     long = TextSplitter("none", max_chars=10)
-    assert long.feed("one two three four five") == ["one two", "three four"] and long.flush() == ["five"]
+    assert segments(long, ["one two three four five"]) == ["one two", "three four", "five"]
     with pytest.raises(ValueError):
         TextSplitter("word")
 
 
-async def test_text_in_pieces_gets_audio_before_the_text_is_complete():
+async def test_segment_text_starts_with_the_first_piece_and_streams_the_rest():
+    seg = SegmentText()
+    seg.append("Hello ")
+    assert await seg.first() == "Hello "
+    seg.append("there, ")
+    seg.append("friend")
+    rest = seg.rest()
+    assert await anext(rest) == ("there, friend", False)  # what piled up comes in one piece
+    seg.append(".")
+    seg.close()
+    assert await anext(rest) == (".", True)
+    assert [p async for p in rest] == []
+
+
+async def test_an_utterance_is_one_running_request_with_audio_before_its_text_is_complete():
     async with serve_http(build_gateway(frames=3, chunk=2)) as gw, connect(ws_url(gw)) as ws:
         await send(ws, "session.config", **CONFIG)
         await send(ws, "input.text", text="Hello ")
         await send(ws, "input.text", text="there. How")
-        start, audio, done = await recv_segment(ws)  # the first sentence, before the rest is sent
-        assert (start["sentence_index"], start["sentence_text"], start["format"]) == (
-            0,
-            "Hello there.",
-            "pcm",
-        )
+        start = await recv_json(ws)
+        assert (start["type"], start["sentence_index"], start["format"]) == ("audio.start", 0, "pcm")
+        assert start["sentence_text"].startswith("Hello")
         assert (start["sample_rate"], start["channels"], start["utterance_index"]) == (24000, 1, 0)
-        assert audio == frame_pcm(0, 3) and done["total_bytes"] == len(audio) and done["error"] is False
-        assert done["finish_reason"] == "length" and done["num_frames"] == 3
+        audio = b""
+        while len(audio) < len(frame_pcm(0, 3)):  # before the rest of the text is sent
+            audio += await asyncio.wait_for(ws.recv(), 5)
+        assert audio == frame_pcm(0, 3)
         await send(ws, "input.text", text=" are you")
         await asyncio.sleep(0.05)
-        assert len(gw.talker.jobs) == 1  # no sentence end yet: nothing new to synthesise
+        assert len(gw.talker.jobs) == 1 and gw.talker.active == 1  # the request waits for its text
         await send(ws, "input.done")
-        start, audio, done = await recv_segment(ws)
-        assert (start["sentence_index"], start["sentence_text"]) == (1, "How are you")
+        done = await recv_json(ws)
+        assert done["type"] == "audio.done" and done["error"] is False and done["total_bytes"] == len(audio)
+        assert done["sentence_text"] == "Hello there. How are you" and done["num_frames"] == 3
         end = await recv_json(ws)
         assert end == {
             "type": "session.done",
             "utterance_index": 0,
-            "total_sentences": 2,
-            "usage": {"input_tokens": 5, "output_tokens": 6, "total_tokens": 11},
+            "total_sentences": 1,
+            "usage": {"input_tokens": 5, "output_tokens": 3, "total_tokens": 8},
         }
-        # The session stays open for the next utterance.
+        # The session stays open for the next utterance: a request of its own.
         await send(ws, "input.text", text="Again.")
         await send(ws, "input.done")
         start, _, _ = await recv_segment(ws)
@@ -101,15 +141,44 @@ async def test_text_in_pieces_gets_audio_before_the_text_is_complete():
         with pytest.raises(ConnectionClosed) as info:
             await asyncio.wait_for(ws.recv(), 5)
         assert info.value.rcvd.code == 1000
-    assert [j.text for j in gw.talker.jobs] == ["Hello there.", "How are you", "Again."]
+    assert gw.talker.texts == ["Hello there. How are you", "Again."]
+    assert gw.talker.streamed[0] is True
+    assert [j.text for j in gw.talker.jobs][0].startswith("Hello")
     assert all(j.x_vector_only and j.reference_pcm is not None for j in gw.talker.jobs)
     assert gw.synth.admission.active == 0
 
 
-async def test_one_complete_file_per_sentence_without_stream_audio():
+async def test_sentence_granularity_makes_a_running_request_per_sentence():
+    async with serve_http(build_gateway(frames=2, chunk=2)) as gw, connect(ws_url(gw)) as ws:
+        await send(ws, "session.config", **CONFIG, split_granularity="sentence")
+        await send(ws, "input.text", text="One. Tw")
+        await send(ws, "input.text", text="o. Thr")
+        await send(ws, "input.done")
+        for index in range(3):
+            start, audio, done = await recv_segment(ws)
+            assert start["sentence_index"] == index and audio == frame_pcm(0, 2)
+        assert (await recv_json(ws))["total_sentences"] == 3
+    assert gw.talker.texts == ["One.", "Two.", "Thr"]
+
+
+async def test_non_streaming_mode_sends_each_segment_whole():
+    async with serve_http(build_gateway(frames=2)) as gw, connect(ws_url(gw)) as ws:
+        await send(ws, "session.config", **CONFIG, non_streaming_mode=True)
+        await send(ws, "input.text", text="All of it ")
+        await asyncio.sleep(0.05)
+        assert gw.talker.jobs == []  # the model is to see the whole text up front
+        await send(ws, "input.text", text="at once.")
+        await send(ws, "input.done")
+        await recv_segment(ws)
+        assert (await recv_json(ws))["type"] == "session.done"
+    assert [(j.text, j.streaming_text) for j in gw.talker.jobs] == [("All of it at once.", False)]
+    assert gw.talker.streamed == [False]
+
+
+async def test_one_complete_file_per_segment_without_stream_audio():
     config = {**CONFIG, "response_format": "wav", "stream_audio": False, "sample_rate": 16000}
     async with serve_http(build_gateway(frames=4, chunk=1)) as gw, connect(ws_url(gw)) as ws:
-        await send(ws, "session.config", **config)
+        await send(ws, "session.config", **config, split_granularity="sentence")
         await send(ws, "input.text", text="One. Two.")
         await send(ws, "session.close")  # finishes what was sent, then closes
         for index in range(2):
@@ -159,16 +228,19 @@ async def test_bad_messages_after_config_keep_the_session():
         await send(ws, "input.text", text=5)
         assert (await recv_json(ws))["param"] == "text"
         await send(ws, "input.text", text="Half a")
+        assert (await recv_json(ws))["type"] == "audio.start"  # its request starts at once
+        assert await asyncio.wait_for(ws.recv(), 5) == frame_pcm(0, 2)
         await send(ws, "session.config", voice="ryan")
         assert "in progress" in (await recv_json(ws))["message"]
         await send(ws, "input.done")
-        _, audio, _ = await recv_segment(ws)
-        assert audio == frame_pcm(0, 2) and (await recv_json(ws))["type"] == "session.done"
+        assert (await recv_json(ws))["type"] == "audio.done"
+        assert (await recv_json(ws))["type"] == "session.done"
         await send(ws, "session.config", voice="ryan", response_format="pcm", stream_audio=True)
         await send(ws, "input.text", text="Now ryan.")
         await send(ws, "input.done")
         await recv_segment(ws)
-        assert [(j.text, j.voice) for j in gw.talker.jobs] == [("Half a", "vivian"), ("Now ryan.", "ryan")]
+        assert [j.voice for j in gw.talker.jobs] == ["vivian", "ryan"]
+        assert gw.talker.texts == ["Half a", "Now ryan."]
 
 
 async def test_a_failed_segment_is_an_error_event_and_the_next_one_still_plays():
@@ -176,7 +248,7 @@ async def test_a_failed_segment_is_an_error_event_and_the_next_one_still_plays()
     async with serve_http(gw0) as gw, connect(ws_url(gw)) as ws:
         await send(ws, "session.config", voice="vivian", response_format="pcm", stream_audio=True)
         gw.talker.error_before = NotFound("voice went away")
-        await send(ws, "input.text", text="First. ")
+        await send(ws, "input.text", text="First. ")  # the utterance's request fails
         start = await recv_json(ws)
         err = await recv_json(ws)
         assert (start["type"], err["type"], err["code"], err["sentence_index"]) == (
@@ -189,11 +261,12 @@ async def test_a_failed_segment_is_an_error_event_and_the_next_one_still_plays()
         done = await recv_json(ws)
         assert done["type"] == "audio.done" and done["error"] is True and done["total_bytes"] == 0
         gw.talker.error_before = None
-        await send(ws, "input.text", text="Second.")
+        await send(ws, "input.text", text="Second.")  # the same utterance goes on in a new request
         await send(ws, "input.done")
-        _, audio, done = await recv_segment(ws)
-        assert audio == frame_pcm(0, 2) and done["error"] is False
+        start, audio, done = await recv_segment(ws)
+        assert audio == frame_pcm(0, 2) and done["error"] is False and start["sentence_index"] == 1
         assert (await recv_json(ws))["total_sentences"] == 2
+        assert gw.talker.texts == ["First.", "Second."]
         assert gw.synth.admission.active == 0
 
 
@@ -212,7 +285,7 @@ async def test_cancel_cuts_the_segment_in_flight_and_drops_the_queue():
         end = await recv_json(ws)
         assert (end["type"], end["cancelled"], end["utterance_index"]) == ("session.done", True, 0)
         assert gw.talker.active == 0 and gw.synth.admission.active == 0
-        assert [j.text for j in gw.talker.jobs] == ["One."]
+        assert len(gw.talker.jobs) == 1 and gw.talker.texts[0].startswith("One.")
         # The session goes on with the next utterance.
         gw.talker.frames, gw.talker.delay_s = 2, 0.0
         await send(ws, "input.text", text="Fresh.")
