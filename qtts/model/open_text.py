@@ -55,15 +55,13 @@ class OpenText:
         self.closed = final
         if self.prompt is None:
             return self._try_prompt(piece, final)
-        new = self._pieces.push(piece)
-        if final:
-            new += self._pieces.finish()
+        new = self._pieces.finish(piece) if final else self._pieces.push(piece)
         self._append(new, final)
         return None
 
     def _try_prompt(self, piece: str, final: bool) -> TalkerPrompt | None:
         if final:
-            self._pieces.push(piece)
+            self._pieces.finish(piece)
             # Complete before the prompt could start: a whole-text request, exactly.
             self.prompt = self._builder.build(replace(self._spec, text=self._pieces.text, text_open=False))
             return self.prompt

@@ -73,8 +73,11 @@ class TextPieces:
                 return self._commit(cut, ids)
         return []
 
-    def finish(self) -> list[int]:
-        """All the ids not handed out yet: the text is complete."""
+    def finish(self, piece: str = "") -> list[int]:
+        """Append the last `piece`; all the ids not handed out yet. Trailing whitespace not handed
+        out goes, as the gateway strips a whole text."""
+        text = self.text + piece
+        self.text = text[: max(self.committed_chars, len(text.rstrip()))]
         ids = self._encode(self.text) if self.text else []
         if ids[: len(self.ids)] != self.ids:  # cannot happen after verified cuts
             raise ValueError("the text's ids changed before a cut that was verified")

@@ -42,8 +42,9 @@ class TextPiece:
 class TextSplitter:
     """Hands incoming text on as soon as it arrives, marking where segments end (pure, no I/O).
 
-    A segment's leading whitespace is dropped and its trailing whitespace held until more text
-    follows (so a segment never ends in a space). With `sentence` / `clause` a segment ends after
+    A segment's leading whitespace is dropped; the rest goes on as is, whitespace too (it tells
+    the talker that the word before it is complete; the talker drops whitespace at the very end of
+    a segment, as a whole text is stripped). With `sentence` / `clause` a segment ends after
     a sentence (clause) mark; with `none` only at `flush`. A segment reaching `max_chars` ends at its
     last space below the limit, so no segment is ever refused as too long.
     """
@@ -84,10 +85,9 @@ class TextSplitter:
                 break
             pieces.append(TextPiece(self._seg[self._sent : cut], end=True))
             self._seg, self._sent, self._scanned = self._seg[cut:].lstrip(), 0, 0
-        ready = len(self._seg.rstrip())
-        if ready > self._sent:
-            pieces.append(TextPiece(self._seg[self._sent : ready]))
-            self._sent = ready
+        if len(self._seg) > self._sent:
+            pieces.append(TextPiece(self._seg[self._sent :]))
+            self._sent = len(self._seg)
         return pieces
 
     def flush(self) -> list[TextPiece]:
@@ -123,9 +123,10 @@ class TextSplitter:
     def _overlong_cut(self) -> int | None:
         if not self.max_chars or len(self._seg.rstrip()) <= self.max_chars:
             return None
-        # Text already handed on stays in this segment: cut at a space after it if there is one.
-        cut = self._seg.rfind(" ", self._sent, self.max_chars + 1)
-        return cut if cut > 0 else max(self.max_chars, self._sent)
+        cut = self._seg.rfind(" ", 0, self.max_chars + 1)
+        if cut < self._sent:  # text handed on stays in this segment
+            cut = self._sent
+        return cut if cut > 0 else self.max_chars
 
 
 class SegmentText:
@@ -210,7 +211,10 @@ async def open_segment(
     except Exception as exc:
         synth.reject(protocol, exc)
         raise
-    return await synth.open(job, protocol, text=None if whole or text.closed else text.rest())
+    if whole or text.closed:
+        return await synth.open(job, protocol)
+    # As received: validation strips the text, and a space at its end belongs to the next word.
+    return await synth.open(replace(job, text=first), protocol, text=text.rest())
 
 
 async def encoded_audio(stream: SynthesisStream, audio: SegmentAudio) -> AsyncIterator[bytes]:

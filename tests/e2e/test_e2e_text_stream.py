@@ -1,6 +1,8 @@
 """Text streamed in through the real stack: the WebSocket (vLLM-Omni's protocol) and gRPC
-StreamingSynthesize get audio for the first sentence before the text is complete, and a cancel
-mid-stream frees the talker slot and the decoder state."""
+StreamingSynthesize send an utterance in pieces with pauses, get audio before the text is
+complete, the talker serves the utterance as ONE running request (GenerateStream) that waits in
+the batch while the text runs dry, and a cancel mid-stream frees the talker slot and the decoder
+state."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from qtts.pb import tts_pb2, tts_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
-LONG = 3000  # frames: far more than the tests wait for before they cancel
+PAUSE_S = 0.4  # between pieces: the talker consumes a piece's tokens well within it
 
 
 def _live(stack) -> tuple[float, float]:
@@ -30,48 +32,75 @@ def _live(stack) -> tuple[float, float]:
     return talker, states
 
 
+def _talker_calls(stack) -> tuple[float, float]:
+    """Talker RPCs that ended OK: (Generate, GenerateStream)."""
+    m = scrape(stack["talker"].spec.metrics_port)
+
+    def count(method: str) -> float:
+        return m.get(
+            f"tts_rpc_requests_total{{code=OK,method=/talker.v1.TalkerService/{method},service=talker}}", 0.0
+        )
+
+    return count("Generate"), count("GenerateStream")
+
+
+def _waiting_for_text(stack) -> bool:
+    return scrape(stack["talker"].spec.metrics_port).get("tts_talker_text_waiting_streams", 0.0) == 1
+
+
 def _event(ws) -> dict:
     msg = ws.recv(timeout=60)
     assert isinstance(msg, str), f"expected a JSON event, got {len(msg)} audio bytes"
     return json.loads(msg)
 
 
-def test_websocket_text_in_pieces_then_cancel(stack):
+CONFIG = {
+    "type": "session.config",
+    "voice": "v",
+    "ref_audio": REF_B64,
+    "x_vector_only_mode": True,
+    "response_format": "pcm",
+    "stream_audio": True,
+    "seed": 1,
+}
+
+
+def test_websocket_utterance_in_pieces_is_one_request_then_cancel(stack):
     assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
-    config = {
-        "type": "session.config",
-        "voice": "v",
-        "ref_audio": REF_B64,
-        "x_vector_only_mode": True,
-        "response_format": "pcm",
-        "stream_audio": True,
-        "max_new_tokens": 12,
-        "seed": 1,
-    }
+    before = _talker_calls(stack)
     url = stack.http_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
     with connect(url, max_size=None) as ws:
-        ws.send(json.dumps(config))
+        ws.send(json.dumps(CONFIG))
         ws.send(json.dumps({"type": "input.text", "text": "Hello there, "}))
-        time.sleep(0.2)
-        ws.send(json.dumps({"type": "input.text", "text": "this is streamed. And"}))
         start = _event(ws)
-        assert (start["type"], start["sentence_text"]) == ("audio.start", "Hello there, this is streamed.")
-        audio = b""
-        while isinstance(msg := ws.recv(timeout=60), bytes):  # before the rest of the text is sent
+        assert (start["type"], start["sentence_index"]) == ("audio.start", 0)
+        audio = ws.recv(timeout=60)
+        assert isinstance(audio, bytes) and audio  # audio before the rest of the text is sent
+        # The talker read the piece's tokens and now waits in the batch for more, not ending.
+        assert poll(lambda: _waiting_for_text(stack), timeout=10)
+        for piece in ("this is streamed ", "in pieces, with pauses. ", "And it goes on."):
+            time.sleep(PAUSE_S)
+            ws.send(json.dumps({"type": "input.text", "text": piece}))
+        ws.send(json.dumps({"type": "input.done"}))
+        while isinstance(msg := ws.recv(timeout=60), bytes):
             audio += msg
         done = json.loads(msg)
         assert done["type"] == "audio.done" and not done["error"], done
-        assert len(audio) == done["total_bytes"] == 12 * FRAME_BYTES and done["finish_reason"] == "length"
-        ws.send(json.dumps({"type": "input.text", "text": " more"}))
-        ws.send(json.dumps({"type": "input.done"}))
-        assert _event(ws)["sentence_text"] == "And more"
-        while isinstance(msg := ws.recv(timeout=60), bytes):
-            pass
+        assert (
+            done["sentence_text"] == "Hello there, this is streamed in pieces, with pauses. And it goes on."
+        )
+        assert len(audio) == done["total_bytes"] == done["num_frames"] * FRAME_BYTES > 0
         end = _event(ws)
-        assert (end["type"], end["total_sentences"], end["usage"]["output_tokens"]) == ("session.done", 2, 24)
-        # A long utterance, cancelled once its audio flows.
-        ws.send(json.dumps({"type": "session.config", **config, "max_new_tokens": LONG}))
-        ws.send(json.dumps({"type": "input.text", "text": "A long story that nobody waits to hear. "}))
+        assert (end["type"], end["total_sentences"]) == ("session.done", 1)
+        assert end["usage"]["output_tokens"] == done["num_frames"]
+        # One running request for the whole utterance.
+        assert poll(lambda: _talker_calls(stack) == (before[0], before[1] + 1)), (
+            before,
+            _talker_calls(stack),
+        )
+
+        # An utterance whose text stays open, cancelled once its audio flows.
+        ws.send(json.dumps({"type": "input.text", "text": "A long story that nobody waits to hear "}))
         assert _event(ws)["type"] == "audio.start"
         assert isinstance(ws.recv(timeout=60), bytes)
         assert poll(lambda: _live(stack) == (1, 1)), _live(stack)
@@ -96,38 +125,46 @@ def _text(piece: str) -> tts_pb2.StreamingSynthesizeRequest:
     return tts_pb2.StreamingSynthesizeRequest(input=tts_pb2.StreamingSynthesisInput(text=piece))
 
 
-def test_grpc_streaming_synthesize_pieces_then_cancel(stack):
+def test_grpc_streaming_synthesize_in_pieces_is_one_request_then_cancel(stack):
     assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
+    before = _talker_calls(stack)
     sent_rest = False
 
-    def requests(frames: int, texts: list[str], first_audio):
+    def requests(request_id: str, texts: list[str], first_audio: threading.Event):
         nonlocal sent_rest
-        yield _config(max_new_frames=frames, request_id=f"grpc-stream-{frames}")
+        yield _config(request_id=request_id, sampling=tts_pb2.SamplingParams(seed=1))
         yield _text(texts[0])
         first_audio.wait(60)  # the rest of the text only after audio came back
         sent_rest = True
         for piece in texts[1:]:
+            time.sleep(PAUSE_S)
             yield _text(piece)
 
     with grpc.insecure_channel(stack.grpc_address) as channel:
         stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
         got_audio = threading.Event()
-        segments, audio_before_rest = [], False
-        for msg in stub.StreamingSynthesize(
-            requests(12, ["One sentence first. Then", " the rest."], got_audio), timeout=120
-        ):
+        starts, summaries, audio, audio_before_rest = [], [], b"", False
+        pieces = ["One utterance ", "sent in ", "pieces with pauses."]
+        for msg in stub.StreamingSynthesize(requests("grpc-pieces", pieces, got_audio), timeout=120):
             if msg.HasField("segment_start"):
-                segments.append(msg.segment_start.text)
-            elif msg.HasField("audio") and not got_audio.is_set():
-                audio_before_rest = not sent_rest
-                got_audio.set()
+                starts.append(msg.segment_start.text)
+            elif msg.HasField("audio"):
+                audio += msg.audio.audio
+                if not got_audio.is_set():
+                    audio_before_rest = not sent_rest
+                    got_audio.set()
             elif msg.HasField("segment_summary"):
-                assert msg.segment_summary.num_frames == 12
-        assert audio_before_rest and segments == ["One sentence first.", "Then the rest."]
+                summaries.append(msg.segment_summary)
+        assert audio_before_rest and len(starts) == 1 and starts[0].startswith("One")
+        assert len(summaries) == 1 and len(audio) == summaries[0].num_frames * FRAME_BYTES > 0
+        assert poll(lambda: _talker_calls(stack) == (before[0], before[1] + 1)), (
+            before,
+            _talker_calls(stack),
+        )
 
         hold = threading.Event()
         call = stub.StreamingSynthesize(
-            requests(LONG, ["A long story nobody waits for. ", "Never sent."], hold), timeout=120
+            requests("grpc-cancel", ["A long story nobody waits for ", "never sent."], hold), timeout=120
         )
         assert next(call).HasField("segment_start") and next(call).HasField("audio")
         assert poll(lambda: _live(stack) == (1, 1)), _live(stack)

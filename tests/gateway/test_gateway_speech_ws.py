@@ -79,10 +79,10 @@ def test_splitter_hands_text_on_at_once_and_ends_segments_at_sentence_ends():
     ]
     assert segments(s, ["你好。再见"]) == ["你好。", "再见"]
     assert segments(TextSplitter("clause"), ["one, two; three"], flush=False) == ["one,", "two;", "three|"]
-    assert segments(TextSplitter("none"), ["  One. Two. ", "Three  "]) == ["One. Two. Three"]
-    # Trailing whitespace waits for the next word; a flush of nothing ends nothing.
+    assert segments(TextSplitter("none"), ["  One. Two. ", "Three  "]) == ["One. Two. Three  "]
+    # Leading whitespace goes; a flush of nothing ends nothing.
     s = TextSplitter("none")
-    assert s.feed("Hi   ") == [TextPiece("Hi")] and s.feed(" there") == [TextPiece("    there")]
+    assert s.feed("  ") == [] and s.feed(" Hi ") == [TextPiece("Hi ")] and not TextSplitter().open
     assert TextSplitter().flush() == [] and TextSplitter().granularity == "none"
     long = TextSplitter("none", max_chars=10)
     assert segments(long, ["one two three four five"]) == ["one two", "three four", "five"]
@@ -266,7 +266,7 @@ async def test_a_failed_segment_is_an_error_event_and_the_next_one_still_plays()
         start, audio, done = await recv_segment(ws)
         assert audio == frame_pcm(0, 2) and done["error"] is False and start["sentence_index"] == 1
         assert (await recv_json(ws))["total_sentences"] == 2
-        assert gw.talker.texts == ["First.", "Second."]
+        assert gw.talker.texts == ["First. ", "Second."]  # as sent (the talker drops the last space)
         assert gw.synth.admission.active == 0
 
 

@@ -76,6 +76,13 @@ def test_the_last_word_is_held_back_until_it_is_complete(bundle64):
     assert pieces.ids + pieces.finish() == tok.role_and_target_ids("Hello world again")
 
 
+def test_whitespace_at_the_very_end_goes_as_from_a_stripped_whole_text(bundle64):
+    tok = bundle64["base"].prompt_builder
+    pieces = TextPieces(tok.role_and_target_ids, pre_token_starts(tok.tokenizer))
+    out = pieces.push("Hello there ") + pieces.push("again  ")
+    assert out + pieces.finish(" \n") == tok.role_and_target_ids("Hello there again")
+
+
 @pytest.mark.parametrize("mode", ["icl", "x_vector", "design"])
 def test_open_prompt_and_appended_text_equal_the_whole_texts_prompt(bundle64, mode):
     bundle, spec = specs(bundle64)[mode]
