@@ -85,7 +85,9 @@ class StepModel:
     def predict(self, batch: int) -> float:
         return self.base_s + self.per_stream_s * max(batch, 0)
 
-    def observe(self, batch: int, seconds: float, prefill_positions: int = 0, prefill_requests: int = 0) -> None:
+    def observe(
+        self, batch: int, seconds: float, prefill_positions: int = 0, prefill_requests: int = 0
+    ) -> None:
         if batch < 1 or seconds <= 0:
             return
         a = self._alpha

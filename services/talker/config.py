@@ -82,6 +82,10 @@ class TalkerConfig:
     # whose generated audio leads its listener by the max lead pauses.
     urgent_lead_ms: float = 2000.0
     max_lead_ms: float = 4000.0
+    # New prompts wait up to this long to be prefilled together while streams play (0: at once);
+    # due streams that are not short of audio step at most this often (0: at once).
+    prefill_coalesce_ms: float = 120.0
+    min_step_interval_ms: float = 0.0
     # Admission from measured capacity (services/talker/admission.py): a request starts only while a
     # step of every running stream is predicted to take at most this share of a frame (0 = no
     # limit), and waits at most the first-audio budget before it is refused (0 = no budget).
@@ -157,6 +161,8 @@ class TalkerConfig:
                 f"--max-len must be >= 2, --context-step >= 1 and --prefill-buckets positive, got "
                 f"{self.max_len}, {self.context_step}, {list(self.prefill_buckets)}"
             )
+        if self.prefill_coalesce_ms < 0 or self.min_step_interval_ms < 0:
+            raise InvalidArgument("--prefill-coalesce-ms and --min-step-interval-ms must be >= 0")
         if not 0 <= self.urgent_lead_ms <= self.max_lead_ms:
             raise InvalidArgument(
                 f"--urgent-lead-ms and --max-lead-ms must satisfy 0 <= urgent <= max, got "
@@ -292,6 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a stream this far ahead of its listener pauses, leaving the steps to others",
     )
     p.add_argument(
+        "--prefill-coalesce-ms",
+        type=float,
+        default=float(_env("PREFILL_COALESCE_MS", str(d.prefill_coalesce_ms))),
+        help="while streams play, new prompts wait up to this long (or for 8 of them) to be "
+        "prefilled in one step (0 = each at once)",
+    )
+    p.add_argument(
+        "--min-step-interval-ms",
+        type=float,
+        default=float(_env("MIN_STEP_INTERVAL_MS", str(d.min_step_interval_ms))),
+        help="streams that are due but not short of audio step at most this often, so more of them "
+        "join each step (0 = at once; first chunks and short streams always step at once)",
+    )
+    p.add_argument(
         "--admission-max-duty",
         type=float,
         default=float(_env("ADMISSION_MAX_DUTY", str(d.admission_max_duty))),
@@ -369,6 +389,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> TalkerConfig:
         sample_kernel=a.sample_kernel,
         urgent_lead_ms=a.urgent_lead_ms,
         max_lead_ms=a.max_lead_ms,
+        prefill_coalesce_ms=a.prefill_coalesce_ms,
+        min_step_interval_ms=a.min_step_interval_ms,
         admission_max_duty=a.admission_max_duty,
         admission_max_load=a.admission_max_load,
         first_audio_budget_ms=a.first_audio_budget_ms,

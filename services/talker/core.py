@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from qtts import request_limits as lim
-from qtts.errors import Cancelled, InvalidArgument, TTSError
+from qtts.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
 from qtts.metrics import TalkerMetrics
 
 from .engine import GenerationEngine
@@ -59,8 +59,14 @@ class TalkerCore:
         credit_window_frames: int,
         stall_timeout_s: float = 0.0,
         spec_factory: Callable[..., Any] | None = None,
+        first_audio_budget_s: float = 0.0,
     ):
         self.bundle = bundle
+        # The prompt queue is the first queue a request waits in: the first-audio budget holds
+        # there too, so a saturated prompt thread refuses at once instead of hiding a long wait.
+        self._budget_s = first_audio_budget_s
+        self._prompts_waiting = 0
+        self._build_s = 0.0  # moving average of one prompt's build time
         self.info = bundle.info
         self._engine = engine
         self._replicas = replicas
@@ -96,9 +102,19 @@ class TalkerCore:
         queued_at = time.perf_counter()
         open_text = None
         if text is None:
-            prompt, ref_codes = await asyncio.get_running_loop().run_in_executor(
-                self._prompt_thread, self._build_prompt_and_ref_codes, req, checked, voice_prompt, queued_at
-            )
+            self._check_prompt_queue()
+            self._prompts_waiting += 1
+            try:
+                prompt, ref_codes = await asyncio.get_running_loop().run_in_executor(
+                    self._prompt_thread,
+                    self._build_prompt_and_ref_codes,
+                    req,
+                    checked,
+                    voice_prompt,
+                    queued_at,
+                )
+            finally:
+                self._prompts_waiting -= 1
         else:
             open_text = self._open_text(req, checked, voice_prompt)
             built = await self._push_text(open_text, req.text, False)
@@ -177,7 +193,9 @@ class TalkerCore:
             raise InvalidArgument(str(exc)) from exc
         if prompt is None:
             return None
-        self._metrics.observe_stage("build_prompt", time.perf_counter() - started)
+        built_s = time.perf_counter() - started
+        self._metrics.observe_stage("build_prompt", built_s)
+        self._build_s = built_s if self._build_s == 0 else self._build_s + 0.1 * (built_s - self._build_s)
         ref = getattr(prompt, "ref_codes", None)
         return prompt, None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
 
@@ -212,6 +230,12 @@ class TalkerCore:
         started = time.perf_counter()
         if queued_at is not None:
             self._metrics.observe_stage("prompt_queue", started - queued_at)
+            if self._budget_s > 0 and started - queued_at > self._budget_s:
+                raise ResourceExhausted(
+                    f"the talker is at capacity: the request waited {started - queued_at:.1f} s for its "
+                    f"prompt, past the {self._budget_s:g} s first-audio budget; retry later",
+                    max(1, round(self._prompts_waiting * self._build_s)),
+                )
         stream = self._cuda_prompt_stream()
         if stream is None:
             prompt = self._build_prompt(req, checked, voice_prompt)
@@ -224,6 +248,16 @@ class TalkerCore:
         self._metrics.observe_stage("build_prompt", time.perf_counter() - started)
         ref = getattr(prompt, "ref_codes", None)
         return prompt, None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
+
+    def _check_prompt_queue(self) -> None:
+        """Refuse at once a request whose prompt would start being built past the budget."""
+        wait = self._prompts_waiting * self._build_s
+        if self._budget_s > 0 and wait > self._budget_s:
+            raise ResourceExhausted(
+                f"the talker is at capacity: {self._prompts_waiting} prompts wait to be built, about "
+                f"{wait:.1f} s, over the {self._budget_s:g} s first-audio budget; retry later",
+                max(1, round(wait)),
+            )
 
     def _cuda_prompt_stream(self) -> Any:
         """The prompt thread's CUDA stream (made on first use), or None off the GPU."""

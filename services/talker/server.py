@@ -138,6 +138,8 @@ class TalkerServer:
         policy = DeadlinePolicy(
             urgent_lead_s=c.urgent_lead_ms / 1e3,
             max_lead_s=c.max_lead_ms / 1e3,
+            coalesce_s=c.prefill_coalesce_ms / 1e3,
+            min_step_interval_s=c.min_step_interval_ms / 1e3,
             min_prefill_positions=min(DeadlinePolicy.min_prefill_positions, c.max_prefill_tokens),
             max_prefill_positions=c.max_prefill_tokens,
         )
@@ -193,6 +195,7 @@ class TalkerServer:
             credit_window_frames=self.config.credit_window_frames,
             stall_timeout_s=self.config.code2wav_stall_timeout_s,
             spec_factory=self._spec_factory,
+            first_audio_budget_s=self.config.first_audio_budget_ms / 1e3,
         )
         self.servicer.core = self.core
         await self.replicas.check_all()

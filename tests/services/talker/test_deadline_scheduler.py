@@ -120,8 +120,12 @@ def test_admission_counts_the_prefills_that_replace_ending_streams():
     (0.8 - 0.05) / (1/4000 + 1/500) = 333 streams, where the step bound alone (duty 0.6) would
     have allowed about 2,200."""
     cfg = AdmissionConfig(
-        max_duty=0.6, max_load=0.8, step_base_s=0.004, step_per_stream_s=0.00002,
-        prefill_request_s=0.02, first_audio_budget_s=0,
+        max_duty=0.6,
+        max_load=0.8,
+        step_base_s=0.004,
+        step_per_stream_s=0.00002,
+        prefill_request_s=0.02,
+        first_audio_budget_s=0,
     )
     adm = Admission(cfg)
     assert adm.capacity(mean_stream_s=10.0) == 333
@@ -141,7 +145,9 @@ def test_admission_counts_the_prefills_that_replace_ending_streams():
 
 
 def test_the_step_model_learns_what_a_request_s_prefill_costs():
-    m = StepModel(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0, prefill_request_s=0.0, ewma_alpha=0.5))
+    m = StepModel(
+        AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0, prefill_request_s=0.0, ewma_alpha=0.5)
+    )
     for _ in range(30):
         m.observe(100, 0.004 + 3 * 0.012, prefill_positions=90, prefill_requests=3)
     assert m.prefill_request_s == pytest.approx(0.012, rel=1e-3)
@@ -149,8 +155,12 @@ def test_the_step_model_learns_what_a_request_s_prefill_costs():
 
 
 def test_new_prompts_wait_for_company_while_streams_play_and_go_at_once_on_an_idle_server():
-    s = Scheduler(10, 100, admission=Admission(AdmissionConfig(first_audio_budget_s=0)),
-                  policy=DeadlinePolicy(coalesce_s=0.1, coalesce_rows=3))
+    s = Scheduler(
+        10,
+        100,
+        admission=Admission(AdmissionConfig(first_audio_budget_s=0)),
+        policy=DeadlinePolicy(coalesce_s=0.1, coalesce_rows=3),
+    )
     s.submit(req("first", positions=50), now=0.0)
     plan = s.plan(0.0)
     assert plan.step and plan.prefill_budget >= 50  # nothing plays: no waiting
@@ -336,3 +346,45 @@ def test_config_flags_for_deadlines_and_admission():
         config_from_args(["--urgent-lead-ms", "5000", "--max-lead-ms", "4000"])
     with pytest.raises(SystemExit):
         config_from_args(["--admission-max-duty", "-1"])
+
+
+def counting_steps(s: Scheduler) -> list[int]:
+    """The width of every step `s` plans from now on."""
+    steps: list[int] = []
+    plan = s.plan
+
+    def counted(now: float):
+        p = plan(now)
+        if p.step:
+            steps.append(len(p.stepping))
+        return p
+
+    s.plan = counted
+    return steps
+
+
+def test_a_minimum_step_interval_makes_fewer_wider_steps_without_gaps():
+    """300 closed-loop streams with prompts prefilled in batches (coalescing): streams that are
+    due but not short step at most every 60 ms, so those falling under the lead bound in between
+    join one step; first chunks and streams with under 150 ms left still step at once."""
+    cost = Cost(
+        base_s=0.005, per_stream_s=0.00002, prefill_position_s=0.00001, decode_s=0.01, prefill_step_s=0.03
+    )
+    counts = {}
+    for interval in (0.0, 0.06):
+        s = Scheduler(
+            10_000,
+            10_000,
+            admission=Admission(AdmissionConfig(first_audio_budget_s=0, max_load=0)),
+            policy=DeadlinePolicy(min_step_interval_s=interval, critical_s=0.15),
+        )
+        steps = counting_steps(s)
+        done = [
+            x
+            for x in simulate(s, steady_load(300, 125, 40, spread_s=10.0), cost, closed_loop=300, until_s=30)
+            if x.finished_at is not None
+        ]
+        assert len(done) >= 590 and all(x.max_underrun_s() == 0 for x in done)
+        counts[interval] = (len(steps), sum(steps) / len(steps))
+    assert counts[0.06][0] < 0.6 * counts[0.0][0]  # fewer steps ...
+    assert counts[0.06][1] > 1.5 * counts[0.0][1]  # ... each of more streams
