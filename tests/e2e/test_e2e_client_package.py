@@ -108,7 +108,8 @@ def test_client_examples_run_against_the_stack(stack, client_python, tmp_path):
     with wave.open(io.BytesIO(wav)) as w:
         assert w.getframerate() == 24000 and len(wav) - 44 == 20 * FRAME_BYTES
     http = stack.http_url.removeprefix("http://")
-    for transport in ("ws", "grpc"):
+    for transport, split, segments in (("ws", "none", 1), ("grpc", "none", 1), ("ws", "sentence", 3)):
+        prefix = f"{transport}-{split}"
         out = _example(
             client_python,
             "stream_text.py",
@@ -124,10 +125,12 @@ def test_client_examples_run_against_the_stack(stack, client_python, tmp_path):
             "10",
             "--delay-s",
             "0.01",
+            "--split",
+            split,
             "--prefix",
-            transport,
+            prefix,
             cwd=tmp_path,
         )
-        assert out.count("speaking:") == 3, out
-        sizes = [(tmp_path / f"{transport}_{i}.pcm").stat().st_size for i in range(3)]
-        assert sizes == [10 * FRAME_BYTES] * 3, (transport, sizes)
+        assert out.count("speaking:") == segments, out
+        sizes = [(tmp_path / f"{prefix}_{i}.pcm").stat().st_size for i in range(segments)]
+        assert sizes == [10 * FRAME_BYTES] * segments, (transport, sizes)

@@ -1,5 +1,6 @@
 """Stream text from a token generator (a stand-in for an LLM) and play it as it is spoken, over the
-WebSocket or over gRPC; each sentence's audio is written to its own raw PCM file.
+WebSocket or over gRPC: one running synthesis takes the text as it comes; each segment's audio
+(one per sentence with --split sentence) is written to its own raw PCM file.
 
     python examples/stream_text.py --transport ws --voice demo
     python examples/stream_text.py --transport grpc --voice demo
@@ -36,14 +37,22 @@ def main() -> None:
     p.add_argument("--http", default="127.0.0.1:8000", help="gateway HTTP host:port (WebSocket)")
     p.add_argument("--address", default="127.0.0.1:50051", help="gateway gRPC host:port")
     p.add_argument("--voice", default="demo")
-    p.add_argument("--max-new-frames", type=int, default=0, help="per sentence; 0: from the text length")
+    p.add_argument("--max-new-frames", type=int, default=0, help="per segment; 0: from the text length")
+    p.add_argument(
+        "--split", choices=("none", "sentence", "clause"), default="none", help="where segments end"
+    )
     p.add_argument("--delay-s", type=float, default=0.05, help="between tokens")
-    p.add_argument("--prefix", default="sentence")
+    p.add_argument("--prefix", default="segment")
     args = p.parse_args()
     started = time.perf_counter()
     files: dict[int, bytes] = {}
     if args.transport == "ws":
-        config = {"voice": args.voice, "response_format": "pcm", "stream_audio": True}
+        config = {
+            "voice": args.voice,
+            "response_format": "pcm",
+            "stream_audio": True,
+            "split_granularity": args.split,
+        }
         if args.max_new_frames:
             config["max_new_tokens"] = args.max_new_frames
         for event in stream_text_ws(
@@ -58,7 +67,7 @@ def main() -> None:
     else:
         options = SynthesisOptions(voice=args.voice, max_new_frames=args.max_new_frames)
         with TTSClient(args.address) as client:
-            for event in client.streaming_synthesize(tokens(args.delay_s), options):
+            for event in client.streaming_synthesize(tokens(args.delay_s), options, text_split=args.split):
                 if isinstance(event, SegmentStart):
                     print(f"{time.perf_counter() - started:5.2f} s  speaking: {event.text}")
                 elif isinstance(event, Audio):

@@ -180,10 +180,12 @@ class TTSClient:
         texts: Iterable[str],
         options: SynthesisOptions = SynthesisOptions(),
         *,
-        text_split: TextSplit = "sentence",
+        text_split: TextSplit = "none",
     ) -> Iterator[SegmentStart | Audio | Summary]:
         """Send `texts` (an LLM's tokens, say) as they come; yield each segment's start, audio chunks
-        and summary while more text is still being sent. `max_new_frames` applies to each segment."""
+        and summary while more text is still being sent. A segment is one running synthesis that
+        takes its text as it arrives: all of `texts` by default, or each sentence / clause with
+        `text_split`. `max_new_frames` applies to each segment."""
 
         def requests():
             config = tts_pb2.StreamingSynthesizeConfig(
