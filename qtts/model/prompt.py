@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +157,9 @@ def instruct_text(instruct: str) -> str:
     return f"<|im_start|>user\n{instruct}<|im_end|>\n"
 
 
+_MEMO_IDS = 8  # id lists up to this long have their embeddings kept (special tokens, roles)
+
+
 class PromptBuilder:
     """Builds `TalkerPrompt`s from `SynthesisSpec`s with a loaded talker and tokenizer."""
 
@@ -175,6 +180,12 @@ class PromptBuilder:
         self.frame_limit = frame_limit
         self.default_frames_per_text_token = default_frames_per_text_token
         self.model_name = model_name  # part of the prefix key (a cache may outlive one model)
+        # Embeddings that do not depend on the target text (special tokens, roles, codec ids and
+        # each voice's speaker embedding and reference frames), kept so a request's prompt costs
+        # a few device calls, not dozens: one prompt thread builds every prompt in the talker.
+        self._memo: OrderedDict[tuple, object] = OrderedDict()
+        self._memo_lock = threading.Lock()
+        self.memo_entries = 512
 
     # -- helpers ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -196,11 +207,53 @@ class PromptBuilder:
             return t.to(device, dtype)
         return t.to(dtype).pin_memory().to(device, non_blocking=True)
 
+    def _remember(self, key: tuple, make):
+        """`make()`, computed once per key (LRU); the result is shared and never written to."""
+        with self._memo_lock:
+            hit = self._memo.get(key)
+            if hit is not None:
+                self._memo.move_to_end(key)
+                return hit
+        value = make()
+        with self._memo_lock:
+            self._memo[key] = value
+            while len(self._memo) > self.memo_entries:
+                self._memo.popitem(last=False)
+        return value
+
     def _text(self, ids: list[int]) -> torch.Tensor:
+        if len(ids) <= _MEMO_IDS:
+            return self._remember(("text", *ids), lambda: self.talker.embed_text(self._ids(ids)))
         return self.talker.embed_text(self._ids(ids))  # [1, n, H]
 
     def _codec(self, ids: list[int]) -> torch.Tensor:
+        if len(ids) <= _MEMO_IDS:
+            return self._remember(("codec", *ids), lambda: self.talker.embed_codec(self._ids(ids)))
         return self.talker.embed_codec(self._ids(ids))  # [1, n, H]
+
+    def _voice_parts(self, voice) -> tuple:
+        """(speaker embedding [1, 1, H], reference frames on the device, C(bos) + their embeddings
+        [1, T + 1, H] or None, transcript ids or None) of a voice prompt, by its content."""
+        h = hashlib.blake2b(digest_size=16)
+        for t in (voice.x_vector, voice.ref_codes):
+            if t is not None:
+                h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        h.update(repr(voice.ref_text).encode())
+
+        def make() -> tuple:
+            dtype = self.talker.codec_head.weight.dtype
+            speaker = self._to_device(voice.x_vector, dtype).view(1, 1, -1)
+            if voice.ref_codes is None or not voice.ref_text:
+                return speaker, None, None, None
+            ref_codes = self._to_device(voice.ref_codes, torch.long)
+            codec_embed = torch.cat(
+                [self._codec([self.config.talker.codec_bos_id]), self.frame_embeds(ref_codes)[None]], dim=1
+            )
+            ref_ids = encode(self.tokenizer, ref_text_block(voice.ref_text))[3:-2]
+            return speaker, ref_codes, codec_embed, ref_ids
+
+        return self._remember(("voice", h.digest()), make)
 
     def text_embeds(self, ids: list[int]) -> torch.Tensor:
         """Projected text embeddings [len(ids), H] (trailing text appended to a running request)."""
@@ -271,9 +324,7 @@ class PromptBuilder:
         elif spec.task == "voice_clone":
             if voice is None:
                 raise InvalidArgument("voice clone needs a voice prompt")
-            speaker_embed = self._to_device(voice.x_vector, self.talker.codec_head.weight.dtype).view(
-                1, 1, -1
-            )
+            speaker_embed = self._voice_parts(voice)[0]
             instruct = None
         icl = spec.task == "voice_clone" and not voice.x_vector_only and voice.ref_codes is not None
         if icl and not voice.ref_text:
@@ -333,7 +384,7 @@ class PromptBuilder:
         empty = tts_pad[:, :0]
         num_voice_body = 0  # leading body positions that depend on the voice only
         if icl:
-            ref_ids = encode(self.tokenizer, ref_text_block(voice.ref_text))[3:-2]
+            _, ref_codes, codec_embed, ref_ids = self._voice_parts(voice)
             # Body position i is T(x_i) + Y_i (streaming) or T(x_i) + C(pad) (non-streaming) with
             # x = ref tokens + target tokens + tts_eos and Y = C(codec_bos), reference frames: the
             # first target token enters at body position len(ref_ids).
@@ -347,10 +398,6 @@ class PromptBuilder:
             elif text_embed.shape[1] < voice.ref_codes.shape[0] + 1:
                 # The whole text might still end inside the reference frames (padded there).
                 raise NeedMoreText("the text so far does not reach past the reference frames")
-            ref_codes = self._to_device(voice.ref_codes, torch.long)
-            codec_embed = torch.cat(
-                [self._codec([tcfg.codec_bos_id]), self.frame_embeds(ref_codes)[None]], dim=1
-            )
             tl, cl = text_embed.shape[1], codec_embed.shape[1]
             if not streaming:
                 parts.append(text_embed + self._codec([tcfg.codec_pad_id] * tl))

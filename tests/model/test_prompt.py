@@ -168,3 +168,27 @@ def test_compute_voice_prompt_equals_official(official_factory, bundle_factory):
         bundle.compute_voice_prompt(wav, None, x_vector_only=False)
     with pytest.raises(InvalidArgument, match="not a voice-clone"):
         bundle_factory("custom_voice").compute_voice_prompt(wav, None, x_vector_only=True)
+
+
+def test_a_voice_s_embeddings_are_computed_once_and_never_shared_with_another(bundle_factory, monkeypatch):
+    """The prompt thread builds every prompt: a voice's reference-frame embeddings are kept, so a
+    second request with the voice costs no codebook lookups, and another voice gets its own."""
+    bundle = bundle_factory("base")
+    builder = bundle.prompt_builder
+    calls = []
+    real = builder.frame_embeds
+    monkeypatch.setattr(builder, "frame_embeds", lambda codes: calls.append(codes.shape) or real(codes))
+    voice_a = _voice(bundle.talker.hidden_size, 40, seed=101)  # seeds no other test uses
+    voice_b = _voice(bundle.talker.hidden_size, 40, seed=102)
+    assert not torch.equal(voice_a.ref_codes, voice_b.ref_codes)
+
+    def build(voice, text=TEXTS[0]):
+        return bundle.build_prompt(SynthesisSpec(text=text, task="voice_clone", voice_prompt=voice))
+
+    first = build(voice_a)
+    again = build(voice_a)
+    assert len(calls) == 1 and torch.equal(first.embeds, again.embeds)
+    other = build(voice_b)
+    assert len(calls) == 2 and not torch.equal(other.embeds, first.embeds)
+    longer = build(voice_a, TEXTS[0] + " And a little more.")
+    assert len(calls) == 2 and longer.embeds.shape[0] >= first.embeds.shape[0]
