@@ -80,6 +80,7 @@ class SynthesisStream:
         self._closed = False
         self.summary: SynthesisSummary | None = None
         self._reader: asyncio.Task | None = None  # the task iterating the stream
+        self._waiting = False  # whether it waits for the talker's next event
         self._cut: Exception | None = None
         synth._live.add(self)
 
@@ -91,10 +92,19 @@ class SynthesisStream:
             yield first
         self._reader = asyncio.current_task()
         try:
-            async for event in self._events:
+            while self._cut is None:
+                self._waiting = True
+                try:
+                    event = await self._events.__anext__()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    self._waiting = False
                 if isinstance(event, SynthesisSummary):
                     self.summary = event
                 yield event
+            if self._cut is not None and self.summary is None:  # cut while the reader was writing
+                raise self._cut
         except asyncio.CancelledError:
             # Our own cancel (cut) becomes the cut's error; any other cancel stays a cancel.
             if self._cut is None or asyncio.current_task().uncancel() > 0:
@@ -110,7 +120,9 @@ class SynthesisStream:
         if self._closed or self._cut is not None:
             return
         self._cut = error
-        if self._reader is not None:
+        # Only a wait for the talker is interrupted; a reader that is writing to its client (the
+        # write may be what the drain waits for) sees the cut when it comes back for more.
+        if self._reader is not None and self._waiting:
             self._reader.cancel()
 
     def first_byte_sent(self) -> None:

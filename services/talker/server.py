@@ -81,7 +81,8 @@ class TalkerServer:
     """The talker process; `bundle`, `generator_factory` and `exit_process` may be injected (tests).
 
     Health is SERVING while it can serve: after warm-up, and while at least one code2wav replica
-    is on the ring (without one every request would fail). A fatal device error turns it
+    is on the ring (without one every request would fail; a ring that stays empty for two health
+    rounds, so one round timed out under load is no outage). A fatal device error turns it
     NOT_SERVING for good and ends the process (qtts.device_failure).
     """
 
@@ -124,7 +125,8 @@ class TalkerServer:
         self._exit_process = exit_process
         self.device_failure: DeviceFailure | None = None
         self._started = False
-        self._health_sync: asyncio.Task | None = None
+        self._health_sync: asyncio.Future | None = None
+        self._unready_timer: asyncio.TimerHandle | None = None
 
     def _scheduler(self) -> Scheduler:
         c = self.config
@@ -171,7 +173,7 @@ class TalkerServer:
             stall_hold_s=self.config.code2wav_stall_timeout_s,
             token=self.config.internal_token,
             tls=self.config.tls,
-            on_availability=lambda _: self._sync_health_soon(),
+            on_availability=self._replicas_changed,
         )
         self.replicas.start()
         self._cache = SpeakerCacheClient(
@@ -203,6 +205,16 @@ class TalkerServer:
         await self._apply_health()
         return port
 
+    def _replicas_changed(self, available: bool) -> None:
+        if self._unready_timer is not None:
+            self._unready_timer.cancel()
+            self._unready_timer = None
+        if available:
+            self._sync_health_soon()
+        else:
+            delay = 2 * self.config.health_interval_s
+            self._unready_timer = asyncio.get_running_loop().call_later(delay, self._sync_health_soon)
+
     def _sync_health_soon(self) -> None:
         self._health_sync = asyncio.ensure_future(self._apply_health())
 
@@ -223,6 +235,8 @@ class TalkerServer:
         await self.host.stop(grace)
 
     async def _shutdown(self) -> None:
+        if self._unready_timer is not None:
+            self._unready_timer.cancel()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self._voices is not None:
