@@ -31,6 +31,7 @@ COUNTERS_AND_GAUGES = {
     "tts_speaker_cache_voices",
     "tts_errors_total",
     "tts_talker_paused_streams",
+    "tts_talker_text_waiting_streams",
     "tts_talker_underruns_total",
     "tts_talker_refused_total",
     "tts_talker_predicted_step_seconds",
