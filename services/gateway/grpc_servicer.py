@@ -122,7 +122,7 @@ async def _read_text(
         nonlocal segment
         for piece in pieces:
             if piece.text:
-                if segment is None:
+                if segment is None or segment.closed:  # ended early: at its length
                     segment = SegmentText()
                     queue.put_nowait(segment)
                 segment.append(piece.text)
@@ -319,6 +319,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     raise
                 finally:
                     await stream.close(error)
+                    item.close()  # ended, maybe before its text did: later text starts the next
                 segment += 1
         finally:
             reader.cancel()

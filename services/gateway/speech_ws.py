@@ -313,7 +313,7 @@ class SpeechStreamEndpoint:
         """Text into the open segment (a new one, queued, for the first text after an end)."""
         for piece in pieces:
             if piece.text:
-                if s.segment is None:
+                if s.segment is None or s.segment.text.closed:  # ended early: failed, or at its length
                     s.segment = _Segment(s.utterance, s.sentences, SegmentText(), s.fields, s.audio)
                     s.queue.put_nowait(s.segment)
                     s.sentences += 1
@@ -414,9 +414,6 @@ class SpeechStreamEndpoint:
         except Exception as exc:
             error = exc
             done = {"error": True}
-            if s.segment is seg:  # the utterance's next text starts a segment of its own
-                seg.text.close()
-                s.segment = None
             if not isinstance(exc, TTSError):
                 log.error("segment %s failed", request_id, exc_info=exc)
             self.synth.metrics.error(mapping_for(exc).grpc_code.name)
@@ -425,6 +422,8 @@ class SpeechStreamEndpoint:
         finally:
             if stream is not None:
                 await stream.close(error)
+            # Ended (maybe before its text did): the utterance's next text starts a new segment.
+            seg.text.close()
             if not isinstance(error, WebSocketDisconnect):
                 with contextlib.suppress(Exception):
                     await s.send_json(

@@ -44,8 +44,8 @@ def _talker_calls(stack) -> tuple[float, float]:
     return count("Generate"), count("GenerateStream")
 
 
-def _waiting_for_text(stack) -> bool:
-    return scrape(stack["talker"].spec.metrics_port).get("tts_talker_text_waiting_streams", 0.0) == 1
+def _waiting_for_text(stack) -> float:
+    return scrape(stack["talker"].spec.metrics_port).get("tts_talker_text_waiting_streams", 0.0)
 
 
 def _event(ws) -> dict:
@@ -77,7 +77,9 @@ def test_websocket_utterance_in_pieces_is_one_request_then_cancel(stack):
         audio = ws.recv(timeout=60)
         assert isinstance(audio, bytes) and audio  # audio before the rest of the text is sent
         # The talker read the piece's tokens and now waits in the batch for more, not ending.
-        assert poll(lambda: _waiting_for_text(stack), timeout=10)
+        assert poll(lambda: _waiting_for_text(stack) == 1, timeout=20), scrape(
+            stack["talker"].spec.metrics_port
+        )
         for piece in ("this is streamed ", "in pieces, with pauses. ", "And it goes on."):
             time.sleep(PAUSE_S)
             ws.send(json.dumps({"type": "input.text", "text": piece}))
@@ -112,6 +114,30 @@ def test_websocket_utterance_in_pieces_is_one_request_then_cancel(stack):
         assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
         ws.send(json.dumps({"type": "session.close"}))
     assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
+
+
+def test_a_segment_that_reaches_its_length_before_its_text_ends_hands_the_rest_to_a_new_one(stack):
+    assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
+    url = stack.http_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps({**CONFIG, "max_new_tokens": 4}))
+        ws.send(json.dumps({"type": "input.text", "text": "Hello there, this is "}))
+        assert _event(ws)["type"] == "audio.start"
+        while isinstance(msg := ws.recv(timeout=60), bytes):
+            pass
+        done = json.loads(msg)
+        assert (done["type"], done["finish_reason"], done["num_frames"]) == ("audio.done", "length", 4)
+        assert poll(lambda: _live(stack) == (0, 0)), _live(stack)  # the talker let it go, text open or not
+        ws.send(json.dumps({"type": "input.text", "text": "the rest of it."}))
+        ws.send(json.dumps({"type": "input.done"}))
+        start = _event(ws)
+        assert (start["type"], start["sentence_index"]) == ("audio.start", 1)
+        while isinstance(msg := ws.recv(timeout=60), bytes):
+            pass
+        assert json.loads(msg)["sentence_text"] == "the rest of it."
+        end = _event(ws)
+        assert (end["type"], end["total_sentences"], end["usage"]["output_tokens"]) == ("session.done", 2, 8)
+        ws.send(json.dumps({"type": "session.close"}))
 
 
 def _config(**kw) -> tts_pb2.StreamingSynthesizeRequest:
