@@ -1,7 +1,7 @@
 """Log-mel front-end of the speaker encoder: 128 slaney mel bins at 24 kHz (n_fft 1024, hop 256).
 
-The slaney filterbank is computed here with librosa's formulas (librosa is not a runtime
-dependency); tests check it against librosa and the reference implementation."""
+The slaney filterbank is transformers' (`audio_utils.mel_filter_bank`); tests check it against
+librosa and the reference implementation."""
 
 from __future__ import annotations
 
@@ -18,24 +18,19 @@ SAMPLE_RATE = 24000
 FMIN = 0.0
 FMAX = 12000.0
 
-_F_SP = 200.0 / 3  # slaney: linear below 1 kHz, 200/3 Hz per mel
-_MIN_LOG_HZ = 1000.0
-_MIN_LOG_MEL = _MIN_LOG_HZ / _F_SP
-_LOGSTEP = np.log(6.4) / 27.0
-
 
 def hz_to_mel(hz: np.ndarray) -> np.ndarray:
-    hz = np.asarray(hz, dtype=np.float64)
-    mel = hz / _F_SP
-    log = hz >= _MIN_LOG_HZ
-    return np.where(log, _MIN_LOG_MEL + np.log(np.maximum(hz, 1e-12) / _MIN_LOG_HZ) / _LOGSTEP, mel)
+    """Slaney mel scale: linear below 1 kHz, logarithmic above."""
+    from transformers.audio_utils import hertz_to_mel
+
+    return hertz_to_mel(np.asarray(hz, dtype=np.float64), mel_scale="slaney")
 
 
 def mel_to_hz(mel: np.ndarray) -> np.ndarray:
-    mel = np.asarray(mel, dtype=np.float64)
-    hz = _F_SP * mel
-    log = mel >= _MIN_LOG_MEL
-    return np.where(log, _MIN_LOG_HZ * np.exp(_LOGSTEP * (mel - _MIN_LOG_MEL)), hz)
+    """Inverse of `hz_to_mel`."""
+    from transformers.audio_utils import mel_to_hertz
+
+    return mel_to_hertz(np.asarray(mel, dtype=np.float64), mel_scale="slaney")
 
 
 @functools.lru_cache(maxsize=8)
@@ -43,16 +38,19 @@ def slaney_mel_filterbank(
     sr: int = SAMPLE_RATE, n_fft: int = N_FFT, n_mels: int = N_MELS, fmin: float = FMIN, fmax: float = FMAX
 ) -> np.ndarray:
     """Triangular slaney-normalised mel filters [n_mels, 1 + n_fft // 2], float32 (= librosa's)."""
-    fft_freqs = np.linspace(0, float(sr) / 2, 1 + n_fft // 2)
-    mel_f = mel_to_hz(np.linspace(hz_to_mel(fmin), hz_to_mel(fmax), n_mels + 2))
-    fdiff = np.diff(mel_f)
-    ramps = np.subtract.outer(mel_f, fft_freqs)
-    weights = np.zeros((n_mels, 1 + n_fft // 2), dtype=np.float32)
-    for i in range(n_mels):
-        lower = -ramps[i] / fdiff[i]
-        upper = ramps[i + 2] / fdiff[i + 1]
-        weights[i] = np.maximum(0, np.minimum(lower, upper))
-    weights *= (2.0 / (mel_f[2 : n_mels + 2] - mel_f[:n_mels]))[:, None]
+    # Imported here: transformers takes seconds to import and only the speaker encoder needs it.
+    from transformers.audio_utils import mel_filter_bank
+
+    weights = mel_filter_bank(
+        num_frequency_bins=1 + n_fft // 2,
+        num_mel_filters=n_mels,
+        min_frequency=fmin,
+        max_frequency=fmax,
+        sampling_rate=sr,
+        norm="slaney",
+        mel_scale="slaney",
+    )
+    weights = np.ascontiguousarray(weights.T, dtype=np.float32)
     weights.flags.writeable = False
     return weights
 

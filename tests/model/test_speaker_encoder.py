@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qtts.errors import InvalidArgument
-from qtts.model.mel import log_mel_spectrogram, slaney_mel_filterbank
+from qtts.model.mel import hz_to_mel, log_mel_spectrogram, mel_to_hz, slaney_mel_filterbank
 from qtts.model.speaker_encoder import SpeakerEncoder
 from tests.official import import_qwen_tts
 
@@ -45,6 +45,22 @@ def test_filterbank_equals_librosa():
     ours = slaney_mel_filterbank()
     assert ours.shape == ref.shape == (128, 513) and ours.dtype == np.float32
     np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("sr", "n_fft", "n_mels", "fmin", "fmax"), [(16000, 512, 80, 20.0, 7600.0)])
+def test_filterbank_equals_librosa_other_shapes(sr, n_fft, n_mels, fmin, fmax):
+    librosa = pytest.importorskip("librosa")
+    ref = librosa.filters.mel(sr=sr, n_fft=n_fft, n_mels=n_mels, fmin=fmin, fmax=fmax)
+    ours = slaney_mel_filterbank(sr, n_fft, n_mels, fmin, fmax)
+    assert ours.shape == ref.shape == (n_mels, 1 + n_fft // 2)
+    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
+
+
+def test_mel_scale_equals_librosa():
+    librosa = pytest.importorskip("librosa")
+    hz = np.array([0.0, 200.0, 999.0, 1000.0, 4000.0, 12000.0])
+    np.testing.assert_allclose(hz_to_mel(hz), librosa.hz_to_mel(hz, htk=False), rtol=1e-12)
+    np.testing.assert_allclose(mel_to_hz(hz_to_mel(hz)), hz, rtol=1e-12, atol=1e-9)
 
 
 @pytest.mark.reference
