@@ -20,6 +20,7 @@ Certificates are read at start-up: after a renewal, restart (roll) the pods.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import grpc
 
 from qtts.errors import InvalidArgument
 from qtts.service_config import EnvLookup
+from qtts.settings import setting
 
 # What --tls-client-auth accepts: a server with --tls-ca requires client certificates (mutual
 # TLS), or accepts any client over TLS.
@@ -39,11 +41,22 @@ CLIENT_AUTH = ("require", "none")
 class TlsConfig:
     """PEM file paths (empty: not given) and how a server treats client certificates."""
 
-    cert: str = ""
-    key: str = ""
-    ca: str = ""
-    client_auth: str = "require"
-    server_name: str = ""
+    # Help texts: {what} is what the TLS is on, {prefix} the flag prefix (qtts/settings.py, group).
+    cert: str = setting("", "PEM certificate chain for TLS on {what} (default: plaintext)")
+    key: str = setting("", "its PEM private key")
+    ca: str = setting(
+        "",
+        "PEM CA bundle the peers' certificates are checked against; a server with it requires "
+        "client certificates it signed (mutual TLS)",
+    )
+    client_auth: str = setting(
+        "require",
+        "with --{prefix}-ca: require a client certificate (require, mutual TLS) or not (none)",
+        choices=CLIENT_AUTH,
+    )
+    server_name: str = setting(
+        "", "name the servers' certificates must carry (default: the host of each address)"
+    )
     # The flag prefix these came from ("tls", "public-tls"), for error messages.
     flag: str = "tls"
 
@@ -153,31 +166,18 @@ def add_tls_flags(
     what: str = "gRPC between the services",
     server_name: bool = True,
 ) -> None:
-    """--<prefix>-cert, -key, -ca, -client-auth (and -server-name) with `<PREFIX>_*` env fallbacks."""
+    """--<prefix>-cert, -key, -ca, -client-auth (and -server-name) with `<PREFIX>_*` env fallbacks,
+    for the launcher and the probe (the services declare TlsConfig as a settings group)."""
     env_prefix = prefix.upper().replace("-", "_")
     d = TlsConfig()
-    p.add_argument(
-        f"--{prefix}-cert",
-        default=env(f"{env_prefix}_CERT", d.cert),
-        help=f"PEM certificate chain for TLS on {what} (default: plaintext)",
-    )
-    p.add_argument(f"--{prefix}-key", default=env(f"{env_prefix}_KEY", d.key), help="its PEM private key")
-    p.add_argument(
-        f"--{prefix}-ca",
-        default=env(f"{env_prefix}_CA", d.ca),
-        help="PEM CA bundle the peers' certificates are checked against; a server with it requires "
-        "client certificates it signed (mutual TLS)",
-    )
-    p.add_argument(
-        f"--{prefix}-client-auth",
-        default=env(f"{env_prefix}_CLIENT_AUTH", d.client_auth),
-        help=f"with --{prefix}-ca: require a client certificate (require, mutual TLS) or not (none)",
-    )
-    if server_name:
+    for f in dataclasses.fields(TlsConfig):
+        meta = f.metadata.get("qtts.settings")
+        if meta is None or (f.name == "server_name" and not server_name):
+            continue
         p.add_argument(
-            f"--{prefix}-server-name",
-            default=env(f"{env_prefix}_SERVER_NAME", d.server_name),
-            help="name the servers' certificates must carry (default: the host of each address)",
+            f"--{prefix}-{f.name.replace('_', '-')}",
+            default=env(f"{env_prefix}_{f.name.upper()}", getattr(d, f.name)),
+            help=meta.help.format(what=what, prefix=prefix),
         )
 
 

@@ -10,53 +10,63 @@ Redis credentials go in the URL (`redis://user:password@host:6379/0`) or, kept o
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from qtts import service_config as common
 from qtts.errors import InvalidArgument
-from qtts.service_config import (
-    DEFAULT_GIL_SWITCH_INTERVAL_MS,
-    add_server_flags,
-    check_server_fields,
-    env_lookup,
-)
-from qtts.tls import TlsConfig, add_tls_flags, tls_from_args
-
-_env = env_lookup("speaker_cache")
+from qtts.service_config import check_server_fields
+from qtts.settings import ServiceSettings, group, setting
+from qtts.tls import TlsConfig
 
 
 @dataclass(frozen=True)
 class SpeakerCacheConfig:
     """Everything speaker_cache needs at start-up; validated once by `validate()`."""
 
-    host: str = "127.0.0.1"
-    port: int = 50054
-    metrics_port: int = 9104
+    host: str = common.host()
+    port: int = common.port(50054)
+    metrics_port: int = common.metrics_port(9104)
     # Empty: the in-process LRU store. May hold credentials: not in repr, redacted in messages.
-    redis_url: str = field(default="", repr=False)
+    redis_url: str = setting(
+        "",
+        "Redis URL: redis://[user:password@]host:port/db, rediss:// for TLS, or unix://; "
+        "empty = in-process LRU",
+        env=("REDIS_URL",),
+        repr=False,
+    )
     # Credentials kept out of the URL (user empty: Redis's default user); each given one way only.
-    redis_username: str = ""
-    redis_password: str = field(default="", repr=False)
-    redis_password_file: str = ""
-    # CA bundle for a rediss:// server's certificate (empty: the system's roots).
-    redis_ca: str = ""
-    redis_namespace: str = "tts:"
-    # Seconds a voice prompt lives in Redis (0 = until Redis evicts it by its own policy).
-    prompt_ttl_s: int = 7 * 24 * 3600
-    lru_entries: int = 1024
-    lru_bytes: int = 512 * 1024 * 1024
-    max_voices: int = 10_000
-    max_audio_bytes: int = 20 * 1024 * 1024
-    drain_seconds: float = 10.0
+    redis_username: str = setting(
+        "", "Redis ACL user (default: the URL's, else Redis's default user)", env=("REDIS_USERNAME",)
+    )
+    redis_password: str = setting(
+        "",
+        "Redis password (prefer the env var or --redis-password-file to the flag, which other "
+        "users can see in the process list)",
+        env=("REDIS_PASSWORD",),
+        repr=False,
+    )
+    redis_password_file: str = setting("", "file holding the Redis password (e.g. mounted from a Secret)")
+    redis_ca: str = setting(
+        "", "PEM CA bundle for a rediss:// server's certificate (default: the system's roots)"
+    )
+    redis_namespace: str = setting("tts:", "prefix of every Redis key")
+    prompt_ttl_s: int = setting(
+        7 * 24 * 3600, "seconds a voice prompt lives in Redis (0 = until Redis evicts it by its own policy)"
+    )
+    lru_entries: int = setting(1024, "voice prompts kept by the in-process LRU")
+    lru_bytes: int = setting(512 * 1024 * 1024, "bytes of voice prompts kept by the in-process LRU")
+    max_voices: int = setting(10_000, "named voices kept at most")
+    max_audio_bytes: int = setting(20 * 1024 * 1024, "largest reference clip of a voice, bytes")
+    drain_seconds: float = common.drain_seconds(10.0)
     # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
-    gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
-    log_level: str = "INFO"
+    gil_switch_interval_ms: float = common.gil_switch_interval_ms()
+    log_level: str = common.log_level()
     # Shared secret of the services (qtts/internal_auth.py); empty: off.
-    internal_token: str = ""
+    internal_token: str = common.internal_token()
     # TLS / mutual TLS on the gRPC port (qtts/tls.py); off by default.
-    tls: TlsConfig = TlsConfig()
+    tls: TlsConfig = group(TlsConfig(), "tls", omit=("server_name",), what="gRPC between the services")
 
     def validate(self) -> SpeakerCacheConfig:
         """Raise `InvalidArgument` with a clear message for an unusable configuration."""
@@ -129,86 +139,13 @@ def redacted_url(url: str) -> str:
         return url.split("://", 1)[0] + "://<redacted>"
 
 
+SETTINGS = ServiceSettings(SpeakerCacheConfig, "speaker_cache", "python -m services.speaker_cache", __doc__)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = SpeakerCacheConfig()
-    p = argparse.ArgumentParser(prog="python -m services.speaker_cache", description=__doc__)
-    add_server_flags(p, _env, d)
-    p.add_argument(
-        "--internal-token",
-        default=_env("INTERNAL_TOKEN", d.internal_token),
-        help="shared secret of the services (qtts/internal_auth.py): sent on calls to the other "
-        "services and required from callers; prefer the env var to the flag (default: off)",
-    )
-    add_tls_flags(p, _env, server_name=False)
-    p.add_argument(
-        "--redis-url",
-        default=_env("REDIS_URL", os.environ.get("REDIS_URL", d.redis_url)),
-        help="Redis URL (env REDIS_URL): redis://[user:password@]host:port/db, rediss:// for TLS, "
-        "or unix://; empty = in-process LRU",
-    )
-    p.add_argument(
-        "--redis-username",
-        default=_env("REDIS_USERNAME", os.environ.get("REDIS_USERNAME", d.redis_username)),
-        help="Redis ACL user (env REDIS_USERNAME; default: the URL's, else Redis's default user)",
-    )
-    p.add_argument(
-        "--redis-password",
-        default=_env("REDIS_PASSWORD", os.environ.get("REDIS_PASSWORD", d.redis_password)),
-        help="Redis password (env REDIS_PASSWORD; prefer the env var or --redis-password-file "
-        "to the flag, which other users can see in the process list)",
-    )
-    p.add_argument(
-        "--redis-password-file",
-        default=_env("REDIS_PASSWORD_FILE", d.redis_password_file),
-        help="file holding the Redis password (e.g. mounted from a Secret)",
-    )
-    p.add_argument(
-        "--redis-ca",
-        default=_env("REDIS_CA", d.redis_ca),
-        help="PEM CA bundle for a rediss:// server's certificate (default: the system's roots)",
-    )
-    p.add_argument("--redis-namespace", default=_env("REDIS_NAMESPACE", d.redis_namespace))
-    p.add_argument("--prompt-ttl-s", type=int, default=int(_env("PROMPT_TTL_S", str(d.prompt_ttl_s))))
-    p.add_argument(
-        "--lru-entries",
-        type=int,
-        default=int(_env("LRU_ENTRIES", str(d.lru_entries))),
-        help="voice prompts kept by the in-process LRU",
-    )
-    p.add_argument(
-        "--lru-bytes",
-        type=int,
-        default=int(_env("LRU_BYTES", str(d.lru_bytes))),
-        help="bytes of voice prompts kept by the in-process LRU",
-    )
-    p.add_argument("--max-voices", type=int, default=int(_env("MAX_VOICES", str(d.max_voices))))
-    p.add_argument(
-        "--max-audio-bytes", type=int, default=int(_env("MAX_AUDIO_BYTES", str(d.max_audio_bytes)))
-    )
-    return p
+    return SETTINGS.parser()
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> SpeakerCacheConfig:
     """Parse flags (falling back to env vars) into a validated `SpeakerCacheConfig`."""
-    ns = build_parser().parse_args(argv)
-    return SpeakerCacheConfig(
-        host=ns.host,
-        port=ns.port,
-        metrics_port=ns.metrics_port,
-        redis_url=ns.redis_url,
-        redis_username=ns.redis_username,
-        redis_password=ns.redis_password,
-        redis_password_file=ns.redis_password_file,
-        redis_ca=ns.redis_ca,
-        redis_namespace=ns.redis_namespace,
-        prompt_ttl_s=ns.prompt_ttl_s,
-        lru_entries=ns.lru_entries,
-        lru_bytes=ns.lru_bytes,
-        max_voices=ns.max_voices,
-        max_audio_bytes=ns.max_audio_bytes,
-        drain_seconds=ns.drain_seconds,
-        gil_switch_interval_ms=ns.gil_switch_interval_ms,
-        log_level=ns.log_level,
-        internal_token=ns.internal_token,
-        tls=tls_from_args(ns),
-    ).validate()
+    return SETTINGS.parse(argv).validate()

@@ -1,0 +1,49 @@
+"""docs/settings.md from the services' settings declarations (qtts/settings.py): one table per
+service with every flag, its env variables, default and help.
+
+    python docs/settings_table.py --write   # rewrite docs/settings.md
+
+tests/test_settings.py fails when docs/settings.md is not what this prints.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "settings.md"
+SERVICES = ("speaker_cache",)
+
+HEADER = """# Settings
+
+Every setting of every service, generated from the declarations in `services/<name>/config.py`
+(`python docs/settings_table.py --write`; a test fails when this page is out of date). A flag wins
+over its env variables, which are read in the order listed, and they over the default. A value
+that does not parse, or is not one of the choices, stops the service with one line naming the flag
+and the env variable (exit status 2).
+"""
+
+
+def render() -> str:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    parts = [HEADER]
+    for name in SERVICES:
+        settings = importlib.import_module(f"services.{name}.config").SETTINGS
+        parts.append(f"## {name}\n\n`{settings.prog}`\n\n{settings.table()}")
+    return "\n".join(parts)
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if argv[1:] == ["--write"]:
+        DOC.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
