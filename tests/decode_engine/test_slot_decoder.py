@@ -24,6 +24,13 @@ def decoder(tiny_codec_decoder) -> CodecDecoder:
     return tiny_codec_decoder
 
 
+def test_package_reexports_the_slot_decoder_module():
+    from qtts.decode_engine import slot_decoder
+
+    assert SlotDecoder is slot_decoder.SlotDecoder and EngineConfig is slot_decoder.EngineConfig
+    assert load_slot_decoder is slot_decoder.load_slot_decoder
+
+
 def _codes(t: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2048, (t, 16), generator=torch.Generator().manual_seed(seed))
 

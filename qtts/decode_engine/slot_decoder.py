@@ -1,0 +1,298 @@
+"""`SlotDecoder`: code2wav's engine, `IncrementalDecoder`'s operations over a static slot pool.
+
+It is driven from one thread (the code2wav decode worker); it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from qtts.decode_engine.batcher import BatchPlanner, PieceCollector, PlannerConfig, WorkItem
+from qtts.decode_engine.runner import PRECISIONS, StepRunner
+from qtts.decode_engine.slots import SlotPool
+from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The service's default plan is 2, 2, 4, 8, then 16 frames; other lengths a client asks for are cut
+# into these (exactly: the state carries from piece to piece), 1 fills any remainder.
+DEFAULT_CHUNK_SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Pool size, precision and captured shapes of a `SlotDecoder`; validated on construction."""
+
+    max_streams: int = 256
+    precision: str = "tf32"  # fp32 (reference) | tf32 | bf16 (fast path)
+    cuda_graphs: bool = True
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    chunk_sizes: tuple[int, ...] = DEFAULT_CHUNK_SIZES
+    # Bound on batch x frames per step (activation memory of one step grows with it).
+    max_step_frames: int = 3200
+    # Cut chunks of uncaptured lengths into captured ones (exact; graph replays beat eager calls).
+    split_to_captured: bool = True
+    cudnn_benchmark: bool = True
+    # CPU only: run the static-buffer path without graphs (tests of padding and buffers).
+    emulate_graphs: bool = False
+    # Decoder states right after a reference prefix, kept per distinct prefix (LRU; 0 = off): a
+    # stream of a voice seen before copies its state instead of decoding the prefix again.
+    # Each entry holds one slot's state (`SlotPool.slot_bytes()`).
+    prefix_cache_entries: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.max_step_frames < 1:
+            raise ValueError(f"max_step_frames must be >= 1, got {self.max_step_frames}")
+        if self.prefix_cache_entries < 0:
+            raise ValueError(f"prefix_cache_entries must be >= 0, got {self.prefix_cache_entries}")
+        # Shape sanity (distinct, positive) is checked by PlannerConfig.
+        PlannerConfig(
+            self.chunk_sizes, self.batch_sizes, max(self.chunk_sizes, default=1), self.max_step_frames
+        )
+
+
+@dataclass(eq=False)
+class SlotState:
+    """A stream's handle: its stage-local stream id, its pool slot and its frame counters.
+
+    `frames` counts every frame decoded (prefix included) and is the position of the next frame;
+    `prefix_frames` is the reference prefix whose audio is never returned."""
+
+    id: int
+    slot: int
+    frames: int = 0
+    prefix_frames: int = 0
+    freed: bool = False
+    failed: bool = field(default=False, repr=False)
+
+    @property
+    def output_frames(self) -> int:
+        return self.frames - self.prefix_frames
+
+
+class SlotDecoder:
+    """Stateful chunked decoding for many streams at once; see the module docstring."""
+
+    # Codes are best passed as CPU tensors: one step gathers every row into one host-to-device copy.
+    accepts_host_codes = True
+
+    def __init__(self, decoder: CodecDecoder, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        cfg = self.config
+        self.decoder = decoder
+        self.samples_per_frame = decoder.samples_per_frame
+        self.num_quantizers = decoder.cfg.num_quantizers
+        self.device = decoder.device
+        self.runner = StepRunner(
+            decoder, cfg.max_streams, precision=cfg.precision, emulate_graphs=cfg.emulate_graphs
+        )
+        self.window = self.runner.window
+        self.steps_total = 0  # decoder runs (graph replays or eager steps) so far, for metrics
+        static = cfg.cuda_graphs and (self.device.type == "cuda" or cfg.emulate_graphs)
+        self.planner = BatchPlanner(
+            PlannerConfig(
+                chunk_sizes=tuple(c for c in cfg.chunk_sizes if c <= self.window) if static else (),
+                batch_sizes=cfg.batch_sizes if static else (),
+                max_chunk_frames=self.window,
+                max_step_frames=cfg.max_step_frames,
+                split_to_captured=cfg.split_to_captured,
+            )
+        )
+        self._ids = itertools.count(1)
+        self._live: dict[int, SlotState] = {}
+        # Prefix digest -> (slot snapshot, frames); hits/misses count starts with a prefix.
+        self._prefix_states: OrderedDict[bytes, tuple[dict[str, torch.Tensor], int]] = OrderedDict()
+        self.prefix_hits = 0
+        self.prefix_misses = 0
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def pool(self) -> SlotPool:
+        return self.runner.pool
+
+    def capture(self, extra_shapes: Sequence[tuple[int, int]] = ()) -> int:
+        """Capture every (batch, chunk) shape the planner can pick, plus `extra_shapes`, in one
+        call (no-op on CPU unless emulated); returns how many shapes are captured."""
+        pc = self.planner.config
+        shapes = [
+            (b, c) for c in pc.chunk_sizes for b in pc.batch_sizes if b * c <= max(pc.max_step_frames, c)
+        ]
+        return self.runner.capture(shapes + list(extra_shapes), cudnn_benchmark=self.config.cudnn_benchmark)
+
+    # ------------------------------------------------------------------ IncrementalDecoder API
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def start(self, prefix_codes: torch.Tensor | None = None) -> SlotState:
+        """New stream in a free slot (`SlotPoolFull` when none); an ICL reference prefix [P, Q] is
+        decoded now as context and never returned."""
+        prefix = None
+        if prefix_codes is not None and prefix_codes.shape[0] > 0:
+            prefix = self._check_codes(prefix_codes)
+        sid = next(self._ids)
+        state = SlotState(id=sid, slot=self.pool.allocate(sid))
+        self._live[sid] = state
+        try:
+            if prefix is not None:
+                self._start_from_prefix(state, prefix)
+        except BaseException:
+            self.free(state)
+            raise
+        return state
+
+    def reset(self, state: SlotState, prefix_codes: torch.Tensor | None = None) -> SlotState:
+        """Restart a stream from scratch (its old state is freed, a new one started)."""
+        self.free(state)
+        return self.start(prefix_codes)
+
+    def decode(self, state: SlotState, codes: torch.Tensor) -> torch.Tensor:
+        """Decode the next frames [n, Q] of one stream -> their samples [n * samples_per_frame]."""
+        return self.decode_batch([state], [codes])[0]
+
+    def decode_batch(self, states: list[SlotState], codes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode the next frames of many streams; result i belongs to states[i] (rows may be empty)."""
+        if len(states) != len(codes):
+            raise ValueError(f"{len(states)} states but {len(codes)} code chunks")
+        if len({s.id for s in states}) != len(states):
+            raise ValueError("a decoder state appears twice in one batch")
+        checked = [self._check_codes(c) for c in codes]
+        for s in states:
+            self._check_state(s)
+        return self._decode(states, checked)
+
+    def _decode(self, states: list[SlotState], checked: list[torch.Tensor]) -> list[torch.Tensor]:
+        by_id = {s.id: (s, c) for s, c in zip(states, checked, strict=True)}
+        items = [WorkItem(s.id, c.shape[0], first=s.output_frames == 0) for s, c in by_id.values()]
+        collector: PieceCollector[torch.Tensor] = PieceCollector()
+        try:
+            for step in self.planner.plan(items):
+                rows = [by_id[r.stream_id] for r in step.rows]
+                chunks = [
+                    c[r.offset : r.offset + step.frames] for r, (_, c) in zip(step.rows, rows, strict=True)
+                ]
+                slots = [s.slot for s, _ in rows]
+                positions = [s.frames for s, _ in rows]
+                if step.captured and self.runner.has_graph(step.batch, step.frames):
+                    # Copy out of the shared output buffer before the next step reuses it.
+                    wav = self.runner.run_static(step.batch, slots, positions, chunks).clone()
+                else:
+                    wav = self.runner.run_eager(slots, positions, chunks)
+                collector.add(step, list(wav.unbind(0)))
+                self.steps_total += 1
+                for s, _ in rows:
+                    s.frames += step.frames
+        except BaseException:
+            # Some of these streams' histories may be half-updated: they can not continue.
+            for s in states:
+                s.failed = True
+            raise
+        empty = torch.zeros(0, device=self.device, dtype=torch.float32)
+        out = []
+        for s in states:
+            pieces = collector.get(s.id)
+            out.append(empty if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+        return out
+
+    def free(self, state: SlotState) -> None:
+        """Return the stream's slot (on finish, error, cancel or reset). Idempotent."""
+        if state.freed:
+            return
+        state.freed = True
+        self._live.pop(state.id, None)
+        self.pool.release(state.slot, state.id)
+
+    def free_all(self) -> int:
+        """Free every live stream (shutdown); returns how many were live."""
+        live = list(self._live.values())
+        for s in live:
+            self.free(s)
+        return len(live)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        if codes.dim() != 2 or codes.shape[1] != self.num_quantizers:
+            raise ValueError(f"codes must be [n, {self.num_quantizers}], got {tuple(codes.shape)}")
+        if codes.device.type == "cuda":
+            return codes.to(dtype=torch.long)
+        # Host codes stay on the host: the step packs them into one pinned buffer and one copy.
+        return codes.to(dtype=torch.long).contiguous()
+
+    def _check_state(self, state: SlotState) -> None:
+        if state.freed:
+            raise ValueError("decoder state was freed")
+        if state.failed:
+            raise ValueError("decoder state is unusable after a failed decode")
+        self.pool.check(state.slot, state.id)
+
+    def _start_from_prefix(self, state: SlotState, prefix: torch.Tensor) -> None:
+        """The state after `prefix`: copied from the prefix cache, or decoded (and cached)."""
+        entries = self.config.prefix_cache_entries
+        if entries == 0:
+            self._decode_prefix(state, prefix)
+            return
+        host = prefix.detach().to("cpu", torch.long).contiguous()
+        key = hashlib.sha256(repr(tuple(host.shape)).encode() + host.numpy().tobytes()).digest()
+        cached = self._prefix_states.get(key)
+        if cached is not None:
+            self._prefix_states.move_to_end(key)
+            self.prefix_hits += 1
+            snap, frames = cached
+            self.pool.restore(state.slot, snap)
+            state.frames = state.prefix_frames = frames
+            return
+        self.prefix_misses += 1
+        self._decode_prefix(state, prefix)
+        self._prefix_states[key] = (self.pool.snapshot(state.slot), state.frames)
+        while len(self._prefix_states) > entries:
+            self._prefix_states.popitem(last=False)
+
+    def _decode_prefix(self, state: SlotState, prefix: torch.Tensor) -> None:
+        """Run a reference prefix through the decoder, keeping only its state.
+
+        The frame-rate part (pre-conv, transformer) sees every prefix frame; the upsampler and
+        conv blocks only the last `prefix_tail_frames` (their receptive field, plus one): their
+        history at the end of the prefix is then exactly that of a full decode, at a fraction of
+        the cost."""
+        run = self.runner
+        total = prefix.shape[0]
+        head = max(0, total - run.prefix_tail_frames)
+        for start in range(0, head, self.window):
+            end = min(start + self.window, head)
+            run.run_eager([state.slot], [state.frames], [prefix[start:end]], frame_only=True)
+            state.frames += end - start
+        # The tail goes through the planned (captured) steps; its audio is dropped.
+        self._decode([state], [prefix[head:]])
+        state.prefix_frames = state.frames
+
+
+def build_slot_decoder(decoder: CodecDecoder, config: EngineConfig | None = None) -> SlotDecoder:
+    """A `SlotDecoder` with its CUDA graphs captured (start-up cost: seconds per shape)."""
+    engine = SlotDecoder(decoder, config)
+    engine.capture()
+    return engine
+
+
+def load_slot_decoder(
+    path_or_id: str,
+    *,
+    device: str | torch.device = "cuda",
+    load_format: str = "auto",
+    config: EngineConfig | None = None,
+) -> SlotDecoder:
+    """Load the codec decoder (fp32 reference weights; `config.precision` picks the compute path)
+    and build a captured `SlotDecoder` on it: the one call code2wav's model loader needs."""
+    decoder = load_codec_decoder(path_or_id, device=device, dtype=torch.float32, load_format=load_format)
+    return build_slot_decoder(decoder, config)
