@@ -100,7 +100,7 @@ def test_a_bad_value_names_the_flag_and_the_env_variable(argv, env, message, mon
     assert message in info.value.message
 
 
-@pytest.mark.parametrize("service", ["code2wav", "speaker_cache"])
+@pytest.mark.parametrize("service", ["gateway", "code2wav", "speaker_cache"])
 def test_a_malformed_env_value_is_one_line_and_exit_status_2(service, monkeypatch, capsys):
     module = importlib.import_module(f"services.{service}.config")
     env = f"TTS_{service.upper()}_METRICS_PORT"
