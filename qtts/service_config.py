@@ -18,7 +18,6 @@ default stays CPython's, and the flag is there to measure other settings per ser
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,52 +111,3 @@ def check_connection_age(config: Any) -> None:
     """Raise `InvalidArgument` for a negative connection age or grace."""
     if config.max_connection_age_s < 0 or config.max_connection_age_grace_s < 0:
         raise InvalidArgument("--max-connection-age-s and --max-connection-age-grace-s must be >= 0")
-
-
-def add_server_flags(
-    p: argparse.ArgumentParser, env: EnvLookup, defaults: Any, *, ports: Sequence[str] = ("port",)
-) -> None:
-    """--host, one --<port> flag per listening port field, --metrics-port, --drain-seconds, --log-level."""
-    p.add_argument("--host", default=env("HOST", defaults.host), help="listen address")
-    for field in ports:
-        p.add_argument(
-            f"--{field.replace('_', '-')}",
-            type=int,
-            default=int(env(field.upper(), str(getattr(defaults, field)))),
-        )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(env("METRICS_PORT", str(defaults.metrics_port))),
-        help="Prometheus metrics port (0 = off)",
-    )
-    p.add_argument(
-        "--drain-seconds",
-        type=float,
-        default=float(env("DRAIN_SECONDS", str(defaults.drain_seconds))),
-        help="on SIGTERM, how long in-flight streams may run before they are cancelled",
-    )
-    p.add_argument("--log-level", default=env("LOG_LEVEL", defaults.log_level))
-    p.add_argument(
-        "--gil-switch-interval-ms",
-        type=float,
-        default=float(env("GIL_SWITCH_INTERVAL_MS", str(defaults.gil_switch_interval_ms))),
-        help="how long a thread may hold the GIL while another waits (sys.setswitchinterval)",
-    )
-
-
-def add_connection_age_flags(p: argparse.ArgumentParser, env: EnvLookup, defaults: Any) -> None:
-    """--max-connection-age-s and --max-connection-age-grace-s."""
-    p.add_argument(
-        "--max-connection-age-s",
-        type=float,
-        default=float(env("MAX_CONNECTION_AGE_S", str(defaults.max_connection_age_s))),
-        help="close client connections after this long (GOAWAY) so clients re-resolve and reach "
-        "new replicas (0 = never)",
-    )
-    p.add_argument(
-        "--max-connection-age-grace-s",
-        type=float,
-        default=float(env("MAX_CONNECTION_AGE_GRACE_S", str(defaults.max_connection_age_grace_s))),
-        help="how long streams on an aged connection may still run (0 = --drain-seconds)",
-    )
