@@ -249,7 +249,8 @@ class ServiceSettings:
             if e.setting.choices:
                 choices = ", ".join(_choice(c) for c in e.setting.choices)
                 text = f"{text}; one of {choices}" if text else f"one of {choices}"
-            default = f"`{e.default_text}`" if e.default_text else ""
+            # A `shown` default is prose; a value is code.
+            default = e.setting.shown or (f"`{e.default_text}`" if e.default_text else "")
             envs = ", ".join(f"`{n}`" for n in e.envs)
             text = text.replace("|", "\\|")
             rows.append(f"| `{e.flag}` | {envs} | {default} | {text} |")
