@@ -1,10 +1,11 @@
 """OpenAI's voice consent recordings: `/v1/audio/voice_consents` create, list, get, rename, delete.
 
 A consent record says who agreed to have their voice cloned (`name`), in which language the consent
-phrase was spoken and when; `POST /v1/audio/voices` with a `consent` id checks it against these.
-The records live in this gateway process (bounded; the recording's sha256 and size are kept, not the
-audio): the speaker_cache protocol has no place for them yet, so with several gateway replicas or
-after a restart a consent id is only known where it was created.
+phrase was spoken and when; `POST /v1/audio/voices` (and gRPC CreateVoice) with a `consent` id
+checks it against these. The records live in speaker_cache (its in-process store, or Redis), so
+every gateway replica knows every consent and they survive a gateway restart; the recording's
+sha256 and size are kept, not the audio. `MemoryConsents` keeps them in this process instead (a
+gateway on its own, tests).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from fastapi import APIRouter, Request
 
@@ -55,22 +57,69 @@ def _text(value: object, field: str, limit: int) -> str:
     return value.strip()
 
 
-class ConsentStore:
-    """Consent records in creation order, at most `max_records` (then creating is a 429)."""
+class ConsentBackend(Protocol):
+    """Where the records live. `put` creates (AlreadyExists, ResourceExhausted at the bound) or
+    replaces (NotFound when absent); `get` and `delete` raise NotFound; `page` lists oldest first
+    and raises InvalidArgument for an unknown `after`."""
+
+    async def put(self, consent: VoiceConsent, create: bool) -> VoiceConsent: ...
+
+    async def get(self, consent_id: str) -> VoiceConsent: ...
+
+    async def page(self, after: str, limit: int) -> tuple[list[VoiceConsent], bool]: ...
+
+    async def delete(self, consent_id: str) -> None: ...
+
+
+class MemoryConsents:
+    """`ConsentBackend` in this process: creation order, at most `max_records`."""
 
     def __init__(self, max_records: int = 10_000):
         self._records: OrderedDict[str, VoiceConsent] = OrderedDict()
         self._max = max_records
 
-    def create(self, name: object, language: object, recording: bytes) -> VoiceConsent:
+    async def put(self, consent: VoiceConsent, create: bool) -> VoiceConsent:
+        known = consent.id in self._records
+        if create and len(self._records) >= self._max:
+            raise ResourceExhausted(f"this gateway holds {self._max} consent records; delete some first")
+        if not create and not known:
+            raise NotFound(f"no voice consent {consent.id!r}")
+        self._records[consent.id] = consent
+        return consent
+
+    async def get(self, consent_id: str) -> VoiceConsent:
+        consent = self._records.get(consent_id)
+        if consent is None:
+            raise NotFound(f"no voice consent {consent_id!r}")
+        return consent
+
+    async def page(self, after: str, limit: int) -> tuple[list[VoiceConsent], bool]:
+        ids = list(self._records)
+        start = 0
+        if after:
+            if after not in self._records:
+                raise InvalidArgument(f"after: no voice consent {after!r}", param="after")
+            start = ids.index(after) + 1
+        return [self._records[i] for i in ids[start : start + limit]], start + limit < len(ids)
+
+    async def delete(self, consent_id: str) -> None:
+        if self._records.pop(consent_id, None) is None:
+            raise NotFound(f"no voice consent {consent_id!r}")
+
+
+class ConsentStore:
+    """The consent records' rules (fields, limits, ids) over a `ConsentBackend`."""
+
+    def __init__(self, backend: ConsentBackend | None = None, max_records: int = 10_000):
+        self._backend = backend if backend is not None else MemoryConsents(max_records)
+
+    async def create(self, name: object, language: object, recording: bytes) -> VoiceConsent:
         name = _text(name, "name", MAX_NAME_CHARS)
         language = _text(language, "language", MAX_LANGUAGE_CHARS)
         if not recording:
             raise InvalidArgument("recording (the consent audio file) is required", param="recording")
         if len(recording) > MAX_RECORDING_BYTES:
             raise InvalidArgument(f"recording is over {MAX_RECORDING_BYTES} bytes", param="recording")
-        if len(self._records) >= self._max:
-            raise ResourceExhausted(f"this gateway holds {self._max} consent records; delete some first")
         consent = VoiceConsent(
             f"cons_{secrets.token_hex(12)}",
             name,
@@ -79,47 +128,44 @@ class ConsentStore:
             hashlib.sha256(recording).hexdigest(),
             len(recording),
         )
-        self._records[consent.id] = consent
-        return consent
+        return await self._backend.put(consent, create=True)
 
-    def get(self, consent_id: str) -> VoiceConsent:
-        consent = self._records.get(consent_id)
-        if consent is None:
-            raise NotFound(f"no voice consent {consent_id!r}", param="consent_id")
-        return consent
+    async def get(self, consent_id: str) -> VoiceConsent:
+        try:
+            return await self._backend.get(consent_id)
+        except NotFound as exc:
+            exc.param = "consent_id"
+            raise
 
-    def rename(self, consent_id: str, name: object) -> VoiceConsent:
-        consent = replace(self.get(consent_id), name=_text(name, "name", MAX_NAME_CHARS))
-        self._records[consent_id] = consent
-        return consent
+    async def rename(self, consent_id: str, name: object) -> VoiceConsent:
+        name = _text(name, "name", MAX_NAME_CHARS)
+        return await self._backend.put(replace(await self.get(consent_id), name=name), create=False)
 
-    def delete(self, consent_id: str) -> None:
-        self.get(consent_id)
-        del self._records[consent_id]
+    async def delete(self, consent_id: str) -> None:
+        try:
+            await self._backend.delete(consent_id)
+        except NotFound as exc:
+            exc.param = "consent_id"
+            raise
 
-    def page(self, after: str | None, limit: int) -> tuple[list[VoiceConsent], bool]:
+    async def page(self, after: str | None, limit: int) -> tuple[list[VoiceConsent], bool]:
         """Up to `limit` records after the one with id `after` (OpenAI's cursor), and whether more follow."""
-        ids = list(self._records)
-        start = 0
-        if after:
-            if after not in self._records:
-                raise InvalidArgument(f"after: no voice consent {after!r}", param="after")
-            start = ids.index(after) + 1
-        chosen = ids[start : start + limit]
-        return [self._records[i] for i in chosen], start + limit < len(ids)
+        return await self._backend.page(after or "", limit)
 
-    def check(self, consent: object) -> None:
-        """A voice upload's `consent`: absent, or the id of a record here."""
+    async def check(self, consent: object) -> None:
+        """A voice upload's `consent`: absent, or the id of a record."""
         if consent is None or consent == "":
             return
         if not isinstance(consent, str):
             raise InvalidArgument("consent must be a consent recording id (a string)", param="consent")
-        if consent not in self._records:
+        try:
+            await self._backend.get(consent)
+        except (NotFound, InvalidArgument):
             raise NotFound(
                 f"consent {consent!r} is not a voice consent of this server "
                 "(create one with POST /v1/audio/voice_consents)",
                 param="consent",
-            )
+            ) from None
 
 
 def _limit(raw: str | None) -> int:
@@ -146,11 +192,11 @@ def consent_router(store: ConsentStore) -> APIRouter:
         form = await request.form()
         upload = form.get("recording")
         recording = await upload.read(MAX_RECORDING_BYTES + 1) if hasattr(upload, "read") else b""
-        return store.create(form.get("name"), form.get("language"), recording).to_json()
+        return (await store.create(form.get("name"), form.get("language"), recording)).to_json()
 
     @router.get("/v1/audio/voice_consents")
     async def list_consents(after: str | None = None, limit: str | None = None) -> dict:
-        records, more = store.page(after, _limit(limit))
+        records, more = await store.page(after, _limit(limit))
         return {
             "object": "list",
             "data": [c.to_json() for c in records],
@@ -161,7 +207,7 @@ def consent_router(store: ConsentStore) -> APIRouter:
 
     @router.get("/v1/audio/voice_consents/{consent_id}")
     async def get_consent(consent_id: str) -> dict:
-        return store.get(consent_id).to_json()
+        return (await store.get(consent_id)).to_json()
 
     @router.post("/v1/audio/voice_consents/{consent_id}")
     async def rename_consent(consent_id: str, request: Request) -> dict:
@@ -172,11 +218,11 @@ def consent_router(store: ConsentStore) -> APIRouter:
             body = None
         if not isinstance(body, dict):
             raise InvalidArgument("request body must be a JSON object with name", param="name")
-        return store.rename(consent_id, body.get("name")).to_json()
+        return (await store.rename(consent_id, body.get("name"))).to_json()
 
     @router.delete("/v1/audio/voice_consents/{consent_id}")
     async def delete_consent(consent_id: str) -> dict:
-        store.delete(consent_id)
+        await store.delete(consent_id)
         return {"id": consent_id, "object": "audio.voice_consent", "deleted": True}
 
     return router

@@ -17,6 +17,7 @@ from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 from .audio_encoding import Resampler, make_encoder
 from .auth import ApiKeys, grpc_owner, owner_var
 from .client_identity import client_var, grpc_client_key
+from .consents import ConsentStore
 from .instructions import ignored_fields_header
 from .job import AudioPiece, SpeechFields, SynthesisJob, SynthesisSummary
 from .synthesis import SynthesisStream, Synthesizer
@@ -178,10 +179,13 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         voices: VoiceService,
         api_keys: ApiKeys | None = None,
         write_timeout_s: float = 0.0,
+        consents: ConsentStore | None = None,
     ):
         self._synth = synthesizer
         self._voices = voices
         self._api_keys = api_keys
+        # What CreateVoice's `consent` is checked against (the HTTP API's records).
+        self._consents = consents if consents is not None else ConsentStore()
         # A response write that does not complete this long ends the call (0 = never); see _write_all.
         self._write_timeout_s = write_timeout_s
 
@@ -406,6 +410,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self._bind_caller(context)
         x_vector_only = request.x_vector_only if request.HasField("x_vector_only") else None
         try:
+            await self._consents.check(request.consent)
             voice = await self._voices.create(
                 request.name,
                 request.reference_audio,

@@ -367,7 +367,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
                 await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), field)
             )
             _check_voice_extras(_form_text(form, "type"), _form_text(form, "consent"))
-            deps.consents.check(form.get("consent"))
+            await deps.consents.check(form.get("consent"))
             name, ref_text = _form_text(form, "name") or "", _form_text(form, "ref_text") or ""
             x_field = _form_text(form, "x_vector_only_mode")
             x_only = None if x_field is None else str(x_field).lower() in ("1", "true", "yes", "on")
@@ -381,7 +381,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
                 raise InvalidArgument(f"{field} must be a base64 string or data URL", param=field)
             audio = decode_base64_audio(b64, field)
             _check_voice_extras(body.get("type"), body.get("consent"))
-            deps.consents.check(body.get("consent"))
+            await deps.consents.check(body.get("consent"))
             name, ref_text = body.get("name"), body.get("ref_text")
             if not isinstance(name, str):
                 raise InvalidArgument("name must be a string", param="name")

@@ -27,6 +27,7 @@ from qtts.tracing import TracingMiddleware
 from .admission import Admission
 from .auth import ApiKeyInterceptor, ApiKeys, load_api_keys
 from .config import GatewayConfig
+from .consents import ConsentStore
 from .grpc_servicer import TextToSpeechServicer
 from .http_app import HttpDeps, create_app
 from .http_limits import header_timeout_protocol
@@ -41,7 +42,7 @@ from .synthesis import Synthesizer, decode_reference
 from .talker_client import TalkerClient
 from .talker_pool import DnsResolver, TalkerPool
 from .validation import RequestLimits
-from .voice_client import VoiceClient
+from .voice_client import SpeakerCacheConsents, VoiceClient
 from .voices import VoiceService
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ class GatewayServer:
         self.voices = VoiceService(
             self.voice_client, decode, lambda: self.catalog, config.max_ref_audio_bytes
         )
+        # In speaker_cache: every gateway replica knows every consent.
+        self.consents = ConsentStore(SpeakerCacheConsents(self.voice_client))
         self.stage_health = StageHealth(
             {"talker": self.talker.channel, "speaker_cache": self.voice_client.channel}
         )
@@ -160,7 +163,11 @@ class GatewayServer:
         )
         tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
             TextToSpeechServicer(
-                self.synthesizer, self.voices, self.api_keys, write_timeout_s=config.http_write_timeout_s
+                self.synthesizer,
+                self.voices,
+                self.api_keys,
+                write_timeout_s=config.http_write_timeout_s,
+                consents=self.consents,
             ),
             self.host.server,
         )
@@ -176,6 +183,7 @@ class GatewayServer:
                 body_timeout_s=config.http_body_timeout_s,
                 write_timeout_s=config.http_write_timeout_s,
                 api_keys=self.api_keys,
+                consents=self.consents,
             )
         )
         self.app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)

@@ -1,4 +1,4 @@
-"""gRPC client of speaker_cache's named-voice API, in gateway terms."""
+"""gRPC client of speaker_cache's named-voice and voice-consent API, in gateway terms."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from qtts.internal_auth import client_interceptors
 from qtts.log_context import outgoing_metadata
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 from qtts.tls import TlsConfig, aio_channel
+
+from .consents import VoiceConsent
 
 
 @dataclass(frozen=True)
@@ -125,5 +127,51 @@ class VoiceClient:
         except grpc.aio.AioRpcError as exc:
             raise _error(exc, self.address) from None
 
+    async def call(self, method: str, request, timeout: float = 10.0):
+        """One unary call of the stub; gRPC errors as domain errors."""
+        try:
+            return await getattr(self._stub, method)(request, timeout=timeout, metadata=outgoing_metadata())
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc, self.address) from None
+
     async def close(self) -> None:
         await self._channel.close()
+
+
+def _consent_pb(c: VoiceConsent) -> speaker_cache_pb2.VoiceConsent:
+    return speaker_cache_pb2.VoiceConsent(
+        id=c.id,
+        name=c.name,
+        language=c.language,
+        created_unix_s=c.created_at,
+        recording_sha256=c.recording_sha256,
+        recording_bytes=c.recording_bytes,
+    )
+
+
+def _consent(c: speaker_cache_pb2.VoiceConsent) -> VoiceConsent:
+    return VoiceConsent(c.id, c.name, c.language, c.created_unix_s, c.recording_sha256, c.recording_bytes)
+
+
+class SpeakerCacheConsents:
+    """`consents.ConsentBackend` in speaker_cache: every gateway replica sees the same records."""
+
+    def __init__(self, client: VoiceClient):
+        self._client = client
+
+    async def put(self, consent: VoiceConsent, create: bool) -> VoiceConsent:
+        req = speaker_cache_pb2.PutConsentRequest(consent=_consent_pb(consent), create=create)
+        return _consent((await self._client.call("PutConsent", req)).consent)
+
+    async def get(self, consent_id: str) -> VoiceConsent:
+        req = speaker_cache_pb2.GetConsentRequest(id=consent_id)
+        return _consent((await self._client.call("GetConsent", req)).consent)
+
+    async def page(self, after: str, limit: int) -> tuple[list[VoiceConsent], bool]:
+        resp = await self._client.call(
+            "ListConsents", speaker_cache_pb2.ListConsentsRequest(after=after, limit=limit)
+        )
+        return [_consent(c) for c in resp.consents], resp.has_more
+
+    async def delete(self, consent_id: str) -> None:
+        await self._client.call("DeleteConsent", speaker_cache_pb2.DeleteConsentRequest(id=consent_id))

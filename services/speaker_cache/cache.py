@@ -6,10 +6,14 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from qtts.errors import InvalidArgument
 from qtts.metrics import SpeakerCacheMetrics
 from services.speaker_cache.records import (
+    MAX_CONSENTS_PAGE,
+    ConsentRecord,
     PromptRecord,
     VoiceRecord,
+    validate_consent_id,
     validate_prompt_key,
     validate_voice_name,
 )
@@ -65,3 +69,20 @@ class SpeakerCache:
     async def delete_voice(self, name: str) -> None:
         await self.store.delete_voice(validate_voice_name(name))
         await self.refresh_voice_count()
+
+    async def put_consent(self, consent: ConsentRecord, create: bool) -> ConsentRecord:
+        consent.validate()
+        if consent.created_unix_s <= 0:
+            consent = replace(consent, created_unix_s=int(self._clock()))
+        return await self.store.put_consent(consent, create)
+
+    async def get_consent(self, consent_id: str) -> ConsentRecord:
+        return await self.store.get_consent(validate_consent_id(consent_id))
+
+    async def list_consents(self, after: str, limit: int) -> tuple[list[ConsentRecord], bool]:
+        if not 1 <= limit <= MAX_CONSENTS_PAGE:
+            raise InvalidArgument(f"limit must be in 1..{MAX_CONSENTS_PAGE}", param="limit")
+        return await self.store.list_consents(validate_consent_id(after) if after else "", limit)
+
+    async def delete_consent(self, consent_id: str) -> None:
+        await self.store.delete_consent(validate_consent_id(consent_id))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from qtts.errors import AlreadyExists, NotFound, ResourceExhausted
-from services.speaker_cache.records import PromptRecord, VoiceRecord
+from qtts.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from services.speaker_cache.records import ConsentRecord, PromptRecord, VoiceRecord
 
 
 class LruStore:
@@ -23,6 +23,7 @@ class LruStore:
         self._prompts: OrderedDict[str, PromptRecord] = OrderedDict()
         self._prompt_bytes = 0
         self._voices: dict[str, VoiceRecord] = {}
+        self._consents: OrderedDict[str, ConsentRecord] = OrderedDict()  # in creation order
 
     @property
     def num_prompts(self) -> int:
@@ -76,6 +77,36 @@ class LruStore:
 
     async def count_voices(self) -> int:
         return len(self._voices)
+
+    async def put_consent(self, consent: ConsentRecord, create: bool) -> ConsentRecord:
+        known = consent.id in self._consents
+        if create and known:
+            raise AlreadyExists(f"consent {consent.id!r} already exists")
+        if create and len(self._consents) >= self.max_voices:
+            raise ResourceExhausted(f"consent limit reached ({self.max_voices})")
+        if not create and not known:
+            raise NotFound(f"no voice consent {consent.id!r}")
+        self._consents[consent.id] = consent
+        return consent
+
+    async def get_consent(self, consent_id: str) -> ConsentRecord:
+        try:
+            return self._consents[consent_id]
+        except KeyError:
+            raise NotFound(f"no voice consent {consent_id!r}") from None
+
+    async def list_consents(self, after: str, limit: int) -> tuple[list[ConsentRecord], bool]:
+        ids = list(self._consents)
+        start = 0
+        if after:
+            if after not in self._consents:
+                raise InvalidArgument(f"after: no voice consent {after!r}", param="after")
+            start = ids.index(after) + 1
+        return [self._consents[i] for i in ids[start : start + limit]], start + limit < len(ids)
+
+    async def delete_consent(self, consent_id: str) -> None:
+        if self._consents.pop(consent_id, None) is None:
+            raise NotFound(f"no voice consent {consent_id!r}")
 
     async def close(self) -> None:
         return None

@@ -11,6 +11,8 @@ from qtts.errors import InvalidArgument
 # Voice names appear in URLs and Redis keys: keep them to a safe, readable alphabet.
 VOICE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 PROMPT_KEY_RE = re.compile(r"^[A-Za-z0-9._:-]{1,256}$")
+CONSENT_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_CONSENTS_PAGE = 100
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,30 @@ class VoiceRecord:
                 f"voice {self.name!r}: reference_text is required unless x_vector_only is set"
             )
         return self
+
+
+@dataclass(frozen=True)
+class ConsentRecord:
+    """A voice consent: who agreed, in which language, when, and the recording's hash and size."""
+
+    id: str
+    name: str
+    language: str
+    created_unix_s: int = 0
+    recording_sha256: str = ""
+    recording_bytes: int = 0
+
+    def validate(self) -> ConsentRecord:
+        validate_consent_id(self.id)
+        if not self.name.strip() or not self.language.strip():
+            raise InvalidArgument(f"consent {self.id!r}: name and language are required")
+        return self
+
+
+def validate_consent_id(consent_id: str) -> str:
+    if not CONSENT_ID_RE.match(consent_id or ""):
+        raise InvalidArgument(f"invalid consent id {consent_id!r}: 1-64 characters from A-Z a-z 0-9 _ -")
+    return consent_id
 
 
 def validate_voice_name(name: str) -> str:

@@ -1,7 +1,10 @@
-"""Redis store (redis-py asyncio): prompts under `tts:prompt:<key>`, voices under `tts:voice:<name>`.
+"""Redis store (redis-py asyncio): prompts under `tts:prompt:<key>`, voices under `tts:voice:<name>`,
+voice consents under `tts:consent:<id>`.
 
 Each record is a Redis hash of its fields (binary-safe). The set `tts:voices` holds the voice names
-for listing. Voices persist as long as Redis does; prompts are a cache and may carry a TTL.
+for listing, the sorted set `tts:consents` the consent ids in creation order (scored by the counter
+`tts:consent_seq`). Voices and consents persist as long as Redis does; prompts are a cache and may
+carry a TTL.
 
 Run Redis with `--maxmemory-policy volatile-lru` (deploy/): only keys with a TTL, the prompts, are
 evicted when memory runs out, never a named voice; a write that still finds no room (memory full of
@@ -27,8 +30,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from qtts.errors import AlreadyExists, NotFound, ResourceExhausted, Unavailable
-from services.speaker_cache.records import PromptRecord, VoiceRecord
+from qtts.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.speaker_cache.records import ConsentRecord, PromptRecord, VoiceRecord
 
 T = TypeVar("T")
 
@@ -88,6 +91,27 @@ return 2
 """
 _EXISTS, _FULL, _NEW, _REPLACED = 0, 1, 2, 3
 
+# KEYS: the consents zset, the consent's hash, the sequence counter; ARGV: id, max records,
+# create (0/1), then the hash's field/value pairs. Returns _EXISTS, _FULL, _NEW, _REPLACED or
+# _ABSENT (replace of an unknown id): one script, so that replicas sharing a Redis never pass the
+# bound or lose the order.
+_PUT_CONSENT = """
+local known = redis.call('EXISTS', KEYS[2]) == 1
+if ARGV[3] == '1' then
+  if known then return 0 end
+  if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 1 end
+  redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[3]), ARGV[1])
+elseif not known then
+  return 4
+end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], unpack(ARGV, 4))
+if ARGV[3] == '1' then return 2 end
+return 3
+"""
+_ABSENT = 4
+_CONSENT_FIELDS = ("id", "name", "language", "created_unix_s", "recording_sha256", "recording_bytes")
+
 
 class RedisStore:
     """`SpeakerStore` on Redis; several speaker_cache replicas may share one Redis."""
@@ -115,6 +139,7 @@ class RedisStore:
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **extra
         )
         self._claim = self._redis.register_script(_CLAIM_VOICE)
+        self._put_consent = self._redis.register_script(_PUT_CONSENT)
 
     def _prompt_key(self, key: str) -> str:
         return f"{self.namespace}prompt:{key}"
@@ -248,8 +273,73 @@ class RedisStore:
     async def count_voices(self) -> int:
         return int(await self._redis.scard(self._voices_set))
 
+    def _consent_key(self, consent_id: str) -> str:
+        return f"{self.namespace}consent:{consent_id}"
+
+    @_unavailable_on_redis_errors
+    async def put_consent(self, consent: ConsentRecord, create: bool) -> ConsentRecord:
+        fields = []
+        for name in _CONSENT_FIELDS:
+            fields += [name, getattr(consent, name)]
+        done = await self._put_consent(
+            keys=[f"{self.namespace}consents", self._consent_key(consent.id), f"{self.namespace}consent_seq"],
+            args=[consent.id, self.max_voices, int(create), *fields],
+        )
+        if done == _EXISTS:
+            raise AlreadyExists(f"consent {consent.id!r} already exists")
+        if done == _FULL:
+            raise ResourceExhausted(f"consent limit reached ({self.max_voices})")
+        if done == _ABSENT:
+            raise NotFound(f"no voice consent {consent.id!r}")
+        return consent
+
+    @_unavailable_on_redis_errors
+    async def get_consent(self, consent_id: str) -> ConsentRecord:
+        h = await self._redis.hgetall(self._consent_key(consent_id))
+        if not h:
+            raise NotFound(f"no voice consent {consent_id!r}")
+        return _consent_from_fields(h)
+
+    @_unavailable_on_redis_errors
+    async def list_consents(self, after: str, limit: int) -> tuple[list[ConsentRecord], bool]:
+        zset = f"{self.namespace}consents"
+        start = 0
+        if after:
+            rank = await self._redis.zrank(zset, after)
+            if rank is None:
+                raise InvalidArgument(f"after: no voice consent {after!r}", param="after")
+            start = rank + 1
+        ids = [i.decode() for i in await self._redis.zrange(zset, start, start + limit)]  # one extra
+        more, ids = len(ids) > limit, ids[:limit]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for consent_id in ids:
+                pipe.hgetall(self._consent_key(consent_id))
+            rows = await pipe.execute() if ids else []
+        return [_consent_from_fields(h) for h in rows if h], more
+
+    @_unavailable_on_redis_errors
+    async def delete_consent(self, consent_id: str) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._consent_key(consent_id))
+            pipe.zrem(f"{self.namespace}consents", consent_id)
+            deleted, _ = await pipe.execute()
+        if not deleted:
+            raise NotFound(f"no voice consent {consent_id!r}")
+
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def _consent_from_fields(h: dict[bytes, bytes]) -> ConsentRecord:
+    text = {k.decode(): v.decode() for k, v in h.items()}
+    return ConsentRecord(
+        id=text.get("id", ""),
+        name=text.get("name", ""),
+        language=text.get("language", ""),
+        created_unix_s=int(text.get("created_unix_s") or 0),
+        recording_sha256=text.get("recording_sha256", ""),
+        recording_bytes=int(text.get("recording_bytes") or 0),
+    )
 
 
 def _voice_from_fields(h: dict[bytes, bytes | None]) -> VoiceRecord:

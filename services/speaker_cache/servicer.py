@@ -9,7 +9,7 @@ import grpc
 from qtts.pb import speaker_cache_pb2 as pb
 from qtts.pb import speaker_cache_pb2_grpc
 from services.speaker_cache.cache import SpeakerCache
-from services.speaker_cache.records import PromptRecord, VoiceRecord
+from services.speaker_cache.records import ConsentRecord, PromptRecord, VoiceRecord
 
 
 def _fields(record_type: type, source: object) -> dict:
@@ -31,6 +31,14 @@ def voice_from_pb(v: pb.StoredVoice) -> VoiceRecord:
 
 def voice_to_pb(r: VoiceRecord) -> pb.StoredVoice:
     return pb.StoredVoice(**_fields(VoiceRecord, r))
+
+
+def consent_from_pb(c: pb.VoiceConsent) -> ConsentRecord:
+    return ConsentRecord(**_fields(ConsentRecord, c))
+
+
+def consent_to_pb(r: ConsentRecord) -> pb.VoiceConsent:
+    return pb.VoiceConsent(**_fields(ConsentRecord, r))
 
 
 class SpeakerCacheServicer(speaker_cache_pb2_grpc.SpeakerCacheServiceServicer):
@@ -63,3 +71,18 @@ class SpeakerCacheServicer(speaker_cache_pb2_grpc.SpeakerCacheServiceServicer):
     async def DeleteVoice(self, request: pb.DeleteVoiceRequest, context: grpc.aio.ServicerContext):
         await self.cache.delete_voice(request.name)
         return pb.DeleteVoiceResponse()
+
+    async def PutConsent(self, request: pb.PutConsentRequest, context: grpc.aio.ServicerContext):
+        consent = await self.cache.put_consent(consent_from_pb(request.consent), create=request.create)
+        return pb.PutConsentResponse(consent=consent_to_pb(consent))
+
+    async def GetConsent(self, request: pb.GetConsentRequest, context: grpc.aio.ServicerContext):
+        return pb.GetConsentResponse(consent=consent_to_pb(await self.cache.get_consent(request.id)))
+
+    async def ListConsents(self, request: pb.ListConsentsRequest, context: grpc.aio.ServicerContext):
+        consents, more = await self.cache.list_consents(request.after, request.limit)
+        return pb.ListConsentsResponse(consents=[consent_to_pb(c) for c in consents], has_more=more)
+
+    async def DeleteConsent(self, request: pb.DeleteConsentRequest, context: grpc.aio.ServicerContext):
+        await self.cache.delete_consent(request.id)
+        return pb.DeleteConsentResponse()

@@ -77,13 +77,13 @@ async def test_bad_uploads_name_the_field():
         assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
 
 
-def test_the_store_is_bounded():
+async def test_the_store_is_bounded():
     store = ConsentStore(max_records=1)
-    store.create("A", "en", b"x")
+    await store.create("A", "en", b"x")
     with pytest.raises(ResourceExhausted):
-        store.create("B", "en", b"x")
+        await store.create("B", "en", b"x")
     with pytest.raises(InvalidArgument, match="recording"):
-        store.create("B", "en", b"x" * (10 * 1024 * 1024 + 1))
+        await store.create("B", "en", b"x" * (10 * 1024 * 1024 + 1))
     with pytest.raises(NotFound):
-        store.check("cons_other")
-    store.check(None)
+        await store.check("cons_other")
+    await store.check(None)
