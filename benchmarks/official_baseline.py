@@ -64,7 +64,7 @@ def write_speech_tokenizer(config_dir: Path, out: Path, seed: int) -> Path:
     from safetensors.torch import save_file
 
     from qtts.model.codec_decoder import CodecDecoder, CodecDecoderConfig, init_dummy_weights
-    from qtts.testing.tiny_codec import random_mimi_encoder_state
+    from qtts.tiny_model.codec import random_mimi_encoder_state
 
     config = json.loads((config_dir / "config.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
@@ -83,7 +83,7 @@ def write_random_snapshot(model: str, out: Path, seed: int = 0, dtype: torch.dty
     seed=seed)`, in the official layout, loadable by `Qwen3TTSModel.from_pretrained`."""
     from safetensors.torch import save_file
 
-    from qtts.testing.tiny_tokenizer import write_tiny_tokenizer
+    from qtts.tiny_model.tokenizer import write_tiny_tokenizer
 
     bundle = load_talker_bundle(model, device="cpu", dtype=dtype, load_format="dummy", seed=seed)
     snap = bundle.snapshot
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         source = args.model
         if args.tiny:
-            from qtts.testing import build_tiny_snapshot
+            from qtts.tiny_model import build_tiny_snapshot
 
             source = str(build_tiny_snapshot(Path(tmp) / "qwen3-tts-tiny-base", "base", seed=args.seed))
         folder = Path(args.snapshot_dir) if args.snapshot_dir else Path(tmp) / "random-snapshot"

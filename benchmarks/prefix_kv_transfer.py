@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = torch.bfloat16 if cuda else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
-            from qtts.testing import build_tiny_snapshot
+            from qtts.tiny_model import build_tiny_snapshot
 
             model = build_tiny_snapshot(Path(tmp) / "tiny", "base", seed=0)
         else:

@@ -260,7 +260,7 @@ def summarize(run: LevelRun, warm_steps: int, args: argparse.Namespace) -> dict[
 def load_bundle(args: argparse.Namespace, workdir: Path):
     dtype = getattr(torch, args.dtype)
     if args.tiny:
-        from qtts.testing import build_tiny_snapshot
+        from qtts.tiny_model import build_tiny_snapshot
 
         snap = build_tiny_snapshot(workdir / "qwen3-tts-tiny-base", "base", seed=0)
         return load_talker_bundle(snap, device=args.device, dtype=dtype, load_format="dummy")

@@ -39,7 +39,7 @@ from qtts import probe
 from qtts.errors import TTSError
 from qtts.resources import state_dir
 from qtts.service_config import env_lookup
-from qtts.testing import ensure_tiny_snapshot
+from qtts.tiny_model import ensure_tiny_snapshot
 from qtts.tls import TlsConfig, add_tls_flags, tls_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -581,7 +581,7 @@ def demo_request(stack: Stack) -> dict:
     """A speech request body that works with the served variant (creates a demo voice for Base)."""
     _, models = _http_json(f"{stack.http_url}/v1/models")
     info = models["data"][0]
-    # No length field: the tiny default model declares a default length (qtts.testing), as it
+    # No length field: the tiny default model declares a default length (qtts.tiny_model), as it
     # never says end of speech by itself.
     body = {"model": info["id"], "input": "Hello from the Qwen3 TTS stack.", "response_format": "wav"}
     if info.get("model_type") == "custom_voice":

@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_codec_dir(tmp_path_factory) -> Path:
     """A folder holding a tiny random `speech_tokenizer/` (seed 0) in the real layout."""
-    from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
+    from qtts.tiny_model.codec import write_tiny_speech_tokenizer
 
     root = tmp_path_factory.mktemp("codec")
     write_tiny_speech_tokenizer(root, seed=0)

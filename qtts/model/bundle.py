@@ -207,7 +207,7 @@ def _tokenizer(snap: Snapshot) -> tuple[Any, str]:
     else:
         import tempfile
 
-        from qtts.testing.tiny_tokenizer import write_tiny_tokenizer
+        from qtts.tiny_model.tokenizer import write_tiny_tokenizer
 
         folder, label = Path(tempfile.gettempdir()) / "qtts-tiny-tokenizer", TINY_TEST
         if not (folder / "tokenizer_config.json").is_file():

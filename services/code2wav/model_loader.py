@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qtts.testing import ensure_tiny_snapshot
+from qtts.tiny_model import ensure_tiny_snapshot
 from services.code2wav.stream import StreamLimits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -10,7 +10,7 @@ from qtts import service_config as common
 from qtts.errors import InvalidArgument
 from qtts.service_config import check_connection_age, check_server_fields
 from qtts.settings import ServiceSettings, group, setting
-from qtts.testing import DEFAULT_TINY_SNAPSHOT
+from qtts.tiny_model import DEFAULT_TINY_SNAPSHOT
 from qtts.tls import TlsConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

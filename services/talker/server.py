@@ -16,7 +16,7 @@ from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.internal_auth import server_interceptors
 from qtts.metrics import TalkerMetrics
 from qtts.pb import talker_pb2, talker_pb2_grpc
-from qtts.testing import ensure_tiny_snapshot
+from qtts.tiny_model import ensure_tiny_snapshot
 
 from .admission import Admission, AdmissionConfig
 from .config import TalkerConfig

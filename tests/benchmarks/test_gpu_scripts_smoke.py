@@ -72,7 +72,7 @@ def test_official_baseline_smoke(tmp_path):
 
 def test_random_snapshot_holds_exactly_our_dummy_weights(tmp_path):
     from qtts.model import load_talker_bundle
-    from qtts.testing import build_tiny_snapshot
+    from qtts.tiny_model import build_tiny_snapshot
 
     source = build_tiny_snapshot(tmp_path / "qwen3-tts-tiny-base", "base", seed=0)
     folder = official_baseline.write_random_snapshot(str(source), tmp_path / "random", seed=3, dtype=torch.float32)

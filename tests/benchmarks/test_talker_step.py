@@ -109,7 +109,7 @@ def _tiny_bundle(dtype=torch.float32):
     from qtts.model.bundle import build_modules
     from qtts.model.config import ModelConfig
     from qtts.model.dummy import init_dummy_weights, materialize
-    from qtts.testing.tiny import tiny_config
+    from qtts.tiny_model.snapshot import tiny_config
 
     cfg = ModelConfig.from_dict(tiny_config("base"))
     talker, predictor = build_modules(cfg)

@@ -10,7 +10,7 @@ from qtts.decode_engine import EngineConfig, SlotDecoder, SlotPoolFull, load_slo
 from qtts.decode_engine.batcher import WorkItem
 from qtts.decode_engine.runner import conv_stack_receptive_frames, precision_flags
 from qtts.model.codec_decoder import CodecDecoder
-from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
+from qtts.tiny_model.codec import write_tiny_speech_tokenizer
 
 SPF = 1920
 ATOL = 1e-4

@@ -89,7 +89,7 @@ def snapshot_root(tmp_path_factory) -> Path:
 
 
 def _snapshot(root: Path, model_type: str) -> Path:
-    from qtts.testing import build_tiny_snapshot
+    from qtts.tiny_model import build_tiny_snapshot
 
     path = root / f"tiny-{model_type.replace('_', '-')}"
     if not (path / "config.json").exists():

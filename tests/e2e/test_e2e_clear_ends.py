@@ -82,7 +82,7 @@ class Ends:
 
 @pytest.fixture(scope="module")
 def ends(snapshot_root, tmp_path_factory):
-    from qtts.testing import build_tiny_snapshot
+    from qtts.tiny_model import build_tiny_snapshot
 
     model = snapshot_root / "tiny-base"
     if not (model / "config.json").exists():

@@ -58,7 +58,7 @@ def _faulty(spec: ServiceSpec, stage: str) -> ServiceSpec:
 
 @pytest.fixture(scope="module")
 def config(snapshot_root, tmp_path_factory) -> StackConfig:
-    from qtts.testing import build_tiny_snapshot
+    from qtts.tiny_model import build_tiny_snapshot
 
     model = snapshot_root / "tiny-base"
     if not (model / "config.json").exists():

@@ -70,7 +70,7 @@ def ports() -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def model(snapshot_root) -> Path:
-    from qtts.testing import build_tiny_snapshot
+    from qtts.tiny_model import build_tiny_snapshot
 
     path = snapshot_root / "tiny-base"
     if not (path / "config.json").exists():

@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis_process import RedisProcess
 
 from qtts.grpc_server import LIVENESS
-from qtts.testing import build_tiny_snapshot
+from qtts.tiny_model import build_tiny_snapshot
 from services.launcher import (
     Stack,
     StackConfig,

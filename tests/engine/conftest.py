@@ -10,7 +10,7 @@ import torch
 from qtts.model.bundle import build_modules
 from qtts.model.config import ModelConfig
 from qtts.model.dummy import init_dummy_weights, materialize
-from qtts.testing.tiny import tiny_config
+from qtts.tiny_model.snapshot import tiny_config
 
 EOS_BOOST = 5.0  # scales the EOS row of the codec head so that some greedy streams stop early
 # float64: batching and chunking change rounding in the last bits (GEMMs of other shapes); in float32

@@ -8,7 +8,7 @@ import torch
 
 from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
 from qtts.model import SamplingParams, SynthesisSpec, VoicePrompt, load_talker_bundle
-from qtts.testing import build_tiny_snapshot
+from qtts.tiny_model import build_tiny_snapshot
 from tests.engine.test_engine_cpu import same_outputs
 
 GREEDY = SamplingParams(greedy=True)

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_snapshot_factory(tmp_path_factory):
     """`tiny_snapshot_factory(model_type) -> Path`: a tiny random snapshot, built once per type."""
-    from qtts.testing import build_tiny_snapshot
+    from qtts.tiny_model import build_tiny_snapshot
 
     built: dict[str, Path] = {}
 

@@ -163,7 +163,7 @@ def test_tiny_snapshot_builds_without_qwen_tts_and_is_deterministic(tiny_snapsho
     out = tmp_path / "again"
     code = (
         "import sys; sys.modules['qwen_tts'] = None\n"  # any import of qwen_tts fails
-        "from qtts.testing import build_tiny_snapshot\n"
+        "from qtts.tiny_model import build_tiny_snapshot\n"
         f"build_tiny_snapshot({str(out)!r}, 'base', seed=0)\n"
     )
     root = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from qtts.model.bundle import DEFAULT_LENGTH_KEY
-from qtts.testing import TINY_DEFAULT_LENGTH, ensure_tiny_snapshot
+from qtts.tiny_model import TINY_DEFAULT_LENGTH, ensure_tiny_snapshot
 
 
 def test_the_tiny_declaration_uses_the_bundle_key():

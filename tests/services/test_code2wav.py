@@ -376,7 +376,7 @@ async def test_protocol_violation_ends_only_that_stream(fake_decoder, bidi_clien
 async def test_audio_equals_incremental_decoder_output(bidi_client):
     from qtts.model import IncrementalDecoder
     from qtts.model.codec_decoder import CodecDecoder, CodecDecoderConfig, init_dummy_weights
-    from qtts.testing.tiny_codec import TINY_DECODER_CONFIG
+    from qtts.tiny_model.codec import TINY_DECODER_CONFIG
 
     codec = CodecDecoder(CodecDecoderConfig.from_dict(TINY_DECODER_CONFIG))
     init_dummy_weights(codec, 0)
@@ -463,7 +463,7 @@ async def test_slot_decoder_engine_serves_the_same_audio_as_the_incremental_deco
     from qtts.decode_engine import EngineConfig, build_slot_decoder
     from qtts.model import IncrementalDecoder
     from qtts.model.codec_decoder import CodecDecoder, CodecDecoderConfig, init_dummy_weights
-    from qtts.testing.tiny_codec import TINY_DECODER_CONFIG
+    from qtts.tiny_model.codec import TINY_DECODER_CONFIG
 
     codec = CodecDecoder(CodecDecoderConfig.from_dict(TINY_DECODER_CONFIG))
     init_dummy_weights(codec, 0)

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory):
     """`make(model_type)` -> the folder of a tiny random snapshot, built once per model type."""
-    from qtts.testing import build_tiny_snapshot
+    from qtts.tiny_model import build_tiny_snapshot
 
     root = Path(tmp_path_factory.mktemp("talker-tiny"))
     paths: dict[str, Path] = {}

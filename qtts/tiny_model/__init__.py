@@ -1,4 +1,8 @@
-"""Tiny random Qwen3-TTS snapshots for tests and the local default model."""
+"""The tiny random Qwen3-TTS model: what every service serves when no --model is given, and the
+tests' model.
+
+`snapshot` writes the folder, `tokenizer` its text tokenizer, `codec` its speech tokenizer. This
+module imports no torch (the launcher imports it); building a snapshot does."""
 
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ TINY_DEFAULT_LENGTH = {"qtts_default_frames_per_text_token": 1.5}
 
 
 def build_tiny_snapshot(out_dir, model_type: str = "base", seed: int = 0):
-    """See `qtts.testing.tiny.build_tiny_snapshot`."""
-    from qtts.testing.tiny import build_tiny_snapshot as _build
+    """See `qtts.tiny_model.snapshot.build_tiny_snapshot`."""
+    from qtts.tiny_model.snapshot import build_tiny_snapshot as _build
 
     return _build(out_dir, model_type=model_type, seed=seed)
 

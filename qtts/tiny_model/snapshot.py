@@ -4,8 +4,8 @@
 vocabulary sizes (text vocab 151936, codec vocab 3072, 16 codebooks of 2048, real codec control
 ids, languages and preset speakers) and seeded random weights: `config.json` as plain nested dicts
 (as the real checkpoints; the speaker-encoder config does not survive `save_pretrained`),
-`generation_config.json`, `model.safetensors`, the tokenizer files (`qtts.testing.tiny_tokenizer`),
-`preprocessor_config.json` and `speech_tokenizer/` (`qtts.testing.tiny_codec`). It needs neither
+`generation_config.json`, `model.safetensors`, the tokenizer files (`qtts.tiny_model.tokenizer`),
+`preprocessor_config.json` and `speech_tokenizer/` (`qtts.tiny_model.codec`). It needs neither
 network nor `qwen-tts`, and the official `Qwen3TTSModel.from_pretrained(folder)` loads it.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from qtts.model.config import MODEL_TYPES, ModelConfig
-from qtts.testing import TINY_DEFAULT_LENGTH
+from qtts.tiny_model import TINY_DEFAULT_LENGTH
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def build_tiny_snapshot(out_dir: str | Path, model_type: str = "base", seed: int
     """Write a tiny random snapshot of `model_type` into `out_dir` (created) and return it."""
     from safetensors.torch import save_file
 
-    from qtts.testing.tiny_tokenizer import write_tiny_tokenizer
+    from qtts.tiny_model.tokenizer import write_tiny_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -253,9 +253,9 @@ def build_tiny_snapshot(out_dir: str | Path, model_type: str = "base", seed: int
     with open(out / "preprocessor_config.json", "w", encoding="utf-8") as f:
         json.dump({"processor_class": "Qwen3TTSProcessor"}, f, indent=2)
     try:
-        from qtts.testing.tiny_codec import write_tiny_speech_tokenizer
+        from qtts.tiny_model.codec import write_tiny_speech_tokenizer
     except ImportError:
-        log.warning("qtts.testing.tiny_codec is not available: no speech_tokenizer/ written")
+        log.warning("qtts.tiny_model.codec is not available: no speech_tokenizer/ written")
     else:
         write_tiny_speech_tokenizer(out, seed=seed)  # writes out/speech_tokenizer/
     return out
