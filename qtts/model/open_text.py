@@ -38,7 +38,9 @@ class OpenText:
         self._spec = spec
         self._max_positions = max_positions
         self._sync = sync
-        self._pieces = TextPieces(builder.role_and_target_ids, pre_token_starts(builder.tokenizer))
+        self._pieces = TextPieces(
+            builder.role_and_target_ids, pre_token_starts(builder.tokenizer), builder.text_ids
+        )
         self.prompt: TalkerPrompt | None = None
         self.closed = False
 

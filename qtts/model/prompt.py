@@ -267,6 +267,10 @@ class PromptBuilder:
         """The role's and the target's ids of `text`, as a whole-text prompt tokenises it."""
         return encode(self.tokenizer, assistant_text(text))[:-5]
 
+    def text_ids(self, text: str) -> list[int]:
+        """The ids of `text` on its own (text that follows a pre-token boundary of a target)."""
+        return encode(self.tokenizer, text)
+
     def text_bounds(self, num_text_tokens: int) -> tuple[int, int | None]:
         """(frame cap, default length) of a target text of `num_text_tokens` tokens."""
         cap = frame_cap(num_text_tokens, self.frame_limit)

@@ -45,11 +45,21 @@ class TextPieces:
     """Ids of a text received in pieces, handed out as soon as they can no longer change.
 
     `encode(text)` must give the ids of `text` in its prompt context as a whole-text request
-    tokenises it (role ids included, so a merge into the role shows up too). `push` returns the
+    tokenises it (role ids included, so a merge into the role shows up too); `encode_more(text)`
+    the ids of text that follows a cut, on its own. After the first cut only
+    the text since the last one is tokenised: a cut is a pre-token boundary, where the
+    pre-tokenizer starts afresh, so the ids of the pieces between cuts add up to the whole text's
+    (and a long utterance costs the prompt thread linear, not quadratic, time). `push` returns the
     new ids of the text that is safe so far, `finish` the rest once the text is complete."""
 
-    def __init__(self, encode: Callable[[str], list[int]], starts: Callable[[str], list[int]]):
+    def __init__(
+        self,
+        encode: Callable[[str], list[int]],
+        starts: Callable[[str], list[int]],
+        encode_more: Callable[[str], list[int]],
+    ):
         self._encode = encode
+        self._encode_more = encode_more
         self._starts = starts
         self.text = ""
         self.committed_chars = 0  # text[:committed_chars] has its ids out
@@ -62,30 +72,36 @@ class TextPieces:
     def push(self, piece: str) -> list[int]:
         """Append `piece`; the ids that became safe (maybe none)."""
         self.text += piece
+        base = self.committed_chars
         # Cut at a pre-token start: the last pre-token (from the last start on) may still grow.
-        cuts = [c for c in self._starts(self.text) if c > self.committed_chars]
+        cuts = [base + c for c in self._starts(self.text[base:]) if c > 0]
         if not cuts:
             return []
-        whole = self._encode(self.text)
+        whole = self._ids_since_cut(len(self.text))
         for cut in reversed(cuts[-MAX_CUT_TRIES:]):
-            ids = self._encode(self.text[:cut])
-            if ids[: len(self.ids)] == self.ids and whole[: len(ids)] == ids:
+            ids = self._ids_since_cut(cut)
+            if whole[: len(ids)] == ids:
                 return self._commit(cut, ids)
         return []
+
+    def _ids_since_cut(self, end: int) -> list[int]:
+        """The ids of text[committed_chars:end] (with the role, before the first cut)."""
+        if self.committed_chars == 0:
+            return self._encode(self.text[:end])
+        return self._encode_more(self.text[self.committed_chars : end])
 
     def finish(self, piece: str = "") -> list[int]:
         """Append the last `piece`; all the ids not handed out yet. Trailing whitespace not handed
         out goes, as the gateway strips a whole text."""
         text = self.text + piece
         self.text = text[: max(self.committed_chars, len(text.rstrip()))]
-        ids = self._encode(self.text) if self.text else []
-        if ids[: len(self.ids)] != self.ids:  # cannot happen after verified cuts
-            raise ValueError("the text's ids changed before a cut that was verified")
-        return self._commit(len(self.text), ids)
+        if len(self.text) == self.committed_chars:
+            return []
+        return self._commit(len(self.text), self._ids_since_cut(len(self.text)))
 
-    def _commit(self, cut: int, ids: list[int]) -> list[int]:
-        new = ids[len(self.ids) :]
-        self.committed_chars, self.ids = cut, ids
+    def _commit(self, cut: int, new: list[int]) -> list[int]:
+        self.committed_chars = cut
+        self.ids = self.ids + new
         return new
 
 

@@ -56,7 +56,7 @@ def specs(bundle64) -> dict[str, tuple[object, SynthesisSpec]]:
 def test_pieces_hand_out_a_prefix_of_the_whole_texts_ids(bundle64, text, size):
     tok = bundle64["base"].prompt_builder
     whole = tok.role_and_target_ids(text)
-    pieces = TextPieces(tok.role_and_target_ids, pre_token_starts(tok.tokenizer))
+    pieces = TextPieces(tok.role_and_target_ids, pre_token_starts(tok.tokenizer), tok.text_ids)
     out: list[int] = []
     for piece in pieces_of(text, size):
         out += pieces.push(piece)
@@ -64,9 +64,27 @@ def test_pieces_hand_out_a_prefix_of_the_whole_texts_ids(bundle64, text, size):
     assert out + pieces.finish() == whole
 
 
+def test_a_long_text_in_word_pieces_is_tokenised_in_linear_time(bundle64):
+    tok = bundle64["base"].prompt_builder
+    text = " ".join(f"word{i % 50}" for i in range(600))  # about 4,000 characters
+    seen = []
+
+    def counted(fn):
+        return lambda t: seen.append(len(t)) or fn(t)
+
+    pieces = TextPieces(
+        counted(tok.role_and_target_ids), pre_token_starts(tok.tokenizer), counted(tok.text_ids)
+    )
+    out = []
+    for word in text.split(" "):
+        out += pieces.push(word + " ")
+    assert out + pieces.finish() == tok.role_and_target_ids(text)
+    assert sum(seen) < 10 * len(text)  # the whole text again at every piece would be ~300x
+
+
 def test_the_last_word_is_held_back_until_it_is_complete(bundle64):
     tok = bundle64["base"].prompt_builder
-    pieces = TextPieces(tok.role_and_target_ids, pre_token_starts(tok.tokenizer))
+    pieces = TextPieces(tok.role_and_target_ids, pre_token_starts(tok.tokenizer), tok.text_ids)
     pieces.push("Hello wor")
     assert pieces.committed_text == "Hello"
     pieces.push("ld")
@@ -78,7 +96,7 @@ def test_the_last_word_is_held_back_until_it_is_complete(bundle64):
 
 def test_whitespace_at_the_very_end_goes_as_from_a_stripped_whole_text(bundle64):
     tok = bundle64["base"].prompt_builder
-    pieces = TextPieces(tok.role_and_target_ids, pre_token_starts(tok.tokenizer))
+    pieces = TextPieces(tok.role_and_target_ids, pre_token_starts(tok.tokenizer), tok.text_ids)
     out = pieces.push("Hello there ") + pieces.push("again  ")
     assert out + pieces.finish(" \n") == tok.role_and_target_ids("Hello there again")
 
