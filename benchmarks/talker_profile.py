@@ -78,7 +78,7 @@ def bench_bucket(runner: ModelRunner, n: int, ctx: int, args: argparse.Namespace
         runner._codebook0(runner._talker_decode(n, ctx), n, runner._frame_uniforms(n))
 
     def reset():
-        runner.state_i[:, I_POS] = args.position
+        runner.slot_ints[:, I_POS] = args.position
 
     with torch.inference_mode():
         full = runner.graphs[(n, ctx)]
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"git": git_revision(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "model": args.model, "weights": "dummy (seeded random, bf16)", "position": args.position,
               "talker_attention": runner.talker_attention, "fused_decode": runner.fused_decode, "max_candidates": args.max_candidates,
-              "sample_kernel": runner._tsample is not None, "skinny_matmul": runner._lin is not torch.nn.functional.linear,
+              "sample_kernel": runner._sampling_kernels is not None, "skinny_matmul": runner._linear is not torch.nn.functional.linear,
               "rows": rows, "prefill": prefill}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

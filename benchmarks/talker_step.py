@@ -132,18 +132,18 @@ def floor_ms(runner: ModelRunner, batch: int, context: int) -> dict[str, float]:
 
 def fill_slots(runner: ModelRunner, position: int) -> None:
     """Every slot holds a sampled stream at `position` (default sampling settings)."""
-    s = runner.state_i
+    s = runner.slot_ints
     s[:, I_POS] = position
     s[:, I_SEED] = torch.arange(runner.num_slots, device=s.device)
     s[:, I_TOPK] = 50
     s[:, I_PTOPK] = 50
     s[:, I_GREEDY] = 0
     s[:, I_MINF] = 2
-    runner.state_f[:, 0] = 0.9  # temperature
-    runner.state_f[:, 1] = 1.0  # top_p
-    runner.state_f[:, 2] = 1.05  # repetition penalty
-    runner.state_f[:, 3] = 0.9
-    runner.state_f[:, 4] = 1.0
+    runner.slot_floats[:, 0] = 0.9  # temperature
+    runner.slot_floats[:, 1] = 1.0  # top_p
+    runner.slot_floats[:, 2] = 1.05  # repetition penalty
+    runner.slot_floats[:, 3] = 0.9
+    runner.slot_floats[:, 4] = 1.0
     runner.next_embed.normal_(0, 0.02)
     runner.trailing.normal_(0, 0.02)
     runner.k_cache.normal_(0, 1.0)
@@ -192,7 +192,7 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
             n, ctx = runner.bucket(b, args.position + 1)
             runner.active[:n] = False
             runner.active[:b] = True
-            runner.state_i[:, I_POS] = args.position
+            runner.slot_ints[:, I_POS] = args.position
             agree = graph_eager_agreement(runner, n, ctx, rows=b, frames=args.agreement_frames)
             rows.append({"batch": b, "bucket": n, "context_bucket": ctx, "graph_eq_eager": agree["codes"],
                          "graph_eq_eager_frames": agree["frames"]})
@@ -212,15 +212,15 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         runner.active[:b] = True
         graph = runner.graphs[(n, ctx)]
         # Positions advance with every replay; keep them in range by resetting between runs.
-        runner.state_i[:, I_POS] = args.position
+        runner.slot_ints[:, I_POS] = args.position
         g_ms = _event_median(graph.replay, args.iters)
-        runner.state_i[:, I_POS] = args.position
+        runner.slot_ints[:, I_POS] = args.position
         step_ms = _wall_median(lambda b=b: runner.decode(b, range(b), args.position + 1), args.iters)
         eager_ms = None
         if b in args.eager_batches:
-            runner.state_i[:, I_POS] = args.position
+            runner.slot_ints[:, I_POS] = args.position
             eager_ms = _event_median(lambda n=n, ctx=ctx: runner._frame_step(n, ctx), max(3, args.iters // 10), 1)
-        runner.state_i[:, I_POS] = args.position
+        runner.slot_ints[:, I_POS] = args.position
         agree = graph_eager_agreement(runner, n, ctx, rows=b, frames=args.agreement_frames)
         same = agree["codes"]
         row = {"batch": b, "bucket": n, "context_bucket": ctx, "graph_ms": g_ms, "step_wall_ms": step_ms,
@@ -263,7 +263,7 @@ def kernel_choices(runner: ModelRunner) -> dict[str, Any]:
     """Which kernels the frame step runs (RunnerConfig.decode_kernels / sample_kernel / skinny_matmul
     as resolved). Every Triton kernel accepts float32 (IEEE dots there, no TF32), so no choice
     depends on the dtype."""
-    fused, sample, skinny = runner.fused_decode, runner._tsample is not None, runner._lin is not F.linear
+    fused, sample, skinny = runner.fused_decode, runner._sampling_kernels is not None, runner._linear is not F.linear
     note = (f"decode {'triton' if fused else 'torch'}, sampling {'triton' if sample else 'torch'}, "
             f"skinny matmul {'on' if skinny else 'off'}")
     if runner.dtype == torch.float32 and (fused or sample):
@@ -282,12 +282,12 @@ def graph_eager_agreement(runner: ModelRunner, n: int, ctx: int, rows: int | Non
     state is put back afterwards."""
     rows = n if rows is None else rows
     graph = runner.graphs[(n, ctx)]
-    state = (runner.state_i, runner.state_f, runner.next_embed, runner.seen)
+    state = (runner.slot_ints, runner.slot_floats, runner.next_embed, runner.seen)
     same_codes = same_frames = 0
     with torch.inference_mode():
         saved = [t.clone() for t in state]
-        runner.state_i[:, I_GREEDY] = 1
-        runner.state_i[:, I_PGREEDY] = 1
+        runner.slot_ints[:, I_GREEDY] = 1
+        runner.slot_ints[:, I_PGREEDY] = 1
         for _ in range(frames):
             before = [t.clone() for t in state]
             runner._frame_step(n, ctx)

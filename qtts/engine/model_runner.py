@@ -258,17 +258,19 @@ class ModelRunner:
         if config.decode_kernels == "triton" and not self.fast_path:
             raise ValueError("decode_kernels='triton' needs the fast path")
         # The fused decode kernels' module (None: the PyTorch decode layers).
-        self._tops = self._kernel_module(config.decode_kernels, "triton_ops", "decode_kernels") if self.fast_path else None
-        self.fused_decode = self._tops is not None
+        self._fused_kernels = (
+            self._kernel_module(config.decode_kernels, "triton_ops", "decode_kernels") if self.fast_path else None
+        )
+        self.fused_decode = self._fused_kernels is not None
         self._pred_layer_fn = _fast_predictor_layer
         skinny = self.fused_decode if config.skinny_matmul is None else config.skinny_matmul
         if skinny and not self.fused_decode:
             raise ValueError("skinny_matmul needs the fused decode kernels")
-        self._lin = self._tops.linear if skinny else F.linear
+        self._linear = self._fused_kernels.linear if skinny else F.linear
         # The sampling kernel's module (None: sampler.sample_rows). It has no candidate cap, so "auto"
         # with max_candidates set takes the reference.
         sample_choice = "torch" if config.sample_kernel == "auto" and config.max_candidates else config.sample_kernel
-        self._tsample = self._kernel_module(sample_choice, "triton_sampling", "sample_kernel")
+        self._sampling_kernels = self._kernel_module(sample_choice, "triton_sampling", "sample_kernel")
         compile_layers = self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
         if self.fast_path and compile_layers:
             # Every batch bucket, predictor step and prefill width is its own variant: above the
@@ -304,9 +306,9 @@ class ModelRunner:
         self.prefill_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         if self.prefill_buckets:
             r, w = self.prefill_rows[-1], self.prefill_buckets[-1]
-            self.pf_x = torch.zeros(r, w, self.hidden, device=self.device, dtype=self.dtype)
-            self.pf_pos = torch.full((r, w), self.scratch, device=self.device, dtype=torch.long)
-            self.pf_slot = torch.zeros(r, device=self.device, dtype=torch.long)
+            self.prefill_embeds = torch.zeros(r, w, self.hidden, device=self.device, dtype=self.dtype)
+            self.prefill_positions = torch.full((r, w), self.scratch, device=self.device, dtype=torch.long)
+            self.prefill_slots = torch.zeros(r, device=self.device, dtype=torch.long)
 
     def _kernel_module(self, choice: str, module_name: str, setting: str):
         """The Triton kernel module `qtts.engine.<module_name>` when `choice` ("auto", "triton" or
@@ -362,21 +364,22 @@ class ModelRunner:
         self.next_embed = torch.zeros(s, self.hidden, device=dev, dtype=dt)
         self.trailing = torch.zeros(s, self.cfg.max_trailing + 1, self.hidden, device=dev, dtype=dt)
         self.seen = torch.zeros(s, self.vocab0, device=dev, dtype=torch.bool)
-        self.state_i = torch.zeros(s, NUM_I, device=dev, dtype=torch.long)
-        self.state_f = torch.ones(s, NUM_F, device=dev, dtype=torch.float32)
+        self.slot_ints = torch.zeros(s, NUM_I, device=dev, dtype=torch.long)
+        self.slot_floats = torch.ones(s, NUM_F, device=dev, dtype=torch.float32)
         self.active = torch.zeros(s, device=dev, dtype=torch.bool)
         self.codes_out = torch.zeros(s, self.num_codebooks, device=dev, dtype=torch.long)
         self.rows = torch.arange(s, device=dev)
         self.suppressed, self.eos_mask = sampler.codebook0_masks(self.vocab0, self.eos_id, dev)
-        ppos = torch.arange(self.num_codebooks + 1, device=dev)[None]
-        self.pcos, self.psin = self.predictor.model.rotary(ppos, dt)  # [1, P, D]
+        pred_positions = torch.arange(self.num_codebooks + 1, device=dev)[None]
+        self.pred_cos, self.pred_sin = self.predictor.model.rotary(pred_positions, dt)  # [1, P, D]
         self.start_mask = torch.tril(torch.ones(2, 2, device=dev, dtype=torch.bool))[None, None]
         # Fused predictor: token m of a 2-token start is (row m // 2, position m % 2); a one-token
-        # step at position p reads row p of `ppos` (every slot at p).
-        self.prows2 = torch.arange(s, device=dev).repeat_interleave(2)
-        self.ppos2 = torch.arange(2, device=dev).repeat(s)
-        self.pcos2, self.psin2 = self.pcos[0, :2].repeat(s, 1), self.psin[0, :2].repeat(s, 1)
-        self.ppos = torch.arange(self.num_codebooks + 1, device=dev)[:, None].expand(-1, s).contiguous()
+        # step at position p reads row p of `pred_step_pos` (every slot at p).
+        self.pred_start_rows = torch.arange(s, device=dev).repeat_interleave(2)
+        self.pred_start_pos = torch.arange(2, device=dev).repeat(s)
+        self.pred_start_cos = self.pred_cos[0, :2].repeat(s, 1)
+        self.pred_start_sin = self.pred_sin[0, :2].repeat(s, 1)
+        self.pred_step_pos = torch.arange(self.num_codebooks + 1, device=dev)[:, None].expand(-1, s).contiguous()
         self._active_host = torch.zeros(s, dtype=torch.bool, pin_memory=dev.type == "cuda")
 
     # -- bookkeeping copies (eager, outside the graphs) ---------------------------------------
@@ -390,7 +393,7 @@ class ModelRunner:
                 self.v_cache[:, m.dst, :, :n] = self.v_cache[:, m.src, :, :n]
         src = torch.tensor([m.src for m in moves], device=self.device)
         dst = torch.tensor([m.dst for m in moves], device=self.device)
-        for buf in (self.next_embed, self.trailing, self.seen, self.state_i, self.state_f):
+        for buf in (self.next_embed, self.trailing, self.seen, self.slot_ints, self.slot_floats):
             buf[dst] = buf[src]
 
     def load_prefixes(self, seqs: Seq[Sequence]) -> None:
@@ -455,28 +458,38 @@ class ModelRunner:
         slots = torch.zeros(rows, dtype=torch.long)
         for r, c in enumerate(batch):
             t = c.end - c.start
-            self.pf_x[r, :t].copy_(c.seq.prompt.embeds[c.start : c.end].to(self.device, self.dtype))
+            self.prefill_embeds[r, :t].copy_(c.seq.prompt.embeds[c.start : c.end].to(self.device, self.dtype))
             pos[r, :t] = torch.arange(c.start, c.end)
             slots[r] = c.seq.slot
-        self.pf_pos[:rows, :width].copy_(pos)
-        self.pf_slot[:rows].copy_(slots)
+        self.prefill_positions[:rows, :width].copy_(pos)
+        self.prefill_slots[:rows].copy_(slots)
         graph = self.prefill_graphs.get((rows, width, fresh))
         if graph is not None:
             graph.replay()
         else:
             self._prefill_fast(
-                self.pf_x[:rows, :width], self.pf_pos[:rows, :width], self.pf_slot[:rows], self.scratch + 1, fresh
+                self.prefill_embeds[:rows, :width],
+                self.prefill_positions[:rows, :width],
+                self.prefill_slots[:rows],
+                self.scratch + 1,
+                fresh,
             )
 
     def _capture_prefill(self, pool):
         """Capture one prefill graph per (rows, width, fresh), largest first, into `pool`; returns it."""
-        self.pf_pos.fill_(self.scratch)  # capture writes only scratch columns of slot 0
-        self.pf_slot.zero_()
+        self.prefill_positions.fill_(self.scratch)  # capture writes only scratch columns of slot 0
+        self.prefill_slots.zero_()
         span = self.scratch + 1
         for rows in sorted(self.prefill_rows, reverse=True):
             for w in sorted(self.prefill_buckets, reverse=True):
                 for fresh in (True, False):
-                    args = (self.pf_x[:rows, :w], self.pf_pos[:rows, :w], self.pf_slot[:rows], span, fresh)
+                    args = (
+                        self.prefill_embeds[:rows, :w],
+                        self.prefill_positions[:rows, :w],
+                        self.prefill_slots[:rows],
+                        span,
+                        fresh,
+                    )
                     self._prefill_fast(*args)
                     torch.cuda.synchronize(self.device)
                     graph = torch.cuda.CUDAGraph()
@@ -534,8 +547,8 @@ class ModelRunner:
                 self.trailing[slot, :n_trail] = pr.trailing.to(self.device, self.dtype)
             self.trailing[slot, n_trail] = pr.pad_embed.reshape(-1).to(self.device, self.dtype)
         idx = torch.tensor([s.slot for s in seqs], device=self.device)
-        self.state_i[idx] = torch.tensor(ints, dtype=torch.long).to(self.device)
-        self.state_f[idx] = torch.tensor(floats, dtype=torch.float32).to(self.device)
+        self.slot_ints[idx] = torch.tensor(ints, dtype=torch.long).to(self.device)
+        self.slot_floats[idx] = torch.tensor(floats, dtype=torch.float32).to(self.device)
         self.seen[idx] = False
 
     def append_trailing(self, slot: int, start: int, embeds: torch.Tensor, pad_embed: torch.Tensor) -> None:
@@ -544,7 +557,7 @@ class ModelRunner:
         end = start + int(embeds.shape[0])
         self.trailing[slot, start:end] = embeds.to(self.device, self.dtype)
         self.trailing[slot, end] = pad_embed.reshape(-1).to(self.device, self.dtype)
-        self.state_i[slot, I_TLEN] = end
+        self.slot_ints[slot, I_TLEN] = end
 
     # -- the frame step --------------------------------------------------------------------------
     def _talker_decode(self, n: int, ctx: int) -> torch.Tensor:
@@ -553,7 +566,7 @@ class ModelRunner:
             return self._talker_decode_fused(n)
         model = self.talker.model
         act = self.active[:n]
-        pos = self.state_i[:n, I_POS]
+        pos = self.slot_ints[:n, I_POS]
         wpos = torch.where(act, pos, torch.full_like(pos, self.scratch))
         rows = self.rows[:n]
         cos, sin = model.rotary(pos[:, None], self.dtype)  # [n, 1, D]
@@ -573,7 +586,7 @@ class ModelRunner:
         """`_talker_decode` with the fused kernels; attention spans each row's own positions."""
         model = self.talker.model
         act = self.active[:n]
-        pos = self.state_i[:n, I_POS]
+        pos = self.slot_ints[:n, I_POS]
         wpos = torch.where(act, pos, torch.full_like(pos, self.scratch))
         apos = pos.clamp(max=self.max_len - 1)  # padding rows may carry any position
         cos, sin = model.rotary(pos, self.dtype)  # [n, D]
@@ -585,19 +598,19 @@ class ModelRunner:
         """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
         attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
         final-normed hidden [M, H]."""
-        tops, lin = self._tops, self._lin
+        kernels, lin = self._fused_kernels, self._linear
         eps = dcfg.rms_norm_eps
         delta = None
         for i, w in enumerate(weights):
-            x, h = tops.add_rms_norm(x, delta, w.ln1, eps)
-            q = tops.qk_norm_rope_store(
+            x, h = kernels.add_rms_norm(x, delta, w.ln1, eps)
+            q = kernels.qk_norm_rope_store(
                 lin(h, w.w_qkv, w.b_qkv), w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps,
                 dcfg.num_heads, dcfg.num_kv_heads,
             )
-            attn = tops.decode_attention(q, k_cache[i], v_cache[i], rows, apos, block_n=block_n)
-            x, h = tops.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
-            delta = lin(tops.silu_mul(lin(h, w.w_gate_up)), w.w_down)
-        return tops.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]
+            attn = kernels.decode_attention(q, k_cache[i], v_cache[i], rows, apos, block_n=block_n)
+            x, h = kernels.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
+            delta = lin(kernels.silu_mul(lin(h, w.w_gate_up)), w.w_down)
+        return kernels.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]
 
     def _predictor_fused(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """`_predictor_layers` with the fused kernels, the per-frame K/V in `pk_cache`/`pv_cache`."""
@@ -605,11 +618,12 @@ class ModelRunner:
         if t == 2:
             assert start == 0
             m = 2 * n
-            rows, pos, cos, sin = self.prows2[:m], self.ppos2[:m], self.pcos2[:m], self.psin2[:m]
+            rows, pos = self.pred_start_rows[:m], self.pred_start_pos[:m]
+            cos, sin = self.pred_start_cos[:m], self.pred_start_sin[:m]
         else:
             m = n
-            rows, pos = self.rows[:n], self.ppos[start, :n]
-            cos, sin = self.pcos[0, start].expand(n, -1), self.psin[0, start].expand(n, -1)
+            rows, pos = self.rows[:n], self.pred_step_pos[start, :n]
+            cos, sin = self.pred_cos[0, start].expand(n, -1), self.pred_sin[0, start].expand(n, -1)
         # At most 16 keys per row (the 2-token start, then 14 steps): one block of 32, not the talker's 64.
         h = self._fused_layers(x.reshape(m, -1), self.predictor_weights, self.pdec, self.pk_cache, self.pv_cache,
                                rows, pos, pos, cos, sin, self.predictor.model.norm, block_n=32)
@@ -644,7 +658,7 @@ class ModelRunner:
             return self._predictor_fused(x, start, n)
         model = self.predictor.model
         t = x.shape[1]
-        cos, sin = self.pcos[:, start : start + t], self.psin[:, start : start + t]
+        cos, sin = self.pred_cos[:, start : start + t], self.pred_sin[:, start : start + t]
         mask = self.start_mask if t == 2 else None
         if self.fast_path and self.cfg.predictor_carry_kv and self.predictor_attention == "matmul":
             d = self.pdec
@@ -670,38 +684,40 @@ class ModelRunner:
 
     def _frame_uniforms(self, n: int) -> torch.Tensor | None:
         """[n, 16] counter uniforms of this frame (None: the sampling kernel computes its own)."""
-        if self._tsample is not None:
+        if self._sampling_kernels is not None:
             return None
-        si = self.state_i[:n]
-        return sampler.frame_uniforms(si[:, I_SEED], si[:, I_FRAME], self.num_codebooks)
+        ints = self.slot_ints[:n]
+        return sampler.frame_uniforms(ints[:, I_SEED], ints[:, I_FRAME], self.num_codebooks)
 
     def _sample_codebook(self, logits: torch.Tensor, n: int, codebook: int, uniforms: torch.Tensor | None):
         """Codebook `codebook` of rows [0, n) from its logits, with the talker's sampling parameters
         for codebook 0 and the predictor's for the others."""
-        si, sf = self.state_i[:n], self.state_f[:n]
+        ints, floats = self.slot_ints[:n], self.slot_floats[:n]
         if codebook == 0:
-            temp, top_k, top_p, greedy = sf[:, F_TEMP], si[:, I_TOPK], sf[:, F_TOPP], si[:, I_GREEDY]
+            temp, top_k, top_p, greedy = floats[:, F_TEMP], ints[:, I_TOPK], floats[:, F_TOPP], ints[:, I_GREEDY]
         else:
-            temp, top_k, top_p, greedy = sf[:, F_PTEMP], si[:, I_PTOPK], sf[:, F_PTOPP], si[:, I_PGREEDY]
-        if self._tsample is not None:
-            return self._tsample.sample(logits, temp, top_k, top_p, greedy, si[:, I_SEED], si[:, I_FRAME], codebook)
+            temp, top_k, top_p, greedy = floats[:, F_PTEMP], ints[:, I_PTOPK], floats[:, F_PTOPP], ints[:, I_PGREEDY]
+        if self._sampling_kernels is not None:
+            return self._sampling_kernels.sample(
+                logits, temp, top_k, top_p, greedy, ints[:, I_SEED], ints[:, I_FRAME], codebook
+            )
         return self._sample(logits, temp, top_k, top_p, greedy.bool(), uniforms[:, codebook], self.cfg.max_candidates)
 
     def _codebook0(self, hidden: torch.Tensor, n: int, uniforms: torch.Tensor | None) -> torch.Tensor:
         """Codebook 0 of rows [0, n) from the talker's hidden state: head, repetition penalty,
         masks, sampling. The float32 casts happen inside the (compiled) functions, fused there."""
-        si, sf = self.state_i[:n], self.state_f[:n]
+        ints, floats = self.slot_ints[:n], self.slot_floats[:n]
         logits = self._c0_logits(
-            self._lin(hidden, self.talker.codec_head.weight), self.seen[:n], sf[:, F_REP], self.suppressed, self.eos_mask,
-            si[:, I_FRAME], si[:, I_MINF],
+            self._linear(hidden, self.talker.codec_head.weight), self.seen[:n], floats[:, F_REP], self.suppressed,
+            self.eos_mask, ints[:, I_FRAME], ints[:, I_MINF],
         )
         return self._sample_codebook(logits, n, 0, uniforms)
 
     def _frame_step(self, n: int, ctx: int) -> None:
         """Produce one frame for rows [0, n): reads and writes only persistent buffers."""
-        si = self.state_i[:n]
+        ints = self.slot_ints[:n]
         act = self.active[:n]
-        frame = si[:, I_FRAME]
+        frame = ints[:, I_FRAME]
         uniforms = self._frame_uniforms(n)
 
         hidden = self._talker_decode(n, ctx)
@@ -721,14 +737,14 @@ class ModelRunner:
             h = self._predictor_layers(x, start, n, carry)
             start += x.shape[1]
             head = pred.lm_head[j]
-            code = self._sample_codebook(self._lin(h[:, -1], head.weight, head.bias), n, j + 1, uniforms)
+            code = self._sample_codebook(self._linear(h[:, -1], head.weight, head.bias), n, j + 1, uniforms)
             codes.append(code)
             e = pred.model.codec_embedding[j](code.clamp_min(0))
             embed_sum = embed_sum + e
             if j + 1 < pred.num_steps:
                 x = self._project(e[:, None])
 
-        trail_idx = torch.minimum(frame, si[:, I_TLEN])
+        trail_idx = torch.minimum(frame, ints[:, I_TLEN])
         next_embed = embed_sum + self.trailing[:n].gather(
             1, trail_idx[:, None, None].expand(n, 1, self.hidden)
         )[:, 0]
@@ -738,8 +754,8 @@ class ModelRunner:
         seen_c0 = self.seen[:n].gather(1, c0_safe[:, None])
         self.seen[:n].scatter_(1, c0_safe[:, None], seen_c0 | act[:, None])
         step = act.long()
-        self.state_i[:n, I_POS] += step
-        self.state_i[:n, I_FRAME] += step
+        self.slot_ints[:n, I_POS] += step
+        self.slot_ints[:n, I_FRAME] += step
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         """The predictor's input projection (talker width -> predictor width) of x [n, T, H]."""
@@ -747,7 +763,7 @@ class ModelRunner:
         if not isinstance(proj, torch.nn.Linear):
             return proj(x)
         n, t, h = x.shape
-        return self._lin(x.reshape(n * t, h), proj.weight, proj.bias).view(n, t, -1)
+        return self._linear(x.reshape(n * t, h), proj.weight, proj.bias).view(n, t, -1)
 
     def bucket(self, n_rows: int, ctx_needed: int) -> tuple[int, int]:
         n = next((b for b in self.batch_buckets if b >= n_rows), self.num_slots)
@@ -792,5 +808,5 @@ class ModelRunner:
                 self.graphs[(n, ctx)] = graph
         if self.prefill_buckets:
             self._capture_prefill(pool)
-            self.pf_x.zero_()
+            self.prefill_embeds.zero_()
         torch.cuda.synchronize(self.device)

@@ -136,7 +136,7 @@ def test_agreement_compares_several_frames_of_the_active_rows(tiny_runner):
     assert n == 4
     runner.active[:n] = False
     runner.active[:3] = True
-    before = [t.clone() for t in (runner.state_i, runner.state_f, runner.next_embed, runner.seen)]
+    before = [t.clone() for t in (runner.slot_ints, runner.slot_floats, runner.next_embed, runner.seen)]
     runner.graphs[(n, ctx)] = _Replay(runner, n, ctx)
     assert talker_step.graph_eager_agreement(runner, n, ctx, rows=3, frames=3) == {
         "codes": 1.0,
@@ -149,10 +149,10 @@ def test_agreement_compares_several_frames_of_the_active_rows(tiny_runner):
     assert got["codes"] == pytest.approx(1 - 1 / (3 * runner.num_codebooks))
     assert talker_step.graph_matches_eager(runner, n, ctx, rows=3, frames=2) == pytest.approx(got["codes"])
     # Every slot's state (sampling mode and position included) is back as it was.
-    after = (runner.state_i, runner.state_f, runner.next_embed, runner.seen)
+    after = (runner.slot_ints, runner.slot_floats, runner.next_embed, runner.seen)
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
-    assert int(runner.state_i[:, I_GREEDY].sum()) == int(runner.state_i[:, I_PGREEDY].sum()) == 0
-    assert bool((runner.state_i[:, I_POS] == 10).all())
+    assert int(runner.slot_ints[:, I_GREEDY].sum()) == int(runner.slot_ints[:, I_PGREEDY].sum()) == 0
+    assert bool((runner.slot_ints[:, I_POS] == 10).all())
 
 
 @pytest.mark.parametrize("broken", [False, True])

@@ -90,7 +90,7 @@ def test_a_stream_without_text_waits_in_the_batch_then_continues(tiny_bundle):
             break
     # Frames 0-2 have their text; then nothing until step 10, frames 3-5, nothing until step 20.
     assert waited[:7] == [3, 4, 5, 6, 7, 8, 9] and waited[7:10] == [13, 14, 15]
-    assert eng.runner.state_i[:, 8].max().item() <= 10  # trailing length of the slot: never past the text
+    assert eng.runner.slot_ints[:, 8].max().item() <= 10  # trailing length of the slot: never past the text
     assert same_outputs(got["open"], want)  # as if the text had been there: no tts_pad fed
     assert same_outputs(got["other"], want_other)  # the batch went on without it
 

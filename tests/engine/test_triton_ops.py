@@ -169,7 +169,7 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle,
     ctx = 32
     assert torch.allclose(fused._talker_decode(4, ctx)[:3], torch_runner._talker_decode(4, ctx)[:3], atol=tol)
     for r in (torch_runner, fused):  # undo the positions' K/V written by the check above
-        r.state_i[:3, 0] = torch.tensor([p.embeds.shape[0] for p in prompts], device=r.device)
+        r.slot_ints[:3, 0] = torch.tensor([p.embeds.shape[0] for p in prompts], device=r.device)
     frames = []
     for r in (torch_runner, fused):
         codes = []
@@ -178,7 +178,7 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle,
             codes.append(r.codes_out[:3].clone())
         frames.append(torch.stack(codes))
     assert torch.equal(frames[0], frames[1])
-    assert torch.equal(fused.state_i[3], torch_runner.state_i[3])  # the padding row did not advance
+    assert torch.equal(fused.slot_ints[3], torch_runner.slot_ints[3])  # the padding row did not advance
     k_t, k_f = torch_runner.k_cache[:, :3], fused.k_cache[:, :3]
     assert torch.allclose(k_f[:, :, :, :30], k_t[:, :, :, :30], atol=tol)
     assert bool(calls) == skinny

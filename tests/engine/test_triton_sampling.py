@@ -144,7 +144,7 @@ def test_runner_frame_step_samples_the_same_codes_with_the_kernel(tiny_bundle):
     runs = []
     for kernel in ("torch", "triton"):
         runner = ModelRunner(tiny_bundle, RunnerConfig(max_batch=4, max_len=64, max_trailing=8, sample_kernel=kernel))
-        assert (runner._tsample is not None) == (kernel == "triton")
+        assert (runner._sampling_kernels is not None) == (kernel == "triton")
         seqs = []
         for slot, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             seq = Sequence(f"s{slot}", p, sp, seed=1234 + slot, max_frames=6, cap_reason="length")
