@@ -23,7 +23,7 @@ from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_en
 from .http_request import parse_json, parse_speech_body
 from .http_streaming import run_unless_disconnected
 from .job import AudioPiece
-from .synthesis import Synthesizer
+from .core import Synthesizer
 
 # vLLM-Omni bounds a batch at 32 items.
 MAX_BATCH_ITEMS = 32

@@ -20,7 +20,7 @@ from .client_identity import client_var, grpc_client_key
 from .consents import ConsentStore
 from .instructions import ignored_fields_header
 from .job import AudioPiece, SpeechFields, SynthesisJob, SynthesisSummary
-from .synthesis import SynthesisStream, Synthesizer
+from .core import SynthesisStream, Synthesizer
 from .text_stream import SegmentText, TextPiece, TextSplitter, check_session, open_segment
 from .validation import new_request_id
 from .voice_client import VoiceInfo

@@ -36,7 +36,7 @@ from .playback import PlaybackClock
 from .rate_limit import RateLimiter, RateLimitMiddleware
 from .speech_ws import SpeechStreamEndpoint
 from .status import StatusReporter
-from .synthesis import SynthesisStream, Synthesizer
+from .core import SynthesisStream, Synthesizer
 from .voices import VoiceService
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from .reference_cache import DecodedReferenceCache
 from .request_id import RequestIdMiddleware
 from .stage_health import StageHealth
 from .status import StatusReporter
-from .synthesis import Synthesizer, decode_reference
+from .core import Synthesizer, decode_reference
 from .talker_client import TalkerClient
 from .talker_pool import DnsResolver, TalkerPool
 from .validation import RequestLimits

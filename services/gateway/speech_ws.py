@@ -33,7 +33,7 @@ from qtts.errors import Cancelled, InvalidArgument, TTSError, mapping_for, opena
 
 from .http_request import StreamingSessionConfig, parse_json, validate_body
 from .job import SpeechFields
-from .synthesis import Synthesizer
+from .core import Synthesizer
 from .text_stream import (
     SegmentAudio,
     SegmentText,

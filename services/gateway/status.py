@@ -13,7 +13,7 @@ import httpx
 from prometheus_client import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .synthesis import Synthesizer
+from .core import Synthesizer
 
 # Talker samples the strip shows, by the key they get in the JSON.
 _TALKER_SAMPLES = {

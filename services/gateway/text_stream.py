@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from .audio_encoding import Resampler, check_output_format, make_encoder
 from .job import AudioPiece, SpeechFields
-from .synthesis import SynthesisStream, Synthesizer
+from .core import SynthesisStream, Synthesizer
 
 GRANULARITIES = ("sentence", "clause", "none")
 # Abbreviation-prone ASCII marks end a unit only when whitespace follows; the CJK (and Devanagari,

@@ -19,7 +19,7 @@ from services.gateway.admission import Admission
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
 from services.gateway.server import _UvicornServer
-from services.gateway.synthesis import Synthesizer
+from services.gateway.core import Synthesizer
 from services.gateway.validation import RequestLimits
 from services.gateway.voice_client import VoiceInfo
 from services.gateway.voices import VoiceService

@@ -26,7 +26,7 @@ from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.http_limits import header_timeout_protocol
 from services.gateway.server import _UvicornServer
-from services.gateway.synthesis import Synthesizer, decode_reference
+from services.gateway.core import Synthesizer, decode_reference
 from services.gateway.validation import RequestLimits
 from services.gateway.voices import VoiceService
 
