@@ -355,6 +355,13 @@ def make_send(cfg: BenchConfig, synthesizer: Synthesizer, offset: int, count: in
     return send
 
 
+def level_sender(args: argparse.Namespace, spec: LevelSpec):
+    """One client process's sender for a level of `spec` (benchmarks.multiproc runs it there)."""
+    cfg = BenchConfig.from_args(args)
+    synthesizer = make_synthesizer(cfg)
+    return make_send(cfg, synthesizer, spec.offset, spec.total), synthesizer.aclose
+
+
 async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str, Any]:
     """Warm up, run every level in order, and return the result dict (see `benchmarks.report`)."""
     args = cfg.args
@@ -411,7 +418,9 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
                 arrivals=tuple(arrivals) if mode == "open" else (),
             )
             print(f"tts-bench: {label} over {args.processes} client processes", file=sys.stderr)
-            run = await asyncio.to_thread(run_level_in_processes, args, spec, args.processes, deadline)
+            run = await asyncio.to_thread(
+                run_level_in_processes, args, spec, args.processes, deadline, level_sender
+            )
             level = level_result(mode, run, concurrency=concurrency, rate=rate)
             level["requested_length"] = length_stats(requested_frames(run))
             level["client_processes"] = args.processes

@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from benchmarks.loadgen import LevelRun, run_closed_loop, run_open_loop
@@ -35,6 +35,13 @@ class LevelSpec:
     offset: int
     concurrency: int | None = None
     arrivals: tuple[float, ...] = ()
+
+
+# (args, spec) -> (send(level index) -> record, close): one worker's client for a level.
+SenderFactory = Callable[
+    [argparse.Namespace, "LevelSpec"],
+    tuple[Callable[[int], Awaitable[RequestRecord]], Callable[[], Awaitable[None]]],
+]
 
 
 def shard(spec: LevelSpec, worker: int, processes: int) -> tuple[list[int], int | None, list[float]]:
@@ -70,13 +77,10 @@ async def _drive(
     processes: int,
     start_at: float,
     deadline_in_s: float | None,
+    make_sender: SenderFactory,
 ) -> tuple[float, LevelRun]:
-    from benchmarks.client import BenchConfig, make_send, make_synthesizer  # the worker's own copy
-
-    cfg = BenchConfig.from_args(args)
-    synthesizer = make_synthesizer(cfg)
+    send_global, aclose = make_sender(args, spec)  # the worker's own client
     try:
-        send_global = make_send(cfg, synthesizer, spec.offset, spec.total)
         indices, slots, arrivals = shard(spec, worker, processes)
         if not indices or (spec.mode == "closed" and not slots):
             return start_at, LevelRun()
@@ -97,7 +101,7 @@ async def _drive(
         # The loaders number requests locally; the records carry the level index already (send).
         return started, run
     finally:
-        await synthesizer.aclose()
+        await aclose()
 
 
 def _worker(
@@ -107,19 +111,27 @@ def _worker(
     processes: int,
     start_at: float,
     deadline_in_s: float | None,
+    make_sender: SenderFactory,
 ) -> tuple[float, LevelRun]:
-    return asyncio.run(_drive(args, spec, worker, processes, start_at, deadline_in_s))
+    return asyncio.run(_drive(args, spec, worker, processes, start_at, deadline_in_s, make_sender))
 
 
-def run_level(args: argparse.Namespace, spec: LevelSpec, processes: int, deadline: float | None) -> LevelRun:
-    """Run one level over `processes` worker processes (spawned: no state shared with this one)."""
+def run_level(
+    args: argparse.Namespace,
+    spec: LevelSpec,
+    processes: int,
+    deadline: float | None,
+    make_sender: SenderFactory,
+) -> LevelRun:
+    """Run one level over `processes` worker processes (spawned: no state shared with this one).
+    `make_sender` must be a module-level function: the workers receive it by reference."""
     worker_args = argparse.Namespace(**{**vars(args), "processes": 1, "no_progress": True})
     start_at = time.perf_counter() + START_DELAY_S
     deadline_in_s = None if deadline is None else max(0.0, deadline - start_at)
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
         futures = [
-            pool.submit(_worker, worker_args, spec, w, processes, start_at, deadline_in_s)
+            pool.submit(_worker, worker_args, spec, w, processes, start_at, deadline_in_s, make_sender)
             for w in range(processes)
         ]
         parts = [f.result() for f in futures]
