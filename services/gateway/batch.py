@@ -23,7 +23,7 @@ from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_en
 from .http_request import parse_json, parse_speech_body
 from .http_streaming import run_unless_disconnected
 from .job import AudioPiece
-from .core import Synthesizer
+from .core import GatewayCore
 
 # vLLM-Omni bounds a batch at 32 items.
 MAX_BATCH_ITEMS = 32
@@ -81,7 +81,7 @@ def item_bodies(body: Any) -> list[Any]:
     return out
 
 
-async def _synthesise(synth: Synthesizer, body: Any) -> tuple[bytes, str, dict]:
+async def _synthesise(synth: GatewayCore, body: Any) -> tuple[bytes, str, dict]:
     fields, out = parse_speech_body(body)
     try:
         job = synth.validate(fields)
@@ -112,7 +112,7 @@ async def _synthesise(synth: Synthesizer, body: Any) -> tuple[bytes, str, dict]:
         await stream.close(error)
 
 
-async def run_batch(synth: Synthesizer, body: Any) -> dict:
+async def run_batch(synth: GatewayCore, body: Any) -> dict:
     """vLLM-Omni's BatchSpeechResponse for `body` (a malformed batch itself raises InvalidArgument)."""
     bodies = item_bodies(body)
     gate = asyncio.Semaphore(BATCH_CONCURRENCY)
@@ -145,7 +145,7 @@ async def run_batch(synth: Synthesizer, body: Any) -> dict:
     }
 
 
-def batch_router(synth: Synthesizer) -> APIRouter:
+def batch_router(synth: GatewayCore) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/audio/speech/batch")

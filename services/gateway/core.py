@@ -1,11 +1,11 @@
 """The transport-agnostic synthesis core shared by the HTTP and the gRPC front ends.
 
-`Synthesizer.open()` validates, admits and starts a talker call, and waits for its first event, so
+`GatewayCore.open()` validates, admits and starts a talker call, and waits for its first event, so
 errors that happen before any audio (unknown voice, bad reference, no capacity) still reach the
 client as a proper status. The returned `SynthesisStream` must be closed; closing it cancels the
 talker call when it is still running and records the request's metrics.
 
-`Synthesizer.cut_all()` ends the streams still running when a drain's grace is over: each raises
+`GatewayCore.cut_all()` ends the streams still running when a drain's grace is over: each raises
 the given error where it waits for its next event, so every front end ends it the way it ends a
 failed stream (an SSE or WebSocket error event, a gRPC status), not with a silent cut.
 """
@@ -61,7 +61,7 @@ class SynthesisStream:
 
     def __init__(
         self,
-        synth: Synthesizer,
+        synth: GatewayCore,
         job: SynthesisJob,
         protocol: str,
         events: AsyncIterator[Event],
@@ -143,7 +143,7 @@ class SynthesisStream:
             self._synth._finish(self._protocol, self._started, error, self._client)
 
 
-class Synthesizer:
+class GatewayCore:
     """Validation, admission, reference decoding and the talker call, with the gateway metrics."""
 
     def __init__(

@@ -20,7 +20,7 @@ from .client_identity import client_var, grpc_client_key
 from .consents import ConsentStore
 from .instructions import ignored_fields_header
 from .job import AudioPiece, SpeechFields, SynthesisJob, SynthesisSummary
-from .core import SynthesisStream, Synthesizer
+from .core import SynthesisStream, GatewayCore
 from .text_stream import SegmentText, TextPiece, TextSplitter, check_session, open_segment
 from .validation import new_request_id
 from .voice_client import VoiceInfo
@@ -175,7 +175,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
 
     def __init__(
         self,
-        synthesizer: Synthesizer,
+        synthesizer: GatewayCore,
         voices: VoiceService,
         api_keys: ApiKeys | None = None,
         write_timeout_s: float = 0.0,

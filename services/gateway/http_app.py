@@ -36,7 +36,7 @@ from .playback import PlaybackClock
 from .rate_limit import RateLimiter, RateLimitMiddleware
 from .speech_ws import SpeechStreamEndpoint
 from .status import StatusReporter
-from .core import SynthesisStream, Synthesizer
+from .core import SynthesisStream, GatewayCore
 from .voices import VoiceService
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 class HttpDeps:
     """What the HTTP app needs, built by the server and injected."""
 
-    synthesizer: Synthesizer
+    synthesizer: GatewayCore
     voices: VoiceService
     metrics: GatewayMetrics
     # Status name per stage the gateway needs ("SERVING", ...).

@@ -38,7 +38,7 @@ from .reference_cache import DecodedReferenceCache
 from .request_id import RequestIdMiddleware
 from .stage_health import StageHealth
 from .status import StatusReporter
-from .core import Synthesizer, decode_reference
+from .core import GatewayCore, decode_reference
 from .talker_client import TalkerClient
 from .talker_pool import DnsResolver, TalkerPool
 from .validation import RequestLimits
@@ -126,7 +126,7 @@ class GatewayServer:
             if config.ref_audio_cache_mb > 0
             else None
         )
-        self.synthesizer = Synthesizer(
+        self.synthesizer = GatewayCore(
             self.talker,
             lambda: self.catalog,
             limits,

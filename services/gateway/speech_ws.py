@@ -33,7 +33,7 @@ from qtts.errors import Cancelled, InvalidArgument, TTSError, mapping_for, opena
 
 from .http_request import StreamingSessionConfig, parse_json, validate_body
 from .job import SpeechFields
-from .core import Synthesizer
+from .core import GatewayCore
 from .text_stream import (
     SegmentAudio,
     SegmentText,
@@ -95,7 +95,7 @@ class _Session:
     """One connection's state, shared by its receiver and its worker."""
 
     ws: WebSocket
-    synth: Synthesizer
+    synth: GatewayCore
     session_id: str = field(default_factory=new_request_id)
     config: StreamingSessionConfig | None = None
     fields: SpeechFields | None = None
@@ -163,7 +163,7 @@ class SpeechStreamEndpoint:
 
     def __init__(
         self,
-        synth: Synthesizer,
+        synth: GatewayCore,
         config_timeout_s: float = 10.0,
         idle_timeout_s: float = 30.0,
         max_message_bytes: int = 32 << 20,

@@ -13,7 +13,7 @@ import httpx
 from prometheus_client import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .core import Synthesizer
+from .core import GatewayCore
 
 # Talker samples the strip shows, by the key they get in the JSON.
 _TALKER_SAMPLES = {
@@ -37,7 +37,7 @@ def _sample_sums(families: Iterable[Metric], names: Iterable[str]) -> dict[str, 
 class StatusReporter:
     """Builds the status JSON: model, gateway load and (when reachable) talker load."""
 
-    def __init__(self, synth: Synthesizer, talker_metrics_url: str = "", timeout_s: float = 1.0):
+    def __init__(self, synth: GatewayCore, talker_metrics_url: str = "", timeout_s: float = 1.0):
         self._synth = synth
         self._talker_metrics_url = talker_metrics_url
         self._timeout_s = timeout_s

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from .audio_encoding import Resampler, check_output_format, make_encoder
 from .job import AudioPiece, SpeechFields
-from .core import SynthesisStream, Synthesizer
+from .core import SynthesisStream, GatewayCore
 
 GRANULARITIES = ("sentence", "clause", "none")
 # Abbreviation-prone ASCII marks end a unit only when whitespace follows; the CJK (and Devanagari,
@@ -189,7 +189,7 @@ class SegmentAudio:
     streaming: bool = True
 
 
-def check_session(synth: Synthesizer, fields: SpeechFields, response_format: str) -> int:
+def check_session(synth: GatewayCore, fields: SpeechFields, response_format: str) -> int:
     """Validate a session's fields once, before any text: the errors a config can cause (model,
     task, voice, reference, format) come at once, not with the first segment. Returns the rate."""
     job = synth.validate(replace(fields, text="."))
@@ -198,7 +198,7 @@ def check_session(synth: Synthesizer, fields: SpeechFields, response_format: str
 
 
 async def open_segment(
-    synth: Synthesizer, fields: SpeechFields, text: SegmentText, request_id: str, protocol: str
+    synth: GatewayCore, fields: SpeechFields, text: SegmentText, request_id: str, protocol: str
 ) -> SynthesisStream:
     """Validate, admit and start one segment's talker request with its first text, the rest
     appended as it arrives (its errors before audio raise here). With the non-streaming text

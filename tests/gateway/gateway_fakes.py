@@ -19,7 +19,7 @@ from services.gateway.admission import Admission
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
 from services.gateway.server import _UvicornServer
-from services.gateway.core import Synthesizer
+from services.gateway.core import GatewayCore
 from services.gateway.validation import RequestLimits
 from services.gateway.voice_client import VoiceInfo
 from services.gateway.voices import VoiceService
@@ -148,7 +148,7 @@ def fake_decode(data: bytes) -> np.ndarray:
 class GatewayUnderTest:
     talker: FakeTalker
     voices: FakeVoiceStore
-    synth: Synthesizer
+    synth: GatewayCore
     metrics: GatewayMetrics
     voice_service: VoiceService
     url: str = ""
@@ -159,7 +159,7 @@ def build_gateway(
 ) -> GatewayUnderTest:
     talker = FakeTalker(**talker_kw)
     metrics = GatewayMetrics(CollectorRegistry())
-    synth = Synthesizer(
+    synth = GatewayCore(
         talker,
         lambda: catalog,
         RequestLimits(max_input_chars=200, max_new_frames_limit=100),

@@ -26,7 +26,7 @@ from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.http_limits import header_timeout_protocol
 from services.gateway.server import _UvicornServer
-from services.gateway.core import Synthesizer, decode_reference
+from services.gateway.core import GatewayCore, decode_reference
 from services.gateway.validation import RequestLimits
 from services.gateway.voices import VoiceService
 
@@ -39,7 +39,7 @@ def corpus_gateway() -> GatewayUnderTest:
     metrics = GatewayMetrics(CollectorRegistry())
     decode = functools.partial(decode_reference, max_seconds=corpus.MAX_REF_AUDIO_SECONDS)
     limits = RequestLimits(max_ref_audio_bytes=corpus.MAX_REF_AUDIO_BYTES)
-    synth = Synthesizer(talker, lambda: BASE, limits, Admission(16), metrics, decode=decode)
+    synth = GatewayCore(talker, lambda: BASE, limits, Admission(16), metrics, decode=decode)
     store = FakeVoiceStore()
     voices = VoiceService(store, decode, lambda: BASE, corpus.MAX_REF_AUDIO_BYTES)
     return GatewayUnderTest(talker, store, synth, metrics, voices)
