@@ -69,7 +69,7 @@ class Code2WavConfig:
         64, "slots engine: decoder states after distinct ICL reference prefixes kept for reuse (0 = off)"
     )
     max_prefix_frames: int = setting(2048, "longest reference prefix a stream may bring, frames")
-    # Decode scheduling (see decode_worker.py): never within the safety margin of the nearest
+    # Decode scheduling (see core.py): never within the safety margin of the nearest
     # playback deadline. Off by default: the wait re-checks every stream on each arrival, which at
     # hundreds of streams kept the event loop so busy on the H200 that health checks timed out.
     coalesce_max_ms: float = setting(

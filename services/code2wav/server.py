@@ -15,7 +15,7 @@ from qtts.internal_auth import server_interceptors
 from qtts.metrics import Code2WavMetrics
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 from services.code2wav.config import Code2WavConfig
-from services.code2wav.decode_worker import DecodeEngine, IncrementalDecoderLike
+from services.code2wav.core import Code2WavCore, IncrementalDecoderLike
 from services.code2wav.model_loader import load_decoder
 from services.code2wav.servicer import Code2WavServicer
 from services.code2wav.stream import StreamLimits
@@ -44,7 +44,7 @@ class Code2WavServer:
         self.metrics = Code2WavMetrics(CollectorRegistry())
         self._decoder = decoder
         self._limits = limits
-        self.engine: DecodeEngine | None = None
+        self.engine: Code2WavCore | None = None
         self.host = GrpcServiceHost(
             service_names=[SERVICE_NAME],
             metrics=self.metrics,
@@ -66,7 +66,7 @@ class Code2WavServer:
         self.host.on_unexpected_error(self.device_failure.check)
         if self._decoder is None:
             self._decoder, self._limits = await asyncio.to_thread(load_decoder, cfg)
-        self.engine = DecodeEngine(
+        self.engine = Code2WavCore(
             self._decoder,
             self.metrics,
             max_states=cfg.max_states,

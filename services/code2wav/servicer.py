@@ -1,4 +1,4 @@
-"""`code2wav.v1.Code2WavService/Decode`: converts protobuf to `DecodeEngine` calls and back."""
+"""`code2wav.v1.Code2WavService/Decode`: converts protobuf to `Code2WavCore` calls and back."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from qtts.decode_events import Credit, DecodedAudio, DecodeEvent, Done
 from qtts.errors import FailedPrecondition, InvalidArgument, TTSError
 from qtts.pb import code2wav_pb2 as pb
 from qtts.pb import code2wav_pb2_grpc
-from services.code2wav.decode_worker import DecodeEngine
+from services.code2wav.core import Code2WavCore
 from services.code2wav.stream import DecodeStream
 
 
@@ -62,7 +62,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
     call with OK (it ends it anyway after `close_wait_s`).
     """
 
-    def __init__(self, engine: DecodeEngine, close_wait_s: float = 2.0):
+    def __init__(self, engine: Code2WavCore, close_wait_s: float = 2.0):
         self.engine = engine
         self.close_wait_s = close_wait_s
 

@@ -1,7 +1,7 @@
 """One decode stream's bookkeeping: frames received, chunks planned, credit, and its outbox.
 
 Everything here runs on the asyncio loop; the decoder state itself is only touched by the decode
-worker thread (see `decode_worker`).
+worker thread (see `core`).
 
 Playback clock: the listener is assumed to start playing when the first decoded chunk is handed on,
 with no pre-roll (the underrun definition of DESIGN.md section 5). From then on the stream runs dry

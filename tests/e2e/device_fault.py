@@ -106,7 +106,7 @@ class _FaultyDecoder:
 
 
 def faulty_code2wav(argv: list[str]) -> int:
-    import services.code2wav.decode_worker as worker
+    import services.code2wav.core as worker
     import services.code2wav.server as server
     from services.code2wav.__main__ import main
 
@@ -116,7 +116,7 @@ def faulty_code2wav(argv: list[str]) -> int:
         decoder, limits = real_load(cfg)
         return _FaultyDecoder(decoder), limits
 
-    real_open = worker.DecodeEngine.open_stream
+    real_open = worker.Code2WavCore.open_stream
 
     async def open_stream(self, request_id, *args, **kwargs):
         stream = await real_open(self, request_id, *args, **kwargs)
@@ -125,7 +125,7 @@ def faulty_code2wav(argv: list[str]) -> int:
         return stream
 
     server.load_decoder = load_decoder
-    worker.DecodeEngine.open_stream = open_stream
+    worker.Code2WavCore.open_stream = open_stream
     return main(argv)
 
 

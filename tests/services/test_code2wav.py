@@ -537,13 +537,13 @@ async def test_prefix_state_cache_hits_and_misses_are_counted():
     from prometheus_client import CollectorRegistry
 
     from qtts.metrics import Code2WavMetrics
-    from services.code2wav.decode_worker import DecodeEngine
+    from services.code2wav.core import Code2WavCore
     from services.code2wav.model_loader import load_decoder
 
     cfg = config_from_args(["--decode-engine", "slots", "--max-states", "4"])
     decoder, limits = load_decoder(cfg)
     metrics = Code2WavMetrics(CollectorRegistry())
-    engine = DecodeEngine(decoder, metrics, max_states=4, limits=limits)
+    engine = Code2WavCore(decoder, metrics, max_states=4, limits=limits)
     prefix = np.random.default_rng(0).integers(0, 2048, (6, 16)).astype(np.int16)
     states = [engine._start_sync(prefix) for _ in range(2)] + [engine._start_sync(None)]
     assert metrics.prefix_state_misses_total._value.get() == 1

@@ -20,7 +20,7 @@ from qtts.errors import InvalidArgument
 from qtts.metrics import Code2WavMetrics
 from services.code2wav.config import Code2WavConfig, config_from_args
 from services.code2wav.credit import CreditPolicy
-from services.code2wav.decode_worker import DecodeEngine
+from services.code2wav.core import Code2WavCore
 from services.code2wav.server import Code2WavServer
 from services.code2wav.stream import DecodeStream, StreamLimits
 from tests.services.conftest import FakeIncrementalDecoder
@@ -66,14 +66,14 @@ def _codes(n: int) -> np.ndarray:
 async def engine_with(plan: ChunkPlan, **kw):
     clock = FakeClock()
     decoder = CallLog()
-    engine = DecodeEngine(decoder, Code2WavMetrics(CollectorRegistry()), plan=plan, clock=clock, **kw)
+    engine = Code2WavCore(decoder, Code2WavMetrics(CollectorRegistry()), plan=plan, clock=clock, **kw)
     try:
         yield engine, decoder, clock
     finally:
         await engine.close()
 
 
-async def _open(engine: DecodeEngine, *names: str) -> dict[str, DecodeStream]:
+async def _open(engine: Code2WavCore, *names: str) -> dict[str, DecodeStream]:
     return {n: await engine.open_stream(n, 16) for n in names}
 
 
@@ -86,7 +86,7 @@ def _named(decoder: CallLog, streams: dict[str, DecodeStream]) -> list[list[str]
     return [[by_state[i] for i in call] for call in decoder.calls]
 
 
-async def _decode_now(engine: DecodeEngine) -> None:
+async def _decode_now(engine: Code2WavCore) -> None:
     await asyncio.wait_for(engine._decode_ready(), timeout=5)
 
 

@@ -1,4 +1,4 @@
-"""The decode engine: opens/frees decoder states and decodes ready chunks of all streams in batches.
+"""The code2wav core: opens/frees decoder states and decodes ready chunks of all streams in batches.
 
 All torch work runs in one dedicated worker thread, so the asyncio loop (gRPC I/O, credit) never
 blocks on a decode. One batch is in flight at a time; while it runs, frames keep arriving and the
@@ -47,7 +47,7 @@ class IncrementalDecoderLike(Protocol):
     def free(self, state: Any) -> None: ...
 
 
-class DecodeEngine:
+class Code2WavCore:
     """Owns the decoder, the worker thread and the stream registry of one code2wav replica."""
 
     def __init__(
