@@ -6,14 +6,9 @@ Each service keeps its own frozen config dataclass (qtts/settings.py makes its f
 service's own defaults, and the checks validate them once.
 
 `--gil-switch-interval-ms` (default 5, CPython's own): a thread that releases the GIL (a CUDA graph
-replay, a device-to-host copy, a socket read) and wants it back waits until the thread holding it
-is forced to yield, up to `sys.getswitchinterval()` per re-take. On the CPU machine
-(`python -m benchmarks.gil_convoy`) a simulated engine step with eight GIL-releasing calls and a
-2 ms wait took 2.9 ms alone and, beside one busy Python thread, 43 ms at 5 ms, 11 ms at 1 ms and
-5.4 ms at 0.25 ms. In the whole stack on an H200, though, 0.25 ms in every service did worse than
-5 ms: gap-free streams at c=64 / c=256 were 81-83% / 60-63% at 0.25 ms (revision 9b33bcc) and
-94.5% / 83.4% at 5 ms (f3162db, which also has a faster predictor attention; BENCHMARKS.md). So the
-default stays CPython's, and the flag is there to measure other settings per service.
+replay, a device-to-host copy, a socket read) waits up to `sys.getswitchinterval()` to take it
+back from a busy thread. Shorter is not better everywhere (a short interval in every service did
+worse in the stack; BENCHMARKS.md has the runs), so each service sets its own.
 """
 
 from __future__ import annotations
@@ -87,8 +82,7 @@ def check_server_fields(config: Any, *, ports: Sequence[str] = ("port",)) -> Non
 # Connection aging for the GPU stages' gRPC servers (see qtts.grpc_server.connection_age_options).
 DEFAULT_MAX_CONNECTION_AGE_S = 120.0
 # Streams on an aged connection may run this long: a stream of the longest text lasts minutes, and
-# cutting it would fail a listener mid-sentence (the H200 sweep at 8b638fb lost 115 streams at c=256
-# to a grace of --drain-seconds, 5 s).
+# cutting it would fail a listener mid-sentence.
 DEFAULT_MAX_CONNECTION_AGE_GRACE_S = 900.0
 
 

@@ -2,8 +2,7 @@
 
 The frame step runs 28 talker layers and 15 x 5 predictor layers. Written as PyTorch ops (even
 under torch.compile) each layer became about 23 kernels, and at small batches kernel count, not
-bytes, sets the step time: an H200 profile of the 1.7B step at batch 2 showed 2,401 kernels for
-7.1 ms of kernel time. With these kernels a layer is
+bytes, sets the step time (BENCHMARKS.md, the fused decode kernels). With these kernels a layer is
 
     add_rms_norm -> q|k|v matmul -> qk_norm_rope_store -> decode_attention -> o matmul ->
     add_rms_norm -> gate|up matmul -> silu_mul -> down matmul (its add joins the next layer's norm)
@@ -11,7 +10,7 @@ bytes, sets the step time: an H200 profile of the 1.7B step at batch 2 showed 2,
 nine kernels plus what cuBLAS launches for the four matmuls. The attention reads only the
 positions a row has (its own length), not a padded context bucket.
 
-Numerics follow the fast path (`model_runner._fast_qkv` / `_fast_out_mlp`): activations in the
+Numerics follow the fast path (`fused_layers.fast_qkv` / `fast_out_mlp`): activations in the
 model dtype between kernels, norms and softmax in float32. Rounding points differ slightly from the
 PyTorch ops, so graph and eager codes can differ on near ties, as between any two kernels.
 

@@ -1,9 +1,8 @@
 """One Triton kernel per sampling call: temperature, top-k, top-p, greedy and the inverse-CDF draw.
 
-`sampler.sample_rows` (the PyTorch reference) sorts the vocabulary; an H200 profile of the frame
-step showed that sort at about 21 us per codebook plus four more kernels, and the counter-based
-uniforms (`sampler.frame_uniforms`) as about 84 small int64 kernels per frame. `sample` does one
-row per program, with the whole row in registers:
+`sampler.sample_rows` (the PyTorch reference) sorts the vocabulary and draws its uniforms in many
+small kernels, which dominated the frame step's sampling time on the GPU. `sample` does one row
+per program, with the whole row in registers:
 
 - the uniform is `sampler.counter_uniform(seed, frame, codebook)`, computed in uint32 arithmetic
   in the kernel (bit-for-bit the same), or read from a given tensor;

@@ -71,7 +71,7 @@ class Code2WavConfig:
     max_prefix_frames: int = setting(2048, "longest reference prefix a stream may bring, frames")
     # Decode scheduling (see core.py): never within the safety margin of the nearest
     # playback deadline. Off by default: the wait re-checks every stream on each arrival, which at
-    # hundreds of streams kept the event loop so busy on the H200 that health checks timed out.
+    # hundreds of streams kept the event loop too busy to answer health checks.
     coalesce_max_ms: float = setting(
         0.0, "longest wait for more ready streams before a decode call (0 = decode at once)"
     )

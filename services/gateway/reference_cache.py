@@ -1,8 +1,8 @@
 """Decoded reference clips kept by content, so a voice-clone request that repeats a clip (the
 common case: an agent speaks in one cloned voice all day) skips the container decode and resample.
 
-Measured on an H200 host with the full stack (BENCHMARKS.md): decoding every request's clip in the
-gateway's thread pool capped the whole stack at about 20 requests per second.
+Decoding every request's clip in the gateway's thread pool once capped the whole stack's request
+rate (BENCHMARKS.md).
 """
 
 from __future__ import annotations

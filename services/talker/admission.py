@@ -10,12 +10,11 @@ Two predictions decide it, both from what the engine measured on this GPU:
 - the steady load: with one more stream, the frame steps (every stream about once a frame) plus
   the prefills of the streams that replace those ending (running streams / their mean length, each
   at its measured prefill cost) must keep the engine thread busy at most `max_load` of the time.
-  A prefill is the dearer part: in the stack a step with one cost about 30 ms more than without,
-  against a 10 ms frame step at 500 streams, so a bound on the step alone admitted streams the
-  engine could not keep on time;
+  A prefill is the dearer part (a step with one costs several frame steps), so a bound on the
+  step alone admitted streams the engine could not keep on time;
 - the newcomer's own prefill is not a condition: the scheduler spreads it over steps within the
   slack of the tightest running stream (young streams always have little slack, so holding
-  admission on it refused most requests on the H200).
+  admission on it refused most requests).
 
 Streams whose listener is short of audio (`behind`) mean the pipeline after the talker is not
 keeping up: admission holds while more than `max_behind_fraction` of the mature streams are behind
@@ -45,7 +44,7 @@ class AdmissionConfig:
     max_behind_fraction: float = 0.05
     # At most this many start per step, so the measurements can react before the next ones start.
     max_admit_per_step: int = 16
-    # Priors of the step model until steps are measured (an H200's 1.7B frame step).
+    # Priors of the step model until steps are measured (a 1.7B frame step on a fast GPU).
     step_base_s: float = 0.0047
     step_per_stream_s: float = 0.00002
     prefill_position_s: float = 0.000011

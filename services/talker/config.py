@@ -124,8 +124,7 @@ class TalkerConfig:
     max_connection_age_s: float = common.max_connection_age_s()
     max_connection_age_grace_s: float = common.max_connection_age_grace_s()
     # sys.setswitchinterval for this process: 1 ms, not CPython's 5 ms, so the engine thread gets
-    # the GIL back sooner after each CUDA call while the event loop runs (H200 stack at 8b638fb,
-    # c=256/512: 100%/93% of streams gap-free against 94%/89% at 5 ms).
+    # the GIL back sooner after each CUDA call while the event loop runs.
     gil_switch_interval_ms: float = common.gil_switch_interval_ms(TALKER_GIL_SWITCH_INTERVAL_MS)
     log_level: str = common.log_level()
     # Shared secret of the services (qtts/internal_auth.py); empty: off.
