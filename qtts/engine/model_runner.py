@@ -27,11 +27,21 @@ import torch
 import torch.nn.functional as F
 
 from qtts.engine import sampler
+from qtts.engine.fused_layers import (
+    LayerWeights,
+    attend,
+    fast_out_mlp,
+    fast_predictor_layer,
+    fast_qkv,
+    fuse_layer,
+    fused_decoder_layers,
+    module_qkv,
+)
 from qtts.engine.kv_slots import slots_for_budget
 from qtts.engine.prefix_cache import PrefixCache
 from qtts.engine.scheduler import KVMove, PrefillChunk
 from qtts.engine.sequence import Sequence
-from qtts.model.layers import KVCache, apply_rope
+from qtts.model.layers import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -132,100 +142,6 @@ class RunnerConfig:
         return (*steps, self.max_len)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str) -> torch.Tensor:
-    """q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B|1, 1, T, S] (True = attend) -> [B, Hq, T, D]."""
-    scale = q.shape[-1] ** -0.5
-    hq, hkv = q.shape[1], k.shape[1]
-    if impl == "sdpa_grouped" and q.shape[2] == 1 and hq != hkv:
-        b, _, _, d = q.shape
-        qg = q.reshape(b, hkv, hq // hkv, d)  # a group's query heads as query positions
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-        return out.reshape(b, hq, 1, d)
-    if impl in ("sdpa", "sdpa_grouped"):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
-    b, _, t, d = q.shape
-    g = hq // hkv
-    qg = q.reshape(b, hkv, g * t, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, g*T, S]
-    if mask is not None:
-        m = mask.expand(mask.shape[0], 1, t, mask.shape[-1]).repeat(1, 1, g, 1)
-        scores = scores.masked_fill(~m, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(b, hq, t, d)
-
-
-def _qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Projections, per-head RMSNorm and RoPE of the bundle's attention module. x: [B, T, H]."""
-    b, t, _ = x.shape
-    q = attn.q_norm(attn.q_proj(x).view(b, t, attn.num_heads, attn.head_dim)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-@dataclass(frozen=True)
-class _LayerWeights:
-    """One decoder layer's weights in the fast-path layout (q|k|v and gate|up concatenated)."""
-
-    ln1: torch.Tensor
-    w_qkv: torch.Tensor
-    b_qkv: torch.Tensor | None
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    w_o: torch.Tensor
-    b_o: torch.Tensor | None
-    ln2: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
-
-
-def _fuse_layer(layer) -> _LayerWeights:
-    attn, mlp = layer.self_attn, layer.mlp
-    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-    return _LayerWeights(
-        ln1=layer.input_layernorm.weight,
-        w_qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous(),
-        b_qkv=None if biases[0] is None else torch.cat(biases).contiguous(),
-        q_norm=attn.q_norm.weight,
-        k_norm=attn.k_norm.weight,
-        w_o=attn.o_proj.weight,
-        b_o=attn.o_proj.bias,
-        ln2=layer.post_attention_layernorm.weight,
-        w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous(),
-        w_down=mlp.down_proj.weight,
-    )
-
-
-def _fast_qkv(x, ln1, w_qkv, b_qkv, q_norm, k_norm, cos, sin, eps: float, heads: int, kv_heads: int):
-    """RMSNorm -> one q|k|v matmul -> per-head RMSNorm -> RoPE. x [B, T, H] -> q, k, v [B, h, T, D]."""
-    b, t, _ = x.shape
-    d = q_norm.shape[0]
-    h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
-    q, k, v = F.linear(h, w_qkv, b_qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    q = F.rms_norm(q.view(b, t, heads, d), (d,), q_norm, eps).transpose(1, 2)
-    k = F.rms_norm(k.view(b, t, kv_heads, d), (d,), k_norm, eps).transpose(1, 2)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(b, t, kv_heads, d).transpose(1, 2)
-
-
-def _fast_out_mlp(x, attn, w_o, b_o, ln2, w_gate_up, w_down, eps: float):
-    """Output projection + residual, RMSNorm, one gate|up matmul, SwiGLU, down + residual."""
-    x = x + F.linear(attn, w_o, b_o)
-    gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), ln2, eps), w_gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w_down)
-
-
-def _fast_predictor_layer(x, k_prev, v_prev, cos, sin, mask, ln1, w_qkv, b_qkv, q_norm, k_norm, w_o, b_o, ln2,
-                          w_gate_up, w_down, eps: float, heads: int, kv_heads: int):
-    """One predictor layer that carries its per-frame keys/values as tensors (concatenated, not
-    written into a cache), so the whole layer but the matmuls can fuse under torch.compile.
-    (Weights are passed as tensors: compiled code guards on shapes, not on which layer it is.)"""
-    b, t, _ = x.shape
-    q, k, v = _fast_qkv(x, ln1, w_qkv, b_qkv, q_norm, k_norm, cos, sin, eps, heads, kv_heads)
-    keys, values = torch.cat([k_prev, k], dim=2), torch.cat([v_prev, v], dim=2)
-    out = _attend(q, keys, values, mask, "matmul").transpose(1, 2).reshape(b, t, -1)
-    return _fast_out_mlp(x, out, w_o, b_o, ln2, w_gate_up, w_down, eps), keys, values
-
-
 class ModelRunner:
     """Owns the KV cache, the per-slot state, the frame step and its CUDA graphs."""
 
@@ -249,11 +165,11 @@ class ModelRunner:
         self.predictor_attention = "sdpa" if config.predictor_attention == "auto" else config.predictor_attention
         self.fast_path = self.device.type == "cuda" if config.fast_path is None else config.fast_path
         # Fused weights first: the KV sizing below measures the memory left after them.
-        self.talker_weights = [_fuse_layer(layer) for layer in self.talker.model.layers] if self.fast_path else []
+        self.talker_weights = [fuse_layer(layer) for layer in self.talker.model.layers] if self.fast_path else []
         self.predictor_weights = (
-            [_fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
+            [fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
         )
-        self._qkv_fn, self._out_fn, self._sample = _fast_qkv, _fast_out_mlp, sampler.sample_rows
+        self._qkv_fn, self._out_fn, self._sample = fast_qkv, fast_out_mlp, sampler.sample_rows
         self._c0_logits = sampler.codebook0_logits
         if config.decode_kernels == "triton" and not self.fast_path:
             raise ValueError("decode_kernels='triton' needs the fast path")
@@ -262,7 +178,7 @@ class ModelRunner:
             self._kernel_module(config.decode_kernels, "triton_ops", "decode_kernels") if self.fast_path else None
         )
         self.fused_decode = self._fused_kernels is not None
-        self._pred_layer_fn = _fast_predictor_layer
+        self._pred_layer_fn = fast_predictor_layer
         skinny = self.fused_decode if config.skinny_matmul is None else config.skinny_matmul
         if skinny and not self.fused_decode:
             raise ValueError("skinny_matmul needs the fused decode kernels")
@@ -282,11 +198,11 @@ class ModelRunner:
                 if hasattr(dynamo_config, name):
                     setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
             # Batch, positions and sequence length vary across buckets and predictor steps.
-            self._qkv_fn = torch.compile(_fast_qkv, dynamic=True)
-            self._out_fn = torch.compile(_fast_out_mlp, dynamic=True)
+            self._qkv_fn = torch.compile(fast_qkv, dynamic=True)
+            self._out_fn = torch.compile(fast_out_mlp, dynamic=True)
             self._sample = torch.compile(sampler.sample_rows, dynamic=True)
             self._c0_logits = torch.compile(sampler.codebook0_logits, dynamic=True)
-            self._pred_layer_fn = torch.compile(_fast_predictor_layer, dynamic=True)
+            self._pred_layer_fn = torch.compile(fast_predictor_layer, dynamic=True)
         self.num_slots = self._size_slots()
         self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots}))
         # Fused attention reads each row's own length: one context bucket (the whole slot) is enough.
@@ -522,7 +438,7 @@ class ModelRunner:
                 )
             else:
                 keys, values = self.k_cache[i][slots, :, :span], self.v_cache[i][slots, :, :span]
-                out = _attend(q, keys, values, mask, "sdpa")
+                out = attend(q, keys, values, mask, "sdpa")
             x = self._out_fn(x, out.transpose(1, 2).reshape(r, t, -1), w.w_o, w.b_o, w.ln2, w.w_gate_up, w.w_down,
                              d.rms_norm_eps)
 
@@ -578,7 +494,7 @@ class ModelRunner:
             self.v_cache[i][rows, :, wpos] = v[:, :, 0].to(self.dtype)
             keys = self.k_cache[i, :n, :, :ctx]
             values = self.v_cache[i, :n, :, :ctx]
-            out = _attend(q, keys, values, mask, self.talker_attention).transpose(1, 2).reshape(n, 1, -1)
+            out = attend(q, keys, values, mask, self.talker_attention).transpose(1, 2).reshape(n, 1, -1)
             x = self._layer_out(i, layer, x, out, self.talker_weights, self.tdec)
         return self._final_norm(model.norm, x)[:, 0]
 
@@ -590,27 +506,8 @@ class ModelRunner:
         wpos = torch.where(act, pos, torch.full_like(pos, self.scratch))
         apos = pos.clamp(max=self.max_len - 1)  # padding rows may carry any position
         cos, sin = model.rotary(pos, self.dtype)  # [n, D]
-        return self._fused_layers(self.next_embed[:n], self.talker_weights, self.tdec, self.k_cache, self.v_cache,
-                                  self.rows[:n], wpos, apos, cos, sin, model.norm)
-
-    def _fused_layers(self, x, weights: list[_LayerWeights], dcfg, k_cache, v_cache, rows, wpos, apos, cos, sin,
-                      final_norm, block_n: int = 64) -> torch.Tensor:
-        """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
-        attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
-        final-normed hidden [M, H]."""
-        kernels, lin = self._fused_kernels, self._linear
-        eps = dcfg.rms_norm_eps
-        delta = None
-        for i, w in enumerate(weights):
-            x, h = kernels.add_rms_norm(x, delta, w.ln1, eps)
-            q = kernels.qk_norm_rope_store(
-                lin(h, w.w_qkv, w.b_qkv), w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps,
-                dcfg.num_heads, dcfg.num_kv_heads,
-            )
-            attn = kernels.decode_attention(q, k_cache[i], v_cache[i], rows, apos, block_n=block_n)
-            x, h = kernels.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
-            delta = lin(kernels.silu_mul(lin(h, w.w_gate_up)), w.w_down)
-        return kernels.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]
+        return fused_decoder_layers(self._fused_kernels, self._linear, self.next_embed[:n], self.talker_weights, self.tdec,
+                                    self.k_cache, self.v_cache, self.rows[:n], wpos, apos, cos, sin, model.norm)
 
     def _predictor_fused(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """`_predictor_layers` with the fused kernels, the per-frame K/V in `pk_cache`/`pv_cache`."""
@@ -625,20 +522,21 @@ class ModelRunner:
             rows, pos = self.rows[:n], self.pred_step_pos[start, :n]
             cos, sin = self.pred_cos[0, start].expand(n, -1), self.pred_sin[0, start].expand(n, -1)
         # At most 16 keys per row (the 2-token start, then 14 steps): one block of 32, not the talker's 64.
-        h = self._fused_layers(x.reshape(m, -1), self.predictor_weights, self.pdec, self.pk_cache, self.pv_cache,
-                               rows, pos, pos, cos, sin, self.predictor.model.norm, block_n=32)
+        h = fused_decoder_layers(self._fused_kernels, self._linear, x.reshape(m, -1), self.predictor_weights, self.pdec,
+                                 self.pk_cache, self.pv_cache, rows, pos, pos, cos, sin, self.predictor.model.norm,
+                                 block_n=32)
         return h.view(n, t, -1)
 
-    def _layer_qkv(self, i: int, layer, x, cos, sin, weights: list[_LayerWeights], dcfg):
+    def _layer_qkv(self, i: int, layer, x, cos, sin, weights: list[LayerWeights], dcfg):
         if not self.fast_path:
-            return _qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+            return module_qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
         w = weights[i]
         return self._qkv_fn(
             x, w.ln1, w.w_qkv, w.b_qkv, w.q_norm, w.k_norm, cos, sin, dcfg.rms_norm_eps, dcfg.num_heads,
             dcfg.num_kv_heads,
         )
 
-    def _layer_out(self, i: int, layer, x, attn, weights: list[_LayerWeights], dcfg):
+    def _layer_out(self, i: int, layer, x, attn, weights: list[LayerWeights], dcfg):
         if not self.fast_path:
             x = x + layer.self_attn.o_proj(attn)
             return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -678,7 +576,7 @@ class ModelRunner:
             self.pv_cache[i, :n, :, start : start + t] = v.to(self.dtype)
             keys = self.pk_cache[i, :n, :, : start + t]
             values = self.pv_cache[i, :n, :, : start + t]
-            out = _attend(q, keys, values, mask, self.predictor_attention).transpose(1, 2).reshape(n, t, -1)
+            out = attend(q, keys, values, mask, self.predictor_attention).transpose(1, 2).reshape(n, t, -1)
             x = self._layer_out(i, layer, x, out, self.predictor_weights, self.pdec)
         return self._final_norm(model.norm, x)
 
