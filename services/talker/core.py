@@ -17,7 +17,7 @@ from qtts import request_limits as lim
 from qtts.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
 from qtts.metrics import TalkerMetrics
 
-from .engine import GenerationEngine
+from .generation_loop import GenerationLoop
 from .replicas import Code2WavReplicas
 from .request import VOICE_CLONE, AudioPiece, GenerationRequest, GenerationSummary, SamplingOverrides
 from .stream import StreamSession
@@ -52,7 +52,7 @@ class TalkerCore:
         self,
         *,
         bundle: Any,
-        engine: GenerationEngine,
+        engine: GenerationLoop,
         replicas: Code2WavReplicas,
         voices: VoiceResolver,
         metrics: TalkerMetrics,

@@ -21,7 +21,7 @@ from qtts.tiny_model import ensure_tiny_snapshot
 from .admission import Admission, AdmissionConfig
 from .config import TalkerConfig
 from .core import TalkerCore
-from .engine import GenerationEngine
+from .generation_loop import GenerationLoop
 from .replicas import Code2WavReplicas
 from .scheduler import DeadlinePolicy, Scheduler
 from .servicer import TalkerServicer
@@ -117,7 +117,7 @@ class TalkerServer:
         self.servicer = TalkerServicer()
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
         self.host.add_shutdown_callback(self._shutdown)
-        self.engine: GenerationEngine | None = None
+        self.engine: GenerationLoop | None = None
         self.replicas: Code2WavReplicas | None = None
         self.core: TalkerCore | None = None
         self._cache: SpeakerCacheClient | None = None
@@ -162,7 +162,7 @@ class TalkerServer:
         if self._run_warm_up:
             # Before the engine thread exists: the generator is only ever driven by one thread.
             await asyncio.to_thread(warm_up, self.bundle, generator)
-        self.engine = GenerationEngine(
+        self.engine = GenerationLoop(
             generator, self._scheduler(), self.metrics, device_failure=self.device_failure.check
         )
         self.engine.start()

@@ -31,7 +31,7 @@ from qtts.chunk_plan import ChunkPlan
 from qtts.errors import GenerationFailed, TTSError, Unavailable
 
 from . import code2wav_client as c2w
-from .engine import Admitted, Failed, Finished, Frame, GenerationEngine
+from .generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
 from .replicas import Code2WavReplicas
 from .request import AudioPiece, GenerationSummary
 from .scheduler import ScheduledRequest, StreamCredit
@@ -71,7 +71,7 @@ class StreamSession:
         num_codebooks: int,
         first_chunk_frames: int,
         chunk_frames_ramp: Sequence[int],
-        engine: GenerationEngine,
+        engine: GenerationLoop,
         replicas: Code2WavReplicas,
         window: int,
         started_at: float,

@@ -143,7 +143,7 @@ def skipping_step(generator: Any) -> Any:
     return step
 
 
-class GenerationEngine:
+class GenerationLoop:
     """Runs a `BatchGenerator` in its own thread under a `Scheduler`."""
 
     def __init__(
