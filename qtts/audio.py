@@ -10,12 +10,12 @@ import numpy as np
 import soxr
 
 from qtts.errors import InvalidArgument
+from qtts.vocabulary import NATIVE_SAMPLE_RATE as SAMPLE_RATE
+from qtts.vocabulary import SAMPLES_PER_FRAME as SAMPLES_PER_FRAME
 
 if TYPE_CHECKING:  # the gateway decodes audio without loading torch
     import torch
 
-SAMPLE_RATE = 24000
-SAMPLES_PER_FRAME = 1920
 MAX_REFERENCE_SECONDS = 60.0
 
 

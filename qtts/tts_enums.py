@@ -4,13 +4,14 @@ shared by the gateway and the talker, like `qtts.sampling_overrides` for the sam
 from __future__ import annotations
 
 from qtts.pb import tts_pb2
+from qtts.vocabulary import Task
 
 # TASK_TYPE_UNSPECIFIED maps to None: the model's default task.
 TASK_FROM_PB: dict[int, str | None] = {
     tts_pb2.TASK_TYPE_UNSPECIFIED: None,
-    tts_pb2.TASK_TYPE_VOICE_CLONE: "voice_clone",
-    tts_pb2.TASK_TYPE_CUSTOM_VOICE: "custom_voice",
-    tts_pb2.TASK_TYPE_VOICE_DESIGN: "voice_design",
+    tts_pb2.TASK_TYPE_VOICE_CLONE: Task.VOICE_CLONE.value,
+    tts_pb2.TASK_TYPE_CUSTOM_VOICE: Task.CUSTOM_VOICE.value,
+    tts_pb2.TASK_TYPE_VOICE_DESIGN: Task.VOICE_DESIGN.value,
 }
 TASK_TO_PB: dict[str, int] = {name: value for value, name in TASK_FROM_PB.items() if name is not None}
 

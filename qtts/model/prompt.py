@@ -34,8 +34,7 @@ from qtts.errors import InvalidArgument
 from qtts.model.config import ModelConfig
 from qtts.model.text_feed import TextFeed
 from qtts.model.tokenizer import encode
-
-TASK_FOR_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "voice_design": "voice_design"}
+from qtts.vocabulary import served_task
 
 # Frame cap: generous against real speech rates (about 3-4 frames of 80 ms per text token; a slow
 # instructed voice maybe twice that), so only a request that missed end-of-speech reaches it.
@@ -303,7 +302,7 @@ class PromptBuilder:
     @torch.no_grad()
     def build(self, spec: SynthesisSpec) -> TalkerPrompt:
         cfg, tcfg = self.config, self.config.talker
-        expected = TASK_FOR_MODEL_TYPE[cfg.tts_model_type]
+        expected = served_task(cfg.tts_model_type)
         if spec.task != expected:
             raise InvalidArgument(
                 f"task {spec.task!r} is not served by a {cfg.tts_model_type} model (it serves {expected!r})"

@@ -32,10 +32,10 @@ from pydantic_core import PydanticCustomError
 
 from qtts import request_limits as lim
 from qtts.errors import InvalidArgument
+from qtts.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, MAX_SPEED, MIN_SPEED
 from .job import SamplingOptions, SpeechFields
-from .validation import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 ResponseFormat = Literal["pcm", "wav", "mp3", "flac", "opus", "aac", "mulaw", "alaw"]
 RESPONSE_FORMATS: tuple[str, ...] = get_args(ResponseFormat)

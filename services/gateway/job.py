@@ -7,12 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qtts.sampling_overrides import SamplingOverrides
-
-TASKS = ("voice_clone", "custom_voice", "voice_design")
-# The task a model variant serves (config.json `tts_model_type` -> task).
-TASK_OF_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "voice_design": "voice_design"}
-NATIVE_SAMPLE_RATE = 24000
-SAMPLES_PER_FRAME = 1920
+from qtts.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, Task, served_task
 
 
 @dataclass(frozen=True)
@@ -29,7 +24,7 @@ class ModelCatalog:
 
     @property
     def task(self) -> str:
-        return TASK_OF_MODEL_TYPE.get(self.model_type, "voice_clone")
+        return served_task(self.model_type) or Task.VOICE_CLONE.value
 
 
 # The gateway's name for the shared per-request sampling overrides.

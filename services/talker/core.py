@@ -16,10 +16,11 @@ import numpy as np
 from qtts import request_limits as lim
 from qtts.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
 from qtts.metrics import TalkerMetrics
+from qtts.vocabulary import Task
 
 from .generation_loop import GenerationLoop
 from .replicas import Code2WavReplicas
-from .request import VOICE_CLONE, AudioPiece, GenerationRequest, GenerationSummary, SamplingOverrides
+from .request import AudioPiece, GenerationRequest, GenerationSummary, SamplingOverrides
 from .stream import StreamSession
 from .validation import check_request
 from .voices import VoiceResolver
@@ -94,7 +95,7 @@ class TalkerCore:
         checked = check_request(req, self.info)
         sampling = merge_sampling(self.bundle.generation_defaults, req.sampling)
         voice_prompt = None
-        if checked.task == VOICE_CLONE:
+        if checked.task == Task.VOICE_CLONE:
             with self._metrics.stage_timer("voice_prompt"):
                 voice_prompt = await self._voices.resolve(req)
         # Built in the prompt thread, the host copy of the reference frames too: that copy waits

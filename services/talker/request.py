@@ -6,13 +6,6 @@ from dataclasses import dataclass, field
 
 from qtts.sampling_overrides import SamplingOverrides
 
-VOICE_CLONE = "voice_clone"
-CUSTOM_VOICE = "custom_voice"
-VOICE_DESIGN = "voice_design"
-
-# The one task each model variant serves (config.json `tts_model_type` -> task).
-TASK_OF_MODEL_TYPE = {"base": VOICE_CLONE, "custom_voice": CUSTOM_VOICE, "voice_design": VOICE_DESIGN}
-
 
 @dataclass(frozen=True)
 class GenerationRequest:

@@ -1,0 +1,266 @@
+"""The words every request is made of: tasks, languages, sample rates, and the one check of a
+request against the served model that the gateway and the talker both run.
+
+Pure (no torch, no protobuf): the gateway checks a client's request with it before any work is
+done, and the talker checks again, so a direct talker caller meets the same rules. Each caller
+names the fields as its own API spells them (`FieldNames`), so an error's message and `param`
+speak the caller's language.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from qtts import request_limits as lim
+from qtts.errors import InvalidArgument, NotFound
+from qtts.sampling_overrides import SamplingOverrides
+
+
+class Task(StrEnum):
+    """What a request asks of the model; each model variant serves exactly one."""
+
+    VOICE_CLONE = "voice_clone"
+    CUSTOM_VOICE = "custom_voice"
+    VOICE_DESIGN = "voice_design"
+
+
+TASKS: tuple[str, ...] = tuple(t.value for t in Task)
+# The one task each model variant serves (config.json `tts_model_type` -> task).
+TASK_OF_MODEL_TYPE: dict[str, str] = {
+    "base": Task.VOICE_CLONE.value,
+    "custom_voice": Task.CUSTOM_VOICE.value,
+    "voice_design": Task.VOICE_DESIGN.value,
+}
+# vLLM-Omni's task_type spellings (the model variants' own names), lower-cased.
+TASK_ALIASES = {"base": "voice_clone", "customvoice": "custom_voice", "voicedesign": "voice_design"}
+
+# The talker's PCM: 24 kHz, 1920 samples (80 ms) a frame. Output may be resampled within the range.
+NATIVE_SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 1920
+MIN_SAMPLE_RATE = 8000
+MAX_SAMPLE_RATE = 48000
+
+# ISO 639-1 codes (as vLLM-Omni's clients send them, optionally with a region: en-US, pt_BR) -> the
+# model's language names.
+LANGUAGE_CODES = {
+    "zh": "chinese",
+    "en": "english",
+    "de": "german",
+    "es": "spanish",
+    "ja": "japanese",
+    "fr": "french",
+    "ko": "korean",
+    "ru": "russian",
+    "it": "italian",
+    "pt": "portuguese",
+}
+
+
+def served_task(model_type: str) -> str | None:
+    """The task a model variant serves; None for a model type this code does not know."""
+    return TASK_OF_MODEL_TYPE.get(model_type)
+
+
+def language_name(language: str | None) -> str:
+    """The model's name for `language` (a name in any case, or an ISO 639-1 code), or auto."""
+    lang = (language or "auto").strip().lower()
+    if lang == "auto":
+        return lang
+    return LANGUAGE_CODES.get(lang.replace("_", "-").split("-")[0], lang)
+
+
+class ServedModel(Protocol):
+    """What a check needs of the served model (the gateway's catalog, the talker's model info)."""
+
+    name: str
+    model_type: str
+    speakers: Collection[str]
+    languages: Collection[str]
+
+
+class RequestFields(Protocol):
+    """The fields a check reads; None and "" both mean "not set"."""
+
+    text: str
+    task: str | None
+    voice: str | None
+    language: str | None
+    instructions: str | None
+    reference_text: str | None
+    x_vector_only: bool
+    request_id: str
+    sampling: SamplingOverrides
+    first_chunk_frames: int
+    chunk_frames_ramp: Sequence[int]
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """How an API spells each field, in messages and `param` (the HTTP API's by default)."""
+
+    text: str = "input"
+    task: str = "task_type"
+    voice: str = "voice"
+    language: str = "language"
+    instructions: str = "instructions"
+    reference_audio: str = "ref_audio"
+    reference_text: str = "ref_text"
+    x_vector_only: str = "x_vector_only_mode"
+    request_id: str = "request_id"
+
+
+HTTP_FIELDS = FieldNames()
+TALKER_FIELDS = FieldNames(
+    text="text",
+    task="task",
+    reference_audio="reference_pcm_f32",
+    reference_text="reference_text",
+    x_vector_only="x_vector_only",
+)
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """What a request resolves to on the served model.
+
+    `voice`: the preset speaker (the model's spelling) for custom_voice, the stored voice's name
+    (or "") for voice_clone, "" for voice_design."""
+
+    task: str
+    language: str
+    voice: str
+
+    @property
+    def speaker(self) -> str | None:
+        return self.voice if self.task == Task.CUSTOM_VOICE else None
+
+
+def check_request(
+    req: RequestFields,
+    model: ServedModel,
+    *,
+    has_reference: bool,
+    check_reference: Callable[[], None] | None = None,
+    max_text_chars: int = 0,
+    names: FieldNames = HTTP_FIELDS,
+) -> CheckedRequest:
+    """Check `req` against `model`: field limits, text, task, voice and language.
+
+    Raises InvalidArgument, or NotFound for an unknown speaker. `has_reference`: the request
+    carries a reference clip; `check_reference` checks its encoding (the caller's to know) where
+    a voice clone takes it. `max_text_chars`: a tighter limit on the stripped text (0: none)."""
+    _check_strings(req, names)
+    text = (req.text or "").strip()
+    if not text:
+        raise InvalidArgument(f"{names.text} must be a non-empty string", param=names.text)
+    if max_text_chars and len(text) > max_text_chars:
+        raise InvalidArgument(
+            f"{names.text} is {len(text)} characters long; the limit is {max_text_chars}", param=names.text
+        )
+    if not lim.has_speakable_text(text):
+        raise InvalidArgument(
+            f"{names.text} has nothing to speak (only whitespace or control characters)", param=names.text
+        )
+    lim.check_sampling(req.sampling)  # the same ranges as the HTTP model's
+    lim.check_chunking(req.first_chunk_frames, req.chunk_frames_ramp)
+    task = _task(req.task, model, names)
+    voice = _voice(task, req, model, has_reference, check_reference, names)
+    return CheckedRequest(task=task, language=_language(req.language, model, names), voice=voice)
+
+
+def _check_strings(req: RequestFields, names: FieldNames) -> None:
+    """Every string field within its limit and valid Unicode."""
+    for value, param, max_chars in (
+        (req.text, names.text, lim.TEXT_MAX_CHARS),
+        (req.task, names.task, lim.TASK_MAX_CHARS),
+        (req.voice, names.voice, lim.VOICE_MAX_CHARS),
+        (req.language, names.language, lim.LANGUAGE_MAX_CHARS),
+        (req.instructions, names.instructions, lim.INSTRUCTIONS_MAX_CHARS),
+        (req.reference_text, names.reference_text, lim.REF_TEXT_MAX_CHARS),
+        (req.request_id, names.request_id, lim.DERIVED_REQUEST_ID_MAX_CHARS),
+    ):
+        lim.check_string(value, param, max_chars)
+
+
+def _task(requested: str | None, model: ServedModel, names: FieldNames) -> str:
+    """The requested task (the served one when unset), in any of its spellings, if served."""
+    served = served_task(model.model_type)
+    task = (requested or served or "").strip().lower()
+    task = TASK_ALIASES.get(task, task)
+    if task not in TASKS:
+        raise InvalidArgument(
+            f"{names.task} must be one of {', '.join(TASKS)} (or Base, CustomVoice, VoiceDesign), "
+            f"got {requested!r}",
+            param=names.task,
+        )
+    if task != served:
+        raise InvalidArgument(
+            f"{names.task} {task!r} is not served by model {model.name!r} "
+            f"(a {model.model_type} model, which serves {served!r})",
+            param=names.task,
+        )
+    return task
+
+
+def _voice(
+    task: str,
+    req: RequestFields,
+    model: ServedModel,
+    has_reference: bool,
+    check_reference: Callable[[], None] | None,
+    names: FieldNames,
+) -> str:
+    voice = (req.voice or "").strip()
+    if task == Task.VOICE_CLONE:
+        if has_reference:
+            if check_reference is not None:
+                check_reference()
+            if not req.x_vector_only and not (req.reference_text or "").strip():
+                raise InvalidArgument(
+                    f"{names.reference_text} (the transcript of {names.reference_audio}) is required "
+                    f"unless {names.x_vector_only} is true",
+                    param=names.reference_text,
+                )
+        elif not voice:
+            raise InvalidArgument(
+                f"voice clone needs reference audio ({names.reference_audio}), or {names.voice} naming "
+                "a stored voice",
+                param=names.voice,
+            )
+        return voice
+    if has_reference:
+        raise InvalidArgument(
+            f"{names.reference_audio} is only used for voice_clone", param=names.reference_audio
+        )
+    if task == Task.CUSTOM_VOICE:
+        speakers = {name.lower(): name for name in model.speakers}
+        if not voice:
+            raise InvalidArgument(
+                f"{names.voice} is required (custom_voice needs a speaker); speakers: "
+                f"{', '.join(sorted(speakers))}",
+                param=names.voice,
+            )
+        if speakers and voice.lower() not in speakers:
+            raise NotFound(
+                f"unknown speaker {req.voice!r}; available: {', '.join(sorted(speakers))}", param=names.voice
+            )
+        return speakers.get(voice.lower(), voice.lower())
+    if not (req.instructions or "").strip():
+        raise InvalidArgument(
+            "voice_design needs instructions describing the voice", param=names.instructions
+        )
+    return ""
+
+
+def _language(language: str | None, model: ServedModel, names: FieldNames) -> str:
+    lang = language_name(language)
+    languages = {name.lower() for name in model.languages}
+    if lang != "auto" and languages and lang not in languages:
+        raise InvalidArgument(
+            f"unsupported language {language!r}; supported: auto, {', '.join(sorted(languages))}",
+            param=names.language,
+        )
+    return lang
