@@ -1,4 +1,4 @@
-"""Host cost of the talker's deadline scheduler: one `Scheduler.plan()` over N running streams.
+"""Host cost of the talker's deadline scheduler: one `DeadlineScheduler.plan()` over N running streams.
 
 The plan runs on the engine thread before every frame step, in Python, under the GIL the talker's
 event loop also needs; this measures it on the CPU (no GPU work involved), with every stream
@@ -19,11 +19,11 @@ import numpy as np
 
 from qtts.chunk_plan import ChunkPlan
 from services.talker.admission import Admission, AdmissionConfig
-from services.talker.scheduler import DeadlinePolicy, ScheduledRequest, Scheduler, StreamCredit
+from services.talker.deadline import DeadlinePolicy, DeadlineScheduler, ScheduledRequest, StreamCredit
 
 
-def build(n: int, now: float) -> Scheduler:
-    s = Scheduler(
+def build(n: int, now: float) -> DeadlineScheduler:
+    s = DeadlineScheduler(
         max_batch=max(n, 1), max_waiting=0, admission=Admission(AdmissionConfig()), policy=DeadlinePolicy()
     )
     rng = np.random.default_rng(0)

@@ -74,7 +74,7 @@ class TalkerConfig:
         "graph engine: codebook sampling: auto (one Triton kernel per codebook on CUDA), triton or torch",
         choices=SAMPLE_KERNELS,
     )
-    # Playback-deadline scheduling (services/talker/scheduler.py).
+    # Playback-deadline scheduling (services/talker/deadline.py).
     urgent_lead_ms: float = setting(
         2000.0,
         "a step runs once a stream's listener would have less than this buffered after its next chunk",

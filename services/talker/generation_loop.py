@@ -1,6 +1,6 @@
 """The generation loop: one dedicated thread drives the batched generator, never the asyncio loop.
 
-The asyncio side submits requests and cancellations; the thread asks the deadline `Scheduler` for
+The asyncio side submits requests and cancellations; the thread asks the `DeadlineScheduler` for
 each step's plan (requests to start or refuse, streams to skip, the prefill budget, or how long to
 sleep), runs it on the generator, and hands the streams' frames to their sinks a chunk at a time:
 the events of one step go to the event loop in one `loop.call_soon_threadsafe` (one wake-up per
@@ -22,7 +22,7 @@ import numpy as np
 from qtts.errors import GenerationFailed, ResourceExhausted, TTSError, Unavailable
 from qtts.metrics import TalkerMetrics
 
-from .scheduler import ScheduledRequest, Scheduler, StepPlan
+from .deadline import DeadlineScheduler, ScheduledRequest, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +144,12 @@ def skipping_step(generator: Any) -> Any:
 
 
 class GenerationLoop:
-    """Runs a `BatchGenerator` in its own thread under a `Scheduler`."""
+    """Runs a `BatchGenerator` in its own thread under a `DeadlineScheduler`."""
 
     def __init__(
         self,
         generator: BatchGenerator,
-        scheduler: Scheduler,
+        scheduler: DeadlineScheduler,
         metrics: TalkerMetrics,
         idle_wait_s: float = 0.5,
         clock: Callable[[], float] = time.perf_counter,

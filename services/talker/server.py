@@ -21,9 +21,9 @@ from qtts.tiny_model import ensure_tiny_snapshot
 from .admission import Admission, AdmissionConfig
 from .config import TalkerConfig
 from .core import TalkerCore
+from .deadline import DeadlinePolicy, DeadlineScheduler
 from .generation_loop import GenerationLoop
 from .replicas import Code2WavReplicas
-from .scheduler import DeadlinePolicy, Scheduler
 from .servicer import TalkerServicer
 from .speaker_cache_client import SpeakerCacheClient
 from .voices import VoiceResolver
@@ -128,7 +128,7 @@ class TalkerServer:
         self._health_sync: asyncio.Future | None = None
         self._unready_timer: asyncio.TimerHandle | None = None
 
-    def _scheduler(self) -> Scheduler:
+    def _scheduler(self) -> DeadlineScheduler:
         c = self.config
         admission = Admission(
             AdmissionConfig(
@@ -145,7 +145,7 @@ class TalkerServer:
             min_prefill_positions=min(DeadlinePolicy.min_prefill_positions, c.max_prefill_tokens),
             max_prefill_positions=c.max_prefill_tokens,
         )
-        return Scheduler(c.max_batch, c.max_queue, admission=admission, policy=policy)
+        return DeadlineScheduler(c.max_batch, c.max_queue, admission=admission, policy=policy)
 
     async def start(self) -> int:
         """Serve (NOT_SERVING), load the model, start the engine, then report SERVING (once a code2wav

@@ -31,10 +31,10 @@ from qtts.chunk_plan import ChunkPlan
 from qtts.errors import GenerationFailed, TTSError, Unavailable
 
 from . import code2wav_client as c2w
+from .deadline import ScheduledRequest, StreamCredit
 from .generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
 from .replicas import Code2WavReplicas
 from .request import AudioPiece, GenerationSummary
-from .scheduler import ScheduledRequest, StreamCredit
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from qtts.chunk_plan import ChunkPlan
-from services.talker.scheduler import ScheduledRequest, Scheduler, StreamCredit
+from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
 
 FRAME_S = 0.08
 
@@ -67,7 +67,7 @@ def _prompt(positions: int) -> SimpleNamespace:
 
 
 def simulate(
-    scheduler: Scheduler,
+    scheduler: DeadlineScheduler,
     arrivals: list[tuple[float, int, int]],
     cost: Cost,
     *,

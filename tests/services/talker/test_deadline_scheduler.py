@@ -12,7 +12,7 @@ from qtts.chunk_plan import ChunkPlan
 from qtts.errors import ResourceExhausted, Unavailable
 from services.talker.admission import Admission, AdmissionConfig, StepModel
 from services.talker.config import config_from_args
-from services.talker.scheduler import DeadlinePolicy, ScheduledRequest, Scheduler, StreamCredit
+from services.talker.deadline import DeadlinePolicy, DeadlineScheduler, ScheduledRequest, StreamCredit
 from tests.services.talker.playback_sim import Cost, _prompt, simulate
 
 
@@ -22,7 +22,7 @@ def req(rid: str, positions: int = 10, window: int = 10**6) -> ScheduledRequest:
     )
 
 
-def started(s: Scheduler, rid: str, *, first_audio_at: float, generated: int) -> ScheduledRequest:
+def started(s: DeadlineScheduler, rid: str, *, first_audio_at: float, generated: int) -> ScheduledRequest:
     r = s.running[rid]
     r.stepped = True
     r.first_audio_at = first_audio_at
@@ -32,7 +32,7 @@ def started(s: Scheduler, rid: str, *, first_audio_at: float, generated: int) ->
 
 
 def test_streams_far_ahead_pause_and_the_engine_sleeps_until_the_first_is_due():
-    s = Scheduler(8, 8, policy=DeadlinePolicy(urgent_lead_s=1.0, max_lead_s=2.0))
+    s = DeadlineScheduler(8, 8, policy=DeadlinePolicy(urgent_lead_s=1.0, max_lead_s=2.0))
     for rid in "abc":
         s.submit(req(rid), now=0.0)
     plan = s.plan(0.0)
@@ -51,7 +51,7 @@ def test_streams_far_ahead_pause_and_the_engine_sleeps_until_the_first_is_due():
 
 
 def test_a_stream_without_credit_is_skipped_whatever_its_lead():
-    s = Scheduler(4, 0)
+    s = DeadlineScheduler(4, 0)
     s.submit(req("a", window=2), now=0.0)
     s.plan(0.0)
     s.running["a"].credit.granted_until = 0
@@ -61,7 +61,7 @@ def test_a_stream_without_credit_is_skipped_whatever_its_lead():
 
 
 def test_queue_bounds_and_draining():
-    s = Scheduler(max_batch=2, max_waiting=1)
+    s = DeadlineScheduler(max_batch=2, max_waiting=1)
     for rid in "abc":
         s.submit(req(rid), now=0.0)
     with pytest.raises(ResourceExhausted, match="capacity"):
@@ -99,7 +99,7 @@ def test_admission_refuses_at_capacity_and_admits_again_when_load_falls():
     cfg = AdmissionConfig(
         max_duty=0.5, step_base_s=0.0045, step_per_stream_s=0.001, first_audio_budget_s=0, ewma_alpha=0.5
     )
-    s = Scheduler(max_batch=100, max_waiting=100, admission=Admission(cfg))
+    s = DeadlineScheduler(max_batch=100, max_waiting=100, admission=Admission(cfg))
     for i in range(50):
         s.submit(req(f"r{i}"), now=0.0)
     admitted = []
@@ -130,7 +130,7 @@ def test_admission_counts_the_prefills_that_replace_ending_streams():
     adm = Admission(cfg)
     assert adm.capacity(mean_stream_s=10.0) == 333
     assert adm.capacity(mean_stream_s=20.0) == 600  # longer streams: fewer prefills a second
-    s = Scheduler(max_batch=5000, max_waiting=5000, admission=adm)
+    s = DeadlineScheduler(max_batch=5000, max_waiting=5000, admission=adm)
     for i in range(400):
         r = req(f"r{i}")
         r.max_new_frames = 125  # 10 s
@@ -155,7 +155,7 @@ def test_the_step_model_learns_what_a_request_s_prefill_costs():
 
 
 def test_new_prompts_wait_for_company_while_streams_play_and_go_at_once_on_an_idle_server():
-    s = Scheduler(
+    s = DeadlineScheduler(
         10,
         100,
         admission=Admission(AdmissionConfig(first_audio_budget_s=0)),
@@ -189,7 +189,7 @@ def test_admission_holds_while_too_many_streams_are_short_of_audio():
     """One listener of two running dry (50% > 20%) holds admission; one of five (20%) does not, so
     that a single slow reader cannot stop admission for everyone."""
     cfg = AdmissionConfig(max_duty=0, max_behind_fraction=0.2)
-    s = Scheduler(max_batch=10, max_waiting=10, admission=Admission(cfg))
+    s = DeadlineScheduler(max_batch=10, max_waiting=10, admission=Admission(cfg))
     for rid in "ab":
         s.submit(req(rid), now=0.0)
     s.plan(0.0)
@@ -205,7 +205,7 @@ def test_admission_holds_while_too_many_streams_are_short_of_audio():
 
 def test_requests_past_their_first_audio_budget_are_refused_with_a_retry_hint():
     cfg = AdmissionConfig(max_duty=0.5, step_base_s=0.05, first_audio_budget_s=1.0)
-    s = Scheduler(max_batch=10, max_waiting=10, admission=Admission(cfg))
+    s = DeadlineScheduler(max_batch=10, max_waiting=10, admission=Admission(cfg))
     s.submit(req("a"), now=0.0)
     assert len(s.plan(0.0).admitted) == 1  # nothing runs: always admitted
     s.submit(req("b"), now=0.0)  # 50 ms steps: over half a frame, b waits
@@ -220,7 +220,7 @@ def test_at_capacity_the_wait_is_predicted_from_when_running_streams_end():
     and 4 s ahead of playback, ending 2.0, 2.1, ... 4.1 s from now, the k-th newcomer waits for
     the k-th end: those within the 3 s budget queue, the next is refused at submission."""
     adm = Admission(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.002, first_audio_budget_s=3.0))
-    s = Scheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
     assert adm.capacity() == 22
     for i in range(22):
         r = req(f"run{i}")
@@ -237,7 +237,7 @@ def test_at_capacity_the_wait_is_predicted_from_when_running_streams_end():
 
 def test_a_queue_that_cannot_drain_in_time_refuses_new_requests_at_once():
     adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
-    s = Scheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
     for t in (0.0, 0.5, 1.0):  # two admissions per second
         adm.observe_admit(t)
     for i in range(2):
@@ -254,17 +254,17 @@ def steady_load(n: int, frames: int, positions: int, spread_s: float) -> list[tu
 COST = Cost(base_s=0.004, per_stream_s=0.0002, prefill_position_s=0.00001, decode_s=0.005)
 
 
-def round_robin() -> Scheduler:
+def round_robin() -> DeadlineScheduler:
     """The baseline: every stream steps every step, no pacing, no admission, whole prefills."""
-    return Scheduler(
+    return DeadlineScheduler(
         10_000,
         10_000,
         policy=DeadlinePolicy(urgent_lead_s=math.inf, max_lead_s=math.inf, max_prefill_positions=10**9),
     )
 
 
-def deadline() -> Scheduler:
-    return Scheduler(10_000, 10_000, admission=Admission(AdmissionConfig(first_audio_budget_s=0)))
+def deadline() -> DeadlineScheduler:
+    return DeadlineScheduler(10_000, 10_000, admission=Admission(AdmissionConfig(first_audio_budget_s=0)))
 
 
 def test_deadline_scheduler_keeps_every_stream_on_time_where_round_robin_misses():
@@ -290,10 +290,10 @@ def test_a_long_prefill_beside_running_streams_makes_none_of_them_late():
     The same prompt prefilled whole in one step makes them all late."""
     policy = DeadlinePolicy(urgent_lead_s=0.3, max_lead_s=0.5, max_prefill_positions=10**9)
     load = steady_load(20, 100, 100, spread_s=0.5) + [(3.0, 10, 60_000)]
-    budgeted = Scheduler(
+    budgeted = DeadlineScheduler(
         100, 100, admission=Admission(AdmissionConfig(max_duty=0, safety_s=0.04)), policy=policy
     )
-    whole = Scheduler(100, 100, policy=policy)
+    whole = DeadlineScheduler(100, 100, policy=policy)
     for sched, late_expected in ((budgeted, False), (whole, True)):
         out = simulate(sched, load, COST, until_s=20, plan=ChunkPlan(1, (1,)))
         running = [x for x in out if x.prompt_positions == 100]
@@ -319,14 +319,14 @@ def test_at_three_times_the_gap_free_load_the_admitted_stay_on_time_and_the_rest
     (the queue is at capacity and its wait is predicted from when running streams end), none
     after waiting for its first-audio budget."""
     light = simulate(
-        Scheduler(10_000, 10_000, admission=Admission(AdmissionConfig())),
+        DeadlineScheduler(10_000, 10_000, admission=Admission(AdmissionConfig())),
         poisson_load(22, 30, 125, 300),
         COST,
         until_s=60,
     )
     assert not any(x.refused for x in light) and all(x.max_underrun_s() == 0 for x in light)
     heavy = simulate(
-        Scheduler(10_000, 10_000, admission=Admission(AdmissionConfig())),
+        DeadlineScheduler(10_000, 10_000, admission=Admission(AdmissionConfig())),
         poisson_load(66, 30, 125, 300),
         COST,
         until_s=60,
@@ -348,7 +348,7 @@ def test_config_flags_for_deadlines_and_admission():
         config_from_args(["--admission-max-duty", "-1"])
 
 
-def counting_steps(s: Scheduler) -> list[int]:
+def counting_steps(s: DeadlineScheduler) -> list[int]:
     """The width of every step `s` plans from now on."""
     steps: list[int] = []
     plan = s.plan
@@ -372,7 +372,7 @@ def test_a_minimum_step_interval_makes_fewer_wider_steps_without_gaps():
     )
     counts = {}
     for interval in (0.0, 0.06):
-        s = Scheduler(
+        s = DeadlineScheduler(
             10_000,
             10_000,
             admission=Admission(AdmissionConfig(first_audio_budget_s=0, max_load=0)),

@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry
 
 from qtts.errors import ResourceExhausted
 from qtts.metrics import TalkerMetrics
+from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
 from services.talker.generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
-from services.talker.scheduler import ScheduledRequest, Scheduler, StreamCredit
 from tests.services.talker.fakes import FakeGenerator, FakePrompt
 
 
@@ -42,7 +42,7 @@ def collect(events: queue.Queue, rid: str, kind: type, n: int, timeout: float = 
 def test_stream_without_credit_is_skipped_and_does_not_advance_while_others_continue():
     gen = FakeGenerator()
     metrics = TalkerMetrics(CollectorRegistry())
-    engine = GenerationLoop(gen, Scheduler(max_batch=4, max_waiting=4), metrics, idle_wait_s=0.05)
+    engine = GenerationLoop(gen, DeadlineScheduler(max_batch=4, max_waiting=4), metrics, idle_wait_s=0.05)
     events: queue.Queue = queue.Queue()
     stalled = make_req("stalled", frames=100, window=2, sink=lambda ev: events.put(("stalled", ev)))
     free = make_req("free", frames=10, window=100, sink=lambda ev: events.put(("free", ev)))
@@ -73,7 +73,7 @@ def test_stream_without_credit_is_skipped_and_does_not_advance_while_others_cont
 def test_engine_bounds_batch_and_cancel_frees_the_generator_slot():
     gen = FakeGenerator(max_batch=1)
     metrics = TalkerMetrics(CollectorRegistry())
-    engine = GenerationLoop(gen, Scheduler(max_batch=1, max_waiting=1), metrics, idle_wait_s=0.05)
+    engine = GenerationLoop(gen, DeadlineScheduler(max_batch=1, max_waiting=1), metrics, idle_wait_s=0.05)
     events: queue.Queue = queue.Queue()
     a = make_req("a", frames=10_000, window=1, sink=lambda ev: events.put(("a", ev)))
     b = make_req("b", frames=3, window=10, sink=lambda ev: events.put(("b", ev)))
@@ -111,7 +111,7 @@ class NoSkipGenerator(FakeGenerator):
 def test_engine_skips_streams_on_a_generator_without_a_skip_parameter():
     gen = NoSkipGenerator()
     metrics = TalkerMetrics(CollectorRegistry())
-    engine = GenerationLoop(gen, Scheduler(max_batch=4, max_waiting=0), metrics, idle_wait_s=0.05)
+    engine = GenerationLoop(gen, DeadlineScheduler(max_batch=4, max_waiting=0), metrics, idle_wait_s=0.05)
     events: queue.Queue = queue.Queue()
     held = make_req("held", frames=50, window=1, sink=lambda ev: events.put(("held", ev)))
     free = make_req("free", frames=6, window=100, sink=lambda ev: events.put(("free", ev)))
@@ -139,7 +139,7 @@ class BrokenGenerator(FakeGenerator):
 def test_a_failing_step_fails_the_streams_in_it_and_frees_them():
     gen = BrokenGenerator()
     metrics = TalkerMetrics(CollectorRegistry())
-    engine = GenerationLoop(gen, Scheduler(max_batch=4, max_waiting=0), metrics, idle_wait_s=0.05)
+    engine = GenerationLoop(gen, DeadlineScheduler(max_batch=4, max_waiting=0), metrics, idle_wait_s=0.05)
     events: queue.Queue = queue.Queue()
     engine.start()
     try:
@@ -166,7 +166,7 @@ def test_a_request_the_generator_refuses_fails_with_its_own_error():
 
     engine = GenerationLoop(
         Refusing(),
-        Scheduler(max_batch=4, max_waiting=4),
+        DeadlineScheduler(max_batch=4, max_waiting=4),
         TalkerMetrics(CollectorRegistry()),
         idle_wait_s=0.05,
     )

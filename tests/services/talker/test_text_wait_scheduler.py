@@ -9,18 +9,18 @@ import torch
 
 from qtts.model.text_feed import TextFeed
 from services.talker.admission import Admission, AdmissionConfig
-from services.talker.scheduler import Scheduler
+from services.talker.deadline import DeadlineScheduler
 from tests.services.talker.test_deadline_scheduler import req, started
 
 
-def with_feed(s: Scheduler, rid: str, known: int) -> TextFeed:
+def with_feed(s: DeadlineScheduler, rid: str, known: int) -> TextFeed:
     feed = TextFeed(known)
     s.running[rid].text = feed
     return feed
 
 
 def test_a_stream_without_text_for_its_next_frame_is_skipped_not_ended():
-    s = Scheduler(4, 0)
+    s = DeadlineScheduler(4, 0)
     for rid in "ab":
         s.submit(req(rid), now=0.0)
     s.plan(0.0)
@@ -42,7 +42,7 @@ def test_a_stream_without_text_for_its_next_frame_is_skipped_not_ended():
 
 def test_a_listener_that_ran_dry_waiting_for_text_is_not_late_and_restarts_with_the_next_chunk():
     adm = Admission(AdmissionConfig(max_behind_fraction=0.5))
-    s = Scheduler(4, 4, admission=adm)
+    s = DeadlineScheduler(4, 4, admission=adm)
     s.submit(req("a"), now=0.0)
     s.plan(0.0)
     r = s.running["a"]
@@ -60,7 +60,7 @@ def test_a_listener_that_ran_dry_waiting_for_text_is_not_late_and_restarts_with_
 
 
 def test_text_that_returns_before_the_listener_runs_dry_keeps_the_clock():
-    s = Scheduler(4, 0)
+    s = DeadlineScheduler(4, 0)
     s.submit(req("a"), now=0.0)
     s.plan(0.0)
     r = s.running["a"]

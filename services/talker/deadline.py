@@ -205,7 +205,7 @@ class StepPlan:
     num_text_waiting: int = 0
 
 
-class Scheduler:
+class DeadlineScheduler:
     """Waiting queue (bounded, with a first-audio budget) and the running set, stepped by deadline."""
 
     def __init__(
