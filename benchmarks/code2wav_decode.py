@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.revision import git_revision
 from benchmarks.timing import median_event_s, median_wall_s, sync
-from qtts.decode_engine import EngineConfig, SlotDecoder
+from qtts.decode_engine import SlotDecoder, SlotDecoderConfig
 from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def _engine(
     max_step_frames: int,
     extra: Sequence[tuple[int, int]] = (),
 ) -> SlotDecoder:
-    cfg = EngineConfig(
+    cfg = SlotDecoderConfig(
         max_streams=streams,
         precision=precision,
         cuda_graphs=graphs,

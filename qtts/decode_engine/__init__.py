@@ -12,8 +12,8 @@
 """
 
 from qtts.decode_engine.slot_decoder import (
-    EngineConfig,
     SlotDecoder,
+    SlotDecoderConfig,
     SlotState,
     build_slot_decoder,
     load_slot_decoder,
@@ -21,8 +21,8 @@ from qtts.decode_engine.slot_decoder import (
 from qtts.decode_engine.slots import SlotPool, SlotPoolFull
 
 __all__ = [
-    "EngineConfig",
     "SlotDecoder",
+    "SlotDecoderConfig",
     "SlotState",
     "SlotPool",
     "SlotPoolFull",

@@ -25,7 +25,7 @@ DEFAULT_CHUNK_SIZES = (1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class SlotDecoderConfig:
     """Pool size, precision and captured shapes of a `SlotDecoder`; validated on construction."""
 
     max_streams: int = 256
@@ -85,8 +85,8 @@ class SlotDecoder:
     # Codes are best passed as CPU tensors: one step gathers every row into one host-to-device copy.
     accepts_host_codes = True
 
-    def __init__(self, decoder: CodecDecoder, config: EngineConfig | None = None):
-        self.config = config or EngineConfig()
+    def __init__(self, decoder: CodecDecoder, config: SlotDecoderConfig | None = None):
+        self.config = config or SlotDecoderConfig()
         cfg = self.config
         self.decoder = decoder
         self.samples_per_frame = decoder.samples_per_frame
@@ -278,7 +278,7 @@ class SlotDecoder:
         state.prefix_frames = state.frames
 
 
-def build_slot_decoder(decoder: CodecDecoder, config: EngineConfig | None = None) -> SlotDecoder:
+def build_slot_decoder(decoder: CodecDecoder, config: SlotDecoderConfig | None = None) -> SlotDecoder:
     """A `SlotDecoder` with its CUDA graphs captured (start-up cost: seconds per shape)."""
     engine = SlotDecoder(decoder, config)
     engine.capture()
@@ -290,7 +290,7 @@ def load_slot_decoder(
     *,
     device: str | torch.device = "cuda",
     load_format: str = "auto",
-    config: EngineConfig | None = None,
+    config: SlotDecoderConfig | None = None,
 ) -> SlotDecoder:
     """Load the codec decoder (fp32 reference weights; `config.precision` picks the compute path)
     and build a captured `SlotDecoder` on it: the one call code2wav's model loader needs."""

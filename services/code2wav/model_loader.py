@@ -35,13 +35,16 @@ def load_slot_decoder(
 ):
     """(SlotDecoder, StreamLimits): the GPU engine, its pool sized to --max-states, graphs captured
     here (minutes on a GPU) so the service reports SERVING only once it is ready."""
-    from qtts.decode_engine import EngineConfig
+    from qtts.decode_engine import SlotDecoderConfig
     from qtts.decode_engine import load_slot_decoder as load
 
     path = model or str(ensure_tiny_snapshot())
     on_gpu = torch.device(device).type == "cuda"
-    config = EngineConfig(
-        max_streams=max_states, precision=precision, cuda_graphs=on_gpu, prefix_cache_entries=prefix_cache_entries
+    config = SlotDecoderConfig(
+        max_streams=max_states,
+        precision=precision,
+        cuda_graphs=on_gpu,
+        prefix_cache_entries=prefix_cache_entries,
     )
     engine = load(path, device=device, load_format=load_format, config=config)
     return engine, _limits(engine.decoder)

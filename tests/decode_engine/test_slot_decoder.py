@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtts.decode_engine import EngineConfig, SlotDecoder, SlotPoolFull, load_slot_decoder
+from qtts.decode_engine import SlotDecoder, SlotDecoderConfig, SlotPoolFull, load_slot_decoder
 from qtts.decode_engine.batcher import WorkItem
 from qtts.decode_engine.runner import conv_stack_receptive_frames, precision_flags
 from qtts.model.codec_decoder import CodecDecoder
@@ -27,7 +27,7 @@ def decoder(tiny_codec_decoder) -> CodecDecoder:
 def test_package_reexports_the_slot_decoder_module():
     from qtts.decode_engine import slot_decoder
 
-    assert SlotDecoder is slot_decoder.SlotDecoder and EngineConfig is slot_decoder.EngineConfig
+    assert SlotDecoder is slot_decoder.SlotDecoder and SlotDecoderConfig is slot_decoder.SlotDecoderConfig
     assert load_slot_decoder is slot_decoder.load_slot_decoder
 
 
@@ -36,7 +36,7 @@ def _codes(t: int, seed: int) -> torch.Tensor:
 
 
 def _engine(decoder: CodecDecoder, static: bool, **kw) -> SlotDecoder:
-    cfg = EngineConfig(
+    cfg = SlotDecoderConfig(
         max_streams=kw.pop("max_streams", 8),
         precision=kw.pop("precision", "fp32"),
         emulate_graphs=static,
@@ -206,7 +206,7 @@ def test_bf16_fast_path_snr_against_fp32(decoder):
 
 def test_load_slot_decoder_from_a_snapshot_folder(decoder, tmp_path):
     write_tiny_speech_tokenizer(tmp_path, seed=0)
-    engine = load_slot_decoder(str(tmp_path), device="cpu", config=EngineConfig(max_streams=2))
+    engine = load_slot_decoder(str(tmp_path), device="cpu", config=SlotDecoderConfig(max_streams=2))
     assert engine.pool.capacity == 2 and engine.runner.precision == "tf32"
     codes = _codes(5, seed=8)
     state = engine.start()
@@ -215,11 +215,11 @@ def test_load_slot_decoder_from_a_snapshot_folder(decoder, tmp_path):
 
 def test_config_validation():
     with pytest.raises(ValueError, match="precision"):
-        EngineConfig(precision="fp8")
+        SlotDecoderConfig(precision="fp8")
     with pytest.raises(ValueError, match="max_streams"):
-        EngineConfig(max_streams=0)
+        SlotDecoderConfig(max_streams=0)
     with pytest.raises(ValueError):
-        EngineConfig(batch_sizes=(1, 1))
+        SlotDecoderConfig(batch_sizes=(1, 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -229,7 +229,7 @@ def test_cuda_graphs_match_the_full_decode(decoder, precision):
     try:
         engine = SlotDecoder(
             dec,
-            EngineConfig(
+            SlotDecoderConfig(
                 max_streams=4, precision=precision, batch_sizes=(1, 2, 4), chunk_sizes=(1, 2, 4, 25)
             ),
         )
@@ -289,4 +289,4 @@ def test_prefix_state_cache_gives_the_decoded_state_bit_for_bit(decoder):
     run(cached, ref)  # evicted by ref2 and ref3: decoded again
     assert (cached.prefix_hits, cached.prefix_misses) == (2, 4)
     with pytest.raises(ValueError, match="prefix_cache_entries"):
-        EngineConfig(prefix_cache_entries=-1)
+        SlotDecoderConfig(prefix_cache_entries=-1)

@@ -460,7 +460,7 @@ async def test_drain_lets_an_in_flight_stream_finish(fake_decoder, bidi_client):
 
 async def test_slot_decoder_engine_serves_the_same_audio_as_the_incremental_decoder(bidi_client):
     """`--decode-engine slots` (the GPU engine; eager on a CPU) is a drop-in for the reference."""
-    from qtts.decode_engine import EngineConfig, build_slot_decoder
+    from qtts.decode_engine import SlotDecoderConfig, build_slot_decoder
     from qtts.model import IncrementalDecoder
     from qtts.model.codec_decoder import CodecDecoder, CodecDecoderConfig, init_dummy_weights
     from qtts.tiny_model.codec import TINY_DECODER_CONFIG
@@ -473,7 +473,9 @@ async def test_slot_decoder_engine_serves_the_same_audio_as_the_incremental_deco
     pcm = {}
     engines = {
         "incremental": IncrementalDecoder(codec),
-        "slots": build_slot_decoder(codec, EngineConfig(max_streams=4, precision="fp32", cuda_graphs=False)),
+        "slots": build_slot_decoder(
+            codec, SlotDecoderConfig(max_streams=4, precision="fp32", cuda_graphs=False)
+        ),
     }
     for name, decoder in engines.items():
         async with code2wav(decoder, limits=limits, max_states=4) as (server, stub):
