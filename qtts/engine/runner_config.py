@@ -1,0 +1,98 @@
+"""Sizes and switches of the talker's model runner: `RunnerConfig`, validated once.
+
+A plain dataclass with its choices; the runner reads it once, at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# No bucket of 1: on an H200 a single stream padded to 2 rows ran faster (8.0 vs 9.6 ms for 1.7B;
+# the M=1 matmuls take slower kernels). Above 256 the steps are an eighth apart: a step's time grows
+# with its bucket (16.97 ms at 512, 30.26 ms at 1024 on an H200), so 574 streams should not pay for 1024.
+DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
+                         1792, 2048)
+ATTENTION_IMPLS = ("auto", "sdpa", "sdpa_grouped", "matmul")
+KERNEL_CHOICES = ("auto", "triton", "torch")
+DECODE_KERNELS = SAMPLE_KERNELS = KERNEL_CHOICES
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Sizes and switches of the model runner (validated once)."""
+
+    max_len: int = 1024  # KV positions per slot (prompt + frames)
+    max_batch: int = 256  # most slots (= most concurrent streams)
+    num_slots: int | None = None  # None: max_batch, capped by measured free memory on CUDA
+    kv_memory_fraction: float = 0.9  # of the free memory after weights, for slots
+    reserve_bytes: int = 4 << 30  # kept free for graphs, activations and prefill
+    max_trailing: int = 512  # trailing text embeddings held per slot
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    # Attention spans captured; the decode reads the whole bucket of every row, so finer buckets
+    # read less KV. None: every multiple of `context_step` up to max_len.
+    context_buckets: tuple[int, ...] | None = None
+    context_step: int = 128
+    use_cuda_graphs: bool = True
+    pad_to_buckets: bool = False  # eager steps use the graph shapes too (tests padding on the CPU)
+    max_candidates: int | None = None  # sampling candidates per row (None: the whole vocabulary)
+    # "sdpa" (PyTorch SDPA with GQA, the model core's numerics), "sdpa_grouped" (decode only: the
+    # query heads of a KV group become query positions, so SDPA runs without GQA expansion),
+    # "matmul" (matmul-softmax-matmul), or "auto": "matmul" on CUDA (fastest measured on an H200
+    # with compiled layers), "sdpa" elsewhere.
+    talker_attention: str = "auto"
+    predictor_attention: str = "matmul"  # the <= 16-position attention; SDPA was slow at large B
+    # Decode with concatenated q|k|v and gate|up weights and fused RMSNorm (fewer kernels per layer;
+    # rounding differs slightly from the model core). None: on CUDA only.
+    fast_path: bool | None = None
+    # torch.compile the per-layer elementwise work and the sampler (fast path only; adds about a
+    # minute of start-up). None: on CUDA only.
+    compile_layers: bool | None = None
+    # The frame step's decode layers (talker and predictor) on the fast path: "triton" runs the fused
+    # kernels of qtts.engine.triton_ops (about 9 kernels a layer instead of about 23; attention reads
+    # each row's own length, so one graph per batch bucket serves every context), "torch" the
+    # PyTorch ops below, "auto" Triton on CUDA when it is installed.
+    decode_kernels: str = "auto"
+    # With the fused decode kernels: the few-row matmuls whose weight shapes are listed in
+    # triton_ops.SKINNY_RULES (measured faster than cuBLAS there) take the Triton skinny kernel.
+    # None: on whenever the fused decode is.
+    skinny_matmul: bool | None = None
+    # Sampling of the 16 codebooks: "triton" runs qtts.engine.triton_sampling (one kernel per
+    # codebook that also computes the row's counter uniform; no sort), "torch" the PyTorch reference
+    # sampler.sample_rows (same semantics; it sorts), "auto" Triton on CUDA when it is installed and
+    # `max_candidates` is not set (the kernel has no candidate cap).
+    sample_kernel: str = "auto"
+    # Fast path: the predictor carries its per-frame K/V as concatenated tensors (one compiled
+    # function per layer) instead of writing `pk_cache`; False restores the cache writes.
+    predictor_carry_kv: bool = True
+    prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
+    # Fast path on CUDA: capture the prefill of one prompt chunk as CUDA graphs at these widths
+    # (positions, padded up); wider chunks and CPU runs take the eager ragged batch. Empty: off.
+    prefill_buckets: tuple[int, ...] = ()
+    # Chunks of one width bucket go through one graph in batches of these many rows (padding rows
+    # write only the scratch column): fewer, larger replays when several prompts arrive at once.
+    prefill_rows: tuple[int, ...] = (1, 2, 4, 8)
+
+    def __post_init__(self) -> None:
+        if self.max_len < 2 or self.max_batch < 1 or self.max_trailing < 0 or self.context_step < 1:
+            raise ValueError("max_len >= 2, max_batch >= 1, max_trailing >= 0 and context_step >= 1 required")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError("kv_memory_fraction must be in (0, 1]")
+        for name in ("talker_attention", "predictor_attention"):
+            if getattr(self, name) not in ATTENTION_IMPLS:
+                raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")
+        if self.decode_kernels not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}")
+        if self.sample_kernel not in SAMPLE_KERNELS:
+            raise ValueError(f"sample_kernel must be one of {SAMPLE_KERNELS}")
+        if self.sample_kernel == "triton" and self.max_candidates:
+            raise ValueError("sample_kernel='triton' has no candidate cap: leave max_candidates unset")
+        if any(b < 1 for b in self.batch_buckets) or not self.batch_buckets:
+            raise ValueError("batch_buckets must be positive")
+        if any(b < 1 for b in self.prefill_buckets) or not self.prefill_rows or min(self.prefill_rows) < 1:
+            raise ValueError("prefill_buckets and prefill_rows must be positive (prefill_rows non-empty)")
+
+    def resolved_context_buckets(self) -> tuple[int, ...]:
+        if self.context_buckets:
+            return tuple(sorted({min(c, self.max_len) for c in self.context_buckets} | {self.max_len}))
+        steps = range(self.context_step, self.max_len, self.context_step)
+        return (*steps, self.max_len)
