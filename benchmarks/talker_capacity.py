@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from benchmarks.revision import git_revision
-from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
+from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
 from qtts.engine.model_runner import DEFAULT_BATCH_BUCKETS
 from qtts.engine.sequence import SeqStatus
 from qtts.model import SamplingParams, SynthesisSpec, TalkerPrompt, VoicePrompt, load_talker_bundle
@@ -267,7 +267,7 @@ def load_bundle(args: argparse.Namespace, workdir: Path):
     return load_talker_bundle(args.model, device=args.device, dtype=dtype, load_format="dummy")
 
 
-def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int) -> EngineConfig:
+def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int) -> GraphEngineConfig:
     ctx_step = args.context_step or (128 if not args.tiny else 16)
     max_len = ctx_step * math.ceil((args.prompt_len + args.frames + 2) / ctx_step)
     runner = RunnerConfig(
@@ -282,8 +282,8 @@ def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int)
         prefill_rows=tuple(int(x) for x in args.prefill_rows.split(",") if x),
     )
     if args.max_prefill_tokens is None:
-        return EngineConfig(runner=runner)
-    return EngineConfig(runner=runner, max_prefill_tokens=args.max_prefill_tokens)
+        return GraphEngineConfig(runner=runner)
+    return GraphEngineConfig(runner=runner, max_prefill_tokens=args.max_prefill_tokens)
 
 
 def print_table(result: dict[str, Any]) -> None:

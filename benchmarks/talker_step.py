@@ -342,12 +342,12 @@ def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict
 def bench_engine(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The whole GraphEngine on the GPU: `--engine-streams` voice-clone requests (x-vector prompts)
     joining in waves, greedy, `--engine-frames` frames each; wall time of every `step()`."""
-    from qtts.engine import EngineConfig, GraphEngine
+    from qtts.engine import GraphEngineConfig, GraphEngine
     from qtts.model import SamplingParams, SynthesisSpec, VoicePrompt
 
     bundle = load_talker_bundle(name, device="cuda", dtype=DTYPES[args.dtype], load_format="dummy")
     streams = args.engine_streams
-    cfg = EngineConfig(runner=RunnerConfig(max_len=1024, max_batch=streams, num_slots=streams, max_trailing=256))
+    cfg = GraphEngineConfig(runner=RunnerConfig(max_len=1024, max_batch=streams, num_slots=streams, max_trailing=256))
     t0 = time.perf_counter()
     eng = GraphEngine(bundle, config=cfg)
     start_s = time.perf_counter() - t0

@@ -2,7 +2,7 @@
 step, GPU sampling. Bookkeeping (`kv_slots`, `scheduler`, `sequence`) is pure Python; all tensor
 work is in `model_runner`. See docs/engine.md."""
 
-from qtts.engine.engine import EngineConfig, GraphEngine
+from qtts.engine.engine import GraphEngine, GraphEngineConfig
 from qtts.engine.model_runner import RunnerConfig
 
-__all__ = ["EngineConfig", "GraphEngine", "RunnerConfig"]
+__all__ = ["GraphEngine", "GraphEngineConfig", "RunnerConfig"]

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class GraphEngineConfig:
     """Engine settings: the runner's sizes plus the per-step prefill budget."""
 
     runner: RunnerConfig = field(default_factory=RunnerConfig)
@@ -45,10 +45,10 @@ class GraphEngine:
     """Static KV slots, chunked batched prefill, one graph-captured frame step per batch bucket."""
 
     def __init__(
-        self, bundle, max_batch: int = 64, config: EngineConfig | None = None, capture: bool = True
+        self, bundle, max_batch: int = 64, config: GraphEngineConfig | None = None, capture: bool = True
     ) -> None:
         if config is None:
-            config = EngineConfig(runner=RunnerConfig(max_batch=max_batch))
+            config = GraphEngineConfig(runner=RunnerConfig(max_batch=max_batch))
         self.config = config
         self.bundle = bundle
         self.runner = ModelRunner(bundle, config.runner)

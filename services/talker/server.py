@@ -57,7 +57,7 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
         return EagerGenerator(bundle, max_batch=max_batch)
 
     def graph(bundle: Any, max_batch: int) -> Any:
-        from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
+        from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
 
         runner = RunnerConfig(
             max_batch=max_batch,
@@ -71,7 +71,7 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
         return GraphEngine(
             bundle,
             max_batch=max_batch,
-            config=EngineConfig(runner=runner, max_prefill_tokens=config.max_prefill_tokens),
+            config=GraphEngineConfig(runner=runner, max_prefill_tokens=config.max_prefill_tokens),
         )
 
     return {"eager": eager, "graph": graph}[config.engine]

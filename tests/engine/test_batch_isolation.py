@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qtts import request_limits as lim
-from qtts.engine import EngineConfig, GraphEngine, RunnerConfig, sampler
+from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig, sampler
 from qtts.model import EagerGenerator, SamplingParams
 from qtts.model.generator import SAMPLING_FAILED
 from tests.engine.tiny_talker import make_prompt
@@ -58,7 +58,7 @@ def _prompt(bundle, name: str):
 
 def _graph_engine(bundle, max_batch: int, **runner_kw) -> GraphEngine:
     cfg = RunnerConfig(max_batch=max_batch, max_len=96, max_trailing=16, **runner_kw)
-    return GraphEngine(bundle, config=EngineConfig(runner=cfg, max_prefill_tokens=2048))
+    return GraphEngine(bundle, config=GraphEngineConfig(runner=cfg, max_prefill_tokens=2048))
 
 
 def _run(gen, requests: dict[str, SamplingParams], bundle, max_steps: int = 100) -> dict[str, list]:

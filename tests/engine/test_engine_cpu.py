@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
+from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
 from qtts.errors import InvalidArgument
 from qtts.model import SamplingParams
 from tests.engine.tiny_talker import make_prompt, run_alone
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(greedy=True)
 def engine(bundle, **runner_kw) -> GraphEngine:
     prefill = runner_kw.pop("max_prefill_tokens", 2048)
     cfg = RunnerConfig(**{"max_batch": 4, "max_len": 96, "max_trailing": 16, **runner_kw})
-    return GraphEngine(bundle, config=EngineConfig(runner=cfg, max_prefill_tokens=prefill))
+    return GraphEngine(bundle, config=GraphEngineConfig(runner=cfg, max_prefill_tokens=prefill))
 
 
 def same_outputs(got: list, want: list) -> bool:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
+from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
 from qtts.model import SamplingParams
 from qtts.model.text_feed import TextFeed
 from tests.engine.test_engine_cpu import same_outputs
@@ -19,7 +19,7 @@ NEVER_STOP = SamplingParams(greedy=True, min_new_tokens=10**6)
 
 def engine(bundle, **runner_kw) -> GraphEngine:
     cfg = RunnerConfig(**{"max_batch": 4, "max_len": 96, "max_trailing": 24, **runner_kw})
-    return GraphEngine(bundle, config=EngineConfig(runner=cfg, max_prefill_tokens=2048))
+    return GraphEngine(bundle, config=GraphEngineConfig(runner=cfg, max_prefill_tokens=2048))
 
 
 def open_version(prompt, known: int):

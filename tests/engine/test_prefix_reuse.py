@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtts.engine import EngineConfig, GraphEngine, RunnerConfig
+from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
 from qtts.model import SamplingParams, SynthesisSpec, VoicePrompt, load_talker_bundle
 from qtts.tiny_model import build_tiny_snapshot
 from tests.engine.test_engine_cpu import same_outputs
@@ -39,7 +39,7 @@ def prompt(bundle, text: str, vp: VoicePrompt):
 
 def engine(bundle, cache_bytes: int) -> GraphEngine:
     cfg = RunnerConfig(max_batch=4, max_len=128, max_trailing=64, prefix_cache_bytes=cache_bytes)
-    return GraphEngine(bundle, config=EngineConfig(runner=cfg))
+    return GraphEngine(bundle, config=GraphEngineConfig(runner=cfg))
 
 
 def run(eng: GraphEngine, requests: list[tuple[str, object]], join_every: int = 2) -> dict[str, list]:
