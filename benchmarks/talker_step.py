@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.revision import git_revision
+from benchmarks.runner_variants import serving_attention, variant_runner
 from benchmarks.timing import median_event_s, median_wall_s
 from qtts.engine.model_runner import (
     DEFAULT_BATCH_BUCKETS,
@@ -153,7 +154,8 @@ def fill_slots(runner: ModelRunner, position: int) -> None:
 def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, Any]:
     """`variant` is ATTENTION/MODE: mode plain (module calls), fast (fused weights and norms),
     compile (fast + torch.compile of the per-layer work and the sampler), or compile-nocarry
-    (compile, with the predictor writing its per-frame KV cache instead of carrying it)."""
+    (compile, with the predictor writing its per-frame KV cache instead of carrying it); attention
+    sdpa_grouped and mode compile-nocarry are the measured-out variants of benchmarks/runner_variants.py."""
     attention, _, mode = variant.partition("/")
     mode = mode or "compile"
     t0 = time.perf_counter()
@@ -167,14 +169,13 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
     cfg = RunnerConfig(
         max_len=ctx_bucket, max_batch=max(batches), num_slots=max(batches), max_trailing=64,
         batch_buckets=buckets, context_buckets=(ctx_bucket,),
-        talker_attention=attention,
+        talker_attention=serving_attention(attention),
         max_candidates=args.max_candidates, fast_path=mode != "plain", compile_layers=mode.startswith("compile"),
-        predictor_carry_kv=mode != "compile-nocarry",
         prefill_buckets=() if args.agreement_only else tuple(args.prefill_buckets),
         prefill_rows=tuple(args.prefill_rows), decode_kernels=args.decode_kernels, sample_kernel=args.sample_kernel,
         skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
     )
-    runner = ModelRunner(bundle, cfg)
+    runner = variant_runner(bundle, cfg, attention, mode)
     kernels = kernel_choices(runner)
     tf32 = tf32_state()
     print(f"{name} [{variant}] dtype {args.dtype}, tf32 {_tf32_label(tf32)} {tf32}; kernels: {kernels['kernels']}",

@@ -19,12 +19,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B|1, 1, T, S] (True = attend) -> [B, Hq, T, D]."""
     scale = q.shape[-1] ** -0.5
     hq, hkv = q.shape[1], k.shape[1]
-    if impl == "sdpa_grouped" and q.shape[2] == 1 and hq != hkv:
-        b, _, _, d = q.shape
-        qg = q.reshape(b, hkv, hq // hkv, d)  # a group's query heads as query positions
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-        return out.reshape(b, hq, 1, d)
-    if impl in ("sdpa", "sdpa_grouped"):
+    if impl == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     b, _, t, d = q.shape
     g = hq // hkv

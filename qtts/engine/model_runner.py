@@ -72,6 +72,10 @@ NUM_F = 5
 class ModelRunner(PrefillMixin):
     """Owns the KV cache, the per-slot state, the frame step and its CUDA graphs."""
 
+    # Fast path: the predictor carries its per-frame K/V as concatenated tensors (one compiled
+    # function per layer) instead of writing `pk_cache`; benchmarks/runner_variants.py measures the writes.
+    predictor_carry_kv = True
+
     def __init__(self, bundle, config: RunnerConfig) -> None:
         self.cfg = config
         self.talker = bundle.talker
@@ -293,9 +297,13 @@ class ModelRunner(PrefillMixin):
             self.v_cache[i][rows, :, wpos] = v[:, :, 0].to(self.dtype)
             keys = self.k_cache[i, :n, :, :ctx]
             values = self.v_cache[i, :n, :, :ctx]
-            out = attend(q, keys, values, mask, self.talker_attention).transpose(1, 2).reshape(n, 1, -1)
+            out = self._talker_attention(q, keys, values, mask).transpose(1, 2).reshape(n, 1, -1)
             x = self._layer_out(i, layer, x, out, self.talker_weights, self.tdec)
         return self._final_norm(model.norm, x)[:, 0]
+
+    def _talker_attention(self, q, keys, values, mask) -> torch.Tensor:
+        """The PyTorch decode's talker attention (benchmarks/runner_variants.py swaps in its variant)."""
+        return attend(q, keys, values, mask, self.talker_attention)
 
     def _talker_decode_fused(self, n: int) -> torch.Tensor:
         """`_talker_decode` with the fused kernels; attention spans each row's own positions."""
@@ -357,7 +365,7 @@ class ModelRunner(PrefillMixin):
         t = x.shape[1]
         cos, sin = self.pred_cos[:, start : start + t], self.pred_sin[:, start : start + t]
         mask = self.start_mask if t == 2 else None
-        if self.fast_path and self.cfg.predictor_carry_kv and self.predictor_attention == "matmul":
+        if self.fast_path and self.predictor_carry_kv and self.predictor_attention == "matmul":
             d = self.pdec
             for i in range(d.num_layers):
                 if start == 0:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 # with its bucket (16.97 ms at 512, 30.26 ms at 1024 on an H200), so 574 streams should not pay for 1024.
 DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
                          1792, 2048)
-ATTENTION_IMPLS = ("auto", "sdpa", "sdpa_grouped", "matmul")
+ATTENTION_IMPLS = ("auto", "sdpa", "matmul")
 KERNEL_CHOICES = ("auto", "triton", "torch")
 DECODE_KERNELS = SAMPLE_KERNELS = KERNEL_CHOICES
 
@@ -35,10 +35,9 @@ class RunnerConfig:
     use_cuda_graphs: bool = True
     pad_to_buckets: bool = False  # eager steps use the graph shapes too (tests padding on the CPU)
     max_candidates: int | None = None  # sampling candidates per row (None: the whole vocabulary)
-    # "sdpa" (PyTorch SDPA with GQA, the model core's numerics), "sdpa_grouped" (decode only: the
-    # query heads of a KV group become query positions, so SDPA runs without GQA expansion),
-    # "matmul" (matmul-softmax-matmul), or "auto": "matmul" on CUDA (fastest measured on an H200
-    # with compiled layers), "sdpa" elsewhere.
+    # "sdpa" (PyTorch SDPA with GQA, the model core's numerics), "matmul" (matmul-softmax-matmul),
+    # or "auto": "matmul" on CUDA (fastest measured with compiled layers), "sdpa" elsewhere.
+    # benchmarks/runner_variants.py holds the grouped-SDPA variant that was measured against them.
     talker_attention: str = "auto"
     predictor_attention: str = "matmul"  # the <= 16-position attention; SDPA was slow at large B
     # Decode with concatenated q|k|v and gate|up weights and fused RMSNorm (fewer kernels per layer;
@@ -61,9 +60,6 @@ class RunnerConfig:
     # sampler.sample_rows (same semantics; it sorts), "auto" Triton on CUDA when it is installed and
     # `max_candidates` is not set (the kernel has no candidate cap).
     sample_kernel: str = "auto"
-    # Fast path: the predictor carries its per-frame K/V as concatenated tensors (one compiled
-    # function per layer) instead of writing `pk_cache`; False restores the cache writes.
-    predictor_carry_kv: bool = True
     prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
     # Fast path on CUDA: capture the prefill of one prompt chunk as CUDA graphs at these widths
     # (positions, padded up); wider chunks and CPU runs take the eager ragged batch. Empty: off.
