@@ -19,10 +19,10 @@ from fastapi import APIRouter, Request
 
 from qtts.errors import InvalidArgument, TTSError
 
-from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
+from .audio_encoding import MEDIA_TYPES, check_output_format
+from .audio_output import AudioOutput
 from .http_request import parse_json, parse_speech_body
 from .http_streaming import run_unless_disconnected
-from .job import AudioPiece
 from .core import GatewayCore
 
 # vLLM-Omni bounds a batch at 32 items.
@@ -92,13 +92,8 @@ async def _synthesise(synth: GatewayCore, body: Any) -> tuple[bytes, str, dict]:
     stream = await synth.open(job, "http")
     error: BaseException | None = None
     try:
-        encoder = make_encoder(out.response_format, job.sample_rate, streaming=False)
-        resampler = Resampler(24000, job.sample_rate, out.speed)
-        async for event in stream:
-            if isinstance(event, AudioPiece):
-                encoder.push(resampler.push(event.pcm))
-        encoder.push(resampler.flush())
-        audio = encoder.finish()
+        output = AudioOutput(out.response_format, job.sample_rate, out.speed, streaming=False)
+        audio = await output.collect(stream)
         stream.first_byte_sent()
         summary = stream.summary
         usage = (

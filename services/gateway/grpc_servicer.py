@@ -14,12 +14,12 @@ from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.sampling_overrides import overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 
-from .audio_encoding import Resampler, make_encoder
+from .audio_output import AudioOutput
 from .auth import ApiKeys, grpc_owner, owner_var
 from .client_identity import client_var, grpc_client_key
 from .consents import ConsentStore
 from .instructions import ignored_fields_header
-from .job import AudioPiece, SpeechFields, SynthesisJob, SynthesisSummary
+from .job import SpeechFields, SynthesisJob, SynthesisSummary
 from .core import SynthesisStream, GatewayCore
 from .text_stream import SegmentText, TextPiece, TextSplitter, check_session, open_segment
 from .validation import new_request_id
@@ -157,6 +157,19 @@ async def _report_ignored(context: grpc.aio.ServicerContext, job: SynthesisJob) 
     """Initial metadata naming the fields the served variant ignored (instructions.py)."""
     if job.ignored_fields:
         await context.send_initial_metadata(tuple(ignored_fields_header(job).items()))
+
+
+def _summary_to_pb(s: SynthesisSummary, num_samples: int, rate: int) -> tts_pb2.SynthesisSummary:
+    return tts_pb2.SynthesisSummary(
+        finish_reason=FINISH_TO_PB.get(s.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED),
+        num_frames=s.num_frames,
+        num_samples=num_samples,
+        sample_rate_hz=rate,
+        timings=tts_pb2.Timings(
+            queue_ns=s.queue_ns, prefill_ns=s.prefill_ns, first_audio_ns=s.first_audio_ns, total_ns=s.total_ns
+        ),
+        num_input_tokens=s.num_input_tokens,
+    )
 
 
 def voice_to_pb(v: VoiceInfo) -> tts_pb2.Voice:
@@ -334,11 +347,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self, stream: SynthesisStream, fmt: str
     ) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         rate = stream.job.sample_rate
-        encoder = make_encoder(fmt, rate, streaming=True)
-        resampler = Resampler(24000, rate)
+        output = AudioOutput(fmt, rate)
         seq = 0
-        samples_out = 0
-        next_frame = 0
 
         def response(**event) -> tts_pb2.SynthesizeResponse:
             nonlocal seq
@@ -346,54 +356,19 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             seq += 1
             return msg
 
-        async for event in stream:
-            if isinstance(event, AudioPiece):
-                pcm = resampler.push(event.pcm)
-                data = encoder.push(pcm)
-                samples_out += len(pcm) // 2
-                next_frame = event.first_frame_index + event.num_frames
-                if data:
-                    yield response(
-                        audio=tts_pb2.AudioChunk(
-                            audio=data,
-                            num_samples=len(pcm) // 2,
-                            sample_rate_hz=rate,
-                            first_frame_index=event.first_frame_index,
-                            num_frames=event.num_frames,
-                        )
-                    )
-                    stream.first_byte_sent()
-            elif isinstance(event, SynthesisSummary):
-                pcm = resampler.flush()
-                tail = encoder.push(pcm) + encoder.finish()
-                samples_out += len(pcm) // 2
-                if tail:
-                    yield response(
-                        audio=tts_pb2.AudioChunk(
-                            audio=tail,
-                            num_samples=len(pcm) // 2,
-                            sample_rate_hz=rate,
-                            first_frame_index=next_frame,
-                            num_frames=0,
-                        )
-                    )
+        async for chunk in output.chunks(stream):
+            if chunk.data:
                 yield response(
-                    summary=tts_pb2.SynthesisSummary(
-                        finish_reason=FINISH_TO_PB.get(
-                            event.finish_reason, tts_pb2.FINISH_REASON_UNSPECIFIED
-                        ),
-                        num_frames=event.num_frames,
-                        num_samples=samples_out,
+                    audio=tts_pb2.AudioChunk(
+                        audio=chunk.data,
+                        num_samples=chunk.num_samples,
                         sample_rate_hz=rate,
-                        timings=tts_pb2.Timings(
-                            queue_ns=event.queue_ns,
-                            prefill_ns=event.prefill_ns,
-                            first_audio_ns=event.first_audio_ns,
-                            total_ns=event.total_ns,
-                        ),
-                        num_input_tokens=event.num_input_tokens,
+                        first_frame_index=chunk.first_frame_index,
+                        num_frames=chunk.num_frames,
                     )
                 )
+            if chunk.last:
+                yield response(summary=_summary_to_pb(stream.summary, output.num_samples, rate))
 
     async def ListVoices(
         self, request: tts_pb2.ListVoicesRequest, context: grpc.aio.ServicerContext

@@ -17,7 +17,8 @@ from qtts.errors import InvalidArgument, NotFound, TTSError, mapping_for, openai
 from qtts.metrics import GatewayMetrics
 
 from . import sse
-from .audio_encoding import MEDIA_TYPES, Resampler, check_output_format, make_encoder
+from .audio_encoding import MEDIA_TYPES, check_output_format
+from .audio_output import AudioOutput
 from .auth import ApiKeyMiddleware, ApiKeys
 from .batch import batch_router
 from .client_identity import ClientIdentityMiddleware
@@ -30,7 +31,6 @@ from .http_streaming import (
     run_unless_disconnected,
 )
 from .instructions import ignored_fields_header
-from .job import AudioPiece
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
 from .playback import PlaybackClock
 from .rate_limit import RateLimiter, RateLimitMiddleware
@@ -133,27 +133,17 @@ async def _stream_chunks(
 ) -> AsyncIterator[bytes]:
     """Encoded audio (or SSE events) as the talker produces it; always closes `stream`."""
     is_sse = out.stream_format == "sse"
-    encoder = make_encoder(out.response_format, sample_rate, streaming=True)
-    resampler = Resampler(24000, sample_rate, out.speed)
+    output = AudioOutput(out.response_format, sample_rate, out.speed)
     clock = PlaybackClock(metrics, out.speed)
-    pending = 0  # talker samples not yet on the connection (an encoder may hold some back)
     error: BaseException | None = None
     try:
-        async for event in stream:
-            if isinstance(event, AudioPiece):
-                data = encoder.push(resampler.push(event.pcm))
-                pending += event.num_samples
-                if data:
-                    yield sse.audio_delta(data) if is_sse else data
-                    # The response sends each chunk before asking for the next: it is on the
-                    # connection now.
-                    clock.handed_on(pending)
-                    pending = 0
-                    stream.first_byte_sent()
-        tail = encoder.push(resampler.flush()) + encoder.finish()
-        if tail:
-            yield sse.audio_delta(tail) if is_sse else tail
-            stream.first_byte_sent()
+        async for chunk in output.chunks(stream):
+            if chunk.data:
+                yield sse.audio_delta(chunk.data) if is_sse else chunk.data
+            if not chunk.last:
+                # The response sends each chunk before asking for the next: it is on the
+                # connection now (an encoder may have held some talker samples back before).
+                clock.handed_on(chunk.talker_samples)
         if is_sse:
             s = stream.summary
             yield sse.audio_done(
@@ -175,16 +165,6 @@ async def _stream_chunks(
         raise
     finally:
         await stream.close(error)
-
-
-async def _collect(stream: SynthesisStream, out: OutputOptions, sample_rate: int) -> bytes:
-    encoder = make_encoder(out.response_format, sample_rate, streaming=False)
-    resampler = Resampler(24000, sample_rate, out.speed)
-    async for event in stream:
-        if isinstance(event, AudioPiece):
-            encoder.push(resampler.push(event.pcm))
-    encoder.push(resampler.flush())
-    return encoder.finish()
 
 
 def create_app(deps: HttpDeps) -> FastAPI:
@@ -260,7 +240,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
             )
         error: BaseException | None = None
         try:
-            audio = await run_unless_disconnected(request, lambda: _collect(stream, out, job.sample_rate))
+            output = AudioOutput(out.response_format, job.sample_rate, out.speed, streaming=False)
+            audio = await run_unless_disconnected(request, lambda: output.collect(stream))
             stream.first_byte_sent()
             return Response(
                 audio,

@@ -13,8 +13,7 @@ import time
 from collections.abc import Callable
 
 from qtts.metrics import GatewayMetrics
-
-SAMPLE_RATE = 24000  # the talker's PCM rate; what the client hears is time-stretched by `speed`
+from qtts.vocabulary import NATIVE_SAMPLE_RATE
 
 
 class PlaybackClock:
@@ -40,4 +39,4 @@ class PlaybackClock:
             self._metrics.deadline_slack_seconds.observe(slack)
             if slack < 0:
                 self._metrics.underruns_total.inc()
-        self._delivered_s += samples / SAMPLE_RATE / self._speed
+        self._delivered_s += samples / NATIVE_SAMPLE_RATE / self._speed

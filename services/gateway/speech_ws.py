@@ -40,7 +40,6 @@ from .text_stream import (
     TextPiece,
     TextSplitter,
     check_session,
-    encoded_audio,
     open_segment,
 )
 from .validation import new_request_id
@@ -395,9 +394,10 @@ class SpeechStreamEndpoint:
         total, done, stream, error = 0, {"error": False}, None, None
         try:
             stream = await open_segment(self.synth, seg.fields, seg.text, request_id, PROTOCOL)
-            async for data in encoded_audio(stream, seg.audio):
-                await s.send_bytes(data)
-                total += len(data)
+            async for chunk in seg.audio.output().chunks(stream):
+                if chunk.data:
+                    await s.send_bytes(chunk.data)
+                    total += len(chunk.data)
             summary = stream.summary
             if summary is not None:
                 usage = s.usage.setdefault(seg.utterance, _Usage())

@@ -16,8 +16,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from .audio_encoding import Resampler, check_output_format, make_encoder
-from .job import AudioPiece, SpeechFields
+from .audio_encoding import check_output_format
+from .audio_output import AudioOutput
+from .job import SpeechFields
 from .core import SynthesisStream, GatewayCore
 
 GRANULARITIES = ("sentence", "clause", "none")
@@ -188,6 +189,9 @@ class SegmentAudio:
     speed: float = 1.0
     streaming: bool = True
 
+    def output(self) -> AudioOutput:
+        return AudioOutput(self.response_format, self.sample_rate, self.speed, self.streaming)
+
 
 def check_session(synth: GatewayCore, fields: SpeechFields, response_format: str) -> int:
     """Validate a session's fields once, before any text: the errors a config can cause (model,
@@ -215,19 +219,3 @@ async def open_segment(
         return await synth.open(job, protocol)
     # As received: validation strips the text, and a space at its end belongs to the next word.
     return await synth.open(replace(job, text=first), protocol, text=text.rest())
-
-
-async def encoded_audio(stream: SynthesisStream, audio: SegmentAudio) -> AsyncIterator[bytes]:
-    """The segment's encoded audio; the caller closes `stream`."""
-    encoder = make_encoder(audio.response_format, audio.sample_rate, streaming=audio.streaming)
-    resampler = Resampler(24000, audio.sample_rate, audio.speed)
-    async for event in stream:
-        if isinstance(event, AudioPiece):
-            data = encoder.push(resampler.push(event.pcm))
-            if data:
-                yield data
-                stream.first_byte_sent()
-    tail = encoder.push(resampler.flush()) + encoder.finish()
-    if tail:
-        yield tail
-        stream.first_byte_sent()
