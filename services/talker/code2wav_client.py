@@ -41,7 +41,7 @@ class DecodeClosed:
     """The server closed the call without StreamDone."""
 
 
-DecodeEvent = Credit | DecodedAudio | Done | DecodeFailed | DecodeClosed
+DecodeCallEvent = Credit | DecodedAudio | Done | DecodeFailed | DecodeClosed
 
 
 def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
@@ -56,7 +56,7 @@ def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
     return DecodeFailed(err, False)
 
 
-class DecodeStream:
+class DecodeCall:
     """A `Decode` bidi call on one replica; writes must come from one task at a time."""
 
     def __init__(self, stub: code2wav_pb2_grpc.Code2WavServiceStub, replica: str):
@@ -114,7 +114,7 @@ class DecodeStream:
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             raise Unavailable(f"code2wav replica {self.replica} closed the stream") from exc
 
-    async def events(self) -> AsyncIterator[DecodeEvent]:
+    async def events(self) -> AsyncIterator[DecodeCallEvent]:
         """Server messages as domain events; always ends with Done, DecodeFailed or DecodeClosed."""
         try:
             async for msg in self._call:

@@ -107,7 +107,7 @@ class StreamSession:
         self._plan: ChunkPlan | None = None
         self._gen_end: Finished | None = None
         self._end_sent = False
-        self._decode: c2w.DecodeStream | None = None
+        self._decode: c2w.DecodeCall | None = None
         self._reader: asyncio.Task | None = None
         self._tried: set[str] = set()
         self._heard_from_replica = False
@@ -267,7 +267,7 @@ class StreamSession:
         while True:
             replica = await self._replicas.pick_or_probe(self.request_id, exclude=frozenset(self._tried))
             self._tried.add(replica)
-            decode = c2w.DecodeStream(self._replicas.stub(replica), replica)
+            decode = c2w.DecodeCall(self._replicas.stub(replica), replica)
             try:
                 await decode.start(
                     self.request_id,
@@ -290,7 +290,7 @@ class StreamSession:
             self._reader = asyncio.create_task(self._pump(decode), name=f"decode-{self.request_id}")
             return
 
-    async def _pump(self, decode: c2w.DecodeStream) -> None:
+    async def _pump(self, decode: c2w.DecodeCall) -> None:
         async for ev in decode.events():
             self._exchanged_at = self._loop.time()
             self._events.put_nowait(ev)

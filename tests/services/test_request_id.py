@@ -18,7 +18,7 @@ from qtts.pb import code2wav_pb2, code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
 from services.gateway.job import SamplingOptions, SynthesisJob, SynthesisSummary
 from services.gateway.request_id import RequestIdMiddleware
 from services.gateway.talker_client import TalkerClient
-from services.talker.code2wav_client import DecodeStream
+from services.talker.code2wav_client import DecodeCall
 
 log_talker = logging.getLogger("test.talker")
 log_code2wav = logging.getLogger("test.code2wav")
@@ -50,7 +50,7 @@ class Talker(talker_pb2_grpc.TalkerServiceServicer):
 
             self.channel = grpc.aio.insecure_channel(self.address)
         # As the talker's stream does: the decode call is opened inside the request's task.
-        decode = DecodeStream(code2wav_pb2_grpc.Code2WavServiceStub(self.channel), "c2w-0")
+        decode = DecodeCall(code2wav_pb2_grpc.Code2WavServiceStub(self.channel), "c2w-0")
         await decode.start(request.request_id, 16, None, 1, ())
         await asyncio.sleep(0.1)
         yield talker_pb2.GenerateResponse(
