@@ -50,8 +50,8 @@ from qtts.engine.runner_config import (
     SAMPLE_KERNELS,
     RunnerConfig,
 )
-from qtts.engine.scheduler import KVMove
 from qtts.engine.sequence import Sequence
+from qtts.engine.slot_scheduler import KVMove
 from qtts.model.layers import KVCache
 
 __all__ = [
@@ -100,6 +100,20 @@ class ModelRunner(PrefillMixin):
         self.predictor_weights = (
             [fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
         )
+        self._choose_kernels(config)
+        self.num_slots = self._size_slots()
+        self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots}))
+        # Fused attention reads each row's own length: one context bucket (the whole slot) is enough.
+        self.context_buckets = (self.max_len,) if self.fused_decode else config.resolved_context_buckets()
+        self._allocate()
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.use_graphs = config.use_cuda_graphs and self.device.type == "cuda"
+        self._init_prefill(config)
+
+    def _choose_kernels(self, config: RunnerConfig) -> None:
+        """The layer functions, the fused decode and sampling kernel modules and the matmul, compiled
+        where `compile_layers` asks (fast path only)."""
         self._qkv_fn, self._out_fn, self._sample = fast_qkv, fast_out_mlp, sampler.sample_rows
         self._c0_logits = sampler.codebook0_logits
         if config.decode_kernels == "triton" and not self.fast_path:
@@ -120,29 +134,24 @@ class ModelRunner(PrefillMixin):
         self._sampling_kernels = self._kernel_module(sample_choice, "triton_sampling", "sample_kernel")
         compile_layers = self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
         if self.fast_path and compile_layers:
-            # Every batch bucket, predictor step and prefill width is its own variant: above the
-            # default limit of 8, dynamo silently runs the rest uncompiled (seen on an H200 with
-            # prefill graphs). Raise the limit for this process.
-            import torch._dynamo.config as dynamo_config
+            self._compile_layer_fns()
 
-            for name in ("recompile_limit", "cache_size_limit"):
-                if hasattr(dynamo_config, name):
-                    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
-            # Batch, positions and sequence length vary across buckets and predictor steps.
-            self._qkv_fn = torch.compile(fast_qkv, dynamic=True)
-            self._out_fn = torch.compile(fast_out_mlp, dynamic=True)
-            self._sample = torch.compile(sampler.sample_rows, dynamic=True)
-            self._c0_logits = torch.compile(sampler.codebook0_logits, dynamic=True)
-            self._pred_layer_fn = torch.compile(fast_predictor_layer, dynamic=True)
-        self.num_slots = self._size_slots()
-        self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots}))
-        # Fused attention reads each row's own length: one context bucket (the whole slot) is enough.
-        self.context_buckets = (self.max_len,) if self.fused_decode else config.resolved_context_buckets()
-        self._allocate()
-        self.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.use_graphs = config.use_cuda_graphs and self.device.type == "cuda"
-        self._init_prefill(config)
+    def _compile_layer_fns(self) -> None:
+        """torch.compile the fast path's per-layer functions and the sampler."""
+        # Every batch bucket, predictor step and prefill width is its own variant: above the
+        # default limit of 8, dynamo silently runs the rest uncompiled (seen on an H200 with
+        # prefill graphs). Raise the limit for this process.
+        import torch._dynamo.config as dynamo_config
+
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+        # Batch, positions and sequence length vary across buckets and predictor steps.
+        self._qkv_fn = torch.compile(fast_qkv, dynamic=True)
+        self._out_fn = torch.compile(fast_out_mlp, dynamic=True)
+        self._sample = torch.compile(sampler.sample_rows, dynamic=True)
+        self._c0_logits = torch.compile(sampler.codebook0_logits, dynamic=True)
+        self._pred_layer_fn = torch.compile(fast_predictor_layer, dynamic=True)
 
     def _kernel_module(self, choice: str, module_name: str, setting: str):
         """The Triton kernel module `qtts.engine.<module_name>` when `choice` ("auto", "triton" or
