@@ -35,8 +35,8 @@ import torch
 from benchmarks.revision import git_revision
 from benchmarks.timing import median_wall_s
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
-from qtts.engine.scheduler import PrefillChunk
 from qtts.engine.sequence import Sequence
+from qtts.engine.slot_scheduler import PrefillChunk
 from qtts.model import load_talker_bundle
 
 

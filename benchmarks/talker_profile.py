@@ -30,8 +30,8 @@ from qtts.engine.model_runner import (
     ModelRunner,
     RunnerConfig,
 )
-from qtts.engine.scheduler import PrefillChunk
 from qtts.engine.sequence import Sequence
+from qtts.engine.slot_scheduler import PrefillChunk
 from qtts.model import load_talker_bundle
 
 

@@ -58,8 +58,8 @@ from qtts.engine.model_runner import (
     ModelRunner,
     RunnerConfig,
 )
-from qtts.engine.scheduler import PrefillChunk
 from qtts.engine.sequence import Sequence
+from qtts.engine.slot_scheduler import PrefillChunk
 from qtts.model import load_talker_bundle
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -343,7 +343,7 @@ def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict
 def bench_engine(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The whole GraphEngine on the GPU: `--engine-streams` voice-clone requests (x-vector prompts)
     joining in waves, greedy, `--engine-frames` frames each; wall time of every `step()`."""
-    from qtts.engine import GraphEngineConfig, GraphEngine
+    from qtts.engine import GraphEngine, GraphEngineConfig
     from qtts.model import SamplingParams, SynthesisSpec, VoicePrompt
 
     bundle = load_talker_bundle(name, device="cuda", dtype=DTYPES[args.dtype], load_format="dummy")

@@ -1,5 +1,5 @@
 """The talker's GPU engine: continuous batching over static KV slots, one CUDA graph per frame
-step, GPU sampling. Bookkeeping (`kv_slots`, `scheduler`, `sequence`) is pure Python; all tensor
+step, GPU sampling. Bookkeeping (`kv_slots`, `slot_scheduler`, `sequence`) is pure Python; all tensor
 work is in `model_runner`. See docs/engine.md."""
 
 from qtts.engine.engine import GraphEngine, GraphEngineConfig

@@ -19,8 +19,8 @@ import torch
 
 from qtts.engine.kv_slots import DenseSlotTable
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
-from qtts.engine.scheduler import Scheduler
 from qtts.engine.sequence import SeqStatus, Sequence
+from qtts.engine.slot_scheduler import SlotScheduler
 from qtts.errors import InvalidArgument
 from qtts.model.generator import SAMPLING_FAILED, StepOutput
 
@@ -52,7 +52,7 @@ class GraphEngine:
         self.config = config
         self.bundle = bundle
         self.runner = ModelRunner(bundle, config.runner)
-        self.scheduler = Scheduler(
+        self.scheduler = SlotScheduler(
             DenseSlotTable(self.runner.num_slots, self.runner.max_len), config.max_prefill_tokens
         )
         self._open_text: dict[str, Sequence] = {}  # sequences whose text feed is still open

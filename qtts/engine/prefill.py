@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from qtts.engine.fused_layers import attend
-from qtts.engine.scheduler import PrefillChunk
+from qtts.engine.slot_scheduler import PrefillChunk
 
 
 class PrefillMixin:

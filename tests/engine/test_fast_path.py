@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
-from qtts.engine.scheduler import PrefillChunk
 from qtts.engine.sequence import Sequence
+from qtts.engine.slot_scheduler import PrefillChunk
 from qtts.model import SamplingParams
 from tests.engine.tiny_talker import make_prompt
 

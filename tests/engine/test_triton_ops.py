@@ -122,8 +122,8 @@ def test_silu_mul(dtype):
 
 def _runner(bundle, kernels: str, prompts):
     from qtts.engine.model_runner import ModelRunner, RunnerConfig
-    from qtts.engine.scheduler import PrefillChunk
     from qtts.engine.sequence import Sequence
+    from qtts.engine.slot_scheduler import PrefillChunk
     from qtts.model import SamplingParams
 
     cfg = RunnerConfig(max_batch=4, max_len=64, max_trailing=8, fast_path=True, compile_layers=False,

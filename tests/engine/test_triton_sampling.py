@@ -130,8 +130,8 @@ def test_runner_frame_step_samples_the_same_codes_with_the_kernel(tiny_bundle):
     if not triton_sampling.available(torch.device("cpu")):
         pytest.skip("the tiny model runs on the CPU: needs Triton's interpreter")
     from qtts.engine.model_runner import ModelRunner, RunnerConfig
-    from qtts.engine.scheduler import PrefillChunk
     from qtts.engine.sequence import Sequence
+    from qtts.engine.slot_scheduler import PrefillChunk
     from qtts.model import SamplingParams
     from tests.engine.tiny_talker import make_prompt
 

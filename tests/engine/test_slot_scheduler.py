@@ -1,4 +1,4 @@
-"""Scheduler: admission over dense slots, chunked prefill budget, skip, cancel, move composition."""
+"""SlotScheduler: admission over dense slots, chunked prefill budget, skip, cancel, move composition."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from qtts.engine.kv_slots import DenseSlotTable
-from qtts.engine.scheduler import KVMove, Scheduler, compose_moves
 from qtts.engine.sequence import SeqStatus, Sequence
+from qtts.engine.slot_scheduler import KVMove, SlotScheduler, compose_moves
 
 
 def seq(rid: str, prompt_len: int, max_frames: int = 10, prefix_key: str | None = None) -> Sequence:
@@ -18,7 +18,7 @@ def seq(rid: str, prompt_len: int, max_frames: int = 10, prefix_key: str | None 
                     prefix_key=prefix_key, prefix_len=3 if prefix_key else 0)
 
 
-def run_prefill(s: Scheduler, skip=frozenset(), lookup=None):
+def run_prefill(s: SlotScheduler, skip=frozenset(), lookup=None):
     plan = s.schedule(lookup)
     s.mark_prefilled(plan)
     s.decode_rows(plan, skip)
@@ -26,7 +26,7 @@ def run_prefill(s: Scheduler, skip=frozenset(), lookup=None):
 
 
 def test_admits_while_slots_free_then_waits():
-    s = Scheduler(DenseSlotTable(num_slots=2, max_len=64), max_prefill_tokens=1000)
+    s = SlotScheduler(DenseSlotTable(num_slots=2, max_len=64), max_prefill_tokens=1000)
     for i in range(3):
         s.add(seq(f"r{i}", 5))
     plan = run_prefill(s)
@@ -37,7 +37,7 @@ def test_admits_while_slots_free_then_waits():
 
 
 def test_prefill_budget_chunks_long_prompts_and_leaves_last_position_to_decode():
-    s = Scheduler(DenseSlotTable(num_slots=4, max_len=64), max_prefill_tokens=8)
+    s = SlotScheduler(DenseSlotTable(num_slots=4, max_len=64), max_prefill_tokens=8)
     a, b = seq("a", 13), seq("b", 4)
     s.add(a)
     s.add(b)
@@ -52,7 +52,7 @@ def test_prefill_budget_chunks_long_prompts_and_leaves_last_position_to_decode()
 
 
 def test_skip_leaves_rows_out_of_the_decode():
-    s = Scheduler(DenseSlotTable(num_slots=4, max_len=64), max_prefill_tokens=100)
+    s = SlotScheduler(DenseSlotTable(num_slots=4, max_len=64), max_prefill_tokens=100)
     for r in "abc":
         s.add(seq(r, 3))
     plan = run_prefill(s, skip={"b"})
@@ -60,7 +60,7 @@ def test_skip_leaves_rows_out_of_the_decode():
 
 
 def test_cancel_frees_slot_and_next_plan_carries_the_move():
-    s = Scheduler(DenseSlotTable(num_slots=4, max_len=64), max_prefill_tokens=100)
+    s = SlotScheduler(DenseSlotTable(num_slots=4, max_len=64), max_prefill_tokens=100)
     for r in "abc":
         s.add(seq(r, 3))
     run_prefill(s)
@@ -73,7 +73,7 @@ def test_cancel_frees_slot_and_next_plan_carries_the_move():
 
 
 def test_cancel_waiting_request_and_too_long_request():
-    s = Scheduler(DenseSlotTable(num_slots=1, max_len=16), max_prefill_tokens=100)
+    s = SlotScheduler(DenseSlotTable(num_slots=1, max_len=16), max_prefill_tokens=100)
     s.add(seq("a", 3))
     s.add(seq("b", 3))
     run_prefill(s)
@@ -83,7 +83,7 @@ def test_cancel_waiting_request_and_too_long_request():
 
 
 def test_prefix_lookup_skips_cached_positions():
-    s = Scheduler(DenseSlotTable(num_slots=2, max_len=64), max_prefill_tokens=100)
+    s = SlotScheduler(DenseSlotTable(num_slots=2, max_len=64), max_prefill_tokens=100)
     s.add(seq("a", 10, prefix_key="voice"))
     plan = run_prefill(s, lookup=lambda q: 3)
     assert [q.request_id for q in plan.prefix_hits] == ["a"]
@@ -125,7 +125,7 @@ def test_compose_moves_matches_sequential_application():
 def test_move_length_counts_frames_recorded_after_the_free():
     # Within one step's output, an earlier row can finish (freeing its slot and moving the last
     # sequence) before the moved sequence's frame of this step is counted.
-    s = Scheduler(DenseSlotTable(num_slots=2, max_len=64), max_prefill_tokens=100)
+    s = SlotScheduler(DenseSlotTable(num_slots=2, max_len=64), max_prefill_tokens=100)
     a, b = seq("a", 5), seq("b", 5)
     s.add(a)
     s.add(b)

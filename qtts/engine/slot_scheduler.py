@@ -57,7 +57,7 @@ class StepPlan:
         return bool(self.decode)
 
 
-class Scheduler:
+class SlotScheduler:
     """Admission, chunked prefill budget and the decode batch over dense KV slots."""
 
     def __init__(self, slots: DenseSlotTable, max_prefill_tokens: int) -> None:
