@@ -22,7 +22,9 @@ GROUPED_SDPA = "sdpa_grouped"
 NO_CARRY = "compile-nocarry"
 
 
-def attend_sdpa_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attend_sdpa_grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """`attend(..., "sdpa")`, but one query position over grouped K/V runs as a group's heads as positions."""
     hq, hkv = q.shape[1], k.shape[1]
     if q.shape[2] == 1 and hq != hkv:
@@ -37,8 +39,9 @@ def attend_sdpa_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 class VariantRunner(ModelRunner):
     """`ModelRunner` with the measured-out variants switchable."""
 
-    def __init__(self, bundle, config: RunnerConfig, *, grouped_sdpa: bool = False,
-                 predictor_carry_kv: bool = True) -> None:
+    def __init__(
+        self, bundle, config: RunnerConfig, *, grouped_sdpa: bool = False, predictor_carry_kv: bool = True
+    ) -> None:
         self.grouped_sdpa = grouped_sdpa
         self.predictor_carry_kv = predictor_carry_kv
         super().__init__(bundle, config)
@@ -56,4 +59,6 @@ def serving_attention(attention: str) -> str:
 
 def variant_runner(bundle, config: RunnerConfig, attention: str, mode: str) -> VariantRunner:
     """The runner of one `talker_step` variant; `config` carries `serving_attention(attention)`."""
-    return VariantRunner(bundle, config, grouped_sdpa=attention == GROUPED_SDPA, predictor_carry_kv=mode != NO_CARRY)
+    return VariantRunner(
+        bundle, config, grouped_sdpa=attention == GROUPED_SDPA, predictor_carry_kv=mode != NO_CARRY
+    )

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from qtts.model.layers import apply_rope
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str
+) -> torch.Tensor:
     """q [B, Hq, T, D], k/v [B, Hkv, S, D], mask bool [B|1, 1, T, S] (True = attend) -> [B, Hq, T, D]."""
     scale = q.shape[-1] ** -0.5
     hq, hkv = q.shape[1], k.shape[1]
@@ -92,8 +94,27 @@ def fast_out_mlp(x, attn, w_o, b_o, ln2, w_gate_up, w_down, eps: float):
     return x + F.linear(F.silu(gate) * up, w_down)
 
 
-def fast_predictor_layer(x, k_prev, v_prev, cos, sin, mask, ln1, w_qkv, b_qkv, q_norm, k_norm, w_o, b_o, ln2,
-                          w_gate_up, w_down, eps: float, heads: int, kv_heads: int):
+def fast_predictor_layer(
+    x,
+    k_prev,
+    v_prev,
+    cos,
+    sin,
+    mask,
+    ln1,
+    w_qkv,
+    b_qkv,
+    q_norm,
+    k_norm,
+    w_o,
+    b_o,
+    ln2,
+    w_gate_up,
+    w_down,
+    eps: float,
+    heads: int,
+    kv_heads: int,
+):
     """One predictor layer that carries its per-frame keys/values as tensors (concatenated, not
     written into a cache), so the whole layer but the matmuls can fuse under torch.compile.
     (Weights are passed as tensors: compiled code guards on shapes, not on which layer it is.)"""
@@ -104,8 +125,22 @@ def fast_predictor_layer(x, k_prev, v_prev, cos, sin, mask, ln1, w_qkv, b_qkv, q
     return fast_out_mlp(x, out, w_o, b_o, ln2, w_gate_up, w_down, eps), keys, values
 
 
-def fused_decoder_layers(kernels, lin, x, weights: list[LayerWeights], dcfg, k_cache, v_cache, rows, wpos, apos, cos,
-                         sin, final_norm, block_n: int = 64) -> torch.Tensor:
+def fused_decoder_layers(
+    kernels,
+    lin,
+    x,
+    weights: list[LayerWeights],
+    dcfg,
+    k_cache,
+    v_cache,
+    rows,
+    wpos,
+    apos,
+    cos,
+    sin,
+    final_norm,
+    block_n: int = 64,
+) -> torch.Tensor:
     """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
     attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
     final-normed hidden [M, H]. `kernels`: the module qtts.engine.triton_ops; `lin`: its `linear`
@@ -115,8 +150,18 @@ def fused_decoder_layers(kernels, lin, x, weights: list[LayerWeights], dcfg, k_c
     for i, w in enumerate(weights):
         x, h = kernels.add_rms_norm(x, delta, w.ln1, eps)
         q = kernels.qk_norm_rope_store(
-            lin(h, w.w_qkv, w.b_qkv), w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps,
-            dcfg.num_heads, dcfg.num_kv_heads,
+            lin(h, w.w_qkv, w.b_qkv),
+            w.q_norm,
+            w.k_norm,
+            cos,
+            sin,
+            k_cache[i],
+            v_cache[i],
+            rows,
+            wpos,
+            eps,
+            dcfg.num_heads,
+            dcfg.num_kv_heads,
         )
         attn = kernels.decode_attention(q, k_cache[i], v_cache[i], rows, apos, block_n=block_n)
         x, h = kernels.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)

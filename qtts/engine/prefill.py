@@ -125,29 +125,56 @@ class PrefillMixin:
                     self.prefill_graphs[(rows, w, fresh)] = graph
         return pool
 
-    def _prefill_fast(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
-                      fresh: bool = False) -> None:
+    def _prefill_fast(
+        self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int, fresh: bool = False
+    ) -> None:
         """The bundle's decoder stack with the fused layer functions (fewer launches per layer).
         `fresh`: every row's chunk starts at position 0 with its real tokens first, so attention
         runs causally over the chunk's own keys instead of gathering `span` columns of the slot."""
         model, d = self.talker.model, self.tdec
         r, t = positions.shape
         cos, sin = model.rotary(positions, self.dtype)
-        mask = None if fresh else (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+        mask = (
+            None
+            if fresh
+            else (torch.arange(span, device=self.device)[None, None, :] <= positions[:, :, None])[:, None]
+        )
         rows = slots[:, None].expand(r, t)
         for i in range(d.num_layers):
             w = self.talker_weights[i]
             q, k, v = self._qkv_fn(
-                x, w.ln1, w.w_qkv, w.b_qkv, w.q_norm, w.k_norm, cos, sin, d.rms_norm_eps, d.num_heads, d.num_kv_heads
+                x,
+                w.ln1,
+                w.w_qkv,
+                w.b_qkv,
+                w.q_norm,
+                w.k_norm,
+                cos,
+                sin,
+                d.rms_norm_eps,
+                d.num_heads,
+                d.num_kv_heads,
             )
             self.k_cache[i][rows, :, positions] = k.transpose(1, 2).to(self.dtype)
             self.v_cache[i][rows, :, positions] = v.transpose(1, 2).to(self.dtype)
             if fresh:
                 out = F.scaled_dot_product_attention(
-                    q, k.to(self.dtype), v.to(self.dtype), is_causal=True, enable_gqa=d.num_heads != d.num_kv_heads
+                    q,
+                    k.to(self.dtype),
+                    v.to(self.dtype),
+                    is_causal=True,
+                    enable_gqa=d.num_heads != d.num_kv_heads,
                 )
             else:
                 keys, values = self.k_cache[i][slots, :, :span], self.v_cache[i][slots, :, :span]
                 out = attend(q, keys, values, mask, "sdpa")
-            x = self._out_fn(x, out.transpose(1, 2).reshape(r, t, -1), w.w_o, w.b_o, w.ln2, w.w_gate_up, w.w_down,
-                             d.rms_norm_eps)
+            x = self._out_fn(
+                x,
+                out.transpose(1, 2).reshape(r, t, -1),
+                w.w_o,
+                w.b_o,
+                w.ln2,
+                w.w_gate_up,
+                w.w_down,
+                d.rms_norm_eps,
+            )

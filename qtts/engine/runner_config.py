@@ -10,8 +10,30 @@ from dataclasses import dataclass
 # No bucket of 1: on an H200 a single stream padded to 2 rows ran faster (8.0 vs 9.6 ms for 1.7B;
 # the M=1 matmuls take slower kernels). Above 256 the steps are an eighth apart: a step's time grows
 # with its bucket (16.97 ms at 512, 30.26 ms at 1024 on an H200), so 574 streams should not pay for 1024.
-DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
-                         1792, 2048)
+DEFAULT_BATCH_BUCKETS = (
+    2,
+    4,
+    8,
+    16,
+    32,
+    64,
+    96,
+    128,
+    192,
+    256,
+    320,
+    384,
+    448,
+    512,
+    640,
+    768,
+    896,
+    1024,
+    1280,
+    1536,
+    1792,
+    2048,
+)
 ATTENTION_IMPLS = ("auto", "sdpa", "matmul")
 KERNEL_CHOICES = ("auto", "triton", "torch")
 DECODE_KERNELS = SAMPLE_KERNELS = KERNEL_CHOICES

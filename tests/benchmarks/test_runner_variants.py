@@ -30,13 +30,25 @@ def _one_frame(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
     return runner.codes_out.clone(), runner.next_embed.clone()
 
 
-@pytest.mark.parametrize(("attention", "mode", "fast"), [("sdpa_grouped", "eager", False), ("matmul", "compile-nocarry", True)])
+@pytest.mark.parametrize(
+    ("attention", "mode", "fast"), [("sdpa_grouped", "eager", False), ("matmul", "compile-nocarry", True)]
+)
 def test_variant_runner_matches_serving(attention, mode, fast):
     bundle = _tiny_bundle()
-    cfg = RunnerConfig(max_len=32, max_batch=4, num_slots=4, max_trailing=8, talker_attention=serving_attention(attention),
-                       fast_path=fast, compile_layers=False, context_buckets=(32,))
+    cfg = RunnerConfig(
+        max_len=32,
+        max_batch=4,
+        num_slots=4,
+        max_trailing=8,
+        talker_attention=serving_attention(attention),
+        fast_path=fast,
+        compile_layers=False,
+        context_buckets=(32,),
+    )
     variant = variant_runner(bundle, cfg, attention, mode)
-    assert variant.grouped_sdpa == (attention == "sdpa_grouped") and variant.predictor_carry_kv == (mode == "eager")
+    assert variant.grouped_sdpa == (attention == "sdpa_grouped") and variant.predictor_carry_kv == (
+        mode == "eager"
+    )
     codes, embeds = _one_frame(variant)
     want_codes, want_embeds = _one_frame(ModelRunner(bundle, cfg))
     assert torch.equal(codes, want_codes)
