@@ -43,6 +43,21 @@ SAMPLES_PER_FRAME = 1920
 MIN_SAMPLE_RATE = 8000
 MAX_SAMPLE_RATE = 48000
 
+
+@dataclass(frozen=True)
+class AudioPiece:
+    """A chunk of the talker's PCM (s16le mono, 24 kHz) covering generated frames
+    [first_frame_index, first_frame_index + num_frames)."""
+
+    pcm_s16le: bytes
+    first_frame_index: int
+    num_frames: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.pcm_s16le) // 2
+
+
 # ISO 639-1 codes (as vLLM-Omni's clients send them, optionally with a region: en-US, pt_BR) -> the
 # model's language names.
 LANGUAGE_CODES = {

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qtts.vocabulary import NATIVE_SAMPLE_RATE
+from qtts.vocabulary import NATIVE_SAMPLE_RATE, AudioPiece
 
 from .audio_encoding import Resampler, make_encoder
-from .job import AudioPiece, SynthesisSummary
+from .job import SynthesisSummary
 
 if TYPE_CHECKING:
     from .core import SynthesisStream
@@ -49,7 +49,7 @@ class AudioOutput:
         talker_samples = next_frame = 0
         async for event in stream:
             if isinstance(event, AudioPiece):
-                pcm = self._resampler.push(event.pcm)
+                pcm = self._resampler.push(event.pcm_s16le)
                 data = self._encoder.push(pcm)
                 self.num_samples += len(pcm) // 2
                 talker_samples += event.num_samples

@@ -83,19 +83,6 @@ class SynthesisJob:
 
 
 @dataclass(frozen=True)
-class AudioPiece:
-    """One chunk of audio from the talker: PCM s16le mono at 24 kHz."""
-
-    pcm: bytes
-    first_frame_index: int
-    num_frames: int
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.pcm) // 2
-
-
-@dataclass(frozen=True)
 class SynthesisSummary:
     """How a request ended (the talker's summary)."""
 

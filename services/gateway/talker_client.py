@@ -16,8 +16,9 @@ from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.sampling_overrides import overrides_to_pb
 from qtts.tls import TlsConfig, aio_channel
 from qtts.tts_enums import FINISH_FROM_PB, TASK_TO_PB
+from qtts.vocabulary import AudioPiece
 
-from .job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
+from .job import ModelCatalog, SynthesisJob, SynthesisSummary
 from .talker_pool import TalkerPool
 
 

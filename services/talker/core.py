@@ -16,11 +16,11 @@ import numpy as np
 from qtts import request_limits as lim
 from qtts.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
 from qtts.metrics import TalkerMetrics
-from qtts.vocabulary import Task
+from qtts.vocabulary import AudioPiece, Task
 
 from .generation_loop import GenerationLoop
 from .replicas import Code2WavReplicas
-from .request import AudioPiece, GenerationRequest, GenerationSummary, SamplingOverrides
+from .request import GenerationRequest, GenerationSummary, SamplingOverrides
 from .stream import StreamSession
 from .validation import check_request
 from .voices import VoiceResolver

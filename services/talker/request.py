@@ -28,16 +28,6 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
-class AudioPiece:
-    """A chunk of PCM s16le 24 kHz audio covering generated frames [first, first + num_frames)."""
-
-    pcm_s16le: bytes
-    num_samples: int
-    first_frame_index: int
-    num_frames: int
-
-
-@dataclass(frozen=True)
 class GenerationSummary:
     """How a successful request ended: finish reason "stop" or "length", sizes and timings."""
 

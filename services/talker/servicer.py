@@ -14,10 +14,10 @@ from qtts.errors import InvalidArgument, Unavailable
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
 from qtts.sampling_overrides import overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
+from qtts.vocabulary import AudioPiece
 
 from .core import TalkerCore
 from .request import (
-    AudioPiece,
     GenerationRequest,
     GenerationSummary,
 )

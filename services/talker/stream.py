@@ -29,12 +29,13 @@ import numpy as np
 from qtts.audio import SAMPLE_RATE
 from qtts.chunk_plan import ChunkPlan
 from qtts.errors import GenerationFailed, TTSError, Unavailable
+from qtts.vocabulary import AudioPiece
 
 from . import code2wav_client as c2w
 from .deadline import ScheduledRequest, StreamCredit
 from .generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
 from .replicas import Code2WavReplicas
-from .request import AudioPiece, GenerationSummary
+from .request import GenerationSummary
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class StreamSession:
                         first_audio_ns = int((time.perf_counter() - self._started_at) * 1e9)
                     samples += ev.num_samples
                     arrived = time.perf_counter()
-                    yield AudioPiece(ev.pcm_s16le, ev.num_samples, ev.first_frame_index, ev.num_frames)
+                    yield AudioPiece(ev.pcm_s16le, ev.first_frame_index, ev.num_frames)
                     # Handed on: the playback clock the scheduler paces this stream by.
                     self._hand_on(samples / SAMPLE_RATE, ev.first_frame_index + ev.num_frames, arrived)
                     # The caller took the chunk: tell code2wav how far the listener is.

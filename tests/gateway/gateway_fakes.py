@@ -15,11 +15,12 @@ from prometheus_client import CollectorRegistry
 
 from qtts.errors import NotFound
 from qtts.metrics import GatewayMetrics
+from qtts.vocabulary import AudioPiece
 from services.gateway.admission import Admission
-from services.gateway.http_app import HttpDeps, create_app
-from services.gateway.job import AudioPiece, ModelCatalog, SynthesisJob, SynthesisSummary
-from services.gateway.server import _UvicornServer
 from services.gateway.core import GatewayCore
+from services.gateway.http_app import HttpDeps, create_app
+from services.gateway.job import ModelCatalog, SynthesisJob, SynthesisSummary
+from services.gateway.server import _UvicornServer
 from services.gateway.validation import RequestLimits
 from services.gateway.voice_client import VoiceInfo
 from services.gateway.voices import VoiceService

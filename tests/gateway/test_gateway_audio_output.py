@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from qtts.vocabulary import AudioPiece
 from services.gateway.audio_output import AudioOutput
-from services.gateway.job import AudioPiece, SynthesisSummary
+from services.gateway.job import SynthesisSummary
 
 FRAME = 1920
 

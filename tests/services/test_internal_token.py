@@ -17,10 +17,11 @@ from qtts.pb import (
     talker_pb2,
     talker_pb2_grpc,
 )
+from qtts.vocabulary import AudioPiece
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.config import config_from_args as c2w_config_from_args
 from services.code2wav.server import Code2WavServer
-from services.gateway.job import AudioPiece, SamplingOptions, SynthesisJob, SynthesisSummary
+from services.gateway.job import SamplingOptions, SynthesisJob, SynthesisSummary
 from services.gateway.talker_client import TalkerClient
 from services.gateway.voice_client import VoiceClient
 from services.speaker_cache.config import SpeakerCacheConfig

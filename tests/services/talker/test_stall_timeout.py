@@ -16,9 +16,10 @@ import pytest
 
 from qtts.hash_ring import HashRing
 from qtts.pb import code2wav_pb2, talker_pb2
+from qtts.vocabulary import AudioPiece
 from services.talker.config import TalkerConfig, config_from_args
 from services.talker.replicas import Code2WavReplicas
-from services.talker.request import AudioPiece, GenerationRequest, GenerationSummary
+from services.talker.request import GenerationRequest, GenerationSummary
 from tests.services.talker.fakes import FakeCode2Wav
 from tests.services.talker.stack import eventually, generate_all
 from tests.services.talker.test_talker_service import CLONE, fake_stack
