@@ -12,8 +12,8 @@ from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.internal_auth import server_interceptors
 from qtts.metrics import SpeakerCacheMetrics
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
-from services.speaker_cache.cache import SpeakerCache
 from services.speaker_cache.config import SpeakerCacheConfig, redacted_url
+from services.speaker_cache.core import SpeakerCacheCore
 from services.speaker_cache.lru_store import LruStore
 from services.speaker_cache.redis_store import RedisStore
 from services.speaker_cache.servicer import SpeakerCacheServicer
@@ -49,7 +49,7 @@ class SpeakerCacheServer:
         self.config = config
         self.metrics = SpeakerCacheMetrics(CollectorRegistry())
         self.store = store if store is not None else build_store(config)
-        self.cache = SpeakerCache(self.store, self.metrics, max_audio_bytes=config.max_audio_bytes)
+        self.cache = SpeakerCacheCore(self.store, self.metrics, max_audio_bytes=config.max_audio_bytes)
         self.host = GrpcServiceHost(
             service_names=[SERVICE_NAME],
             metrics=self.metrics,

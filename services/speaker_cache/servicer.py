@@ -1,4 +1,4 @@
-"""`speaker_cache.v1.SpeakerCacheService`: converts protobuf to records and calls `SpeakerCache`."""
+"""`speaker_cache.v1.SpeakerCacheService`: converts protobuf to records and calls `SpeakerCacheCore`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import grpc
 
 from qtts.pb import speaker_cache_pb2 as pb
 from qtts.pb import speaker_cache_pb2_grpc
-from services.speaker_cache.cache import SpeakerCache
+from services.speaker_cache.core import SpeakerCacheCore
 from services.speaker_cache.records import ConsentRecord, PromptRecord, VoiceRecord
 
 
@@ -44,7 +44,7 @@ def consent_to_pb(r: ConsentRecord) -> pb.VoiceConsent:
 class SpeakerCacheServicer(speaker_cache_pb2_grpc.SpeakerCacheServiceServicer):
     """Thin gRPC adapter; domain errors become status codes in the server's interceptor."""
 
-    def __init__(self, cache: SpeakerCache):
+    def __init__(self, cache: SpeakerCacheCore):
         self.cache = cache
 
     async def GetVoicePrompt(self, request: pb.GetVoicePromptRequest, context: grpc.aio.ServicerContext):

@@ -17,8 +17,8 @@ from qtts.errors import AlreadyExists, InvalidArgument, NotFound
 from qtts.metrics import SpeakerCacheMetrics
 from qtts.pb import speaker_cache_pb2 as pb
 from qtts.pb import speaker_cache_pb2_grpc
-from services.speaker_cache.cache import SpeakerCache
 from services.speaker_cache.config import SpeakerCacheConfig, config_from_args
+from services.speaker_cache.core import SpeakerCacheCore
 from services.speaker_cache.lru_store import LruStore
 from services.speaker_cache.records import PromptRecord, VoiceRecord
 from services.speaker_cache.redis_store import RedisStore
@@ -144,7 +144,7 @@ async def test_lru_voices_crud():
 
 
 async def test_cache_validates_names_and_shapes():
-    cache = SpeakerCache(LruStore(), SpeakerCacheMetrics(CollectorRegistry()))
+    cache = SpeakerCacheCore(LruStore(), SpeakerCacheMetrics(CollectorRegistry()))
     for bad in ("", "has space", "../etc", "x" * 65, "-lead"):
         with pytest.raises(InvalidArgument, match="invalid voice name"):
             await cache.create_voice(_voice(bad))

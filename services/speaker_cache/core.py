@@ -20,7 +20,7 @@ from services.speaker_cache.records import (
 from services.speaker_cache.store import SpeakerStore
 
 
-class SpeakerCache:
+class SpeakerCacheCore:
     """Voice prompts by content key and named voices, with hit/miss and voice-count metrics."""
 
     def __init__(
