@@ -16,7 +16,7 @@ from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.sampling_overrides import overrides_to_pb
 from qtts.tls import TlsConfig, aio_channel
 from qtts.tts_enums import FINISH_FROM_PB, TASK_TO_PB
-from qtts.vocabulary import AudioPiece
+from qtts.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, AudioPiece
 
 from .job import ModelCatalog, SynthesisJob, SynthesisSummary
 from .talker_pool import TalkerPool
@@ -124,8 +124,8 @@ class TalkerClient:
             model_size=info.model_size,
             speakers=tuple(s.lower() for s in info.speakers),
             languages=tuple(lang.lower() for lang in info.languages),
-            sample_rate=info.sample_rate_hz or 24000,
-            samples_per_frame=info.samples_per_frame or 1920,
+            sample_rate=info.sample_rate_hz or NATIVE_SAMPLE_RATE,
+            samples_per_frame=info.samples_per_frame or SAMPLES_PER_FRAME,
         )
 
     async def generate(

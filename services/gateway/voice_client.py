@@ -14,6 +14,7 @@ from qtts.internal_auth import client_interceptors
 from qtts.log_context import outgoing_metadata
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 from qtts.tls import TlsConfig, aio_channel
+from qtts.vocabulary import NATIVE_SAMPLE_RATE
 
 from .consents import VoiceConsent
 
@@ -45,7 +46,7 @@ class VoiceInfo:
 
 
 def _voice_info(v: speaker_cache_pb2.StoredVoice) -> VoiceInfo:
-    rate = v.sample_rate_hz or 24000
+    rate = v.sample_rate_hz or NATIVE_SAMPLE_RATE
     return VoiceInfo(
         name=v.name,
         kind="cloned",
@@ -101,7 +102,7 @@ class VoiceClient:
         voice = speaker_cache_pb2.StoredVoice(
             name=name,
             reference_pcm_f32=np.ascontiguousarray(pcm_24k, dtype="<f4").tobytes(),
-            sample_rate_hz=24000,
+            sample_rate_hz=NATIVE_SAMPLE_RATE,
             reference_text=reference_text,
             x_vector_only=x_vector_only,
             created_unix_s=int(time.time()),
