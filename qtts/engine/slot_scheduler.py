@@ -42,7 +42,7 @@ class KVMove:
 
 
 @dataclass
-class StepPlan:
+class SlotPlan:
     """Work for one engine step, in the order the model runner must do it."""
 
     moves: list[KVMove] = field(default_factory=list)
@@ -122,13 +122,13 @@ class SlotScheduler:
     # -- planning --------------------------------------------------------------------------
     def schedule(
         self, prefix_lookup: Callable[[Sequence], int] | None = None, prefill_budget: int | None = None
-    ) -> StepPlan:
+    ) -> SlotPlan:
         """Plan one step. `prefix_lookup(seq)` returns how many leading prompt positions a cache
         already holds for `seq` (the runner copies them into the slot before prefilling);
         `prefill_budget` lowers this step's prefill budget (the caller's deadline slack)."""
         moves = compose_moves(self._pending_moves, self.slots.num_used)
         self._pending_moves = []
-        plan = StepPlan(
+        plan = SlotPlan(
             moves=[KVMove(m.src, m.dst, self.running[self.slots.owner(m.dst)].num_kv_positions) for m in moves]
         )
         while self.waiting and self.slots.num_free > 0:
@@ -156,7 +156,7 @@ class SlotScheduler:
         plan.num_rows = self.slots.num_used
         return plan
 
-    def mark_prefilled(self, plan: StepPlan) -> None:
+    def mark_prefilled(self, plan: SlotPlan) -> None:
         """After the runner wrote the chunks: advance counters, start finished prompts."""
         for chunk in plan.prefills:
             chunk.seq.num_prefilled = chunk.end
@@ -164,7 +164,7 @@ class SlotScheduler:
                 chunk.seq.status = SeqStatus.RUNNING
                 plan.started.append(chunk.seq)
 
-    def decode_rows(self, plan: StepPlan, skip: frozenset[str] | set[str] = frozenset()) -> list[Sequence]:
+    def decode_rows(self, plan: SlotPlan, skip: frozenset[str] | set[str] = frozenset()) -> list[Sequence]:
         """The sequences that produce a frame this step, ordered by slot."""
         rows = [
             s for s in self.running.values() if s.status is SeqStatus.RUNNING and s.request_id not in skip
