@@ -75,7 +75,7 @@ class SynthesisJob:
     first_chunk_frames: int = 0
     chunk_frames_ramp: tuple[int, ...] = ()
     streaming_text: bool | None = None
-    # Decoded reference clip (float32 mono, 24 kHz), filled in by the synthesizer.
+    # Decoded reference clip (float32 mono, 24 kHz), filled in by the gateway core.
     reference_pcm: np.ndarray | None = None
     # Request fields the served variant cannot honour, dropped and reported to the client
     # (instructions.py: only under --unsupported-instructions ignore).
