@@ -21,9 +21,9 @@ from qtts.errors import InvalidArgument, TTSError
 
 from .audio_encoding import MEDIA_TYPES, check_output_format
 from .audio_output import AudioOutput
+from .core import GatewayCore
 from .http_request import parse_json, parse_speech_body
 from .http_streaming import run_unless_disconnected
-from .core import GatewayCore
 
 # vLLM-Omni bounds a batch at 32 items.
 MAX_BATCH_ITEMS = 32

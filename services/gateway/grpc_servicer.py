@@ -18,9 +18,9 @@ from .audio_output import AudioOutput
 from .auth import ApiKeys, grpc_owner, owner_var
 from .client_identity import client_var, grpc_client_key
 from .consents import ConsentStore
+from .core import GatewayCore, SynthesisStream
 from .instructions import ignored_fields_header
 from .job import SpeechFields, SynthesisJob, SynthesisSummary
-from .core import SynthesisStream, GatewayCore
 from .text_stream import SegmentText, TextPiece, TextSplitter, check_session, open_segment
 from .validation import new_request_id
 from .voice_client import VoiceInfo

@@ -23,6 +23,7 @@ from .auth import ApiKeyMiddleware, ApiKeys
 from .batch import batch_router
 from .client_identity import ClientIdentityMiddleware
 from .consents import ConsentStore, consent_router
+from .core import GatewayCore, SynthesisStream
 from .http_limits import BodyLimitMiddleware
 from .http_request import OutputOptions, decode_base64_audio, parse_json, parse_speech_body
 from .http_streaming import (
@@ -36,7 +37,6 @@ from .playback import PlaybackClock
 from .rate_limit import RateLimiter, RateLimitMiddleware
 from .speech_ws import SpeechStreamEndpoint
 from .status import StatusReporter
-from .core import SynthesisStream, GatewayCore
 from .voices import VoiceService
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,7 @@ from .admission import Admission
 from .auth import ApiKeyInterceptor, ApiKeys, load_api_keys
 from .config import GatewayConfig
 from .consents import ConsentStore
+from .core import GatewayCore, decode_reference
 from .grpc_servicer import TextToSpeechServicer
 from .http_app import HttpDeps, create_app
 from .http_limits import header_timeout_protocol
@@ -38,7 +39,6 @@ from .reference_cache import DecodedReferenceCache
 from .request_id import RequestIdMiddleware
 from .stage_health import StageHealth
 from .status import StatusReporter
-from .core import GatewayCore, decode_reference
 from .talker_client import TalkerClient
 from .talker_pool import DnsResolver, TalkerPool
 from .validation import RequestLimits

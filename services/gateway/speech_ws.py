@@ -31,9 +31,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from qtts.errors import Cancelled, InvalidArgument, TTSError, mapping_for, openai_error_body
 
+from .core import GatewayCore
 from .http_request import StreamingSessionConfig, parse_json, validate_body
 from .job import SpeechFields
-from .core import GatewayCore
 from .text_stream import (
     SegmentAudio,
     SegmentText,

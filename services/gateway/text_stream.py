@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 from .audio_encoding import check_output_format
 from .audio_output import AudioOutput
+from .core import GatewayCore, SynthesisStream
 from .job import SpeechFields
-from .core import SynthesisStream, GatewayCore
 
 GRANULARITIES = ("sentence", "clause", "none")
 # Abbreviation-prone ASCII marks end a unit only when whitespace follows; the CJK (and Devanagari,

@@ -22,11 +22,11 @@ from qtts.grpc_server import ErrorMappingInterceptor
 from qtts.metrics import GatewayMetrics
 from qtts.pb import tts_pb2_grpc
 from services.gateway.admission import Admission
+from services.gateway.core import GatewayCore, decode_reference
 from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.http_limits import header_timeout_protocol
 from services.gateway.server import _UvicornServer
-from services.gateway.core import GatewayCore, decode_reference
 from services.gateway.validation import RequestLimits
 from services.gateway.voices import VoiceService
 

@@ -19,8 +19,8 @@ from qtts.decode_events import DecodedAudio
 from qtts.errors import InvalidArgument
 from qtts.metrics import Code2WavMetrics
 from services.code2wav.config import Code2WavConfig, config_from_args
-from services.code2wav.credit import CreditPolicy
 from services.code2wav.core import Code2WavCore
+from services.code2wav.credit import CreditPolicy
 from services.code2wav.server import Code2WavServer
 from services.code2wav.stream import DecodeStream, StreamLimits
 from tests.services.conftest import FakeIncrementalDecoder
