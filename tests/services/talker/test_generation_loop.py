@@ -1,4 +1,4 @@
-"""The engine loop: batch bounds, and credit skips only the stream without credit."""
+"""The generation loop: batch bounds, and credit skips only the stream without credit."""
 
 from __future__ import annotations
 
