@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_helpers import FRAME, FRAME_BYTES, REF_TEXT, REF_WAV, wav_frames
+from e2e_helpers import FRAME, FRAME_BYTES, REF_TEXT, REF_WAV, poll, wav_frames
 
 pytestmark = pytest.mark.e2e
 
@@ -24,6 +24,8 @@ def test_voice_created_through_the_api_survives_a_speaker_cache_restart(stack):
         assert r.status_code == 201, r.text
         assert r.json()["name"] == "persisted" and r.json()["ref_text"] == REF_TEXT
         stack.restart("speaker_cache")
+        # The gateway's channel may still be in its reconnect backoff: 503 until it is back.
+        assert poll(lambda: c.get("/v1/audio/voices").status_code == 200, timeout=30)
         names = [v["name"] for v in c.get("/v1/audio/voices").json()["voices"]]
         assert "persisted" in names
         r = c.post("/v1/audio/speech", json={"input": "Using a stored voice.", "voice": "persisted",
