@@ -139,8 +139,8 @@ class ModelRunner(PrefillMixin):
     def _compile_layer_fns(self) -> None:
         """torch.compile the fast path's per-layer functions and the sampler."""
         # Every batch bucket, predictor step and prefill width is its own variant: above the
-        # default limit of 8, dynamo silently runs the rest uncompiled (seen on an H200 with
-        # prefill graphs). Raise the limit for this process.
+        # default limit of 8, dynamo silently runs the rest uncompiled. Raise the limit for this
+        # process.
         import torch._dynamo.config as dynamo_config
 
         for name in ("recompile_limit", "cache_size_limit"):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# No bucket of 1: on an H200 a single stream padded to 2 rows ran faster (8.0 vs 9.6 ms for 1.7B;
-# the M=1 matmuls take slower kernels). Above 256 the steps are an eighth apart: a step's time grows
-# with its bucket (16.97 ms at 512, 30.26 ms at 1024 on an H200), so 574 streams should not pay for 1024.
+# No bucket of 1: a single stream padded to 2 rows ran faster (the M=1 matmuls take slower
+# kernels). Above 256 the buckets are an eighth apart: a step's time grows with its bucket, so
+# 574 streams should not pay for 1024.
 DEFAULT_BATCH_BUCKETS = (
     2,
     4,

@@ -272,12 +272,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # Skinny-matmul tiles: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages).
 SKINNY_DEFAULT = (32, 128, 1, 4, 4)
-# Weight shapes (N, K) where the skinny kernel beat cuBLAS inside CUDA graphs on an H200
-# (benchmarks/skinny_linear.py, bf16, weights not in L2; results/2026-11-29-h200-skinny-linear-*):
-# (most rows it wins at, tile). Everything else measured equal or slower and stays on cuBLAS.
-#   predictor q|k|v 4096x1024: 4.8 vs 5.4 us (rows 1-16)
-#   predictor o / projection 1024x2048: 5.9-6.1 vs 8.1-12.8 us (rows 1-4; equal at 8-16)
-#   predictor heads 2048x1024: 4.0 vs 4.7 us (rows 1-32)
+# Weight shapes (N, K) where the skinny kernel beat cuBLAS inside CUDA graphs
+# (benchmarks/skinny_linear.py; the runs are in BENCHMARKS.md): (most rows it wins at, tile).
+# Every other shape measured equal or slower and stays on cuBLAS.
 SKINNY_RULES: dict[tuple[int, int], tuple[int, tuple[int, int, int, int, int]]] = {
     (4096, 1024): (16, (32, 128, 1, 4, 5)),
     (1024, 2048): (4, (16, 256, 1, 4, 5)),

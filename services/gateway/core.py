@@ -210,7 +210,7 @@ class GatewayCore:
             if job.reference_audio is not None and job.reference_pcm is None:
                 with self.metrics.stage_timer("decode_reference"):
                     # A clip seen before comes from the cache on the loop; only new ones are
-                    # decoded in a worker thread (a thread hop cost ~85 ms under load on the H200).
+                    # decoded in a worker thread (a thread hop is dear under load).
                     cached = getattr(self._decode, "cached", None)
                     pcm = cached(job.reference_audio) if cached is not None else None
                     if pcm is None:

@@ -445,10 +445,9 @@ class DeadlineScheduler:
     def _prefill_budget(self, tightest_slack_s: float) -> int:
         """Prompt positions the step may prefill without making the tightest stream late.
 
-        Only one step's slack bounds it, not the urgent streams' per-frame budget: on the H200 a
-        step with a prefill cost about 60-85 ms whatever its size in the stack (2048 or 320
-        positions), so a per-frame bound only cut the prefill rate of a burst (TTFA 9.5 s at
-        c=512) without shortening the steps."""
+        Only one step's slack bounds it, not the urgent streams' per-frame budget: a step with a
+        prefill costs about the same whatever its size, so a per-frame bound only slowed a
+        burst's prefill without shortening the steps (BENCHMARKS.md, sixth H200 session)."""
         pol = self.policy
         if self.admission is None or math.isinf(tightest_slack_s):
             return pol.max_prefill_positions
