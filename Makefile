@@ -53,7 +53,8 @@ protos: setup
 run: setup protos
 	$(PY) -m services.launcher
 
-test: setup-test protos
+# The suite starts with the lint gate: ruff's checks and its formatter (no file left to reformat).
+test: setup-test protos lint
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing the suite"; exit 1; fi; exit $$rc
 
@@ -70,6 +71,7 @@ $(CHECKOV_VENV)/.installed: requirements-checkov.lock
 
 lint: setup-test
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean:
 	rm -rf qtts/_gen .pytest_cache

@@ -186,15 +186,15 @@ def first_chunk_latency(eng: SlotDecoder, iters: int, prefix_frames: int) -> lis
     t = median_wall_s(icl_start, max(3, iters // 4))
     known = _codes(prefix_frames, seed=7)
     t_known = median_wall_s(lambda: icl_start(known), max(3, iters // 4))
-    rows.append({"icl_prefix_frames": prefix_frames, "start_ms": t * 1e3, "start_known_voice_ms": t_known * 1e3})
+    rows.append(
+        {"icl_prefix_frames": prefix_frames, "start_ms": t * 1e3, "start_known_voice_ms": t_known * 1e3}
+    )
     for r in rows:
         print(
             "  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
             flush=True,
         )
     return rows
-
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

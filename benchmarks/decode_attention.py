@@ -35,17 +35,30 @@ def bench_rows(m: int, variants, args) -> dict:
     floor = m * hkv * (args.position + 1) * d * 2 * 2 / args.bandwidth * 1e6
     entry = {"rows": m, "floor_us": round(floor, 2), "variants": []}
     for pipelined, bn, st, w in variants:
+
         def call(pipelined=pipelined, bn=bn, st=st, w=w):
-            return triton_ops.decode_attention(q, k_cache, v_cache, rows, pos, block_n=bn, num_stages=st,
-                                               num_warps=w, pipelined=pipelined)
+            return triton_ops.decode_attention(
+                q, k_cache, v_cache, rows, pos, block_n=bn, num_stages=st, num_warps=w, pipelined=pipelined
+            )
+
         err = (call().float() - ref.float()).abs().max().item()
         us = graph_call_us(lambda _i: call(), 10)
-        entry["variants"].append({"pipelined": pipelined, "block_n": bn, "stages": st, "warps": w,
-                                  "us": round(us, 2), "max_abs_err": err})
+        entry["variants"].append(
+            {
+                "pipelined": pipelined,
+                "block_n": bn,
+                "stages": st,
+                "warps": w,
+                "us": round(us, 2),
+                "max_abs_err": err,
+            }
+        )
     best = min(entry["variants"], key=lambda v: v["us"])
     base = entry["variants"][0]
-    print(f"rows {m:5d}: while-loop {base['us']:8.2f} us, best {best['us']:8.2f} us "
-          f"(block_n {best['block_n']}, stages {best['stages']}, warps {best['warps']}), floor {floor:7.2f} us")
+    print(
+        f"rows {m:5d}: while-loop {base['us']:8.2f} us, best {best['us']:8.2f} us "
+        f"(block_n {best['block_n']}, stages {best['stages']}, warps {best['warps']}), floor {floor:7.2f} us"
+    )
     return entry
 
 
@@ -62,8 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     variants = [(False, 64, 3, 4)] + [
         (True, bn, st, w) for bn, st, w in itertools.product((32, 64, 128), (2, 3, 4), (4, 8))
     ]
-    result = {"git": git_revision(), "gpu": torch.cuda.get_device_name(dev), "position": args.position,
-              "heads": [hq, hkv, d], "rows": []}
+    result = {
+        "git": git_revision(),
+        "gpu": torch.cuda.get_device_name(dev),
+        "position": args.position,
+        "heads": [hq, hkv, d],
+        "rows": [],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for m in (int(x) for x in args.rows.split(",")):
         entry = bench_rows(m, variants, args)

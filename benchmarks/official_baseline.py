@@ -51,8 +51,6 @@ TEXT = "The quick brown fox jumps over the lazy dog near the quiet river bank to
 REF_TEXT = "This is the reference recording of my voice, read slowly and clearly."
 
 
-
-
 def _sync(device: str) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
@@ -71,7 +69,12 @@ def write_speech_tokenizer(config_dir: Path, out: Path, seed: int) -> Path:
     decoder = CodecDecoder(CodecDecoderConfig.from_dict(config["decoder_config"]))
     init_dummy_weights(decoder, seed)
     tensors = {f"decoder.{k}": v.contiguous() for k, v in decoder.state_dict().items()}
-    tensors.update({f"encoder.{k}": v.contiguous() for k, v in random_mimi_encoder_state(config["encoder_config"], seed).items()})
+    tensors.update(
+        {
+            f"encoder.{k}": v.contiguous()
+            for k, v in random_mimi_encoder_state(config["encoder_config"], seed).items()
+        }
+    )
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in ("config.json", "preprocessor_config.json"):
         shutil.copy(config_dir / name, out / name)
@@ -94,7 +97,9 @@ def write_random_snapshot(model: str, out: Path, seed: int = 0, dtype: torch.dty
     sd.update({f"talker.code_predictor.{k}": v for k, v in bundle.code_predictor.state_dict().items()})
     if bundle.speaker_encoder is not None:
         sd.update({f"speaker_encoder.{k}": v for k, v in bundle.speaker_encoder.state_dict().items()})
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     del sd, bundle
     if snap.has_tokenizer:
         from qtts.model.snapshot import TOKENIZER_FILES
@@ -103,7 +108,9 @@ def write_random_snapshot(model: str, out: Path, seed: int = 0, dtype: torch.dty
             shutil.copy(snap.folder / name, out / name)
     else:
         write_tiny_tokenizer(out)
-    (out / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3TTSProcessor"}, indent=2))
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"processor_class": "Qwen3TTSProcessor"}, indent=2)
+    )
     write_speech_tokenizer(snap.speech_tokenizer_dir, out / "speech_tokenizer", seed)
     return out
 
@@ -167,21 +174,32 @@ class Timed:
         )
         _sync(self.device)
         wall = time.perf_counter() - t0
-        return {"wall_s": wall, "talker_s": self.talker_s, "frames": list(self.frames),
-                "samples": [int(np.asarray(w).shape[-1]) for w in wavs], "sample_rate": int(sr)}
+        return {
+            "wall_s": wall,
+            "talker_s": self.talker_s,
+            "frames": list(self.frames),
+            "samples": [int(np.asarray(w).shape[-1]) for w in wavs],
+            "sample_rate": int(sr),
+        }
 
 
-def voice_items(qt, bundle_info: dict[str, Any], count: int, ref_frames: int, device: str, dtype, seed: int) -> list:
+def voice_items(
+    qt, bundle_info: dict[str, Any], count: int, ref_frames: int, device: str, dtype, seed: int
+) -> list:
     g = torch.Generator().manual_seed(seed)
     items = []
     for _ in range(count):
-        items.append(qt.VoiceClonePromptItem(
-            ref_code=torch.randint(0, bundle_info["codebook_size"], (ref_frames, 16), generator=g).to(device),
-            ref_spk_embedding=(torch.randn(bundle_info["hidden"], generator=g) * 0.02).to(device, dtype),
-            x_vector_only_mode=False,
-            icl_mode=True,
-            ref_text=REF_TEXT,
-        ))
+        items.append(
+            qt.VoiceClonePromptItem(
+                ref_code=torch.randint(0, bundle_info["codebook_size"], (ref_frames, 16), generator=g).to(
+                    device
+                ),
+                ref_spk_embedding=(torch.randn(bundle_info["hidden"], generator=g) * 0.02).to(device, dtype),
+                x_vector_only_mode=False,
+                icl_mode=True,
+                ref_text=REF_TEXT,
+            )
+        )
     return items
 
 
@@ -212,19 +230,27 @@ def print_table(result: dict[str, Any]) -> None:
     print("| batch | frames | wall s | talker s | step ms (talker / frame) | RTF | aggregate x real time |")
     print("|---|---|---|---|---|---|---|")
     for r in result["batches"]:
-        print(f"| {r['batch']} | {r['frames_per_request'][0]} | {r['wall_s']:.2f} | {r['talker_generate_s']:.2f} | "
-              f"{r['step_ms']:.1f} | {r['rtf']:.2f} | {r['aggregate_x_real_time']:.2f} |")
+        print(
+            f"| {r['batch']} | {r['frames_per_request'][0]} | {r['wall_s']:.2f} | {r['talker_generate_s']:.2f} | "
+            f"{r['step_ms']:.1f} | {r['rtf']:.2f} | {r['aggregate_x_real_time']:.2f} |"
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-tts-12hz-1.7b-base", help="shipped config name or snapshot folder")
+    ap.add_argument(
+        "--model", default="qwen3-tts-12hz-1.7b-base", help="shipped config name or snapshot folder"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--tiny", action="store_true", help="tiny random snapshot and small sizes (CPU smoke run)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny random snapshot and small sizes (CPU smoke run)"
+    )
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--frames", type=int, default=None, help="frames per request (default 125 = 10 s)")
-    ap.add_argument("--ref-frames", type=int, default=None, help="reference frames of the voice prompt (default 100)")
+    ap.add_argument(
+        "--ref-frames", type=int, default=None, help="reference frames of the voice prompt (default 100)"
+    )
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per batch (median; default 3)")
     ap.add_argument("--sample", action="store_true", help="sample (the package default) instead of greedy")
     ap.add_argument("--attn", default=None, help="attn_implementation passed to from_pretrained")
@@ -281,15 +307,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for b in args.batches:
             res = bench_batch(timed, items, b, args)
             batches.append(res)
-            print(f"batch {b}: {res['frames_per_request'][0]} frames, wall {res['wall_s']:.2f} s, step "
-                  f"{res['step_ms']:.1f} ms, RTF {res['rtf']:.2f}, aggregate {res['aggregate_x_real_time']:.2f}x",
-                  flush=True)
+            print(
+                f"batch {b}: {res['frames_per_request'][0]} frames, wall {res['wall_s']:.2f} s, step "
+                f"{res['step_ms']:.1f} ms, RTF {res['rtf']:.2f}, aggregate {res['aggregate_x_real_time']:.2f}x",
+                flush=True,
+            )
     result = {
         "meta": {
             "model": "tiny" if args.tiny else args.model,
             "model_type": model_type,
             "model_size": model_size,
-            "device": torch.cuda.get_device_name() if str(args.device).startswith("cuda") else platform.processor() or "cpu",
+            "device": torch.cuda.get_device_name()
+            if str(args.device).startswith("cuda")
+            else platform.processor() or "cpu",
             "dtype": args.dtype,
             "torch": torch.__version__,
             "qwen_tts": getattr(qt, "__version__", "0.1.1"),
@@ -301,8 +331,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "snapshot_write_s": write_s,
             "load_s": load_s,
         },
-        "settings": {"batches": args.batches, "frames": args.frames, "ref_frames": args.ref_frames,
-                     "repeats": args.repeats, "sample": args.sample, "text": TEXT},
+        "settings": {
+            "batches": args.batches,
+            "frames": args.frames,
+            "ref_frames": args.ref_frames,
+            "repeats": args.repeats,
+            "sample": args.sample,
+            "text": TEXT,
+        },
         "batches": batches,
     }
     print_table(result)

@@ -73,9 +73,22 @@ class RedisServer:
         libdir = str(Path(self.binary).resolve().parent)
         env["LD_LIBRARY_PATH"] = libdir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--proto-max-bulk-len", "1gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+            [
+                self.binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--proto-max-bulk-len",
+                "1gb",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
         )
         self.client = redis.Redis(host="127.0.0.1", port=port)
         for _ in range(100):
@@ -86,7 +99,11 @@ class RedisServer:
                 if self.proc.poll() is not None:
                     break
                 time.sleep(0.05)
-        err = self.proc.stderr.read().decode(errors="replace")[-300:] if self.proc.poll() is not None else "no answer"
+        err = (
+            self.proc.stderr.read().decode(errors="replace")[-300:]
+            if self.proc.poll() is not None
+            else "no answer"
+        )
         self.error = f"redis-server did not start: {err.strip()}"
         self.client = None
         return self
@@ -113,6 +130,7 @@ def measure(runner: ModelRunner, length: int, iters: int, redis_client) -> dict[
         row["recompute_graph_ms"] = _median_ms(lambda: runner.prefill(chunk), iters)
     k = runner.k_cache[:, 0, :, :length].clone()
     v = runner.v_cache[:, 0, :, :length].clone()
+
     # GPU-local hit: the copy `load_prefixes` does.
     def hit() -> None:
         runner.k_cache[:, 1, :, :length] = k
@@ -152,7 +170,9 @@ def measure(runner: ModelRunner, length: int, iters: int, redis_client) -> dict[
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-tts-12hz-1.7b-base", help="shipped config name or snapshot folder")
+    ap.add_argument(
+        "--model", default="qwen3-tts-12hz-1.7b-base", help="shipped config name or snapshot folder"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny random model (CPU smoke run)")
     ap.add_argument("--lengths", default=None, help="prefix positions, comma separated (default 100,300,600)")
@@ -176,8 +196,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bundle = load_talker_bundle(model, device=args.device, dtype=dtype, load_format="dummy")
     max_len = max(lengths) + 8
     cfg = RunnerConfig(
-        max_len=max_len, max_batch=2, num_slots=2, max_trailing=8, context_buckets=(max_len,),
-        batch_buckets=(2,), prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
+        max_len=max_len,
+        max_batch=2,
+        num_slots=2,
+        max_trailing=8,
+        context_buckets=(max_len,),
+        batch_buckets=(2,),
+        prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
     )
     runner = ModelRunner(bundle, cfg)
     runner.capture_graphs()
@@ -203,15 +228,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "rows": rows,
     }
-    print("\n| positions | KV MB | recompute eager ms | recompute graph ms | GPU hit ms | Redis GET ms | fetch total ms |")
+    print(
+        "\n| positions | KV MB | recompute eager ms | recompute graph ms | GPU hit ms | Redis GET ms | fetch total ms |"
+    )
     print("|---|---|---|---|---|---|---|")
+
     def f(r: dict[str, Any], key: str) -> str:
         return f"{r[key]:.2f}" if key in r else "-"
 
     for r in rows:
-        print(f"| {r['positions']} | {r['kv_bytes'] / 1e6:.1f} | {f(r, 'recompute_eager_ms')} | "
-              f"{f(r, 'recompute_graph_ms')} | {f(r, 'gpu_cache_hit_ms')} | {f(r, 'redis_get_ms')} | "
-              f"{f(r, 'fetch_total_ms')} |")
+        print(
+            f"| {r['positions']} | {r['kv_bytes'] / 1e6:.1f} | {f(r, 'recompute_eager_ms')} | "
+            f"{f(r, 'recompute_graph_ms')} | {f(r, 'gpu_cache_hit_ms')} | {f(r, 'redis_get_ms')} | "
+            f"{f(r, 'fetch_total_ms')} |"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -13,7 +13,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=True)
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=True
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None

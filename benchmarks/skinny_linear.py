@@ -49,8 +49,9 @@ def configs(n: int, sms: int):
             yield (bn, bk, sk, warps, stages)
 
 
-def sweep_shape(name: str, n: int, k: int, has_bias: bool, rows: list[int], tune_rows: list[int], args,
-                l2: int, sms: int) -> dict:
+def sweep_shape(
+    name: str, n: int, k: int, has_bias: bool, rows: list[int], tune_rows: list[int], args, l2: int, sms: int
+) -> dict:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     nbytes = n * k * 2
@@ -64,25 +65,50 @@ def sweep_shape(name: str, n: int, k: int, has_bias: bool, rows: list[int], tune
         total = 0.0
         try:
             for m in tune_rows:
-                total += graph_call_us(lambda i, m=m, cfg=cfg: triton_ops.skinny_linear(xs[m], ws[i], bias, cfg), copies)
+                total += graph_call_us(
+                    lambda i, m=m, cfg=cfg: triton_ops.skinny_linear(xs[m], ws[i], bias, cfg), copies
+                )
         except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
             print(f"  {name} tile {cfg}: {type(exc).__name__}: {exc}"[:200])
             continue
         scores[cfg] = total
     best = min(scores, key=scores.get)
-    entry = {"name": name, "n": n, "k": k, "bias": has_bias, "copies": copies, "best_tile": list(best),
-             "tiles": [{"tile": list(c), "us_sum_tune_rows": round(s, 3)} for c, s in sorted(scores.items(), key=lambda kv: kv[1])[:8]],
-             "rows": []}
+    entry = {
+        "name": name,
+        "n": n,
+        "k": k,
+        "bias": has_bias,
+        "copies": copies,
+        "best_tile": list(best),
+        "tiles": [
+            {"tile": list(c), "us_sum_tune_rows": round(s, 3)}
+            for c, s in sorted(scores.items(), key=lambda kv: kv[1])[:8]
+        ],
+        "rows": [],
+    }
     for m in rows:
         ref = F.linear(xs[m], ws[0], bias)
         got = triton_ops.skinny_linear(xs[m], ws[0], bias, best) if m <= 64 else ref
         err = (got.float() - ref.float()).abs().max().item()
         cublas = graph_call_us(lambda i, m=m: F.linear(xs[m], ws[i], bias), copies)
-        skinny = graph_call_us(lambda i, m=m: triton_ops.skinny_linear(xs[m], ws[i], bias, best), copies) if m <= 64 else None
+        skinny = (
+            graph_call_us(lambda i, m=m: triton_ops.skinny_linear(xs[m], ws[i], bias, best), copies)
+            if m <= 64
+            else None
+        )
         floor = (nbytes + m * k * 2 + m * n * 2) / args.bandwidth * 1e6
-        entry["rows"].append({"m": m, "cublas_us": round(cublas, 3), "skinny_us": None if skinny is None else round(skinny, 3),
-                              "floor_us": round(floor, 3), "max_abs_err": err})
-        print(f"{name:20s} {n:6d} {k:5d} {m:3d} {cublas:10.2f} {skinny or float('nan'):10.2f} {floor:9.2f}  {best}")
+        entry["rows"].append(
+            {
+                "m": m,
+                "cublas_us": round(cublas, 3),
+                "skinny_us": None if skinny is None else round(skinny, 3),
+                "floor_us": round(floor, 3),
+                "max_abs_err": err,
+            }
+        )
+        print(
+            f"{name:20s} {n:6d} {k:5d} {m:3d} {cublas:10.2f} {skinny or float('nan'):10.2f} {floor:9.2f}  {best}"
+        )
     return entry
 
 
@@ -92,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tune-rows", default="2,16", help="row counts the tile sweep runs at")
     ap.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
     ap.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s for the floor (DESIGN.md 6)")
-    ap.add_argument("--l2-multiple", type=float, default=4.0, help="weight copies add up to this many L2 sizes")
+    ap.add_argument(
+        "--l2-multiple", type=float, default=4.0, help="weight copies add up to this many L2 sizes"
+    )
     ap.add_argument("--time-limit", type=float, default=300.0, help="seconds; later shapes are skipped")
     ap.add_argument("--out", type=Path, default=Path("run/skinny_linear.json"))
     args = ap.parse_args(argv)
@@ -104,10 +132,18 @@ def main(argv: list[str] | None = None) -> None:
     tune_rows = [int(r) for r in args.tune_rows.split(",")]
     wanted = set(args.shapes.split(",")) if args.shapes else None
     t0 = time.monotonic()
-    result = {"git": git_revision(), "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-              "triton": triton_ops.triton.__version__, "dtype": "bfloat16", "shapes": []}
+    result = {
+        "git": git_revision(),
+        "gpu": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "triton": triton_ops.triton.__version__,
+        "dtype": "bfloat16",
+        "shapes": [],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{'shape':20s} {'N':>6s} {'K':>5s} {'M':>3s} {'cublas us':>10s} {'skinny us':>10s} {'floor us':>9s}  tile")
+    print(
+        f"{'shape':20s} {'N':>6s} {'K':>5s} {'M':>3s} {'cublas us':>10s} {'skinny us':>10s} {'floor us':>9s}  tile"
+    )
     for name, n, k, has_bias in SHAPES:
         if wanted and name not in wanted:
             continue

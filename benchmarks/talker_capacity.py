@@ -62,8 +62,6 @@ TEXTS = [
 REF_TEXT = "This is the reference recording of my voice."
 
 
-
-
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
     s = sorted(values)
@@ -86,7 +84,9 @@ def build_prompts(bundle, count: int, prompt_len: int, seed: int = 0) -> list[Ta
             ref_text=REF_TEXT,
             x_vector_only=False,
         )
-        spec = SynthesisSpec(text=TEXTS[i % len(TEXTS)], task="voice_clone", language="english", voice_prompt=voice)
+        spec = SynthesisSpec(
+            text=TEXTS[i % len(TEXTS)], task="voice_clone", language="english", voice_prompt=voice
+        )
         prompts.append(bundle.build_prompt(spec))
     return prompts
 
@@ -145,7 +145,9 @@ def run_level(
             run.running_per_step.append(len(outs))
             run.prefill_per_step.append(counter.positions)
             run.waiting_per_step.append(len(eng.scheduler.waiting))
-            run.prefilling_per_step.append(sum(s.status is SeqStatus.PREFILLING for s in eng.scheduler.running.values()))
+            run.prefilling_per_step.append(
+                sum(s.status is SeqStatus.PREFILLING for s in eng.scheduler.running.values())
+            )
             run.prefill_chunks += counter.chunks
             run.prefill_completed += counter.completed
             run.prefill_requests += len(counter.requests)
@@ -190,7 +192,9 @@ def prefill_backlog(eng: GraphEngine) -> int:
     """Prompt positions still to prefill: admitted requests' remainders plus the waiting prompts."""
     sched = eng.scheduler
     pending = sum(
-        s.num_prefill_positions - s.num_prefilled for s in sched.running.values() if s.status is SeqStatus.PREFILLING
+        s.num_prefill_positions - s.num_prefilled
+        for s in sched.running.values()
+        if s.status is SeqStatus.PREFILLING
     )
     return pending + sum(s.num_prefill_positions for s in sched.waiting)
 
@@ -288,43 +292,69 @@ def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int)
 
 def print_table(result: dict[str, Any]) -> None:
     print()
-    print("| streams | step p50 ms | step p99 ms | interval p50 ms | interval p99 ms | interval max ms | "
-          "p99 / step | running/step | waiting/step | prefill pos/step | arrivals/step | audio s / s | real-time |")
+    print(
+        "| streams | step p50 ms | step p99 ms | interval p50 ms | interval p99 ms | interval max ms | "
+        "p99 / step | running/step | waiting/step | prefill pos/step | arrivals/step | audio s / s | real-time |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["levels"]:
-        print(f"| {r['streams']} | {r['step_ms_p50']:.2f} | {r['step_ms_p99']:.2f} | {r['interval_ms_p50']:.2f} | "
-              f"{r['interval_ms_p99']:.2f} | {r['interval_ms_max']:.2f} | {r['p99_interval_over_median_step']:.2f} | "
-              f"{r['running_per_step_mean']:.0f} | {r['waiting_per_step_mean']:.0f} | "
-              f"{r['prefill_positions_per_step_mean']:.0f} | {r['arrivals_per_step']:.2f} | "
-              f"{r['audio_s_per_wall_s']:.1f} | {'yes' if r['real_time'] else 'no'} |")
-    print(f"\nlargest real-time level (p99 frame interval <= {result['budget_ms']} ms): {result['max_realtime_streams']}")
+        print(
+            f"| {r['streams']} | {r['step_ms_p50']:.2f} | {r['step_ms_p99']:.2f} | {r['interval_ms_p50']:.2f} | "
+            f"{r['interval_ms_p99']:.2f} | {r['interval_ms_max']:.2f} | {r['p99_interval_over_median_step']:.2f} | "
+            f"{r['running_per_step_mean']:.0f} | {r['waiting_per_step_mean']:.0f} | "
+            f"{r['prefill_positions_per_step_mean']:.0f} | {r['arrivals_per_step']:.2f} | "
+            f"{r['audio_s_per_wall_s']:.1f} | {'yes' if r['real_time'] else 'no'} |"
+        )
+    print(
+        f"\nlargest real-time level (p99 frame interval <= {result['budget_ms']} ms): {result['max_realtime_streams']}"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-tts-12hz-1.7b-base", help="shipped config name or snapshot folder")
+    ap.add_argument(
+        "--model", default="qwen3-tts-12hz-1.7b-base", help="shipped config name or snapshot folder"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny random model and small sizes (CPU smoke run)")
     ap.add_argument("--streams", default=None, help="levels, comma separated (default 64,...,1280)")
-    ap.add_argument("--prompt-len", type=int, default=None, help="prompt positions of every request (default 300)")
+    ap.add_argument(
+        "--prompt-len", type=int, default=None, help="prompt positions of every request (default 300)"
+    )
     ap.add_argument("--frames", type=int, default=None, help="frames per request (default 100 = 8 s)")
     ap.add_argument("--measure-steps", type=int, default=None, help="measured steps per level (default 200)")
     ap.add_argument("--max-warmup-steps", type=int, default=2000)
-    ap.add_argument("--max-prefill-tokens", type=int, default=None,
-                    help="prefill positions per step (default: the engine's)")
-    ap.add_argument("--min-running-share", type=float, default=0.95,
-                    help="a level is carried when this share of its streams produce frames per step on average")
+    ap.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="prefill positions per step (default: the engine's)",
+    )
+    ap.add_argument(
+        "--min-running-share",
+        type=float,
+        default=0.95,
+        help="a level is carried when this share of its streams produce frames per step on average",
+    )
     ap.add_argument("--prompt-pool", type=int, default=64, help="distinct prompts (voices) cycled through")
-    ap.add_argument("--prefill-buckets", default="", help="widths of captured prefill graphs, e.g. 64,128,256,512")
+    ap.add_argument(
+        "--prefill-buckets", default="", help="widths of captured prefill graphs, e.g. 64,128,256,512"
+    )
     ap.add_argument("--prefill-rows", default="1,2,4,8", help="row buckets of the captured prefill graphs")
     ap.add_argument("--context-step", type=int, default=None, help="attention-span bucket step (default 128)")
     ap.add_argument("--prefix-cache-mb", type=float, default=0.0, help="prefix KV cache (0: off)")
-    ap.add_argument("--budget-ms", type=float, default=FRAME_MS, help="p99 frame interval of a real-time level")
+    ap.add_argument(
+        "--budget-ms", type=float, default=FRAME_MS, help="p99 frame interval of a real-time level"
+    )
     ap.add_argument("--max-ratio", type=float, default=1.5, help="p99 interval / median step target")
-    ap.add_argument("--no-stagger", dest="stagger", action="store_false", help="all initial requests equally long")
+    ap.add_argument(
+        "--no-stagger", dest="stagger", action="store_false", help="all initial requests equally long"
+    )
     ap.add_argument("--sample", dest="greedy", action="store_false", help="sample instead of greedy decoding")
-    ap.add_argument("--keep-going", action="store_true", help="run every level even after one missed the budget")
+    ap.add_argument(
+        "--keep-going", action="store_true", help="run every level even after one missed the budget"
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     small = args.tiny
@@ -337,7 +367,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.dtype is None:
         args.dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
     if min(args.streams) < 1 or args.frames < 1 or args.prompt_len < 11 or args.measure_steps < 1:
-        raise SystemExit("--streams >= 1, --frames >= 1, --prompt-len >= 11 and --measure-steps >= 1 required")
+        raise SystemExit(
+            "--streams >= 1, --frames >= 1, --prompt-len >= 11 and --measure-steps >= 1 required"
+        )
     return args
 
 
@@ -362,19 +394,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.out:  # levels so far, in case a time limit cuts the run
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps({"partial": True, "levels": levels}, indent=2))
-        print(f"streams {n:5d}: step p50 {res['step_ms_p50']:.2f} ms, interval p99 {res['interval_ms_p99']:.2f} ms "
-              f"(max {res['interval_ms_max']:.2f}), p99/step {res['p99_interval_over_median_step']:.2f}, "
-              f"{res['arrivals_per_step']:.2f} arrivals/step, running {res['running_per_step_mean']:.0f}, "
-              f"waiting {res['waiting_per_step_mean']:.0f}, prefilling {res['prefilling_per_step_mean']:.0f}, "
-              f"{res['prompts_completed_per_step']:.2f} prompts completed/step "
-              f"({res['prefill_positions_per_completed_prompt']:.0f} positions each), real-time {res['real_time']}", flush=True)
+        print(
+            f"streams {n:5d}: step p50 {res['step_ms_p50']:.2f} ms, interval p99 {res['interval_ms_p99']:.2f} ms "
+            f"(max {res['interval_ms_max']:.2f}), p99/step {res['p99_interval_over_median_step']:.2f}, "
+            f"{res['arrivals_per_step']:.2f} arrivals/step, running {res['running_per_step_mean']:.0f}, "
+            f"waiting {res['waiting_per_step_mean']:.0f}, prefilling {res['prefilling_per_step_mean']:.0f}, "
+            f"{res['prompts_completed_per_step']:.2f} prompts completed/step "
+            f"({res['prefill_positions_per_completed_prompt']:.0f} positions each), real-time {res['real_time']}",
+            flush=True,
+        )
         if not res["real_time"] and not args.keep_going:
             break
     passing = [r["streams"] for r in levels if r["real_time"]]
     result = {
         "meta": {
             "model": "tiny" if args.tiny else args.model,
-            "device": torch.cuda.get_device_name() if str(args.device).startswith("cuda") else platform.processor() or "cpu",
+            "device": torch.cuda.get_device_name()
+            if str(args.device).startswith("cuda")
+            else platform.processor() or "cpu",
             "dtype": args.dtype,
             "torch": torch.__version__,
             "git": git_revision(),

@@ -64,7 +64,9 @@ def kernel_profile(fn, steps: int, top: int) -> dict[str, Any]:
     return {
         "kernels_per_step": count / steps,
         "kernel_us_per_step": total_us / steps,
-        "top": [{"name": k[:120], "per_step": len(v) / steps, "us_per_step": sum(v) / steps} for k, v in ranked],
+        "top": [
+            {"name": k[:120], "per_step": len(v) / steps, "us_per_step": sum(v) / steps} for k, v in ranked
+        ],
     }
 
 
@@ -96,10 +98,13 @@ def bench_bucket(runner: ModelRunner, n: int, ctx: int, args: argparse.Namespace
         res["talker_profile"] = kernel_profile(g_talk.replay, args.profile_steps, args.top)
         del g_talk, g_c0
     runner.active.zero_()
-    print(f"B={n:5d}: step {res['step_ms']:.2f} ms = talker {res['talker_ms']:.2f} + c0 head/sample "
-          f"{res['c0_head_sample_ms']:.2f} + predictor {res['predictor_ms']:.2f}; kernels/step "
-          f"{res['profile']['kernels_per_step']:.0f} ({res['profile']['kernel_us_per_step'] / 1e3:.2f} ms of kernel time); "
-          f"talker kernels {res['talker_profile']['kernels_per_step']:.0f}", flush=True)
+    print(
+        f"B={n:5d}: step {res['step_ms']:.2f} ms = talker {res['talker_ms']:.2f} + c0 head/sample "
+        f"{res['c0_head_sample_ms']:.2f} + predictor {res['predictor_ms']:.2f}; kernels/step "
+        f"{res['profile']['kernels_per_step']:.0f} ({res['profile']['kernel_us_per_step'] / 1e3:.2f} ms of kernel time); "
+        f"talker kernels {res['talker_profile']['kernels_per_step']:.0f}",
+        flush=True,
+    )
     return res
 
 
@@ -112,8 +117,11 @@ def bench_prefill(runner: ModelRunner, args: argparse.Namespace) -> dict[str, An
     with torch.inference_mode():
         ms = median_event_s(lambda: runner.prefill(chunks), args.iters, 3) * 1e3
         prof = kernel_profile(lambda: runner.prefill(chunks), 5, args.top)
-    print(f"prefill {args.prompt_len}: {ms:.2f} ms, kernels {prof['kernels_per_step']:.0f} "
-          f"({prof['kernel_us_per_step'] / 1e3:.2f} ms of kernel time)", flush=True)
+    print(
+        f"prefill {args.prompt_len}: {ms:.2f} ms, kernels {prof['kernels_per_step']:.0f} "
+        f"({prof['kernel_us_per_step'] / 1e3:.2f} ms of kernel time)",
+        flush=True,
+    )
     return {"prompt_len": args.prompt_len, "ms": ms, "profile": prof}
 
 
@@ -127,10 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-buckets", default="128,256,384")
     ap.add_argument("--talker-attention", default="auto")
     ap.add_argument("--max-candidates", type=int, default=None)
-    ap.add_argument("--decode-kernels", default="auto", help="auto, triton or torch (RunnerConfig.decode_kernels)")
-    ap.add_argument("--sample-kernel", default="auto", help="auto, triton or torch (RunnerConfig.sample_kernel)")
-    ap.add_argument("--skinny-matmul", default="auto", choices=("auto", "on", "off"),
-                    help="few-row matmuls on the Triton skinny kernel (RunnerConfig.skinny_matmul)")
+    ap.add_argument(
+        "--decode-kernels", default="auto", help="auto, triton or torch (RunnerConfig.decode_kernels)"
+    )
+    ap.add_argument(
+        "--sample-kernel", default="auto", help="auto, triton or torch (RunnerConfig.sample_kernel)"
+    )
+    ap.add_argument(
+        "--skinny-matmul",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="few-row matmuls on the Triton skinny kernel (RunnerConfig.skinny_matmul)",
+    )
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
@@ -141,12 +157,19 @@ def main(argv: list[str] | None = None) -> None:
     buckets = [int(x) for x in args.buckets.split(",")]
     bundle = load_talker_bundle(args.model, device="cuda", dtype=torch.bfloat16, load_format="dummy")
     cfg = RunnerConfig(
-        max_len=args.context_bucket, max_batch=max(buckets), num_slots=max(buckets), max_trailing=64,
+        max_len=args.context_bucket,
+        max_batch=max(buckets),
+        num_slots=max(buckets),
+        max_trailing=64,
         batch_buckets=tuple(b for b in DEFAULT_BATCH_BUCKETS if b in buckets) or tuple(buckets),
-        context_buckets=(args.context_bucket,), talker_attention=args.talker_attention,
-        max_candidates=args.max_candidates, decode_kernels=args.decode_kernels, sample_kernel=args.sample_kernel,
+        context_buckets=(args.context_bucket,),
+        talker_attention=args.talker_attention,
+        max_candidates=args.max_candidates,
+        decode_kernels=args.decode_kernels,
+        sample_kernel=args.sample_kernel,
         skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
-        prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x), prefill_rows=(1,),
+        prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
+        prefill_rows=(1,),
     )
     runner = ModelRunner(bundle, cfg)
     fill_slots(runner, args.position)
@@ -159,19 +182,33 @@ def main(argv: list[str] | None = None) -> None:
         if args.out:
             Path(args.out).write_text(json.dumps({"partial": True, "rows": rows}, indent=2))
     prefill = bench_prefill(runner, args)
-    result = {"git": git_revision(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "model": args.model, "weights": "dummy (seeded random, bf16)", "position": args.position,
-              "talker_attention": runner.talker_attention, "fused_decode": runner.fused_decode, "max_candidates": args.max_candidates,
-              "sample_kernel": runner._sampling_kernels is not None, "skinny_matmul": runner._linear is not torch.nn.functional.linear,
-              "rows": rows, "prefill": prefill}
+    result = {
+        "git": git_revision(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": args.model,
+        "weights": "dummy (seeded random, bf16)",
+        "position": args.position,
+        "talker_attention": runner.talker_attention,
+        "fused_decode": runner.fused_decode,
+        "max_candidates": args.max_candidates,
+        "sample_kernel": runner._sampling_kernels is not None,
+        "skinny_matmul": runner._linear is not torch.nn.functional.linear,
+        "rows": rows,
+        "prefill": prefill,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
-    print("\n| bucket | step ms | talker ms | c0 head+sample ms | predictor ms | kernels/step | kernel ms/step |")
+    print(
+        "\n| bucket | step ms | talker ms | c0 head+sample ms | predictor ms | kernels/step | kernel ms/step |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         p = r["profile"]
-        print(f"| {r['bucket']} | {r['step_ms']:.2f} | {r['talker_ms']:.2f} | {r['c0_head_sample_ms']:.2f} | "
-              f"{r['predictor_ms']:.2f} | {p['kernels_per_step']:.0f} | {p['kernel_us_per_step'] / 1e3:.2f} |")
+        print(
+            f"| {r['bucket']} | {r['step_ms']:.2f} | {r['talker_ms']:.2f} | {r['c0_head_sample_ms']:.2f} | "
+            f"{r['predictor_ms']:.2f} | {p['kernels_per_step']:.0f} | {p['kernel_us_per_step'] / 1e3:.2f} |"
+        )
     for r in rows[:1] + rows[-1:]:
         print(f"\ntop kernels at bucket {r['bucket']}:")
         for k in r["profile"]["top"][:15]:

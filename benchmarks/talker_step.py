@@ -82,9 +82,11 @@ def set_precision(dtype: str) -> dict[str, Any]:
 
 
 def tf32_state() -> dict[str, Any]:
-    state = {"matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-             "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-             "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    state = {
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
     fp32 = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # the newer API, where it exists
     if fp32 is not None:
         state["matmul_fp32_precision"] = str(fp32)
@@ -92,7 +94,11 @@ def tf32_state() -> dict[str, Any]:
 
 
 def _tf32_label(state: dict[str, Any]) -> str:
-    on = state["matmul_allow_tf32"] or state["cudnn_allow_tf32"] or state["float32_matmul_precision"] != "highest"
+    on = (
+        state["matmul_allow_tf32"]
+        or state["cudnn_allow_tf32"]
+        or state["float32_matmul_precision"] != "highest"
+    )
     return "on" if on else "off"
 
 
@@ -127,8 +133,13 @@ def floor_ms(runner: ModelRunner, batch: int, context: int) -> dict[str, float]:
     flops += 4 * batch * p.num_layers * p.num_heads * p.head_dim * 16 * 8
     bw = bytes_total / HBM_BYTES_PER_S * 1e3
     fl = flops / (FP32_FLOPS_PER_S if runner.dtype == torch.float32 else BF16_FLOPS_PER_S) * 1e3
-    return {"bandwidth_ms": bw, "compute_ms": fl, "floor_ms": max(bw, fl), "weight_bytes": weight_bytes,
-            "kv_bytes": kv_bytes}
+    return {
+        "bandwidth_ms": bw,
+        "compute_ms": fl,
+        "floor_ms": max(bw, fl),
+        "weight_bytes": weight_bytes,
+        "kv_bytes": kv_bytes,
+    }
 
 
 def fill_slots(runner: ModelRunner, position: int) -> None:
@@ -167,26 +178,43 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
     if args.agreement_only:  # capture only the buckets that --batches lands in (the runner's own mapping)
         buckets = tuple(sorted(set(bucket_map(batches).values())))
     cfg = RunnerConfig(
-        max_len=ctx_bucket, max_batch=max(batches), num_slots=max(batches), max_trailing=64,
-        batch_buckets=buckets, context_buckets=(ctx_bucket,),
+        max_len=ctx_bucket,
+        max_batch=max(batches),
+        num_slots=max(batches),
+        max_trailing=64,
+        batch_buckets=buckets,
+        context_buckets=(ctx_bucket,),
         talker_attention=serving_attention(attention),
-        max_candidates=args.max_candidates, fast_path=mode != "plain", compile_layers=mode.startswith("compile"),
+        max_candidates=args.max_candidates,
+        fast_path=mode != "plain",
+        compile_layers=mode.startswith("compile"),
         prefill_buckets=() if args.agreement_only else tuple(args.prefill_buckets),
-        prefill_rows=tuple(args.prefill_rows), decode_kernels=args.decode_kernels, sample_kernel=args.sample_kernel,
+        prefill_rows=tuple(args.prefill_rows),
+        decode_kernels=args.decode_kernels,
+        sample_kernel=args.sample_kernel,
         skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
     )
     runner = variant_runner(bundle, cfg, attention, mode)
     kernels = kernel_choices(runner)
     tf32 = tf32_state()
-    print(f"{name} [{variant}] dtype {args.dtype}, tf32 {_tf32_label(tf32)} {tf32}; kernels: {kernels['kernels']}",
-          flush=True)
+    print(
+        f"{name} [{variant}] dtype {args.dtype}, tf32 {_tf32_label(tf32)} {tf32}; kernels: {kernels['kernels']}",
+        flush=True,
+    )
     fill_slots(runner, args.position)
     t0 = time.perf_counter()
     runner.capture_graphs()
     capture_s = time.perf_counter() - t0
     print(f"{name} [{variant}] captured {len(runner.graphs)} graphs in {capture_s:.1f} s", flush=True)
-    head = {"model": name, "talker_attention": variant, "dtype": args.dtype, "tf32": tf32, **kernels,
-            "position": args.position, "agreement_frames": args.agreement_frames}
+    head = {
+        "model": name,
+        "talker_attention": variant,
+        "dtype": args.dtype,
+        "tf32": tf32,
+        **kernels,
+        "position": args.position,
+        "agreement_frames": args.agreement_frames,
+    }
     if args.agreement_only:
         rows = []
         for b in batches:
@@ -195,13 +223,29 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
             runner.active[:b] = True
             runner.slot_ints[:, I_POS] = args.position
             agree = graph_eager_agreement(runner, n, ctx, rows=b, frames=args.agreement_frames)
-            rows.append({"batch": b, "bucket": n, "context_bucket": ctx, "graph_eq_eager": agree["codes"],
-                         "graph_eq_eager_frames": agree["frames"]})
+            rows.append(
+                {
+                    "batch": b,
+                    "bucket": n,
+                    "context_bucket": ctx,
+                    "graph_eq_eager": agree["codes"],
+                    "graph_eq_eager_frames": agree["frames"],
+                }
+            )
             _write_partial(args, {**head, "rows": rows})
-            print(f"{name} [{variant}] {args.dtype} B={b:5d} bucket={n:5d}: graph_eq_eager {agree['codes']:.4f} "
-                  f"(frames all equal {agree['frames']:.4f})", flush=True)
-        out = {**head, "load_s": load_s, "capture_s": capture_s, "num_graphs": len(runner.graphs), "rows": rows,
-               "tokenizer": bundle.tokenizer_name}
+            print(
+                f"{name} [{variant}] {args.dtype} B={b:5d} bucket={n:5d}: graph_eq_eager {agree['codes']:.4f} "
+                f"(frames all equal {agree['frames']:.4f})",
+                flush=True,
+            )
+        out = {
+            **head,
+            "load_s": load_s,
+            "capture_s": capture_s,
+            "num_graphs": len(runner.graphs),
+            "rows": rows,
+            "tokenizer": bundle.tokenizer_name,
+        }
         runner = bundle = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -220,25 +264,44 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         eager_ms = None
         if b in args.eager_batches:
             runner.slot_ints[:, I_POS] = args.position
-            eager_ms = _event_median(lambda n=n, ctx=ctx: runner._frame_step(n, ctx), max(3, args.iters // 10), 1)
+            eager_ms = _event_median(
+                lambda n=n, ctx=ctx: runner._frame_step(n, ctx), max(3, args.iters // 10), 1
+            )
         runner.slot_ints[:, I_POS] = args.position
         agree = graph_eager_agreement(runner, n, ctx, rows=b, frames=args.agreement_frames)
         same = agree["codes"]
-        row = {"batch": b, "bucket": n, "context_bucket": ctx, "graph_ms": g_ms, "step_wall_ms": step_ms,
-               "eager_ms": eager_ms, "graph_eq_eager": same, "graph_eq_eager_frames": agree["frames"],
-               **floor_ms(runner, b, args.position)}
+        row = {
+            "batch": b,
+            "bucket": n,
+            "context_bucket": ctx,
+            "graph_ms": g_ms,
+            "step_wall_ms": step_ms,
+            "eager_ms": eager_ms,
+            "graph_eq_eager": same,
+            "graph_eq_eager_frames": agree["frames"],
+            **floor_ms(runner, b, args.position),
+        }
         if "1.7b" in name:
             row["baseline_ms"] = BASELINE_1P7B.get(b)
             row["target_ms"] = TARGET_1P7B.get(b)
         rows.append(row)
         _write_partial(args, {**head, "rows": rows})
-        print(f"{name} [{variant}] B={b:5d}: graph {g_ms:7.2f} ms  step {step_ms:7.2f} ms  "
-              f"eager {eager_ms if eager_ms is None else round(eager_ms, 2)}  floor {row['floor_ms']:6.2f} ms  "
-              f"graph==eager {same:.4f}",
-              flush=True)
+        print(
+            f"{name} [{variant}] B={b:5d}: graph {g_ms:7.2f} ms  step {step_ms:7.2f} ms  "
+            f"eager {eager_ms if eager_ms is None else round(eager_ms, 2)}  floor {row['floor_ms']:6.2f} ms  "
+            f"graph==eager {same:.4f}",
+            flush=True,
+        )
     prefill = bench_prefill(runner, bundle, args)
-    out = {**head, "load_s": load_s, "capture_s": capture_s, "num_graphs": len(runner.graphs), "rows": rows,
-           "prefill": prefill, "tokenizer": bundle.tokenizer_name}
+    out = {
+        **head,
+        "load_s": load_s,
+        "capture_s": capture_s,
+        "num_graphs": len(runner.graphs),
+        "rows": rows,
+        "prefill": prefill,
+        "tokenizer": bundle.tokenizer_name,
+    }
     runner = bundle = None  # free the KV cache and weights before the next model
     gc.collect()
     torch.cuda.empty_cache()
@@ -249,7 +312,9 @@ def _write_partial(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Rows measured so far, so that a run cut by a time limit still leaves them behind."""
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"partial": True, "git": git_revision(), "results": [result]}, indent=2))
+        Path(args.out).write_text(
+            json.dumps({"partial": True, "git": git_revision(), "results": [result]}, indent=2)
+        )
 
 
 def bucket_map(batches: list[int]) -> dict[int, int]:
@@ -264,16 +329,23 @@ def kernel_choices(runner: ModelRunner) -> dict[str, Any]:
     """Which kernels the frame step runs (RunnerConfig.decode_kernels / sample_kernel / skinny_matmul
     as resolved). Every Triton kernel accepts float32 (IEEE dots there, no TF32), so no choice
     depends on the dtype."""
-    fused, sample, skinny = runner.fused_decode, runner._sampling_kernels is not None, runner._linear is not F.linear
-    note = (f"decode {'triton' if fused else 'torch'}, sampling {'triton' if sample else 'torch'}, "
-            f"skinny matmul {'on' if skinny else 'off'}")
+    fused, sample, skinny = (
+        runner.fused_decode,
+        runner._sampling_kernels is not None,
+        runner._linear is not F.linear,
+    )
+    note = (
+        f"decode {'triton' if fused else 'torch'}, sampling {'triton' if sample else 'torch'}, "
+        f"skinny matmul {'on' if skinny else 'off'}"
+    )
     if runner.dtype == torch.float32 and (fused or sample):
         note += " (the Triton kernels take float32 as is, with IEEE float32 dots)"
     return {"fused_decode": fused, "sample_kernel": sample, "skinny_matmul": skinny, "kernels": note}
 
 
-def graph_eager_agreement(runner: ModelRunner, n: int, ctx: int, rows: int | None = None,
-                          frames: int = 1) -> dict[str, float]:
+def graph_eager_agreement(
+    runner: ModelRunner, n: int, ctx: int, rows: int | None = None, frames: int = 1
+) -> dict[str, float]:
     """Greedy codes of one graph replay against one eager frame step from the same state, for
     `frames` consecutive frames of rows [0, rows) (default: the whole bucket of n rows; the caller
     marks them active). Each frame starts both paths from the same state (state, sampling
@@ -307,7 +379,9 @@ def graph_eager_agreement(runner: ModelRunner, n: int, ctx: int, rows: int | Non
     return {"codes": same_codes / (total * runner.num_codebooks), "frames": same_frames / total}
 
 
-def graph_matches_eager(runner: ModelRunner, n: int, ctx: int, rows: int | None = None, frames: int = 1) -> float:
+def graph_matches_eager(
+    runner: ModelRunner, n: int, ctx: int, rows: int | None = None, frames: int = 1
+) -> float:
     """Share of greedy codes equal between graph replays and eager steps (see graph_eager_agreement)."""
     return graph_eager_agreement(runner, n, ctx, rows, frames)["codes"]
 
@@ -333,7 +407,9 @@ def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict
             n = seqs[0].num_prefill_positions
             want = runner.k_cache[:, :count, :, :n].float().clone()
             runner.prefill_buckets = graphed
-            res[f"prefill_graph_{count}x{args.prompt_len}_ms"] = _wall_median(lambda c=chunks: runner.prefill(c), 10)
+            res[f"prefill_graph_{count}x{args.prompt_len}_ms"] = _wall_median(
+                lambda c=chunks: runner.prefill(c), 10
+            )
             got = runner.k_cache[:, :count, :, :n].float()
             res[f"prefill_graph_{count}_kv_max_abs_diff"] = (got - want).abs().max().item()
         runner.prefill_buckets = graphed
@@ -348,7 +424,9 @@ def bench_engine(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     bundle = load_talker_bundle(name, device="cuda", dtype=DTYPES[args.dtype], load_format="dummy")
     streams = args.engine_streams
-    cfg = GraphEngineConfig(runner=RunnerConfig(max_len=1024, max_batch=streams, num_slots=streams, max_trailing=256))
+    cfg = GraphEngineConfig(
+        runner=RunnerConfig(max_len=1024, max_batch=streams, num_slots=streams, max_trailing=256)
+    )
     t0 = time.perf_counter()
     eng = GraphEngine(bundle, config=cfg)
     start_s = time.perf_counter() - t0
@@ -373,18 +451,30 @@ def bench_engine(name: str, args: argparse.Namespace) -> dict[str, Any]:
         step_ms.append((time.perf_counter() - t) * 1e3)
         frames += sum(o.codes is not None for o in outs)
         finished += sum(o.finished for o in outs)
-    res = {"model": name, "streams": streams, "frames": frames, "finished": finished, "steps": len(step_ms),
-           "start_s": start_s, "step_ms_median": statistics.median(step_ms), "step_ms_max": max(step_ms),
-           "prompt_len": int(prompts[0].embeds.shape[0]), "tokenizer": bundle.tokenizer_name, "dtype": args.dtype,
-           "tf32": tf32_state()}
+    res = {
+        "model": name,
+        "streams": streams,
+        "frames": frames,
+        "finished": finished,
+        "steps": len(step_ms),
+        "start_s": start_s,
+        "step_ms_median": statistics.median(step_ms),
+        "step_ms_max": max(step_ms),
+        "prompt_len": int(prompts[0].embeds.shape[0]),
+        "tokenizer": bundle.tokenizer_name,
+        "dtype": args.dtype,
+        "tf32": tf32_state(),
+    }
     print(f"engine {name}: {res}", flush=True)
     return res
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
     print()
-    print("| model | variant | dtype | tf32 | batch | graph ms | step wall ms | eager ms | floor ms | graph==eager "
-          "(codes / frames) | baseline ms | target ms |")
+    print(
+        "| model | variant | dtype | tf32 | batch | graph ms | step wall ms | eager ms | floor ms | graph==eager "
+        "(codes / frames) | baseline ms | target ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         dtype, tf32 = r.get("dtype", "bfloat16"), _tf32_label(r["tf32"]) if "tf32" in r else ""
@@ -393,56 +483,111 @@ def print_table(results: list[dict[str, Any]]) -> None:
             base = row.get("baseline_ms") or ""
             tgt = row.get("target_ms") or ""
             eq = f"{row['graph_eq_eager']:.4f} / {row.get('graph_eq_eager_frames', float('nan')):.4f}"
-            print(f"| {r['model']} | {r['talker_attention']} | {dtype} | {tf32} | {row['batch']} | "
-                  f"{row['graph_ms']:.2f} | {row['step_wall_ms']:.2f} | {eager} | {row['floor_ms']:.2f} | {eq} | "
-                  f"{base} | {tgt} |")
-        print(f"| {r['model']} | prefill | " + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items())
-              + " ||||||||||")
+            print(
+                f"| {r['model']} | {r['talker_attention']} | {dtype} | {tf32} | {row['batch']} | "
+                f"{row['graph_ms']:.2f} | {row['step_wall_ms']:.2f} | {eager} | {row['floor_ms']:.2f} | {eq} | "
+                f"{base} | {tgt} |"
+            )
+        print(
+            f"| {r['model']} | prefill | "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items())
+            + " ||||||||||"
+        )
 
 
 def agreement_verdict(results: list[dict[str, Any]], min_agreement: float) -> dict[str, Any]:
     """PASS when every bucket of every run has at least `min_agreement` of its row-frames equal."""
-    below = [{"model": r["model"], "variant": r["talker_attention"], "batch": row["batch"], "bucket": row["bucket"],
-              "graph_eq_eager_frames": row["graph_eq_eager_frames"]}
-             for r in results for row in r["rows"] if row["graph_eq_eager_frames"] < min_agreement]
+    below = [
+        {
+            "model": r["model"],
+            "variant": r["talker_attention"],
+            "batch": row["batch"],
+            "bucket": row["bucket"],
+            "graph_eq_eager_frames": row["graph_eq_eager_frames"],
+        }
+        for r in results
+        for row in r["rows"]
+        if row["graph_eq_eager_frames"] < min_agreement
+    ]
     rows = [row for r in results for row in r["rows"]]
     worst = min(rows, key=lambda row: row["graph_eq_eager_frames"]) if rows else None
-    return {"pass": bool(rows) and not below, "min_agreement": min_agreement, "below": below,
-            "worst": None if worst is None else {k: worst[k] for k in ("batch", "bucket", "graph_eq_eager_frames")}}
+    return {
+        "pass": bool(rows) and not below,
+        "min_agreement": min_agreement,
+        "below": below,
+        "worst": None
+        if worst is None
+        else {k: worst[k] for k in ("batch", "bucket", "graph_eq_eager_frames")},
+    }
 
 
 def print_agreement(results: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
     print()
-    print("| model | variant | dtype | tf32 | kernels | batch | bucket | graph_eq_eager (codes) | frames all equal |")
+    print(
+        "| model | variant | dtype | tf32 | kernels | batch | bucket | graph_eq_eager (codes) | frames all equal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for row in r["rows"]:
-            print(f"| {r['model']} | {r['talker_attention']} | {r['dtype']} | {_tf32_label(r['tf32'])} | "
-                  f"{r['kernels']} | {row['batch']} | {row['bucket']} | {row['graph_eq_eager']:.4f} | "
-                  f"{row['graph_eq_eager_frames']:.4f} |")
+            print(
+                f"| {r['model']} | {r['talker_attention']} | {r['dtype']} | {_tf32_label(r['tf32'])} | "
+                f"{r['kernels']} | {row['batch']} | {row['bucket']} | {row['graph_eq_eager']:.4f} | "
+                f"{row['graph_eq_eager_frames']:.4f} |"
+            )
     frames = ", ".join(sorted({str(r["agreement_frames"]) for r in results})) or "-"
     if verdict["pass"]:
         w = verdict["worst"]
-        print(f"PASS: every bucket has >= {verdict['min_agreement']} of its row-frames ({frames} frames per row) "
-              f"with graph codes equal to eager (lowest {w['graph_eq_eager_frames']:.4f} at batch {w['batch']}, "
-              f"bucket {w['bucket']})", flush=True)
+        print(
+            f"PASS: every bucket has >= {verdict['min_agreement']} of its row-frames ({frames} frames per row) "
+            f"with graph codes equal to eager (lowest {w['graph_eq_eager_frames']:.4f} at batch {w['batch']}, "
+            f"bucket {w['bucket']})",
+            flush=True,
+        )
     elif not results:
         print("FAIL: no run finished", flush=True)
     else:
-        worst = ", ".join(f"{b['model']} [{b['variant']}] batch {b['batch']} (bucket {b['bucket']}) "
-                          f"{b['graph_eq_eager_frames']:.4f}" for b in verdict["below"])
+        worst = ", ".join(
+            f"{b['model']} [{b['variant']}] batch {b['batch']} (bucket {b['bucket']}) "
+            f"{b['graph_eq_eager_frames']:.4f}"
+            for b in verdict["below"]
+        )
         print(f"FAIL: below {verdict['min_agreement']} of row-frames equal: {worst}", flush=True)
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
-    out = ["--batches", ",".join(map(str, args.batches)), "--eager-batches", ",".join(map(str, sorted(args.eager_batches))),
-           "--max-batch", str(args.max_batch), "--position", str(args.position), "--context-bucket",
-           str(args.context_bucket), "--prompt-len", str(args.prompt_len), "--iters", str(args.iters)]
+    out = [
+        "--batches",
+        ",".join(map(str, args.batches)),
+        "--eager-batches",
+        ",".join(map(str, sorted(args.eager_batches))),
+        "--max-batch",
+        str(args.max_batch),
+        "--position",
+        str(args.position),
+        "--context-bucket",
+        str(args.context_bucket),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--iters",
+        str(args.iters),
+    ]
     if args.max_candidates:
         out += ["--max-candidates", str(args.max_candidates)]
-    out += ["--decode-kernels", args.decode_kernels, "--sample-kernel", args.sample_kernel, "--skinny-matmul",
-            args.skinny_matmul, "--dtype", args.dtype, "--agreement-frames", str(args.agreement_frames),
-            "--min-agreement", str(args.min_agreement), "--child"]
+    out += [
+        "--decode-kernels",
+        args.decode_kernels,
+        "--sample-kernel",
+        args.sample_kernel,
+        "--skinny-matmul",
+        args.skinny_matmul,
+        "--dtype",
+        args.dtype,
+        "--agreement-frames",
+        str(args.agreement_frames),
+        "--min-agreement",
+        str(args.min_agreement),
+        "--child",
+    ]
     if args.agreement_only:
         out.append("--agreement-only")
     return out
@@ -452,38 +597,77 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with the list options parsed (no CUDA needed)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-tts-12hz-1.7b-base,qwen3-tts-12hz-0.6b-base")
-    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512,1024",
-                    help="comma-separated batch sizes, or 'all': every batch bucket up to --max-batch")
+    ap.add_argument(
+        "--batches",
+        default="1,2,4,8,16,32,64,128,256,512,1024",
+        help="comma-separated batch sizes, or 'all': every batch bucket up to --max-batch",
+    )
     ap.add_argument("--eager-batches", default="1,64,256")
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--position", type=int, default=300, help="cached positions per stream")
     ap.add_argument("--context-bucket", type=int, default=384, help="attention span of the captured graphs")
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--variants", default="matmul/compile",
-                    help="comma-separated ATTENTION/MODE (attention: sdpa, sdpa_grouped, matmul; "
-                    "mode: plain, fast, compile, compile-nocarry)")
-    ap.add_argument("--prefill-buckets", default="64,128,256,512",
-                    help="widths of the captured prefill graphs, comma separated ('' : eager prefill only)")
+    ap.add_argument(
+        "--variants",
+        default="matmul/compile",
+        help="comma-separated ATTENTION/MODE (attention: sdpa, sdpa_grouped, matmul; "
+        "mode: plain, fast, compile, compile-nocarry)",
+    )
+    ap.add_argument(
+        "--prefill-buckets",
+        default="64,128,256,512",
+        help="widths of the captured prefill graphs, comma separated ('' : eager prefill only)",
+    )
     ap.add_argument("--prefill-rows", default="1,8", help="row buckets of the captured prefill graphs")
-    ap.add_argument("--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)")
-    ap.add_argument("--decode-kernels", default="auto", help="auto, triton or torch (RunnerConfig.decode_kernels)")
-    ap.add_argument("--sample-kernel", default="auto", help="auto, triton or torch (RunnerConfig.sample_kernel)")
-    ap.add_argument("--skinny-matmul", default="auto", choices=("auto", "on", "off"),
-                    help="few-row matmuls on the Triton skinny kernel (RunnerConfig.skinny_matmul)")
-    ap.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES),
-                    help="model dtype; float32 also turns TF32 off (cuBLAS, cuDNN, matmul precision 'highest')")
-    ap.add_argument("--agreement-only", action="store_true",
-                    help="per batch bucket only capture and the graph-vs-eager greedy check (no timing, no "
-                    "prefill graphs); ends with PASS/FAIL against --min-agreement")
-    ap.add_argument("--agreement-frames", type=int, default=8,
-                    help="frames per row compared between graph replay and eager step")
-    ap.add_argument("--min-agreement", type=float, default=0.99,
-                    help="--agreement-only: least share of row-frames with all codes equal, in every bucket")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one run of several: exit 0 on FAIL
+    ap.add_argument(
+        "--max-candidates", type=int, default=None, help="sampling candidates per row (None: full sort)"
+    )
+    ap.add_argument(
+        "--decode-kernels", default="auto", help="auto, triton or torch (RunnerConfig.decode_kernels)"
+    )
+    ap.add_argument(
+        "--sample-kernel", default="auto", help="auto, triton or torch (RunnerConfig.sample_kernel)"
+    )
+    ap.add_argument(
+        "--skinny-matmul",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="few-row matmuls on the Triton skinny kernel (RunnerConfig.skinny_matmul)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=tuple(DTYPES),
+        help="model dtype; float32 also turns TF32 off (cuBLAS, cuDNN, matmul precision 'highest')",
+    )
+    ap.add_argument(
+        "--agreement-only",
+        action="store_true",
+        help="per batch bucket only capture and the graph-vs-eager greedy check (no timing, no "
+        "prefill graphs); ends with PASS/FAIL against --min-agreement",
+    )
+    ap.add_argument(
+        "--agreement-frames",
+        type=int,
+        default=8,
+        help="frames per row compared between graph replay and eager step",
+    )
+    ap.add_argument(
+        "--min-agreement",
+        type=float,
+        default=0.99,
+        help="--agreement-only: least share of row-frames with all codes equal, in every bucket",
+    )
+    ap.add_argument(
+        "--child", action="store_true", help=argparse.SUPPRESS
+    )  # one run of several: exit 0 on FAIL
     ap.add_argument("--quick", action="store_true", help="batches 1,64,256,1024 and fewer iterations")
-    ap.add_argument("--engine", action="store_true", help="also run the whole GraphEngine (waves of joins) "
-                    "on the first model")
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="also run the whole GraphEngine (waves of joins) on the first model",
+    )
     ap.add_argument("--engine-streams", type=int, default=64)
     ap.add_argument("--engine-frames", type=int, default=40)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -523,8 +707,18 @@ def main(argv: list[str] | None = None) -> None:
         results = []
         for model, variant in runs:
             with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-                cmd = [sys.executable, "-m", "benchmarks.talker_step", "--models", model, "--variants", variant,
-                       "--out", tmp.name, *_passthrough(args)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.talker_step",
+                    "--models",
+                    model,
+                    "--variants",
+                    variant,
+                    "--out",
+                    tmp.name,
+                    *_passthrough(args),
+                ]
                 proc = subprocess.run(cmd, cwd=REPO_ROOT)
                 if proc.returncode != 0:
                     print(f"{model} [{variant}] failed with exit code {proc.returncode}", flush=True)
@@ -536,7 +730,9 @@ def main(argv: list[str] | None = None) -> None:
         print_agreement(results, verdict)
     else:
         print_table(results)
-    engine_results = [bench_engine(args.models.split(",")[0], args)] if args.engine and not args.agreement_only else []
+    engine_results = (
+        [bench_engine(args.models.split(",")[0], args)] if args.engine and not args.agreement_only else []
+    )
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

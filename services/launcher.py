@@ -133,7 +133,9 @@ class StackConfig:
             "talker": self.talker_port,
             "talker metrics": self.talker_metrics_port,
         }
-        for i, (port, metrics) in enumerate(zip(self.code2wav_ports, self.code2wav_metrics_ports, strict=True)):
+        for i, (port, metrics) in enumerate(
+            zip(self.code2wav_ports, self.code2wav_metrics_ports, strict=True)
+        ):
             ports[f"code2wav-{i}"], ports[f"code2wav-{i} metrics"] = port, metrics
         for i in range(self.gateway_replicas):
             name = "gateway" if i == 0 else f"gateway-{i}"

@@ -55,9 +55,29 @@ from qtts.engine.slot_scheduler import KVMove
 from qtts.model.layers import KVCache
 
 __all__ = [
-    "ATTENTION_IMPLS", "DECODE_KERNELS", "DEFAULT_BATCH_BUCKETS", "KERNEL_CHOICES", "SAMPLE_KERNELS",
-    "F_PTEMP", "F_PTOPP", "F_REP", "F_TEMP", "F_TOPP", "I_FRAME", "I_GREEDY", "I_MINF", "I_PGREEDY", "I_POS",
-    "I_PTOPK", "I_SEED", "I_TLEN", "I_TOPK", "NUM_F", "NUM_I", "ModelRunner", "RunnerConfig",
+    "ATTENTION_IMPLS",
+    "DECODE_KERNELS",
+    "DEFAULT_BATCH_BUCKETS",
+    "KERNEL_CHOICES",
+    "SAMPLE_KERNELS",
+    "F_PTEMP",
+    "F_PTOPP",
+    "F_REP",
+    "F_TEMP",
+    "F_TOPP",
+    "I_FRAME",
+    "I_GREEDY",
+    "I_MINF",
+    "I_PGREEDY",
+    "I_POS",
+    "I_PTOPK",
+    "I_SEED",
+    "I_TLEN",
+    "I_TOPK",
+    "NUM_F",
+    "NUM_I",
+    "ModelRunner",
+    "RunnerConfig",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,16 +113,22 @@ class ModelRunner(PrefillMixin):
         self.talker_attention = config.talker_attention
         if self.talker_attention == "auto":
             self.talker_attention = "matmul" if self.device.type == "cuda" else "sdpa"
-        self.predictor_attention = "sdpa" if config.predictor_attention == "auto" else config.predictor_attention
+        self.predictor_attention = (
+            "sdpa" if config.predictor_attention == "auto" else config.predictor_attention
+        )
         self.fast_path = self.device.type == "cuda" if config.fast_path is None else config.fast_path
         # Fused weights first: the KV sizing below measures the memory left after them.
-        self.talker_weights = [fuse_layer(layer) for layer in self.talker.model.layers] if self.fast_path else []
+        self.talker_weights = (
+            [fuse_layer(layer) for layer in self.talker.model.layers] if self.fast_path else []
+        )
         self.predictor_weights = (
             [fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
         )
         self._choose_kernels(config)
         self.num_slots = self._size_slots()
-        self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots}))
+        self.batch_buckets = tuple(
+            sorted({b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots})
+        )
         # Fused attention reads each row's own length: one context bucket (the whole slot) is enough.
         self.context_buckets = (self.max_len,) if self.fused_decode else config.resolved_context_buckets()
         self._allocate()
@@ -120,7 +146,9 @@ class ModelRunner(PrefillMixin):
             raise ValueError("decode_kernels='triton' needs the fast path")
         # The fused decode kernels' module (None: the PyTorch decode layers).
         self._fused_kernels = (
-            self._kernel_module(config.decode_kernels, "triton_ops", "decode_kernels") if self.fast_path else None
+            self._kernel_module(config.decode_kernels, "triton_ops", "decode_kernels")
+            if self.fast_path
+            else None
         )
         self.fused_decode = self._fused_kernels is not None
         self._pred_layer_fn = fast_predictor_layer
@@ -130,9 +158,13 @@ class ModelRunner(PrefillMixin):
         self._linear = self._fused_kernels.linear if skinny else F.linear
         # The sampling kernel's module (None: sampler.sample_rows). It has no candidate cap, so "auto"
         # with max_candidates set takes the reference.
-        sample_choice = "torch" if config.sample_kernel == "auto" and config.max_candidates else config.sample_kernel
+        sample_choice = (
+            "torch" if config.sample_kernel == "auto" and config.max_candidates else config.sample_kernel
+        )
         self._sampling_kernels = self._kernel_module(sample_choice, "triton_sampling", "sample_kernel")
-        compile_layers = self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
+        compile_layers = (
+            self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
+        )
         if self.fast_path and compile_layers:
             self._compile_layer_fns()
 
@@ -177,14 +209,18 @@ class ModelRunner(PrefillMixin):
         elem = torch.finfo(self.dtype).bits // 8
         p = self.pdec
         pred_kv = 2 * p.num_layers * p.num_kv_heads * (self.num_codebooks + 1) * p.head_dim * elem
-        return (self.cfg.max_trailing + 2) * self.hidden * elem + self.vocab0 + pred_kv + 8 * NUM_I + 4 * NUM_F
+        return (
+            (self.cfg.max_trailing + 2) * self.hidden * elem + self.vocab0 + pred_kv + 8 * NUM_I + 4 * NUM_F
+        )
 
     def _size_slots(self) -> int:
         cap = self.cfg.num_slots or self.cfg.max_batch
         if self.device.type != "cuda" or self.cfg.num_slots is not None:
             return cap
         free, _ = torch.cuda.mem_get_info(self.device)
-        budget = int(max(0, free - self.cfg.reserve_bytes - self.cfg.prefix_cache_bytes) * self.cfg.kv_memory_fraction)
+        budget = int(
+            max(0, free - self.cfg.reserve_bytes - self.cfg.prefix_cache_bytes) * self.cfg.kv_memory_fraction
+        )
         per_pos = self.bytes_per_position() + self.bytes_per_slot_state() // (self.max_len + 1) + 1
         n = slots_for_budget(budget, self.max_len, per_pos, cap)
         if n < 1:
@@ -222,7 +258,9 @@ class ModelRunner(PrefillMixin):
         self.pred_start_pos = torch.arange(2, device=dev).repeat(s)
         self.pred_start_cos = self.pred_cos[0, :2].repeat(s, 1)
         self.pred_start_sin = self.pred_sin[0, :2].repeat(s, 1)
-        self.pred_step_pos = torch.arange(self.num_codebooks + 1, device=dev)[:, None].expand(-1, s).contiguous()
+        self.pred_step_pos = (
+            torch.arange(self.num_codebooks + 1, device=dev)[:, None].expand(-1, s).contiguous()
+        )
         self._active_host = torch.zeros(s, dtype=torch.bool, pin_memory=dev.type == "cuda")
 
     # -- bookkeeping copies (eager, outside the graphs) ---------------------------------------
@@ -263,12 +301,31 @@ class ModelRunner(PrefillMixin):
             sp, pr = seq.sampling, seq.prompt
             n_trail = int(pr.trailing.shape[0]) if pr.trailing is not None else 0
             if n_trail > self.cfg.max_trailing:
-                raise ValueError(f"{n_trail} trailing text positions exceed max_trailing={self.cfg.max_trailing}")
-            ints.append([
-                seq.num_prefill_positions, 0, seq.seed, sp.top_k, sp.subtalker_top_k, int(sp.greedy),
-                int(sp.predictor_greedy), sp.min_new_tokens, n_trail,
-            ])
-            floats.append([sp.temperature, sp.top_p, sp.repetition_penalty, sp.subtalker_temperature, sp.subtalker_top_p])
+                raise ValueError(
+                    f"{n_trail} trailing text positions exceed max_trailing={self.cfg.max_trailing}"
+                )
+            ints.append(
+                [
+                    seq.num_prefill_positions,
+                    0,
+                    seq.seed,
+                    sp.top_k,
+                    sp.subtalker_top_k,
+                    int(sp.greedy),
+                    int(sp.predictor_greedy),
+                    sp.min_new_tokens,
+                    n_trail,
+                ]
+            )
+            floats.append(
+                [
+                    sp.temperature,
+                    sp.top_p,
+                    sp.repetition_penalty,
+                    sp.subtalker_temperature,
+                    sp.subtalker_top_p,
+                ]
+            )
             slot = seq.slot
             self.next_embed[slot] = pr.embeds[-1].to(self.device, self.dtype)
             if n_trail:
@@ -322,8 +379,21 @@ class ModelRunner(PrefillMixin):
         wpos = torch.where(act, pos, torch.full_like(pos, self.scratch))
         apos = pos.clamp(max=self.max_len - 1)  # padding rows may carry any position
         cos, sin = model.rotary(pos, self.dtype)  # [n, D]
-        return fused_decoder_layers(self._fused_kernels, self._linear, self.next_embed[:n], self.talker_weights, self.tdec,
-                                    self.k_cache, self.v_cache, self.rows[:n], wpos, apos, cos, sin, model.norm)
+        return fused_decoder_layers(
+            self._fused_kernels,
+            self._linear,
+            self.next_embed[:n],
+            self.talker_weights,
+            self.tdec,
+            self.k_cache,
+            self.v_cache,
+            self.rows[:n],
+            wpos,
+            apos,
+            cos,
+            sin,
+            model.norm,
+        )
 
     def _predictor_fused(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """`_predictor_layers` with the fused kernels, the per-frame K/V in `pk_cache`/`pv_cache`."""
@@ -338,9 +408,22 @@ class ModelRunner(PrefillMixin):
             rows, pos = self.rows[:n], self.pred_step_pos[start, :n]
             cos, sin = self.pred_cos[0, start].expand(n, -1), self.pred_sin[0, start].expand(n, -1)
         # At most 16 keys per row (the 2-token start, then 14 steps): one block of 32, not the talker's 64.
-        h = fused_decoder_layers(self._fused_kernels, self._linear, x.reshape(m, -1), self.predictor_weights, self.pdec,
-                                 self.pk_cache, self.pv_cache, rows, pos, pos, cos, sin, self.predictor.model.norm,
-                                 block_n=32)
+        h = fused_decoder_layers(
+            self._fused_kernels,
+            self._linear,
+            x.reshape(m, -1),
+            self.predictor_weights,
+            self.pdec,
+            self.pk_cache,
+            self.pv_cache,
+            rows,
+            pos,
+            pos,
+            cos,
+            sin,
+            self.predictor.model.norm,
+            block_n=32,
+        )
         return h.view(n, t, -1)
 
     def _layer_qkv(self, i: int, layer, x, cos, sin, weights: list[LayerWeights], dcfg):
@@ -348,7 +431,16 @@ class ModelRunner(PrefillMixin):
             return module_qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
         w = weights[i]
         return self._qkv_fn(
-            x, w.ln1, w.w_qkv, w.b_qkv, w.q_norm, w.k_norm, cos, sin, dcfg.rms_norm_eps, dcfg.num_heads,
+            x,
+            w.ln1,
+            w.w_qkv,
+            w.b_qkv,
+            w.q_norm,
+            w.k_norm,
+            cos,
+            sin,
+            dcfg.rms_norm_eps,
+            dcfg.num_heads,
             dcfg.num_kv_heads,
         )
 
@@ -381,8 +473,25 @@ class ModelRunner(PrefillMixin):
                     carry[i] = (self.pk_cache[i, :n, :, :0], self.pv_cache[i, :n, :, :0])
                 w = self.predictor_weights[i]
                 x, keys, values = self._pred_layer_fn(
-                    x, carry[i][0], carry[i][1], cos, sin, mask, w.ln1, w.w_qkv, w.b_qkv, w.q_norm, w.k_norm,
-                    w.w_o, w.b_o, w.ln2, w.w_gate_up, w.w_down, d.rms_norm_eps, d.num_heads, d.num_kv_heads,
+                    x,
+                    carry[i][0],
+                    carry[i][1],
+                    cos,
+                    sin,
+                    mask,
+                    w.ln1,
+                    w.w_qkv,
+                    w.b_qkv,
+                    w.q_norm,
+                    w.k_norm,
+                    w.w_o,
+                    w.b_o,
+                    w.ln2,
+                    w.w_gate_up,
+                    w.w_down,
+                    d.rms_norm_eps,
+                    d.num_heads,
+                    d.num_kv_heads,
                 )
                 carry[i] = (keys, values)
             return self._final_norm(model.norm, x)
@@ -408,22 +517,39 @@ class ModelRunner(PrefillMixin):
         for codebook 0 and the predictor's for the others."""
         ints, floats = self.slot_ints[:n], self.slot_floats[:n]
         if codebook == 0:
-            temp, top_k, top_p, greedy = floats[:, F_TEMP], ints[:, I_TOPK], floats[:, F_TOPP], ints[:, I_GREEDY]
+            temp, top_k, top_p, greedy = (
+                floats[:, F_TEMP],
+                ints[:, I_TOPK],
+                floats[:, F_TOPP],
+                ints[:, I_GREEDY],
+            )
         else:
-            temp, top_k, top_p, greedy = floats[:, F_PTEMP], ints[:, I_PTOPK], floats[:, F_PTOPP], ints[:, I_PGREEDY]
+            temp, top_k, top_p, greedy = (
+                floats[:, F_PTEMP],
+                ints[:, I_PTOPK],
+                floats[:, F_PTOPP],
+                ints[:, I_PGREEDY],
+            )
         if self._sampling_kernels is not None:
             return self._sampling_kernels.sample(
                 logits, temp, top_k, top_p, greedy, ints[:, I_SEED], ints[:, I_FRAME], codebook
             )
-        return self._sample(logits, temp, top_k, top_p, greedy.bool(), uniforms[:, codebook], self.cfg.max_candidates)
+        return self._sample(
+            logits, temp, top_k, top_p, greedy.bool(), uniforms[:, codebook], self.cfg.max_candidates
+        )
 
     def _codebook0(self, hidden: torch.Tensor, n: int, uniforms: torch.Tensor | None) -> torch.Tensor:
         """Codebook 0 of rows [0, n) from the talker's hidden state: head, repetition penalty,
         masks, sampling. The float32 casts happen inside the (compiled) functions, fused there."""
         ints, floats = self.slot_ints[:n], self.slot_floats[:n]
         logits = self._c0_logits(
-            self._linear(hidden, self.talker.codec_head.weight), self.seen[:n], floats[:, F_REP], self.suppressed,
-            self.eos_mask, ints[:, I_FRAME], ints[:, I_MINF],
+            self._linear(hidden, self.talker.codec_head.weight),
+            self.seen[:n],
+            floats[:, F_REP],
+            self.suppressed,
+            self.eos_mask,
+            ints[:, I_FRAME],
+            ints[:, I_MINF],
         )
         return self._sample_codebook(logits, n, 0, uniforms)
 
@@ -459,9 +585,9 @@ class ModelRunner(PrefillMixin):
                 x = self._project(e[:, None])
 
         trail_idx = torch.minimum(frame, ints[:, I_TLEN])
-        next_embed = embed_sum + self.trailing[:n].gather(
-            1, trail_idx[:, None, None].expand(n, 1, self.hidden)
-        )[:, 0]
+        next_embed = (
+            embed_sum + self.trailing[:n].gather(1, trail_idx[:, None, None].expand(n, 1, self.hidden))[:, 0]
+        )
         # Commit, masked by `active` so padding / prefilling / skipped rows keep their state.
         self.codes_out[:n] = torch.stack(codes, dim=1)
         self.next_embed[:n] = torch.where(act[:, None], next_embed.to(self.dtype), self.next_embed[:n])

@@ -91,7 +91,9 @@ def codebook0_logits(
     return mask_codebook0(logits, suppressed, eos_mask, frame_idx, min_frames)
 
 
-def codebook0_masks(vocab_size: int, eos_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def codebook0_masks(
+    vocab_size: int, eos_id: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(suppressed, eos) bool [V] masks: the top 1024 ids except EOS are never sampled."""
     suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
     suppressed[max(0, vocab_size - 1024) :] = True

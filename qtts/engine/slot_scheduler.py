@@ -129,7 +129,9 @@ class SlotScheduler:
         moves = compose_moves(self._pending_moves, self.slots.num_used)
         self._pending_moves = []
         plan = SlotPlan(
-            moves=[KVMove(m.src, m.dst, self.running[self.slots.owner(m.dst)].num_kv_positions) for m in moves]
+            moves=[
+                KVMove(m.src, m.dst, self.running[self.slots.owner(m.dst)].num_kv_positions) for m in moves
+            ]
         )
         while self.waiting and self.slots.num_free > 0:
             seq = self.waiting.popleft()
@@ -141,7 +143,11 @@ class SlotScheduler:
                 seq.num_prefilled = min(hit, seq.num_prefill_positions)
                 plan.prefix_hits.append(seq)
         # A budget of 0: no prefill this step (the caller holds new prompts back to batch them).
-        budget = self.max_prefill_tokens if prefill_budget is None else max(0, min(prefill_budget, self.max_prefill_tokens))
+        budget = (
+            self.max_prefill_tokens
+            if prefill_budget is None
+            else max(0, min(prefill_budget, self.max_prefill_tokens))
+        )
         for seq in self.running.values():  # insertion order = admission order
             if seq.status is not SeqStatus.PREFILLING or budget <= 0:
                 continue

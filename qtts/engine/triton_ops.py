@@ -42,8 +42,9 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr,
-                             HAS_D: tl.constexpr):
+    def _add_rms_norm_kernel(
+        x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr, HAS_D: tl.constexpr
+    ):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         m = offs < H
@@ -59,9 +60,24 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store_kernel(
-        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, row_ptr, pos_ptr, eps,
-        cs_stride, kc_s_slot, kc_s_head, kc_s_pos,
-        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+        qkv_ptr,
+        qw_ptr,
+        kw_ptr,
+        cos_ptr,
+        sin_ptr,
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        row_ptr,
+        pos_ptr,
+        eps,
+        cs_stride,
+        kc_s_slot,
+        kc_s_head,
+        kc_s_pos,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
     ):
         m = tl.program_id(0)
         h = tl.program_id(1)
@@ -98,8 +114,23 @@ if triton is not None:
             tl.store(vc_ptr + dst + full, v.to(vc_ptr.dtype.element_ty))
 
     @triton.jit
-    def _attention_block(q, kc_ptr, vc_ptr, base, start, n_keys, d, dm, kc_s_pos, scale, m_i, l_i, acc,
-                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    def _attention_block(
+        q,
+        kc_ptr,
+        vc_ptr,
+        base,
+        start,
+        n_keys,
+        d,
+        dm,
+        kc_s_pos,
+        scale,
+        m_i,
+        l_i,
+        acc,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         """Keys [start, start + BLOCK_N) of one slot and head into the online-softmax state."""
         n = start + tl.arange(0, BLOCK_N)
         nm = n < n_keys
@@ -124,10 +155,24 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        q_ptr, kc_ptr, vc_ptr, row_ptr, pos_ptr, o_ptr, scale,
-        kc_s_slot, kc_s_head, kc_s_pos,
-        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PIPELINED: tl.constexpr,
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        row_ptr,
+        pos_ptr,
+        o_ptr,
+        scale,
+        kc_s_slot,
+        kc_s_head,
+        kc_s_pos,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        PIPELINED: tl.constexpr,
     ):
         """One query token against positions [0, pos] of its slot, for the G = HQ / HKV query heads
         of one KV head (padded to BLOCK_H rows and BLOCK_D >= 16 columns for tensor-core dots),
@@ -144,25 +189,61 @@ if triton is not None:
         dm = d < D
         slot = tl.load(row_ptr + m)
         n_keys = tl.load(pos_ptr + m) + 1
-        q = tl.load(q_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :],
-                    other=0.0)
+        q = tl.load(
+            q_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
+            mask=gm[:, None] & dm[None, :],
+            other=0.0,
+        )
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         base = slot * kc_s_slot + hk * kc_s_head
         if PIPELINED:
             for start in range(0, n_keys, BLOCK_N):
-                m_i, l_i, acc = _attention_block(q, kc_ptr, vc_ptr, base, start, n_keys, d, dm, kc_s_pos, scale,
-                                                 m_i, l_i, acc, BLOCK_N, IEEE)
+                m_i, l_i, acc = _attention_block(
+                    q,
+                    kc_ptr,
+                    vc_ptr,
+                    base,
+                    start,
+                    n_keys,
+                    d,
+                    dm,
+                    kc_s_pos,
+                    scale,
+                    m_i,
+                    l_i,
+                    acc,
+                    BLOCK_N,
+                    IEEE,
+                )
         else:
             start = 0
             while start < n_keys:
-                m_i, l_i, acc = _attention_block(q, kc_ptr, vc_ptr, base, start, n_keys, d, dm, kc_s_pos, scale,
-                                                 m_i, l_i, acc, BLOCK_N, IEEE)
+                m_i, l_i, acc = _attention_block(
+                    q,
+                    kc_ptr,
+                    vc_ptr,
+                    base,
+                    start,
+                    n_keys,
+                    d,
+                    dm,
+                    kc_s_pos,
+                    scale,
+                    m_i,
+                    l_i,
+                    acc,
+                    BLOCK_N,
+                    IEEE,
+                )
                 start += BLOCK_N
         out = acc / l_i[:, None]
-        tl.store(o_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=gm[:, None] & dm[None, :])
+        tl.store(
+            o_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=gm[:, None] & dm[None, :],
+        )
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -174,11 +255,26 @@ if triton is not None:
         silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + row * inter + col, (silu * u).to(out_ptr.dtype.element_ty), mask=m)
 
-
     @triton.jit
-    def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, K_ITERS: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+    def _skinny_linear_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        sxm,
+        swn,
+        sym,
+        K_ITERS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         """y[M, N] = x[M, K] @ w[N, K]^T (+ b) for a few rows: each program streams BLOCK_N rows of
         the weight (contiguous along K) once; the rows of x ride along padded to BLOCK_M >= 16 for
         the tensor-core dot. SPLIT_K > 1 writes float32 partial sums [SPLIT_K, M, N] instead."""
@@ -215,14 +311,33 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     normed = torch.empty_like(x)
     x_out = torch.empty_like(x) if delta is not None else x
     _add_rms_norm_kernel[(m,)](
-        x, delta if delta is not None else x, weight, x_out, normed, eps, H=h, BLOCK=triton.next_power_of_2(h),
+        x,
+        delta if delta is not None else x,
+        weight,
+        x_out,
+        normed,
+        eps,
+        H=h,
+        BLOCK=triton.next_power_of_2(h),
         HAS_D=delta is not None,
     )
     return x_out, normed
 
 
-def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, rows, positions, eps: float,
-                       num_heads: int, num_kv_heads: int) -> torch.Tensor:
+def qk_norm_rope_store(
+    qkv,
+    q_norm,
+    k_norm,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    rows,
+    positions,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
     """qkv [M, (HQ + 2 HKV) * D] -> q [M, HQ, D] (per-head RMSNorm, RoPE); the normed, rotated key
     and the value of token m go to k_cache / v_cache [slot, head, pos, D] at (rows[m], positions[m]).
     cos / sin: [M, D] (a stride-0 first dimension is fine)."""
@@ -232,17 +347,43 @@ def qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, rows, po
         raise ValueError(f"head_dim must be a power of two for the fused kernels, got {d}")
     q = torch.empty(m, num_heads, d, device=qkv.device, dtype=qkv.dtype)
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or cos.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache need equal strides with contiguous heads, cos/sin contiguous rows")
+        raise ValueError(
+            "k_cache and v_cache need equal strides with contiguous heads, cos/sin contiguous rows"
+        )
     _qk_norm_rope_store_kernel[(m, num_heads + num_kv_heads)](
-        qkv, q_norm, k_norm, cos, sin, q, k_cache, v_cache, rows, positions, eps,
-        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HQ=num_heads, HKV=num_kv_heads, D=d,
+        qkv,
+        q_norm,
+        k_norm,
+        cos,
+        sin,
+        q,
+        k_cache,
+        v_cache,
+        rows,
+        positions,
+        eps,
+        cos.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HQ=num_heads,
+        HKV=num_kv_heads,
+        D=d,
     )
     return q
 
 
-def decode_attention(q, k_cache, v_cache, rows, positions, block_n: int = 64, num_stages: int = 3,
-                     num_warps: int = 4, pipelined: bool | None = None) -> torch.Tensor:
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    rows,
+    positions,
+    block_n: int = 64,
+    num_stages: int = 3,
+    num_warps: int = 4,
+    pipelined: bool | None = None,
+) -> torch.Tensor:
     """q [M, HQ, D]; token m attends positions [0, positions[m]] of slot rows[m] in
     k_cache / v_cache [slot, HKV, pos, D] (positions must lie inside the cache). Returns [M, HQ * D].
     `pipelined` (default: on CUDA) takes the software-pipelined loop (see the kernel)."""
@@ -251,11 +392,26 @@ def decode_attention(q, k_cache, v_cache, rows, positions, block_n: int = 64, nu
     out = torch.empty(m, hq * d, device=q.device, dtype=q.dtype)
     block_h = max(16, triton.next_power_of_2(hq // hkv))
     _decode_attention_kernel[(m, hkv)](
-        q, k_cache, v_cache, rows, positions, out, d**-0.5,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HQ=hq, HKV=hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_H=block_h, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, PIPELINED=q.is_cuda if pipelined is None else pipelined,
-        num_stages=num_stages, num_warps=num_warps,
+        q,
+        k_cache,
+        v_cache,
+        rows,
+        positions,
+        out,
+        d**-0.5,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HQ=hq,
+        HKV=hkv,
+        D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32,
+        PIPELINED=q.is_cuda if pipelined is None else pipelined,
+        num_stages=num_stages,
+        num_warps=num_warps,
     )
     return out
 
@@ -282,8 +438,12 @@ SKINNY_RULES: dict[tuple[int, int], tuple[int, tuple[int, int, int, int, int]]] 
 }
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
     """F.linear for x [M, K] with M <= 64 rows, as one Triton kernel that reads the weight once
     (split-K > 1: a second, summing step). `config` overrides the tile table."""
     m, k = x.shape
@@ -300,15 +460,47 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if split_k == 1:
         y = torch.empty(m, n, device=x.device, dtype=x.dtype)
         _skinny_linear_kernel[grid](
-            x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-            k_per // block_k, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=1,
-            IEEE=ieee, num_warps=warps, num_stages=stages,
+            x,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            m,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            k_per // block_k,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            SPLIT_K=1,
+            IEEE=ieee,
+            num_warps=warps,
+            num_stages=stages,
         )
         return y
     part = torch.empty(split_k, m, n, device=x.device, dtype=torch.float32)
     _skinny_linear_kernel[grid](
-        x, weight, weight, part, m, n, k, x.stride(0), weight.stride(0), n, k_per // block_k, HAS_BIAS=False,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, IEEE=ieee, num_warps=warps,
+        x,
+        weight,
+        weight,
+        part,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        n,
+        k_per // block_k,
+        HAS_BIAS=False,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        IEEE=ieee,
+        num_warps=warps,
         num_stages=stages,
     )
     y = part.sum(0)
@@ -320,7 +512,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` takes the skinny kernel for this input and weight (see SKINNY_RULES)."""
     rule = SKINNY_RULES.get(tuple(weight.shape))
-    return rule is not None and x.dim() == 2 and x.shape[0] <= rule[0] and x.stride(-1) == 1 and weight.stride(-1) == 1
+    return (
+        rule is not None
+        and x.dim() == 2
+        and x.shape[0] <= rule[0]
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -101,9 +101,29 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["codebook"])
     def _sample_kernel(
-        x_ptr, x_stride, t_ptr, t_stride, k_ptr, k_stride, p_ptr, p_stride, g_ptr, g_stride,
-        seed_ptr, seed_stride, frame_ptr, frame_stride, u_ptr, u_stride, out_ptr, u_out_ptr, codebook,
-        V: tl.constexpr, BLOCK: tl.constexpr, HAS_U: tl.constexpr, WRITE_U: tl.constexpr,
+        x_ptr,
+        x_stride,
+        t_ptr,
+        t_stride,
+        k_ptr,
+        k_stride,
+        p_ptr,
+        p_stride,
+        g_ptr,
+        g_stride,
+        seed_ptr,
+        seed_stride,
+        frame_ptr,
+        frame_stride,
+        u_ptr,
+        u_stride,
+        out_ptr,
+        u_out_ptr,
+        codebook,
+        V: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HAS_U: tl.constexpr,
+        WRITE_U: tl.constexpr,
     ):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
@@ -112,8 +132,9 @@ if triton is not None:
         if HAS_U:
             u = tl.load(u_ptr + row * u_stride).to(tl.float32)
         else:
-            u = _counter_uniform(tl.load(seed_ptr + row * seed_stride), tl.load(frame_ptr + row * frame_stride),
-                                 codebook)
+            u = _counter_uniform(
+                tl.load(seed_ptr + row * seed_stride), tl.load(frame_ptr + row * frame_stride), codebook
+            )
         if WRITE_U:
             tl.store(u_out_ptr + row, u)
         greedy = tl.load(g_ptr + row * g_stride) != 0
@@ -190,9 +211,29 @@ def sample(
         num_warps = 4 if block <= 2048 else 8
     if b:
         _sample_kernel[(b,)](
-            logits, logits.stride(0), temperature, _stride(temperature), top_k, _stride(top_k), top_p,
-            _stride(top_p), greedy, _stride(greedy), seed, _stride(seed), frame, _stride(frame), u_arg, u_stride,
-            out, u_out, int(codebook), V=v, BLOCK=block, HAS_U=uniform is not None, WRITE_U=return_uniform,
+            logits,
+            logits.stride(0),
+            temperature,
+            _stride(temperature),
+            top_k,
+            _stride(top_k),
+            top_p,
+            _stride(top_p),
+            greedy,
+            _stride(greedy),
+            seed,
+            _stride(seed),
+            frame,
+            _stride(frame),
+            u_arg,
+            u_stride,
+            out,
+            u_out,
+            int(codebook),
+            V=v,
+            BLOCK=block,
+            HAS_U=uniform is not None,
+            WRITE_U=return_uniform,
             num_warps=num_warps,
         )
     return (out, u_out) if return_uniform else out

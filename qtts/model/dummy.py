@@ -48,7 +48,9 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> n
         elif name.endswith("bias"):
             p.zero_()
         else:
-            vals = torch.empty(p.shape, dtype=torch.float32, device=gen_device).normal_(0.0, std, generator=gen)
+            vals = torch.empty(p.shape, dtype=torch.float32, device=gen_device).normal_(
+                0.0, std, generator=gen
+            )
             p.copy_(vals.to(p.device, p.dtype))
     for m in module.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:

@@ -137,7 +137,11 @@ class Attention(nn.Module):
         keys = k_cache[slots, :, :span].to(q.dtype)
         values = v_cache[slots, :, :span].to(q.dtype)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask[:, None], scale=self.head_dim**-0.5,
+            q,
+            keys,
+            values,
+            attn_mask=mask[:, None],
+            scale=self.head_dim**-0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -163,7 +167,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, positions, slots, k_cache, v_cache, mask, span):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache, mask, span)
+        x = x + self.self_attn(
+            self.input_layernorm(x), cos, sin, positions, slots, k_cache, v_cache, mask, span
+        )
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

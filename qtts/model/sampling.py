@@ -134,7 +134,11 @@ def choose_residual_batch(
         return torch.argmax(scores, dim=-1)
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
-        key = (True,) if p.predictor_greedy else (False, p.subtalker_temperature, p.subtalker_top_k, p.subtalker_top_p)
+        key = (
+            (True,)
+            if p.predictor_greedy
+            else (False, p.subtalker_temperature, p.subtalker_top_k, p.subtalker_top_p)
+        )
         groups.setdefault(key, []).append(i)
     picks: list[torch.Tensor | None] = [None] * len(params)
     for key, rows in groups.items():

@@ -31,7 +31,13 @@ def load_incremental_decoder(model: str, *, load_format: str, device: str, dtype
 
 
 def load_slot_decoder(
-    model: str, *, load_format: str, device: str, precision: str, max_states: int, prefix_cache_entries: int = 64
+    model: str,
+    *,
+    load_format: str,
+    device: str,
+    precision: str,
+    max_states: int,
+    prefix_cache_entries: int = 64,
 ):
     """(SlotDecoder, StreamLimits): the GPU engine, its pool sized to --max-states, graphs captured
     here (minutes on a GPU) so the service reports SERVING only once it is ready."""
@@ -55,7 +61,13 @@ def load_decoder(cfg):
     if cfg.decode_engine == "slots":
         precision = cfg.decode_precision or _PRECISION_OF_DTYPE[cfg.dtype]
         return load_slot_decoder(
-            cfg.model, load_format=cfg.load_format, device=cfg.device, precision=precision,
-            max_states=cfg.max_states, prefix_cache_entries=cfg.prefix_cache_entries,
+            cfg.model,
+            load_format=cfg.load_format,
+            device=cfg.device,
+            precision=precision,
+            max_states=cfg.max_states,
+            prefix_cache_entries=cfg.prefix_cache_entries,
         )
-    return load_incremental_decoder(cfg.model, load_format=cfg.load_format, device=cfg.device, dtype=cfg.dtype)
+    return load_incremental_decoder(
+        cfg.model, load_format=cfg.load_format, device=cfg.device, dtype=cfg.dtype
+    )

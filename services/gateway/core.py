@@ -256,6 +256,5 @@ async def _decode_field(decode: Callable[[bytes], object], data: bytes, field: s
         raise named_field(exc, field) from None
 
 
-
 def _with_pcm(job: SynthesisJob, pcm) -> SynthesisJob:
     return replace(job, reference_pcm=pcm)

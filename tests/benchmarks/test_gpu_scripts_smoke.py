@@ -31,7 +31,9 @@ def test_talker_capacity_smoke(tmp_path):
         assert lv["num_intervals"] > 0
         # Without the prefix cache every prompt is prefilled whole, once: all but its last position.
         assert lv["prompts_completed_per_step"] > 0 and lv["prefill_chunks_per_step"] > 0
-        assert lv["prefill_positions_per_completed_prompt"] == pytest.approx(settings["prompt_len"] - 1, rel=0.5)
+        assert lv["prefill_positions_per_completed_prompt"] == pytest.approx(
+            settings["prompt_len"] - 1, rel=0.5
+        )
         assert lv["prefilling_per_step_mean"] >= 0 and lv["waiting_per_step_mean"] >= 0
         assert 0 < lv["interval_ms_p50"] <= lv["interval_ms_p99"] <= lv["interval_ms_max"]
         assert 0 < lv["step_ms_p50"] <= lv["step_ms_p99"] <= lv["step_ms_max"]
@@ -75,7 +77,9 @@ def test_random_snapshot_holds_exactly_our_dummy_weights(tmp_path):
     from qtts.tiny_model import build_tiny_snapshot
 
     source = build_tiny_snapshot(tmp_path / "qwen3-tts-tiny-base", "base", seed=0)
-    folder = official_baseline.write_random_snapshot(str(source), tmp_path / "random", seed=3, dtype=torch.float32)
+    folder = official_baseline.write_random_snapshot(
+        str(source), tmp_path / "random", seed=3, dtype=torch.float32
+    )
     dummy = load_talker_bundle(source, load_format="dummy", seed=3)
     saved = load_talker_bundle(folder)  # strict: every weight present with its shape
     for part in ("talker", "code_predictor", "speaker_encoder"):
@@ -83,7 +87,9 @@ def test_random_snapshot_holds_exactly_our_dummy_weights(tmp_path):
         assert want.keys() == got.keys()
         assert all(torch.equal(want[k], got[k]) for k in want), part
     assert (folder / "speech_tokenizer" / "model.safetensors").is_file()
-    assert json.loads((folder / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    assert json.loads((folder / "config.json").read_text()) == json.loads(
+        (source / "config.json").read_text()
+    )
 
 
 def test_prefix_kv_transfer_smoke(tmp_path):
@@ -127,10 +133,18 @@ def test_skinny_linear_sweeps_the_real_model_shapes():
         cfg = json.load(f)
     talker = TalkerConfig.from_dict(cfg["talker_config"])
     want = set()
-    for d, vocab in ((talker.decoder, talker.vocab_size), (talker.predictor.decoder, talker.predictor.vocab_size)):
+    for d, vocab in (
+        (talker.decoder, talker.vocab_size),
+        (talker.predictor.decoder, talker.predictor.vocab_size),
+    ):
         q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
-        want |= {(q + 2 * kv, d.hidden_size), (d.hidden_size, q), (2 * d.intermediate_size, d.hidden_size),
-                 (d.hidden_size, d.intermediate_size), (vocab, d.hidden_size)}
+        want |= {
+            (q + 2 * kv, d.hidden_size),
+            (d.hidden_size, q),
+            (2 * d.intermediate_size, d.hidden_size),
+            (d.hidden_size, d.intermediate_size),
+            (vocab, d.hidden_size),
+        }
     want.add((talker.predictor.decoder.hidden_size, talker.decoder.hidden_size))  # the input projection
     swept = {(n, k) for _, n, k, _ in skinny_linear.SHAPES}
     assert swept == want

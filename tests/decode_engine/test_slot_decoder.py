@@ -84,9 +84,11 @@ def test_streams_in_mixed_batches_equal_one_full_decode(decoder, static):
     for step in SCHEDULE:
         chunks = [s[o : o + n] for s, o, n in zip(streams, offsets, step, strict=True)]
         runs_before = engine.steps_total
-        planned = len(engine.planner.plan(
-            [WorkItem(st.id, n, first=st.output_frames == 0) for st, n in zip(states, step, strict=True)]
-        ))
+        planned = len(
+            engine.planner.plan(
+                [WorkItem(st.id, n, first=st.output_frames == 0) for st, n in zip(states, step, strict=True)]
+            )
+        )
         got = engine.decode_batch(states, chunks)
         assert engine.steps_total - runs_before == planned  # one decoder run per planned step (metrics)
         for i, (g, n) in enumerate(zip(got, step, strict=True)):

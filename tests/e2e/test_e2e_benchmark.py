@@ -16,13 +16,38 @@ FRAMES = 6
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_benchmark_client_reports_every_request(stack, tmp_path, protocol):
     out = tmp_path / protocol
-    rc = bench_main([
-        "--protocol", protocol, "--url", stack.http_url, "--grpc-target", stack.grpc_address,
-        "--task-type", "voice_clone", "--x-vector-only", "--synthetic-ref-seconds", "1.0",
-        "--concurrency", "1", "2", "--num-requests", "3", "--warmup", "0",
-        "--max-new-tokens", str(FRAMES), "--fixed-length",
-        "--time-limit", "240", "--out", str(out), "--no-progress", "--weights", "tiny-random",
-    ])
+    rc = bench_main(
+        [
+            "--protocol",
+            protocol,
+            "--url",
+            stack.http_url,
+            "--grpc-target",
+            stack.grpc_address,
+            "--task-type",
+            "voice_clone",
+            "--x-vector-only",
+            "--synthetic-ref-seconds",
+            "1.0",
+            "--concurrency",
+            "1",
+            "2",
+            "--num-requests",
+            "3",
+            "--warmup",
+            "0",
+            "--max-new-tokens",
+            str(FRAMES),
+            "--fixed-length",
+            "--time-limit",
+            "240",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--weights",
+            "tiny-random",
+        ]
+    )
     assert rc == 0
     result = json.loads((out / "results.json").read_text())
     levels = result["levels"]

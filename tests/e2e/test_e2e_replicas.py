@@ -18,7 +18,9 @@ def _replicas(stack):
 
 
 def _frames_by_replica(stack) -> dict[str, float]:
-    return {p.name: scrape(p.spec.metrics_port).get("tts_code2wav_frames_total", 0.0) for p in _replicas(stack)}
+    return {
+        p.name: scrape(p.spec.metrics_port).get("tts_code2wav_frames_total", 0.0) for p in _replicas(stack)
+    }
 
 
 def _replica_name(stack, reported: str) -> str:
@@ -33,8 +35,16 @@ def test_streams_spread_over_replicas_and_stay_on_one(stack):
     before = _frames_by_replica(stack)
 
     def one(i: int) -> tuple[str, int]:
-        body = {"input": f"Request number {i}.", "voice": "v", "ref_audio": REF_B64, "x_vector_only_mode": True,
-                "max_new_tokens": 4, "seed": i, "response_format": "wav", "stream": False}
+        body = {
+            "input": f"Request number {i}.",
+            "voice": "v",
+            "ref_audio": REF_B64,
+            "x_vector_only_mode": True,
+            "max_new_tokens": 4,
+            "seed": i,
+            "response_format": "wav",
+            "stream": False,
+        }
         r = httpx.post(f"{stack.http_url}/v1/audio/speech", json=body, timeout=120)
         assert r.status_code == 200, r.text
         frames = int(r.headers["x-tts-num-frames"])

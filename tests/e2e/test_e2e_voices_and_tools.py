@@ -19,8 +19,11 @@ pytestmark = pytest.mark.e2e
 def test_voice_created_through_the_api_survives_a_speaker_cache_restart(stack):
     with httpx.Client(base_url=stack.http_url, timeout=120) as c:
         c.delete("/v1/audio/voices/persisted")
-        r = c.post("/v1/audio/voices", files={"audio": ("ref.wav", REF_WAV, "audio/wav")},
-                   data={"name": "persisted", "ref_text": REF_TEXT})
+        r = c.post(
+            "/v1/audio/voices",
+            files={"audio": ("ref.wav", REF_WAV, "audio/wav")},
+            data={"name": "persisted", "ref_text": REF_TEXT},
+        )
         assert r.status_code == 201, r.text
         assert r.json()["name"] == "persisted" and r.json()["ref_text"] == REF_TEXT
         stack.restart("speaker_cache")
@@ -28,9 +31,16 @@ def test_voice_created_through_the_api_survives_a_speaker_cache_restart(stack):
         assert poll(lambda: c.get("/v1/audio/voices").status_code == 200, timeout=30)
         names = [v["name"] for v in c.get("/v1/audio/voices").json()["voices"]]
         assert "persisted" in names
-        r = c.post("/v1/audio/speech", json={"input": "Using a stored voice.", "voice": "persisted",
-                                             "max_new_tokens": 5, "response_format": "wav",
-                                             "stream": False})
+        r = c.post(
+            "/v1/audio/speech",
+            json={
+                "input": "Using a stored voice.",
+                "voice": "persisted",
+                "max_new_tokens": 5,
+                "response_format": "wav",
+                "stream": False,
+            },
+        )
         assert r.status_code == 200, r.text
         assert wav_frames(r.content) == int(r.headers["x-tts-num-frames"]) * FRAME
         assert c.delete("/v1/audio/voices/persisted").status_code == 200
@@ -46,16 +56,25 @@ def _grpcurl() -> str:
 
 def test_grpcurl_lists_services_and_calls_synthesize(stack):
     exe = _grpcurl()
-    listed = subprocess.run([exe, "-plaintext", stack.grpc_address, "list"], capture_output=True, text=True,
-                            timeout=60)
+    listed = subprocess.run(
+        [exe, "-plaintext", stack.grpc_address, "list"], capture_output=True, text=True, timeout=60
+    )
     assert listed.returncode == 0, listed.stderr
     services = listed.stdout.split()
     assert "tts.v1.TextToSpeechService" in services and "grpc.health.v1.Health" in services
-    request = {"text": "Hello from grpcurl.", "referenceAudio": base64.b64encode(REF_WAV).decode(),
-               "xVectorOnly": True, "maxNewFrames": 4, "sampling": {"greedy": True}}
+    request = {
+        "text": "Hello from grpcurl.",
+        "referenceAudio": base64.b64encode(REF_WAV).decode(),
+        "xVectorOnly": True,
+        "maxNewFrames": 4,
+        "sampling": {"greedy": True},
+    }
     called = subprocess.run(
         [exe, "-plaintext", "-d", "@", stack.grpc_address, "tts.v1.TextToSpeechService/Synthesize"],
-        input=json.dumps(request), capture_output=True, text=True, timeout=120,
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert called.returncode == 0, called.stderr
     decoder, text, pos, msgs = json.JSONDecoder(), called.stdout, 0, []

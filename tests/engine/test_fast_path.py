@@ -17,7 +17,9 @@ def loaded_runner(bundle, fast: bool, prompts) -> tuple[ModelRunner, list[Sequen
     runner = ModelRunner(bundle, RunnerConfig(max_batch=4, max_len=64, max_trailing=8, fast_path=fast))
     seqs = []
     for slot, p in enumerate(prompts):
-        seq = Sequence(f"s{slot}", p, SamplingParams(greedy=True), seed=slot, max_frames=5, cap_reason="length")
+        seq = Sequence(
+            f"s{slot}", p, SamplingParams(greedy=True), seed=slot, max_frames=5, cap_reason="length"
+        )
         seq.slot = slot
         seqs.append(seq)
     # Two ragged prefill calls: a chunk of each prompt, then the rest.
@@ -82,7 +84,12 @@ def test_bucketed_prefill_writes_the_same_kv_as_the_ragged_batch(tiny_bundle, ro
     bucketed = ModelRunner(
         tiny_bundle,
         RunnerConfig(
-            max_batch=4, max_len=64, max_trailing=8, fast_path=True, prefill_buckets=(4, 8, 16), prefill_rows=rows
+            max_batch=4,
+            max_len=64,
+            max_trailing=8,
+            fast_path=True,
+            prefill_buckets=(4, 8, 16),
+            prefill_rows=rows,
         ),
     )
     assert bucketed.prefill_buckets == (4, 8, 16)

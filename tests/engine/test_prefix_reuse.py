@@ -34,7 +34,9 @@ def voice(bundle, seed: int, x_vector_only: bool = False) -> VoicePrompt:
 
 
 def prompt(bundle, text: str, vp: VoicePrompt):
-    return bundle.build_prompt(SynthesisSpec(text=text, task="voice_clone", language="english", voice_prompt=vp))
+    return bundle.build_prompt(
+        SynthesisSpec(text=text, task="voice_clone", language="english", voice_prompt=vp)
+    )
 
 
 def engine(bundle, cache_bytes: int) -> GraphEngine:
@@ -61,7 +63,10 @@ def test_same_voice_hits_the_prefix_cache_and_keeps_the_codes(base_bundle):
     vp = voice(base_bundle, seed=1)
     prompts = [prompt(base_bundle, t, vp) for t in TEXTS]
     other = prompt(base_bundle, TEXTS[0], voice(base_bundle, seed=2))
-    assert all(p.prefix_key == prompts[0].prefix_key for p in prompts) and other.prefix_key != prompts[0].prefix_key
+    assert (
+        all(p.prefix_key == prompts[0].prefix_key for p in prompts)
+        and other.prefix_key != prompts[0].prefix_key
+    )
     requests = [("a", prompts[0]), ("b", prompts[1]), ("o", other), ("c", prompts[2])]
 
     want = run(engine(base_bundle, 0), requests)

@@ -152,9 +152,14 @@ def test_repetition_penalty_hf_semantics():
     out = sampler.apply_repetition_penalty(logits, seen, torch.tensor([2.0]))
     assert torch.equal(out, torch.tensor([[1.0, -4.0, 1.0, -1.0]]))
     # The penalty changes the greedy choice away from a repeated id.
-    assert sampler.apply_repetition_penalty(
-        torch.tensor([[1.0, 0.9]]), torch.tensor([[True, False]]), torch.tensor([1.2])
-    ).argmax().item() == 1
+    assert (
+        sampler.apply_repetition_penalty(
+            torch.tensor([[1.0, 0.9]]), torch.tensor([[True, False]]), torch.tensor([1.2])
+        )
+        .argmax()
+        .item()
+        == 1
+    )
 
 
 def test_codebook0_masks_suppress_control_ids_and_early_eos():

@@ -14,8 +14,16 @@ from qtts.engine.slot_scheduler import KVMove, SlotScheduler, compose_moves
 
 def seq(rid: str, prompt_len: int, max_frames: int = 10, prefix_key: str | None = None) -> Sequence:
     prompt = SimpleNamespace(embeds=torch.zeros(prompt_len, 4))
-    return Sequence(rid, prompt, sampling=None, seed=0, max_frames=max_frames, cap_reason="length",
-                    prefix_key=prefix_key, prefix_len=3 if prefix_key else 0)
+    return Sequence(
+        rid,
+        prompt,
+        sampling=None,
+        seed=0,
+        max_frames=max_frames,
+        cap_reason="length",
+        prefix_key=prefix_key,
+        prefix_len=3 if prefix_key else 0,
+    )
 
 
 def run_prefill(s: SlotScheduler, skip=frozenset(), lookup=None):

@@ -81,10 +81,12 @@ def test_rope_with_a_shared_position_broadcasts_cos_sin():
     kc = torch.zeros(m, hkv, 8, d, device=DEVICE)
     vc = torch.zeros_like(kc)
     rows, pos = torch.arange(m, device=DEVICE), torch.full((m,), 5, device=DEVICE)
-    q_b = triton_ops.qk_norm_rope_store(qkv, ones, ones, cos.expand(m, d), sin.expand(m, d), kc, vc, rows, pos,
-                                        1e-6, hq, hkv)
-    q_full = triton_ops.qk_norm_rope_store(qkv, ones, ones, cos.repeat(m, 1), sin.repeat(m, 1), kc.clone(),
-                                           vc.clone(), rows, pos, 1e-6, hq, hkv)
+    q_b = triton_ops.qk_norm_rope_store(
+        qkv, ones, ones, cos.expand(m, d), sin.expand(m, d), kc, vc, rows, pos, 1e-6, hq, hkv
+    )
+    q_full = triton_ops.qk_norm_rope_store(
+        qkv, ones, ones, cos.repeat(m, 1), sin.repeat(m, 1), kc.clone(), vc.clone(), rows, pos, 1e-6, hq, hkv
+    )
     assert torch.equal(q_b, q_full)
 
 
@@ -126,12 +128,15 @@ def _runner(bundle, kernels: str, prompts):
     from qtts.engine.slot_scheduler import PrefillChunk
     from qtts.model import SamplingParams
 
-    cfg = RunnerConfig(max_batch=4, max_len=64, max_trailing=8, fast_path=True, compile_layers=False,
-                       decode_kernels=kernels)
+    cfg = RunnerConfig(
+        max_batch=4, max_len=64, max_trailing=8, fast_path=True, compile_layers=False, decode_kernels=kernels
+    )
     runner = ModelRunner(bundle, cfg)
     seqs = []
     for slot, p in enumerate(prompts):
-        seq = Sequence(f"s{slot}", p, SamplingParams(greedy=True), seed=slot, max_frames=6, cap_reason="length")
+        seq = Sequence(
+            f"s{slot}", p, SamplingParams(greedy=True), seed=slot, max_frames=6, cap_reason="length"
+        )
         seq.slot = slot
         seqs.append(seq)
     runner.prefill([PrefillChunk(s, 0, s.num_prefill_positions) for s in seqs])
@@ -154,12 +159,16 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle,
         tiny_bundle = SimpleNamespace(
             talker=copy.deepcopy(tiny_bundle.talker).to(DEVICE, torch.float32),
             code_predictor=copy.deepcopy(tiny_bundle.code_predictor).to(DEVICE, torch.float32),
-            config=tiny_bundle.config, device=DEVICE, dtype=torch.float32,
+            config=tiny_bundle.config,
+            device=DEVICE,
+            dtype=torch.float32,
         )
     tol = 1e-5 if DEVICE.type == "cpu" else 1e-3
     calls = []
     if skinny:
-        monkeypatch.setattr(triton_ops, "use_skinny", lambda x, w: calls.append(tuple(w.shape)) or x.dim() == 2)
+        monkeypatch.setattr(
+            triton_ops, "use_skinny", lambda x, w: calls.append(tuple(w.shape)) or x.dim() == 2
+        )
     torch_runner = _runner(tiny_bundle, "torch", prompts)
     fused = _runner(tiny_bundle, "triton", prompts)
     assert fused.fused_decode and not torch_runner.fused_decode
@@ -196,7 +205,9 @@ def test_skinny_linear_matches_linear(dtype, m, split_k, with_bias):
     b = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
     y = triton_ops.skinny_linear(x, w, b, config=(16, 32, split_k, 4, 2))
     assert y.shape == (m, n) and y.dtype == dtype
-    assert torch.allclose(y.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), **_tol(dtype))
+    assert torch.allclose(
+        y.float(), F.linear(x.float(), w.float(), None if b is None else b.float()), **_tol(dtype)
+    )
 
 
 def test_linear_takes_the_skinny_kernel_only_where_the_rules_say(monkeypatch):
@@ -205,7 +216,9 @@ def test_linear_takes_the_skinny_kernel_only_where_the_rules_say(monkeypatch):
     monkeypatch.setitem(triton_ops.SKINNY_RULES, (24, 32), (2, (16, 16, 1, 4, 2)))
     calls = []
     real = triton_ops.skinny_linear
-    monkeypatch.setattr(triton_ops, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(
+        triton_ops, "skinny_linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    )
     small, big = torch.randn(2, 32, generator=g).to(DEVICE), torch.randn(3, 32, generator=g).to(DEVICE)
     assert torch.allclose(triton_ops.linear(small, w), F.linear(small, w), atol=1e-4, rtol=1e-4)
     assert torch.equal(triton_ops.linear(big, w), F.linear(big, w))

@@ -51,8 +51,15 @@ def test_kernel_equals_reference(dtype, vocab, batch):
     frame = torch.randint(0, 5000, (batch,), generator=g)
     codebook = batch % 16
     got, u = triton_sampling.sample(
-        logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), greedy.to(DEVICE),
-        seed.to(DEVICE), frame.to(DEVICE), codebook, return_uniform=True,
+        logits.to(DEVICE),
+        temperature.to(DEVICE),
+        top_k.to(DEVICE),
+        top_p.to(DEVICE),
+        greedy.to(DEVICE),
+        seed.to(DEVICE),
+        frame.to(DEVICE),
+        codebook,
+        return_uniform=True,
     )
     want_u = sampler.counter_uniform(seed, frame, torch.full_like(seed, codebook))
     assert torch.equal(u.cpu(), want_u)
@@ -64,20 +71,31 @@ def test_kernel_equals_reference(dtype, vocab, batch):
 def test_in_kernel_uniform_is_counter_uniform_bit_for_bit():
     g = torch.Generator().manual_seed(5)
     n = 24
-    seed = torch.cat([
-        torch.tensor([0, 1, 2**32 - 1, 2**32, 2**32 + 1, 2**63 - 1, 0x123456789ABCDEF]),
-        torch.randint(0, 2**63 - 1, (n - 7,), generator=g),
-    ])
+    seed = torch.cat(
+        [
+            torch.tensor([0, 1, 2**32 - 1, 2**32, 2**32 + 1, 2**63 - 1, 0x123456789ABCDEF]),
+            torch.randint(0, 2**63 - 1, (n - 7,), generator=g),
+        ]
+    )
     frame = torch.cat([torch.tensor([0, 1, 2**32 + 3]), torch.randint(0, 2**40, (n - 3,), generator=g)])
     logits = torch.zeros(n, 4)
     ones = torch.ones(n)
     greedy = torch.ones(n, dtype=torch.bool)  # the cheapest path: only the uniform matters here
     for codebook in (0, 1, 7, 15):
         _, u = triton_sampling.sample(
-            logits.to(DEVICE), ones.to(DEVICE), torch.zeros(n, dtype=torch.long, device=DEVICE), ones.to(DEVICE),
-            greedy.to(DEVICE), seed.to(DEVICE), frame.to(DEVICE), codebook, return_uniform=True,
+            logits.to(DEVICE),
+            ones.to(DEVICE),
+            torch.zeros(n, dtype=torch.long, device=DEVICE),
+            ones.to(DEVICE),
+            greedy.to(DEVICE),
+            seed.to(DEVICE),
+            frame.to(DEVICE),
+            codebook,
+            return_uniform=True,
         )
-        assert torch.equal(u.cpu(), sampler.counter_uniform(seed, frame, torch.full_like(seed, codebook))), codebook
+        assert torch.equal(u.cpu(), sampler.counter_uniform(seed, frame, torch.full_like(seed, codebook))), (
+            codebook
+        )
 
 
 def test_given_uniform_strided_columns_and_integer_greedy():
@@ -95,8 +113,15 @@ def test_given_uniform_strided_columns_and_integer_greedy():
     floats[:, 1] = torch.tensor([0.5, 1.0, 1.0, 1.0, 1.0, 0.8])  # top_p
     u = torch.tensor([0.0, 0.0, 1.0 - 2.0**-24, 0.37, 0.6, 0.99])
     got = triton_sampling.sample(
-        logits.to(DEVICE), floats[:, 0].to(DEVICE), ints[:, 0].to(DEVICE), floats[:, 1].to(DEVICE),
-        ints[:, 1].to(DEVICE), None, None, 0, uniform=u.to(DEVICE),
+        logits.to(DEVICE),
+        floats[:, 0].to(DEVICE),
+        ints[:, 0].to(DEVICE),
+        floats[:, 1].to(DEVICE),
+        ints[:, 1].to(DEVICE),
+        None,
+        None,
+        0,
+        uniform=u.to(DEVICE),
     )
     want = sampler.sample_rows(logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1].bool(), u)
     assert torch.equal(got.cpu(), want)
@@ -115,8 +140,15 @@ def test_ties_at_the_threshold_and_single_finite_ids():
     greedy = torch.zeros(4, dtype=torch.bool)
     u = torch.tensor([1.0 - 2.0**-24, 1.0 - 2.0**-24, 1.0 - 2.0**-24, 0.5])
     got = triton_sampling.sample(
-        logits.to(DEVICE), temperature.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), greedy.to(DEVICE),
-        None, None, 0, uniform=u.to(DEVICE),
+        logits.to(DEVICE),
+        temperature.to(DEVICE),
+        top_k.to(DEVICE),
+        top_p.to(DEVICE),
+        greedy.to(DEVICE),
+        None,
+        None,
+        0,
+        uniform=u.to(DEVICE),
     )
     # k=3: the 3rd largest is 2.0, held by ids 2, 4, 6, 8, 11; all stay, so u -> 1 picks id 11.
     # top_p=0.2 keeps only the top group {1, 3}; k=1 keeps both 3.0 ids.
@@ -143,7 +175,9 @@ def test_runner_frame_step_samples_the_same_codes_with_the_kernel(tiny_bundle):
     prompts = [make_prompt(tiny_bundle, n, 2, seed=900 + n) for n in (5, 9, 12)]
     runs = []
     for kernel in ("torch", "triton"):
-        runner = ModelRunner(tiny_bundle, RunnerConfig(max_batch=4, max_len=64, max_trailing=8, sample_kernel=kernel))
+        runner = ModelRunner(
+            tiny_bundle, RunnerConfig(max_batch=4, max_len=64, max_trailing=8, sample_kernel=kernel)
+        )
         assert (runner._sampling_kernels is not None) == (kernel == "triton")
         seqs = []
         for slot, (p, sp) in enumerate(zip(prompts, params, strict=True)):

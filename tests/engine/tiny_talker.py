@@ -7,8 +7,14 @@ import torch
 from qtts.model import EagerGenerator, SamplingParams, TalkerPrompt
 
 
-def make_prompt(bundle, prompt_len: int, trailing: int, seed: int, max_frames: int = 40,
-                prefix: torch.Tensor | None = None) -> TalkerPrompt:
+def make_prompt(
+    bundle,
+    prompt_len: int,
+    trailing: int,
+    seed: int,
+    max_frames: int = 40,
+    prefix: torch.Tensor | None = None,
+) -> TalkerPrompt:
     """Random prompt embeddings (any mode is just embeddings to the engine); `prefix` replaces the
     leading positions (a shared voice prefix)."""
     h = bundle.config.talker.decoder.hidden_size

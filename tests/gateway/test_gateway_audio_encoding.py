@@ -104,7 +104,7 @@ def _dominant_hz(samples: np.ndarray, rate: int) -> float:
 def test_time_stretch_changes_duration_and_keeps_pitch(speed):
     tone = _tone(2.0)
     stretch = TimeStretch(24000, speed)
-    chunks = [stretch.push(tone[i:i + 1920].tobytes()) for i in range(0, tone.size, 1920)]
+    chunks = [stretch.push(tone[i : i + 1920].tobytes()) for i in range(0, tone.size, 1920)]
     assert any(chunks[:-1]), "the stretch must hand out audio while the stream runs"
     out = np.frombuffer(b"".join(chunks) + stretch.flush(), dtype="<i2")
     assert abs(out.size / tone.size - 1 / speed) <= 0.05 / speed, out.size
@@ -135,7 +135,7 @@ def test_resampler_stretches_then_resamples(speed):
 def test_g711_is_raw_8khz_and_decodes_back(fmt, codec, streaming):
     enc = make_encoder(fmt, 8000, streaming=streaming)
     tone = _tone(1.0, rate=8000)
-    parts = [enc.push(tone[i:i + 400].tobytes()) for i in range(0, tone.size, 400)] + [enc.finish()]
+    parts = [enc.push(tone[i : i + 400].tobytes()) for i in range(0, tone.size, 400)] + [enc.finish()]
     if streaming:
         assert all(len(p) == 400 for p in parts[:-1]), "one byte a sample, sent as it is encoded"
     else:
@@ -173,12 +173,14 @@ def test_sse_framing():
 
 
 def test_openai_error_shape():
-    for exc, kind, param, code in [(InvalidArgument("x", param="input"), "invalid_request_error", "input",
-                                    "invalid_value"),
-                                   (NotFound("x"), "not_found_error", None, "not_found"),
-                                   (ResourceExhausted("x", 3), "rate_limit_error", None, "rate_limit_exceeded")]:
+    for exc, kind, param, code in [
+        (InvalidArgument("x", param="input"), "invalid_request_error", "input", "invalid_value"),
+        (NotFound("x"), "not_found_error", None, "not_found"),
+        (ResourceExhausted("x", 3), "rate_limit_error", None, "rate_limit_exceeded"),
+    ]:
         body = openai_error_body(exc)
         assert body == {"error": {"message": "x", "type": kind, "param": param, "code": code}}
-    assert openai_error_body(RuntimeError("secret")) == {"error": {
-        "message": "internal server error", "type": "server_error", "param": None, "code": None}}
+    assert openai_error_body(RuntimeError("secret")) == {
+        "error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}
+    }
     assert np.frombuffer(frame_pcm(0), "<i2").size == 1920

@@ -17,7 +17,9 @@ from services.gateway.grpc_servicer import TextToSpeechServicer
 @contextlib.asynccontextmanager
 async def serve_grpc(gw):
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(gw.metrics)])
-    tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(TextToSpeechServicer(gw.synth, gw.voice_service), server)
+    tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
+        TextToSpeechServicer(gw.synth, gw.voice_service), server
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -47,8 +49,12 @@ async def test_synthesize_streams_chunks_with_ids_and_sequence_then_summary():
 async def test_wav_encoding_and_resampling():
     gw = build_gateway(frames=4, chunk=2)
     async with serve_grpc(gw) as stub:
-        msgs = [m async for m in stub.Synthesize(request(audio_encoding=tts_pb2.AUDIO_ENCODING_WAV,
-                                                         sample_rate_hz=16000))]
+        msgs = [
+            m
+            async for m in stub.Synthesize(
+                request(audio_encoding=tts_pb2.AUDIO_ENCODING_WAV, sample_rate_hz=16000)
+            )
+        ]
     data = b"".join(m.audio.audio for m in msgs if m.HasField("audio"))
     assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff"
     summary = msgs[-1].summary
@@ -56,13 +62,16 @@ async def test_wav_encoding_and_resampling():
     assert (len(data) - 44) // 2 == summary.num_samples
 
 
-@pytest.mark.parametrize("kw, code", [
-    ({"model": "tts-1"}, grpc.StatusCode.NOT_FOUND),
-    ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"reference_audio": b"garbage", "x_vector_only": True}, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"x_vector_only": False}, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"task_type": tts_pb2.TASK_TYPE_VOICE_DESIGN}, grpc.StatusCode.INVALID_ARGUMENT),
-])
+@pytest.mark.parametrize(
+    "kw, code",
+    [
+        ({"model": "tts-1"}, grpc.StatusCode.NOT_FOUND),
+        ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"reference_audio": b"garbage", "x_vector_only": True}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"x_vector_only": False}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"task_type": tts_pb2.TASK_TYPE_VOICE_DESIGN}, grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
 async def test_errors_map_to_status_codes(kw, code):
     gw = build_gateway()
     async with serve_grpc(gw) as stub:
@@ -91,8 +100,9 @@ async def test_resource_exhausted_and_cancel_frees_the_talker():
 async def test_voices_api():
     gw = build_gateway()
     async with serve_grpc(gw) as stub:
-        created = await stub.CreateVoice(tts_pb2.CreateVoiceRequest(name="v1", reference_audio=wav_bytes(),
-                                                                    reference_text="hi"))
+        created = await stub.CreateVoice(
+            tts_pb2.CreateVoiceRequest(name="v1", reference_audio=wav_bytes(), reference_text="hi")
+        )
         assert created.voice.name == "v1" and created.voice.kind == "cloned"
         voices = await stub.ListVoices(tts_pb2.ListVoicesRequest())
         assert [v.name for v in voices.voices] == ["v1"]
@@ -101,6 +111,7 @@ async def test_voices_api():
             await stub.DeleteVoice(tts_pb2.DeleteVoiceRequest(name="v1"))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.CreateVoice(tts_pb2.CreateVoiceRequest(name="bad name", reference_audio=wav_bytes(),
-                                                              reference_text="hi"))
+            await stub.CreateVoice(
+                tts_pb2.CreateVoiceRequest(name="bad name", reference_audio=wav_bytes(), reference_text="hi")
+            )
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

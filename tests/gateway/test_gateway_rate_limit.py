@@ -179,7 +179,9 @@ def test_flags_and_env_fallbacks(monkeypatch):
     from qtts.errors import InvalidArgument
 
     # A value that does not parse names the flag and its env variable (one line at start-up).
-    with pytest.raises(InvalidArgument, match="--rate-limit-per-s must be a number.*TTS_GATEWAY_RATE_LIMIT_PER_S"):
+    with pytest.raises(
+        InvalidArgument, match="--rate-limit-per-s must be a number.*TTS_GATEWAY_RATE_LIMIT_PER_S"
+    ):
         config_from_args([*base, "--rate-limit-per-s", "lots"])
     with pytest.raises(InvalidArgument, match="max-ref-audio-seconds"):
         config_from_args([*base, "--max-ref-audio-seconds", "0"])

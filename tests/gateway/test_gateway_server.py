@@ -28,9 +28,15 @@ class FakeTalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         self.delay_s = 0.0
 
     async def GetModelInfo(self, request, context):
-        return talker_pb2.GetModelInfoResponse(name="fake-base", model_type="base", model_size="tiny",
-                                               languages=["english"], sample_rate_hz=24000,
-                                               samples_per_frame=FRAME, num_codebooks=16)
+        return talker_pb2.GetModelInfoResponse(
+            name="fake-base",
+            model_type="base",
+            model_size="tiny",
+            languages=["english"],
+            sample_rate_hz=24000,
+            samples_per_frame=FRAME,
+            num_codebooks=16,
+        )
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -38,13 +44,23 @@ class FakeTalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         try:
             for i in range(n):
                 await asyncio.sleep(self.delay_s)
-                yield talker_pb2.GenerateResponse(request_id=request.request_id, sequence_number=i,
-                                                  audio=tts_pb2.AudioChunk(audio=frame_pcm(i), num_samples=FRAME,
-                                                                           first_frame_index=i, num_frames=1))
-            yield talker_pb2.GenerateResponse(request_id=request.request_id, sequence_number=n,
-                                              summary=talker_pb2.GenerateSummary(
-                                                  finish_reason=tts_pb2.FINISH_REASON_LENGTH, num_frames=n,
-                                                  num_samples=n * FRAME, code2wav_replica="c2w-a"))
+                yield talker_pb2.GenerateResponse(
+                    request_id=request.request_id,
+                    sequence_number=i,
+                    audio=tts_pb2.AudioChunk(
+                        audio=frame_pcm(i), num_samples=FRAME, first_frame_index=i, num_frames=1
+                    ),
+                )
+            yield talker_pb2.GenerateResponse(
+                request_id=request.request_id,
+                sequence_number=n,
+                summary=talker_pb2.GenerateSummary(
+                    finish_reason=tts_pb2.FINISH_REASON_LENGTH,
+                    num_frames=n,
+                    num_samples=n * FRAME,
+                    code2wav_replica="c2w-a",
+                ),
+            )
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -64,9 +80,14 @@ async def test_gateway_end_to_end_with_fake_talker_and_real_speaker_cache():
     cache = SpeakerCacheServer(SpeakerCacheConfig(port=0, metrics_port=0), health_interval_s=0.1)
     cache_port = await cache.start()
     await cache.wait_serving()
-    config = GatewayConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=0,
-                           talker=f"127.0.0.1:{talker_host.bound_port}", speaker_cache=f"127.0.0.1:{cache_port}",
-                           drain_seconds=1.0).validate()
+    config = GatewayConfig(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=0,
+        talker=f"127.0.0.1:{talker_host.bound_port}",
+        speaker_cache=f"127.0.0.1:{cache_port}",
+        drain_seconds=1.0,
+    ).validate()
     gateway = GatewayServer(config, catalog_retry_s=0.05, decode=fake_decode)
     await gateway.start()
     url = f"http://127.0.0.1:{config.http_port}"
@@ -80,35 +101,68 @@ async def test_gateway_end_to_end_with_fake_talker_and_real_speaker_cache():
             assert (await c.get("/health")).status_code == 200
 
             ref = wav_bytes()
-            r = await c.post("/v1/audio/voices", files={"audio": ("r.wav", ref, "audio/wav")},
-                             data={"name": "alice", "ref_text": "hello"})
+            r = await c.post(
+                "/v1/audio/voices",
+                files={"audio": ("r.wav", ref, "audio/wav")},
+                data={"name": "alice", "ref_text": "hello"},
+            )
             assert r.status_code == 201, r.text
             assert [v["name"] for v in (await c.get("/v1/audio/voices")).json()["voices"]] == ["alice"]
             one = (await c.get("/v1/audio/voices/alice")).json()
             assert (one["id"], one["object"], one["duration_s"]) == ("alice", "audio.voice", 1.0)
             assert (await c.get("/v1/audio/voices")).json()["voices"][0]["duration_s"] == 1.0
 
-            r = await c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alice", "max_new_tokens": 4,
-                                                       "seed": 9, "top_k": 5, "response_format": "pcm",
-                                                       "stream": False})
+            r = await c.post(
+                "/v1/audio/speech",
+                json={
+                    "input": "Hi.",
+                    "voice": "alice",
+                    "max_new_tokens": 4,
+                    "seed": 9,
+                    "top_k": 5,
+                    "response_format": "pcm",
+                    "stream": False,
+                },
+            )
             assert r.status_code == 200 and r.content == frame_pcm(0, 4)
             assert r.headers["x-tts-code2wav-replica"] == "c2w-a"
             req = talker.requests[-1]
             assert (req.text, req.voice, req.task_type, req.max_new_frames) == (
-                "Hi.", "alice", tts_pb2.TASK_TYPE_VOICE_CLONE, 4)
+                "Hi.",
+                "alice",
+                tts_pb2.TASK_TYPE_VOICE_CLONE,
+                4,
+            )
             assert req.sampling.seed == 9 and req.sampling.top_k == 5 and not req.sampling.HasField("top_p")
             assert req.request_id.startswith("req-") and not req.reference_pcm_f32
 
-            r = await c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "x", "ref_audio": "UklGRgAAAAA=",
-                                                       "x_vector_only_mode": True, "response_format": "wav"})
+            r = await c.post(
+                "/v1/audio/speech",
+                json={
+                    "input": "Hi.",
+                    "voice": "x",
+                    "ref_audio": "UklGRgAAAAA=",
+                    "x_vector_only_mode": True,
+                    "response_format": "wav",
+                },
+            )
             assert r.status_code == 200
             pcm = np.frombuffer(talker.requests[-1].reference_pcm_f32, "<f4")
             assert pcm.size == 24000 and talker.requests[-1].x_vector_only
 
             # Client disconnect mid-stream cancels the talker's Generate call.
             talker.delay_s = 0.05
-            async with c.stream("POST", "/v1/audio/speech", json={"input": "Hi.", "voice": "alice", "stream": True,
-                                                                  "max_new_tokens": 500, "response_format": "pcm"}) as s:
+            async with c.stream(
+                "POST",
+                "/v1/audio/speech",
+                json={
+                    "input": "Hi.",
+                    "voice": "alice",
+                    "stream": True,
+                    "max_new_tokens": 500,
+                    "response_format": "pcm",
+                },
+            ) as s:
                 await s.aiter_raw().__anext__()
             for _ in range(100):
                 if talker.cancelled:
@@ -119,9 +173,17 @@ async def test_gateway_end_to_end_with_fake_talker_and_real_speaker_cache():
 
         async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc_port}") as ch:
             stub = tts_pb2_grpc.TextToSpeechServiceStub(ch)
-            msgs = [m async for m in stub.Synthesize(tts_pb2.SynthesizeRequest(
-                text="Hi.", voice="alice", max_new_frames=2,
-                streaming=tts_pb2.StreamingOptions(first_chunk_frames=1, chunk_frames_ramp=[2, 4])))]
+            msgs = [
+                m
+                async for m in stub.Synthesize(
+                    tts_pb2.SynthesizeRequest(
+                        text="Hi.",
+                        voice="alice",
+                        max_new_frames=2,
+                        streaming=tts_pb2.StreamingOptions(first_chunk_frames=1, chunk_frames_ramp=[2, 4]),
+                    )
+                )
+            ]
             assert msgs[-1].summary.num_frames == 2
             assert list(talker.requests[-1].streaming.chunk_frames_ramp) == [2, 4]
             voices = await stub.ListVoices(tts_pb2.ListVoicesRequest())
@@ -143,8 +205,9 @@ async def test_http_keepalive_setting_reaches_uvicorn():
     from services.gateway.config import config_from_args
 
     assert config_from_args([]).http_keepalive_s == 75.0
-    config = GatewayConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=0,
-                           http_keepalive_s=42).validate()
+    config = GatewayConfig(
+        http_port=free_port(), grpc_port=free_port(), metrics_port=0, http_keepalive_s=42
+    ).validate()
     gateway = GatewayServer(config, catalog_retry_s=0.05, decode=fake_decode)
     assert gateway.http.config.timeout_keep_alive == 42
     with pytest.raises(InvalidArgument, match="--http-keepalive-s"):

@@ -23,7 +23,12 @@ def job(catalog=BASE, **kw):
 def test_voice_clone_icl_and_xvector_jobs():
     j = job(reference_audio=AUDIO, reference_text=" ref text ", max_new_frames=8, language="English")
     assert (j.task, j.reference_text, j.x_vector_only, j.max_new_frames, j.language) == (
-        "voice_clone", "ref text", False, 8, "english")
+        "voice_clone",
+        "ref text",
+        False,
+        8,
+        "english",
+    )
     assert j.request_id.startswith("req-") and j.sample_rate == 24000
     x = job(reference_audio=AUDIO, x_vector_only=True, reference_text="ignored")
     assert x.x_vector_only and x.reference_text == ""
@@ -31,23 +36,26 @@ def test_voice_clone_icl_and_xvector_jobs():
     assert named.voice == "alice" and named.reference_audio is None
 
 
-@pytest.mark.parametrize("kw, exc, words", [
-    ({"model": "tts-1"}, NotFound, "does not exist"),
-    ({"text": "   "}, InvalidArgument, "non-empty"),
-    ({"text": "x" * 51}, InvalidArgument, "limit is 50"),
-    ({"reference_audio": AUDIO}, InvalidArgument, "ref_text"),
-    ({"reference_audio": b"x" * 1001, "x_vector_only": True}, InvalidArgument, "limit"),
-    ({}, InvalidArgument, "ref_audio"),
-    ({"voice": "a", "task": "custom_voice"}, InvalidArgument, "not served"),
-    ({"voice": "a", "task": "sing"}, InvalidArgument, "task_type must be"),
-    ({"voice": "a", "language": "klingon"}, InvalidArgument, "unsupported language"),
-    ({"voice": "a", "max_new_frames": 0}, InvalidArgument, "max_new_tokens"),
-    ({"voice": "a", "max_new_frames": 101}, InvalidArgument, "max_new_tokens"),
-    ({"voice": "a", "sample_rate": 4000}, InvalidArgument, "sample_rate"),
-    ({"voice": "a", "sampling": SamplingOptions(top_p=0)}, InvalidArgument, "top_p"),
-    ({"voice": "a", "sampling": SamplingOptions(temperature=-1)}, InvalidArgument, "temperature"),
-    ({"voice": "a", "sampling": SamplingOptions(repetition_penalty=0)}, InvalidArgument, "repetition"),
-])
+@pytest.mark.parametrize(
+    "kw, exc, words",
+    [
+        ({"model": "tts-1"}, NotFound, "does not exist"),
+        ({"text": "   "}, InvalidArgument, "non-empty"),
+        ({"text": "x" * 51}, InvalidArgument, "limit is 50"),
+        ({"reference_audio": AUDIO}, InvalidArgument, "ref_text"),
+        ({"reference_audio": b"x" * 1001, "x_vector_only": True}, InvalidArgument, "limit"),
+        ({}, InvalidArgument, "ref_audio"),
+        ({"voice": "a", "task": "custom_voice"}, InvalidArgument, "not served"),
+        ({"voice": "a", "task": "sing"}, InvalidArgument, "task_type must be"),
+        ({"voice": "a", "language": "klingon"}, InvalidArgument, "unsupported language"),
+        ({"voice": "a", "max_new_frames": 0}, InvalidArgument, "max_new_tokens"),
+        ({"voice": "a", "max_new_frames": 101}, InvalidArgument, "max_new_tokens"),
+        ({"voice": "a", "sample_rate": 4000}, InvalidArgument, "sample_rate"),
+        ({"voice": "a", "sampling": SamplingOptions(top_p=0)}, InvalidArgument, "top_p"),
+        ({"voice": "a", "sampling": SamplingOptions(temperature=-1)}, InvalidArgument, "temperature"),
+        ({"voice": "a", "sampling": SamplingOptions(repetition_penalty=0)}, InvalidArgument, "repetition"),
+    ],
+)
 def test_base_model_rejections(kw, exc, words):
     with pytest.raises(exc, match=words):
         job(**kw)
@@ -74,11 +82,24 @@ def test_temperature_zero_means_greedy():
 
 def test_parse_openai_body():
     audio_b64 = base64.b64encode(AUDIO).decode()
-    fields, out = parse_speech_body({
-        "model": "m", "input": "hi", "voice": "v", "response_format": "WAV", "stream": True, "speed": 1,
-        "ref_audio": f"data:audio/wav;base64,{audio_b64}", "ref_text": "r", "max_new_tokens": 12.0,
-        "seed": 7, "temperature": 0.5, "top_k": 3, "sample_rate": 16000, "task_type": "voice_clone",
-    })
+    fields, out = parse_speech_body(
+        {
+            "model": "m",
+            "input": "hi",
+            "voice": "v",
+            "response_format": "WAV",
+            "stream": True,
+            "speed": 1,
+            "ref_audio": f"data:audio/wav;base64,{audio_b64}",
+            "ref_text": "r",
+            "max_new_tokens": 12.0,
+            "seed": 7,
+            "temperature": 0.5,
+            "top_k": 3,
+            "sample_rate": 16000,
+            "task_type": "voice_clone",
+        }
+    )
     assert fields.reference_audio == AUDIO and fields.max_new_frames == 12 and fields.sample_rate == 16000
     assert fields.sampling == SamplingOptions(temperature=0.5, top_k=3, seed=7)
     assert (out.response_format, out.stream, out.stream_format, out.streaming) == ("wav", True, "audio", True)
@@ -86,21 +107,24 @@ def test_parse_openai_body():
     assert sse.streaming and sse.response_format == "mp3"
 
 
-@pytest.mark.parametrize("body, words", [
-    ([], "JSON object"),
-    ({}, "input is required"),
-    ({"input": 3}, "input must be a string"),
-    ({"input": "a", "speed": 0.1}, "speed must be in 0.25..4.0"),
-    ({"input": "a", "speed": 5}, "speed must be in 0.25..4.0"),
-    ({"input": "a", "response_format": "ogg"}, "response_format"),
-    ({"input": "a", "stream_format": "ws"}, "stream_format"),
-    ({"input": "a", "stream": "yes"}, "boolean"),
-    ({"input": "a", "max_new_tokens": 2.5}, "integer"),
-    ({"input": "a", "seed": True}, "seed"),
-    ({"input": "a", "ref_audio": "@@not base64@@"}, "not valid base64"),
-    ({"input": "a", "ref_audio": "https://example.com/a.wav"}, "not fetched"),
-    ({"input": "a", "bogus": 1}, "unknown field"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ([], "JSON object"),
+        ({}, "input is required"),
+        ({"input": 3}, "input must be a string"),
+        ({"input": "a", "speed": 0.1}, "speed must be in 0.25..4.0"),
+        ({"input": "a", "speed": 5}, "speed must be in 0.25..4.0"),
+        ({"input": "a", "response_format": "ogg"}, "response_format"),
+        ({"input": "a", "stream_format": "ws"}, "stream_format"),
+        ({"input": "a", "stream": "yes"}, "boolean"),
+        ({"input": "a", "max_new_tokens": 2.5}, "integer"),
+        ({"input": "a", "seed": True}, "seed"),
+        ({"input": "a", "ref_audio": "@@not base64@@"}, "not valid base64"),
+        ({"input": "a", "ref_audio": "https://example.com/a.wav"}, "not fetched"),
+        ({"input": "a", "bogus": 1}, "unknown field"),
+    ],
+)
 def test_parse_rejections(body, words):
     with pytest.raises(InvalidArgument, match=words):
         parse_speech_body(body)

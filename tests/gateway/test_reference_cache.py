@@ -65,7 +65,9 @@ def test_failures_are_not_cached_and_concurrent_use_is_consistent():
             cache(b"bad")
     assert decode.calls == [b"bad", b"bad"] and len(cache) == 0
     results: list[np.ndarray] = []
-    threads = [threading.Thread(target=lambda i=i: results.append(cache(b"clip-%d" % (i % 4)))) for i in range(32)]
+    threads = [
+        threading.Thread(target=lambda i=i: results.append(cache(b"clip-%d" % (i % 4)))) for i in range(32)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -89,7 +91,9 @@ async def test_server_uses_the_cache_unless_disabled():
     assert server.reference_cache.cached(wav_bytes(seconds=0.5)) is None
     assert server.metrics.reference_cache_hits._value.get() == 2
     off = GatewayServer(
-        GatewayConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=0, ref_audio_cache_mb=0).validate(),
+        GatewayConfig(
+            http_port=free_port(), grpc_port=free_port(), metrics_port=0, ref_audio_cache_mb=0
+        ).validate(),
         decode=fake_decode,
     )
     assert off.reference_cache is None and off.synthesizer._decode is fake_decode

@@ -75,7 +75,9 @@ def official_prompt(model, task: str, **kw) -> OfficialPrompt:
     )
 
 
-def official_codes(model, task: str, frames: int | None = None, max_new_tokens: int = 40, **kw) -> list[torch.Tensor]:
+def official_codes(
+    model, task: str, frames: int | None = None, max_new_tokens: int = 40, **kw
+) -> list[torch.Tensor]:
     """Greedy codes of the official package. With `frames`, EOS is masked for every step and
     exactly `frames` frames come out (its talker makes max_new_tokens - 1 frames)."""
     talker = model.model.talker
@@ -102,9 +104,7 @@ def official_codes(model, task: str, frames: int | None = None, max_new_tokens: 
     orig_decode = tok.decode
     tok.decode = lambda items: ([np.zeros(1920, dtype=np.float32) for _ in items], 24000)
     try:
-        _call(
-            model, task, do_sample=False, subtalker_dosample=False, max_new_tokens=max_new_tokens, **kw
-        )
+        _call(model, task, do_sample=False, subtalker_dosample=False, max_new_tokens=max_new_tokens, **kw)
     finally:
         talker.generate = orig_generate
         model.model.generate = orig_model_generate

@@ -91,7 +91,12 @@ def _voice(hidden: int, ref_frames: int | None, seed: int = 0) -> VoicePrompt:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(hidden, generator=g)
     codes = None if ref_frames is None else torch.randint(0, 2048, (ref_frames, 16), generator=g)
-    return VoicePrompt(x_vector=x, ref_codes=codes, ref_text=None if codes is None else "Hello world.", x_vector_only=codes is None)
+    return VoicePrompt(
+        x_vector=x,
+        ref_codes=codes,
+        ref_text=None if codes is None else "Hello world.",
+        x_vector_only=codes is None,
+    )
 
 
 @pytest.mark.parametrize("ref_frames", [None, 3, 40])  # x-vector only; ICL text longer / shorter than ref
@@ -104,11 +109,17 @@ def test_voice_clone_prompt(official_factory, bundle_factory, ref_frames, stream
     item = voice_clone_item(voice.x_vector, voice.ref_codes, voice.ref_text)
     text = TEXTS[0]
     off = official_prompt(
-        official, "voice_clone", text=text, language=language, voice_clone_prompt=[item],
+        official,
+        "voice_clone",
+        text=text,
+        language=language,
+        voice_clone_prompt=[item],
         non_streaming_mode=streaming is False,
     )
     ours = bundle.build_prompt(
-        SynthesisSpec(text=text, task="voice_clone", language=language, voice_prompt=voice, streaming_text=streaming)
+        SynthesisSpec(
+            text=text, task="voice_clone", language=language, voice_prompt=voice, streaming_text=streaming
+        )
     )
     _same(ours, off)
     if ref_frames is None:
@@ -122,11 +133,19 @@ def test_batched_official_prompts_match_each_row(official_factory, bundle_factor
     bundle = bundle_factory("custom_voice")
     texts = TEXTS[:3]
     off = official_prompt(
-        official, "custom_voice", text=texts, speaker=["vivian", "eric", "aiden"], language=["English", "Chinese", "Auto"],
+        official,
+        "custom_voice",
+        text=texts,
+        speaker=["vivian", "eric", "aiden"],
+        language=["English", "Chinese", "Auto"],
         non_streaming_mode=False,
     )
-    for row, (t, s, lang) in enumerate(zip(texts, ["vivian", "eric", "aiden"], ["English", "Chinese", "Auto"], strict=True)):
-        ours = bundle.build_prompt(SynthesisSpec(text=t, task="custom_voice", speaker=s, language=lang, streaming_text=True))
+    for row, (t, s, lang) in enumerate(
+        zip(texts, ["vivian", "eric", "aiden"], ["English", "Chinese", "Auto"], strict=True)
+    ):
+        ours = bundle.build_prompt(
+            SynthesisSpec(text=t, task="custom_voice", speaker=s, language=lang, streaming_text=True)
+        )
         _same(ours, off, row)
 
 
@@ -137,13 +156,17 @@ def test_prompt_rejects_bad_requests(bundle_factory):
     with pytest.raises(InvalidArgument, match="unsupported language"):
         cv.build_prompt(SynthesisSpec(text="hi", task="custom_voice", speaker="ryan", language="klingon"))
     with pytest.raises(InvalidArgument, match="dialect|unsupported language"):
-        cv.build_prompt(SynthesisSpec(text="hi", task="custom_voice", speaker="ryan", language="sichuan_dialect"))
+        cv.build_prompt(
+            SynthesisSpec(text="hi", task="custom_voice", speaker="ryan", language="sichuan_dialect")
+        )
     with pytest.raises(InvalidArgument, match="not served"):
         cv.build_prompt(SynthesisSpec(text="hi", task="voice_design", instruct="x"))
     base = bundle_factory("base")
     with pytest.raises(InvalidArgument, match="voice prompt"):
         base.build_prompt(SynthesisSpec(text="hi", task="voice_clone"))
-    icl_no_text = VoicePrompt(torch.zeros(base.talker.hidden_size), torch.zeros(2, 16, dtype=torch.long), None, False)
+    icl_no_text = VoicePrompt(
+        torch.zeros(base.talker.hidden_size), torch.zeros(2, 16, dtype=torch.long), None, False
+    )
     with pytest.raises(InvalidArgument, match="transcript"):
         base.build_prompt(SynthesisSpec(text="hi", task="voice_clone", voice_prompt=icl_no_text))
 

@@ -27,7 +27,9 @@ def voice(bundle, seed: int, frames: int = 40, x_vector_only: bool = False) -> V
 
 
 def clone(bundle, text: str, vp: VoicePrompt, language: str = "english", streaming: bool | None = None):
-    spec = SynthesisSpec(text=text, task="voice_clone", language=language, voice_prompt=vp, streaming_text=streaming)
+    spec = SynthesisSpec(
+        text=text, task="voice_clone", language=language, voice_prompt=vp, streaming_text=streaming
+    )
     return bundle.build_prompt(spec)
 
 
@@ -59,7 +61,9 @@ def test_icl_prefix_ends_where_the_first_target_token_enters(bundle_factory, str
     with torch.no_grad():
         first_a = t.embed_text(torch.tensor([[encode(bundle.tokenizer, "Hello")[0]]]))[0, 0]
         first_b = t.embed_text(torch.tensor([[encode(bundle.tokenizer, "Completely")[0]]]))[0, 0]
-    torch.testing.assert_close(a.embeds[a.prefix_len] - b.embeds[b.prefix_len], first_a - first_b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        a.embeds[a.prefix_len] - b.embeds[b.prefix_len], first_a - first_b, atol=1e-5, rtol=0
+    )
 
 
 def test_icl_prefix_key_follows_every_voice_side_input(bundle_factory):
@@ -106,7 +110,9 @@ INSTRUCT = "Speak slowly and warmly, like a storyteller reading a long bedtime s
 @pytest.mark.parametrize("streaming", [None, True])
 def test_instruct_prefix_for_custom_voice_and_voice_design(bundle_factory, streaming):
     cv = bundle_factory("custom_voice")
-    kw = dict(task="custom_voice", speaker="ryan", language="english", instruct=INSTRUCT, streaming_text=streaming)
+    kw = dict(
+        task="custom_voice", speaker="ryan", language="english", instruct=INSTRUCT, streaming_text=streaming
+    )
     a = cv.build_prompt(SynthesisSpec(text=TEXT_A, **kw))
     b = cv.build_prompt(SynthesisSpec(text=TEXT_B, **kw))
     n_instruct = len(encode(cv.tokenizer, f"<|im_start|>user\n{INSTRUCT}<|im_end|>\n"))
@@ -125,7 +131,10 @@ def test_instruct_prefix_for_custom_voice_and_voice_design(bundle_factory, strea
     assert c.prefix_len == n_instruct + head_len(vd, False, False)
     assert_split_at_prefix(c, d)
     assert c.prefix_key is not None and c.prefix_key == d.prefix_key
-    assert vd.build_prompt(SynthesisSpec(text=TEXT_A, **{**kw, "instruct": INSTRUCT + "!"})).prefix_key != c.prefix_key
+    assert (
+        vd.build_prompt(SynthesisSpec(text=TEXT_A, **{**kw, "instruct": INSTRUCT + "!"})).prefix_key
+        != c.prefix_key
+    )
 
 
 def test_text_that_merges_into_the_role_token_gets_its_own_key(bundle_factory):

@@ -13,7 +13,9 @@ from qtts.model.bundle import build_modules
 from qtts.model.config import ModelConfig
 from qtts.model.snapshot import CONFIGS_DIR, open_snapshot, shipped_configs
 
-VARIANTS = [f"qwen3-tts-12hz-{s}-{v}" for s in ("0.6b", "1.7b") for v in ("base", "customvoice", "voicedesign")]
+VARIANTS = [
+    f"qwen3-tts-12hz-{s}-{v}" for s in ("0.6b", "1.7b") for v in ("base", "customvoice", "voicedesign")
+]
 
 
 def test_not_a_snapshot_folder(tmp_path):
@@ -65,7 +67,12 @@ def test_bundle_info(tiny_snapshot_factory):
     assert info.name == "qwen3-tts-tiny-custom_voice"
     assert info.speakers["vivian"] == 3065 and info.speakers["dylan"] == 2878
     assert "beijing_dialect" not in info.languages and info.languages["english"] == 2050
-    assert (info.num_codebooks, info.codebook_size, info.sample_rate, info.samples_per_frame) == (16, 2048, 24000, 1920)
+    assert (info.num_codebooks, info.codebook_size, info.sample_rate, info.samples_per_frame) == (
+        16,
+        2048,
+        24000,
+        1920,
+    )
     assert bundle.speaker_encoder is None and bundle.codec_encoder is None  # Base only
     d = bundle.generation_defaults
     assert (d.temperature, d.top_k, d.top_p, d.repetition_penalty, d.greedy) == (0.9, 50, 1.0, 1.05, False)
@@ -76,14 +83,28 @@ def test_shipped_configs():
     for name in VARIANTS:
         cfg = ModelConfig.from_file(CONFIGS_DIR / name / "config.json")
         size, variant = name.split("-")[3:5]
-        assert cfg.tts_model_type == {"base": "base", "customvoice": "custom_voice", "voicedesign": "voice_design"}[variant]
+        assert (
+            cfg.tts_model_type
+            == {"base": "base", "customvoice": "custom_voice", "voicedesign": "voice_design"}[variant]
+        )
         t = cfg.talker
-        assert (t.decoder.num_layers, t.decoder.num_heads, t.decoder.num_kv_heads, t.decoder.head_dim) == (28, 16, 8, 128)
+        assert (t.decoder.num_layers, t.decoder.num_heads, t.decoder.num_kv_heads, t.decoder.head_dim) == (
+            28,
+            16,
+            8,
+            128,
+        )
         assert t.decoder.hidden_size == (1024 if size == "0.6b" else 2048)
         assert t.decoder.intermediate_size == (3072 if size == "0.6b" else 6144)
         assert (t.vocab_size, t.text_vocab_size, t.text_hidden_size) == (3072, 151936, 2048)
         p = t.predictor.decoder
-        assert (p.num_layers, p.hidden_size, p.intermediate_size, p.num_heads, p.num_kv_heads) == (5, 1024, 3072, 16, 8)
+        assert (p.num_layers, p.hidden_size, p.intermediate_size, p.num_heads, p.num_kv_heads) == (
+            5,
+            1024,
+            3072,
+            16,
+            8,
+        )
         assert (t.codec_pad_id, t.codec_bos_id, t.codec_eos_id) == (2148, 2149, 2150)
         assert (cfg.tts_pad_id, cfg.tts_bos_id, cfg.tts_eos_id) == (151671, 151672, 151673)
         assert t.suppressed_ids[0] == 2048 and 2150 not in t.suppressed_ids and len(t.suppressed_ids) == 1023
@@ -103,8 +124,12 @@ def test_full_size_module_tree_on_meta(name):
     h, th = t.decoder.hidden_size, t.text_hidden_size
     expected_talker = (
         t.decoder.num_parameters()
-        + t.vocab_size * h + t.text_vocab_size * th  # codec + text embeddings
-        + th * th + th + th * h + h  # text projection
+        + t.vocab_size * h
+        + t.text_vocab_size * th  # codec + text embeddings
+        + th * th
+        + th
+        + th * h
+        + h  # text projection
         + h * t.vocab_size  # codec head
     )
     ph = p.decoder.hidden_size
@@ -116,7 +141,9 @@ def test_full_size_module_tree_on_meta(name):
     assert sum(x.numel() for x in predictor.parameters()) == expected_predictor
     if name.startswith("qwen3-tts-12hz-1.7b"):
         assert 1.8e9 < expected_talker + expected_predictor < 2.0e9
-    names = {f"talker.{k}" for k in talker.state_dict()} | {f"talker.code_predictor.{k}" for k in predictor.state_dict()}
+    names = {f"talker.{k}" for k in talker.state_dict()} | {
+        f"talker.code_predictor.{k}" for k in predictor.state_dict()
+    }
     assert "talker.model.layers.27.self_attn.q_norm.weight" in names
     assert "talker.code_predictor.lm_head.14.weight" in names
     assert "talker.code_predictor.model.codec_embedding.14.weight" in names
@@ -151,7 +178,9 @@ def test_hub_download_failure_is_a_snapshot_error(monkeypatch):
         raise OSError("network is unreachable")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(SnapshotError, match="Qwen/Qwen3-TTS-12Hz-1.7B-Base: no such local folder and the hub download failed"):
+    with pytest.raises(
+        SnapshotError, match="Qwen/Qwen3-TTS-12Hz-1.7B-Base: no such local folder and the hub download failed"
+    ):
         load_talker_bundle("Qwen/Qwen3-TTS-12Hz-1.7B-Base")
 
 
@@ -169,8 +198,15 @@ def test_tiny_snapshot_builds_without_qwen_tts_and_is_deterministic(tiny_snapsho
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=600)
     first = tiny_snapshot_factory("base")
-    for name in ("config.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer_config.json",
-                 "preprocessor_config.json", "model.safetensors"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+        "model.safetensors",
+    ):
         assert (out / name).read_bytes() == (first / name).read_bytes(), name
     assert (out / "speech_tokenizer" / "config.json").is_file()
 

@@ -11,7 +11,11 @@ from tests.model.reference import official_codes, voice_clone_item
 
 pytestmark = pytest.mark.reference
 
-TEXTS = ["Hello world, it's a test.", "你好，世界。今天天气很好！", "Speak slowly and clearly, with a warm voice, please."]
+TEXTS = [
+    "Hello world, it's a test.",
+    "你好，世界。今天天气很好！",
+    "Speak slowly and clearly, with a warm voice, please.",
+]
 FRAMES = 9
 _ALONE: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -30,27 +34,46 @@ def _cases(mode: str, hidden: int):
         if mode == "custom_voice":
             speaker, lang = ["vivian", "eric", "ryan"][i], ["English", "Chinese", "Auto"][i]
             instruct = "Happy and bright." if i == 2 else None
-            out.append((
-                dict(text=text, speaker=speaker, language=lang, instruct=instruct),
-                SynthesisSpec(text=text, task="custom_voice", speaker=speaker, language=lang, instruct=instruct),
-            ))
+            out.append(
+                (
+                    dict(text=text, speaker=speaker, language=lang, instruct=instruct),
+                    SynthesisSpec(
+                        text=text, task="custom_voice", speaker=speaker, language=lang, instruct=instruct
+                    ),
+                )
+            )
         elif mode == "voice_design":
             instruct = ["A deep male voice.", "Gentle whisper.", "An excited child."][i]
-            out.append((
-                dict(text=text, instruct=instruct, language="Auto"),
-                SynthesisSpec(text=text, task="voice_design", instruct=instruct),
-            ))
+            out.append(
+                (
+                    dict(text=text, instruct=instruct, language="Auto"),
+                    SynthesisSpec(text=text, task="voice_design", instruct=instruct),
+                )
+            )
         else:
             voice = _voice(hidden, icl=mode == "icl", seed=i)
-            out.append((
-                dict(text=text, language="Auto", voice_clone_prompt=[voice_clone_item(voice.x_vector, voice.ref_codes, voice.ref_text)]),
-                SynthesisSpec(text=text, task="voice_clone", voice_prompt=voice),
-            ))
+            out.append(
+                (
+                    dict(
+                        text=text,
+                        language="Auto",
+                        voice_clone_prompt=[
+                            voice_clone_item(voice.x_vector, voice.ref_codes, voice.ref_text)
+                        ],
+                    ),
+                    SynthesisSpec(text=text, task="voice_clone", voice_prompt=voice),
+                )
+            )
     return out
 
 
 MODEL_TYPE = {"custom_voice": "custom_voice", "voice_design": "voice_design", "icl": "base", "xvec": "base"}
-TASK = {"custom_voice": "custom_voice", "voice_design": "voice_design", "icl": "voice_clone", "xvec": "voice_clone"}
+TASK = {
+    "custom_voice": "custom_voice",
+    "voice_design": "voice_design",
+    "icl": "voice_clone",
+    "xvec": "voice_clone",
+}
 MODES = list(MODEL_TYPE)
 
 
@@ -78,7 +101,9 @@ def test_unbatched_forced_length_equals_official(official_factory, bundle_factor
     official, bundle = official_factory(MODEL_TYPE[mode]), bundle_factory(MODEL_TYPE[mode])
     for idx, (kw, spec) in enumerate(_cases(mode, bundle.talker.hidden_size)):
         expected = _official_alone(official, mode, idx, kw)
-        ours, last = _run_alone(bundle, bundle.build_prompt(spec), SamplingParams(greedy=True, min_new_tokens=10**6), FRAMES)
+        ours, last = _run_alone(
+            bundle, bundle.build_prompt(spec), SamplingParams(greedy=True, min_new_tokens=10**6), FRAMES
+        )
         assert last.finish_reason == "length"
         assert torch.equal(ours, expected), f"{mode}: {spec.text!r}"
 
@@ -90,7 +115,9 @@ def test_non_default_text_feeding_equals_official(official_factory, bundle_facto
     kw, spec = _cases(mode, bundle.talker.hidden_size)[0]
     spec.streaming_text = streaming
     expected = official_codes(official, TASK[mode], frames=FRAMES, non_streaming_mode=not streaming, **kw)[0]
-    ours, _ = _run_alone(bundle, bundle.build_prompt(spec), SamplingParams(greedy=True, min_new_tokens=10**6), FRAMES)
+    ours, _ = _run_alone(
+        bundle, bundle.build_prompt(spec), SamplingParams(greedy=True, min_new_tokens=10**6), FRAMES
+    )
     assert torch.equal(ours, expected)
 
 

@@ -107,7 +107,9 @@ def test_a_signal_once_serving_still_drains_and_exits_0():
 
 def test_the_launcher_stops_waiting_for_a_starting_service_once_asked(tmp_path):
     # A process that never serves gRPC health: without the stop it would be waited for 60 s.
-    spec = ServiceSpec("still-loading", "http.server", ("0", "--bind", "127.0.0.1"), f"127.0.0.1:{free_port()}")
+    spec = ServiceSpec(
+        "still-loading", "http.server", ("0", "--bind", "127.0.0.1"), f"127.0.0.1:{free_port()}"
+    )
     proc = start_service(spec, tmp_path)
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()

@@ -21,7 +21,11 @@ class FakeHealth:
 
     async def Check(self, request, timeout=None, wait_for_ready=None):  # noqa: N802 - gRPC method name
         self.calls += 1
-        status = health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         return health_pb2.HealthCheckResponse(status=status)
 
 

@@ -62,7 +62,10 @@ def keys_on(ring_addresses: list[str], vnodes: int, address: str, n: int = 1) ->
 
 
 def errors(s, code: str) -> float:
-    return s.talker.metrics.registry.get_sample_value("tts_errors_total", {"service": "talker", "code": code}) or 0
+    return (
+        s.talker.metrics.registry.get_sample_value("tts_errors_total", {"service": "talker", "code": code})
+        or 0
+    )
 
 
 def stall_stack(replicas, **kw):
@@ -77,7 +80,9 @@ async def test_a_hung_replica_fails_its_stream_frees_the_slot_and_leaves_the_rin
         [on_hung] = keys_on([a.address, b.address], vnodes, a.address)
         [on_healthy] = keys_on([a.address, b.address], vnodes, b.address)
         # A stream on the healthy replica that outlives the stall of the other one.
-        other = asyncio.create_task(generate_all(s.stub, request_id=on_healthy, text="frames=150 slow", **CLONE))
+        other = asyncio.create_task(
+            generate_all(s.stub, request_id=on_healthy, text="frames=150 slow", **CLONE)
+        )
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await within(generate_all(s.stub, request_id=on_hung, text="frames=100000", **CLONE))
