@@ -136,9 +136,11 @@ def test_sse_that_fails_midway_ends_with_an_error_event(ends):
 
 
 def test_websocket_segment_that_fails_midway_sends_error_and_audio_done(ends):
+    # A seed and a length floor: the random tiny model must not end speech before the fault.
     url = ends.http_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
     config = {"type": "session.config", "voice": "v", "ref_audio": REF_B64, "x_vector_only_mode": True,
-              "response_format": "pcm", "stream_audio": True, "max_new_tokens": LONG}  # fmt: skip
+              "response_format": "pcm", "stream_audio": True, "max_new_tokens": LONG,
+              "seed": 1, "min_new_tokens": LONG // 2}  # fmt: skip
     with connect(url, max_size=None) as ws:
         ws.send(json.dumps(config))
         ws.send(json.dumps({"type": "input.text", "text": MIDWAY}))
@@ -160,7 +162,11 @@ def test_websocket_segment_that_fails_midway_sends_error_and_audio_done(ends):
 
 def test_grpc_stream_that_fails_midway_ends_with_an_error_status(ends):
     req = tts_pb2.SynthesizeRequest(
-        text=MIDWAY, reference_audio=REF_WAV, x_vector_only=True, max_new_frames=LONG
+        text=MIDWAY,
+        reference_audio=REF_WAV,
+        x_vector_only=True,
+        max_new_frames=LONG,
+        sampling=tts_pb2.SamplingParams(seed=1, min_new_frames=LONG // 2),
     )
     audio = 0
     with grpc.insecure_channel(ends.grpc_address) as channel:
