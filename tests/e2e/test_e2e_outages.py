@@ -204,6 +204,8 @@ def test_redis_outage_degrades_only_the_voice_api_and_loses_no_voice(outage_stac
                     )
                 )
                 time.sleep(0.2)
+            # The gateway learns of the outage at speaker_cache's next health round: wait for it.
+            poll(lambda: c.get("/readyz").json().get("status") == "degraded", timeout=10)
             ready_json = c.get("/readyz").json()
             # speaker_cache: unready (its store is gone), alive (a restart would not bring Redis back).
             cache = stack["speaker_cache"].spec.grpc_address
