@@ -32,15 +32,16 @@ import urllib.error
 import urllib.request
 import wave
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from qtts import probe
-from qtts.errors import TTSError
+from qtts.errors import InvalidArgument
 from qtts.resources import state_dir
-from qtts.service_config import env_lookup
+from qtts.settings import ServiceSettings, SettingsError, group, setting
 from qtts.tiny_model import ensure_tiny_snapshot
-from qtts.tls import TlsConfig, add_tls_flags, tls_from_args
+from qtts.tls import TlsConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LOG_DIR = state_dir() / "run" / "logs"
@@ -640,107 +641,134 @@ def describe(stack: Stack, body: dict) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.launcher", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model",
-        default=os.environ.get("TTS_MODEL", ""),
-        help="snapshot folder or hub id (default: tiny random Base snapshot in .tiny/)",
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _shell_words(text: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        raise SettingsError(f"must be flags as a shell would split them ({exc})") from None
+
+
+def _extra_args(service: str) -> Any:
+    return setting(
+        (),
+        f"extra flags for {service}, e.g. --talker-args '--engine graph --max-batch 256'",
+        parse=_shell_words,
     )
-    p.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"))
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for talker and code2wav")
-    p.add_argument(
-        "--code2wav-devices",
-        default="",
-        help="comma-separated devices the code2wav replicas take in turn, e.g. cuda:1,cuda:2 "
-        "(default: --device)",
+
+
+@dataclass(frozen=True)
+class LauncherSettings:
+    """The launcher's flags (env fallbacks `TTS_LAUNCHER_*`); `stack_config()` makes the
+    StackConfig they describe."""
+
+    model: str = setting(
+        "",
+        "snapshot folder or hub id",
+        env=("TTS_MODEL",),
+        shown="a tiny random Base snapshot in .tiny/",
     )
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument(
-        "--redis-url",
-        default=os.environ.get("REDIS_URL", ""),
-        help="Redis for speaker_cache (env REDIS_URL; default: in-memory)",
+    load_format: str = setting("auto", choices=LOAD_FORMATS)
+    device: str = setting("cpu", "cpu or cuda[:N] for talker and code2wav")
+    code2wav_devices: tuple[str, ...] = setting(
+        (),
+        "comma-separated devices the code2wav replicas take in turn, e.g. cuda:1,cuda:2",
+        shown="`--device`",
     )
-    p.add_argument("--code2wav-replicas", type=int, default=1)
-    p.add_argument(
-        "--gateway-replicas",
-        type=int,
-        default=1,
-        help="gateways in front of the talker (HTTP on --http-port, +1, +2, ...)",
+    dtype: str = setting("float32", choices=DTYPES)
+    redis_url: str = setting("", "Redis for speaker_cache", env=("REDIS_URL",), shown="in-memory")
+    code2wav_replicas: int = setting(1, "code2wav processes (on --code2wav-port and the next ports)")
+    gateway_replicas: int = setting(1, "gateways in front of the talker (HTTP on --http-port, +1, +2, ...)")
+    host: str = setting("127.0.0.1", "listen address of every service")
+    http_port: int = setting(8000, "the gateway's HTTP port")
+    grpc_port: int = setting(50051, "the gateway's gRPC port")
+    talker_port: int = setting(50052, "the talker's gRPC port")
+    code2wav_port: int = setting(50053, "the first replica's; more on the next ports")
+    speaker_cache_port: int = setting(50054, "speaker_cache's gRPC port")
+    metrics_port: int = setting(
+        9100, "the gateway's metrics port; talker +2, code2wav +3 on, speaker_cache +4 (0: no metrics)"
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--talker-port", type=int, default=50052)
-    p.add_argument(
-        "--code2wav-port", type=int, default=50053, help="the first replica's; more on the next ports"
+    log_dir: Path = setting(
+        DEFAULT_LOG_DIR,
+        "where each service logs (<service>.log)",
+        parse=Path,
+        shown="`run/logs` in the checkout or the state dir",
     )
-    p.add_argument("--speaker-cache-port", type=int, default=50054)
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=9100,
-        help="the gateway's metrics port; talker +2, code2wav +3 on, speaker_cache +4 (0: no metrics)",
-    )
-    p.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR)
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
-    add_tls_flags(p, env_lookup("launcher"), what="gRPC between the services (passed to each one)")
-    for service in SERVICE_NAMES:
-        p.add_argument(
-            f"--{service.replace('_', '-')}-args",
-            default="",
-            metavar="FLAGS",
-            help=f"extra flags for {service}, e.g. --talker-args '--engine graph --max-batch 256'",
+    startup_timeout: float = setting(600.0, "seconds to wait for SERVING")
+    tls: TlsConfig = group(TlsConfig(), "tls", what="gRPC between the services (passed to each one)")
+    gateway_args: tuple[str, ...] = _extra_args("gateway")
+    talker_args: tuple[str, ...] = _extra_args("talker")
+    code2wav_args: tuple[str, ...] = _extra_args("code2wav")
+    speaker_cache_args: tuple[str, ...] = _extra_args("speaker_cache")
+
+    def validate(self) -> LauncherSettings:
+        """Raise `InvalidArgument` naming the flag for an unusable value."""
+        for name in ("code2wav_replicas", "gateway_replicas"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        self.tls.validate()
+        return self
+
+    def stack_config(self) -> StackConfig:
+        n = self.code2wav_replicas
+        m = self.metrics_port
+        metrics = (
+            dict(
+                gateway_metrics_port=m,
+                talker_metrics_port=m + 2,
+                code2wav_metrics_ports=default_code2wav_ports(n, m + 3, m + 4),
+                speaker_cache_metrics_port=m + 4,
+            )
+            if m
+            else dict(
+                gateway_metrics_port=0,
+                talker_metrics_port=0,
+                code2wav_metrics_ports=(0,) * n,
+                speaker_cache_metrics_port=0,
+            )
         )
-    return p
+        return StackConfig(
+            model=self.model,
+            load_format=self.load_format,
+            device=self.device,
+            dtype=self.dtype,
+            redis_url=self.redis_url,
+            code2wav_devices=self.code2wav_devices,
+            host=self.host,
+            http_port=self.http_port,
+            grpc_port=self.grpc_port,
+            talker_port=self.talker_port,
+            speaker_cache_port=self.speaker_cache_port,
+            code2wav_ports=default_code2wav_ports(n, self.code2wav_port, self.speaker_cache_port),
+            **metrics,
+            log_dir=self.log_dir,
+            startup_timeout_s=self.startup_timeout,
+            gateway_replicas=self.gateway_replicas,
+            extra_args={s: getattr(self, f"{s}_args") for s in SERVICE_NAMES},
+            tls=self.tls if self.tls.enabled else None,
+        ).validate()
+
+
+SETTINGS = ServiceSettings(
+    LauncherSettings, "launcher", "python -m services.launcher", __doc__.split("\n\n")[0]
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return SETTINGS.parser()
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> StackConfig:
-    ns = build_parser().parse_args(argv)
-    if ns.code2wav_replicas < 1:
-        raise SystemExit("--code2wav-replicas must be >= 1")
-    n = ns.code2wav_replicas
-    m = ns.metrics_port
-    metrics = (
-        dict(
-            gateway_metrics_port=m,
-            talker_metrics_port=m + 2,
-            code2wav_metrics_ports=default_code2wav_ports(n, m + 3, m + 4),
-            speaker_cache_metrics_port=m + 4,
-        )
-        if m
-        else dict(
-            gateway_metrics_port=0,
-            talker_metrics_port=0,
-            code2wav_metrics_ports=(0,) * n,
-            speaker_cache_metrics_port=0,
-        )
-    )
+    """The StackConfig the flags (env fallbacks `TTS_LAUNCHER_*`) describe; exits 2 with one line
+    naming the setting on a bad value."""
+    parser = build_parser()
     try:
-        tls = tls_from_args(ns).validate()
-    except TTSError as exc:
-        raise SystemExit(exc.message) from None
-    return replace(
-        StackConfig(),
-        model=ns.model,
-        load_format=ns.load_format,
-        device=ns.device,
-        dtype=ns.dtype,
-        redis_url=ns.redis_url,
-        code2wav_devices=tuple(d.strip() for d in ns.code2wav_devices.split(",") if d.strip()),
-        host=ns.host,
-        http_port=ns.http_port,
-        grpc_port=ns.grpc_port,
-        talker_port=ns.talker_port,
-        speaker_cache_port=ns.speaker_cache_port,
-        code2wav_ports=default_code2wav_ports(n, ns.code2wav_port, ns.speaker_cache_port),
-        **metrics,
-        log_dir=ns.log_dir,
-        startup_timeout_s=ns.startup_timeout,
-        gateway_replicas=ns.gateway_replicas,
-        extra_args={s: tuple(shlex.split(getattr(ns, f"{s}_args"))) for s in SERVICE_NAMES},
-        tls=tls if tls.enabled else None,
-    ).validate()
+        return SETTINGS.parse(argv, parser).validate().stack_config()
+    except InvalidArgument as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc.message}\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -101,3 +101,42 @@ def test_startup_failure_names_the_stage_and_shows_its_log(tmp_path):
     message = str(info.value)
     assert "broken-stage" in message and "No module named services.no_such_service" in message
     assert (tmp_path / "broken-stage.log").exists()
+
+
+def test_env_fallbacks_come_from_the_settings_declarations(monkeypatch):
+    """TTS_LAUNCHER_<FLAG> for every flag, after it the conventional TTS_MODEL and REDIS_URL."""
+    monkeypatch.setenv("TTS_MODEL", "/conventional")
+    monkeypatch.setenv("REDIS_URL", "redis://conventional")
+    monkeypatch.setenv("TTS_LAUNCHER_REDIS_URL", "redis://mine")
+    monkeypatch.setenv("TTS_LAUNCHER_CODE2WAV_REPLICAS", "2")
+    monkeypatch.setenv("TTS_LAUNCHER_METRICS_PORT", "0")
+    monkeypatch.setenv("TTS_LAUNCHER_TALKER_ARGS", "--engine graph --max-batch '256'")
+    cfg = config_from_args(["--code2wav-devices", "cuda:1, cuda:2"])
+    assert (cfg.model, cfg.redis_url, cfg.code2wav_ports) == ("/conventional", "redis://mine", (50053, 50055))
+    assert cfg.code2wav_metrics_ports == (0, 0) and cfg.gateway_metrics_port == 0
+    assert cfg.code2wav_devices == ("cuda:1", "cuda:2")
+    assert cfg.extra_args["talker"] == ("--engine", "graph", "--max-batch", "256")
+    assert cfg.extra_args["gateway"] == ()
+    assert config_from_args(["--model", "/flag"]).model == "/flag"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--http-port", "x"], {}, "--http-port must be an integer, got 'x' (env TTS_LAUNCHER_HTTP_PORT)"),
+        ([], {"TTS_LAUNCHER_STARTUP_TIMEOUT": "soon"}, "TTS_LAUNCHER_STARTUP_TIMEOUT: --startup-timeout"),
+        (["--dtype", "f8"], {}, "--dtype must be one of float32, bfloat16, float16, got 'f8'"),
+        (["--code2wav-replicas", "0"], {}, "--code2wav-replicas must be >= 1, got 0"),
+        (["--gateway-replicas", "0"], {}, "--gateway-replicas must be >= 1, got 0"),
+        (["--talker-args", "--a 'b"], {}, "--talker-args must be flags as a shell would split them"),
+        (["--tls-cert", "/no/such.pem"], {}, "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_setting(argv, env, message, monkeypatch, capsys):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as info:
+        config_from_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
