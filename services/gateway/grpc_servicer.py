@@ -287,24 +287,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     ) -> AsyncIterator[tts_pb2.StreamingSynthesizeResponse]:
         requests = aiter(request_iterator)
         self._bind_caller(context)
-        try:
-            config = await _first_config(requests)
-            synthesis = config.synthesis
-            if synthesis.text:
-                raise InvalidArgument(
-                    "streaming_config.synthesis.text must be empty: text comes in input messages",
-                    param="text",
-                )
-            if config.text_split not in _TEXT_SPLITS:
-                raise InvalidArgument(f"unknown text_split {config.text_split}", param="text_split")
-            fmt = _encoding(synthesis.audio_encoding)
-            fields = fields_from_pb(synthesis)
-            check_session(self._synth, fields, fmt)
-        except Exception as exc:
-            self._synth.reject("grpc", exc)
-            raise
+        config, fmt, fields = await self._streaming_session(requests)
         await _report_ignored(context, self._synth.validate(dataclasses.replace(fields, text=".")))
-        request_id = synthesis.request_id or new_request_id()
+        request_id = config.synthesis.request_id or new_request_id()
         splitter = TextSplitter(_TEXT_SPLITS[config.text_split], self._synth.limits.max_input_chars)
         queue: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(_read_text(requests, splitter, queue))
@@ -342,6 +327,28 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+
+    async def _streaming_session(
+        self, requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest]
+    ) -> tuple[tts_pb2.StreamingSynthesizeConfig, str, SpeechFields]:
+        """The first message's config, checked: (config, audio encoding, the fields without text)."""
+        try:
+            config = await _first_config(requests)
+            synthesis = config.synthesis
+            if synthesis.text:
+                raise InvalidArgument(
+                    "streaming_config.synthesis.text must be empty: text comes in input messages",
+                    param="text",
+                )
+            if config.text_split not in _TEXT_SPLITS:
+                raise InvalidArgument(f"unknown text_split {config.text_split}", param="text_split")
+            fmt = _encoding(synthesis.audio_encoding)
+            fields = fields_from_pb(synthesis)
+            check_session(self._synth, fields, fmt)
+        except Exception as exc:
+            self._synth.reject("grpc", exc)
+            raise
+        return config, fmt, fields
 
     async def _responses(
         self, stream: SynthesisStream, fmt: str

@@ -32,6 +32,7 @@ from .http_streaming import (
     run_unless_disconnected,
 )
 from .instructions import ignored_fields_header
+from .job import SynthesisJob
 from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
 from .playback import PlaybackClock
 from .rate_limit import RateLimiter, RateLimitMiddleware
@@ -171,14 +172,33 @@ def create_app(deps: HttpDeps) -> FastAPI:
     """Build the FastAPI app around injected dependencies (no globals)."""
     app = FastAPI(title="Qwen3-TTS gateway", docs_url="/docs", redoc_url=None)
     install_openapi(app)
+    _add_middleware(app, deps)
+    install_abort_log_filter()
+    _add_error_handlers(app, deps.metrics)
+    # Routes in the order they have always been registered: the OpenAPI document lists them so.
+    _add_speech_routes(app, deps)
+    _add_model_routes(app, deps.synthesizer)
+    _add_health_routes(app, deps)
+    _add_playground_routes(app, deps)
+    _add_voice_collection_routes(app, deps)
+    app.include_router(consent_router(deps.consents))
+    app.include_router(batch_router(deps.synthesizer))
+    _add_voice_item_routes(app, deps)
+    return app
+
+
+def _add_middleware(app: FastAPI, deps: HttpDeps) -> None:
+    """Body limits, rate limit, client identity and API keys (the last added runs first)."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=deps.max_body_bytes, body_timeout_s=deps.body_timeout_s)
     if deps.rate_limiter is not None:
         app.add_middleware(RateLimitMiddleware, limiter=deps.rate_limiter)  # inside: the client is known
     app.add_middleware(ClientIdentityMiddleware)
     if deps.api_keys is not None and deps.api_keys.enabled:
         app.add_middleware(ApiKeyMiddleware, keys=deps.api_keys)
-    install_abort_log_filter()
-    synth, metrics = deps.synthesizer, deps.metrics
+
+
+def _add_error_handlers(app: FastAPI, metrics: GatewayMetrics) -> None:
+    """Every error answers in OpenAI's shape, whatever raised it."""
 
     @app.exception_handler(TTSError)
     async def _tts_error(_: Request, exc: TTSError) -> JSONResponse:
@@ -207,6 +227,11 @@ def create_app(deps: HttpDeps) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(InvalidArgument(str(exc.errors())), metrics)
 
+
+def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
+    """POST /v1/audio/speech and its WebSocket twin /v1/audio/speech/stream."""
+    synth, metrics = deps.synthesizer, deps.metrics
+
     @app.post(
         "/v1/audio/speech", response_class=Response, responses=SPEECH_RESPONSES, openapi_extra=SPEECH_OPENAPI
     )
@@ -224,38 +249,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
         except TTSError as exc:
             return error_response(exc, metrics)
         if out.streaming:
-            media = "text/event-stream" if out.stream_format == "sse" else MEDIA_TYPES[out.response_format]
-            headers = {
-                "x-request-id": job.request_id,
-                "x-tts-sample-rate": str(job.sample_rate),
-                **ignored_fields_header(job),
-                "cache-control": "no-cache",
-            }
-            return DisconnectAwareStreamingResponse(
-                _stream_chunks(stream, out, metrics, job.sample_rate),
-                headers=headers,
-                media_type=media,
-                write_timeout_s=deps.write_timeout_s,
-                request_id=job.request_id,
-            )
-        error: BaseException | None = None
-        try:
-            output = AudioOutput(out.response_format, job.sample_rate, out.speed, streaming=False)
-            audio = await run_unless_disconnected(request, lambda: output.collect(stream))
-            stream.first_byte_sent()
-            return Response(
-                audio,
-                media_type=MEDIA_TYPES[out.response_format],
-                headers=_result_headers(stream, job.sample_rate),
-            )
-        except TTSError as exc:
-            error = exc
-            return error_response(exc, metrics)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            await stream.close(error)
+            return _streaming_speech(job, stream, out, deps)
+        return await _whole_speech(request, job, stream, out, metrics)
 
     speech_stream_endpoint = SpeechStreamEndpoint(synth, write_timeout_s=deps.write_timeout_s)
 
@@ -263,6 +258,54 @@ def create_app(deps: HttpDeps) -> FastAPI:
     async def speech_stream(websocket: WebSocket) -> None:
         """Text streamed in, audio streamed out: vLLM-Omni's streaming speech protocol (speech_ws.py)."""
         await speech_stream_endpoint(websocket)
+
+
+def _streaming_speech(
+    job: SynthesisJob, stream: SynthesisStream, out: OutputOptions, deps: HttpDeps
+) -> Response:
+    """The audio (or SSE events) sent as the talker produces it; the stream closes with the body."""
+    media = "text/event-stream" if out.stream_format == "sse" else MEDIA_TYPES[out.response_format]
+    headers = {
+        "x-request-id": job.request_id,
+        "x-tts-sample-rate": str(job.sample_rate),
+        **ignored_fields_header(job),
+        "cache-control": "no-cache",
+    }
+    return DisconnectAwareStreamingResponse(
+        _stream_chunks(stream, out, deps.metrics, job.sample_rate),
+        headers=headers,
+        media_type=media,
+        write_timeout_s=deps.write_timeout_s,
+        request_id=job.request_id,
+    )
+
+
+async def _whole_speech(
+    request: Request, job: SynthesisJob, stream: SynthesisStream, out: OutputOptions, metrics: GatewayMetrics
+) -> Response:
+    """The whole clip in one body, with the summary headers; always closes `stream`."""
+    error: BaseException | None = None
+    try:
+        output = AudioOutput(out.response_format, job.sample_rate, out.speed, streaming=False)
+        audio = await run_unless_disconnected(request, lambda: output.collect(stream))
+        stream.first_byte_sent()
+        return Response(
+            audio,
+            media_type=MEDIA_TYPES[out.response_format],
+            headers=_result_headers(stream, job.sample_rate),
+        )
+    except TTSError as exc:
+        error = exc
+        return error_response(exc, metrics)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        await stream.close(error)
+
+
+def _add_model_routes(app: FastAPI, synth: GatewayCore) -> None:
+    """GET /v1/models and /v1/models/{model_id}: the one model this server serves."""
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -289,6 +332,11 @@ def create_app(deps: HttpDeps) -> FastAPI:
             raise NotFound(f"model {model_id!r} does not exist; this server serves {catalog.name!r}")
         return {"id": catalog.name, "object": "model", "created": 0, "owned_by": "qwen"}
 
+
+def _add_health_routes(app: FastAPI, deps: HttpDeps) -> None:
+    """GET /livez (liveness) and /health = /readyz (readiness)."""
+    synth = deps.synthesizer
+
     @app.get("/livez")
     async def livez() -> dict:
         """Liveness: the process and its event loop answer (a stage being down is not a reason to
@@ -312,7 +360,10 @@ def create_app(deps: HttpDeps) -> FastAPI:
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    status = deps.status or StatusReporter(synth)
+
+def _add_playground_routes(app: FastAPI, deps: HttpDeps) -> None:
+    """The playground page (GET /, /static) and the load figures it shows (GET /v1/status)."""
+    status = deps.status or StatusReporter(deps.synthesizer)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -323,6 +374,10 @@ def create_app(deps: HttpDeps) -> FastAPI:
     async def load_status() -> dict:
         """The served model and load figures (active streams, queue, step time) for the playground."""
         return await status.snapshot()
+
+
+def _add_voice_collection_routes(app: FastAPI, deps: HttpDeps) -> None:
+    """GET and POST /v1/audio/voices: list the named voices, upload one."""
 
     @app.get("/v1/audio/voices")
     async def list_voices() -> dict:
@@ -336,46 +391,68 @@ def create_app(deps: HttpDeps) -> FastAPI:
         `ref_text` and without `x_vector_only_mode`, the voice is x-vector only."""
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data"):
-            form = await request.form()
-            field = next((f for f in _VOICE_AUDIO_FIELDS if form.get(f) is not None), "audio_sample")
-            upload = form.get(field)
-            if upload is None:
-                raise InvalidArgument(
-                    "multipart voice upload needs a file field 'audio_sample' (or 'audio')",
-                    param="audio_sample",
-                )
-            audio = (
-                await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), field)
-            )
-            _check_voice_extras(_form_text(form, "type"), _form_text(form, "consent"))
-            await deps.consents.check(form.get("consent"))
-            name, ref_text = _form_text(form, "name") or "", _form_text(form, "ref_text") or ""
-            x_field = _form_text(form, "x_vector_only_mode")
-            x_only = None if x_field is None else str(x_field).lower() in ("1", "true", "yes", "on")
+            upload = await _multipart_voice(await request.form(), deps.consents)
         else:
-            body = await _json_body(request)
-            if not isinstance(body, dict):
-                raise InvalidArgument("request body must be a JSON object")
-            field = next((f for f in _VOICE_AUDIO_FIELDS if body.get(f) is not None), "audio_sample")
-            b64 = body.get(field)
-            if not isinstance(b64, str):
-                raise InvalidArgument(f"{field} must be a base64 string or data URL", param=field)
-            audio = decode_base64_audio(b64, field)
-            _check_voice_extras(body.get("type"), body.get("consent"))
-            await deps.consents.check(body.get("consent"))
-            name, ref_text = body.get("name"), body.get("ref_text")
-            if not isinstance(name, str):
-                raise InvalidArgument("name must be a string", param="name")
-            if not isinstance(ref_text, str | None):
-                raise InvalidArgument("ref_text must be a string", param="ref_text")
-            x_only = body.get("x_vector_only_mode")
-            if not isinstance(x_only, bool | None):
-                raise InvalidArgument("x_vector_only_mode must be a boolean", param="x_vector_only_mode")
-        voice = await deps.voices.create(name, audio, ref_text, x_only, audio_field=field)
+            upload = await _json_voice(await _json_body(request), deps.consents)
+        voice = await deps.voices.create(
+            upload.name, upload.audio, upload.ref_text, upload.x_vector_only, audio_field=upload.audio_field
+        )
         return JSONResponse(voice.to_json(), status_code=201)
 
-    app.include_router(consent_router(deps.consents))
-    app.include_router(batch_router(synth))
+
+@dataclass(frozen=True)
+class _VoiceUpload:
+    """The fields of a voice upload, checked, whichever body carried them."""
+
+    name: str
+    audio: bytes
+    ref_text: str | None
+    x_vector_only: bool | None
+    audio_field: str  # where the clip came, for errors about it
+
+
+async def _multipart_voice(form, consents: ConsentStore) -> _VoiceUpload:
+    """A multipart voice upload: the clip as a file (or base64 text), the rest as text fields."""
+    field = next((f for f in _VOICE_AUDIO_FIELDS if form.get(f) is not None), "audio_sample")
+    upload = form.get(field)
+    if upload is None:
+        raise InvalidArgument(
+            "multipart voice upload needs a file field 'audio_sample' (or 'audio')",
+            param="audio_sample",
+        )
+    audio = await upload.read() if hasattr(upload, "read") else decode_base64_audio(str(upload), field)
+    _check_voice_extras(_form_text(form, "type"), _form_text(form, "consent"))
+    await consents.check(form.get("consent"))
+    name, ref_text = _form_text(form, "name") or "", _form_text(form, "ref_text") or ""
+    x_field = _form_text(form, "x_vector_only_mode")
+    x_only = None if x_field is None else str(x_field).lower() in ("1", "true", "yes", "on")
+    return _VoiceUpload(name, audio, ref_text, x_only, field)
+
+
+async def _json_voice(body: object, consents: ConsentStore) -> _VoiceUpload:
+    """A JSON voice upload: the clip as a base64 string or data URL."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    field = next((f for f in _VOICE_AUDIO_FIELDS if body.get(f) is not None), "audio_sample")
+    b64 = body.get(field)
+    if not isinstance(b64, str):
+        raise InvalidArgument(f"{field} must be a base64 string or data URL", param=field)
+    audio = decode_base64_audio(b64, field)
+    _check_voice_extras(body.get("type"), body.get("consent"))
+    await consents.check(body.get("consent"))
+    name, ref_text = body.get("name"), body.get("ref_text")
+    if not isinstance(name, str):
+        raise InvalidArgument("name must be a string", param="name")
+    if not isinstance(ref_text, str | None):
+        raise InvalidArgument("ref_text must be a string", param="ref_text")
+    x_only = body.get("x_vector_only_mode")
+    if not isinstance(x_only, bool | None):
+        raise InvalidArgument("x_vector_only_mode must be a boolean", param="x_vector_only_mode")
+    return _VoiceUpload(name, audio, ref_text, x_only, field)
+
+
+def _add_voice_item_routes(app: FastAPI, deps: HttpDeps) -> None:
+    """GET and DELETE /v1/audio/voices/{name}: one named voice."""
 
     @app.get("/v1/audio/voices/{name}")
     async def get_voice(name: str) -> dict:
@@ -386,5 +463,3 @@ def create_app(deps: HttpDeps) -> FastAPI:
         """OpenAI's `VoiceDeleted` shape (plus `name`)."""
         await deps.voices.delete(name)
         return {"id": name, "object": "audio.voice.deleted", "deleted": True, "name": name}
-
-    return app

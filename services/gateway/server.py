@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import uvicorn
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from qtts.errors import TTSError, Unavailable
@@ -90,6 +91,25 @@ class GatewayServer:
         if decode is None:
             decode = functools.partial(decode_reference, max_seconds=config.max_ref_audio_seconds)
         self.metrics = GatewayMetrics(CollectorRegistry())
+        self._connect_stages(config)
+        self.catalog: ModelCatalog | None = None
+        self._catalog_retry_s = catalog_retry_s
+        self._build_core(config, decode)
+        self.api_keys = ApiKeys(load_api_keys(config.api_keys_file))
+        # One bucket per client for HTTP and gRPC together: a client cannot double its rate.
+        self.rate_limiter = (
+            RateLimiter(config.rate_limit_per_s, config.rate_limit_burst_size)
+            if config.rate_limit_per_s > 0
+            else None
+        )
+        self.host = self._grpc_host(config)
+        self.app = self._http_app(config)
+        self.http = self._http_server(config)
+        self._http_task: asyncio.Task | None = None
+        self._catalog_task: asyncio.Task | None = None
+
+    def _connect_stages(self, config: GatewayConfig) -> None:
+        """Clients of the talker (a pool of replicas, or one balanced channel) and speaker_cache."""
         self.talker_pool = (
             TalkerPool(
                 DnsResolver(config.talker),
@@ -108,8 +128,9 @@ class GatewayServer:
             config.talker, pool=self.talker_pool, token=config.internal_token, tls=config.tls
         )
         self.voice_client = VoiceClient(config.speaker_cache, token=config.internal_token, tls=config.tls)
-        self.catalog: ModelCatalog | None = None
-        self._catalog_retry_s = catalog_retry_s
+
+    def _build_core(self, config: GatewayConfig, decode: Callable[[bytes], np.ndarray]) -> None:
+        """What both front ends share: the synthesis core, voices, consents and stage health."""
         limits = RequestLimits(
             config.max_input_chars,
             config.max_new_frames_limit,
@@ -143,14 +164,10 @@ class GatewayServer:
         self.stage_health = StageHealth(
             {"talker": self.talker.channel, "speaker_cache": self.voice_client.channel}
         )
-        self.api_keys = ApiKeys(load_api_keys(config.api_keys_file))
-        # One bucket per client for HTTP and gRPC together: a client cannot double its rate.
-        self.rate_limiter = (
-            RateLimiter(config.rate_limit_per_s, config.rate_limit_burst_size)
-            if config.rate_limit_per_s > 0
-            else None
-        )
-        self.host = GrpcServiceHost(
+
+    def _grpc_host(self, config: GatewayConfig) -> GrpcServiceHost:
+        """The public tts.v1 gRPC server, with API keys and the rate limit in front."""
+        host = GrpcServiceHost(
             service_names=[SERVICE_NAME],
             metrics=self.metrics,
             host=config.host,
@@ -169,9 +186,13 @@ class GatewayServer:
                 write_timeout_s=config.http_write_timeout_s,
                 consents=self.consents,
             ),
-            self.host.server,
+            host.server,
         )
-        self.app = create_app(
+        return host
+
+    def _http_app(self, config: GatewayConfig) -> FastAPI:
+        """The OpenAI-compatible HTTP app, with metrics, tracing and request ids around it."""
+        app = create_app(
             HttpDeps(
                 self.synthesizer,
                 self.voices,
@@ -186,10 +207,14 @@ class GatewayServer:
                 consents=self.consents,
             )
         )
-        self.app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)
-        self.app.add_middleware(TracingMiddleware)
-        self.app.add_middleware(RequestIdMiddleware)
-        self.http = _UvicornServer(
+        app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)
+        app.add_middleware(TracingMiddleware)
+        app.add_middleware(RequestIdMiddleware)
+        return app
+
+    def _http_server(self, config: GatewayConfig) -> _UvicornServer:
+        """uvicorn serving `self.app`; its graceful shutdown outlasts the drain by END_EVENT_GRACE_S."""
+        return _UvicornServer(
             uvicorn.Config(
                 self.app,
                 host=config.host,
@@ -203,8 +228,6 @@ class GatewayServer:
                 **_uvicorn_tls(config.public_tls),
             )
         )
-        self._http_task: asyncio.Task | None = None
-        self._catalog_task: asyncio.Task | None = None
 
     def _rate_interceptors(self) -> list[RateLimitInterceptor]:
         if self.rate_limiter is None:
