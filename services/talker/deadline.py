@@ -185,6 +185,76 @@ class ScheduledRequest:
         return slack - self.frames_to_next_chunk() * step_s
 
 
+def _length_frames(req: ScheduledRequest) -> Any:
+    """A stream's expected length in frames (0 or None: unknown)."""
+    return (
+        req.max_new_frames
+        or getattr(req.prompt, "default_max_frames", None)
+        or getattr(req.prompt, "max_frames", None)
+    )
+
+
+class RunningStreams(dict[str, ScheduledRequest]):
+    """The running streams by request id, with the sum and count of their known lengths (frames)
+    kept as streams come and go, so the mean length costs O(1) per plan and submit instead of a
+    scan of every stream. A stream's length is taken when it is added (its `max_new_frames` and
+    prompt do not change while it runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._frames: dict[str, Any] = {}  # the known lengths, by request id
+        self.length_frames: Any = 0  # their sum
+        self.num_lengths = 0  # their count
+
+    def __setitem__(self, rid: str, req: ScheduledRequest) -> None:
+        self._forget(rid)
+        super().__setitem__(rid, req)
+        frames = _length_frames(req)
+        if frames:
+            self._frames[rid] = frames
+            self.length_frames += frames
+            self.num_lengths += 1
+
+    def __delitem__(self, rid: str) -> None:
+        super().__delitem__(rid)
+        self._forget(rid)
+
+    def pop(self, rid: str, *default: Any) -> Any:
+        if rid not in self:
+            return super().pop(rid, *default)
+        self._forget(rid)
+        return super().pop(rid)
+
+    def popitem(self) -> tuple[str, ScheduledRequest]:
+        rid, req = super().popitem()
+        self._forget(rid)
+        return rid, req
+
+    def setdefault(self, rid: str, req: Any = None) -> Any:
+        if rid not in self:
+            self[rid] = req
+        return self[rid]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for rid, req in dict(*args, **kwargs).items():
+            self[rid] = req
+
+    def __ior__(self, other: Any) -> RunningStreams:
+        self.update(other)
+        return self
+
+    def clear(self) -> None:
+        super().clear()
+        self._frames.clear()
+        self.length_frames, self.num_lengths = 0, 0
+
+    def _forget(self, rid: str) -> None:
+        frames = self._frames.pop(rid, None)
+        if frames is not None:
+            self.length_frames -= frames
+            self.num_lengths -= 1
+
+
 @dataclass
 class StepPlan:
     """The engine's next move: start `admitted`, refuse `refused`, and step unless `step` is False.
@@ -224,7 +294,7 @@ class DeadlineScheduler:
         self.admission = admission
         self.policy = policy or DeadlinePolicy()
         self.waiting: deque[ScheduledRequest] = deque()
-        self.running: dict[str, ScheduledRequest] = {}
+        self.running = RunningStreams()
         self.admitting = True
         self._last_step_at = -math.inf
 
@@ -300,17 +370,16 @@ class DeadlineScheduler:
 
     def _length_s(self, req: ScheduledRequest) -> float | None:
         """A stream's expected length in seconds of audio (None: unknown)."""
-        total = (
-            req.max_new_frames
-            or getattr(req.prompt, "default_max_frames", None)
-            or getattr(req.prompt, "max_frames", None)
-        )
+        total = _length_frames(req)
         return total * self.policy.frame_s if total else None
 
     def _mean_stream_s(self) -> float | None:
-        """Mean expected length of the running streams and the next waiting one (None: unknown)."""
-        lengths = [s for r in (*self.running.values(), *list(self.waiting)[:1]) if (s := self._length_s(r))]
-        return sum(lengths) / len(lengths) if lengths else None
+        """Mean expected length of the running streams and the next waiting one (None: unknown);
+        O(1): the running streams' sum and count are kept by `RunningStreams`."""
+        total, n = self.running.length_frames, self.running.num_lengths
+        if self.waiting and (frames := _length_frames(self.waiting[0])):
+            total, n = total + frames, n + 1
+        return total * self.policy.frame_s / n if n else None
 
     def _finish_in_s(self, req: ScheduledRequest, now: float) -> float:
         """When a running stream is expected to end generating, from now."""
