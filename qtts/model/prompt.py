@@ -301,42 +301,10 @@ class PromptBuilder:
     # -- the prompt ------------------------------------------------------------------------
     @torch.no_grad()
     def build(self, spec: SynthesisSpec) -> TalkerPrompt:
-        cfg, tcfg = self.config, self.config.talker
-        expected = served_task(cfg.tts_model_type)
-        if spec.task != expected:
-            raise InvalidArgument(
-                f"task {spec.task!r} is not served by a {cfg.tts_model_type} model (it serves {expected!r})"
-            )
-        if not spec.text:
-            raise InvalidArgument("text must not be empty")
-
-        speaker_embed = None
-        speaker = None
-        instruct = spec.instruct or None
+        self._check_served(spec)
+        speaker, speaker_embed, instruct, icl = self._voice_side(spec)
         voice = spec.voice_prompt
-        if spec.task == "custom_voice":
-            if spec.speaker:
-                speaker = spec.speaker.lower()
-                if speaker not in tcfg.speaker_ids:
-                    raise InvalidArgument(
-                        f"unknown speaker {spec.speaker!r}; supported: {sorted(tcfg.speaker_ids)}"
-                    )
-                speaker_embed = self._codec([tcfg.speaker_ids[speaker]])
-            if not cfg.supports_instruct:
-                instruct = None
-        elif spec.task == "voice_clone":
-            if voice is None:
-                raise InvalidArgument("voice clone needs a voice prompt")
-            speaker_embed = self._voice_parts(voice)[0]
-            instruct = None
-        icl = spec.task == "voice_clone" and not voice.x_vector_only and voice.ref_codes is not None
-        if icl and not voice.ref_text:
-            raise InvalidArgument("ICL voice clone needs the reference transcript")
-        streaming = spec.streaming_text
-        if streaming is None:
-            streaming = spec.task == "voice_clone" or spec.text_open
-        if spec.text_open and not streaming:
-            raise InvalidArgument("text streamed in needs the streaming-text prompt (streaming_text)")
+        streaming = self._streaming_text(spec)
         open_ = spec.text_open
 
         ids = encode(self.tokenizer, assistant_text(spec.text))
@@ -345,82 +313,24 @@ class PromptBuilder:
             raise InvalidArgument("text has no tokens")
         lang_id = self.language_id(spec.language, speaker)
 
-        bos_eos_pad = self._text([cfg.tts_bos_id, cfg.tts_eos_id, cfg.tts_pad_id])
+        bos_eos_pad = self._text([self.config.tts_bos_id, self.config.tts_eos_id, self.config.tts_pad_id])
         tts_bos, tts_eos, tts_pad = bos_eos_pad.chunk(3, dim=1)
-
-        if lang_id is None:
-            prefix = [tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id]
-        else:
-            prefix = [tcfg.codec_think_id, tcfg.codec_think_bos_id, lang_id, tcfg.codec_think_eos_id]
-        pieces = [self._codec(prefix)]
-        if speaker_embed is not None:
-            pieces.append(speaker_embed)
-        pieces.append(self._codec([tcfg.codec_pad_id, tcfg.codec_bos_id]))
-        codec = torch.cat(pieces, dim=1)
+        prefix, codec = self._codec_prefix(lang_id, speaker_embed)
         n = codec.shape[1]
         head = torch.cat([tts_pad.expand(-1, n - 2, -1), tts_bos], dim=1) + codec[:, :-1]
 
-        # Everything that shapes the positions before the body goes into the prefix key.
-        key = _PrefixHasher()
-        key.add("model", f"{cfg.tts_model_type}/{cfg.tts_model_size}/{self.model_name or ''}")
-        key.add("hidden", int(self.talker.codec_head.weight.shape[1]))
-        key.add("codec_prefix", prefix)
-        if spec.task == "custom_voice":
-            key.add("speaker", tcfg.speaker_ids[speaker] if speaker else None)
-        elif spec.task == "voice_clone":
-            key.add("x_vector", voice.x_vector.detach().to("cpu", torch.float32).reshape(-1))
-
-        parts = []
-        if instruct:
-            instruct_ids = encode(self.tokenizer, instruct_text(instruct))
-            key.add("instruct", instruct_ids)
-            parts.append(self._text(instruct_ids))
-        else:
-            key.add("instruct", None)
-        # The role's tokens come from the target's tokenisation: a text that starts with a newline
-        # merges into the role's "\n" token, so the key takes the ids actually used.
-        key.add("role", ids[:3])
-        parts.append(self._text(ids[:3]))
-        parts.append(head)
+        key = self._prefix_key(spec, prefix, speaker)
+        parts = self._head_parts(instruct, ids[:3], head, key)
         num_head = sum(p.shape[1] for p in parts)
 
-        empty = tts_pad[:, :0]
         num_voice_body = 0  # leading body positions that depend on the voice only
         if icl:
-            _, ref_codes, codec_embed, ref_ids = self._voice_parts(voice)
-            # Body position i is T(x_i) + Y_i (streaming) or T(x_i) + C(pad) (non-streaming) with
-            # x = ref tokens + target tokens + tts_eos and Y = C(codec_bos), reference frames: the
-            # first target token enters at body position len(ref_ids).
-            num_voice_body = len(ref_ids)
-            key.add("icl_streaming", bool(streaming))
-            key.add("ref_text", ref_ids)
-            key.add("ref_codes", voice.ref_codes.detach().to("cpu", torch.long))
-            text_embed = self._text(ref_ids + target)
-            if not open_:
-                text_embed = torch.cat([text_embed, tts_eos], dim=1)
-            elif text_embed.shape[1] < voice.ref_codes.shape[0] + 1:
-                # The whole text might still end inside the reference frames (padded there).
-                raise NeedMoreText("the text so far does not reach past the reference frames")
-            tl, cl = text_embed.shape[1], codec_embed.shape[1]
-            if not streaming:
-                parts.append(text_embed + self._codec([tcfg.codec_pad_id] * tl))
-                parts.append(codec_embed + tts_pad)
-                trailing = empty
-            elif tl > cl:
-                parts.append(text_embed[:, :cl] + codec_embed)
-                trailing = text_embed[:, cl:]
-            else:
-                parts.append(torch.cat([text_embed, tts_pad.expand(-1, cl - tl, -1)], dim=1) + codec_embed)
-                trailing = empty
-        elif streaming:
-            parts.append(self._text(ids[3:4]) + codec[:, -1:])
-            rest = self._text(ids[4:-5]) if len(target) > 1 else empty
-            trailing = rest if open_ else torch.cat([rest, tts_eos], dim=1)
+            body, trailing, num_voice_body = self._icl_body(
+                voice, target, streaming, open_, key, tts_eos, tts_pad
+            )
         else:
-            body = torch.cat([self._text(target), tts_eos], dim=1)
-            parts.append(body + self._codec([tcfg.codec_pad_id] * body.shape[1]))
-            parts.append(tts_pad + self._codec([tcfg.codec_bos_id]))
-            trailing = empty
+            body, trailing = self._text_body(ids, target, codec, streaming, open_, tts_eos, tts_pad)
+        parts.extend(body)
 
         embeds = torch.cat(parts, dim=1)[0]
         prefix_len = min(num_head + num_voice_body, int(embeds.shape[0]))
@@ -437,3 +347,157 @@ class PromptBuilder:
             default_max_frames=default_max,
             text_feed=TextFeed(int(trailing.shape[1])) if open_ else None,
         )
+
+    def _check_served(self, spec: SynthesisSpec) -> None:
+        """The model serves the spec's task, and there is text."""
+        cfg = self.config
+        expected = served_task(cfg.tts_model_type)
+        if spec.task != expected:
+            raise InvalidArgument(
+                f"task {spec.task!r} is not served by a {cfg.tts_model_type} model (it serves {expected!r})"
+            )
+        if not spec.text:
+            raise InvalidArgument("text must not be empty")
+
+    def _voice_side(self, spec: SynthesisSpec) -> tuple[str | None, torch.Tensor | None, str | None, bool]:
+        """(preset speaker, speaker embedding [1, 1, H], instruct, ICL or not) of a spec: a preset
+        speaker for CustomVoice, the voice prompt's x-vector for voice clone; instruct only where
+        the model takes it (never for voice clone)."""
+        tcfg = self.config.talker
+        speaker_embed = None
+        speaker = None
+        instruct = spec.instruct or None
+        voice = spec.voice_prompt
+        if spec.task == "custom_voice":
+            if spec.speaker:
+                speaker = spec.speaker.lower()
+                if speaker not in tcfg.speaker_ids:
+                    raise InvalidArgument(
+                        f"unknown speaker {spec.speaker!r}; supported: {sorted(tcfg.speaker_ids)}"
+                    )
+                speaker_embed = self._codec([tcfg.speaker_ids[speaker]])
+            if not self.config.supports_instruct:
+                instruct = None
+        elif spec.task == "voice_clone":
+            if voice is None:
+                raise InvalidArgument("voice clone needs a voice prompt")
+            speaker_embed = self._voice_parts(voice)[0]
+            instruct = None
+        icl = spec.task == "voice_clone" and not voice.x_vector_only and voice.ref_codes is not None
+        if icl and not voice.ref_text:
+            raise InvalidArgument("ICL voice clone needs the reference transcript")
+        return speaker, speaker_embed, instruct, icl
+
+    @staticmethod
+    def _streaming_text(spec: SynthesisSpec) -> bool:
+        """Whether the prompt streams its text in (one token per frame) or holds it whole."""
+        streaming = spec.streaming_text
+        if streaming is None:
+            streaming = spec.task == "voice_clone" or spec.text_open
+        if spec.text_open and not streaming:
+            raise InvalidArgument("text streamed in needs the streaming-text prompt (streaming_text)")
+        return streaming
+
+    def _codec_prefix(
+        self, lang_id: int | None, speaker_embed: torch.Tensor | None
+    ) -> tuple[list[int], torch.Tensor]:
+        """(think ids, the codec track of the prefix: think/nothink, [language], [speaker], pad, bos)."""
+        tcfg = self.config.talker
+        if lang_id is None:
+            prefix = [tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id]
+        else:
+            prefix = [tcfg.codec_think_id, tcfg.codec_think_bos_id, lang_id, tcfg.codec_think_eos_id]
+        pieces = [self._codec(prefix)]
+        if speaker_embed is not None:
+            pieces.append(speaker_embed)
+        pieces.append(self._codec([tcfg.codec_pad_id, tcfg.codec_bos_id]))
+        return prefix, torch.cat(pieces, dim=1)
+
+    def _prefix_key(self, spec: SynthesisSpec, prefix: list[int], speaker: str | None) -> _PrefixHasher:
+        """The key's first fields: everything that shapes the positions before the body."""
+        cfg, tcfg = self.config, self.config.talker
+        key = _PrefixHasher()
+        key.add("model", f"{cfg.tts_model_type}/{cfg.tts_model_size}/{self.model_name or ''}")
+        key.add("hidden", int(self.talker.codec_head.weight.shape[1]))
+        key.add("codec_prefix", prefix)
+        if spec.task == "custom_voice":
+            key.add("speaker", tcfg.speaker_ids[speaker] if speaker else None)
+        elif spec.task == "voice_clone":
+            key.add("x_vector", spec.voice_prompt.x_vector.detach().to("cpu", torch.float32).reshape(-1))
+        return key
+
+    def _head_parts(
+        self, instruct: str | None, role_ids: list[int], head: torch.Tensor, key: _PrefixHasher
+    ) -> list[torch.Tensor]:
+        """[instruct block], role, codec prefix: the positions before the body (added to `key`)."""
+        parts = []
+        if instruct:
+            instruct_ids = encode(self.tokenizer, instruct_text(instruct))
+            key.add("instruct", instruct_ids)
+            parts.append(self._text(instruct_ids))
+        else:
+            key.add("instruct", None)
+        # The role's tokens come from the target's tokenisation: a text that starts with a newline
+        # merges into the role's "\n" token, so the key takes the ids actually used.
+        key.add("role", role_ids)
+        parts.append(self._text(role_ids))
+        parts.append(head)
+        return parts
+
+    def _icl_body(
+        self,
+        voice: VoicePrompt,
+        target: list[int],
+        streaming: bool,
+        open_: bool,
+        key: _PrefixHasher,
+        tts_eos: torch.Tensor,
+        tts_pad: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+        """(body parts, trailing text, leading body positions that depend on the voice only) of an
+        ICL prompt; the reference side goes into `key`."""
+        _, ref_codes, codec_embed, ref_ids = self._voice_parts(voice)
+        # Body position i is T(x_i) + Y_i (streaming) or T(x_i) + C(pad) (non-streaming) with
+        # x = ref tokens + target tokens + tts_eos and Y = C(codec_bos), reference frames: the
+        # first target token enters at body position len(ref_ids).
+        num_voice_body = len(ref_ids)
+        key.add("icl_streaming", bool(streaming))
+        key.add("ref_text", ref_ids)
+        key.add("ref_codes", voice.ref_codes.detach().to("cpu", torch.long))
+        text_embed = self._text(ref_ids + target)
+        if not open_:
+            text_embed = torch.cat([text_embed, tts_eos], dim=1)
+        elif text_embed.shape[1] < voice.ref_codes.shape[0] + 1:
+            # The whole text might still end inside the reference frames (padded there).
+            raise NeedMoreText("the text so far does not reach past the reference frames")
+        empty = tts_pad[:, :0]
+        tl, cl = text_embed.shape[1], codec_embed.shape[1]
+        if not streaming:
+            parts = [text_embed + self._codec([self.config.talker.codec_pad_id] * tl), codec_embed + tts_pad]
+            return parts, empty, num_voice_body
+        if tl > cl:
+            return [text_embed[:, :cl] + codec_embed], text_embed[:, cl:], num_voice_body
+        padded = torch.cat([text_embed, tts_pad.expand(-1, cl - tl, -1)], dim=1)
+        return [padded + codec_embed], empty, num_voice_body
+
+    def _text_body(
+        self,
+        ids: list[int],
+        target: list[int],
+        codec: torch.Tensor,
+        streaming: bool,
+        open_: bool,
+        tts_eos: torch.Tensor,
+        tts_pad: torch.Tensor,
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(body parts, trailing text) of a prompt without reference frames: streaming, the first
+        target token on the last codec position and the rest trailing; else the whole text."""
+        empty = tts_pad[:, :0]
+        if streaming:
+            first = self._text(ids[3:4]) + codec[:, -1:]
+            rest = self._text(ids[4:-5]) if len(target) > 1 else empty
+            return [first], rest if open_ else torch.cat([rest, tts_eos], dim=1)
+        body = torch.cat([self._text(target), tts_eos], dim=1)
+        parts = [body + self._codec([self.config.talker.codec_pad_id] * body.shape[1])]
+        parts.append(tts_pad + self._codec([self.config.talker.codec_bos_id]))
+        return parts, empty
