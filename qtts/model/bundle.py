@@ -235,6 +235,41 @@ def build_modules(cfg: ModelConfig) -> tuple[Talker, CodePredictor]:
     return talker, predictor
 
 
+def _load_weights(
+    snap: Snapshot, talker: Talker, predictor: CodePredictor, is_base: bool, seed: int
+) -> dict[str, torch.Tensor] | None:
+    """Fill the talker and code predictor (dummy weights from `seed`, or the snapshot's, checked
+    strictly); returns the speaker encoder's state dict (None for a dummy load)."""
+    if snap.load_format == "dummy":
+        init_dummy_weights(talker, seed=seed)
+        init_dummy_weights(predictor, seed=seed + 1)
+        return None
+    sd = _load_state_dict(snap)
+    talker_sd, predictor_sd, speaker_sd, unexpected = _split(sd, is_base)
+    if unexpected:
+        raise SnapshotError(f"{snap.folder}: unexpected weights {unexpected[:5]}")
+    _load_strict(talker, talker_sd, "talker", snap.folder)
+    _load_strict(predictor, predictor_sd, "code predictor", snap.folder)
+    if is_base and not speaker_sd:
+        raise SnapshotError(f"{snap.folder}: a Base snapshot without speaker_encoder.* weights")
+    del sd
+    return speaker_sd
+
+
+def _model_info(cfg: ModelConfig, name: str) -> ModelInfo:
+    """What the talker tells its callers about the model it serves."""
+    tcfg = cfg.talker
+    return ModelInfo(
+        model_type=cfg.tts_model_type,
+        model_size=cfg.tts_model_size,
+        name=name,
+        speakers=dict(tcfg.speaker_ids),
+        languages=dict(cfg.languages),
+        num_codebooks=tcfg.num_code_groups,
+        codebook_size=tcfg.codebook_size,
+    )
+
+
 def load_talker_bundle(
     path_or_id: str | Path,
     *,
@@ -252,35 +287,13 @@ def load_talker_bundle(
     talker, predictor = build_modules(cfg)
     talker = materialize(talker, device, dtype)
     predictor = materialize(predictor, device, dtype)
-    if snap.load_format == "dummy":
-        init_dummy_weights(talker, seed=seed)
-        init_dummy_weights(predictor, seed=seed + 1)
-        speaker_sd = None
-    else:
-        sd = _load_state_dict(snap)
-        talker_sd, predictor_sd, speaker_sd, unexpected = _split(sd, is_base)
-        if unexpected:
-            raise SnapshotError(f"{snap.folder}: unexpected weights {unexpected[:5]}")
-        _load_strict(talker, talker_sd, "talker", snap.folder)
-        _load_strict(predictor, predictor_sd, "code predictor", snap.folder)
-        if is_base and not speaker_sd:
-            raise SnapshotError(f"{snap.folder}: a Base snapshot without speaker_encoder.* weights")
-        del sd
+    speaker_sd = _load_weights(snap, talker, predictor, is_base, seed)
     speaker_encoder = codec_encoder = None
     if is_base:
         speaker_encoder = _speaker_encoder(cfg, speaker_sd, seed, device, dtype, snap.folder)
         codec_encoder = _codec_encoder(snap, device, dtype, snap.load_format)
     gen_cfg = read_generation_config(snap.folder / "generation_config.json")
-    tcfg = cfg.talker
-    info = ModelInfo(
-        model_type=cfg.tts_model_type,
-        model_size=cfg.tts_model_size,
-        name=snap.name,
-        speakers=dict(tcfg.speaker_ids),
-        languages=dict(cfg.languages),
-        num_codebooks=tcfg.num_code_groups,
-        codebook_size=tcfg.codebook_size,
-    )
+    info = _model_info(cfg, snap.name)
     tokenizer, tokenizer_name = _tokenizer(snap)
     return TalkerBundle(
         info=info,

@@ -237,6 +237,31 @@ class EagerGenerator:
     def _finish_frames(
         self, rows: list[_Request], hidden: torch.Tensor, logits: torch.Tensor
     ) -> list[StepOutput]:
+        """A step's outputs: codebook 0 per row, then the other 15 of the rows that go on."""
+        outputs, keep, c0 = self._choose_first_codes(rows, hidden, logits)
+        if not keep:
+            return outputs
+        kept = [rows[i] for i in keep]
+        c0_t = torch.tensor(c0, dtype=torch.long, device=self.device)
+        c0_embed = self.talker.embed_codec(c0_t)
+
+        params = [r.sampling for r in kept]
+        generators = [r.generator for r in kept]
+
+        def choose(j: int, lg: torch.Tensor) -> torch.Tensor:
+            return choose_residual_batch(lg, params, generators)
+
+        residual = self.predictor(hidden[keep], c0_embed, choose)  # [B, 15]
+        frames = torch.cat([c0_t[:, None], residual], dim=1)  # [B, 16]
+        frame_sum = c0_embed + self.predictor.embed_codes(residual).sum(1)
+        outputs.extend(self._hand_on_frames(kept, frames.cpu(), frame_sum))
+        return outputs
+
+    def _choose_first_codes(
+        self, rows: list[_Request], hidden: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[list[StepOutput], list[int], list[int]]:
+        """Each row's codebook-0 token: (outputs of the rows that ended here, on end of speech or a
+        failed sampling, the indices of the rows that go on, and their tokens)."""
         eos = self.cfg.codec_eos_id
         outputs: list[StepOutput] = []
         keep: list[int] = []
@@ -265,22 +290,13 @@ class EagerGenerator:
             else:
                 keep.append(i)
                 c0.append(tok)
-        if not keep:
-            return outputs
-        kept = [rows[i] for i in keep]
-        c0_t = torch.tensor(c0, dtype=torch.long, device=self.device)
-        c0_embed = self.talker.embed_codec(c0_t)
+        return outputs, keep, c0
 
-        params = [r.sampling for r in kept]
-        generators = [r.generator for r in kept]
-
-        def choose(j: int, lg: torch.Tensor) -> torch.Tensor:
-            return choose_residual_batch(lg, params, generators)
-
-        residual = self.predictor(hidden[keep], c0_embed, choose)  # [B, 15]
-        frames = torch.cat([c0_t[:, None], residual], dim=1)  # [B, 16]
-        frame_sum = c0_embed + self.predictor.embed_codes(residual).sum(1)
-        frames_cpu = frames.cpu()
+    def _hand_on_frames(
+        self, kept: list[_Request], frames_cpu: torch.Tensor, frame_sum: torch.Tensor
+    ) -> list[StepOutput]:
+        """Each kept row's frame; a row at its length bound ends, the others get their next input."""
+        outputs: list[StepOutput] = []
         for b, r in enumerate(kept):
             step = r.frames  # index of this frame's trailing text embedding
             r.frames += 1
