@@ -16,6 +16,7 @@ from qtts.tls import TlsConfig
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("eager", "graph")
+ENGINE_PROCESS = ("auto", "on", "off")
 # qtts.engine.model_runner.KERNEL_CHOICES, copied so that parsing flags does not import torch
 # (a test checks they are equal).
 DECODE_KERNELS = SAMPLE_KERNELS = ("auto", "triton", "torch")
@@ -51,6 +52,13 @@ class TalkerConfig:
     # graphs per batch bucket on a GPU; the same code runs eagerly on a CPU).
     engine: str = setting(
         "eager", "generation engine: eager (reference) or graph (CUDA-graph frame step)", choices=ENGINES
+    )
+    # The model, the prompts and the generation loop in a process of their own, so the loop that
+    # drives the GPU never waits for the GIL behind the transport (services/talker/engine_process.py).
+    engine_process: str = setting(
+        "auto",
+        "run the model and the generation loop in a process of their own (auto: on a CUDA device)",
+        choices=ENGINE_PROCESS,
     )
     prefix_cache_mb: int = setting(
         1024, "graph engine: KV cache of voice-only prompt prefixes, MiB (0 = off)"
@@ -155,6 +163,10 @@ class TalkerConfig:
                 raise InvalidArgument(f"--code2wav address {addr!r} is not host:port")
         if self.engine not in ENGINES:
             raise InvalidArgument(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine_process not in ENGINE_PROCESS:
+            raise InvalidArgument(
+                f"--engine-process must be one of {', '.join(ENGINE_PROCESS)}, got {self.engine_process!r}"
+            )
         if self.prefix_cache_mb < 0:
             raise InvalidArgument(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
         if self.max_prefill_tokens < 1:

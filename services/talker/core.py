@@ -26,6 +26,15 @@ from .validation import check_request
 from .voices import VoiceResolver
 
 
+def reference_rows(prompt: Any) -> np.ndarray | None:
+    """A prompt's ICL reference frames as int16 host rows for code2wav (None without)."""
+    rows = getattr(prompt, "ref_codes_host", False)
+    if rows is not False:  # built in the engine process (engine_process.RemotePrompt)
+        return rows
+    ref = getattr(prompt, "ref_codes", None)
+    return None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
+
+
 def merge_sampling(defaults: Any, overrides: SamplingOverrides) -> Any:
     """The model's generation defaults with the caller's set fields on top."""
     changes = {
@@ -157,6 +166,9 @@ class TalkerCore:
         from qtts.model.open_text import OpenText
 
         spec = dataclasses.replace(self._spec(req, checked, voice_prompt), text="", text_open=True)
+        remote = getattr(self.bundle, "open_text", None)
+        if remote is not None:  # the engine process holds the text (engine_process.RemoteBundle)
+            return remote(spec)
         stream = self._cuda_prompt_stream()
         return OpenText(
             self.bundle.prompt_builder,
@@ -197,8 +209,7 @@ class TalkerCore:
         built_s = time.perf_counter() - started
         self._metrics.observe_stage("build_prompt", built_s)
         self._build_s = built_s if self._build_s == 0 else self._build_s + 0.1 * (built_s - self._build_s)
-        ref = getattr(prompt, "ref_codes", None)
-        return prompt, None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
+        return prompt, reference_rows(prompt)
 
     async def _feed_text(
         self, open_text: Any, text: AsyncIterator[tuple[str, bool]], session: StreamSession
@@ -247,8 +258,7 @@ class TalkerCore:
                 prompt = self._build_prompt(req, checked, voice_prompt)
             stream.synchronize()  # the engine reads the embeddings from its own stream
         self._metrics.observe_stage("build_prompt", time.perf_counter() - started)
-        ref = getattr(prompt, "ref_codes", None)
-        return prompt, None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
+        return prompt, reference_rows(prompt)
 
     def _check_prompt_queue(self) -> None:
         """Refuse at once a request whose prompt would start being built past the budget."""

@@ -58,6 +58,9 @@ class Frame:
     codes: np.ndarray
     step_s: float
     made_at: float = 0.0
+    # The stream's playback clock restarts at its next chunk handed on (engine_process.py: the
+    # front's copy of the clock learns it so).
+    clock_restart: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,13 @@ class GenerationLoop:
             blocked = not req.credit.has_credit()
             if req.credit.grant(frames_allowed_until) and blocked:
                 self._cond.notify()
+
+    def clock_changed(self, req: ScheduledRequest, restarted: bool) -> None:
+        """The asyncio side moved `req`'s playback clock: nothing to do, the scheduler reads the
+        same object (an engine in another process is told)."""
+
+    def release_prompt(self, prompt: Any) -> None:
+        """A prompt that will not be submitted: nothing to free here (its tensors go with it)."""
 
     def text_appended(self) -> None:
         """Text arrived for a stream that may be waiting for it: wake the loop to plan again."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from qtts.device_failure import DeviceFailure
+from qtts.device_failure import DEVICE_FAILURE_EXIT_CODE, DeviceFailure
 from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.internal_auth import server_interceptors
 from qtts.metrics import TalkerMetrics
@@ -22,7 +22,9 @@ from .admission import Admission, AdmissionConfig
 from .config import TalkerConfig
 from .core import TalkerCore
 from .deadline import DeadlinePolicy, DeadlineScheduler
+from .engine_process import EngineClient, RemoteBundle, engine_process_on
 from .generation_loop import GenerationLoop
+from .metrics_merge import MergedRegistry
 from .replicas import Code2WavReplicas
 from .servicer import TalkerServicer
 from .speaker_cache_client import SpeakerCacheClient
@@ -77,6 +79,27 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
     return {"eager": eager, "graph": graph}[config.engine]
 
 
+def scheduler_for(config: TalkerConfig) -> DeadlineScheduler:
+    """The playback-deadline scheduler and admission the flags describe."""
+    c = config
+    admission = Admission(
+        AdmissionConfig(
+            max_duty=c.admission_max_duty,
+            max_load=c.admission_max_load,
+            first_audio_budget_s=c.first_audio_budget_ms / 1e3,
+        )
+    )
+    policy = DeadlinePolicy(
+        urgent_lead_s=c.urgent_lead_ms / 1e3,
+        max_lead_s=c.max_lead_ms / 1e3,
+        coalesce_s=c.prefill_coalesce_ms / 1e3,
+        min_step_interval_s=c.min_step_interval_ms / 1e3,
+        min_prefill_positions=min(DeadlinePolicy.min_prefill_positions, c.max_prefill_tokens),
+        max_prefill_positions=c.max_prefill_tokens,
+    )
+    return DeadlineScheduler(c.max_batch, c.max_queue, admission=admission, policy=policy)
+
+
 class TalkerServer:
     """The talker process; `bundle`, `generator_factory` and `exit_process` may be injected (tests).
 
@@ -99,6 +122,11 @@ class TalkerServer:
         self.config = config
         self.metrics = TalkerMetrics(CollectorRegistry())
         self.bundle = bundle
+        # The engine in a process of its own, unless a test hands in the model or the generator.
+        self.engine_client: EngineClient | None = None
+        if bundle is None and generator_factory is None and engine_process_on(config):
+            self.engine_client = EngineClient(config, run_warm_up=run_warm_up, on_lost=self._engine_lost)
+            self.metrics.registry = MergedRegistry(self.metrics.registry, self.engine_client.metrics_snapshot)
         self._generator_factory = generator_factory or generator_factory_for(config)
         self._spec_factory = spec_factory
         self._run_warm_up = run_warm_up
@@ -117,7 +145,7 @@ class TalkerServer:
         self.servicer = TalkerServicer()
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
         self.host.add_shutdown_callback(self._shutdown)
-        self.engine: GenerationLoop | None = None
+        self.engine: GenerationLoop | EngineClient | None = None
         self.replicas: Code2WavReplicas | None = None
         self.core: TalkerCore | None = None
         self._cache: SpeakerCacheClient | None = None
@@ -128,44 +156,27 @@ class TalkerServer:
         self._health_sync: asyncio.Future | None = None
         self._unready_timer: asyncio.TimerHandle | None = None
 
-    def _scheduler(self) -> DeadlineScheduler:
-        c = self.config
-        admission = Admission(
-            AdmissionConfig(
-                max_duty=c.admission_max_duty,
-                max_load=c.admission_max_load,
-                first_audio_budget_s=c.first_audio_budget_ms / 1e3,
-            )
-        )
-        policy = DeadlinePolicy(
-            urgent_lead_s=c.urgent_lead_ms / 1e3,
-            max_lead_s=c.max_lead_ms / 1e3,
-            coalesce_s=c.prefill_coalesce_ms / 1e3,
-            min_step_interval_s=c.min_step_interval_ms / 1e3,
-            min_prefill_positions=min(DeadlinePolicy.min_prefill_positions, c.max_prefill_tokens),
-            max_prefill_positions=c.max_prefill_tokens,
-        )
-        return DeadlineScheduler(c.max_batch, c.max_queue, admission=admission, policy=policy)
-
     async def start(self) -> int:
         """Serve (NOT_SERVING), load the model, start the engine, then report SERVING (once a code2wav
         replica answers)."""
         port = await self.host.start()
         self.device_failure = DeviceFailure(self.host, exit=self._exit_process)
         self.host.on_unexpected_error(self.device_failure.check)
-        if self.bundle is None:
-            self.bundle = await asyncio.to_thread(load_bundle, self.config)
+        if self.engine_client is not None:
+            # Model load, graph capture and warm-up happen there; health keeps answering here.
+            facts = await asyncio.to_thread(self.engine_client.start)
+            self.bundle = RemoteBundle(self.engine_client, facts)
+            self.engine = self.engine_client
+            log.info(
+                "loaded %s (%s, %s) in engine process %d",
+                facts.info.name,
+                facts.info.model_type,
+                facts.info.model_size,
+                facts.pid,
+            )
+        else:
+            await self._start_engine_here()
         info = self.bundle.info
-        log.info("loaded %s (%s, %s)", info.name, info.model_type, info.model_size)
-        # Graph capture takes a while on a GPU: off the loop, so health keeps answering.
-        generator = await asyncio.to_thread(self._generator_factory, self.bundle, self.config.max_batch)
-        if self._run_warm_up:
-            # Before the engine thread exists: the generator is only ever driven by one thread.
-            await asyncio.to_thread(warm_up, self.bundle, generator)
-        self.engine = GenerationLoop(
-            generator, self._scheduler(), self.metrics, device_failure=self.device_failure.check
-        )
-        self.engine.start()
         self.replicas = Code2WavReplicas(
             self.config.code2wav,
             vnodes=self.config.ring_vnodes,
@@ -204,6 +215,29 @@ class TalkerServer:
         self._started = True
         await self._apply_health()
         return port
+
+    async def _start_engine_here(self) -> None:
+        if self.bundle is None:
+            self.bundle = await asyncio.to_thread(load_bundle, self.config)
+        info = self.bundle.info
+        log.info("loaded %s (%s, %s)", info.name, info.model_type, info.model_size)
+        # Graph capture takes a while on a GPU: off the loop, so health keeps answering.
+        generator = await asyncio.to_thread(self._generator_factory, self.bundle, self.config.max_batch)
+        if self._run_warm_up:
+            # Before the engine thread exists: the generator is only ever driven by one thread.
+            await asyncio.to_thread(warm_up, self.bundle, generator)
+        self.engine = GenerationLoop(
+            generator, scheduler_for(self.config), self.metrics, device_failure=self.device_failure.check
+        )
+        self.engine.start()
+
+    def _engine_lost(self, message: str) -> None:
+        """The engine process failed its device or ended: NOT_SERVING and exit, as on a device
+        failure here (its streams already failed with UNAVAILABLE)."""
+        if self.device_failure is not None:
+            self.device_failure.report(RuntimeError(message))
+        else:
+            self._exit_process(DEVICE_FAILURE_EXIT_CODE)
 
     def _replicas_changed(self, available: bool) -> None:
         if self._unready_timer is not None:

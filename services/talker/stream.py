@@ -126,10 +126,11 @@ class StreamSession:
         self._events.put_nowait(_Abort(error))
 
     async def run(self) -> AsyncIterator[AudioPiece | GenerationSummary]:
-        generating = False
+        generating = submitted = False
         done = False
         try:
             await self._open_decode()
+            submitted = True
             self._engine.submit(self._request)
             generating = True
             queue_ns = prefill_ns = first_audio_ns = 0
@@ -139,6 +140,8 @@ class StreamSession:
                 if isinstance(ev, Admitted):
                     queue_ns = int(ev.queue_s * 1e9)
                 elif isinstance(ev, Frame):
+                    if ev.clock_restart:
+                        self._request.clock_restart = True
                     if ev.index == 0:
                         prefill_ns = int(ev.step_s * 1e9)
                     self._made_at[ev.index + len(ev.codes)] = (ev.made_at, time.perf_counter())
@@ -210,6 +213,8 @@ class StreamSession:
                 self._stall_timer.cancel()
             if generating:
                 self._engine.cancel(self.request_id)
+            elif not submitted:
+                self._engine.release_prompt(self._request.prompt)
             await self._close_decode(cancel=not done)
 
     def _num_input_tokens(self) -> int:
@@ -222,6 +227,7 @@ class StreamSession:
         """Advance the playback clock; a chunk handed on after the listener ran dry is an underrun."""
         req = self._request
         now = time.perf_counter()
+        restarted = False
         if req.first_audio_at is None:
             req.first_audio_at = now
         elif req.clock_restart:
@@ -229,6 +235,7 @@ class StreamSession:
             # (first_audio_at before the flag: the engine thread reads both).
             req.first_audio_at = now - req.delivered_s
             req.clock_restart = False
+            restarted = True
         elif self._metrics is not None:
             slack = req.slack_s(now)
             self._metrics.deadline_slack_seconds.observe(slack)
@@ -247,6 +254,7 @@ class StreamSession:
                 )
         self._handed_at = now
         req.delivered_s = delivered_s
+        self._engine.clock_changed(req, restarted)
 
     def _hops(self, end_frame: int, arrived: float, now: float) -> dict[str, float]:
         """The time of the chunk ending at `end_frame` per hop (empty when it is not known)."""

@@ -1,0 +1,190 @@
+"""The talker with its engine in a process of its own (`--engine-process on`), on the tiny real
+models on the CPU: the same codes as in one process, one metrics view of both processes, cancel,
+refusal, appended text, and the end of the engine process failing its streams."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from qtts.pb import talker_pb2, tts_pb2
+from services.talker.metrics_merge import MergedRegistry, merge_families
+from tests.services.talker.fakes import FakeCode2Wav
+from tests.services.talker.stack import eventually, generate_all, talker_stack
+
+GREEDY = tts_pb2.SamplingParams(greedy=True, seed=5)
+TEXT = "Hello there, this is a streamed text that keeps going for a while. Then it ends."
+
+
+def process_stack(snapshot, replicas, **kw):
+    return talker_stack(replicas, bundle=None, model=str(snapshot), engine_process="on", **kw)
+
+
+def reference_pcm() -> bytes:
+    t = np.arange(24000 * 2) / 24000
+    return (0.3 * np.sin(2 * np.pi * 220 * t) * np.sin(2 * np.pi * 3 * t)).astype("<f4").tobytes()
+
+
+async def frames_of(stack, c2w, **fields) -> tuple[list[int], int, object]:
+    _, summary = await generate_all(stack.stub, **fields)
+    log = c2w.logs[-1]
+    return log.frames, log.prefix_frames, summary
+
+
+@pytest.mark.parametrize("model_type", ["custom_voice", "base"])
+async def test_the_engine_process_makes_the_codes_of_one_process(
+    model_type, tiny_snapshot, tiny_talker_bundle
+):
+    bundle = tiny_talker_bundle(model_type)
+    if model_type == "base":  # ICL voice clone: reference frames go to code2wav as well
+        fields = dict(reference_pcm_f32=reference_pcm(), reference_text="A short reference clip.")
+    else:
+        fields = dict(voice=sorted(bundle.info.speakers)[0])
+    fields.update(text="Hello world, one more time.", language="english", max_new_frames=12, sampling=GREEDY)
+    here = FakeCode2Wav("c2w-a")
+    async with talker_stack([here], bundle=bundle) as s:
+        want = await frames_of(s, here, request_id="here", **fields)
+    there = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot(model_type), [there]) as s:
+        assert s.talker.engine_client is not None and s.talker.engine_client.alive
+        got = await frames_of(s, there, request_id="there", **fields)
+        assert s.talker.engine_client.facts.pid != os.getpid()
+    assert got[0] == want[0] and len(got[0]) == 12
+    assert got[1] == want[1] and (got[1] > 0) == (model_type == "base")
+    assert (got[2].num_frames, got[2].num_input_tokens) == (want[2].num_frames, want[2].num_input_tokens)
+    assert got[2].num_samples == 12 * 1920
+
+
+async def test_one_scrape_shows_both_processes_metrics(tiny_snapshot):
+    c2w = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
+        _, summary = await generate_all(
+            s.stub, request_id="m", text="Hello world.", voice="vivian", language="english", max_new_frames=4
+        )
+        registry = s.talker.metrics.registry
+        assert isinstance(registry, MergedRegistry)
+        # Counted in the engine process: frames and steps.
+        assert registry.get_sample_value("tts_talker_frames_total") == summary.num_frames == 4
+        assert registry.get_sample_value("tts_talker_batch_size_count") >= 4
+        # Counted in the front: the call and the prompt's build.
+        labels = {"service": "talker", "method": "/talker.v1.TalkerService/Generate", "code": "OK"}
+        assert registry.get_sample_value("tts_rpc_requests_total", labels) == 1
+        stage = {"service": "talker", "stage": "build_prompt"}
+        assert registry.get_sample_value("tts_stage_latency_seconds_count", stage) == 1
+        await eventually(lambda: s.gauge("tts_talker_active_streams") == 0)
+        names = [f.name for f in registry.collect()]
+        assert len(names) == len(set(names))  # each family once
+
+
+async def test_cancel_frees_the_stream_in_the_engine_process(tiny_snapshot):
+    c2w = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
+        call = s.stub.Generate(
+            talker_pb2.GenerateRequest(
+                request_id="bye", text="Hello world, this is long.", voice="vivian", max_new_frames=500
+            )
+        )
+        assert (await call.read()).WhichOneof("event") == "audio"
+        assert s.gauge("tts_talker_active_streams") == 1
+        call.cancel()
+        await eventually(lambda: c2w.live == 0 and s.gauge("tts_talker_active_streams") == 0, timeout=30)
+        # The engine still serves.
+        _, summary = await generate_all(
+            s.stub, request_id="next", text="Hi.", voice="vivian", max_new_frames=3
+        )
+        assert summary.num_frames == 3
+
+
+async def test_a_refusal_in_the_engine_process_reaches_the_caller(tiny_snapshot):
+    c2w = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w], max_batch=1, max_queue=0) as s:
+        first = s.stub.Generate(
+            talker_pb2.GenerateRequest(
+                request_id="a", text="Hello world.", voice="vivian", max_new_frames=400
+            )
+        )
+        assert (await first.read()).WhichOneof("event") == "audio"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate_all(s.stub, request_id="b", text="Hello again.", voice="vivian", max_new_frames=3)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert s.talker.metrics.registry.get_sample_value("tts_talker_refused_total") == 1
+        first.cancel()
+
+
+async def test_text_in_pieces_through_the_engine_process(tiny_snapshot, tiny_talker_bundle):
+    bundle = tiny_talker_bundle("custom_voice")
+    speaker = sorted(bundle.info.speakers)[0]
+    common = dict(voice=speaker, language="english", sampling=GREEDY)
+    here = FakeCode2Wav("c2w-a")
+    async with talker_stack([here], bundle=bundle) as s:
+        want, _, _ = await frames_of(s, here, text=TEXT, streaming_text=True, **common)
+    words = TEXT.split(" ")
+    pieces = [words[0]] + [" " + w for w in words[1:]]
+
+    async def requests():
+        yield talker_pb2.GenerateStreamRequest(start=talker_pb2.GenerateRequest(text=pieces[0], **common))
+        for i, piece in enumerate(pieces[1:]):
+            await asyncio.sleep(0.01)
+            yield talker_pb2.GenerateStreamRequest(
+                append=talker_pb2.TextAppend(text=piece, final=i == len(pieces) - 2)
+            )
+
+    there = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [there]) as s:
+        summary = None
+        async for msg in s.stub.GenerateStream(requests()):
+            if msg.WhichOneof("event") == "summary":
+                summary = msg.summary
+        assert summary.finish_reason == tts_pb2.FINISH_REASON_LENGTH
+        assert summary.num_input_tokens > len(words)
+        assert there.logs[0].frames == want
+        await eventually(lambda: s.gauge("tts_talker_active_streams") == 0)
+
+
+async def test_the_end_of_the_engine_process_fails_its_streams_and_the_talker(tiny_snapshot):
+    exits: list[int] = []
+    c2w = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w], exit_process=exits.append) as s:
+        call = s.stub.Generate(
+            talker_pb2.GenerateRequest(
+                request_id="x", text="Hello world.", voice="vivian", max_new_frames=500
+            )
+        )
+        assert (await call.read()).WhichOneof("event") == "audio"
+        os.kill(s.talker.engine_client.facts.pid, signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await call.read() != grpc.aio.EOF:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "engine process ended" in err.value.details()
+        await eventually(lambda: exits == [3], timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate_all(s.stub, request_id="y", text="Hi.", voice="vivian", max_new_frames=2)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_merged_samples_are_summed_and_each_family_stays_one():
+    front, engine = CollectorRegistry(), CollectorRegistry()
+    for registry, value in ((front, 2), (engine, 5)):
+        c = Counter("tts_x_total", "x", ["stage"], registry=registry)
+        c.labels("shared").inc(value)
+        c.labels("only_here" if registry is front else "only_there").inc(1)
+        Gauge("tts_g", "g", registry=registry).set(0 if registry is front else 7)
+    merged = {f.name: f for f in merge_families(front.collect(), engine.collect())}
+    samples = {(s.name, tuple(s.labels.items())): s.value for s in merged["tts_x"].samples}
+    assert samples[("tts_x_total", (("stage", "shared"),))] == 7
+    assert samples[("tts_x_total", (("stage", "only_here"),))] == 1
+    assert samples[("tts_x_total", (("stage", "only_there"),))] == 1
+    created = [
+        s.value
+        for s in merged["tts_x"].samples
+        if s.name == "tts_x_created" and s.labels["stage"] == "shared"
+    ]
+    assert len(created) == 1
+    assert MergedRegistry(front, lambda: list(engine.collect())).get_sample_value("tts_g") == 7
