@@ -344,6 +344,24 @@ def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:
         return None
 
 
+def _server_options(
+    age_options: Iterable[tuple[str, Any]], options: Iterable[tuple[str, Any]]
+) -> list[tuple[str, Any]]:
+    """Every service's server options, then the connection-age ones, then the caller's."""
+    return [
+        # A second server on a taken port must fail to bind, not share it: with
+        # SO_REUSEPORT a stale process kept answering health checks for a new one.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        # Accept the clients' 10 s keepalive pings (also on idle connections).
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        *age_options,
+        *options,
+    ]
+
+
 class GrpcServiceHost:
     """A `grpc.aio` server with health, reflection, error mapping, Prometheus metrics and drain.
 
@@ -391,18 +409,10 @@ class GrpcServiceHost:
         self._error_mapper = ErrorMappingInterceptor(metrics, redact_errors)
         self.server = grpc.aio.server(
             interceptors=[self._error_mapper, *interceptors],
-            options=[
-                # A second server on a taken port must fail to bind, not share it: with
-                # SO_REUSEPORT a stale process kept answering health checks for a new one.
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                # Accept the clients' 10 s keepalive pings (also on idle connections).
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-                *connection_age_options(max_connection_age_s, max_connection_age_grace_s or drain_seconds),
-                *options,
-            ],
+            options=_server_options(
+                connection_age_options(max_connection_age_s, max_connection_age_grace_s or drain_seconds),
+                options,
+            ),
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

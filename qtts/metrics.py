@@ -191,6 +191,7 @@ class TalkerMetrics(ServiceMetrics):
     """Talker: active streams, queue, step/prefill time, batch size, frames, credit stalls."""
 
     def __init__(self, registry: CollectorRegistry):
+        """Long, kept in one piece: a flat table of metric declarations, one per metric."""
         super().__init__(registry, "talker")
         self.active_streams = Gauge(
             "tts_talker_active_streams",
@@ -289,6 +290,7 @@ class Code2WavMetrics(ServiceMetrics):
     """code2wav: live decoder states, backlog, decode time, frames decoded, rejected streams."""
 
     def __init__(self, registry: CollectorRegistry):
+        """Long, kept in one piece: a flat table of metric declarations, one per metric."""
         super().__init__(registry, "code2wav")
         self.live_states = Gauge(
             "tts_code2wav_live_states",
