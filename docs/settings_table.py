@@ -3,7 +3,7 @@ one table per program with every flag, its env variables, default and help.
 
     python docs/settings_table.py --write   # rewrite docs/settings.md
 
-tests/test_settings.py fails when docs/settings.md is not what this prints.
+tests/qtts/test_settings.py fails when docs/settings.md is not what this prints.
 """
 
 from __future__ import annotations

@@ -34,3 +34,43 @@ def tiny_codec_decoder(tiny_codec_dir):
     from qtts.model import load_codec_decoder
 
     return load_codec_decoder(tiny_codec_dir)
+
+
+# The gRPC tests' helpers (tests/grpc_helpers.py), as fixtures for tests/qtts and tests/services.
+
+
+@pytest.fixture
+def grpc_host_factory():
+    """The `running_host` context manager, as a fixture for tests that prefer injection."""
+    from tests.grpc_helpers import running_host
+
+    return running_host
+
+
+@pytest.fixture
+def free_tcp_port() -> int:
+    from tests.grpc_helpers import free_port
+
+    return free_port()
+
+
+@pytest.fixture
+def fake_decoder():
+    """A `FakeIncrementalDecoder` (tests/grpc_helpers.py): deterministic, cheap, observable."""
+    from tests.grpc_helpers import FakeIncrementalDecoder
+
+    return FakeIncrementalDecoder()
+
+
+@pytest.fixture
+def bidi_client():
+    from tests.grpc_helpers import BidiClient
+
+    return BidiClient
+
+
+@pytest.fixture
+def eventually():
+    from tests.grpc_helpers import wait_until
+
+    return wait_until

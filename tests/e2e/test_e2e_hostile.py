@@ -1,7 +1,7 @@
 """Hostile traffic against the real processes: a gateway process of its own (the corpus's limits,
 short timeouts, a per-client rate) in front of the stack's talker, code2wav and speaker_cache.
 
-- The bad-input corpus (tests/gateway/hostile_corpus.py) over HTTP and gRPC: each case its status
+- The bad-input corpus (tests/services/gateway/hostile_corpus.py) over HTTP and gRPC: each case its status
   and field, on one keep-alive connection (one channel) that goes on serving; a seeded good
   request repeated while the corpus runs comes back bit-identical to the same request alone.
 - Slowloris, a body bomb, listeners that never read, and a flood of 2,000 connections from one
@@ -28,7 +28,7 @@ from e2e_helpers import FRAME, REF_B64
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
 from services.launcher import free_port, gateway_spec, start_service, stop_services, wait_serving
-from tests.gateway import hostile_corpus as corpus
+from tests.services.gateway import hostile_corpus as corpus
 
 pytestmark = pytest.mark.e2e
 

@@ -79,7 +79,7 @@ def test_rejects_folder_without_speech_tokenizer(tmp_path):
 
 
 def test_shipped_full_size_config():
-    root = Path(__file__).resolve().parents[2] / "configs" / "speech_tokenizer"
+    root = Path(__file__).resolve().parents[3] / "configs" / "speech_tokenizer"
     cfg = SpeechTokenizerConfig.load(root)
     dec = cfg.decoder
     assert (dec.codebook_size, dec.num_quantizers, dec.sliding_window) == (2048, 16, 72)

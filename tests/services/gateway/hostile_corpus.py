@@ -1,7 +1,7 @@
 """A corpus of bad input for the gateway's public APIs: HTTP requests and tts.v1 calls, each with
 the status it must get and the field it must name.
 
-Shared by the in-process run (tests/gateway/test_gateway_bad_input_corpus.py, fake talker) and
+Shared by the in-process run (tests/services/gateway/test_gateway_bad_input_corpus.py, fake talker) and
 the run against the real processes (tests/e2e/test_e2e_hostile.py). Both serve it with the
 limits below, so every case fails the same way on either; none of them depends on a limit a
 server may configure differently (text length, frame cap).

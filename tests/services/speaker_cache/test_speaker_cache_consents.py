@@ -12,7 +12,7 @@ from qtts.pb import speaker_cache_pb2_grpc
 from services.speaker_cache.lru_store import LruStore
 from services.speaker_cache.records import ConsentRecord
 from services.speaker_cache.redis_store import RedisStore
-from tests.services.test_speaker_cache import _config, _start, redis_url, store_url  # noqa: F401 - fixtures
+from tests.services.speaker_cache.test_speaker_cache import _config, _start, redis_url, store_url  # noqa: F401 - fixtures
 
 
 def consent(i: int, name: str = "Speaker") -> ConsentRecord:

@@ -165,7 +165,7 @@ def test_runner_frame_step_samples_the_same_codes_with_the_kernel(tiny_bundle):
     from qtts.engine.sequence import Sequence
     from qtts.engine.slot_scheduler import PrefillChunk
     from qtts.model import SamplingParams
-    from tests.engine.tiny_talker import make_prompt
+    from tests.qtts.engine.tiny_talker import make_prompt
 
     params = [
         SamplingParams(seed=1),

@@ -21,10 +21,10 @@ from qtts.grpc_server import LIVENESS
 from qtts.pb import code2wav_pb2_grpc, tts_pb2
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import Code2WavServer
-from tests.services.conftest import BidiClient, FakeIncrementalDecoder
+from tests.grpc_helpers import BidiClient, FakeIncrementalDecoder
+from tests.services.code2wav.test_code2wav import _frames, _start
 from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
 from tests.services.talker.stack import eventually, generate_all, talker_stack
-from tests.services.test_code2wav import _frames, _start
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

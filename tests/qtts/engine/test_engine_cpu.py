@@ -9,7 +9,7 @@ import torch
 from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
 from qtts.errors import InvalidArgument
 from qtts.model import SamplingParams
-from tests.engine.tiny_talker import make_prompt, run_alone
+from tests.qtts.engine.tiny_talker import make_prompt, run_alone
 
 GREEDY = SamplingParams(greedy=True)
 

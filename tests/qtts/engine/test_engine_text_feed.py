@@ -11,8 +11,8 @@ import torch
 from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
 from qtts.model import SamplingParams
 from qtts.model.text_feed import TextFeed
-from tests.engine.test_engine_cpu import same_outputs
-from tests.engine.tiny_talker import make_prompt, run_alone
+from tests.qtts.engine.test_engine_cpu import same_outputs
+from tests.qtts.engine.tiny_talker import make_prompt, run_alone
 
 NEVER_STOP = SamplingParams(greedy=True, min_new_tokens=10**6)
 

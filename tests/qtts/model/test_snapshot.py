@@ -195,7 +195,7 @@ def test_tiny_snapshot_builds_without_qwen_tts_and_is_deterministic(tiny_snapsho
         "from qtts.tiny_model import build_tiny_snapshot\n"
         f"build_tiny_snapshot({str(out)!r}, 'base', seed=0)\n"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=600)
     first = tiny_snapshot_factory("base")
     for name in (

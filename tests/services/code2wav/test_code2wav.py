@@ -222,7 +222,7 @@ async def test_client_chunk_plan_and_prefix_and_empty_stream(fake_decoder, bidi_
 
 
 async def _eventually_empty(server, decoder):
-    from tests.services.conftest import wait_until
+    from tests.grpc_helpers import wait_until
 
     await wait_until(lambda: len(server.engine.registry) == 0 and decoder.live == 0, what="states freed")
     assert server.metrics.registry.get_sample_value("tts_code2wav_live_states") == 0
@@ -232,7 +232,7 @@ async def _eventually_empty(server, decoder):
 async def test_many_streams_are_decoded_in_batches(bidi_client):
     import asyncio
 
-    from tests.services.conftest import FakeIncrementalDecoder, wait_until
+    from tests.grpc_helpers import FakeIncrementalDecoder, wait_until
 
     decoder = FakeIncrementalDecoder()
     async with code2wav(decoder) as (server, stub):
@@ -401,13 +401,13 @@ async def test_audio_equals_incremental_decoder_output(bidi_client):
 
 
 async def _eventually_empty_real(server):
-    from tests.services.conftest import wait_until
+    from tests.grpc_helpers import wait_until
 
     await wait_until(lambda: len(server.engine.registry) == 0, what="states freed")
 
 
 async def test_decode_error_fails_the_stream_and_frees_it(bidi_client):
-    from tests.services.conftest import FakeIncrementalDecoder
+    from tests.grpc_helpers import FakeIncrementalDecoder
 
     class Failing(FakeIncrementalDecoder):
         def decode(self, state, codes):
@@ -440,7 +440,7 @@ async def test_drain_lets_an_in_flight_stream_finish(fake_decoder, bidi_client):
     try:
         client = bidi_client(stub.Decode)
         client.send(_start())
-        from tests.services.conftest import wait_until
+        from tests.grpc_helpers import wait_until
 
         await wait_until(lambda: any(s.started for s in server.engine.registry), what="stream started")
         stopping = asyncio.create_task(server.stop())  # what SIGTERM does

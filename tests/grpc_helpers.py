@@ -1,4 +1,6 @@
-"""Shared helpers for service tests: real `grpc.aio` servers on ephemeral ports, free ports."""
+"""Helpers of the gRPC tests (tests/qtts, tests/services): real `grpc.aio` servers on ephemeral
+ports, free ports, a fake incremental decoder, a bidi-stream driver. tests/conftest.py offers them as
+fixtures."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
-import pytest
 
 from qtts.grpc_server import GrpcServiceHost
 from qtts.metrics import ServiceMetrics
@@ -53,17 +54,6 @@ async def running_host(
     finally:
         await channel.close()
         await host.stop(grace=0.5)
-
-
-@pytest.fixture
-def grpc_host_factory():
-    """The `running_host` context manager, as a fixture for tests that prefer injection."""
-    return running_host
-
-
-@pytest.fixture
-def free_tcp_port() -> int:
-    return free_port()
 
 
 class FakeIncrementalDecoder:
@@ -117,11 +107,6 @@ class FakeIncrementalDecoder:
             self.live -= 1
 
 
-@pytest.fixture
-def fake_decoder() -> FakeIncrementalDecoder:
-    return FakeIncrementalDecoder()
-
-
 class BidiClient:
     """Drives one bidirectional-streaming call from a test: `send()` requests, `read()` responses."""
 
@@ -152,11 +137,6 @@ class BidiClient:
         return None if msg is grpc.aio.EOF else msg
 
 
-@pytest.fixture
-def bidi_client():
-    return BidiClient
-
-
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
     """Poll `predicate` until true (state cleanup runs after the RPC ends, asynchronously)."""
     import asyncio
@@ -167,8 +147,3 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what:
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-def eventually():
-    return wait_until

@@ -14,7 +14,7 @@ from qtts.errors import InvalidArgument
 from qtts.grpc_server import run_service_main
 from qtts.settings import ServiceSettings, group, setting
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

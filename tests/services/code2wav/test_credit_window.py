@@ -159,7 +159,7 @@ async def test_stalled_consumer_bounds_the_producer_through_the_server(fake_deco
             while await client.read() is not None:
                 pass
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        from tests.services.conftest import wait_until
+        from tests.grpc_helpers import wait_until
 
         await wait_until(
             lambda: len(server.engine.registry) == 0 and fake_decoder.live == 0, what="state freed"
@@ -170,7 +170,7 @@ async def test_stalled_consumer_bounds_the_producer_through_the_server(fake_deco
 
 
 async def test_stalled_decoder_bounds_the_backlog_through_the_server(fake_decoder, bidi_client):
-    from tests.services.conftest import wait_until
+    from tests.grpc_helpers import wait_until
 
     config = Code2WavConfig(
         port=0, metrics_port=0, drain_seconds=0.5, credit_window_frames=32, first_chunk_frames=2

@@ -152,7 +152,7 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle,
     import copy
     from types import SimpleNamespace
 
-    from tests.engine.tiny_talker import make_prompt
+    from tests.qtts.engine.tiny_talker import make_prompt
 
     prompts = [make_prompt(tiny_bundle, n, 2, seed=700 + n) for n in (6, 11, 15)]
     if DEVICE.type == "cuda":

@@ -26,7 +26,7 @@ def tiny_snapshot_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def official_factory(tiny_snapshot_factory):
     """`official_factory(model_type)`: the official `Qwen3TTSModel` on the tiny snapshot (cached)."""
-    from tests.model.reference import load_official
+    from tests.qtts.model.reference import load_official
 
     loaded = {}
 

@@ -17,7 +17,7 @@ from qtts import request_limits as lim
 from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig, sampler
 from qtts.model import EagerGenerator, SamplingParams
 from qtts.model.generator import SAMPLING_FAILED
-from tests.engine.tiny_talker import make_prompt
+from tests.qtts.engine.tiny_talker import make_prompt
 
 FRAMES = 6
 GOOD = {

@@ -3,7 +3,7 @@
 that are no message at all). Whatever arrives, the answer is never a 5xx (never INTERNAL or
 UNKNOWN on gRPC), and every refusal is the OpenAI-shaped error naming a field or none.
 
-In process, against the gateway app with the fake talker (tests/gateway/gateway_fakes.py), so
+In process, against the gateway app with the fake talker (tests/services/gateway/gateway_fakes.py), so
 thousands of examples take seconds. The profile is derandomized: CI runs the same examples each
 time, and a failure reproduces with the printed example."""
 

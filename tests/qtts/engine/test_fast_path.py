@@ -10,7 +10,7 @@ from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.sequence import Sequence
 from qtts.engine.slot_scheduler import PrefillChunk
 from qtts.model import SamplingParams
-from tests.engine.tiny_talker import make_prompt
+from tests.qtts.engine.tiny_talker import make_prompt
 
 
 def loaded_runner(bundle, fast: bool, prompts) -> tuple[ModelRunner, list[Sequence]]:

@@ -9,7 +9,7 @@ import torch
 from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
 from qtts.model import SamplingParams, SynthesisSpec, VoicePrompt, load_talker_bundle
 from qtts.tiny_model import build_tiny_snapshot
-from tests.engine.test_engine_cpu import same_outputs
+from tests.qtts.engine.test_engine_cpu import same_outputs
 
 GREEDY = SamplingParams(greedy=True)
 REF_TEXT = "The reference clip says this."

@@ -23,7 +23,7 @@ from services.code2wav.core import Code2WavCore
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.server import Code2WavServer
 from services.code2wav.stream import DecodeStream, StreamLimits
-from tests.services.conftest import FakeIncrementalDecoder
+from tests.grpc_helpers import FakeIncrementalDecoder
 
 SPF = 1920  # samples per 80 ms frame at 24 kHz
 

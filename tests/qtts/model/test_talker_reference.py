@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qtts.model import EagerGenerator, SamplingParams, SynthesisSpec, VoicePrompt
-from tests.model.reference import official_codes, voice_clone_item
+from tests.qtts.model.reference import official_codes, voice_clone_item
 
 pytestmark = pytest.mark.reference
 

@@ -9,7 +9,7 @@ import pytest
 
 from qtts.errors import AlreadyExists, ResourceExhausted
 from services.speaker_cache.redis_store import RedisStore
-from tests.services.test_speaker_cache import _voice, redis_url  # noqa: F401 - the fixture
+from tests.services.speaker_cache.test_speaker_cache import _voice, redis_url  # noqa: F401 - the fixture
 
 
 async def test_max_voices_holds_with_redis_even_for_racing_replicas(redis_url):  # noqa: F811

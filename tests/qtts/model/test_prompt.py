@@ -9,7 +9,7 @@ from qtts.errors import InvalidArgument
 from qtts.model import SynthesisSpec, VoicePrompt
 from qtts.model.prompt import assistant_text, frame_cap, instruct_text, ref_text_block
 from qtts.model.tokenizer import encode
-from tests.model.reference import official_prompt, voice_clone_item
+from tests.qtts.model.reference import official_prompt, voice_clone_item
 
 TEXTS = [
     "Hello world, it's 12:30 and we're 100% sure!",
