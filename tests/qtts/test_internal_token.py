@@ -4,7 +4,6 @@ it (health excepted), and the clients of the stages send it."""
 from __future__ import annotations
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -18,28 +17,19 @@ from qtts.pb import (
     talker_pb2_grpc,
 )
 from qtts.vocabulary import AudioPiece
-from services.code2wav.config import Code2WavConfig
 from services.code2wav.config import config_from_args as c2w_config_from_args
-from services.code2wav.server import Code2WavServer
-from services.gateway.job import SamplingOptions, SynthesisJob, SynthesisSummary
+from services.gateway.job import SynthesisSummary
 from services.gateway.talker_client import TalkerClient
 from services.gateway.voice_client import VoiceClient
-from services.speaker_cache.config import SpeakerCacheConfig
-from services.speaker_cache.server import SpeakerCacheServer
 from services.talker.speaker_cache_client import SpeakerCacheClient
-from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
-from tests.services.talker.stack import eventually, talker_stack
+from tests.qtts.stage_servers import code2wav_server, fake_talker, speaker_cache_server, voice_clone_job
+from tests.services.talker.fakes import FakeCode2Wav
 
 TOKEN = "s3cret"
 
 
 async def test_speaker_cache_refuses_callers_without_the_token():
-    config = SpeakerCacheConfig(port=0, metrics_port=0, drain_seconds=0.5, internal_token=TOKEN).validate()
-    server = SpeakerCacheServer(config)
-    port = await server.start()
-    await server.wait_serving()
-    address = f"127.0.0.1:{port}"
-    try:
+    async with speaker_cache_server(internal_token=TOKEN) as address:
         for interceptors in (None, client_interceptors("wrong")):
             async with grpc.aio.insecure_channel(address, interceptors=interceptors) as channel:
                 stub = speaker_cache_pb2_grpc.SpeakerCacheServiceStub(channel)
@@ -58,18 +48,10 @@ async def test_speaker_cache_refuses_callers_without_the_token():
         cache = SpeakerCacheClient(address, token=TOKEN)
         assert await cache.get_prompt("k" * 16) is None
         await cache.close()
-    finally:
-        await server.stop(0.5)
 
 
 async def test_talker_refuses_callers_without_the_token():
-    async with talker_stack(
-        [FakeCode2Wav("c2w-a")],
-        bundle=FakeBundle("base"),
-        generator_factory=FakeGenerator,
-        spec_factory=FakeSpec,
-        internal_token=TOKEN,
-    ) as s:
+    async with fake_talker([FakeCode2Wav("c2w-a")], internal_token=TOKEN) as s:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await s.stub.GetModelInfo(talker_pb2.GetModelInfoRequest())
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -89,35 +71,11 @@ async def test_talker_refuses_callers_without_the_token():
             await client.close()
 
 
-def _job(request_id: str) -> SynthesisJob:
-    return SynthesisJob(
-        request_id=request_id,
-        text="frames=3",
-        task="voice_clone",
-        voice="",
-        language="auto",
-        instructions="",
-        reference_audio=b"x",
-        reference_text="",
-        x_vector_only=True,
-        max_new_frames=0,
-        sampling=SamplingOptions(),
-        sample_rate=24000,
-        reference_pcm=np.zeros(2400, dtype=np.float32),
-    )
-
-
 async def test_a_stream_through_the_token_interceptor_is_whole():
-    async with talker_stack(
-        [FakeCode2Wav("c2w-a")],
-        bundle=FakeBundle("base"),
-        generator_factory=FakeGenerator,
-        spec_factory=FakeSpec,
-        internal_token=TOKEN,
-    ) as s:
+    async with fake_talker([FakeCode2Wav("c2w-a")], internal_token=TOKEN) as s:
         client = TalkerClient(f"127.0.0.1:{s.talker.host.bound_port}", token=TOKEN)
         try:
-            events = [e async for e in client.generate(_job("tok"))]
+            events = [e async for e in client.generate(voice_clone_job("tok"))]
         finally:
             await client.close()
     assert sum(e.num_frames for e in events if isinstance(e, AudioPiece)) == 3
@@ -125,14 +83,7 @@ async def test_a_stream_through_the_token_interceptor_is_whole():
 
 
 async def test_code2wav_refuses_callers_without_the_token_and_the_talker_sends_it(fake_decoder):
-    config = Code2WavConfig(
-        port=0, metrics_port=0, drain_seconds=0.5, replica_name="c2w-tok", internal_token=TOKEN
-    ).validate()
-    server = Code2WavServer(config, decoder=fake_decoder)
-    port = await server.start()
-    address = f"127.0.0.1:{port}"
-    try:
-        await eventually(lambda: server.engine is not None)
+    async with code2wav_server(fake_decoder, "c2w-tok", internal_token=TOKEN) as address:
         for interceptors in (None, client_interceptors("wrong")):
             async with grpc.aio.insecure_channel(address, interceptors=interceptors) as channel:
                 call = code2wav_pb2_grpc.Code2WavServiceStub(channel).Decode()
@@ -144,23 +95,14 @@ async def test_code2wav_refuses_callers_without_the_token_and_the_talker_sends_i
                 health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
                 assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes carry no token
         # A talker with the token decodes through it; its code2wav calls carry the token.
-        async with talker_stack(
-            [],
-            bundle=FakeBundle("base"),
-            generator_factory=FakeGenerator,
-            spec_factory=FakeSpec,
-            code2wav_addresses=[address],
-            internal_token=TOKEN,
-        ) as s:
+        async with fake_talker([], code2wav_addresses=[address], internal_token=TOKEN) as s:
             client = TalkerClient(f"127.0.0.1:{s.talker.host.bound_port}", token=TOKEN)
             try:
-                events = [e async for e in client.generate(_job("tok-c2w"))]
+                events = [e async for e in client.generate(voice_clone_job("tok-c2w"))]
             finally:
                 await client.close()
         assert sum(e.num_frames for e in events if isinstance(e, AudioPiece)) == 3
         assert isinstance(events[-1], SynthesisSummary) and events[-1].num_frames == 3
-    finally:
-        await server.stop(0.5)
 
 
 def test_code2wav_takes_the_token_from_the_flag():

@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import grpc
 import httpx
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -21,22 +20,19 @@ from qtts.grpc_server import run_service_main
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc, talker_pb2, talker_pb2_grpc
 from qtts.tls import TlsConfig, aio_channel
 from qtts.vocabulary import AudioPiece
-from services.code2wav.config import Code2WavConfig
 from services.code2wav.config import config_from_args as c2w_config_from_args
-from services.code2wav.server import Code2WavServer
 from services.gateway.config import GatewayConfig
 from services.gateway.config import config_from_args as gateway_config_from_args
-from services.gateway.job import SamplingOptions, SynthesisJob, SynthesisSummary
+from services.gateway.job import SynthesisSummary
 from services.gateway.server import GatewayServer
 from services.gateway.talker_client import TalkerClient
 from services.gateway.voice_client import VoiceClient
-from services.speaker_cache.config import SpeakerCacheConfig
 from services.speaker_cache.config import config_from_args as sc_config_from_args
 from services.speaker_cache.server import SpeakerCacheServer
 from services.talker.config import config_from_args as talker_config_from_args
 from services.talker.speaker_cache_client import SpeakerCacheClient
-from tests.services.talker.fakes import FakeBundle, FakeGenerator, FakeSpec
-from tests.services.talker.stack import eventually, free_port, talker_stack
+from tests.qtts.stage_servers import code2wav_server, fake_talker, speaker_cache_server, voice_clone_job
+from tests.services.talker.stack import eventually, free_port
 from tests.tls_certs import SERVICE_NAME, TestCA
 
 
@@ -79,12 +75,7 @@ def _client(pki, kind: str) -> TlsConfig | None:
 
 
 async def test_speaker_cache_with_mtls_serves_its_callers_and_refuses_everyone_else(pki):
-    config = SpeakerCacheConfig(port=0, metrics_port=0, drain_seconds=0.5, tls=pki["server"]).validate()
-    server = SpeakerCacheServer(config)
-    port = await server.start()
-    await server.wait_serving()
-    address = f"127.0.0.1:{port}"
-    try:
+    async with speaker_cache_server(tls=pki["server"]) as address:
         # The gateway's and the talker's clients, with the client certificate.
         voices = VoiceClient(address, tls=pki["client"])
         try:
@@ -112,69 +103,28 @@ async def test_speaker_cache_with_mtls_serves_its_callers_and_refuses_everyone_e
         ok = ["--tls-cert", server_files.cert, "--tls-key", server_files.key, "--tls-ca", server_files.ca]
         assert await asyncio.to_thread(probe.main, [address, *ok]) == 0
         assert await asyncio.to_thread(probe.main, [address]) == 1
-    finally:
-        await server.stop(0.5)
 
 
 async def test_tls_without_client_auth_accepts_clients_without_a_certificate(pki):
-    tls = replace(pki["server"], client_auth="none")
-    config = SpeakerCacheConfig(port=0, metrics_port=0, drain_seconds=0.5, tls=tls).validate()
-    server = SpeakerCacheServer(config)
-    port = await server.start()
-    await server.wait_serving()
-    address = f"127.0.0.1:{port}"
-    try:
+    async with speaker_cache_server(tls=replace(pki["server"], client_auth="none")) as address:
         voices = VoiceClient(address, tls=pki["no-cert"])
         try:
             assert await voices.list() == []
         finally:
             await voices.close()
         await _refused(address, None)  # still TLS: plaintext gets nowhere
-    finally:
-        await server.stop(0.5)
 
 
 # ---------------------------------------------------------------------------- talker and code2wav
 
 
-def _job(request_id: str) -> SynthesisJob:
-    return SynthesisJob(
-        request_id=request_id,
-        text="frames=3",
-        task="voice_clone",
-        voice="",
-        language="auto",
-        instructions="",
-        reference_audio=b"x",
-        reference_text="",
-        x_vector_only=True,
-        max_new_frames=0,
-        sampling=SamplingOptions(),
-        sample_rate=24000,
-        reference_pcm=np.zeros(2400, dtype=np.float32),
-    )
-
-
 async def test_talker_and_code2wav_speak_mutual_tls_and_refuse_other_callers(pki, fake_decoder):
-    c2w_config = Code2WavConfig(
-        port=0, metrics_port=0, drain_seconds=0.5, replica_name="c2w-tls", tls=pki["server"]
-    ).validate()
-    c2w = Code2WavServer(c2w_config, decoder=fake_decoder)
-    c2w_address = f"127.0.0.1:{await c2w.start()}"
-    try:
-        await eventually(lambda: c2w.engine is not None)
+    async with code2wav_server(fake_decoder, "c2w-tls", tls=pki["server"]) as c2w_address:
         for kind in REFUSED:
             await _refused(c2w_address, _client(pki, kind))
         # The talker dials code2wav with its certificate; --tls-server-name is what it checks.
         talker_tls = replace(pki["server"], server_name=SERVICE_NAME)
-        async with talker_stack(
-            [],
-            bundle=FakeBundle("base"),
-            generator_factory=FakeGenerator,
-            spec_factory=FakeSpec,
-            code2wav_addresses=[c2w_address],
-            tls=talker_tls,
-        ) as s:
+        async with fake_talker([], code2wav_addresses=[c2w_address], tls=talker_tls) as s:
             talker_address = f"127.0.0.1:{s.talker.host.bound_port}"
             for kind in REFUSED:
                 await _refused(talker_address, _client(pki, kind))
@@ -188,38 +138,25 @@ async def test_talker_and_code2wav_speak_mutual_tls_and_refuse_other_callers(pki
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             client = TalkerClient(talker_address, tls=replace(pki["client"], server_name=SERVICE_NAME))
             try:
-                events = [e async for e in client.generate(_job("tls"))]
+                events = [e async for e in client.generate(voice_clone_job("tls"))]
             finally:
                 await client.close()
         assert sum(e.num_frames for e in events if isinstance(e, AudioPiece)) == 3
         assert isinstance(events[-1], SynthesisSummary) and events[-1].num_frames == 3
-    finally:
-        await c2w.stop(0.5)
 
 
 async def test_a_talker_that_does_not_trust_code2wav_gets_no_replica(pki, fake_decoder):
     """The client checks the server too: a replica whose certificate the talker's CA did not sign
     never joins the ring."""
-    c2w_config = Code2WavConfig(
-        port=0, metrics_port=0, drain_seconds=0.5, replica_name="c2w-untrusted", tls=pki["server"]
-    ).validate()
-    c2w = Code2WavServer(c2w_config, decoder=fake_decoder)
-    c2w_address = f"127.0.0.1:{await c2w.start()}"
-    try:
-        await eventually(lambda: c2w.engine is not None)
-        async with talker_stack(
+    async with code2wav_server(fake_decoder, "c2w-untrusted", tls=pki["server"]) as c2w_address:
+        async with fake_talker(
             [],
-            bundle=FakeBundle("base"),
-            generator_factory=FakeGenerator,
-            spec_factory=FakeSpec,
             code2wav_addresses=[c2w_address],
             tls=replace(pki["wrong-ca"], server_name=SERVICE_NAME),
             health_interval_s=0.1,
         ) as s:
             assert await s.talker.replicas.check(c2w_address) is False
             await eventually(lambda: c2w_address not in s.talker.replicas.healthy)
-    finally:
-        await c2w.stop(0.5)
 
 
 # ---------------------------------------------------------------------------- the gateway's public ports
