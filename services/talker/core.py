@@ -111,7 +111,9 @@ class TalkerCore:
         # for the GPU (behind the engine's step), which must never block the event loop.
         queued_at = time.perf_counter()
         open_text = None
-        if text is None:
+        if text is None and hasattr(self.bundle, "build_prompt_async"):
+            prompt, ref_codes = await self._build_in_engine(req, checked, voice_prompt, queued_at)
+        elif text is None:
             self._check_prompt_queue()
             self._prompts_waiting += 1
             try:
@@ -162,6 +164,29 @@ class TalkerCore:
                 with contextlib.suppress(asyncio.CancelledError):
                     await feeder
 
+    async def _build_in_engine(
+        self, req: GenerationRequest, checked: Any, voice_prompt: Any, queued_at: float
+    ) -> tuple[Any, np.ndarray | None]:
+        """The prompt built in the engine process (engine_process.RemoteBundle), many in flight:
+        its prompt queue and budget are there; this side counts them for the at-once refusal."""
+        self._check_prompt_queue()
+        self._prompts_waiting += 1
+        try:
+            future = self.bundle.build_prompt_async(
+                self._spec(req, checked, voice_prompt), queued_at, self._budget_s
+            )
+            prompt = await asyncio.wrap_future(future)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        finally:
+            self._prompts_waiting -= 1
+        self._observe_build(prompt.build_s)
+        return prompt, prompt.ref_codes_host
+
+    def _observe_build(self, built_s: float) -> None:
+        """Keep the moving average of one prompt's build the at-once refusal predicts with."""
+        self._build_s = built_s if self._build_s == 0 else self._build_s + 0.1 * (built_s - self._build_s)
+
     def _open_text(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
         from qtts.model.open_text import OpenText
 
@@ -208,7 +233,7 @@ class TalkerCore:
             return None
         built_s = time.perf_counter() - started
         self._metrics.observe_stage("build_prompt", built_s)
-        self._build_s = built_s if self._build_s == 0 else self._build_s + 0.1 * (built_s - self._build_s)
+        self._observe_build(built_s)
         return prompt, reference_rows(prompt)
 
     async def _feed_text(
@@ -257,7 +282,9 @@ class TalkerCore:
             with torch.cuda.stream(stream):
                 prompt = self._build_prompt(req, checked, voice_prompt)
             stream.synchronize()  # the engine reads the embeddings from its own stream
-        self._metrics.observe_stage("build_prompt", time.perf_counter() - started)
+        built_s = time.perf_counter() - started
+        self._metrics.observe_stage("build_prompt", built_s)
+        self._observe_build(built_s)
         return prompt, reference_rows(prompt)
 
     def _check_prompt_queue(self) -> None:

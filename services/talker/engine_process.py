@@ -30,6 +30,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from qtts.errors import Unavailable
+from qtts.errors import ResourceExhausted, Unavailable
 
 from .generation_loop import Failed, Finished, Frame
 
@@ -67,6 +68,39 @@ class RemotePrompt:
     key: str
     ref_codes_host: np.ndarray | None
     num_text_tokens: int
+    build_s: float = 0.0  # how long the engine process took to build it
+
+
+def voice_to_wire(voice: Any) -> Any:
+    """A VoicePrompt with numpy arrays instead of tensors: a tensor pickles through torch.save,
+    an array as its bytes."""
+    if voice is None:
+        return None
+    arrays = {n: t.numpy() for n in ("x_vector", "ref_codes") if (t := getattr(voice, n, None)) is not None}
+    return replace(voice, **arrays)
+
+
+def voice_from_wire(voice: Any) -> Any:
+    if voice is None:
+        return None
+    import torch
+
+    tensors = {
+        n: torch.from_numpy(a)
+        for n in ("x_vector", "ref_codes")
+        if isinstance(a := getattr(voice, n, None), np.ndarray)
+    }
+    return replace(voice, **tensors)
+
+
+def spec_to_wire(spec: Any) -> Any:
+    voice = getattr(spec, "voice_prompt", None)
+    return spec if voice is None else replace(spec, voice_prompt=voice_to_wire(voice))
+
+
+def spec_from_wire(spec: Any) -> Any:
+    voice = getattr(spec, "voice_prompt", None)
+    return spec if voice is None else replace(spec, voice_prompt=voice_from_wire(voice))
 
 
 def _host_rows(prompt: Any) -> np.ndarray | None:
@@ -114,6 +148,8 @@ class _EngineWorker:
         # One thread builds every prompt, in arrival order, on a CUDA stream of its own.
         self._prompt_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-prompt")
         self._stream: Any = None
+        self._queued = 0  # prompt builds waiting for the prompt thread
+        self._build_s = 0.0  # moving average of one build
         self.loop: Any = None
         self.bundle: Any = None
 
@@ -204,6 +240,9 @@ class _EngineWorker:
             call_id, name, call_args = args
             if name == "metrics":  # answered at once, not behind the prompts
                 self._answer(call_id, self._metrics_snapshot)
+            elif name == "build_prompt":
+                self._queued += 1
+                self._prompt_thread.submit(self._answer, call_id, self._call_build_prompt, *call_args)
             else:
                 self._prompt_thread.submit(self._answer, call_id, getattr(self, f"_call_{name}"), *call_args)
         elif kind == "submit":
@@ -294,11 +333,27 @@ class _EngineWorker:
         return RemotePrompt(key, _host_rows(prompt), int(getattr(prompt, "num_text_tokens", 0) or 0))
 
     # Calls, run on the prompt thread in arrival order.
-    def _call_build_prompt(self, spec: Any) -> RemotePrompt:
-        return self._stored(self._on_stream(self.bundle.build_prompt, spec))
+    def _call_build_prompt(self, spec: Any, queued_at: float, budget_s: float) -> RemotePrompt:
+        """The prompt of `spec`, refused when it waited past the first-audio budget to start."""
+        started = time.perf_counter()
+        self._queued -= 1
+        self.metrics.observe_stage("prompt_queue", started - queued_at)
+        if budget_s > 0 and started - queued_at > budget_s:
+            raise ResourceExhausted(
+                f"the talker is at capacity: the request waited {started - queued_at:.1f} s for its "
+                f"prompt, past the {budget_s:g} s first-audio budget; retry later",
+                max(1, round(self._queued * self._build_s)),
+            )
+        prompt = self._on_stream(self.bundle.build_prompt, spec_from_wire(spec))
+        built_s = time.perf_counter() - started
+        self.metrics.observe_stage("build_prompt", built_s)
+        self._build_s = built_s if self._build_s == 0 else self._build_s + 0.1 * (built_s - self._build_s)
+        remote = self._stored(prompt)
+        remote.build_s = built_s
+        return remote
 
     def _call_compute_voice_prompt(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
-        return self.bundle.compute_voice_prompt(pcm, ref_text, x_vector_only)
+        return voice_to_wire(self.bundle.compute_voice_prompt(pcm, ref_text, x_vector_only))
 
     def _call_open_text(self, spec: Any) -> str:
         from qtts.model.open_text import OpenText
@@ -306,7 +361,9 @@ class _EngineWorker:
         key = uuid.uuid4().hex
         sync = self._stream.synchronize if self._stream is not None else (lambda: None)
         max_positions = getattr(self.loop.generator, "max_text_positions", None)
-        self._open[key] = OpenText(self.bundle.prompt_builder, spec, max_positions=max_positions, sync=sync)
+        self._open[key] = OpenText(
+            self.bundle.prompt_builder, spec_from_wire(spec), max_positions=max_positions, sync=sync
+        )
         return key
 
     def _call_push_text(self, key: str, piece: str, final: bool) -> tuple[RemotePrompt | None, int | None]:
@@ -468,14 +525,19 @@ class EngineClient:
     # -- calls --------------------------------------------------------------------------------
     def call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
         """Run `name` in the engine process and return its value (blocking: off the event loop)."""
+        return self.call_async(name, *args).result(timeout)
+
+    def call_async(self, name: str, *args: Any) -> concurrent.futures.Future:
+        """Run `name` in the engine process; its value (or error) arrives on the future."""
         call_id = next(self._ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._calls[call_id] = future
+        future.add_done_callback(lambda _: self._calls.pop(call_id, None))
         try:
             self._send(("call", call_id, name, args))
-            return future.result(timeout)
-        finally:
-            self._calls.pop(call_id, None)
+        except Unavailable as exc:
+            future.set_exception(exc)
+        return future
 
     def metrics_snapshot(self) -> list:
         if not self.alive:
@@ -622,13 +684,15 @@ class RemoteBundle:
         return self._fingerprint
 
     def compute_voice_prompt(self, pcm_24k: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
-        return self._engine.call("compute_voice_prompt", pcm_24k, ref_text, x_vector_only)
+        return voice_from_wire(self._engine.call("compute_voice_prompt", pcm_24k, ref_text, x_vector_only))
 
-    def build_prompt(self, spec: Any) -> RemotePrompt:
-        return self._engine.call("build_prompt", spec)
+    def build_prompt_async(self, spec: Any, queued_at: float, budget_s: float) -> concurrent.futures.Future:
+        """The prompt of `spec`, built in the engine process's prompt queue: the queue, its
+        first-audio budget and its timing are the engine process's, not a thread's here."""
+        return self._engine.call_async("build_prompt", spec_to_wire(spec), queued_at, budget_s)
 
     def open_text(self, spec: Any) -> RemoteOpenText:
-        return RemoteOpenText(self._engine, spec)
+        return RemoteOpenText(self._engine, spec_to_wire(spec))
 
 
 def engine_process_on(config: Any) -> bool:

@@ -188,3 +188,14 @@ def test_merged_samples_are_summed_and_each_family_stays_one():
     ]
     assert len(created) == 1
     assert MergedRegistry(front, lambda: list(engine.collect())).get_sample_value("tts_g") == 7
+
+
+async def test_the_engine_process_prompt_queue_keeps_the_first_audio_budget(tiny_snapshot):
+    # A budget shorter than any wait: every prompt has waited past it when its build would start.
+    c2w = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w], first_audio_budget_ms=0.001) as s:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate_all(s.stub, request_id="late", text="Hello.", voice="vivian", max_new_frames=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "waited" in err.value.details() and "first-audio budget" in err.value.details()
+        assert c2w.live == 0
