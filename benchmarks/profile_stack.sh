@@ -27,7 +27,7 @@ for _ in $(seq 1 1200); do
 done
 echo "profiling at $(gauge) active streams" >"$OUT/profile.txt"
 for name in services.gateway services.talker services.code2wav benchmarks.client; do
-    pid="$(pgrep -f "python[0-9.]* -m $name" | head -n1)"
+    pid="$(pgrep -f -- " $name( |$)" | head -n1)"
     [[ -n "$pid" ]] || { echo "$name: no process" >>"$OUT/profile.txt"; continue; }
     "$PYSPY" record --nonblocking --threads --subprocesses -r 200 -d "$SECONDS_TO_SAMPLE" -f raw \
         -o "$OUT/pyspy-${name#*.}.txt" -p "$pid" >>"$OUT/profile.txt" 2>&1 &
