@@ -115,6 +115,7 @@ class TalkerCore:
             prompt, ref_codes = await self._build_in_engine(req, checked, voice_prompt, queued_at)
         elif text is None:
             self._check_prompt_queue()
+            self._engine.check_admission(self._prompts_waiting)
             self._prompts_waiting += 1
             try:
                 prompt, ref_codes = await asyncio.get_running_loop().run_in_executor(

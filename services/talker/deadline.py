@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qtts.errors import ResourceExhausted, Unavailable
+from qtts.errors import ResourceExhausted, TTSError, Unavailable
 
 from .admission import Admission
 
@@ -320,30 +320,41 @@ class DeadlineScheduler:
         Raises Unavailable while draining, and ResourceExhausted when the queue is full or the
         queue's drain rate says the request could not start within its first-audio budget.
         """
-        if not self.admitting:
-            raise Unavailable("the talker is draining and admits no new requests")
         if req.request_id in self.running or any(w.request_id == req.request_id for w in self.waiting):
             raise ResourceExhausted(f"request id {req.request_id!r} is already in progress")
-        if len(self.running) + len(self.waiting) >= self.max_batch + self.max_waiting:
-            raise ResourceExhausted(
-                f"the talker is at capacity ({self.max_batch} streams generating, "
-                f"{self.max_waiting} waiting); retry later",
-                self._retry_after(now),
-            )
-        adm = self.admission
-        if adm is not None and adm.config.first_audio_budget_s > 0:
-            wait = self.predicted_wait_s(now)
-            if wait is not None and wait > adm.config.first_audio_budget_s:
-                raise ResourceExhausted(
-                    f"the talker is at capacity: {len(self.waiting)} requests wait to start, about "
-                    f"{wait:.1f} s, over the {adm.config.first_audio_budget_s:g} s first-audio budget",
-                    self._retry_after(now),
-                )
+        refusal = self.refusal(now)
+        if refusal is not None:
+            raise refusal
         req.submitted_at = now
         self.waiting.append(req)
 
-    def predicted_wait_s(self, now: float) -> float | None:
-        """How long a request submitted now would wait to start (None: no estimate, or at once).
+    def refusal(self, now: float, ahead: int = 0) -> TTSError | None:
+        """The error `submit` would refuse a request with now (None: it would queue), with `ahead`
+        more requests before it that are not submitted yet (prompts still being built): so a
+        request can be refused before its prompt is built, not after waiting behind the others."""
+        if not self.admitting:
+            return Unavailable("the talker is draining and admits no new requests")
+        queued = len(self.waiting) + ahead
+        if len(self.running) + queued >= self.max_batch + self.max_waiting:
+            return ResourceExhausted(
+                f"the talker is at capacity ({self.max_batch} streams generating, "
+                f"{self.max_waiting} waiting); retry later",
+                self._retry_after(now, ahead),
+            )
+        adm = self.admission
+        if adm is not None and adm.config.first_audio_budget_s > 0:
+            wait = self.predicted_wait_s(now, ahead)
+            if wait is not None and wait > adm.config.first_audio_budget_s:
+                return ResourceExhausted(
+                    f"the talker is at capacity: {queued} requests wait to start, about "
+                    f"{wait:.1f} s, over the {adm.config.first_audio_budget_s:g} s first-audio budget",
+                    self._retry_after(now, ahead),
+                )
+        return None
+
+    def predicted_wait_s(self, now: float, ahead: int = 0) -> float | None:
+        """How long a request submitted now would wait to start (None: no estimate, or at once),
+        behind the waiting requests and `ahead` more not submitted yet.
 
         The later of two predictions: the queue's drain rate, and, when the running
         streams fill the capacity admission allows, the time until enough of them finish to let
@@ -354,13 +365,14 @@ class DeadlineScheduler:
         if adm is None:
             return None
         waits = []
-        if self.waiting:
-            rate_wait = adm.predicted_wait_s(len(self.waiting), now)
+        queued = len(self.waiting) + ahead
+        if queued:
+            rate_wait = adm.predicted_wait_s(queued, now)
             if rate_wait is not None:
                 waits.append(rate_wait)
         cap = adm.capacity(self._mean_stream_s())
         if cap is not None:
-            need = len(self.running) + len(self.waiting) + 1 - cap
+            need = len(self.running) + queued + 1 - cap
             if need > 0:
                 ends = sorted(self._finish_in_s(r, now) for r in self.running.values())
                 end = ends[need - 1] if need <= len(ends) else math.inf
@@ -400,8 +412,10 @@ class DeadlineScheduler:
                 return w, False
         return None, False
 
-    def _retry_after(self, now: float) -> int | None:
-        return self.admission.retry_after_s(len(self.waiting), now) if self.admission is not None else None
+    def _retry_after(self, now: float, ahead: int = 0) -> int | None:
+        if self.admission is None:
+            return None
+        return self.admission.retry_after_s(len(self.waiting) + ahead, now)
 
     # -- planning -------------------------------------------------------------------------------
     def plan(self, now: float) -> StepPlan:

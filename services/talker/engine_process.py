@@ -241,6 +241,11 @@ class _EngineWorker:
             if name == "metrics":  # answered at once, not behind the prompts
                 self._answer(call_id, self._metrics_snapshot)
             elif name == "build_prompt":
+                try:  # refused now rather than after the prompts ahead of it are built
+                    self.loop.check_admission(self._queued)
+                except Exception as exc:  # noqa: BLE001 - the caller gets the refusal
+                    self.send(("reply", call_id, False, exc))
+                    return
                 self._queued += 1
                 self._prompt_thread.submit(self._answer, call_id, self._call_build_prompt, *call_args)
             else:

@@ -202,6 +202,16 @@ class GenerationLoop:
             self._update_gauges()
             self._cond.notify()
 
+    def check_admission(self, ahead: int) -> None:
+        """Raise the refusal a request would get now with `ahead` requests before it that are not
+        submitted yet (their prompts are being built): refused before its own prompt is built."""
+        with self._cond:
+            refusal = self._scheduler.refusal(self._clock(), ahead)
+        if refusal is not None:
+            if isinstance(refusal, ResourceExhausted):
+                self._metrics.refused_total.inc()
+            raise refusal
+
     def cancel(self, request_id: str) -> None:
         """Drop a request wherever it is; a no-op when it already finished."""
         with self._cond:

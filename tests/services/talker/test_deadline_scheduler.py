@@ -455,3 +455,39 @@ def test_the_running_length_sums_equal_a_fresh_scan_after_random_changes():
     assert next_id > 1000 and s.num_running > 0
     s.running.clear()
     assert (s.running.length_frames, s.running.num_lengths) == (0, 0)
+
+
+def test_a_request_is_refused_before_its_prompt_when_the_prompts_ahead_fill_the_budget():
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    for t in (0.0, 0.5, 1.0):  # two admissions per second
+        adm.observe_admit(t)
+    assert s.refusal(1.0) is None and s.refusal(1.0, ahead=1) is None  # second in line: 1 s
+    refusal = s.refusal(1.0, ahead=2)  # third in line, its two predecessors still being built
+    assert isinstance(refusal, ResourceExhausted) and "first-audio budget" in refusal.message
+    assert refusal.retry_after_s == 2
+    # The bound on queued requests counts those not yet submitted as well.
+    small = DeadlineScheduler(max_batch=2, max_waiting=1)
+    assert small.refusal(0.0, ahead=2) is None
+    assert isinstance(small.refusal(0.0, ahead=3), ResourceExhausted)
+    small.admitting = False
+    assert isinstance(small.refusal(0.0), Unavailable)
+
+
+def test_the_generation_loop_refuses_before_the_build_and_counts_it():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from qtts.metrics import TalkerMetrics
+    from services.talker.generation_loop import GenerationLoop
+
+    metrics = TalkerMetrics(CollectorRegistry())
+    generator = SimpleNamespace(num_active=0, step=lambda: [], cancel=lambda rid: None)
+    loop = GenerationLoop(
+        generator, DeadlineScheduler(max_batch=1, max_waiting=1), metrics, clock=lambda: 0.0
+    )
+    loop.check_admission(1)
+    with pytest.raises(ResourceExhausted, match="at capacity"):
+        loop.check_admission(2)
+    assert metrics.registry.get_sample_value("tts_talker_refused_total") == 1
