@@ -149,6 +149,14 @@ class TalkerConfig:
         check_server_fields(self)
         check_connection_age(self)
         self.tls.validate()
+        self._validate_model_and_code2wav()
+        self._validate_engine()
+        self._validate_batching()
+        self._validate_streams()
+        return self
+
+    def _validate_model_and_code2wav(self) -> None:
+        """The checkpoint's load format and dtype, and the code2wav addresses."""
         if self.load_format not in LOAD_FORMATS:
             raise InvalidArgument(
                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
@@ -161,6 +169,9 @@ class TalkerConfig:
             host, sep, port = addr.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise InvalidArgument(f"--code2wav address {addr!r} is not host:port")
+
+    def _validate_engine(self) -> None:
+        """The engine, its process, prefix cache, prefill size and kernel choices."""
         if self.engine not in ENGINES:
             raise InvalidArgument(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.engine_process not in ENGINE_PROCESS:
@@ -179,6 +190,9 @@ class TalkerConfig:
             raise InvalidArgument(
                 f"--sample-kernel must be one of {', '.join(SAMPLE_KERNELS)}, got {self.sample_kernel!r}"
             )
+
+    def _validate_batching(self) -> None:
+        """Batch size, context lengths, step pacing, deadlines and admission limits."""
         if self.max_batch < 1:
             raise InvalidArgument(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.max_len < 2 or self.context_step < 1 or any(w < 1 for w in self.prefill_buckets):
@@ -197,6 +211,9 @@ class TalkerConfig:
             raise InvalidArgument(
                 "--admission-max-duty, --admission-max-load and --first-audio-budget-ms must be >= 0"
             )
+
+    def _validate_streams(self) -> None:
+        """The queue, per-stream credit, the code2wav ring, timeouts and the drain."""
         if self.max_queue < 0:
             raise InvalidArgument(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.credit_window_frames < 1:
@@ -211,7 +228,6 @@ class TalkerConfig:
             raise InvalidArgument(
                 f"--code2wav-stall-timeout-s must be >= 0 (0 = off), got {self.code2wav_stall_timeout_s}"
             )
-        return self
 
 
 SETTINGS = ServiceSettings(TalkerConfig, "talker", "python -m services.talker", __doc__)
