@@ -41,7 +41,7 @@ from typing import Any
 
 from qtts.errors import ResourceExhausted, TTSError, Unavailable
 
-from .admission import Admission
+from .admission import Admission, StepModel
 
 FRAME_S = 0.08  # one codec frame: 1920 samples at 24 kHz
 
@@ -469,6 +469,28 @@ class DeadlineScheduler:
             else:
                 optional.append((lead, req))
             wake_at = min(wake_at, now + left - pol.urgent_lead_s)
+        return self._decide_step(
+            plan, now, model, urgent, optional, prefilling, playing, critical, wake_at, tightest, frame_budget
+        )
+
+    def _decide_step(
+        self,
+        plan: StepPlan,
+        now: float,
+        model: StepModel | None,
+        urgent: list[ScheduledRequest],
+        optional: list[tuple[float, ScheduledRequest]],
+        prefilling: list[ScheduledRequest],
+        playing: int,
+        critical: bool,
+        wake_at: float,
+        tightest: float,
+        frame_budget: float,
+    ) -> StepPlan:
+        """`plan`'s second half, once it has sorted the running streams into urgent, optional and
+        prefilling: hold or join the prompts waiting for their prefill, then sleep until the first
+        stream is due, or step the urgent streams and as many optional ones as the budget allows."""
+        pol = self.policy
         hold_prefill = False
         if prefilling:
             until = self._coalesce_until(prefilling, playing, now)
