@@ -114,20 +114,7 @@ class TalkerCore:
         if text is None and hasattr(self.bundle, "build_prompt_async"):
             prompt, ref_codes = await self._build_in_engine(req, checked, voice_prompt, queued_at)
         elif text is None:
-            self._check_prompt_queue()
-            self._engine.check_admission(self._prompts_waiting)
-            self._prompts_waiting += 1
-            try:
-                prompt, ref_codes = await asyncio.get_running_loop().run_in_executor(
-                    self._prompt_thread,
-                    self._build_prompt_and_ref_codes,
-                    req,
-                    checked,
-                    voice_prompt,
-                    queued_at,
-                )
-            finally:
-                self._prompts_waiting -= 1
+            prompt, ref_codes = await self._build_in_thread(req, checked, voice_prompt, queued_at)
         else:
             open_text = self._open_text(req, checked, voice_prompt)
             built = await self._push_text(open_text, req.text, False)
@@ -135,7 +122,46 @@ class TalkerCore:
                 piece, final = await anext(text, ("", True))
                 built = await self._push_text(open_text, piece, final)
             prompt, ref_codes = built
-        session = StreamSession(
+        session = self._new_session(req, prompt, sampling, ref_codes, started_at)
+        feeder = None
+        if open_text is not None and not open_text.closed:
+            feeder = asyncio.create_task(self._feed_text(open_text, text, session))
+        try:
+            # aclosing: a caller that stops early (client gone) frees the stream at once, not at GC.
+            async with contextlib.aclosing(session.run()) as items:
+                async for item in items:
+                    yield item
+        finally:
+            if feeder is not None:
+                feeder.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await feeder
+
+    async def _build_in_thread(
+        self, req: GenerationRequest, checked: Any, voice_prompt: Any, queued_at: float
+    ) -> tuple[Any, np.ndarray | None]:
+        """The prompt built in this process's prompt thread, after the at-once refusals (a full
+        prompt queue, then the engine's admission counting the prompts ahead)."""
+        self._check_prompt_queue()
+        self._engine.check_admission(self._prompts_waiting)
+        self._prompts_waiting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._prompt_thread,
+                self._build_prompt_and_ref_codes,
+                req,
+                checked,
+                voice_prompt,
+                queued_at,
+            )
+        finally:
+            self._prompts_waiting -= 1
+
+    def _new_session(
+        self, req: GenerationRequest, prompt: Any, sampling: Any, ref_codes: Any, started_at: float
+    ) -> StreamSession:
+        """The stream that steps `prompt` in the engine and relays its frames to code2wav."""
+        return StreamSession(
             request_id=req.request_id,
             prompt=prompt,
             sampling=sampling,
@@ -151,19 +177,6 @@ class TalkerCore:
             stall_timeout_s=self._stall_timeout_s,
             metrics=self._metrics,
         )
-        feeder = None
-        if open_text is not None and not open_text.closed:
-            feeder = asyncio.create_task(self._feed_text(open_text, text, session))
-        try:
-            # aclosing: a caller that stops early (client gone) frees the stream at once, not at GC.
-            async with contextlib.aclosing(session.run()) as items:
-                async for item in items:
-                    yield item
-        finally:
-            if feeder is not None:
-                feeder.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await feeder
 
     async def _build_in_engine(
         self, req: GenerationRequest, checked: Any, voice_prompt: Any, queued_at: float
