@@ -126,8 +126,8 @@ class StreamSession:
         self._events.put_nowait(_Abort(error))
 
     async def run(self) -> AsyncIterator[AudioPiece | GenerationSummary]:
-        generating = submitted = False
-        done = False
+        """Audio pieces as code2wav decodes them, then the summary; the events are handled in turn."""
+        generating = submitted = done = False
         try:
             await self._open_decode()
             submitted = True
@@ -140,30 +140,19 @@ class StreamSession:
                 if isinstance(ev, Admitted):
                     queue_ns = int(ev.queue_s * 1e9)
                 elif isinstance(ev, Frame):
-                    if ev.clock_restart:
-                        self._request.clock_restart = True
                     if ev.index == 0:
                         prefill_ns = int(ev.step_s * 1e9)
-                    self._made_at[ev.index + len(ev.codes)] = (ev.made_at, time.perf_counter())
-                    self._buffer.extend(ev.codes)
+                    self._take_frames(ev)
                     await self._flush()
                 elif isinstance(ev, Finished):
                     generating = False
-                    if ev.reason == "frame_cap":
-                        raise GenerationFailed(FRAME_CAP_MESSAGE)
-                    if ev.reason == SAMPLING_FAILED:
-                        raise GenerationFailed("sampling failed: the model's scores were not finite")
-                    self._gen_end = ev
+                    self._end_generation(ev)
                     await self._flush()
                 elif isinstance(ev, Failed):
                     generating = False
                     raise ev.error
                 elif isinstance(ev, c2w.Credit):
-                    self._heard_from_replica = True
-                    if ev.plan is not None:
-                        self._plan = ev.plan
-                        self._request.chunk_plan = ev.plan
-                    self._engine.grant(self._request, ev.frames_allowed_until)
+                    self._take_credit(ev)
                     await self._flush()
                 elif isinstance(ev, c2w.DecodedAudio):
                     self._heard_from_replica = True
@@ -179,8 +168,7 @@ class StreamSession:
                     self._exchanged_at = self._loop.time()
                 elif isinstance(ev, c2w.Done):
                     done = True
-                    self._replicas.stream_completed(self._decode.replica)
-                    replica = ev.replica or self._decode.replica
+                    replica = self._stream_done(ev)
                     break
                 elif isinstance(ev, _Abort):
                     raise ev.error
@@ -192,30 +180,66 @@ class StreamSession:
                     raise Unavailable(
                         f"code2wav replica {self._decode.replica} closed the stream before the end"
                     )
-            end = self._gen_end
-            if end is None:
-                raise TTSError(
-                    f"code2wav replica {self._decode.replica} ended the stream before generation did"
-                )
-            yield GenerationSummary(
-                finish_reason=end.reason,
-                num_frames=end.num_frames,
-                num_samples=samples,
-                queue_ns=queue_ns,
-                prefill_ns=prefill_ns,
-                first_audio_ns=first_audio_ns,
-                total_ns=int((time.perf_counter() - self._started_at) * 1e9),
-                replica=replica,
-                num_input_tokens=self._num_input_tokens(),
-            )
+            yield self._summary(samples, queue_ns, prefill_ns, first_audio_ns, replica)
         finally:
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-            if generating:
-                self._engine.cancel(self.request_id)
-            elif not submitted:
-                self._engine.release_prompt(self._request.prompt)
+            self._release_engine(generating, submitted)
             await self._close_decode(cancel=not done)
+
+    def _take_frames(self, ev: Frame) -> None:
+        """Buffer the engine's frames until the credit and the chunk plan let them go."""
+        if ev.clock_restart:
+            self._request.clock_restart = True
+        self._made_at[ev.index + len(ev.codes)] = (ev.made_at, time.perf_counter())
+        self._buffer.extend(ev.codes)
+
+    def _end_generation(self, ev: Finished) -> None:
+        """Keep the end of generation (GenerationFailed for an end that is not speech's)."""
+        if ev.reason == "frame_cap":
+            raise GenerationFailed(FRAME_CAP_MESSAGE)
+        if ev.reason == SAMPLING_FAILED:
+            raise GenerationFailed("sampling failed: the model's scores were not finite")
+        self._gen_end = ev
+
+    def _take_credit(self, ev: c2w.Credit) -> None:
+        """The replica's grant (with its chunk plan, the first time) passed on to the engine."""
+        self._heard_from_replica = True
+        if ev.plan is not None:
+            self._plan = ev.plan
+            self._request.chunk_plan = ev.plan
+        self._engine.grant(self._request, ev.frames_allowed_until)
+
+    def _stream_done(self, ev: c2w.Done) -> str:
+        """The replica decoded the whole stream: count it, and return the replica that did."""
+        self._replicas.stream_completed(self._decode.replica)
+        return ev.replica or self._decode.replica
+
+    def _summary(
+        self, samples: int, queue_ns: int, prefill_ns: int, first_audio_ns: int, replica: str
+    ) -> GenerationSummary:
+        """The stream's summary, once the replica is done (TTSError if it ended before generation)."""
+        end = self._gen_end
+        if end is None:
+            raise TTSError(f"code2wav replica {self._decode.replica} ended the stream before generation did")
+        return GenerationSummary(
+            finish_reason=end.reason,
+            num_frames=end.num_frames,
+            num_samples=samples,
+            queue_ns=queue_ns,
+            prefill_ns=prefill_ns,
+            first_audio_ns=first_audio_ns,
+            total_ns=int((time.perf_counter() - self._started_at) * 1e9),
+            replica=replica,
+            num_input_tokens=self._num_input_tokens(),
+        )
+
+    def _release_engine(self, generating: bool, submitted: bool) -> None:
+        """On the way out: stop the stall timer, and cancel the generation or free the prompt."""
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+        if generating:
+            self._engine.cancel(self.request_id)
+        elif not submitted:
+            self._engine.release_prompt(self._request.prompt)
 
     def _num_input_tokens(self) -> int:
         feed = self._request.text
