@@ -114,6 +114,25 @@ class GraphEngine:
                 f"max_new_frames={max_new_frames} does not fit: this talker holds {self.runner.max_len} positions "
                 f"per stream (--max-len) and the prompt takes {prompt_len}, so at most {room} frames"
             )
+        seq = self._new_sequence(
+            request_id, prompt, sampling, max_new_frames, prefix_key, prefix_len, prompt_len, room
+        )
+        self.scheduler.add(seq)
+        if seq.text_feed is not None:
+            self._open_text[request_id] = seq
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt,
+        sampling,
+        max_new_frames: int | None,
+        prefix_key: str | None,
+        prefix_len: int | None,
+        prompt_len: int,
+        room: int,
+    ) -> Sequence:
+        """`add`'s request as a `Sequence`: its frame bound, seed and prefix-cache span."""
         feed = getattr(prompt, "text_feed", None)
         if feed is None:
             max_frames, reason = self._frame_bound(
@@ -126,7 +145,7 @@ class GraphEngine:
         plen = prefix_len if prefix_len is not None else getattr(prompt, "prefix_len", 0) or 0
         plen = min(int(plen), prompt_len - 1)
         use_prefix = self.runner.prefix_cache is not None and key is not None and plen > 0
-        seq = Sequence(
+        return Sequence(
             request_id=request_id,
             prompt=prompt,
             sampling=sampling,
@@ -138,9 +157,6 @@ class GraphEngine:
             text_feed=feed,
             max_new_frames=max_new_frames,
         )
-        self.scheduler.add(seq)
-        if feed is not None:
-            self._open_text[request_id] = seq
 
     @staticmethod
     def _frame_bound(
