@@ -143,7 +143,17 @@ def sample_rows(
         vals, idx = scaled.sort(dim=-1, descending=True)
     else:
         vals, idx = scaled.topk(num_cand, dim=-1)
-    rank = torch.arange(num_cand, device=logits.device)
+    kept = _kept_probs(vals, top_k, top_p, num_cand)
+    w = torch.zeros_like(scaled).scatter(1, idx, kept)
+    sampled = _draw(w, uniform)
+    broken = (scaled.isnan() | (scaled == float("inf"))).any(dim=-1) | ~(scaled > _NEG_INF).any(dim=-1)
+    return torch.where(broken, INVALID_ID, torch.where(greedy, greedy_ids, sampled))
+
+
+def _kept_probs(vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_cand: int) -> torch.Tensor:
+    """`sample_rows`' filter: the probs of the candidates `vals` (scaled logits [B, num_cand], in
+    descending order) that top-k and top-p keep, 0 for the others, in the same order."""
+    rank = torch.arange(num_cand, device=vals.device)
     k = torch.where((top_k <= 0) | (top_k > num_cand), torch.full_like(top_k, num_cand), top_k)
     keep = vals >= vals.gather(1, (k - 1)[:, None])
     e = torch.where(keep, torch.exp(vals - vals[:, :1]), 0.0)
@@ -154,14 +164,18 @@ def sample_rows(
     start = torch.where(new_group, rank, 0).cummax(dim=-1).values
     mass_above = before.gather(1, start)
     keep_p = (mass_above < top_p[:, None]) | (start == 0) | (top_p >= 1.0)[:, None]
-    kept = torch.where(keep & keep_p, probs, 0.0)
-    w = torch.zeros_like(scaled).scatter(1, idx, kept)
+    return torch.where(keep & keep_p, probs, 0.0)
+
+
+def _draw(w: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """`sample_rows`' inverse-CDF draw over the kept probs `w` [B, V] in vocabulary order: the
+    number of ids with cdf <= uniform * sum(w), or the last id with w > 0 past the end or on a
+    w == 0 id (rounding)."""
+    vocab = w.shape[-1]
     cdf = w.cumsum(dim=-1)
     target = uniform * w.sum(dim=-1)
     choice = (cdf <= target[:, None]).sum(dim=-1)
-    ids = torch.arange(vocab, device=logits.device)
+    ids = torch.arange(vocab, device=w.device)
     last = torch.where(w > 0, ids, -1).amax(dim=-1)
     hit = w.gather(1, choice.clamp(max=vocab - 1)[:, None]).squeeze(1)
-    sampled = torch.where((choice >= vocab) | (hit == 0), last, choice)
-    broken = (scaled.isnan() | (scaled == float("inf"))).any(dim=-1) | ~(scaled > _NEG_INF).any(dim=-1)
-    return torch.where(broken, INVALID_ID, torch.where(greedy, greedy_ids, sampled))
+    return torch.where((choice >= vocab) | (hit == 0), last, choice)
