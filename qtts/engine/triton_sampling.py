@@ -199,9 +199,30 @@ def sample(
     elif out.shape != (b,) or out.dtype != torch.long or not out.is_contiguous():
         raise ValueError("out must be a contiguous int64 [B] tensor")
     u_out = torch.empty(b, dtype=torch.float32, device=logits.device) if return_uniform else out
+    if uniform is None and (seed is None or frame is None):
+        raise ValueError("seed and frame are needed when no uniform is given")
+    _launch(logits, temperature, top_k, top_p, greedy, seed, frame, uniform, out, u_out, codebook, num_warps)
+    return (out, u_out) if return_uniform else out
+
+
+def _launch(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    greedy: torch.Tensor,
+    seed: torch.Tensor | None,
+    frame: torch.Tensor | None,
+    uniform: torch.Tensor | None,
+    out: torch.Tensor,
+    u_out: torch.Tensor,
+    codebook: int,
+    num_warps: int | None,
+) -> None:
+    """`sample`'s kernel launch on the rows of `logits`, its arguments checked there (one program
+    per row, none without rows); `u_out` is `out` unless the uniforms are to be written."""
+    b, v = logits.shape
     if uniform is None:
-        if seed is None or frame is None:
-            raise ValueError("seed and frame are needed when no uniform is given")
         u_arg, u_stride = temperature, 0
     else:
         u_arg, u_stride = uniform, _stride(uniform)
@@ -233,7 +254,6 @@ def sample(
             V=v,
             BLOCK=block,
             HAS_U=uniform is not None,
-            WRITE_U=return_uniform,
+            WRITE_U=u_out is not out,  # `sample`'s return_uniform
             num_warps=num_warps,
         )
-    return (out, u_out) if return_uniform else out
