@@ -179,7 +179,9 @@ if triton is not None:
         online softmax. IEEE: full-precision float32 dots (float32 models; TF32 otherwise).
         PIPELINED: a `range` loop over the loaded length, which the compiler software-pipelines
         (loads of the next blocks in flight); Triton's interpreter cannot take a loaded bound
-        there, so it runs the same blocks in a while loop."""
+        there, so it runs the same blocks in a while loop.
+
+        Long, kept in one piece: a kernel's body reads best whole (its loop body is `_attention_block`)."""
         m = tl.program_id(0)
         hk = tl.program_id(1)
         G: tl.constexpr = HQ // HKV
@@ -445,7 +447,9 @@ def skinny_linear(
     config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """F.linear for x [M, K] with M <= 64 rows, as one Triton kernel that reads the weight once
-    (split-K > 1: a second, summing step). `config` overrides the tile table."""
+    (split-K > 1: a second, summing step). `config` overrides the tile table.
+
+    Long, kept in one piece: a launch wrapper (tile choice, then one or two launches) reads best whole."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1 or m > 64:
