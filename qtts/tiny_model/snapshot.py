@@ -102,7 +102,9 @@ def full_config(
     predictor: dict[str, Any],
     speaker_encoder: dict[str, Any],
 ) -> dict[str, Any]:
-    """A `config.json` dict in the layout of the real checkpoints."""
+    """A `config.json` dict in the layout of the real checkpoints.
+
+    Long, kept in one piece: a config table, key by key as the real checkpoints have it."""
     custom = model_type == "custom_voice"
     talker_cfg = {
         "attention_bias": False,
