@@ -57,6 +57,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Long, kept in one piece: the flag table of `tts-bench`, one flag per call."""
     p = argparse.ArgumentParser(
         prog="tts-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -367,25 +368,8 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
     args = cfg.args
     deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
     result: dict[str, Any] = {"conditions": await conditions(cfg), "levels": []}
-
-    def send_for(offset: int, count: int):
-        return make_send(cfg, synthesizer, offset, count)
-
-    def requested_frames(run: LevelRun) -> list[int | None]:
-        return [r.extra.get("max_new_tokens", args.max_new_tokens) for r in run.records]
-
     if args.warmup > 0:
-        warm = await run_closed_loop(
-            send_for(10**9, args.warmup), concurrency=1, num_requests=args.warmup, deadline=deadline
-        )
-        result["warmup"] = {"num_requests": len(warm.records), "statuses": [r.status for r in warm.records]}
-        failed = [r for r in warm.records if not r.ok]
-        if failed:
-            # Usually a request the server rejects outright (wrong task type for the model, ...).
-            print(
-                f"tts-bench: {len(failed)} warm-up request(s) failed: {failed[0].status} {failed[0].error}",
-                file=sys.stderr,
-            )
+        result["warmup"] = await _warm_up(cfg, synthesizer, deadline)
 
     if args.rate:
         plan = [("open", None, rate) for rate in args.rate]
@@ -399,35 +383,71 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
                 {"mode": mode, "concurrency": concurrency, "rate": rate}
             )
             continue
-        if mode == "closed":
-            total, label = max(args.num_requests, args.rounds * concurrency), f"c={concurrency}"
-        else:
-            arrivals = poisson_arrivals(
-                rate,
-                count=None if args.duration else args.num_requests,
-                duration_s=args.duration,
-                seed=args.seed + level_no,
-            )
-            total, label = len(arrivals), f"{rate:g} req/s"
-        if args.processes > 1:
-            spec = LevelSpec(
-                mode,
-                total,
-                level_no * 1_000_000,
-                concurrency=concurrency,
-                arrivals=tuple(arrivals) if mode == "open" else (),
-            )
-            print(f"tts-bench: {label} over {args.processes} client processes", file=sys.stderr)
-            run = await asyncio.to_thread(
-                run_level_in_processes, args, spec, args.processes, deadline, level_sender
-            )
-            level = level_result(mode, run, concurrency=concurrency, rate=rate)
-            level["requested_length"] = length_stats(requested_frames(run))
-            level["client_processes"] = args.processes
-            sent_frames += requested_frames(run)
-            result["levels"].append(level)
-            continue
-        send = send_for(level_no * 1_000_000, total)
+        level, requested = await _run_level(cfg, synthesizer, level_no, mode, concurrency, rate, deadline)
+        sent_frames += requested
+        result["levels"].append(level)
+    realised = length_stats(sent_frames)
+    result["conditions"]["length_distribution"]["realised"] = realised
+    result["conditions"]["frames_per_request"] = frames_text(cfg, realised)
+    result["highest_gap_free_load"] = highest_gap_free_load(result["levels"])
+    return result
+
+
+async def _warm_up(cfg: BenchConfig, synthesizer: Synthesizer, deadline: float | None) -> dict[str, Any]:
+    """The unrecorded warm-up requests, one at a time; their statuses (failures told on stderr)."""
+    args = cfg.args
+    warm = await run_closed_loop(
+        make_send(cfg, synthesizer, 10**9, args.warmup),
+        concurrency=1,
+        num_requests=args.warmup,
+        deadline=deadline,
+    )
+    failed = [r for r in warm.records if not r.ok]
+    if failed:
+        # Usually a request the server rejects outright (wrong task type for the model, ...).
+        print(
+            f"tts-bench: {len(failed)} warm-up request(s) failed: {failed[0].status} {failed[0].error}",
+            file=sys.stderr,
+        )
+    return {"num_requests": len(warm.records), "statuses": [r.status for r in warm.records]}
+
+
+async def _run_level(
+    cfg: BenchConfig,
+    synthesizer: Synthesizer,
+    level_no: int,
+    mode: str,
+    concurrency: int | None,
+    rate: float | None,
+    deadline: float | None,
+) -> tuple[dict[str, Any], list[int | None]]:
+    """One level of the plan (closed loop at `concurrency` or open loop at `rate`, in this process
+    or over --processes): its result and the frames its requests asked for."""
+    args = cfg.args
+    if mode == "closed":
+        total, label = max(args.num_requests, args.rounds * concurrency), f"c={concurrency}"
+    else:
+        arrivals = poisson_arrivals(
+            rate,
+            count=None if args.duration else args.num_requests,
+            duration_s=args.duration,
+            seed=args.seed + level_no,
+        )
+        total, label = len(arrivals), f"{rate:g} req/s"
+    if args.processes > 1:
+        spec = LevelSpec(
+            mode,
+            total,
+            level_no * 1_000_000,
+            concurrency=concurrency,
+            arrivals=tuple(arrivals) if mode == "open" else (),
+        )
+        print(f"tts-bench: {label} over {args.processes} client processes", file=sys.stderr)
+        run = await asyncio.to_thread(
+            run_level_in_processes, args, spec, args.processes, deadline, level_sender
+        )
+    else:
+        send = make_send(cfg, synthesizer, level_no * 1_000_000, total)
         with tqdm(total=total, desc=label, unit="req", disable=args.no_progress, file=sys.stderr) as bar:
             on_done = lambda _record: bar.update(1)  # noqa: E731
             if mode == "closed":
@@ -436,15 +456,12 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
                 )
             else:
                 run = await run_open_loop(send, arrivals, deadline=deadline, on_done=on_done)
-        level = level_result(mode, run, concurrency=concurrency, rate=rate)
-        level["requested_length"] = length_stats(requested_frames(run))
-        sent_frames += requested_frames(run)
-        result["levels"].append(level)
-    realised = length_stats(sent_frames)
-    result["conditions"]["length_distribution"]["realised"] = realised
-    result["conditions"]["frames_per_request"] = frames_text(cfg, realised)
-    result["highest_gap_free_load"] = highest_gap_free_load(result["levels"])
-    return result
+    level = level_result(mode, run, concurrency=concurrency, rate=rate)
+    requested = [r.extra.get("max_new_tokens", args.max_new_tokens) for r in run.records]
+    level["requested_length"] = length_stats(requested)
+    if args.processes > 1:
+        level["client_processes"] = args.processes
+    return level, requested
 
 
 async def _amain(cfg: BenchConfig) -> dict[str, Any]:
