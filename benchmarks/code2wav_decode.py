@@ -197,7 +197,8 @@ def first_chunk_latency(eng: SlotDecoder, iters: int, prefix_frames: int) -> lis
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line (with --quick applied)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--model",
@@ -221,7 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.iters = [s for s in args.streams if s in (1, 32, 128)], 5
+    return args
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
     torch.manual_seed(0)
     dec = load_codec_decoder(args.model, device=args.device, load_format=args.load_format)
     result: dict[str, Any] = {
@@ -235,6 +240,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stateful_vs_stateless": {},
         "first_chunk": {},
     }
+    _measure(dec, args, result)
+    _print_summary(args, result)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _measure(dec: Any, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Every precision (graph, and eager with --eager) against the fp32 reference, into `result`."""
     stream_cap = max(max(args.streams), args.cost_batch)
     batches = sorted(set(args.streams) | {args.cost_batch, 1, 2, 4})
     cost_chunks = (4, 25)
@@ -274,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
+
+def _print_summary(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The steady-state table and the SNRs."""
     print("\nsteady state, audio seconds per GPU second (x real time), chunk", args.chunk)
     keys = list(result["steady_state"])
     print(f"{'streams':>8} " + " ".join(f"{k:>14}" for k in keys))
@@ -281,11 +300,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{b:>8} " + " ".join(f"{result['steady_state'][k][i]['xrt']:>14.0f}" for k in keys))
     for k, v in result["snr_db"].items():
         print(f"SNR {k}: {v:.1f} dB")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
