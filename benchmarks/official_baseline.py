@@ -269,6 +269,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _run_batches(timed: Timed, items: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`bench_batch` for every --batches size in turn, each told on stdout."""
+    batches = []
+    with torch.inference_mode():
+        for b in args.batches:
+            res = bench_batch(timed, items, b, args)
+            batches.append(res)
+            print(
+                f"batch {b}: {res['frames_per_request'][0]} frames, wall {res['wall_s']:.2f} s, step "
+                f"{res['step_ms']:.1f} ms, RTF {res['rtf']:.2f}, aggregate {res['aggregate_x_real_time']:.2f}x",
+                flush=True,
+            )
+    return batches
+
+
+def _meta(
+    args: argparse.Namespace,
+    qt: Any,
+    model_type: str,
+    model_size: str,
+    same_weights: bool,
+    write_s: float,
+    load_s: float,
+) -> dict[str, Any]:
+    """The result's conditions: model, device, versions, and the snapshot's write and load times."""
+    return {
+        "model": "tiny" if args.tiny else args.model,
+        "model_type": model_type,
+        "model_size": model_size,
+        "device": torch.cuda.get_device_name()
+        if str(args.device).startswith("cuda")
+        else platform.processor() or "cpu",
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "qwen_tts": getattr(qt, "__version__", "0.1.1"),
+        "transformers": __import__("transformers").__version__,
+        "git": git_revision(),
+        "host": platform.node(),
+        "weights": "dummy (our seeded random init, saved in the official layout)",
+        "weights_match_ours": same_weights,
+        "snapshot_write_s": write_s,
+        "load_s": load_s,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if str(args.device).startswith("cuda") and not torch.cuda.is_available():
@@ -301,36 +346,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_type, model_size = ours.info.model_type, ours.info.model_size
         del ours
     items = voice_items(qt, info, max(args.batches), args.ref_frames, args.device, dtype, args.seed)
-    timed = Timed(model, args.device)
-    batches = []
-    with torch.inference_mode():
-        for b in args.batches:
-            res = bench_batch(timed, items, b, args)
-            batches.append(res)
-            print(
-                f"batch {b}: {res['frames_per_request'][0]} frames, wall {res['wall_s']:.2f} s, step "
-                f"{res['step_ms']:.1f} ms, RTF {res['rtf']:.2f}, aggregate {res['aggregate_x_real_time']:.2f}x",
-                flush=True,
-            )
+    batches = _run_batches(Timed(model, args.device), items, args)
     result = {
-        "meta": {
-            "model": "tiny" if args.tiny else args.model,
-            "model_type": model_type,
-            "model_size": model_size,
-            "device": torch.cuda.get_device_name()
-            if str(args.device).startswith("cuda")
-            else platform.processor() or "cpu",
-            "dtype": args.dtype,
-            "torch": torch.__version__,
-            "qwen_tts": getattr(qt, "__version__", "0.1.1"),
-            "transformers": __import__("transformers").__version__,
-            "git": git_revision(),
-            "host": platform.node(),
-            "weights": "dummy (our seeded random init, saved in the official layout)",
-            "weights_match_ours": same_weights,
-            "snapshot_write_s": write_s,
-            "load_s": load_s,
-        },
+        "meta": _meta(args, qt, model_type, model_size, same_weights, write_s, load_s),
         "settings": {
             "batches": args.batches,
             "frames": args.frames,
