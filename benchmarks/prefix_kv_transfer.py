@@ -168,7 +168,8 @@ def measure(runner: ModelRunner, length: int, iters: int, redis_client) -> dict[
     return row
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--model", default="qwen3-tts-12hz-1.7b-base", help="shipped config name or snapshot folder"
@@ -181,11 +182,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--redis-server", default=None, help="redis-server binary (default: on PATH)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    cuda = str(args.device).startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("prefix_kv_transfer needs a CUDA GPU (or --device cpu --tiny)")
-    lengths = [int(x) for x in (args.lengths or ("8,16" if args.tiny else "100,300,600")).split(",") if x]
-    dtype = torch.bfloat16 if cuda else torch.float32
+    return args
+
+
+def _runner(args: argparse.Namespace, lengths: list[int], dtype: torch.dtype) -> ModelRunner:
+    """A two-slot runner (dummy weights, graphs captured) whose slots hold the longest prefix."""
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
             from qtts.tiny_model import build_tiny_snapshot
@@ -206,6 +207,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     runner = ModelRunner(bundle, cfg)
     runner.capture_graphs()
+    return runner
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    """The rows as a Markdown table (- for a timing not measured)."""
+    print(
+        "\n| positions | KV MB | recompute eager ms | recompute graph ms | GPU hit ms | Redis GET ms | fetch total ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
+
+    def f(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]:.2f}" if key in r else "-"
+
+    for r in rows:
+        print(
+            f"| {r['positions']} | {r['kv_bytes'] / 1e6:.1f} | {f(r, 'recompute_eager_ms')} | "
+            f"{f(r, 'recompute_graph_ms')} | {f(r, 'gpu_cache_hit_ms')} | {f(r, 'redis_get_ms')} | "
+            f"{f(r, 'fetch_total_ms')} |"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse_args(argv)
+    cuda = str(args.device).startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("prefix_kv_transfer needs a CUDA GPU (or --device cpu --tiny)")
+    lengths = [int(x) for x in (args.lengths or ("8,16" if args.tiny else "100,300,600")).split(",") if x]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    runner = _runner(args, lengths, dtype)
     rows = []
     with RedisServer(args.redis_server) as redis_server:
         for n in lengths:
@@ -228,20 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "rows": rows,
     }
-    print(
-        "\n| positions | KV MB | recompute eager ms | recompute graph ms | GPU hit ms | Redis GET ms | fetch total ms |"
-    )
-    print("|---|---|---|---|---|---|---|")
-
-    def f(r: dict[str, Any], key: str) -> str:
-        return f"{r[key]:.2f}" if key in r else "-"
-
-    for r in rows:
-        print(
-            f"| {r['positions']} | {r['kv_bytes'] / 1e6:.1f} | {f(r, 'recompute_eager_ms')} | "
-            f"{f(r, 'recompute_graph_ms')} | {f(r, 'gpu_cache_hit_ms')} | {f(r, 'redis_get_ms')} | "
-            f"{f(r, 'fetch_total_ms')} |"
-        )
+    _print_table(rows)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
