@@ -29,6 +29,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -36,6 +37,9 @@ import numpy as np
 from qtts.chunk_plan import ChunkPlan
 from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+
+if TYPE_CHECKING:
+    from services.launcher import ServiceProcess, ServiceSpec, StackConfig
 
 SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920
@@ -158,7 +162,6 @@ def run_stack(args: argparse.Namespace, client_args: Sequence[str]) -> int:
     """Start speaker_cache, the paced talker and `--gateways` gateways, run tts-bench through them
     (request i to gateway i mod N), save every gateway's metrics, and stop everything."""
     from services.launcher import (
-        ServiceSpec,
         StackConfig,
         gateway_spec,
         speaker_cache_spec,
@@ -174,27 +177,7 @@ def run_stack(args: argparse.Namespace, client_args: Sequence[str]) -> int:
         gateway_replicas=args.gateways,
         extra_args={"gateway": tuple(shlex.split(args.gateway_args))},
     )
-    talker = ServiceSpec(
-        "talker",
-        "benchmarks.relay_capacity",
-        (
-            "serve",
-            "--host",
-            cfg.host,
-            "--port",
-            str(cfg.talker_port),
-            "--frames",
-            str(args.frames),
-            "--first-audio-ms",
-            str(args.first_audio_ms),
-            "--speedup",
-            str(args.speedup),
-            "--lead-s",
-            str(args.lead_s),
-        ),  # fmt: skip
-        f"{cfg.host}:{cfg.talker_port}",
-    )
-    specs = [speaker_cache_spec(cfg), talker]
+    specs = [speaker_cache_spec(cfg), _talker_spec(cfg, args)]
     urls = []
     for i in range(args.gateways):
         http, grpc_port, metrics = cfg.gateway_ports(i)
@@ -221,17 +204,48 @@ def run_stack(args: argparse.Namespace, client_args: Sequence[str]) -> int:
             *client_args,
         ]  # fmt: skip
         rc = subprocess.call(cmd)
-        for proc in procs:
-            if proc.name.startswith("gateway") and proc.spec.metrics_port:
-                url = f"http://{cfg.host}:{proc.spec.metrics_port}/metrics"
-                try:
-                    with urllib.request.urlopen(url, timeout=5) as r:
-                        (out / f"metrics-{proc.name}.txt").write_bytes(r.read())
-                except OSError as exc:
-                    print(f"metrics of {proc.name} not saved: {exc}", file=sys.stderr)
+        _save_gateway_metrics(procs, cfg.host, out)
         return rc
     finally:
         stop_services(procs, grace=5.0)
+
+
+def _talker_spec(cfg: StackConfig, args: argparse.Namespace) -> ServiceSpec:
+    """The paced stand-in talker (this module's `serve`) as a service of the stack `cfg`."""
+    from services.launcher import ServiceSpec
+
+    return ServiceSpec(
+        "talker",
+        "benchmarks.relay_capacity",
+        (
+            "serve",
+            "--host",
+            cfg.host,
+            "--port",
+            str(cfg.talker_port),
+            "--frames",
+            str(args.frames),
+            "--first-audio-ms",
+            str(args.first_audio_ms),
+            "--speedup",
+            str(args.speedup),
+            "--lead-s",
+            str(args.lead_s),
+        ),  # fmt: skip
+        f"{cfg.host}:{cfg.talker_port}",
+    )
+
+
+def _save_gateway_metrics(procs: Sequence[ServiceProcess], host: str, out: Path) -> None:
+    """Each gateway's /metrics page into `out` (metrics-<name>.txt); a failure is told on stderr."""
+    for proc in procs:
+        if proc.name.startswith("gateway") and proc.spec.metrics_port:
+            url = f"http://{host}:{proc.spec.metrics_port}/metrics"
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    (out / f"metrics-{proc.name}.txt").write_bytes(r.read())
+            except OSError as exc:
+                print(f"metrics of {proc.name} not saved: {exc}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
