@@ -49,17 +49,12 @@ def configs(n: int, sms: int):
             yield (bn, bk, sk, warps, stages)
 
 
-def sweep_shape(
-    name: str, n: int, k: int, has_bias: bool, rows: list[int], tune_rows: list[int], args, l2: int, sms: int
-) -> dict:
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    nbytes = n * k * 2
-    copies = max(2, int(args.l2_multiple * l2 / nbytes) + 1)
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * k**-0.5 for _ in range(copies)]
-    bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) if has_bias else None
-    xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g) for m in rows}
-    # Tile sweep at the tuning row counts (every row count up to 16 compiles to the same BLOCK_M).
+def _tile_scores(
+    name: str, n: int, sms: int, tune_rows: list[int], xs: dict, ws: list, bias: torch.Tensor | None
+) -> dict[tuple, float]:
+    """Every tile's summed graph-replay time (us) over the tuning row counts (every row count up
+    to 16 compiles to the same BLOCK_M); a tile that does not compile is told and skipped."""
+    copies = len(ws)
     scores: dict[tuple, float] = {}
     for cfg in configs(n, sms):
         total = 0.0
@@ -72,6 +67,20 @@ def sweep_shape(
             print(f"  {name} tile {cfg}: {type(exc).__name__}: {exc}"[:200])
             continue
         scores[cfg] = total
+    return scores
+
+
+def sweep_shape(
+    name: str, n: int, k: int, has_bias: bool, rows: list[int], tune_rows: list[int], args, l2: int, sms: int
+) -> dict:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    nbytes = n * k * 2
+    copies = max(2, int(args.l2_multiple * l2 / nbytes) + 1)
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * k**-0.5 for _ in range(copies)]
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) if has_bias else None
+    xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g) for m in rows}
+    scores = _tile_scores(name, n, sms, tune_rows, xs, ws, bias)
     best = min(scores, key=scores.get)
     entry = {
         "name": name,
