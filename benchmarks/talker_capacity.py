@@ -39,6 +39,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,32 +142,8 @@ def run_level(
         outs = eng.step()
         t1 = time.perf_counter()
         if measuring:
-            run.step_ms.append((t1 - t0) * 1e3)
-            run.running_per_step.append(len(outs))
-            run.prefill_per_step.append(counter.positions)
-            run.waiting_per_step.append(len(eng.scheduler.waiting))
-            run.prefilling_per_step.append(
-                sum(s.status is SeqStatus.PREFILLING for s in eng.scheduler.running.values())
-            )
-            run.prefill_chunks += counter.chunks
-            run.prefill_completed += counter.completed
-            run.prefill_requests += len(counter.requests)
-        for o in outs:
-            rid = o.request_id
-            if o.codes is not None:
-                last = run.last_frame_s.get(rid)
-                if measuring and last is not None:
-                    run.intervals_ms.append((t1 - last) * 1e3)
-                run.last_frame_s[rid] = t1
-                if measuring:
-                    run.frames += 1
-                if rid in run.initial:
-                    run.started_initial.add(rid)
-            if o.finished:
-                run.last_frame_s.pop(rid, None)
-                run.finished += int(measuring)
-                add(frames)  # the replacement arrives at once: prefill traffic never stops
-                run.arrivals += int(measuring)
+            _record_step(run, eng, counter, len(outs), (t1 - t0) * 1e3)
+        _take_outputs(run, outs, t1, measuring, add, frames)
         if not measuring:
             warm_steps += 1
             # Steady state: every initial request produced a frame and the prompts queued meanwhile
@@ -186,6 +163,45 @@ def run_level(
     for rid in list(eng.scheduler.running) + [s.request_id for s in eng.scheduler.waiting]:
         eng.cancel(rid)
     return summarize(run, warm_steps, args)
+
+
+def _record_step(
+    run: LevelRun, eng: GraphEngine, counter: PrefillCounter, running: int, step_ms: float
+) -> None:
+    """One measured step's time, batch, prefill traffic and queue lengths into `run`."""
+    run.step_ms.append(step_ms)
+    run.running_per_step.append(running)
+    run.prefill_per_step.append(counter.positions)
+    run.waiting_per_step.append(len(eng.scheduler.waiting))
+    run.prefilling_per_step.append(
+        sum(s.status is SeqStatus.PREFILLING for s in eng.scheduler.running.values())
+    )
+    run.prefill_chunks += counter.chunks
+    run.prefill_completed += counter.completed
+    run.prefill_requests += len(counter.requests)
+
+
+def _take_outputs(
+    run: LevelRun, outs: list[Any], t1: float, measuring: bool, add: Callable[[int], str], frames: int
+) -> None:
+    """A step's outputs (made at `t1`): frame intervals and counts, the initial requests started,
+    and a replacement of `frames` frames (`add`) for every finished request."""
+    for o in outs:
+        rid = o.request_id
+        if o.codes is not None:
+            last = run.last_frame_s.get(rid)
+            if measuring and last is not None:
+                run.intervals_ms.append((t1 - last) * 1e3)
+            run.last_frame_s[rid] = t1
+            if measuring:
+                run.frames += 1
+            if rid in run.initial:
+                run.started_initial.add(rid)
+        if o.finished:
+            run.last_frame_s.pop(rid, None)
+            run.finished += int(measuring)
+            add(frames)  # the replacement arrives at once: prefill traffic never stops
+            run.arrivals += int(measuring)
 
 
 def prefill_backlog(eng: GraphEngine) -> int:
@@ -311,6 +327,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Long, kept in one piece: a flag table, then the defaults that depend on --tiny."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--model", default="qwen3-tts-12hz-1.7b-base", help="shipped config name or snapshot folder"
@@ -373,19 +390,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("talker_capacity needs a CUDA GPU (or --device cpu --tiny)")
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        bundle = load_bundle(args, Path(tmp))
-        load_s = time.perf_counter() - t0
-    prompts = build_prompts(bundle, args.prompt_pool, args.prompt_len)
-    t0 = time.perf_counter()
-    max_trailing = max(int(p.trailing.shape[0]) for p in prompts)
-    eng = GraphEngine(bundle, config=engine_config(args, max(args.streams), max_trailing))
-    start_s = time.perf_counter() - t0
+def _run_levels(
+    eng: GraphEngine, prompts: list[TalkerPrompt], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """`run_level` for every --streams level in turn, each told on stdout (and the levels so far
+    written to --out); stops after the first level that misses the budget unless --keep-going."""
     counter = PrefillCounter(eng.runner)
     levels = []
     for n in args.streams:
@@ -405,6 +414,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         if not res["real_time"] and not args.keep_going:
             break
+    return levels
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("talker_capacity needs a CUDA GPU (or --device cpu --tiny)")
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        bundle = load_bundle(args, Path(tmp))
+        load_s = time.perf_counter() - t0
+    prompts = build_prompts(bundle, args.prompt_pool, args.prompt_len)
+    t0 = time.perf_counter()
+    max_trailing = max(int(p.trailing.shape[0]) for p in prompts)
+    eng = GraphEngine(bundle, config=engine_config(args, max(args.streams), max_trailing))
+    start_s = time.perf_counter() - t0
+    levels = _run_levels(eng, prompts, args)
     passing = [r["streams"] for r in levels if r["real_time"]]
     result = {
         "meta": {
