@@ -125,7 +125,8 @@ def bench_prefill(runner: ModelRunner, args: argparse.Namespace) -> dict[str, An
     return {"prompt_len": args.prompt_len, "ms": ms, "profile": prof}
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-tts-12hz-1.7b-base")
     ap.add_argument("--buckets", default="2,8,256,1024")
@@ -152,9 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("talker_profile needs a CUDA GPU")
-    buckets = [int(x) for x in args.buckets.split(",")]
+    return args
+
+
+def _runner(args: argparse.Namespace, buckets: list[int]) -> ModelRunner:
+    """The runner (dummy bf16 weights) with its graphs captured and every slot filled to --position."""
     bundle = load_talker_bundle(args.model, device="cuda", dtype=torch.bfloat16, load_format="dummy")
     cfg = RunnerConfig(
         max_len=args.context_bucket,
@@ -175,6 +178,36 @@ def main(argv: list[str] | None = None) -> None:
     fill_slots(runner, args.position)
     runner.capture_graphs()
     fill_slots(runner, args.position)
+    return runner
+
+
+def _print_tables(rows: list[dict[str, Any]], prefill: dict[str, Any]) -> None:
+    """The per-bucket table, and the top kernels of the smallest and largest buckets and of prefill."""
+    print(
+        "\n| bucket | step ms | talker ms | c0 head+sample ms | predictor ms | kernels/step | kernel ms/step |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        p = r["profile"]
+        print(
+            f"| {r['bucket']} | {r['step_ms']:.2f} | {r['talker_ms']:.2f} | {r['c0_head_sample_ms']:.2f} | "
+            f"{r['predictor_ms']:.2f} | {p['kernels_per_step']:.0f} | {p['kernel_us_per_step'] / 1e3:.2f} |"
+        )
+    for r in rows[:1] + rows[-1:]:
+        print(f"\ntop kernels at bucket {r['bucket']}:")
+        for k in r["profile"]["top"][:15]:
+            print(f"  {k['us_per_step']:8.1f} us  x{k['per_step']:5.1f}  {k['name']}")
+    print("\ntop prefill kernels:")
+    for k in prefill["profile"]["top"][:12]:
+        print(f"  {k['us_per_step']:8.1f} us  x{k['per_step']:5.1f}  {k['name']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("talker_profile needs a CUDA GPU")
+    buckets = [int(x) for x in args.buckets.split(",")]
+    runner = _runner(args, buckets)
     rows = []
     for b in buckets:
         n, ctx = runner.bucket(b, args.position + 1)
@@ -199,23 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
-    print(
-        "\n| bucket | step ms | talker ms | c0 head+sample ms | predictor ms | kernels/step | kernel ms/step |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        p = r["profile"]
-        print(
-            f"| {r['bucket']} | {r['step_ms']:.2f} | {r['talker_ms']:.2f} | {r['c0_head_sample_ms']:.2f} | "
-            f"{r['predictor_ms']:.2f} | {p['kernels_per_step']:.0f} | {p['kernel_us_per_step'] / 1e3:.2f} |"
-        )
-    for r in rows[:1] + rows[-1:]:
-        print(f"\ntop kernels at bucket {r['bucket']}:")
-        for k in r["profile"]["top"][:15]:
-            print(f"  {k['us_per_step']:8.1f} us  x{k['per_step']:5.1f}  {k['name']}")
-    print("\ntop prefill kernels:")
-    for k in prefill["profile"]["top"][:12]:
-        print(f"  {k['us_per_step']:8.1f} us  x{k['per_step']:5.1f}  {k['name']}")
+    _print_tables(rows, prefill)
 
 
 if __name__ == "__main__":
