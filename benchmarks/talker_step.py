@@ -173,28 +173,7 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
     bundle = load_talker_bundle(name, device="cuda", dtype=DTYPES[args.dtype], load_format="dummy")
     load_s = time.perf_counter() - t0
     batches = [b for b in args.batches if b <= args.max_batch]
-    ctx_bucket = args.context_bucket
-    buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b <= max(batches))
-    if args.agreement_only:  # capture only the buckets that --batches lands in (the runner's own mapping)
-        buckets = tuple(sorted(set(bucket_map(batches).values())))
-    cfg = RunnerConfig(
-        max_len=ctx_bucket,
-        max_batch=max(batches),
-        num_slots=max(batches),
-        max_trailing=64,
-        batch_buckets=buckets,
-        context_buckets=(ctx_bucket,),
-        talker_attention=serving_attention(attention),
-        max_candidates=args.max_candidates,
-        fast_path=mode != "plain",
-        compile_layers=mode.startswith("compile"),
-        prefill_buckets=() if args.agreement_only else tuple(args.prefill_buckets),
-        prefill_rows=tuple(args.prefill_rows),
-        decode_kernels=args.decode_kernels,
-        sample_kernel=args.sample_kernel,
-        skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
-    )
-    runner = variant_runner(bundle, cfg, attention, mode)
+    runner = variant_runner(bundle, _runner_config(args, attention, mode, batches), attention, mode)
     kernels = kernel_choices(runner)
     tf32 = tf32_state()
     print(
@@ -216,96 +195,143 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         "agreement_frames": args.agreement_frames,
     }
     if args.agreement_only:
-        rows = []
-        for b in batches:
-            n, ctx = runner.bucket(b, args.position + 1)
-            runner.active[:n] = False
-            runner.active[:b] = True
-            runner.slot_ints[:, I_POS] = args.position
-            agree = graph_eager_agreement(runner, n, ctx, rows=b, frames=args.agreement_frames)
-            rows.append(
-                {
-                    "batch": b,
-                    "bucket": n,
-                    "context_bucket": ctx,
-                    "graph_eq_eager": agree["codes"],
-                    "graph_eq_eager_frames": agree["frames"],
-                }
-            )
-            _write_partial(args, {**head, "rows": rows})
-            print(
-                f"{name} [{variant}] {args.dtype} B={b:5d} bucket={n:5d}: graph_eq_eager {agree['codes']:.4f} "
-                f"(frames all equal {agree['frames']:.4f})",
-                flush=True,
-            )
-        out = {
-            **head,
-            "load_s": load_s,
-            "capture_s": capture_s,
-            "num_graphs": len(runner.graphs),
-            "rows": rows,
-            "tokenizer": bundle.tokenizer_name,
-        }
-        runner = bundle = None
-        gc.collect()
-        torch.cuda.empty_cache()
-        return out
-    rows = []
-    for b in batches:
-        n, ctx = runner.bucket(b, args.position + 1)
-        runner.active[:n] = False
-        runner.active[:b] = True
-        graph = runner.graphs[(n, ctx)]
-        # Positions advance with every replay; keep them in range by resetting between runs.
-        runner.slot_ints[:, I_POS] = args.position
-        g_ms = _event_median(graph.replay, args.iters)
-        runner.slot_ints[:, I_POS] = args.position
-        step_ms = _wall_median(lambda b=b: runner.decode(b, range(b), args.position + 1), args.iters)
-        eager_ms = None
-        if b in args.eager_batches:
-            runner.slot_ints[:, I_POS] = args.position
-            eager_ms = _event_median(
-                lambda n=n, ctx=ctx: runner._frame_step(n, ctx), max(3, args.iters // 10), 1
-            )
-        runner.slot_ints[:, I_POS] = args.position
-        agree = graph_eager_agreement(runner, n, ctx, rows=b, frames=args.agreement_frames)
-        same = agree["codes"]
-        row = {
-            "batch": b,
-            "bucket": n,
-            "context_bucket": ctx,
-            "graph_ms": g_ms,
-            "step_wall_ms": step_ms,
-            "eager_ms": eager_ms,
-            "graph_eq_eager": same,
-            "graph_eq_eager_frames": agree["frames"],
-            **floor_ms(runner, b, args.position),
-        }
-        if "1.7b" in name:
-            row["baseline_ms"] = BASELINE_1P7B.get(b)
-            row["target_ms"] = TARGET_1P7B.get(b)
-        rows.append(row)
-        _write_partial(args, {**head, "rows": rows})
-        print(
-            f"{name} [{variant}] B={b:5d}: graph {g_ms:7.2f} ms  step {step_ms:7.2f} ms  "
-            f"eager {eager_ms if eager_ms is None else round(eager_ms, 2)}  floor {row['floor_ms']:6.2f} ms  "
-            f"graph==eager {same:.4f}",
-            flush=True,
-        )
-    prefill = bench_prefill(runner, bundle, args)
+        rows, extra = _agreement_rows(runner, name, variant, args, batches, head), {}
+    else:
+        rows = _timed_rows(runner, name, variant, args, batches, head)
+        extra = {"prefill": bench_prefill(runner, bundle, args)}
     out = {
         **head,
         "load_s": load_s,
         "capture_s": capture_s,
         "num_graphs": len(runner.graphs),
         "rows": rows,
-        "prefill": prefill,
+        **extra,
         "tokenizer": bundle.tokenizer_name,
     }
     runner = bundle = None  # free the KV cache and weights before the next model
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def _runner_config(args: argparse.Namespace, attention: str, mode: str, batches: list[int]) -> RunnerConfig:
+    """The runner of one variant, its slots and batch buckets sized for `batches` (with
+    --agreement-only: only the buckets those land in, and no prefill graphs)."""
+    ctx_bucket = args.context_bucket
+    buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b <= max(batches))
+    if args.agreement_only:  # capture only the buckets that --batches lands in (the runner's own mapping)
+        buckets = tuple(sorted(set(bucket_map(batches).values())))
+    return RunnerConfig(
+        max_len=ctx_bucket,
+        max_batch=max(batches),
+        num_slots=max(batches),
+        max_trailing=64,
+        batch_buckets=buckets,
+        context_buckets=(ctx_bucket,),
+        talker_attention=serving_attention(attention),
+        max_candidates=args.max_candidates,
+        fast_path=mode != "plain",
+        compile_layers=mode.startswith("compile"),
+        prefill_buckets=() if args.agreement_only else tuple(args.prefill_buckets),
+        prefill_rows=tuple(args.prefill_rows),
+        decode_kernels=args.decode_kernels,
+        sample_kernel=args.sample_kernel,
+        skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
+    )
+
+
+def _agreement_rows(
+    runner: ModelRunner,
+    name: str,
+    variant: str,
+    args: argparse.Namespace,
+    batches: list[int],
+    head: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """--agreement-only: per batch, the graph-vs-eager check alone (no timing)."""
+    rows = []
+    for b in batches:
+        n, ctx = runner.bucket(b, args.position + 1)
+        runner.active[:n] = False
+        runner.active[:b] = True
+        runner.slot_ints[:, I_POS] = args.position
+        agree = graph_eager_agreement(runner, n, ctx, rows=b, frames=args.agreement_frames)
+        rows.append(
+            {
+                "batch": b,
+                "bucket": n,
+                "context_bucket": ctx,
+                "graph_eq_eager": agree["codes"],
+                "graph_eq_eager_frames": agree["frames"],
+            }
+        )
+        _write_partial(args, {**head, "rows": rows})
+        print(
+            f"{name} [{variant}] {args.dtype} B={b:5d} bucket={n:5d}: graph_eq_eager {agree['codes']:.4f} "
+            f"(frames all equal {agree['frames']:.4f})",
+            flush=True,
+        )
+    return rows
+
+
+def _timed_rows(
+    runner: ModelRunner,
+    name: str,
+    variant: str,
+    args: argparse.Namespace,
+    batches: list[int],
+    head: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Per batch, its timed row (`_time_batch`), written out and told as it comes."""
+    rows = []
+    for b in batches:
+        row = _time_batch(runner, name, args, b)
+        rows.append(row)
+        _write_partial(args, {**head, "rows": rows})
+        eager_ms = row["eager_ms"]
+        print(
+            f"{name} [{variant}] B={b:5d}: graph {row['graph_ms']:7.2f} ms  step {row['step_wall_ms']:7.2f} ms  "
+            f"eager {eager_ms if eager_ms is None else round(eager_ms, 2)}  floor {row['floor_ms']:6.2f} ms  "
+            f"graph==eager {row['graph_eq_eager']:.4f}",
+            flush=True,
+        )
+    return rows
+
+
+def _time_batch(runner: ModelRunner, name: str, args: argparse.Namespace, b: int) -> dict[str, Any]:
+    """Batch `b`'s row: graph replay, step wall and (--eager-batches) eager times, the
+    graph-vs-eager check and the memory floor (with the 1.7B baseline and target)."""
+    n, ctx = runner.bucket(b, args.position + 1)
+    runner.active[:n] = False
+    runner.active[:b] = True
+    graph = runner.graphs[(n, ctx)]
+    # Positions advance with every replay; keep them in range by resetting between runs.
+    runner.slot_ints[:, I_POS] = args.position
+    g_ms = _event_median(graph.replay, args.iters)
+    runner.slot_ints[:, I_POS] = args.position
+    step_ms = _wall_median(lambda b=b: runner.decode(b, range(b), args.position + 1), args.iters)
+    eager_ms = None
+    if b in args.eager_batches:
+        runner.slot_ints[:, I_POS] = args.position
+        eager_ms = _event_median(lambda n=n, ctx=ctx: runner._frame_step(n, ctx), max(3, args.iters // 10), 1)
+    runner.slot_ints[:, I_POS] = args.position
+    agree = graph_eager_agreement(runner, n, ctx, rows=b, frames=args.agreement_frames)
+    same = agree["codes"]
+    row = {
+        "batch": b,
+        "bucket": n,
+        "context_bucket": ctx,
+        "graph_ms": g_ms,
+        "step_wall_ms": step_ms,
+        "eager_ms": eager_ms,
+        "graph_eq_eager": same,
+        "graph_eq_eager_frames": agree["frames"],
+        **floor_ms(runner, b, args.position),
+    }
+    if "1.7b" in name:
+        row["baseline_ms"] = BASELINE_1P7B.get(b)
+        row["target_ms"] = TARGET_1P7B.get(b)
+    return row
 
 
 def _write_partial(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -594,7 +620,9 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, with the list options parsed (no CUDA needed)."""
+    """The command line, with the list options parsed (no CUDA needed).
+
+    Long, kept in one piece: a flag table, then the list options and the checks across flags."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="qwen3-tts-12hz-1.7b-base,qwen3-tts-12hz-0.6b-base")
     ap.add_argument(
