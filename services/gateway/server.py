@@ -263,6 +263,8 @@ class GatewayServer:
         if self.config.served_model_name:
             catalog = replace(catalog, name=self.config.served_model_name)
         self.catalog = catalog
+        if self.talker_pool is not None:
+            await self.talker_pool.wait_usable()
         log.info("serving model %s (%s)", catalog.name, catalog.model_type)
         await self.host.set_serving()
         await self._follow_talker()

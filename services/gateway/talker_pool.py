@@ -78,14 +78,15 @@ class StaticResolver:
         return list(self.addresses)
 
 
-async def health_probe(channel: Any, timeout_s: float = 1.0) -> bool:
-    """Whether the server behind `channel` reports SERVING (overall) through grpc.health.v1."""
+async def health_probe(channel: Any, timeout_s: float = 1.0) -> bool | None:
+    """Whether the server behind `channel` reports SERVING (overall) through grpc.health.v1; None
+    when it did not answer within `timeout_s` (a busy talker, not yet a gone one)."""
     try:
         resp = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
         )
-    except grpc.aio.AioRpcError:
-        return False
+    except grpc.aio.AioRpcError as exc:
+        return None if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else False
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -103,6 +104,8 @@ class Endpoint:
     # No longer in the resolution: no new streams; closed when `active` reaches 0.
     retired: bool = False
     active: int = 0
+    # Probes in a row that got no answer in time: one alone keeps a ready talker ready.
+    slow_probes: int = 0
 
 
 class Lease:
@@ -194,6 +197,12 @@ class TalkerPool:
         current = [e for e in self._endpoints.values() if not e.retired]
         results = await asyncio.gather(*(self._probe(e.channel) for e in current), return_exceptions=True)
         for endpoint, ok in zip(current, results, strict=True):
+            if ok is None and endpoint.ready and endpoint.slow_probes < 1:
+                # A loaded talker (or a TLS handshake on a loaded host) can miss one probe's
+                # deadline; taking it out for that turned requests away with "no talker is ready".
+                endpoint.slow_probes += 1
+                continue
+            endpoint.slow_probes = 0
             ready = ok is True
             if ready != endpoint.ready:
                 log.info("talker %s %s", endpoint.address, "ready" if ready else "not ready")
@@ -238,6 +247,14 @@ class TalkerPool:
         endpoint = min(rotated, key=lambda e: e.active)
         endpoint.active += 1
         return Lease(self, endpoint)
+
+    async def wait_usable(self, retry_s: float = 0.2) -> None:
+        """Return once a talker is usable (refreshing until then): a gateway reports SERVING only
+        when a new stream would find a talker."""
+        while not self.usable():
+            await self.refresh()
+            if not self.usable():
+                await asyncio.sleep(retry_s)
 
     async def acquire(self) -> Lease:
         """A lease for a new stream; refreshes first when no talker is usable (at most every

@@ -30,6 +30,7 @@ class Fakes:
     def __init__(self, *addresses: str):
         self.addresses = list(addresses)
         self.down: set[str] = set()
+        self.slow: set[str] = set()
         self.fail_resolution = False
         self.channels: list[FakeChannel] = []
 
@@ -43,7 +44,9 @@ class Fakes:
         self.channels.append(channel)
         return channel
 
-    async def probe(self, channel: FakeChannel) -> bool:
+    async def probe(self, channel: FakeChannel) -> bool | None:
+        if channel.address in self.slow:
+            return None  # no answer within the probe's deadline
         return channel.address not in self.down
 
     def pool(self) -> TalkerPool:
@@ -154,6 +157,42 @@ async def test_talkers_that_are_not_serving_get_no_new_streams():
     assert [e.address for e in pool.usable()] == []
     assert (await pool.acquire()).address in {"a:1", "b:1"}  # acquire refreshed: both serve again
     assert [e.address for e in pool.usable()] == ["a:1", "b:1"]
+
+
+async def test_one_slow_probe_keeps_a_ready_talker_two_take_it_out():
+    fakes = Fakes("a:1")
+    pool = fakes.pool()
+    await pool.refresh()
+    fakes.slow = {"a:1"}
+    await pool.refresh()  # one probe without an answer in time: still ready
+    assert [e.address for e in pool.usable()] == ["a:1"]
+    await pool.refresh()  # the second in a row: out
+    assert pool.usable() == []
+    fakes.slow = set()
+    await pool.refresh()
+    assert [e.address for e in pool.usable()] == ["a:1"]
+    # A talker that answers NOT_SERVING (or cannot be reached) is out at once.
+    fakes.down = {"a:1"}
+    await pool.refresh()
+    assert pool.usable() == []
+    # A talker that never answered in time is not ready: slowness keeps only a ready one.
+    fresh = Fakes("b:1")
+    fresh.slow = {"b:1"}
+    other = fresh.pool()
+    await other.refresh()
+    assert other.usable() == []
+
+
+async def test_wait_usable_returns_once_a_talker_serves():
+    fakes = Fakes("a:1")
+    fakes.down = {"a:1"}
+    pool = fakes.pool()
+    waiting = asyncio.ensure_future(pool.wait_usable(retry_s=0.01))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    fakes.down = set()
+    await asyncio.wait_for(waiting, 2.0)
+    assert [e.address for e in pool.usable()] == ["a:1"]
 
 
 async def test_a_failed_or_empty_resolution_keeps_the_known_talkers():
