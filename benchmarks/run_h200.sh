@@ -29,7 +29,9 @@
 # package and what it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate,
 # librosa...); .redis = the redis-server binary with liblzf and libjemalloc beside it.
 # Settings (environment): TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS, CONCURRENCY, NUM_REQUESTS,
-# ROUNDS, TIME_LIMIT (stack); CAPACITY_ARGS (talker). launch_gpu_stack.sh also reads
+# ROUNDS, TIME_LIMIT, STACK_TIMEOUT, CLIENT_ARGS (stack: flags for benchmarks.client, e.g. the
+# open loop CLIENT_ARGS="--rate 20 40 60 80 --duration 30 --length-dist mixed:2:20" with
+# FIXED_LENGTH= empty); CAPACITY_ARGS (talker). launch_gpu_stack.sh also reads
 # CLIENT_PROCESSES (client processes per level) and GATEWAY_REPLICAS (gateways in front of the
 # talker): at 430f96f the talker and code2wav saw no underrun where the client saw gaps, so run
 # e.g. CLIENT_PROCESSES=4 with GATEWAY_REPLICAS=1 and 2 to tell the gateway from the client.
@@ -75,18 +77,22 @@ talker)
         --frames 60 --repeats 2 --out "$RES/official_baseline.json" >"$RES/official_baseline.log" 2>&1
     ;;
 stack)
-    install .whl /tmp/site && install .whl_av /tmp/site && export PYTHONPATH=/tmp/site:.
+    # PyAV only decodes reference clips that are not WAV and encodes compressed responses: the
+    # sweep's WAV clips and PCM answers run without it (a call that carries less than 64 MiB).
+    install .whl /tmp/site && { [[ ! -d .whl_av ]] || install .whl_av /tmp/site; } && export PYTHONPATH=/tmp/site:.
     if [[ -d .whl_prof ]]; then  # PROFILE_AT=<streams>: py-spy every process once the talker carries that many
         install .whl_prof /tmp/prof
         PYSPY=/tmp/prof/bin/py-spy benchmarks/profile_stack.sh "$RES/profile" "${PROFILE_AT:-200}" 8 \
             >"$RES/profile.log" 2>&1 &
     fi
-    PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-1 64 256 512}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
-        ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-330}" \
+    # shellcheck disable=SC2086  # CLIENT_ARGS is a list of flags
+    PYTHON=python3 FIXED_LENGTH="${FIXED_LENGTH-1}" CONCURRENCY="${CONCURRENCY:-1 64 256 512}" \
+        NUM_REQUESTS="${NUM_REQUESTS:-16}" ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-330}" \
         TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512}" \
         CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024 --max-batch 256}" \
         GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
-        timeout 570 benchmarks/launch_gpu_stack.sh "$RES/stack" >"$RES/stack.log" 2>&1
+        timeout "${STACK_TIMEOUT:-570}" benchmarks/launch_gpu_stack.sh "$RES/stack" -- ${CLIENT_ARGS:-} \
+        >"$RES/stack.log" 2>&1
     ;;
 gaps)
     # Zero-gaps measurements of one fresh machine: the float32 (TF32 off) greedy agreement of the
