@@ -117,11 +117,7 @@ class TalkerCore:
             prompt, ref_codes = await self._build_in_thread(req, checked, voice_prompt, queued_at)
         else:
             open_text = self._open_text(req, checked, voice_prompt)
-            built = await self._push_text(open_text, req.text, False)
-            while built is None:  # an ICL prompt waits for text past its reference frames
-                piece, final = await anext(text, ("", True))
-                built = await self._push_text(open_text, piece, final)
-            prompt, ref_codes = built
+            prompt, ref_codes = await self._open_prompt(open_text, req.text, text)
         session = self._new_session(req, prompt, sampling, ref_codes, started_at)
         feeder = None
         if open_text is not None and not open_text.closed:
@@ -200,6 +196,23 @@ class TalkerCore:
     def _observe_build(self, built_s: float) -> None:
         """Keep the moving average of one prompt's build the at-once refusal predicts with."""
         self._build_s = built_s if self._build_s == 0 else self._build_s + 0.1 * (built_s - self._build_s)
+
+    async def _open_prompt(
+        self, open_text: Any, first: str, text: AsyncIterator[tuple[str, bool]]
+    ) -> tuple[Any, np.ndarray | None]:
+        """Push text until the prompt can be built (an ICL prompt waits for text past its
+        reference frames); a request that ends first frees the text the engine process holds."""
+        try:
+            built = await self._push_text(open_text, first, False)
+            while built is None:
+                piece, final = await anext(text, ("", True))
+                built = await self._push_text(open_text, piece, final)
+        except BaseException:
+            abandon = getattr(open_text, "abandon", None)  # engine_process.RemoteOpenText
+            if abandon is not None:
+                abandon()
+            raise
+        return built
 
     def _open_text(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
         from qtts.model.open_text import OpenText

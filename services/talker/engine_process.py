@@ -387,6 +387,10 @@ class _EngineWorker:
             tokens = feed.num_text_tokens if feed is not None and feed.closed else None
         return remote, tokens
 
+    def _call_held(self) -> dict[str, int]:
+        """What the engine process holds for the front (after the prompt work queued before)."""
+        return {"prompts": len(self._prompts), "open_texts": len(self._open), "requests": len(self._requests)}
+
     def _metrics_snapshot(self) -> list:
         return [
             family
@@ -584,6 +588,8 @@ class EngineClient:
                 future = self._calls.get(call_id)
                 if future is not None and not future.done():
                     (future.set_result if ok else future.set_exception)(value)
+                elif ok:  # its caller went away (cancelled): a prompt built for it is freed
+                    self._drop_unclaimed(value)
             elif kind == "ready":
                 self._ready.set_result(message[1])
             elif kind == "start_failed":
@@ -595,6 +601,11 @@ class EngineClient:
             self._process.join(2.0)
             code = self._process.exitcode
         self._lose(f"the engine process ended (exit code {code})")
+
+    def _drop_unclaimed(self, value: Any) -> None:
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, RemotePrompt):
+                self._send_quietly(("drop", item.key))
 
     def _dispatch(self, events: list[tuple[str, Any]]) -> None:
         by_loop: dict[Any, list] = {}
@@ -653,7 +664,7 @@ class RemoteOpenText:
     def __init__(self, engine: EngineClient, spec: Any):
         self._engine = engine
         self._spec = spec
-        self._key: str | None = None
+        self._key: str | None = None  # the engine process's key of this text, once opened
         self._prompt: RemotePrompt | None = None
         self.text = ""
         self.closed = False
@@ -671,6 +682,15 @@ class RemoteOpenText:
         if tokens is not None and self._prompt is not None:
             self._prompt.num_text_tokens = tokens
         return prompt
+
+    @property
+    def key(self) -> str | None:
+        return self._key
+
+    def abandon(self) -> None:
+        """The request ended before its prompt was built: free the text held for it."""
+        if self._key is not None and self._prompt is None:
+            self._engine.release_prompt(self)
 
 
 class RemoteBundle:

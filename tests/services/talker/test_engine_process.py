@@ -199,3 +199,38 @@ async def test_the_engine_process_prompt_queue_keeps_the_first_audio_budget(tiny
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "waited" in err.value.details() and "first-audio budget" in err.value.details()
         assert c2w.live == 0
+
+
+async def test_prompts_nobody_claims_are_freed_in_the_engine_process(tiny_snapshot):
+    from qtts.model import SynthesisSpec
+    from services.talker.engine_process import spec_to_wire
+
+    nothing = {"prompts": 0, "open_texts": 0, "requests": 0}
+    c2w = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
+        engine = s.talker.engine_client
+
+        async def held_becomes(want, timeout: float = 20.0) -> None:
+            deadline = asyncio.get_running_loop().time() + timeout
+            while (got := await asyncio.to_thread(engine.call, "held", timeout=10)) != want:
+                assert asyncio.get_running_loop().time() < deadline, got
+                await asyncio.sleep(0.05)
+
+        await generate_all(s.stub, request_id="done", text="Hello.", voice="vivian", max_new_frames=2)
+        await held_becomes(nothing)
+        # A build whose caller went away (its future cancelled before the reply): freed on arrival.
+        spec = SynthesisSpec(text="Hello there.", task="custom_voice", speaker="vivian", language="english")
+        engine.call_async("build_prompt", spec_to_wire(spec), 0.0, 0.0).cancel()
+        await held_becomes(nothing)
+
+        # Appended text whose request ends before its prompt could be built.
+        async def requests():
+            yield talker_pb2.GenerateStreamRequest(
+                start=talker_pb2.GenerateRequest(request_id="gone", text="Hello", voice="vivian")
+            )
+            await asyncio.Event().wait()
+
+        call = s.stub.GenerateStream(requests())
+        await held_becomes({**nothing, "open_texts": 1})
+        call.cancel()
+        await held_becomes(nothing)
