@@ -400,10 +400,18 @@ class _EngineWorker:
 
 
 def engine_main(conn_in: Any, conn_out: Any, config: Any, run_warm_up: bool) -> None:
-    """The engine process's body (spawned: CUDA cannot be forked)."""
+    """The engine process's body (spawned: CUDA cannot be forked).
+
+    It ignores SIGINT and SIGTERM: a Ctrl-C reaches the whole process group, and the front
+    drains its streams before it sends "stop" (its end of the pipe closing ends this process
+    too, whatever ended the front)."""
+    import signal
     import sys
 
     from qtts.grpc_server import configure_logging
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     configure_logging(config.log_level, getattr(config, "log_format", None), service="talker-engine")
     sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)

@@ -147,6 +147,27 @@ async def test_text_in_pieces_through_the_engine_process(tiny_snapshot, tiny_tal
         await eventually(lambda: s.gauge("tts_talker_active_streams") == 0)
 
 
+async def test_signals_to_the_process_group_leave_the_engine_to_the_front(tiny_snapshot):
+    c2w = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
+        engine = s.talker.engine_client
+        call = s.stub.Generate(
+            talker_pb2.GenerateRequest(
+                request_id="on", text="Hello world.", voice="vivian", max_new_frames=40
+            )
+        )
+        assert (await call.read()).WhichOneof("event") == "audio"
+        # A Ctrl-C or a SIGTERM to the group reaches the engine process: the stream goes on.
+        os.kill(engine.facts.pid, signal.SIGINT)
+        os.kill(engine.facts.pid, signal.SIGTERM)
+        while (msg := await call.read()) != grpc.aio.EOF:
+            last = msg
+        assert last.WhichOneof("event") == "summary" and last.summary.num_frames == 40
+        assert engine.alive
+    # The front's stop ended it.
+    assert not engine.alive
+
+
 async def test_the_end_of_the_engine_process_fails_its_streams_and_the_talker(tiny_snapshot):
     exits: list[int] = []
     c2w = FakeCode2Wav("c2w-a")
