@@ -58,6 +58,23 @@ class AudioPiece:
         return len(self.pcm_s16le) // 2
 
 
+@dataclass(frozen=True)
+class SynthesisSummary:
+    """How a request ended, in the talker and in the gateway alike: finish reason "stop" (end of
+    speech) or "length" (the frame limit), sizes, stage timings and the code2wav replica that
+    decoded it."""
+
+    finish_reason: str
+    num_frames: int
+    num_samples: int
+    code2wav_replica: str = ""
+    queue_ns: int = 0
+    prefill_ns: int = 0
+    first_audio_ns: int = 0
+    total_ns: int = 0
+    num_input_tokens: int = 0
+
+
 # ISO 639-1 codes (as vLLM-Omni's clients send them, optionally with a region: en-US, pt_BR) -> the
 # model's language names.
 LANGUAGE_CODES = {

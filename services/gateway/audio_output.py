@@ -7,10 +7,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qtts.vocabulary import NATIVE_SAMPLE_RATE, AudioPiece
+from qtts.vocabulary import NATIVE_SAMPLE_RATE, AudioPiece, SynthesisSummary
 
 from .audio_encoding import Resampler, make_encoder
-from .job import SynthesisSummary
 
 if TYPE_CHECKING:
     from .core import SynthesisStream

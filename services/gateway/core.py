@@ -20,13 +20,13 @@ from typing import Protocol
 
 from qtts.errors import GenerationFailed, InvalidArgument, Unavailable, mapping_for
 from qtts.metrics import GatewayMetrics
-from qtts.vocabulary import AudioPiece
+from qtts.vocabulary import AudioPiece, SynthesisSummary
 
 from .admission import Admission
 from .auth import current_owner, scoped_voice_name
 from .client_identity import current_client
 from .instructions import apply_instructions_policy
-from .job import ModelCatalog, SpeechFields, SynthesisJob, SynthesisSummary
+from .job import ModelCatalog, SpeechFields, SynthesisJob
 from .validation import RequestLimits, build_job, named_field
 
 Event = AudioPiece | SynthesisSummary

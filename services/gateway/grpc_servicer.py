@@ -13,6 +13,7 @@ from qtts.errors import Cancelled, InvalidArgument, TTSError
 from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.sampling_overrides import overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
+from qtts.vocabulary import SynthesisSummary
 
 from .audio_output import AudioOutput
 from .auth import ApiKeys, grpc_owner, owner_var
@@ -20,7 +21,7 @@ from .client_identity import client_var, grpc_client_key
 from .consents import ConsentStore
 from .core import GatewayCore, SynthesisStream
 from .instructions import ignored_fields_header
-from .job import SpeechFields, SynthesisJob, SynthesisSummary
+from .job import SpeechFields, SynthesisJob
 from .text_stream import SegmentText, TextPiece, TextSplitter, check_session, open_segment
 from .validation import new_request_id
 from .voice_client import VoiceInfo

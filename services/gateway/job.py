@@ -80,18 +80,3 @@ class SynthesisJob:
     # Request fields the served variant cannot honour, dropped and reported to the client
     # (instructions.py: only under --unsupported-instructions ignore).
     ignored_fields: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class SynthesisSummary:
-    """How a request ended (the talker's summary)."""
-
-    finish_reason: str  # "stop" (end of speech) or "length" (max_new_frames reached)
-    num_frames: int
-    num_samples: int
-    code2wav_replica: str = ""
-    queue_ns: int = 0
-    prefill_ns: int = 0
-    first_audio_ns: int = 0
-    total_ns: int = 0
-    num_input_tokens: int = 0

@@ -16,9 +16,9 @@ from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.sampling_overrides import overrides_to_pb
 from qtts.tls import TlsConfig, aio_channel
 from qtts.tts_enums import FINISH_FROM_PB, TASK_TO_PB
-from qtts.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, AudioPiece
+from qtts.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, AudioPiece, SynthesisSummary
 
-from .job import ModelCatalog, SynthesisJob, SynthesisSummary
+from .job import ModelCatalog, SynthesisJob
 from .talker_pool import TalkerPool
 
 

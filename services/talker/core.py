@@ -16,11 +16,11 @@ import numpy as np
 from qtts import request_limits as lim
 from qtts.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
 from qtts.metrics import TalkerMetrics
-from qtts.vocabulary import AudioPiece, Task
+from qtts.vocabulary import AudioPiece, SynthesisSummary, Task
 
 from .generation_loop import GenerationLoop
 from .replicas import Code2WavReplicas
-from .request import GenerationRequest, GenerationSummary, SamplingOverrides
+from .request import GenerationRequest, SamplingOverrides
 from .stream import StreamSession
 from .validation import check_request
 from .voices import VoiceResolver
@@ -93,7 +93,7 @@ class TalkerCore:
 
     async def generate(
         self, req: GenerationRequest, text: AsyncIterator[tuple[str, bool]] | None = None
-    ) -> AsyncIterator[AudioPiece | GenerationSummary]:
+    ) -> AsyncIterator[AudioPiece | SynthesisSummary]:
         """Audio pieces as code2wav produces them, then one summary (errors are TTSError).
 
         With `text`, more text follows `req.text` while the request runs: (piece, final) pairs in

@@ -25,18 +25,3 @@ class GenerationRequest:
     first_chunk_frames: int = 0
     chunk_frames_ramp: tuple[int, ...] = ()
     streaming_text: bool | None = None
-
-
-@dataclass(frozen=True)
-class GenerationSummary:
-    """How a successful request ended: finish reason "stop" or "length", sizes and timings."""
-
-    finish_reason: str
-    num_frames: int
-    num_samples: int
-    queue_ns: int
-    prefill_ns: int
-    first_audio_ns: int
-    total_ns: int
-    replica: str
-    num_input_tokens: int = 0

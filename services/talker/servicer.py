@@ -14,13 +14,10 @@ from qtts.errors import InvalidArgument, Unavailable
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
 from qtts.sampling_overrides import overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
-from qtts.vocabulary import AudioPiece
+from qtts.vocabulary import AudioPiece, SynthesisSummary
 
 from .core import TalkerCore
-from .request import (
-    GenerationRequest,
-    GenerationSummary,
-)
+from .request import GenerationRequest
 
 
 def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
@@ -62,7 +59,7 @@ def audio_message(
 
 
 def summary_message(
-    request_id: str, seq: int, summary: GenerationSummary, cls: type = talker_pb2.GenerateResponse
+    request_id: str, seq: int, summary: SynthesisSummary, cls: type = talker_pb2.GenerateResponse
 ) -> talker_pb2.GenerateResponse:
     return cls(
         request_id=request_id,
@@ -77,7 +74,7 @@ def summary_message(
                 first_audio_ns=summary.first_audio_ns,
                 total_ns=summary.total_ns,
             ),
-            code2wav_replica=summary.replica,
+            code2wav_replica=summary.code2wav_replica,
             num_input_tokens=summary.num_input_tokens,
         ),
     )

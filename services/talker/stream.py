@@ -29,13 +29,12 @@ import numpy as np
 from qtts.audio import SAMPLE_RATE
 from qtts.chunk_plan import ChunkPlan
 from qtts.errors import GenerationFailed, TTSError, Unavailable
-from qtts.vocabulary import AudioPiece
+from qtts.vocabulary import AudioPiece, SynthesisSummary
 
 from . import code2wav_client as c2w
 from .deadline import ScheduledRequest, StreamCredit
 from .generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
 from .replicas import Code2WavReplicas
-from .request import GenerationSummary
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +124,7 @@ class StreamSession:
         """End the stream with `error` (from outside its events: e.g. appended text refused)."""
         self._events.put_nowait(_Abort(error))
 
-    async def run(self) -> AsyncIterator[AudioPiece | GenerationSummary]:
+    async def run(self) -> AsyncIterator[AudioPiece | SynthesisSummary]:
         """Audio pieces as code2wav decodes them, then the summary; the events are handled in turn."""
         generating = submitted = done = False
         try:
@@ -215,12 +214,12 @@ class StreamSession:
 
     def _summary(
         self, samples: int, queue_ns: int, prefill_ns: int, first_audio_ns: int, replica: str
-    ) -> GenerationSummary:
+    ) -> SynthesisSummary:
         """The stream's summary, once the replica is done (TTSError if it ended before generation)."""
         end = self._gen_end
         if end is None:
             raise TTSError(f"code2wav replica {self._decode.replica} ended the stream before generation did")
-        return GenerationSummary(
+        return SynthesisSummary(
             finish_reason=end.reason,
             num_frames=end.num_frames,
             num_samples=samples,
@@ -228,7 +227,7 @@ class StreamSession:
             prefill_ns=prefill_ns,
             first_audio_ns=first_audio_ns,
             total_ns=int((time.perf_counter() - self._started_at) * 1e9),
-            replica=replica,
+            code2wav_replica=replica,
             num_input_tokens=self._num_input_tokens(),
         )
 

@@ -10,7 +10,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from services.gateway.job import SamplingOptions, SynthesisJob, SynthesisSummary
+from qtts.vocabulary import SynthesisSummary
+from services.gateway.job import SamplingOptions, SynthesisJob
 from services.gateway.talker_client import TalkerClient
 from services.gateway.talker_pool import StaticResolver, TalkerPool
 from services.launcher import (

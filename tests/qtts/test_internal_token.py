@@ -16,9 +16,8 @@ from qtts.pb import (
     talker_pb2,
     talker_pb2_grpc,
 )
-from qtts.vocabulary import AudioPiece
+from qtts.vocabulary import AudioPiece, SynthesisSummary
 from services.code2wav.config import config_from_args as c2w_config_from_args
-from services.gateway.job import SynthesisSummary
 from services.gateway.talker_client import TalkerClient
 from services.gateway.voice_client import VoiceClient
 from services.talker.speaker_cache_client import SpeakerCacheClient

@@ -19,11 +19,10 @@ from qtts.errors import InvalidArgument
 from qtts.grpc_server import run_service_main
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc, talker_pb2, talker_pb2_grpc
 from qtts.tls import TlsConfig, aio_channel
-from qtts.vocabulary import AudioPiece
+from qtts.vocabulary import AudioPiece, SynthesisSummary
 from services.code2wav.config import config_from_args as c2w_config_from_args
 from services.gateway.config import GatewayConfig
 from services.gateway.config import config_from_args as gateway_config_from_args
-from services.gateway.job import SynthesisSummary
 from services.gateway.server import GatewayServer
 from services.gateway.talker_client import TalkerClient
 from services.gateway.voice_client import VoiceClient

@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry
 
 from qtts.errors import NotFound
 from qtts.metrics import GatewayMetrics
-from qtts.vocabulary import AudioPiece
+from qtts.vocabulary import AudioPiece, SynthesisSummary
 from services.gateway.admission import Admission
 from services.gateway.core import GatewayCore
 from services.gateway.http_app import HttpDeps, create_app
-from services.gateway.job import ModelCatalog, SynthesisJob, SynthesisSummary
+from services.gateway.job import ModelCatalog, SynthesisJob
 from services.gateway.server import _UvicornServer
 from services.gateway.validation import RequestLimits
 from services.gateway.voice_client import VoiceInfo

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from qtts.vocabulary import AudioPiece
+from qtts.vocabulary import AudioPiece, SynthesisSummary
 from services.gateway.audio_output import AudioOutput
-from services.gateway.job import SynthesisSummary
 
 FRAME = 1920
 

@@ -16,10 +16,10 @@ import pytest
 
 from qtts.hash_ring import HashRing
 from qtts.pb import code2wav_pb2, talker_pb2
-from qtts.vocabulary import AudioPiece
+from qtts.vocabulary import AudioPiece, SynthesisSummary
 from services.talker.config import TalkerConfig, config_from_args
 from services.talker.replicas import Code2WavReplicas
-from services.talker.request import GenerationRequest, GenerationSummary
+from services.talker.request import GenerationRequest
 from tests.services.talker.fakes import FakeCode2Wav
 from tests.services.talker.stack import eventually, generate_all
 from tests.services.talker.test_talker_service import CLONE, fake_stack
@@ -174,7 +174,7 @@ async def test_a_listener_slower_than_the_timeout_is_not_a_stall():
             items.append(item)
             if len(items) == 1:
                 await asyncio.sleep(3 * STALL_S)
-        assert isinstance(items[-1], GenerationSummary) and items[-1].num_frames == 12
+        assert isinstance(items[-1], SynthesisSummary) and items[-1].num_frames == 12
         assert sum(i.num_samples for i in items if isinstance(i, AudioPiece)) == 12 * 1920
         assert s.talker.replicas.healthy == {s.replicas[0].address}
 
