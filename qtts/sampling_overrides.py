@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 from qtts.pb import tts_pb2
 
-_OPTIONAL = ("temperature", "top_k", "top_p", "repetition_penalty", "seed", "min_new_frames")
-
 
 @dataclass(frozen=True)
 class SamplingOverrides:
@@ -24,9 +22,20 @@ class SamplingOverrides:
     min_new_frames: int | None = None
 
 
+# The optional fields (None: the model's default), and the public HTTP names that differ from
+# them (the body takes vLLM-Omni's `min_new_tokens`): a new field is one line of the dataclass.
+OPTIONAL_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingOverrides) if f.name != "greedy")
+HTTP_NAMES = {"min_new_frames": "min_new_tokens"}
+
+
+def http_name(field: str) -> str:
+    """The HTTP/WebSocket body's name of a `SamplingOverrides` field."""
+    return HTTP_NAMES.get(field, field)
+
+
 def overrides_from_pb(s: tts_pb2.SamplingParams) -> SamplingOverrides:
     """The overrides set in a `tts.v1.SamplingParams` (unset optional fields stay None)."""
-    values = {name: getattr(s, name) if s.HasField(name) else None for name in _OPTIONAL}
+    values = {name: getattr(s, name) if s.HasField(name) else None for name in OPTIONAL_FIELDS}
     return SamplingOverrides(greedy=s.greedy, **values)
 
 

@@ -11,7 +11,7 @@ import grpc
 
 from qtts.errors import Cancelled, InvalidArgument, TTSError
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from qtts.sampling_overrides import overrides_from_pb
+from qtts.sampling_overrides import SamplingOverrides, http_name, overrides_from_pb
 from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 from qtts.vocabulary import SynthesisSummary
 
@@ -51,12 +51,8 @@ _SYNTHESIZE_FIELDS = {
     "max_new_tokens": "max_new_frames",
     "sample_rate": "sample_rate_hz",
     "response_format": "audio_encoding",
-    "temperature": "sampling.temperature",
-    "top_k": "sampling.top_k",
-    "top_p": "sampling.top_p",
-    "repetition_penalty": "sampling.repetition_penalty",
-    "seed": "sampling.seed",
-    "min_new_tokens": "sampling.min_new_frames",
+    # Every sampling field, under its HTTP name: sampling.<field> of tts.v1.SamplingParams.
+    **{http_name(f.name): f"sampling.{f.name}" for f in dataclasses.fields(SamplingOverrides)},
     "first_chunk_frames": "streaming.first_chunk_frames",
     "chunk_frames_ramp": "streaming.chunk_frames_ramp",
 }

@@ -32,6 +32,7 @@ from pydantic_core import PydanticCustomError
 
 from qtts import request_limits as lim
 from qtts.errors import InvalidArgument
+from qtts.sampling_overrides import OPTIONAL_FIELDS, http_name
 from qtts.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, MAX_SPEED, MIN_SPEED
@@ -299,13 +300,9 @@ class SpeechOptions(BaseModel):
             reference_text=self.ref_text,
             x_vector_only=self.x_vector_only_mode,
             max_new_frames=self.max_new_tokens,
+            # Each optional sampling field from the body field of its HTTP name (the seed as set above).
             sampling=SamplingOptions(
-                temperature=self.temperature,
-                top_k=self.top_k,
-                top_p=self.top_p,
-                repetition_penalty=self.repetition_penalty,
-                seed=seed,
-                min_new_frames=self.min_new_tokens,
+                **{f: getattr(self, http_name(f)) for f in OPTIONAL_FIELDS if f != "seed"}, seed=seed
             ),
             sample_rate=sample_rate,
             first_chunk_frames=self.initial_codec_chunk_frames or 0,

@@ -16,6 +16,7 @@ import numpy as np
 from qtts import request_limits as lim
 from qtts.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
 from qtts.metrics import TalkerMetrics
+from qtts.sampling_overrides import OPTIONAL_FIELDS
 from qtts.vocabulary import AudioPiece, SynthesisSummary, Task
 
 from .generation_loop import GenerationLoop
@@ -35,15 +36,17 @@ def reference_rows(prompt: Any) -> np.ndarray | None:
     return None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
 
 
+# The model's generation_config name of an override that is named otherwise on the API.
+_DEFAULTS_NAMES = {"min_new_frames": "min_new_tokens"}
+
+
 def merge_sampling(defaults: Any, overrides: SamplingOverrides) -> Any:
     """The model's generation defaults with the caller's set fields on top."""
     changes = {
-        name: value
-        for name in ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+        _DEFAULTS_NAMES.get(name, name): value
+        for name in OPTIONAL_FIELDS
         if (value := getattr(overrides, name)) is not None
     }
-    if overrides.min_new_frames is not None:
-        changes["min_new_tokens"] = overrides.min_new_frames
     if overrides.greedy:
         # The API's greedy means argmax for every codebook, the code predictor's included.
         changes["greedy"] = True
