@@ -189,6 +189,9 @@ class TalkerCore:
                 self._spec(req, checked, voice_prompt), queued_at, self._budget_s
             )
             prompt = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the caller went away: the engine process frees the prompt
+            self.bundle.abandon_build(future)
+            raise
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
         finally:

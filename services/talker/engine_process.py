@@ -556,6 +556,17 @@ class EngineClient:
             future.set_exception(exc)
         return future
 
+    def abandon(self, future: concurrent.futures.Future) -> None:
+        """The caller no longer wants `future`'s value: a prompt it carries is freed, whether it
+        arrives later or arrived just before the caller gave up."""
+        if future.cancel() or future.cancelled():
+            return  # the reply, when it comes, finds no caller and frees it (`_read`)
+        try:
+            value = future.result(timeout=0)
+        except Exception:  # noqa: BLE001 - an error carries no prompt
+            return
+        self._drop_unclaimed(value)
+
     def metrics_snapshot(self) -> list:
         if not self.alive:
             return []
@@ -718,6 +729,9 @@ class RemoteBundle:
 
     def compute_voice_prompt(self, pcm_24k: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
         return voice_from_wire(self._engine.call("compute_voice_prompt", pcm_24k, ref_text, x_vector_only))
+
+    def abandon_build(self, future: concurrent.futures.Future) -> None:
+        self._engine.abandon(future)
 
     def build_prompt_async(self, spec: Any, queued_at: float, budget_s: float) -> concurrent.futures.Future:
         """The prompt of `spec`, built in the engine process's prompt queue: the queue, its
