@@ -5,7 +5,7 @@ device-to-host copy) and a few more times per step; the asyncio thread serving h
 keeps it busy. A released GIL is taken back only when its holder yields, after at most
 `sys.getswitchinterval()`. This simulates one step (eight GIL-releasing calls, 2 ms of waiting in
 all) alone and beside one thread that runs Python without pause, at several intervals; the
-services set the interval with `--gil-switch-interval-ms` (qtts/service_config.py).
+services set the interval with `--gil-switch-interval-ms` (qtts/serving/service_config.py).
 
 This models one engine thread beside one busy thread, not the stack: there a shorter interval
 did worse (on an H200, 0.25 ms in every service: 60-63% gap-free streams at c=256 against 83% at

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from qtts.chunk_plan import ChunkPlan
-from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
+from qtts.streams.chunk_plan import ChunkPlan
 
 if TYPE_CHECKING:
     from services.launcher import ServiceProcess, ServiceSpec, StackConfig

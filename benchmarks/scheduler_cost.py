@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from qtts.chunk_plan import ChunkPlan
+from qtts.streams.chunk_plan import ChunkPlan
 from services.talker.admission import Admission, AdmissionConfig
 from services.talker.deadline import DeadlinePolicy, DeadlineScheduler, ScheduledRequest, StreamCredit
 

@@ -1,9 +1,9 @@
-"""docs/settings.md from the services' and the launcher's settings declarations (qtts/settings.py):
+"""docs/settings.md from the services' and the launcher's settings declarations (qtts/serving/settings.py):
 one table per program with every flag, its env variables, default and help.
 
     python docs/settings_table.py --write   # rewrite docs/settings.md
 
-tests/qtts/test_settings.py fails when docs/settings.md is not what this prints.
+tests/qtts/serving/test_settings.py fails when docs/settings.md is not what this prints.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import soxr
 
-from qtts.errors import InvalidArgument
-from qtts.vocabulary import NATIVE_SAMPLE_RATE as SAMPLE_RATE
-from qtts.vocabulary import SAMPLES_PER_FRAME as SAMPLES_PER_FRAME
+from qtts.request.errors import InvalidArgument
+from qtts.request.vocabulary import NATIVE_SAMPLE_RATE as SAMPLE_RATE
+from qtts.request.vocabulary import SAMPLES_PER_FRAME as SAMPLES_PER_FRAME
 
 if TYPE_CHECKING:  # the gateway decodes audio without loading torch
     import torch

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qtts import probe
-from qtts.errors import InvalidArgument
+from qtts.request.errors import InvalidArgument
 from qtts.resources import state_dir
-from qtts.settings import ServiceSettings, SettingsError, group, setting
+from qtts.serving import probe
+from qtts.serving.settings import ServiceSettings, SettingsError, group, setting
+from qtts.serving.tls import TlsConfig
 from qtts.tiny_model import ensure_tiny_snapshot
-from qtts.tls import TlsConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LOG_DIR = state_dir() / "run" / "logs"
@@ -106,7 +106,7 @@ class StackConfig:
     gateway_replicas: int = 1
     # Extra flags per service name ("gateway", "talker", "code2wav", "speaker_cache").
     extra_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    # TLS between the services (qtts/tls.py), the same files for every one; None: plaintext. The
+    # TLS between the services (qtts/serving/tls.py), the same files for every one; None: plaintext. The
     # gateway's public ports stay plaintext unless its extra_args give --public-tls-*.
     tls: TlsConfig | None = None
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import grpc
 
-from qtts.grpc_server import GrpcServiceHost
-from qtts.metrics import ServiceMetrics
+from qtts.serving.grpc_server import GrpcServiceHost
+from qtts.serving.metrics import ServiceMetrics
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from qtts.errors import ResourceExhausted
+from qtts.request.errors import ResourceExhausted
 
 
 class SlotPoolFull(ResourceExhausted):

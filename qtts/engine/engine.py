@@ -21,8 +21,8 @@ from qtts.engine.kv_slots import DenseSlotTable
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.sequence import SeqStatus, Sequence
 from qtts.engine.slot_scheduler import SlotScheduler
-from qtts.errors import InvalidArgument
 from qtts.model.generator import SAMPLING_FAILED, StepOutput
+from qtts.request.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

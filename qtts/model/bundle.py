@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from qtts.errors import InvalidArgument
 from qtts.model.code_predictor import CodePredictor
 from qtts.model.config import ModelConfig, ModelInfo, read_generation_config
 from qtts.model.dummy import init_dummy_weights, materialize
@@ -21,6 +20,7 @@ from qtts.model.sampling import SamplingParams
 from qtts.model.snapshot import Snapshot, SnapshotError, open_snapshot
 from qtts.model.talker import Talker
 from qtts.model.tokenizer import config_id_mismatches, load_text_tokenizer
+from qtts.request.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

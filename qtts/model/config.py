@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qtts.model_variants import supports_instructions
+from qtts.request.model_variants import supports_instructions
 
 MODEL_TYPES = ("base", "custom_voice", "voice_design")
 

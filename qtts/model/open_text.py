@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import torch
 
-from qtts.errors import InvalidArgument
 from qtts.model.prompt import NeedMoreText, PromptBuilder, SynthesisSpec, TalkerPrompt
 from qtts.model.text_feed import TextPieces, pre_token_starts
+from qtts.request.errors import InvalidArgument
 
 ROLE_IDS = 3  # `<|im_start|>assistant\n`: the target's ids follow them
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from qtts.errors import InvalidArgument
 from qtts.model.config import ModelConfig
 from qtts.model.text_feed import TextFeed
 from qtts.model.tokenizer import encode
-from qtts.vocabulary import served_task
+from qtts.request.errors import InvalidArgument
+from qtts.request.vocabulary import served_task
 
 # Frame cap: generous against real speech rates (about 3-4 frames of 80 ms per text token; a slow
 # instructed voice maybe twice that), so only a request that missed end-of-speech reaches it.

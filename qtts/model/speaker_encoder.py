@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qtts.errors import InvalidArgument
 from qtts.model.mel import log_mel_spectrogram
+from qtts.request.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qtts import service_config as common
-from qtts.chunk_plan import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, ChunkPlan
-from qtts.errors import InvalidArgument
-from qtts.service_config import check_connection_age, check_server_fields
-from qtts.settings import ServiceSettings, group, setting
-from qtts.tls import TlsConfig
+from qtts.request.errors import InvalidArgument
+from qtts.serving import service_config as common
+from qtts.serving.service_config import check_connection_age, check_server_fields
+from qtts.serving.settings import ServiceSettings, group, setting
+from qtts.serving.tls import TlsConfig
+from qtts.streams.chunk_plan import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, ChunkPlan
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.model_loader import DTYPES
 
@@ -84,12 +84,12 @@ class Code2WavConfig:
     # streams on an aged connection get the grace (0 = drain_seconds) to finish.
     max_connection_age_s: float = common.max_connection_age_s()
     max_connection_age_grace_s: float = common.max_connection_age_grace_s()
-    # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
+    # sys.setswitchinterval for this process (see qtts/serving/service_config.py for what was measured).
     gil_switch_interval_ms: float = common.gil_switch_interval_ms()
     log_level: str = common.log_level()
-    # Shared secret of the services (qtts/internal_auth.py); empty: off.
+    # Shared secret of the services (qtts/serving/internal_auth.py); empty: off.
     internal_token: str = common.internal_token(dials=False)
-    # TLS / mutual TLS on the gRPC port (qtts/tls.py); off by default.
+    # TLS / mutual TLS on the gRPC port (qtts/serving/tls.py); off by default.
     tls: TlsConfig = group(TlsConfig(), "tls", omit=("server_name",), what="gRPC between the services")
 
     @property

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from qtts.audio import pcm_s16le_batch
-from qtts.chunk_plan import ChunkPlan
-from qtts.decode_events import DecodedAudio
-from qtts.errors import GenerationFailed, InvalidArgument, Unavailable
-from qtts.metrics import Code2WavMetrics
+from qtts.request.errors import GenerationFailed, InvalidArgument, Unavailable
+from qtts.serving.metrics import Code2WavMetrics
+from qtts.streams.chunk_plan import ChunkPlan
+from qtts.streams.decode_events import DecodedAudio
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
 from services.code2wav.stream import DecodeStream, StreamLimits
@@ -69,7 +69,7 @@ class Code2WavCore:
         device_failure: Callable[[BaseException], bool] | None = None,
     ):
         self.decoder = decoder
-        # Reports a fatal device error (qtts.device_failure) and says whether it was one.
+        # Reports a fatal device error (qtts.serving.device_failure) and says whether it was one.
         self._device_failure = device_failure
         self.metrics = metrics
         self.registry = StreamRegistry(max_states, metrics)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from qtts.errors import ResourceExhausted
-from qtts.metrics import Code2WavMetrics
+from qtts.request.errors import ResourceExhausted
+from qtts.serving.metrics import Code2WavMetrics
 from services.code2wav.stream import DecodeStream
 
 

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from qtts.device_failure import DeviceFailure
-from qtts.grpc_server import GrpcServiceHost, service_full_name
-from qtts.internal_auth import server_interceptors
-from qtts.metrics import Code2WavMetrics
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
+from qtts.serving.device_failure import DeviceFailure
+from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
+from qtts.serving.internal_auth import server_interceptors
+from qtts.serving.metrics import Code2WavMetrics
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.core import Code2WavCore, IncrementalDecoderLike
 from services.code2wav.model_loader import load_decoder
@@ -28,7 +28,7 @@ SERVICE_NAME = service_full_name(code2wav_pb2, "Code2WavService")
 class Code2WavServer:
     """One code2wav replica. RPCs are accepted from `start()`; health is SERVING after warm-up.
 
-    A fatal device error turns health NOT_SERVING and ends the process (qtts.device_failure);
+    A fatal device error turns health NOT_SERVING and ends the process (qtts.serving.device_failure);
     `exit_process` replaces the exit in tests."""
 
     def __init__(

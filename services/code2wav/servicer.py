@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import numpy as np
 
-from qtts.decode_events import Credit, DecodedAudio, DecodeEvent, Done
-from qtts.errors import FailedPrecondition, InvalidArgument, TTSError
 from qtts.pb import code2wav_pb2 as pb
 from qtts.pb import code2wav_pb2_grpc
+from qtts.request.errors import FailedPrecondition, InvalidArgument, TTSError
+from qtts.streams.decode_events import Credit, DecodedAudio, DecodeEvent, Done
 from services.code2wav.core import Code2WavCore
 from services.code2wav.stream import DecodeStream
 

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from qtts.audio import SAMPLE_RATE
-from qtts.chunk_plan import ChunkPlan
-from qtts.decode_events import Credit, DecodedAudio, DecodeEvent, Done
-from qtts.errors import FailedPrecondition, InvalidArgument
-from qtts.metrics import Code2WavMetrics
+from qtts.request.errors import FailedPrecondition, InvalidArgument
+from qtts.serving.metrics import Code2WavMetrics
+from qtts.streams.chunk_plan import ChunkPlan
+from qtts.streams.decode_events import Credit, DecodedAudio, DecodeEvent, Done
 from services.code2wav.credit import CreditPolicy
 
 

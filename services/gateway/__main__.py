@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from qtts.grpc_server import run_service_main
+from qtts.serving.grpc_server import run_service_main
 from services.gateway.config import config_from_args
 from services.gateway.server import GatewayServer
 

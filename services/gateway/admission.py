@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from qtts.errors import ResourceExhausted
+from qtts.request.errors import ResourceExhausted
 
 # What a refused client is told to wait (Retry-After): streams last seconds, so one is enough to
 # find a free slot or to be refused again cheaply.

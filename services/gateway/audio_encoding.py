@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from qtts.errors import InvalidArgument
+from qtts.request.errors import InvalidArgument
 
 MEDIA_TYPES = {
     "pcm": "audio/pcm",

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qtts.vocabulary import NATIVE_SAMPLE_RATE, AudioPiece, SynthesisSummary
+from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, AudioPiece, SynthesisSummary
 
 from .audio_encoding import Resampler, make_encoder
 

@@ -25,8 +25,8 @@ from urllib.parse import parse_qs
 
 import grpc
 
-from qtts.errors import InvalidArgument
-from qtts.internal_auth import rejecting_handler
+from qtts.request.errors import InvalidArgument
+from qtts.serving.internal_auth import rejecting_handler
 
 from .client_identity import bearer_token
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from qtts.errors import InvalidArgument, TTSError
+from qtts.request.errors import InvalidArgument, TTSError
 
 from .audio_encoding import MEDIA_TYPES, check_output_format
 from .audio_output import AudioOutput

@@ -6,12 +6,12 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qtts import request_limits
-from qtts import service_config as common
-from qtts.errors import InvalidArgument
-from qtts.service_config import check_server_fields
-from qtts.settings import ServiceSettings, group, setting
-from qtts.tls import TlsConfig
+from qtts.request import request_limits
+from qtts.request.errors import InvalidArgument
+from qtts.serving import service_config as common
+from qtts.serving.service_config import check_server_fields
+from qtts.serving.settings import ServiceSettings, group, setting
+from qtts.serving.tls import TlsConfig
 
 # What --unsupported-instructions accepts (services/gateway/instructions.py applies it; listed here
 # so that parsing flags imports nothing of the gateway).
@@ -57,7 +57,7 @@ class GatewayConfig:
     # Resampled from 24 kHz with soxr.
     sample_rate: int = setting(24000, "output sample rate when a request does not set one (native: 24000)")
     drain_seconds: float = common.drain_seconds(30.0)
-    # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
+    # sys.setswitchinterval for this process (see qtts/serving/service_config.py for what was measured).
     gil_switch_interval_ms: float = common.gil_switch_interval_ms()
     # Above a load balancer's idle timeout (60 s is common), so the proxy, not the gateway, closes
     # idle connections (no close racing a new request).
@@ -100,9 +100,9 @@ class GatewayConfig:
         "file of API keys, one a line; with it (or TTS_GATEWAY_API_KEYS) every /v1/ route and "
         "tts.v1 RPC needs Authorization: Bearer <key> (default: no authentication)",
     )
-    # Shared secret of the services (qtts/internal_auth.py); empty: off.
+    # Shared secret of the services (qtts/serving/internal_auth.py); empty: off.
     internal_token: str = common.internal_token()
-    # TLS / mutual TLS to talker and speaker_cache (qtts/tls.py: --tls-*), and TLS on the public
+    # TLS / mutual TLS to talker and speaker_cache (qtts/serving/tls.py: --tls-*), and TLS on the public
     # HTTP and gRPC ports (--public-tls-*); both off by default.
     tls: TlsConfig = group(TlsConfig(), "tls", what="the gateway's calls to talker and speaker_cache")
     public_tls: TlsConfig = group(

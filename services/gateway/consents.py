@@ -19,7 +19,7 @@ from typing import Protocol
 
 from fastapi import APIRouter, Request
 
-from qtts.errors import InvalidArgument, NotFound, ResourceExhausted
+from qtts.request.errors import InvalidArgument, NotFound, ResourceExhausted
 
 # OpenAI's limit on a consent recording.
 MAX_RECORDING_BYTES = 10 * 1024 * 1024

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Protocol
 
-from qtts.errors import GenerationFailed, InvalidArgument, Unavailable, mapping_for
-from qtts.metrics import GatewayMetrics
-from qtts.vocabulary import AudioPiece, SynthesisSummary
+from qtts.request.errors import GenerationFailed, InvalidArgument, Unavailable, mapping_for
+from qtts.request.vocabulary import AudioPiece, SynthesisSummary
+from qtts.serving.metrics import GatewayMetrics
 
 from .admission import Admission
 from .auth import current_owner, scoped_voice_name

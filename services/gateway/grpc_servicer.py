@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from qtts.errors import Cancelled, InvalidArgument, TTSError
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from qtts.sampling_overrides import SamplingOverrides, http_name, overrides_from_pb
-from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
-from qtts.vocabulary import SynthesisSummary
+from qtts.request.errors import Cancelled, InvalidArgument, TTSError
+from qtts.request.sampling_overrides import SamplingOverrides, http_name, overrides_from_pb
+from qtts.request.tts_enums import FINISH_TO_PB, TASK_FROM_PB
+from qtts.request.vocabulary import SynthesisSummary
 
 from .audio_output import AudioOutput
 from .auth import ApiKeys, grpc_owner, owner_var

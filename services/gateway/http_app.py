@@ -13,8 +13,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qtts.errors import InvalidArgument, NotFound, TTSError, mapping_for, openai_error_body
-from qtts.metrics import GatewayMetrics
+from qtts.request.errors import InvalidArgument, NotFound, TTSError, mapping_for, openai_error_body
+from qtts.serving.metrics import GatewayMetrics
 
 from . import sse
 from .audio_encoding import MEDIA_TYPES, check_output_format

@@ -18,7 +18,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from qtts.errors import PayloadTooLarge, RequestTimeout, TTSError, openai_error_body
+from qtts.request.errors import PayloadTooLarge, RequestTimeout, TTSError, openai_error_body
 
 
 class BodyLimitMiddleware:

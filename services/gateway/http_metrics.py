@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from qtts.metrics import GatewayMetrics
+from qtts.serving.metrics import GatewayMetrics
 
 # One line per finished request, tagged with its request id (as the gRPC services' qtts.access).
 access_log = logging.getLogger("qtts.access")

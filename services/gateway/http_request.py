@@ -30,10 +30,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from qtts import request_limits as lim
-from qtts.errors import InvalidArgument
-from qtts.sampling_overrides import OPTIONAL_FIELDS, http_name
-from qtts.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
+from qtts.request import request_limits as lim
+from qtts.request.errors import InvalidArgument
+from qtts.request.sampling_overrides import OPTIONAL_FIELDS, http_name
+from qtts.request.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, MAX_SPEED, MIN_SPEED
 from .job import SamplingOptions, SpeechFields

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from qtts.errors import Cancelled, mapping_for
+from qtts.request.errors import Cancelled, mapping_for
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from qtts.errors import InvalidArgument
-from qtts.model_variants import supports_instructions
+from qtts.request.errors import InvalidArgument
+from qtts.request.model_variants import supports_instructions
 
 from .job import ModelCatalog, SynthesisJob
 

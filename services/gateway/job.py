@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from qtts.sampling_overrides import SamplingOverrides
-from qtts.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, Task, served_task
+from qtts.request.sampling_overrides import SamplingOverrides
+from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, Task, served_task
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from qtts.metrics import GatewayMetrics
-from qtts.vocabulary import NATIVE_SAMPLE_RATE
+from qtts.request.vocabulary import NATIVE_SAMPLE_RATE
+from qtts.serving.metrics import GatewayMetrics
 
 
 class PlaybackClock:

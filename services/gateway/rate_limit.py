@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from qtts.errors import ResourceExhausted, openai_error_body
+from qtts.request.errors import ResourceExhausted, openai_error_body
 
 from .client_identity import current_client, grpc_client_key
 

@@ -1,12 +1,12 @@
 """`X-Request-Id` at the gateway's HTTP front: a client's id is kept (if it is a sane token), else
-one is made; it is bound for the request (qtts.log_context), becomes the synthesis job's id, goes
+one is made; it is bound for the request (qtts.serving.log_context), becomes the synthesis job's id, goes
 to the talker as gRPC metadata, and comes back as a response header on every route."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from qtts.log_context import METADATA_KEY, bind_request_id, request_id_var, valid_request_id
+from qtts.serving.log_context import METADATA_KEY, bind_request_id, request_id_var, valid_request_id
 
 from .validation import new_request_id
 

@@ -17,13 +17,13 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from qtts.errors import TTSError, Unavailable
-from qtts.grpc_server import RECONNECT_OPTIONS, GrpcServiceHost, service_full_name
-from qtts.internal_auth import client_interceptors
-from qtts.metrics import GatewayMetrics
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from qtts.tls import TlsConfig, aio_channel
-from qtts.tracing import TracingMiddleware
+from qtts.request.errors import TTSError, Unavailable
+from qtts.serving.grpc_server import RECONNECT_OPTIONS, GrpcServiceHost, service_full_name
+from qtts.serving.internal_auth import client_interceptors
+from qtts.serving.metrics import GatewayMetrics
+from qtts.serving.tls import TlsConfig, aio_channel
+from qtts.serving.tracing import TracingMiddleware
 
 from .admission import Admission
 from .auth import ApiKeyInterceptor, ApiKeys, load_api_keys

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from qtts.errors import Cancelled, InvalidArgument, TTSError, mapping_for, openai_error_body
+from qtts.request.errors import Cancelled, InvalidArgument, TTSError, mapping_for, openai_error_body
 
 from .core import GatewayCore
 from .http_request import StreamingSessionConfig, parse_json, validate_body

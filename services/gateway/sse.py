@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 
-from qtts.errors import openai_error_body
+from qtts.request.errors import openai_error_body
 
 
 def sse_event(payload: dict) -> bytes:

@@ -7,16 +7,16 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
-from qtts import tracing
-from qtts.errors import Unavailable, from_grpc
-from qtts.grpc_server import RECONNECT_OPTIONS
-from qtts.internal_auth import client_interceptors
-from qtts.log_context import outgoing_metadata
 from qtts.pb import talker_pb2, talker_pb2_grpc
-from qtts.sampling_overrides import overrides_to_pb
-from qtts.tls import TlsConfig, aio_channel
-from qtts.tts_enums import FINISH_FROM_PB, TASK_TO_PB
-from qtts.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, AudioPiece, SynthesisSummary
+from qtts.request.errors import Unavailable, from_grpc
+from qtts.request.sampling_overrides import overrides_to_pb
+from qtts.request.tts_enums import FINISH_FROM_PB, TASK_TO_PB
+from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, AudioPiece, SynthesisSummary
+from qtts.serving import tracing
+from qtts.serving.grpc_server import RECONNECT_OPTIONS
+from qtts.serving.internal_auth import client_interceptors
+from qtts.serving.log_context import outgoing_metadata
+from qtts.serving.tls import TlsConfig, aio_channel
 
 from .job import ModelCatalog, SynthesisJob
 from .talker_pool import TalkerPool

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qtts.errors import Unavailable
-from qtts.grpc_server import RECONNECT_OPTIONS
+from qtts.request.errors import Unavailable
+from qtts.serving.grpc_server import RECONNECT_OPTIONS
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ import dataclasses
 import uuid
 from dataclasses import dataclass
 
-from qtts import request_limits as lim
-from qtts.errors import InvalidArgument, NotFound
-from qtts.log_context import current_request_id
-from qtts.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, NATIVE_SAMPLE_RATE, Task, check_request
+from qtts.request import request_limits as lim
+from qtts.request.errors import InvalidArgument, NotFound
+from qtts.request.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, NATIVE_SAMPLE_RATE, Task, check_request
+from qtts.serving.log_context import current_request_id
 
 from .job import ModelCatalog, SamplingOptions, SpeechFields, SynthesisJob
 

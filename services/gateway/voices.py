@@ -9,8 +9,8 @@ from typing import Protocol
 
 import numpy as np
 
-from qtts import request_limits as lim
-from qtts.errors import InvalidArgument
+from qtts.request import request_limits as lim
+from qtts.request.errors import InvalidArgument
 
 from .auth import current_owner, scoped_voice_name, unscoped_voice_name
 from .job import ModelCatalog

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from qtts import service_config as common
-from qtts.errors import InvalidArgument
-from qtts.service_config import check_server_fields
-from qtts.settings import ServiceSettings, group, setting
-from qtts.tls import TlsConfig
+from qtts.request.errors import InvalidArgument
+from qtts.serving import service_config as common
+from qtts.serving.service_config import check_server_fields
+from qtts.serving.settings import ServiceSettings, group, setting
+from qtts.serving.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,12 @@ class SpeakerCacheConfig:
     max_voices: int = setting(10_000, "named voices kept at most")
     max_audio_bytes: int = setting(20 * 1024 * 1024, "largest reference clip of a voice, bytes")
     drain_seconds: float = common.drain_seconds(10.0)
-    # sys.setswitchinterval for this process (see qtts/service_config.py for what was measured).
+    # sys.setswitchinterval for this process (see qtts/serving/service_config.py for what was measured).
     gil_switch_interval_ms: float = common.gil_switch_interval_ms()
     log_level: str = common.log_level()
-    # Shared secret of the services (qtts/internal_auth.py); empty: off.
+    # Shared secret of the services (qtts/serving/internal_auth.py); empty: off.
     internal_token: str = common.internal_token()
-    # TLS / mutual TLS on the gRPC port (qtts/tls.py); off by default.
+    # TLS / mutual TLS on the gRPC port (qtts/serving/tls.py); off by default.
     tls: TlsConfig = group(TlsConfig(), "tls", omit=("server_name",), what="gRPC between the services")
 
     def validate(self) -> SpeakerCacheConfig:

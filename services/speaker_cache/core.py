@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from qtts.errors import InvalidArgument
-from qtts.metrics import SpeakerCacheMetrics
+from qtts.request.errors import InvalidArgument
+from qtts.serving.metrics import SpeakerCacheMetrics
 from services.speaker_cache.records import (
     MAX_CONSENTS_PAGE,
     ConsentRecord,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from qtts.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from qtts.request.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from services.speaker_cache.records import ConsentRecord, PromptRecord, VoiceRecord
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from qtts.errors import InvalidArgument
+from qtts.request.errors import InvalidArgument
 
 # Voice names appear in URLs and Redis keys: keep them to a safe, readable alphabet.
 VOICE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

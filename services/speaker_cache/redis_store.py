@@ -30,7 +30,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from qtts.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from qtts.request.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.speaker_cache.records import ConsentRecord, PromptRecord, VoiceRecord
 
 T = TypeVar("T")

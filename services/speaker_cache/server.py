@@ -8,10 +8,10 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
-from qtts.grpc_server import GrpcServiceHost, service_full_name
-from qtts.internal_auth import server_interceptors
-from qtts.metrics import SpeakerCacheMetrics
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
+from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
+from qtts.serving.internal_auth import server_interceptors
+from qtts.serving.metrics import SpeakerCacheMetrics
 from services.speaker_cache.config import SpeakerCacheConfig, redacted_url
 from services.speaker_cache.core import SpeakerCacheCore
 from services.speaker_cache.lru_store import LruStore

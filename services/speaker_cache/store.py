@@ -11,10 +11,10 @@ class SpeakerStore(Protocol):
     """Async storage of voice prompts (a cache: may drop entries), named voices and voice
     consents (kept).
 
-    `create_voice` raises `qtts.errors.AlreadyExists` unless `overwrite`; `get_voice` and
-    `delete_voice` raise `qtts.errors.NotFound`; `put_consent` raises AlreadyExists (create, id
+    `create_voice` raises `qtts.request.errors.AlreadyExists` unless `overwrite`; `get_voice` and
+    `delete_voice` raise `qtts.request.errors.NotFound`; `put_consent` raises AlreadyExists (create, id
     taken), ResourceExhausted (create, at the bound) or NotFound (replace, absent); a store that
-    cannot reach its backend raises `qtts.errors.Unavailable`.
+    cannot reach its backend raises `qtts.request.errors.Unavailable`.
     """
 
     async def ping(self) -> None: ...

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from qtts.chunk_plan import ChunkPlan
-from qtts.decode_events import Credit, DecodedAudio, Done
-from qtts.errors import TTSError, Unavailable, from_grpc
-from qtts.log_context import outgoing_metadata
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
+from qtts.request.errors import TTSError, Unavailable, from_grpc
+from qtts.serving.log_context import outgoing_metadata
+from qtts.streams.chunk_plan import ChunkPlan
+from qtts.streams.decode_events import Credit, DecodedAudio, Done
 
 # Status codes that mean the replica itself is gone or unreachable (not a verdict on the stream).
 # CANCELLED comes from the server side only when it stopped under us: our own cancel ends reading.
@@ -61,7 +61,7 @@ class DecodeCall:
 
     def __init__(self, stub: code2wav_pb2_grpc.Code2WavServiceStub, replica: str):
         self.replica = replica
-        # The request id bound for the talker's call (qtts.log_context) reaches code2wav's logs.
+        # The request id bound for the talker's call (qtts.serving.log_context) reaches code2wav's logs.
         self._call = stub.Decode(metadata=outgoing_metadata())
         self._finished = False
 

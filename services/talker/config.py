@@ -6,12 +6,12 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qtts import service_config as common
-from qtts.errors import InvalidArgument
-from qtts.service_config import check_connection_age, check_server_fields
-from qtts.settings import ServiceSettings, group, setting
+from qtts.request.errors import InvalidArgument
+from qtts.serving import service_config as common
+from qtts.serving.service_config import check_connection_age, check_server_fields
+from qtts.serving.settings import ServiceSettings, group, setting
+from qtts.serving.tls import TlsConfig
 from qtts.tiny_model import DEFAULT_TINY_SNAPSHOT
-from qtts.tls import TlsConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -135,9 +135,10 @@ class TalkerConfig:
     # the GIL back sooner after each CUDA call while the event loop runs.
     gil_switch_interval_ms: float = common.gil_switch_interval_ms(TALKER_GIL_SWITCH_INTERVAL_MS)
     log_level: str = common.log_level()
-    # Shared secret of the services (qtts/internal_auth.py); empty: off.
+    # Shared secret of the services (qtts/serving/internal_auth.py); empty: off.
     internal_token: str = common.internal_token()
-    # TLS / mutual TLS on the gRPC port and to code2wav and speaker_cache (qtts/tls.py); off by default.
+    # TLS / mutual TLS on the gRPC port and to code2wav and speaker_cache (qtts/serving/tls.py);
+    # off by default.
     tls: TlsConfig = group(TlsConfig(), "tls", what="gRPC between the services")
 
     @property

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from qtts import request_limits as lim
-from qtts.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
-from qtts.metrics import TalkerMetrics
-from qtts.sampling_overrides import OPTIONAL_FIELDS
-from qtts.vocabulary import AudioPiece, SynthesisSummary, Task
+from qtts.request import request_limits as lim
+from qtts.request.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
+from qtts.request.sampling_overrides import OPTIONAL_FIELDS
+from qtts.request.vocabulary import AudioPiece, SynthesisSummary, Task
+from qtts.serving.metrics import TalkerMetrics
 
 from .generation_loop import GenerationLoop
 from .replicas import Code2WavReplicas

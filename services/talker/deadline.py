@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qtts.errors import ResourceExhausted, TTSError, Unavailable
+from qtts.request.errors import ResourceExhausted, TTSError, Unavailable
 
 from .admission import Admission, StepModel
 
@@ -128,7 +128,7 @@ class ScheduledRequest:
     loop: Any = None
     first_audio_at: float | None = None
     delivered_s: float = 0.0
-    # code2wav's chunk plan for this stream (a qtts.chunk_plan.ChunkPlan, from its first grant):
+    # code2wav's chunk plan for this stream (a qtts.streams.chunk_plan.ChunkPlan, from its first grant):
     # audio reaches the listener a whole chunk at a time.
     chunk_plan: Any = None
     # Frames generated and not yet handed to the event loop (engine thread only).

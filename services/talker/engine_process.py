@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from qtts.errors import ResourceExhausted, Unavailable
+from qtts.request.errors import ResourceExhausted, Unavailable
 
 from .generation_loop import Failed, Finished, Frame
 
@@ -173,7 +173,7 @@ class _EngineWorker:
     def start(self) -> EngineFacts:
         import torch
 
-        from qtts.grpc_server import settle_heap
+        from qtts.serving.grpc_server import settle_heap
 
         from .generation_loop import GenerationLoop
         from .metrics_merge import engine_metrics
@@ -203,7 +203,7 @@ class _EngineWorker:
         )
 
     def _fatal(self, exc: BaseException) -> bool:
-        from qtts.device_failure import DEVICE_FAILURE_EXIT_CODE, is_fatal_device_error
+        from qtts.serving.device_failure import DEVICE_FAILURE_EXIT_CODE, is_fatal_device_error
 
         if not is_fatal_device_error(exc):
             return False
@@ -408,7 +408,7 @@ def engine_main(conn_in: Any, conn_out: Any, config: Any, run_warm_up: bool) -> 
     import signal
     import sys
 
-    from qtts.grpc_server import configure_logging
+    from qtts.serving.grpc_server import configure_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

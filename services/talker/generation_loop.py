@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from qtts.errors import GenerationFailed, ResourceExhausted, TTSError, Unavailable
-from qtts.metrics import TalkerMetrics
+from qtts.request.errors import GenerationFailed, ResourceExhausted, TTSError, Unavailable
+from qtts.serving.metrics import TalkerMetrics
 
 from .deadline import DeadlineScheduler, ScheduledRequest, StepPlan
 
@@ -159,7 +159,7 @@ class GenerationLoop:
         device_failure: Callable[[BaseException], bool] | None = None,
     ):
         self._clock = clock
-        # Reports a fatal device error (qtts.device_failure) and says whether it was one.
+        # Reports a fatal device error (qtts.serving.device_failure) and says whether it was one.
         self._device_failure = device_failure
         self._generator = generator
         self._step_fn = skipping_step(generator)

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
-from qtts.metrics import TalkerMetrics
+from qtts.serving.metrics import TalkerMetrics
 
 
 def engine_metrics() -> TalkerMetrics:

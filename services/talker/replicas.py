@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qtts.errors import Unavailable
-from qtts.grpc_server import RECONNECT_OPTIONS
-from qtts.hash_ring import HashRing
-from qtts.internal_auth import client_interceptors
 from qtts.pb import code2wav_pb2_grpc
-from qtts.tls import TlsConfig, aio_channel
+from qtts.request.errors import Unavailable
+from qtts.serving.grpc_server import RECONNECT_OPTIONS
+from qtts.serving.internal_auth import client_interceptors
+from qtts.serving.tls import TlsConfig, aio_channel
+from qtts.streams.hash_ring import HashRing
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Code2WavReplicas:
                     ("grpc.keepalive_permit_without_calls", 1),
                     *RECONNECT_OPTIONS,
                 ],
-                # The shared secret (qtts/internal_auth.py) on every call; None without a token.
+                # The shared secret (qtts/serving/internal_auth.py) on every call; None without a token.
                 interceptors=client_interceptors(token),
             )
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qtts.sampling_overrides import SamplingOverrides
+from qtts.request.sampling_overrides import SamplingOverrides
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from qtts.device_failure import DEVICE_FAILURE_EXIT_CODE, DeviceFailure
-from qtts.grpc_server import GrpcServiceHost, service_full_name
-from qtts.internal_auth import server_interceptors
-from qtts.metrics import TalkerMetrics
 from qtts.pb import talker_pb2, talker_pb2_grpc
+from qtts.serving.device_failure import DEVICE_FAILURE_EXIT_CODE, DeviceFailure
+from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
+from qtts.serving.internal_auth import server_interceptors
+from qtts.serving.metrics import TalkerMetrics
 from qtts.tiny_model import ensure_tiny_snapshot
 
 from .admission import Admission, AdmissionConfig
@@ -106,7 +106,7 @@ class TalkerServer:
     Health is SERVING while it can serve: after warm-up, and while at least one code2wav replica
     is on the ring (without one every request would fail; a ring that stays empty for two health
     rounds, so one round timed out under load is no outage). A fatal device error turns it
-    NOT_SERVING for good and ends the process (qtts.device_failure).
+    NOT_SERVING for good and ends the process (qtts.serving.device_failure).
     """
 
     def __init__(

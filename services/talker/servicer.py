@@ -10,11 +10,11 @@ from typing import Any
 
 import grpc
 
-from qtts.errors import InvalidArgument, Unavailable
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
-from qtts.sampling_overrides import overrides_from_pb
-from qtts.tts_enums import FINISH_TO_PB, TASK_FROM_PB
-from qtts.vocabulary import AudioPiece, SynthesisSummary
+from qtts.request.errors import InvalidArgument, Unavailable
+from qtts.request.sampling_overrides import overrides_from_pb
+from qtts.request.tts_enums import FINISH_TO_PB, TASK_FROM_PB
+from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 
 from .core import TalkerCore
 from .request import GenerationRequest

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from qtts.errors import NotFound, Unavailable, from_grpc
-from qtts.grpc_server import RECONNECT_OPTIONS
-from qtts.internal_auth import client_interceptors
-from qtts.log_context import outgoing_metadata
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
-from qtts.tls import TlsConfig, aio_channel
+from qtts.request.errors import NotFound, Unavailable, from_grpc
+from qtts.serving.grpc_server import RECONNECT_OPTIONS
+from qtts.serving.internal_auth import client_interceptors
+from qtts.serving.log_context import outgoing_metadata
+from qtts.serving.tls import TlsConfig, aio_channel
 
 
 class SpeakerCacheUnreachable(Unavailable):

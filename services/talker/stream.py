@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from qtts.audio import SAMPLE_RATE
-from qtts.chunk_plan import ChunkPlan
-from qtts.errors import GenerationFailed, TTSError, Unavailable
-from qtts.vocabulary import AudioPiece, SynthesisSummary
+from qtts.request.errors import GenerationFailed, TTSError, Unavailable
+from qtts.request.vocabulary import AudioPiece, SynthesisSummary
+from qtts.streams.chunk_plan import ChunkPlan
 
 from . import code2wav_client as c2w
 from .deadline import ScheduledRequest, StreamCredit

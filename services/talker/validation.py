@@ -6,10 +6,10 @@ from typing import Any
 
 import numpy as np
 
-from qtts import request_limits as lim
-from qtts import vocabulary
-from qtts.errors import InvalidArgument
-from qtts.vocabulary import TALKER_FIELDS, CheckedRequest
+from qtts.request import request_limits as lim
+from qtts.request import vocabulary
+from qtts.request.errors import InvalidArgument
+from qtts.request.vocabulary import TALKER_FIELDS, CheckedRequest
 
 from .request import GenerationRequest
 
@@ -19,7 +19,7 @@ __all__ = ["CheckedRequest", "check_request"]
 def check_request(req: GenerationRequest, info: Any) -> CheckedRequest:
     """Validate `req` against `info` (a `qtts.model.ModelInfo`); raises InvalidArgument/NotFound.
 
-    The gateway's checks (`qtts.vocabulary.check_request`), run again here: a direct caller must
+    The gateway's checks (`qtts.request.vocabulary.check_request`), run again here: a direct caller must
     not be able to put a row into a batch that fails the shared sampling step."""
     if not 0 <= req.max_new_frames <= lim.MAX_FRAMES:
         raise InvalidArgument(f"max_new_frames must be in 0..{lim.MAX_FRAMES}", param="max_new_frames")

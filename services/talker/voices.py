@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from qtts.errors import InvalidArgument, Unavailable
-from qtts.voice_key import voice_prompt_key
+from qtts.request.errors import InvalidArgument, Unavailable
+from qtts.streams.voice_key import voice_prompt_key
 
 from .request import GenerationRequest
 from .speaker_cache_client import PromptRecord, SpeakerCacheClient, SpeakerCacheUnreachable

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from qtts.device_failure import is_fatal_device_error
+from qtts.serving.device_failure import is_fatal_device_error
 
 log = logging.getLogger(__name__)
 

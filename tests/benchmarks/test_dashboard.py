@@ -8,7 +8,7 @@ from pathlib import Path
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tts-dashboard.json"
 
-# The names `qtts/metrics.py` exports (DESIGN.md and the metrics contract).
+# The names `qtts/serving/metrics.py` exports (DESIGN.md and the metrics contract).
 COUNTERS_AND_GAUGES = {
     "tts_gateway_requests_total",
     "tts_gateway_active_streams",
@@ -120,7 +120,7 @@ def test_dashboard_shows_every_exported_metric():
 def test_the_lists_above_are_what_the_services_export():
     from prometheus_client import CollectorRegistry
 
-    from qtts import metrics
+    from qtts.serving import metrics
 
     exported: dict[str, str] = {}
     for cls in (

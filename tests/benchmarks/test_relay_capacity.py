@@ -6,7 +6,7 @@ import json
 import pytest
 
 from benchmarks.relay_capacity import FRAME_S, chunk_times, main
-from qtts.chunk_plan import ChunkPlan
+from qtts.streams.chunk_plan import ChunkPlan
 
 
 def test_chunks_come_fast_until_the_lead_then_in_real_time():

@@ -29,7 +29,7 @@ from test_manifests import (
     workloads,
 )
 
-from qtts import probe as qtts_probe
+from qtts.serving import probe as qtts_probe
 
 PODS = (*STAGES, "redis")
 OUTSIDE = "outside"  # a client in another namespace or outside the cluster
@@ -216,13 +216,14 @@ def test_tls_reaches_every_stage_and_its_probes(chart, mtls, tmp_path):  # noqa:
         assert config.tls.enabled, name
         if name != "gateway":  # the gateway serves no internal port
             assert config.tls.mutual is mtls, name
-        # No gRPC probe is left (the kubelet's is plaintext); each runs qtts.probe with the pod's files.
+        # No gRPC probe is left (the kubelet's is plaintext); each runs qtts.serving.probe with the
+        # pod's files.
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             p = c[kind]
             assert "grpc" not in p, f"{name}.{kind}"
             if "exec" in p:
                 cmd = p["exec"]["command"]
-                assert cmd[:3] == ["python", "-m", "qtts.probe"], f"{name}.{kind}"
+                assert cmd[:3] == ["python", "-m", "qtts.serving.probe"], f"{name}.{kind}"
                 assert (
                     "--tls-server-name=qwen3-tts-internal" in cmd and f"--tls-cert={tls_dir}/tls.crt" in cmd
                 )

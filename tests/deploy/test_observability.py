@@ -40,8 +40,8 @@ KEDA = {"talker": {"autoscaling": {"enabled": True, "provider": "keda", "targetA
 
 
 def exported_metrics() -> set[str]:
-    """Every series name qtts/metrics.py exports (histograms with their suffixes)."""
-    source = (ROOT / "qtts" / "metrics.py").read_text()
+    """Every series name qtts/serving/metrics.py exports (histograms with their suffixes)."""
+    source = (ROOT / "qtts" / "serving" / "metrics.py").read_text()
     names = set(re.findall(r'"(tts_[a-z0-9_]+)"', source))
     return names | {n + s for n in names for s in ("_bucket", "_sum", "_count")}
 
@@ -58,7 +58,7 @@ def check_promql(expr: str) -> None:
     names = metric_names(expr)
     assert names, expr
     unknown = names - exported_metrics() - {"up"}
-    assert not unknown, f"{expr}: {unknown} are not exported by qtts/metrics.py"
+    assert not unknown, f"{expr}: {unknown} are not exported by qtts/serving/metrics.py"
 
 
 @pytest.fixture(scope="module")

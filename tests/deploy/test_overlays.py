@@ -27,7 +27,7 @@ from test_manifests import (
     workloads,
 )
 
-from qtts.errors import ResourceExhausted
+from qtts.request.errors import ResourceExhausted
 from services.speaker_cache.records import PromptRecord, VoiceRecord
 from services.speaker_cache.redis_store import RedisStore
 

@@ -12,7 +12,7 @@ from test_manifests import (
     workloads,
 )
 
-from qtts.grpc_server import LIVENESS
+from qtts.serving.grpc_server import LIVENESS
 
 
 def test_liveness_probes_ask_for_liveness_and_readiness_for_readiness(stack):  # noqa: F811
@@ -25,5 +25,5 @@ def test_liveness_probes_ask_for_liveness_and_readiness_for_readiness(stack):  #
         elif "grpc" in live:
             assert live["grpc"]["service"] == LIVENESS, (name, live)
             assert ready["grpc"]["service"] == "", (name, ready)
-        else:  # TLS: the chart's exec of qtts.probe
+        else:  # TLS: the chart's exec of qtts.serving.probe
             assert f"--service={LIVENESS}" in live["exec"]["command"], (name, live)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from e2e_helpers import poll
 
-from qtts.device_failure import DEVICE_FAILURE_EXIT_CODE
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+from qtts.serving.device_failure import DEVICE_FAILURE_EXIT_CODE
 from services.launcher import (
     ServiceSpec,
     StackConfig,

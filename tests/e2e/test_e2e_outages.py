@@ -26,7 +26,7 @@ from e2e_helpers import REF_TEXT, poll
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis_process import RedisProcess
 
-from qtts.grpc_server import LIVENESS
+from qtts.serving.grpc_server import LIVENESS
 from qtts.tiny_model import build_tiny_snapshot
 from services.launcher import (
     Stack,

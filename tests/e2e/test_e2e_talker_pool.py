@@ -10,7 +10,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from qtts.vocabulary import SynthesisSummary
+from qtts.request.vocabulary import SynthesisSummary
 from services.gateway.job import SamplingOptions, SynthesisJob
 from services.gateway.talker_client import TalkerClient
 from services.gateway.talker_pool import StaticResolver, TalkerPool

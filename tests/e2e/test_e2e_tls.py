@@ -11,9 +11,9 @@ import pytest
 from e2e_helpers import wav_frames
 
 from qtts.pb import talker_pb2, talker_pb2_grpc
-from qtts.probe import health_status
+from qtts.serving.probe import health_status
+from qtts.serving.tls import TlsConfig, sync_channel
 from qtts.tiny_model import build_tiny_snapshot
-from qtts.tls import TlsConfig, sync_channel
 from services.launcher import StackConfig, StartupError, demo_request, start_stack
 from tests.tls_certs import SERVICE_NAME, TestCA
 

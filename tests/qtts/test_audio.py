@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qtts.audio import SAMPLE_RATE, SAMPLES_PER_FRAME, load_reference_audio, pcm_s16le_batch
-from qtts.errors import InvalidArgument
+from qtts.request.errors import InvalidArgument
 
 
 def _encode(wav: np.ndarray, rate: int, fmt: str, codec: str) -> bytes:

@@ -24,7 +24,7 @@ SERVICE = textwrap.dedent(
     """
     import asyncio, sys, time
     from types import SimpleNamespace
-    from qtts.grpc_server import GrpcServiceHost, run_service_main
+    from qtts.serving.grpc_server import GrpcServiceHost, run_service_main
 
     class SlowStartServer:
         def __init__(self, config):

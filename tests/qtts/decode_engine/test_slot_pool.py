@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qtts.decode_engine.slots import SlotPool, SlotPoolFull
-from qtts.errors import ResourceExhausted
+from qtts.request.errors import ResourceExhausted
 
 LAYOUT = {"conv": (4, 6), "attn.k": (2, 72, 8)}
 

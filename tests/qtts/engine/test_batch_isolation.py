@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from qtts import request_limits as lim
 from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig, sampler
 from qtts.model import EagerGenerator, SamplingParams
 from qtts.model.generator import SAMPLING_FAILED
+from qtts.request import request_limits as lim
 from tests.qtts.engine.tiny_talker import make_prompt
 
 FRAMES = 6
@@ -26,7 +26,7 @@ GOOD = {
     "seeded-a": SamplingParams(seed=11),
     "seeded-b": SamplingParams(seed=12, temperature=0.7, top_k=20, top_p=0.8),
 }
-# At the edges of the ranges the gateway and the talker enforce (qtts/request_limits.py): served.
+# At the edges of the ranges the gateway and the talker enforce (qtts/request/request_limits.py): served.
 EDGES = {
     "t-min": SamplingParams(seed=1, temperature=lim.TEMPERATURE_MIN),
     "t-max": SamplingParams(seed=2, temperature=lim.TEMPERATURE_MAX),

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
-from qtts.errors import InvalidArgument
 from qtts.model import SamplingParams
+from qtts.request.errors import InvalidArgument
 from tests.qtts.engine.tiny_talker import make_prompt, run_alone
 
 GREEDY = SamplingParams(greedy=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtts.errors import InvalidArgument
 from qtts.model import SynthesisSpec, VoicePrompt
 from qtts.model.prompt import assistant_text, frame_cap, instruct_text, ref_text_block
 from qtts.model.tokenizer import encode
+from qtts.request.errors import InvalidArgument
 from tests.qtts.model.reference import official_prompt, voice_clone_item
 
 TEXTS = [

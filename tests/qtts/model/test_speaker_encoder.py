@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from qtts.errors import InvalidArgument
 from qtts.model.mel import hz_to_mel, log_mel_spectrogram, mel_to_hz, slaney_mel_filterbank
 from qtts.model.speaker_encoder import SpeakerEncoder
+from qtts.request.errors import InvalidArgument
 from tests.official import import_qwen_tts
 
 TINY = {

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from qtts.errors import InvalidArgument
 from qtts.model import EagerGenerator, SamplingParams, SynthesisSpec
 from qtts.model.open_text import OpenText
 from qtts.model.text_feed import TextFeed, TextPieces, pre_token_starts
+from qtts.request.errors import InvalidArgument
 
 TEXTS = [
     "Hello there, this is a longer text. It's 3.14 dollars!\nAnd more words follow here.",

@@ -11,11 +11,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from qtts.chunk_plan import ChunkPlan
-from qtts.errors import InvalidArgument, ResourceExhausted
-from qtts.metrics import Code2WavMetrics
 from qtts.pb import code2wav_pb2 as pb
 from qtts.pb import code2wav_pb2_grpc
+from qtts.request.errors import InvalidArgument, ResourceExhausted
+from qtts.serving.metrics import Code2WavMetrics
+from qtts.streams.chunk_plan import ChunkPlan
 from services.code2wav.config import Code2WavConfig, config_from_args
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
@@ -538,7 +538,7 @@ async def test_prefix_state_cache_hits_and_misses_are_counted():
     """The slots engine on the tiny model: two streams with one reference prefix decode it once."""
     from prometheus_client import CollectorRegistry
 
-    from qtts.metrics import Code2WavMetrics
+    from qtts.serving.metrics import Code2WavMetrics
     from services.code2wav.core import Code2WavCore
     from services.code2wav.model_loader import load_decoder
 

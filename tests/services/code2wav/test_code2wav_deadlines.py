@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from qtts.chunk_plan import ChunkPlan
-from qtts.decode_events import DecodedAudio
-from qtts.errors import InvalidArgument
-from qtts.metrics import Code2WavMetrics
+from qtts.request.errors import InvalidArgument
+from qtts.serving.metrics import Code2WavMetrics
+from qtts.streams.chunk_plan import ChunkPlan
+from qtts.streams.decode_events import DecodedAudio
 from services.code2wav.config import Code2WavConfig, config_from_args
 from services.code2wav.core import Code2WavCore
 from services.code2wav.credit import CreditPolicy

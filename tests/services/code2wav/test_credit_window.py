@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from qtts.chunk_plan import ChunkPlan
-from qtts.decode_events import Credit, DecodedAudio
-from qtts.errors import FailedPrecondition
-from qtts.metrics import Code2WavMetrics
 from qtts.pb import code2wav_pb2 as pb
 from qtts.pb import code2wav_pb2_grpc
+from qtts.request.errors import FailedPrecondition
+from qtts.serving.metrics import Code2WavMetrics
+from qtts.streams.chunk_plan import ChunkPlan
+from qtts.streams.decode_events import Credit, DecodedAudio
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.server import Code2WavServer

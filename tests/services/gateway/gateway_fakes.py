@@ -13,9 +13,9 @@ import numpy as np
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from qtts.errors import NotFound
-from qtts.metrics import GatewayMetrics
-from qtts.vocabulary import AudioPiece, SynthesisSummary
+from qtts.request.errors import NotFound
+from qtts.request.vocabulary import AudioPiece, SynthesisSummary
+from qtts.serving.metrics import GatewayMetrics
 from services.gateway.admission import Admission
 from services.gateway.core import GatewayCore
 from services.gateway.http_app import HttpDeps, create_app
@@ -123,7 +123,7 @@ class FakeVoiceStore:
         return self.voices[name]
 
     async def create(self, name, pcm_24k, reference_text, x_vector_only) -> VoiceInfo:
-        from qtts.errors import AlreadyExists
+        from qtts.request.errors import AlreadyExists
 
         if name in self.voices:
             raise AlreadyExists(f"voice {name!r} already exists")
@@ -138,7 +138,7 @@ class FakeVoiceStore:
 
 def fake_decode(data: bytes) -> np.ndarray:
     """Stands in for qtts.audio.load_reference_audio: accepts RIFF files only."""
-    from qtts.errors import InvalidArgument
+    from qtts.request.errors import InvalidArgument
 
     if not data.startswith(b"RIFF"):
         raise InvalidArgument("could not decode the reference audio")

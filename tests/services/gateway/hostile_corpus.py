@@ -23,8 +23,8 @@ import numpy as np
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from qtts import request_limits as lim
 from qtts.pb import tts_pb2
+from qtts.request import request_limits as lim
 
 # The limits a gateway serving this corpus runs with (flags --max-ref-audio-bytes,
 # --max-body-bytes, --max-ref-audio-seconds).

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gateway_fakes import frame_pcm
 
-from qtts.errors import InvalidArgument, NotFound, ResourceExhausted, openai_error_body
+from qtts.request.errors import InvalidArgument, NotFound, ResourceExhausted, openai_error_body
 from services.gateway import sse
 from services.gateway.audio_encoding import (
     MEDIA_TYPES,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from qtts.vocabulary import AudioPiece, SynthesisSummary
+from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 from services.gateway.audio_output import AudioOutput
 
 FRAME = 1920

@@ -14,8 +14,8 @@ from gateway_fakes import build_gateway, free_port, serve_http, wav_bytes
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from qtts.grpc_server import ErrorMappingInterceptor
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.gateway.auth import ApiKeyInterceptor, ApiKeys, load_api_keys
 from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.gateway.http_app import HttpDeps, create_app

@@ -18,9 +18,9 @@ import uvicorn
 from gateway_fakes import BASE, FakeTalker, FakeVoiceStore, GatewayUnderTest, frame_pcm, free_port
 from prometheus_client import CollectorRegistry
 
-from qtts.grpc_server import ErrorMappingInterceptor
-from qtts.metrics import GatewayMetrics
 from qtts.pb import tts_pb2_grpc
+from qtts.serving.grpc_server import ErrorMappingInterceptor
+from qtts.serving.metrics import GatewayMetrics
 from services.gateway.admission import Admission
 from services.gateway.core import GatewayCore, decode_reference
 from services.gateway.grpc_servicer import TextToSpeechServicer

@@ -12,7 +12,7 @@ from gateway_fakes import build_gateway, serve_http, wav_bytes
 from test_gateway_grpc import request as grpc_request
 from test_gateway_grpc import serve_grpc
 
-from qtts.errors import ResourceExhausted
+from qtts.request.errors import ResourceExhausted
 from services.gateway.admission import Admission
 from services.gateway.client_identity import grpc_peer_host
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 from gateway_fakes import build_gateway, serve_http, wav_bytes
 
-from qtts.errors import InvalidArgument, NotFound, ResourceExhausted
+from qtts.request.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.gateway.consents import ConsentStore
 
 

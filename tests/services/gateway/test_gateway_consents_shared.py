@@ -9,9 +9,9 @@ import grpc
 import pytest
 from gateway_fakes import build_gateway, wav_bytes
 
-from qtts.errors import NotFound
-from qtts.grpc_server import ErrorMappingInterceptor
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.request.errors import NotFound
+from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.gateway.consents import ConsentStore
 from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.gateway.voice_client import SpeakerCacheConsents, VoiceClient

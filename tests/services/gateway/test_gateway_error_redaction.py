@@ -10,9 +10,9 @@ import httpx
 import pytest
 from gateway_fakes import build_gateway, serve_http, wav_bytes
 
-from qtts.errors import Unavailable, redact_internal
-from qtts.grpc_server import ErrorMappingInterceptor
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.request.errors import Unavailable, redact_internal
+from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.speaker_cache.redis_store import RedisStore
 

@@ -19,8 +19,8 @@ from gateway_fakes import build_gateway, wav_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qtts.grpc_server import ErrorMappingInterceptor
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.gateway.http_app import HttpDeps, create_app
 

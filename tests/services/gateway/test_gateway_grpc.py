@@ -9,8 +9,8 @@ import grpc
 import pytest
 from gateway_fakes import FRAME, build_gateway, frame_pcm, wav_bytes
 
-from qtts.grpc_server import ErrorMappingInterceptor
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.gateway.grpc_servicer import TextToSpeechServicer
 
 

@@ -9,8 +9,8 @@ import pytest
 from gateway_fakes import CUSTOM, FRAME, build_gateway, frame_pcm
 from test_gateway_grpc import serve_grpc
 
-from qtts.errors import NotFound
 from qtts.pb import tts_pb2
+from qtts.request.errors import NotFound
 
 
 def config(**kw) -> tts_pb2.StreamingSynthesizeRequest:

@@ -13,9 +13,9 @@ import pytest
 from gateway_fakes import build_gateway, frame_pcm, serve_http, wav_bytes
 from test_gateway_grpc import serve_grpc
 
-from qtts import request_limits as lim
-from qtts.grpc_server import ErrorMappingInterceptor
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.request import request_limits as lim
+from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.gateway.grpc_servicer import TextToSpeechServicer
 
 REF = base64.b64encode(wav_bytes()).decode()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from gateway_fakes import BASE, CUSTOM, DESIGN, FRAME, build_gateway, frame_pcm, serve_http, wav_bytes
 
-from qtts.errors import NotFound, Unavailable
+from qtts.request.errors import NotFound, Unavailable
 from services.gateway.audio_encoding import MEDIA_TYPES
 
 REF = base64.b64encode(wav_bytes()).decode()

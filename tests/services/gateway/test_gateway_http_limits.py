@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from gateway_fakes import build_gateway, free_port, wav_bytes
 
-from qtts.errors import Unavailable
+from qtts.request.errors import Unavailable
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.http_limits import header_timeout_protocol
 from services.gateway.server import _UvicornServer

@@ -12,8 +12,8 @@ import pytest
 from gateway_fakes import BASE, CUSTOM, DESIGN, build_gateway, serve_http, wav_bytes
 from test_gateway_grpc import request, serve_grpc
 
-from qtts.errors import InvalidArgument
-from qtts.model_variants import supports_instructions
+from qtts.request.errors import InvalidArgument
+from qtts.request.model_variants import supports_instructions
 from services.gateway.config import config_from_args
 from services.gateway.instructions import IGNORED_FIELDS_HEADER, apply_instructions_policy
 

@@ -6,8 +6,8 @@ import httpx
 import pytest
 from gateway_fakes import build_gateway, serve_http
 
-from qtts import request_limits as lim
-from qtts.errors import InvalidArgument
+from qtts.request import request_limits as lim
+from qtts.request.errors import InvalidArgument
 from services.gateway.http_request import SpeechRequest, StreamingSessionConfig, parse_speech_body
 
 # Every field the speech endpoint accepts (OpenAI's and vLLM-Omni's), as clients send them.

@@ -8,7 +8,7 @@ import httpx
 from gateway_fakes import BASE, build_gateway, free_port, serve_http
 from prometheus_client import CollectorRegistry, start_http_server
 
-from qtts.metrics import TalkerMetrics
+from qtts.serving.metrics import TalkerMetrics
 from services.gateway.http_app import STATIC_DIR
 from services.gateway.status import StatusReporter
 

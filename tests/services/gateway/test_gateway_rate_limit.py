@@ -15,9 +15,9 @@ import uvicorn
 from gateway_fakes import build_gateway, free_port, wav_bytes
 from test_gateway_grpc import request as grpc_request
 
-from qtts.errors import ResourceExhausted
-from qtts.grpc_server import ErrorMappingInterceptor
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.request.errors import ResourceExhausted
+from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.rate_limit import RateLimiter, RateLimitInterceptor
@@ -176,7 +176,7 @@ def test_flags_and_env_fallbacks(monkeypatch):
     monkeypatch.setenv("TTS_GATEWAY_RATE_LIMIT_BURST", "3")
     c = config_from_args(base)
     assert (c.rate_limit_per_s, c.rate_limit_burst_size, c.max_ref_audio_seconds) == (0.5, 3, 60.0)
-    from qtts.errors import InvalidArgument
+    from qtts.request.errors import InvalidArgument
 
     # A value that does not parse names the flag and its env variable (one line at start-up).
     with pytest.raises(

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from gateway_fakes import FRAME, fake_decode, frame_pcm, free_port, wav_bytes
 
-from qtts.errors import InvalidArgument
-from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2, tts_pb2_grpc
+from qtts.request.errors import InvalidArgument
+from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer
 from services.speaker_cache.config import SpeakerCacheConfig

@@ -13,7 +13,7 @@ from gateway_fakes import CUSTOM, build_gateway, frame_pcm, serve_http, wav_byte
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from qtts.errors import NotFound
+from qtts.request.errors import NotFound
 from services.gateway.text_stream import SegmentText, TextPiece, TextSplitter
 
 REF = base64.b64encode(wav_bytes()).decode()

@@ -16,8 +16,8 @@ from gateway_fakes import build_gateway, free_port, wav_bytes
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from qtts.grpc_server import ErrorMappingInterceptor
 from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.server import _UvicornServer

@@ -7,7 +7,7 @@ import base64
 import pytest
 from gateway_fakes import BASE, CUSTOM, DESIGN
 
-from qtts.errors import InvalidArgument, NotFound
+from qtts.request.errors import InvalidArgument, NotFound
 from services.gateway.http_request import decode_base64_audio, parse_speech_body
 from services.gateway.job import SamplingOptions, SpeechFields
 from services.gateway.validation import RequestLimits, build_job, check_voice_name

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from qtts.metrics import GatewayMetrics
+from qtts.serving.metrics import GatewayMetrics
 from services.gateway.http_metrics import HttpMetricsMiddleware
 
 

@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry
 
-from qtts.metrics import GatewayMetrics
+from qtts.serving.metrics import GatewayMetrics
 from services.gateway.playback import PlaybackClock
 
 

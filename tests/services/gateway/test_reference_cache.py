@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gateway_fakes import fake_decode, free_port, wav_bytes
 
-from qtts.errors import InvalidArgument
+from qtts.request.errors import InvalidArgument
 from services.gateway.config import GatewayConfig
 from services.gateway.reference_cache import DecodedReferenceCache
 from services.gateway.server import GatewayServer

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from qtts.errors import Unavailable
+from qtts.request.errors import Unavailable
 from services.gateway.talker_pool import DnsResolver, StaticResolver, TalkerPool, split_target
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from qtts.grpc_server import GrpcServiceHost, service_full_name
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
-from qtts.vocabulary import SynthesisSummary
+from qtts.request.vocabulary import SynthesisSummary
+from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
 from services.gateway.job import SamplingOptions, SynthesisJob
 from services.gateway.talker_client import TalkerClient
 from services.gateway.talker_pool import StaticResolver, TalkerPool

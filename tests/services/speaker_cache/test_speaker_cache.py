@@ -13,10 +13,10 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from qtts.errors import AlreadyExists, InvalidArgument, NotFound
-from qtts.metrics import SpeakerCacheMetrics
 from qtts.pb import speaker_cache_pb2 as pb
 from qtts.pb import speaker_cache_pb2_grpc
+from qtts.request.errors import AlreadyExists, InvalidArgument, NotFound
+from qtts.serving.metrics import SpeakerCacheMetrics
 from services.speaker_cache.config import SpeakerCacheConfig, config_from_args
 from services.speaker_cache.core import SpeakerCacheCore
 from services.speaker_cache.lru_store import LruStore

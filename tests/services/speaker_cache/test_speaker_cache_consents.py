@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from qtts.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from qtts.pb import speaker_cache_pb2 as pb
 from qtts.pb import speaker_cache_pb2_grpc
+from qtts.request.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from services.speaker_cache.lru_store import LruStore
 from services.speaker_cache.records import ConsentRecord
 from services.speaker_cache.redis_store import RedisStore

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from qtts.errors import AlreadyExists, ResourceExhausted
+from qtts.request.errors import AlreadyExists, ResourceExhausted
 from services.speaker_cache.redis_store import RedisStore
 from tests.services.speaker_cache.test_speaker_cache import _voice, redis_url  # noqa: F401 - the fixture
 

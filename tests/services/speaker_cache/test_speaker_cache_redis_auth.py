@@ -15,8 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
-from qtts.errors import InvalidArgument, Unavailable
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
+from qtts.request.errors import InvalidArgument, Unavailable
 from services.speaker_cache.config import config_from_args, redacted_url
 from services.speaker_cache.records import VoiceRecord
 from services.speaker_cache.server import SpeakerCacheServer, build_store

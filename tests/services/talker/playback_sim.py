@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from qtts.chunk_plan import ChunkPlan
+from qtts.streams.chunk_plan import ChunkPlan
 from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
 
 FRAME_S = 0.08

@@ -12,8 +12,8 @@ from typing import Any
 
 import grpc
 
-from qtts.grpc_server import GrpcServiceHost
 from qtts.pb import code2wav_pb2_grpc, speaker_cache_pb2_grpc, talker_pb2, talker_pb2_grpc
+from qtts.serving.grpc_server import GrpcServiceHost
 from services.speaker_cache.config import SpeakerCacheConfig
 from services.speaker_cache.server import SpeakerCacheServer
 from services.talker.config import TalkerConfig

@@ -6,7 +6,7 @@ import grpc
 import pytest
 from grpc.aio import AioRpcError, Metadata
 
-from qtts.errors import Unavailable
+from qtts.request.errors import Unavailable
 from services.talker.code2wav_client import CLIENT_CORE_FAILURE, _error
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qtts.errors import InvalidArgument
+from qtts.request.errors import InvalidArgument
 from services.talker.config import TalkerConfig, config_from_args
 
 

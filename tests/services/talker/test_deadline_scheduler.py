@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from qtts.chunk_plan import ChunkPlan
-from qtts.errors import ResourceExhausted, Unavailable
+from qtts.request.errors import ResourceExhausted, Unavailable
+from qtts.streams.chunk_plan import ChunkPlan
 from services.talker.admission import Admission, AdmissionConfig, StepModel
 from services.talker.config import config_from_args
 from services.talker.deadline import DeadlinePolicy, DeadlineScheduler, ScheduledRequest, StreamCredit
@@ -479,7 +479,7 @@ def test_the_generation_loop_refuses_before_the_build_and_counts_it():
 
     from prometheus_client import CollectorRegistry
 
-    from qtts.metrics import TalkerMetrics
+    from qtts.serving.metrics import TalkerMetrics
     from services.talker.generation_loop import GenerationLoop
 
     metrics = TalkerMetrics(CollectorRegistry())

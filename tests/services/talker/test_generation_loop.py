@@ -8,8 +8,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from qtts.errors import ResourceExhausted
-from qtts.metrics import TalkerMetrics
+from qtts.request.errors import ResourceExhausted
+from qtts.serving.metrics import TalkerMetrics
 from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
 from services.talker.generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
 from tests.services.talker.fakes import FakeGenerator, FakePrompt
@@ -154,7 +154,7 @@ def test_a_failing_step_fails_the_streams_in_it_and_frees_them():
 def test_a_request_the_generator_refuses_fails_with_its_own_error():
     """A generator that refuses a request as the caller's fault (InvalidArgument: e.g. longer than a
     KV slot) fails it with that error, not as an internal one; other failures stay internal."""
-    from qtts.errors import GenerationFailed, InvalidArgument
+    from qtts.request.errors import GenerationFailed, InvalidArgument
 
     class Refusing(FakeGenerator):
         def add(self, request_id, prompt, sampling, max_new_frames=None):

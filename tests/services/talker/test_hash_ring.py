@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from qtts.hash_ring import HashRing
-from qtts.voice_key import voice_prompt_key
+from qtts.streams.hash_ring import HashRing
+from qtts.streams.voice_key import voice_prompt_key
 
 NODES = [f"10.0.0.{i}:50053" for i in range(1, 5)]
 KEYS = [f"req-{i}" for i in range(20_000)]

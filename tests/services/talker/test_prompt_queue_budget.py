@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from qtts.errors import ResourceExhausted
-from qtts.metrics import TalkerMetrics
+from qtts.request.errors import ResourceExhausted
+from qtts.serving.metrics import TalkerMetrics
 from services.talker.core import TalkerCore
 
 

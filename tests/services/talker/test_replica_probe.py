@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 from grpc_health.v1 import health_pb2
 
-from qtts.errors import Unavailable
+from qtts.request.errors import Unavailable
 from services.talker import replicas as replicas_mod
 from services.talker.replicas import Code2WavReplicas
 

@@ -14,9 +14,9 @@ from unittest import mock
 import grpc
 import pytest
 
-from qtts.hash_ring import HashRing
 from qtts.pb import code2wav_pb2, talker_pb2
-from qtts.vocabulary import AudioPiece, SynthesisSummary
+from qtts.request.vocabulary import AudioPiece, SynthesisSummary
+from qtts.streams.hash_ring import HashRing
 from services.talker.config import TalkerConfig, config_from_args
 from services.talker.replicas import Code2WavReplicas
 from services.talker.request import GenerationRequest

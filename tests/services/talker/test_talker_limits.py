@@ -1,4 +1,4 @@
-"""The talker re-checks every field's range (qtts.request_limits): a direct caller cannot put a
+"""The talker re-checks every field's range (qtts.request.request_limits): a direct caller cannot put a
 row into a batch that would fail the shared sampling step for everyone batched with it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from qtts.errors import InvalidArgument
 from qtts.pb import talker_pb2, tts_pb2
-from qtts.sampling_overrides import SamplingOverrides
+from qtts.request.errors import InvalidArgument
+from qtts.request.sampling_overrides import SamplingOverrides
 from services.talker.request import GenerationRequest
 from services.talker.validation import check_request
 from tests.services.talker.fakes import FakeCode2Wav

@@ -12,8 +12,8 @@ import grpc
 import numpy as np
 import pytest
 
-from qtts.hash_ring import HashRing
 from qtts.pb import talker_pb2, tts_pb2
+from qtts.streams.hash_ring import HashRing
 from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
 from tests.services.talker.stack import eventually, generate_all, talker_stack
 

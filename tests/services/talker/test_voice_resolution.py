@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qtts.pb import speaker_cache_pb2, tts_pb2
-from qtts.voice_key import voice_prompt_key
+from qtts.streams.voice_key import voice_prompt_key
 from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
 from tests.services.talker.stack import eventually, free_port, generate_all, speaker_cache, talker_stack
 

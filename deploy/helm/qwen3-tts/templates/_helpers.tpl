@@ -290,7 +290,7 @@ Call with (dict "root" $ "client" true).
 
 {{/*
 A probe as the values give it, except that with tls.enabled a gRPC probe (the kubelet's own speaks
-plaintext only) becomes an exec of `python -m qtts.probe` with the pod's certificate, and with the
+plaintext only) becomes an exec of `python -m qtts.serving.probe` with the pod's certificate, and with the
 gateway's public TLS an httpGet probe uses HTTPS. Call with (dict "root" $ "probe" .values.startupProbe).
 */}}
 {{- define "qwen3-tts.probe" -}}
@@ -298,7 +298,7 @@ gateway's public TLS an httpGet probe uses HTTPS. Call with (dict "root" $ "prob
 {{- if and .root.Values.tls.enabled $p.grpc }}
 {{- $g := $p.grpc }}
 {{- $_ := unset $p "grpc" }}
-{{- $cmd := list "python" "-m" "qtts.probe" (printf "127.0.0.1:%v" $g.port) }}
+{{- $cmd := list "python" "-m" "qtts.serving.probe" (printf "127.0.0.1:%v" $g.port) }}
 {{- with $g.service }}
 {{- $cmd = append $cmd (printf "--service=%s" .) }}
 {{- end }}

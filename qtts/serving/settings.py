@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qtts.errors import InvalidArgument
+from qtts.request.errors import InvalidArgument
 
 _KEY = "qtts.settings"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from qtts.errors import InvalidArgument
-from qtts.grpc_server import connection_age_options
+from qtts.request.errors import InvalidArgument
+from qtts.serving.grpc_server import connection_age_options
 from services.code2wav.config import config_from_args as code2wav_config
 from services.gateway.config import config_from_args as gateway_config
 from services.talker.config import config_from_args as talker_config

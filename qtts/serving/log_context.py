@@ -14,7 +14,7 @@ import logging
 import re
 from contextvars import ContextVar, Token
 
-from qtts import tracing
+from qtts.serving import tracing
 
 METADATA_KEY = "x-request-id"
 HEADER = "X-Request-Id"
@@ -40,7 +40,7 @@ def bind_request_id(request_id: str) -> Token:
 
 def outgoing_metadata(request_id: str | None = None) -> tuple[tuple[str, str], ...]:
     """gRPC metadata for a call to the next stage: `request_id` (default: the bound one) and the
-    current trace context (qtts.tracing), whichever there are."""
+    current trace context (qtts.serving.tracing), whichever there are."""
     rid = request_id if request_id is not None else request_id_var.get()
     metadata = [(METADATA_KEY, rid)] if rid else []
     metadata += tracing.inject({}).items()

@@ -7,7 +7,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qtts.internal_auth import client_interceptors
 from qtts.pb import (
     code2wav_pb2,
     code2wav_pb2_grpc,
@@ -16,12 +15,18 @@ from qtts.pb import (
     talker_pb2,
     talker_pb2_grpc,
 )
-from qtts.vocabulary import AudioPiece, SynthesisSummary
+from qtts.request.vocabulary import AudioPiece, SynthesisSummary
+from qtts.serving.internal_auth import client_interceptors
 from services.code2wav.config import config_from_args as c2w_config_from_args
 from services.gateway.talker_client import TalkerClient
 from services.gateway.voice_client import VoiceClient
 from services.talker.speaker_cache_client import SpeakerCacheClient
-from tests.qtts.stage_servers import code2wav_server, fake_talker, speaker_cache_server, voice_clone_job
+from tests.qtts.serving.stage_servers import (
+    code2wav_server,
+    fake_talker,
+    speaker_cache_server,
+    voice_clone_job,
+)
 from tests.services.talker.fakes import FakeCode2Wav
 
 TOKEN = "s3cret"

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from qtts.errors import NotFound, ResourceExhausted
-from qtts.metrics import ServiceMetrics
+from qtts.request.errors import NotFound, ResourceExhausted
+from qtts.serving.metrics import ServiceMetrics
 
 SERVICE = "test.v1.EchoService"
 

@@ -3,7 +3,7 @@
 Every service builds one metrics object at start-up and injects it where it is needed::
 
     from prometheus_client import CollectorRegistry
-    from qtts.metrics import Code2WavMetrics
+    from qtts.serving.metrics import Code2WavMetrics
 
     registry = CollectorRegistry()
     metrics = Code2WavMetrics(registry)
@@ -12,7 +12,7 @@ Every service builds one metrics object at start-up and injects it where it is n
         ...
     metrics.error("INVALID_ARGUMENT")
 
-`GrpcServiceHost` (qtts.grpc_server) serves `registry` over HTTP and counts errors it maps through
+`GrpcServiceHost` (qtts.serving.grpc_server) serves `registry` over HTTP and counts errors it maps through
 `metrics.error(...)`. Names carry the `tts_` prefix and their unit (`_seconds`, `_frames`, `_total`).
 """
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qtts.chunk_plan import ChunkPlan
+from qtts.streams.chunk_plan import ChunkPlan
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qtts.device_failure import DEVICE_FAILURE_EXIT_CODE, is_fatal_device_error
-from qtts.errors import GenerationFailed
-from qtts.grpc_server import LIVENESS
 from qtts.pb import code2wav_pb2_grpc, tts_pb2
+from qtts.request.errors import GenerationFailed
+from qtts.serving.device_failure import DEVICE_FAILURE_EXIT_CODE, is_fatal_device_error
+from qtts.serving.grpc_server import LIVENESS
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import Code2WavServer
 from tests.grpc_helpers import BidiClient, FakeIncrementalDecoder

@@ -1,4 +1,4 @@
-"""The one request check (qtts.vocabulary): the gateway's and the talker's spellings, one logic."""
+"""The one request check (qtts.request.vocabulary): the gateway's and the talker's spellings, one logic."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from qtts.errors import InvalidArgument, NotFound
-from qtts.sampling_overrides import SamplingOverrides
-from qtts.vocabulary import (
+from qtts.request.errors import InvalidArgument, NotFound
+from qtts.request.sampling_overrides import SamplingOverrides
+from qtts.request.vocabulary import (
     HTTP_FIELDS,
     TALKER_FIELDS,
     TASK_OF_MODEL_TYPE,

@@ -67,7 +67,7 @@ class DeviceFailure:
         hard_exit_s: float = 5.0,
         exit: Callable[[int], Any] = os._exit,
     ):
-        self._host = host  # a qtts.grpc_server.GrpcServiceHost
+        self._host = host  # a qtts.serving.grpc_server.GrpcServiceHost
         self._flush_s = flush_s
         self._hard_exit_s = hard_exit_s
         self._exit = exit

@@ -3,8 +3,8 @@
 Usage in a service's `server.py`, inside the running event loop (`asyncio.run(serve(config))`)::
 
     from prometheus_client import CollectorRegistry
-    from qtts.grpc_server import GrpcServiceHost, service_full_name
-    from qtts.metrics import Code2WavMetrics
+    from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
+    from qtts.serving.metrics import Code2WavMetrics
     from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 
     metrics = Code2WavMetrics(CollectorRegistry())
@@ -23,8 +23,8 @@ Usage in a service's `server.py`, inside the running event loop (`asyncio.run(se
 `run_service_main` runs such a server as a process; a SIGTERM/SIGINT before `serve_until_signal()`
 (model load, warm-up) stops it at once with exit code 0 instead of killing it.
 
-Servicers raise `qtts.errors.TTSError` subclasses; the interceptor turns them into the matching gRPC
-status (`qtts.errors.mapping_for`; INVALID_ARGUMENT also carries a `google.rpc.BadRequest` naming
+Servicers raise `qtts.request.errors.TTSError` subclasses; the interceptor turns them into the matching gRPC
+status (`qtts.request.errors.mapping_for`; INVALID_ARGUMENT also carries a `google.rpc.BadRequest` naming
 the error's `param`) and counts them in `tts_errors_total{service,code}`. Any other
 exception becomes INTERNAL with its traceback logged; the server keeps running.
 """
@@ -53,10 +53,10 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 from prometheus_client import start_http_server
 
-from qtts import tracing
-from qtts.errors import InvalidArgument, TTSError, mapping_for, redact_internal
-from qtts.log_context import bind_request_id, log_handler, request_id_from_metadata, request_id_var
-from qtts.metrics import ServiceMetrics
+from qtts.request.errors import InvalidArgument, TTSError, mapping_for, redact_internal
+from qtts.serving import tracing
+from qtts.serving.log_context import bind_request_id, log_handler, request_id_from_metadata, request_id_var
+from qtts.serving.metrics import ServiceMetrics
 
 # Client channels between the services: after failed connects gRPC backs off exponentially (up to
 # 120 s by default), so a peer that took two minutes to start (graph capture) stayed unreachable
@@ -115,7 +115,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         self._metrics = metrics
         # A public front end (the gateway): no internal address in a status message.
         self._redact = redact
-        # Sees every unexpected exception (qtts.device_failure: a dead GPU ends the process).
+        # Sees every unexpected exception (qtts.serving.device_failure: a dead GPU ends the process).
         self.on_unexpected: Callable[[BaseException], Any] | None = None
 
     async def intercept_service(
@@ -240,7 +240,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             self._metrics.error(code.name)
 
     def _span(self, method: str, context: grpc.aio.ServicerContext):
-        """The call's SERVER span (qtts.tracing), child of the caller's trace; none for health
+        """The call's SERVER span (qtts.serving.tracing), child of the caller's trace; none for health
         checks and reflection, which probes call every few seconds."""
         if not tracing.enabled() or method.startswith(_UNTRACED):
             return contextlib.nullcontext()
@@ -374,7 +374,7 @@ class GrpcServiceHost:
     `max_connection_age_s` > 0 ages client connections out (`connection_age_options`); the grace
     for calls on an aged connection is `max_connection_age_grace_s`, or `drain_seconds` when 0.
 
-    `credentials` (qtts.tls): serve TLS (or mutual TLS) on the port; None: plaintext.
+    `credentials` (qtts.serving.tls): serve TLS (or mutual TLS) on the port; None: plaintext.
     """
 
     def __init__(

@@ -7,7 +7,7 @@ batch delays) work as the SDK documents them.
 
 Spans: each gRPC server call (`GrpcServiceHost`'s interceptor: `server_span`) and each gateway
 HTTP request (`TracingMiddleware`), with the caller's W3C trace context taken from the gRPC
-metadata / HTTP headers; `outgoing_metadata()` in qtts.log_context passes the current one on.
+metadata / HTTP headers; `outgoing_metadata()` in qtts.serving.log_context passes the current one on.
 Without the SDK every call here is a cheap no-op (the API alone returns non-recording spans).
 """
 

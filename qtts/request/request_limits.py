@@ -15,8 +15,8 @@ import re
 import unicodedata
 from collections.abc import Sequence
 
-from qtts.errors import InvalidArgument
-from qtts.sampling_overrides import SamplingOverrides
+from qtts.request.errors import InvalidArgument
+from qtts.request.sampling_overrides import SamplingOverrides
 
 # Sampling. A temperature of 0 means greedy decoding; otherwise it lies in [MIN, MAX].
 TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-3, 10.0

@@ -1,10 +1,10 @@
 """tts.v1 enums <-> the task and finish-reason names the services use internally (one table,
-shared by the gateway and the talker, like `qtts.sampling_overrides` for the sampling fields)."""
+shared by the gateway and the talker, like `qtts.request.sampling_overrides` for the sampling fields)."""
 
 from __future__ import annotations
 
 from qtts.pb import tts_pb2
-from qtts.vocabulary import Task
+from qtts.request.vocabulary import Task
 
 # TASK_TYPE_UNSPECIFIED maps to None: the model's default task.
 TASK_FROM_PB: dict[int, str | None] = {

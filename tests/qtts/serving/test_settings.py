@@ -1,4 +1,4 @@
-"""qtts/settings.py: flags and env fallbacks from one declaration, one clear line for a bad value,
+"""qtts/serving/settings.py: flags and env fallbacks from one declaration, one clear line for a bad value,
 and docs/settings.md equal to what the declarations generate."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from qtts.errors import InvalidArgument
-from qtts.grpc_server import run_service_main
-from qtts.settings import ServiceSettings, group, setting
+from qtts.request.errors import InvalidArgument
+from qtts.serving.grpc_server import run_service_main
+from qtts.serving.settings import ServiceSettings, group, setting
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)

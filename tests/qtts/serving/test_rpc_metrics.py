@@ -8,10 +8,10 @@ import asyncio
 import grpc
 from prometheus_client import CollectorRegistry
 
-from qtts.errors import InvalidArgument
-from qtts.grpc_server import GrpcServiceHost, service_full_name
-from qtts.metrics import TalkerMetrics
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+from qtts.request.errors import InvalidArgument
+from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
+from qtts.serving.metrics import TalkerMetrics
 
 INFO = "/talker.v1.TalkerService/GetModelInfo"
 GENERATE = "/talker.v1.TalkerService/Generate"

@@ -1,4 +1,4 @@
-"""`python -m qtts.probe HOST:PORT [--tls-...]`: exit 0 when the server's overall grpc.health.v1
+"""`python -m qtts.serving.probe HOST:PORT [--tls-...]`: exit 0 when the server's overall grpc.health.v1
 status is SERVING, 1 otherwise (the reason on stderr).
 
 The kubelet's own gRPC probe speaks plaintext only; with TLS between the services the chart
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qtts.errors import TTSError
-from qtts.service_config import env_lookup
-from qtts.tls import TlsConfig, add_tls_flags, sync_channel, tls_from_args
+from qtts.request.errors import TTSError
+from qtts.serving.service_config import env_lookup
+from qtts.serving.tls import TlsConfig, add_tls_flags, sync_channel, tls_from_args
 
 
 def health_status(address: str, tls: TlsConfig | None = None, service: str = "", timeout: float = 1.0) -> str:
@@ -32,7 +32,7 @@ def health_status(address: str, tls: TlsConfig | None = None, service: str = "",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qtts.probe", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m qtts.serving.probe", description=__doc__)
     p.add_argument("address", help="host:port of the gRPC server")
     p.add_argument("--service", default="", help="health service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds")

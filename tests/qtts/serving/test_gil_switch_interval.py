@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from qtts import grpc_server
+from qtts.serving import grpc_server
 from services.code2wav.config import config_from_args as code2wav_config
 from services.gateway.config import config_from_args as gateway_config
 from services.speaker_cache.config import config_from_args as speaker_cache_config

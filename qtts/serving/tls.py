@@ -13,7 +13,7 @@ Off unless files are given. Every service takes the same flags (env fallbacks
   by per-pod DNS names, so one name on one certificate stands for all of them.
 
 With TLS on, a client dials every internal service with TLS: the stack is TLS throughout or not at
-all. Health checks need the same credentials (the chart's probes run `python -m qtts.probe`).
+all. Health checks need the same credentials (the chart's probes run `python -m qtts.serving.probe`).
 Certificates are read at start-up: after a renewal, restart (roll) the pods.
 """
 
@@ -28,9 +28,9 @@ from typing import Any
 
 import grpc
 
-from qtts.errors import InvalidArgument
-from qtts.service_config import EnvLookup
-from qtts.settings import setting
+from qtts.request.errors import InvalidArgument
+from qtts.serving.service_config import EnvLookup
+from qtts.serving.settings import setting
 
 # What --tls-client-auth accepts: a server with --tls-ca requires client certificates (mutual
 # TLS), or accepts any client over TLS.
@@ -41,7 +41,7 @@ CLIENT_AUTH = ("require", "none")
 class TlsConfig:
     """PEM file paths (empty: not given) and how a server treats client certificates."""
 
-    # Help texts: {what} is what the TLS is on, {prefix} the flag prefix (qtts/settings.py, group).
+    # Help texts: {what} is what the TLS is on, {prefix} the flag prefix (qtts/serving/settings.py, group).
     cert: str = setting("", "PEM certificate chain for TLS on {what} (default: plaintext)")
     key: str = setting("", "its PEM private key")
     ca: str = setting(

@@ -1,4 +1,4 @@
-"""TLS and mutual TLS between the services (qtts/tls.py), with certificates made for the test: a
+"""TLS and mutual TLS between the services (qtts/serving/tls.py), with certificates made for the test: a
 stage with a CA refuses clients without a certificate it signed, plaintext clients, and clients
 whose certificate another CA signed; the stages' own clients get through. Bad files are a clear
 one-line error at start-up."""
@@ -14,12 +14,12 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qtts import probe
-from qtts.errors import InvalidArgument
-from qtts.grpc_server import run_service_main
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc, talker_pb2, talker_pb2_grpc
-from qtts.tls import TlsConfig, aio_channel
-from qtts.vocabulary import AudioPiece, SynthesisSummary
+from qtts.request.errors import InvalidArgument
+from qtts.request.vocabulary import AudioPiece, SynthesisSummary
+from qtts.serving import probe
+from qtts.serving.grpc_server import run_service_main
+from qtts.serving.tls import TlsConfig, aio_channel
 from services.code2wav.config import config_from_args as c2w_config_from_args
 from services.gateway.config import GatewayConfig
 from services.gateway.config import config_from_args as gateway_config_from_args
@@ -30,7 +30,12 @@ from services.speaker_cache.config import config_from_args as sc_config_from_arg
 from services.speaker_cache.server import SpeakerCacheServer
 from services.talker.config import config_from_args as talker_config_from_args
 from services.talker.speaker_cache_client import SpeakerCacheClient
-from tests.qtts.stage_servers import code2wav_server, fake_talker, speaker_cache_server, voice_clone_job
+from tests.qtts.serving.stage_servers import (
+    code2wav_server,
+    fake_talker,
+    speaker_cache_server,
+    voice_clone_job,
+)
 from tests.services.talker.stack import eventually, free_port
 from tests.tls_certs import SERVICE_NAME, TestCA
 

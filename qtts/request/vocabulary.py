@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from qtts import request_limits as lim
-from qtts.errors import InvalidArgument, NotFound
-from qtts.sampling_overrides import SamplingOverrides
+from qtts.request import request_limits as lim
+from qtts.request.errors import InvalidArgument, NotFound
+from qtts.request.sampling_overrides import SamplingOverrides
 
 
 class Task(StrEnum):

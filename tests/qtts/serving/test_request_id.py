@@ -12,10 +12,10 @@ import logging
 import httpx
 from fastapi import FastAPI
 
-from qtts.grpc_server import GrpcServiceHost, service_full_name
-from qtts.log_context import JsonFormatter, RequestIdFilter, current_request_id, log_handler
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc, tts_pb2
-from qtts.vocabulary import SynthesisSummary
+from qtts.request.vocabulary import SynthesisSummary
+from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
+from qtts.serving.log_context import JsonFormatter, RequestIdFilter, current_request_id, log_handler
 from services.gateway.job import SamplingOptions, SynthesisJob
 from services.gateway.request_id import RequestIdMiddleware
 from services.gateway.talker_client import TalkerClient

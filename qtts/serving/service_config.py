@@ -1,7 +1,7 @@
 """Settings and checks every service's config shares: listen address, ports, drain, logging, GIL
 switch interval, connection aging, the internal token.
 
-Each service keeps its own frozen config dataclass (qtts/settings.py makes its flags and
+Each service keeps its own frozen config dataclass (qtts/serving/settings.py makes its flags and
 `TTS_<SERVICE>_<FLAG>` env fallbacks); these factories declare the common fields there, with the
 service's own defaults, and the checks validate them once.
 
@@ -17,8 +17,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from qtts.errors import InvalidArgument
-from qtts.settings import setting
+from qtts.request.errors import InvalidArgument
+from qtts.serving.settings import setting
 
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 5.0  # CPython's default (sys.getswitchinterval() = 0.005)
 
@@ -60,7 +60,7 @@ def internal_token(*, dials: bool = True) -> Any:
     sent = "sent on calls to the other services and " if dials else ""
     return setting(
         "",
-        f"shared secret of the services (qtts/internal_auth.py): {sent}required from callers; "
+        f"shared secret of the services (qtts/serving/internal_auth.py): {sent}required from callers; "
         "prefer the env var to the flag (default: off)",
     )
 
@@ -79,7 +79,7 @@ def check_server_fields(config: Any, *, ports: Sequence[str] = ("port",)) -> Non
         )
 
 
-# Connection aging for the GPU stages' gRPC servers (see qtts.grpc_server.connection_age_options).
+# Connection aging for the GPU stages' gRPC servers (see qtts.serving.grpc_server.connection_age_options).
 DEFAULT_MAX_CONNECTION_AGE_S = 120.0
 # Streams on an aged connection may run this long: a stream of the longest text lasts minutes, and
 # cutting it would fail a listener mid-sentence.
