@@ -40,7 +40,8 @@ import numpy as np
 
 from qtts.request.errors import ResourceExhausted, Unavailable
 
-from .generation_loop import Failed, Finished, Frame
+from .core import reference_rows
+from .generation_loop import Failed, Finished, Frame, emit
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +104,11 @@ def spec_from_wire(spec: Any) -> Any:
     return spec if voice is None else replace(spec, voice_prompt=voice_from_wire(voice))
 
 
-def _host_rows(prompt: Any) -> np.ndarray | None:
-    ref = getattr(prompt, "ref_codes", None)
-    return None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
-
-
 # -- the engine process -------------------------------------------------------------------------
 
 
 class _PipeLoop:
-    """Stands in for an event loop in `GenerationLoop._emit`: one step's events, one message.
+    """Stands in for an event loop in `generation_loop.emit`: one step's events, one message.
 
     The front keeps its own copy of each stream's playback clock; when the scheduler restarts a
     clock (text came back after the listener ran dry), the next frames say so, once."""
@@ -335,7 +331,7 @@ class _EngineWorker:
     def _stored(self, prompt: Any) -> RemotePrompt:
         key = uuid.uuid4().hex
         self._prompts[key] = prompt
-        return RemotePrompt(key, _host_rows(prompt), int(getattr(prompt, "num_text_tokens", 0) or 0))
+        return RemotePrompt(key, reference_rows(prompt), int(getattr(prompt, "num_text_tokens", 0) or 0))
 
     # Calls, run on the prompt thread in arrival order.
     def _call_build_prompt(self, spec: Any, queued_at: float, budget_s: float) -> RemotePrompt:
@@ -430,11 +426,6 @@ def engine_main(conn_in: Any, conn_out: Any, config: Any, run_warm_up: bool) -> 
 
 
 # -- the front ----------------------------------------------------------------------------------
-
-
-def _deliver(batch: list) -> None:
-    for req, ev in batch:
-        req.sink(ev)
 
 
 class EngineClient:
@@ -627,7 +618,7 @@ class EngineClient:
                 self._send_quietly(("drop", item.key))
 
     def _dispatch(self, events: list[tuple[str, Any]]) -> None:
-        by_loop: dict[Any, list] = {}
+        delivered = []
         for rid, ev in events:
             req = self._requests.get(rid)
             if req is None:  # cancelled meanwhile
@@ -635,12 +626,8 @@ class EngineClient:
             if isinstance(ev, Finished | Failed):
                 self._requests.pop(rid, None)
                 self._plan_sent.discard(rid)
-            by_loop.setdefault(req.loop, []).append((req, ev))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+            delivered.append((req, ev))
+        emit(delivered)
 
     def _lose(self, message: str) -> None:
         if self._lost is not None:
@@ -653,23 +640,12 @@ class EngineClient:
             if not future.done():
                 future.set_exception(error)
         failed, self._requests = self._requests, {}
-        self._dispatch_failed(failed.values(), error)
+        emit([(req, Failed(error)) for req in failed.values()])
         if self._stopping:
             return
         log.critical("%s", message)
         if self._on_lost is not None:
             self._on_lost(message)
-
-    @staticmethod
-    def _dispatch_failed(requests: Any, error: Exception) -> None:
-        by_loop: dict[Any, list] = {}
-        for req in requests:
-            by_loop.setdefault(req.loop, []).append((req, Failed(error)))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:
-                pass
 
 
 @dataclass(frozen=True)

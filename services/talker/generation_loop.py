@@ -101,7 +101,7 @@ def _deliver(events: list[tuple[ScheduledRequest, Any]]) -> None:
         req.sink(ev)
 
 
-def _emit(events: list[tuple[ScheduledRequest, Any]]) -> None:
+def emit(events: list[tuple[ScheduledRequest, Any]]) -> None:
     """Hand events to their sinks: grouped per event loop, or directly for thread-safe sinks."""
     by_loop: dict[Any, list] = {}
     for req, ev in events:
@@ -300,7 +300,7 @@ class GenerationLoop:
             for rid in cancels:
                 self._call_generator(self._generator.cancel, rid)
             if plan.refused:
-                _emit([(req, Failed(err)) for req, err in plan.refused])
+                emit([(req, Failed(err)) for req, err in plan.refused])
             for req in plan.admitted:
                 self._add(req)
             if plan.step:
@@ -339,9 +339,9 @@ class GenerationLoop:
             error = (
                 exc if isinstance(exc, TTSError) else GenerationFailed(f"could not start generation: {exc}")
             )
-            _emit([(req, Failed(error))])
+            emit([(req, Failed(error))])
             return
-        _emit([(req, Admitted(self._clock() - req.submitted_at))])
+        emit([(req, Admitted(self._clock() - req.submitted_at))])
 
     def _step(self, plan: StepPlan) -> None:
         stepping = plan.stepping
@@ -390,7 +390,7 @@ class GenerationLoop:
                 events.append((req, Finished(reason, req.credit.generated)))
             self._update_gauges()
         self._metrics.frames_total.inc(len(with_codes))
-        _emit(events)
+        emit(events)
 
     @staticmethod
     def _held_frames(req: ScheduledRequest, step_s: float) -> Frame:
@@ -405,4 +405,4 @@ class GenerationLoop:
             self._update_gauges()
         for req in failed:
             self._call_generator(self._generator.cancel, req.request_id)
-        _emit([(req, Failed(error)) for req in failed])
+        emit([(req, Failed(error)) for req in failed])
