@@ -24,6 +24,7 @@ frames as host rows for code2wav, its token count).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 # Families the engine process reports that describe the process itself, not the talker: the
 # front's own process_* / python_* series stand for the pod.
 _PROCESS_FAMILIES = ("process_", "python_")
+
+# Prompts built before one wait for the prompt stream: enough for a burst, few enough that the
+# first of them is not held long behind the last.
+MAX_BUILD_BATCH = 32
 
 
 @dataclass(frozen=True)
@@ -141,8 +146,10 @@ class _EngineWorker:
         self._open: dict[str, Any] = {}  # text-open prompts still taking text
         self._requests: dict[str, Any] = {}  # request id -> ScheduledRequest
         self._prompt_of: dict[str, str] = {}  # request id -> prompt key
-        # One thread builds every prompt, in arrival order, on a CUDA stream of its own.
+        # One thread builds every prompt, in arrival order, on a CUDA stream of its own; the
+        # builds queued when it comes to them are built together and waited for once.
         self._prompt_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-prompt")
+        self._builds: collections.deque[tuple[int, Any, float, float]] = collections.deque()
         self._stream: Any = None
         self._queued = 0  # prompt builds waiting for the prompt thread
         self._build_s = 0.0  # moving average of one build
@@ -243,7 +250,8 @@ class _EngineWorker:
                     self.send(("reply", call_id, False, exc))
                     return
                 self._queued += 1
-                self._prompt_thread.submit(self._answer, call_id, self._call_build_prompt, *call_args)
+                self._builds.append((call_id, *call_args))
+                self._prompt_thread.submit(self._build_queued)
             else:
                 self._prompt_thread.submit(self._answer, call_id, getattr(self, f"_call_{name}"), *call_args)
         elif kind == "submit":
@@ -283,6 +291,9 @@ class _EngineWorker:
             value, ok = fn(*args), True
         except Exception as exc:  # noqa: BLE001 - the caller gets the error
             value, ok = exc, False
+        self._reply(call_id, ok, value)
+
+    def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         try:
             self.send(("reply", call_id, ok, value))
         except Exception as exc:  # noqa: BLE001 - e.g. an error that does not pickle
@@ -334,9 +345,41 @@ class _EngineWorker:
         return RemotePrompt(key, reference_rows(prompt), int(getattr(prompt, "num_text_tokens", 0) or 0))
 
     # Calls, run on the prompt thread in arrival order.
-    def _call_build_prompt(self, spec: Any, queued_at: float, budget_s: float) -> RemotePrompt:
-        """The prompt of `spec`, refused when it waited past the first-audio budget to start."""
+    def _build_queued(self) -> None:
+        """Build every queued prompt (at most `MAX_BUILD_BATCH`), then wait for the prompt stream
+        once and answer them: one wait for the GPU per batch, not per prompt, as a burst arrives."""
+        batch = []
+        while self._builds and len(batch) < MAX_BUILD_BATCH:
+            batch.append(self._builds.popleft())
+        if not batch:
+            return  # built by an earlier call
         started = time.perf_counter()
+        built: list[tuple[int, float, Any]] = []
+        for call_id, spec, queued_at, budget_s in batch:
+            began = time.perf_counter()
+            try:
+                built.append((call_id, began, self._start_build(spec, queued_at, budget_s, began)))
+            except Exception as exc:  # noqa: BLE001 - this caller gets the error, the rest go on
+                self._reply(call_id, False, exc)
+        try:
+            if self._stream is not None and built:
+                self._stream.synchronize()  # the engine reads the embeddings from its own stream
+        except Exception as exc:  # noqa: BLE001 - a device error fails every prompt of the batch
+            for call_id, _, _ in built:
+                self._reply(call_id, False, exc)
+            return
+        done = time.perf_counter()
+        per_build = (done - started) / len(batch)  # the drain rate the refusals predict with
+        self._build_s = per_build if self._build_s == 0 else self._build_s + 0.1 * (per_build - self._build_s)
+        for call_id, began, prompt in built:
+            self.metrics.observe_stage("build_prompt", done - began)
+            remote = self._stored(prompt)
+            remote.build_s = per_build
+            self._reply(call_id, True, remote)
+
+    def _start_build(self, spec: Any, queued_at: float, budget_s: float, started: float) -> Any:
+        """The prompt of `spec` with its kernels queued on the prompt stream (not waited for);
+        refused when it waited past the first-audio budget to start."""
         self._queued -= 1
         self.metrics.observe_stage("prompt_queue", started - queued_at)
         if budget_s > 0 and started - queued_at > budget_s:
@@ -345,13 +388,13 @@ class _EngineWorker:
                 f"prompt, past the {budget_s:g} s first-audio budget; retry later",
                 max(1, round(self._queued * self._build_s)),
             )
-        prompt = self._on_stream(self.bundle.build_prompt, spec_from_wire(spec))
-        built_s = time.perf_counter() - started
-        self.metrics.observe_stage("build_prompt", built_s)
-        self._build_s = built_s if self._build_s == 0 else self._build_s + 0.1 * (built_s - self._build_s)
-        remote = self._stored(prompt)
-        remote.build_s = built_s
-        return remote
+        spec = spec_from_wire(spec)
+        if self._stream is None:
+            return self.bundle.build_prompt(spec)
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            return self.bundle.build_prompt(spec)
 
     def _call_compute_voice_prompt(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
         return voice_to_wire(self.bundle.compute_voice_prompt(pcm, ref_text, x_vector_only))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import grpc
 import numpy as np
@@ -255,3 +256,35 @@ async def test_prompts_nobody_claims_are_freed_in_the_engine_process(tiny_snapsh
         await held_becomes({**nothing, "open_texts": 1})
         call.cancel()
         await held_becomes(nothing)
+
+
+async def test_prompts_queued_together_are_each_answered(tiny_snapshot, tiny_talker_bundle):
+    # Builds queued while the prompt thread is busy are built as one batch and waited for once:
+    # each caller still gets its own prompt, and one refused in the middle fails alone.
+    from qtts.model import SynthesisSpec
+    from qtts.request.errors import ResourceExhausted
+    from services.talker.engine_process import spec_to_wire
+
+    builder = tiny_talker_bundle("custom_voice").prompt_builder
+    texts = [f"Hello number {i}, {'and more words ' * i}here." for i in range(8)]
+    specs = [SynthesisSpec(text=t, task="custom_voice", speaker="vivian", language="english") for t in texts]
+    c2w = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
+        engine = s.talker.engine_client
+        now = time.perf_counter()
+        futures = [
+            engine.call_async("build_prompt", spec_to_wire(spec), now - 10.0 if i == 3 else now, 5.0)
+            for i, spec in enumerate(specs)
+        ]
+        results = [await asyncio.wrap_future(f) if i != 3 else None for i, f in enumerate(futures)]
+        with pytest.raises(ResourceExhausted, match="first-audio budget"):
+            await asyncio.wrap_future(futures[3])
+        for i, (spec, remote) in enumerate(zip(specs, results, strict=True)):
+            if i == 3:
+                continue
+            assert remote.num_text_tokens == builder.build(spec).num_text_tokens
+            assert remote.build_s > 0
+        assert len({r.key for r in results if r is not None}) == 7
+        for r in results:
+            if r is not None:
+                engine.release_prompt(r)
