@@ -2,7 +2,9 @@
 
 The gateway's typed HTTP/WebSocket model (`services.gateway.http_request`) declares its fields
 with these bounds, the gateway's gRPC validation and the talker's own check call the functions
-below, so a direct talker caller meets the same limits as a client of the gateway. Sampling runs
+below, so a direct talker caller meets the same limits as a client of the gateway. The sampling
+fields' declarations (`qtts.request.sampling_overrides.SamplingOverrides`) cite the sampling
+constants, and `sampling_overrides.check_sampling` checks them from there. Sampling runs
 batched: one row with a temperature of 1e-45 or 3.5e38 would turn the shared step's logits into
 inf/NaN and fail every stream batched with it, so the ranges are narrow enough that no row can.
 
@@ -16,7 +18,6 @@ import unicodedata
 from collections.abc import Sequence
 
 from qtts.request.errors import InvalidArgument
-from qtts.request.sampling_overrides import SamplingOverrides
 
 # Sampling. A temperature of 0 means greedy decoding; otherwise it lies in [MIN, MAX].
 TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-3, 10.0
@@ -44,32 +45,6 @@ TASK_MAX_CHARS = 32
 SPEAKER_EMBEDDING_MAX_VALUES = 8192
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def check_sampling(s: SamplingOverrides) -> None:
-    """Raise InvalidArgument (naming the field) unless every set sampling field is in range."""
-    t = s.temperature
-    if t is not None and not (t == 0 or TEMPERATURE_MIN <= t <= TEMPERATURE_MAX):
-        raise InvalidArgument(
-            f"temperature must be 0 (greedy) or in {TEMPERATURE_MIN}..{TEMPERATURE_MAX}, got {t}",
-            param="temperature",
-        )
-    if s.top_k is not None and not 0 <= s.top_k <= TOP_K_MAX:
-        raise InvalidArgument(f"top_k must be in 0..{TOP_K_MAX}, got {s.top_k}", param="top_k")
-    if s.top_p is not None and not TOP_P_MIN <= s.top_p <= TOP_P_MAX:
-        raise InvalidArgument(f"top_p must be in {TOP_P_MIN}..{TOP_P_MAX}, got {s.top_p}", param="top_p")
-    rp = s.repetition_penalty
-    if rp is not None and not REPETITION_PENALTY_MIN <= rp <= REPETITION_PENALTY_MAX:
-        raise InvalidArgument(
-            f"repetition_penalty must be in {REPETITION_PENALTY_MIN}..{REPETITION_PENALTY_MAX}, got {rp}",
-            param="repetition_penalty",
-        )
-    if s.seed is not None and not 0 <= s.seed <= SEED_MAX:
-        raise InvalidArgument(f"seed must be in 0..{SEED_MAX}, got {s.seed}", param="seed")
-    if s.min_new_frames is not None and not 0 <= s.min_new_frames <= MAX_FRAMES:
-        raise InvalidArgument(
-            f"min_new_tokens must be in 0..{MAX_FRAMES}, got {s.min_new_frames}", param="min_new_tokens"
-        )
 
 
 def check_chunking(first_chunk_frames: int, ramp: Sequence[int]) -> None:

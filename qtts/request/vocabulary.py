@@ -16,7 +16,7 @@ from typing import Protocol
 
 from qtts.request import request_limits as lim
 from qtts.request.errors import InvalidArgument, NotFound
-from qtts.request.sampling_overrides import SamplingOverrides
+from qtts.request.sampling_overrides import SamplingOverrides, check_sampling
 
 
 class Task(StrEnum):
@@ -196,7 +196,7 @@ def check_request(
         raise InvalidArgument(
             f"{names.text} has nothing to speak (only whitespace or control characters)", param=names.text
         )
-    lim.check_sampling(req.sampling)  # the same ranges as the HTTP model's
+    check_sampling(req.sampling)  # the declared ranges, as the HTTP model's
     lim.check_chunking(req.first_chunk_frames, req.chunk_frames_ramp)
     task = _task(req.task, model, names)
     voice = _voice(task, req, model, has_reference, check_reference, names)

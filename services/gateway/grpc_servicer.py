@@ -11,7 +11,8 @@ import grpc
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.request.errors import Cancelled, InvalidArgument, TTSError
-from qtts.request.sampling_overrides import SamplingOverrides, http_name, overrides_from_pb
+from qtts.request.sampling_overrides import SamplingOverrides, http_name
+from qtts.request.sampling_pb import overrides_from_pb
 from qtts.request.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 from qtts.request.vocabulary import SynthesisSummary
 

@@ -3,7 +3,9 @@ vLLM-Omni's) and the WebSocket `session.config` of `/v1/audio/speech/stream`.
 
 These pydantic models are the one place where the request fields are declared, with their type,
 default and range: the parser validates with them and `/openapi.json` and `/docs` are generated
-from them. A validation failure becomes one `InvalidArgument` whose `param` names the field at
+from them. The optional sampling fields are the exception: they are generated from their
+declarations in `qtts.request.sampling_overrides.SamplingOverrides` (`sampling_body_fields`), so a
+new one needs no edit here. A validation failure becomes one `InvalidArgument` whose `param` names the field at
 fault (OpenAI's error shape); checks that depend on the served model (task, voice, language) or on
 the server's limits (input length, frame cap) come later, in `validation.build_job`.
 """
@@ -25,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -32,17 +35,16 @@ from pydantic_core import PydanticCustomError
 
 from qtts.request import request_limits as lim
 from qtts.request.errors import InvalidArgument
-from qtts.request.sampling_overrides import OPTIONAL_FIELDS, http_name
+from qtts.request.sampling_overrides import SamplingField, SamplingOverrides, sampling_fields
 from qtts.request.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, MAX_SPEED, MIN_SPEED
-from .job import SamplingOptions, SpeechFields
+from .job import SpeechFields
 
 ResponseFormat = Literal["pcm", "wav", "mp3", "flac", "opus", "aac", "mulaw", "alaw"]
 RESPONSE_FORMATS: tuple[str, ...] = get_args(ResponseFormat)
 StreamFormat = Literal["audio", "sse"]
 SplitGranularity = Literal["sentence", "clause", "none"]
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _integer(value: Any) -> Any:
@@ -82,16 +84,6 @@ def _unicode_text(value: str) -> str:
     return value
 
 
-def _temperature(value: float | None) -> float | None:
-    if value is not None and 0 < value < lim.TEMPERATURE_MIN:
-        raise PydanticCustomError(
-            "tts_temperature",
-            "temperature must be 0 (greedy) or in {lo}..{hi}, got {value}",
-            {"lo": lim.TEMPERATURE_MIN, "hi": lim.TEMPERATURE_MAX, "value": value},
-        )
-    return value
-
-
 # The validators wrap the whole optional type, so that a Field's range lands in the JSON schema.
 Integer = Annotated[int | None, BeforeValidator(_integer)]
 Number = Annotated[float | None, BeforeValidator(_number)]
@@ -101,6 +93,51 @@ Text = Annotated[str, Field(strict=True), AfterValidator(_unicode_text)]
 VoiceName = Annotated[Text, Field(max_length=lim.VOICE_MAX_CHARS)]
 
 
+def _zero_or_range(f: SamplingField) -> AfterValidator:
+    """Refuse the gap between 0 (greedy) and the range of a field declared `zero_is_greedy`."""
+
+    def check(value: float | None) -> float | None:
+        if value is not None and 0 < value < f.spec.lo:
+            raise PydanticCustomError(
+                f"tts_{f.name}",
+                "{name} must be 0 (greedy) or in {lo}..{hi}, got {value}",
+                {"name": f.http_name, "lo": f.spec.lo, "hi": f.spec.hi, "value": value},
+            )
+        return value
+
+    return AfterValidator(check)
+
+
+def _body_field(f: SamplingField) -> tuple[Any, Any]:
+    """The HTTP body field of an optional sampling field, from its declaration: the type, the range
+    (0 too where it means greedy; down to -(hi + 1) where negative values wrap) and description."""
+    kind: Any = Integer if f.type is int else Number
+    lo = f.spec.lo
+    if f.spec.zero_is_greedy:
+        lo, kind = 0, Annotated[kind, _zero_or_range(f)]
+    if f.spec.negative_wraps:
+        lo = -(f.spec.hi + 1)
+    return kind, Field(None, ge=lo, le=f.spec.hi, description=f.spec.description)
+
+
+def sampling_body_fields(cls: type = SamplingOverrides) -> dict[str, tuple[Any, Any]]:
+    """The HTTP body fields (for `pydantic.create_model`) of the optional sampling fields of `cls`,
+    each under its HTTP name."""
+    return {f.http_name: _body_field(f) for f in sampling_fields(cls)}
+
+
+def sampling_from_body(body: BaseModel, cls: type = SamplingOverrides) -> Any:
+    """The `cls` overrides of a validated body: each field from the body field of its HTTP name, a
+    negative value of a field declared `negative_wraps` taken modulo hi + 1."""
+    values = {}
+    for f in sampling_fields(cls):
+        value = getattr(body, f.http_name)
+        if f.spec.negative_wraps and value is not None and value < 0:
+            value %= f.spec.hi + 1  # vLLM-Omni takes any signed 64-bit seed; ours are 63-bit non-negative
+        values[f.name] = value
+    return cls(**values)
+
+
 class VoiceId(BaseModel):
     """OpenAI's custom voice object: the id of a voice created through `POST /v1/audio/voices`."""
 
@@ -108,9 +145,8 @@ class VoiceId(BaseModel):
     id: VoiceName = Field(min_length=1, description="The voice id (this server's voice name).")
 
 
-class SpeechOptions(BaseModel):
-    """The synthesis fields shared by `POST /v1/audio/speech` and the WebSocket `session.config`.
-    A field sent as `null` counts as absent."""
+class _SpeechHead(BaseModel):
+    """The synthesis fields before the sampling ones (`SpeechOptions` is the whole set)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -176,33 +212,16 @@ class SpeechOptions(BaseModel):
         "`--max-new-frames-limit`. Above the cap derived from the text length the request ends with finish "
         "reason `length`. Absent: derived from the text length.",
     )
-    min_new_tokens: Integer = Field(
-        None,
-        ge=0,
-        le=lim.MAX_FRAMES,
-        description="End of speech is not allowed before this many frames (default 2).",
-    )
-    seed: Integer = Field(
-        None,
-        ge=INT64_MIN,
-        le=INT64_MAX,
-        description="Sampling seed for reproducible output; a negative seed is taken modulo 2^63.",
-    )
-    temperature: Annotated[Number, AfterValidator(_temperature)] = Field(
-        None,
-        ge=0,
-        le=lim.TEMPERATURE_MAX,
-        description=f"Sampling temperature: 0 is greedy decoding, otherwise in {lim.TEMPERATURE_MIN}.."
-        f"{lim.TEMPERATURE_MAX}. Absent: the model's default.",
-    )
-    top_k: Integer = Field(None, ge=0, le=lim.TOP_K_MAX, description="Top-k sampling; 0 disables it.")
-    top_p: Number = Field(None, ge=lim.TOP_P_MIN, le=lim.TOP_P_MAX, description="Nucleus sampling threshold.")
-    repetition_penalty: Number = Field(
-        None,
-        ge=lim.REPETITION_PENALTY_MIN,
-        le=lim.REPETITION_PENALTY_MAX,
-        description="Penalty on repeated codebook-0 tokens (the model's default is 1.05).",
-    )
+
+
+# The optional sampling fields, generated from their declarations in `SamplingOverrides`.
+_SpeechSampling = create_model("_SpeechSampling", __base__=_SpeechHead, **sampling_body_fields())
+
+
+class SpeechOptions(_SpeechSampling):
+    """The synthesis fields shared by `POST /v1/audio/speech` and the WebSocket `session.config`.
+    A field sent as `null` counts as absent."""
+
     sample_rate: Integer = Field(
         None,
         ge=MIN_SAMPLE_RATE,
@@ -283,9 +302,6 @@ class SpeechOptions(BaseModel):
             raise InvalidArgument(
                 f"voice {voice!r} and speaker {self.speaker!r} disagree; send one of them", param="speaker"
             )
-        seed = self.seed
-        if seed is not None and seed < 0:
-            seed %= 2**63  # vLLM-Omni takes any signed 64-bit seed; ours are 63-bit non-negative
         sample_rate = self.sample_rate
         if sample_rate is None and self.response_format in G711_CODECS:
             sample_rate = G711_SAMPLE_RATE  # G.711's only rate; another one is refused naming sample_rate
@@ -300,10 +316,7 @@ class SpeechOptions(BaseModel):
             reference_text=self.ref_text,
             x_vector_only=self.x_vector_only_mode,
             max_new_frames=self.max_new_tokens,
-            # Each optional sampling field from the body field of its HTTP name (the seed as set above).
-            sampling=SamplingOptions(
-                **{f: getattr(self, http_name(f)) for f in OPTIONAL_FIELDS if f != "seed"}, seed=seed
-            ),
+            sampling=sampling_from_body(self),
             sample_rate=sample_rate,
             first_chunk_frames=self.initial_codec_chunk_frames or 0,
             streaming_text=None if self.non_streaming_mode is None else not self.non_streaming_mode,

@@ -9,7 +9,7 @@ import numpy as np
 
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.request.errors import Unavailable, from_grpc
-from qtts.request.sampling_overrides import overrides_to_pb
+from qtts.request.sampling_pb import overrides_to_pb
 from qtts.request.tts_enums import FINISH_FROM_PB, TASK_TO_PB
 from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, AudioPiece, SynthesisSummary
 from qtts.serving import tracing

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from dataclasses import dataclass
 
 from qtts.request import request_limits as lim
 from qtts.request.errors import InvalidArgument, NotFound
+from qtts.request.sampling_overrides import zero_means_greedy
 from qtts.request.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, NATIVE_SAMPLE_RATE, Task, check_request
 from qtts.serving.log_context import current_request_id
 
-from .job import ModelCatalog, SamplingOptions, SpeechFields, SynthesisJob
+from .job import ModelCatalog, SpeechFields, SynthesisJob
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,6 @@ def check_model(model: str, catalog: ModelCatalog) -> None:
     """Unknown model names are 404, as in the OpenAI API; empty means the served model."""
     if model and model != catalog.name:
         raise NotFound(f"model {model!r} does not exist; this server serves {catalog.name!r}", param="model")
-
-
-def _greedy(s: SamplingOptions) -> SamplingOptions:
-    # Temperature 0 means deterministic decoding, as in the OpenAI sampling APIs.
-    if s.temperature == 0 and not s.greedy:
-        return dataclasses.replace(s, temperature=None, greedy=True)
-    return s
 
 
 def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits) -> SynthesisJob:
@@ -92,7 +85,8 @@ def build_job(fields: SpeechFields, catalog: ModelCatalog, limits: RequestLimits
         reference_text=ref_text,
         x_vector_only=x_vector_only,
         max_new_frames=fields.max_new_frames or 0,
-        sampling=_greedy(fields.sampling),
+        # Temperature 0 means deterministic decoding, as in the OpenAI sampling APIs.
+        sampling=zero_means_greedy(fields.sampling),
         sample_rate=sample_rate,
         first_chunk_frames=fields.first_chunk_frames,
         chunk_frames_ramp=tuple(fields.chunk_frames_ramp),

@@ -15,7 +15,7 @@ import numpy as np
 
 from qtts.request import request_limits as lim
 from qtts.request.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
-from qtts.request.sampling_overrides import OPTIONAL_FIELDS
+from qtts.request.sampling_overrides import check_sampling, sampling_fields
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary, Task
 from qtts.serving.metrics import TalkerMetrics
 
@@ -36,25 +36,18 @@ def reference_rows(prompt: Any) -> np.ndarray | None:
     return None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
 
 
-# The model's generation_config name of an override that is named otherwise on the API.
-_DEFAULTS_NAMES = {"min_new_frames": "min_new_tokens"}
-
-
 def merge_sampling(defaults: Any, overrides: SamplingOverrides) -> Any:
     """The model's generation defaults with the caller's set fields on top."""
+    check_sampling(overrides)  # the declared ranges (check_request ran them already)
+    # Each set field under its declared model name (generation_config.json's).
     changes = {
-        _DEFAULTS_NAMES.get(name, name): value
-        for name in OPTIONAL_FIELDS
-        if (value := getattr(overrides, name)) is not None
+        f.model_name: value for f in sampling_fields() if (value := getattr(overrides, f.name)) is not None
     }
     if overrides.greedy:
         # The API's greedy means argmax for every codebook, the code predictor's included.
         changes["greedy"] = True
         if any(f.name == "subtalker_greedy" for f in dataclasses.fields(defaults)):
             changes["subtalker_greedy"] = True
-    for name, value in changes.items():
-        if name in ("temperature", "top_p", "repetition_penalty") and value < 0:
-            raise InvalidArgument(f"sampling {name} must be >= 0, got {value}")
     return dataclasses.replace(defaults, **changes) if changes else defaults
 
 

@@ -12,7 +12,7 @@ import grpc
 
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
 from qtts.request.errors import InvalidArgument, Unavailable
-from qtts.request.sampling_overrides import overrides_from_pb
+from qtts.request.sampling_pb import overrides_from_pb
 from qtts.request.tts_enums import FINISH_TO_PB, TASK_FROM_PB
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 
