@@ -8,10 +8,12 @@ from gateway_fakes import build_gateway, serve_http
 
 from qtts.request import request_limits as lim
 from qtts.request.errors import InvalidArgument
+from qtts.request.sampling_overrides import sampling_fields
 from services.gateway.http_request import SpeechRequest, StreamingSessionConfig, parse_speech_body
 
-# Every field the speech endpoint accepts (OpenAI's and vLLM-Omni's), as clients send them.
-ACCEPTED = {
+# Every field the speech endpoint accepts (OpenAI's and vLLM-Omni's), as clients send them: the
+# sampling fields under their HTTP names, as `SamplingOverrides` declares them, and the others.
+ACCEPTED = {f.http_name for f in sampling_fields()} | {
     "model",
     "input",
     "voice",
@@ -27,12 +29,6 @@ ACCEPTED = {
     "ref_text",
     "x_vector_only_mode",
     "max_new_tokens",
-    "seed",
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "min_new_tokens",
     "sample_rate",
     "speaker_embedding",
     "initial_codec_chunk_frames",
