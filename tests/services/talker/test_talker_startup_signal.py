@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tests.services.test_startup_signal import finish, signal_at, start
+from tests.signal_process import finish, signal_at, start
 
 # The talker's own entry point, with one start-up step replaced by a 120 s blocking one.
 TALKER = textwrap.dedent(
