@@ -111,13 +111,16 @@ class StepModel:
 class Admission:
     """Decides whether the next waiting request may start; see the module docstring."""
 
+    _DRAIN_MEMORY = 100  # admissions the drain rate averages over (about half a second in a burst)
+
     def __init__(self, config: AdmissionConfig | None = None, frame_s: float = 0.08):
         self.config = config or AdmissionConfig()
         self.frame_s = frame_s
         self.model = StepModel(self.config)
         self.reason = ""  # why admission holds ("" while open)
         self._last_admit_at: float | None = None
-        self._drain_per_s: float | None = None
+        self._drain_busy_s = 0.0  # time the recent admissions of a backlog took (decayed)
+        self._drain_count = 0.0  # and their number (decayed alike)
 
     def load(self, num_streams: int, mean_stream_s: float | None = None) -> float:
         """Predicted busy fraction of the engine thread with `num_streams` running in steady state:
@@ -168,34 +171,49 @@ class Admission:
                 caps.append(int((cfg.max_load - m.base_s / self.frame_s) / per_stream))
         return max(1, min(caps)) if caps else None
 
-    def observe_admit(self, now: float) -> None:
-        """One request started: update the drain rate (admissions per second)."""
-        if self._last_admit_at is not None:
-            gap = max(now - self._last_admit_at, 1e-4)
-            rate = 1.0 / gap
-            a = self.config.ewma_alpha
-            self._drain_per_s = (
-                rate if self._drain_per_s is None else self._drain_per_s + a * (rate - self._drain_per_s)
-            )
+    def observe_admit(self, now: float, submitted_at: float | None = None) -> None:
+        """One request started: update the drain rate (admissions per second).
+
+        The drain rate is how fast a backlog empties, so each admission counts the time since the
+        previous one or since it was submitted, whichever is later: a request that found no queue
+        started at once and says nothing about a slow queue (the gap between two waves of
+        requests is not a stalled queue). The rate is the admissions' count over the time they took,
+        not an average of inverse gaps, so a step that admits sixteen at once and then pauses a
+        frame gives sixteen per frame."""
+        starts = [t for t in (self._last_admit_at, submitted_at) if t is not None]
+        if starts:
+            start = max(starts)
+            # Decayed sums over about the last `_DRAIN_MEMORY` admissions: their count over the
+            # time they took.
+            keep = 1.0 - 1.0 / self._DRAIN_MEMORY
+            self._drain_busy_s = self._drain_busy_s * keep + max(now - start, 0.0)
+            self._drain_count = self._drain_count * keep + 1.0
         self._last_admit_at = now
 
-    def drain_per_s(self, now: float) -> float | None:
-        """Admissions per second, decayed while none happen (a stalled queue drains at 0)."""
-        if self._drain_per_s is None or self._last_admit_at is None:
+    def drain_per_s(self, now: float, waiting_since: float | None = None) -> float | None:
+        """Admissions per second; while a request waits (`waiting_since`: when the oldest waiting
+        one was submitted) and none started for longer than the mean gap, the rate decays (a
+        stalled queue drains at 0). None: nothing measured yet."""
+        if self._drain_count == 0:
             return None
-        idle = now - self._last_admit_at
-        return min(self._drain_per_s, 1.0 / idle) if idle > 0 else self._drain_per_s
+        gap = max(self._drain_busy_s / self._drain_count, 1e-4)
+        if waiting_since is not None:
+            stalled = now - max(waiting_since, self._last_admit_at or waiting_since)
+            gap = max(gap, stalled)
+        return 1.0 / gap
 
-    def predicted_wait_s(self, queue_position: int, now: float) -> float | None:
+    def predicted_wait_s(
+        self, queue_position: int, now: float, waiting_since: float | None = None
+    ) -> float | None:
         """Seconds until a request at `queue_position` (0 = next) starts; None when unknown."""
-        rate = self.drain_per_s(now)
+        rate = self.drain_per_s(now, waiting_since)
         if rate is None or rate <= 0:
             return None
         return (queue_position + 1) / rate
 
-    def retry_after_s(self, queue_len: int, now: float) -> int:
+    def retry_after_s(self, queue_len: int, now: float, waiting_since: float | None = None) -> int:
         """Whole seconds after which a refused request should retry (the queue's drain time)."""
-        wait = self.predicted_wait_s(queue_len, now)
+        wait = self.predicted_wait_s(queue_len, now, waiting_since)
         if wait is None:
             wait = self.config.first_audio_budget_s or 1.0
         return max(1, min(60, math.ceil(wait)))

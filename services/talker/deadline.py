@@ -367,7 +367,7 @@ class DeadlineScheduler:
         waits = []
         queued = len(self.waiting) + ahead
         if queued:
-            rate_wait = adm.predicted_wait_s(queued, now)
+            rate_wait = adm.predicted_wait_s(queued, now, self._waiting_since())
             if rate_wait is not None:
                 waits.append(rate_wait)
         cap = adm.capacity(self._mean_stream_s())
@@ -415,7 +415,11 @@ class DeadlineScheduler:
     def _retry_after(self, now: float, ahead: int = 0) -> int | None:
         if self.admission is None:
             return None
-        return self.admission.retry_after_s(len(self.waiting) + ahead, now)
+        return self.admission.retry_after_s(len(self.waiting) + ahead, now, self._waiting_since())
+
+    def _waiting_since(self) -> float | None:
+        """When the oldest waiting request was submitted (None: none waits)."""
+        return self.waiting[0].submitted_at if self.waiting else None
 
     # -- planning -------------------------------------------------------------------------------
     def plan(self, now: float) -> StepPlan:
@@ -599,7 +603,7 @@ class DeadlineScheduler:
             self.running[req.request_id] = req
             plan.admitted.append(req)
             if adm is not None:
-                adm.observe_admit(now)
+                adm.observe_admit(now, req.submitted_at)
 
     def _behind(self, now: float) -> tuple[int, int]:
         """(streams whose listener ran dry, streams with audio)."""

@@ -52,7 +52,7 @@ _PROCESS_FAMILIES = ("process_", "python_")
 
 # Prompts built before one wait for the prompt stream: enough for a burst, few enough that the
 # first of them is not held long behind the last.
-MAX_BUILD_BATCH = 32
+MAX_BUILD_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -346,7 +346,7 @@ class _EngineWorker:
 
     # Calls, run on the prompt thread in arrival order.
     def _build_queued(self) -> None:
-        """Build every queued prompt (at most `MAX_BUILD_BATCH`), then wait for the prompt stream
+        """Build the queued prompts (at most `MAX_BUILD_BATCH`), then wait for the prompt stream
         once and answer them: one wait for the GPU per batch, not per prompt, as a burst arrives."""
         batch = []
         while self._builds and len(batch) < MAX_BUILD_BATCH:

@@ -247,6 +247,39 @@ def test_a_queue_that_cannot_drain_in_time_refuses_new_requests_at_once():
     assert err.value.retry_after_s == 2
 
 
+def test_the_pause_between_two_waves_is_not_a_stalled_queue():
+    # A closed loop: a wave drains at two a second, then every stream runs and nobody waits for
+    # 8 s. The next wave's first request must not be refused for the 8 s without admissions.
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    for t in (0.5, 1.0, 1.5):  # each waited since 0.0: a backlog draining at two a second
+        adm.observe_admit(t, submitted_at=0.0)
+    assert adm.drain_per_s(9.0) == pytest.approx(2.0)
+    s.submit(req("next-wave"), now=9.0)  # first in line: about 0.5 s
+    assert s.predicted_wait_s(9.0) == pytest.approx(1.0)  # the second in line
+    # A queue that does stall still decays: nothing started for 3 s while one waits.
+    assert adm.drain_per_s(12.0, waiting_since=9.0) == pytest.approx(1 / 3)
+    with pytest.raises(ResourceExhausted, match="first-audio budget"):
+        s.submit(req("behind-a-stall"), now=12.0)
+
+
+def test_the_drain_rate_averages_the_gaps_of_bursty_admissions():
+    # Sixteen start in one step, then the next step comes a frame later: 200 a second, not the
+    # thousands that averaging the inverse gaps gave.
+    adm = Admission()
+    t = 0.0
+    for _ in range(20):
+        for k in range(16):
+            adm.observe_admit(t + k * 1e-5, submitted_at=0.0)
+        t += 0.08
+    assert adm.drain_per_s(t) == pytest.approx(200.0, rel=0.15)
+    # Requests that found no queue start at once whatever the gap since the last admission.
+    fresh = Admission()
+    fresh.observe_admit(0.0, submitted_at=0.0)
+    fresh.observe_admit(5.0, submitted_at=5.0)
+    assert fresh.predicted_wait_s(0, 5.1) < 0.01
+
+
 def steady_load(n: int, frames: int, positions: int, spread_s: float) -> list[tuple[float, int, int]]:
     return [(spread_s * i / n, frames, positions) for i in range(n)]
 
