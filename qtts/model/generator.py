@@ -23,26 +23,14 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from qtts.model.prompt import TalkerPrompt
 from qtts.model.sampling import SamplingParams, choose_codebook0, choose_residual_batch, make_generator
+from qtts.model.step_output import SAMPLING_FAILED, StepOutput
 from qtts.model.text_feed import TextFeed
 
-# The finish reason of a row whose sampling broke (non-finite scores: a sampling setting far
-# outside the API's ranges, or a broken prompt); only that row ends, its batch goes on.
-SAMPLING_FAILED = "sampling_failed"
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    # The frame's 16 codes on the CPU, None on the EOS step: a LongTensor[16] from EagerGenerator, an
-    # int16 ndarray[16] (a row of the step's one host array) from the GraphEngine.
-    codes: torch.Tensor | np.ndarray | None
-    finished: bool
-    finish_reason: str | None = None  # None | "stop" | "length" | "frame_cap" | SAMPLING_FAILED
+__all__ = ["SAMPLING_FAILED", "EagerGenerator", "StepOutput"]
 
 
 @dataclass
