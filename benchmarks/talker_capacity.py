@@ -39,6 +39,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,10 @@ class LevelRun:
 
     target: int
     next_id: int = 0
+    # Requests waiting for a free slot, as the deadline scheduler holds them (the engine has no
+    # queue: `add` takes a slot at once). Each level holds at most a slot per request, so none
+    # waits unless a slot is still taken when its replacement arrives.
+    waiting: deque = field(default_factory=deque)
     last_frame_s: dict[str, float] = field(default_factory=dict)
     initial: set[str] = field(default_factory=set)
     started_initial: set[str] = field(default_factory=set)
@@ -128,7 +133,8 @@ def run_level(
         prompt = prompts[run.next_id % len(prompts)]
         run.next_id += 1
         sampling = SamplingParams(greedy=args.greedy, seed=run.next_id, min_new_tokens=length)
-        eng.add(rid, prompt, sampling, length)
+        run.waiting.append((rid, prompt, sampling, length))
+        _admit(eng, run)
         return rid
 
     for i in range(n):  # staggered lengths: departures (and so arrivals) spread over the frames
@@ -137,6 +143,7 @@ def run_level(
     warm_steps = since_started = 0
     limit = args.max_warmup_steps
     while True:
+        _admit(eng, run)
         counter.reset()
         t0 = time.perf_counter()
         outs = eng.step()
@@ -153,14 +160,15 @@ def run_level(
             # start-up backlog as this level's prefill traffic and its requests as missing streams.
             if len(run.started_initial) == n:
                 since_started += 1
-                settled = prefill_backlog(eng) <= eng.scheduler.max_prefill_tokens
+                settled = prefill_backlog(eng, run) <= eng.scheduler.max_prefill_tokens
                 if settled or since_started >= frames:
                     measuring = True
             if warm_steps >= limit:
                 measuring = True
         elif len(run.step_ms) >= args.measure_steps:
             break
-    for rid in list(eng.scheduler.running) + [s.request_id for s in eng.scheduler.waiting]:
+    run.waiting.clear()
+    for rid in list(eng.scheduler.running):
         eng.cancel(rid)
     return summarize(run, warm_steps, args)
 
@@ -172,7 +180,7 @@ def _record_step(
     run.step_ms.append(step_ms)
     run.running_per_step.append(running)
     run.prefill_per_step.append(counter.positions)
-    run.waiting_per_step.append(len(eng.scheduler.waiting))
+    run.waiting_per_step.append(len(run.waiting))
     run.prefilling_per_step.append(
         sum(s.status is SeqStatus.PREFILLING for s in eng.scheduler.running.values())
     )
@@ -204,7 +212,13 @@ def _take_outputs(
             run.arrivals += int(measuring)
 
 
-def prefill_backlog(eng: GraphEngine) -> int:
+def _admit(eng: GraphEngine, run: LevelRun) -> None:
+    """Start the waiting requests while the engine has a free slot."""
+    while run.waiting and eng.num_free_slots:
+        eng.add(*run.waiting.popleft())
+
+
+def prefill_backlog(eng: GraphEngine, run: LevelRun) -> int:
     """Prompt positions still to prefill: admitted requests' remainders plus the waiting prompts."""
     sched = eng.scheduler
     pending = sum(
@@ -212,7 +226,7 @@ def prefill_backlog(eng: GraphEngine) -> int:
         for s in sched.running.values()
         if s.status is SeqStatus.PREFILLING
     )
-    return pending + sum(s.num_prefill_positions for s in sched.waiting)
+    return pending + sum(int(prompt.embeds.shape[0]) - 1 for _, prompt, _, _ in run.waiting)
 
 
 class PrefillCounter:

@@ -4,5 +4,6 @@ work is in `model_runner`. See docs/engine.md."""
 
 from qtts.engine.engine import GraphEngine, GraphEngineConfig
 from qtts.engine.model_runner import RunnerConfig
+from qtts.engine.slot_scheduler import NoFreeSlot
 
-__all__ = ["GraphEngine", "GraphEngineConfig", "RunnerConfig"]
+__all__ = ["GraphEngine", "GraphEngineConfig", "NoFreeSlot", "RunnerConfig"]

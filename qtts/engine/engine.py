@@ -1,7 +1,13 @@
-"""GraphEngine: the talker's continuous-batching engine (same public interface as EagerGenerator).
+"""GraphEngine: runs the slot scheduler's plans on the GPU (same public interface as EagerGenerator).
 
-`step()` is: plan (scheduler), move / load / prefill KV (runner), one batched frame for every
-running stream (runner: one CUDA graph replay on the GPU), then retire finished streams.
+Layers: the deadline scheduler (services/talker/deadline.py) decides who waits, runs and steps;
+the slot scheduler (slot_scheduler.py) which slot, prefill chunk and decode row each stream gets
+and which ones finish; this engine only runs a plan, on the model runner. `add` takes a slot at
+once (the deadline scheduler adds only while one is free), so nothing waits here.
+
+`step()` is: plan = scheduler.schedule(); run it (KV moves, cached prefixes, prefill chunks,
+decode state of the prompts done, one batched frame for every running stream: one CUDA graph
+replay); outputs = scheduler.postprocess(), which retires the streams that finished.
 
 Streams whose text is still arriving (an open `TextFeed` on the prompt) get their new trailing
 embeddings copied into their slot before the step, and sit the step out while the text for their
@@ -20,8 +26,8 @@ import torch
 from qtts.engine.kv_slots import DenseSlotTable
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.sequence import SeqStatus, Sequence
-from qtts.engine.slot_scheduler import SlotScheduler
-from qtts.model.generator import SAMPLING_FAILED, StepOutput
+from qtts.engine.slot_scheduler import SlotPlan, SlotScheduler
+from qtts.model.step_output import StepOutput
 from qtts.request.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -62,7 +68,7 @@ class GraphEngine:
     # -- public API (docs/interfaces.md, EagerGenerator) ------------------------------------------
     @property
     def num_active(self) -> int:
-        """Requests admitted and not finished (running or waiting for their prefill)."""
+        """Requests added and not finished (running, or their prompt still prefilling)."""
         return self.scheduler.num_active
 
     @property
@@ -71,7 +77,14 @@ class GraphEngine:
 
     @property
     def max_batch(self) -> int:
+        """KV slots: the most requests added at once (may be below the configured `max_batch`
+        when GPU memory holds fewer)."""
         return self.runner.num_slots
+
+    @property
+    def num_free_slots(self) -> int:
+        """Requests `add` can take now."""
+        return self.scheduler.num_free
 
     @property
     def max_text_positions(self) -> int:
@@ -88,8 +101,10 @@ class GraphEngine:
         prefix_key: str | None = None,
         prefix_len: int | None = None,
     ) -> None:
-        """Queue a request. `prefix_key`/`prefix_len` (or the prompt's attributes of those names)
-        name the leading prompt positions that depend only on the voice, for the prefix cache."""
+        """Start a request in a free KV slot (it prefills from the next step on; with every slot
+        taken this raises `NoFreeSlot`: the caller admits only while one is free).
+        `prefix_key`/`prefix_len` (or the prompt's attributes of those names) name the leading
+        prompt positions that depend only on the voice, for the prefix cache."""
         if self.scheduler.get(request_id) is not None:
             raise ValueError(f"request {request_id!r} is already running")
         if max_new_frames is not None and max_new_frames < 1:
@@ -182,14 +197,33 @@ class GraphEngine:
     def step(
         self, skip: frozenset[str] | set[str] | tuple = (), prefill_budget: int | None = None
     ) -> list[StepOutput]:
-        """Admit and prefill (within `prefill_budget` prompt positions, at most the configured
-        budget), then one frame for every running request not in `skip` (streams without
-        downstream credit, or paused ahead of their listener, keep their state and wait)."""
+        """Prefill the added prompts (within `prefill_budget` prompt positions, at most the
+        configured budget), then one frame for every running request not in `skip` (streams
+        without downstream credit, or paused ahead of their listener, keep their state and wait)."""
         sched, runner = self.scheduler, self.runner
+        # Schedule: slot moves, cached prefixes and prefill chunks.
         cache = runner.prefix_cache
         plan = sched.schedule(
             (lambda s: cache.lookup(s.prefix_key)) if cache is not None else None, prefill_budget
         )
+        # Run: the plan's KV work, then one batched frame for the decode rows.
+        self._run_prefill(plan)
+        if self._open_text:
+            skip = frozenset(skip) | self._take_text()
+        rows = sched.decode_rows(plan, frozenset(skip))
+        if not rows:
+            return []
+        ctx = max(s.next_position for s in rows) + 1
+        codes = runner.decode(plan.num_rows, [s.slot for s in rows], ctx)
+        # Postprocess: the scheduler reads the step's one int16 host array and retires the
+        # streams that finished.
+        return sched.postprocess(rows, codes.to(torch.int16).numpy(), runner.eos_id)
+
+    def _run_prefill(self, plan: SlotPlan) -> None:
+        """The plan's KV work before the frame: slot moves, cached prefixes, prefill chunks (and
+        the prefixes they complete into the cache), decode state of the prompts now done."""
+        sched, runner = self.scheduler, self.runner
+        cache = runner.prefix_cache
         runner.apply_moves(plan.moves)
         if plan.prefix_hits:
             runner.load_prefixes(plan.prefix_hits)
@@ -207,14 +241,6 @@ class GraphEngine:
         runner.start(plan.started)
         for seq in plan.started:
             seq.num_trailing = int(seq.prompt.trailing.shape[0]) if seq.prompt.trailing is not None else 0
-        if self._open_text:
-            skip = frozenset(skip) | self._take_text()
-        rows = sched.decode_rows(plan, frozenset(skip))
-        if not rows:
-            return []
-        ctx = max(s.next_position for s in rows) + 1
-        codes = runner.decode(plan.num_rows, [s.slot for s in rows], ctx)
-        return self._postprocess(rows, codes)
 
     def _take_text(self) -> set[str]:
         """Copy the open feeds' new text into their slots; the ids of streams still waiting for
@@ -248,29 +274,3 @@ class GraphEngine:
             elif seq.waiting_for_text:
                 waiting.add(rid)
         return waiting
-
-    def _postprocess(self, rows: list[Sequence], codes: torch.Tensor) -> list[StepOutput]:
-        eos = self.runner.eos_id
-        # One int16 host array per step; each output holds a row view of it (per-row tensor clones
-        # cost the engine thread milliseconds a step at hundreds of streams, contending for the GIL).
-        host = codes.to(torch.int16).numpy()
-        c0 = host[:, 0].tolist()
-        broken = (host < 0).any(axis=1).tolist()  # sampler.INVALID_ID: this row's scores broke
-        outputs: list[StepOutput] = []
-        # Finishing a stream moves another into its slot: read every row by its slot at decode time.
-        for seq, slot in [(s, s.slot) for s in rows]:
-            if broken[slot]:
-                outputs.append(StepOutput(seq.request_id, None, True, SAMPLING_FAILED))
-                self.scheduler.finish(seq, SAMPLING_FAILED)
-                continue
-            if c0[slot] == eos:
-                outputs.append(StepOutput(seq.request_id, None, True, "stop"))
-                self.scheduler.finish(seq, "stop")
-                continue
-            seq.num_frames += 1
-            if seq.num_frames >= seq.max_frames:
-                outputs.append(StepOutput(seq.request_id, host[slot], True, seq.cap_reason))
-                self.scheduler.finish(seq, seq.cap_reason)
-            else:
-                outputs.append(StepOutput(seq.request_id, host[slot], False, None))
-        return outputs

@@ -8,7 +8,7 @@ from typing import Any
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"  # queued, no KV slot yet
+    WAITING = "waiting"  # made, not yet added to the slot scheduler (no KV slot)
     PREFILLING = "prefilling"  # owns a slot, prompt KV partly written
     RUNNING = "running"  # prompt in KV, produces one frame per step
     FINISHED = "finished"

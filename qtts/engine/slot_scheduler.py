@@ -1,22 +1,34 @@
-"""Which sequences prefill and which produce a frame in the next engine step (pure Python).
+"""Slot scheduler: which KV slot, prefill chunk and decode row each admitted stream gets, and
+which streams finish, step by step (pure Python, no torch).
 
-The scheduler owns the waiting queue and the dense slot table. Each step it
+Layers: the deadline scheduler (services/talker/deadline.py) decides who waits, who runs and
+who steps when, by playback deadline, and is the only queue: it adds a request here only while a
+slot is free (`add` with every slot taken is an error, `NoFreeSlot`). This module owns the dense
+slot table of the streams it was given; the engine (engine.py) runs its plans on the GPU.
+
+Each step the slot scheduler
 1. hands back the slot moves left by sequences that finished or were cancelled,
-2. admits waiting sequences in arrival order while a slot is free, and
-3. spends a per-step prefill budget (prompt positions) on admitted sequences, oldest first, so a
-   burst of new streams delays running ones by at most one budget's worth of prefill,
-4. lists the rows of the decode batch: every occupied slot, active unless it is still
-   prefilling or its stream asked to be skipped (no credit downstream).
+2. spends a per-step prefill budget (prompt positions) on the admitted sequences, oldest first,
+   so a burst of new streams delays running ones by at most one budget's worth of prefill,
+3. lists the rows of the decode batch: every occupied slot, active unless it is still
+   prefilling or its stream asked to be skipped (no credit downstream), and
+4. once the batch's frame is on the host, decides which rows finish (end of speech, broken
+   sampling, frame cap) and frees their slots (`postprocess`).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from qtts.engine.kv_slots import DenseSlotTable, SlotMove
 from qtts.engine.sequence import SeqStatus, Sequence
+from qtts.model.step_output import SAMPLING_FAILED, StepOutput
+
+
+class NoFreeSlot(RuntimeError):
+    """`SlotScheduler.add` with every slot taken: the caller admits only while one is free."""
 
 
 @dataclass(frozen=True)
@@ -58,53 +70,65 @@ class SlotPlan:
 
 
 class SlotScheduler:
-    """Admission, chunked prefill budget and the decode batch over dense KV slots."""
+    """Dense KV slots, chunked prefill budget, the decode batch and finishing."""
 
     def __init__(self, slots: DenseSlotTable, max_prefill_tokens: int) -> None:
         if max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         self.slots = slots
         self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}  # by request id; PREFILLING or RUNNING
+        self.running: dict[str, Sequence] = {}  # by request id, in admission order; PREFILLING or RUNNING
+        # Added since the last plan: their prefix is looked up, and their slot holds nothing of
+        # theirs yet (a move into it copies nothing).
+        self._added: dict[str, Sequence] = {}
         self._pending_moves: list[KVMove] = []
 
-    # -- queue -----------------------------------------------------------------------------
+    # -- streams ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Give `seq` a slot now; it prefills from the next plan on. Raises `ValueError` when it
+        can never fit a slot, `NoFreeSlot` when every slot is taken (nothing waits here)."""
         if not self.slots.fits(seq.max_positions):
             raise ValueError(
                 f"request {seq.request_id!r} needs {seq.max_positions} KV positions, a slot holds "
                 f"{self.slots.max_len}"
             )
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if self.slots.num_free == 0:
+            raise NoFreeSlot(
+                f"request {seq.request_id!r}: all {self.slots.num_slots} KV slots are taken (the "
+                "deadline scheduler admits a request only while the engine has a free slot)"
+            )
+        seq.slot = self.slots.allocate(seq.request_id)
+        seq.status = SeqStatus.PREFILLING
+        self.running[seq.request_id] = seq
+        self._added[seq.request_id] = seq
 
     def get(self, request_id: str) -> Sequence | None:
-        seq = self.running.get(request_id)
-        if seq is not None:
-            return seq
-        return next((s for s in self.waiting if s.request_id == request_id), None)
+        return self.running.get(request_id)
+
+    @property
+    def num_free(self) -> int:
+        """Slots a new request can take now."""
+        return self.slots.num_free
 
     @property
     def num_active(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.running)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (stop, length, frame cap or cancel) and free its slot."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        if seq.request_id in self.running:
-            del self.running[seq.request_id]
+        if self.running.pop(seq.request_id, None) is not None:
+            if self._added:
+                self._added.pop(seq.request_id, None)
             self._release(seq)
-        else:
-            self.waiting = deque(s for s in self.waiting if s is not seq)
 
     def cancel(self, request_id: str) -> Sequence | None:
-        seq = self.get(request_id)
+        seq = self.running.get(request_id)
         if seq is not None:
             self.finish(seq, "cancelled")
         return seq
@@ -128,20 +152,21 @@ class SlotScheduler:
         `prefill_budget` lowers this step's prefill budget (the caller's deadline slack)."""
         moves = compose_moves(self._pending_moves, self.slots.num_used)
         self._pending_moves = []
+        added, self._added = self._added, {}
+        # A sequence added since the last plan has nothing in its slot yet: moving it copies nothing
+        # (and the slot it left may hold the KV of one that finished there).
+        owners = [(m, self.slots.owner(m.dst)) for m in moves]
         plan = SlotPlan(
             moves=[
-                KVMove(m.src, m.dst, self.running[self.slots.owner(m.dst)].num_kv_positions) for m in moves
+                KVMove(m.src, m.dst, self.running[o].num_kv_positions) for m, o in owners if o not in added
             ]
         )
-        while self.waiting and self.slots.num_free > 0:
-            seq = self.waiting.popleft()
-            seq.slot = self.slots.allocate(seq.request_id)
-            seq.status = SeqStatus.PREFILLING
-            self.running[seq.request_id] = seq
-            hit = prefix_lookup(seq) if (prefix_lookup is not None and seq.prefix_key is not None) else 0
-            if hit > 0:
-                seq.num_prefilled = min(hit, seq.num_prefill_positions)
-                plan.prefix_hits.append(seq)
+        if prefix_lookup is not None:
+            for seq in added.values():
+                hit = prefix_lookup(seq) if seq.prefix_key is not None else 0
+                if hit > 0:
+                    seq.num_prefilled = min(hit, seq.num_prefill_positions)
+                    plan.prefix_hits.append(seq)
         # A budget of 0: no prefill this step (the caller holds new prompts back to batch them).
         budget = (
             self.max_prefill_tokens
@@ -178,6 +203,37 @@ class SlotScheduler:
         rows.sort(key=lambda s: s.slot)
         plan.decode = rows
         return rows
+
+    def postprocess(self, rows: list[Sequence], host: Any, eos_id: int) -> list[StepOutput]:
+        """Finish the step: each decode row's output, and the rows that end here leave.
+
+        `host` is the step's frame as one int16 host array [num_rows, num_codebooks] (row i is
+        slot i; a negative code is the sampler's INVALID_ID: that row's scores broke). A row ends
+        on a broken sampling (SAMPLING_FAILED, no codes), on end of speech (codebook 0 is
+        `eos_id`: "stop", no codes) or at its frame bound (its `cap_reason`, with the frame).
+        Each output with codes holds a row view of `host`: one host array per step, no per-row
+        copies (they cost the engine thread milliseconds a step at hundreds of streams).
+        """
+        c0 = host[:, 0].tolist()
+        broken = (host < 0).any(axis=1).tolist()
+        outputs: list[StepOutput] = []
+        # Finishing a stream moves another into its slot: read every row by its slot at decode time.
+        for seq, slot in [(s, s.slot) for s in rows]:
+            if broken[slot]:
+                outputs.append(StepOutput(seq.request_id, None, True, SAMPLING_FAILED))
+                self.finish(seq, SAMPLING_FAILED)
+                continue
+            if c0[slot] == eos_id:
+                outputs.append(StepOutput(seq.request_id, None, True, "stop"))
+                self.finish(seq, "stop")
+                continue
+            seq.num_frames += 1
+            if seq.num_frames >= seq.max_frames:
+                outputs.append(StepOutput(seq.request_id, host[slot], True, seq.cap_reason))
+                self.finish(seq, seq.cap_reason)
+            else:
+                outputs.append(StepOutput(seq.request_id, host[slot], False, None))
+        return outputs
 
 
 def compose_moves(moves: list[KVMove], num_used: int) -> list[KVMove]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
 
-from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
+from qtts.engine import GraphEngine, GraphEngineConfig, NoFreeSlot, RunnerConfig
 from qtts.model import SamplingParams
 from qtts.request.errors import InvalidArgument
 from tests.qtts.engine.tiny_talker import make_prompt, run_alone
@@ -74,12 +76,16 @@ def test_mixed_batch_joining_and_leaving_equals_requests_run_alone(tiny_bundle, 
 
     eng = engine(tiny_bundle, **runner_kw)  # 4 slots for 8 requests: some wait, slots get reused
     got: dict[str, list] = {}
+    waiting: deque = deque()  # the caller's queue (the deadline scheduler's): the engine has none
     step = 0
-    skipped = False
-    while step < 200 and (eng.has_work or any(j >= step for *_, j in REQUESTS)):
+    skipped = waited = False
+    while step < 200 and (eng.has_work or waiting or any(j >= step for *_, j in REQUESTS)):
         for i, (*_, new_frames, _, join) in enumerate(REQUESTS):
             if join == step:
-                eng.add(f"r{i}", prompts[i], GREEDY, new_frames)
+                waiting.append((f"r{i}", prompts[i], GREEDY, new_frames))
+        while waiting and eng.num_free_slots:
+            eng.add(*waiting.popleft())
+        waited |= bool(waiting)
         # A stream without credit skips a few steps: it must resume exactly where it was.
         skip = {"r1"} if 2 <= step < 4 else set()
         for out in eng.step(skip=skip):
@@ -87,7 +93,7 @@ def test_mixed_batch_joining_and_leaving_equals_requests_run_alone(tiny_bundle, 
             skipped |= step >= 4 and out.request_id == "r1"  # it did resume
             got.setdefault(out.request_id, []).append(out)
         step += 1
-    assert skipped and not eng.has_work and eng.num_active == 0 and eng.runner.num_slots == 4
+    assert skipped and waited and not eng.has_work and eng.num_active == 0 and eng.runner.num_slots == 4
     for rid in want:
         assert same_outputs(got[rid], want[rid]), rid
 
@@ -99,12 +105,14 @@ def test_cancel_mid_generation_frees_the_slot_for_others(tiny_bundle):
     got: dict[str, list] = {}
     eng.add("a", prompts[0], GREEDY, 5)
     eng.add("b", prompts[1], GREEDY, 5)
-    eng.add("c", prompts[2], GREEDY, 5)
+    with pytest.raises(NoFreeSlot):  # no slot yet: the caller keeps it waiting
+        eng.add("c", prompts[2], GREEDY, 5)
+    assert eng.num_active == 2 and eng.num_free_slots == 0
     for _ in range(2):
         for o in eng.step():
             got.setdefault(o.request_id, []).append(o)
-    assert "c" not in got  # no slot yet
     assert eng.cancel("a") and not eng.cancel("a") and not eng.cancel("nope")
+    eng.add("c", prompts[2], GREEDY, 5)
     while eng.has_work:
         for o in eng.step():
             got.setdefault(o.request_id, []).append(o)

@@ -1,15 +1,18 @@
-"""SlotScheduler: admission over dense slots, chunked prefill budget, skip, cancel, move composition."""
+"""SlotScheduler: slots taken at add (no queue), chunked prefill budget, skip, cancel, move
+composition, and finishing decided in `postprocess`."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from qtts.engine.kv_slots import DenseSlotTable
 from qtts.engine.sequence import SeqStatus, Sequence
-from qtts.engine.slot_scheduler import KVMove, SlotScheduler, compose_moves
+from qtts.engine.slot_scheduler import KVMove, NoFreeSlot, SlotScheduler, compose_moves
+from qtts.model.step_output import SAMPLING_FAILED
 
 
 def seq(rid: str, prompt_len: int, max_frames: int = 10, prefix_key: str | None = None) -> Sequence:
@@ -33,15 +36,22 @@ def run_prefill(s: SlotScheduler, skip=frozenset(), lookup=None):
     return plan
 
 
-def test_admits_while_slots_free_then_waits():
+def test_add_takes_a_slot_at_once_and_a_full_table_is_an_error():
     s = SlotScheduler(DenseSlotTable(num_slots=2, max_len=64), max_prefill_tokens=1000)
-    for i in range(3):
-        s.add(seq(f"r{i}", 5))
+    s.add(seq("r0", 5))
+    s.add(seq("r1", 5))
+    assert [s.get(r).slot for r in ("r0", "r1")] == [0, 1] and s.num_free == 0 and s.num_active == 2
+    assert s.get("r0").status is SeqStatus.PREFILLING
+    with pytest.raises(NoFreeSlot, match="all 2 KV slots are taken"):
+        s.add(seq("r2", 5))
+    assert s.get("r2") is None and s.num_active == 2  # nothing waits in the slot scheduler
     plan = run_prefill(s)
     assert [c.seq.request_id for c in plan.prefills] == ["r0", "r1"]
     assert [q.request_id for q in plan.started] == ["r0", "r1"]
     assert [q.request_id for q in plan.decode] == ["r0", "r1"] and plan.num_rows == 2
-    assert [q.request_id for q in s.waiting] == ["r2"] and s.num_active == 3
+    s.cancel("r0")
+    s.add(seq("r2", 5))  # the freed slot is taken at once
+    assert s.get("r2").slot == 1 and s.get("r1").slot == 0
 
 
 def test_prefill_budget_chunks_long_prompts_and_leaves_last_position_to_decode():
@@ -80,14 +90,45 @@ def test_cancel_frees_slot_and_next_plan_carries_the_move():
     assert s.get("c").slot == 0 and s.get("b").slot == 1
 
 
-def test_cancel_waiting_request_and_too_long_request():
-    s = SlotScheduler(DenseSlotTable(num_slots=1, max_len=16), max_prefill_tokens=100)
+def test_cancel_before_the_first_plan_and_too_long_request():
+    s = SlotScheduler(DenseSlotTable(num_slots=2, max_len=16), max_prefill_tokens=100)
     s.add(seq("a", 3))
     s.add(seq("b", 3))
-    run_prefill(s)
-    assert s.cancel("b") is not None and not s.waiting
+    assert s.cancel("a") is not None  # b moves into slot 0 before anything of it was written
+    plan = run_prefill(s)
+    assert plan.moves == [] and s.get("b").slot == 0 and [c.seq.request_id for c in plan.prefills] == ["b"]
     with pytest.raises(ValueError):
         s.add(seq("c", 10, max_frames=10))
+    assert s.num_free == 1
+
+
+def test_a_sequence_added_after_frees_is_moved_without_copies():
+    # Frees leave moves for the next plan; a sequence added meanwhile can take (and move into) a
+    # slot whose old KV belongs to a sequence that left: copying it would be wasted (or wrong).
+    s = SlotScheduler(DenseSlotTable(num_slots=4, max_len=64), max_prefill_tokens=100)
+    for r in "abcd":
+        s.add(seq(r, 5))
+    run_prefill(s)
+    s.cancel("a")  # d: 3 -> 0
+    s.cancel("b")  # c: 2 -> 1
+    s.cancel("c")  # the last one: no move
+    s.add(seq("e", 5))  # slot 1, where c's KV still is
+    s.cancel("d")  # e: 1 -> 0
+    s.add(seq("f", 5))  # slot 1
+    plan = run_prefill(s)
+    assert plan.moves == []
+    assert (s.get("e").slot, s.get("f").slot) == (0, 1)
+    assert [c.seq.request_id for c in plan.prefills] == ["e", "f"]
+    # A running sequence's move is still planned when a new one takes the slot it left.
+    s2 = SlotScheduler(DenseSlotTable(num_slots=3, max_len=64), max_prefill_tokens=100)
+    for r in "xy":
+        s2.add(seq(r, 5))
+    run_prefill(s2)
+    s2.get("y").num_frames = 3
+    s2.cancel("x")  # y: 1 -> 0
+    s2.add(seq("z", 5))  # slot 1, y's old slot: y's KV is copied before z's prefill writes there
+    plan = run_prefill(s2)
+    assert plan.moves == [KVMove(src=1, dst=0, num_positions=4 + 3)] and s2.get("z").slot == 1
 
 
 def test_prefix_lookup_skips_cached_positions():
@@ -142,3 +183,58 @@ def test_move_length_counts_frames_recorded_after_the_free():
     b.num_frames += 1
     plan = run_prefill(s)
     assert plan.moves == [KVMove(src=1, dst=0, num_positions=4 + 1)]
+
+
+EOS = 99
+
+
+def running(num_slots: int, frames: dict[str, int]) -> SlotScheduler:
+    """A scheduler with one running sequence per entry of `frames` (request id: frame bound)."""
+    s = SlotScheduler(DenseSlotTable(num_slots=num_slots, max_len=64), max_prefill_tokens=100)
+    for rid, max_frames in frames.items():
+        s.add(seq(rid, 5, max_frames=max_frames))
+    run_prefill(s)
+    return s
+
+
+def test_postprocess_decides_stop_sampling_failed_and_frame_bound():
+    s = running(4, {"stop": 10, "broken": 10, "cap": 1, "go": 10})
+    s.get("cap").cap_reason = "frame_cap"
+    seqs = dict(s.running)
+    rows = s.decode_rows(s.schedule())
+    host = np.arange(4 * 3, dtype=np.int16).reshape(4, 3)  # row i is slot i
+    host[0, 0] = EOS  # end of speech
+    host[1, 2] = -1  # the sampler's INVALID_ID
+    outs = s.postprocess(rows, host, EOS)
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [
+        ("stop", True, "stop"),
+        ("broken", True, SAMPLING_FAILED),
+        ("cap", True, "frame_cap"),
+        ("go", False, None),
+    ]
+    assert outs[0].codes is None and outs[1].codes is None
+    # The rows with a frame hold views of the one host array, read by the slot at decode time.
+    assert np.shares_memory(outs[2].codes, host) and outs[2].codes.tolist() == [6, 7, 8]
+    assert np.shares_memory(outs[3].codes, host) and outs[3].codes.tolist() == [9, 10, 11]
+    assert (s.get("go").num_frames, s.get("go").slot) == (1, 0)  # moved into a freed slot
+    assert s.num_active == 1 and s.num_free == 3
+    assert [seqs[r].finish_reason for r in ("stop", "broken", "cap")] == [
+        "stop",
+        SAMPLING_FAILED,
+        "frame_cap",
+    ]
+    assert all(s.get(r) is None and seqs[r].status is SeqStatus.FINISHED for r in ("stop", "broken", "cap"))
+    assert s.schedule().moves == [KVMove(src=3, dst=0, num_positions=4 + 1)]
+
+
+def test_postprocess_counts_frames_up_to_the_bound_then_frees_the_slot():
+    s = running(2, {"a": 3, "b": 10})
+    a = s.get("a")
+    reasons = []
+    for _ in range(3):
+        rows = s.decode_rows(s.schedule())
+        outs = s.postprocess(rows, np.zeros((2, 4), dtype=np.int16), EOS)
+        reasons.append([(o.request_id, o.finish_reason) for o in outs if o.finished])
+    assert reasons == [[], [], [("a", "length")]]
+    assert a.num_frames == 3 and a.finish_reason == "length" and a.slot == -1
+    assert s.get("a") is None and s.get("b").num_frames == 3 and s.num_free == 1
