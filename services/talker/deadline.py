@@ -1,5 +1,11 @@
 """Which requests run, which wait, and which step next, by playback deadline: pure bookkeeping.
 
+Layers: this deadline scheduler is the one queue a request waits in, and decides who runs and who
+steps when; the generator's slot scheduler (qtts/engine/slot_scheduler.py) only places the
+streams it is given in KV slots, prefill chunks and decode rows, and the engine
+(qtts/engine/engine.py) runs that on the GPU. It starts at most `max_batch` streams at once: the
+generator's slot count (`GenerationLoop` checks), so a started request always finds a slot.
+
 Every running stream carries a playback clock: its listener starts playing when the first chunk
 is handed on, so from then on the stream owes one frame (80 ms of audio) per 80 ms of wall time.
 Two numbers come from it:

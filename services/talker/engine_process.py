@@ -192,7 +192,7 @@ class _EngineWorker:
             self._stream = torch.cuda.Stream(device=device)
         self.metrics = engine_metrics()
         self.loop = GenerationLoop(
-            generator, scheduler_for(self.config), self.metrics, device_failure=self._fatal
+            generator, scheduler_for(self.config, generator), self.metrics, device_failure=self._fatal
         )
         self.loop.start()
         fingerprint = getattr(bundle, "voice_encoder_fingerprint", None)

@@ -1,5 +1,9 @@
 """The generation loop: one dedicated thread drives the batched generator, never the asyncio loop.
 
+Layers: it owns no scheduling of its own. The `DeadlineScheduler` (deadline.py) decides who
+waits, runs and steps; the generator (the GraphEngine, qtts/engine/engine.py, or the eager
+`EagerGenerator`) places and runs what it is given. This loop carries one to the other.
+
 The asyncio side submits requests and cancellations; the thread asks the `DeadlineScheduler` for
 each step's plan (requests to start or refuse, streams to skip, the prefill budget, or how long to
 sleep), runs it on the generator, and hands the streams' frames to their sinks a chunk at a time:
@@ -28,9 +32,11 @@ log = logging.getLogger(__name__)
 
 
 class BatchGenerator(Protocol):
-    """What the engine needs of `qtts.model.EagerGenerator`."""
+    """What the engine needs of `qtts.model.EagerGenerator`: `add` with at most `max_batch`
+    requests in it (the scheduler starts no more), `cancel`, `step`."""
 
     num_active: int
+    max_batch: int
 
     def add(self, request_id: str, prompt: Any, sampling: Any, max_new_frames: int | None = None) -> None: ...
 
@@ -158,6 +164,12 @@ class GenerationLoop:
         clock: Callable[[], float] = time.perf_counter,
         device_failure: Callable[[BaseException], bool] | None = None,
     ):
+        slots = getattr(generator, "max_batch", None)
+        if isinstance(slots, int) and scheduler.max_batch > slots:
+            # The generator has no queue of its own: every request started must find a slot.
+            raise ValueError(
+                f"the scheduler starts up to {scheduler.max_batch} streams, the generator holds {slots}"
+            )
         self._clock = clock
         # Reports a fatal device error (qtts.serving.device_failure) and says whether it was one.
         self._device_failure = device_failure

@@ -79,9 +79,18 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
     return {"eager": eager, "graph": graph}[config.engine]
 
 
-def scheduler_for(config: TalkerConfig) -> DeadlineScheduler:
-    """The playback-deadline scheduler and admission the flags describe."""
+def scheduler_for(config: TalkerConfig, generator: Any = None) -> DeadlineScheduler:
+    """The playback-deadline scheduler and admission the flags describe, starting at most as many
+    streams as `generator` has slots (its `max_batch`: the GraphEngine's KV slots, fewer than
+    `--max-batch` when GPU memory holds fewer), so every stream it starts finds a slot."""
     c = config
+    max_batch = c.max_batch
+    slots = getattr(generator, "max_batch", None)
+    if isinstance(slots, int) and slots < max_batch:
+        log.warning(
+            "the generator holds %d streams (--max-batch %d): starting at most %d", slots, max_batch, slots
+        )
+        max_batch = slots
     admission = Admission(
         AdmissionConfig(
             max_duty=c.admission_max_duty,
@@ -97,7 +106,7 @@ def scheduler_for(config: TalkerConfig) -> DeadlineScheduler:
         min_prefill_positions=min(DeadlinePolicy.min_prefill_positions, c.max_prefill_tokens),
         max_prefill_positions=c.max_prefill_tokens,
     )
-    return DeadlineScheduler(c.max_batch, c.max_queue, admission=admission, policy=policy)
+    return DeadlineScheduler(max_batch, c.max_queue, admission=admission, policy=policy)
 
 
 class TalkerServer:
@@ -227,7 +236,10 @@ class TalkerServer:
             # Before the engine thread exists: the generator is only ever driven by one thread.
             await asyncio.to_thread(warm_up, self.bundle, generator)
         self.engine = GenerationLoop(
-            generator, scheduler_for(self.config), self.metrics, device_failure=self.device_failure.check
+            generator,
+            scheduler_for(self.config, generator),
+            self.metrics,
+            device_failure=self.device_failure.check,
         )
         self.engine.start()
 

@@ -190,3 +190,68 @@ def test_a_request_the_generator_refuses_fails_with_its_own_error():
     assert isinstance(broken, Failed) and isinstance(broken.error, GenerationFailed)
     assert "CUDA error" in broken.error.message
     assert isinstance(fine, Finished)
+
+
+def test_the_scheduler_starts_no_more_streams_than_the_generator_has_slots():
+    from types import SimpleNamespace
+
+    from services.talker.config import TalkerConfig
+    from services.talker.server import scheduler_for
+
+    metrics = TalkerMetrics(CollectorRegistry())
+    with pytest.raises(ValueError, match="starts up to 4 streams, the generator holds 2"):
+        GenerationLoop(FakeGenerator(max_batch=2), DeadlineScheduler(max_batch=4, max_waiting=4), metrics)
+    # Fewer KV slots than --max-batch (GPU memory): the scheduler starts at most as many.
+    config = TalkerConfig(max_batch=64)
+    assert scheduler_for(config, SimpleNamespace(max_batch=40)).max_batch == 40
+    assert scheduler_for(config, SimpleNamespace(max_batch=128)).max_batch == 64
+    assert scheduler_for(config).max_batch == 64
+
+
+def test_more_requests_than_graph_engine_slots_wait_in_the_deadline_scheduler(tiny_talker_bundle):
+    """The GraphEngine has no queue (`add` with every slot taken raises NoFreeSlot): under the
+    generation loop, requests beyond its slots wait in the deadline scheduler and all finish."""
+    from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
+    from qtts.model import SamplingParams
+    from tests.qtts.engine.tiny_talker import make_prompt
+
+    bundle = tiny_talker_bundle("base")
+    runner = RunnerConfig(max_batch=2, max_len=96, max_trailing=16)
+    eng = GraphEngine(bundle, config=GraphEngineConfig(runner=runner))
+    added: list[int] = []  # requests in the engine after each add
+    add = eng.add
+
+    def counting_add(*args, **kwargs):
+        add(*args, **kwargs)
+        added.append(eng.num_active)
+
+    eng.add = counting_add
+    metrics = TalkerMetrics(CollectorRegistry())
+    loop = GenerationLoop(
+        eng, DeadlineScheduler(max_batch=eng.max_batch, max_waiting=8), metrics, idle_wait_s=0.05
+    )
+    events: queue.Queue = queue.Queue()
+    sampling = SamplingParams(greedy=True, min_new_tokens=100)  # never stops by itself: runs to its bound
+    names = [f"r{i}" for i in range(5)]
+    loop.start()
+    try:
+        for i, rid in enumerate(names):
+            credit = StreamCredit(window=1000, granted_until=1000)
+            prompt = make_prompt(bundle, 10 + i, 2, seed=i)
+            req = ScheduledRequest(
+                rid, prompt, sampling, 3 + i, credit, lambda ev, rid=rid: events.put((rid, ev))
+            )
+            loop.submit(req)
+        ends = {}
+        deadline = time.monotonic() + 60
+        while len(ends) < len(names):
+            rid, ev = events.get(timeout=max(0.01, deadline - time.monotonic()))
+            assert not isinstance(ev, Failed), (rid, ev)
+            if isinstance(ev, Finished):
+                ends[rid] = ev
+    finally:
+        loop.stop()
+    assert {rid: (e.reason, e.num_frames) for rid, e in ends.items()} == {
+        rid: ("length", 3 + i) for i, rid in enumerate(names)
+    }
+    assert len(added) == 5 and max(added) == 2 and eng.num_active == 0
