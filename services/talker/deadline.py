@@ -67,6 +67,12 @@ class DeadlinePolicy:
     # as it came made every step a slow one under a steady stream of arrivals. 0: no waiting.
     coalesce_s: float = 0.12
     coalesce_rows: int = 8
+    # The wait is for throughput, which only a busy engine needs: it scales from none at a
+    # predicted engine load (admission.Admission.load) of `coalesce_from_load` to all of
+    # `coalesce_s` at `coalesce_full_load`, so a lightly loaded server starts audio at once.
+    # coalesce_full_load 0: always the whole wait.
+    coalesce_from_load: float = 0.3
+    coalesce_full_load: float = 0.6
     # Steps for streams that are due but not short start at most this often, so the streams
     # that fall under the lead bound meanwhile join one wide step instead of many narrow ones
     # (each step costs about 5 ms whatever its width). Streams with less than `critical_s`
@@ -84,6 +90,8 @@ class DeadlinePolicy:
             raise ValueError("min_step_interval_s and critical_s must be >= 0")
         if self.coalesce_s < 0 or self.coalesce_rows < 1:
             raise ValueError("coalesce_s must be >= 0 and coalesce_rows >= 1")
+        if self.coalesce_full_load > 0 and not 0 <= self.coalesce_from_load < self.coalesce_full_load:
+            raise ValueError("coalesce loads must satisfy 0 <= coalesce_from_load < coalesce_full_load")
 
 
 @dataclass
@@ -537,12 +545,26 @@ class DeadlineScheduler:
     def _coalesce_until(self, prefilling: list[ScheduledRequest], playing: int, now: float) -> float | None:
         """Until when the prompts waiting for their prefill wait for more to join them (None:
         prefill now). Nothing waits while no stream plays (an idle server starts at once), once
-        a full batch of prompts is there, or past `coalesce_s` from the oldest one's admission."""
+        a full batch of prompts is there, or past the wait from the oldest one's admission: up to
+        `coalesce_s`, scaled by how loaded the engine is (`_coalesce_share`)."""
         pol = self.policy
         if pol.coalesce_s <= 0 or playing == 0 or len(prefilling) >= pol.coalesce_rows:
             return None
-        until = min(r.admitted_at for r in prefilling) + pol.coalesce_s
+        wait = pol.coalesce_s * self._coalesce_share()
+        if wait <= 0:
+            return None
+        until = min(r.admitted_at for r in prefilling) + wait
         return until if now < until else None
+
+    def _coalesce_share(self) -> float:
+        """The share of `coalesce_s` new prompts wait: 0 up to `coalesce_from_load` of predicted
+        engine load with the running streams, 1 from `coalesce_full_load` on (1 without a model)."""
+        pol, adm = self.policy, self.admission
+        if pol.coalesce_full_load <= 0 or adm is None:
+            return 1.0
+        load = adm.load(len(self.running), self._mean_stream_s())
+        share = (load - pol.coalesce_from_load) / (pol.coalesce_full_load - pol.coalesce_from_load)
+        return min(1.0, max(0.0, share))
 
     @staticmethod
     def _waits_for_text(req: ScheduledRequest, now: float) -> bool:

@@ -159,7 +159,7 @@ def test_new_prompts_wait_for_company_while_streams_play_and_go_at_once_on_an_id
         10,
         100,
         admission=Admission(AdmissionConfig(first_audio_budget_s=0)),
-        policy=DeadlinePolicy(coalesce_s=0.1, coalesce_rows=3),
+        policy=DeadlinePolicy(coalesce_s=0.1, coalesce_rows=3, coalesce_full_load=0),
     )
     s.submit(req("first", positions=50), now=0.0)
     plan = s.plan(0.0)
@@ -183,6 +183,45 @@ def test_new_prompts_wait_for_company_while_streams_play_and_go_at_once_on_an_id
         s.submit(req(rid, positions=40), now=1.01)
     plan = s.plan(1.01)  # a full batch (3) does not wait
     assert plan.step and plan.prefill_budget >= 120
+
+
+def test_new_prompts_wait_for_company_only_as_long_as_the_engine_load_asks():
+    # Priors: a step of n streams 4.7 ms + 20 us * n, a prefill 10 ms, streams of 10 s. One
+    # stream playing is a light load (about 7%): a new prompt is prefilled at once. With the
+    # per-stream cost raised so that the running streams load the engine about 80%, it waits the
+    # whole 100 ms for company; in between, part of it.
+    def scheduler() -> DeadlineScheduler:
+        return DeadlineScheduler(
+            100,
+            100,
+            admission=Admission(AdmissionConfig(first_audio_budget_s=0, max_load=0, max_duty=0)),
+            policy=DeadlinePolicy(coalesce_s=0.1, coalesce_rows=8),
+        )
+
+    light = scheduler()
+    light.submit(req("first", positions=50), now=0.0)
+    light.plan(0.0)
+    started(light, "first", first_audio_at=0.0, generated=8)
+    light.submit(req("a", positions=40), now=0.5)
+    assert light.plan(0.5).prefill_budget >= 40  # no wait
+
+    for per_stream_s, wait_s in ((0.0016, 0.1), (0.0007025, 0.053)):
+        busy = scheduler()
+        busy.admission.model.per_stream_s = per_stream_s
+        for k in range(40):
+            busy.submit(req(f"r{k}", positions=10), now=0.0)
+        while busy.num_waiting:
+            busy.plan(0.0)
+        busy.plan(0.0)
+        for k in range(40):
+            started(busy, f"r{k}", first_audio_at=0.0, generated=8)
+        # The load with the newcomer running too: 41 streams.
+        load = (0.0047 + 41 * per_stream_s) / 0.08 + 41 * 0.01 / 10
+        assert (load > 0.6) if wait_s == 0.1 else (0.3 < load < 0.6)
+        busy.submit(req("late", positions=40), now=0.5)
+        assert busy.plan(0.5).prefill_budget == 0  # waits for company
+        assert busy.plan(0.5 + wait_s - 0.005).prefill_budget == 0
+        assert busy.plan(0.5 + wait_s + 0.005).prefill_budget >= 40, (load, wait_s)
 
 
 def test_admission_holds_while_too_many_streams_are_short_of_audio():
@@ -409,7 +448,7 @@ def test_a_minimum_step_interval_makes_fewer_wider_steps_without_gaps():
             10_000,
             10_000,
             admission=Admission(AdmissionConfig(first_audio_budget_s=0, max_load=0)),
-            policy=DeadlinePolicy(min_step_interval_s=interval, critical_s=0.15),
+            policy=DeadlinePolicy(min_step_interval_s=interval, critical_s=0.15, coalesce_full_load=0),
         )
         steps = counting_steps(s)
         done = [
