@@ -1,5 +1,5 @@
 """tts.v1 enums <-> the task and finish-reason names the services use internally (one table,
-shared by the gateway and the talker, like `qtts.request.sampling_overrides` for the sampling fields)."""
+shared by the gateway and the talker, like `qtts.request.sampling_pb` for the sampling fields)."""
 
 from __future__ import annotations
 
