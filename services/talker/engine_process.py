@@ -14,7 +14,8 @@ process of the host):
   `("reply", id, ok, value)`; `("submit", request_id, prompt_key, sampling, max_new_frames,
   window)`, `("cancel", request_id)`, `("drop", prompt_key)`, `("grant", request_id, until,
   plan)`, `("clock", request_id, first_audio_at, delivered_s, restarted)`, `("wake",)`,
-  `("stop_admitting",)`, `("stop",)`;
+  `("stop_admitting",)`, `("stop",)`; grants and clocks of one event-loop turn go together as
+  `("batch", [message, ...])`;
 - engine -> front: `("ready", EngineFacts)` or `("start_failed", message)`, `("events",
   [(request_id, event), ...])` once per step, `("reply", ...)`, `("device_failed", message)`.
 
@@ -24,6 +25,7 @@ frames as host rows for code2wav, its token count).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import itertools
@@ -279,6 +281,10 @@ class _EngineWorker:
                 if restarted:
                     req.clock_restart = False
                     self._pipe_loop.restarts_told.discard(rid)
+        elif kind == "batch":
+            (messages,) = args
+            for message in messages:
+                self._apply(message[0], message[1:])
         elif kind == "wake":
             self.loop.text_appended()
         elif kind == "stop_admitting":
@@ -484,6 +490,7 @@ class EngineClient:
         self._run_warm_up = run_warm_up
         self._on_lost = on_lost
         self._send_lock = threading.Lock()
+        self._deferred: list[tuple] = []  # grants and clocks sent together at the loop turn's end
         self._ids = itertools.count(1)
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._requests: dict[str, Any] = {}  # request id -> the front's ScheduledRequest
@@ -557,10 +564,10 @@ class EngineClient:
         if req.chunk_plan is not None and req.request_id not in self._plan_sent:
             self._plan_sent.add(req.request_id)
             plan = req.chunk_plan
-        self._send_quietly(("grant", req.request_id, frames_allowed_until, plan))
+        self._defer(("grant", req.request_id, frames_allowed_until, plan))
 
     def clock_changed(self, req: Any, restarted: bool) -> None:
-        self._send_quietly(("clock", req.request_id, req.first_audio_at, req.delivered_s, restarted))
+        self._defer(("clock", req.request_id, req.first_audio_at, req.delivered_s, restarted))
 
     def release_prompt(self, prompt: Any) -> None:
         key = getattr(prompt, "key", None)
@@ -611,16 +618,38 @@ class EngineClient:
             return []
 
     # -- transport ----------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple | None) -> None:
+        """Send `message` (None: only the deferred ones), after the deferred messages before it."""
         if self._lost is not None or self._cmd is None:
             raise Unavailable(f"the talker's engine is not running: {self._lost or 'not started'}")
         try:
             with self._send_lock:
-                self._cmd.send(message)
+                if self._deferred:
+                    batch, self._deferred = self._deferred, []
+                    self._cmd.send(("batch", batch))
+                if message is not None:
+                    self._cmd.send(message)
         except (OSError, ValueError) as exc:
             raise Unavailable(f"the talker's engine process is gone: {exc}") from exc
 
-    def _send_quietly(self, message: tuple) -> None:
+    def _defer(self, message: tuple) -> None:
+        """Send `message` with the others of this event-loop turn, as one pipe message: credit
+        grants and playback clocks come for hundreds of streams a second, and each message costs
+        the engine process's threads a receive and an unpickle under their GIL. Off an event loop
+        it goes at once; any message sent directly goes after the deferred ones."""
+        if self._lost is not None:
+            return  # every stream fails with the engine: its grants go nowhere
+        with self._send_lock:
+            self._deferred.append(message)
+            first = len(self._deferred) == 1
+        if not first:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self._send_quietly, None)
+        except RuntimeError:  # no event loop in this thread
+            self._send_quietly(None)
+
+    def _send_quietly(self, message: tuple | None) -> None:
         """For messages whose loss the stream notices otherwise (its Failed event)."""
         try:
             self._send(message)

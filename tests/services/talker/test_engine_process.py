@@ -288,3 +288,41 @@ async def test_prompts_queued_together_are_each_answered(tiny_snapshot, tiny_tal
         for r in results:
             if r is not None:
                 engine.release_prompt(r)
+
+
+async def test_grants_and_clocks_of_one_loop_turn_cross_the_pipe_together():
+    from types import SimpleNamespace
+
+    from services.talker.deadline import StreamCredit
+    from services.talker.engine_process import EngineClient
+
+    sent: list[tuple] = []
+    client = EngineClient(config=None)
+    client._cmd = SimpleNamespace(send=sent.append)
+    reqs = [
+        SimpleNamespace(
+            request_id=f"r{i}",
+            credit=StreamCredit(window=8),
+            chunk_plan=None,
+            first_audio_at=1.0,
+            delivered_s=0.5,
+        )
+        for i in range(3)
+    ]
+    for r in reqs:
+        client.grant(r, 16)
+    client.clock_changed(reqs[0], False)
+    assert sent == []  # not before the loop turn ends
+    await asyncio.sleep(0)
+    assert sent == [
+        ("batch", [("grant", f"r{i}", 16, None) for i in range(3)] + [("clock", "r0", 1.0, 0.5, False)])
+    ]
+    assert reqs[1].credit.granted_until == 16
+    # A message sent directly goes after the deferred ones, in one order.
+    sent.clear()
+    client.grant(reqs[2], 24)
+    client.cancel("unknown")  # not submitted: nothing to send
+    client.text_appended()
+    assert sent == [("batch", [("grant", "r2", 24, None)]), ("wake",)]
+    await asyncio.sleep(0)
+    assert len(sent) == 2  # the scheduled flush finds nothing left
