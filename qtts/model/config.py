@@ -81,7 +81,7 @@ class PredictorConfig:
 
 
 @dataclass(frozen=True)
-class TalkerConfig:
+class TalkerModelConfig:
     """The talker LM: decoder shape, vocabularies and the codec control ids."""
 
     decoder: DecoderConfig
@@ -103,7 +103,7 @@ class TalkerConfig:
     hidden_act: str = "silu"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TalkerConfig:
+    def from_dict(cls, d: dict[str, Any]) -> TalkerModelConfig:
         groups = int(d["num_code_groups"])
         act = d.get("hidden_act", "silu")
         if act != "silu":
@@ -143,7 +143,7 @@ class ModelConfig:
     """The whole `config.json` of a Qwen3-TTS snapshot."""
 
     raw: dict[str, Any]
-    talker: TalkerConfig
+    talker: TalkerModelConfig
     speaker_encoder: dict[str, Any]
     tts_model_type: str
     tts_model_size: str
@@ -158,7 +158,7 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         return cls(
             raw=d,
-            talker=TalkerConfig.from_dict(d["talker_config"]),
+            talker=TalkerModelConfig.from_dict(d["talker_config"]),
             speaker_encoder=dict(d.get("speaker_encoder_config") or {}),
             tts_model_type=str(d["tts_model_type"]),
             tts_model_size=str(d.get("tts_model_size") or ""),

@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qtts.model.config import TalkerConfig
+from qtts.model.config import TalkerModelConfig
 from qtts.model.layers import DecoderStack, KVCache
 
 
 class TalkerBackbone(DecoderStack):
     """Decoder stack plus the two input embedding tables (names as in `talker.model.*`)."""
 
-    def __init__(self, cfg: TalkerConfig):
+    def __init__(self, cfg: TalkerModelConfig):
         super().__init__(cfg.decoder)
         self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.decoder.hidden_size)
         self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
@@ -38,7 +38,7 @@ class TextProjection(nn.Module):
 class Talker(nn.Module):
     """Talker LM (weights under `talker.*` except `talker.code_predictor.*`)."""
 
-    def __init__(self, cfg: TalkerConfig):
+    def __init__(self, cfg: TalkerModelConfig):
         super().__init__()
         self.cfg = cfg
         self.model = TalkerBackbone(cfg)

@@ -22,11 +22,11 @@ from qtts.request.errors import GenerationFailed, InvalidArgument, Unavailable, 
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 from qtts.serving.metrics import GatewayMetrics
 
-from .admission import Admission
 from .auth import current_owner, scoped_voice_name
 from .client_identity import current_client
 from .instructions import apply_instructions_policy
 from .job import ModelCatalog, SpeechFields, SynthesisJob
+from .stream_limits import StreamLimits
 from .validation import RequestLimits, build_job, named_field
 
 Event = AudioPiece | SynthesisSummary
@@ -152,7 +152,7 @@ class GatewayCore:
         talker: TalkerAPI,
         catalog: Callable[[], ModelCatalog | None],
         limits: RequestLimits,
-        admission: Admission,
+        admission: StreamLimits,
         metrics: GatewayMetrics,
         decode: Callable[[bytes], object] = decode_reference,
         unsupported_instructions: str = "reject",

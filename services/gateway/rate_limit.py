@@ -1,7 +1,7 @@
 """Per-client request rate: a token bucket per client key (API key, else address).
 
-Admission bounds what a client holds at once (concurrent streams); this bounds how often it may
-ask, so a client cannot keep the gateway busy with a flood of cheap or refused requests either.
+`StreamLimits` (stream_limits.py) bounds what a client holds at once (concurrent streams); this
+bounds how often it may ask, so a client cannot keep the gateway busy with a flood of cheap or refused requests either.
 Each client may send `burst` requests at once and `rate_per_s` a second after that; one more is a
 429 with `Retry-After` (HTTP) or RESOURCE_EXHAUSTED with `retry-after` / `grpc-retry-pushback-ms`
 (gRPC), answered before the request body is read or the call's request is looked at.

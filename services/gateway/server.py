@@ -25,7 +25,6 @@ from qtts.serving.metrics import GatewayMetrics
 from qtts.serving.tls import TlsConfig, aio_channel
 from qtts.serving.tracing import TracingMiddleware
 
-from .admission import Admission
 from .auth import ApiKeyInterceptor, ApiKeys, load_api_keys
 from .config import GatewayConfig
 from .consents import ConsentStore
@@ -40,6 +39,7 @@ from .reference_cache import DecodedReferenceCache
 from .request_id import RequestIdMiddleware
 from .stage_health import StageHealth
 from .status import StatusReporter
+from .stream_limits import StreamLimits
 from .talker_client import TalkerClient
 from .talker_pool import DnsResolver, TalkerPool
 from .validation import RequestLimits
@@ -151,7 +151,7 @@ class GatewayServer:
             self.talker,
             lambda: self.catalog,
             limits,
-            Admission(config.max_streams, config.max_streams_per_client),
+            StreamLimits(config.max_streams, config.max_streams_per_client),
             self.metrics,
             decode=self.reference_cache if self.reference_cache is not None else decode,
             unsupported_instructions=config.unsupported_instructions,

@@ -34,7 +34,7 @@ class StoredVoiceRecord:
 
 
 @dataclass(frozen=True)
-class PromptRecord:
+class VoicePromptArrays:
     """A computed voice prompt in transport form (numpy, no torch)."""
 
     model_id: str
@@ -99,7 +99,7 @@ class SpeakerCacheClient:
             x_vector_only=v.x_vector_only,
         )
 
-    async def get_prompt(self, key: str) -> PromptRecord | None:
+    async def get_prompt(self, key: str) -> VoicePromptArrays | None:
         try:
             resp = await self._require().GetVoicePrompt(
                 speaker_cache_pb2.GetVoicePromptRequest(key=key),
@@ -118,7 +118,7 @@ class SpeakerCacheClient:
                 .reshape(p.num_reference_frames, p.num_codebooks)
                 .copy()
             )
-        return PromptRecord(
+        return VoicePromptArrays(
             model_id=p.model_id,
             x_vector=np.frombuffer(p.x_vector_f32, dtype="<f4").copy(),
             ref_codes=codes,
@@ -126,7 +126,7 @@ class SpeakerCacheClient:
             x_vector_only=p.x_vector_only,
         )
 
-    async def put_prompt(self, key: str, record: PromptRecord) -> None:
+    async def put_prompt(self, key: str, record: VoicePromptArrays) -> None:
         prompt = speaker_cache_pb2.VoicePrompt(
             model_id=record.model_id,
             x_vector_f32=np.ascontiguousarray(record.x_vector, dtype="<f4").tobytes(),

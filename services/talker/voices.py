@@ -18,19 +18,19 @@ from qtts.request.errors import InvalidArgument, Unavailable
 from qtts.streams.voice_key import voice_prompt_key
 
 from .request import GenerationRequest
-from .speaker_cache_client import PromptRecord, SpeakerCacheClient, SpeakerCacheUnreachable
+from .speaker_cache_client import SpeakerCacheClient, SpeakerCacheUnreachable, VoicePromptArrays
 
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 
 
-def prompt_to_record(prompt: Any, model_id: str) -> PromptRecord:
+def prompt_to_record(prompt: Any, model_id: str) -> VoicePromptArrays:
     """`qtts.model.VoicePrompt` -> transport record."""
     codes = None
     if prompt.ref_codes is not None:
         codes = prompt.ref_codes.detach().to("cpu").numpy().astype(np.int16)
-    return PromptRecord(
+    return VoicePromptArrays(
         model_id=model_id,
         x_vector=prompt.x_vector.detach().to("cpu").float().numpy().reshape(-1),
         ref_codes=codes,
@@ -39,7 +39,7 @@ def prompt_to_record(prompt: Any, model_id: str) -> PromptRecord:
     )
 
 
-def record_to_prompt(record: PromptRecord) -> Any:
+def record_to_prompt(record: VoicePromptArrays) -> Any:
     """Transport record -> `qtts.model.VoicePrompt` (CPU tensors; the prompt builder places them)."""
     import torch
 

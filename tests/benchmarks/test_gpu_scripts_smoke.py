@@ -127,11 +127,11 @@ def test_skinny_linear_sweeps_the_real_model_shapes():
     frame step's rules name only shapes it swept."""
     from benchmarks import skinny_linear
     from qtts.engine import triton_ops
-    from qtts.model.config import TalkerConfig
+    from qtts.model.config import TalkerModelConfig
 
     with open("configs/qwen3-tts-12hz-1.7b-base/config.json") as f:
         cfg = json.load(f)
-    talker = TalkerConfig.from_dict(cfg["talker_config"])
+    talker = TalkerModelConfig.from_dict(cfg["talker_config"])
     want = set()
     for d, vocab in (
         (talker.decoder, talker.vocab_size),

@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry
 from qtts.request.errors import NotFound
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 from qtts.serving.metrics import GatewayMetrics
-from services.gateway.admission import Admission
 from services.gateway.core import GatewayCore
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.job import ModelCatalog, SynthesisJob
 from services.gateway.server import _UvicornServer
+from services.gateway.stream_limits import StreamLimits
 from services.gateway.validation import RequestLimits
 from services.gateway.voice_client import VoiceInfo
 from services.gateway.voices import VoiceService
@@ -164,7 +164,7 @@ def build_gateway(
         talker,
         lambda: catalog,
         RequestLimits(max_input_chars=200, max_new_frames_limit=100),
-        Admission(max_streams),
+        StreamLimits(max_streams),
         metrics,
         decode=fake_decode,
         unsupported_instructions=unsupported_instructions,

@@ -21,12 +21,12 @@ from prometheus_client import CollectorRegistry
 from qtts.pb import tts_pb2_grpc
 from qtts.serving.grpc_server import ErrorMappingInterceptor
 from qtts.serving.metrics import GatewayMetrics
-from services.gateway.admission import Admission
 from services.gateway.core import GatewayCore, decode_reference
 from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.http_limits import header_timeout_protocol
 from services.gateway.server import _UvicornServer
+from services.gateway.stream_limits import StreamLimits
 from services.gateway.validation import RequestLimits
 from services.gateway.voices import VoiceService
 
@@ -39,7 +39,7 @@ def corpus_gateway() -> GatewayUnderTest:
     metrics = GatewayMetrics(CollectorRegistry())
     decode = functools.partial(decode_reference, max_seconds=corpus.MAX_REF_AUDIO_SECONDS)
     limits = RequestLimits(max_ref_audio_bytes=corpus.MAX_REF_AUDIO_BYTES)
-    synth = GatewayCore(talker, lambda: BASE, limits, Admission(16), metrics, decode=decode)
+    synth = GatewayCore(talker, lambda: BASE, limits, StreamLimits(16), metrics, decode=decode)
     store = FakeVoiceStore()
     voices = VoiceService(store, decode, lambda: BASE, corpus.MAX_REF_AUDIO_BYTES)
     return GatewayUnderTest(talker, store, synth, metrics, voices)

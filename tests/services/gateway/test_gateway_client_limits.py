@@ -13,8 +13,8 @@ from test_gateway_grpc import request as grpc_request
 from test_gateway_grpc import serve_grpc
 
 from qtts.request.errors import ResourceExhausted
-from services.gateway.admission import Admission
 from services.gateway.client_identity import grpc_peer_host
+from services.gateway.stream_limits import StreamLimits
 
 REF = base64.b64encode(wav_bytes(0.2)).decode()
 GOOD = {
@@ -28,7 +28,7 @@ GOOD = {
 
 
 def test_admission_bounds_each_client_and_the_total():
-    a = Admission(3, max_per_client=2)
+    a = StreamLimits(3, max_per_client=2)
     a.admit("key:a")
     a.admit("key:a")
     with pytest.raises(ResourceExhausted) as info:
@@ -49,7 +49,7 @@ def test_grpc_peer_host():
 
 async def test_one_key_cannot_take_every_slot_over_http():
     gw = build_gateway(max_streams=8, frames=20, chunk=1, delay_s=0.05)
-    gw.synth.admission = Admission(8, max_per_client=2)
+    gw.synth.admission = StreamLimits(8, max_per_client=2)
     async with serve_http(gw) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
         hog = {"authorization": "Bearer key-a"}
         held = [asyncio.create_task(c.post("/v1/audio/speech", json=GOOD, headers=hog)) for _ in range(2)]
@@ -68,7 +68,7 @@ async def test_one_key_cannot_take_every_slot_over_http():
 
 async def test_grpc_refusal_carries_retry_after_and_pushback():
     gw = build_gateway(max_streams=8, frames=20, chunk=1, delay_s=0.05)
-    gw.synth.admission = Admission(8, max_per_client=1)
+    gw.synth.admission = StreamLimits(8, max_per_client=1)
     async with serve_grpc(gw) as stub:
         first = stub.Synthesize(grpc_request())
         await first.read()

@@ -1,4 +1,4 @@
-"""Admission control: a bound on concurrent synthesis streams, in all and per client, rejecting
+"""Stream limits: a bound on concurrent synthesis streams, in all and per client, rejecting
 (not queueing) beyond it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from qtts.request.errors import ResourceExhausted
 RETRY_AFTER_S = 1
 
 
-class Admission:
+class StreamLimits:
     """Counts admitted streams; `admit()` fails at once when `max_streams` are in progress, or
     when `client` already holds `max_per_client` of them (0: no per-client bound).
 
