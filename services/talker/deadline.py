@@ -634,7 +634,10 @@ class DeadlineScheduler:
                 adm.observe_admit(now, req.submitted_at)
 
     def _behind(self, now: float) -> tuple[int, int]:
-        """(streams whose listener ran dry, streams with audio)."""
+        """(streams whose listener ran dry, streams with audio). A pass over the running streams,
+        once per plan and only while requests wait: it runs before the plan's own pass, whose
+        admitted streams must be in the running set, and a count kept from the previous plan
+        would admit on a step-old view of the listeners."""
         behind = mature = 0
         for req in self.running.values():
             if req.clock_running and not req.text_waiting:
