@@ -12,6 +12,8 @@
 #           GPUs). Carry: .whl .whl_av
 #   gaps:   float32 graph-vs-eager greedy agreement per bucket, talker-alone capacity, then the
 #           stack sweep (one fresh machine, the same day). Carry: .whl .whl_av
+#   session: the talker-alone capacity, then the closed-loop and the open-loop stack sweeps, each
+#           stack fresh, in one call (CONCURRENCY, RATES, OPEN_DURATION, MPS). Carry: .whl
 #   decode: code2wav decode engine (both precisions). Carry: .whl
 #
 # Usage on the device machine, from the repository root (OUT defaults to $OUT, else run/h200):
@@ -37,7 +39,7 @@
 # e.g. CLIENT_PROCESSES=4 with GATEWAY_REPLICAS=1 and 2 to tell the gateway from the client.
 # Without a GPU, `python -m benchmarks.relay_capacity run` measures the gateway and client alone.
 set -uo pipefail
-MODE="${1:?talker, stack, gaps, replicas or decode}"
+MODE="${1:?talker, stack, gaps, replicas, session or decode}"
 OUT="${OUT:-run/h200}"
 mkdir -p "$OUT"
 RES="$(mktemp -d)/results"
@@ -45,6 +47,12 @@ mkdir -p "$RES"
 REV="${REVISION:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 export PYTHONUNBUFFERED=1 REVISION="$REV"
 echo "revision $REV" >"$RES/revision.txt"
+# The services' flags of every stack below (override with TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS).
+TALKER="${TALKER_ARGS:---engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512}"
+CODE2WAV="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024 --max-batch 256}"
+CODE2WAV_NO_BATCH="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024}"
+GATEWAY="${GATEWAY_ARGS:---max-streams 1024}"
+PREFILL_BUCKETS="--prefill-buckets 64,128,192,256,320,384,448,512"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$RES/revision.txt" 2>&1
 
 install() {  # $1: wheel folder, $2: target
@@ -53,7 +61,7 @@ install() {  # $1: wheel folder, $2: target
 
 pack() {
     tar -czf "$OUT/results.tar.gz" -C "$(dirname "$RES")" results
-    for f in "$RES"/*.log "$RES"/stack/*.md "$RES"/replicas-*/*.md; do
+    for f in "$RES"/*.log "$RES"/stack/*.md "$RES"/open/*.md "$RES"/replicas-*/*.md; do
         [[ "$f" == */stack.log ]] && continue  # progress bars only; results.md has the table
         [[ -f "$f" ]] && { echo "== $f"; tail -n 30 "$f"; }
     done
@@ -70,7 +78,7 @@ talker)
         --out "$RES/prefix_kv.json" >"$RES/prefix_kv.log" 2>&1
     # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags
     timeout 160 python3 -m benchmarks.talker_capacity --streams 1024,1280,1536 \
-        --measure-steps 120 ${CAPACITY_ARGS:---prefill-buckets 64,128,192,256,320,384,448,512} \
+        --measure-steps 120 ${CAPACITY_ARGS:-$PREFILL_BUCKETS} \
         --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1
     install .whl_ref /tmp/qwen_ref
     PYTHONPATH=/tmp/qwen_ref:/tmp/site:. timeout 110 python3 -m benchmarks.official_baseline \
@@ -88,9 +96,9 @@ stack)
     # shellcheck disable=SC2086  # CLIENT_ARGS is a list of flags
     PYTHON=python3 FIXED_LENGTH="${FIXED_LENGTH-1}" CONCURRENCY="${CONCURRENCY:-1 64 256 512}" \
         NUM_REQUESTS="${NUM_REQUESTS:-16}" ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-330}" \
-        TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512}" \
-        CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024 --max-batch 256}" \
-        GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
+        TALKER_ARGS="$TALKER" \
+        CODE2WAV_ARGS="$CODE2WAV" \
+        GATEWAY_ARGS="$GATEWAY" \
         timeout "${STACK_TIMEOUT:-570}" benchmarks/launch_gpu_stack.sh "$RES/stack" -- ${CLIENT_ARGS:-} \
         >"$RES/stack.log" 2>&1
     ;;
@@ -105,13 +113,13 @@ gaps)
         >"$RES/talker_fp32_agreement.log" 2>&1
     # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags
     timeout "${CAPACITY_TIMEOUT:-140}" python3 -m benchmarks.talker_capacity --streams "${CAPACITY_STREAMS:-768,1024}" \
-        --measure-steps 100 ${CAPACITY_ARGS:---prefill-buckets 64,128,192,256,320,384,448,512} \
+        --measure-steps 100 ${CAPACITY_ARGS:-$PREFILL_BUCKETS} \
         --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1
     PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-256 512 768}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
         ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-200}" \
-        TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512}" \
-        CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024 --max-batch 256}" \
-        GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
+        TALKER_ARGS="$TALKER" \
+        CODE2WAV_ARGS="$CODE2WAV" \
+        GATEWAY_ARGS="$GATEWAY" \
         timeout "${STACK_TIMEOUT:-300}" benchmarks/launch_gpu_stack.sh "$RES/stack" >"$RES/stack.log" 2>&1
     ;;
 replicas)
@@ -121,11 +129,31 @@ replicas)
     for n in ${REPLICAS:-1 2}; do
         PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-64 256 512}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
             ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-120}" CODE2WAV_REPLICAS="$n" \
-            TALKER_ARGS="${TALKER_ARGS:---engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512}" \
-            CODE2WAV_ARGS="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf16 --max-states 1024}" \
-            GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 1024}" \
+            TALKER_ARGS="$TALKER" \
+            CODE2WAV_ARGS="$CODE2WAV_NO_BATCH" \
+            GATEWAY_ARGS="$GATEWAY" \
             timeout "${RUN_TIMEOUT:-280}" benchmarks/launch_gpu_stack.sh "$RES/replicas-$n" >"$RES/replicas-$n.log" 2>&1
     done
+    ;;
+session)
+    # One device call for a session's headline, all on this machine (under 10 minutes with the
+    # defaults): the talker-alone capacity, then the closed loop (CONCURRENCY) and the open loop
+    # (RATES, OPEN_DURATION s each, mixed 2-20 s lengths) on two fresh stacks. MPS=1 for both
+    # stacks. Carry: .whl
+    install .whl /tmp/site && { [[ ! -d .whl_av ]] || install .whl_av /tmp/site; } && export PYTHONPATH=/tmp/site:.
+    python3 -c "from qtts import pb; pb.generate(force=True)"
+    # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags
+    timeout "${CAPACITY_TIMEOUT:-130}" python3 -m benchmarks.talker_capacity --streams "${CAPACITY_STREAMS:-768,1024}" \
+        --measure-steps 100 ${CAPACITY_ARGS:-$PREFILL_BUCKETS} \
+        --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1
+    PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-512 768}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
+        ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-120}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
+        GATEWAY_ARGS="$GATEWAY" timeout "${CLOSED_TIMEOUT:-200}" benchmarks/launch_gpu_stack.sh "$RES/stack" \
+        >"$RES/stack.log" 2>&1
+    # shellcheck disable=SC2086  # RATES is a list
+    PYTHON=python3 FIXED_LENGTH= TIME_LIMIT="${TIME_LIMIT:-120}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
+        GATEWAY_ARGS="$GATEWAY" timeout "${OPEN_TIMEOUT:-210}" benchmarks/launch_gpu_stack.sh "$RES/open" -- \
+        --rate ${RATES:-20 60 80} --duration "${OPEN_DURATION:-20}" --length-dist mixed:2:20 >"$RES/open.log" 2>&1
     ;;
 decode)
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
@@ -133,7 +161,7 @@ decode)
         >"$RES/code2wav_decode.log" 2>&1
     ;;
 *)
-    echo "unknown mode $MODE (talker, stack, gaps, replicas or decode)" >&2
+    echo "unknown mode $MODE (talker, stack, gaps, replicas, session or decode)" >&2
     exit 2
     ;;
 esac
