@@ -94,11 +94,17 @@ def test_dev_runs_one_pod_per_stage_with_talker_and_code2wav_on_one_node(source,
     check_talker_addresses_every_replica(docs, None)
 
 
-def test_dev_gpu_time_slicing_config_advertises_the_gpu_twice():
-    (cm,) = yaml.safe_load_all((OVERLAYS["dev"] / "gpu-time-slicing.yaml").read_text())
+@pytest.mark.parametrize(
+    ("file", "kind"), [("gpu-time-slicing.yaml", "timeSlicing"), ("gpu-mps-sharing.yaml", "mps")]
+)
+def test_dev_gpu_sharing_configs_advertise_the_gpu_twice(file, kind):
+    (cm,) = yaml.safe_load_all((OVERLAYS["dev"] / file).read_text())
     config = yaml.safe_load(cm["data"]["any"])
-    (resource,) = config["sharing"]["timeSlicing"]["resources"]
+    assert set(config["sharing"]) == {kind}
+    (resource,) = config["sharing"][kind]["resources"]
     assert resource["name"] == GPU and resource["replicas"] >= len(GPU_STAGES)
+    # The command in the file's header points the operator at this ConfigMap.
+    assert f'"name": "{cm["metadata"]["name"]}"' in (OVERLAYS["dev"] / file).read_text()
 
 
 @pytest.mark.parametrize("source", ["helm-prod", "kustomize-prod"])
