@@ -14,16 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import VariantGateway
+from e2e_helpers import VariantGateway, running_stack, tiny_snapshot, tiny_stack_config
 
 from services.launcher import (
     Stack,
-    StackConfig,
     StartupError,
     free_port,
     gateway_spec,
     start_service,
-    start_stack,
     stop_services,
     talker_spec,
     wait_serving,
@@ -88,33 +86,14 @@ def snapshot_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("snapshots")
 
 
-def _snapshot(root: Path, model_type: str) -> Path:
-    from qtts.tiny_model import build_tiny_snapshot
-
-    path = root / f"tiny-{model_type.replace('_', '-')}"
-    if not (path / "config.json").exists():
-        build_tiny_snapshot(path, model_type)
-    return path
-
-
 @pytest.fixture(scope="session")
 def stack(redis_url, snapshot_root, tmp_path_factory) -> Stack:
     """Base model stack: speaker_cache (Redis), 2 code2wav replicas, talker, gateway."""
-    model = _snapshot(snapshot_root, "base")
-    config = StackConfig.on_free_ports(
-        code2wav_replicas=2,
-        model=str(model),
-        redis_url=redis_url,
-        startup_timeout_s=300.0,
-        drain_seconds=2.0,
-        log_dir=tmp_path_factory.mktemp("logs"),
+    config = tiny_stack_config(
+        snapshot_root, tmp_path_factory.mktemp("logs"), code2wav_replicas=2, redis_url=redis_url
     )
-    try:
-        started = start_stack(config)
-    except StartupError as exc:
-        pytest.fail(f"stack did not start: {exc}")
-    yield started
-    started.stop(grace=10.0)
+    with running_stack(config) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +103,7 @@ def variant_gateways(stack, snapshot_root) -> dict[str, VariantGateway]:
     procs, out = [], {}
     try:
         for kind in ("custom_voice", "voice_design"):
-            model = str(_snapshot(snapshot_root, kind))
+            model = str(tiny_snapshot(snapshot_root, kind))
             talker_port, talker_metrics = free_port(), free_port()
             http_port, grpc_port = free_port(), free_port()
             t = start_service(

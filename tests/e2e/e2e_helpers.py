@@ -3,18 +3,61 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import time
 import urllib.request
 import wave
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from services.launcher import Stack, StackConfig, StartupError, start_stack
 
 FRAME = 1920
 FRAME_BYTES = FRAME * 2
+
+
+def tiny_snapshot(root: Path, model_type: str = "base") -> Path:
+    """The tiny random-weight snapshot of `model_type` under `root`, built on first use (the
+    modules of one session share it)."""
+    from qtts.tiny_model import build_tiny_snapshot
+
+    path = root / f"tiny-{model_type.replace('_', '-')}"
+    if not (path / "config.json").exists():
+        build_tiny_snapshot(path, model_type)
+    return path
+
+
+def tiny_stack_config(snapshot_root: Path, log_dir: Path, **overrides: Any) -> StackConfig:
+    """A stack on free ports over the tiny Base model, one code2wav replica; `overrides` are
+    `StackConfig` fields."""
+    fields: dict[str, Any] = {
+        "code2wav_replicas": 1,
+        "model": str(tiny_snapshot(snapshot_root, "base")),
+        "startup_timeout_s": 300.0,
+        "drain_seconds": 2.0,
+        "log_dir": log_dir,
+    }
+    return StackConfig.on_free_ports(**{**fields, **overrides})
+
+
+@contextlib.contextmanager
+def running_stack(config: StackConfig) -> Iterator[Stack]:
+    """The stack of `config`, started (the test fails, loudly, if it does not) and stopped after."""
+    try:
+        started = start_stack(config)
+    except StartupError as exc:
+        pytest.fail(f"stack did not start: {exc}")
+    try:
+        yield started
+    finally:
+        started.stop(grace=10.0)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import time
 import grpc
 import httpx
 import pytest
-from e2e_helpers import FRAME_BYTES, REF_B64, REF_WAV, poll, scrape
+from e2e_helpers import FRAME_BYTES, REF_B64, REF_WAV, poll, scrape, tiny_stack_config
 from websockets.sync.client import connect
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
@@ -82,19 +82,10 @@ class Ends:
 
 @pytest.fixture(scope="module")
 def ends(snapshot_root, tmp_path_factory):
-    from qtts.tiny_model import build_tiny_snapshot
-
-    model = snapshot_root / "tiny-base"
-    if not (model / "config.json").exists():
-        build_tiny_snapshot(model, "base")
-    config = StackConfig.on_free_ports(
-        code2wav_replicas=1,
-        model=str(model),
-        startup_timeout_s=300.0,
-        drain_seconds=DRAIN_S,
-        log_dir=tmp_path_factory.mktemp("clear-ends-logs"),
+    config = tiny_stack_config(
+        snapshot_root, tmp_path_factory.mktemp("clear-ends-logs"), drain_seconds=DRAIN_S
     )
-    stack = Ends(config, str(model))
+    stack = Ends(config, config.model)
     yield stack
     stop_services(list(stack.procs.values()), 10.0)
 

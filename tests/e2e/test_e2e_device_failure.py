@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from e2e_helpers import poll
+from e2e_helpers import poll, tiny_stack_config
 
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
 from qtts.serving.device_failure import DEVICE_FAILURE_EXIT_CODE
@@ -58,20 +58,13 @@ def _faulty(spec: ServiceSpec, stage: str) -> ServiceSpec:
 
 @pytest.fixture(scope="module")
 def config(snapshot_root, tmp_path_factory) -> StackConfig:
-    from qtts.tiny_model import build_tiny_snapshot
-
-    model = snapshot_root / "tiny-base"
-    if not (model / "config.json").exists():
-        build_tiny_snapshot(model, "base")
-    return StackConfig.on_free_ports(
-        code2wav_replicas=1,
-        model=str(model),
-        startup_timeout_s=300.0,
+    return tiny_stack_config(
+        snapshot_root,
+        tmp_path_factory.mktemp("device-failure-logs"),
         drain_seconds=1.0,
         talker_metrics_port=0,
         code2wav_metrics_ports=(0,),
         speaker_cache_port=free_port(),  # nothing listens: prompts are computed in the talker
-        log_dir=tmp_path_factory.mktemp("device-failure-logs"),
     )
 
 

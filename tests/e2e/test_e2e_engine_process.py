@@ -7,10 +7,9 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from e2e_helpers import FRAME, REF_B64, REF_WAV, poll, scrape
+from e2e_helpers import FRAME, REF_B64, REF_WAV, poll, running_stack, scrape, tiny_stack_config
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from services.launcher import StackConfig, StartupError, start_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -19,26 +18,14 @@ TEXT = "A long story that the client will not wait to hear until its very end. "
 
 @pytest.fixture(scope="module")
 def process_stack(redis_url, snapshot_root, tmp_path_factory):
-    from qtts.tiny_model import build_tiny_snapshot
-
-    model = snapshot_root / "tiny-base"  # the shared stack's snapshot, built here if not yet
-    if not (model / "config.json").exists():
-        build_tiny_snapshot(model, "base")
-    config = StackConfig.on_free_ports(
-        code2wav_replicas=1,
-        model=str(model),
+    config = tiny_stack_config(
+        snapshot_root,
+        tmp_path_factory.mktemp("engine-process-logs"),
         redis_url=redis_url,
-        startup_timeout_s=300.0,
-        drain_seconds=2.0,
-        log_dir=tmp_path_factory.mktemp("engine-process-logs"),
         extra_args={"talker": ("--engine-process", "on")},
     )
-    try:
-        started = start_stack(config)
-    except StartupError as exc:
-        pytest.fail(f"stack did not start: {exc}")
-    yield started
-    started.stop(grace=10.0)
+    with running_stack(config) as started:
+        yield started
 
 
 def _talker(stack) -> dict[str, float]:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e_helpers import tiny_snapshot
 
 from services.launcher import (
     ROOT,
@@ -70,12 +71,7 @@ def ports() -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def model(snapshot_root) -> Path:
-    from qtts.tiny_model import build_tiny_snapshot
-
-    path = snapshot_root / "tiny-base"
-    if not (path / "config.json").exists():
-        build_tiny_snapshot(path, "base")
-    return path
+    return tiny_snapshot(snapshot_root, "base")
 
 
 def _start_launcher(flags: list[str]) -> subprocess.Popen:

@@ -22,12 +22,11 @@ import grpc
 import httpx
 import numpy as np
 import pytest
-from e2e_helpers import REF_TEXT, poll
+from e2e_helpers import REF_TEXT, poll, tiny_snapshot
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis_process import RedisProcess
 
 from qtts.serving.grpc_server import LIVENESS
-from qtts.tiny_model import build_tiny_snapshot
 from services.launcher import (
     Stack,
     StackConfig,
@@ -68,12 +67,8 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def outage_stack(redis_server, snapshot_root: Path, tmp_path_factory):
     """(Base stack on the AOF Redis, URL of a CustomVoice gateway sharing its code2wav)."""
-    base = snapshot_root / "tiny-base"
-    if not (base / "config.json").exists():
-        build_tiny_snapshot(base, "base")
-    custom = snapshot_root / "tiny-custom-voice"
-    if not (custom / "config.json").exists():
-        build_tiny_snapshot(custom, "custom_voice")
+    base = tiny_snapshot(snapshot_root, "base")
+    custom = tiny_snapshot(snapshot_root, "custom_voice")
     config = StackConfig.on_free_ports(
         code2wav_replicas=1,
         model=str(base),
