@@ -149,3 +149,17 @@ def test_skinny_linear_sweeps_the_real_model_shapes():
     swept = {(n, k) for _, n, k, _ in skinny_linear.SHAPES}
     assert swept == want
     assert set(triton_ops.SKINNY_RULES) <= swept
+
+
+def test_prompt_build_cost_smoke(tmp_path):
+    import json
+
+    from benchmarks import prompt_build_cost
+    from qtts.tiny_model import build_tiny_snapshot
+
+    snap = build_tiny_snapshot(tmp_path / "tiny-base", "base")
+    out = tmp_path / "build.json"
+    assert prompt_build_cost.main(["--model", str(snap), "--builds", "3", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["builds"] == 3 and got["per_build_ms"] > 0 and got["device"] == "cpu"
+    assert got["profiled_own_ms_per_build"] and all(r["ms"] >= 0 for r in got["profiled_own_ms_per_build"])
