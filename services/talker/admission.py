@@ -198,7 +198,8 @@ class Admission:
             return None
         gap = max(self._drain_busy_s / self._drain_count, 1e-4)
         if waiting_since is not None:
-            stalled = now - max(waiting_since, self._last_admit_at or waiting_since)
+            last = self._last_admit_at if self._last_admit_at is not None else waiting_since
+            stalled = now - max(waiting_since, last)
             gap = max(gap, stalled)
         return 1.0 / gap
 
