@@ -15,7 +15,7 @@ import numpy as np
 
 from qtts.request import request_limits as lim
 from qtts.request.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
-from qtts.request.sampling_overrides import check_sampling, sampling_fields
+from qtts.request.sampling_overrides import sampling_fields
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary, Task
 from qtts.serving.metrics import TalkerMetrics
 
@@ -37,8 +37,8 @@ def reference_rows(prompt: Any) -> np.ndarray | None:
 
 
 def merge_sampling(defaults: Any, overrides: SamplingOverrides) -> Any:
-    """The model's generation defaults with the caller's set fields on top."""
-    check_sampling(overrides)  # the declared ranges (check_request ran them already)
+    """The model's generation defaults with the caller's set fields on top (`check_request` has
+    checked their declared ranges)."""
     # Each set field under its declared model name (generation_config.json's).
     changes = {
         f.model_name: value for f in sampling_fields() if (value := getattr(overrides, f.name)) is not None
@@ -189,7 +189,7 @@ class TalkerCore:
             raise InvalidArgument(str(exc)) from exc
         finally:
             self._prompts_waiting -= 1
-        self._observe_build(prompt.build_s)
+        self._build_s = prompt.build_s  # the engine process keeps the average
         return prompt, prompt.ref_codes_host
 
     def _observe_build(self, built_s: float) -> None:

@@ -76,7 +76,7 @@ class RemotePrompt:
     key: str
     ref_codes_host: np.ndarray | None
     num_text_tokens: int
-    build_s: float = 0.0  # how long the engine process took to build it
+    build_s: float = 0.0  # the engine process's moving average of one build, as this one was done
 
 
 def voice_to_wire(voice: Any) -> Any:
@@ -333,16 +333,17 @@ class _EngineWorker:
         self._prompts.pop(key, None)
         self._open.pop(key, None)
 
-    def _on_stream(self, fn: Callable, *args: Any) -> Any:
-        """`fn(*args)` on the prompt thread's CUDA stream, waited for (the engine reads the
-        embeddings from its own stream)."""
+    def _on_stream(self, fn: Callable, *args: Any, wait: bool = True) -> Any:
+        """`fn(*args)` on the prompt thread's CUDA stream, waited for unless `wait` is False (the
+        engine reads the embeddings from its own stream, so someone must wait before it does)."""
         if self._stream is None:
             return fn(*args)
         import torch
 
         with torch.cuda.stream(self._stream):
             out = fn(*args)
-        self._stream.synchronize()
+        if wait:
+            self._stream.synchronize()
         return out
 
     def _stored(self, prompt: Any) -> RemotePrompt:
@@ -380,7 +381,7 @@ class _EngineWorker:
         for call_id, began, prompt in built:
             self.metrics.observe_stage("build_prompt", done - began)
             remote = self._stored(prompt)
-            remote.build_s = per_build
+            remote.build_s = self._build_s
             self._reply(call_id, True, remote)
 
     def _start_build(self, spec: Any, queued_at: float, budget_s: float, started: float) -> Any:
@@ -394,13 +395,7 @@ class _EngineWorker:
                 f"prompt, past the {budget_s:g} s first-audio budget; retry later",
                 max(1, round(self._queued * self._build_s)),
             )
-        spec = spec_from_wire(spec)
-        if self._stream is None:
-            return self.bundle.build_prompt(spec)
-        import torch
-
-        with torch.cuda.stream(self._stream):
-            return self.bundle.build_prompt(spec)
+        return self._on_stream(self.bundle.build_prompt, spec_from_wire(spec), wait=False)
 
     def _call_compute_voice_prompt(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
         return voice_to_wire(self.bundle.compute_voice_prompt(pcm, ref_text, x_vector_only))
