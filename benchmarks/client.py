@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import os
 import platform
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ from benchmarks.transport import (
     SynthesisOptions,
     Synthesizer,
     canonical_task,
+    warm_or_log,
 )
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "default.txt"
@@ -328,6 +331,9 @@ class RoundRobinSynthesizer:
         target = self._synthesizers[index % len(self._synthesizers)]
         return await target.synthesize(index, prompt_index, text, max_new_tokens=max_new_tokens)
 
+    async def warm(self) -> None:
+        await asyncio.gather(*(synthesizer.warm() for synthesizer in self._synthesizers))
+
     async def aclose(self) -> None:
         for synthesizer in self._synthesizers:
             await synthesizer.aclose()
@@ -357,17 +363,50 @@ def make_send(cfg: BenchConfig, synthesizer: Synthesizer, offset: int, count: in
 
 
 def level_sender(args: argparse.Namespace, spec: LevelSpec):
-    """One client process's sender for a level of `spec` (benchmarks.multiproc runs it there)."""
+    """One client process's (send, close, warm) for a level of `spec` (benchmarks.multiproc runs
+    it there and warms the client before the level's start)."""
     cfg = BenchConfig.from_args(args)
     synthesizer = make_synthesizer(cfg)
-    return make_send(cfg, synthesizer, spec.offset, spec.total), synthesizer.aclose
+    return make_send(cfg, synthesizer, spec.offset, spec.total), synthesizer.aclose, synthesizer.warm
 
 
-async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str, Any]:
-    """Warm up, run every level in order, and return the result dict (see `benchmarks.report`)."""
+def write_results(result: dict[str, Any], out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
+    """`write_report` made atomic: every file is written into a temporary folder inside `out_dir`
+    (same file system) and moved into place with os.replace, so a run killed mid-write leaves the
+    previous complete file, never a truncated one (at worst a stray `.writing-*` folder)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".writing-", dir=out) as tmp:
+        written = write_report(result, tmp, plots=plots)
+        paths = {}
+        for key, path in written.items():
+            paths[key] = out / path.name
+            os.replace(path, paths[key])
+    return paths
+
+
+def _note_lengths(result: dict[str, Any], cfg: BenchConfig, sent_frames: list[int | None]) -> None:
+    """The realised request lengths (so far) in the result's conditions."""
+    realised = length_stats(sent_frames)
+    result["conditions"]["length_distribution"]["realised"] = realised
+    result["conditions"]["frames_per_request"] = frames_text(cfg, realised)
+
+
+async def run_benchmark(
+    cfg: BenchConfig,
+    synthesizer: Synthesizer,
+    on_level: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Warm up, run every level in order, and return the result dict (see `benchmarks.report`).
+
+    `on_level(result)` is called after every finished level with the result so far (the finished
+    levels, their realised lengths; `highest_gap_free_load` is left to the writer)."""
     args = cfg.args
     deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
     result: dict[str, Any] = {"conditions": await conditions(cfg), "levels": []}
+    if args.processes == 1:
+        # With --processes N every worker warms its own client (benchmarks.multiproc).
+        await warm_or_log(synthesizer.warm, min(30.0, args.request_timeout), "client")
     if args.warmup > 0:
         result["warmup"] = await _warm_up(cfg, synthesizer, deadline)
 
@@ -386,9 +425,10 @@ async def run_benchmark(cfg: BenchConfig, synthesizer: Synthesizer) -> dict[str,
         level, requested = await _run_level(cfg, synthesizer, level_no, mode, concurrency, rate, deadline)
         sent_frames += requested
         result["levels"].append(level)
-    realised = length_stats(sent_frames)
-    result["conditions"]["length_distribution"]["realised"] = realised
-    result["conditions"]["frames_per_request"] = frames_text(cfg, realised)
+        if on_level is not None:
+            _note_lengths(result, cfg, sent_frames)
+            on_level(result)
+    _note_lengths(result, cfg, sent_frames)
     result["highest_gap_free_load"] = highest_gap_free_load(result["levels"])
     return result
 
@@ -464,10 +504,20 @@ async def _run_level(
     return level, requested
 
 
+def _write_level_results(cfg: BenchConfig, result: dict[str, Any]) -> None:
+    """results.json and results.md of the levels finished so far, so a run killed by an outer
+    time limit keeps them. No plots here: rendering them takes seconds at thousands of requests, so
+    they are drawn once, at the end."""
+    try:
+        write_results(result, cfg.out_dir, plots=False)
+    except OSError as exc:  # the final write tries again, and fails loudly
+        print(f"tts-bench: could not write the results so far: {exc}", file=sys.stderr)
+
+
 async def _amain(cfg: BenchConfig) -> dict[str, Any]:
     synthesizer = make_synthesizer(cfg)
     try:
-        return await run_benchmark(cfg, synthesizer)
+        return await run_benchmark(cfg, synthesizer, lambda result: _write_level_results(cfg, result))
     finally:
         await synthesizer.aclose()
 
@@ -481,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tts-bench: {exc}", file=sys.stderr)
         return 1
     result = asyncio.run(_amain(cfg))
-    paths = write_report(result, cfg.out_dir, plots=not args.no_plots)
+    paths = write_results(result, cfg.out_dir, plots=not args.no_plots)
     print(markdown_table(result["levels"]))
     print("\n" + "\n".join(gap_free_lines(result["levels"])))
     print(f"\nresults: {paths['json'].parent}")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +21,7 @@ from benchmarks.metrics import DEFAULT_AUDIBLE_DBFS, AudibleDetector, RequestRec
 from benchmarks.reference_audio import audio_data_url
 
 SPEECH_PATH = "/v1/audio/speech"
+HEALTH_PATH = "/health"
 
 # Task names as this API spells them, plus vLLM-Omni's spellings (Base, CustomVoice, VoiceDesign).
 _TASK_ALIASES = {
@@ -87,7 +90,26 @@ class Synthesizer(Protocol):
         self, index: int, prompt_index: int, text: str, *, max_new_tokens: int | None = None
     ) -> RequestRecord: ...
 
+    async def warm(self) -> None:
+        """Open the connection(s) and run the client code paths once, without synthesis (a failure
+        raises; callers log it and go on)."""
+        ...
+
     async def aclose(self) -> None: ...
+
+
+async def warm_or_log(warm: Callable[[], Awaitable[None]], timeout_s: float | None, who: str) -> bool:
+    """Await `warm()` for at most `timeout_s` seconds (None: no limit); a failure or a timeout is one
+    line on stderr, never an exception: a cold client only costs its first request some time."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await warm()
+    except Exception as exc:  # noqa: BLE001 - best effort: any failure is told and the run goes on
+        timed_out = isinstance(exc, TimeoutError) and timeout_s is not None
+        reason = f"no answer within {timeout_s:.2f} s" if timed_out else repr(exc)
+        print(f"tts-bench: {who}: warming the client failed ({reason}); going on", file=sys.stderr)
+        return False
+    return True
 
 
 class _Trace:
@@ -185,6 +207,7 @@ class HttpSynthesizer:
     ):
         self.options = options
         self.url = base_url.rstrip("/") + SPEECH_PATH
+        self.health_url = base_url.rstrip("/") + HEALTH_PATH
         timeout = httpx.Timeout(options.request_timeout_s, connect=min(30.0, options.request_timeout_s))
         # No pool cap: the load generator, not the pool, decides how many streams are open.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -230,6 +253,12 @@ class HttpSynthesizer:
                 index, prompt_index, ok=False, status="TRANSPORT", error=f"{type(exc).__name__}: {exc}"
             )
         return trace.record(index, prompt_index, ok=True, status="200")
+
+    async def warm(self) -> None:
+        """`GET /health` through the request pool: the first request of a fresh client otherwise
+        pays the TCP connect and httpx's first-use paths in its first-audio time. Any status counts
+        (the connection is what is warmed); `get` reads the body, so the connection stays pooled."""
+        await self._client.get(self.health_url)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -308,6 +337,23 @@ class GrpcSynthesizer:
                 index, prompt_index, ok=False, status="INCOMPLETE", error="stream ended without a summary"
             )
         return trace.record(index, prompt_index, ok=True, status="OK", extra=extra)
+
+    async def warm(self) -> None:
+        """Connect every channel and send one `grpc.health.v1.Health/Check` on each, so the first
+        stream of each channel pays no connect or first-call cost. Any health answer counts, even
+        UNIMPLEMENTED (a server without the health service): the round trip happened."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        timeout = min(30.0, self.options.request_timeout_s)
+        for channel in self._channels:
+            await asyncio.wait_for(channel.channel_ready(), timeout)
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=timeout
+                )
+            except self._grpc.aio.AioRpcError as exc:
+                if exc.code() != self._grpc.StatusCode.UNIMPLEMENTED:
+                    raise
 
     async def aclose(self) -> None:
         for channel in self._channels:

@@ -27,11 +27,15 @@ STALL_SCRIPT = [(0.0, SILENT), (0.05, LOUD), (STALL_S, LOUD)]
 
 
 class FakeSpeechServer:
-    """`POST /v1/audio/speech` answering from a script; input "reject" -> 429, "cut" -> cut stream."""
+    """`POST /v1/audio/speech` answering from a script; input "reject" -> 429, "cut" -> cut stream.
+    Other requests (GET /health, /v1/models) get a 404 and their paths are kept in `gets`;
+    `on_request(body)`, if set, runs in the server thread as each speech request arrives."""
 
-    def __init__(self, script):
+    def __init__(self, script, on_request=None):
         self.script = script
+        self.on_request = on_request
         self.requests: list[dict] = []
+        self.gets: list[str] = []
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -63,12 +67,15 @@ class FakeSpeechServer:
         lines = head.decode().split("\r\n")
         headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
         if "content-length" not in headers:  # GET /v1/models (the run's conditions): not served here
+            self.gets.append(lines[0].split()[1])
             writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             await writer.drain()
             writer.close()
             return
         body = json.loads(await reader.readexactly(int(headers["content-length"])))
         self.requests.append({"path": lines[0].split()[1], **body})
+        if self.on_request is not None:
+            self.on_request(body)
         if body["input"] == "reject":
             payload = json.dumps({"error": {"message": "no free slot", "type": "rate_limit_error"}}).encode()
             writer.write(
@@ -450,3 +457,223 @@ def test_cli_spreads_requests_over_several_gateway_urls(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["levels"][0]["aggregates"]["num_ok"] == 4
     assert len(first.requests) == 2 and len(second.requests) == 2
+
+
+# --- results after every level, atomic writes -------------------------------------------------
+
+
+def test_results_are_on_disk_after_level_one_while_level_two_runs(tmp_path):
+    """A sweep killed during level 2 (an outer `timeout`) keeps level 1: results.json and
+    results.md hold it before level 2's first request reaches the server."""
+    seen: dict[str, object] = {}
+
+    def on_request(body):
+        # Seeds are seed + level_no * 1_000_000 + index: the first of level 2 is 1_000_000.
+        if body["seed"] >= 1_000_000 and "json" not in seen:
+            path = tmp_path / "results.json"
+            seen["json"] = json.loads(path.read_text()) if path.exists() else None
+            md = tmp_path / "results.md"
+            seen["md"] = md.read_text() if md.exists() else None
+
+    with FakeSpeechServer([(0.0, LOUD)], on_request=on_request) as server:
+        rc = main(
+            ["--url", server.url, "--concurrency", "1", "2", "--num-requests", "3", "--warmup", "0",
+             "--max-new-tokens", "5", "--seed", "0", "--out", str(tmp_path), "--no-progress",
+             "--no-plots"]
+        )  # fmt: skip
+    assert rc == 0
+    partial = seen["json"]
+    assert partial is not None, "no results.json after level 1"
+    (level,) = partial["levels"]
+    assert level["concurrency"] == 1 and level["aggregates"]["num_ok"] == 3
+    assert partial["highest_gap_free_load"]["closed"]["highest"] == 1
+    assert partial["conditions"]["length_distribution"]["realised"]["num_requests"] == 3
+    assert "| c=1 |" in seen["md"] and "| c=2 |" not in seen["md"]
+    final = json.loads((tmp_path / "results.json").read_text())
+    assert [lv["concurrency"] for lv in final["levels"]] == [1, 2]
+    assert final["levels"][0]["aggregates"] == level["aggregates"]
+    assert not list(tmp_path.glob(".writing-*"))  # no temporary folder left behind
+
+
+def _small_result(levels: int = 1) -> dict:
+    from benchmarks.loadgen import LevelRun
+    from benchmarks.metrics import build_record
+    from benchmarks.report import level_result
+
+    record = build_record(
+        index=0, prompt_index=0, start_s=0.0, chunk_times_s=[0.05, 0.1], chunk_bytes=[4800, 4800],
+        e2e_s=0.2, ok=True, status="200",
+    )  # fmt: skip
+    run = LevelRun(records=[record], wall_s=0.2)
+    return {
+        "conditions": {"gpu": "none", "length_distribution": {"realised": None}},
+        "levels": [level_result("closed", run, concurrency=c + 1) for c in range(levels)],
+    }
+
+
+def test_write_results_matches_write_report_byte_for_byte(tmp_path):
+    from benchmarks.client import write_results
+    from benchmarks.report import write_report
+
+    result = _small_result(2)
+    atomic = write_results(result, tmp_path / "atomic", plots=False)
+    plain = write_report(result, tmp_path / "plain", plots=False)
+    assert atomic.keys() == plain.keys() == {"json", "markdown"}
+    for key in atomic:
+        assert atomic[key].parent == tmp_path / "atomic"
+        assert atomic[key].read_bytes() == plain[key].read_bytes()
+    assert sorted(p.name for p in (tmp_path / "atomic").iterdir()) == ["results.json", "results.md"]
+
+
+def test_write_results_killed_mid_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    import benchmarks.client as client
+
+    client.write_results(_small_result(1), tmp_path, plots=False)
+    before = (tmp_path / "results.json").read_bytes()
+
+    def torn_write(result, out_dir, *, plots=True):
+        from pathlib import Path
+
+        (Path(out_dir) / "results.json").write_text('{"conditions": {"gpu"')  # truncated
+        raise OSError("disk full")
+
+    monkeypatch.setattr(client, "write_report", torn_write)
+    with pytest.raises(OSError):
+        client.write_results(_small_result(2), tmp_path, plots=False)
+    assert (tmp_path / "results.json").read_bytes() == before
+    assert not list(tmp_path.glob(".writing-*"))
+
+
+# --- warm clients --------------------------------------------------------------------------------
+
+
+async def test_http_warm_sends_a_health_request_and_no_synthesis():
+    import httpx
+
+    seen: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path))
+        return httpx.Response(200, json={"status": "ok"})
+
+    client = HttpSynthesizer("http://gateway:8000/", OPTIONS, transport=httpx.MockTransport(handler))
+    try:
+        await client.warm()
+    finally:
+        await client.aclose()
+    assert seen == [("GET", "/health")]
+
+
+async def test_http_warm_failure_is_one_stderr_line(capsys):
+    from benchmarks.transport import warm_or_log
+
+    client = HttpSynthesizer("http://127.0.0.1:1", OPTIONS)  # nothing listens on port 1
+    try:
+        assert await warm_or_log(client.warm, 5.0, "client process 3") is False
+    finally:
+        await client.aclose()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "client process 3" in err[0] and "warming the client failed" in err[0]
+
+
+async def test_grpc_warm_checks_health_on_every_channel_and_sends_no_synthesis():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1._async import HealthServicer
+
+    class CountingHealth(HealthServicer):
+        checks = 0
+
+        async def Check(self, request, context):
+            CountingHealth.checks += 1
+            return await super().Check(request, context)
+
+    servicer = FakeTextToSpeech()
+    server = grpc.aio.server()
+    tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(servicer, server)
+    health = CountingHealth()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = GrpcSynthesizer(f"127.0.0.1:{port}", OPTIONS, channels=2)
+    try:
+        await client.warm()
+        states = [c.get_state() for c in client._channels]
+    finally:
+        await client.aclose()
+        await server.stop(None)
+    assert CountingHealth.checks == 2 and servicer.requests == []
+    assert states == [grpc.ChannelConnectivity.READY] * 2
+
+
+async def test_grpc_warm_accepts_a_server_without_the_health_service():
+    servicer = FakeTextToSpeech()
+    server = grpc.aio.server()
+    tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = GrpcSynthesizer(f"127.0.0.1:{port}", OPTIONS)
+    try:
+        await client.warm()  # UNIMPLEMENTED: still a round trip on a connected channel
+    finally:
+        await client.aclose()
+        await server.stop(None)
+    assert servicer.requests == []
+
+
+async def test_worker_warms_before_the_common_start_and_starts_on_time(capsys):
+    """benchmarks.multiproc: the worker warms its client before `start_at`, sends nothing before
+    it, and a failing warm-up is one stderr line, not a failed level."""
+    import time
+
+    from benchmarks.metrics import RequestRecord
+    from benchmarks.multiproc import LevelSpec, _drive
+
+    for fail in (False, True):
+        events: list[tuple[str, float]] = []
+
+        def make_sender(args, spec, fail=fail, events=events):
+            async def send(index):
+                events.append(("send", time.perf_counter()))
+                return RequestRecord(index=index, prompt_index=0, start_s=0.0, ok=True, status="ok")
+
+            async def aclose():
+                events.append(("close", time.perf_counter()))
+
+            async def warm():
+                events.append(("warm", time.perf_counter()))
+                if fail:
+                    raise ConnectionError("refused")
+
+            return send, aclose, warm
+
+        spec = LevelSpec("closed", total=4, offset=0, concurrency=2)
+        start_at = time.perf_counter() + 0.3
+        started, run = await _drive(None, spec, 0, 2, start_at, None, make_sender)
+        kinds = [kind for kind, _ in events]
+        assert kinds == ["warm", "send", "send", "close"]
+        assert events[0][1] < start_at <= events[1][1] and started >= start_at
+        assert [r.index for r in run.records] == [0, 2]
+        err = capsys.readouterr().err
+        assert (err.count("warming the client failed") == 1) is fail
+
+
+def test_cli_warms_each_client_once_without_synthesis(tmp_path):
+    """One process: one GET /health before the first level (two levels); --processes 2: one per
+    worker per level. The speech requests are exactly the level's requests."""
+    script = [(0.0, LOUD)]
+    with FakeSpeechServer(script) as server:
+        rc = main(
+            ["--url", server.url, "--concurrency", "1", "2", "--num-requests", "2", "--warmup", "0",
+             "--max-new-tokens", "5", "--out", str(tmp_path / "one"), "--no-progress", "--no-plots"]
+        )  # fmt: skip
+    assert rc == 0
+    assert server.gets.count("/health") == 1 and len(server.requests) == 4
+    with FakeSpeechServer(script) as server:
+        rc = main(
+            ["--url", server.url, "--concurrency", "2", "--num-requests", "4", "--warmup", "0",
+             "--max-new-tokens", "5", "--out", str(tmp_path / "two"), "--no-progress", "--no-plots",
+             "--processes", "2"]
+        )  # fmt: skip
+    assert rc == 0
+    assert server.gets.count("/health") == 2 and len(server.requests) == 4
