@@ -90,6 +90,17 @@ class TalkerConfig:
     max_lead_ms: float = setting(
         4000.0, "a stream this far ahead of its listener pauses, leaving the steps to others"
     )
+    backlog_lead_ms: float = setting(
+        0.0,
+        "while requests wait to start or for their prefill, a playing stream steps at once only "
+        "under this lead (the urgent lead otherwise), leaving the GPU to the waiting prompts "
+        "(0 = off: the urgent lead always)",
+    )
+    first_chunk_step_ms: float = setting(
+        40.0,
+        "the longest predicted step a new stream's first chunk rides in: streams that are not "
+        "urgent join it only up to this (urgent ones always do)",
+    )
     prefill_coalesce_ms: float = setting(
         120.0,
         "while streams play, new prompts wait up to this long (or for 8 of them) to be "
@@ -209,6 +220,13 @@ class TalkerConfig:
                 f"--urgent-lead-ms and --max-lead-ms must satisfy 0 <= urgent <= max, got "
                 f"{self.urgent_lead_ms:g} and {self.max_lead_ms:g}"
             )
+        if self.backlog_lead_ms and not 300.0 <= self.backlog_lead_ms <= self.urgent_lead_ms:
+            raise InvalidArgument(
+                f"--backlog-lead-ms must be 0 (off) or between 300 and --urgent-lead-ms "
+                f"({self.urgent_lead_ms:g}), got {self.backlog_lead_ms:g}"
+            )
+        if self.first_chunk_step_ms <= 0:
+            raise InvalidArgument(f"--first-chunk-step-ms must be > 0, got {self.first_chunk_step_ms:g}")
         if self.admission_max_duty < 0 or self.admission_max_load < 0 or self.first_audio_budget_ms < 0:
             raise InvalidArgument(
                 "--admission-max-duty, --admission-max-load and --first-audio-budget-ms must be >= 0"

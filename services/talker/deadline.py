@@ -58,6 +58,15 @@ class DeadlinePolicy:
 
     urgent_lead_s: float = 2.0
     max_lead_s: float = 4.0
+    # While requests wait to start or for their prefill (a backlog), a playing stream is urgent
+    # only under this lead: the GPU time that built every stream's lead up to `urgent_lead_s`
+    # goes to the waiting prompts and first chunks instead, as long as no listener gets close
+    # to running dry. None: `urgent_lead_s` always.
+    backlog_lead_s: float | None = None
+    # The longest step a first chunk (a stream without audio yet) rides in: running streams that
+    # are not urgent join it only up to this predicted step time, so a new stream's first frames
+    # are not slowed by a wide batch of streams that could wait. Urgent streams always join.
+    first_chunk_step_s: float = FRAME_S / 2
     # Prefill positions per step when a running stream is close to its deadline, and at most.
     min_prefill_positions: int = 320
     max_prefill_positions: int = 4096
@@ -84,6 +93,13 @@ class DeadlinePolicy:
     def __post_init__(self) -> None:
         if self.urgent_lead_s < 0 or self.max_lead_s < self.urgent_lead_s:
             raise ValueError("leads must satisfy 0 <= urgent_lead_s <= max_lead_s")
+        if (
+            self.backlog_lead_s is not None
+            and not self.critical_s <= self.backlog_lead_s <= self.urgent_lead_s
+        ):
+            raise ValueError("backlog_lead_s must satisfy critical_s <= backlog_lead_s <= urgent_lead_s")
+        if self.first_chunk_step_s <= 0:
+            raise ValueError("first_chunk_step_s must be > 0")
         if self.min_prefill_positions < 1 or self.max_prefill_positions < self.min_prefill_positions:
             raise ValueError("prefill positions must satisfy 1 <= min <= max")
         if self.min_step_interval_s < 0 or self.critical_s < 0:
@@ -452,6 +468,11 @@ class DeadlineScheduler:
         prefilling: list[ScheduledRequest] = []  # admitted, prompt not yet prefilled
         playing = 0
         critical = False  # a stream that must step now (a first chunk, or short of audio)
+        # Under a backlog a playing stream is urgent only under the backlog lead; those between
+        # it and the urgent lead ("soon") wait as optional riders, and become urgent again when
+        # the plan finds no backlog after all (nothing waiting to start or to be prefilled).
+        backlog_lead = pol.urgent_lead_s if pol.backlog_lead_s is None else pol.backlog_lead_s
+        soon: list[tuple[float, ScheduledRequest, float]] = []  # (lead, stream, time left)
         for rid, req in self.running.items():
             if req.text is not None and self._waits_for_text(req, now):
                 plan.skip.add(rid)
@@ -468,25 +489,38 @@ class DeadlineScheduler:
                     continue
                 urgent.append(req)
                 critical = True
-                frame_budget = min(frame_budget, pol.frame_s / 2)
+                frame_budget = min(frame_budget, pol.first_chunk_step_s)
                 continue
             playing += 1
             left = req.time_left_s(now, step_s)
             if req.slack_s(now) >= 0:  # a stream already dry (a slow reader) sets no budget
                 tightest = min(tightest, left)
-            if left < pol.urgent_lead_s:
+            if left < backlog_lead:
                 urgent.append(req)
                 critical = critical or left < pol.critical_s
                 need = req.frames_to_next_chunk()
                 frame_budget = min(frame_budget, max(req.slack_s(now), 0.0) / need)
                 continue
             lead = req.lead_s(now, pol.frame_s)
+            if left < pol.urgent_lead_s:
+                soon.append((lead, req, left))
+                continue
             if lead >= pol.max_lead_s:
                 plan.skip.add(rid)
                 plan.num_paused += 1
             else:
                 optional.append((lead, req))
             wake_at = min(wake_at, now + left - pol.urgent_lead_s)
+        if soon:
+            if self.waiting or prefilling:
+                optional.extend((lead, req) for lead, req, _ in soon)
+                wake_at = min(wake_at, now + min(left for _, _, left in soon) - backlog_lead)
+            else:  # no backlog: the usual urgency
+                for _, req, left in soon:
+                    urgent.append(req)
+                    critical = critical or left < pol.critical_s
+                    need = req.frames_to_next_chunk()
+                    frame_budget = min(frame_budget, max(req.slack_s(now), 0.0) / need)
         return self._decide_step(
             plan, now, model, urgent, optional, prefilling, playing, critical, wake_at, tightest, frame_budget
         )
@@ -515,7 +549,7 @@ class DeadlineScheduler:
             if until is None:
                 urgent.extend(prefilling)
                 critical = True
-                frame_budget = min(frame_budget, pol.frame_s / 2)
+                frame_budget = min(frame_budget, pol.first_chunk_step_s)
             else:
                 hold_prefill = True
                 wake_at = min(wake_at, until)
