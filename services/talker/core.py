@@ -332,7 +332,9 @@ class TalkerCore:
             else:
                 import torch
 
-                self._prompt_stream = torch.cuda.Stream(device=device)
+                from .engine_process import PROMPT_STREAM_PRIORITY
+
+                self._prompt_stream = torch.cuda.Stream(device=device, priority=PROMPT_STREAM_PRIORITY)
         return self._prompt_stream or None
 
     def _spec(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
