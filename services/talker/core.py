@@ -332,9 +332,7 @@ class TalkerCore:
             else:
                 import torch
 
-                from .engine_process import PROMPT_STREAM_PRIORITY
-
-                self._prompt_stream = torch.cuda.Stream(device=device, priority=PROMPT_STREAM_PRIORITY)
+                self._prompt_stream = torch.cuda.Stream(device=device)
         return self._prompt_stream or None
 
     def _spec(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:

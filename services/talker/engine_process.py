@@ -55,9 +55,6 @@ _PROCESS_FAMILIES = ("process_", "python_")
 # Prompts built before one wait for the prompt stream: enough for a burst, few enough that the
 # first of them is not held long behind the last.
 MAX_BUILD_BATCH = 8
-# CUDA stream priority of the prompt builds (lower is higher; out-of-range values clamp to the
-# highest the device has).
-PROMPT_STREAM_PRIORITY = -1
 
 
 @dataclass(frozen=True)
@@ -194,10 +191,7 @@ class _EngineWorker:
             warm_up(bundle, generator)
         device = getattr(bundle, "device", None)
         if device is not None and torch.device(device).type == "cuda":
-            # High priority: the GPU schedules the builds' few small kernels ahead of the frame
-            # steps' and prefills' as soon as SMs free up, instead of between whole kernels of
-            # theirs; a burst's prompts waited on this stream's sync (BENCHMARKS.md).
-            self._stream = torch.cuda.Stream(device=device, priority=PROMPT_STREAM_PRIORITY)
+            self._stream = torch.cuda.Stream(device=device)
         self.metrics = engine_metrics()
         self.loop = GenerationLoop(
             generator, scheduler_for(self.config, generator), self.metrics, device_failure=self._fatal
