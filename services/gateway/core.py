@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Protocol
 
-from qtts.request.errors import GenerationFailed, InvalidArgument, Unavailable, mapping_for
+from qtts.request.errors import GenerationFailed, InvalidArgument, ResourceExhausted, Unavailable, mapping_for
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 from qtts.serving.metrics import GatewayMetrics
 
@@ -191,6 +191,15 @@ class GatewayCore:
         ):
             job = replace(job, voice=scoped_voice_name(job.voice, owner))  # the key's own stored voice
         return job
+
+    def early_refusal(self) -> ResourceExhausted | None:
+        """The refusal `open()` would give the current client at the stream limit, known from the
+        request's headers alone, so a front end can answer it before reading (and parsing) the body.
+        A peek: it takes no slot, and `open()` still admits (a slot taken in between is refused
+        there). None while draining: `open()` gives that refusal, after the usual checks."""
+        if self._refusal is not None:
+            return None
+        return self.admission.refusal(current_client())
 
     async def open(
         self, job: SynthesisJob, protocol: str, text: AsyncIterator[tuple[str, bool]] | None = None

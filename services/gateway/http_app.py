@@ -237,6 +237,12 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
     )
     async def speech(request: Request) -> Response:
         """OpenAI `audio.speech.create`, plus Qwen3-TTS fields (task_type, ref_audio, ...)."""
+        # At the stream limit, refused before the body is read: a voice clone's body carries its
+        # clip (hundreds of KB), and reading and parsing it for every refusal of a storm delays the
+        # audio of the admitted streams. The same answer as open()'s refusal below; uvicorn
+        # discards the unread body once the answer is sent (the connection stays usable).
+        if (busy := synth.early_refusal()) is not None:
+            return error_response(busy, metrics)
         try:
             fields, out = parse_speech_body(await _json_body(request))
             job = synth.validate(fields)

@@ -38,18 +38,30 @@ class StreamLimits:
     def active_for(self, client: str) -> int:
         return self._by_client[client]
 
-    def admit(self, client: str = "") -> None:
+    def refusal(self, client: str = "") -> ResourceExhausted | None:
+        """What `admit(client)` would raise now, or None when it would admit: a peek, no slot taken."""
         if self._active >= self.max_streams:
-            raise ResourceExhausted(
+            return ResourceExhausted(
                 f"server is at its limit of {self.max_streams} concurrent streams; retry later",
                 retry_after_s=RETRY_AFTER_S,
             )
-        if self.max_per_client and client and self._by_client[client] >= self.max_per_client:
-            raise ResourceExhausted(
+        if self.max_per_client and client and self._by_client.get(client, 0) >= self.max_per_client:
+            return ResourceExhausted(
                 f"this client already has {self.max_per_client} concurrent streams, its limit; retry "
                 "when one has ended",
                 retry_after_s=RETRY_AFTER_S,
             )
+        return None
+
+    def would_admit(self, client: str = "") -> bool:
+        """Whether `admit(client)` would succeed now (it takes no slot: a slot may free or be taken
+        before the caller admits)."""
+        return self.refusal(client) is None
+
+    def admit(self, client: str = "") -> None:
+        refused = self.refusal(client)
+        if refused is not None:
+            raise refused
         self._active += 1
         if client:
             self._by_client[client] += 1
