@@ -43,7 +43,8 @@ class ResourceExhausted(TTSError):
 
 
 class FailedPrecondition(TTSError):
-    """A stream protocol's order was broken (frames before start or beyond the granted credit)."""
+    """A precondition of the call does not hold: a stream protocol's order was broken (frames
+    before start or beyond the granted credit), or a reference digest names no prompt held."""
 
 
 class Unavailable(TTSError):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
 
 from qtts.pb import talker_pb2, talker_pb2_grpc
-from qtts.request.errors import Unavailable, from_grpc
+from qtts.request.errors import FailedPrecondition, Unavailable, from_grpc
 from qtts.request.sampling_pb import overrides_to_pb
 from qtts.request.tts_enums import FINISH_FROM_PB, TASK_TO_PB
 from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, AudioPiece, SynthesisSummary
@@ -17,13 +18,19 @@ from qtts.serving.grpc_server import RECONNECT_OPTIONS
 from qtts.serving.internal_auth import client_interceptors
 from qtts.serving.log_context import outgoing_metadata
 from qtts.serving.tls import TlsConfig, aio_channel
+from qtts.streams.voice_key import REFERENCE_NOT_CACHED, reference_digest
 
 from .job import ModelCatalog, SynthesisJob
 from .talker_pool import TalkerPool
 
 
-def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
-    """The talker request of a validated job (reference audio already decoded to 24 kHz)."""
+def generate_request(
+    job: SynthesisJob, reference: tuple[bytes, str] | None = None, *, clip: bool = True
+) -> talker_pb2.GenerateRequest:
+    """The talker request of a validated job (reference audio already decoded to 24 kHz).
+
+    `reference`: the clip's float32 bytes and its reference digest, when already computed; with
+    `clip` False only the digest is sent (a clip the talkers were sent before)."""
     sampling = overrides_to_pb(job.sampling)
     req = talker_pb2.GenerateRequest(
         request_id=job.request_id,
@@ -42,15 +49,47 @@ def generate_request(job: SynthesisJob) -> talker_pb2.GenerateRequest:
         req.streaming.chunk_frames_ramp.extend(job.chunk_frames_ramp)
     if job.streaming_text is not None:
         req.streaming_text = job.streaming_text
-    if job.reference_pcm is not None:
-        req.reference_pcm_f32 = np.ascontiguousarray(job.reference_pcm, dtype="<f4").tobytes()
+    if reference is not None:
+        pcm, req.reference_digest = reference
+        if clip:
+            req.reference_pcm_f32 = pcm
+    elif job.reference_pcm is not None:
+        req.reference_pcm_f32 = reference_bytes(job)
     return req
 
 
+def reference_bytes(job: SynthesisJob) -> bytes:
+    return np.ascontiguousarray(job.reference_pcm, dtype="<f4").tobytes()
+
+
+class SentReferences:
+    """Digests of the clips this gateway sent to the talkers and saw accepted (an LRU of
+    `max_entries`): the next request with one sends only its digest (qtts.streams.voice_key)."""
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self._digests: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, digest: str) -> bool:
+        if digest in self._digests:
+            self._digests.move_to_end(digest)
+            return True
+        return False
+
+    def add(self, digest: str) -> None:
+        self._digests[digest] = None
+        self._digests.move_to_end(digest)
+        while len(self._digests) > self.max_entries:
+            self._digests.popitem(last=False)
+
+    def discard(self, digest: str) -> None:
+        self._digests.pop(digest, None)
+
+
 async def _stream_requests(
-    job: SynthesisJob, text: AsyncIterator[tuple[str, bool]]
+    start: talker_pb2.GenerateRequest, text: AsyncIterator[tuple[str, bool]]
 ) -> AsyncIterator[talker_pb2.GenerateStreamRequest]:
-    yield talker_pb2.GenerateStreamRequest(start=generate_request(job))
+    yield talker_pb2.GenerateStreamRequest(start=start)
     async for piece, final in text:
         yield talker_pb2.GenerateStreamRequest(append=talker_pb2.TextAppend(text=piece, final=final))
         if final:
@@ -108,6 +147,7 @@ class TalkerClient:
             interceptors=client_interceptors(token),
         )
         self._stub = talker_pb2_grpc.TalkerServiceStub(self._channel)
+        self.sent_references = SentReferences()
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -135,21 +175,57 @@ class TalkerClient:
         which makes the talker free the request's KV slot and decoder state.
 
         With `text`, the job's text is the first piece of one utterance and the (piece, final)
-        pairs of `text` are appended to the running request (GenerateStream)."""
+        pairs of `text` are appended to the running request (GenerateStream).
+
+        A reference clip the talkers accepted before goes as its digest alone (a unary Generate
+        only); a talker that holds no prompt for it fails the call before any audio and the call is
+        made again with the clip."""
+        if text is not None or job.reference_pcm is None:
+            async for item in self._generate(job, generate_request(job), text):
+                yield item
+            return
+        pcm = reference_bytes(job)
+        digest = reference_digest(pcm, job.reference_text or None, job.x_vector_only)
+        if digest in self.sent_references:
+            yielded = False
+            try:
+                async for item in self._generate(job, generate_request(job, (pcm, digest), clip=False)):
+                    yielded = True
+                    yield item
+                return
+            except FailedPrecondition as exc:
+                if yielded or not exc.message.startswith(REFERENCE_NOT_CACHED):
+                    raise
+                self.sent_references.discard(digest)  # evicted there: send the clip once more
+        async for item in self._generate(job, generate_request(job, (pcm, digest)), accepted=digest):
+            yield item
+
+    async def _generate(
+        self,
+        job: SynthesisJob,
+        request: talker_pb2.GenerateRequest,
+        text: AsyncIterator[tuple[str, bool]] | None = None,
+        accepted: str | None = None,
+    ) -> AsyncIterator[AudioPiece | SynthesisSummary]:
+        """One talker call of `request`; `accepted`: a digest to remember once the call yields
+        (the talker resolved its clip)."""
         lease = await self.pool.acquire() if self.pool is not None else None
         stub = self._stub if lease is None else talker_pb2_grpc.TalkerServiceStub(lease.channel)
         metadata = outgoing_metadata(job.request_id)
         try:
             if text is None:
-                call = stub.Generate(generate_request(job), metadata=metadata)
+                call = stub.Generate(request, metadata=metadata)
             else:
-                call = stub.GenerateStream(_stream_requests(job, text), metadata=metadata)
+                call = stub.GenerateStream(_stream_requests(request, text), metadata=metadata)
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
         try:
             async for msg in call:
+                if accepted is not None:  # the talker resolved the clip: next time, its digest
+                    self.sent_references.add(accepted)
+                    accepted = None
                 kind = msg.WhichOneof("event")
                 if kind == "audio":
                     a = msg.audio

@@ -18,6 +18,8 @@ class GenerationRequest:
     language: str = ""
     instructions: str = ""
     reference_pcm_f32: bytes = b""
+    # qtts.streams.voice_key.reference_digest of a clip sent before, instead of the clip itself.
+    reference_digest: str = ""
     reference_text: str = ""
     x_vector_only: bool = False
     sampling: SamplingOverrides = field(default_factory=SamplingOverrides)

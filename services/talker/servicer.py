@@ -32,6 +32,7 @@ def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
         language=msg.language,
         instructions=msg.instructions,
         reference_pcm_f32=msg.reference_pcm_f32,
+        reference_digest=msg.reference_digest,
         reference_text=msg.reference_text,
         x_vector_only=msg.x_vector_only,
         sampling=sampling,

@@ -10,6 +10,7 @@ from qtts.request import request_limits as lim
 from qtts.request import vocabulary
 from qtts.request.errors import InvalidArgument
 from qtts.request.vocabulary import TALKER_FIELDS, CheckedRequest
+from qtts.streams.voice_key import is_reference_digest
 
 from .request import GenerationRequest
 
@@ -27,6 +28,13 @@ def check_request(req: GenerationRequest, info: Any) -> CheckedRequest:
     if pcm and len(pcm) % 4 == 0 and not np.isfinite(np.frombuffer(pcm, dtype="<f4")).all():
         raise InvalidArgument("reference_pcm_f32 holds non-finite samples", param="reference_pcm_f32")
 
+    digest = req.reference_digest
+    if digest and not is_reference_digest(digest):
+        raise InvalidArgument(
+            "reference_digest must be 64 lowercase hex digits (qtts.streams.voice_key.reference_digest)",
+            param="reference_digest",
+        )
+
     def check_pcm() -> None:
         if len(pcm) % 4:
             raise InvalidArgument(
@@ -34,5 +42,5 @@ def check_request(req: GenerationRequest, info: Any) -> CheckedRequest:
             )
 
     return vocabulary.check_request(
-        req, info, has_reference=bool(pcm), check_reference=check_pcm, names=TALKER_FIELDS
+        req, info, has_reference=bool(pcm or digest), check_reference=check_pcm, names=TALKER_FIELDS
     )

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from qtts.request.errors import InvalidArgument, Unavailable
-from qtts.streams.voice_key import voice_prompt_key
+from qtts.request.errors import FailedPrecondition, InvalidArgument, Unavailable
+from qtts.streams.voice_key import REFERENCE_NOT_CACHED, voice_prompt_key, voice_prompt_key_for_digest
 
 from .request import GenerationRequest
 from .speaker_cache_client import SpeakerCacheClient, SpeakerCacheUnreachable, VoicePromptArrays
@@ -66,6 +66,8 @@ class VoiceResolver:
         self._background: set[asyncio.Task] = set()
 
     async def resolve(self, req: GenerationRequest) -> Any:
+        if req.reference_digest and not req.reference_pcm_f32:
+            return await self._by_digest(req.reference_digest)
         pcm, ref_text, x_vector_only = await self._reference(req)
         if pcm.size == 0:
             raise InvalidArgument("the reference audio is empty")
@@ -74,24 +76,42 @@ class VoiceResolver:
                 "voice clone needs reference_text (the transcript) unless x_vector_only is set"
             )
         key = voice_prompt_key(self._model_id, pcm.astype("<f4").tobytes(), ref_text, x_vector_only)
+        prompt, reachable = await self._held(key)
+        if prompt is not None:
+            return prompt
+        prompt = await self._compute(pcm, ref_text, x_vector_only)
+        if reachable:
+            self._store_in_background(key, prompt)
+        self._remember(key, prompt)
+        return prompt
+
+    async def _held(self, key: str) -> tuple[Any, bool]:
+        """(the prompt of `key` from this process or speaker_cache, or None; whether
+        speaker_cache answered)."""
         if key in self._local:
             self._local.move_to_end(key)
-            return self._local[key]
-        reachable = self._cache.address is not None
-        record = None
-        if reachable:
-            try:
-                record = await self._cache.get_prompt(key)
-            except SpeakerCacheUnreachable as exc:
-                log.warning("computing the voice prompt locally: %s", exc.message)
-                reachable = False
-        if record is not None:
-            prompt = record_to_prompt(record)
-        else:
-            prompt = await self._compute(pcm, ref_text, x_vector_only)
-            if reachable:
-                self._store_in_background(key, prompt)
+            return self._local[key], True
+        if self._cache.address is None:
+            return None, False
+        try:
+            record = await self._cache.get_prompt(key)
+        except SpeakerCacheUnreachable as exc:
+            log.warning("computing the voice prompt locally: %s", exc.message)
+            return None, False
+        if record is None:
+            return None, True
+        prompt = record_to_prompt(record)
         self._remember(key, prompt)
+        return prompt, True
+
+    async def _by_digest(self, digest: str) -> Any:
+        """The prompt of a clip the caller sent before (talker.v1 `reference_digest`)."""
+        prompt, _ = await self._held(voice_prompt_key_for_digest(self._model_id, digest))
+        if prompt is None:
+            raise FailedPrecondition(
+                f"{REFERENCE_NOT_CACHED}: send reference_pcm_f32 (reference_digest {digest[:12]}...)",
+                param="reference_digest",
+            )
         return prompt
 
     async def _reference(self, req: GenerationRequest) -> tuple[np.ndarray, str | None, bool]:

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from qtts.pb import speaker_cache_pb2, tts_pb2
-from qtts.streams.voice_key import voice_prompt_key
+from qtts.streams.voice_key import (
+    REFERENCE_NOT_CACHED,
+    is_reference_digest,
+    reference_digest,
+    voice_prompt_key,
+    voice_prompt_key_for_digest,
+)
 from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
 from tests.services.talker.stack import eventually, free_port, generate_all, speaker_cache, talker_stack
 
@@ -92,3 +98,53 @@ async def test_unreachable_speaker_cache_computes_locally_and_named_voices_are_u
             await generate_all(s.stub, text="frames=2", voice="narrator")
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "speaker_cache" in err.value.details()
         await eventually(lambda: s.generator.num_active == 0)
+
+
+async def test_a_clip_sent_before_is_named_by_its_digest_alone():
+    """A caller that sent a clip once sends only its reference_digest: a replica that holds the
+    prompt (here from speaker_cache) uses it, computing nothing; a digest it has no prompt for fails
+    before any audio with FAILED_PRECONDITION naming REFERENCE_NOT_CACHED; a malformed digest is an
+    INVALID_ARGUMENT."""
+    digest = reference_digest(PCM.tobytes(), "ref words", False)
+    by_clip = dict(
+        task_type=tts_pb2.TASK_TYPE_VOICE_CLONE, reference_pcm_f32=PCM.tobytes(), reference_text="ref words"
+    )
+    by_digest = dict(
+        task_type=tts_pb2.TASK_TYPE_VOICE_CLONE, reference_digest=digest, reference_text="ref words"
+    )
+    async with speaker_cache() as (address, _):
+        first = FakeBundle()
+        async with stack(first, address) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate_all(s.stub, text="frames=2", **by_digest)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert err.value.details().startswith(REFERENCE_NOT_CACHED)
+            assert first.compute_calls == 0
+            _, summary = await generate_all(s.stub, text="frames=2", **by_clip)
+            assert summary.num_frames == 2 and first.compute_calls == 1
+            # The same replica: from its own memory.
+            _, summary = await generate_all(s.stub, text="frames=2", **by_digest)
+            assert summary.num_frames == 2 and first.compute_calls == 1
+
+        second = FakeBundle()  # another replica: from speaker_cache, by the digest's key
+        async with stack(second, address) as s:
+            _, summary = await generate_all(s.stub, text="frames=3", **by_digest)
+            assert summary.num_frames == 3 and second.compute_calls == 0
+            vp = second.specs[-1].voice_prompt
+            torch.testing.assert_close(vp.ref_codes, torch.arange(48).reshape(3, 16))
+            assert vp.ref_text == "ref words"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate_all(s.stub, text="frames=2", **{**by_digest, "reference_digest": "ABC"})
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "reference_digest" in err.value.details()
+
+
+def test_the_key_of_a_digest_is_the_key_of_its_clip():
+    pcm = PCM.tobytes()
+    for text, xvec in (("ref words", False), (None, True), ("ignored", True)):
+        digest = reference_digest(pcm, text, xvec)
+        assert is_reference_digest(digest)
+        assert voice_prompt_key_for_digest("m", digest) == voice_prompt_key("m", pcm, text, xvec)
+    assert reference_digest(pcm, "a", False) != reference_digest(pcm, "b", False)
+    assert reference_digest(pcm, "a", True) == reference_digest(pcm, "b", True)
+    assert not is_reference_digest("0" * 63) and not is_reference_digest("G" * 64)
