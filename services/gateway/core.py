@@ -18,7 +18,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Protocol
 
-from qtts.request.errors import GenerationFailed, InvalidArgument, ResourceExhausted, Unavailable, mapping_for
+from qtts.request.errors import (
+    GenerationFailed,
+    InvalidArgument,
+    ResourceExhausted,
+    TTSError,
+    Unavailable,
+    mapping_for,
+)
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 from qtts.serving.metrics import GatewayMetrics
 
@@ -208,11 +215,15 @@ class GatewayCore:
 
         With `text`, more text follows `job.text` while the request runs: (piece, final) pairs,
         appended to the one talker request as they come (text_stream.py)."""
-        if self._refusal is not None:
-            raise self._refusal
         started = time.perf_counter()
         client = current_client()
-        self.admission.admit(client)
+        try:
+            if self._refusal is not None:
+                raise self._refusal
+            self.admission.admit(client)
+        except TTSError as exc:  # refused before admission: counted like a request that failed checks
+            self.reject(protocol, exc)
+            raise
         self.metrics.active_streams.inc()
         events: AsyncIterator[Event] | None = None
         try:

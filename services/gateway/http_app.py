@@ -242,6 +242,7 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
         # audio of the admitted streams. The same answer as open()'s refusal below; uvicorn
         # discards the unread body once the answer is sent (the connection stays usable).
         if (busy := synth.early_refusal()) is not None:
+            synth.reject("http", busy)
             return error_response(busy, metrics)
         try:
             fields, out = parse_speech_body(await _json_body(request))

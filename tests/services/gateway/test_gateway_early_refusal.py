@@ -220,8 +220,8 @@ async def test_the_early_refusal_is_the_handlers_refusal_to_the_byte(monkeypatch
     assert strip(early.headers) == strip(late.headers) and early.headers["retry-after"] == "1"
     assert metric(gw, "tts_errors_total", service="gateway", code="RESOURCE_EXHAUSTED") == 2
     assert metric(gw, "tts_http_requests_total", route="/v1/audio/speech", method="POST", status="429") == 2
-    # Neither is counted among the streams' outcomes (a refusal before admission never was).
-    assert metric(gw, "tts_gateway_requests_total", protocol="http", status="RESOURCE_EXHAUSTED") == 0
+    # Both are counted among the requests' outcomes, as any request refused before admission.
+    assert metric(gw, "tts_gateway_requests_total", protocol="http", status="resource_exhausted") == 2
 
 
 async def test_a_client_at_its_own_bound_is_refused_early_and_others_go_on():

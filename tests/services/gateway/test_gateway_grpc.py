@@ -89,6 +89,8 @@ async def test_resource_exhausted_and_cancel_frees_the_talker():
         with pytest.raises(grpc.aio.AioRpcError) as info:
             [m async for m in stub.Synthesize(request())]
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Counted among the requests' outcomes, as a request refused by validation is.
+        assert gw.synth.metrics.requests_total.labels("grpc", "resource_exhausted")._value.get() == 1
         call.cancel()
         for _ in range(200):
             if gw.talker.active == 0 and gw.synth.admission.active == 0:
