@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
@@ -60,6 +61,39 @@ def generate_request(
 
 def reference_bytes(job: SynthesisJob) -> bytes:
     return np.ascontiguousarray(job.reference_pcm, dtype="<f4").tobytes()
+
+
+class ClipDigests:
+    """The reference digest of each decoded clip the gateway holds (its reference cache hands every
+    request with one clip the same read-only array), so a repeated clip is not copied and hashed
+    again for each request (~0.2 ms of the event loop for a 3 s clip). Keyed by the array's
+    identity (checked through a weak reference, so a reused id never matches), the transcript and
+    the mode; an LRU of `max_entries`."""
+
+    def __init__(self, max_entries: int = 1024):
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, str, bool], tuple[weakref.ref, str]] = OrderedDict()
+
+    @staticmethod
+    def _key(job: SynthesisJob) -> tuple[int, str, bool]:
+        return id(job.reference_pcm), job.reference_text or "", bool(job.x_vector_only)
+
+    def get(self, job: SynthesisJob) -> str | None:
+        key = self._key(job)
+        entry = self._entries.get(key)
+        if entry is None or entry[0]() is not job.reference_pcm:
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, job: SynthesisJob, digest: str) -> None:
+        try:
+            ref = weakref.ref(job.reference_pcm)
+        except TypeError:  # not an object that takes weak references: not kept
+            return
+        self._entries[self._key(job)] = (ref, digest)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
 
 
 class SentReferences:
@@ -148,6 +182,7 @@ class TalkerClient:
         )
         self._stub = talker_pb2_grpc.TalkerServiceStub(self._channel)
         self.sent_references = SentReferences()
+        self.clip_digests = ClipDigests()
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -184,12 +219,16 @@ class TalkerClient:
             async for item in self._generate(job, generate_request(job), text):
                 yield item
             return
-        pcm = reference_bytes(job)
-        digest = reference_digest(pcm, job.reference_text or None, job.x_vector_only)
+        pcm: bytes | None = None
+        digest = self.clip_digests.get(job)
+        if digest is None:
+            pcm = reference_bytes(job)
+            digest = reference_digest(pcm, job.reference_text or None, job.x_vector_only)
+            self.clip_digests.put(job, digest)
         if digest in self.sent_references:
             yielded = False
             try:
-                async for item in self._generate(job, generate_request(job, (pcm, digest), clip=False)):
+                async for item in self._generate(job, generate_request(job, (b"", digest), clip=False)):
                     yielded = True
                     yield item
                 return
@@ -197,6 +236,8 @@ class TalkerClient:
                 if yielded or not exc.message.startswith(REFERENCE_NOT_CACHED):
                     raise
                 self.sent_references.discard(digest)  # evicted there: send the clip once more
+        if pcm is None:
+            pcm = reference_bytes(job)
         async for item in self._generate(job, generate_request(job, (pcm, digest)), accepted=digest):
             yield item
 

@@ -13,7 +13,7 @@ from qtts.request.vocabulary import SynthesisSummary
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
 from qtts.streams.voice_key import REFERENCE_NOT_CACHED, reference_digest
 from services.gateway.job import SamplingOptions, SynthesisJob
-from services.gateway.talker_client import SentReferences, TalkerClient
+from services.gateway.talker_client import ClipDigests, SentReferences, TalkerClient
 
 PCM = (np.sin(np.arange(4800) / 9) * 0.3).astype(np.float32)
 
@@ -131,3 +131,56 @@ def test_sent_references_is_a_bounded_lru():
     assert "b" not in sent and "a" in sent and "c" in sent
     sent.discard("a")
     assert "a" not in sent
+
+
+def test_a_decoded_clip_is_hashed_once_by_identity_text_and_mode():
+    digests = ClipDigests(max_entries=2)
+    job = clone_job(0)
+    assert digests.get(job) is None
+    digests.put(job, "d0")
+    assert digests.get(clone_job(1)) == "d0"  # the same array object, the same transcript
+    assert digests.get(clone_job(2, pcm=PCM.copy())) is None  # equal samples, another object
+    assert digests.get(clone_job(3, text="other words")) is None
+    assert digests.get(dataclasses.replace(job, x_vector_only=True)) is None
+    gone = clone_job(4, pcm=PCM.copy())
+    digests.put(gone, "d1")
+    key_job = dataclasses.replace(gone)
+    del gone
+    assert digests.get(key_job) == "d1"  # alive through key_job
+    digests.put(clone_job(5, pcm=np.zeros(3, np.float32)), "d2")  # LRU of 2: evicts the oldest
+    assert digests.get(job) is None
+
+
+async def test_a_repeated_clip_is_neither_copied_nor_hashed_again(monkeypatch):
+    import services.gateway.talker_client as tc
+
+    talker = DigestTalker()
+    host = GrpcServiceHost(service_names=[service_full_name(talker_pb2, "TalkerService")], port=0)
+    talker_pb2_grpc.add_TalkerServiceServicer_to_server(talker, host.server)
+    await host.start()
+    await host.set_serving()
+    client = TalkerClient(f"127.0.0.1:{host.bound_port}")
+    calls = {"bytes": 0, "digest": 0}
+    real_bytes, real_digest = tc.reference_bytes, tc.reference_digest
+
+    def counted_bytes(job):
+        calls["bytes"] += 1
+        return real_bytes(job)
+
+    def counted_digest(*args):
+        calls["digest"] += 1
+        return real_digest(*args)
+
+    monkeypatch.setattr(tc, "reference_bytes", counted_bytes)
+    monkeypatch.setattr(tc, "reference_digest", counted_digest)
+    try:
+        for i in range(3):
+            assert await run(client, clone_job(i)) == 1
+        assert calls == {"bytes": 1, "digest": 1}
+        assert [bool(r.reference_pcm_f32) for r in talker.requests] == [True, False, False]
+        talker.known.clear()  # lost there: the clip is copied (not hashed) once more
+        assert await run(client, clone_job(9)) == 1
+        assert calls == {"bytes": 2, "digest": 1} and talker.requests[-1].reference_pcm_f32
+    finally:
+        await client.close()
+        await host.stop(0)
