@@ -677,3 +677,18 @@ def test_cli_warms_each_client_once_without_synthesis(tmp_path):
         )  # fmt: skip
     assert rc == 0
     assert server.gets.count("/health") == 2 and len(server.requests) == 4
+
+
+def test_warm_up_requests_are_short_unless_told_otherwise(tmp_path):
+    """The warm-up's requests ask for --warmup-frames (44 by default) frames, the levels' for theirs;
+    --warmup-frames 0 sends the levels' length in the warm-up too."""
+    for extra, warm_frames in (([], 44), (["--warmup-frames", "5"], 5), (["--warmup-frames", "0"], 30)):
+        with FakeSpeechServer([(0.0, LOUD)]) as server:
+            rc = main(
+                ["--url", server.url, "--concurrency", "1", "--num-requests", "2", "--warmup", "2",
+                 "--max-new-tokens", "30", "--out", str(tmp_path / str(warm_frames)), "--no-progress",
+                 "--no-plots", *extra]
+            )  # fmt: skip
+        assert rc == 0
+        assert [r["max_new_tokens"] for r in server.requests] == [warm_frames, warm_frames, 30, 30]
+    assert main(["--url", "http://127.0.0.1:9", "--warmup-frames", "-1", "--no-progress"]) == 1  # refused
