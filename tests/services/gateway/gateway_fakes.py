@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import io
 import socket
@@ -52,6 +53,19 @@ def wav_bytes(seconds: float = 1.0, rate: int = 16000) -> bytes:
         w.setframerate(rate)
         w.writeframes(pcm.tobytes())
     return buf.getvalue()
+
+
+def clone_body(**overrides) -> dict:
+    """An x-vector voice-clone /v1/audio/speech body of the tiny Base model (0.2 s reference), with
+    `overrides` on top."""
+    return {
+        "model": "tiny-base",
+        "input": "Hello there.",
+        "ref_audio": base64.b64encode(wav_bytes(0.2)).decode(),
+        "x_vector_only_mode": True,
+        "response_format": "pcm",
+        **overrides,
+    }
 
 
 @dataclass

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 
 import grpc
 import httpx
 import pytest
-from gateway_fakes import build_gateway, serve_http, wav_bytes
+from gateway_fakes import build_gateway, clone_body, serve_http
 from test_gateway_grpc import request as grpc_request
 from test_gateway_grpc import serve_grpc
 
@@ -16,15 +15,7 @@ from qtts.request.errors import ResourceExhausted
 from services.gateway.client_identity import grpc_peer_host
 from services.gateway.stream_limits import StreamLimits
 
-REF = base64.b64encode(wav_bytes(0.2)).decode()
-GOOD = {
-    "model": "tiny-base",
-    "input": "Hello there.",
-    "ref_audio": REF,
-    "x_vector_only_mode": True,
-    "response_format": "pcm",
-    "stream": False,
-}
+GOOD = clone_body(stream=False)
 
 
 def test_admission_bounds_each_client_and_the_total():

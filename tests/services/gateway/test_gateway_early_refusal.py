@@ -5,7 +5,6 @@ receive and parse of every refused body (real uvicorn, raw sockets, a fake talke
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 from dataclasses import dataclass, field
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 import uvicorn
-from gateway_fakes import FakeTalker, build_gateway, free_port, wav_bytes
+from gateway_fakes import FakeTalker, build_gateway, clone_body, free_port
 
 from services.gateway.auth import ApiKeys
 from services.gateway.http_app import HttpDeps, create_app
@@ -21,15 +20,7 @@ from services.gateway.http_metrics import HttpMetricsMiddleware
 from services.gateway.server import _UvicornServer
 from services.gateway.stream_limits import StreamLimits
 
-REF = base64.b64encode(wav_bytes(0.2)).decode()
-GOOD = {
-    "model": "tiny-base",
-    "input": "Hello there.",
-    "ref_audio": REF,
-    "x_vector_only_mode": True,
-    "response_format": "pcm",
-    "stream": False,
-}
+GOOD = clone_body(stream=False)
 AT_LIMIT = {
     "error": {
         "message": "server is at its limit of 2 concurrent streams; retry later",

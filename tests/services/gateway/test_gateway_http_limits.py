@@ -4,7 +4,6 @@ read, and how a stream that fails mid-way ends (real uvicorn, raw sockets, a fak
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import socket
@@ -13,21 +12,14 @@ import time
 import httpx
 import pytest
 import uvicorn
-from gateway_fakes import build_gateway, free_port, wav_bytes
+from gateway_fakes import build_gateway, clone_body, free_port
 
 from qtts.request.errors import Unavailable
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.http_limits import header_timeout_protocol
 from services.gateway.server import _UvicornServer
 
-REF = base64.b64encode(wav_bytes(0.2)).decode()
-GOOD = {
-    "model": "tiny-base",
-    "input": "Hello there.",
-    "ref_audio": REF,
-    "x_vector_only_mode": True,
-    "response_format": "pcm",
-}
+GOOD = clone_body()
 
 
 @contextlib.asynccontextmanager

@@ -3,6 +3,7 @@ carry only its reference digest, and a talker that holds no prompt for it gets t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import grpc
@@ -48,6 +49,22 @@ class DigestTalker(talker_pb2_grpc.TalkerServiceServicer):
         )
 
 
+@contextlib.asynccontextmanager
+async def digest_talker():
+    """(a DigestTalker served on a free port, a TalkerClient of it)."""
+    talker = DigestTalker()
+    host = GrpcServiceHost(service_names=[service_full_name(talker_pb2, "TalkerService")], port=0)
+    talker_pb2_grpc.add_TalkerServiceServicer_to_server(talker, host.server)
+    await host.start()
+    await host.set_serving()
+    client = TalkerClient(f"127.0.0.1:{host.bound_port}")
+    try:
+        yield talker, client
+    finally:
+        await client.close()
+        await host.stop(0)
+
+
 def clone_job(i: int, text: str = "the reference words", pcm: np.ndarray = PCM) -> SynthesisJob:
     return SynthesisJob(
         request_id=f"req-{i}",
@@ -76,13 +93,7 @@ async def run(client: TalkerClient, job: SynthesisJob) -> int:
 
 
 async def test_a_clip_is_sent_once_then_by_digest_and_again_when_the_talker_lost_it():
-    talker = DigestTalker()
-    host = GrpcServiceHost(service_names=[service_full_name(talker_pb2, "TalkerService")], port=0)
-    talker_pb2_grpc.add_TalkerServiceServicer_to_server(talker, host.server)
-    await host.start()
-    await host.set_serving()
-    client = TalkerClient(f"127.0.0.1:{host.bound_port}")
-    try:
+    async with digest_talker() as (talker, client):
         assert await run(client, clone_job(0)) == 1
         assert await run(client, clone_job(1)) == 1
         first, second = talker.requests
@@ -101,25 +112,13 @@ async def test_a_clip_is_sent_once_then_by_digest_and_again_when_the_talker_lost
         assert not lost.reference_pcm_f32 and resent.reference_pcm_f32
         assert await run(client, clone_job(4)) == 1 and not talker.requests[-1].reference_pcm_f32
         assert len(talker.requests) == 6
-    finally:
-        await client.close()
-        await host.stop(0)
 
 
 async def test_a_request_without_a_clip_sends_no_digest():
-    talker = DigestTalker()
-    host = GrpcServiceHost(service_names=[service_full_name(talker_pb2, "TalkerService")], port=0)
-    talker_pb2_grpc.add_TalkerServiceServicer_to_server(talker, host.server)
-    await host.start()
-    await host.set_serving()
-    client = TalkerClient(f"127.0.0.1:{host.bound_port}")
-    try:
+    async with digest_talker() as (talker, client):
         preset = dataclasses.replace(clone_job(0), task="custom_voice", voice="vivian", reference_pcm=None)
         assert await run(client, preset) == 1
         assert not talker.requests[-1].reference_digest and not talker.requests[-1].reference_pcm_f32
-    finally:
-        await client.close()
-        await host.stop(0)
 
 
 def test_sent_references_is_a_bounded_lru():
@@ -154,26 +153,20 @@ def test_a_decoded_clip_is_hashed_once_by_identity_text_and_mode():
 async def test_a_repeated_clip_is_neither_copied_nor_hashed_again(monkeypatch):
     import services.gateway.talker_client as tc
 
-    talker = DigestTalker()
-    host = GrpcServiceHost(service_names=[service_full_name(talker_pb2, "TalkerService")], port=0)
-    talker_pb2_grpc.add_TalkerServiceServicer_to_server(talker, host.server)
-    await host.start()
-    await host.set_serving()
-    client = TalkerClient(f"127.0.0.1:{host.bound_port}")
-    calls = {"bytes": 0, "digest": 0}
-    real_bytes, real_digest = tc.reference_bytes, tc.reference_digest
+    async with digest_talker() as (talker, client):
+        calls = {"bytes": 0, "digest": 0}
+        real_bytes, real_digest = tc.reference_bytes, tc.reference_digest
 
-    def counted_bytes(job):
-        calls["bytes"] += 1
-        return real_bytes(job)
+        def counted_bytes(job):
+            calls["bytes"] += 1
+            return real_bytes(job)
 
-    def counted_digest(*args):
-        calls["digest"] += 1
-        return real_digest(*args)
+        def counted_digest(*args):
+            calls["digest"] += 1
+            return real_digest(*args)
 
-    monkeypatch.setattr(tc, "reference_bytes", counted_bytes)
-    monkeypatch.setattr(tc, "reference_digest", counted_digest)
-    try:
+        monkeypatch.setattr(tc, "reference_bytes", counted_bytes)
+        monkeypatch.setattr(tc, "reference_digest", counted_digest)
         for i in range(3):
             assert await run(client, clone_job(i)) == 1
         assert calls == {"bytes": 1, "digest": 1}
@@ -181,6 +174,3 @@ async def test_a_repeated_clip_is_neither_copied_nor_hashed_again(monkeypatch):
         talker.known.clear()  # lost there: the clip is copied (not hashed) once more
         assert await run(client, clone_job(9)) == 1
         assert calls == {"bytes": 2, "digest": 1} and talker.requests[-1].reference_pcm_f32
-    finally:
-        await client.close()
-        await host.stop(0)
