@@ -63,6 +63,29 @@ def reference_bytes(job: SynthesisJob) -> bytes:
     return np.ascontiguousarray(job.reference_pcm, dtype="<f4").tobytes()
 
 
+class _Lru:
+    """A bounded map, least recently used out first (a lookup counts as a use)."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        if key not in self._entries:
+            return None
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def put(self, key, value) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def discard(self, key) -> None:
+        self._entries.pop(key, None)
+
+
 class ClipDigests:
     """The reference digest of each decoded clip the gateway holds (its reference cache hands every
     request with one clip the same read-only array), so a repeated clip is not copied and hashed
@@ -71,29 +94,22 @@ class ClipDigests:
     the mode; an LRU of `max_entries`."""
 
     def __init__(self, max_entries: int = 1024):
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[int, str, bool], tuple[weakref.ref, str]] = OrderedDict()
+        self._lru = _Lru(max_entries)  # key -> (weak reference to the array, digest)
 
     @staticmethod
     def _key(job: SynthesisJob) -> tuple[int, str, bool]:
         return id(job.reference_pcm), job.reference_text or "", bool(job.x_vector_only)
 
     def get(self, job: SynthesisJob) -> str | None:
-        key = self._key(job)
-        entry = self._entries.get(key)
-        if entry is None or entry[0]() is not job.reference_pcm:
-            return None
-        self._entries.move_to_end(key)
-        return entry[1]
+        entry = self._lru.get(self._key(job))
+        return entry[1] if entry is not None and entry[0]() is job.reference_pcm else None
 
     def put(self, job: SynthesisJob, digest: str) -> None:
         try:
             ref = weakref.ref(job.reference_pcm)
         except TypeError:  # not an object that takes weak references: not kept
             return
-        self._entries[self._key(job)] = (ref, digest)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._lru.put(self._key(job), (ref, digest))
 
 
 class SentReferences:
@@ -101,23 +117,16 @@ class SentReferences:
     `max_entries`): the next request with one sends only its digest (qtts.streams.voice_key)."""
 
     def __init__(self, max_entries: int = 4096):
-        self.max_entries = max_entries
-        self._digests: OrderedDict[str, None] = OrderedDict()
+        self._lru = _Lru(max_entries)
 
     def __contains__(self, digest: str) -> bool:
-        if digest in self._digests:
-            self._digests.move_to_end(digest)
-            return True
-        return False
+        return self._lru.get(digest) is not None
 
     def add(self, digest: str) -> None:
-        self._digests[digest] = None
-        self._digests.move_to_end(digest)
-        while len(self._digests) > self.max_entries:
-            self._digests.popitem(last=False)
+        self._lru.put(digest, True)
 
     def discard(self, digest: str) -> None:
-        self._digests.pop(digest, None)
+        self._lru.discard(digest)
 
 
 async def _stream_requests(
