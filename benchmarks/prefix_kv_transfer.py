@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -38,16 +37,11 @@ from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.sequence import Sequence
 from qtts.engine.slot_scheduler import PrefillChunk
 from qtts.model import load_talker_bundle
+from services.launcher import free_port
 
 
 def _median_ms(fn, iters: int) -> float:
     return median_wall_s(fn, iters) * 1e3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
@@ -68,7 +62,7 @@ class RedisServer:
         except ImportError as exc:
             self.error = f"redis-py missing: {exc}"
             return self
-        port = _free_port()
+        port = free_port()
         env = dict(os.environ)
         libdir = str(Path(self.binary).resolve().parent)
         env["LD_LIBRARY_PATH"] = libdir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")

@@ -21,6 +21,7 @@ import base64
 import io
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -55,11 +56,52 @@ class StartupInterrupted(StartupError):
     """A stop (Ctrl-C/SIGTERM) came before every service was SERVING."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for tests and side-by-side stacks)."""
+_EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PICKED_PORT = 20000
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux's default where unreadable)."""
+    try:
+        low, high = (int(v) for v in _EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free now that this process has not handed out before (tests, stacks side by side).
+
+    It is drawn outside the kernel's ephemeral range, so the outgoing connections of the processes
+    around (a gRPC channel, a Redis client) cannot take it between this call and the service's bind,
+    and it is never the same as an earlier answer, so two services of one stack never share a port.
+    """
+    low, high = _ephemeral_range()
+    if low - _LOWEST_PICKED_PORT >= 1000:
+        candidates = range(_LOWEST_PICKED_PORT, low)
+    elif 65535 - high >= 1000:
+        candidates = range(high + 1, 65536)
+    else:
+        candidates = range(1024, 65536)
+    rng = random.Random()
+    with _handed_out_lock:
+        for _ in range(1000):
+            port = rng.choice(candidates)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+    raise RuntimeError(f"no free TCP port found on {host} in {candidates.start}-{candidates.stop - 1}")
 
 
 def default_code2wav_ports(n: int, first: int = 50053, skip: int = 50054) -> tuple[int, ...]:

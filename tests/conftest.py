@@ -49,7 +49,7 @@ def grpc_host_factory():
 
 @pytest.fixture
 def free_tcp_port() -> int:
-    from tests.grpc_helpers import free_port
+    from services.launcher import free_port
 
     return free_port()
 

@@ -1,10 +1,9 @@
 """Helpers of the gRPC tests (tests/qtts, tests/services): real `grpc.aio` servers on ephemeral
-ports, free ports, a fake incremental decoder, a bidi-stream driver. tests/conftest.py offers them as
+ports, a fake incremental decoder, a bidi-stream driver. tests/conftest.py offers them as
 fixtures."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,13 +12,6 @@ import grpc
 
 from qtts.serving.grpc_server import GrpcServiceHost
 from qtts.serving.metrics import ServiceMetrics
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @asynccontextmanager

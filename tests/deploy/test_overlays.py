@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
 import time
 
@@ -28,6 +27,7 @@ from test_manifests import (
 )
 
 from qtts.request.errors import ResourceExhausted
+from services.launcher import free_port
 from services.speaker_cache.records import PromptRecord, VoiceRecord
 from services.speaker_cache.redis_store import RedisStore
 
@@ -158,12 +158,6 @@ def test_redis_is_a_statefulset_on_a_claim_with_aof_and_volatile_lru(source, cha
 # ---------------------------------------------------------------- the eviction policy, for real
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def small_redis(tmp_path, chart):  # noqa: F811
     """A redis-server with the deployed eviction policy and 4 MB of memory."""
@@ -173,7 +167,7 @@ def small_redis(tmp_path, chart):  # noqa: F811
     (redis,) = [d for d in of_kind(stack_docs("kustomize", chart), "StatefulSet") if component(d) == "redis"]
     args = container(redis)["args"]
     policy = args[args.index("--maxmemory-policy") + 1]
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             exe,

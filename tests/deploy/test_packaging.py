@@ -227,16 +227,9 @@ def _tone_wav(seconds: float = 1.0, rate: int = 24000) -> bytes:
 
 
 def _free_ports(n: int) -> list[int]:
-    import socket
+    from services.launcher import free_port
 
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return [free_port() for _ in range(n)]
 
 
 def _http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
+from services import launcher
 from services.launcher import (
     ServiceSpec,
     StackConfig,
@@ -24,6 +27,25 @@ def test_default_ports_skip_speaker_cache():
     assert default_code2wav_ports(1) == (50053,)
     assert default_code2wav_ports(3) == (50053, 50055, 50056)
     assert default_code2wav_ports(2, 9103, 9104) == (9103, 9105)
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
+    low, high = launcher._ephemeral_range()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(not low <= p <= high for p in ports)
+    for port in ports[:20]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_port_something_listens_on_is_not_taken_for_free():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        assert not launcher._bindable("127.0.0.1", taken)
+    assert launcher._bindable("127.0.0.1", taken)
 
 
 def test_cli_builds_a_stack_config():

@@ -26,6 +26,7 @@ from services.gateway.config import config_from_args as gateway_config_from_args
 from services.gateway.server import GatewayServer
 from services.gateway.talker_client import TalkerClient
 from services.gateway.voice_client import VoiceClient
+from services.launcher import free_port
 from services.speaker_cache.config import config_from_args as sc_config_from_args
 from services.speaker_cache.server import SpeakerCacheServer
 from services.talker.config import config_from_args as talker_config_from_args
@@ -36,7 +37,7 @@ from tests.qtts.serving.stage_servers import (
     speaker_cache_server,
     voice_clone_job,
 )
-from tests.services.talker.stack import eventually, free_port
+from tests.services.talker.stack import eventually
 from tests.tls_certs import SERVICE_NAME, TestCA
 
 

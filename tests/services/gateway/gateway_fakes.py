@@ -6,7 +6,6 @@ import asyncio
 import base64
 import contextlib
 import io
-import socket
 import wave
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ from services.gateway.stream_limits import StreamLimits
 from services.gateway.validation import RequestLimits
 from services.gateway.voice_client import VoiceInfo
 from services.gateway.voices import VoiceService
+from services.launcher import free_port
 
 FRAME = 1920
 
@@ -186,12 +186,6 @@ def build_gateway(
     store = FakeVoiceStore()
     voices = VoiceService(store, fake_decode, lambda: catalog, max_audio_bytes=1 << 20)
     return GatewayUnderTest(talker, store, synth, metrics, voices)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import socket
 
 import grpc
 import httpx
@@ -14,6 +13,7 @@ from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.request.errors import Unavailable, redact_internal
 from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.gateway.grpc_servicer import TextToSpeechServicer
+from services.launcher import free_port
 from services.speaker_cache.redis_store import RedisStore
 
 LEAKY = Unavailable(
@@ -66,9 +66,7 @@ async def test_http_and_grpc_errors_name_no_internal_address():
 
 
 async def test_a_redis_outage_message_names_no_address():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     store = RedisStore(f"redis://127.0.0.1:{port}/0", timeout_s=0.5)
     try:
         with pytest.raises(Unavailable) as info:

@@ -17,6 +17,7 @@ import pytest
 
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 from qtts.request.errors import InvalidArgument, Unavailable
+from services.launcher import free_port
 from services.speaker_cache.config import config_from_args, redacted_url
 from services.speaker_cache.records import VoiceRecord
 from services.speaker_cache.server import SpeakerCacheServer, build_store
@@ -26,12 +27,6 @@ PASSWORD = "default-pw-7Hq"
 USER, USER_PASSWORD = "tts", "acl-pw-Z3k"
 WRONG = "wrong-pw-Xe9"
 SECRETS = (PASSWORD, USER_PASSWORD, WRONG)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _redis_server(tmp_path: Path, *args: str) -> subprocess.Popen:
@@ -74,7 +69,7 @@ def _stop(proc: subprocess.Popen) -> None:
 @pytest.fixture
 def redis_port(tmp_path):
     """A redis-server whose default user needs PASSWORD and with an ACL user USER."""
-    port = _free_port()
+    port = free_port()
     proc = _redis_server(
         tmp_path,
         "--port",
@@ -207,7 +202,7 @@ def test_redacted_url():
 def tls_redis(tmp_path):
     """A redis-server that speaks only TLS (certificates of a test CA) and wants PASSWORD."""
     files = TestCA(tmp_path / "pki").issue("redis")
-    port = _free_port()
+    port = free_port()
     proc = _redis_server(
         tmp_path,
         "--port",

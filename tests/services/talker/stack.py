@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -39,13 +38,6 @@ class TalkerStack:
 
     def gauge(self, name: str) -> float:
         return self.talker.metrics.registry.get_sample_value(name) or 0.0
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (nothing listens there)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def start_replica(servicer: Any) -> Replica:

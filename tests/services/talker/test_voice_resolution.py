@@ -15,8 +15,9 @@ from qtts.streams.voice_key import (
     voice_prompt_key,
     voice_prompt_key_for_digest,
 )
+from services.launcher import free_port
 from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
-from tests.services.talker.stack import eventually, free_port, generate_all, speaker_cache, talker_stack
+from tests.services.talker.stack import eventually, generate_all, speaker_cache, talker_stack
 
 PCM = (np.cos(np.arange(12000) / 7) * 0.2).astype("<f4")
 
