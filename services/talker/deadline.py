@@ -215,6 +215,32 @@ class ScheduledRequest:
         return slack - self.frames_to_next_chunk() * step_s
 
 
+@dataclass
+class _SortedStreams:
+    """The running streams sorted by one plan: what must step, what may ride along, and the
+    bounds the urgent ones set."""
+
+    urgent: list[ScheduledRequest] = field(default_factory=list)
+    optional: list[tuple[float, ScheduledRequest]] = field(default_factory=list)  # (lead, stream)
+    prefilling: list[ScheduledRequest] = field(default_factory=list)  # admitted, not prefilled
+    playing: int = 0
+    critical: bool = False  # a stream must step now (a first chunk, or short of audio)
+    wake_at: float = math.inf
+    tightest: float = math.inf  # time left of the tightest stream with audio, still on time
+    frame_budget: float = math.inf  # longest step the urgent streams' next chunks allow
+
+    def add_first_chunk(self, req: ScheduledRequest, step_s: float) -> None:
+        self.urgent.append(req)
+        self.critical = True
+        self.frame_budget = min(self.frame_budget, step_s)
+
+    def add_urgent(self, req: ScheduledRequest, now: float, left: float, critical_s: float) -> None:
+        self.urgent.append(req)
+        self.critical = self.critical or left < critical_s
+        need = req.frames_to_next_chunk()
+        self.frame_budget = min(self.frame_budget, max(req.slack_s(now), 0.0) / need)
+
+
 def _length_frames(req: ScheduledRequest) -> Any:
     """A stream's expected length in frames (0 or None: unknown)."""
     return (
@@ -457,17 +483,15 @@ class DeadlineScheduler:
         plan = StepPlan()
         self._refuse_expired(now, plan)
         self._admit(now, plan)
-        pol = self.policy
         model = self.admission.model if self.admission is not None else None
         step_s = model.predict(len(self.running)) if model is not None else 0.0
-        urgent: list[ScheduledRequest] = []
-        optional: list[tuple[float, ScheduledRequest]] = []  # (lead, stream) under the max lead
-        wake_at = math.inf
-        tightest = math.inf  # time left of the tightest stream with audio, still on time
-        frame_budget = math.inf  # longest step the urgent streams' next chunks allow
-        prefilling: list[ScheduledRequest] = []  # admitted, prompt not yet prefilled
-        playing = 0
-        critical = False  # a stream that must step now (a first chunk, or short of audio)
+        return self._decide_step(plan, now, model, self._sort_running(plan, now, step_s))
+
+    def _sort_running(self, plan: StepPlan, now: float, step_s: float) -> _SortedStreams:
+        """The running streams by what the next step owes them: skipped (no text, no credit, far
+        enough ahead), urgent, optional riders, or admitted and waiting for their prefill."""
+        pol = self.policy
+        out = _SortedStreams()
         # Under a backlog a playing stream is urgent only under the backlog lead; those between
         # it and the urgent lead ("soon") wait as optional riders, and become urgent again when
         # the plan finds no backlog after all (nothing waiting to start or to be prefilled).
@@ -485,21 +509,16 @@ class DeadlineScheduler:
             if not req.clock_running:
                 # Before its first audio is handed on, a stream is the most urgent work there is.
                 if not req.stepped:
-                    prefilling.append(req)  # urgent too, unless its prefill waits for company
-                    continue
-                urgent.append(req)
-                critical = True
-                frame_budget = min(frame_budget, pol.first_chunk_step_s)
+                    out.prefilling.append(req)  # urgent too, unless its prefill waits for company
+                else:
+                    out.add_first_chunk(req, pol.first_chunk_step_s)
                 continue
-            playing += 1
+            out.playing += 1
             left = req.time_left_s(now, step_s)
             if req.slack_s(now) >= 0:  # a stream already dry (a slow reader) sets no budget
-                tightest = min(tightest, left)
+                out.tightest = min(out.tightest, left)
             if left < backlog_lead:
-                urgent.append(req)
-                critical = critical or left < pol.critical_s
-                need = req.frames_to_next_chunk()
-                frame_budget = min(frame_budget, max(req.slack_s(now), 0.0) / need)
+                out.add_urgent(req, now, left, pol.critical_s)
                 continue
             lead = req.lead_s(now, pol.frame_s)
             if left < pol.urgent_lead_s:
@@ -509,71 +528,55 @@ class DeadlineScheduler:
                 plan.skip.add(rid)
                 plan.num_paused += 1
             else:
-                optional.append((lead, req))
-            wake_at = min(wake_at, now + left - pol.urgent_lead_s)
-        if soon:
-            if self.waiting or prefilling:
-                optional.extend((lead, req) for lead, req, _ in soon)
-                wake_at = min(wake_at, now + min(left for _, _, left in soon) - backlog_lead)
-            else:  # no backlog: the usual urgency
-                for _, req, left in soon:
-                    urgent.append(req)
-                    critical = critical or left < pol.critical_s
-                    need = req.frames_to_next_chunk()
-                    frame_budget = min(frame_budget, max(req.slack_s(now), 0.0) / need)
-        return self._decide_step(
-            plan, now, model, urgent, optional, prefilling, playing, critical, wake_at, tightest, frame_budget
-        )
+                out.optional.append((lead, req))
+            out.wake_at = min(out.wake_at, now + left - pol.urgent_lead_s)
+        if soon and (self.waiting or out.prefilling):
+            out.optional.extend((lead, req) for lead, req, _ in soon)
+            out.wake_at = min(out.wake_at, now + min(left for _, _, left in soon) - backlog_lead)
+        else:  # no backlog: the usual urgency
+            for _, req, left in soon:
+                out.add_urgent(req, now, left, pol.critical_s)
+        return out
 
     def _decide_step(
-        self,
-        plan: StepPlan,
-        now: float,
-        model: StepModel | None,
-        urgent: list[ScheduledRequest],
-        optional: list[tuple[float, ScheduledRequest]],
-        prefilling: list[ScheduledRequest],
-        playing: int,
-        critical: bool,
-        wake_at: float,
-        tightest: float,
-        frame_budget: float,
+        self, plan: StepPlan, now: float, model: StepModel | None, streams: _SortedStreams
     ) -> StepPlan:
-        """`plan`'s second half, once it has sorted the running streams into urgent, optional and
-        prefilling: hold or join the prompts waiting for their prefill, then sleep until the first
-        stream is due, or step the urgent streams and as many optional ones as the budget allows."""
+        """`plan`'s second half, once the running streams are sorted: hold or join the prompts
+        waiting for their prefill, then sleep until the first stream is due, or step the urgent
+        streams and as many optional ones as the budget allows."""
         pol = self.policy
+        urgent, optional, prefilling = streams.urgent, streams.optional, streams.prefilling
         hold_prefill = False
         if prefilling:
-            until = self._coalesce_until(prefilling, playing, now)
+            until = self._coalesce_until(prefilling, streams.playing, now)
             if until is None:
-                urgent.extend(prefilling)
-                critical = True
-                frame_budget = min(frame_budget, pol.first_chunk_step_s)
+                for req in prefilling:
+                    streams.add_first_chunk(req, pol.first_chunk_step_s)
             else:
                 hold_prefill = True
-                wake_at = min(wake_at, until)
-        if urgent and not critical and now < self._last_step_at + pol.min_step_interval_s:
+                streams.wake_at = min(streams.wake_at, until)
+        if urgent and not streams.critical and now < self._last_step_at + pol.min_step_interval_s:
             # Due, but none short: wait for the streams falling under the lead bound to join.
-            wake_at = min(wake_at, self._last_step_at + pol.min_step_interval_s)
+            streams.wake_at = min(streams.wake_at, self._last_step_at + pol.min_step_interval_s)
             urgent = []
         if not urgent:
             # Nobody is due yet: sleep until the first stream will be.
             plan.skip.update(r.request_id for _, r in optional)
             plan.skip.update(r.request_id for r in prefilling)
-            plan.wake_at = None if math.isinf(wake_at) else wake_at
+            plan.wake_at = None if math.isinf(streams.wake_at) else streams.wake_at
             return plan
         self._last_step_at = now
         # As wide as the tightest urgent stream allows: the streams least ahead join first.
         optional.sort(key=lambda item: item[0])
         room = len(optional)
-        if model is not None and not math.isinf(frame_budget) and model.per_stream_s > 0:
-            room = int((frame_budget - model.base_s) / model.per_stream_s) - len(urgent)
+        budget = streams.frame_budget
+        if model is not None and not math.isinf(budget) and model.per_stream_s > 0:
+            room = int((budget - model.base_s) / model.per_stream_s) - len(urgent)
             room = max(0, min(room, len(optional)))
         plan.stepping = urgent + [r for _, r in optional[:room]]
         plan.skip.update(r.request_id for _, r in optional[room:])
         plan.step = True
-        plan.prefill_budget = 0 if hold_prefill else self._prefill_budget(tightest)
+        plan.prefill_budget = 0 if hold_prefill else self._prefill_budget(streams.tightest)
         return plan
 
     def _coalesce_until(self, prefilling: list[ScheduledRequest], playing: int, now: float) -> float | None:
