@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ import torch
 from qtts.decode_engine.batcher import BatchPlanner, PieceCollector, PlannerConfig, WorkItem
 from qtts.decode_engine.runner import PRECISIONS, StepRunner
 from qtts.decode_engine.slots import SlotPool
+from qtts.lru import BoundedLru
 from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -110,7 +110,9 @@ class SlotDecoder:
         self._ids = itertools.count(1)
         self._live: dict[int, SlotState] = {}
         # Prefix digest -> (slot snapshot, frames); hits/misses count starts with a prefix.
-        self._prefix_states: OrderedDict[bytes, tuple[dict[str, torch.Tensor], int]] = OrderedDict()
+        self._prefix_states: BoundedLru[bytes, tuple[dict[str, torch.Tensor], int]] = BoundedLru(
+            self.config.prefix_cache_entries
+        )
         self.prefix_hits = 0
         self.prefix_misses = 0
 
@@ -247,7 +249,6 @@ class SlotDecoder:
         key = hashlib.sha256(repr(tuple(host.shape)).encode() + host.numpy().tobytes()).digest()
         cached = self._prefix_states.get(key)
         if cached is not None:
-            self._prefix_states.move_to_end(key)
             self.prefix_hits += 1
             snap, frames = cached
             self.pool.restore(state.slot, snap)
@@ -255,9 +256,7 @@ class SlotDecoder:
             return
         self.prefix_misses += 1
         self._decode_prefix(state, prefix)
-        self._prefix_states[key] = (self.pool.snapshot(state.slot), state.frames)
-        while len(self._prefix_states) > entries:
-            self._prefix_states.popitem(last=False)
+        self._prefix_states.put(key, (self.pool.snapshot(state.slot), state.frames))
 
     def _decode_prefix(self, state: SlotState, prefix: torch.Tensor) -> None:
         """Run a reference prefix through the decoder, keeping only its state.

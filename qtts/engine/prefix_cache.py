@@ -9,9 +9,14 @@ step, before any insertion can evict the entry.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
+
+from qtts.lru import BoundedLru
+
+
+def _nbytes(kv: tuple[torch.Tensor, torch.Tensor]) -> int:
+    k, v = kv
+    return k.numel() * k.element_size() + v.numel() * v.element_size()
 
 
 class PrefixCache:
@@ -21,14 +26,15 @@ class PrefixCache:
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.bytes_used = 0
+        self._entries: BoundedLru[str, tuple[torch.Tensor, torch.Tensor]] = BoundedLru(
+            max_cost=max_bytes, cost=_nbytes
+        )
         self.hits = 0
         self.misses = 0
 
-    @staticmethod
-    def _nbytes(k: torch.Tensor, v: torch.Tensor) -> int:
-        return k.numel() * k.element_size() + v.numel() * v.element_size()
+    @property
+    def bytes_used(self) -> int:
+        return self._entries.cost_used
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -42,23 +48,15 @@ class PrefixCache:
         if entry is None:
             self.misses += 1
             return 0
-        self._entries.move_to_end(key)
         self.hits += 1
         return int(entry[0].shape[2])
 
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._entries[key]
+        entry = self._entries.peek(key)
+        if entry is None:
+            raise KeyError(key)
+        return entry
 
     def put(self, key: str, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Insert (or refresh) an entry; returns False when it alone exceeds the budget."""
-        size = self._nbytes(keys, values)
-        if size > self.max_bytes:
-            return False
-        if key in self._entries:
-            self.bytes_used -= self._nbytes(*self._entries.pop(key))
-        while self._entries and self.bytes_used + size > self.max_bytes:
-            _, (k, v) = self._entries.popitem(last=False)
-            self.bytes_used -= self._nbytes(k, v)
-        self._entries[key] = (keys, values)
-        self.bytes_used += size
-        return True
+        return self._entries.put(key, (keys, values))

@@ -25,11 +25,11 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from qtts.lru import BoundedLru
 from qtts.model.config import ModelConfig
 from qtts.model.text_feed import TextFeed
 from qtts.model.tokenizer import encode
@@ -182,9 +182,8 @@ class PromptBuilder:
         # Embeddings that do not depend on the target text (special tokens, roles, codec ids and
         # each voice's speaker embedding and reference frames), kept so a request's prompt costs
         # a few device calls, not dozens: one prompt thread builds every prompt in the talker.
-        self._memo: OrderedDict[tuple, object] = OrderedDict()
+        self._memo: BoundedLru[tuple, object] = BoundedLru(512)
         self._memo_lock = threading.Lock()
-        self.memo_entries = 512
 
     # -- helpers ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -210,14 +209,11 @@ class PromptBuilder:
         """`make()`, computed once per key (LRU); the result is shared and never written to."""
         with self._memo_lock:
             hit = self._memo.get(key)
-            if hit is not None:
-                self._memo.move_to_end(key)
-                return hit
+        if hit is not None:
+            return hit
         value = make()
         with self._memo_lock:
-            self._memo[key] = value
-            while len(self._memo) > self.memo_entries:
-                self._memo.popitem(last=False)
+            self._memo.put(key, value)
         return value
 
     def _text(self, ids: list[int]) -> torch.Tensor:

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
+
+from qtts.lru import BoundedLru
+
+
+def _nbytes(pcm: np.ndarray) -> int:
+    return pcm.nbytes
 
 
 class DecodedReferenceCache:
@@ -33,11 +38,14 @@ class DecodedReferenceCache:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self._decode = decode
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._entries: BoundedLru[bytes, np.ndarray] = BoundedLru(max_cost=max_bytes, cost=_nbytes)
         self._lock = threading.Lock()
-        self.bytes_used = 0
         self._on_hit = on_hit or (lambda: None)
         self._on_miss = on_miss or (lambda: None)
+
+    @property
+    def bytes_used(self) -> int:
+        return self._entries.cost_used
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -50,8 +58,6 @@ class DecodedReferenceCache:
     def _lookup(self, key: bytes) -> np.ndarray | None:
         with self._lock:
             pcm = self._entries.get(key)
-            if pcm is not None:
-                self._entries.move_to_end(key)
         if pcm is not None:
             self._on_hit()
         return pcm
@@ -64,13 +70,7 @@ class DecodedReferenceCache:
         self._on_miss()
         pcm = np.asarray(self._decode(data))
         pcm.setflags(write=False)
-        size = pcm.nbytes
-        if size <= self.max_bytes:
-            with self._lock:
-                if key not in self._entries:
-                    self._entries[key] = pcm
-                    self.bytes_used += size
-                while self.bytes_used > self.max_bytes:
-                    _, old = self._entries.popitem(last=False)
-                    self.bytes_used -= old.nbytes
+        with self._lock:
+            if key not in self._entries:
+                self._entries.put(key, pcm)
         return pcm

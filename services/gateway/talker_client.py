@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
 
+from qtts.lru import BoundedLru
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.request.errors import FailedPrecondition, Unavailable, from_grpc
 from qtts.request.sampling_pb import overrides_to_pb
@@ -63,29 +63,6 @@ def reference_bytes(job: SynthesisJob) -> bytes:
     return np.ascontiguousarray(job.reference_pcm, dtype="<f4").tobytes()
 
 
-class _Lru:
-    """A bounded map, least recently used out first (a lookup counts as a use)."""
-
-    def __init__(self, max_entries: int):
-        self.max_entries = max_entries
-        self._entries: OrderedDict = OrderedDict()
-
-    def get(self, key):
-        if key not in self._entries:
-            return None
-        self._entries.move_to_end(key)
-        return self._entries[key]
-
-    def put(self, key, value) -> None:
-        self._entries[key] = value
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-
-    def discard(self, key) -> None:
-        self._entries.pop(key, None)
-
-
 class ClipDigests:
     """The reference digest of each decoded clip the gateway holds (its reference cache hands every
     request with one clip the same read-only array), so a repeated clip is not copied and hashed
@@ -94,7 +71,7 @@ class ClipDigests:
     the mode; an LRU of `max_entries`."""
 
     def __init__(self, max_entries: int = 1024):
-        self._lru = _Lru(max_entries)  # key -> (weak reference to the array, digest)
+        self._lru: BoundedLru = BoundedLru(max_entries)  # key -> (weak reference to the array, digest)
 
     @staticmethod
     def _key(job: SynthesisJob) -> tuple[int, str, bool]:
@@ -117,7 +94,7 @@ class SentReferences:
     `max_entries`): the next request with one sends only its digest (qtts.streams.voice_key)."""
 
     def __init__(self, max_entries: int = 4096):
-        self._lru = _Lru(max_entries)
+        self._lru: BoundedLru[str, bool] = BoundedLru(max_entries)
 
     def __contains__(self, digest: str) -> bool:
         return self._lru.get(digest) is not None
@@ -126,7 +103,7 @@ class SentReferences:
         self._lru.put(digest, True)
 
     def discard(self, digest: str) -> None:
-        self._lru.discard(digest)
+        self._lru.pop(digest)
 
 
 async def _stream_requests(

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from qtts.lru import BoundedLru
 from qtts.request.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from services.speaker_cache.records import ConsentRecord, PromptRecord, VoiceRecord
+
+
+def _nbytes(prompt: PromptRecord) -> int:
+    return prompt.nbytes
 
 
 class LruStore:
@@ -20,8 +25,7 @@ class LruStore:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.max_voices = max_voices
-        self._prompts: OrderedDict[str, PromptRecord] = OrderedDict()
-        self._prompt_bytes = 0
+        self._prompts: BoundedLru[str, PromptRecord] = BoundedLru(max_entries, max_bytes, _nbytes)
         self._voices: dict[str, VoiceRecord] = {}
         self._consents: OrderedDict[str, ConsentRecord] = OrderedDict()  # in creation order
 
@@ -31,28 +35,17 @@ class LruStore:
 
     @property
     def prompt_bytes(self) -> int:
-        return self._prompt_bytes
+        return self._prompts.cost_used
 
     async def ping(self) -> None:
         return None
 
     async def get_prompt(self, key: str) -> PromptRecord | None:
-        prompt = self._prompts.get(key)
-        if prompt is not None:
-            self._prompts.move_to_end(key)
-        return prompt
+        return self._prompts.get(key)
 
     async def put_prompt(self, key: str, prompt: PromptRecord) -> None:
-        old = self._prompts.pop(key, None)
-        if old is not None:
-            self._prompt_bytes -= old.nbytes
-        if prompt.nbytes > self.max_bytes:
-            return  # larger than the whole cache: not cached, like any evicted entry
-        self._prompts[key] = prompt
-        self._prompt_bytes += prompt.nbytes
-        while len(self._prompts) > self.max_entries or self._prompt_bytes > self.max_bytes:
-            _, evicted = self._prompts.popitem(last=False)
-            self._prompt_bytes -= evicted.nbytes
+        # One larger than the whole cache is not cached, like any evicted entry.
+        self._prompts.put(key, prompt)
 
     async def create_voice(self, voice: VoiceRecord, overwrite: bool) -> VoiceRecord:
         if voice.name in self._voices and not overwrite:

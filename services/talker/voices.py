@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
+from qtts.lru import BoundedLru
 from qtts.request.errors import FailedPrecondition, InvalidArgument, Unavailable
 from qtts.streams.voice_key import REFERENCE_NOT_CACHED, voice_prompt_key, voice_prompt_key_for_digest
 
@@ -61,8 +61,7 @@ class VoiceResolver:
         self._bundle = bundle
         self._cache = cache
         self._model_id = model_id
-        self._local: OrderedDict[str, Any] = OrderedDict()
-        self._local_entries = local_entries
+        self._local: BoundedLru[str, Any] = BoundedLru(local_entries)
         self._background: set[asyncio.Task] = set()
 
     async def resolve(self, req: GenerationRequest) -> Any:
@@ -88,9 +87,9 @@ class VoiceResolver:
     async def _held(self, key: str) -> tuple[Any, bool]:
         """(the prompt of `key` from this process or speaker_cache, or None; whether
         speaker_cache answered)."""
-        if key in self._local:
-            self._local.move_to_end(key)
-            return self._local[key], True
+        local = self._local.get(key)
+        if local is not None:
+            return local, True
         if self._cache.address is None:
             return None, False
         try:
@@ -152,10 +151,7 @@ class VoiceResolver:
         task.add_done_callback(self._background.discard)
 
     def _remember(self, key: str, prompt: Any) -> None:
-        self._local[key] = prompt
-        self._local.move_to_end(key)
-        while len(self._local) > self._local_entries:
-            self._local.popitem(last=False)
+        self._local.put(key, prompt)
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Let pending stores finish (briefly), then cancel what is left."""
