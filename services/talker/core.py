@@ -99,6 +99,12 @@ class TalkerCore:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
         checked = check_request(req, self.info)
         sampling = merge_sampling(self.bundle.generation_defaults, req.sampling)
+        in_engine = text is None and hasattr(self.bundle, "build_prompt_async")
+        if text is None:
+            # The at-once refusals before the voice too: a refused request costs no voice prompt
+            # (a speaker_cache round trip, or the encoders on the GPU for a new clip). They run
+            # again where the prompt is queued, over the prompts queued meanwhile.
+            self._refuse_at_once(in_engine)
         voice_prompt = None
         if checked.task == Task.VOICE_CLONE:
             with self._metrics.stage_timer("voice_prompt"):
@@ -107,7 +113,7 @@ class TalkerCore:
         # for the GPU (behind the engine's step), which must never block the event loop.
         queued_at = time.perf_counter()
         open_text = None
-        if text is None and hasattr(self.bundle, "build_prompt_async"):
+        if in_engine:
             prompt, ref_codes = await self._build_in_engine(req, checked, voice_prompt, queued_at)
         elif text is None:
             prompt, ref_codes = await self._build_in_thread(req, checked, voice_prompt, queued_at)
@@ -134,8 +140,7 @@ class TalkerCore:
     ) -> tuple[Any, np.ndarray | None]:
         """The prompt built in this process's prompt thread, after the at-once refusals (a full
         prompt queue, then the engine's admission counting the prompts ahead)."""
-        self._check_prompt_queue()
-        self._engine.check_admission(self._prompts_waiting)
+        self._refuse_at_once(in_engine=False)
         self._prompts_waiting += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(
@@ -312,6 +317,14 @@ class TalkerCore:
         self._metrics.observe_stage("build_prompt", built_s)
         self._observe_build(built_s)
         return prompt, reference_rows(prompt)
+
+    def _refuse_at_once(self, in_engine: bool) -> None:
+        """The refusals a request gets before it queues for its prompt: a full prompt queue, then
+        (prompts built in this process) the engine's admission counting the prompts ahead. With
+        the engine in its own process, that process applies its admission when the build comes."""
+        self._check_prompt_queue()
+        if not in_engine:
+            self._engine.check_admission(self._prompts_waiting)
 
     def _check_prompt_queue(self) -> None:
         """Refuse at once a request whose prompt would start being built past the budget."""
