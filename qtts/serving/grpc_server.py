@@ -431,6 +431,26 @@ class GrpcServiceHost:
         self.bound_port: int | None = None
         self.bound_metrics_port: int | None = None
 
+    @classmethod
+    def internal(cls, config: Any, service_name: str, metrics: ServiceMetrics) -> GrpcServiceHost:
+        """The host of an internal service (talker, code2wav, speaker_cache) from the settings
+        their configs share (qtts/serving/service_config.py): address, ports, drain, connection
+        aging where the service has it, the internal token and TLS."""
+        from qtts.serving.internal_auth import server_interceptors
+
+        return cls(
+            service_names=[service_name],
+            metrics=metrics,
+            host=config.host,
+            port=config.port,
+            metrics_port=config.metrics_port,
+            drain_seconds=config.drain_seconds,
+            max_connection_age_s=getattr(config, "max_connection_age_s", 0.0),
+            max_connection_age_grace_s=getattr(config, "max_connection_age_grace_s", 0.0),
+            interceptors=server_interceptors(config.internal_token),
+            credentials=config.tls.server_credentials(),
+        )
+
     def add_shutdown_callback(self, callback: Callable[[], Any]) -> None:
         """Run `callback` (sync or async) after the server stopped, in registration order."""
         self._shutdown_callbacks.append(callback)

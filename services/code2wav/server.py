@@ -12,7 +12,6 @@ from prometheus_client import CollectorRegistry
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 from qtts.serving.device_failure import DeviceFailure
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
-from qtts.serving.internal_auth import server_interceptors
 from qtts.serving.metrics import Code2WavMetrics
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.core import Code2WavCore, IncrementalDecoderLike
@@ -45,18 +44,7 @@ class Code2WavServer:
         self._decoder = decoder
         self._limits = limits
         self.engine: Code2WavCore | None = None
-        self.host = GrpcServiceHost(
-            service_names=[SERVICE_NAME],
-            metrics=self.metrics,
-            host=config.host,
-            port=config.port,
-            metrics_port=config.metrics_port,
-            drain_seconds=config.drain_seconds,
-            max_connection_age_s=config.max_connection_age_s,
-            max_connection_age_grace_s=config.max_connection_age_grace_s,
-            interceptors=server_interceptors(config.internal_token),
-            credentials=config.tls.server_credentials(),
-        )
+        self.host = GrpcServiceHost.internal(config, SERVICE_NAME, self.metrics)
         self.host.add_shutdown_callback(self._close_engine)
 
     async def start(self) -> int:

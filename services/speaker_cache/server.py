@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry
 
 from qtts.pb import speaker_cache_pb2, speaker_cache_pb2_grpc
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
-from qtts.serving.internal_auth import server_interceptors
 from qtts.serving.metrics import SpeakerCacheMetrics
 from services.speaker_cache.config import SpeakerCacheConfig, redacted_url
 from services.speaker_cache.core import SpeakerCacheCore
@@ -50,16 +49,7 @@ class SpeakerCacheServer:
         self.metrics = SpeakerCacheMetrics(CollectorRegistry())
         self.store = store if store is not None else build_store(config)
         self.cache = SpeakerCacheCore(self.store, self.metrics, max_audio_bytes=config.max_audio_bytes)
-        self.host = GrpcServiceHost(
-            service_names=[SERVICE_NAME],
-            metrics=self.metrics,
-            host=config.host,
-            port=config.port,
-            metrics_port=config.metrics_port,
-            drain_seconds=config.drain_seconds,
-            interceptors=server_interceptors(config.internal_token),
-            credentials=config.tls.server_credentials(),
-        )
+        self.host = GrpcServiceHost.internal(config, SERVICE_NAME, self.metrics)
         speaker_cache_pb2_grpc.add_SpeakerCacheServiceServicer_to_server(
             SpeakerCacheServicer(self.cache), self.host.server
         )

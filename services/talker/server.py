@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.serving.device_failure import DEVICE_FAILURE_EXIT_CODE, DeviceFailure
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
-from qtts.serving.internal_auth import server_interceptors
 from qtts.serving.metrics import TalkerMetrics
 from qtts.tiny_model import ensure_tiny_snapshot
 
@@ -141,18 +140,7 @@ class TalkerServer:
         self._generator_factory = generator_factory or generator_factory_for(config)
         self._spec_factory = spec_factory
         self._run_warm_up = run_warm_up
-        self.host = GrpcServiceHost(
-            service_names=[SERVICE_NAME],
-            metrics=self.metrics,
-            host=config.host,
-            port=config.port,
-            metrics_port=config.metrics_port,
-            drain_seconds=config.drain_seconds,
-            max_connection_age_s=config.max_connection_age_s,
-            max_connection_age_grace_s=config.max_connection_age_grace_s,
-            interceptors=server_interceptors(config.internal_token),
-            credentials=config.tls.server_credentials(),
-        )
+        self.host = GrpcServiceHost.internal(config, SERVICE_NAME, self.metrics)
         self.servicer = TalkerServicer()
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
         self.host.add_shutdown_callback(self._shutdown)
