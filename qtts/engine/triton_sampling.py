@@ -22,6 +22,8 @@ how the CPU tests check it against the reference.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 # The same Triton import guard and device check as the decode kernels (None without Triton).
@@ -201,19 +203,26 @@ def sample(
     u_out = torch.empty(b, dtype=torch.float32, device=logits.device) if return_uniform else out
     if uniform is None and (seed is None or frame is None):
         raise ValueError("seed and frame are needed when no uniform is given")
-    _launch(logits, temperature, top_k, top_p, greedy, seed, frame, uniform, out, u_out, codebook, num_warps)
+    rows = _Rows(temperature, top_k, top_p, greedy, seed, frame, uniform)
+    _launch(logits, rows, out, u_out, codebook, num_warps)
     return (out, u_out) if return_uniform else out
+
+
+class _Rows(NamedTuple):
+    """`sample`'s per-row arguments, as it takes them."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    seed: torch.Tensor | None
+    frame: torch.Tensor | None
+    uniform: torch.Tensor | None
 
 
 def _launch(
     logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    greedy: torch.Tensor,
-    seed: torch.Tensor | None,
-    frame: torch.Tensor | None,
-    uniform: torch.Tensor | None,
+    rows: _Rows,
     out: torch.Tensor,
     u_out: torch.Tensor,
     codebook: int,
@@ -222,6 +231,7 @@ def _launch(
     """`sample`'s kernel launch on the rows of `logits`, its arguments checked there (one program
     per row, none without rows); `u_out` is `out` unless the uniforms are to be written."""
     b, v = logits.shape
+    temperature, top_k, top_p, greedy, seed, frame, uniform = rows
     if uniform is None:
         u_arg, u_stride = temperature, 0
     else:
