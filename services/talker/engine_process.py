@@ -180,13 +180,13 @@ class _EngineWorker:
 
         from qtts.serving.grpc_server import settle_heap
 
+        from . import model_setup
         from .generation_loop import GenerationLoop
         from .metrics_merge import engine_metrics
-        from .server import generator_factory_for, load_bundle, scheduler_for
         from .warmup import warm_up
 
-        self.bundle = bundle = load_bundle(self.config)
-        generator = generator_factory_for(self.config)(bundle, self.config.max_batch)
+        self.bundle = bundle = model_setup.load_bundle(self.config)
+        generator = model_setup.generator_factory_for(self.config)(bundle, self.config.max_batch)
         if self._run_warm_up:
             warm_up(bundle, generator)
         device = getattr(bundle, "device", None)
@@ -194,7 +194,10 @@ class _EngineWorker:
             self._stream = torch.cuda.Stream(device=device)
         self.metrics = engine_metrics()
         self.loop = GenerationLoop(
-            generator, scheduler_for(self.config, generator), self.metrics, device_failure=self._fatal
+            generator,
+            model_setup.scheduler_for(self.config, generator),
+            self.metrics,
+            device_failure=self._fatal,
         )
         self.loop.start()
         fingerprint = getattr(bundle, "voice_encoder_fingerprint", None)

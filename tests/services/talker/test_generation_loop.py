@@ -196,7 +196,7 @@ def test_the_scheduler_starts_no_more_streams_than_the_generator_has_slots():
     from types import SimpleNamespace
 
     from services.talker.config import TalkerConfig
-    from services.talker.server import scheduler_for
+    from services.talker.model_setup import scheduler_for
 
     metrics = TalkerMetrics(CollectorRegistry())
     with pytest.raises(ValueError, match="starts up to 4 streams, the generator holds 2"):
