@@ -94,7 +94,7 @@ def build_prompts(bundle, count: int, prompt_len: int, seed: int = 0) -> list[Ta
 
 
 @dataclass
-class LevelRun:
+class CapacityLevel:
     """Book-keeping of one level: which requests are in, their last frame time, what was measured."""
 
     target: int
@@ -125,7 +125,7 @@ def run_level(
 ) -> dict[str, Any]:
     """Hold `n` requests in the engine (replacing each finished one), measure `args.measure_steps`
     steps once every initial request produced a frame."""
-    run = LevelRun(target=n)
+    run = CapacityLevel(target=n)
     frames = args.frames
 
     def add(length: int) -> str:
@@ -174,7 +174,7 @@ def run_level(
 
 
 def _record_step(
-    run: LevelRun, eng: GraphEngine, counter: PrefillCounter, running: int, step_ms: float
+    run: CapacityLevel, eng: GraphEngine, counter: PrefillCounter, running: int, step_ms: float
 ) -> None:
     """One measured step's time, batch, prefill traffic and queue lengths into `run`."""
     run.step_ms.append(step_ms)
@@ -190,7 +190,7 @@ def _record_step(
 
 
 def _take_outputs(
-    run: LevelRun, outs: list[Any], t1: float, measuring: bool, add: Callable[[int], str], frames: int
+    run: CapacityLevel, outs: list[Any], t1: float, measuring: bool, add: Callable[[int], str], frames: int
 ) -> None:
     """A step's outputs (made at `t1`): frame intervals and counts, the initial requests started,
     and a replacement of `frames` frames (`add`) for every finished request."""
@@ -212,13 +212,13 @@ def _take_outputs(
             run.arrivals += int(measuring)
 
 
-def _admit(eng: GraphEngine, run: LevelRun) -> None:
+def _admit(eng: GraphEngine, run: CapacityLevel) -> None:
     """Start the waiting requests while the engine has a free slot."""
     while run.waiting and eng.num_free_slots:
         eng.add(*run.waiting.popleft())
 
 
-def prefill_backlog(eng: GraphEngine, run: LevelRun) -> int:
+def prefill_backlog(eng: GraphEngine, run: CapacityLevel) -> int:
     """Prompt positions still to prefill: admitted requests' remainders plus the waiting prompts."""
     sched = eng.scheduler
     pending = sum(
@@ -250,7 +250,7 @@ class PrefillCounter:
         self._prefill(chunks)
 
 
-def summarize(run: LevelRun, warm_steps: int, args: argparse.Namespace) -> dict[str, Any]:
+def summarize(run: CapacityLevel, warm_steps: int, args: argparse.Namespace) -> dict[str, Any]:
     steps = run.step_ms
     iv = run.intervals_ms or [float("nan")]
     step_med = statistics.median(steps)

@@ -32,7 +32,7 @@ from qtts.streams.chunk_plan import ChunkPlan
 from qtts.streams.decode_events import DecodedAudio
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
-from services.code2wav.stream import DecodeStream, StreamLimits
+from services.code2wav.stream import CodecShape, DecodeStream
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Code2WavCore:
         max_batch: int = 64,
         plan: ChunkPlan | None = None,
         policy: CreditPolicy | None = None,
-        limits: StreamLimits | None = None,
+        codec_shape: CodecShape | None = None,
         max_prefix_frames: int = 2048,
         device: torch.device | str = "cpu",
         replica: str = "",
@@ -76,7 +76,7 @@ class Code2WavCore:
         self.max_batch = max_batch
         self.plan = plan or ChunkPlan()
         self.policy = policy or CreditPolicy()
-        self.limits = limits or StreamLimits()
+        self.codec_shape = codec_shape or CodecShape()
         self.max_prefix_frames = max_prefix_frames
         # Where codes go before decoding: the slot engine copies a whole step's codes at once.
         self.device = torch.device("cpu" if getattr(decoder, "accepts_host_codes", False) else device)
@@ -114,7 +114,7 @@ class Code2WavCore:
                 state = self.decoder.start(None)
                 try:
                     codes = torch.zeros(
-                        frames, self.limits.num_codebooks, dtype=torch.long, device=self.device
+                        frames, self.codec_shape.num_codebooks, dtype=torch.long, device=self.device
                     )
                     self.decoder.decode(state, codes)
                 finally:
@@ -133,9 +133,9 @@ class Code2WavCore:
         chunk_frames_ramp: Sequence[int] = (),
     ) -> DecodeStream:
         """Reserve a state slot (RESOURCE_EXHAUSTED when full) and start the decoder state."""
-        if num_codebooks != self.limits.num_codebooks:
+        if num_codebooks != self.codec_shape.num_codebooks:
             raise InvalidArgument(
-                f"num_codebooks is {num_codebooks}, this decoder takes {self.limits.num_codebooks}"
+                f"num_codebooks is {num_codebooks}, this decoder takes {self.codec_shape.num_codebooks}"
             )
         if prefix_codes is not None:
             if prefix_codes.shape[0] > self.max_prefix_frames:
@@ -143,15 +143,15 @@ class Code2WavCore:
                     f"{prefix_codes.shape[0]} prefix frames, at most {self.max_prefix_frames} are accepted"
                 )
             if len(prefix_codes) and (
-                prefix_codes.min() < 0 or prefix_codes.max() >= self.limits.codebook_size
+                prefix_codes.min() < 0 or prefix_codes.max() >= self.codec_shape.codebook_size
             ):
-                raise InvalidArgument(f"prefix codes must lie in [0, {self.limits.codebook_size})")
+                raise InvalidArgument(f"prefix codes must lie in [0, {self.codec_shape.codebook_size})")
         try:
             plan = ChunkPlan.from_request(first_chunk_frames, chunk_frames_ramp, self.plan)
         except ValueError as exc:
             raise InvalidArgument(f"bad chunk plan: {exc}") from None
         stream = DecodeStream(
-            request_id, plan, self.policy, self.limits, self.metrics, self.replica, clock=self.clock
+            request_id, plan, self.policy, self.codec_shape, self.metrics, self.replica, clock=self.clock
         )
         self.registry.add(stream)
         prefix = None if prefix_codes is None or not len(prefix_codes) else prefix_codes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qtts.tiny_model import ensure_tiny_snapshot
-from services.code2wav.stream import StreamLimits
+from services.code2wav.stream import CodecShape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -13,8 +13,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
 
 
-def _limits(decoder) -> StreamLimits:
-    return StreamLimits(
+def _codec_shape(decoder) -> CodecShape:
+    return CodecShape(
         num_codebooks=decoder.cfg.num_quantizers,
         codebook_size=decoder.cfg.codebook_size,
         samples_per_frame=decoder.samples_per_frame,
@@ -22,12 +22,12 @@ def _limits(decoder) -> StreamLimits:
 
 
 def load_incremental_decoder(model: str, *, load_format: str, device: str, dtype: str):
-    """(IncrementalDecoder, StreamLimits) for `model` (path, hub id, or a shipped config name for dummy)."""
+    """(IncrementalDecoder, CodecShape) for `model` (path, hub id, or a shipped config name for dummy)."""
     from qtts.model import IncrementalDecoder, load_codec_decoder
 
     path = model or str(ensure_tiny_snapshot())
     decoder = load_codec_decoder(path, device=device, dtype=DTYPES[dtype], load_format=load_format)
-    return IncrementalDecoder(decoder), _limits(decoder)
+    return IncrementalDecoder(decoder), _codec_shape(decoder)
 
 
 def load_slot_decoder(
@@ -39,7 +39,7 @@ def load_slot_decoder(
     max_states: int,
     prefix_cache_entries: int = 64,
 ):
-    """(SlotDecoder, StreamLimits): the GPU engine, its pool sized to --max-states, graphs captured
+    """(SlotDecoder, CodecShape): the GPU engine, its pool sized to --max-states, graphs captured
     here (minutes on a GPU) so the service reports SERVING only once it is ready."""
     from qtts.decode_engine import SlotDecoderConfig
     from qtts.decode_engine import load_slot_decoder as load
@@ -53,11 +53,11 @@ def load_slot_decoder(
         prefix_cache_entries=prefix_cache_entries,
     )
     engine = load(path, device=device, load_format=load_format, config=config)
-    return engine, _limits(engine.decoder)
+    return engine, _codec_shape(engine.decoder)
 
 
 def load_decoder(cfg):
-    """The decoder the config asks for: (decoder, StreamLimits)."""
+    """The decoder the config asks for: (decoder, CodecShape)."""
     if cfg.decode_engine == "slots":
         precision = cfg.decode_precision or _PRECISION_OF_DTYPE[cfg.dtype]
         return load_slot_decoder(

@@ -17,7 +17,7 @@ from services.code2wav.config import Code2WavConfig
 from services.code2wav.core import Code2WavCore, IncrementalDecoderLike
 from services.code2wav.model_loader import load_decoder
 from services.code2wav.servicer import Code2WavServicer
-from services.code2wav.stream import StreamLimits
+from services.code2wav.stream import CodecShape
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Code2WavServer:
         self,
         config: Code2WavConfig,
         decoder: IncrementalDecoderLike | None = None,
-        limits: StreamLimits | None = None,
+        codec_shape: CodecShape | None = None,
         exit_process: Callable[[int], object] = os._exit,
     ):
         self.config = config
@@ -42,7 +42,7 @@ class Code2WavServer:
         self.device_failure: DeviceFailure | None = None
         self.metrics = Code2WavMetrics(CollectorRegistry())
         self._decoder = decoder
-        self._limits = limits
+        self._codec_shape = codec_shape
         self.engine: Code2WavCore | None = None
         self.host = GrpcServiceHost.internal(config, SERVICE_NAME, self.metrics)
         self.host.add_shutdown_callback(self._close_engine)
@@ -53,7 +53,7 @@ class Code2WavServer:
         self.device_failure = DeviceFailure(self.host, exit=self._exit_process)
         self.host.on_unexpected_error(self.device_failure.check)
         if self._decoder is None:
-            self._decoder, self._limits = await asyncio.to_thread(load_decoder, cfg)
+            self._decoder, self._codec_shape = await asyncio.to_thread(load_decoder, cfg)
         self.engine = Code2WavCore(
             self._decoder,
             self.metrics,
@@ -61,7 +61,7 @@ class Code2WavServer:
             max_batch=cfg.batch_limit,
             plan=cfg.chunk_plan,
             policy=cfg.credit_policy,
-            limits=self._limits or StreamLimits(),
+            codec_shape=self._codec_shape or CodecShape(),
             max_prefix_frames=cfg.max_prefix_frames,
             device=cfg.device,
             replica=cfg.replica_name,

@@ -124,7 +124,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
         cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         """Apply the client's messages to the stream; a violation ends this stream only."""
-        nc = stream.limits.num_codebooks
+        nc = stream.codec_shape.num_codebooks
         try:
             async for req in requests:
                 kind = req.WhichOneof("event")

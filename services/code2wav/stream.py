@@ -30,8 +30,9 @@ from services.code2wav.credit import CreditPolicy
 
 
 @dataclass(frozen=True)
-class StreamLimits:
-    """What every stream of this server must respect."""
+class CodecShape:
+    """The codec facts every stream of this server is checked against: codebooks, their size, and
+    samples a frame."""
 
     num_codebooks: int = 16
     codebook_size: int = 2048
@@ -46,7 +47,7 @@ class DecodeStream:
         request_id: str,
         plan: ChunkPlan,
         policy: CreditPolicy,
-        limits: StreamLimits,
+        codec_shape: CodecShape,
         metrics: Code2WavMetrics,
         replica: str = "",
         clock: Callable[[], float] = time.monotonic,
@@ -55,7 +56,7 @@ class DecodeStream:
         self.request_id = request_id
         self.plan = plan.capped(policy.max_chunk_frames())
         self.policy = policy
-        self.limits = limits
+        self.codec_shape = codec_shape
         self.metrics = metrics
         self.replica = replica
         self.decoder_state: Any = None
@@ -72,7 +73,7 @@ class DecodeStream:
         self.clock = clock
         self.first_audio_at: float | None = None
         self._ready_at: float | None = None  # since when the next chunk could be decoded
-        self._pending = np.zeros((0, limits.num_codebooks), dtype=np.int16)
+        self._pending = np.zeros((0, codec_shape.num_codebooks), dtype=np.int16)
         self._outbox: asyncio.Queue[DecodeEvent | BaseException] = asyncio.Queue()
 
     # ---------------------------------------------------------------- client events
@@ -90,9 +91,9 @@ class DecodeStream:
         n = codes.shape[0]
         if n == 0:
             raise InvalidArgument("a frame delta must carry at least one frame")
-        if codes.shape[1] != self.limits.num_codebooks:
+        if codes.shape[1] != self.codec_shape.num_codebooks:
             raise InvalidArgument(
-                f"frames have {codes.shape[1]} codebooks, expected {self.limits.num_codebooks}"
+                f"frames have {codes.shape[1]} codebooks, expected {self.codec_shape.num_codebooks}"
             )
         if first_frame_index != self.received_frames:
             raise InvalidArgument(
@@ -102,8 +103,8 @@ class DecodeStream:
             raise FailedPrecondition(
                 f"frames up to {first_frame_index + n} sent, credit allows only up to {self.granted}"
             )
-        if codes.min() < 0 or codes.max() >= self.limits.codebook_size:
-            raise InvalidArgument(f"codes must lie in [0, {self.limits.codebook_size})")
+        if codes.min() < 0 or codes.max() >= self.codec_shape.codebook_size:
+            raise InvalidArgument(f"codes must lie in [0, {self.codec_shape.codebook_size})")
         self._pending = np.concatenate([self._pending, codes]) if len(self._pending) else codes
         self.received_frames += n
         self.metrics.decode_backlog_frames.inc(n)
@@ -224,7 +225,7 @@ class DecodeStream:
         if self.total_frames is not None:
             return  # nothing more to send
         allowed = self.policy.frames_allowed_until(
-            self.decoded_frames, self.acked_samples // self.limits.samples_per_frame
+            self.decoded_frames, self.acked_samples // self.codec_shape.samples_per_frame
         )
         if allowed > self.granted or with_plan:
             self.granted = max(self.granted, allowed)

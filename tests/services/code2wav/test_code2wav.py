@@ -20,7 +20,7 @@ from services.code2wav.config import Code2WavConfig, config_from_args
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
 from services.code2wav.server import SERVICE_NAME, Code2WavServer
-from services.code2wav.stream import DecodeStream, StreamLimits
+from services.code2wav.stream import CodecShape, DecodeStream
 
 SPF = 1920
 
@@ -57,12 +57,12 @@ def _ack(samples: int) -> pb.DecodeRequest:
 
 
 @asynccontextmanager
-async def code2wav(decoder, limits: StreamLimits | None = None, **overrides):
+async def code2wav(decoder, codec_shape: CodecShape | None = None, **overrides):
     # A plan of 2-frame chunks first, so that the protocol tests' 2-frame deltas decode at once.
     overrides.setdefault("first_chunk_frames", TEST_PLAN.first)
     overrides.setdefault("chunk_frames_ramp", TEST_PLAN.ramp)
     config = Code2WavConfig(port=0, metrics_port=0, drain_seconds=0.5, replica_name="replica-a", **overrides)
-    server = Code2WavServer(config.validate(), decoder=decoder, limits=limits)
+    server = Code2WavServer(config.validate(), decoder=decoder, codec_shape=codec_shape)
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -145,7 +145,7 @@ def test_chunk_boundaries_match_split():
 def test_registry_rejects_beyond_max_states():
     metrics = Code2WavMetrics(CollectorRegistry())
     registry = StreamRegistry(2, metrics)
-    streams = [DecodeStream("r", ChunkPlan(), CreditPolicy(), StreamLimits(), metrics) for _ in range(3)]
+    streams = [DecodeStream("r", ChunkPlan(), CreditPolicy(), CodecShape(), metrics) for _ in range(3)]
     registry.add(streams[0])
     registry.add(streams[1])
     with pytest.raises(ResourceExhausted, match="2 live streams"):
@@ -381,7 +381,7 @@ async def test_audio_equals_incremental_decoder_output(bidi_client):
     codec = CodecDecoder(CodecDecoderConfig.from_dict(TINY_DECODER_CONFIG))
     init_dummy_weights(codec, 0)
     codec.eval()
-    limits = StreamLimits(codec.cfg.num_quantizers, codec.cfg.codebook_size, codec.samples_per_frame)
+    codec_shape = CodecShape(codec.cfg.num_quantizers, codec.cfg.codebook_size, codec.samples_per_frame)
     codes, prefix = _codes(13, seed=3) % codec.cfg.codebook_size, _codes(4, seed=4) % codec.cfg.codebook_size
 
     reference = IncrementalDecoder(codec)
@@ -389,11 +389,11 @@ async def test_audio_equals_incremental_decoder_output(bidi_client):
     expected = reference.decode(state, torch.from_numpy(codes.astype(np.int64)))
     expected_pcm = (expected.clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
 
-    async with code2wav(IncrementalDecoder(codec), limits=limits) as (server, stub):
+    async with code2wav(IncrementalDecoder(codec), codec_shape=codec_shape) as (server, stub):
         chunks, done, _ = await run_stream(bidi_client, stub, codes, prefix=prefix)
         assert [c.num_frames for c in chunks] == TEST_PLAN.split(13)
         pcm = np.frombuffer(b"".join(c.pcm_s16le for c in chunks), dtype="<i2")
-        assert pcm.shape == expected_pcm.shape == (13 * limits.samples_per_frame,)
+        assert pcm.shape == expected_pcm.shape == (13 * codec_shape.samples_per_frame,)
         # Chunked decoding equals one decode within float tolerance: at most 1-2 LSB after rounding.
         assert np.abs(pcm.astype(np.int32) - expected_pcm.astype(np.int32)).max() <= 2
         assert np.abs(expected_pcm).max() > 100  # the comparison is not between two silences
@@ -468,7 +468,7 @@ async def test_slot_decoder_engine_serves_the_same_audio_as_the_incremental_deco
     codec = CodecDecoder(CodecDecoderConfig.from_dict(TINY_DECODER_CONFIG))
     init_dummy_weights(codec, 0)
     codec.eval()
-    limits = StreamLimits(codec.cfg.num_quantizers, codec.cfg.codebook_size, codec.samples_per_frame)
+    codec_shape = CodecShape(codec.cfg.num_quantizers, codec.cfg.codebook_size, codec.samples_per_frame)
     codes, prefix = _codes(11, seed=5) % codec.cfg.codebook_size, _codes(3, seed=6) % codec.cfg.codebook_size
     pcm = {}
     engines = {
@@ -478,11 +478,11 @@ async def test_slot_decoder_engine_serves_the_same_audio_as_the_incremental_deco
         ),
     }
     for name, decoder in engines.items():
-        async with code2wav(decoder, limits=limits, max_states=4) as (server, stub):
+        async with code2wav(decoder, codec_shape=codec_shape, max_states=4) as (server, stub):
             chunks, done, _ = await run_stream(bidi_client, stub, codes, prefix=prefix)
             pcm[name] = np.frombuffer(b"".join(c.pcm_s16le for c in chunks), dtype="<i2").astype(np.int32)
             await _eventually_empty_real(server)
-    assert pcm["slots"].shape == pcm["incremental"].shape == (11 * limits.samples_per_frame,)
+    assert pcm["slots"].shape == pcm["incremental"].shape == (11 * codec_shape.samples_per_frame,)
     assert np.abs(pcm["incremental"]).max() > 100
     assert np.abs(pcm["slots"] - pcm["incremental"]).max() <= 2
     assert engines["slots"].num_live == 0  # the service freed the slot
@@ -543,9 +543,9 @@ async def test_prefix_state_cache_hits_and_misses_are_counted():
     from services.code2wav.model_loader import load_decoder
 
     cfg = config_from_args(["--decode-engine", "slots", "--max-states", "4"])
-    decoder, limits = load_decoder(cfg)
+    decoder, codec_shape = load_decoder(cfg)
     metrics = Code2WavMetrics(CollectorRegistry())
-    engine = Code2WavCore(decoder, metrics, max_states=4, limits=limits)
+    engine = Code2WavCore(decoder, metrics, max_states=4, codec_shape=codec_shape)
     prefix = np.random.default_rng(0).integers(0, 2048, (6, 16)).astype(np.int16)
     states = [engine._start_sync(prefix) for _ in range(2)] + [engine._start_sync(None)]
     assert metrics.prefix_state_misses_total._value.get() == 1

@@ -22,7 +22,7 @@ from services.code2wav.config import Code2WavConfig, config_from_args
 from services.code2wav.core import Code2WavCore
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.server import Code2WavServer
-from services.code2wav.stream import DecodeStream, StreamLimits
+from services.code2wav.stream import CodecShape, DecodeStream
 from tests.grpc_helpers import FakeIncrementalDecoder
 
 SPF = 1920  # samples per 80 ms frame at 24 kHz
@@ -197,7 +197,7 @@ async def test_a_first_chunk_ends_a_coalescing_wait_and_leads_the_call():
 def test_slack_and_underruns_follow_the_playback_clock():
     clock = FakeClock(10.0)
     metrics = Code2WavMetrics(CollectorRegistry())
-    stream = DecodeStream("r", ChunkPlan(2, (4,)), CreditPolicy(), StreamLimits(), metrics, clock=clock)
+    stream = DecodeStream("r", ChunkPlan(2, (4,)), CreditPolicy(), CodecShape(), metrics, clock=clock)
 
     def deliver(frames: int) -> None:
         stream.deliver(DecodedAudio(b"", frames * SPF, stream.decoded_frames, frames, 0))

@@ -16,7 +16,7 @@ from qtts.streams.decode_events import Credit, DecodedAudio
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.server import Code2WavServer
-from services.code2wav.stream import DecodeStream, StreamLimits
+from services.code2wav.stream import CodecShape, DecodeStream
 
 SPF = 1920
 
@@ -43,9 +43,7 @@ def test_policy_is_the_minimum_of_decode_window_and_listener_lead():
 
 
 def _stream(policy: CreditPolicy) -> DecodeStream:
-    stream = DecodeStream(
-        "r", ChunkPlan(2, (4,)), policy, StreamLimits(), Code2WavMetrics(CollectorRegistry())
-    )
+    stream = DecodeStream("r", ChunkPlan(2, (4,)), policy, CodecShape(), Code2WavMetrics(CollectorRegistry()))
     stream.decoder_state = object()
     stream.start_credit()
     return stream
