@@ -17,6 +17,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("eager", "graph")
 ENGINE_PROCESS = ("auto", "on", "off")
+PROMPT_BUILDS = ("batched", "pipelined")
 # qtts.engine.model_runner.KERNEL_CHOICES, copied so that parsing flags does not import torch
 # (a test checks they are equal).
 DECODE_KERNELS = SAMPLE_KERNELS = ("auto", "triton", "torch")
@@ -59,6 +60,13 @@ class TalkerConfig:
         "auto",
         "run the model and the generation loop in a process of their own (auto: on a CUDA device)",
         choices=ENGINE_PROCESS,
+    )
+    # How the engine process answers the prompts it builds on its CUDA stream (engine_process.py).
+    prompt_builds: str = setting(
+        "batched",
+        "engine process: answer built prompts after one wait for up to 8 of them (batched), or each "
+        "as soon as the GPU has run its kernels while the next ones are built (pipelined)",
+        choices=PROMPT_BUILDS,
     )
     prefix_cache_mb: int = setting(
         1024, "graph engine: KV cache of voice-only prompt prefixes, MiB (0 = off)"
@@ -190,6 +198,10 @@ class TalkerConfig:
         if self.engine_process not in ENGINE_PROCESS:
             raise InvalidArgument(
                 f"--engine-process must be one of {', '.join(ENGINE_PROCESS)}, got {self.engine_process!r}"
+            )
+        if self.prompt_builds not in PROMPT_BUILDS:
+            raise InvalidArgument(
+                f"--prompt-builds must be one of {', '.join(PROMPT_BUILDS)}, got {self.prompt_builds!r}"
             )
         if self.prefix_cache_mb < 0:
             raise InvalidArgument(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")

@@ -155,6 +155,7 @@ class _EngineWorker:
         self._stream: Any = None
         self._queued = 0  # prompt builds waiting for the prompt thread
         self._build_s = 0.0  # moving average of one build
+        self._last_answer_at = 0.0  # when the last pipelined build was answered
         self.loop: Any = None
         self.bundle: Any = None
 
@@ -356,6 +357,13 @@ class _EngineWorker:
 
     # Calls, run on the prompt thread in arrival order.
     def _build_queued(self) -> None:
+        """Build the queued prompts and answer them, as `--prompt-builds` says."""
+        if getattr(self.config, "prompt_builds", "batched") == "pipelined":
+            self._build_pipelined()
+        else:
+            self._build_batch()
+
+    def _build_batch(self) -> None:
         """Build the queued prompts (at most `MAX_BUILD_BATCH`), then wait for the prompt stream
         once and answer them: one wait for the GPU per batch, not per prompt, as a burst arrives."""
         batch = []
@@ -386,6 +394,59 @@ class _EngineWorker:
             remote = self._stored(prompt)
             remote.build_s = self._build_s
             self._reply(call_id, True, remote)
+
+    def _build_pipelined(self) -> None:
+        """Build every queued prompt, including those queued meanwhile, each followed by an event
+        on the prompt stream, and answer each one as soon as its event has passed, oldest first:
+        the thread waits for the GPU only when it has nothing left to build, so the build rate is
+        the host's, not one batch per wait (which a busy GPU made one batch per engine step)."""
+        inflight: collections.deque[tuple[int, float, Any, Any]] = collections.deque()
+        while self._builds or inflight:
+            if self._builds:
+                call_id, spec, queued_at, budget_s = self._builds.popleft()
+                began = time.perf_counter()
+                try:
+                    prompt = self._start_build(spec, queued_at, budget_s, began)
+                    event = self._record_event()
+                except Exception as exc:  # noqa: BLE001 - this caller gets the error, the rest go on
+                    self._reply(call_id, False, exc)
+                    continue
+                inflight.append((call_id, began, prompt, event))
+            self._answer_passed(inflight, wait=not self._builds)
+
+    def _record_event(self) -> Any:
+        """An event recorded on the prompt stream now (None without one: the build is done)."""
+        if self._stream is None:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    def _answer_passed(self, inflight: collections.deque, wait: bool) -> None:
+        """Answer the builds at the head of `inflight` whose events have passed; with `wait`, wait
+        for the oldest first. A device error fails every build in flight."""
+        try:
+            if wait and inflight and inflight[0][3] is not None:
+                inflight[0][3].synchronize()
+            while inflight and (inflight[0][3] is None or inflight[0][3].query()):
+                call_id, began, prompt, _ = inflight.popleft()
+                done = time.perf_counter()
+                # The drain rate the refusals predict with: the time between two answers while
+                # builds queue, a build's own time when it came to an idle thread.
+                per_build = done - max(began, self._last_answer_at)
+                self._last_answer_at = done
+                self._build_s = (
+                    per_build if self._build_s == 0 else self._build_s + 0.1 * (per_build - self._build_s)
+                )
+                self.metrics.observe_stage("build_prompt", done - began)
+                remote = self._stored(prompt)
+                remote.build_s = self._build_s
+                self._reply(call_id, True, remote)
+        except Exception as exc:  # noqa: BLE001 - a device error fails every prompt in flight
+            while inflight:
+                self._reply(inflight.popleft()[0], False, exc)
 
     def _start_build(self, spec: Any, queued_at: float, budget_s: float, started: float) -> Any:
         """The prompt of `spec` with its kernels queued on the prompt stream (not waited for);

@@ -258,9 +258,11 @@ async def test_prompts_nobody_claims_are_freed_in_the_engine_process(tiny_snapsh
         await held_becomes(nothing)
 
 
-async def test_prompts_queued_together_are_each_answered(tiny_snapshot, tiny_talker_bundle):
-    # Builds queued while the prompt thread is busy are built as one batch and waited for once:
-    # each caller still gets its own prompt, and one refused in the middle fails alone.
+@pytest.mark.parametrize("prompt_builds", ["batched", "pipelined"])
+async def test_prompts_queued_together_are_each_answered(prompt_builds, tiny_snapshot, tiny_talker_bundle):
+    # Builds queued while the prompt thread is busy are built as one batch and waited for once
+    # (batched), or each answered once built (pipelined): each caller still gets its own prompt,
+    # and one refused in the middle fails alone.
     from qtts.model import SynthesisSpec
     from qtts.request.errors import ResourceExhausted
     from services.talker.engine_process import spec_to_wire
@@ -269,7 +271,7 @@ async def test_prompts_queued_together_are_each_answered(tiny_snapshot, tiny_tal
     texts = [f"Hello number {i}, {'and more words ' * i}here." for i in range(8)]
     specs = [SynthesisSpec(text=t, task="custom_voice", speaker="vivian", language="english") for t in texts]
     c2w = FakeCode2Wav("c2w-a")
-    async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w], prompt_builds=prompt_builds) as s:
         engine = s.talker.engine_client
         now = time.perf_counter()
         futures = [

@@ -1,0 +1,97 @@
+"""`--prompt-builds pipelined` in the engine process: each prompt is answered once the GPU has run
+its kernels (its event on the prompt stream has passed), oldest first, while the next prompts are
+built; the thread waits for the GPU only with nothing left to build. Fake events stand in for the
+CUDA stream here; tests/services/talker/test_engine_process.py runs both modes through the real
+engine process on the CPU."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from qtts.serving.metrics import TalkerMetrics
+from services.talker.engine_process import _EngineWorker
+
+
+class FakeEvent:
+    """Passes when the test says the GPU got there (`passed`), or when waited for."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name, self.passed = log, name, False
+
+    def query(self) -> bool:
+        return self.passed
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+        self.passed = True
+
+
+class FailingEvent(FakeEvent):
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def worker(log: list, events: dict) -> _EngineWorker:
+    w = _EngineWorker(None, None, SimpleNamespace(prompt_builds="pipelined"), run_warm_up=False)
+    w.metrics = TalkerMetrics(CollectorRegistry())
+    w._stream = object()  # a stream is there: answers wait for events
+    w.send = lambda message: log.append(("reply", message[1], message[2]))
+
+    def build(spec):
+        log.append(("build", spec))
+        return SimpleNamespace(num_text_tokens=len(spec), ref_codes=None)
+
+    w._on_stream = lambda fn, spec, wait=True: fn(spec)
+    w.bundle = SimpleNamespace(build_prompt=build)
+    w._record_event = lambda: events[log[-1][1]]
+    return w
+
+
+def queue(w: _EngineWorker, call_id: int, spec: str, queued_at: float | None = None) -> None:
+    w._builds.append((call_id, spec, time.perf_counter() if queued_at is None else queued_at, 5.0))
+    w._queued += 1
+
+
+def test_each_prompt_is_answered_when_its_event_passes_while_the_next_are_built(monkeypatch):
+    monkeypatch.setattr("services.talker.engine_process.spec_from_wire", lambda spec: spec)
+    log: list = []
+    events = {name: FakeEvent(log, name) for name in ("a", "bb", "ccc")}
+    w = worker(log, events)
+    for i, spec in enumerate(("a", "bb", "ccc")):
+        queue(w, i, spec)
+    events["a"].passed = True  # the GPU ran the first build's kernels before the second was built
+    w._build_queued()
+    kinds = [(kind, what) for kind, what, *_ in log]
+    # All three built before any wait; "a" answered without one; then the oldest waited for.
+    assert kinds == [
+        ("build", "a"),
+        ("reply", 0),
+        ("build", "bb"),
+        ("build", "ccc"),
+        ("wait", "bb"),
+        ("reply", 1),
+        ("wait", "ccc"),
+        ("reply", 2),
+    ]
+    replies = [entry for entry in log if entry[0] == "reply"]
+    assert all(ok for _, _, ok in replies)
+    assert w._queued == 0 and len(w._prompts) == 3 and w._build_s > 0
+
+
+def test_a_refused_build_fails_alone_and_a_device_error_fails_those_in_flight(monkeypatch):
+    monkeypatch.setattr("services.talker.engine_process.spec_from_wire", lambda spec: spec)
+    log: list = []
+    events = {"a": FakeEvent(log, "a"), "late": FakeEvent(log, "late"), "c": FailingEvent(log, "c")}
+    w = worker(log, events)
+    queue(w, 0, "a")
+    queue(w, 1, "late", queued_at=time.perf_counter() - 10.0)  # past the 5 s budget
+    queue(w, 2, "c")
+    events["a"].passed = True
+    w._build_queued()
+    replies = {entry[1]: entry[2] for entry in log if entry[0] == "reply"}
+    assert replies == {0: True, 1: False, 2: False}
+    assert ("build", "late") not in log  # refused before it was built
+    assert len(w._prompts) == 1  # only the one answered
