@@ -156,6 +156,8 @@ class _EngineWorker:
         self._queued = 0  # prompt builds waiting for the prompt thread
         self._build_s = 0.0  # moving average of one build
         self._last_answer_at = 0.0  # when the last pipelined build was answered
+        # Pipelined builds whose kernels were queued, not yet answered: (call, began, prompt, event).
+        self._inflight: collections.deque[tuple[int, float, Any, Any]] = collections.deque()
         self.loop: Any = None
         self.bundle: Any = None
 
@@ -396,23 +398,28 @@ class _EngineWorker:
             self._reply(call_id, True, remote)
 
     def _build_pipelined(self) -> None:
-        """Build every queued prompt, including those queued meanwhile, each followed by an event
-        on the prompt stream, and answer each one as soon as its event has passed, oldest first:
-        the thread waits for the GPU only when it has nothing left to build, so the build rate is
-        the host's, not one batch per wait (which a busy GPU made one batch per engine step)."""
-        inflight: collections.deque[tuple[int, float, Any, Any]] = collections.deque()
-        while self._builds or inflight:
-            if self._builds:
-                call_id, spec, queued_at, budget_s = self._builds.popleft()
-                began = time.perf_counter()
-                try:
-                    prompt = self._start_build(spec, queued_at, budget_s, began)
-                    event = self._record_event()
-                except Exception as exc:  # noqa: BLE001 - this caller gets the error, the rest go on
-                    self._reply(call_id, False, exc)
-                    continue
-                inflight.append((call_id, began, prompt, event))
-            self._answer_passed(inflight, wait=not self._builds)
+        """Build up to `MAX_BUILD_BATCH` queued prompts, each followed by an event on the prompt
+        stream, answering each prompt as soon as its event has passed, oldest first; with nothing
+        left to build, wait for the GPU and answer the rest. So the thread waits for the GPU only
+        when it has nothing to build: the build rate is the host's, not one batch per wait (which
+        a busy GPU made one batch per engine step). Builds still in flight when this call stops
+        at the cap are answered by the next call (one is queued for every build), and the calls
+        queued beside them (voice prompts, text) get their turn in between."""
+        started = 0
+        while self._builds and started < MAX_BUILD_BATCH:
+            call_id, spec, queued_at, budget_s = self._builds.popleft()
+            started += 1
+            began = time.perf_counter()
+            try:
+                prompt = self._start_build(spec, queued_at, budget_s, began)
+                event = self._record_event()
+            except Exception as exc:  # noqa: BLE001 - this caller gets the error, the rest go on
+                self._reply(call_id, False, exc)
+                continue
+            self._inflight.append((call_id, began, prompt, event))
+            self._answer_passed(wait=False)
+        while self._inflight and not self._builds:
+            self._answer_passed(wait=True)
 
     def _record_event(self) -> Any:
         """An event recorded on the prompt stream now (None without one: the build is done)."""
@@ -424,9 +431,10 @@ class _EngineWorker:
         event.record(self._stream)
         return event
 
-    def _answer_passed(self, inflight: collections.deque, wait: bool) -> None:
-        """Answer the builds at the head of `inflight` whose events have passed; with `wait`, wait
+    def _answer_passed(self, wait: bool) -> None:
+        """Answer the builds in flight whose events have passed, oldest first; with `wait`, wait
         for the oldest first. A device error fails every build in flight."""
+        inflight = self._inflight
         try:
             if wait and inflight and inflight[0][3] is not None:
                 inflight[0][3].synchronize()

@@ -95,3 +95,22 @@ def test_a_refused_build_fails_alone_and_a_device_error_fails_those_in_flight(mo
     assert replies == {0: True, 1: False, 2: False}
     assert ("build", "late") not in log  # refused before it was built
     assert len(w._prompts) == 1  # only the one answered
+
+
+def test_a_call_builds_at_most_a_batch_and_the_next_call_answers_what_is_in_flight(monkeypatch):
+    from services.talker.engine_process import MAX_BUILD_BATCH
+
+    monkeypatch.setattr("services.talker.engine_process.spec_from_wire", lambda spec: spec)
+    log: list = []
+    names = [f"p{i:02d}" for i in range(MAX_BUILD_BATCH + 2)]
+    events = {name: FakeEvent(log, name) for name in names}
+    w = worker(log, events)
+    for i, name in enumerate(names):
+        queue(w, i, name)
+    w._build_queued()  # the cap: builds left, so no wait and nothing answered yet
+    assert [e[1] for e in log if e[0] == "build"] == names[:MAX_BUILD_BATCH]
+    assert not [e for e in log if e[0] in ("wait", "reply")] and len(w._inflight) == MAX_BUILD_BATCH
+    w._build_queued()  # the next call builds the rest, then waits and answers every one in order
+    assert [e[1] for e in log if e[0] == "build"] == names
+    assert [e[1] for e in log if e[0] == "reply"] == list(range(len(names)))
+    assert not w._inflight and not w._builds
