@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from qtts.request.vocabulary import SynthesisSummary
-from services.gateway.job import SamplingOptions, SynthesisJob
+from services.gateway.job import SynthesisJob
 from services.gateway.talker_client import TalkerClient
 from services.gateway.talker_pool import StaticResolver, TalkerPool
 from services.launcher import (
@@ -24,6 +24,7 @@ from services.launcher import (
     talker_spec,
     wait_serving,
 )
+from tests.synthesis_jobs import talker_job
 
 pytestmark = pytest.mark.e2e
 
@@ -45,20 +46,8 @@ def generate_calls(metrics_port: int) -> int:
 
 def job(i: int) -> SynthesisJob:
     ref = (0.3 * np.sin(np.arange(24000) / 10)).astype(np.float32)
-    return SynthesisJob(
-        request_id=f"pool-{i}",
-        text="Hello.",
-        task="voice_clone",
-        voice="",
-        language="english",
-        instructions="",
-        reference_audio=None,
-        reference_text="",
-        x_vector_only=True,
-        max_new_frames=4,
-        sampling=SamplingOptions(),
-        sample_rate=24000,
-        reference_pcm=ref,
+    return talker_job(
+        f"pool-{i}", text="Hello.", task="voice_clone", voice="", x_vector_only=True, reference_pcm=ref
     )
 
 

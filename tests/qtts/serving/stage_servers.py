@@ -12,11 +12,12 @@ import numpy as np
 
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import Code2WavServer
-from services.gateway.job import SamplingOptions, SynthesisJob
+from services.gateway.job import SynthesisJob
 from services.speaker_cache.config import SpeakerCacheConfig
 from services.speaker_cache.server import SpeakerCacheServer
 from tests.services.talker.fakes import FakeBundle, FakeGenerator, FakeSpec
 from tests.services.talker.stack import eventually, talker_stack
+from tests.synthesis_jobs import talker_job
 
 
 @asynccontextmanager
@@ -61,18 +62,14 @@ def fake_talker(code2wav: list, **kwargs: Any):
 
 def voice_clone_job(request_id: str) -> SynthesisJob:
     """A 3-frame x-vector voice clone (the fake generator reads `frames=3`)."""
-    return SynthesisJob(
-        request_id=request_id,
+    return talker_job(
+        request_id,
         text="frames=3",
         task="voice_clone",
         voice="",
         language="auto",
-        instructions="",
         reference_audio=b"x",
-        reference_text="",
         x_vector_only=True,
         max_new_frames=0,
-        sampling=SamplingOptions(),
-        sample_rate=24000,
         reference_pcm=np.zeros(2400, dtype=np.float32),
     )

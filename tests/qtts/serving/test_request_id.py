@@ -16,10 +16,11 @@ from qtts.pb import code2wav_pb2, code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
 from qtts.request.vocabulary import SynthesisSummary
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
 from qtts.serving.log_context import JsonFormatter, RequestIdFilter, current_request_id, log_handler
-from services.gateway.job import SamplingOptions, SynthesisJob
+from services.gateway.job import SynthesisJob
 from services.gateway.request_id import RequestIdMiddleware
 from services.gateway.talker_client import TalkerClient
 from services.talker.code2wav_client import DecodeCall
+from tests.synthesis_jobs import talker_job
 
 log_talker = logging.getLogger("test.talker")
 log_code2wav = logging.getLogger("test.code2wav")
@@ -69,20 +70,7 @@ async def start(servicer, add, pb2, name) -> GrpcServiceHost:
 
 
 def job(request_id: str) -> SynthesisJob:
-    return SynthesisJob(
-        request_id=request_id,
-        text="Hi.",
-        task="custom_voice",
-        voice="vivian",
-        language="english",
-        instructions="",
-        reference_audio=None,
-        reference_text="",
-        x_vector_only=False,
-        max_new_frames=4,
-        sampling=SamplingOptions(),
-        sample_rate=24000,
-    )
+    return talker_job(request_id)
 
 
 async def test_the_request_id_reaches_talker_and_code2wav_and_their_json_logs():

@@ -13,8 +13,9 @@ from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
 from qtts.request.vocabulary import SynthesisSummary
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
 from qtts.streams.voice_key import REFERENCE_NOT_CACHED, reference_digest
-from services.gateway.job import SamplingOptions, SynthesisJob
+from services.gateway.job import SynthesisJob
 from services.gateway.talker_client import ClipDigests, SentReferences, TalkerClient
+from tests.synthesis_jobs import talker_job
 
 PCM = (np.sin(np.arange(4800) / 9) * 0.3).astype(np.float32)
 
@@ -66,19 +67,13 @@ async def digest_talker():
 
 
 def clone_job(i: int, text: str = "the reference words", pcm: np.ndarray = PCM) -> SynthesisJob:
-    return SynthesisJob(
-        request_id=f"req-{i}",
+    return talker_job(
+        f"req-{i}",
         text="Hello there.",
         task="voice_clone",
         voice="",
-        language="english",
-        instructions="",
         reference_audio=b"RIFF...",
         reference_text=text,
-        x_vector_only=False,
-        max_new_frames=4,
-        sampling=SamplingOptions(),
-        sample_rate=24000,
         reference_pcm=pcm,
     )
 

@@ -10,9 +10,10 @@ from collections import Counter
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
 from qtts.request.vocabulary import SynthesisSummary
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
-from services.gateway.job import SamplingOptions, SynthesisJob
+from services.gateway.job import SynthesisJob
 from services.gateway.talker_client import TalkerClient
 from services.gateway.talker_pool import StaticResolver, TalkerPool
+from tests.synthesis_jobs import talker_job
 
 FRAME = 1920
 
@@ -62,20 +63,7 @@ async def start_talker(servicer: NamedTalker, max_connection_age_s: float = 0.0)
 
 
 def job(i: int, frames: int) -> SynthesisJob:
-    return SynthesisJob(
-        request_id=f"req-{i}",
-        text="Hi.",
-        task="custom_voice",
-        voice="vivian",
-        language="english",
-        instructions="",
-        reference_audio=None,
-        reference_text="",
-        x_vector_only=False,
-        max_new_frames=frames,
-        sampling=SamplingOptions(),
-        sample_rate=24000,
-    )
+    return talker_job(f"req-{i}", max_new_frames=frames)
 
 
 async def run_stream(client: TalkerClient, i: int, frames: int, started: asyncio.Event | None = None):
