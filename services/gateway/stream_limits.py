@@ -53,11 +53,6 @@ class StreamLimits:
             )
         return None
 
-    def would_admit(self, client: str = "") -> bool:
-        """Whether `admit(client)` would succeed now (it takes no slot: a slot may free or be taken
-        before the caller admits)."""
-        return self.refusal(client) is None
-
     def admit(self, client: str = "") -> None:
         refused = self.refusal(client)
         if refused is not None:

@@ -127,20 +127,20 @@ def metric(gw, name: str, **labels) -> float:
     return gw.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-def test_would_admit_is_a_peek_that_takes_no_slot():
+def test_refusal_is_a_peek_that_takes_no_slot():
     a = StreamLimits(2, max_per_client=1)
-    assert a.would_admit("key:a") and a.refusal("key:a") is None
+    assert a.refusal("key:a") is None and a.active == 0  # a peek: no slot taken
     a.admit("key:a")
-    assert not a.would_admit("key:a") and a.would_admit("key:b") and a.would_admit("")
+    assert a.refusal("key:a") is not None and a.refusal("key:b") is None and a.refusal("") is None
     assert "this client" in a.refusal("key:a").message and a.refusal("key:a").retry_after_s == 1
     assert (a.active, a.active_for("key:a"), a.active_for("key:b")) == (1, 1, 0)
     a.admit("key:b")
     refused = a.refusal("key:c")
-    assert not a.would_admit("key:c") and refused.retry_after_s == 1
+    assert a.refusal("key:c") is not None and refused.retry_after_s == 1
     assert refused.message == "server is at its limit of 2 concurrent streams; retry later"
     assert (a.active, a.active_for("key:c")) == (2, 0)
     a.release("key:a")
-    assert a.would_admit("key:c") and not a.would_admit("key:b")
+    assert a.refusal("key:c") is None and a.refusal("key:b") is not None
 
 
 async def test_a_refusal_at_the_limit_comes_before_the_body_is_read():

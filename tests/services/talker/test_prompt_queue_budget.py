@@ -17,13 +17,12 @@ from services.talker.core import TalkerCore
 from services.talker.request import GenerationRequest
 
 
-def core(budget_s: float) -> TalkerCore:
-    bundle = SimpleNamespace(info=SimpleNamespace(), device=None)
+def core(budget_s: float, bundle=None, engine=None, voices=None) -> TalkerCore:
     return TalkerCore(
-        bundle=bundle,
-        engine=None,
+        bundle=bundle or SimpleNamespace(info=SimpleNamespace(), device=None),
+        engine=engine,
         replicas=None,
-        voices=None,
+        voices=voices,
         metrics=TalkerMetrics(CollectorRegistry()),
         credit_window_frames=32,
         first_audio_budget_s=budget_s,
@@ -84,16 +83,7 @@ def _clone_core(monkeypatch, budget_s: float, engine, in_engine: bool) -> tuple[
     if in_engine:
         fields["build_prompt_async"] = lambda *a: None
     voices = _CountingVoices()
-    c = TalkerCore(
-        bundle=SimpleNamespace(**fields),
-        engine=engine,
-        replicas=None,
-        voices=voices,
-        metrics=TalkerMetrics(CollectorRegistry()),
-        credit_window_frames=32,
-        first_audio_budget_s=budget_s,
-    )
-    return c, voices
+    return core(budget_s, SimpleNamespace(**fields), engine, voices), voices
 
 
 async def _first(c: TalkerCore) -> None:
