@@ -360,7 +360,7 @@ class _EngineWorker:
     # Calls, run on the prompt thread in arrival order.
     def _build_queued(self) -> None:
         """Build the queued prompts and answer them, as `--prompt-builds` says."""
-        if getattr(self.config, "prompt_builds", "batched") == "pipelined":
+        if self.config.prompt_builds == "pipelined":
             self._build_pipelined()
         else:
             self._build_batch()

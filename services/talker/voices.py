@@ -74,7 +74,9 @@ class VoiceResolver:
             raise InvalidArgument(
                 "voice clone needs reference_text (the transcript) unless x_vector_only is set"
             )
-        key = voice_prompt_key(self._model_id, pcm.astype("<f4").tobytes(), ref_text, x_vector_only)
+        # The clip's bytes as they came, or (a named voice) its float32 bytes.
+        raw = req.reference_pcm_f32 or pcm.astype("<f4").tobytes()
+        key = voice_prompt_key(self._model_id, raw, ref_text, x_vector_only)
         prompt, reachable = await self._held(key)
         if prompt is not None:
             return prompt
