@@ -16,6 +16,12 @@ Two predictions decide it, both from what the engine measured on this GPU:
   slack of the tightest running stream (young streams always have little slack, so holding
   admission on it refused most requests).
 
+When the decoder (code2wav) runs on the same GPU, each running stream also costs the GPU its
+decode, `decoder_frame_s` per stream and frame (`--decoder-frame-us`, measured by
+`benchmarks/code2wav_decode.py` on that GPU): the steady load counts it beside the frame steps and
+the prefills, so admission stops at the two engines' combined limit, not at the talker's alone (at
+1,024 streams the decoder takes about a third of an H200).
+
 Streams whose listener is short of audio (`behind`) mean the pipeline after the talker is not
 keeping up: admission holds while more than `max_behind_fraction` of the mature streams are behind
 (a fraction, so that one slow client cannot stop admission for everyone).
@@ -53,12 +59,14 @@ class AdmissionConfig:
     prefill_request_s: float = 0.01
     default_stream_s: float = 10.0
     ewma_alpha: float = 0.1
+    # GPU time the decoder spends per stream and frame when it shares this GPU (0: it runs elsewhere).
+    decoder_frame_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_duty < 0 or self.max_load < 0 or self.first_audio_budget_s < 0 or self.safety_s < 0:
             raise ValueError("max_duty, max_load, first_audio_budget_s and safety_s must be >= 0")
-        if self.default_stream_s <= 0 or self.prefill_request_s < 0:
-            raise ValueError("default_stream_s must be > 0 and prefill_request_s >= 0")
+        if self.default_stream_s <= 0 or self.prefill_request_s < 0 or self.decoder_frame_s < 0:
+            raise ValueError("default_stream_s must be > 0, prefill_request_s and decoder_frame_s >= 0")
         if not 0.0 <= self.max_behind_fraction < 1.0 or not 0.0 < self.ewma_alpha <= 1.0:
             raise ValueError("max_behind_fraction must be in [0, 1) and ewma_alpha in (0, 1]")
         if self.max_admit_per_step < 1:
@@ -123,11 +131,16 @@ class Admission:
         self._drain_count = 0.0  # and their number (decayed alike)
 
     def load(self, num_streams: int, mean_stream_s: float | None = None) -> float:
-        """Predicted busy fraction of the engine thread with `num_streams` running in steady state:
-        their frame steps once a frame, and the prefills of the streams replacing those that end."""
+        """Predicted busy fraction of the GPU with `num_streams` running in steady state: their
+        frame steps once a frame, the prefills of the streams replacing those that end, and their
+        decode when the decoder shares the GPU."""
         length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else self.config.default_stream_s
         n = max(num_streams, 0)
-        return self.model.predict(n) / self.frame_s + n * self.model.prefill_request_s / length
+        return (
+            self.model.predict(n) / self.frame_s
+            + n * self.model.prefill_request_s / length
+            + n * self.config.decoder_frame_s / self.frame_s
+        )
 
     def allows(self, num_running: int, behind: int, mature: int, mean_stream_s: float | None = None) -> bool:
         """May one more stream start now, beside `num_running` of which `behind` of the `mature`
@@ -141,7 +154,8 @@ class Admission:
             if load > cfg.max_load:
                 self.reason = (
                     f"{num_running + 1} streams would keep the engine busy {load:.0%} of the time "
-                    f"(frame steps and the prefills replacing ending streams), over {cfg.max_load:.0%}"
+                    f"(frame steps, the prefills replacing ending streams and, on a shared GPU, "
+                    f"their decode), over {cfg.max_load:.0%}"
                 )
                 return False
         if cfg.max_duty > 0:
@@ -166,7 +180,7 @@ class Admission:
             caps.append(int((cfg.max_duty * self.frame_s - m.base_s) / m.per_stream_s))
         if cfg.max_load > 0:
             length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else cfg.default_stream_s
-            per_stream = m.per_stream_s / self.frame_s + m.prefill_request_s / length
+            per_stream = (m.per_stream_s + cfg.decoder_frame_s) / self.frame_s + m.prefill_request_s / length
             if per_stream > 0:
                 caps.append(int((cfg.max_load - m.base_s / self.frame_s) / per_stream))
         return max(1, min(caps)) if caps else None

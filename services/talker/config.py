@@ -131,6 +131,12 @@ class TalkerConfig:
         "start a request only while the predicted steady load (frame steps plus the prefills "
         "replacing ending streams) keeps the engine busy at most this fraction of the time (0 = no limit)",
     )
+    decoder_frame_us: float = setting(
+        0.0,
+        "GPU time code2wav's decoder spends per stream and frame when it shares this talker's GPU "
+        "(benchmarks/code2wav_decode.py measures it; 0 = the decoder runs on other GPUs): admission "
+        "counts it beside the talker's own load",
+    )
     first_audio_budget_ms: float = setting(
         3000.0, "longest a request waits to start before it is refused with a retry hint (0 = no budget)"
     )
@@ -242,6 +248,10 @@ class TalkerConfig:
         if self.admission_max_duty < 0 or self.admission_max_load < 0 or self.first_audio_budget_ms < 0:
             raise InvalidArgument(
                 "--admission-max-duty, --admission-max-load and --first-audio-budget-ms must be >= 0"
+            )
+        if not 0 <= self.decoder_frame_us <= 80_000:
+            raise InvalidArgument(
+                f"--decoder-frame-us must be between 0 and 80000 (a frame), got {self.decoder_frame_us:g}"
             )
 
     def _validate_streams(self) -> None:

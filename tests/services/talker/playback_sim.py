@@ -5,6 +5,10 @@ position prefilled in it and `prefill_step_s` once if it prefilled any (prefill 
 engine does). A stream's frames reach its listener a chunk at a time (code2wav's default plan
 unless one is given), `decode_s` after the chunk's last frame. Each listener starts playing
 when its first chunk arrives and measures underruns as the benchmark client does.
+
+With `decoder_frame_s` the decoder shares the GPU: each chunk's frames cost that much GPU time
+per frame after the step that finished them, before the next step can run, and the talker's own
+step measurement does not see it (as a talker on a GPU shared with code2wav measures its steps).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class Cost:
     decode_s: float = 0.005
     # What a step with any prefill costs on top (in the stack about 30 ms, whatever its size).
     prefill_step_s: float = 0.0
+    # GPU time the decoder takes per frame of a chunk, on the GPU the engine steps on (0: elsewhere).
+    decoder_frame_s: float = 0.0
 
 
 @dataclass
@@ -146,6 +152,7 @@ def simulate(
             now += dt
             if adm is not None:
                 adm.model.observe(max(old, 1), dt, prefill)
+            decoded_frames = 0
             for req in decoding:
                 req.stepped = True
                 req.credit.generated += 1
@@ -156,8 +163,11 @@ def simulate(
                     first = sum(n for _, _, r, n, _ in deliveries if r == req.request_id)
                     done = sum(n for _, n in lis.chunks) + first
                     seq += 1
+                    decoded_frames += g - done
+                    # The decoder's GPU work of the chunks so far this step runs before this one.
+                    gpu_s = decoded_frames * cost.decoder_frame_s
                     heapq.heappush(
-                        deliveries, (now + cost.decode_s, seq, req.request_id, g - done, g * FRAME_S)
+                        deliveries, (now + gpu_s + cost.decode_s, seq, req.request_id, g - done, g * FRAME_S)
                     )
                 if g == lis.frames:
                     scheduler.remove(req.request_id)
@@ -166,6 +176,7 @@ def simulate(
                         replaced += 1
                         pending.append((now, lis.frames, lis.prompt_positions))
                         pending.sort()
+            now += decoded_frames * cost.decoder_frame_s  # the GPU decodes before the next step
         else:
             nxt = [until_s]
             if pending:

@@ -676,3 +676,40 @@ def test_config_flags_for_the_backlog_lead_and_the_first_chunk_step():
             config_from_args(bad)
     with pytest.raises(ValueError):
         DeadlinePolicy(backlog_lead_s=0.1)
+
+
+def test_a_load_the_talker_carries_alone_but_not_beside_its_decoder_is_refused_at_once():
+    """The decoder shares the GPU (0.2 ms of GPU time per decoded frame, which the talker's step
+    measurements do not see). Counting only the talker, 26 requests/s of 10 s streams are nearly
+    all admitted, and the decoder's share then makes most listeners late. With the decoder's cost in admission
+    (`decoder_frame_s`), the same load is partly refused, each refusal at submission, and every
+    admitted stream stays on time."""
+    shared = dataclasses.replace(COST, decoder_frame_s=0.0002)
+    load = poisson_load(26, 30, 125, 300)
+
+    def run(decoder_frame_s: float):
+        adm = Admission(AdmissionConfig(decoder_frame_s=decoder_frame_s))
+        return simulate(DeadlineScheduler(10_000, 10_000, admission=adm), load, shared, until_s=60)
+
+    talker_only = run(0.0)
+    assert sum(x.max_underrun_s() > 0 for x in talker_only if not x.refused) > len(talker_only) // 2
+    both = run(shared.decoder_frame_s)
+    admitted = [x for x in both if not x.refused]
+    refused = [x for x in both if x.refused]
+    assert refused and admitted
+    assert all(x.max_underrun_s() == 0 for x in admitted)
+    assert max(x.refused_at - x.arrived_at for x in refused) <= 0.05
+
+
+def test_the_decoder_share_lowers_the_capacity_by_its_part_of_a_frame():
+    alone = Admission(AdmissionConfig(max_duty=0, step_base_s=0.004, step_per_stream_s=0.0001))
+    shared = Admission(
+        AdmissionConfig(max_duty=0, step_base_s=0.004, step_per_stream_s=0.0001, decoder_frame_s=0.0001)
+    )
+    # Per stream: 0.1 ms of step, 1 ms of prefill per 10 s stream, and on a shared GPU 0.1 ms of
+    # decode, against a load bound of 0.8 of the 80 ms frame less the 4 ms base.
+    assert alone.capacity(10.0) == int((0.8 - 0.05) / (0.0001 / 0.08 + 0.01 / 10))
+    assert shared.capacity(10.0) == int((0.8 - 0.05) / (0.0002 / 0.08 + 0.01 / 10))
+    assert shared.load(100, 10.0) == pytest.approx(alone.load(100, 10.0) + 100 * 0.0001 / 0.08)
+    with pytest.raises(ValueError):
+        AdmissionConfig(decoder_frame_s=-1)
