@@ -37,7 +37,7 @@ from benchmarks.loadgen import (
 from benchmarks.metrics import DEFAULT_AUDIBLE_DBFS, RequestRecord
 from benchmarks.multiproc import LevelSpec
 from benchmarks.multiproc import run_level as run_level_in_processes
-from benchmarks.reference_audio import SYNTHETIC_REF_TEXT, load_reference
+from benchmarks.reference_audio import SYNTHETIC_REF_TEXT, load_reference, synthetic_reference_wav
 from benchmarks.report import (
     gap_free_lines,
     highest_gap_free_load,
@@ -89,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--ref-text", default=None, help="transcript of the reference clip")
     req.add_argument("--synthetic-ref-seconds", type=float, default=3.0)
     req.add_argument("--x-vector-only", action="store_true")
+    req.add_argument(
+        "--voice-pool",
+        type=int,
+        default=0,
+        help="voice clone: draw each request's reference clip from this many distinct synthetic clips "
+        "(0: one clip for every request, so the GPU prefix cache hits after the first)",
+    )
+    req.add_argument(
+        "--voice-pool-zipf",
+        type=float,
+        default=1.0,
+        help="Zipf exponent of the draw over --voice-pool (0: uniform; 1: a few voices take most requests)",
+    )
     req.add_argument(
         "--no-ref-audio", action="store_true", help="send no reference (e.g. for a named --voice)"
     )
@@ -193,6 +206,8 @@ class BenchConfig:
             raise ValueError("--warmup-frames must be >= 0")
         if args.num_requests < 1 or args.rounds < 0:
             raise ValueError("--num-requests must be >= 1 and --rounds >= 0")
+        if getattr(args, "voice_pool", 0) < 0 or getattr(args, "voice_pool_zipf", 1.0) < 0:
+            raise ValueError("--voice-pool and --voice-pool-zipf must be >= 0")
         lengths = LengthDistribution.parse(args.length_dist)
         if not lengths.is_fixed and args.max_new_tokens is not None:
             # Launch scripts always pass --max-new-tokens; the mix decides each request's frames.
@@ -211,6 +226,13 @@ class BenchConfig:
                 if args.ref_audio:
                     raise ValueError("--ref-text is required with --ref-audio (or pass --x-vector-only)")
                 ref_text = SYNTHETIC_REF_TEXT
+        pool: tuple[bytes, ...] = ()
+        if getattr(args, "voice_pool", 0):
+            if not is_clone or args.no_ref_audio or args.ref_audio:
+                raise ValueError(
+                    "--voice-pool draws synthetic clips: it needs voice_clone without --ref-audio"
+                )
+            pool = voice_pool(args.voice_pool, args.synthetic_ref_seconds, args.seed)
         options = SynthesisOptions(
             task_type=args.task_type,
             model=args.model,
@@ -226,10 +248,37 @@ class BenchConfig:
             seed=args.seed,
             audible_dbfs=args.audible_dbfs,
             request_timeout_s=args.request_timeout,
+            ref_pool=pool,
+            ref_pool_zipf=getattr(args, "voice_pool_zipf", 1.0),
         )
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
         out_dir = Path(args.out) if args.out else Path("run") / "bench" / f"{stamp}-{args.tag}"
         return cls(args=args, prompts=tuple(prompts), options=options, out_dir=out_dir, lengths=lengths)
+
+
+def voice_pool(size: int, seconds: float, seed: int) -> tuple[bytes, ...]:
+    """`size` distinct synthetic reference clips (distinct bytes, so distinct voice prompts)."""
+    return tuple(synthetic_reference_wav(seconds, seed=seed + 1 + k) for k in range(size))
+
+
+def voice_mix(records: Sequence[RequestRecord], options: SynthesisOptions) -> dict[str, Any] | None:
+    """The level's voice mix: pool size, distinct clips sent, and the share of requests whose clip
+    was sent before in the level (in send order), the prefix-cache hit rate an unbounded cache
+    would give (the talker's `tts_talker_prefix_cache_lookups_total` says what it got)."""
+    if not options.ref_pool:
+        return None
+    voices = [r.extra.get("voice") for r in sorted(records, key=lambda r: r.index)]
+    seen: set[int] = set()
+    repeats = 0
+    for v in voices:
+        repeats += v in seen
+        seen.add(v)
+    return {
+        "pool": len(options.ref_pool),
+        "zipf": options.ref_pool_zipf,
+        "distinct": len(seen),
+        "repeat_share": repeats / len(voices) if voices else None,
+    }
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -293,6 +342,11 @@ async def conditions(cfg: BenchConfig) -> dict[str, Any]:
         "num_prompts": len(cfg.prompts),
         "reference_audio": args.ref_audio
         or (f"synthetic {args.synthetic_ref_seconds:g} s" if cfg.options.ref_audio else None),
+        "voice_mix": (
+            f"pool of {len(cfg.options.ref_pool)} synthetic clips, Zipf {cfg.options.ref_pool_zipf:g}"
+            if cfg.options.ref_pool
+            else "one clip for every request"
+        ),
         "x_vector_only": args.x_vector_only,
         "command": " ".join(sys.argv),
         "args": vars(args),
@@ -367,6 +421,9 @@ def make_send(cfg: BenchConfig, synthesizer: Synthesizer, offset: int, count: in
             )
             record.extra["max_new_tokens"] = frames[index]
         record.index = index
+        voice = cfg.options.voice_for(offset + index)
+        if voice is not None:
+            record.extra["voice"] = voice
         return record
 
     return send
@@ -524,6 +581,9 @@ async def _run_level(
     level = level_result(mode, run, concurrency=concurrency, rate=rate)
     requested = [r.extra.get("max_new_tokens", args.max_new_tokens) for r in run.records]
     level["requested_length"] = length_stats(requested)
+    mix = voice_mix(run.records, cfg.options)
+    if mix is not None:
+        level["voice_mix"] = mix
     if args.processes > 1:
         level["client_processes"] = args.processes
     return level, requested

@@ -8,7 +8,9 @@ request is a record with `ok=False`, never an exception.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
+import random
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -67,12 +69,38 @@ class SynthesisOptions:
     seed: int | None = None
     audible_dbfs: float = DEFAULT_AUDIBLE_DBFS
     request_timeout_s: float = 300.0
+    # A voice mix: request i sends clip `voice_for(i)` of this pool instead of `ref_audio`, drawn
+    # Zipf(`ref_pool_zipf`) over the pool, so the GPU prefix cache sees repeats and new voices.
+    ref_pool: tuple[bytes, ...] = ()
+    ref_pool_zipf: float = 1.0
 
     def __post_init__(self) -> None:
         # Normalised once, so a misspelt task fails before any request is sent.
         object.__setattr__(self, "task_type", canonical_task(self.task_type))
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be positive")
+        if self.ref_pool_zipf < 0:
+            raise ValueError("ref_pool_zipf must be >= 0")
+        weights = [(k + 1) ** -self.ref_pool_zipf for k in range(len(self.ref_pool))]
+        total = sum(weights)
+        cdf, acc = [], 0.0
+        for w in weights:
+            acc += w / total
+            cdf.append(acc)
+        object.__setattr__(self, "_pool_cdf", tuple(cdf))
+
+    def voice_for(self, index: int) -> int | None:
+        """The pool clip request `index` sends (None: no pool): a seeded draw per request, the
+        same in every client process, so a record's voice is known without asking the sender."""
+        if not self.ref_pool:
+            return None
+        u = random.Random(f"{self.seed}:{index}").random()
+        return min(bisect.bisect_right(self._pool_cdf, u), len(self.ref_pool) - 1)
+
+    def ref_for(self, index: int) -> bytes | None:
+        """The reference clip of request `index`."""
+        voice = self.voice_for(index)
+        return self.ref_audio if voice is None else self.ref_pool[voice]
 
     def seed_for(self, index: int) -> int | None:
         # Distinct but reproducible per request, so identical prompts do not sample identically.
@@ -183,8 +211,9 @@ def http_payload(
         "min_new_tokens": frames if options.fixed_length else None,
         "seed": options.seed_for(index),
     }
-    if options.ref_audio is not None:
-        payload["ref_audio"] = ref_audio_url or audio_data_url(options.ref_audio, options.ref_audio_name)
+    ref = options.ref_for(index)
+    if ref is not None:
+        payload["ref_audio"] = ref_audio_url or audio_data_url(ref, options.ref_audio_name)
     if options.x_vector_only:
         payload["x_vector_only_mode"] = True
     return {k: v for k, v in payload.items() if v is not None}
@@ -218,25 +247,35 @@ class HttpSynthesizer:
         # The clip's JSON string literal, encoded once: at hundreds of streams, JSON-encoding the
         # same base64 clip for every request took a large share of the client's one core.
         self._ref_audio_json = None if self._ref_audio_url is None else json.dumps(self._ref_audio_url)
+        # The voice pool's clips, encoded once each (data URL, JSON literal), as the single clip is.
+        self._pool_urls = [audio_data_url(clip, options.ref_audio_name) for clip in options.ref_pool]
+        self._pool_json = [json.dumps(url) for url in self._pool_urls]
 
-    def body(self, payload: dict[str, Any]) -> bytes:
-        """`payload` as JSON bytes, splicing in the pre-encoded reference clip."""
-        if self._ref_audio_json is None or payload.get("ref_audio") is not self._ref_audio_url:
-            return json.dumps(payload).encode()
+    def body(self, payload: dict[str, Any], ref_json: str | None = None) -> bytes:
+        """`payload` as JSON bytes, splicing in the pre-encoded reference clip (`ref_json`: a
+        pool clip's literal, whose data URL is `payload["ref_audio"]`)."""
+        if ref_json is None:
+            if self._ref_audio_json is None or payload.get("ref_audio") is not self._ref_audio_url:
+                return json.dumps(payload).encode()
+            ref_json = self._ref_audio_json
         rest = json.dumps({k: v for k, v in payload.items() if k != "ref_audio"})
-        return (
-            rest[:-1] + (", " if rest != "{}" else "") + '"ref_audio": ' + self._ref_audio_json + "}"
-        ).encode()
+        return (rest[:-1] + (", " if rest != "{}" else "") + '"ref_audio": ' + ref_json + "}").encode()
 
     async def synthesize(
         self, index: int, prompt_index: int, text: str, *, max_new_tokens: int | None = None
     ) -> RequestRecord:
-        payload = http_payload(self.options, text, index, self._ref_audio_url, max_new_tokens)
+        voice = self.options.voice_for(index)
+        ref_url = self._ref_audio_url if voice is None else self._pool_urls[voice]
+        ref_json = None if voice is None else self._pool_json[voice]
+        payload = http_payload(self.options, text, index, ref_url, max_new_tokens)
         trace = _Trace(self.options.audible_dbfs)
         try:
             async with asyncio.timeout(self.options.request_timeout_s):
                 async with self._client.stream(
-                    "POST", self.url, content=self.body(payload), headers={"content-type": "application/json"}
+                    "POST",
+                    self.url,
+                    content=self.body(payload, ref_json),
+                    headers={"content-type": "application/json"},
                 ) as response:
                     if response.status_code != 200:
                         body = await response.aread()
@@ -299,7 +338,7 @@ class GrpcSynthesizer:
             voice=o.voice or "",
             language=o.language or "",
             instructions=o.instructions or "",
-            reference_audio=o.ref_audio or b"",
+            reference_audio=o.ref_for(index) or b"",
             reference_text=o.ref_text or "",
             x_vector_only=o.x_vector_only,
             audio_encoding=pb.AUDIO_ENCODING_PCM_S16LE,

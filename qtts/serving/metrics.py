@@ -279,6 +279,13 @@ class TalkerMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.prefix_cache_lookups_total = Counter(
+            "tts_talker_prefix_cache_lookups_total",
+            "Prompt-prefix KV cache lookups of admitted prompts, by result (hit: the voice's prefix "
+            "was copied from the GPU cache instead of prefilled).",
+            ["result"],
+            registry=registry,
+        )
         self.predicted_step_seconds = Gauge(
             "tts_talker_predicted_step_seconds",
             "Frame step time the admission model predicts for every running stream stepping at once.",

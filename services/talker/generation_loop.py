@@ -180,6 +180,7 @@ class GenerationLoop:
         self._idle_wait_s = idle_wait_s
         self._cond = threading.Condition()
         self._pending_cancels: list[str] = []
+        self._prefix_seen = (0, 0)  # the prefix cache's (hits, misses) already counted
         self._held = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -402,7 +403,22 @@ class GenerationLoop:
                 events.append((req, Finished(reason, req.credit.generated)))
             self._update_gauges()
         self._metrics.frames_total.inc(len(with_codes))
+        if prefill:
+            self._count_prefix_lookups()
         emit(events)
+
+    def _count_prefix_lookups(self) -> None:
+        """Move the engine's prefix-cache hit and miss counts (qtts/engine/prefix_cache.py) into
+        the metrics: only after steps that admitted prompts, two attribute reads."""
+        cache = getattr(getattr(self._generator, "runner", None), "prefix_cache", None)
+        if cache is None:
+            return
+        hits, misses = self._prefix_seen
+        if cache.hits > hits:
+            self._metrics.prefix_cache_lookups_total.labels("hit").inc(cache.hits - hits)
+        if cache.misses > misses:
+            self._metrics.prefix_cache_lookups_total.labels("miss").inc(cache.misses - misses)
+        self._prefix_seen = (cache.hits, cache.misses)
 
     @staticmethod
     def _held_frames(req: ScheduledRequest, step_s: float) -> Frame:

@@ -692,3 +692,48 @@ def test_warm_up_requests_are_short_unless_told_otherwise(tmp_path):
         assert rc == 0
         assert [r["max_new_tokens"] for r in server.requests] == [warm_frames, warm_frames, 30, 30]
     assert main(["--url", "http://127.0.0.1:9", "--warmup-frames", "-1", "--no-progress"]) == 1  # refused
+
+
+def test_voice_pool_draws_distinct_clips_zipf_and_records_the_mix(tmp_path):
+    """--voice-pool: each request sends one of N distinct clips, drawn Zipf (the first clips most),
+    the same draw in every process; the level reports the repeats an unbounded cache would hit."""
+    with FakeSpeechServer([(0.0, LOUD)]) as server:
+        rc = main(
+            ["--url", server.url, "--concurrency", "8", "--num-requests", "120", "--warmup", "0",
+             "--voice-pool", "20", "--voice-pool-zipf", "1.0", "--seed", "5",
+             "--out", str(tmp_path), "--no-progress", "--no-plots"]
+        )  # fmt: skip
+    assert rc == 0
+    clips = [r["ref_audio"] for r in server.requests]
+    assert len(clips) == 120 and all(c.startswith("data:audio/") for c in clips)
+    counts = sorted((clips.count(c) for c in set(clips)), reverse=True)
+    assert 5 < len(counts) <= 20  # many distinct voices, never more than the pool
+    assert counts[0] > 3 * counts[-1]  # Zipf: the most drawn clip far above the rarest
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["conditions"]["voice_mix"] == "pool of 20 synthetic clips, Zipf 1"
+    level = data["levels"][0]
+    voices = [r["extra"]["voice"] for r in level["records"]]
+    assert len(set(voices)) == len(counts)
+    mix = level["voice_mix"]
+    assert mix["pool"] == 20 and mix["distinct"] == len(counts)
+    assert mix["repeat_share"] == pytest.approx(1 - len(counts) / 120)
+
+
+def test_voice_pool_is_the_same_over_http_and_grpc_and_checked():
+    pool = (b"RIFF-a", b"RIFF-b", b"RIFF-c")
+    options = SynthesisOptions(
+        task_type="voice_clone", ref_text="t", ref_pool=pool, ref_pool_zipf=0.0, seed=1
+    )
+    picks = [options.voice_for(i) for i in range(300)]
+    assert set(picks) == {0, 1, 2} and min(picks.count(v) for v in range(3)) > 60  # Zipf 0: uniform
+    assert picks == [options.voice_for(i) for i in range(300)]  # deterministic per index
+    grpc_client = GrpcSynthesizer.__new__(GrpcSynthesizer)
+    grpc_client._pb, grpc_client.options, grpc_client._prefix = tts_pb2, options, "t"
+    http = HttpSynthesizer("http://127.0.0.1:1", options)
+    for i in range(6):
+        assert grpc_client.request("x", i).reference_audio == pool[picks[i]]
+        assert http._pool_urls[picks[i]].endswith(__import__("base64").b64encode(pool[picks[i]]).decode())
+    with pytest.raises(ValueError, match="ref_pool_zipf"):
+        SynthesisOptions(ref_pool=pool, ref_pool_zipf=-1)
+    with pytest.raises(ValueError, match="--voice-pool"):
+        BenchConfig.from_args(build_parser().parse_args(["--voice-pool", "3", "--task-type", "custom_voice"]))

@@ -35,6 +35,7 @@ COUNTERS_AND_GAUGES = {
     "tts_talker_underruns_total",
     "tts_talker_refused_total",
     "tts_talker_predicted_step_seconds",
+    "tts_talker_prefix_cache_lookups_total",
     "tts_code2wav_underruns_total",
     "tts_rpc_requests_total",
     "tts_http_requests_total",

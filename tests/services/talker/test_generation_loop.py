@@ -255,3 +255,48 @@ def test_more_requests_than_graph_engine_slots_wait_in_the_deadline_scheduler(ti
         rid: ("length", 3 + i) for i, rid in enumerate(names)
     }
     assert len(added) == 5 and max(added) == 2 and eng.num_active == 0
+
+
+def test_prefix_cache_hits_and_misses_reach_the_metrics():
+    """The engine's GPU prefix cache counts (runner.prefix_cache.hits / misses) become
+    tts_talker_prefix_cache_lookups_total{result} after each step that admitted prompts."""
+    import torch
+
+    from qtts.engine.prefix_cache import PrefixCache
+
+    class CachedGenerator(FakeGenerator):
+        def __init__(self):
+            super().__init__()
+            self.runner = type("Runner", (), {"prefix_cache": PrefixCache(1 << 20)})()
+
+        def step(self, *args, **kwargs):
+            cache = self.runner.prefix_cache
+            for rid in list(self._active):  # a new prompt looks its prefix up once: first miss, then hits
+                if rid not in self._looked_up:
+                    self._looked_up.add(rid)
+                    if cache.lookup("voice") == 0:
+                        cache.put("voice", torch.zeros(1, 1, 4, 1), torch.zeros(1, 1, 4, 1))
+            return super().step(*args, **kwargs)
+
+    class PromptWithEmbeds(FakePrompt):
+        embeds = torch.zeros(7, 1)  # 7 positions to prefill
+
+    gen = CachedGenerator()
+    gen._looked_up = set()
+    registry = CollectorRegistry()
+    engine = GenerationLoop(gen, DeadlineScheduler(max_batch=4, max_waiting=4), TalkerMetrics(registry), 0.05)
+    events: queue.Queue = queue.Queue()
+    engine.start()
+    try:
+        for rid in ("a", "b", "c"):
+            credit = StreamCredit(window=100)
+            req = ScheduledRequest(
+                rid, PromptWithEmbeds(3), None, None, credit, lambda ev, rid=rid: events.put((rid, ev))
+            )
+            engine.submit(req)
+            collect(events, rid, Finished, 1)
+    finally:
+        engine.stop()
+    sample = registry.get_sample_value
+    assert sample("tts_talker_prefix_cache_lookups_total", {"result": "miss"}) == 1
+    assert sample("tts_talker_prefix_cache_lookups_total", {"result": "hit"}) == 2
