@@ -138,8 +138,13 @@ replicas)
 session)
     # One device call for a session's headline, all on this machine (under 10 minutes with the
     # defaults): the talker-alone capacity, then the closed loop (CONCURRENCY) and the open loop
-    # (RATES, OPEN_DURATION s each, mixed 2-20 s lengths) on two fresh stacks. MPS=1 for both
-    # stacks. Carry: .whl
+    # (RATES, OPEN_DURATION s each, mixed 2-20 s lengths) on two fresh stacks, both under MPS
+    # (MPS=0 to compare: without it the talker's and code2wav's kernels take turns in time slices),
+    # the client in CLIENT_PROCESSES (4) processes, each request's reference clip drawn from a pool
+    # of VOICE_POOL (200) clips, Zipf 1 (VOICE_POOL=0: one clip for all, the prefix cache always
+    # hits). Carry: .whl
+    export MPS="${MPS:-1}" CLIENT_PROCESSES="${CLIENT_PROCESSES:-4}"
+    POOL=(--voice-pool "${VOICE_POOL:-200}")
     install .whl /tmp/site && { [[ ! -d .whl_av ]] || install .whl_av /tmp/site; } && export PYTHONPATH=/tmp/site:.
     python3 -c "from qtts import pb; pb.generate(force=True)"
     # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags
@@ -148,12 +153,13 @@ session)
         --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1
     PYTHON=python3 FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-512 768}" NUM_REQUESTS="${NUM_REQUESTS:-16}" \
         ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-120}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
-        GATEWAY_ARGS="$GATEWAY" timeout "${CLOSED_TIMEOUT:-200}" benchmarks/launch_gpu_stack.sh "$RES/stack" \
-        >"$RES/stack.log" 2>&1
+        GATEWAY_ARGS="$GATEWAY" timeout "${CLOSED_TIMEOUT:-200}" benchmarks/launch_gpu_stack.sh "$RES/stack" -- \
+        "${POOL[@]}" >"$RES/stack.log" 2>&1
     # shellcheck disable=SC2086  # RATES is a list
     PYTHON=python3 FIXED_LENGTH= TIME_LIMIT="${TIME_LIMIT:-120}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
         GATEWAY_ARGS="$GATEWAY" timeout "${OPEN_TIMEOUT:-210}" benchmarks/launch_gpu_stack.sh "$RES/open" -- \
-        --rate ${RATES:-20 60 80} --duration "${OPEN_DURATION:-20}" --length-dist mixed:2:20 >"$RES/open.log" 2>&1
+        --rate ${RATES:-20 60 80} --duration "${OPEN_DURATION:-20}" --length-dist mixed:2:20 "${POOL[@]}" \
+        >"$RES/open.log" 2>&1
     ;;
 decode)
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
