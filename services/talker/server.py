@@ -119,7 +119,7 @@ class TalkerServer:
         fingerprint = getattr(self.bundle, "voice_encoder_fingerprint", None)
         digest = await asyncio.to_thread(fingerprint) if fingerprint is not None else ""
         model_id = f"{info.name}@{digest[:16]}" if digest else info.name
-        self._voices = VoiceResolver(self.bundle, self._cache, model_id=model_id)
+        self._voices = VoiceResolver(self.bundle, self._cache, model_id=model_id, metrics=self.metrics)
         self.core = TalkerCore(
             bundle=self.bundle,
             engine=self.engine,

@@ -1,14 +1,22 @@
 """Resolves the voice prompt of a voice-clone request: inline clip or named voice, cached by content key.
 
-Lookup order: a small in-process LRU, then speaker_cache (`GetVoicePrompt`), then computing it with
-the bundle in a worker thread and storing it back (`PutVoicePrompt`, in the background). When
-speaker_cache is unreachable the prompt is computed locally and the request goes on.
+Lookup order: an in-process LRU, then speaker_cache (`GetVoicePrompt`), then computing it with
+the bundle and storing it back (`PutVoicePrompt`, in the background). When speaker_cache is
+unreachable the prompt is computed locally and the request goes on.
+
+A voice is looked up and computed once however many requests ask for it at the same time (they
+wait on the one lookup: a burst of new voices used to compute the same voice once per request),
+and the computations run one at a time in a thread of their own: the speaker and codec encoders
+are GPU work that many threads would only interleave, under the GIL beside the engine's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -57,12 +65,28 @@ def record_to_prompt(record: VoicePromptArrays) -> Any:
 class VoiceResolver:
     """Finds or computes the `VoicePrompt` of a voice-clone request."""
 
-    def __init__(self, bundle: Any, cache: SpeakerCacheClient, model_id: str, local_entries: int = 64):
+    def __init__(
+        self,
+        bundle: Any,
+        cache: SpeakerCacheClient,
+        model_id: str,
+        local_entries: int = 1024,
+        compute_workers: int = 1,
+        metrics: Any = None,
+    ):
         self._bundle = bundle
         self._cache = cache
         self._model_id = model_id
+        # A prompt is small (an x-vector and the reference codes: about 10 KB for a 3 s clip).
         self._local: BoundedLru[str, Any] = BoundedLru(local_entries)
         self._background: set[asyncio.Task] = set()
+        # key -> the one lookup (speaker_cache, then compute) every request for that voice awaits.
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._executor = ThreadPoolExecutor(max_workers=compute_workers, thread_name_prefix="voice-prompt")
+        self.computed = 0  # prompts computed here (not found in this process or speaker_cache)
+        # A ServiceMetrics: each computation's own time (in its thread) as the stage
+        # compute_voice_prompt, apart from the waits that the stage voice_prompt includes.
+        self._metrics = metrics
 
     async def resolve(self, req: GenerationRequest) -> Any:
         if req.reference_digest and not req.reference_pcm_f32:
@@ -77,10 +101,30 @@ class VoiceResolver:
         # The clip's bytes as they came, or (a named voice) its float32 bytes.
         raw = req.reference_pcm_f32 or pcm.astype("<f4").tobytes()
         key = voice_prompt_key(self._model_id, raw, ref_text, x_vector_only)
+        local = self._local.get(key)
+        if local is not None:
+            return local
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._find_or_compute(key, pcm, ref_text, x_vector_only))
+            self._inflight[key] = task
+            task.add_done_callback(functools.partial(self._lookup_done, key))
+        # Shielded: a caller that goes away does not cancel the lookup the others wait on.
+        return await asyncio.shield(task)
+
+    def _lookup_done(self, key: str, task: asyncio.Task) -> None:
+        self._inflight.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter may have gone, and the error is theirs
+
+    async def _find_or_compute(
+        self, key: str, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool
+    ) -> Any:
         prompt, reachable = await self._held(key)
         if prompt is not None:
             return prompt
         prompt = await self._compute(pcm, ref_text, x_vector_only)
+        self.computed += 1
         if reachable:
             self._store_in_background(key, prompt)
         self._remember(key, prompt)
@@ -132,14 +176,23 @@ class VoiceResolver:
 
     async def _compute(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
         try:
-            return await asyncio.to_thread(
-                self._bundle.compute_voice_prompt,
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor,
+                self._timed_compute,
                 np.array(pcm, dtype=np.float32),  # a writable copy: torch wraps it
                 None if x_vector_only else ref_text,
                 x_vector_only,
             )
         except ValueError as exc:
             raise InvalidArgument(f"cannot compute the voice prompt: {exc}") from exc
+
+    def _timed_compute(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
+        started = time.perf_counter()
+        try:
+            return self._bundle.compute_voice_prompt(pcm, ref_text, x_vector_only)
+        finally:
+            if self._metrics is not None:
+                self._metrics.observe_stage("compute_voice_prompt", time.perf_counter() - started)
 
     def _store_in_background(self, key: str, prompt: Any) -> None:
         async def store() -> None:
@@ -163,3 +216,4 @@ class VoiceResolver:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)

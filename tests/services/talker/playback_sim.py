@@ -80,11 +80,13 @@ def simulate(
     closed_loop: int = 0,
     until_s: float = 60.0,
     plan: ChunkPlan | None = None,
+    retry_refused_s: float | None = None,
 ) -> list[Listener]:
     """Run `arrivals` (time, frames, prompt positions) to completion or `until_s`.
 
     With `closed_loop` = n, every finished request is replaced at once by one like it, until
-    n of them have been replaced."""
+    n of them have been replaced; with `retry_refused_s` too, so is every refused one, that long
+    after its refusal (a closed-loop client sends its next request when told no)."""
     plan = plan or ChunkPlan()
     pending = sorted(arrivals)
     listeners: dict[str, Listener] = {}
@@ -112,8 +114,16 @@ def simulate(
             scheduler.submit(req, t)
         except Exception:  # noqa: BLE001 - refusals are the outcome being measured
             lis.refused, lis.refused_at = True, t
+            replace_refused(lis, t)
             return
         reqs[rid] = req
+
+    def replace_refused(lis: Listener, t: float) -> None:
+        nonlocal replaced
+        if retry_refused_s is not None and replaced < closed_loop:
+            replaced += 1
+            pending.append((t + retry_refused_s, lis.frames, lis.prompt_positions))
+            pending.sort()
 
     while now < until_s:
         while pending and pending[0][0] <= now:
@@ -132,6 +142,7 @@ def simulate(
             listeners[req.request_id].refused = True
             listeners[req.request_id].refused_at = now
             reqs.pop(req.request_id, None)
+            replace_refused(listeners[req.request_id], now)
         if step.step:
             budget = step.prefill_budget if step.prefill_budget is not None else math.inf
             prefill = 0
