@@ -47,6 +47,7 @@ from benchmarks.report import (
 )
 from benchmarks.revision import git_revision
 from benchmarks.transport import (
+    POOL_WARM_INDEX,
     GrpcSynthesizer,
     HttpSynthesizer,
     SynthesisOptions,
@@ -95,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="voice clone: draw each request's reference clip from this many distinct synthetic clips "
         "(0: one clip for every request, so the GPU prefix cache hits after the first)",
+    )
+    req.add_argument(
+        "--voice-pool-warm",
+        action="store_true",
+        help="before the levels, one short unrecorded request per pool voice (8 at a time), so the "
+        "levels measure voices the server has seen, as stored voices are; the cold start is timed",
     )
     req.add_argument(
         "--voice-pool-zipf",
@@ -474,7 +481,7 @@ async def run_benchmark(
     if args.processes == 1:
         # With --processes N every worker warms its own client (benchmarks.multiproc).
         await warm_or_log(synthesizer.warm, min(30.0, args.request_timeout), "client")
-    if args.warmup > 0:
+    if args.warmup > 0 or (getattr(args, "voice_pool_warm", False) and cfg.options.ref_pool):
         result["warmup"] = await _warm_up(cfg, synthesizer, deadline)
 
     if args.rate:
@@ -524,6 +531,25 @@ async def _warm_up(cfg: BenchConfig, synthesizer: Synthesizer, deadline: float |
         num_requests=args.warmup,
         deadline=deadline,
     )
+    result: dict[str, Any] = {}
+    if getattr(args, "voice_pool_warm", False) and cfg.options.ref_pool:
+        pool = len(cfg.options.ref_pool)
+
+        async def send_voice(index: int) -> RequestRecord:
+            text = cfg.prompts[index % len(cfg.prompts)]
+            return await synthesizer.synthesize(POOL_WARM_INDEX + index, 0, text, max_new_tokens=2)
+
+        started = time.perf_counter()
+        voices = await run_closed_loop(send_voice, concurrency=8, num_requests=pool, deadline=deadline)
+        result["voice_pool_warm"] = {
+            "voices": pool,
+            "ok": sum(r.ok for r in voices.records),
+            "wall_s": round(time.perf_counter() - started, 3),
+        }
+        print(
+            f"tts-bench: warmed {pool} pool voices in {result['voice_pool_warm']['wall_s']:.1f} s",
+            file=sys.stderr,
+        )
     failed = [r for r in warm.records if not r.ok]
     if failed:
         # Usually a request the server rejects outright (wrong task type for the model, ...).
@@ -531,7 +557,7 @@ async def _warm_up(cfg: BenchConfig, synthesizer: Synthesizer, deadline: float |
             f"tts-bench: {len(failed)} warm-up request(s) failed: {failed[0].status} {failed[0].error}",
             file=sys.stderr,
         )
-    return {"num_requests": len(warm.records), "statuses": [r.status for r in warm.records]}
+    return {"num_requests": len(warm.records), "statuses": [r.status for r in warm.records], **result}
 
 
 async def _run_level(

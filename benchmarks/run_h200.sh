@@ -144,7 +144,10 @@ session)
     # of VOICE_POOL (200) clips, Zipf 1 (VOICE_POOL=0: one clip for all, the prefix cache always
     # hits). Carry: .whl
     export MPS="${MPS:-1}" CLIENT_PROCESSES="${CLIENT_PROCESSES:-4}"
+    # VOICE_POOL_WARM=1 (default): the client's warm-up sends each pool voice once first (stored
+    # voices, as an agent's are); 0: the levels meet every voice cold.
     POOL=(--voice-pool "${VOICE_POOL:-200}")
+    [[ "${VOICE_POOL_WARM:-1}" == 1 ]] && POOL+=(--voice-pool-warm)
     install .whl /tmp/site && { [[ ! -d .whl_av ]] || install .whl_av /tmp/site; } && export PYTHONPATH=/tmp/site:.
     python3 -c "from qtts import pb; pb.generate(force=True)"
     # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags

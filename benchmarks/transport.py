@@ -23,6 +23,9 @@ from benchmarks.metrics import DEFAULT_AUDIBLE_DBFS, AudibleDetector, RequestRec
 from benchmarks.reference_audio import audio_data_url
 
 SPEECH_PATH = "/v1/audio/speech"
+# Request indices from here on send pool clip (index - POOL_WARM_INDEX): the warm-up's one
+# request per voice of the pool (benchmarks.client --voice-pool-warm).
+POOL_WARM_INDEX = 2_000_000_000
 HEALTH_PATH = "/health"
 
 # Task names as this API spells them, plus vLLM-Omni's spellings (Base, CustomVoice, VoiceDesign).
@@ -94,6 +97,8 @@ class SynthesisOptions:
         same in every client process, so a record's voice is known without asking the sender."""
         if not self.ref_pool:
             return None
+        if index >= POOL_WARM_INDEX:  # the warm-up's pass over the pool: clip k for request k
+            return (index - POOL_WARM_INDEX) % len(self.ref_pool)
         u = random.Random(f"{self.seed}:{index}").random()
         return min(bisect.bisect_right(self._pool_cdf, u), len(self.ref_pool) - 1)
 

@@ -737,3 +737,17 @@ def test_voice_pool_is_the_same_over_http_and_grpc_and_checked():
         SynthesisOptions(ref_pool=pool, ref_pool_zipf=-1)
     with pytest.raises(ValueError, match="--voice-pool"):
         BenchConfig.from_args(build_parser().parse_args(["--voice-pool", "3", "--task-type", "custom_voice"]))
+
+
+def test_voice_pool_warm_sends_every_pool_voice_once_before_the_levels(tmp_path):
+    with FakeSpeechServer([(0.0, LOUD)]) as server:
+        rc = main(
+            ["--url", server.url, "--concurrency", "2", "--num-requests", "6", "--warmup", "0",
+             "--voice-pool", "5", "--voice-pool-warm", "--out", str(tmp_path), "--no-progress", "--no-plots"]
+        )  # fmt: skip
+    assert rc == 0
+    warm, levels = server.requests[:5], server.requests[5:]
+    assert len({r["ref_audio"] for r in warm}) == 5 and all(r["max_new_tokens"] == 2 for r in warm)
+    assert len(levels) == 6 and {r["ref_audio"] for r in levels} <= {r["ref_audio"] for r in warm}
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["warmup"]["voice_pool_warm"]["voices"] == 5 and data["warmup"]["voice_pool_warm"]["ok"] == 5
