@@ -118,7 +118,9 @@ def test_make_run_installs_only_what_running_needs_and_make_test_adds_the_rest(t
     assert re.search(r"^run: setup protos$", dry, flags=re.M) and re.search(
         r"^setup: \S+/\.installed-run$", dry, flags=re.M
     )
-    assert re.search(r"^test: setup-test protos lint$", dry, flags=re.M)  # the lint gate runs first
+    # The system packages are checked first (before any pip install), then the venvs; the lint
+    # gate runs before pytest.
+    assert re.search(r"^test: system-deps setup-test checkov-env protos lint$", dry, flags=re.M)
     assert re.search(
         rf"^{re.escape(str(venv))}/\.installed: {re.escape(str(venv))}/\.installed-run ", dry, flags=re.M
     )
