@@ -1,8 +1,8 @@
 # Qwen3-TTS streaming serving stack.
 #   make run   - install what running needs (if missing), start the whole stack locally, print where
 #                it listens
-#   make test  - install that plus the test, benchmark and deployment-test packages (if missing) and
-#                run the whole test suite
+#   make test  - install that plus the test, benchmark and deployment-test packages, checkov's venv
+#                and the system packages the suite needs (if missing) and run the whole test suite
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 QWEN_TTS_REF ?= qwen-tts==0.1.1
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test protos run test lint clean lock checkov-env
+.PHONY: setup setup-test protos run test lint clean lock checkov-env system-deps
 
 # setup: what `make run` needs (requirements.txt: every service's runtime, grpcio-tools for the
 # stubs, torch); setup-test adds requirements-{bench,test,deploy}.txt and the reference qwen-tts.
@@ -54,11 +54,11 @@ run: setup protos
 	$(PY) -m services.launcher
 
 # The suite starts with the lint gate: ruff's checks and its formatter (no file left to reformat).
-test: setup-test protos lint
+test: system-deps setup-test checkov-env protos lint
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing the suite"; exit 1; fi; exit $$rc
 
-# checkov (tests/deploy/test_checkov.py; .ci/run sets it up) pins packages that clash with the
+# checkov (tests/deploy/test_checkov.py; make test sets it up) pins packages that clash with the
 # main venv's, so it gets a venv of its own; requirements-checkov.lock pins all of it.
 CHECKOV_VENV ?= .venv-checkov
 
@@ -68,6 +68,11 @@ $(CHECKOV_VENV)/.installed: requirements-checkov.lock
 	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/python -m pip install -q -r requirements-checkov.lock
 	touch $@
+
+# system-deps: redis-server and Chromium, which the suite needs from the system: apt-installed when
+# missing and run as root; otherwise it stops at once, printing the command that installs them.
+system-deps:
+	@bash .ci/system-deps
 
 lint: setup-test
 	$(VENV)/bin/ruff check .

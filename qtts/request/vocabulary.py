@@ -145,6 +145,27 @@ class FieldNames:
 
 
 HTTP_FIELDS = FieldNames()
+
+# OpenAI's preset voice names: not voices here unless one was stored under that name.
+OPENAI_VOICE_NAMES = (
+    "alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
+)  # fmt: skip
+# How the message of an unknown stored voice starts (the gateway recognises it from the talker).
+UNKNOWN_VOICE = "no voice is stored under the name"
+
+
+def unknown_voice(name: str, param: str | None = "voice") -> NotFound:
+    """The error of a request naming a stored voice that does not exist: where the voices are
+    listed, and that OpenAI's preset names are not presets here."""
+    return NotFound(
+        f"{UNKNOWN_VOICE} {name!r}: the stored voices are listed at GET /v1/audio/voices (gRPC: "
+        f"ListVoices). OpenAI's preset names ({', '.join(OPENAI_VOICE_NAMES)}) are not voices here "
+        "unless one was stored under that name; store a voice (POST /v1/audio/voices) or send a "
+        "clip in ref_audio",
+        param=param,
+    )
+
+
 TALKER_FIELDS = FieldNames(
     text="text",
     task="task",

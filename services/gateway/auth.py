@@ -32,8 +32,8 @@ from .client_identity import bearer_token
 
 ENV_VAR = "TTS_GATEWAY_API_KEYS"
 # Paths served without a key: probes, the playground (it asks for the key itself), the API docs.
-OPEN_PATHS = ("/health", "/livez", "/readyz", "/docs", "/openapi.json", "/favicon.ico")
-OPEN_PREFIXES = ("/static/",)
+OPEN_PATHS = ("/health", "/livez", "/readyz", "/docs", "/redoc", "/openapi.json", "/favicon.ico")
+OPEN_PREFIXES = ("/static/", "/docs-assets/")
 OWNER_CHARS = 8
 
 owner_var: ContextVar[str] = ContextVar("voice_owner", default="")

@@ -33,7 +33,7 @@ from .http_streaming import (
 )
 from .instructions import ignored_fields_header
 from .job import SynthesisJob
-from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_openapi
+from .openapi_docs import SPEECH_OPENAPI, SPEECH_RESPONSES, install_docs_pages, install_openapi
 from .playback import PlaybackClock
 from .rate_limit import RateLimiter, RateLimitMiddleware
 from .speech_ws import SpeechStreamEndpoint
@@ -170,8 +170,9 @@ async def _stream_chunks(
 
 def create_app(deps: HttpDeps) -> FastAPI:
     """Build the FastAPI app around injected dependencies (no globals)."""
-    app = FastAPI(title="Qwen3-TTS gateway", docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="Qwen3-TTS gateway", docs_url=None, redoc_url=None)
     install_openapi(app)
+    install_docs_pages(app)
     _add_middleware(app, deps)
     install_abort_log_filter()
     _add_error_handlers(app, deps.metrics)

@@ -1,16 +1,23 @@
-"""What `/openapi.json` and `/docs` say about the speech endpoints beyond what FastAPI infers.
+"""What `/openapi.json` and `/docs` say about the speech endpoints beyond what FastAPI infers, and
+the pages that show it: `/docs` (Swagger UI) and `/redoc` (ReDoc).
 
 The speech handler parses its body itself (so that every error keeps OpenAI's shape), so the request
 schema is attached from the typed models in `http_request`, and the responses (audio content types,
-the error body, 429 with `Retry-After`) are declared here.
+the error body, 429 with `Retry-After`) are declared here. The two pages load their scripts and
+styles from the gateway itself (`/docs-assets/`, the files the fastapi-offline package ships), not
+from a CDN: they work with no internet, as in many clusters.
 """
 
 from __future__ import annotations
 
+from importlib.resources import files
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from .audio_encoding import MEDIA_TYPES
@@ -106,3 +113,47 @@ def install_openapi(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+# Where the docs pages' own files are served (Swagger UI's bundle and CSS, ReDoc's standalone bundle).
+DOCS_ASSETS = "/docs-assets"
+REDOC_CSP = "img-src 'self' data: blob:"
+
+
+def install_docs_pages(app: FastAPI) -> None:
+    """GET /docs (Swagger UI) and /redoc (ReDoc), over assets served by the gateway. The app must be
+    made with `docs_url=None, redoc_url=None` (FastAPI's own pages load them from a CDN)."""
+    static = files("fastapi_offline") / "static"
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(static)), name="docs-assets")
+    title = f"{app.title} - API"
+
+    def urls(request: Request) -> tuple[str, str]:
+        root = request.scope.get("root_path", "").rstrip("/")
+        return root + (app.openapi_url or "/openapi.json"), root + DOCS_ASSETS
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        openapi_url, assets = urls(request)
+        return get_swagger_ui_html(
+            openapi_url=openapi_url,
+            title=title,
+            swagger_js_url=f"{assets}/swagger-ui-bundle.js",
+            swagger_css_url=f"{assets}/swagger-ui.css",
+            swagger_favicon_url=f"{assets}/favicon.png",
+            oauth2_redirect_url=None,
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        openapi_url, assets = urls(request)
+        page = get_redoc_html(
+            openapi_url=openapi_url,
+            title=title,
+            redoc_js_url=f"{assets}/redoc.standalone.js",
+            redoc_favicon_url=f"{assets}/favicon.png",
+            with_google_fonts=False,
+        )
+        # ReDoc's footer shows Redocly's logo from its CDN (hidden when it fails to load): images
+        # come from the gateway only, so the page asks nothing of another host.
+        page.headers["content-security-policy"] = REDOC_CSP
+        return page

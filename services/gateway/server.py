@@ -161,9 +161,16 @@ class GatewayServer:
         )
         # In speaker_cache: every gateway replica knows every consent.
         self.consents = ConsentStore(SpeakerCacheConsents(self.voice_client))
-        self.stage_health = StageHealth(
-            {"talker": self.talker.channel, "speaker_cache": self.voice_client.channel}
-        )
+        # Readiness follows what a new stream would do: with a pool, the pool's view of its talkers
+        # (a check over the shared channel could say SERVING while every new stream got 503).
+        if self.talker_pool is not None:
+            self.stage_health = StageHealth(
+                {"speaker_cache": self.voice_client.channel}, serving={"talker": self.talker_pool.serving}
+            )
+        else:
+            self.stage_health = StageHealth(
+                {"talker": self.talker.channel, "speaker_cache": self.voice_client.channel}
+            )
 
     def _grpc_host(self, config: GatewayConfig) -> GrpcServiceHost:
         """The public tts.v1 gRPC server, with API keys and the rate limit in front."""

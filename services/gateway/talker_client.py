@@ -10,10 +10,16 @@ import numpy as np
 
 from qtts.lru import BoundedLru
 from qtts.pb import talker_pb2, talker_pb2_grpc
-from qtts.request.errors import FailedPrecondition, Unavailable, from_grpc
+from qtts.request.errors import FailedPrecondition, NotFound, Unavailable, from_grpc
 from qtts.request.sampling_pb import overrides_to_pb
 from qtts.request.tts_enums import FINISH_FROM_PB, TASK_TO_PB
-from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME, AudioPiece, SynthesisSummary
+from qtts.request.vocabulary import (
+    NATIVE_SAMPLE_RATE,
+    SAMPLES_PER_FRAME,
+    UNKNOWN_VOICE,
+    AudioPiece,
+    SynthesisSummary,
+)
 from qtts.serving import tracing
 from qtts.serving.grpc_server import RECONNECT_OPTIONS
 from qtts.serving.internal_auth import client_interceptors
@@ -264,7 +270,10 @@ class TalkerClient:
         except grpc.aio.AioRpcError as exc:
             if lease is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 lease.mark_unavailable()
-            raise from_grpc(exc.code(), exc.details(), exc.trailing_metadata()) from None
+            error = from_grpc(exc.code(), exc.details(), exc.trailing_metadata())
+            if isinstance(error, NotFound) and error.message.startswith(UNKNOWN_VOICE):
+                error.param = "voice"  # the talker found no stored voice of that name
+            raise error from None
         finally:
             # No-op when the call already finished; cancels it when the consumer went away.
             call.cancel()

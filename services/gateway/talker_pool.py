@@ -256,18 +256,27 @@ class TalkerPool:
             if not self.usable():
                 await asyncio.sleep(retry_s)
 
+    def _may_refresh(self) -> bool:
+        return self._last_refresh is None or self._clock() - self._last_refresh >= self._min_gap_s
+
     async def acquire(self) -> Lease:
         """A lease for a new stream; refreshes first when no talker is usable (at most every
         `min_refresh_gap_s`). Raises `Unavailable` when still none is."""
         lease = self.pick()
-        if lease is None and (
-            self._last_refresh is None or self._clock() - self._last_refresh >= self._min_gap_s
-        ):
+        if lease is None and self._may_refresh():
             await self.refresh()
             lease = self.pick()
         if lease is None:
             raise Unavailable("no talker is ready")
         return lease
+
+    async def serving(self) -> bool:
+        """Whether a new stream would find a talker now (the gateway's readiness): the pool's own
+        view, the one `acquire` picks from, after probing every talker afresh (a refresh already
+        running is shared). A health check over another channel could say SERVING while every
+        channel of the pool still waited out its reconnect backoff and new streams got 503."""
+        await self.refresh()
+        return bool(self.usable())
 
     def _release(self, endpoint: Endpoint) -> None:
         endpoint.active -= 1

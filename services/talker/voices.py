@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from qtts.lru import BoundedLru
-from qtts.request.errors import FailedPrecondition, InvalidArgument, Unavailable
+from qtts.request.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from qtts.request.vocabulary import unknown_voice
 from qtts.streams.voice_key import REFERENCE_NOT_CACHED, voice_prompt_key, voice_prompt_key_for_digest
 
 from .request import GenerationRequest
@@ -167,6 +168,8 @@ class VoiceResolver:
             voice = await self._cache.get_voice(req.voice)
         except SpeakerCacheUnreachable as exc:
             raise Unavailable(f"named voice {req.voice!r} cannot be loaded: {exc.message}") from None
+        except NotFound:
+            raise unknown_voice(req.voice) from None
         pcm = voice.pcm_f32
         if voice.sample_rate_hz != SAMPLE_RATE:
             import soxr

@@ -2,7 +2,7 @@
 not list with a reason, and no listed check that nothing fails any more.
 
 checkov pins packages that clash with the main venv's, so it runs from its own venv
-(`make checkov-env`, which .ci/run does); without it the test is skipped, except in CI."""
+(`make checkov-env`, which make test does); without it the test is skipped, except in CI."""
 
 from __future__ import annotations
 

@@ -163,7 +163,7 @@ def small_redis(tmp_path, chart):  # noqa: F811
     """A redis-server with the deployed eviction policy and 4 MB of memory."""
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server is not installed (.ci/run installs it; apt-get install redis-server)")
+        pytest.fail("redis-server is not installed (make test installs it: .ci/system-deps)")
     (redis,) = [d for d in of_kind(stack_docs("kustomize", chart), "StatefulSet") if component(d) == "redis"]
     args = container(redis)["args"]
     policy = args[args.index("--maxmemory-policy") + 1]

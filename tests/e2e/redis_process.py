@@ -38,7 +38,9 @@ class RedisProcess:
     def __init__(self, data_dir: Path, port: int | None = None):
         exe = shutil.which("redis-server")
         if exe is None:
-            pytest.fail("redis-server is not installed (.ci/run installs it); the fault tests need it")
+            pytest.fail(
+                "redis-server is not installed (make test installs it: .ci/system-deps); the fault tests need it"
+            )
         self.exe = exe
         self.data_dir = data_dir
         self.port = port or free_port()

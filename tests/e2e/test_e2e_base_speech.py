@@ -96,8 +96,9 @@ def test_bad_input_gets_openai_errors_and_the_service_keeps_serving(stack):
         ({"speed": 5}, 400, "speed"),
         ({"input": "x" * 5000}, 400, "input"),
         ({"task_type": "voice_design", "instructions": "calm"}, 400, "task_type"),
-        # The talker finds the voice missing; its gRPC status carries no field name.
-        ({"ref_audio": None, "voice": "no-such-voice"}, 404, None),
+        # The talker finds the voice missing; the gateway names the field.
+        ({"ref_audio": None, "voice": "no-such-voice"}, 404, "voice"),
+        ({"ref_audio": None, "voice": "alloy"}, 404, "voice"),
     ]
     with httpx.Client(base_url=stack.http_url, timeout=120) as c:
         for override, status, param in cases:
@@ -107,6 +108,8 @@ def test_bad_input_gets_openai_errors_and_the_service_keeps_serving(stack):
             error = r.json()["error"]
             assert error["param"] == param and isinstance(error["code"], str), error
             assert error["message"] and error["type"], error
+            if status == 404 and param == "voice":
+                assert "GET /v1/audio/voices" in error["message"] and "alloy" in error["message"], error
         assert c.get("/health").status_code == 200
         r = c.post("/v1/audio/speech", json=clone_body(False, max_new_tokens=4, stream=False))
         assert r.status_code == 200 and wav_frames(r.content) == int(r.headers["x-tts-num-frames"]) * FRAME

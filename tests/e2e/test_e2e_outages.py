@@ -275,6 +275,9 @@ def test_gateway_and_talker_health_follow_a_killed_stage_and_its_return(outage_s
         assert httpx.get(f"{stack.http_url}/livez", timeout=5).status_code == 200
 
     _kill_and_restart(stack, "talker", talker_down)
+    # A stack that says ready serves: readiness is the talker pool's view, the one a new stream is
+    # placed from (it once said ready over another channel while the pool's still waited out its
+    # reconnect backoff, and this POST got 503). So: wait (bounded) for ready, then speak at once.
     assert poll(serving, timeout=15)
     assert httpx.post(f"{stack.http_url}/v1/audio/speech", json=body, timeout=60).status_code == 200
 

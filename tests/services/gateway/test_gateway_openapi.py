@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from gateway_fakes import build_gateway, serve_http
@@ -117,3 +119,19 @@ async def test_an_integer_too_long_to_convert_is_a_400():
         )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
         assert gw.talker.jobs == []
+
+
+async def test_docs_pages_load_their_assets_from_the_gateway():
+    """/docs and /redoc name no other host: their scripts, styles and icon are served here."""
+    async with serve_http(build_gateway()) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        pages = {path: await c.get(path) for path in ("/docs", "/redoc")}
+        for path, page in pages.items():
+            assert page.status_code == 200, path
+            assert re.findall(r"(?:src|href)=['\"]?(https?:)", page.text) == [], (path, page.text)
+            assert "fonts.googleapis" not in page.text, path
+            for asset in re.findall(r"/docs-assets/[\w.-]+", page.text):
+                r = await c.get(asset)
+                assert r.status_code == 200 and len(r.content) > 1000, asset
+        assert "/docs-assets/swagger-ui-bundle.js" in pages["/docs"].text
+        assert "/docs-assets/redoc.standalone.js" in pages["/redoc"].text
+        assert pages["/redoc"].headers["content-security-policy"].startswith("img-src 'self'")

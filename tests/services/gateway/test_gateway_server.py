@@ -12,6 +12,7 @@ from gateway_fakes import FRAME, fake_decode, frame_pcm, free_port, wav_bytes
 
 from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2, tts_pb2_grpc
 from qtts.request.errors import InvalidArgument
+from qtts.request.vocabulary import unknown_voice
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer
@@ -212,3 +213,52 @@ async def test_http_keepalive_setting_reaches_uvicorn():
     assert gateway.http.config.timeout_keep_alive == 42
     with pytest.raises(InvalidArgument, match="--http-keepalive-s"):
         GatewayConfig(http_keepalive_s=0).validate()
+
+
+class UnknownVoiceTalker(FakeTalkerServicer):
+    """A talker with no stored voices: every named voice is unknown (as speaker_cache says)."""
+
+    async def Generate(self, request, context):
+        error = unknown_voice(request.voice)
+        await context.abort(grpc.StatusCode.NOT_FOUND, error.message)
+        yield  # pragma: no cover - an async generator that aborts
+
+
+async def test_an_unknown_stored_voice_names_param_voice_and_where_voices_are():
+    talker_host = await _start_talker(UnknownVoiceTalker())
+    config = GatewayConfig(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=0,
+        talker=f"127.0.0.1:{talker_host.bound_port}",
+        speaker_cache=f"127.0.0.1:{free_port()}",
+        drain_seconds=0.5,
+    ).validate()
+    gateway = GatewayServer(config, catalog_retry_s=0.05, decode=fake_decode)
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.http_port}", timeout=10) as c:
+            for _ in range(200):
+                if (await c.get("/readyz")).status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+            for stream in (False, True):
+                r = await c.post(
+                    "/v1/audio/speech", json={"input": "Hi.", "voice": "alloy", "stream": stream}
+                )
+                assert r.status_code == 404, r.text
+                error = r.json()["error"]
+                assert error["param"] == "voice" and error["code"] == "not_found", error
+                assert error["message"].startswith("no voice is stored under the name 'alloy': "), error
+                assert "GET /v1/audio/voices" in error["message"], error
+                assert "OpenAI's preset names (alloy, ash," in error["message"], error
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc_port}") as ch:
+            stub = tts_pb2_grpc.TextToSpeechServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Synthesize(tts_pb2.SynthesizeRequest(text="Hi.", voice="alloy")):
+                    pass
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "ListVoices" in err.value.details(), err.value.details()
+    finally:
+        await gateway.stop()
+        await talker_host.stop(0)

@@ -52,7 +52,7 @@ def redis_url(tmp_path, free_tcp_port):
     """A real redis-server on a free port for this test only."""
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server is not installed (.ci/run installs it; apt-get install redis-server)")
+        pytest.fail("redis-server is not installed (make test installs it: .ci/system-deps)")
     port = free_tcp_port
     proc = subprocess.Popen(
         [

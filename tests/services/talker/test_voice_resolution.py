@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qtts.pb import speaker_cache_pb2, tts_pb2
+from qtts.request.vocabulary import UNKNOWN_VOICE
 from qtts.streams.voice_key import (
     REFERENCE_NOT_CACHED,
     is_reference_digest,
@@ -84,7 +85,12 @@ async def test_named_voice_is_loaded_from_speaker_cache():
                 await generate_all(
                     s.stub, text="frames=3", voice="nobody", task_type=tts_pb2.TASK_TYPE_VOICE_CLONE
                 )
-            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nobody" in err.value.details()
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value
+            # It says where the voices are, and that OpenAI's preset names are not presets here.
+            details = err.value.details()
+            assert details.startswith(f"{UNKNOWN_VOICE} 'nobody': "), details
+            assert "GET /v1/audio/voices" in details and "ListVoices" in details, details
+            assert "alloy" in details and "unless one was stored under that name" in details, details
 
 
 async def test_unreachable_speaker_cache_computes_locally_and_named_voices_are_unavailable():
