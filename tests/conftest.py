@@ -18,6 +18,34 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 
+# Parallel runs (`make test`: pytest -n auto --dist loadgroup). Each test joins an xdist_group that
+# keeps its whole module on one worker, so a module-scoped fixture (a variant talker, a stack of the
+# module's own) starts once, as in a serial run. The modules that use the end-to-end session stack
+# (tests/e2e/conftest.py `stack`, with its Redis) share one group, so that stack starts once per run
+# instead of once per worker; every other session fixture builds into the worker's own temporary
+# folder (tmp_path_factory) and is cheap enough to build on each worker.
+SHARED_STACK_GROUP = "e2e-session-stack"
+
+
+def uses_session_stack(item) -> bool:
+    """Whether `item` needs the e2e session `stack` (directly or through `variant_gateways`); the
+    talker and deploy tests have module fixtures of that name of their own."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get("stack", ())
+    return bool(defs) and defs[-1].scope == "session"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    shared: set[str] = set()
+    for item in items:
+        if uses_session_stack(item):
+            shared.add(item.nodeid.split("::", 1)[0])
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(SHARED_STACK_GROUP if module in shared else module))
+
+
 @pytest.fixture(scope="session")
 def tiny_codec_dir(tmp_path_factory) -> Path:
     """A folder holding a tiny random `speech_tokenizer/` (seed 0) in the real layout."""
