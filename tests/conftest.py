@@ -65,7 +65,7 @@ def scheduling_scope(rootpath: Path, nodeid: str) -> str:
     return SHARED_STACK_GROUP if module_uses_session_stack(rootpath / module) else module
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a venv without xdist still runs
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None  # --dist load, loadfile, ...: xdist's own
