@@ -11,6 +11,10 @@ PY := $(VENV)/bin/python
 # CUDA build you want (or to "" to keep an installed one).
 TORCH_SPEC ?= torch==2.13.0
 QWEN_TTS_REF ?= qwen-tts==0.1.1
+# make test runs the suite on one pytest-xdist worker per core; tests/conftest.py keeps each module
+# (and every module of the end-to-end session stack) on one worker. PYTEST_WORKERS=0 runs it in
+# this process; PYTEST_ARGS adds to (or narrows) the run: make test PYTEST_ARGS="tests/e2e -x".
+PYTEST_WORKERS ?= auto
 PYTEST_ARGS ?=
 
 .PHONY: setup setup-test protos run test lint clean lock checkov-env system-deps
@@ -55,7 +59,7 @@ run: setup protos
 
 # The suite starts with the lint gate: ruff's checks and its formatter (no file left to reformat).
 test: system-deps setup-test checkov-env protos lint
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing the suite"; exit 1; fi; exit $$rc
 
 # checkov (tests/deploy/test_checkov.py; make test sets it up) pins packages that clash with the

@@ -9,17 +9,27 @@ A level is *gap-free* when every request succeeded (no refusal, no error) with z
 none was aborted by the time limit. The highest gap-free load of a run is, per mode, the highest
 closed-loop concurrency and the highest open-loop rate among the gap-free levels (Nari Labs'
 protocol: a row with any underrun or failure does not pass).
+
+`python -m benchmarks.report headline` draws the plot at the top of BENCHMARKS.md (first audio and
+the gap-free share against load, closed and open loop) from the recorded runs in
+`benchmarks/results/` that the headline table cites (`HEADLINE_RUNS`), beside the peers' published
+first-audio figures; tests/benchmarks/test_report.py checks that the committed image is what this
+makes.
 """
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure  # Figure without pyplot: no global state, Agg canvas
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from benchmarks.loadgen import LevelRun
 from benchmarks.metrics import summarize
@@ -290,3 +300,153 @@ def write_report(result: dict[str, Any], out_dir: str | Path, *, plots: bool = T
             paths[name] = out / name
             plot(levels, paths[name])
     return paths
+
+
+# ------------------------------------------------------------------ the headline plot (BENCHMARKS.md)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+HEADLINE_PLOT = Path(__file__).resolve().parent / "headline.svg"
+# The recorded runs behind the headline table: (file in benchmarks/results/, label, style). A run
+# marked "inconclusive" is drawn in grey. The 0552569 files say git_revision b0826f4: the device
+# copy's git metadata was stale (BENCHMARKS.md, benchmarks/HISTORY.md).
+HEADLINE_RUNS: tuple[tuple[str, str, str], ...] = (
+    ("2026-12-01-h200-stack-sweep-97ae600-closed-mps1.json.gz", "97ae600, 2026-12-01", "headline"),
+    ("2026-12-01-h200-stack-sweep-97ae600-open-loop-mps1.json.gz", "97ae600, 2026-12-01, run 1", "headline"),
+    (
+        "2026-12-01-h200-stack-sweep-97ae600-open-loop-mps1-run2.json.gz",
+        "97ae600, 2026-12-01, run 2",
+        "headline",
+    ),
+    (
+        "2026-12-02-h200-stack-sweep-0552569-decoder-share-closed.json.gz",
+        "0552569 (inconclusive)",
+        "inconclusive",
+    ),
+    (
+        "2026-12-02-h200-stack-sweep-0552569-decoder-share-open.json.gz",
+        "0552569 (inconclusive)",
+        "inconclusive",
+    ),
+    (
+        "2026-12-02-h200-stack-sweep-0552569-no-decoder-share-closed-mps1.json.gz",
+        "0552569, no decoder share (inconclusive)",
+        "inconclusive",
+    ),
+)
+# Published p95 first audio (ms) against Poisson arrivals (req/s) on one H100, Nari Labs' harness,
+# as quoted in issue #26; no SGLang-Omni figure is recorded in this repository.
+PEER_P95_FIRST_AUDIO_MS = {
+    "Nari Labs engine (H100, published)": {1.0: 26.5, 8.0: 33.1, 20.0: 77.2},
+    "vLLM-Omni (H100, published)": {1.0: 56.8, 8.0: 117.9, 20.0: 396.9},
+}
+# The open-loop goals of issue #26: p95 first audio at 1, 20 and 100 req/s.
+GOAL_P95_FIRST_AUDIO_MS = {1.0: 25.0, 20.0: 50.0, 100.0: 100.0}
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """A recorded results.json, plain or gzipped."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def headline_points(results_dir: str | Path = RESULTS_DIR) -> list[dict[str, Any]]:
+    """One point per level of every run in `HEADLINE_RUNS`: its run label and style, mode, load,
+    first audio p50/p95 (ms, successful requests), zero-underrun share of the successful requests
+    and success rate (fractions)."""
+    points = []
+    for name, label, style in HEADLINE_RUNS:
+        for level in load_result(Path(results_dir) / name)["levels"]:
+            agg = level["aggregates"]
+            points.append(
+                {
+                    "run": label,
+                    "style": style,
+                    "mode": level["mode"],
+                    "load": level["concurrency"] if level["mode"] == "closed" else level["rate"],
+                    "ttfa_p50_ms": agg["ttfa_s"]["p50"] * 1000,
+                    "ttfa_p95_ms": agg["ttfa_s"]["p95"] * 1000,
+                    "zero_underrun_share": agg["zero_underrun_share"],
+                    "success_rate": agg["success_rate"],
+                }
+            )
+    return points
+
+
+def plot_headline(points: Sequence[dict[str, Any]], path: str | Path) -> None:
+    """First audio (top) and the gap-free share of admitted streams (bottom) against load, closed
+    loop (left) and open loop (right); the peers' published p95 and the goals beside the open loop.
+    SVG with text kept as text and a fixed hash salt, so the same points give the same bytes."""
+    with matplotlib.rc_context({"svg.hashsalt": "qtts-headline", "svg.fonttype": "none"}):
+        fig = Figure(figsize=(11, 6.5), layout="constrained")
+        axes = fig.subplots(2, 2, sharex="col")
+        for col, (mode, xlabel) in enumerate(
+            (
+                ("closed", "concurrent streams (closed loop, 10 s requests)"),
+                ("open", "arrivals per second (open loop, 2-20 s)"),
+            )
+        ):
+            ax_ttfa, ax_gap = axes[0][col], axes[1][col]
+            runs = dict.fromkeys(p["run"] for p in points if p["mode"] == mode)
+            colors = iter(f"C{i}" for i in range(10))
+            greys = iter(("0.55", "0.75", "0.85"))
+            for run in runs:
+                group = sorted(
+                    (p for p in points if p["mode"] == mode and p["run"] == run), key=lambda p: p["load"]
+                )
+                x = [p["load"] for p in group]
+                color = next(greys) if group[0]["style"] == "inconclusive" else next(colors)
+                ax_ttfa.plot(x, [p["ttfa_p50_ms"] for p in group], "o-", color=color, label=run)
+                ax_ttfa.plot(x, [p["ttfa_p95_ms"] for p in group], "s--", color=color)
+                ax_gap.plot(x, [100 * p["zero_underrun_share"] for p in group], "o-", color=color, label=run)
+            if mode == "open":
+                for (peer, figures), marker in zip(PEER_P95_FIRST_AUDIO_MS.items(), ("x", "+"), strict=True):
+                    ax_ttfa.plot(
+                        list(figures),
+                        list(figures.values()),
+                        marker,
+                        color="k",
+                        markersize=9,
+                        label=f"{peer}, p95",
+                    )
+                ax_ttfa.plot(
+                    list(GOAL_P95_FIRST_AUDIO_MS),
+                    list(GOAL_P95_FIRST_AUDIO_MS.values()),
+                    "_",
+                    color="red",
+                    markersize=16,
+                    markeredgewidth=2,
+                    label="goal, p95",
+                )
+            ax_ttfa.set(title=f"First audio, {mode} loop (p50 solid, p95 dashed)", ylabel="ms", yscale="log")
+            ax_ttfa.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax_ttfa.yaxis.set_major_formatter(ScalarFormatter())
+            ax_ttfa.yaxis.set_minor_formatter(NullFormatter())
+            ax_gap.set(
+                title=f"Admitted streams without a gap, {mode} loop", ylabel="%", xlabel=xlabel, ylim=(0, 105)
+            )
+            ax_gap.axhline(100, color="red", linewidth=1, linestyle=":", label="goal: 100%")
+            for ax in (ax_ttfa, ax_gap):
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize="x-small")
+        fig.suptitle(
+            "One H200, 1.7B Base voice clone, random bf16 weights (benchmarks/results/)", fontsize="medium"
+        )
+        fig.savefig(path, format="svg", metadata={"Date": None})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    headline = sub.add_parser("headline", help="draw BENCHMARKS.md's plot from the recorded runs")
+    headline.add_argument("--results", default=str(RESULTS_DIR), help="folder of the recorded results")
+    headline.add_argument("--out", default=str(HEADLINE_PLOT), help="SVG to write")
+    args = parser.parse_args(argv)
+    plot_headline(headline_points(args.results), args.out)
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -58,6 +58,7 @@ class StartupInterrupted(StartupError):
 
 _EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PICKED_PORT = 20000
+_MAX_PORT_SLICES = 16  # workers of a parallel test run whose count is not known
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
@@ -80,12 +81,34 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def _worker_slice(candidates: range, env) -> range:
+    """The part of `candidates` that belongs to this pytest-xdist worker (`PYTEST_XDIST_WORKER`
+    gwN of `PYTEST_XDIST_WORKER_COUNT`), so that two workers' stacks, which draw ports in separate
+    processes, never pick the same one; all of it outside a parallel test run. The services a
+    worker starts inherit its environment and so draw from its slice too."""
+    worker = env.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        return candidates
+    try:
+        count = max(int(env.get("PYTEST_XDIST_WORKER_COUNT", "")), 1)
+    except ValueError:
+        count = _MAX_PORT_SLICES
+    index = int(worker[2:])
+    count = max(count, index + 1)
+    size = len(candidates) // count
+    if size < 100:
+        raise RuntimeError(f"{len(candidates)} ports cannot be split among {count} test workers")
+    start = candidates.start + index * size
+    return range(start, start + size)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free now that this process has not handed out before (tests, stacks side by side).
 
     It is drawn outside the kernel's ephemeral range, so the outgoing connections of the processes
     around (a gRPC channel, a Redis client) cannot take it between this call and the service's bind,
     and it is never the same as an earlier answer, so two services of one stack never share a port.
+    Under pytest-xdist each worker draws from a slice of its own (`_worker_slice`).
     """
     low, high = _ephemeral_range()
     if low - _LOWEST_PICKED_PORT >= 1000:
@@ -94,6 +117,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         candidates = range(high + 1, 65536)
     else:
         candidates = range(1024, 65536)
+    candidates = _worker_slice(candidates, os.environ)
     rng = random.Random()
     with _handed_out_lock:
         for _ in range(1000):

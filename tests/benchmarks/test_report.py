@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
+
+import pytest
 
 from benchmarks.loadgen import LevelRun
 from benchmarks.metrics import build_record
 from benchmarks.report import (
+    HEADLINE_PLOT,
     PLOT_NAMES,
     TABLE_HEADER,
+    headline_points,
     level_result,
     markdown_report,
     markdown_table,
     write_report,
 )
+from benchmarks.report import main as report_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -115,3 +122,69 @@ def test_report_of_a_level_where_everything_failed(tmp_path):
     assert "| 0.0% |" in row and "| - |" in row
     assert paths["latency_cdf.png"].exists()
     assert write_report(result, tmp_path / "np", plots=False).keys() == {"json", "markdown"}
+
+
+# ------------------------------------------------------------------ the headline (BENCHMARKS.md)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_headline_points_are_the_recorded_runs_figures():
+    points = {(p["run"], p["mode"], p["load"]): p for p in headline_points()}
+    # The 97ae600 closed loop, as BENCHMARKS.md's headline table gives it.
+    c512, c768 = (
+        points[("97ae600, 2026-12-01", "closed", 512)],
+        points[("97ae600, 2026-12-01", "closed", 768)],
+    )
+    assert c512["success_rate"] == 1.0 and c512["zero_underrun_share"] == 1.0
+    assert round(c512["ttfa_p50_ms"]) == 1674
+    assert (
+        round(100 * c768["success_rate"], 1) == 99.3 and round(100 * c768["zero_underrun_share"], 1) == 96.7
+    )
+    # The open loop: p95 first audio at 20 and 80 req/s in both runs, and no gap at any rate.
+    p95 = {(run, load): round(p["ttfa_p95_ms"]) for (run, mode, load), p in points.items() if mode == "open"}
+    assert (
+        p95[("97ae600, 2026-12-01, run 1", 20.0)] == 122 and p95[("97ae600, 2026-12-01, run 2", 20.0)] == 120
+    )
+    assert (
+        p95[("97ae600, 2026-12-01, run 1", 80.0)] == 226 and p95[("97ae600, 2026-12-01, run 2", 80.0)] == 259
+    )
+    headline_open = [p for p in points.values() if p["mode"] == "open" and p["style"] == "headline"]
+    assert len(headline_open) == 7 and all(p["zero_underrun_share"] == 1.0 for p in headline_open)
+    # The inconclusive session is there, marked as such.
+    assert {p["style"] for p in points.values() if p["run"].startswith("0552569")} == {"inconclusive"}
+
+
+def test_report_draws_the_committed_headline_plot_from_the_recorded_json(tmp_path, capsys):
+    out = tmp_path / "headline.svg"
+    assert report_main(["headline", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    svg = out.read_text(encoding="utf-8")
+    assert svg.startswith("<?xml") and "<svg" in svg
+    for text in (
+        "97ae600, 2026-12-01, run 2",
+        "0552569 (inconclusive)",
+        "Nari Labs engine (H100, published)",
+    ):
+        assert text in svg
+    assert out.read_bytes() == HEADLINE_PLOT.read_bytes(), (
+        "benchmarks/headline.svg differs from what the recorded runs give: python -m benchmarks.report headline"
+    )
+
+
+def test_a_missing_recorded_run_is_an_error_naming_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="97ae600-closed-mps1"):
+        report_main(["headline", "--results", str(tmp_path), "--out", str(tmp_path / "x.svg")])
+
+
+def test_benchmarks_md_shows_the_plot_and_its_links_resolve():
+    for page in (ROOT / "BENCHMARKS.md", ROOT / "benchmarks" / "HISTORY.md"):
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#\s]+)[^)]*\)", text):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name}: link to {target} does not resolve"
+    first_screen = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8").split("## Method", 1)[0]
+    assert "](benchmarks/headline.svg)" in first_screen
+    assert (
+        "| load | measured | goal | best peer, same kind of load | revision, date | command |" in first_screen
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -37,6 +38,35 @@ def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
     for port in ports[:20]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_parallel_test_workers_draw_ports_from_disjoint_slices():
+    candidates = range(20000, 32768)
+    slices = [
+        launcher._worker_slice(
+            candidates, {"PYTEST_XDIST_WORKER": f"gw{i}", "PYTEST_XDIST_WORKER_COUNT": "3"}
+        )
+        for i in range(3)
+    ]
+    assert [len(s) for s in slices] == [4256] * 3
+    assert all(a.stop <= b.start for a, b in zip(slices, slices[1:], strict=False))
+    assert all(s.start >= candidates.start and s.stop <= candidates.stop for s in slices)
+    # Outside a parallel run (or under a name that is not xdist's gwN) every candidate is open.
+    assert launcher._worker_slice(candidates, {}) == candidates
+    assert launcher._worker_slice(candidates, {"PYTEST_XDIST_WORKER": "main"}) == candidates
+    # A worker count that is missing or unreadable still gives each worker its own slice.
+    unknown = launcher._worker_slice(candidates, {"PYTEST_XDIST_WORKER": "gw1"})
+    assert len(unknown) == len(candidates) // launcher._MAX_PORT_SLICES
+    assert unknown.start == candidates.start + len(unknown)
+
+
+def test_free_port_stays_inside_this_workers_slice(monkeypatch):
+    low, _ = launcher._ephemeral_range()
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    expected = launcher._worker_slice(range(launcher._LOWEST_PICKED_PORT, low), dict(os.environ))
+    ports = [free_port() for _ in range(50)]
+    assert all(p in expected for p in ports), (expected, ports)
 
 
 def test_a_port_something_listens_on_is_not_taken_for_free():

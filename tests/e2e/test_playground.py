@@ -87,8 +87,16 @@ def _open(page, url: str, variant: str) -> None:
 
 
 def _play_and_wait(page) -> dict:
+    # play() awaits the AudioContext before its take resets the state, so right after the click the
+    # state can still be the last take's "done": wait for this take's body (set with the reset).
+    page.evaluate("window.__lastBody = window.playground.body")
     page.click("#play")
-    _wait(page, "['done', 'playing out', 'error'].includes(window.playground.state)", TAKE_TIMEOUT_MS)
+    _wait(
+        page,
+        "window.playground.body !== window.__lastBody"
+        " && ['done', 'playing out', 'error'].includes(window.playground.state)",
+        TAKE_TIMEOUT_MS,
+    )
     return _probe(page)
 
 
