@@ -505,6 +505,7 @@ def gateway_spec(
         _addr(cfg.host, cfg.talker_port if talker_port is None else talker_port),
         "--speaker-cache",
         _addr(cfg.host, cfg.speaker_cache_port),
+        *(["--aligner", _addr(cfg.host, cfg.aligner_port)] if cfg.aligner_port else []),
         *talker_metrics,
         "--drain-seconds",
         str(cfg.drain_seconds),

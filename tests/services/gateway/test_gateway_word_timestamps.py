@@ -1,0 +1,123 @@
+"""HTTP word_timestamps: refused without an aligner (400 naming the field); with a real aligner
+server (the tiny random aligner) a JSON answer or an SSE event with vLLM-Omni's word shape."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+from gateway_fakes import FRAME, ModelCatalog, build_gateway, frame_pcm, serve_http
+
+from services.aligner.config import AlignerConfig
+from services.aligner.server import AlignerServer
+from services.gateway.aligner_client import AlignerClient
+from services.launcher import free_port
+
+TEXT = "Hello there, my friend."
+
+
+def body(**kw) -> dict:
+    return {"model": "tiny-base", "input": TEXT, "voice": "vivian", "response_format": "wav", **kw}
+
+
+@pytest.fixture
+async def aligner_client(tiny_aligner):
+    server = AlignerServer(AlignerConfig(port=0, metrics_port=0), aligner=tiny_aligner)
+    port = await server.start()
+    client = AlignerClient(f"127.0.0.1:{port}")
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.stop(grace=0.5)
+
+
+def _expected(tiny_aligner, frames: int, speed: float = 1.0) -> list[dict]:
+    pcm = np.frombuffer(frame_pcm(0, frames), "<i2").astype(np.float32) / 32768.0
+    words = tiny_aligner.align(pcm, 24000, TEXT, "english")
+    return [
+        {"word": w.word, "start_ms": round(w.start_s * 1000 / speed), "end_ms": round(w.end_s * 1000 / speed)}
+        for w in words
+    ]
+
+
+@pytest.mark.parametrize("extra", [{}, {"stream": False}, {"stream_format": "sse"}])
+async def test_without_an_aligner_word_timestamps_is_a_400_naming_it(extra):
+    async with serve_http(build_gateway(frames=4)) as gw, httpx.AsyncClient(base_url=gw.url) as c:
+        r = await c.post("/v1/audio/speech", json=body(word_timestamps=True, **extra))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "word_timestamps" and "forced aligner" in err["message"]
+        assert gw.talker.jobs == []  # refused before any synthesis
+        # false is the default and always fine
+        r = await c.post("/v1/audio/speech", json=body(word_timestamps=False, stream=False))
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+
+
+async def test_whole_file_json_with_the_aligners_words(aligner_client, tiny_aligner):
+    async with (
+        serve_http(build_gateway(frames=25, chunk=5), aligner=aligner_client) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as c,
+    ):
+        plain = await c.post("/v1/audio/speech", json=body(stream=False))
+        r = await c.post("/v1/audio/speech", json=body(word_timestamps=True))
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "application/json"
+        out = r.json()
+        assert base64.b64decode(out["audio"]) == plain.content  # the same whole wav file
+        assert (out["response_format"], out["sample_rate"], out["finish_reason"]) == ("wav", 24000, "length")
+        assert [w["word"] for w in out["timestamps"]] == ["Hello", "there", "my", "friend"]
+        assert out["timestamps"] == _expected(tiny_aligner, 25)
+        assert out["usage"]["output_tokens"] == 25
+        # speed stretches the audio, and the timestamps with it
+        fast = (await c.post("/v1/audio/speech", json=body(word_timestamps=True, speed=2.0))).json()
+        assert fast["timestamps"] == _expected(tiny_aligner, 25, speed=2.0)
+        assert fast["timestamps"] != out["timestamps"]
+
+
+async def test_sse_sends_a_timestamps_event_after_the_audio(aligner_client, tiny_aligner):
+    async with (
+        serve_http(build_gateway(frames=20, chunk=5), aligner=aligner_client) as gw,
+        httpx.AsyncClient(base_url=gw.url, timeout=30) as c,
+    ):
+        r = await c.post(
+            "/v1/audio/speech", json=body(word_timestamps=True, stream_format="sse", response_format="pcm")
+        )
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        kinds = [e["type"] for e in events]
+        assert kinds[-2:] == ["speech.audio.timestamps", "speech.audio.done"]
+        assert set(kinds[:-2]) == {"speech.audio.delta"}
+        audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-2])
+        assert audio == frame_pcm(0, 20) and len(audio) == 20 * FRAME * 2
+        assert events[-2]["timestamps"] == _expected(tiny_aligner, 20)
+        assert events[-2]["request_id"] == events[-1]["request_id"]
+
+
+async def test_korean_is_refused_up_front(aligner_client):
+    korean = ModelCatalog(name="tiny-base", model_type="base", languages=("english", "korean"))
+    async with (
+        serve_http(build_gateway(korean, frames=4), aligner=aligner_client) as gw,
+        httpx.AsyncClient(base_url=gw.url) as c,
+    ):
+        r = await c.post("/v1/audio/speech", json=body(word_timestamps=True, language="korean"))
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "word_timestamps" and "korean" in r.json()["error"]["message"]
+
+
+async def test_an_unreachable_aligner_leaves_timestamps_null_and_the_audio_whole():
+    client = AlignerClient(f"127.0.0.1:{free_port()}", timeout_s=2.0)
+    try:
+        async with (
+            serve_http(build_gateway(frames=5), aligner=client) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=30) as c,
+        ):
+            plain = await c.post("/v1/audio/speech", json=body(stream=False))
+            out = (await c.post("/v1/audio/speech", json=body(word_timestamps=True))).json()
+            assert out["timestamps"] is None
+            assert base64.b64decode(out["audio"]) == plain.content
+    finally:
+        await client.close()
