@@ -22,7 +22,7 @@ from qtts.serving.tls import TlsConfig, aio_channel
 log = logging.getLogger(__name__)
 
 # Word splitting the aligner cannot do like the official code (services/aligner refuses it too).
-UNALIGNABLE_LANGUAGES = ("korean",)
+UNALIGNABLE_LANGUAGES = ("korean", "ko", "ko-kr")
 
 
 def check_alignable(language: str) -> None:

@@ -288,7 +288,9 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
             return await _whole_speech_with_timestamps(request, job, stream, out, deps)
         return await _whole_speech(request, job, stream, out, metrics)
 
-    speech_stream_endpoint = SpeechStreamEndpoint(synth, write_timeout_s=deps.write_timeout_s)
+    speech_stream_endpoint = SpeechStreamEndpoint(
+        synth, write_timeout_s=deps.write_timeout_s, aligner=deps.aligner
+    )
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:

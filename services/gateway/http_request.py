@@ -385,18 +385,12 @@ class StreamingSessionConfig(SpeechOptions):
         "commas.",
     )
     word_timestamps: Flag = Field(
-        False, description="vLLM-Omni's forced-aligner word timestamps: not available here (true is refused)."
+        False,
+        description="vLLM-Omni's forced-aligner word timestamps (needs a gateway started with `--aligner`; "
+        "without one, true is refused): each segment's `audio.done` carries `timestamps`, a list of "
+        "`{word, start_ms, end_ms}` in ms from the start of the utterance's audio (null when the aligner "
+        "failed).",
     )
-
-    @field_validator("word_timestamps")
-    @classmethod
-    def _no_aligner(cls, value: bool) -> bool:
-        if value:
-            raise PydanticCustomError(
-                "tts_word_timestamps",
-                "word_timestamps needs a forced aligner, which this server does not have",
-            )
-        return value
 
 
 @dataclass(frozen=True)

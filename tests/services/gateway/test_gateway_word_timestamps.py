@@ -3,6 +3,7 @@ server (the tiny random aligner) a JSON answer or an SSE event with vLLM-Omni's 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
@@ -10,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 from gateway_fakes import FRAME, ModelCatalog, build_gateway, frame_pcm, serve_http
+from websockets.asyncio.client import connect
 
 from services.aligner.config import AlignerConfig
 from services.aligner.server import AlignerServer
@@ -121,3 +123,70 @@ async def test_an_unreachable_aligner_leaves_timestamps_null_and_the_audio_whole
             assert base64.b64decode(out["audio"]) == plain.content
     finally:
         await client.close()
+
+
+def _ws_url(gw) -> str:
+    return gw.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+
+
+async def _recv_segment(ws) -> tuple[dict, bytes, dict]:
+    start = json.loads(await asyncio.wait_for(ws.recv(), 10))
+    assert start["type"] == "audio.start", start
+    audio = b""
+    while isinstance(msg := await asyncio.wait_for(ws.recv(), 10), bytes):
+        audio += msg
+    return start, audio, json.loads(msg)
+
+
+async def test_websocket_sentence_segments_each_carry_their_words_after_their_audio(
+    aligner_client, tiny_aligner
+):
+    config = {
+        "type": "session.config",
+        "voice": "vivian",
+        "response_format": "pcm",
+        "stream_audio": True,
+        "split_granularity": "sentence",
+        "word_timestamps": True,
+    }
+    frames = 10
+    seconds = frames * FRAME / 24000
+    async with (
+        serve_http(build_gateway(frames=frames, chunk=5), aligner=aligner_client) as gw,
+        connect(_ws_url(gw)) as ws,
+    ):
+        await ws.send(json.dumps(config))
+        for piece in ["Hello there. ", "How are ", "you today? "]:
+            await ws.send(json.dumps({"type": "input.text", "text": piece}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        segs = [await _recv_segment(ws) for _ in range(2)]
+        end = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert end["type"] == "session.done" and end["total_sentences"] == 2
+    pcm = np.frombuffer(frame_pcm(0, frames), "<i2").astype(np.float32) / 32768.0
+    for k, (_, audio, done) in enumerate(segs):
+        assert audio == frame_pcm(0, frames)
+        words = tiny_aligner.align(pcm, 24000, done["sentence_text"], "english")
+        assert done["timestamps"] == [
+            {
+                "word": w.word,
+                "start_ms": round((w.start_s + k * seconds) * 1000),
+                "end_ms": round((w.end_s + k * seconds) * 1000),
+            }
+            for w in words
+        ]
+    assert [w["word"] for _, _, d in segs for w in d["timestamps"]] == [
+        "Hello",
+        "there",
+        "How",
+        "are",
+        "you",
+        "today",
+    ]
+
+
+async def test_websocket_without_an_aligner_refuses_word_timestamps():
+    async with serve_http(build_gateway(frames=2)) as gw, connect(_ws_url(gw)) as ws:
+        await ws.send(json.dumps({"type": "session.config", "voice": "vivian", "word_timestamps": True}))
+        err = json.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert (err["type"], err["param"], err["code"]) == ("error", "word_timestamps", "invalid_value")
+        assert "forced aligner" in err["message"]
