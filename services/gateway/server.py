@@ -193,6 +193,7 @@ class GatewayServer:
                 self.api_keys,
                 write_timeout_s=config.http_write_timeout_s,
                 consents=self.consents,
+                aligner=self.aligner,
             ),
             host.server,
         )

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 from gateway_fakes import FRAME, ModelCatalog, build_gateway, frame_pcm, serve_http
 from websockets.asyncio.client import connect
 
+from qtts.pb import tts_pb2, tts_pb2_grpc
+from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.aligner.config import AlignerConfig
 from services.aligner.server import AlignerServer
 from services.gateway.aligner_client import AlignerClient
+from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.launcher import free_port
 
 TEXT = "Hello there, my friend."
@@ -190,3 +195,79 @@ async def test_websocket_without_an_aligner_refuses_word_timestamps():
         err = json.loads(await asyncio.wait_for(ws.recv(), 5))
         assert (err["type"], err["param"], err["code"]) == ("error", "word_timestamps", "invalid_value")
         assert "forced aligner" in err["message"]
+
+
+@contextlib.asynccontextmanager
+async def _serve_grpc(gw, aligner):
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(gw.metrics)])
+    tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
+        TextToSpeechServicer(gw.synth, gw.voice_service, aligner=aligner), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield tts_pb2_grpc.TextToSpeechServiceStub(channel)
+    await server.stop(0)
+
+
+def _pb_words(summary) -> list[dict]:
+    return [{"word": w.word, "start_ms": w.start_ms, "end_ms": w.end_ms} for w in summary.word_timestamps]
+
+
+async def test_grpc_synthesize_summary_carries_the_words(aligner_client, tiny_aligner):
+    gw = build_gateway(frames=15, chunk=5)
+    req = tts_pb2.SynthesizeRequest(text=TEXT, voice="vivian", word_timestamps=True)
+    async with _serve_grpc(gw, aligner_client) as stub:
+        msgs = [m async for m in stub.Synthesize(req)]
+    summary = msgs[-1].summary
+    assert _pb_words(summary) == _expected(tiny_aligner, 15) and not summary.word_timestamps_failed
+    assert b"".join(m.audio.audio for m in msgs[:-1]) == frame_pcm(0, 15)
+
+
+async def test_grpc_without_an_aligner_refuses_word_timestamps():
+    gw = build_gateway(frames=2)
+    async with _serve_grpc(gw, None) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            _ = [
+                m
+                async for m in stub.Synthesize(
+                    tts_pb2.SynthesizeRequest(text=TEXT, voice="vivian", word_timestamps=True)
+                )
+            ]
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "forced aligner" in e.value.details()
+    assert gw.talker.jobs == []
+
+
+async def test_grpc_streaming_each_segment_summary_has_its_words_on_the_calls_clock(
+    aligner_client, tiny_aligner
+):
+    frames = 10
+    seconds = frames * FRAME / 24000
+    config = tts_pb2.StreamingSynthesizeConfig(
+        synthesis=tts_pb2.SynthesizeRequest(voice="vivian", word_timestamps=True),
+        text_split=tts_pb2.TEXT_SPLIT_SENTENCE,
+    )
+
+    async def requests():
+        yield tts_pb2.StreamingSynthesizeRequest(streaming_config=config)
+        for piece in ["Hello there. ", "How are you today?"]:
+            yield tts_pb2.StreamingSynthesizeRequest(input=tts_pb2.StreamingSynthesisInput(text=piece))
+
+    gw = build_gateway(frames=frames, chunk=5)
+    async with _serve_grpc(gw, aligner_client) as stub:
+        msgs = [m async for m in stub.StreamingSynthesize(requests())]
+    summaries = [m.segment_summary for m in msgs if m.HasField("segment_summary")]
+    texts = [m.segment_start.text for m in msgs if m.HasField("segment_start")]
+    assert len(summaries) == 2
+    pcm = np.frombuffer(frame_pcm(0, frames), "<i2").astype(np.float32) / 32768.0
+    for k, (summary, text) in enumerate(zip(summaries, ["Hello there.", "How are you today?"], strict=True)):
+        words = tiny_aligner.align(pcm, 24000, text, "english")
+        assert _pb_words(summary) == [
+            {
+                "word": w.word,
+                "start_ms": round((w.start_s + k * seconds) * 1000),
+                "end_ms": round((w.end_s + k * seconds) * 1000),
+            }
+            for w in words
+        ]
+    assert texts[0].startswith("Hello")
