@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import json
+from pathlib import Path
 
 import grpc
 import httpx
@@ -271,3 +272,66 @@ async def test_grpc_streaming_each_segment_summary_has_its_words_on_the_calls_cl
             for w in words
         ]
     assert texts[0].startswith("Hello")
+
+
+def _client_package(tmp_path: Path) -> Path:
+    """clients/python/src's package with its stubs built as its setup.py builds them, under
+    `tmp_path` (imported in a process of its own: tts.v1 is in this one's descriptor pool)."""
+    import shutil
+
+    import grpc_tools
+    from grpc_tools import protoc
+
+    root = Path(__file__).resolve().parents[3]
+    pkg = tmp_path / "qwen3_tts_client"
+    shutil.copytree(root / "clients" / "python" / "src" / "qwen3_tts_client", pkg)
+    (pkg / "_proto").mkdir()
+    shutil.copy(root / "protos" / "tts" / "v1" / "tts.proto", pkg / "_proto" / "tts.proto")
+    well_known = Path(grpc_tools.__file__).parent / "_proto"
+    args = ["protoc", f"-I{tmp_path}", f"-I{well_known}", f"--python_out={tmp_path}"]
+    assert protoc.main([*args, f"--grpc_python_out={tmp_path}", "qwen3_tts_client/_proto/tts.proto"]) == 0
+    (pkg / "_proto" / "__init__.py").touch()
+    return tmp_path
+
+
+CLIENT_SCRIPT = """
+import json, sys
+import qwen3_tts_client as c
+with c.TTSClient(sys.argv[1]) as client:
+    audio, s = client.synthesize_bytes(sys.argv[2], c.SynthesisOptions(voice="vivian", word_timestamps=True))
+words = [[w.word, w.start_ms, w.end_ms] for w in s.word_timestamps]
+print(json.dumps({"bytes": len(audio), "words": words, "failed": s.word_timestamps_failed}))
+"""
+
+
+async def test_python_client_reads_the_words_of_the_summary(aligner_client, tiny_aligner, tmp_path):
+    import os
+    import sys
+
+    path = _client_package(tmp_path)
+    gw = build_gateway(frames=15, chunk=5)
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(gw.metrics)])
+    tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
+        TextToSpeechServicer(gw.synth, gw.voice_service, aligner=aligner_client), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            CLIENT_SCRIPT,
+            f"127.0.0.1:{port}",
+            TEXT,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(path)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    finally:
+        await server.stop(0)
+    assert proc.returncode == 0, err.decode()
+    result = json.loads(out)
+    assert result["bytes"] == len(frame_pcm(0, 15)) and result["failed"] is False
+    assert result["words"] == [[w["word"], w["start_ms"], w["end_ms"]] for w in _expected(tiny_aligner, 15)]

@@ -12,6 +12,7 @@ from .grpc_client import (
     SynthesisOptions,
     TTSClient,
     TTSError,
+    WordTimestamp,
 )
 from .websocket_client import WsAudio, WsEvent, stream_text_ws
 
@@ -22,6 +23,7 @@ __all__ = [
     "SynthesisOptions",
     "TTSClient",
     "TTSError",
+    "WordTimestamp",
     "WsAudio",
     "WsEvent",
     "stream_text_ws",
