@@ -37,3 +37,23 @@ def test_a_switch_takes_a_value_or_none_and_its_env_fallback(monkeypatch):
 
     with pytest.raises(SystemExit):
         config_from_args([])
+
+
+def test_the_image_entrypoint_runs_the_aligner(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    entrypoint = Path(__file__).resolve().parents[3] / "deploy" / "docker" / "entrypoint.sh"
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake_python.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    done = subprocess.run(
+        ["sh", str(entrypoint), "aligner", "--port=50050"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert done.returncode == 0 and done.stdout.splitlines() == ["-m", "services.aligner", "--port=50050"]
