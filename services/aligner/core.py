@@ -1,9 +1,10 @@
 """The aligner's domain core: checks a request, featurises it, batches forward passes.
 
-Requests are featurised on worker threads as they arrive (resampling, log-mel, word splitting,
-tokenising), then wait in one queue; a single loop takes up to `max_batch` of them into one
-forward pass on its own thread, so the device runs one batch at a time and requests that arrive
-while it works share the next pass. A request cancelled while queued never reaches the device.
+Requests are featurised as they arrive (resampling, log-mel, word splitting, tokenising) on one
+thread of their own (the fast tokenizer and nagisa are not safe to call from several threads at
+once, and the GIL would serialise most of that work anyway), then wait in one queue; a single
+loop takes up to `max_batch` of them into one forward pass on its own thread, so the device runs
+one batch at a time and requests that arrive while it works share the next pass. A request cancelled while queued never reaches the device.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class AlignerCore:
         self._queue: list[tuple[AlignInput, asyncio.Future]] = []
         self._wake = asyncio.Event()
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aligner-forward")
+        self._featurise = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aligner-prepare")
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -90,6 +92,7 @@ class AlignerCore:
                 fut.cancel()
         self._queue.clear()
         self._device.shutdown(wait=False, cancel_futures=True)
+        self._featurise.shutdown(wait=False, cancel_futures=True)
 
     def check(self, job: AlignJob) -> None:
         """Raise `InvalidArgument` naming what is wrong with the request."""
@@ -126,7 +129,7 @@ class AlignerCore:
     async def align(self, job: AlignJob) -> AlignOutcome:
         """Word timings of `job` (times shifted by its offset)."""
         self.check(job)
-        prepared = await asyncio.to_thread(self._prepare, job)
+        prepared = await asyncio.get_running_loop().run_in_executor(self._featurise, self._prepare, job)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queue.append((prepared, fut))
         self.metrics.queued.set(len(self._queue))
