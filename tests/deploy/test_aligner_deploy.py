@@ -1,14 +1,20 @@
-"""The Helm chart's optional aligner stage: off by default (nothing rendered, the gateway without
---aligner); on, its own Deployment with its replica count, a GPU, probes, a PDB, a Service the
-gateway dials, an ingress policy from the gateway only, and flags its service accepts."""
+"""The optional aligner stage in the Helm chart and as a kustomize component: off by default
+(nothing rendered, the gateway without --aligner); on, its own Deployment with its replica count,
+a GPU, probes, a PDB, a Service the gateway dials, an ingress policy from the gateway only, and
+flags its service accepts."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import kubernetes_validate
 import pytest
+import yaml
 from test_manifests import (
     CHART,
     KUBE_VERSIONS,
+    KUSTOMIZE_DIR,
     _helm,
     component,
     container,
@@ -83,3 +89,48 @@ def test_enabled_manifests_validate(loaded_chart, kube_version):
         if doc["kind"] in ("ServiceMonitor", "PodMonitor", "PrometheusRule", "ScaledObject"):
             continue
         kubernetes_validate.validate(doc, kube_version, strict=True)
+
+
+@pytest.fixture(scope="module")
+def kustomized(tmp_path_factory) -> list[dict]:
+    """The base with the aligner component, as an overlay would add it."""
+    root = tmp_path_factory.mktemp("kustomize")
+    shutil.copytree(KUSTOMIZE_DIR, root / "k8s")
+    (root / "with-aligner").mkdir()
+    (root / "with-aligner" / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        "resources:\n  - ../k8s/base\ncomponents:\n  - ../k8s/components/aligner\n"
+    )
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(root / "with-aligner")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_kustomize_component_adds_the_stage_and_the_gateway_flag(kustomized):
+    loads = deployments(kustomized)
+    c = container(loads["aligner"])
+    config = aligner_config(expanded_args(kustomized, c)[1:])
+    assert (config.port, config.model, config.max_batch) == (50050, "/models/Qwen3-ForcedAligner-0.6B", 32)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    gw = gateway_config(expanded_args(kustomized, container(loads["gateway"]))[1:])
+    assert gw.aligner == "aligner:50050"
+    for kind in ("Service", "PodDisruptionBudget", "NetworkPolicy"):
+        (mine,) = [d for d in kustomized if d["kind"] == kind and d["metadata"]["name"] == "aligner"]
+        assert mine["metadata"]["namespace"] == "qwen3-tts"
+    for doc in kustomized:
+        kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_kustomize_base_has_no_aligner():
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(KUSTOMIZE_DIR)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    assert "aligner" not in deployments(docs)
+    gateway_args = container(deployments(docs)["gateway"])["args"]
+    assert not any(a.startswith("--aligner") for a in gateway_args)
