@@ -9,11 +9,14 @@ import io
 import json
 import wave
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 from e2e_helpers import REF_WAV, poll, running_stack, scrape, tiny_stack_config
+from websockets.sync.client import connect
 
+from qtts.pb import tts_pb2, tts_pb2_grpc
 from services.launcher import free_port
 
 pytestmark = pytest.mark.e2e
@@ -91,6 +94,88 @@ def test_sse_timestamps_event_before_done(aligned_stack):
     assert [e["type"] for e in events[-2:]] == ["speech.audio.timestamps", "speech.audio.done"]
     pcm = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert events[-2]["timestamps"] == _local_words(pcm)
+
+
+def _local_segment_words(pcm_s16: bytes, text: str, offset_ms: float) -> list[dict]:
+    from qtts.model.aligner import load_aligner
+    from qtts.tiny_model.aligner import ensure_tiny_aligner
+
+    aligner = load_aligner(ensure_tiny_aligner())
+    pcm = np.frombuffer(pcm_s16, "<i2").astype(np.float32) / 32768.0
+    return [
+        {
+            "word": w.word,
+            "start_ms": round(w.start_s * 1000 + offset_ms),
+            "end_ms": round(w.end_s * 1000 + offset_ms),
+        }
+        for w in aligner.align(pcm, 24000, text, "english")
+    ]
+
+
+def test_websocket_text_streamed_in_sentence_segments_carry_their_words(aligned_stack):
+    url = aligned_stack.http_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    config = {
+        "type": "session.config",
+        "ref_audio": REF_B64,
+        "x_vector_only_mode": True,
+        "max_new_tokens": 12,
+        "temperature": 0,
+        "language": "english",
+        "response_format": "pcm",
+        "stream_audio": True,
+        "split_granularity": "sentence",
+        "word_timestamps": True,
+    }
+    segments = []
+    with connect(url, max_size=None) as ws:
+        ws.send(json.dumps(config))
+        for piece in ["Hello there. ", "How are ", "you today? "]:
+            ws.send(json.dumps({"type": "input.text", "text": piece}))
+        ws.send(json.dumps({"type": "input.done"}))
+        audio = b""
+        while True:
+            msg = ws.recv(timeout=120)
+            if isinstance(msg, bytes):
+                audio += msg
+                continue
+            event = json.loads(msg)
+            assert event["type"] != "error", event
+            if event["type"] == "audio.done":
+                segments.append((audio, event))
+                audio = b""
+            elif event["type"] == "session.done":
+                break
+    assert len(segments) == 2
+    offset = 0.0
+    for pcm, done in segments:
+        assert done["timestamps"] == _local_segment_words(pcm, done["sentence_text"], offset)
+        offset += len(pcm) / 2 / 24000 * 1000
+    assert [w["word"] for _, d in segments for w in d["timestamps"]] == [
+        "Hello",
+        "there",
+        "How",
+        "are",
+        "you",
+        "today",
+    ]
+
+
+def test_grpc_summary_carries_the_words(aligned_stack):
+    req = tts_pb2.SynthesizeRequest(
+        text=TEXT,
+        reference_audio=REF_WAV,
+        x_vector_only=True,
+        max_new_frames=20,
+        language="english",
+        word_timestamps=True,
+        sampling=tts_pb2.SamplingParams(greedy=True),
+    )
+    with grpc.insecure_channel(aligned_stack.grpc_address) as channel:
+        msgs = list(tts_pb2_grpc.TextToSpeechServiceStub(channel).Synthesize(req, timeout=120))
+    pcm = b"".join(m.audio.audio for m in msgs if m.HasField("audio"))
+    summary = msgs[-1].summary
+    words = [{"word": w.word, "start_ms": w.start_ms, "end_ms": w.end_ms} for w in summary.word_timestamps]
+    assert words == _local_segment_words(pcm, TEXT, 0.0) and not summary.word_timestamps_failed
 
 
 def test_a_stack_without_an_aligner_refuses_word_timestamps(stack):
