@@ -15,12 +15,14 @@ QWEN_TTS_REF ?= qwen-tts==0.1.1
 # (and every module of the end-to-end session stack) on one worker. PYTEST_WORKERS=0 runs it in
 # this process; PYTEST_ARGS adds to (or narrows) the run: make test PYTEST_ARGS="tests/e2e -x".
 PYTEST_WORKERS ?= auto
+# The forced aligner's reference (tests/qtts/model/aligner); --no-deps as qwen-tts, for the same reasons.
+QWEN_ASR_REF ?= qwen-asr==0.0.6
 PYTEST_ARGS ?=
 
 .PHONY: setup setup-test protos run test lint clean lock checkov-env system-deps
 
 # setup: what `make run` needs (requirements.txt: every service's runtime, grpcio-tools for the
-# stubs, torch); setup-test adds requirements-{bench,test,deploy}.txt and the reference qwen-tts.
+# stubs, torch); setup-test adds requirements-{bench,test,deploy}.txt and the references qwen-tts and qwen-asr.
 setup: $(VENV)/.installed-run
 setup-test: $(VENV)/.installed
 
@@ -40,6 +42,7 @@ $(VENV)/.installed-run: $(RUN_REQUIREMENTS) requirements.lock Makefile
 $(VENV)/.installed: $(VENV)/.installed-run $(TEST_REQUIREMENTS)
 	$(PY) -m pip install -q $(LOCK) -r requirements-bench.txt -r requirements-test.txt -r requirements-deploy.txt
 	$(PY) -m pip install -q --no-deps "$(QWEN_TTS_REF)"
+	$(PY) -m pip install -q --no-deps "$(QWEN_ASR_REF)"
 	touch $@
 
 # Rewrite requirements.lock from the venv (after changing a requirements*.txt and `make setup-test`).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "settings.md"
-SERVICES = ("gateway", "talker", "code2wav", "speaker_cache")
+SERVICES = ("gateway", "talker", "code2wav", "speaker_cache", "aligner")
 # Where each program declares its settings (`SETTINGS`).
 MODULES = {**{name: f"services.{name}.config" for name in SERVICES}, "launcher": "services.launcher"}
 

@@ -53,6 +53,8 @@ code2wav_pb2 = importlib.import_module("code2wav.v1.code2wav_pb2")
 code2wav_pb2_grpc = importlib.import_module("code2wav.v1.code2wav_pb2_grpc")
 speaker_cache_pb2 = importlib.import_module("speaker_cache.v1.speaker_cache_pb2")
 speaker_cache_pb2_grpc = importlib.import_module("speaker_cache.v1.speaker_cache_pb2_grpc")
+aligner_pb2 = importlib.import_module("aligner.v1.aligner_pb2")
+aligner_pb2_grpc = importlib.import_module("aligner.v1.aligner_pb2_grpc")
 
 __all__ = [
     "generate",
@@ -64,4 +66,6 @@ __all__ = [
     "code2wav_pb2_grpc",
     "speaker_cache_pb2",
     "speaker_cache_pb2_grpc",
+    "aligner_pb2",
+    "aligner_pb2_grpc",
 ]

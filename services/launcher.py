@@ -1,7 +1,7 @@
 """`python -m services.launcher` (what `make run` runs): start the whole stack on one machine.
 
-Starts speaker_cache, N code2wav replicas, the talker and the gateway as separate processes
-(`python -m services.<name> ...`), waits until every one reports SERVING through grpc.health.v1,
+Starts speaker_cache, the aligner (with `--aligner`), N code2wav replicas, the talker and the
+gateway as separate processes (`python -m services.<name> ...`), waits until every one reports SERVING through grpc.health.v1,
 prints where everything listens and a `curl` line that produces a wav, and on Ctrl-C/SIGTERM stops
 them all (SIGTERM, then SIGKILL after a grace period). Logs go to `run/logs/<service>.log`.
 
@@ -138,7 +138,7 @@ def default_code2wav_ports(n: int, first: int = 50053, skip: int = 50054) -> tup
     return tuple(ports)
 
 
-SERVICE_NAMES = ("gateway", "talker", "code2wav", "speaker_cache")
+SERVICE_NAMES = ("gateway", "talker", "code2wav", "speaker_cache", "aligner")
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,10 @@ class StackConfig:
     talker_metrics_port: int = 9102
     code2wav_metrics_ports: tuple[int, ...] = (9103,)
     speaker_cache_metrics_port: int = 9104
+    # The optional aligner stage (word timestamps): 0 = not started, and the gateway refuses
+    # word_timestamps. It serves the tiny random aligner unless extra_args["aligner"] name a --model.
+    aligner_port: int = 0
+    aligner_metrics_port: int = 0
     log_dir: Path = DEFAULT_LOG_DIR
     startup_timeout_s: float = 600.0
     drain_seconds: float = 5.0
@@ -200,6 +204,8 @@ class StackConfig:
             "talker": self.talker_port,
             "talker metrics": self.talker_metrics_port,
         }
+        if self.aligner_port:
+            ports.update({"aligner": self.aligner_port, "aligner metrics": self.aligner_metrics_port})
         for i, (port, metrics) in enumerate(
             zip(self.code2wav_ports, self.code2wav_metrics_ports, strict=True)
         ):
@@ -411,6 +417,29 @@ def speaker_cache_spec(cfg: StackConfig) -> ServiceSpec:
     )
 
 
+def aligner_spec(cfg: StackConfig) -> ServiceSpec:
+    args = [
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.aligner_port),
+        "--metrics-port",
+        str(cfg.aligner_metrics_port),
+        "--drain-seconds",
+        str(cfg.drain_seconds),
+        *_tls_flags(cfg, client=False),
+        *cfg.extra_args.get("aligner", ()),
+    ]
+    return ServiceSpec(
+        "aligner",
+        "services.aligner",
+        tuple(args),
+        _addr(cfg.host, cfg.aligner_port),
+        cfg.aligner_metrics_port,
+        cfg.tls,
+    )
+
+
 def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
     specs = []
     for i, (port, mport) in enumerate(zip(cfg.code2wav_ports, cfg.code2wav_metrics_ports, strict=True)):
@@ -500,6 +529,7 @@ def gateway_spec(
         _addr(cfg.host, cfg.talker_port if talker_port is None else talker_port),
         "--speaker-cache",
         _addr(cfg.host, cfg.speaker_cache_port),
+        *(["--aligner", _addr(cfg.host, cfg.aligner_port)] if cfg.aligner_port else []),
         *talker_metrics,
         "--drain-seconds",
         str(cfg.drain_seconds),
@@ -573,6 +603,7 @@ def stack_specs(config: StackConfig, model: str) -> list[ServiceSpec]:
     """Every service of the stack, in start order (speaker_cache, code2wav, talker, gateways)."""
     specs = [
         speaker_cache_spec(config),
+        *([aligner_spec(config)] if config.aligner_port else []),
         *code2wav_specs(config, model),
         talker_spec(config, model),
         gateway_spec(config),
@@ -691,6 +722,7 @@ def describe(stack: Stack, body: dict) -> str:
         *[f"  {p.name:<14} {p.spec.grpc_address}" for p in stack.processes if p.name.startswith("code2wav")],
         f"  speaker_cache  {_addr(c.host, c.speaker_cache_port)}"
         f" ({'redis ' + c.redis_url if c.redis_url else 'in-memory'})",
+        *([f"  aligner        {_addr(c.host, c.aligner_port)} (word timestamps)"] if c.aligner_port else []),
         "  metrics        "
         + ", ".join(f"{p.name}:{p.spec.metrics_port}" for p in stack.processes if p.spec.metrics_port),
         f"  model          {stack.model}",
@@ -754,8 +786,13 @@ class LauncherSettings:
     talker_port: int = setting(50052, "the talker's gRPC port")
     code2wav_port: int = setting(50053, "the first replica's; more on the next ports")
     speaker_cache_port: int = setting(50054, "speaker_cache's gRPC port")
+    aligner: bool = setting(
+        False, "also start the aligner stage (the tiny random forced aligner) so word_timestamps work"
+    )
+    aligner_port: int = setting(50050, "the aligner's gRPC port (with --aligner)")
     metrics_port: int = setting(
-        9100, "the gateway's metrics port; talker +2, code2wav +3 on, speaker_cache +4 (0: no metrics)"
+        9100,
+        "the gateway's metrics port; aligner +1, talker +2, code2wav +3 on, speaker_cache +4 (0: no metrics)",
     )
     log_dir: Path = setting(
         DEFAULT_LOG_DIR,
@@ -769,6 +806,7 @@ class LauncherSettings:
     talker_args: tuple[str, ...] = _extra_args("talker")
     code2wav_args: tuple[str, ...] = _extra_args("code2wav")
     speaker_cache_args: tuple[str, ...] = _extra_args("speaker_cache")
+    aligner_args: tuple[str, ...] = _extra_args("aligner")
 
     def validate(self) -> LauncherSettings:
         """Raise `InvalidArgument` naming the flag for an unusable value."""
@@ -808,6 +846,8 @@ class LauncherSettings:
             grpc_port=self.grpc_port,
             talker_port=self.talker_port,
             speaker_cache_port=self.speaker_cache_port,
+            aligner_port=self.aligner_port if self.aligner else 0,
+            aligner_metrics_port=m + 1 if self.aligner and m else 0,
             code2wav_ports=default_code2wav_ports(n, self.code2wav_port, self.speaker_cache_port),
             **metrics,
             log_dir=self.log_dir,

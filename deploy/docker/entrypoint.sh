@@ -4,7 +4,7 @@
 set -eu
 
 usage() {
-    echo "usage: qtts-entrypoint {gateway|talker|code2wav|speaker_cache} [flags...]" >&2
+    echo "usage: qtts-entrypoint {gateway|talker|code2wav|speaker_cache|aligner} [flags...]" >&2
 }
 
 if [ "$#" -lt 1 ]; then
@@ -14,7 +14,7 @@ fi
 service=$1
 shift
 case "$service" in
-    gateway | talker | code2wav | speaker_cache) ;;
+    gateway | talker | code2wav | speaker_cache | aligner) ;;
     speaker-cache) service=speaker_cache ;;
     -h | --help)
         usage

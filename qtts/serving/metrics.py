@@ -388,3 +388,32 @@ class SpeakerCacheMetrics(ServiceMetrics):
             "Named voices stored.",
             registry=registry,
         )
+
+
+class AlignerMetrics(ServiceMetrics):
+    """aligner: forward passes, their batch sizes and the audio they aligned."""
+
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry, "aligner")
+        self.batch_size = Histogram(
+            "tts_aligner_batch_size",
+            "Requests that shared one forward pass.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=registry,
+        )
+        self.forward_seconds = Histogram(
+            "tts_aligner_forward_seconds",
+            "Time of one batched forward pass on the device.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.audio_seconds_total = Counter(
+            "tts_aligner_audio_seconds_total",
+            "Seconds of audio aligned.",
+            registry=registry,
+        )
+        self.queued = Gauge(
+            "tts_aligner_queued_requests",
+            "Requests prepared and waiting for a forward pass.",
+            registry=registry,
+        )

@@ -127,6 +127,15 @@ def _float(text: str) -> float:
         raise SettingsError("must be a number") from None
 
 
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise SettingsError("must be true or false")
+
+
 def _optional_int(text: str) -> int | None:
     return _int(text) if text.strip() else None
 
@@ -144,6 +153,7 @@ def _str_tuple(text: str) -> tuple[str, ...]:
 
 _PARSERS: dict[Any, Callable[[str], Any]] = {
     str: str,
+    bool: _bool,
     int: _int,
     float: _float,
     int | None: _optional_int,
@@ -209,8 +219,15 @@ class ServiceSettings:
                 extra += f"; default {e.default_text}"
             help_text = f"{e.help} ({extra})" if e.help else extra
             metavar = "{" + ",".join(e.setting.choices) + "}" if e.setting.choices else None
+            # A boolean setting is a switch: `--flag` alone means true (`--flag false` also parses).
+            switch = {"nargs": "?", "const": "true"} if e.hint is bool else {}
             p.add_argument(
-                e.flag, dest=e.dest, default=None, metavar=metavar, help=help_text.replace("%", "%%")
+                e.flag,
+                dest=e.dest,
+                default=None,
+                metavar=metavar,
+                help=help_text.replace("%", "%%"),
+                **switch,
             )
         return p
 

@@ -35,8 +35,17 @@ class AudioOutput:
     """One request's output: `streaming` hands out bytes as they are produced; otherwise one
     complete file comes with the tail."""
 
-    def __init__(self, response_format: str, sample_rate: int, speed: float = 1.0, streaming: bool = True):
+    def __init__(
+        self,
+        response_format: str,
+        sample_rate: int,
+        speed: float = 1.0,
+        streaming: bool = True,
+        keep_native: bool = False,
+    ):
         self.response_format = response_format
+        # The talker's own 24 kHz PCM, kept when the aligner needs it (word timestamps).
+        self.native_pcm: list[bytes] | None = [] if keep_native else None
         self.sample_rate = sample_rate
         self._encoder = make_encoder(response_format, sample_rate, streaming=streaming)
         self._resampler = Resampler(NATIVE_SAMPLE_RATE, sample_rate, speed)
@@ -48,6 +57,8 @@ class AudioOutput:
         talker_samples = next_frame = 0
         async for event in stream:
             if isinstance(event, AudioPiece):
+                if self.native_pcm is not None:
+                    self.native_pcm.append(event.pcm_s16le)
                 pcm = self._resampler.push(event.pcm_s16le)
                 data = self._encoder.push(pcm)
                 self.num_samples += len(pcm) // 2

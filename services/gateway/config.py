@@ -33,6 +33,9 @@ class GatewayConfig:
     metrics_port: int = common.metrics_port(9100)
     talker: str = setting("127.0.0.1:50052", "talker host:port")
     speaker_cache: str = setting("127.0.0.1:50054", "speaker_cache host:port")
+    aligner: str = setting(
+        "", "aligner host:port (services.aligner) for word_timestamps; empty: word_timestamps is refused"
+    )
     talker_balancing: str = setting(
         "pool",
         "pool: re-resolve --talker and spread new streams over every ready talker (fewest "
@@ -127,7 +130,7 @@ class GatewayConfig:
         self.public_tls.validate()
         if self.http_port == 0 or self.grpc_port == 0:
             raise InvalidArgument("--http-port and --grpc-port must be set (non-zero)")
-        for name in ("talker", "speaker_cache"):
+        for name in ("talker", "speaker_cache", *(("aligner",) if self.aligner else ())):
             addr = getattr(self, name)
             if ":" not in addr:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be host:port, got {addr!r}")

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -14,8 +15,9 @@ from qtts.request.errors import Cancelled, InvalidArgument, TTSError
 from qtts.request.sampling_overrides import SamplingOverrides, http_name
 from qtts.request.sampling_pb import overrides_from_pb
 from qtts.request.tts_enums import FINISH_TO_PB, TASK_FROM_PB
-from qtts.request.vocabulary import SynthesisSummary
+from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SynthesisSummary
 
+from .aligner_client import AlignerClient, check_alignable
 from .audio_output import AudioOutput
 from .auth import ApiKeys, grpc_owner, owner_var
 from .client_identity import client_var, grpc_client_key
@@ -181,6 +183,15 @@ def voice_to_pb(v: VoiceInfo) -> tts_pb2.Voice:
     )
 
 
+@dataclasses.dataclass
+class _Align:
+    """Word timestamps of one call: the text being aligned (a segment's SegmentText while it
+    streams) and where the next audio starts in the call's audio."""
+
+    text: Any
+    offset_s: float = 0.0
+
+
 class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     """Synthesize and the voices API; errors are raised as TTSError and mapped by the interceptor."""
 
@@ -191,8 +202,11 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         api_keys: ApiKeys | None = None,
         write_timeout_s: float = 0.0,
         consents: ConsentStore | None = None,
+        aligner: AlignerClient | None = None,
     ):
         self._synth = synthesizer
+        # The aligner stage; None: word_timestamps is refused.
+        self._aligner = aligner
         self._voices = voices
         self._api_keys = api_keys
         # What CreateVoice's `consent` is checked against (the HTTP API's records).
@@ -263,14 +277,17 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         try:
             fmt = _encoding(request.audio_encoding)
             job = self._synth.validate(fields_from_pb(request))
+            if request.word_timestamps:
+                self._check_word_timestamps(job.language)
         except Exception as exc:
             self._synth.reject("grpc", exc)
             raise
         await _report_ignored(context, job)
         stream = await self._synth.open(job, "grpc")
         error: BaseException | None = None
+        align = _Align(job.text) if request.word_timestamps else None
         try:
-            async for msg in self._responses(stream, fmt):
+            async for msg in self._responses(stream, fmt, align):
                 yield msg
         except BaseException as exc:
             error = exc
@@ -292,6 +309,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         queue: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(_read_text(requests, splitter, queue))
         seq = segment = 0
+        align = _Align("") if config.synthesis.word_timestamps else None
         try:
             while (item := await queue.get()) is not _END_OF_INPUT:
                 if isinstance(item, BaseException):
@@ -303,8 +321,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                 seq += 1
                 stream = await open_segment(self._synth, fields, item, f"{request_id}-{segment}", "grpc")
                 error: BaseException | None = None
+                if align is not None:
+                    align.text = item
                 try:
-                    async for msg in self._responses(stream, fmt):
+                    async for msg in self._responses(stream, fmt, align):
                         event = (
                             {"audio": msg.audio}
                             if msg.HasField("audio")
@@ -343,16 +363,39 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             fmt = _encoding(synthesis.audio_encoding)
             fields = fields_from_pb(synthesis)
             check_session(self._synth, fields, fmt)
+            if synthesis.word_timestamps:
+                self._check_word_timestamps(fields.language or "auto")
         except Exception as exc:
             self._synth.reject("grpc", exc)
             raise
         return config, fmt, fields
 
+    def _check_word_timestamps(self, language: str) -> None:
+        if self._aligner is None:
+            raise InvalidArgument(
+                "word_timestamps needs a forced aligner, which this server does not have",
+                param="word_timestamps",
+            )
+        check_alignable(language)
+
+    async def _word_timestamps(self, stream: SynthesisStream, align: _Align, output: AudioOutput) -> dict:
+        """The summary's word_timestamps fields for what `output` kept of the talker's audio."""
+        pcm = b"".join(output.native_pcm)
+        text = align.text if isinstance(align.text, str) else align.text.text
+        words = await self._aligner.try_align(
+            stream.job.request_id, text, stream.job.language, pcm, offset_s=align.offset_s
+        )
+        align.offset_s += len(pcm) / 2 / NATIVE_SAMPLE_RATE
+        if words is None:
+            return {"word_timestamps_failed": True}
+        return {"word_timestamps": [tts_pb2.WordTimestamp(**w) for w in words]}
+
     async def _responses(
-        self, stream: SynthesisStream, fmt: str
+        self, stream: SynthesisStream, fmt: str, align: _Align | None = None
     ) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         rate = stream.job.sample_rate
-        output = AudioOutput(fmt, rate)
+        align = align if self._aligner is not None else None
+        output = AudioOutput(fmt, rate, keep_native=align is not None)
         seq = 0
 
         def response(**event) -> tts_pb2.SynthesizeResponse:
@@ -373,7 +416,12 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     )
                 )
             if chunk.last:
-                yield response(summary=_summary_to_pb(stream.summary, output.num_samples, rate))
+                summary = _summary_to_pb(stream.summary, output.num_samples, rate)
+                if align is not None:
+                    extra = await self._word_timestamps(stream, align, output)
+                    summary.word_timestamps.extend(extra.get("word_timestamps", []))
+                    summary.word_timestamps_failed = extra.get("word_timestamps_failed", False)
+                yield response(summary=summary)
 
     async def ListVoices(
         self, request: tts_pb2.ListVoicesRequest, context: grpc.aio.ServicerContext

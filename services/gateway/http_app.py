@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from qtts.request.errors import InvalidArgument, NotFound, TTSError, mapping_for
 from qtts.serving.metrics import GatewayMetrics
 
 from . import sse
+from .aligner_client import AlignerClient, check_alignable
 from .audio_encoding import MEDIA_TYPES, check_output_format
 from .audio_output import AudioOutput
 from .auth import ApiKeyMiddleware, ApiKeys
@@ -70,6 +72,8 @@ class HttpDeps:
     api_keys: ApiKeys | None = None
     # Requests per client and second (rate_limit.py); None: no such limit.
     rate_limiter: RateLimiter | None = None
+    # The aligner stage (--aligner); None: word_timestamps is refused.
+    aligner: AlignerClient | None = None
 
 
 def error_response(exc: BaseException, metrics: GatewayMetrics | None = None) -> JSONResponse:
@@ -129,12 +133,27 @@ def _result_headers(stream: SynthesisStream, sample_rate: int) -> dict[str, str]
     return headers
 
 
+def _check_word_timestamps(deps: HttpDeps, job: SynthesisJob) -> None:
+    if deps.aligner is None:
+        raise InvalidArgument(
+            "word_timestamps needs a forced aligner, which this server does not have "
+            "(start the gateway with --aligner host:port)",
+            param="word_timestamps",
+        )
+    check_alignable(job.language)
+
+
 async def _stream_chunks(
-    stream: SynthesisStream, out: OutputOptions, metrics: GatewayMetrics, sample_rate: int
+    stream: SynthesisStream,
+    out: OutputOptions,
+    metrics: GatewayMetrics,
+    sample_rate: int,
+    aligner: AlignerClient | None = None,
 ) -> AsyncIterator[bytes]:
     """Encoded audio (or SSE events) as the talker produces it; always closes `stream`."""
     is_sse = out.stream_format == "sse"
-    output = AudioOutput(out.response_format, sample_rate, out.speed)
+    timestamps = is_sse and out.word_timestamps and aligner is not None
+    output = AudioOutput(out.response_format, sample_rate, out.speed, keep_native=timestamps)
     clock = PlaybackClock(metrics, out.speed)
     error: BaseException | None = None
     try:
@@ -145,6 +164,12 @@ async def _stream_chunks(
                 # The response sends each chunk before asking for the next: it is on the
                 # connection now (an encoder may have held some talker samples back before).
                 clock.handed_on(chunk.talker_samples)
+        if timestamps:
+            job = stream.job
+            words = await aligner.try_align(
+                job.request_id, job.text, job.language, b"".join(output.native_pcm), speed=out.speed
+            )
+            yield sse.timestamps_event(words, request_id=job.request_id)
         if is_sse:
             s = stream.summary
             yield sse.audio_done(
@@ -249,6 +274,8 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
             fields, out = parse_speech_body(await _json_body(request))
             job = synth.validate(fields)
             check_output_format(out.response_format, job.sample_rate)
+            if out.word_timestamps:
+                _check_word_timestamps(deps, job)
         except TTSError as exc:
             synth.reject("http", exc)
             return error_response(exc, metrics)
@@ -258,9 +285,13 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
             return error_response(exc, metrics)
         if out.streaming:
             return _streaming_speech(job, stream, out, deps)
+        if out.word_timestamps:
+            return await _whole_speech_with_timestamps(request, job, stream, out, deps)
         return await _whole_speech(request, job, stream, out, metrics)
 
-    speech_stream_endpoint = SpeechStreamEndpoint(synth, write_timeout_s=deps.write_timeout_s)
+    speech_stream_endpoint = SpeechStreamEndpoint(
+        synth, write_timeout_s=deps.write_timeout_s, aligner=deps.aligner
+    )
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:
@@ -280,7 +311,7 @@ def _streaming_speech(
         "cache-control": "no-cache",
     }
     return DisconnectAwareStreamingResponse(
-        _stream_chunks(stream, out, deps.metrics, job.sample_rate),
+        _stream_chunks(stream, out, deps.metrics, job.sample_rate, deps.aligner),
         headers=headers,
         media_type=media,
         write_timeout_s=deps.write_timeout_s,
@@ -305,6 +336,46 @@ async def _whole_speech(
     except TTSError as exc:
         error = exc
         return error_response(exc, metrics)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        await stream.close(error)
+
+
+async def _whole_speech_with_timestamps(
+    request: Request, job: SynthesisJob, stream: SynthesisStream, out: OutputOptions, deps: HttpDeps
+) -> Response:
+    """The whole clip and its word timestamps as one JSON object (the audio base64 in `audio`);
+    always closes `stream`. An aligner failure leaves `timestamps` null, as vLLM-Omni does."""
+    error: BaseException | None = None
+    try:
+        output = AudioOutput(
+            out.response_format, job.sample_rate, out.speed, streaming=False, keep_native=True
+        )
+        audio = await run_unless_disconnected(request, lambda: output.collect(stream))
+        words = await run_unless_disconnected(
+            request,
+            lambda: deps.aligner.try_align(
+                job.request_id, job.text, job.language, b"".join(output.native_pcm), speed=out.speed
+            ),
+        )
+        stream.first_byte_sent()
+        s = stream.summary
+        body = {
+            "object": "audio.speech",
+            "request_id": job.request_id,
+            "response_format": out.response_format,
+            "sample_rate": job.sample_rate,
+            "audio": base64.b64encode(audio).decode("ascii"),
+            "timestamps": words,
+            "finish_reason": s.finish_reason if s else None,
+            "usage": sse.usage(s.num_input_tokens if s else 0, s.num_frames if s else 0),
+        }
+        return JSONResponse(body, headers=_result_headers(stream, job.sample_rate))
+    except TTSError as exc:
+        error = exc
+        return error_response(exc, deps.metrics)
     except BaseException as exc:
         error = exc
         raise

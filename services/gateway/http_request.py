@@ -344,6 +344,14 @@ class SpeechRequest(SpeechOptions):
         "(base64 audio) and a final `speech.audio.done` with usage; an error after the first byte is an "
         "`error` event.",
     )
+    word_timestamps: Flag = Field(
+        False,
+        description="vLLM-Omni's forced-aligner word timestamps (needs a gateway started with `--aligner`; "
+        "without one, true is a 400). With `stream_format` `audio` the answer is one JSON object: the "
+        "whole file in `audio` (base64) and `timestamps`, a list of `{word, start_ms, end_ms}`; with "
+        "`sse` a `speech.audio.timestamps` event comes after the audio deltas, before "
+        "`speech.audio.done`.",
+    )
 
     @field_validator("stream_format", mode="before")
     @classmethod
@@ -351,7 +359,9 @@ class SpeechRequest(SpeechOptions):
         return _lower(value)
 
     def output(self) -> OutputOptions:
-        return OutputOptions(self.response_format, self.stream, self.stream_format, self.speed)
+        return OutputOptions(
+            self.response_format, self.stream, self.stream_format, self.speed, self.word_timestamps
+        )
 
 
 class StreamingSessionConfig(SpeechOptions):
@@ -375,18 +385,12 @@ class StreamingSessionConfig(SpeechOptions):
         "commas.",
     )
     word_timestamps: Flag = Field(
-        False, description="vLLM-Omni's forced-aligner word timestamps: not available here (true is refused)."
+        False,
+        description="vLLM-Omni's forced-aligner word timestamps (needs a gateway started with `--aligner`; "
+        "without one, true is refused): each segment's `audio.done` carries `timestamps`, a list of "
+        "`{word, start_ms, end_ms}` in ms from the start of the utterance's audio (null when the aligner "
+        "failed).",
     )
-
-    @field_validator("word_timestamps")
-    @classmethod
-    def _no_aligner(cls, value: bool) -> bool:
-        if value:
-            raise PydanticCustomError(
-                "tts_word_timestamps",
-                "word_timestamps needs a forced aligner, which this server does not have",
-            )
-        return value
 
 
 @dataclass(frozen=True)
@@ -402,10 +406,15 @@ class OutputOptions:
     stream_format: str = "audio"
     # Time-stretch of the output (pitch kept): 2.0 speaks twice as fast.
     speed: float = 1.0
+    # Word timestamps from the aligner stage; with stream_format "audio" the answer is one JSON
+    # object (the audio bytes cannot carry them), so it does not stream.
+    word_timestamps: bool = False
 
     @property
     def streaming(self) -> bool:
-        return self.stream is not False or self.stream_format == "sse"
+        if self.stream_format == "sse":
+            return True
+        return self.stream is not False and not self.word_timestamps
 
 
 def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:

@@ -25,6 +25,7 @@ from qtts.serving.metrics import GatewayMetrics
 from qtts.serving.tls import TlsConfig, aio_channel
 from qtts.serving.tracing import TracingMiddleware
 
+from .aligner_client import AlignerClient
 from .auth import ApiKeyInterceptor, ApiKeys, load_api_keys
 from .config import GatewayConfig
 from .consents import ConsentStore
@@ -128,6 +129,12 @@ class GatewayServer:
             config.talker, pool=self.talker_pool, token=config.internal_token, tls=config.tls
         )
         self.voice_client = VoiceClient(config.speaker_cache, token=config.internal_token, tls=config.tls)
+        # Optional: without it word_timestamps is refused.
+        self.aligner = (
+            AlignerClient(config.aligner, token=config.internal_token, tls=config.tls)
+            if config.aligner
+            else None
+        )
 
     def _build_core(self, config: GatewayConfig, decode: Callable[[bytes], np.ndarray]) -> None:
         """What both front ends share: the synthesis core, voices, consents and stage health."""
@@ -163,14 +170,15 @@ class GatewayServer:
         self.consents = ConsentStore(SpeakerCacheConsents(self.voice_client))
         # Readiness follows what a new stream would do: with a pool, the pool's view of its talkers
         # (a check over the shared channel could say SERVING while every new stream got 503).
+        stages = {"speaker_cache": self.voice_client.channel}
+        serving = {}
         if self.talker_pool is not None:
-            self.stage_health = StageHealth(
-                {"speaker_cache": self.voice_client.channel}, serving={"talker": self.talker_pool.serving}
-            )
+            serving["talker"] = self.talker_pool.serving
         else:
-            self.stage_health = StageHealth(
-                {"talker": self.talker.channel, "speaker_cache": self.voice_client.channel}
-            )
+            stages["talker"] = self.talker.channel
+        if self.aligner is not None:
+            stages["aligner"] = self.aligner.channel
+        self.stage_health = StageHealth(stages, serving=serving)
 
     def _grpc_host(self, config: GatewayConfig) -> GrpcServiceHost:
         """The public tts.v1 gRPC server, with API keys and the rate limit in front."""
@@ -192,6 +200,7 @@ class GatewayServer:
                 self.api_keys,
                 write_timeout_s=config.http_write_timeout_s,
                 consents=self.consents,
+                aligner=self.aligner,
             ),
             host.server,
         )
@@ -212,6 +221,7 @@ class GatewayServer:
                 write_timeout_s=config.http_write_timeout_s,
                 api_keys=self.api_keys,
                 consents=self.consents,
+                aligner=self.aligner,
             )
         )
         app.add_middleware(HttpMetricsMiddleware, metrics=self.metrics)
@@ -307,6 +317,8 @@ class GatewayServer:
         cut.cancel()
         await self.talker.close()
         await self.voice_client.close()
+        if self.aligner is not None:
+            await self.aligner.close()
 
     async def _cut_streams_after(self, seconds: float) -> None:
         await asyncio.sleep(seconds)

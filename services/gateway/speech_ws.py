@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from qtts.request.errors import Cancelled, InvalidArgument, TTSError, mapping_for, openai_error_body
+from qtts.request.vocabulary import NATIVE_SAMPLE_RATE
 
-from .core import GatewayCore
+from .aligner_client import AlignerClient, check_alignable
+from .audio_output import AudioOutput
+from .core import GatewayCore, SynthesisStream
 from .http_request import StreamingSessionConfig, parse_json, validate_body
 from .job import SpeechFields
 from .text_stream import (
@@ -107,6 +110,8 @@ class _Session:
     current: asyncio.Task | None = None
     current_utterance: int = -1
     usage: dict[int, _Usage] = field(default_factory=dict)
+    # Seconds of the talker's audio sent per utterance so far: where its next segment starts.
+    spoken_s: dict[int, float] = field(default_factory=dict)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # A send that does not complete this long ends the session (0 = never); see `_send`.
     write_timeout_s: float = 0.0
@@ -167,8 +172,11 @@ class SpeechStreamEndpoint:
         idle_timeout_s: float = 30.0,
         max_message_bytes: int = 32 << 20,
         write_timeout_s: float = 0.0,
+        aligner: AlignerClient | None = None,
     ):
         self.synth = synth
+        # The aligner stage; None: word_timestamps is refused.
+        self.aligner = aligner
         self.write_timeout_s = write_timeout_s
         self.config_timeout_s = config_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -298,6 +306,13 @@ class SpeechStreamEndpoint:
             config = validate_body(StreamingSessionConfig, msg, "session.config")
             fields = config.to_fields("")
             rate = check_session(self.synth, fields, config.response_format)
+            if config.word_timestamps:
+                if self.aligner is None:
+                    raise InvalidArgument(
+                        "word_timestamps needs a forced aligner, which this server does not have",
+                        param="word_timestamps",
+                    )
+                check_alignable(fields.language or "auto")
         except TTSError as exc:
             self.synth.reject(PROTOCOL, exc)
             self.synth.metrics.error(mapping_for(exc).grpc_code.name)
@@ -358,6 +373,7 @@ class SpeechStreamEndpoint:
                 return
             if isinstance(item, _UtteranceEnd):
                 usage = s.usage.pop(item.utterance, _Usage())
+                s.spoken_s.pop(item.utterance, None)
                 done = {
                     "type": "session.done",
                     "utterance_index": item.utterance,
@@ -375,6 +391,22 @@ class SpeechStreamEndpoint:
                     raise  # the session ends
             finally:
                 s.current = None
+
+    async def _timestamps(
+        self, s: _Session, seg: _Segment, stream: SynthesisStream, output: AudioOutput
+    ) -> list[dict] | None:
+        """The segment's words, timed from the start of its utterance's audio."""
+        pcm = b"".join(output.native_pcm)
+        offset = s.spoken_s.get(seg.utterance, 0.0)
+        s.spoken_s[seg.utterance] = offset + len(pcm) / 2 / NATIVE_SAMPLE_RATE
+        return await self.aligner.try_align(
+            stream.job.request_id,
+            seg.text.text,
+            stream.job.language,
+            pcm,
+            speed=seg.audio.speed,
+            offset_s=offset,
+        )
 
     async def _segment(self, s: _Session, seg: _Segment) -> None:
         """One segment: audio.start, its audio as binary frames, audio.done (also on failure)."""
@@ -394,10 +426,15 @@ class SpeechStreamEndpoint:
         total, done, stream, error = 0, {"error": False}, None, None
         try:
             stream = await open_segment(self.synth, seg.fields, seg.text, request_id, PROTOCOL)
-            async for chunk in seg.audio.output().chunks(stream):
+            align = s.config is not None and s.config.word_timestamps and self.aligner is not None
+            a = seg.audio
+            output = AudioOutput(a.response_format, a.sample_rate, a.speed, a.streaming, keep_native=align)
+            async for chunk in output.chunks(stream):
                 if chunk.data:
                     await s.send_bytes(chunk.data)
                     total += len(chunk.data)
+            if align:
+                done |= {"timestamps": await self._timestamps(s, seg, stream, output)}
             summary = stream.summary
             if summary is not None:
                 usage = s.usage.setdefault(seg.utterance, _Usage())

@@ -17,15 +17,25 @@ def audio_delta(audio: bytes) -> bytes:
     return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode("ascii")})
 
 
-def audio_done(input_tokens: int, output_tokens: int, **extra) -> bytes:
-    """The final event; usage counts the input's text tokens (the model's tokenizer, as the talker
-    reports them) and the generated codec frames."""
-    usage = {
+def usage(input_tokens: int, output_tokens: int) -> dict:
+    """Usage counts the input's text tokens (the model's tokenizer, as the talker reports them) and
+    the generated codec frames."""
+    return {
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
         "total_tokens": input_tokens + output_tokens,
     }
-    return sse_event({"type": "speech.audio.done", "usage": usage, **extra})
+
+
+def audio_done(input_tokens: int, output_tokens: int, **extra) -> bytes:
+    """The final event, with usage."""
+    return sse_event({"type": "speech.audio.done", "usage": usage(input_tokens, output_tokens), **extra})
+
+
+def timestamps_event(words: list[dict] | None, **extra) -> bytes:
+    """The word timestamps of the audio sent before it (`{word, start_ms, end_ms}` each; null when
+    the aligner failed, as vLLM-Omni sends them)."""
+    return sse_event({"type": "speech.audio.timestamps", "timestamps": words, **extra})
 
 
 def error_event(exc: BaseException) -> bytes:

@@ -189,13 +189,13 @@ def build_gateway(
 
 
 @contextlib.asynccontextmanager
-async def serve_http(gw: GatewayUnderTest, stages: dict[str, str] | None = None):
-    """Run the HTTP app on a real uvicorn server in this event loop."""
+async def serve_http(gw: GatewayUnderTest, stages: dict[str, str] | None = None, aligner=None):
+    """Run the HTTP app on a real uvicorn server in this event loop (`aligner`: an AlignerClient)."""
 
     async def stage_health():
         return stages if stages is not None else {"talker": "SERVING", "speaker_cache": "SERVING"}
 
-    app = create_app(HttpDeps(gw.synth, gw.voice_service, gw.metrics, stage_health))
+    app = create_app(HttpDeps(gw.synth, gw.voice_service, gw.metrics, stage_health, aligner=aligner))
     port = free_port()
     server = _UvicornServer(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")

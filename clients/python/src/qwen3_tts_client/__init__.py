@@ -14,6 +14,7 @@ from .grpc_client import (
     SynthesisOptions,
     TTSClient,
     TTSError,
+    WordTimestamp,
 )
 from .websocket_client import WsAudio, WsEvent, stream_text_ws
 
@@ -24,6 +25,7 @@ __all__ = [
     "SynthesisOptions",
     "TTSClient",
     "TTSError",
+    "WordTimestamp",
     "WsAudio",
     "WsEvent",
     "stream_text_ws",

@@ -61,6 +61,8 @@ class SynthesisOptions:
     first_chunk_frames: int = 0
     model: str = ""
     request_id: str = ""
+    # Word timestamps in each Summary (the server needs an aligner stage: else INVALID_ARGUMENT).
+    word_timestamps: bool = False
 
     def to_pb(self, text: str = "") -> tts_pb2.SynthesizeRequest:
         sampling = {
@@ -90,6 +92,7 @@ class SynthesisOptions:
             max_new_frames=self.max_new_frames,
             sampling=tts_pb2.SamplingParams(greedy=self.greedy, **sampling),
             streaming=tts_pb2.StreamingOptions(first_chunk_frames=self.first_chunk_frames),
+            word_timestamps=self.word_timestamps,
         )
 
 
@@ -104,8 +107,18 @@ class Audio:
 
 
 @dataclass(frozen=True)
+class WordTimestamp:
+    """A word of the text and when it is heard, in ms of the call's audio."""
+
+    word: str
+    start_ms: int
+    end_ms: int
+
+
+@dataclass(frozen=True)
 class Summary:
-    """How a request (or a segment of a streamed one) ended."""
+    """How a request (or a segment of a streamed one) ended; with `word_timestamps`, its words
+    (`word_timestamps_failed`: the server's aligner failed, the audio is whole)."""
 
     finish_reason: str  # "stop" (end of speech) or "length" (max_new_frames reached)
     num_frames: int
@@ -114,6 +127,8 @@ class Summary:
     num_input_tokens: int
     total_ms: float
     segment_index: int = 0
+    word_timestamps: tuple[WordTimestamp, ...] = ()
+    word_timestamps_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,6 +152,8 @@ def _summary(s, segment: int = 0) -> Summary:
         s.num_input_tokens,
         s.timings.total_ns / 1e6,
         segment,
+        tuple(WordTimestamp(w.word, w.start_ms, w.end_ms) for w in s.word_timestamps),
+        s.word_timestamps_failed,
     )
 
 

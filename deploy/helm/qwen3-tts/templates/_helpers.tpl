@@ -108,7 +108,9 @@ requests equal GPU limits, and code2wav is not autoscaled.
 {{- define "qwen3-tts.validate" -}}
 {{- $drain := int .Values.global.maxStreamSeconds }}
 {{- $sleep := int .Values.global.preStopSleepSeconds }}
-{{- range $name := list "gateway" "talker" "code2wav" "speakerCache" }}
+{{- $checked := list "gateway" "talker" "code2wav" "speakerCache" }}
+{{- if .Values.aligner.enabled }}{{- $checked = append $checked "aligner" }}{{- end }}
+{{- range $name := $checked }}
 {{- $c := index $.Values $name }}
 {{- if le (int $c.terminationGracePeriodSeconds) (add $drain $sleep | int) }}
 {{- fail (printf "%s.terminationGracePeriodSeconds (%v) must exceed global.maxStreamSeconds + global.preStopSleepSeconds (%d)" $name $c.terminationGracePeriodSeconds (add $drain $sleep)) }}

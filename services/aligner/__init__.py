@@ -1,0 +1,1 @@
+"""The aligner stage: word timestamps of finished segments (Qwen3-ForcedAligner)."""

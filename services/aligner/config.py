@@ -1,0 +1,77 @@
+"""aligner configuration: a frozen dataclass from flags (env fallbacks `TTS_ALIGNER_*`).
+
+The stage is optional: the gateway only offers word timestamps when `--aligner-address` points at
+one. Without `--model` it serves the tiny random aligner (tests, `make run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qtts.request.errors import InvalidArgument
+from qtts.serving import service_config as common
+from qtts.serving.service_config import check_connection_age, check_server_fields
+from qtts.serving.settings import ServiceSettings, group, setting
+from qtts.serving.tls import TlsConfig
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class AlignerConfig:
+    """Everything the aligner needs at start-up; validated once by `validate()`."""
+
+    host: str = common.host()
+    port: int = common.port(50055)
+    metrics_port: int = common.metrics_port(9105)
+    # Empty = the tiny local default.
+    model: str = setting(
+        "", "forced-aligner snapshot folder, hub id, or (dummy) a config name (qwen3-forcedaligner-0.6b)"
+    )
+    load_format: str = setting("auto", "how weights are loaded (dummy: random)", choices=LOAD_FORMATS)
+    device: str = setting("cpu", "torch device (cpu, cuda, cuda:N)")
+    dtype: str = setting("float32", choices=DTYPES)
+    max_batch: int = setting(32, "requests aligned in one forward pass at most")
+    max_audio_s: float = setting(300.0, "longest audio one request may bring, seconds")
+    max_text_chars: int = setting(4096, "longest transcript one request may bring, characters")
+    drain_seconds: float = common.drain_seconds(10.0)
+    max_connection_age_s: float = common.max_connection_age_s()
+    max_connection_age_grace_s: float = common.max_connection_age_grace_s()
+    gil_switch_interval_ms: float = common.gil_switch_interval_ms()
+    log_level: str = common.log_level()
+    internal_token: str = common.internal_token(dials=False)
+    tls: TlsConfig = group(TlsConfig(), "tls", omit=("server_name",), what="gRPC between the services")
+
+    def validate(self) -> AlignerConfig:
+        """Raise `InvalidArgument` with a clear message for an unusable configuration."""
+        check_server_fields(self)
+        check_connection_age(self)
+        self.tls.validate()
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidArgument(
+                f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_batch", "max_text_chars"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.max_audio_s <= 400:
+            # 5000 timestamp classes of 80 ms: the aligner cannot place a word past 400 s.
+            raise InvalidArgument(f"--max-audio-s must be in (0, 400], got {self.max_audio_s}")
+        return self
+
+
+SETTINGS = ServiceSettings(AlignerConfig, "aligner", "python -m services.aligner", __doc__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return SETTINGS.parser()
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> AlignerConfig:
+    """Parse flags (falling back to env vars) into a validated `AlignerConfig`."""
+    return SETTINGS.parse(argv).validate()

@@ -1,0 +1,180 @@
+"""The aligner's domain core: checks a request, featurises it, batches forward passes.
+
+Requests are featurised as they arrive (resampling, log-mel, word splitting, tokenising) on one
+thread of their own (the fast tokenizer and nagisa are not safe to call from several threads at
+once, and the GIL would serialise most of that work anyway), then wait in one queue; a single
+loop takes up to `max_batch` of them into one forward pass on its own thread, so the device runs
+one batch at a time and requests that arrive while it works share the next pass. A request cancelled while queued never reaches the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from qtts.model.aligner import AlignInput, ForcedAligner, UnsupportedLanguage, WordTiming
+from qtts.request.errors import InvalidArgument
+from qtts.serving.metrics import AlignerMetrics
+
+log = logging.getLogger(__name__)
+
+MIN_SAMPLE_RATE_HZ, MAX_SAMPLE_RATE_HZ = 8000, 192000
+
+
+def _has_kana(text: str) -> bool:
+    return any(0x3040 <= ord(ch) <= 0x30FF for ch in text)
+
+
+def splitting_language(language: str, text: str) -> str:
+    """The language whose word splitting applies. "auto" (or empty) is Japanese when the text has
+    kana, else the whitespace-and-ideograph splitting every other language uses."""
+    lang = (language or "auto").strip().lower()
+    if lang == "auto":
+        return "japanese" if _has_kana(text) else "english"
+    return lang
+
+
+@dataclass(frozen=True)
+class AlignJob:
+    text: str
+    language: str
+    pcm: np.ndarray  # mono float32
+    sample_rate_hz: int
+    offset_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class AlignOutcome:
+    words: list[WordTiming]
+    forward_ns: int
+    batch_size: int
+
+
+class AlignerCore:
+    """Checks, featurises and batches `AlignJob`s over one `ForcedAligner`."""
+
+    def __init__(
+        self,
+        aligner: ForcedAligner,
+        metrics: AlignerMetrics,
+        *,
+        max_batch: int = 32,
+        max_audio_s: float = 300.0,
+        max_text_chars: int = 4096,
+    ):
+        self.aligner = aligner
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self.max_audio_s = max_audio_s
+        self.max_text_chars = max_text_chars
+        self._queue: list[tuple[AlignInput, asyncio.Future]] = []
+        self._wake = asyncio.Event()
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aligner-forward")
+        self._featurise = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aligner-prepare")
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._batches())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for _, fut in self._queue:
+            if not fut.done():
+                fut.cancel()
+        self._queue.clear()
+        self._device.shutdown(wait=False, cancel_futures=True)
+        self._featurise.shutdown(wait=False, cancel_futures=True)
+
+    def check(self, job: AlignJob) -> None:
+        """Raise `InvalidArgument` naming what is wrong with the request."""
+        if not MIN_SAMPLE_RATE_HZ <= job.sample_rate_hz <= MAX_SAMPLE_RATE_HZ:
+            raise InvalidArgument(
+                f"sample_rate_hz must be in {MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ}, got {job.sample_rate_hz}"
+            )
+        if job.pcm.size == 0:
+            raise InvalidArgument("pcm_f32 is empty")
+        seconds = job.pcm.size / job.sample_rate_hz
+        if seconds > self.max_audio_s:
+            raise InvalidArgument(
+                f"the audio is {seconds:.1f} s long; at most {self.max_audio_s:g} s can be aligned"
+            )
+        if not np.isfinite(job.pcm).all():
+            raise InvalidArgument("pcm_f32 holds NaN or infinite samples")
+        if not job.text.strip():
+            raise InvalidArgument("text is empty")
+        if len(job.text) > self.max_text_chars:
+            raise InvalidArgument(
+                f"text is {len(job.text)} characters; at most {self.max_text_chars} are aligned"
+            )
+        if job.offset_s < 0 or not np.isfinite(job.offset_s):
+            raise InvalidArgument(f"offset_s must be a finite number >= 0, got {job.offset_s}")
+
+    def _prepare(self, job: AlignJob) -> AlignInput:
+        try:
+            return self.aligner.prepare(
+                job.pcm, job.sample_rate_hz, job.text, splitting_language(job.language, job.text)
+            )
+        except (UnsupportedLanguage, ValueError) as e:
+            raise InvalidArgument(str(e)) from None
+
+    async def align(self, job: AlignJob) -> AlignOutcome:
+        """Word timings of `job` (times shifted by its offset)."""
+        self.check(job)
+        prepared = await asyncio.get_running_loop().run_in_executor(self._featurise, self._prepare, job)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append((prepared, fut))
+        self.metrics.queued.set(len(self._queue))
+        self._wake.set()
+        words, forward_ns, batch_size = await fut
+        self.metrics.audio_seconds_total.inc(job.pcm.size / job.sample_rate_hz)
+        if job.offset_s:
+            words = [
+                WordTiming(w.word, round(w.start_s + job.offset_s, 3), round(w.end_s + job.offset_s, 3))
+                for w in words
+            ]
+        return AlignOutcome(words, forward_ns, batch_size)
+
+    async def _batches(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                taken = [(x, f) for x, f in self._queue[: self.max_batch] if not f.done()]
+                del self._queue[: self.max_batch]
+                self.metrics.queued.set(len(self._queue))
+                if not taken:
+                    continue
+                start = time.perf_counter_ns()
+                try:
+                    results = await loop.run_in_executor(
+                        self._device, self.aligner.run, [x for x, _ in taken]
+                    )
+                except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
+                    log.exception("aligner forward pass failed")
+                    for _, f in taken:
+                        if not f.done():
+                            f.set_exception(exc)
+                    continue
+                elapsed = time.perf_counter_ns() - start
+                self.metrics.batch_size.observe(len(taken))
+                self.metrics.forward_seconds.observe(elapsed / 1e9)
+                for (_, f), words in zip(taken, results, strict=True):
+                    if not f.done():
+                        f.set_result((words, elapsed, len(taken)))
+
+    async def warm_up(self) -> None:
+        """One alignment of a short clip: loads lazy kernels before health says SERVING."""
+        t = np.arange(24000, dtype=np.float32) / 24000
+        await self.align(
+            AlignJob("warm up", "english", (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 24000)
+        )

@@ -1,0 +1,136 @@
+"""The aligner service over gRPC on the tiny random aligner: answers, batching, refusals, health."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from qtts.pb import aligner_pb2 as pb
+from qtts.pb import aligner_pb2_grpc
+from qtts.request.errors import InvalidArgument
+from services.aligner.config import AlignerConfig, config_from_args
+from services.aligner.core import splitting_language
+from services.aligner.server import SERVICE_NAME, AlignerServer
+
+TEXTS = [
+    ("Hello world, this is a test.", "english"),
+    ("你好，世界。今天天气很好", "chinese"),
+    ("今日はいい天気ですね。", "auto"),
+    ("One two three four five six seven.", "auto"),
+]
+
+
+def _pcm(seconds: float, seed: int, sr: int = 24000) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sr)) / sr
+    return (0.3 * np.sin(2 * np.pi * (180 + 40 * seed) * t) + 0.05 * rng.standard_normal(t.shape)).astype(
+        "<f4"
+    )
+
+
+@pytest.fixture
+async def aligner_stub(tiny_aligner):
+    server = AlignerServer(
+        AlignerConfig(port=0, metrics_port=0, max_batch=8, max_audio_s=20), aligner=tiny_aligner
+    )
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield server, channel, aligner_pb2_grpc.AlignerServiceStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(grace=0.5)
+
+
+def _request(i: int, offset_s: float = 0.0) -> pb.AlignRequest:
+    text, lang = TEXTS[i % len(TEXTS)]
+    pcm = _pcm(1.0 + 0.4 * i, seed=i)
+    return pb.AlignRequest(
+        request_id=f"r{i}",
+        text=text,
+        language=lang,
+        pcm_f32=pcm.tobytes(),
+        sample_rate_hz=24000,
+        offset_s=offset_s,
+    )
+
+
+def _expected(tiny_aligner, i: int, offset_s: float = 0.0) -> list[tuple[str, float, float]]:
+    text, lang = TEXTS[i % len(TEXTS)]
+    words = tiny_aligner.align(_pcm(1.0 + 0.4 * i, seed=i), 24000, text, splitting_language(lang, text))
+    return [(w.word, round(w.start_s + offset_s, 3), round(w.end_s + offset_s, 3)) for w in words]
+
+
+def _words(resp: pb.AlignResponse) -> list[tuple[str, float, float]]:
+    return [(w.word, round(w.start_s, 3), round(w.end_s, 3)) for w in resp.words]
+
+
+async def test_health_serving_and_an_answer_equal_to_the_model(aligner_stub, tiny_aligner):
+    _, channel, stub = aligner_stub
+    health = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+    )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    resp = await stub.Align(_request(0, offset_s=2.5))
+    assert resp.request_id == "r0"
+    assert [w[0] for w in _words(resp)] == ["Hello", "world", "this", "is", "a", "test"]
+    assert _words(resp) == _expected(tiny_aligner, 0, offset_s=2.5)
+    assert resp.batch_size >= 1 and resp.forward_ns > 0
+
+
+async def test_auto_language_splits_japanese_by_kana():
+    assert splitting_language("auto", "今日はいい天気") == "japanese"
+    assert splitting_language("", "Hello") == "english"
+    assert splitting_language("Chinese", "你好") == "chinese"
+
+
+async def test_concurrent_requests_share_forward_passes_and_keep_their_answers(aligner_stub, tiny_aligner):
+    server, _, stub = aligner_stub
+    responses = await asyncio.gather(*(stub.Align(_request(i)) for i in range(12)))
+    for i, resp in enumerate(responses):
+        assert resp.request_id == f"r{i}"
+        assert _words(resp) == _expected(tiny_aligner, i)
+    assert max(r.batch_size for r in responses) > 1
+    assert max(r.batch_size for r in responses) <= 8
+    assert server.metrics.batch_size._sum.get() >= 12  # every request was counted in some batch
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(pcm_f32=b""), "pcm_f32 is empty"),
+        (dict(pcm_f32=b"\x00\x00\x00"), "whole float32 samples"),
+        (dict(text=" ... !? "), "no word to align"),
+        (dict(text="안녕하세요 세계", language="korean"), "Korean"),
+        (dict(sample_rate_hz=100), "sample_rate_hz must be in"),
+        (dict(pcm_f32=np.zeros(24000 * 21, "<f4").tobytes()), "at most 20 s"),
+        (dict(pcm_f32=np.full(2400, np.nan, "<f4").tobytes()), "NaN"),
+        (dict(offset_s=-1.0), "offset_s"),
+    ],
+)
+async def test_bad_requests_are_invalid_argument_naming_the_problem(aligner_stub, change, message):
+    _, _, stub = aligner_stub
+    req = _request(0)
+    for k, v in change.items():
+        setattr(req, k, v)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.Align(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in e.value.details()
+
+
+def test_config_flags_and_refusals():
+    cfg = config_from_args(["--port", "0", "--max-batch", "4", "--load-format", "dummy"])
+    assert (cfg.max_batch, cfg.load_format) == (4, "dummy")
+    for bad, msg in [
+        (dict(max_batch=0), "--max-batch"),
+        (dict(max_audio_s=500.0), "--max-audio-s"),
+        (dict(dtype="int8"), "--dtype"),
+    ]:
+        with pytest.raises(InvalidArgument, match=msg):
+            dataclasses.replace(AlignerConfig(), **bad).validate()
