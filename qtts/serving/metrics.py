@@ -279,6 +279,14 @@ class TalkerMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.first_chunk_hop_seconds = Histogram(
+            "tts_talker_first_chunk_hop_seconds",
+            "Where a stream's first chunk's time goes, per hop (as tts_talker_chunk_hop_seconds, with "
+            "generate counted from the request's submission to the engine: queue, prefill, frames).",
+            ["hop"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.prefix_cache_lookups_total = Counter(
             "tts_talker_prefix_cache_lookups_total",
             "Prompt-prefix KV cache lookups of admitted prompts, by result (hit: the voice's prefix "
@@ -351,6 +359,12 @@ class Code2WavMetrics(ServiceMetrics):
         self.chunk_wait_seconds = Histogram(
             "tts_code2wav_chunk_wait_seconds",
             "Time a chunk waited for a decode call once all its frames were there.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.first_chunk_wait_seconds = Histogram(
+            "tts_code2wav_first_chunk_wait_seconds",
+            "Time a stream's first chunk waited for a decode call once all its frames were there.",
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )

@@ -169,7 +169,10 @@ class DecodeStream:
         self.in_flight = True
         self.chunk_index += 1
         if self._ready_at is not None:
-            self.metrics.chunk_wait_seconds.observe(max(self.clock() - self._ready_at, 0.0))
+            waited = max(self.clock() - self._ready_at, 0.0)
+            self.metrics.chunk_wait_seconds.observe(waited)
+            if self.chunk_index == 1:
+                self.metrics.first_chunk_wait_seconds.observe(waited)
         self._ready_at = None
         self._mark_ready()
         return self.decoded_frames, codes

@@ -130,6 +130,7 @@ class StreamSession:
         try:
             await self._open_decode()
             submitted = True
+            self._handed_at = time.perf_counter()  # the first chunk's hops count from here
             self._engine.submit(self._request)
             generating = True
             queue_ns = prefill_ns = first_audio_ns = 0
@@ -253,6 +254,11 @@ class StreamSession:
         restarted = False
         if req.first_audio_at is None:
             req.first_audio_at = now
+            if self._metrics is not None:
+                # The first chunk apart: its "generate" hop runs from submission (queue, prefill
+                # and its frames), and first audio is the sum of its hops.
+                for hop, seconds in self._hops(end_frame, arrived, now).items():
+                    self._metrics.first_chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
         elif req.clock_restart:
             # The listener ran dry waiting for text, not for us: its clock resumes with this chunk
             # (first_audio_at before the flag: the engine thread reads both).

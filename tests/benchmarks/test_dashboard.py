@@ -54,6 +54,8 @@ HISTOGRAMS = {
     "tts_talker_deadline_slack_seconds",
     "tts_code2wav_deadline_slack_seconds",
     "tts_talker_chunk_hop_seconds",
+    "tts_talker_first_chunk_hop_seconds",
+    "tts_code2wav_first_chunk_wait_seconds",
     "tts_code2wav_chunk_wait_seconds",
     "tts_rpc_duration_seconds",
     "tts_http_request_duration_seconds",

@@ -198,6 +198,9 @@ async def test_stream_returns_chunks_in_order_then_done(fake_decoder, bidi_clien
         # One stream: one per call; the fake decoder counts no model steps.
         assert reg.get_sample_value("tts_code2wav_decode_batch_streams_sum") == calls
         assert reg.get_sample_value("tts_code2wav_decode_model_steps_count") == 0
+        # Every chunk's wait for a decode call, and the first chunk's apart (one stream: one).
+        assert reg.get_sample_value("tts_code2wav_chunk_wait_seconds_count") == len(chunks)
+        assert reg.get_sample_value("tts_code2wav_first_chunk_wait_seconds_count") == 1
         assert reg.get_sample_value("tts_code2wav_live_states") == 0
         assert reg.get_sample_value("tts_code2wav_decode_backlog_frames") == 0
         assert len(server.engine.registry) == 0

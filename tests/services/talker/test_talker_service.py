@@ -250,3 +250,24 @@ async def test_a_replica_refusing_the_stream_ends_it_with_its_status_and_frees_t
         assert "state bound" in err.value.details()
         await eventually(lambda: s.generator.num_active == 0 and s.talker.engine.counts() == (0, 0))
         assert s.talker.replicas.healthy == {s.replicas[0].address}  # a refusal is not a dead replica
+
+
+async def test_a_streams_first_chunk_is_timed_per_hop_apart_from_the_rest():
+    """tts_talker_first_chunk_hop_seconds: one observation per hop for each stream's first chunk,
+    whose generate hop runs from submission (so it holds the queue and the prefill); later chunks
+    go to tts_talker_chunk_hop_seconds alone."""
+    c2w = FakeCode2Wav("c2w-a", window=32, plan=(2, (4, 4, 8)))
+    async with fake_stack([c2w], credit_window_frames=8) as s:
+        for rid in ("r1", "r2"):
+            await generate_all(s.stub, request_id=rid, text="frames=14", **CLONE)
+        registry = s.talker.metrics.registry
+        hops = ("generate", "engine_to_loop", "to_code2wav", "code2wav", "to_gateway")
+        for hop in hops:
+            first = registry.get_sample_value("tts_talker_first_chunk_hop_seconds_count", {"hop": hop})
+            assert first == 2, hop  # one first chunk per stream
+            rest = registry.get_sample_value("tts_talker_chunk_hop_seconds_count", {"hop": hop})
+            assert rest and rest >= 4, hop  # chunks 2.. of both streams (ends 6, 10, 14)
+        total = sum(
+            registry.get_sample_value("tts_talker_first_chunk_hop_seconds_sum", {"hop": hop}) for hop in hops
+        )
+        assert total > 0
