@@ -43,6 +43,7 @@ from qtts.serving import probe
 from qtts.serving.settings import ServiceSettings, SettingsError, group, setting
 from qtts.serving.tls import TlsConfig
 from qtts.tiny_model import ensure_tiny_snapshot
+from services.supervisor import RestartPolicy, Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LOG_DIR = state_dir() / "run" / "logs"
@@ -179,6 +180,9 @@ class StackConfig:
     # TLS between the services (qtts/serving/tls.py), the same files for every one; None: plaintext. The
     # gateway's public ports stay plaintext unless its extra_args give --public-tls-*.
     tls: TlsConfig | None = None
+    # `make run`'s supervision (services/supervisor.py): restarts per service within 5 minutes
+    # before a death stops the stack (0: the first death does).
+    max_restarts: int = 5
 
     def validate(self) -> StackConfig:
         if not self.code2wav_ports:
@@ -801,6 +805,11 @@ class LauncherSettings:
         shown="`run/logs` in the checkout or the state dir",
     )
     startup_timeout: float = setting(600.0, "seconds to wait for SERVING")
+    max_restarts: int = setting(
+        5,
+        "a service that exits is started again, after a doubling back-off, up to this many times in "
+        "5 minutes; then the stack stops (0: the first exit stops it)",
+    )
     tls: TlsConfig = group(TlsConfig(), "tls", what="gRPC between the services (passed to each one)")
     gateway_args: tuple[str, ...] = _extra_args("gateway")
     talker_args: tuple[str, ...] = _extra_args("talker")
@@ -810,6 +819,8 @@ class LauncherSettings:
 
     def validate(self) -> LauncherSettings:
         """Raise `InvalidArgument` naming the flag for an unusable value."""
+        if self.max_restarts < 0:
+            raise InvalidArgument(f"--max-restarts must be >= 0, got {self.max_restarts}")
         for name in ("code2wav_replicas", "gateway_replicas"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -855,6 +866,7 @@ class LauncherSettings:
             gateway_replicas=self.gateway_replicas,
             extra_args={s: getattr(self, f"{s}_args") for s in SERVICE_NAMES},
             tls=self.tls if self.tls.enabled else None,
+            max_restarts=self.max_restarts,
         ).validate()
 
 
@@ -898,14 +910,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             body = {"input": "Hello.", "voice": "VOICE", "response_format": "wav"}
             print(f"(could not prepare the demo request: {exc})", file=sys.stderr)
         print(describe(stack, body), flush=True)
+        supervisor = Supervisor(stack, RestartPolicy(max_restarts=config.max_restarts))
         while not stop.wait(0.5):
-            dead = [p for p in stack.processes if not p.alive()]
-            if dead:
-                for p in dead:
-                    print(
-                        f"{p.name} exited with code {p.popen.returncode}; log tail:\n{p.log_tail()}",
-                        file=sys.stderr,
-                    )
+            if supervisor.check() is not None:
                 return 1
         print("stopping ...", flush=True)
         return 0

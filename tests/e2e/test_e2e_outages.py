@@ -291,3 +291,37 @@ def test_gateway_and_talker_health_follow_a_killed_stage_and_its_return(outage_s
     assert poll(lambda: _health(talker) == "SERVING", timeout=15)
     assert poll(serving, timeout=15)
     assert httpx.post(f"{stack.http_url}/v1/audio/speech", json=body, timeout=60).status_code == 200
+
+
+def test_the_launchers_supervisor_restarts_a_killed_stage_and_the_stack_serves_again(outage_stack):
+    """`make run`'s supervision (services/supervisor.py, as the launcher's main loop runs it): a
+    stage killed with SIGKILL is started again on its address, the gateway says ready again, and a
+    request is served, with nobody restarting anything by hand."""
+    from services.supervisor import RestartPolicy, Supervisor
+
+    stack, _ = outage_stack
+    body = {"input": "Back again?", "voice": "x", "ref_audio": _clip(2), "x_vector_only_mode": True,
+            "max_new_tokens": 3, "response_format": "pcm"}  # fmt: skip
+    lines: list[str] = []
+    supervisor = Supervisor(stack, RestartPolicy(first_backoff_s=0.2), say=lines.append)
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(0.2):
+            supervisor.check()
+
+    watcher = threading.Thread(target=loop, daemon=True)
+    watcher.start()
+    try:
+        for name in ("code2wav-0", "speaker_cache"):
+            old = stack[name]
+            old.popen.kill()
+            old.popen.wait(10)
+            assert poll(lambda name=name: supervisor.restarted.count(name) == 1, timeout=120), lines
+            assert stack[name] is not old and stack[name].alive()
+        assert any("code2wav-0 exited with code -9; restarting it" in line for line in lines)
+        assert poll(lambda: httpx.get(f"{stack.http_url}/readyz", timeout=5).status_code == 200, timeout=20)
+        assert httpx.post(f"{stack.http_url}/v1/audio/speech", json=body, timeout=60).status_code == 200
+    finally:
+        done.set()
+        watcher.join(5)
