@@ -277,7 +277,8 @@
       src.connect(this.out);
       src.onended = () => {
         this.sources.delete(src);
-        if (this.streamEnded && !this.sources.size && !this.failed) setState("done");
+        // A stopped take's sources end after the next take has started: they say nothing.
+        if (this.streamEnded && !this.sources.size && !this.failed && !this.stopped) setState("done");
       };
       this.sources.add(src);
       src.start(this.nextTime);
