@@ -269,13 +269,41 @@ def test_public_tls_api_keys_and_internal_token_come_from_secrets(chart):  # noq
         env = {e["name"]: e for e in container(wl)["env"]}
         var = f"TTS_{SERVICE_MODULE[name].upper()}_INTERNAL_TOKEN"
         assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "internal-token", "key": "token"}, name
-    # Without those values: none of it.
-    plain = workloads(render_chart(chart))
+    # Given Secrets: the chart generates none.
+    assert not [s for s in of_kind(docs, "Secret") if s["metadata"]["name"].endswith("-auth")]
+    # Turned off (generate: false, no Secret): none of it.
+    off = {"auth": {"apiKeys": {"generate": False}, "internalToken": {"generate": False}}}
+    plain = workloads(render_chart(chart, off))
     assert not [
         a for a in container(plain["gateway"])["args"] if a.startswith(("--public-tls", "--api-keys"))
     ]
     for name, wl in plain.items():
         assert not [e for e in container(wl)["env"] if e["name"].endswith("_INTERNAL_TOKEN")], name
+    assert not [
+        s for s in of_kind(render_chart(chart, off), "Secret") if s["metadata"]["name"].endswith("-auth")
+    ]
+
+
+def test_by_default_the_chart_generates_api_keys_and_the_internal_token(chart):  # noqa: F811
+    """Secure by default: with no values the gateway requires an API key and every stage the
+    internal token, both generated into one Secret (random, long), none of it open."""
+    docs = render_chart(chart)
+    (auth,) = [s for s in of_kind(docs, "Secret") if s["metadata"]["name"].endswith("-auth")]
+    data = auth["stringData"]
+    assert data["api-keys"].startswith("tts-") and len(data["api-keys"]) == 44
+    assert len(data["internal-token"]) == 48 and data["internal-token"].isalnum()
+    loads = workloads(docs)
+    gw = loads["gateway"]
+    assert flags(container(gw)["args"])["--api-keys-file"] == f"{_mount(gw, 'api-keys')}/api-keys"
+    keys = _volume(gw, "api-keys")["secret"]
+    assert keys["secretName"] == auth["metadata"]["name"] and keys["items"] == [
+        {"key": "api-keys", "path": "api-keys"}
+    ]
+    for name, wl in loads.items():
+        env = {e["name"]: e for e in container(wl)["env"]}
+        var = f"TTS_{SERVICE_MODULE[name].upper()}_INTERNAL_TOKEN"
+        ref = env[var]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": auth["metadata"]["name"], "key": "internal-token"}, name
 
 
 # ---------------------------------------------------------------- the Redis password

@@ -333,12 +333,45 @@ The env var with the shared secret of the services (auth.internalToken), named a
 reads it (TTS_<SERVICE>_INTERNAL_TOKEN). Call with (dict "root" $ "component" "speaker-cache").
 */}}
 {{- define "qwen3-tts.internalTokenEnv" -}}
-{{- with .root.Values.auth.internalToken.existingSecret }}
+{{- with include "qwen3-tts.internalTokenRef" .root }}
+{{- $ref := splitList "/" . }}
 - name: {{ printf "TTS_%s_INTERNAL_TOKEN" ($.component | upper | replace "-" "_") }}
   valueFrom:
     secretKeyRef:
-      name: {{ . }}
-      key: {{ $.root.Values.auth.internalToken.secretKey }}
+      name: {{ index $ref 0 }}
+      key: {{ index $ref 1 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Secret the chart generates credentials into (auth.*.generate without an existingSecret).
+*/}}
+{{- define "qwen3-tts.authSecretName" -}}
+{{- printf "%s-auth" (include "qwen3-tts.fullname" .) }}
+{{- end }}
+
+{{/*
+Where the gateway's API keys are, as "secret/key": the existing Secret, else the generated one;
+empty when API keys are off (auth.apiKeys.generate false and no existingSecret).
+*/}}
+{{- define "qwen3-tts.apiKeysRef" -}}
+{{- $a := .Values.auth.apiKeys }}
+{{- if $a.existingSecret }}
+{{- printf "%s/%s" $a.existingSecret $a.secretKey }}
+{{- else if $a.generate }}
+{{- printf "%s/api-keys" (include "qwen3-tts.authSecretName" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the services' shared token is, as "secret/key" (as qwen3-tts.apiKeysRef).
+*/}}
+{{- define "qwen3-tts.internalTokenRef" -}}
+{{- $t := .Values.auth.internalToken }}
+{{- if $t.existingSecret }}
+{{- printf "%s/%s" $t.existingSecret $t.secretKey }}
+{{- else if $t.generate }}
+{{- printf "%s/internal-token" (include "qwen3-tts.authSecretName" .) }}
 {{- end }}
 {{- end }}
 
