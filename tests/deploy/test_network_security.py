@@ -153,6 +153,47 @@ def test_policies_allow_exactly_the_calls_the_services_make(stack):  # noqa: F81
         assert [r["from"] for r in rules] == [[{"namespaceSelector": {"matchLabels": MONITORING}}]], name
 
 
+DNS = "dns"  # the cluster DNS (kube-dns in kube-system)
+ANYWHERE = "anywhere"
+
+
+def egress_allowed(docs: list[dict]) -> set[tuple[str, str, int]]:
+    """(source, destination, port) the egress policies let out of every stage and Redis: a stage
+    or Redis, DNS, or ANYWHERE for a rule that names no peer."""
+    labels = pods(docs)
+    policies = [p for p in of_kind(docs, "NetworkPolicy") if "Egress" in p["spec"]["policyTypes"]]
+    out = set()
+    for src, src_labels in labels.items():
+        mine = [p for p in policies if selects(p["spec"]["podSelector"].get("matchLabels", {}), src_labels)]
+        assert mine, f"no egress policy selects {src}"
+        for policy in mine:
+            for rule in policy["spec"].get("egress", []):
+                ports = [p["port"] for p in rule.get("ports", [])]
+                assert ports, f"{policy['metadata']['name']}: an egress rule without ports opens every port"
+                for peer in rule.get("to") or [None]:
+                    if peer is None:
+                        out |= {(src, ANYWHERE, port) for port in ports}
+                    elif "namespaceSelector" in peer:
+                        assert peer["namespaceSelector"]["matchLabels"] == {
+                            "kubernetes.io/metadata.name": "kube-system"
+                        }
+                        assert peer["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+                        out |= {(src, DNS, port) for port in ports}
+                    else:
+                        for dst, dst_labels in labels.items():
+                            if selects(peer["podSelector"].get("matchLabels", {}), dst_labels):
+                                out |= {(src, dst, port) for port in ports}
+    return out
+
+
+def test_egress_lets_out_only_dns_and_the_calls_the_services_make(stack):  # noqa: F811
+    out = egress_allowed(stack)
+    assert {(s, d, p) for s, d, p in out if d not in (DNS, ANYWHERE)} == calls(stack)
+    assert not [o for o in out if o[1] == ANYWHERE]
+    for name in pods(stack):
+        assert {(name, DNS, 53)} <= out, name
+
+
 def test_network_policy_values_narrow_or_turn_them_off(chart):  # noqa: F811
     docs = render_chart(chart, OTHER_VALUES)
     opened = allowed(docs)
@@ -166,6 +207,10 @@ def test_network_policy_values_narrow_or_turn_them_off(chart):  # noqa: F811
     assert not {(d, p) for _, d, p in opened} & set(metrics_ports(docs).items())
     assert "redis" not in {d for _, d, _ in opened}
     assert not of_kind(render_chart(chart, {"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+    # An external Redis is reached on its usual ports, wherever it is; egress: false, no egress.
+    assert {("speaker-cache", ANYWHERE, 6379), ("speaker-cache", ANYWHERE, 6380)} <= egress_allowed(docs)
+    no_egress = render_chart(chart, {"networkPolicy": {"egress": False}})
+    assert not [p for p in of_kind(no_egress, "NetworkPolicy") if "Egress" in p["spec"]["policyTypes"]]
 
 
 # ---------------------------------------------------------------- TLS between the services
