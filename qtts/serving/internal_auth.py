@@ -2,8 +2,8 @@
 
 Off unless a token is configured (`--internal-token`, or `TTS_<SERVICE>_INTERNAL_TOKEN`; in
 Kubernetes from one Secret for every service). A server with a token answers every call but
-health and reflection (probes carry no token) without the `x-tts-internal-token` metadata entry
-with UNAUTHENTICATED; a client with a token sends it on every call through a channel interceptor.
+health (probes carry no token) without the `x-tts-internal-token` metadata entry with
+UNAUTHENTICATED, reflection included (it would list the services and their schemas to anyone); a client with a token sends it on every call through a channel interceptor.
 It keeps uninvited callers inside the network away from the talker and speaker_cache (a direct
 talker call, a forged PutVoicePrompt); it is no substitute for TLS on an untrusted network.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 METADATA_KEY = "x-tts-internal-token"
-_OPEN = ("/grpc.health.", "/grpc.reflection.")
+_OPEN = ("/grpc.health.",)
 
 
 def rejecting_handler(
@@ -43,7 +43,7 @@ def rejecting_handler(
 
 
 class InternalTokenInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for a call (but health and reflection) without the shared token."""
+    """UNAUTHENTICATED for a call (but health) without the shared token."""
 
     def __init__(self, token: str):
         self._token = token.encode()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from qtts.pb import (
     code2wav_pb2,
@@ -45,6 +46,15 @@ async def test_speaker_cache_refuses_callers_without_the_token():
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
                 assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes carry no token
+                # Reflection would list the services and their schemas: refused too.
+                reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+                calls = reflection.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in calls:
+                        pass
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # The gateway's and the talker's clients send it.
         voices = VoiceClient(address, token=TOKEN)
         assert await voices.list() == []
