@@ -50,6 +50,15 @@ class GatewayConfig:
         256, "concurrent synthesis streams; more are rejected with 429 / RESOURCE_EXHAUSTED"
     )
     max_input_chars: int = setting(4096, "longest input text, characters")
+    # Streamed text (WebSocket input.text, gRPC StreamingSynthesize input.text): checked before
+    # any work, each refusal an error event (the session goes on) / INVALID_ARGUMENT.
+    max_text_piece_chars: int = setting(
+        65536, "longest streamed text piece (WebSocket or gRPC input.text), characters"
+    )
+    max_utterance_chars: int = setting(
+        262144,
+        "most streamed text one utterance (up to input.done / flush / the end of input) takes, characters",
+    )
     # 12.5 frames per second of audio.
     max_new_frames_limit: int = setting(4096, "upper bound on the max_new_tokens a client may ask for")
     max_ref_audio_bytes: int = setting(20 * 1024 * 1024, "largest reference clip, bytes")
@@ -74,6 +83,10 @@ class GatewayConfig:
     # Checked before the body is read.
     max_body_bytes: int = setting(
         0, "413 above this request body size (0 = room for a base64 --max-ref-audio-bytes clip)"
+    )
+    # uvicorn's own limit (a larger message closes the WebSocket with 1009, message too big).
+    ws_max_message_bytes: int = setting(
+        0, "largest WebSocket message, bytes (0 = as the HTTP body limit: a session.config with a clip)"
     )
     # The stream's slot goes with it.
     http_write_timeout_s: float = setting(
@@ -145,6 +158,10 @@ class GatewayConfig:
             raise InvalidArgument(f"--max-streams must be >= 1, got {self.max_streams}")
         if not 1 <= self.max_input_chars <= request_limits.TEXT_MAX_CHARS:
             raise InvalidArgument(f"--max-input-chars must be in 1..{request_limits.TEXT_MAX_CHARS}")
+        if not 1 <= self.max_text_piece_chars <= self.max_utterance_chars:
+            raise InvalidArgument("--max-text-piece-chars must be in 1..--max-utterance-chars")
+        if self.ws_max_message_bytes < 0:
+            raise InvalidArgument(f"--ws-max-message-bytes must be >= 0, got {self.ws_max_message_bytes}")
         if not 1 <= self.max_new_frames_limit <= request_limits.MAX_FRAMES:
             raise InvalidArgument(f"--max-new-frames-limit must be in 1..{request_limits.MAX_FRAMES}")
         if self.ref_audio_cache_mb < 0:
@@ -172,6 +189,11 @@ class GatewayConfig:
     def rate_limit_burst_size(self) -> int:
         """--rate-limit-burst, or twice the rate (at least 1)."""
         return self.rate_limit_burst or max(1, int(2 * self.rate_limit_per_s))
+
+    @property
+    def ws_message_limit_bytes(self) -> int:
+        """--ws-max-message-bytes, or the HTTP body limit."""
+        return self.ws_max_message_bytes or self.body_limit_bytes
 
     @property
     def body_limit_bytes(self) -> int:

@@ -23,7 +23,7 @@ from .consents import ConsentStore
 from .core import GatewayCore, SynthesisStream
 from .instructions import ignored_fields_header
 from .job import SpeechFields, SynthesisJob
-from .text_stream import SegmentText, TextPiece, TextSplitter, check_session, open_segment
+from .text_stream import SegmentText, TextBudget, TextPiece, TextSplitter, check_session, open_segment
 from .validation import new_request_id
 from .voice_client import VoiceInfo
 from .voices import VoiceService
@@ -111,10 +111,14 @@ async def _first_config(requests: AsyncIterator[tts_pb2.StreamingSynthesizeReque
 
 
 async def _read_text(
-    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], splitter: TextSplitter, queue: asyncio.Queue
+    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest],
+    splitter: TextSplitter,
+    budget: TextBudget,
+    queue: asyncio.Queue,
 ) -> None:
     """Route the incoming text into segments (each queued when its first text arrives, and fed
-    the rest as it comes), then the end of input (or the error) onto `queue`."""
+    the rest as it comes), then the end of input (or the error) onto `queue`. Each piece is held
+    to `budget` (an utterance ends at each flush) before it is looked at."""
     segment: SegmentText | None = None
 
     def route(pieces: list[TextPiece]) -> None:
@@ -135,9 +139,11 @@ async def _read_text(
                 raise InvalidArgument(
                     "streaming_config is only allowed in the first message", param="streaming_config"
                 )
+            budget.take(req.input.text)
             route(splitter.feed(req.input.text))
             if req.input.flush:
                 route(splitter.flush())
+                budget.reset()
         route(splitter.flush())
         queue.put_nowait(_END_OF_INPUT)
     except asyncio.CancelledError:
@@ -288,9 +294,11 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         config, fmt, fields = await self._streaming_session(requests)
         await _report_ignored(context, self._synth.validate(dataclasses.replace(fields, text=".")))
         request_id = config.synthesis.request_id or new_request_id()
-        splitter = TextSplitter(_TEXT_SPLITS[config.text_split], self._synth.limits.max_input_chars)
+        limits = self._synth.limits
+        splitter = TextSplitter(_TEXT_SPLITS[config.text_split], limits.max_input_chars)
+        budget = TextBudget(limits.max_text_piece_chars, limits.max_utterance_chars, param="input.text")
         queue: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(_read_text(requests, splitter, queue))
+        reader = asyncio.create_task(_read_text(requests, splitter, budget, queue))
         seq = segment = 0
         try:
             while (item := await queue.get()) is not _END_OF_INPUT:

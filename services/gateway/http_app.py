@@ -66,6 +66,8 @@ class HttpDeps:
     max_body_bytes: int = 0
     body_timeout_s: float = 0.0
     write_timeout_s: float = 0.0
+    # The largest WebSocket message (uvicorn's ws_max_size is the same); 0: speech_ws's default.
+    ws_max_message_bytes: int = 0
     # None or no keys: no authentication.
     api_keys: ApiKeys | None = None
     # Requests per client and second (rate_limit.py); None: no such limit.
@@ -259,7 +261,11 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
             return _streaming_speech(job, stream, out, deps)
         return await _whole_speech(request, job, stream, out, metrics)
 
-    speech_stream_endpoint = SpeechStreamEndpoint(synth, write_timeout_s=deps.write_timeout_s)
+    speech_stream_endpoint = SpeechStreamEndpoint(
+        synth,
+        write_timeout_s=deps.write_timeout_s,
+        **({"max_message_bytes": deps.ws_max_message_bytes} if deps.ws_max_message_bytes else {}),
+    )
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:

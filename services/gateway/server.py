@@ -136,6 +136,8 @@ class GatewayServer:
             config.max_new_frames_limit,
             config.max_ref_audio_bytes,
             config.sample_rate,
+            config.max_text_piece_chars,
+            config.max_utterance_chars,
         )
         self.reference_cache = (
             DecodedReferenceCache(
@@ -203,6 +205,7 @@ class GatewayServer:
                 rate_limiter=self.rate_limiter,
                 body_timeout_s=config.http_body_timeout_s,
                 write_timeout_s=config.http_write_timeout_s,
+                ws_max_message_bytes=config.ws_message_limit_bytes,
                 api_keys=self.api_keys,
                 consents=self.consents,
             )
@@ -224,6 +227,7 @@ class GatewayServer:
                 timeout_graceful_shutdown=max(1.0, config.drain_seconds + END_EVENT_GRACE_S),
                 access_log=False,
                 timeout_keep_alive=int(max(1, config.http_keepalive_s)),
+                ws_max_size=config.ws_message_limit_bytes,
                 http=header_timeout_protocol(config.http_header_timeout_s),
                 **_uvicorn_tls(config.public_tls),
             )
