@@ -84,6 +84,12 @@ class GatewayConfig:
     max_body_bytes: int = setting(
         0, "413 above this request body size (0 = room for a base64 --max-ref-audio-bytes clip)"
     )
+    # The idle clock runs only while nothing is being synthesised (or the synthesis waits for text).
+    stream_idle_timeout_s: float = setting(
+        30.0,
+        "close a WebSocket session or gRPC StreamingSynthesize call whose client sends nothing this "
+        "long while nothing is being synthesised, seconds (0 = never)",
+    )
     # uvicorn's own limit (a larger message closes the WebSocket with 1009, message too big).
     ws_max_message_bytes: int = setting(
         0, "largest WebSocket message, bytes (0 = as the HTTP body limit: a session.config with a clip)"
@@ -160,6 +166,8 @@ class GatewayConfig:
             raise InvalidArgument(f"--max-input-chars must be in 1..{request_limits.TEXT_MAX_CHARS}")
         if not 1 <= self.max_text_piece_chars <= self.max_utterance_chars:
             raise InvalidArgument("--max-text-piece-chars must be in 1..--max-utterance-chars")
+        if self.stream_idle_timeout_s < 0:
+            raise InvalidArgument(f"--stream-idle-timeout-s must be >= 0, got {self.stream_idle_timeout_s}")
         if self.ws_max_message_bytes < 0:
             raise InvalidArgument(f"--ws-max-message-bytes must be >= 0, got {self.ws_max_message_bytes}")
         if not 1 <= self.max_new_frames_limit <= request_limits.MAX_FRAMES:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from qtts.request.errors import Cancelled, InvalidArgument, TTSError
+from qtts.request.errors import Cancelled, InvalidArgument, RequestTimeout, TTSError
 from qtts.request.sampling_overrides import SamplingOverrides, http_name
 from qtts.request.sampling_pb import overrides_from_pb
 from qtts.request.tts_enums import FINISH_TO_PB, TASK_FROM_PB
@@ -101,8 +101,35 @@ def _encoding(value: int) -> str:
     return _ENCODINGS[value]
 
 
-async def _first_config(requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest]):
-    first = await anext(requests, None)
+async def _next_request(
+    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest],
+    idle_timeout_s: float,
+    idle: Callable[[], bool] = lambda: True,
+) -> tts_pb2.StreamingSynthesizeRequest | None:
+    """The next request message (None at the end of input). A client that sends nothing for
+    `idle_timeout_s` while `idle()` (nothing is being synthesised, or the synthesis waits for its
+    text) ends the call with RequestTimeout, as the WebSocket closes such a session; 0: never."""
+    if idle_timeout_s <= 0:
+        return await anext(requests, None)
+    receive = asyncio.ensure_future(anext(requests, None))
+    try:
+        while True:
+            done, _ = await asyncio.wait({receive}, timeout=idle_timeout_s)
+            if done:
+                return receive.result()
+            if idle():
+                raise RequestTimeout(f"no message within {idle_timeout_s:g} s; closing")
+    finally:
+        if not receive.done():
+            receive.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await receive
+
+
+async def _first_config(
+    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], idle_timeout_s: float = 0.0
+):
+    first = await _next_request(requests, idle_timeout_s)
     if first is None or not first.HasField("streaming_config"):
         raise InvalidArgument(
             "the first StreamingSynthesizeRequest must carry streaming_config", param="streaming_config"
@@ -115,10 +142,13 @@ async def _read_text(
     splitter: TextSplitter,
     budget: TextBudget,
     queue: asyncio.Queue,
+    idle_timeout_s: float = 0.0,
+    busy: Callable[[], bool] = lambda: False,
 ) -> None:
     """Route the incoming text into segments (each queued when its first text arrives, and fed
     the rest as it comes), then the end of input (or the error) onto `queue`. Each piece is held
-    to `budget` (an utterance ends at each flush) before it is looked at."""
+    to `budget` (an utterance ends at each flush) before it is looked at. `busy()`: whether a
+    segment is being synthesised (the idle clock does not run then)."""
     segment: SegmentText | None = None
 
     def route(pieces: list[TextPiece]) -> None:
@@ -133,8 +163,12 @@ async def _read_text(
                 segment.close()
                 segment = None
 
+    def idle() -> bool:
+        # Nothing queued, and nothing synthesised but what waits for the client's text.
+        return queue.empty() and (not busy() or (segment is not None and not segment.closed))
+
     try:
-        async for req in requests:
+        while (req := await _next_request(requests, idle_timeout_s, idle)) is not None:
             if not req.HasField("input"):
                 raise InvalidArgument(
                     "streaming_config is only allowed in the first message", param="streaming_config"
@@ -154,7 +188,7 @@ async def _read_text(
         if segment is not None:
             segment.close()
         failed = Cancelled(f"the request stream ended with an error: {type(exc).__name__}")
-        queue.put_nowait(exc if isinstance(exc, InvalidArgument) else failed)
+        queue.put_nowait(exc if isinstance(exc, InvalidArgument | RequestTimeout) else failed)
 
 
 async def _report_ignored(context: grpc.aio.ServicerContext, job: SynthesisJob) -> None:
@@ -197,6 +231,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         api_keys: ApiKeys | None = None,
         write_timeout_s: float = 0.0,
         consents: ConsentStore | None = None,
+        idle_timeout_s: float = 30.0,
     ):
         self._synth = synthesizer
         self._voices = voices
@@ -205,6 +240,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self._consents = consents if consents is not None else ConsentStore()
         # A response write that does not complete this long ends the call (0 = never); see _write_all.
         self._write_timeout_s = write_timeout_s
+        # A StreamingSynthesize call silent this long while nothing is synthesised ends (0 = never).
+        self._idle_timeout_s = idle_timeout_s
 
     def _bind_caller(self, context: grpc.aio.ServicerContext) -> None:
         """The caller's client key and voice owner, for this call's task (no reset needed)."""
@@ -298,7 +335,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         splitter = TextSplitter(_TEXT_SPLITS[config.text_split], limits.max_input_chars)
         budget = TextBudget(limits.max_text_piece_chars, limits.max_utterance_chars, param="input.text")
         queue: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(_read_text(requests, splitter, budget, queue))
+        current: list[SegmentText] = []  # the segment being synthesised
+        reader = asyncio.create_task(
+            _read_text(requests, splitter, budget, queue, self._idle_timeout_s, lambda: bool(current))
+        )
         seq = segment = 0
         try:
             while (item := await queue.get()) is not _END_OF_INPUT:
@@ -309,6 +349,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     request_id=request_id, sequence_number=seq, segment_index=segment, segment_start=start
                 )
                 seq += 1
+                current[:] = [item]
                 stream = await open_segment(self._synth, fields, item, f"{request_id}-{segment}", "grpc")
                 error: BaseException | None = None
                 try:
@@ -326,6 +367,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     error = exc
                     raise
                 finally:
+                    current.clear()
                     await stream.close(error)
                     item.close()  # ended, maybe before its text did: later text starts the next
                 segment += 1
@@ -339,7 +381,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     ) -> tuple[tts_pb2.StreamingSynthesizeConfig, str, SpeechFields]:
         """The first message's config, checked: (config, audio encoding, the fields without text)."""
         try:
-            config = await _first_config(requests)
+            config = await _first_config(requests, self._idle_timeout_s)
             synthesis = config.synthesis
             if synthesis.text:
                 raise InvalidArgument(

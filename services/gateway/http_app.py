@@ -68,6 +68,8 @@ class HttpDeps:
     write_timeout_s: float = 0.0
     # The largest WebSocket message (uvicorn's ws_max_size is the same); 0: speech_ws's default.
     ws_max_message_bytes: int = 0
+    # A WebSocket session silent this long while nothing is synthesised is closed (0 = never).
+    stream_idle_timeout_s: float = 30.0
     # None or no keys: no authentication.
     api_keys: ApiKeys | None = None
     # Requests per client and second (rate_limit.py); None: no such limit.
@@ -264,6 +266,7 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
     speech_stream_endpoint = SpeechStreamEndpoint(
         synth,
         write_timeout_s=deps.write_timeout_s,
+        idle_timeout_s=deps.stream_idle_timeout_s,
         **({"max_message_bytes": deps.ws_max_message_bytes} if deps.ws_max_message_bytes else {}),
     )
 

@@ -187,6 +187,7 @@ class GatewayServer:
                 self.api_keys,
                 write_timeout_s=config.http_write_timeout_s,
                 consents=self.consents,
+                idle_timeout_s=config.stream_idle_timeout_s,
             ),
             host.server,
         )
@@ -206,6 +207,7 @@ class GatewayServer:
                 body_timeout_s=config.http_body_timeout_s,
                 write_timeout_s=config.http_write_timeout_s,
                 ws_max_message_bytes=config.ws_message_limit_bytes,
+                stream_idle_timeout_s=config.stream_idle_timeout_s,
                 api_keys=self.api_keys,
                 consents=self.consents,
             )

@@ -271,7 +271,7 @@ class SpeechStreamEndpoint:
             # the session at once, not at the next idle timeout.
             waiting = {receive} if worker.done() else {receive, worker}
             try:
-                await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiting, timeout=timeout or None, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not receive.done():
                     receive.cancel()

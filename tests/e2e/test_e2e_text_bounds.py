@@ -13,12 +13,13 @@ import dataclasses
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
 import httpx
 import pytest
-from e2e_helpers import REF_B64, REF_WAV
+from e2e_helpers import REF_B64, REF_WAV, poll, scrape
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.e2e
 
 WS_LIMIT = 16 << 20  # bytes: room for the 15 MB message, not for a 17 MB one
 HEALTH_BOUND_S = 0.1
+IDLE_S = 2.0  # --stream-idle-timeout-s
 BIG = "word " * 3_000_000  # 15 MB of text
 CONFIG = {
     "type": "session.config",
@@ -57,7 +59,8 @@ def bounded(stack) -> Bounded:
     cfg = stack.config
     http_port, grpc_port = free_port(), free_port()
     spec = gateway_spec(cfg, name="gateway-bounded", http_port=http_port, grpc_port=grpc_port, metrics_port=0)
-    spec = dataclasses.replace(spec, args=(*spec.args, "--ws-max-message-bytes", str(WS_LIMIT)))
+    flags = ("--ws-max-message-bytes", str(WS_LIMIT), "--stream-idle-timeout-s", str(IDLE_S))
+    spec = dataclasses.replace(spec, args=(*spec.args, *flags))
     proc = start_service(spec, cfg.log_dir)
     try:
         wait_serving(proc, cfg.startup_timeout_s)
@@ -179,3 +182,38 @@ def test_a_15_mb_grpc_piece_is_invalid_argument_and_health_stays_fast(bounded):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
     assert bad_request_field(err.value) == "input.text"
     assert "limit for one piece is 65536" in err.value.details()
+
+
+def _talker_streams(stack) -> float:
+    return scrape(stack["talker"].spec.metrics_port).get("tts_talker_active_streams", 0.0)
+
+
+def test_a_quiet_grpc_text_in_call_is_closed_like_a_quiet_websocket(stack, bounded):
+    synthesis = tts_pb2.SynthesizeRequest(reference_audio=REF_WAV, x_vector_only=True)
+    quiet = threading.Event()
+
+    def requests():
+        yield tts_pb2.StreamingSynthesizeRequest(
+            streaming_config=tts_pb2.StreamingSynthesizeConfig(synthesis=synthesis)
+        )
+        yield tts_pb2.StreamingSynthesizeRequest(input=tts_pb2.StreamingSynthesisInput(text="Hello and"))
+        quiet.wait(60)  # then silence, the call left open
+
+    with grpc.insecure_channel(bounded.grpc_address) as channel:
+        stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stub.StreamingSynthesize(requests(), timeout=60):
+                pass
+        waited = time.monotonic() - started
+        quiet.set()
+    assert err.value.code() == grpc.StatusCode.CANCELLED and "no message within 2 s" in err.value.details()
+    assert IDLE_S <= waited < IDLE_S + 10, waited
+    assert poll(lambda: _talker_streams(stack) == 0, timeout=5)
+    # The WebSocket, with the same setting.
+    with connect(bounded.ws_url, max_size=None, open_timeout=10) as ws:
+        ws.send(json.dumps(CONFIG))
+        ws.send(json.dumps({"type": "input.text", "text": "Hello and"}))
+        started = time.monotonic()
+        err = _event(ws, "error")
+        assert "no a message within 2 s" in err["message"] and time.monotonic() - started < IDLE_S + 10
