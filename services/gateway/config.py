@@ -98,6 +98,12 @@ class GatewayConfig:
     http_write_timeout_s: float = setting(
         30.0, "end a stream (HTTP, WebSocket, gRPC) whose client reads nothing this long, seconds (0 = never)"
     )
+    # uvicorn's own default trusted 127.0.0.1: a client on the same host could name any address.
+    forwarded_allow_ips: str = setting(
+        "",
+        "proxies (comma-separated addresses, or *) whose X-Forwarded-For names the client an "
+        "HTTP request counts against per-client limits (default: none; the peer address counts)",
+    )
     max_streams_per_client: int = setting(
         0, "concurrent streams per API key (or client address); more are a 429 (0 = no such limit)"
     )

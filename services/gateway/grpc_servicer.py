@@ -245,8 +245,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
 
     def _bind_caller(self, context: grpc.aio.ServicerContext) -> None:
         """The caller's client key and voice owner, for this call's task (no reset needed)."""
-        client_var.set(grpc_client_key(context))
-        if self._api_keys is not None and self._api_keys.enabled:
+        keys_enabled = self._api_keys is not None and self._api_keys.enabled
+        client_var.set(grpc_client_key(context, keys_enabled))
+        if keys_enabled:
             owner_var.set(grpc_owner(context))  # the interceptor has checked the key
 
     async def _write_all(

@@ -196,7 +196,8 @@ def _add_middleware(app: FastAPI, deps: HttpDeps) -> None:
     app.add_middleware(BodyLimitMiddleware, max_bytes=deps.max_body_bytes, body_timeout_s=deps.body_timeout_s)
     if deps.rate_limiter is not None:
         app.add_middleware(RateLimitMiddleware, limiter=deps.rate_limiter)  # inside: the client is known
-    app.add_middleware(ClientIdentityMiddleware)
+    keys_enabled = deps.api_keys is not None and deps.api_keys.enabled
+    app.add_middleware(ClientIdentityMiddleware, keys_enabled=keys_enabled)
     if deps.api_keys is not None and deps.api_keys.enabled:
         app.add_middleware(ApiKeyMiddleware, keys=deps.api_keys)
 

@@ -230,6 +230,8 @@ class GatewayServer:
                 access_log=False,
                 timeout_keep_alive=int(max(1, config.http_keepalive_s)),
                 ws_max_size=config.ws_message_limit_bytes,
+                proxy_headers=bool(config.forwarded_allow_ips),
+                forwarded_allow_ips=config.forwarded_allow_ips or None,
                 http=header_timeout_protocol(config.http_header_timeout_s),
                 **_uvicorn_tls(config.public_tls),
             )
@@ -238,7 +240,7 @@ class GatewayServer:
     def _rate_interceptors(self) -> list[RateLimitInterceptor]:
         if self.rate_limiter is None:
             return []
-        return [RateLimitInterceptor(self.rate_limiter, [SERVICE_NAME])]
+        return [RateLimitInterceptor(self.rate_limiter, [SERVICE_NAME], self.api_keys.enabled)]
 
     async def start(self) -> None:
         """Bind both ports; model info is fetched from the talker in the background."""
