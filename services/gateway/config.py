@@ -80,6 +80,10 @@ class GatewayConfig:
     http_body_timeout_s: float = setting(
         30.0, "408 for a request body that stalls this long, seconds (0 = never)"
     )
+    # A trickle (one byte every 20 s) never stalls: this bounds the whole body.
+    http_body_deadline_s: float = setting(
+        120.0, "408 for a request body not complete this long after its request began, seconds (0 = never)"
+    )
     # Checked before the body is read.
     max_body_bytes: int = setting(
         0, "413 above this request body size (0 = room for a base64 --max-ref-audio-bytes clip)"
@@ -189,6 +193,8 @@ class GatewayConfig:
             )
         if min(self.http_header_timeout_s, self.http_body_timeout_s, self.http_write_timeout_s) < 0:
             raise InvalidArgument("--http-{header,body,write}-timeout-s must be >= 0")
+        if self.http_body_deadline_s < 0:
+            raise InvalidArgument(f"--http-body-deadline-s must be >= 0, got {self.http_body_deadline_s}")
         if self.max_body_bytes < 0 or self.max_streams_per_client < 0:
             raise InvalidArgument("--max-body-bytes and --max-streams-per-client must be >= 0")
         if self.rate_limit_per_s < 0 or self.rate_limit_burst < 0:

@@ -65,6 +65,8 @@ class HttpDeps:
     # What one client may hold (services/gateway/http_limits.py); 0 = no limit.
     max_body_bytes: int = 0
     body_timeout_s: float = 0.0
+    # The whole body within this long of the request's start (0 = no such bound).
+    body_deadline_s: float = 0.0
     write_timeout_s: float = 0.0
     # The largest WebSocket message (uvicorn's ws_max_size is the same); 0: speech_ws's default.
     ws_max_message_bytes: int = 0
@@ -193,7 +195,12 @@ def create_app(deps: HttpDeps) -> FastAPI:
 
 def _add_middleware(app: FastAPI, deps: HttpDeps) -> None:
     """Body limits, rate limit, client identity and API keys (the last added runs first)."""
-    app.add_middleware(BodyLimitMiddleware, max_bytes=deps.max_body_bytes, body_timeout_s=deps.body_timeout_s)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=deps.max_body_bytes,
+        body_timeout_s=deps.body_timeout_s,
+        body_deadline_s=deps.body_deadline_s,
+    )
     if deps.rate_limiter is not None:
         app.add_middleware(RateLimitMiddleware, limiter=deps.rate_limiter)  # inside: the client is known
     keys_enabled = deps.api_keys is not None and deps.api_keys.enabled

@@ -205,6 +205,7 @@ class GatewayServer:
                 max_body_bytes=config.body_limit_bytes,
                 rate_limiter=self.rate_limiter,
                 body_timeout_s=config.http_body_timeout_s,
+                body_deadline_s=config.http_body_deadline_s,
                 write_timeout_s=config.http_write_timeout_s,
                 ws_max_message_bytes=config.ws_message_limit_bytes,
                 stream_idle_timeout_s=config.stream_idle_timeout_s,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.e2e
 WS_LIMIT = 16 << 20  # bytes: room for the 15 MB message, not for a 17 MB one
 HEALTH_BOUND_S = 0.1
 IDLE_S = 2.0  # --stream-idle-timeout-s
+BODY_DEADLINE_S = 3.0  # --http-body-deadline-s
 BIG = "word " * 3_000_000  # 15 MB of text
 CONFIG = {
     "type": "session.config",
@@ -59,7 +61,10 @@ def bounded(stack) -> Bounded:
     cfg = stack.config
     http_port, grpc_port = free_port(), free_port()
     spec = gateway_spec(cfg, name="gateway-bounded", http_port=http_port, grpc_port=grpc_port, metrics_port=0)
-    flags = ("--ws-max-message-bytes", str(WS_LIMIT), "--stream-idle-timeout-s", str(IDLE_S))
+    flags = (
+        *("--ws-max-message-bytes", str(WS_LIMIT), "--stream-idle-timeout-s", str(IDLE_S)),
+        *("--http-body-deadline-s", str(BODY_DEADLINE_S)),
+    )
     spec = dataclasses.replace(spec, args=(*spec.args, *flags))
     proc = start_service(spec, cfg.log_dir)
     try:
@@ -217,3 +222,30 @@ def test_a_quiet_grpc_text_in_call_is_closed_like_a_quiet_websocket(stack, bound
         started = time.monotonic()
         err = _event(ws, "error")
         assert "no a message within 2 s" in err["message"] and time.monotonic() - started < IDLE_S + 10
+
+
+def test_a_body_trickling_one_byte_at_a_time_meets_the_whole_body_deadline(bounded):
+    # A byte every 0.5 s never stalls for the 30 s --http-body-timeout-s: it held the request
+    # open for as long as the client liked; the whole-body deadline ends it.
+    host, port = bounded.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100000\r\n\r\n"
+        )
+        started, response = time.monotonic(), b""
+        sock.settimeout(0.5)
+        while time.monotonic() - started < BODY_DEADLINE_S + 10:
+            try:
+                sock.sendall(b" ")
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            response += chunk
+        waited = time.monotonic() - started
+    assert response.startswith(b"HTTP/1.1 408") and b"not complete within 3 s" in response, response[:300]
+    assert BODY_DEADLINE_S - 0.5 < waited < BODY_DEADLINE_S + 5, waited
