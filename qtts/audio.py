@@ -36,6 +36,34 @@ def load_reference_audio(data: bytes, *, max_seconds: float = MAX_REFERENCE_SECO
     return np.ascontiguousarray(wav, dtype=np.float32)
 
 
+# A streamed WAV (the gateway's own stream_audio output) writes this in both size fields.
+_WAV_UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def check_wav_sizes(data: bytes) -> None:
+    """Refuse a WAV file whose header claims more audio than it holds (a clip stored for good
+    should be what it says: a header claiming 4 GB over 100 bytes made a 2 ms voice). A streamed
+    WAV, both sizes 0xFFFFFFFF ("to the end"), is accepted; other containers are not looked at."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return
+    riff = int.from_bytes(data[4:8], "little")
+    pos = 12
+    while pos + 8 <= len(data):
+        chunk, size = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
+        if chunk == b"data":
+            present = len(data) - pos - 8
+            if size == _WAV_UNKNOWN_SIZE and riff == _WAV_UNKNOWN_SIZE:
+                return
+            if size > present or riff > len(data) - 8 + 1:  # a pad byte may be missing
+                raise InvalidArgument(
+                    f"the WAV header claims {size} bytes of audio (a {riff + 8}-byte file); the file "
+                    f"has {present} ({len(data)} bytes): it is truncated or its header is wrong"
+                )
+            return
+        pos += 8 + size + (size & 1)
+    raise InvalidArgument("the WAV file has no data chunk within its bytes")
+
+
 def _decode_pcm16_wav(data: bytes, max_seconds: float) -> tuple[np.ndarray | None, int]:
     """16-bit PCM WAV (the usual reference clip) without PyAV: one numpy pass, no per-packet
     Python callbacks, which queue behind the GIL when many requests decode at once. The same

@@ -1,8 +1,10 @@
 """Who is asking: the key that per-client limits count by.
 
-A client is its API key when it sends one (`Authorization: Bearer <key>`, on HTTP and as gRPC
-metadata; only a hash of it is kept), else its address. Behind a proxy, the address is the
-proxy's unless uvicorn is told to trust its X-Forwarded-For (--forwarded-allow-ips). The key is a
+With API keys on, a client is its API key (`Authorization: Bearer <key>`, on HTTP and as gRPC
+metadata; only a hash of it is kept; a wrong key never gets this far). Without them, a client is
+its address, whatever token it sends: a client sending a new random token each time was a new
+client each time, and escaped every per-client limit. Behind a proxy, the address is the proxy's
+unless the gateway is told to trust its X-Forwarded-For (--forwarded-allow-ips). The key is a
 context variable bound per request, like the request id, so the synthesis core needs no
 transport objects.
 """
@@ -26,8 +28,9 @@ def bearer_token(authorization: str | None) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def client_key(token: str, address: str) -> str:
-    if token:
+def client_key(token: str, address: str, keys_enabled: bool = False) -> str:
+    """The client of a request: its API key's hash when keys are on (and it sent one), else its address."""
+    if token and keys_enabled:
         return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
     return "addr:" + address if address else ""
 
@@ -39,16 +42,19 @@ def grpc_peer_host(peer: str) -> str:
     return host.strip("[]") or peer
 
 
-def grpc_client_key(context: Any) -> str:
+def grpc_client_key(context: Any, keys_enabled: bool = False) -> str:
     metadata = dict(context.invocation_metadata() or ())
-    return client_key(bearer_token(metadata.get("authorization")), grpc_peer_host(context.peer()))
+    return client_key(
+        bearer_token(metadata.get("authorization")), grpc_peer_host(context.peer()), keys_enabled
+    )
 
 
 class ClientIdentityMiddleware:
     """A pure ASGI middleware binding `client_var` for each HTTP request and WebSocket."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: Any, keys_enabled: bool = False):
         self.app = app
+        self.keys_enabled = keys_enabled
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -61,7 +67,7 @@ class ClientIdentityMiddleware:
         key = bearer_token(auth)
         if not key and scope["type"] == "websocket":  # browsers send the key as ?api_key=
             key = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key") or [""])[0]
-        token = client_var.set(client_key(key, address))
+        token = client_var.set(client_key(key, address, self.keys_enabled))
         try:
             await self.app(scope, receive, send)
         finally:

@@ -53,6 +53,15 @@ class GatewayConfig:
         256, "concurrent synthesis streams; more are rejected with 429 / RESOURCE_EXHAUSTED"
     )
     max_input_chars: int = setting(4096, "longest input text, characters")
+    # Streamed text (WebSocket input.text, gRPC StreamingSynthesize input.text): checked before
+    # any work, each refusal an error event (the session goes on) / INVALID_ARGUMENT.
+    max_text_piece_chars: int = setting(
+        65536, "longest streamed text piece (WebSocket or gRPC input.text), characters"
+    )
+    max_utterance_chars: int = setting(
+        262144,
+        "most streamed text one utterance (up to input.done / flush / the end of input) takes, characters",
+    )
     # 12.5 frames per second of audio.
     max_new_frames_limit: int = setting(4096, "upper bound on the max_new_tokens a client may ask for")
     max_ref_audio_bytes: int = setting(20 * 1024 * 1024, "largest reference clip, bytes")
@@ -74,13 +83,33 @@ class GatewayConfig:
     http_body_timeout_s: float = setting(
         30.0, "408 for a request body that stalls this long, seconds (0 = never)"
     )
+    # A trickle (one byte every 20 s) never stalls: this bounds the whole body.
+    http_body_deadline_s: float = setting(
+        120.0, "408 for a request body not complete this long after its request began, seconds (0 = never)"
+    )
     # Checked before the body is read.
     max_body_bytes: int = setting(
         0, "413 above this request body size (0 = room for a base64 --max-ref-audio-bytes clip)"
     )
+    # The idle clock runs only while nothing is being synthesised (or the synthesis waits for text).
+    stream_idle_timeout_s: float = setting(
+        30.0,
+        "close a WebSocket session or gRPC StreamingSynthesize call whose client sends nothing this "
+        "long while nothing is being synthesised, seconds (0 = never)",
+    )
+    # uvicorn's own limit (a larger message closes the WebSocket with 1009, message too big).
+    ws_max_message_bytes: int = setting(
+        0, "largest WebSocket message, bytes (0 = as the HTTP body limit: a session.config with a clip)"
+    )
     # The stream's slot goes with it.
     http_write_timeout_s: float = setting(
         30.0, "end a stream (HTTP, WebSocket, gRPC) whose client reads nothing this long, seconds (0 = never)"
+    )
+    # uvicorn's own default trusted 127.0.0.1: a client on the same host could name any address.
+    forwarded_allow_ips: str = setting(
+        "",
+        "proxies (comma-separated addresses, or *) whose X-Forwarded-For names the client an "
+        "HTTP request counts against per-client limits (default: none; the peer address counts)",
     )
     max_streams_per_client: int = setting(
         0, "concurrent streams per API key (or client address); more are a 429 (0 = no such limit)"
@@ -148,6 +177,12 @@ class GatewayConfig:
             raise InvalidArgument(f"--max-streams must be >= 1, got {self.max_streams}")
         if not 1 <= self.max_input_chars <= request_limits.TEXT_MAX_CHARS:
             raise InvalidArgument(f"--max-input-chars must be in 1..{request_limits.TEXT_MAX_CHARS}")
+        if not 1 <= self.max_text_piece_chars <= self.max_utterance_chars:
+            raise InvalidArgument("--max-text-piece-chars must be in 1..--max-utterance-chars")
+        if self.stream_idle_timeout_s < 0:
+            raise InvalidArgument(f"--stream-idle-timeout-s must be >= 0, got {self.stream_idle_timeout_s}")
+        if self.ws_max_message_bytes < 0:
+            raise InvalidArgument(f"--ws-max-message-bytes must be >= 0, got {self.ws_max_message_bytes}")
         if not 1 <= self.max_new_frames_limit <= request_limits.MAX_FRAMES:
             raise InvalidArgument(f"--max-new-frames-limit must be in 1..{request_limits.MAX_FRAMES}")
         if self.ref_audio_cache_mb < 0:
@@ -161,6 +196,8 @@ class GatewayConfig:
             )
         if min(self.http_header_timeout_s, self.http_body_timeout_s, self.http_write_timeout_s) < 0:
             raise InvalidArgument("--http-{header,body,write}-timeout-s must be >= 0")
+        if self.http_body_deadline_s < 0:
+            raise InvalidArgument(f"--http-body-deadline-s must be >= 0, got {self.http_body_deadline_s}")
         if self.max_body_bytes < 0 or self.max_streams_per_client < 0:
             raise InvalidArgument("--max-body-bytes and --max-streams-per-client must be >= 0")
         if self.rate_limit_per_s < 0 or self.rate_limit_burst < 0:
@@ -175,6 +212,11 @@ class GatewayConfig:
     def rate_limit_burst_size(self) -> int:
         """--rate-limit-burst, or twice the rate (at least 1)."""
         return self.rate_limit_burst or max(1, int(2 * self.rate_limit_per_s))
+
+    @property
+    def ws_message_limit_bytes(self) -> int:
+        """--ws-max-message-bytes, or the HTTP body limit."""
+        return self.ws_max_message_bytes or self.body_limit_bytes
 
     @property
     def body_limit_bytes(self) -> int:

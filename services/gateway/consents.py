@@ -6,6 +6,10 @@ checks it against these. The records live in speaker_cache (its in-process store
 every gateway replica knows every consent and they survive a gateway restart; the recording's
 sha256 and size are kept, not the audio. `MemoryConsents` keeps them in this process instead (a
 gateway on its own, tests).
+
+With API keys on, a record belongs to the key that created it, as a voice does: its id carries the
+key's owner id (`cons_<owner>_<random>`), and a key lists, reads, renames, deletes and cites in a
+voice upload only its own records; another key's id is answered as one that does not exist.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Protocol
 from fastapi import APIRouter, Request
 
 from qtts.request.errors import InvalidArgument, NotFound, ResourceExhausted
+
+from .auth import current_owner
 
 # OpenAI's limit on a consent recording.
 MAX_RECORDING_BYTES = 10 * 1024 * 1024
@@ -107,8 +113,19 @@ class MemoryConsents:
             raise NotFound(f"no voice consent {consent_id!r}")
 
 
+def _id_prefix(owner: str) -> str:
+    """The start of every id of `owner`'s records ("cons_" when API keys are off)."""
+    return f"cons_{owner}_" if owner else "cons_"
+
+
+def _owned(consent_id: str) -> bool:
+    """Whether the caller may see the record `consent_id` (any record when API keys are off)."""
+    owner = current_owner()
+    return not owner or consent_id.startswith(_id_prefix(owner))
+
+
 class ConsentStore:
-    """The consent records' rules (fields, limits, ids) over a `ConsentBackend`."""
+    """The consent records' rules (fields, limits, ids, owners) over a `ConsentBackend`."""
 
     def __init__(self, backend: ConsentBackend | None = None, max_records: int = 10_000):
         self._backend = backend if backend is not None else MemoryConsents(max_records)
@@ -121,7 +138,7 @@ class ConsentStore:
         if len(recording) > MAX_RECORDING_BYTES:
             raise InvalidArgument(f"recording is over {MAX_RECORDING_BYTES} bytes", param="recording")
         consent = VoiceConsent(
-            f"cons_{secrets.token_hex(12)}",
+            _id_prefix(current_owner()) + secrets.token_hex(12),
             name,
             language,
             int(time.time()),
@@ -132,7 +149,7 @@ class ConsentStore:
 
     async def get(self, consent_id: str) -> VoiceConsent:
         try:
-            return await self._backend.get(consent_id)
+            return await self._own(consent_id)
         except NotFound as exc:
             exc.param = "consent_id"
             raise
@@ -143,29 +160,52 @@ class ConsentStore:
 
     async def delete(self, consent_id: str) -> None:
         try:
+            await self._own(consent_id)
             await self._backend.delete(consent_id)
         except NotFound as exc:
             exc.param = "consent_id"
             raise
 
     async def page(self, after: str | None, limit: int) -> tuple[list[VoiceConsent], bool]:
-        """Up to `limit` records after the one with id `after` (OpenAI's cursor), and whether more follow."""
-        return await self._backend.page(after or "", limit)
+        """Up to `limit` of the caller's records after the one with id `after` (OpenAI's cursor),
+        and whether more follow."""
+        if not current_owner():
+            return await self._backend.page(after or "", limit)
+        if after and not _owned(after):
+            raise InvalidArgument(f"after: no voice consent {after!r}", param="after")
+        out: list[VoiceConsent] = []
+        cursor = after or ""
+        while True:  # the backend pages over every key's records: keep the caller's
+            records, more = await self._backend.page(cursor, LIST_LIMIT_MAX)
+            for consent in records:
+                if _owned(consent.id):
+                    if len(out) == limit:
+                        return out, True
+                    out.append(consent)
+            if not more or not records:
+                return out, False
+            cursor = records[-1].id
 
     async def check(self, consent: object) -> None:
-        """A voice upload's `consent`: absent, or the id of a record."""
+        """A voice upload's `consent`: absent, or the id of one of the caller's records."""
         if consent is None or consent == "":
             return
         if not isinstance(consent, str):
             raise InvalidArgument("consent must be a consent recording id (a string)", param="consent")
         try:
-            await self._backend.get(consent)
+            await self._own(consent)
         except (NotFound, InvalidArgument):
             raise NotFound(
                 f"consent {consent!r} is not a voice consent of this server "
                 "(create one with POST /v1/audio/voice_consents)",
                 param="consent",
             ) from None
+
+    async def _own(self, consent_id: str) -> VoiceConsent:
+        """The caller's record `consent_id`; another key's is NotFound, as an absent one."""
+        if not _owned(consent_id):
+            raise NotFound(f"no voice consent {consent_id!r}")
+        return await self._backend.get(consent_id)
 
 
 def _limit(raw: str | None) -> int:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from qtts.request.errors import Cancelled, InvalidArgument, TTSError
+from qtts.request.errors import Cancelled, InvalidArgument, RequestTimeout, TTSError
 from qtts.request.sampling_overrides import SamplingOverrides, http_name
 from qtts.request.sampling_pb import overrides_from_pb
 from qtts.request.tts_enums import FINISH_TO_PB, TASK_FROM_PB
@@ -25,7 +25,7 @@ from .consents import ConsentStore
 from .core import GatewayCore, SynthesisStream
 from .instructions import ignored_fields_header
 from .job import SpeechFields, SynthesisJob
-from .text_stream import SegmentText, TextPiece, TextSplitter, check_session, open_segment
+from .text_stream import SegmentText, TextBudget, TextPiece, TextSplitter, check_session, open_segment
 from .validation import new_request_id
 from .voice_client import VoiceInfo
 from .voices import VoiceService
@@ -103,8 +103,35 @@ def _encoding(value: int) -> str:
     return _ENCODINGS[value]
 
 
-async def _first_config(requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest]):
-    first = await anext(requests, None)
+async def _next_request(
+    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest],
+    idle_timeout_s: float,
+    idle: Callable[[], bool] = lambda: True,
+) -> tts_pb2.StreamingSynthesizeRequest | None:
+    """The next request message (None at the end of input). A client that sends nothing for
+    `idle_timeout_s` while `idle()` (nothing is being synthesised, or the synthesis waits for its
+    text) ends the call with RequestTimeout, as the WebSocket closes such a session; 0: never."""
+    if idle_timeout_s <= 0:
+        return await anext(requests, None)
+    receive = asyncio.ensure_future(anext(requests, None))
+    try:
+        while True:
+            done, _ = await asyncio.wait({receive}, timeout=idle_timeout_s)
+            if done:
+                return receive.result()
+            if idle():
+                raise RequestTimeout(f"no message within {idle_timeout_s:g} s; closing")
+    finally:
+        if not receive.done():
+            receive.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await receive
+
+
+async def _first_config(
+    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], idle_timeout_s: float = 0.0
+):
+    first = await _next_request(requests, idle_timeout_s)
     if first is None or not first.HasField("streaming_config"):
         raise InvalidArgument(
             "the first StreamingSynthesizeRequest must carry streaming_config", param="streaming_config"
@@ -113,10 +140,17 @@ async def _first_config(requests: AsyncIterator[tts_pb2.StreamingSynthesizeReque
 
 
 async def _read_text(
-    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], splitter: TextSplitter, queue: asyncio.Queue
+    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest],
+    splitter: TextSplitter,
+    budget: TextBudget,
+    queue: asyncio.Queue,
+    idle_timeout_s: float = 0.0,
+    busy: Callable[[], bool] = lambda: False,
 ) -> None:
     """Route the incoming text into segments (each queued when its first text arrives, and fed
-    the rest as it comes), then the end of input (or the error) onto `queue`."""
+    the rest as it comes), then the end of input (or the error) onto `queue`. Each piece is held
+    to `budget` (an utterance ends at each flush) before it is looked at. `busy()`: whether a
+    segment is being synthesised (the idle clock does not run then)."""
     segment: SegmentText | None = None
 
     def route(pieces: list[TextPiece]) -> None:
@@ -131,15 +165,21 @@ async def _read_text(
                 segment.close()
                 segment = None
 
+    def idle() -> bool:
+        # Nothing queued, and nothing synthesised but what waits for the client's text.
+        return queue.empty() and (not busy() or (segment is not None and not segment.closed))
+
     try:
-        async for req in requests:
+        while (req := await _next_request(requests, idle_timeout_s, idle)) is not None:
             if not req.HasField("input"):
                 raise InvalidArgument(
                     "streaming_config is only allowed in the first message", param="streaming_config"
                 )
+            budget.take(req.input.text)
             route(splitter.feed(req.input.text))
             if req.input.flush:
                 route(splitter.flush())
+                budget.reset()
         route(splitter.flush())
         queue.put_nowait(_END_OF_INPUT)
     except asyncio.CancelledError:
@@ -150,7 +190,7 @@ async def _read_text(
         if segment is not None:
             segment.close()
         failed = Cancelled(f"the request stream ended with an error: {type(exc).__name__}")
-        queue.put_nowait(exc if isinstance(exc, InvalidArgument) else failed)
+        queue.put_nowait(exc if isinstance(exc, InvalidArgument | RequestTimeout) else failed)
 
 
 async def _report_ignored(context: grpc.aio.ServicerContext, job: SynthesisJob) -> None:
@@ -203,6 +243,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         write_timeout_s: float = 0.0,
         consents: ConsentStore | None = None,
         aligner: AlignerClient | None = None,
+        idle_timeout_s: float = 30.0,
     ):
         self._synth = synthesizer
         # The aligner stage; None: word_timestamps is refused.
@@ -213,11 +254,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         self._consents = consents if consents is not None else ConsentStore()
         # A response write that does not complete this long ends the call (0 = never); see _write_all.
         self._write_timeout_s = write_timeout_s
+        # A StreamingSynthesize call silent this long while nothing is synthesised ends (0 = never).
+        self._idle_timeout_s = idle_timeout_s
 
     def _bind_caller(self, context: grpc.aio.ServicerContext) -> None:
         """The caller's client key and voice owner, for this call's task (no reset needed)."""
-        client_var.set(grpc_client_key(context))
-        if self._api_keys is not None and self._api_keys.enabled:
+        keys_enabled = self._api_keys is not None and self._api_keys.enabled
+        client_var.set(grpc_client_key(context, keys_enabled))
+        if keys_enabled:
             owner_var.set(grpc_owner(context))  # the interceptor has checked the key
 
     async def _write_all(
@@ -305,9 +349,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         config, fmt, fields = await self._streaming_session(requests)
         await _report_ignored(context, self._synth.validate(dataclasses.replace(fields, text=".")))
         request_id = config.synthesis.request_id or new_request_id()
-        splitter = TextSplitter(_TEXT_SPLITS[config.text_split], self._synth.limits.max_input_chars)
+        limits = self._synth.limits
+        splitter = TextSplitter(_TEXT_SPLITS[config.text_split], limits.max_input_chars)
+        budget = TextBudget(limits.max_text_piece_chars, limits.max_utterance_chars, param="input.text")
         queue: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.create_task(_read_text(requests, splitter, queue))
+        current: list[SegmentText] = []  # the segment being synthesised
+        reader = asyncio.create_task(
+            _read_text(requests, splitter, budget, queue, self._idle_timeout_s, lambda: bool(current))
+        )
         seq = segment = 0
         align = _Align("") if config.synthesis.word_timestamps else None
         try:
@@ -319,6 +368,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     request_id=request_id, sequence_number=seq, segment_index=segment, segment_start=start
                 )
                 seq += 1
+                current[:] = [item]
                 stream = await open_segment(self._synth, fields, item, f"{request_id}-{segment}", "grpc")
                 error: BaseException | None = None
                 if align is not None:
@@ -338,6 +388,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                     error = exc
                     raise
                 finally:
+                    current.clear()
                     await stream.close(error)
                     item.close()  # ended, maybe before its text did: later text starts the next
                 segment += 1
@@ -351,7 +402,7 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     ) -> tuple[tts_pb2.StreamingSynthesizeConfig, str, SpeechFields]:
         """The first message's config, checked: (config, audio encoding, the fields without text)."""
         try:
-            config = await _first_config(requests)
+            config = await _first_config(requests, self._idle_timeout_s)
             synthesis = config.synthesis
             if synthesis.text:
                 raise InvalidArgument(

@@ -67,7 +67,13 @@ class HttpDeps:
     # What one client may hold (services/gateway/http_limits.py); 0 = no limit.
     max_body_bytes: int = 0
     body_timeout_s: float = 0.0
+    # The whole body within this long of the request's start (0 = no such bound).
+    body_deadline_s: float = 0.0
     write_timeout_s: float = 0.0
+    # The largest WebSocket message (uvicorn's ws_max_size is the same); 0: speech_ws's default.
+    ws_max_message_bytes: int = 0
+    # A WebSocket session silent this long while nothing is synthesised is closed (0 = never).
+    stream_idle_timeout_s: float = 30.0
     # None or no keys: no authentication.
     api_keys: ApiKeys | None = None
     # Requests per client and second (rate_limit.py); None: no such limit.
@@ -215,10 +221,16 @@ def create_app(deps: HttpDeps) -> FastAPI:
 
 def _add_middleware(app: FastAPI, deps: HttpDeps) -> None:
     """Body limits, rate limit, client identity and API keys (the last added runs first)."""
-    app.add_middleware(BodyLimitMiddleware, max_bytes=deps.max_body_bytes, body_timeout_s=deps.body_timeout_s)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=deps.max_body_bytes,
+        body_timeout_s=deps.body_timeout_s,
+        body_deadline_s=deps.body_deadline_s,
+    )
     if deps.rate_limiter is not None:
         app.add_middleware(RateLimitMiddleware, limiter=deps.rate_limiter)  # inside: the client is known
-    app.add_middleware(ClientIdentityMiddleware)
+    keys_enabled = deps.api_keys is not None and deps.api_keys.enabled
+    app.add_middleware(ClientIdentityMiddleware, keys_enabled=keys_enabled)
     if deps.api_keys is not None and deps.api_keys.enabled:
         app.add_middleware(ApiKeyMiddleware, keys=deps.api_keys)
 
@@ -290,7 +302,11 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
         return await _whole_speech(request, job, stream, out, metrics)
 
     speech_stream_endpoint = SpeechStreamEndpoint(
-        synth, write_timeout_s=deps.write_timeout_s, aligner=deps.aligner
+        synth,
+        write_timeout_s=deps.write_timeout_s,
+        aligner=deps.aligner,
+        idle_timeout_s=deps.stream_idle_timeout_s,
+        **({"max_message_bytes": deps.ws_max_message_bytes} if deps.ws_max_message_bytes else {}),
     )
 
     @app.websocket("/v1/audio/speech/stream")

@@ -4,7 +4,8 @@ arrive, and how long a response may wait for a client that reads nothing.
 - `BodyLimitMiddleware`: a `Content-Length` above the limit is a 413 before any of the body is
   read; a chunked body is counted as it arrives and refused once it passes the limit, so no body
   larger than the limit is ever held in memory. A body that stalls for `body_timeout_s` between
-  two pieces is a 408.
+  two pieces is a 408, and so is one not complete `body_deadline_s` after its request began (one
+  byte every 20 s never stalls, and held a request open for good).
 - `header_timeout_protocol`: uvicorn closes idle keep-alive connections, but not a connection that
   never finishes its request headers (slowloris); this protocol closes it after `timeout_s`.
 """
@@ -24,13 +25,16 @@ from qtts.request.errors import PayloadTooLarge, RequestTimeout, TTSError, opena
 class BodyLimitMiddleware:
     """A pure ASGI middleware: request bodies of at most `max_bytes`, arriving without long stalls."""
 
-    def __init__(self, app: Any, max_bytes: int, body_timeout_s: float = 30.0):
+    def __init__(self, app: Any, max_bytes: int, body_timeout_s: float = 30.0, body_deadline_s: float = 0.0):
         self.app = app
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
+        self.body_deadline_s = body_deadline_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or (self.max_bytes <= 0 and self.body_timeout_s <= 0):
+        if scope["type"] != "http" or (
+            self.max_bytes <= 0 and max(self.body_timeout_s, self.body_deadline_s) <= 0
+        ):
             await self.app(scope, receive, send)
             return
         length = next((v for k, v in scope.get("headers", ()) if k.lower() == b"content-length"), None)
@@ -39,15 +43,25 @@ class BodyLimitMiddleware:
             return
         received = 0
         body_done = refused = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_deadline_s if self.body_deadline_s > 0 else None
 
         async def limited_receive() -> dict:
             nonlocal received, body_done, refused
             if body_done:
                 return await receive()  # only http.disconnect from here on: no timeout
+            wait = self.body_timeout_s or None
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and (wait is None or left < wait):
+                wait = max(0.0, left)
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s or None)
+                message = await asyncio.wait_for(receive(), wait)
             except TimeoutError:
                 refused = True
+                if left is not None and wait == max(0.0, left):
+                    raise RequestTimeout(
+                        f"the request body was not complete within {self.body_deadline_s:g} s; closing"
+                    ) from None
                 raise RequestTimeout(f"no request body data for {self.body_timeout_s:g} s; closing") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))

@@ -60,13 +60,21 @@ def _integer(value: Any) -> Any:
     return value
 
 
+def _finite(value: int | float) -> bool:
+    """Finite, and (an integer) within a double's range: math.isfinite(10**500) raises OverflowError."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _number(value: Any) -> Any:
-    """JSON numbers that are finite; never booleans or strings."""
+    """JSON numbers that are finite (integers too: within a double's range); never booleans or strings."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PydanticCustomError("float_type", "must be a number")
-    if not math.isfinite(value):
+    if not _finite(value):
         raise PydanticCustomError("finite_number", "must be a finite number")
     return value
 
@@ -278,7 +286,7 @@ class SpeechOptions(_SpeechSampling):
             )
         for row in rows:
             if not isinstance(row, list) or not all(
-                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in row
+                isinstance(x, int | float) and not isinstance(x, bool) and _finite(x) for x in row
             ):
                 raise PydanticCustomError(
                     "tts_speaker_embedding",

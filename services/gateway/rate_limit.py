@@ -80,28 +80,33 @@ def _counted(path: str) -> bool:
 
 
 class RateLimitMiddleware:
-    """A pure ASGI middleware: a 429 for an HTTP `/v1/` request of a client over its rate. It runs
-    inside ClientIdentityMiddleware (the client key is bound) and before the body is read."""
+    """A pure ASGI middleware: a 429 for an HTTP `/v1/` request or WebSocket handshake of a client
+    over its rate. It runs inside ClientIdentityMiddleware (the client key is bound) and before
+    the body is read (the WebSocket is accepted)."""
 
     def __init__(self, app: Any, limiter: RateLimiter):
         self.app = app
         self.limiter = limiter
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and _counted(scope.get("path", "")):
+        if scope["type"] in ("http", "websocket") and _counted(scope.get("path", "")):
             try:
                 self.limiter.check(current_client())
             except ResourceExhausted as exc:
-                await _refuse(send, exc)
+                if scope["type"] == "http" or "websocket.http.response" in scope.get("extensions", {}):
+                    await _refuse(send, exc, prefix="websocket." if scope["type"] == "websocket" else "")
+                else:  # the handshake is answered with 403
+                    await send({"type": "websocket.close", "code": 1008, "reason": "rate_limit_exceeded"})
                 return
         await self.app(scope, receive, send)
 
 
-async def _refuse(send: Any, exc: ResourceExhausted) -> None:
+async def _refuse(send: Any, exc: ResourceExhausted, prefix: str = "") -> None:
+    """The 429 (`prefix` "websocket.": as the answer to a WebSocket handshake)."""
     body = json.dumps(openai_error_body(exc)).encode()
     await send(
         {
-            "type": "http.response.start",
+            "type": f"{prefix}http.response.start",
             "status": 429,
             "headers": [
                 (b"content-type", b"application/json"),
@@ -110,15 +115,16 @@ async def _refuse(send: Any, exc: ResourceExhausted) -> None:
             ],
         }
     )
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": f"{prefix}http.response.body", "body": body})
 
 
 class RateLimitInterceptor(grpc.aio.ServerInterceptor):
     """Takes a token for every call to `services` before its handler runs; a client over its rate
     gets RESOURCE_EXHAUSTED (mapped, with its pushback, by the ErrorMappingInterceptor)."""
 
-    def __init__(self, limiter: RateLimiter, services: Iterable[str]):
+    def __init__(self, limiter: RateLimiter, services: Iterable[str], keys_enabled: bool = False):
         self.limiter = limiter
+        self.keys_enabled = keys_enabled
         self.prefixes = tuple(f"/{s}/" for s in services)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -139,14 +145,14 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):
 
             async def limited_stream(request: Any, context: grpc.aio.ServicerContext):
-                self.limiter.check(grpc_client_key(context))
+                self.limiter.check(grpc_client_key(context, self.keys_enabled))
                 async for response in behavior(request, context):
                     yield response
 
             return limited_stream
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            self.limiter.check(grpc_client_key(context))
+            self.limiter.check(grpc_client_key(context, self.keys_enabled))
             return await behavior(request, context)
 
         return limited

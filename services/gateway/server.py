@@ -143,6 +143,8 @@ class GatewayServer:
             config.max_new_frames_limit,
             config.max_ref_audio_bytes,
             config.sample_rate,
+            config.max_text_piece_chars,
+            config.max_utterance_chars,
         )
         self.reference_cache = (
             DecodedReferenceCache(
@@ -201,6 +203,7 @@ class GatewayServer:
                 write_timeout_s=config.http_write_timeout_s,
                 consents=self.consents,
                 aligner=self.aligner,
+                idle_timeout_s=config.stream_idle_timeout_s,
             ),
             host.server,
         )
@@ -218,7 +221,10 @@ class GatewayServer:
                 max_body_bytes=config.body_limit_bytes,
                 rate_limiter=self.rate_limiter,
                 body_timeout_s=config.http_body_timeout_s,
+                body_deadline_s=config.http_body_deadline_s,
                 write_timeout_s=config.http_write_timeout_s,
+                ws_max_message_bytes=config.ws_message_limit_bytes,
+                stream_idle_timeout_s=config.stream_idle_timeout_s,
                 api_keys=self.api_keys,
                 consents=self.consents,
                 aligner=self.aligner,
@@ -241,6 +247,9 @@ class GatewayServer:
                 timeout_graceful_shutdown=max(1.0, config.drain_seconds + END_EVENT_GRACE_S),
                 access_log=False,
                 timeout_keep_alive=int(max(1, config.http_keepalive_s)),
+                ws_max_size=config.ws_message_limit_bytes,
+                proxy_headers=bool(config.forwarded_allow_ips),
+                forwarded_allow_ips=config.forwarded_allow_ips or None,
                 http=header_timeout_protocol(config.http_header_timeout_s),
                 **_uvicorn_tls(config.public_tls),
             )
@@ -249,7 +258,7 @@ class GatewayServer:
     def _rate_interceptors(self) -> list[RateLimitInterceptor]:
         if self.rate_limiter is None:
             return []
-        return [RateLimitInterceptor(self.rate_limiter, [SERVICE_NAME])]
+        return [RateLimitInterceptor(self.rate_limiter, [SERVICE_NAME], self.api_keys.enabled)]
 
     async def start(self) -> None:
         """Bind both ports; model info is fetched from the talker in the background."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from dataclasses import dataclass, field
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -40,6 +41,7 @@ from .job import SpeechFields
 from .text_stream import (
     SegmentAudio,
     SegmentText,
+    TextBudget,
     TextPiece,
     TextSplitter,
     check_session,
@@ -50,6 +52,8 @@ from .validation import new_request_id
 log = logging.getLogger(__name__)
 
 PROTOCOL = "websocket"
+# A message's type where clients write it, first: {"type": "input.text", ...}.
+_HEAD_TYPE = re.compile(r'\s*\{\s*"type"\s*:\s*"([a-z._]{1,32})"')
 # Close codes (RFC 6455): normal, protocol error of the client, server error.
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_INTERNAL = 1000, 1008, 1011
 
@@ -103,6 +107,7 @@ class _Session:
     fields: SpeechFields | None = None
     audio: SegmentAudio | None = None
     splitter: TextSplitter = field(default_factory=TextSplitter)
+    budget: TextBudget = field(default_factory=lambda: TextBudget(0, 0))
     utterance: int = 0  # the utterance that takes input.text now
     sentences: int = 0  # segments cut from it so far
     segment: _Segment | None = None  # the segment that takes input.text now
@@ -239,6 +244,12 @@ class SpeechStreamEndpoint:
                 if not isinstance(text, str):
                     await s.send_error(InvalidArgument("input.text needs a string text", param="text"))
                     continue
+                try:
+                    s.budget.take(text)
+                except InvalidArgument as exc:
+                    self.synth.reject(PROTOCOL, exc)
+                    await s.send_error(exc)
+                    continue
                 self._route(s, s.splitter.feed(text))
             elif kind == "input.done":
                 self._end_utterance(s)
@@ -268,7 +279,7 @@ class SpeechStreamEndpoint:
             # the session at once, not at the next idle timeout.
             waiting = {receive} if worker.done() else {receive, worker}
             try:
-                await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiting, timeout=timeout or None, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not receive.done():
                     receive.cancel()
@@ -290,10 +301,32 @@ class SpeechStreamEndpoint:
             raise InvalidArgument("binary frames are not accepted; send JSON text messages")
         if len(raw) > self.max_message_bytes:
             raise InvalidArgument(f"message of {len(raw)} characters; the limit is {self.max_message_bytes}")
+        self._refuse_overlong_piece(raw)
         msg = parse_json(raw, "message")
         if not isinstance(msg, dict):
             raise InvalidArgument("messages must be JSON objects")
         return msg
+
+    def _refuse_overlong_piece(self, raw: str) -> None:
+        """Refuse, unparsed, a message too long to be anything but a session.config (with its clip)
+        that is not one: parsing 15 MB of JSON holds the event loop for a tenth of a second, and
+        only to learn that its text is over the piece limit. Its type is read from its start
+        (where clients write it); a message that does not even contain "session.config" cannot
+        be one either."""
+        max_piece = self.synth.limits.max_text_piece_chars
+        # The longest JSON an input.text of max_piece characters takes: 12 per character (an
+        # escaped surrogate pair) and room for the rest.
+        if len(raw) <= 12 * max_piece + 4096:
+            return
+        head = _HEAD_TYPE.match(raw)
+        kind = head.group(1) if head else None
+        if kind == "session.config" or (kind is None and "session.config" in raw):
+            return  # parsed, and held to its own limits
+        raise InvalidArgument(
+            f"a {len(raw)}-character {kind or 'message'} is refused unread: the limit for one piece "
+            f"is {max_piece} characters",
+            param="text" if kind in ("input.text", None) else None,
+        )
 
     async def _configure(self, s: _Session, msg: dict) -> bool:
         """Apply a session.config; False (after an error event) when it is refused."""
@@ -320,7 +353,9 @@ class SpeechStreamEndpoint:
             return False
         s.config, s.fields = config, fields
         s.audio = SegmentAudio(config.response_format, rate, config.speed, config.stream_audio)
-        s.splitter = TextSplitter(config.split_granularity, self.synth.limits.max_input_chars)
+        limits = self.synth.limits
+        s.splitter = TextSplitter(config.split_granularity, limits.max_input_chars)
+        s.budget = TextBudget(limits.max_text_piece_chars, limits.max_utterance_chars)
         return True
 
     def _route(self, s: _Session, pieces: list[TextPiece]) -> None:
@@ -343,6 +378,7 @@ class SpeechStreamEndpoint:
             s.segment.text.close()
             s.segment = None
         s.queue.put_nowait(_UtteranceEnd(s.utterance, s.sentences, cancelled))
+        s.budget.reset()
         s.utterance += 1
         s.sentences = 0
 

@@ -13,8 +13,12 @@ across the pieces.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+
+from qtts.request import request_limits as lim
+from qtts.request.errors import InvalidArgument
 
 from .audio_encoding import check_output_format
 from .audio_output import AudioOutput
@@ -30,6 +34,7 @@ _ASCII_CLAUSE = frozenset(",;:")
 _SCRIPT_CLAUSE = frozenset("，；、،")
 # Closing quotes and brackets right after a mark belong to the unit it ends.
 _CLOSERS = frozenset("\"')]}”’»」』）")
+_SPACES = re.compile(r"\s*")
 
 
 @dataclass(frozen=True)
@@ -62,13 +67,13 @@ class TextSplitter:
         if granularity == "clause":
             ascii_marks |= _ASCII_CLAUSE
             script_marks |= _SCRIPT_CLAUSE
-        self._ascii, self._script = frozenset(ascii_marks), frozenset(script_marks)
+        self._marks = _marks_pattern(frozenset(ascii_marks), frozenset(script_marks))
         self.reset()
 
     @property
     def open(self) -> bool:
-        """Whether the current segment has text."""
-        return bool(self._seg.strip())
+        """Whether the current segment has text (a segment never starts with whitespace)."""
+        return bool(self._seg)
 
     def reset(self) -> None:
         self._seg = ""  # the current segment's text so far
@@ -76,19 +81,32 @@ class TextSplitter:
         self._scanned = 0  # no boundary before this index
 
     def feed(self, text: str) -> list[TextPiece]:
-        self._seg += text if self._seg else text.lstrip()
+        """The pieces `text` makes. Linear in the text: every character is scanned once, and the
+        text is copied once (a 15 MB piece cut into thousands of segments costs what its length
+        does; a rescan from each segment's start made it quadratic)."""
+        buf = self._seg + text if self._seg else text.lstrip()
+        start, sent, scanned = 0, self._sent, self._scanned  # the segment is buf[start:]
+        end = len(buf.rstrip()) if self.max_chars and len(buf) > self.max_chars else len(buf)
         pieces = []
+        ahead = None  # a unit's end found beyond the length limit: segments of it come first
         while True:
-            cut = self._boundary()
-            if cut is None:
-                cut = self._overlong_cut()
+            if ahead is None:
+                cut = self._boundary(buf, scanned)
+                scanned = cut if cut is not None else self._scan_stop
+            else:
+                cut = ahead
+            long = self._overlong_cut(buf, start, sent, end if cut is None else cut)
+            ahead, cut = (cut, long) if long is not None else (None, cut)
             if cut is None:
                 break
-            pieces.append(TextPiece(self._seg[self._sent : cut], end=True))
-            self._seg, self._sent, self._scanned = self._seg[cut:].lstrip(), 0, 0
-        if len(self._seg) > self._sent:
-            pieces.append(TextPiece(self._seg[self._sent :]))
-            self._sent = len(self._seg)
+            pieces.append(TextPiece(buf[sent:cut], end=True))
+            start = _skip_space(buf, cut)
+            sent, scanned = start, max(start, scanned)
+        if len(buf) > sent:
+            pieces.append(TextPiece(buf[sent:]))
+            sent = len(buf)
+        self._seg = buf[start:] if start else buf
+        self._sent, self._scanned = sent - start, scanned - start
         return pieces
 
     def flush(self) -> list[TextPiece]:
@@ -99,52 +117,113 @@ class TextSplitter:
         self.reset()
         return pieces
 
-    def _boundary(self) -> int | None:
-        """The end of the first unit (sentence, clause) in the segment, or None."""
-        buf, i = self._seg, self._scanned
-        while i < len(buf):
-            ch = buf[i]
-            if ch not in self._ascii and ch not in self._script:
-                i += 1
-                continue
-            j = i + 1
-            while j < len(buf) and buf[j] in _CLOSERS:
-                j += 1
-            if ch in self._ascii:
-                if j == len(buf):
-                    break  # a space may still come (or a digit: "3.14")
-                if not buf[j].isspace():
-                    i = j
-                    continue
-            self._scanned = j
-            return j
-        self._scanned = i
+    def _boundary(self, buf: str, i: int) -> int | None:
+        """The end of the first unit (sentence, clause) in `buf` from index `i`, or None; where
+        the scan stopped in `_scan_stop` (no boundary before it)."""
+        self._scan_stop = len(buf)
+        if self._marks is None:
+            return None
+        m = self._marks.search(buf, i)
+        if m is None:
+            return None
+        if m.lastgroup == "pending":  # an ASCII mark at the end: a space may still come ("3.14")
+            self._scan_stop = m.start()
+            return None
+        return m.end()
+
+    def _overlong_cut(self, buf: str, start: int, sent: int, end: int) -> int | None:
+        """Where a segment `buf[start:]` longer than `max_chars` (trailing whitespace aside: `end`
+        is where it ends) is cut: at its last space below the limit, never before `sent`."""
+        if not self.max_chars or end - start <= self.max_chars:
+            return None
+        cut = buf.rfind(" ", start, start + self.max_chars + 1)
+        if cut < sent:  # text handed on stays in this segment
+            cut = sent
+        return cut if cut > start else start + self.max_chars
+
+
+def _skip_space(buf: str, i: int) -> int:
+    """The index of the first non-whitespace character of `buf` from `i` (len(buf) if none)."""
+    return _SPACES.match(buf, i).end()
+
+
+def _marks_pattern(ascii_marks: frozenset[str], script_marks: frozenset[str]) -> re.Pattern | None:
+    """Where a unit ends: a script mark (and its closers), an ASCII mark and its closers before
+    whitespace; `pending`: an ASCII mark and closers at the end of the text so far."""
+    if not ascii_marks and not script_marks:
         return None
 
-    def _overlong_cut(self) -> int | None:
-        if not self.max_chars or len(self._seg.rstrip()) <= self.max_chars:
-            return None
-        cut = self._seg.rfind(" ", 0, self.max_chars + 1)
-        if cut < self._sent:  # text handed on stays in this segment
-            cut = self._sent
-        return cut if cut > 0 else self.max_chars
+    def chars(marks: frozenset[str]) -> str:
+        return "[" + "".join(re.escape(c) for c in sorted(marks)) + "]"
+
+    closers = chars(_CLOSERS) + "*"
+    ends = [f"{chars(script_marks)}{closers}"] if script_marks else []
+    if ascii_marks:
+        ends.append(f"{chars(ascii_marks)}{closers}(?=\\s)")
+        ends.append(f"(?P<pending>{chars(ascii_marks)}{closers}\\Z)")
+    return re.compile("|".join(ends))
+
+
+class TextBudget:
+    """The bounds on streamed text, checked on each piece before any work is done with it: at
+    most `max_piece` characters a piece, `max_utterance` an utterance, and valid Unicode (no lone
+    UTF-16 surrogate, which has no UTF-8 encoding). A refused piece is not counted: the
+    session goes on without it."""
+
+    def __init__(self, max_piece: int, max_utterance: int, param: str = "text"):
+        self.max_piece, self.max_utterance, self.param = max_piece, max_utterance, param
+        self.used = 0  # characters the current utterance took
+
+    def take(self, text: str) -> None:
+        """Count `text` against the bounds, or raise InvalidArgument naming the field."""
+        if len(text) > self.max_piece:
+            raise InvalidArgument(
+                f"{self.param} is {len(text)} characters long; the limit for one piece is {self.max_piece} characters",
+                param=self.param,
+            )
+        if self.used + len(text) > self.max_utterance:
+            raise InvalidArgument(
+                f"{self.param} would make the utterance {self.used + len(text)} characters long; the limit "
+                f"is {self.max_utterance} (end the utterance to go on)",
+                param=self.param,
+            )
+        if lim.has_surrogate(text):
+            raise InvalidArgument(
+                f"{self.param} contains a lone UTF-16 surrogate (not valid Unicode text)", param=self.param
+            )
+        self.used += len(text)
+
+    def reset(self) -> None:
+        """A new utterance."""
+        self.used = 0
 
 
 class SegmentText:
     """One segment's text on its way to the talker: appended by the receiver, read by the request.
 
     `first()` is the text the request starts with; `rest()` yields the later text as
-    (text, final) for talker.v1 GenerateStream, what piled up meanwhile in one piece."""
+    (text, final) for talker.v1 GenerateStream, what piled up meanwhile in one piece. The pieces
+    are kept as a list, joined when read, so many small pieces cost their length, not its square."""
 
     def __init__(self) -> None:
-        self.text = ""  # all of it so far
         self.closed = False
-        self._taken = 0
+        self._parts: list[str] = []
+        self._joined = ("", 0)  # `text` as of that many parts
+        self._has_words = False  # some non-whitespace text
+        self._taken = 0  # parts handed to the request
         self._changed = asyncio.Event()
+
+    @property
+    def text(self) -> str:
+        """All of it so far."""
+        if self._joined[1] != len(self._parts):
+            self._joined = ("".join(self._parts), len(self._parts))
+        return self._joined[0]
 
     def append(self, text: str) -> None:
         if text and not self.closed:
-            self.text += text
+            self._parts.append(text)
+            self._has_words = self._has_words or not text.isspace()
             self._changed.set()
 
     def close(self) -> None:
@@ -152,24 +231,24 @@ class SegmentText:
         self._changed.set()
 
     async def first(self) -> str:
-        while not self.text.strip() and not self.closed:
+        while not self._has_words and not self.closed:
             await self._wait()
-        self._taken = len(self.text)
+        self._taken = len(self._parts)
         return self.text
 
     async def whole(self) -> str:
         """All the text, once the segment ended."""
         while not self.closed:
             await self._wait()
-        self._taken = len(self.text)
+        self._taken = len(self._parts)
         return self.text
 
     async def rest(self) -> AsyncIterator[tuple[str, bool]]:
         while True:
-            if self._taken < len(self.text) or self.closed:
-                piece, self._taken = self.text[self._taken :], len(self.text)
+            if self._taken < len(self._parts) or self.closed:
+                piece, self._taken = "".join(self._parts[self._taken :]), len(self._parts)
                 yield piece, self.closed
-                if self.closed and self._taken == len(self.text):
+                if self.closed and self._taken == len(self._parts):
                     return
                 continue
             await self._wait()

@@ -23,6 +23,9 @@ class RequestLimits:
     max_ref_audio_bytes: int = 20 * 1024 * 1024
     # Output rate when a request does not ask for one.
     default_sample_rate: int = NATIVE_SAMPLE_RATE
+    # Streamed text: one input.text piece, and one utterance's text (text_stream.TextBudget).
+    max_text_piece_chars: int = 65536
+    max_utterance_chars: int = 262144
 
 
 def new_request_id() -> str:

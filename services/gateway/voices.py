@@ -9,6 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
+from qtts.audio import check_wav_sizes
 from qtts.request import request_limits as lim
 from qtts.request.errors import InvalidArgument
 
@@ -98,6 +99,7 @@ class VoiceService:
                 param="ref_text",
             )
         try:
+            check_wav_sizes(audio)  # stored for good: header and data must agree
             pcm = await asyncio.to_thread(self._decode, audio)
         except InvalidArgument as exc:
             raise named_field(exc, audio_field) from None

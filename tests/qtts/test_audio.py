@@ -154,3 +154,22 @@ def test_other_wav_formats_and_containers_take_pyav():
     data = _encode(x[None], SAMPLE_RATE, "wav", "pcm_s16le")
     cut = load_reference_audio(data[: len(data) - 2000])
     assert cut.shape[0] == x.shape[0] - 1000
+
+
+def test_check_wav_sizes_refuses_a_header_that_claims_more_than_the_file_holds():
+    import struct
+
+    from qtts.audio import check_wav_sizes
+
+    def wav(riff: int, data: int, body: bytes = bytes(100)) -> bytes:
+        fmt = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, 16000, 32000, 2, 16)
+        return b"RIFF" + struct.pack("<I", riff) + b"WAVE" + fmt + b"data" + struct.pack("<I", data) + body
+
+    check_wav_sizes(wav(136, 100))  # exact
+    check_wav_sizes(wav(0xFFFFFFFF, 0xFFFFFFFF))  # streamed: "to the end"
+    check_wav_sizes(b"fLaC not a wav")  # other containers are the decoder's
+    for riff, data in ((136, 4_000_000_000), (0xFFFFFFFF, 4_000_000_000), (4_000_000_000, 100)):
+        with pytest.raises(InvalidArgument, match="claims"):
+            check_wav_sizes(wav(riff, data))
+    with pytest.raises(InvalidArgument, match="no data chunk"):
+        check_wav_sizes(wav(136, 100)[:36])

@@ -49,9 +49,12 @@ async def test_one_key_cannot_take_every_slot_over_http():
         refused = await c.post("/v1/audio/speech", json=GOOD, headers=hog)
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "rate_limit_error"
-        other = await c.post(
-            "/v1/audio/speech", json={**GOOD, "max_new_tokens": 2}, headers={"authorization": "Bearer key-b"}
-        )
+        # Without API keys a client is its address: a new token is no way around the bound.
+        dodge = await c.post("/v1/audio/speech", json=GOOD, headers={"authorization": "Bearer key-b"})
+        assert dodge.status_code == 429
+        local = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10, transport=local) as elsewhere:
+            other = await elsewhere.post("/v1/audio/speech", json={**GOOD, "max_new_tokens": 2}, headers=hog)
         assert other.status_code == 200
         assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
     assert gw.synth.admission.active == 0
@@ -80,8 +83,14 @@ async def test_client_key_of_a_websocket_comes_from_its_api_key_parameter():
     async def app(scope, receive, send):
         seen.append(current_client())
 
-    middleware = ClientIdentityMiddleware(app)
+    middleware = ClientIdentityMiddleware(app, keys_enabled=True)
     scope = {"type": "websocket", "headers": [], "client": ("10.0.0.9", 1), "query_string": b"api_key=k1"}
     await middleware(scope, None, None)
     await middleware({**scope, "query_string": b""}, None, None)
-    assert seen == [client_key("k1", ""), "addr:10.0.0.9"]
+    assert seen == [client_key("k1", "", keys_enabled=True), "addr:10.0.0.9"]
+    # Without API keys a client is its address, whatever key or token it sends.
+    seen.clear()
+    keyless = ClientIdentityMiddleware(app)
+    await keyless(scope, None, None)
+    await keyless({**scope, "headers": [(b"authorization", b"Bearer random-1")]}, None, None)
+    assert seen == ["addr:10.0.0.9", "addr:10.0.0.9"]

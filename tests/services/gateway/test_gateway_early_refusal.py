@@ -218,7 +218,9 @@ async def test_the_early_refusal_is_the_handlers_refusal_to_the_byte(monkeypatch
 async def test_a_client_at_its_own_bound_is_refused_early_and_others_go_on():
     gw = gated_gateway(max_streams=8, max_per_client=2)
     hog, other = {"authorization": "Bearer key-a"}, {"authorization": "Bearer key-b"}
-    async with serve(gw) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+    # A key is a client with API keys on (without them a client is its address).
+    keys = ApiKeys(["key-a", "key-b"])
+    async with serve(gw, api_keys=keys) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
         held = await hold(c, gw, 2, headers=hog)
         read_before = gw.body_read.get("/v1/audio/speech", 0)
         # Not even valid JSON: at its bound the client is refused before the body is looked at.

@@ -154,3 +154,33 @@ async def test_a_raw_stream_that_fails_mid_way_is_aborted_not_ended_cleanly(capl
         assert r.status_code == 200  # a new connection serves on
     assert not [rec for rec in caplog.records if rec.exc_info], [rec.getMessage() for rec in caplog.records]
     assert any("aborted: UNAVAILABLE" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_a_trickling_body_meets_the_whole_body_deadline():
+    # One byte every 0.1 s never stalls for the 0.3 s body timeout; the 1 s deadline ends it.
+    limits = {"max_body_bytes": 1 << 20, "body_timeout_s": 0.3, "body_deadline_s": 1.0}
+    async with serve(build_gateway(), **limits) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(
+            b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 1000\r\n\r\n"
+        )
+        start = time.monotonic()
+
+        async def trickle() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    writer.write(b" ")
+                    await writer.drain()
+                    await asyncio.sleep(0.1)
+
+        dripping = asyncio.create_task(trickle())
+        try:
+            response = await read_all(reader)
+        finally:
+            dripping.cancel()
+            writer.close()
+        assert response.startswith(b"HTTP/1.1 408") and b"not complete within 1 s" in response
+        assert 0.9 < time.monotonic() - start < 3
+        async with httpx.AsyncClient(base_url=gw.url) as c:
+            assert (await c.post("/v1/audio/speech", json={**GOOD, "stream": False})).status_code == 200

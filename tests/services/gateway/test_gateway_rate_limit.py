@@ -104,6 +104,12 @@ async def serve_http(gw, limiter: RateLimiter):
         await task
 
 
+def _from_address(url: str, address: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=url, timeout=10, transport=httpx.AsyncHTTPTransport(local_address=address)
+    )
+
+
 async def test_http_client_over_its_rate_gets_429_with_retry_after_and_others_go_on():
     gw = build_gateway()
     limiter = RateLimiter(rate_per_s=0.01, burst=3)
@@ -117,7 +123,12 @@ async def test_http_client_over_its_rate_gets_429_with_retry_after_and_others_go
         assert error["type"] == "rate_limit_error" and "rate limit" in error["message"]
         # Bad requests count too: a flood of 400s is a flood.
         assert (await c.post("/v1/audio/voices", json={}, headers=hog)).status_code == 429
-        other = await c.post("/v1/audio/speech", json=GOOD, headers={"authorization": "Bearer key-b"})
+        # Without API keys a client is its address, whatever token it sends: another token from
+        # the same address is the same client; another address is another.
+        fresh = await c.post("/v1/audio/speech", json=GOOD, headers={"authorization": "Bearer key-b"})
+        assert fresh.status_code == 429
+        async with _from_address(url, "127.0.0.2") as elsewhere:
+            other = await elsewhere.post("/v1/audio/speech", json=GOOD, headers=hog)
         assert other.status_code == 200
         # Probes and the playground never count.
         for _ in range(10):
@@ -130,7 +141,11 @@ async def test_grpc_client_over_its_rate_gets_resource_exhausted_with_pushback()
     gw = build_gateway()
     limiter = RateLimiter(rate_per_s=0.01, burst=2)
     server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor(gw.metrics), RateLimitInterceptor(limiter, [SERVICE_NAME])]
+        # As with API keys on (the key interceptor in front has checked them): a key is a client.
+        interceptors=[
+            ErrorMappingInterceptor(gw.metrics),
+            RateLimitInterceptor(limiter, [SERVICE_NAME], keys_enabled=True),
+        ]
     )
     tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(
         TextToSpeechServicer(gw.synth, gw.voice_service), server
