@@ -709,6 +709,21 @@ def demo_request(stack: Stack) -> dict:
     return body
 
 
+def access_note(c: StackConfig) -> str:
+    """Who can use the stack, said plainly: `make run` is open (no API keys, no internal token),
+    which is safe on loopback only."""
+    keys = any(a.startswith("--api-keys") for a in c.extra_args.get("gateway", ()))
+    loopback = c.host in ("127.0.0.1", "localhost", "::1")
+    if keys:
+        return "API keys required (--api-keys-file); " + ("loopback only" if loopback else f"on {c.host}")
+    if loopback:
+        return "open: no API keys, no internal token, no TLS, on loopback (127.0.0.1) only"
+    return (
+        f"WARNING: open on {c.host}: no API keys, so anyone who reaches it can use it "
+        "(--gateway-args '--api-keys-file FILE')"
+    )
+
+
 def describe(stack: Stack, body: dict) -> str:
     c = stack.config
     lines = [
@@ -731,6 +746,7 @@ def describe(stack: Stack, body: dict) -> str:
         + ", ".join(f"{p.name}:{p.spec.metrics_port}" for p in stack.processes if p.spec.metrics_port),
         f"  model          {stack.model}",
         f"  logs           {c.log_dir}/",
+        f"  access         {access_note(c)}",
         "",
         f"Playground (type, pick a voice, hear it stream): {stack.http_url}/",
         "",

@@ -133,3 +133,14 @@ def test_the_launcher_flag_reaches_the_stack_config():
     assert config_from_args(["--max-restarts", "0"]).max_restarts == 0
     with pytest.raises(SystemExit):
         config_from_args(["--max-restarts", "-1"])
+
+
+def test_the_launcher_says_who_can_use_the_stack():
+    from services.launcher import StackConfig, access_note
+
+    assert access_note(StackConfig()).startswith("open: no API keys") and "loopback" in access_note(
+        StackConfig()
+    )
+    assert access_note(StackConfig(host="0.0.0.0")).startswith("WARNING: open on 0.0.0.0")
+    keyed = StackConfig(extra_args={"gateway": ("--api-keys-file", "/k")})
+    assert access_note(keyed).startswith("API keys required")
