@@ -713,3 +713,29 @@ def test_the_decoder_share_lowers_the_capacity_by_its_part_of_a_frame():
     assert shared.load(100, 10.0) == pytest.approx(alone.load(100, 10.0) + 100 * 0.0001 / 0.08)
     with pytest.raises(ValueError):
         AdmissionConfig(decoder_frame_s=-1)
+
+
+def test_a_closed_loop_past_capacity_is_told_no_at_once_however_long_the_queue():
+    """Closed-loop clients that send their next request as soon as one ends or is refused (as the
+    benchmark's do), at 1.4x and 2x what the talker carries (about 220 streams of 10 s with this
+    cost model) and a 6 s first-audio budget: the queue fills to what the budget allows, and from
+    then on every refusal comes at submission (no request waits out its budget to be told no),
+    at both loads alike."""
+    latencies = {}
+    for clients in (300, 450):
+        adm = Admission(AdmissionConfig(first_audio_budget_s=6.0))
+        arrivals = [(i * 0.001, 125, 300) for i in range(clients)]
+        run = simulate(
+            DeadlineScheduler(10_000, 10_000, admission=adm),
+            arrivals,
+            COST,
+            closed_loop=100_000,
+            retry_refused_s=0.001,
+            until_s=40,
+        )
+        refused = [x for x in run if x.refused]
+        started = [x for x in run if x.chunks]
+        assert len(refused) > len(started) // 4, clients  # past capacity: many told no
+        latencies[clients] = max(x.refused_at - x.arrived_at for x in refused)
+        assert latencies[clients] <= 0.05, clients
+    assert latencies[450] <= latencies[300] + 0.05
