@@ -71,8 +71,9 @@ SPECIAL_TOKENS: dict[int, str] = {
 _NOT_SPECIAL = {151657, 151658, 151665, 151666, 151667, 151668}
 
 
-def write_tokenizer_config(out_dir: str | Path) -> None:
-    """Write a Qwen3-TTS `tokenizer_config.json` (added tokens at the ids above) into `out_dir`."""
+def qwen2_tokenizer_config(tokens: dict[int, str], **extra: object) -> dict:
+    """A Qwen2 `tokenizer_config.json` with `tokens` added at their ids (the ones in `_NOT_SPECIAL`
+    split and decoded as text); `extra` entries follow `additional_special_tokens`."""
     added = {
         str(i): {
             "content": s,
@@ -82,15 +83,14 @@ def write_tokenizer_config(out_dir: str | Path) -> None:
             "single_word": False,
             "special": i not in _NOT_SPECIAL,
         }
-        for i, s in SPECIAL_TOKENS.items()
+        for i, s in tokens.items()
     }
-    cfg = {
+    return {
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": added,
-        "additional_special_tokens": [
-            s for i, s in SPECIAL_TOKENS.items() if i not in _NOT_SPECIAL and i != 151643
-        ],
+        "additional_special_tokens": [s for i, s in tokens.items() if i not in _NOT_SPECIAL and i != 151643],
+        **extra,
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
@@ -101,8 +101,12 @@ def write_tokenizer_config(out_dir: str | Path) -> None:
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
+
+
+def write_tokenizer_config(out_dir: str | Path) -> None:
+    """Write a Qwen3-TTS `tokenizer_config.json` (added tokens at the ids above) into `out_dir`."""
     with open(Path(out_dir) / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump(cfg, f, ensure_ascii=False, indent=2)
+        json.dump(qwen2_tokenizer_config(SPECIAL_TOKENS), f, ensure_ascii=False, indent=2)
 
 
 def config_id_mismatches(tok, cfg) -> list[str]:

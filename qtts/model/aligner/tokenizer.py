@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from qtts.model.tokenizer import SPECIAL_TOKENS as TTS_SPECIAL_TOKENS
+from qtts.model.tokenizer import qwen2_tokenizer_config
 
 FIRST_ADDED = 151643
 LAST_ADDED = 151705
@@ -22,7 +23,6 @@ NAMED: dict[int, str] = {
     151676: "<|audio_pad|>",
     151705: "<timestamp>",
 }
-_NOT_SPECIAL = {151657, 151658, 151665, 151666, 151667, 151668}
 
 
 def added_tokens() -> dict[int, str]:
@@ -31,37 +31,14 @@ def added_tokens() -> dict[int, str]:
 
 def write_aligner_tokenizer_config(out_dir: str | Path) -> None:
     """Write the aligner's `tokenizer_config.json` into `out_dir` (beside `vocab.json`, `merges.txt`)."""
-    tokens = added_tokens()
-    cfg = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(i): {
-                "content": s,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": i not in _NOT_SPECIAL,
-            }
-            for i, s in tokens.items()
-        },
-        "additional_special_tokens": [s for i, s in tokens.items() if i not in _NOT_SPECIAL and i != 151643],
-        "extra_special_tokens": {
+    cfg = qwen2_tokenizer_config(
+        added_tokens(),
+        extra_special_tokens={
             "audio_token": "<|audio_pad|>",
             "audio_bos_token": "<|audio_start|>",
             "audio_eos_token": "<|audio_end|>",
         },
-        "bos_token": None,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 131072,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
+    )
     with open(Path(out_dir) / "tokenizer_config.json", "w", encoding="utf-8") as f:
         json.dump(cfg, f, ensure_ascii=False, indent=2)
 
