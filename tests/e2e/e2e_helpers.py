@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import io
 import time
 import urllib.request
@@ -13,11 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.launcher import Stack, StackConfig, StartupError, start_stack
+from services.launcher import (
+    ServiceProcess,
+    Stack,
+    StackConfig,
+    StartupError,
+    free_port,
+    gateway_spec,
+    start_service,
+    start_stack,
+    stop_services,
+    wait_serving,
+)
 
 FRAME = 1920
 FRAME_BYTES = FRAME * 2
@@ -111,3 +124,33 @@ def poll(condition: Callable[[], bool], timeout: float = 5.0, interval: float = 
             return True
         time.sleep(interval)
     return condition()
+
+
+@dataclass(frozen=True)
+class ExtraGateway:
+    """A gateway of its own beside the shared stack (same talker and speaker_cache)."""
+
+    url: str
+    http_port: int
+    grpc_address: str
+    proc: ServiceProcess
+
+
+@contextlib.contextmanager
+def extra_gateway(cfg: StackConfig, name: str, flags: tuple[str, ...] = ()) -> Iterator[ExtraGateway]:
+    """Start a gateway named `name` with the stack's flags plus `flags` on free ports, wait until it
+    is SERVING and its /health says ready (30 s at most), and stop it cleanly afterwards."""
+    http_port, grpc_port = free_port(), free_port()
+    spec = gateway_spec(cfg, name=name, http_port=http_port, grpc_port=grpc_port, metrics_port=0)
+    spec = dataclasses.replace(spec, args=(*spec.args, *flags))
+    proc = start_service(spec, cfg.log_dir)
+    try:
+        wait_serving(proc, cfg.startup_timeout_s)
+        url = f"http://{cfg.host}:{http_port}"
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, f"{name} did not get ready"
+            time.sleep(0.2)
+        yield ExtraGateway(url, http_port, f"{cfg.host}:{grpc_port}", proc)
+    finally:
+        assert stop_services([proc], 20.0) == {proc.name: 0}

@@ -10,17 +10,15 @@ import contextlib
 import dataclasses
 import json
 import secrets
-import time
 
 import grpc
 import httpx
 import pytest
-from e2e_helpers import REF_B64
+from e2e_helpers import REF_B64, extra_gateway
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from services.launcher import free_port, gateway_spec, start_service, stop_services, wait_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -37,8 +35,6 @@ class Limited:
 @pytest.fixture(scope="module")
 def limited(stack) -> Limited:
     cfg = stack.config
-    http_port, grpc_port = free_port(), free_port()
-    spec = gateway_spec(cfg, name="gateway-limited", http_port=http_port, grpc_port=grpc_port, metrics_port=0)
     flags = (
         "--rate-limit-per-s",
         "0.02",
@@ -47,18 +43,9 @@ def limited(stack) -> Limited:
         "--max-streams-per-client",
         str(STREAMS),
     )
-    spec = dataclasses.replace(spec, args=(*spec.args, *flags))
-    proc = start_service(spec, cfg.log_dir)
-    try:
-        wait_serving(proc, cfg.startup_timeout_s)
-        url = f"http://{cfg.host}:{http_port}"
-        deadline = time.monotonic() + 30
-        while httpx.get(url + "/health", timeout=5).status_code != 200:  # /health is never counted
-            assert time.monotonic() < deadline, "the gateway did not get ready"
-            time.sleep(0.2)
-        yield Limited(url, f"{cfg.host}:{grpc_port}")
-    finally:
-        assert stop_services([proc], 20.0) == {proc.name: 0}
+    # /health, which extra_gateway polls until ready, is never counted against the limits.
+    with extra_gateway(cfg, "gateway-limited", flags) as gw:
+        yield Limited(gw.url, gw.grpc_address)
 
 
 def _random_bearer() -> dict[str, str]:

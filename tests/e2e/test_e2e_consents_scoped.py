@@ -7,15 +7,13 @@ the person's name included."""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import grpc
 import httpx
 import pytest
-from e2e_helpers import REF_WAV
+from e2e_helpers import REF_WAV, extra_gateway
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from services.launcher import free_port, gateway_spec, start_service, stop_services, wait_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -37,20 +35,8 @@ def keyed(stack, tmp_path_factory) -> Keyed:
     cfg = stack.config
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text(f"{KEY_A}\n{KEY_B}\n")
-    http_port, grpc_port = free_port(), free_port()
-    spec = gateway_spec(cfg, name="gateway-keyed", http_port=http_port, grpc_port=grpc_port, metrics_port=0)
-    spec = dataclasses.replace(spec, args=(*spec.args, "--api-keys-file", str(keys)))
-    proc = start_service(spec, cfg.log_dir)
-    try:
-        wait_serving(proc, cfg.startup_timeout_s)
-        url = f"http://{cfg.host}:{http_port}"
-        deadline = time.monotonic() + 30
-        while httpx.get(url + "/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, "the gateway did not get ready"
-            time.sleep(0.2)
-        yield Keyed(url, f"{cfg.host}:{grpc_port}")
-    finally:
-        assert stop_services([proc], 20.0) == {proc.name: 0}
+    with extra_gateway(cfg, "gateway-keyed", ("--api-keys-file", str(keys))) as gw:
+        yield Keyed(gw.url, gw.grpc_address)
 
 
 @pytest.fixture

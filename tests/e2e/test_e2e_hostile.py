@@ -24,10 +24,9 @@ import grpc
 import httpx
 import psutil
 import pytest
-from e2e_helpers import FRAME, REF_B64
+from e2e_helpers import FRAME, REF_B64, extra_gateway
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from services.launcher import free_port, gateway_spec, start_service, stop_services, wait_serving
 from tests.services.gateway import hostile_corpus as corpus
 
 pytestmark = pytest.mark.e2e
@@ -57,8 +56,6 @@ class Guarded:
 @pytest.fixture(scope="module")
 def guarded(stack) -> Guarded:
     cfg = stack.config
-    http_port, grpc_port = free_port(), free_port()
-    spec = gateway_spec(cfg, name="gateway-guarded", http_port=http_port, grpc_port=grpc_port, metrics_port=0)
     flags = {
         "--max-ref-audio-bytes": corpus.MAX_REF_AUDIO_BYTES,
         "--max-body-bytes": corpus.MAX_BODY_BYTES,
@@ -70,18 +67,8 @@ def guarded(stack) -> Guarded:
         "--rate-limit-per-s": RATE_PER_S,
         "--rate-limit-burst": BURST,
     }
-    spec = dataclasses.replace(spec, args=(*spec.args, *(str(x) for kv in flags.items() for x in kv)))
-    proc = start_service(spec, cfg.log_dir)
-    try:
-        wait_serving(proc, cfg.startup_timeout_s)
-        url = f"http://{cfg.host}:{http_port}"
-        deadline = time.monotonic() + 30
-        while httpx.get(url + "/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, "the guarded gateway did not get ready"
-            time.sleep(0.2)
-        yield Guarded(url, http_port, f"{cfg.host}:{grpc_port}", proc.popen.pid, proc.log_path)
-    finally:
-        assert stop_services([proc], 20.0) == {proc.name: 0}
+    with extra_gateway(cfg, "gateway-guarded", tuple(str(x) for kv in flags.items() for x in kv)) as gw:
+        yield Guarded(gw.url, gw.http_port, gw.grpc_address, gw.proc.popen.pid, gw.proc.log_path)
 
 
 GOOD = {

@@ -20,12 +20,11 @@ import time
 import grpc
 import httpx
 import pytest
-from e2e_helpers import REF_B64, REF_WAV, poll, scrape
+from e2e_helpers import REF_B64, REF_WAV, extra_gateway, poll, scrape
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from services.launcher import free_port, gateway_spec, start_service, stop_services, wait_serving
 from tests.services.gateway.hostile_corpus import bad_request_field
 
 pytestmark = pytest.mark.e2e
@@ -59,24 +58,12 @@ class Bounded:
 @pytest.fixture(scope="module")
 def bounded(stack) -> Bounded:
     cfg = stack.config
-    http_port, grpc_port = free_port(), free_port()
-    spec = gateway_spec(cfg, name="gateway-bounded", http_port=http_port, grpc_port=grpc_port, metrics_port=0)
     flags = (
         *("--ws-max-message-bytes", str(WS_LIMIT), "--stream-idle-timeout-s", str(IDLE_S)),
         *("--http-body-deadline-s", str(BODY_DEADLINE_S)),
     )
-    spec = dataclasses.replace(spec, args=(*spec.args, *flags))
-    proc = start_service(spec, cfg.log_dir)
-    try:
-        wait_serving(proc, cfg.startup_timeout_s)
-        url = f"http://{cfg.host}:{http_port}"
-        deadline = time.monotonic() + 30
-        while httpx.get(url + "/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, "the gateway did not get ready"
-            time.sleep(0.2)
-        yield Bounded(url, f"{cfg.host}:{grpc_port}")
-    finally:
-        assert stop_services([proc], 20.0) == {proc.name: 0}
+    with extra_gateway(cfg, "gateway-bounded", flags) as gw:
+        yield Bounded(gw.url, gw.grpc_address)
 
 
 # The poller runs in a process of its own, so that what the test's process does with 15 MB
