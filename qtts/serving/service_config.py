@@ -105,3 +105,16 @@ def check_connection_age(config: Any) -> None:
     """Raise `InvalidArgument` for a negative connection age or grace."""
     if config.max_connection_age_s < 0 or config.max_connection_age_grace_s < 0:
         raise InvalidArgument("--max-connection-age-s and --max-connection-age-grace-s must be >= 0")
+
+
+# A stage that loads a checkpoint: how, and in which precision (the flag values).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_model_fields(config: Any) -> None:
+    """Raise `InvalidArgument` for an unknown `--load-format` or `--dtype`."""
+    if config.load_format not in LOAD_FORMATS:
+        raise InvalidArgument(f"--load-format must be auto, safetensors or dummy, got {config.load_format!r}")
+    if config.dtype not in DTYPES:
+        raise InvalidArgument(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")

@@ -12,12 +12,15 @@ from dataclasses import dataclass
 
 from qtts.request.errors import InvalidArgument
 from qtts.serving import service_config as common
-from qtts.serving.service_config import check_connection_age, check_server_fields
+from qtts.serving.service_config import (
+    DTYPES,
+    LOAD_FORMATS,
+    check_connection_age,
+    check_model_fields,
+    check_server_fields,
+)
 from qtts.serving.settings import ServiceSettings, group, setting
 from qtts.serving.tls import TlsConfig
-
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,7 @@ class AlignerConfig:
         check_server_fields(self)
         check_connection_age(self)
         self.tls.validate()
-        if self.load_format not in LOAD_FORMATS:
-            raise InvalidArgument(
-                f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}"
-            )
-        if self.dtype not in DTYPES:
-            raise InvalidArgument(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_model_fields(self)
         for name in ("max_batch", "max_text_chars"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

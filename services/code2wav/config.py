@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from qtts.request.errors import InvalidArgument
 from qtts.serving import service_config as common
-from qtts.serving.service_config import check_connection_age, check_server_fields
+from qtts.serving.service_config import check_connection_age, check_model_fields, check_server_fields
 from qtts.serving.settings import ServiceSettings, group, setting
 from qtts.serving.tls import TlsConfig
 from qtts.streams.chunk_plan import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, ChunkPlan
@@ -112,12 +112,7 @@ class Code2WavConfig:
         check_server_fields(self)
         check_connection_age(self)
         self.tls.validate()
-        if self.load_format not in LOAD_FORMATS:
-            raise InvalidArgument(
-                f"--load-format must be auto, safetensors or dummy, got {self.load_format!r}"
-            )
-        if self.dtype not in DTYPES:
-            raise InvalidArgument(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_model_fields(self)
         if self.decode_engine not in DECODE_ENGINES:
             raise InvalidArgument(
                 f"--decode-engine must be one of {', '.join(DECODE_ENGINES)}, got {self.decode_engine!r}"
