@@ -2,7 +2,7 @@
 
 A stand-in talker (`serve`) answers `talker.v1.TalkerService` with audio paced like the real
 talker's under the deadline scheduler: the first chunk after `--first-audio-ms`, then the chunks of
-the default plan (4 | 4, 4, 8, 8, 16 frames) generated `--speedup` times faster than real time
+the default chunk plan generated `--speedup` times faster than real time
 until the stream is `--lead-s` ahead of its listener, then in real time. Its audio is a constant
 tone (so the client's first-audible time equals its first-audio time). Everything behind the
 gateway is then free, and any gap the client or the gateway's own playback clock

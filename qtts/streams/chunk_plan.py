@@ -1,15 +1,35 @@
 """How many frames each audio chunk of a stream decodes: a small first chunk, then a ramp.
 
 code2wav decodes by this plan; the talker gets the plan of each stream in the first credit grant
-and sends frames in whole chunks (`end_at_or_below`), since a partial chunk cannot be decoded."""
+and sends frames in whole chunks (`end_at_or_below`), since a partial chunk cannot be decoded.
+
+The default starts with one frame (as vLLM-Omni's `initial_codec_chunk_frames` and Nari Labs' ttfa
+profile do): the prefill step makes it, so first audio waits for no frame step at all. The ramp then
+grows so that each chunk needs its frames at most 1.5x faster than real time
+(`required_speedup`): frame steps up to 53 ms keep every chunk ahead of the listener, about what
+the 4-frame start allowed (1.43x, 56 ms). The ramp ends in 16 frames, a captured decode shape.
+
+Under load the one-frame start costs more than it gives: a young stream has 80 ms of audio
+buffered, so its second chunk must beat any long step or slow decode, and the talker budgets each
+step's prefill from the tightest stream's slack, so many young streams make a burst's prefills
+crawl. On the talker tests' simulated clock, 512 streams starting at once heard first audio after
+5.1 s at the median instead of 2.4 s, with gaps, and a 60 requests/s open loop backed up. So the
+talker asks for the 4-frame start (`BURST_PLAN`) for a stream that starts while the talker is
+busy (`start_plan`); a light talker starts with one frame."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DEFAULT_FIRST_CHUNK_FRAMES = 4
-DEFAULT_CHUNK_RAMP = (4, 4, 8, 8, 16)
+DEFAULT_FIRST_CHUNK_FRAMES = 1
+DEFAULT_CHUNK_RAMP = (1, 2, 2, 4, 4, 8, 8, 16)
+# A busy talker's plan (`start_plan`): this many streams starting at once (submitted, no first
+# audio yet), or this many generating, make it busy.
+BURST_FIRST_CHUNK_FRAMES = 4
+BURST_CHUNK_RAMP = (4, 4, 8, 8, 16)
+BUSY_STARTING = 4
+BUSY_STREAMS = 128
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,23 @@ class ChunkPlan:
         last = self.ramp[-1]
         return end + ((frames - end) // last) * last
 
+    def required_speedup(self) -> float:
+        """How much faster than real time the talker must make frames for every chunk to arrive
+        before the listener has played all the audio before it.
+
+        Playback starts when the first chunk arrives, after `first` frames were made; chunk k+1
+        is due when the audio of chunks 0..k has played, so its frames beyond the first chunk's,
+        S(k+1) - first, must be made in S(k) frames of playback time (S = cumulative frames; a
+        constant hop through code2wav delays every chunk alike). The worst k is among the ramp's
+        chunks and the first repeat of its last size: after that the ratio only falls (or, for a
+        last size below `first`, rises towards real time, 1.0, which no plan can go below)."""
+        worst, done = 1.0, self.first
+        for k in range(1, len(self.ramp) + 2):
+            nxt = done + self.size(k)
+            worst = max(worst, (nxt - self.first) / done)
+            done = nxt
+        return worst
+
     def split(self, total_frames: int) -> list[int]:
         """Chunk sizes for a stream of `total_frames` frames (the last one holds the remainder)."""
         sizes: list[int] = []
@@ -83,3 +120,13 @@ class ChunkPlan:
             sizes.append(n)
             left -= n
         return sizes
+
+
+BURST_PLAN = ChunkPlan(BURST_FIRST_CHUNK_FRAMES, BURST_CHUNK_RAMP)
+
+
+def start_plan(starting: int, streams: int) -> ChunkPlan | None:
+    """The plan a new stream asks for when `starting` other streams have no first audio yet and
+    `streams` are generating or waiting to: `BURST_PLAN` on a busy talker, else None (the
+    decoder's default, a one-frame start)."""
+    return BURST_PLAN if starting >= BUSY_STARTING or streams >= BUSY_STREAMS else None

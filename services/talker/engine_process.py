@@ -647,6 +647,12 @@ class EngineClient:
     def stop_admitting(self) -> None:
         self._send_quietly(("stop_admitting",))
 
+    def start_counts(self) -> tuple[int, int]:
+        """As GenerationLoop.start_counts, from the requests this front submitted: the front
+        keeps their playback clocks."""
+        live = list(self._requests.values())  # one C-level copy: the reader thread pops from it
+        return sum(1 for req in live if req.first_audio_at is None), len(live)
+
     # -- calls --------------------------------------------------------------------------------
     def call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
         """Run `name` in the engine process and return its value (blocking: off the event loop)."""

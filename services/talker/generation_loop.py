@@ -260,6 +260,14 @@ class GenerationLoop:
         with self._cond:
             return self._scheduler.num_running, self._scheduler.num_waiting
 
+    def start_counts(self) -> tuple[int, int]:
+        """(streams without first audio yet, streams generating or waiting to): how busy the
+        talker is, for a new stream's chunk plan (qtts.streams.chunk_plan.start_plan)."""
+        with self._cond:
+            s = self._scheduler
+            unheard = sum(1 for req in s.running.values() if req.first_audio_at is None)
+            return s.num_waiting + unheard, s.num_waiting + s.num_running
+
     def _update_gauges(self, plan: StepPlan | None = None) -> None:
         s = self._scheduler
         self._metrics.active_streams.set(s.num_running)

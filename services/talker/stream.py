@@ -29,7 +29,7 @@ import numpy as np
 from qtts.audio import SAMPLE_RATE
 from qtts.request.errors import GenerationFailed, TTSError, Unavailable
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
-from qtts.streams.chunk_plan import ChunkPlan
+from qtts.streams.chunk_plan import ChunkPlan, start_plan
 
 from . import code2wav_client as c2w
 from .deadline import ScheduledRequest, StreamCredit
@@ -128,6 +128,7 @@ class StreamSession:
         """Audio pieces as code2wav decodes them, then the summary; the events are handled in turn."""
         generating = submitted = done = False
         try:
+            self._choose_plan()
             await self._open_decode()
             submitted = True
             self._handed_at = time.perf_counter()  # the first chunk's hops count from here
@@ -184,6 +185,15 @@ class StreamSession:
         finally:
             self._release_engine(generating, submitted)
             await self._close_decode(cancel=not done)
+
+    def _choose_plan(self) -> None:
+        """A request without a chunk plan of its own starts with the replica's default (one frame)
+        on a light talker, with the 4-frame start on a busy one (chunk_plan.start_plan)."""
+        if self._first_chunk_frames or self._ramp:
+            return
+        plan = start_plan(*self._engine.start_counts())
+        if plan is not None:
+            self._first_chunk_frames, self._ramp = plan.first, plan.ramp
 
     def _take_frames(self, ev: Frame) -> None:
         """Buffer the engine's frames until the credit and the chunk plan let them go."""

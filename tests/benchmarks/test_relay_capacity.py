@@ -8,9 +8,12 @@ import pytest
 from benchmarks.relay_capacity import FRAME_S, chunk_times, main
 from qtts.streams.chunk_plan import ChunkPlan
 
+# The plan these schedules were worked out for (the default before its one-frame start).
+FOUR_FRAME_START = ChunkPlan(4, (4, 4, 8, 8, 16))
+
 
 def test_chunks_come_fast_until_the_lead_then_in_real_time():
-    times = chunk_times(125, ChunkPlan(), first_audio_s=0.05, speedup=4.0, lead_s=4.0)
+    times = chunk_times(125, FOUR_FRAME_START, first_audio_s=0.05, speedup=4.0, lead_s=4.0)
     assert [n for _, _, n in times][:6] == [4, 4, 4, 8, 8, 16]
     assert sum(n for _, _, n in times) == 125
     assert [first for _, first, _ in times][:3] == [0, 4, 8]
@@ -24,7 +27,7 @@ def test_chunks_come_fast_until_the_lead_then_in_real_time():
     # 4x real time early on: frames 5-8 come 4 x 20 ms after the first chunk
     assert times[1][0] == pytest.approx(0.05 + 4 * FRAME_S / 4)
     with pytest.raises(ValueError, match="shorter than a 16-frame chunk"):
-        chunk_times(125, ChunkPlan(), first_audio_s=0.05, speedup=4.0, lead_s=1.0)
+        chunk_times(125, FOUR_FRAME_START, first_audio_s=0.05, speedup=4.0, lead_s=1.0)
 
 
 def test_a_run_through_the_real_gateway_is_gap_free(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from contextlib import asynccontextmanager
 
 import grpc
@@ -114,16 +115,42 @@ async def run_stream(
 
 def test_chunk_planner_default_ramp_repeats_last_value():
     plan = ChunkPlan()
-    # No chunk longer than the audio before it, growing slowly: the ramp needs its frames at most
-    # 1.43x faster than real time (chunk 6, frames 29-44, while 28 frames play).
-    assert [plan.size(i) for i in range(8)] == [4, 4, 4, 8, 8, 16, 16, 16]
-    assert plan.split(3) == [3]
-    assert plan.split(40) == [4, 4, 4, 8, 8, 12]
+    # One frame first (the prefill step makes it), then a ramp that ends in a captured size.
+    assert [plan.size(i) for i in range(11)] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 16]
+    assert plan.split(3) == [1, 1, 1]
+    assert plan.split(40) == [1, 1, 2, 2, 4, 4, 8, 8, 10]
     assert sum(plan.split(1000)) == 1000
     assert plan.split(0) == []
     assert ChunkPlan(1, (3,)).split(7) == [1, 3, 3]
-    assert plan.capped(8).split(30) == [4, 4, 4, 8, 8, 2]
+    assert plan.capped(8).split(40) == [1, 1, 2, 2, 4, 4, 8, 8, 8, 2]
     assert ChunkPlan.from_request(0, [], plan) == plan
+    assert ChunkPlan.from_request(2, [], plan) == ChunkPlan(2, plan.ramp)
+
+
+def test_default_ramp_keeps_every_chunk_ahead_of_its_listener():
+    """No chunk of the default plan needs its frames more than 1.5x faster than real time, no
+    more than the 4-frame start needed; a plan that doubles each chunk needs 2x."""
+    assert ChunkPlan().first <= 2
+    assert ChunkPlan().required_speedup() <= 1.5
+    assert ChunkPlan(4, (4, 4, 8, 8, 16)).required_speedup() == pytest.approx(40 / 28)
+    assert ChunkPlan(1, (2, 4, 8, 12)).required_speedup() == 2.0
+    assert ChunkPlan(4, (2,)).required_speedup() == 1.0  # never below real time
+
+
+def test_required_speedup_matches_a_listener_fed_at_that_rate():
+    """At exactly `required_speedup` the frames of every chunk are made by the time the audio
+    before it has played; a little slower and some chunk is late."""
+    for plan in (ChunkPlan(), ChunkPlan(2, (4, 4, 8, 16, 25)), ChunkPlan(1, (1, 3, 9))):
+        speed = plan.required_speedup()
+        for factor, on_time in ((1.0, True), (0.97, False)):
+            made_per_s = speed * factor / 0.08  # frames a second
+            ends = list(itertools.accumulate(plan.split(400)))
+            start = ends[0] / made_per_s  # playback starts with the first chunk
+            late = [
+                end / made_per_s - start > prev * 0.08 + 1e-9
+                for prev, end in zip(ends, ends[1:], strict=False)
+            ]
+            assert (not any(late)) is on_time, (plan, factor)
 
 
 def test_chunk_boundaries_match_split():
@@ -162,7 +189,7 @@ def test_config_rejects_chunks_larger_than_the_credit():
     with pytest.raises(Exception, match="largest chunk"):
         config_from_args(["--credit-window-frames", "8"])  # default ramp ends at 16
     cfg = config_from_args(["--credit-window-frames", "8", "--chunk-frames-ramp", "4,8", "--port", "0"])
-    assert cfg.chunk_plan == ChunkPlan(4, (4, 8))
+    assert cfg.chunk_plan == ChunkPlan(ChunkPlan().first, (4, 8))
 
 
 # ---------------------------------------------------------------------------- through the server

@@ -148,6 +148,9 @@ class FakeGenerator:
 class DecodeLog:
     request_id: str = ""
     prefix_frames: int = 0
+    # The chunk plan the talker asked for in StreamStart (0 / empty: the replica's default).
+    first_chunk_frames: int = 0
+    chunk_frames_ramp: tuple[int, ...] = ()
     frames: list[int] = field(default_factory=list)
     delta_sizes: list[int] = field(default_factory=list)
     max_allowed: int = 0
@@ -209,6 +212,8 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
                 if kind == "start":
                     log.request_id = req.start.request_id
                     log.prefix_frames = req.start.num_prefix_frames
+                    log.first_chunk_frames = req.start.first_chunk_frames
+                    log.chunk_frames_ramp = tuple(req.start.chunk_frames_ramp)
                     yield grant(first=True)
                 elif kind == "frames":
                     d = req.frames

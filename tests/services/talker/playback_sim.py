@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
 
-from qtts.streams.chunk_plan import ChunkPlan
+from qtts.streams.chunk_plan import ChunkPlan, start_plan
 from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
 
 FRAME_S = 0.08
@@ -79,15 +80,22 @@ def simulate(
     *,
     closed_loop: int = 0,
     until_s: float = 60.0,
-    plan: ChunkPlan | None = None,
+    plan: ChunkPlan | Callable[[int, int], ChunkPlan] | None = None,
     retry_refused_s: float | None = None,
 ) -> list[Listener]:
     """Run `arrivals` (time, frames, prompt positions) to completion or `until_s`.
 
     With `closed_loop` = n, every finished request is replaced at once by one like it, until
     n of them have been replaced; with `retry_refused_s` too, so is every refused one, that long
-    after its refusal (a closed-loop client sends its next request when told no)."""
-    plan = plan or ChunkPlan()
+    after its refusal (a closed-loop client sends its next request when told no).
+
+    `plan` is every stream's chunk plan, or a function that picks a stream's plan when it arrives
+    from how many streams are starting then (submitted, first audio not yet heard) and how many
+    are generating or waiting to; by default the talker's own choice (`start_plan`)."""
+    if plan is None:
+        plan_for = lambda starting, streams: start_plan(starting, streams) or ChunkPlan()  # noqa: E731
+    else:
+        plan_for = plan if callable(plan) else (lambda _starting, _streams: plan)
     pending = sorted(arrivals)
     listeners: dict[str, Listener] = {}
     reqs: dict[str, ScheduledRequest] = {}
@@ -108,7 +116,7 @@ def simulate(
             frames,
             StreamCredit(window=10**9, granted_until=10**9),
             sink=lambda ev: None,
-            chunk_plan=plan,
+            chunk_plan=plan_for(*_starting_running(reqs, scheduler)),
         )
         try:
             scheduler.submit(req, t)
@@ -169,7 +177,7 @@ def simulate(
                 req.credit.generated += 1
                 g = req.credit.generated
                 lis = listeners[req.request_id]
-                end = plan.end_at_or_below(g)
+                end = req.chunk_plan.end_at_or_below(g)
                 if end == g or g == lis.frames:
                     first = sum(n for _, _, r, n, _ in deliveries if r == req.request_id)
                     done = sum(n for _, n in lis.chunks) + first
@@ -202,3 +210,9 @@ def simulate(
                 break
             now = max(min(nxt), now + 1e-6)
     return list(listeners.values())
+
+
+def _starting_running(reqs: dict[str, ScheduledRequest], scheduler: DeadlineScheduler) -> tuple[int, int]:
+    """(streams starting: submitted, no first audio yet; streams generating or waiting to)."""
+    live = [r for r in reqs.values() if r.request_id in scheduler.running or r in scheduler.waiting]
+    return sum(1 for r in live if r.first_audio_at is None), len(live)
