@@ -2,8 +2,14 @@
 
 All torch work runs in one dedicated worker thread, so the asyncio loop (gRPC I/O, credit) never
 blocks on a decode. One batch is in flight at a time; while it runs, frames keep arriving and the
-next batch takes the ready streams earliest playback deadline first (`DecodeStream.deadline`; a
-stream still waiting for its first audio before all others).
+next batch takes the ready streams earliest playback deadline first (`DecodeStream.deadline`).
+
+First chunks have a lane of their own: while any stream waiting for its first audio has a chunk
+ready, the next call decodes only such streams, and their audio goes out when that call ends,
+not after a wide call of steady-state chunks (whose listeners have audio buffered). A first chunk
+is usually shorter than the steady-state chunks ready beside it, so the decoder would have run it
+as a step of its own inside the wide call anyway: the lane costs a call's overhead, not a step
+(one more step only where a first chunk is as long as chunks ready beside it).
 
 A decode call costs a fixed launch floor plus a share per frame, so narrow calls waste the GPU. When
 no ready stream is starting and the nearest deadline is far enough away, the loop waits a short,
@@ -314,6 +320,8 @@ class Code2WavCore:
     def _collect(self) -> list[tuple[DecodeStream, int, np.ndarray]]:
         ready = [s for s in self.registry if s.ready_frames() > 0]
         ready.sort(key=lambda s: s.deadline)  # earliest deadline first; streams not yet playing lead
+        if ready and ready[0].first_audio_at is None:  # the first-chunk lane (module docstring)
+            ready = [s for s in ready if s.first_audio_at is None]
         batch = []
         for stream in ready[: self.max_batch]:
             first, codes = stream.take_chunk()

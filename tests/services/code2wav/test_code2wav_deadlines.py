@@ -109,7 +109,40 @@ async def test_earliest_deadline_first_and_new_streams_before_everyone():
         for name in ("far", "near", "new"):
             _feed(streams[name], 4 if name != "new" else 2)
         await _decode_now(engine)
-        assert _named(decoder, streams) == [["new", "near"], ["far"]]
+        # The new stream's first chunk in a call of its own, then the rest by deadline.
+        assert _named(decoder, streams) == [["new"], ["near", "far"]]
+
+
+async def test_first_chunks_are_decoded_and_delivered_before_steady_state_work():
+    """Two streams starting and three playing, all ready at once: the first chunks go in one call
+    ahead of the others, and their audio is out before the steady-state call begins. Without a
+    first chunk ready, a call takes every ready stream."""
+    async with engine_with(ChunkPlan(1, (4,)), max_batch=64) as (engine, decoder, _):
+        streams = await _open(engine, "a", "b", "c", "new1", "new2")
+        for name in ("a", "b", "c"):
+            _feed(streams[name], 1)
+        await _decode_now(engine)
+        decoder.calls.clear()
+        heard_before_call: list[list[str]] = []
+        decode_batch = decoder.decode_batch
+
+        def recording(states, codes):
+            heard_before_call.append(sorted(n for n, st in streams.items() if st.emitted_samples))
+            return decode_batch(states, codes)
+
+        decoder.decode_batch = recording
+        for name in ("a", "b", "c"):
+            _feed(streams[name], 4)
+        for name in ("new1", "new2"):
+            _feed(streams[name], 1)
+        await _decode_now(engine)
+        assert _named(decoder, streams) == [["new1", "new2"], ["a", "b", "c"]]
+        assert heard_before_call == [["a", "b", "c"], ["a", "b", "c", "new1", "new2"]]
+        decoder.calls.clear()
+        for name in streams:
+            _feed(streams[name], 4)
+        await _decode_now(engine)
+        assert [sorted(call) for call in _named(decoder, streams)] == [sorted(streams)]
 
 
 async def test_coalescing_waits_for_more_streams_until_the_batch_is_full():
@@ -174,7 +207,7 @@ async def test_no_coalescing_for_first_chunks_or_tight_deadlines():
         assert _named(decoder, streams) == [["a"], ["a"]]
 
 
-async def test_a_first_chunk_ends_a_coalescing_wait_and_leads_the_call():
+async def test_a_first_chunk_ends_a_coalescing_wait_and_goes_first():
     async with engine_with(ChunkPlan(16, (16,)), coalesce_max_s=30.0, deadline_safety_s=0.1) as (
         engine,
         decoder,
@@ -191,7 +224,8 @@ async def test_a_first_chunk_ends_a_coalescing_wait_and_leads_the_call():
         _feed(streams["new"], 16)
         engine.notify()
         await asyncio.wait_for(task, timeout=5)
-        assert _named(decoder, streams) == [["a"], ["new", "a"]]
+        # The first chunk in its own call (the first-chunk lane), then the wait's stream.
+        assert _named(decoder, streams) == [["a"], ["new"], ["a"]]
 
 
 def test_slack_and_underruns_follow_the_playback_clock():
