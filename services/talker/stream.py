@@ -129,11 +129,13 @@ class StreamSession:
         generating = submitted = done = False
         try:
             self._choose_plan()
-            await self._open_decode()
+            # Generation starts before the Decode call is opened (the replica's answer is a round
+            # trip of the event loop): frames made meanwhile wait in the event queue.
             submitted = True
             self._handed_at = time.perf_counter()  # the first chunk's hops count from here
             self._engine.submit(self._request)
             generating = True
+            await self._open_decode()
             queue_ns = prefill_ns = first_audio_ns = 0
             samples = 0
             while True:
