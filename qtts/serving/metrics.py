@@ -135,6 +135,17 @@ class GatewayMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.first_chunk_hop_seconds = Histogram(
+            "tts_gateway_first_chunk_hop_seconds",
+            "Where a request's first audio goes at the gateway, per hop: admit (request received "
+            "to the talker call: admission, reference clip), talker (the call to its first audio "
+            "chunk: the talker's and code2wav's hops, tts_talker_first_chunk_hop_seconds, and the "
+            "network), to_client (that chunk to its first byte out: encoding; for a whole-clip "
+            "response, the rest of the clip). Their sum is tts_gateway_ttfa_seconds.",
+            ["hop"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.request_duration_seconds = Histogram(
             "tts_gateway_request_duration_seconds",
             "Request received to last audio byte sent.",

@@ -76,6 +76,7 @@ class SynthesisStream:
         first: Event,
         started: float,
         client: str = "",
+        first_hops: dict[str, float] | None = None,
     ):
         self.job = job
         self._client = client
@@ -85,6 +86,9 @@ class SynthesisStream:
         self._first: Event | None = first
         self._started = started
         self._first_byte_seen = False
+        # The first chunk's hops so far (admit, talker) and when it arrived; None without audio.
+        self._first_hops = first_hops
+        self._first_at = time.perf_counter()
         self._closed = False
         self.summary: SynthesisSummary | None = None
         self._reader: asyncio.Task | None = None  # the task iterating the stream
@@ -137,7 +141,12 @@ class SynthesisStream:
         """Record time to first audio once, when the first audio byte went out."""
         if not self._first_byte_seen:
             self._first_byte_seen = True
-            self._synth.metrics.ttfa_seconds.observe(time.perf_counter() - self._started)
+            now = time.perf_counter()
+            metrics = self._synth.metrics
+            metrics.ttfa_seconds.observe(now - self._started)
+            if self._first_hops is not None:
+                for hop, seconds in (*self._first_hops.items(), ("to_client", now - self._first_at)):
+                    metrics.first_chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
 
     async def close(self, error: BaseException | None = None) -> None:
         """Cancel the talker call if still running, release the slot, record the outcome."""
@@ -237,16 +246,20 @@ class GatewayCore:
                         pcm = await _decode_field(self._decode, job.reference_audio, "ref_audio")
                 job = _with_pcm(job, pcm)
             events = self.talker.generate(job) if text is None else self.talker.generate(job, text)
+            asked = time.perf_counter()
             try:
                 first = await events.__anext__()
             except StopAsyncIteration:
                 raise GenerationFailed("the talker ended the stream without audio or summary") from None
+            hops = None
+            if isinstance(first, AudioPiece):
+                hops = {"admit": asked - started, "talker": time.perf_counter() - asked}
         except BaseException as exc:
             if events is not None:
                 await events.aclose()
             self._finish(protocol, started, exc, client)
             raise
-        return SynthesisStream(self, job, protocol, events, first, started, client)
+        return SynthesisStream(self, job, protocol, events, first, started, client, hops)
 
     def cut_all(self, error: Exception) -> int:
         """End every running stream with `error`, and refuse new ones with it; returns how many."""

@@ -1,0 +1,42 @@
+"""The gateway's first-chunk hop histogram: where a request's first audio went at the gateway."""
+
+from __future__ import annotations
+
+import httpx
+from gateway_fakes import build_gateway, clone_body, serve_http
+
+HOPS = ("admit", "talker", "to_client")
+
+
+def hop(gw, name: str, kind: str = "count") -> float:
+    return (
+        gw.metrics.registry.get_sample_value(f"tts_gateway_first_chunk_hop_seconds_{kind}", {"hop": name})
+        or 0.0
+    )
+
+
+def ttfa(gw, kind: str = "count") -> float:
+    return gw.metrics.registry.get_sample_value(f"tts_gateway_ttfa_seconds_{kind}") or 0.0
+
+
+async def test_each_first_chunk_hop_is_observed_once_and_they_add_up_to_first_audio():
+    """The fake talker sleeps 50 ms before its first chunk: that time is the talker hop's, and the
+    three hops together are the request's time to first audio."""
+    async with (
+        serve_http(build_gateway(frames=4, chunk=2, delay_s=0.05)) as gw,
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        for streamed in (True, False):
+            r = await client.post("/v1/audio/speech", json=clone_body(stream=streamed))
+            assert r.status_code == 200 and r.content
+        assert [hop(gw, name) for name in HOPS] == [2, 2, 2]
+        assert ttfa(gw) == 2
+        assert hop(gw, "talker", "sum") >= 2 * 0.05
+        assert sum(hop(gw, name, "sum") for name in HOPS) <= ttfa(gw, "sum")
+
+
+async def test_a_request_without_audio_records_no_first_chunk_hops():
+    async with serve_http(build_gateway(frames=0)) as gw, httpx.AsyncClient(base_url=gw.url) as client:
+        r = await client.post("/v1/audio/speech", json=clone_body(stream=True))
+        assert r.status_code == 200
+        assert [hop(gw, name) for name in HOPS] == [0, 0, 0]
