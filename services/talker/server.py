@@ -17,7 +17,7 @@ from qtts.serving.metrics import TalkerMetrics
 
 from .config import TalkerConfig
 from .core import TalkerCore
-from .engine_process import EngineClient, RemoteBundle, engine_process_on
+from .engine_client import EngineClient, RemoteBundle, engine_process_on
 from .generation_loop import GenerationLoop
 from .metrics_merge import MergedRegistry
 from .model_setup import generator_factory_for, load_bundle, scheduler_for

@@ -225,7 +225,7 @@ async def test_the_engine_process_prompt_queue_keeps_the_first_audio_budget(tiny
 
 async def test_prompts_nobody_claims_are_freed_in_the_engine_process(tiny_snapshot):
     from qtts.model import SynthesisSpec
-    from services.talker.engine_process import spec_to_wire
+    from services.talker.engine_wire import spec_to_wire
 
     nothing = {"prompts": 0, "open_texts": 0, "requests": 0}
     c2w = FakeCode2Wav("c2w-a")
@@ -265,7 +265,7 @@ async def test_prompts_queued_together_are_each_answered(prompt_builds, tiny_sna
     # and one refused in the middle fails alone.
     from qtts.model import SynthesisSpec
     from qtts.request.errors import ResourceExhausted
-    from services.talker.engine_process import spec_to_wire
+    from services.talker.engine_wire import spec_to_wire
 
     builder = tiny_talker_bundle("custom_voice").prompt_builder
     texts = [f"Hello number {i}, {'and more words ' * i}here." for i in range(8)]
@@ -296,7 +296,7 @@ async def test_grants_and_clocks_of_one_loop_turn_cross_the_pipe_together():
     from types import SimpleNamespace
 
     from services.talker.deadline import StreamCredit
-    from services.talker.engine_process import EngineClient
+    from services.talker.engine_client import EngineClient
 
     sent: list[tuple] = []
     client = EngineClient(config=None)
