@@ -18,7 +18,6 @@ listener, not on the replica, and is not checked.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -32,8 +31,10 @@ from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 from qtts.streams.chunk_plan import ChunkPlan, start_plan
 
 from . import code2wav_client as c2w
+from .chunk_hops import ChunkHops
 from .deadline import ScheduledRequest, StreamCredit
 from .generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
+from .replica_link import STALL_CHECK, ReplicaLink
 from .replicas import Code2WavReplicas
 
 log = logging.getLogger(__name__)
@@ -41,13 +42,6 @@ log = logging.getLogger(__name__)
 FRAME_CAP_MESSAGE = "generation hit the frame cap without end of speech"
 # qtts.model.generator.SAMPLING_FAILED: this stream's sampling broke (its batch went on).
 SAMPLING_FAILED = "sampling_failed"
-
-
-class _StallCheck:
-    """Queued by the stall timer: time to look whether the replica still answers."""
-
-
-_STALL_CHECK = _StallCheck()
 
 
 class _Abort:
@@ -78,18 +72,13 @@ class StreamSession:
         stall_timeout_s: float = 0.0,
         metrics: Any = None,
     ):
-        self._metrics = metrics
         self.request_id = request_id
         self._engine = engine
-        self._replicas = replicas
-        self._ref_codes = ref_codes
-        self._num_codebooks = num_codebooks
         self._first_chunk_frames = first_chunk_frames
         self._ramp = tuple(chunk_frames_ramp)
         self._started_at = started_at
-        self._stall_timeout_s = stall_timeout_s
         self._events: asyncio.Queue = asyncio.Queue()
-        self._loop = loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self._request = ScheduledRequest(
             request_id=request_id,
             prompt=prompt,
@@ -107,18 +96,10 @@ class StreamSession:
         self._plan: ChunkPlan | None = None
         self._gen_end: Finished | None = None
         self._end_sent = False
-        self._decode: c2w.DecodeCall | None = None
-        self._reader: asyncio.Task | None = None
-        self._tried: set[str] = set()
-        self._heard_from_replica = False
-        # Loop time of the last message either way on the Decode call (the stall clock).
-        self._exchanged_at = 0.0
-        # Per-chunk hop timing (perf_counter): when the frames up to each index were made by the
-        # engine, reached this task, and were sent to the replica; and the last hand-on.
-        self._made_at: dict[int, tuple[float, float]] = {}
-        self._sent_at: dict[int, float] = {}
-        self._handed_at = 0.0
-        self._stall_timer: asyncio.TimerHandle | None = None
+        self._link = ReplicaLink(
+            request_id, replicas, self._events.put_nowait, num_codebooks, ref_codes, stall_timeout_s
+        )
+        self._hops = ChunkHops(request_id, metrics)
 
     def fail(self, error: Exception) -> None:
         """End the stream with `error` (from outside its events: e.g. appended text refused)."""
@@ -132,10 +113,10 @@ class StreamSession:
             # Generation starts before the Decode call is opened (the replica's answer is a round
             # trip of the event loop): frames made meanwhile wait in the event queue.
             submitted = True
-            self._handed_at = time.perf_counter()  # the first chunk's hops count from here
+            self._hops.submitted()
             self._engine.submit(self._request)
             generating = True
-            await self._open_decode()
+            await self._link.open(self._first_chunk_frames, self._ramp)
             queue_ns = prefill_ns = first_audio_ns = 0
             samples = 0
             while True:
@@ -158,7 +139,7 @@ class StreamSession:
                     self._take_credit(ev)
                     await self._flush()
                 elif isinstance(ev, c2w.DecodedAudio):
-                    self._heard_from_replica = True
+                    self._link.heard = True
                     if not first_audio_ns:
                         first_audio_ns = int((time.perf_counter() - self._started_at) * 1e9)
                     samples += ev.num_samples
@@ -167,26 +148,26 @@ class StreamSession:
                     # Handed on: the playback clock the scheduler paces this stream by.
                     self._hand_on(samples / SAMPLE_RATE, ev.first_frame_index + ev.num_frames, arrived)
                     # The caller took the chunk: tell code2wav how far the listener is.
-                    await self._decode.ack(samples)
-                    self._exchanged_at = self._loop.time()
+                    await self._link.call.ack(samples)
+                    self._link.touch()
                 elif isinstance(ev, c2w.Done):
                     done = True
                     replica = self._stream_done(ev)
                     break
                 elif isinstance(ev, _Abort):
                     raise ev.error
-                elif ev is _STALL_CHECK:
+                elif ev is STALL_CHECK:
                     await self._check_stall()
                 elif isinstance(ev, c2w.DecodeFailed):
                     await self._on_decode_failed(ev)
                 elif isinstance(ev, c2w.DecodeClosed):
                     raise Unavailable(
-                        f"code2wav replica {self._decode.replica} closed the stream before the end"
+                        f"code2wav replica {self._link.replica} closed the stream before the end"
                     )
             yield self._summary(samples, queue_ns, prefill_ns, first_audio_ns, replica)
         finally:
             self._release_engine(generating, submitted)
-            await self._close_decode(cancel=not done)
+            await self._link.close(cancel=not done)
 
     def _choose_plan(self) -> None:
         """A request without a chunk plan of its own starts with the replica's default (one frame)
@@ -201,7 +182,7 @@ class StreamSession:
         """Buffer the engine's frames until the credit and the chunk plan let them go."""
         if ev.clock_restart:
             self._request.clock_restart = True
-        self._made_at[ev.index + len(ev.codes)] = (ev.made_at, time.perf_counter())
+        self._hops.made(ev.index + len(ev.codes), ev.made_at)
         self._buffer.extend(ev.codes)
 
     def _end_generation(self, ev: Finished) -> None:
@@ -214,7 +195,7 @@ class StreamSession:
 
     def _take_credit(self, ev: c2w.Credit) -> None:
         """The replica's grant (with its chunk plan, the first time) passed on to the engine."""
-        self._heard_from_replica = True
+        self._link.heard = True
         if ev.plan is not None:
             self._plan = ev.plan
             self._request.chunk_plan = ev.plan
@@ -222,8 +203,8 @@ class StreamSession:
 
     def _stream_done(self, ev: c2w.Done) -> str:
         """The replica decoded the whole stream: count it, and return the replica that did."""
-        self._replicas.stream_completed(self._decode.replica)
-        return ev.replica or self._decode.replica
+        self._link.replicas.stream_completed(self._link.replica)
+        return ev.replica or self._link.replica
 
     def _summary(
         self, samples: int, queue_ns: int, prefill_ns: int, first_audio_ns: int, replica: str
@@ -231,7 +212,7 @@ class StreamSession:
         """The stream's summary, once the replica is done (TTSError if it ended before generation)."""
         end = self._gen_end
         if end is None:
-            raise TTSError(f"code2wav replica {self._decode.replica} ended the stream before generation did")
+            raise TTSError(f"code2wav replica {self._link.replica} ended the stream before generation did")
         return SynthesisSummary(
             finish_reason=end.reason,
             num_frames=end.num_frames,
@@ -246,8 +227,7 @@ class StreamSession:
 
     def _release_engine(self, generating: bool, submitted: bool) -> None:
         """On the way out: stop the stall timer, and cancel the generation or free the prompt."""
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
+        self._link.stop_stall_timer()
         if generating:
             self._engine.cancel(self.request_id)
         elif not submitted:
@@ -266,103 +246,32 @@ class StreamSession:
         restarted = False
         if req.first_audio_at is None:
             req.first_audio_at = now
-            if self._metrics is not None:
-                # The first chunk apart: its "generate" hop runs from submission (queue, prefill
-                # and its frames), and first audio is the sum of its hops.
-                for hop, seconds in self._hops(end_frame, arrived, now).items():
-                    self._metrics.first_chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
+            self._hops.first_chunk(end_frame, arrived, now)
         elif req.clock_restart:
             # The listener ran dry waiting for text, not for us: its clock resumes with this chunk
             # (first_audio_at before the flag: the engine thread reads both).
             req.first_audio_at = now - req.delivered_s
             req.clock_restart = False
             restarted = True
-        elif self._metrics is not None:
-            slack = req.slack_s(now)
-            self._metrics.deadline_slack_seconds.observe(slack)
-            hops = self._hops(end_frame, arrived, now)
-            if hops:
-                for hop, seconds in hops.items():
-                    self._metrics.chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
-            if slack < 0:
-                self._metrics.underruns_total.inc()
-                log.info(
-                    "request %s: audio up to frame %d handed on %.0f ms late; %s",
-                    self.request_id,
-                    end_frame,
-                    -slack * 1e3,
-                    ", ".join(f"{hop} {seconds * 1e3:.0f} ms" for hop, seconds in hops.items()),
-                )
-        self._handed_at = now
+            self._hops.restarted(now)
+        else:
+            self._hops.chunk(end_frame, arrived, now, req.slack_s(now))
         req.delivered_s = delivered_s
         self._engine.clock_changed(req, restarted)
 
-    def _hops(self, end_frame: int, arrived: float, now: float) -> dict[str, float]:
-        """The time of the chunk ending at `end_frame` per hop (empty when it is not known)."""
-        made = self._made_at.pop(end_frame, None)
-        sent = self._sent_at.pop(end_frame, None)
-        if made is None or sent is None or not arrived:
-            return {}
-        made_at, received_at = made
-        return {
-            "generate": made_at - self._handed_at,
-            "engine_to_loop": received_at - made_at,
-            "to_code2wav": sent - received_at,
-            "code2wav": arrived - sent,
-            "to_gateway": now - arrived,
-        }
-
-    async def _open_decode(self) -> None:
-        """Open the Decode call on the ring's replica for this request and send StreamStart."""
-        while True:
-            replica = await self._replicas.pick_or_probe(self.request_id, exclude=frozenset(self._tried))
-            self._tried.add(replica)
-            decode = c2w.DecodeCall(self._replicas.stub(replica), replica)
-            try:
-                await decode.start(
-                    self.request_id,
-                    self._num_codebooks,
-                    self._ref_codes,
-                    self._first_chunk_frames,
-                    self._ramp,
-                )
-            except Unavailable as exc:
-                decode.cancel()
-                self._replicas.mark_down(replica, exc.message)
-                continue
-            except TTSError:
-                # The replica answered with a status of its own (e.g. RESOURCE_EXHAUSTED at its
-                # state bound): not a dead replica; the request fails with that status.
-                decode.cancel()
-                raise
-            self._decode = decode
-            self._exchanged_at = self._loop.time()
-            self._reader = asyncio.create_task(self._pump(decode), name=f"decode-{self.request_id}")
-            return
-
-    async def _pump(self, decode: c2w.DecodeCall) -> None:
-        async for ev in decode.events():
-            self._exchanged_at = self._loop.time()
-            self._events.put_nowait(ev)
-
     def _nothing_on_replica(self) -> bool:
         """The replica never answered and got no frames: the stream may still open elsewhere."""
-        return not self._heard_from_replica and self._sent == 0
-
-    async def _reopen_elsewhere(self) -> None:
-        """Open the Decode call on the next replica of the ring (Unavailable when none is left)."""
-        await self._close_decode(cancel=True)
-        await self._open_decode()
+        return not self._link.heard and self._sent == 0
 
     async def _on_decode_failed(self, ev: c2w.DecodeFailed) -> None:
-        replica = self._decode.replica
+        replica = self._link.replica
         if ev.replica_down:
-            self._replicas.mark_down(replica, ev.error.message)
+            self._link.replicas.mark_down(replica, ev.error.message)
         if ev.replica_down and self._nothing_on_replica():
             # The replica never answered: nothing of this stream lives there yet, so open it on
             # the next replica of the ring instead of failing the request.
             log.info("request %s: code2wav replica %s unreachable, trying another", self.request_id, replica)
-            await self._reopen_elsewhere()
+            await self._link.reopen_elsewhere()
             await self._flush()
             return
         raise ev.error
@@ -373,33 +282,28 @@ class StreamSession:
         return blocked or self._end_sent
 
     def _watch_stall(self) -> None:
-        """Arm the stall timer while the stream waits on its replica (unless off or armed)."""
-        if self._stall_timeout_s > 0 and self._stall_timer is None and self._waiting_on_replica():
-            self._stall_timer = self._loop.call_at(
-                self._exchanged_at + self._stall_timeout_s, self._events.put_nowait, _STALL_CHECK
-            )
+        self._link.watch_stall(self._waiting_on_replica())
 
     async def _check_stall(self) -> None:
-        self._stall_timer = None
-        silent_s = self._loop.time() - self._exchanged_at
-        if silent_s < self._stall_timeout_s or not self._waiting_on_replica():
+        silent_s = self._link.stall_fired()
+        if silent_s < self._link.stall_timeout_s or not self._waiting_on_replica():
             self._watch_stall()
             return
-        replica = self._decode.replica
+        replica = self._link.replica
         waiting = (
             f"{len(self._buffer)} frames wait for credit" if self._buffer else "the end of the stream is due"
         )
         error = Unavailable(
             f"code2wav replica {replica} stalled: no credit or audio from it for {silent_s:.1f} s "
-            f"while {waiting} (--code2wav-stall-timeout-s {self._stall_timeout_s:g})"
+            f"while {waiting} (--code2wav-stall-timeout-s {self._link.stall_timeout_s:g})"
         )
         log.warning("request %s: %s", self.request_id, error.message)
-        self._replicas.mark_stalled(replica, error.message)
+        self._link.replicas.mark_stalled(replica, error.message)
         if not self._nothing_on_replica():
             raise error
         # Hung before it answered at all: nothing of this stream lives there yet.
         try:
-            await self._reopen_elsewhere()
+            await self._link.reopen_elsewhere()
         except Unavailable as exc:
             raise error from exc
         await self._flush()
@@ -423,24 +327,15 @@ class StreamSession:
             codes = np.stack(self._buffer[:n])
             del self._buffer[:n]
             try:
-                await self._decode.send_frames(self._sent, codes)
+                await self._link.call.send_frames(self._sent, codes)
             except Unavailable as exc:
-                self._replicas.mark_down(self._decode.replica, exc.message)
+                self._link.replicas.mark_down(self._link.replica, exc.message)
                 raise
             self._sent += n
-            self._sent_at[self._sent] = time.perf_counter()
-            self._exchanged_at = self._loop.time()
+            self._hops.sent(self._sent)
+            self._link.touch()
         if self._gen_end is not None and not self._buffer and not self._end_sent:
             self._end_sent = True
-            await self._decode.end(self._gen_end.num_frames)
-            self._exchanged_at = self._loop.time()
+            await self._link.call.end(self._gen_end.num_frames)
+            self._link.touch()
         self._watch_stall()
-
-    async def _close_decode(self, cancel: bool) -> None:
-        if self._decode is not None and cancel:
-            self._decode.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
-        self._reader = None

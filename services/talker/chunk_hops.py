@@ -1,0 +1,84 @@
+"""Where each chunk of one stream spends its time on the talker, per hop, and how the listener
+fared: the talker's tts_talker_chunk_hop_seconds, tts_talker_first_chunk_hop_seconds,
+deadline slack and underrun metrics.
+
+Times are `time.perf_counter`: when the engine made a chunk's last frame and the stream's task got
+it (`made`), when the task sent the chunk to code2wav (`sent`), when its audio came back and was
+taken by the caller (`handed_on`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class ChunkHops:
+    """One stream's chunk timing; `metrics` None records nothing."""
+
+    def __init__(self, request_id: str, metrics: Any = None):
+        self.request_id = request_id
+        self._metrics = metrics
+        self._made_at: dict[int, tuple[float, float]] = {}  # end frame -> (made, received)
+        self._sent_at: dict[int, float] = {}  # end frame -> sent to code2wav
+        self._handed_at = 0.0  # the last hand-on (at first: the submission to the engine)
+
+    def submitted(self) -> None:
+        """The request went to the engine: the first chunk's hops count from now."""
+        self._handed_at = time.perf_counter()
+
+    def made(self, end_frame: int, made_at: float) -> None:
+        """Frames up to `end_frame` were made by the engine at `made_at` and reached the task now."""
+        self._made_at[end_frame] = (made_at, time.perf_counter())
+
+    def sent(self, end_frame: int) -> None:
+        self._sent_at[end_frame] = time.perf_counter()
+
+    def first_chunk(self, end_frame: int, arrived: float, now: float) -> None:
+        """The first chunk apart: its "generate" hop runs from submission (queue, prefill and its
+        frames), and first audio is the sum of its hops."""
+        hops = self._hops(end_frame, arrived, now)
+        if self._metrics is not None:
+            for hop, seconds in hops.items():
+                self._metrics.first_chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
+        self._handed_at = now
+
+    def chunk(self, end_frame: int, arrived: float, now: float, slack_s: float) -> None:
+        """A later chunk handed on with `slack_s` of audio still buffered (below 0: a gap)."""
+        hops = self._hops(end_frame, arrived, now)
+        self._handed_at = now
+        if self._metrics is None:
+            return
+        self._metrics.deadline_slack_seconds.observe(slack_s)
+        for hop, seconds in hops.items():
+            self._metrics.chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
+        if slack_s < 0:
+            self._metrics.underruns_total.inc()
+            log.info(
+                "request %s: audio up to frame %d handed on %.0f ms late; %s",
+                self.request_id,
+                end_frame,
+                -slack_s * 1e3,
+                ", ".join(f"{hop} {seconds * 1e3:.0f} ms" for hop, seconds in hops.items()),
+            )
+
+    def restarted(self, now: float) -> None:
+        """The playback clock restarted (the listener waited for text): no hops to judge."""
+        self._handed_at = now
+
+    def _hops(self, end_frame: int, arrived: float, now: float) -> dict[str, float]:
+        """The time of the chunk ending at `end_frame` per hop (empty when it is not known)."""
+        made = self._made_at.pop(end_frame, None)
+        sent = self._sent_at.pop(end_frame, None)
+        if made is None or sent is None or not arrived:
+            return {}
+        made_at, received_at = made
+        return {
+            "generate": made_at - self._handed_at,
+            "engine_to_loop": received_at - made_at,
+            "to_code2wav": sent - received_at,
+            "code2wav": arrived - sent,
+            "to_gateway": now - arrived,
+        }
