@@ -122,6 +122,26 @@ def emit(events: list[tuple[ScheduledRequest, Any]]) -> None:
             pass
 
 
+def _held_frames(req: ScheduledRequest, step_s: float) -> Frame:
+    held, req.held_codes = req.held_codes, []
+    return Frame(req.credit.generated - len(held), np.stack(held), step_s, time.perf_counter())
+
+
+def _count_prefix_lookups(generator: Any, metrics: TalkerMetrics, seen: tuple[int, int]) -> tuple[int, int]:
+    """Move the engine's prefix-cache hit and miss counts (qtts/engine/prefix_cache.py) past
+    `seen` into the metrics, and return them: only after steps that admitted prompts, two
+    attribute reads."""
+    cache = getattr(getattr(generator, "runner", None), "prefix_cache", None)
+    if cache is None:
+        return seen
+    hits, misses = seen
+    if cache.hits > hits:
+        metrics.prefix_cache_lookups_total.labels("hit").inc(cache.hits - hits)
+    if cache.misses > misses:
+        metrics.prefix_cache_lookups_total.labels("miss").inc(cache.misses - misses)
+    return cache.hits, cache.misses
+
+
 def skipping_step(generator: Any) -> Any:
     """A `step(skip, prefill_budget)` function for `generator`.
 
@@ -306,26 +326,39 @@ class GenerationLoop:
             self._cond.wait(timeout)
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                nxt = self._next_plan()
-                if nxt is None:
-                    return
-                cancels, plan = nxt
-                for rid, req in self._scheduler.running.items():
-                    stalled = rid in plan.skip and not req.credit.has_credit()
-                    if stalled and not req.stalled:
-                        self._metrics.credit_stalls_total.inc()
-                    req.stalled = stalled
-                self._update_gauges(plan)
-            for rid in cancels:
-                self._call_generator(self._generator.cancel, rid)
-            if plan.refused:
-                emit([(req, Failed(err)) for req, err in plan.refused])
-            for req in plan.admitted:
-                self._add(req)
-            if plan.step:
-                self._step(plan)
+        """The engine thread: schedule, run the step, postprocess its outputs; until stopped."""
+        while (scheduled := self._schedule()) is not None:
+            cancels, plan = scheduled
+            self._apply_plan(cancels, plan)
+            if not plan.step:
+                continue
+            ran = self._run_step(plan)
+            if ran is not None:
+                self._postprocess(plan, *ran)
+
+    def _schedule(self) -> tuple[list[str], StepPlan] | None:
+        """The next plan, once there is something to do (None once stopped)."""
+        with self._cond:
+            nxt = self._next_plan()
+            if nxt is None:
+                return None
+            _, plan = nxt
+            for rid, req in self._scheduler.running.items():
+                stalled = rid in plan.skip and not req.credit.has_credit()
+                if stalled and not req.stalled:
+                    self._metrics.credit_stalls_total.inc()
+                req.stalled = stalled
+            self._update_gauges(plan)
+        return nxt
+
+    def _apply_plan(self, cancels: list[str], plan: StepPlan) -> None:
+        """Cancels, refusals and admissions before the step: an admitted request prefills in it."""
+        for rid in cancels:
+            self._call_generator(self._generator.cancel, rid)
+        if plan.refused:
+            emit([(req, Failed(err)) for req, err in plan.refused])
+        for req in plan.admitted:
+            self._add(req)
 
     def _call_generator(self, fn: Any, *args: Any) -> None:
         try:
@@ -364,7 +397,9 @@ class GenerationLoop:
             return
         emit([(req, Admitted(self._clock() - req.submitted_at))])
 
-    def _step(self, plan: StepPlan) -> None:
+    def _run_step(self, plan: StepPlan) -> tuple[list[Any], float, int] | None:
+        """The generator's step: (its outputs, seconds, prompt positions it may have prefilled),
+        or None when it failed (its streams are failed)."""
         stepping = plan.stepping
         # Prompt positions this step may prefill (an estimate: prefix-cache hits write fewer).
         prefill = sum(r.prefill_positions for r in stepping if not r.stepped)
@@ -373,11 +408,16 @@ class GenerationLoop:
             outputs = self._step_fn(plan.skip, plan.prefill_budget)
         except Exception as exc:
             if self._device_failed(exc):
-                return
+                return None
             log.exception("generator step failed; failing the %d streams in it", len(stepping))
             self._fail_all(GenerationFailed(f"generation step failed: {exc}"))
-            return
-        step_s = time.perf_counter() - t0
+            return None
+        return outputs, time.perf_counter() - t0, prefill
+
+    def _postprocess(self, plan: StepPlan, outputs: list[Any], step_s: float, prefill: int) -> None:
+        """The step's measurements to the metrics and the admission model, then its frames and
+        ends to the streams (frames a whole chunk at a time)."""
+        stepping = plan.stepping
         (self._metrics.prefill_seconds if prefill else self._metrics.step_seconds).observe(step_s)
         decoded = sum(1 for r in stepping if r.stepped)
         if self._scheduler.admission is not None:
@@ -404,34 +444,16 @@ class GenerationLoop:
                 req.held_codes.append(codes)
                 req.credit.generated += 1
                 if req.hand_on_now() or req.request_id in ending:
-                    events.append((req, self._held_frames(req, step_s)))
+                    events.append((req, _held_frames(req, step_s)))
             for req, reason in finished:
                 if req.held_codes:  # an end without a frame of its own (EOS) after held frames
-                    events.append((req, self._held_frames(req, step_s)))
+                    events.append((req, _held_frames(req, step_s)))
                 events.append((req, Finished(reason, req.credit.generated)))
             self._update_gauges()
         self._metrics.frames_total.inc(len(with_codes))
         if prefill:
-            self._count_prefix_lookups()
+            self._prefix_seen = _count_prefix_lookups(self._generator, self._metrics, self._prefix_seen)
         emit(events)
-
-    def _count_prefix_lookups(self) -> None:
-        """Move the engine's prefix-cache hit and miss counts (qtts/engine/prefix_cache.py) into
-        the metrics: only after steps that admitted prompts, two attribute reads."""
-        cache = getattr(getattr(self._generator, "runner", None), "prefix_cache", None)
-        if cache is None:
-            return
-        hits, misses = self._prefix_seen
-        if cache.hits > hits:
-            self._metrics.prefix_cache_lookups_total.labels("hit").inc(cache.hits - hits)
-        if cache.misses > misses:
-            self._metrics.prefix_cache_lookups_total.labels("miss").inc(cache.misses - misses)
-        self._prefix_seen = (cache.hits, cache.misses)
-
-    @staticmethod
-    def _held_frames(req: ScheduledRequest, step_s: float) -> Frame:
-        held, req.held_codes = req.held_codes, []
-        return Frame(req.credit.generated - len(held), np.stack(held), step_s, time.perf_counter())
 
     def _fail_all(self, error: Exception) -> None:
         with self._cond:
