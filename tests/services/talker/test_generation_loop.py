@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from qtts.request.errors import ResourceExhausted
 from qtts.serving.metrics import TalkerMetrics
+from qtts.streams.chunk_plan import BURST_PLAN, ChunkPlan
 from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
 from services.talker.generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
 from tests.services.talker.fakes import FakeGenerator, FakePrompt
@@ -300,3 +301,58 @@ def test_prefix_cache_hits_and_misses_reach_the_metrics():
     sample = registry.get_sample_value
     assert sample("tts_talker_prefix_cache_lookups_total", {"result": "miss"}) == 1
     assert sample("tts_talker_prefix_cache_lookups_total", {"result": "hit"}) == 2
+
+
+class StepCounting(FakeGenerator):
+    """Counts its steps and the step in which each request made its first frame (its prefill)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.prefilled_in: dict[str, int] = {}
+
+    def step(self, skip=()) -> list:
+        fresh = [rid for rid, st in self._active.items() if st[1] == 0 and rid not in set(skip)]
+        outs = super().step(skip)
+        for rid in fresh:
+            self.prefilled_in[rid] = len(self.skips)
+        return outs
+
+
+@pytest.mark.parametrize("plan", [ChunkPlan(), BURST_PLAN], ids=["one-frame", "four-frame"])
+def test_a_burst_gets_its_first_chunks_in_the_steps_right_after_its_prefill(plan):
+    """Eight requests arrive together: all are prefilled in the first step, and each one's first
+    chunk leaves the engine in the step that completes it: the prefill step itself for a one-frame
+    first chunk, the next steps in a row for a four-frame one (no step skips a starting stream)."""
+    gen = StepCounting()
+    engine = GenerationLoop(
+        gen, DeadlineScheduler(max_batch=16, max_waiting=16), TalkerMetrics(CollectorRegistry())
+    )
+    first_chunk_at: dict[str, tuple[int, Frame]] = {}
+
+    def sink_for(rid: str):
+        def sink(ev) -> None:
+            if isinstance(ev, Frame) and rid not in first_chunk_at:
+                first_chunk_at[rid] = (len(gen.skips), ev)
+
+        return sink
+
+    reqs = []
+    for i in range(8):
+        req = make_req(f"r{i}", frames=40, window=100, granted=100, sink=sink_for(f"r{i}"))
+        req.chunk_plan = plan
+        reqs.append(req)
+        engine.submit(req)
+    engine.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(first_chunk_at) < len(reqs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        for req in reqs:
+            engine.cancel(req.request_id)
+        engine.stop()
+    assert set(gen.prefilled_in.values()) == {1}
+    for req in reqs:
+        step, frame = first_chunk_at[req.request_id]
+        assert (frame.index, len(frame.codes)) == (0, plan.first)
+        assert step == gen.prefilled_in[req.request_id] + plan.first - 1
