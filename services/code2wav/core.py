@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -138,7 +139,13 @@ class Code2WavCore:
         first_chunk_frames: int = 0,
         chunk_frames_ramp: Sequence[int] = (),
     ) -> DecodeStream:
-        """Reserve a state slot (RESOURCE_EXHAUSTED when full) and start the decoder state."""
+        """Reserve a state slot (RESOURCE_EXHAUSTED when full), grant the first credit, and start
+        the decoder state in the worker.
+
+        The grant does not wait for the state (an ICL reference prefix is decoded into it, behind
+        any decode call in flight): the talker's first frames come while it is made and wait in
+        the stream, which decodes nothing before its state exists. A state that cannot be made
+        fails the stream."""
         if num_codebooks != self.codec_shape.num_codebooks:
             raise InvalidArgument(
                 f"num_codebooks is {num_codebooks}, this decoder takes {self.codec_shape.num_codebooks}"
@@ -162,22 +169,30 @@ class Code2WavCore:
         self.registry.add(stream)
         prefix = None if prefix_codes is None or not len(prefix_codes) else prefix_codes
         fut = asyncio.get_running_loop().run_in_executor(self._executor, self._start_sync, prefix)
-        try:
-            # shield: a cancelled caller must not orphan a state the worker is still creating.
-            with self.metrics.stage_timer("open_stream"):
-                stream.decoder_state = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            fut.add_done_callback(self._free_when_done)
-            self._forget(stream)
-            raise
-        except BaseException:
-            self._forget(stream)
-            raise
-        if stream.closed:  # released while its state was being created
-            self._free_later(stream.decoder_state)
-        else:
-            stream.start_credit()
+        fut.add_done_callback(functools.partial(self._state_made, stream, time.perf_counter()))
+        stream.start_credit()
         return stream
+
+    def _state_made(self, stream: DecodeStream, began: float, fut: asyncio.Future) -> None:
+        """The worker made (or failed to make) `stream`'s decoder state: frames waiting for it can
+        be decoded now; a stream released meanwhile frees it."""
+        self.metrics.observe_stage("open_stream", time.perf_counter() - began)
+        if fut.cancelled():
+            self._forget(stream)
+            stream.fail(Unavailable("code2wav is shutting down"))
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._forget(stream)
+            if self._device_failure is not None and self._device_failure(exc):
+                exc = Unavailable("code2wav's GPU failed; retry the request")
+            stream.fail(exc)
+            return
+        if stream.closed:  # released while its state was being created
+            self._free_later(fut.result())
+            return
+        stream.decoder_state = fut.result()
+        self.notify(stream)
 
     def release(self, stream: DecodeStream) -> None:
         """Free a stream's state (end, error or cancel). Idempotent; never blocks the loop."""
@@ -203,10 +218,6 @@ class Code2WavCore:
         stream.closed = True
         stream.release_backlog()
         self.registry.remove(stream.stream_id)
-
-    def _free_when_done(self, fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            self._free_later(fut.result())
 
     def _free_later(self, state: Any) -> None:
         try:

@@ -83,9 +83,8 @@ class DecodeStream:
         return self.decoder_state is not None
 
     def add_frames(self, first_frame_index: int, codes: np.ndarray) -> None:
-        """Queue frames [first_frame_index, +n); raises on a protocol violation."""
-        if not self.started:
-            raise FailedPrecondition("frames before StreamStart")
+        """Queue frames [first_frame_index, +n); raises on a protocol violation. Frames may come
+        before the decoder state exists (the first grant does not wait for it): they wait."""
         if self.total_frames is not None:
             raise FailedPrecondition("frames after StreamEnd")
         n = codes.shape[0]
@@ -119,8 +118,6 @@ class DecodeStream:
             self._ready_at = self.clock()
 
     def end(self, total_frames: int) -> None:
-        if not self.started:
-            raise FailedPrecondition("StreamEnd before StreamStart")
         if self.total_frames is not None:
             raise FailedPrecondition("second StreamEnd")
         if total_frames != self.received_frames:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -74,7 +75,13 @@ async def engine_with(plan: ChunkPlan, **kw):
 
 
 async def _open(engine: Code2WavCore, *names: str) -> dict[str, DecodeStream]:
-    return {n: await engine.open_stream(n, 16) for n in names}
+    """Open streams and wait until the worker has made their decoder states."""
+    streams = {n: await engine.open_stream(n, 16) for n in names}
+    for _ in range(1000):
+        if all(s.started for s in streams.values()):
+            return streams
+        await asyncio.sleep(0.005)
+    raise AssertionError("decoder states were not made")
 
 
 def _feed(stream: DecodeStream, n: int) -> None:
@@ -277,3 +284,82 @@ async def test_server_passes_the_scheduling_settings(fake_decoder):
         assert server.engine.deadline_safety_s == pytest.approx(0.08)
     finally:
         await server.stop(0.5)
+
+
+class SlowStart(CallLog):
+    """Makes decoder states only once `made` is set (an ICL prefix being decoded, or a decode call
+    in flight ahead of it); `fail` makes `start` raise instead."""
+
+    def __init__(self, fail: Exception | None = None):
+        super().__init__()
+        self.made = threading.Event()
+        self.fail = fail
+        self.freed = 0
+
+    def start(self, prefix_codes=None):
+        assert self.made.wait(timeout=10)
+        if self.fail is not None:
+            raise self.fail
+        return super().start(prefix_codes)
+
+    def free(self, state) -> None:
+        self.freed += 1
+        super().free(state)
+
+
+async def _until(predicate, what: str) -> None:
+    for _ in range(1000):
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_the_first_grant_goes_out_before_the_decoder_state_and_frames_wait_for_it():
+    decoder = SlowStart()
+    engine = Code2WavCore(decoder, Code2WavMetrics(CollectorRegistry()), plan=ChunkPlan(1, (2,)))
+    await engine.start()
+    try:
+        stream = await engine.open_stream("r", 16)
+        assert stream.granted > 0 and not stream.started  # the grant, with the state still coming
+        events = stream.events()
+        credit = await asyncio.wait_for(anext(events), 5)
+        assert credit.plan == ChunkPlan(1, (2,))
+        _feed(stream, 1)
+        engine.notify(stream)
+        await asyncio.sleep(0.05)
+        assert decoder.calls == []  # nothing decodes before its state exists
+        decoder.made.set()
+        audio = await asyncio.wait_for(anext(events), 5)
+        assert isinstance(audio, DecodedAudio) and audio.num_frames == 1 and stream.started
+    finally:
+        await engine.close()
+
+
+async def test_a_state_that_cannot_be_made_fails_its_stream_and_frees_its_place():
+    decoder = SlowStart(fail=InvalidArgument("the prefix does not fit this decoder"))
+    decoder.made.set()
+    engine = Code2WavCore(decoder, Code2WavMetrics(CollectorRegistry()))
+    await engine.start()
+    try:
+        stream = await engine.open_stream("r", 16)
+        with pytest.raises(InvalidArgument, match="does not fit"):
+            async for _ in stream.events():
+                pass
+        assert len(engine.registry) == 0
+    finally:
+        await engine.close()
+
+
+async def test_a_stream_released_while_its_state_is_made_frees_the_state_once_made():
+    decoder = SlowStart()
+    engine = Code2WavCore(decoder, Code2WavMetrics(CollectorRegistry()))
+    await engine.start()
+    try:
+        stream = await engine.open_stream("r", 16)
+        engine.release(stream)
+        decoder.made.set()
+        await _until(lambda: decoder.freed == 1, "the state freed")
+        assert decoder.live == 0 and stream.decoder_state is None
+    finally:
+        await engine.close()
