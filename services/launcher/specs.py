@@ -1,0 +1,194 @@
+"""The command line of every service of the stack (`ServiceSpec`), from one `StackConfig`."""
+
+from __future__ import annotations
+
+from services.launcher.config import StackConfig
+from services.launcher.processes import ServiceSpec
+
+
+def _tls_flags(cfg: StackConfig, client: bool = True) -> list[str]:
+    """--tls-* for a service; `client`: it also dials others (--tls-server-name)."""
+    return cfg.tls.flags(server_name=client) if cfg.tls is not None else []
+
+
+def model_flags(cfg: StackConfig, model: str, device: str | None = None) -> tuple[str, ...]:
+    return (
+        "--model",
+        model,
+        "--load-format",
+        cfg.load_format,
+        "--device",
+        device or cfg.device,
+        "--dtype",
+        cfg.dtype,
+    )
+
+
+def speaker_cache_spec(cfg: StackConfig) -> ServiceSpec:
+    args = [
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.speaker_cache_port),
+        "--metrics-port",
+        str(cfg.speaker_cache_metrics_port),
+        "--redis-url",
+        cfg.redis_url,
+        "--drain-seconds",
+        str(cfg.drain_seconds),
+        *_tls_flags(cfg, client=False),
+        *cfg.extra_args.get("speaker_cache", ()),
+    ]
+    return ServiceSpec(
+        "speaker_cache",
+        "services.speaker_cache",
+        tuple(args),
+        cfg.address(cfg.speaker_cache_port),
+        cfg.speaker_cache_metrics_port,
+        cfg.tls,
+    )
+
+
+def aligner_spec(cfg: StackConfig) -> ServiceSpec:
+    args = [
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.aligner_port),
+        "--metrics-port",
+        str(cfg.aligner_metrics_port),
+        "--drain-seconds",
+        str(cfg.drain_seconds),
+        *_tls_flags(cfg, client=False),
+        *cfg.extra_args.get("aligner", ()),
+    ]
+    return ServiceSpec(
+        "aligner",
+        "services.aligner",
+        tuple(args),
+        cfg.address(cfg.aligner_port),
+        cfg.aligner_metrics_port,
+        cfg.tls,
+    )
+
+
+def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
+    specs = []
+    for i, (port, mport) in enumerate(zip(cfg.code2wav_ports, cfg.code2wav_metrics_ports, strict=True)):
+        name = f"code2wav-{i}"
+        device = cfg.code2wav_devices[i % len(cfg.code2wav_devices)] if cfg.code2wav_devices else None
+        args = [
+            "--host",
+            cfg.host,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(mport),
+            "--replica-name",
+            name,
+            *model_flags(cfg, model, device),
+            "--drain-seconds",
+            str(cfg.drain_seconds),
+            *_tls_flags(cfg, client=False),
+            *cfg.extra_args.get("code2wav", ()),
+        ]
+        specs.append(ServiceSpec(name, "services.code2wav", tuple(args), cfg.address(port), mport, cfg.tls))
+    return specs
+
+
+def talker_spec(
+    cfg: StackConfig,
+    model: str,
+    *,
+    name: str = "talker",
+    port: int | None = None,
+    metrics_port: int | None = None,
+) -> ServiceSpec:
+    port = cfg.talker_port if port is None else port
+    mport = cfg.talker_metrics_port if metrics_port is None else metrics_port
+    args = [
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(mport),
+        *model_flags(cfg, model),
+        "--code2wav",
+        ",".join(cfg.address(p) for p in cfg.code2wav_ports),
+        "--speaker-cache",
+        cfg.address(cfg.speaker_cache_port),
+        "--drain-seconds",
+        str(cfg.drain_seconds),
+        *_tls_flags(cfg),
+        *cfg.extra_args.get("talker", ()),
+    ]
+    return ServiceSpec(name, "services.talker", tuple(args), cfg.address(port), mport, cfg.tls)
+
+
+def gateway_spec(
+    cfg: StackConfig,
+    *,
+    name: str = "gateway",
+    talker_port: int | None = None,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    talker_metrics_port: int | None = None,
+) -> ServiceSpec:
+    """The gateway in front of the stack's talker, or of the one on `talker_port` (whose metrics
+    port, for the playground's status strip, is then `talker_metrics_port` or unknown)."""
+    grpc_port = cfg.grpc_port if grpc_port is None else grpc_port
+    if talker_metrics_port is None and talker_port is None:
+        talker_metrics_port = cfg.talker_metrics_port
+    talker_metrics = (
+        ["--talker-metrics-url", f"http://{cfg.host}:{talker_metrics_port}/metrics"]
+        if talker_metrics_port
+        else []
+    )
+    args = [
+        "--host",
+        cfg.host,
+        "--http-port",
+        str(cfg.http_port if http_port is None else http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--metrics-port",
+        str(cfg.gateway_metrics_port if metrics_port is None else metrics_port),
+        "--talker",
+        cfg.address(cfg.talker_port if talker_port is None else talker_port),
+        "--speaker-cache",
+        cfg.address(cfg.speaker_cache_port),
+        *(["--aligner", cfg.address(cfg.aligner_port)] if cfg.aligner_port else []),
+        *talker_metrics,
+        "--drain-seconds",
+        str(cfg.drain_seconds),
+        *_tls_flags(cfg),
+        *cfg.extra_args.get("gateway", ()),
+    ]
+    return ServiceSpec(
+        name,
+        "services.gateway",
+        tuple(args),
+        cfg.address(grpc_port),
+        cfg.gateway_metrics_port if metrics_port is None else metrics_port,
+    )
+
+
+def stack_specs(config: StackConfig, model: str) -> list[ServiceSpec]:
+    """Every service of the stack, in start order (speaker_cache, code2wav, talker, gateways)."""
+    specs = [
+        speaker_cache_spec(config),
+        *([aligner_spec(config)] if config.aligner_port else []),
+        *code2wav_specs(config, model),
+        talker_spec(config, model),
+        gateway_spec(config),
+    ]
+    for i in range(1, config.gateway_replicas):
+        http, grpc_port, metrics = config.gateway_ports(i)
+        specs.append(
+            gateway_spec(
+                config, name=f"gateway-{i}", http_port=http, grpc_port=grpc_port, metrics_port=metrics
+            )
+        )
+    return specs
