@@ -24,52 +24,53 @@ def model_flags(cfg: StackConfig, model: str, device: str | None = None) -> tupl
     )
 
 
-def speaker_cache_spec(cfg: StackConfig) -> ServiceSpec:
-    args = [
+def _closing_flags(cfg: StackConfig, service: str, client: bool) -> list[str]:
+    """What every service's command line ends with: its drain, TLS and the extra flags given for it."""
+    return [
+        "--drain-seconds",
+        str(cfg.drain_seconds),
+        *_tls_flags(cfg, client),
+        *cfg.extra_args.get(service, ()),
+    ]
+
+
+def _stage_spec(
+    cfg: StackConfig,
+    service: str,
+    port: int,
+    metrics_port: int,
+    flags: tuple[str, ...] | list[str] = (),
+    *,
+    name: str | None = None,
+    client: bool = False,
+) -> ServiceSpec:
+    """A stage behind the gateway (`python -m services.<service>`), on `port` with the stack's TLS;
+    `flags` stand between its listening flags and its closing ones. `client`: it dials others."""
+    args = (
         "--host",
         cfg.host,
         "--port",
-        str(cfg.speaker_cache_port),
+        str(port),
         "--metrics-port",
-        str(cfg.speaker_cache_metrics_port),
-        "--redis-url",
-        cfg.redis_url,
-        "--drain-seconds",
-        str(cfg.drain_seconds),
-        *_tls_flags(cfg, client=False),
-        *cfg.extra_args.get("speaker_cache", ()),
-    ]
-    return ServiceSpec(
+        str(metrics_port),
+        *flags,
+        *_closing_flags(cfg, service, client),
+    )
+    return ServiceSpec(name or service, f"services.{service}", args, cfg.address(port), metrics_port, cfg.tls)
+
+
+def speaker_cache_spec(cfg: StackConfig) -> ServiceSpec:
+    return _stage_spec(
+        cfg,
         "speaker_cache",
-        "services.speaker_cache",
-        tuple(args),
-        cfg.address(cfg.speaker_cache_port),
+        cfg.speaker_cache_port,
         cfg.speaker_cache_metrics_port,
-        cfg.tls,
+        ("--redis-url", cfg.redis_url),
     )
 
 
 def aligner_spec(cfg: StackConfig) -> ServiceSpec:
-    args = [
-        "--host",
-        cfg.host,
-        "--port",
-        str(cfg.aligner_port),
-        "--metrics-port",
-        str(cfg.aligner_metrics_port),
-        "--drain-seconds",
-        str(cfg.drain_seconds),
-        *_tls_flags(cfg, client=False),
-        *cfg.extra_args.get("aligner", ()),
-    ]
-    return ServiceSpec(
-        "aligner",
-        "services.aligner",
-        tuple(args),
-        cfg.address(cfg.aligner_port),
-        cfg.aligner_metrics_port,
-        cfg.tls,
-    )
+    return _stage_spec(cfg, "aligner", cfg.aligner_port, cfg.aligner_metrics_port)
 
 
 def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
@@ -77,22 +78,8 @@ def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
     for i, (port, mport) in enumerate(zip(cfg.code2wav_ports, cfg.code2wav_metrics_ports, strict=True)):
         name = f"code2wav-{i}"
         device = cfg.code2wav_devices[i % len(cfg.code2wav_devices)] if cfg.code2wav_devices else None
-        args = [
-            "--host",
-            cfg.host,
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(mport),
-            "--replica-name",
-            name,
-            *model_flags(cfg, model, device),
-            "--drain-seconds",
-            str(cfg.drain_seconds),
-            *_tls_flags(cfg, client=False),
-            *cfg.extra_args.get("code2wav", ()),
-        ]
-        specs.append(ServiceSpec(name, "services.code2wav", tuple(args), cfg.address(port), mport, cfg.tls))
+        flags = ("--replica-name", name, *model_flags(cfg, model, device))
+        specs.append(_stage_spec(cfg, "code2wav", port, mport, flags, name=name))
     return specs
 
 
@@ -104,26 +91,22 @@ def talker_spec(
     port: int | None = None,
     metrics_port: int | None = None,
 ) -> ServiceSpec:
-    port = cfg.talker_port if port is None else port
-    mport = cfg.talker_metrics_port if metrics_port is None else metrics_port
-    args = [
-        "--host",
-        cfg.host,
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(mport),
+    flags = (
         *model_flags(cfg, model),
         "--code2wav",
         ",".join(cfg.address(p) for p in cfg.code2wav_ports),
         "--speaker-cache",
         cfg.address(cfg.speaker_cache_port),
-        "--drain-seconds",
-        str(cfg.drain_seconds),
-        *_tls_flags(cfg),
-        *cfg.extra_args.get("talker", ()),
-    ]
-    return ServiceSpec(name, "services.talker", tuple(args), cfg.address(port), mport, cfg.tls)
+    )
+    return _stage_spec(
+        cfg,
+        "talker",
+        cfg.talker_port if port is None else port,
+        cfg.talker_metrics_port if metrics_port is None else metrics_port,
+        flags,
+        name=name,
+        client=True,
+    )
 
 
 def gateway_spec(
@@ -161,10 +144,7 @@ def gateway_spec(
         cfg.address(cfg.speaker_cache_port),
         *(["--aligner", cfg.address(cfg.aligner_port)] if cfg.aligner_port else []),
         *talker_metrics,
-        "--drain-seconds",
-        str(cfg.drain_seconds),
-        *_tls_flags(cfg),
-        *cfg.extra_args.get("gateway", ()),
+        *_closing_flags(cfg, "gateway", client=True),
     ]
     return ServiceSpec(
         name,
