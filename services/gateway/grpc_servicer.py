@@ -74,12 +74,14 @@ def _grpc_field(param: str | None, streaming: bool = False) -> str | None:
     return field
 
 
-def fields_from_pb(req: tts_pb2.SynthesizeRequest) -> SpeechFields:
+def fields_from_pb(req: tts_pb2.SynthesizeRequest, streaming: bool = False) -> SpeechFields:
+    """The typed request of a `tts.v1.SynthesizeRequest`; `streaming`: a StreamingSynthesize
+    config's, whose text comes later, in input messages (`text` None)."""
     if req.task_type not in TASK_FROM_PB:
         raise InvalidArgument(f"unknown task_type {req.task_type}", param="task_type")
     sampling = overrides_from_pb(req.sampling)
     return SpeechFields(
-        text=req.text,
+        text=None if streaming else req.text,
         model=req.model,
         task=TASK_FROM_PB[req.task_type],
         voice=req.voice or None,
@@ -346,8 +348,8 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     ) -> AsyncIterator[tts_pb2.StreamingSynthesizeResponse]:
         requests = aiter(request_iterator)
         self._bind_caller(context)
-        config, fmt, fields = await self._streaming_session(requests)
-        await _report_ignored(context, self._synth.validate(dataclasses.replace(fields, text=".")))
+        config, fmt, fields, session = await self._streaming_session(requests)
+        await _report_ignored(context, session)
         request_id = config.synthesis.request_id or new_request_id()
         limits = self._synth.limits
         splitter = TextSplitter(_TEXT_SPLITS[config.text_split], limits.max_input_chars)
@@ -399,8 +401,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
 
     async def _streaming_session(
         self, requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest]
-    ) -> tuple[tts_pb2.StreamingSynthesizeConfig, str, SpeechFields]:
-        """The first message's config, checked: (config, audio encoding, the fields without text)."""
+    ) -> tuple[tts_pb2.StreamingSynthesizeConfig, str, SpeechFields, SynthesisJob]:
+        """The first message's config, checked: (config, audio encoding, the fields without text,
+        the session's job)."""
         try:
             config = await _first_config(requests, self._idle_timeout_s)
             synthesis = config.synthesis
@@ -412,14 +415,14 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             if config.text_split not in _TEXT_SPLITS:
                 raise InvalidArgument(f"unknown text_split {config.text_split}", param="text_split")
             fmt = _encoding(synthesis.audio_encoding)
-            fields = fields_from_pb(synthesis)
-            check_session(self._synth, fields, fmt)
+            fields = fields_from_pb(synthesis, streaming=True)
+            session = check_session(self._synth, fields, fmt)
             if synthesis.word_timestamps:
                 self._check_word_timestamps(fields.language or "auto")
         except Exception as exc:
             self._synth.reject("grpc", exc)
             raise
-        return config, fmt, fields
+        return config, fmt, fields, session
 
     def _check_word_timestamps(self, language: str) -> None:
         if self._aligner is None:

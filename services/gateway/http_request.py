@@ -6,8 +6,9 @@ default and range: the parser validates with them and `/openapi.json` and `/docs
 from them. The optional sampling fields are the exception: they are generated from their
 declarations in `qtts.request.sampling_overrides.SamplingOverrides` (`sampling_body_fields`), so a
 new one needs no edit here. A validation failure becomes one `InvalidArgument` whose `param` names the field at
-fault (OpenAI's error shape); checks that depend on the served model (task, voice, language) or on
-the server's limits (input length, frame cap) come later, in `validation.build_job`.
+fault (OpenAI's error shape). The body becomes the one typed request (`SpeechFields`) that every
+transport hands to `GatewayCore.validate`, whose one pass checks what depends on the served model
+(task, voice, language) and on the server's limits (input length, frame cap).
 """
 
 from __future__ import annotations
@@ -299,8 +300,9 @@ class SpeechOptions(_SpeechSampling):
     def _format_any_case(cls, value: Any) -> Any:
         return _lower(value)
 
-    def to_fields(self, text: str) -> SpeechFields:
-        """The protocol-neutral request fields (cross-field checks and base64 decoding included)."""
+    def to_fields(self, text: str | None) -> SpeechFields:
+        """The typed request (cross-field checks and base64 decoding included); `text` None: a
+        WebSocket session's, whose text comes later."""
         voice = self.voice.id if isinstance(self.voice, VoiceId) else self.voice
         if (
             voice is not None

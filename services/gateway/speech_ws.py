@@ -337,8 +337,8 @@ class SpeechStreamEndpoint:
                     param="type",
                 )
             config = validate_body(StreamingSessionConfig, msg, "session.config")
-            fields = config.to_fields("")
-            rate = check_session(self.synth, fields, config.response_format)
+            fields = config.to_fields(None)
+            rate = check_session(self.synth, fields, config.response_format).sample_rate
             if config.word_timestamps:
                 if self.aligner is None:
                     raise InvalidArgument(
