@@ -26,8 +26,9 @@ from .batch import batch_router
 from .client_identity import ClientIdentityMiddleware
 from .consents import ConsentStore, consent_router
 from .core import GatewayCore, SynthesisStream
+from .http_body import decode_base64_audio, parse_json
 from .http_limits import BodyLimitMiddleware
-from .http_request import OutputOptions, decode_base64_audio, parse_json, parse_speech_body
+from .http_request import OutputOptions, parse_speech_body
 from .http_streaming import (
     DisconnectAwareStreamingResponse,
     install_abort_log_filter,

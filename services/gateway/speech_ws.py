@@ -36,7 +36,8 @@ from qtts.request.vocabulary import NATIVE_SAMPLE_RATE
 from .aligner_client import AlignerClient, check_alignable
 from .audio_output import AudioOutput
 from .core import GatewayCore, SynthesisStream
-from .http_request import StreamingSessionConfig, parse_json, validate_body
+from .http_body import parse_json, validate_body
+from .http_request import StreamingSessionConfig
 from .job import SpeechFields
 from .text_stream import (
     SegmentAudio,
