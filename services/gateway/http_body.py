@@ -1,6 +1,6 @@
-"""Reading an HTTP or WebSocket JSON body: JSON text to Python (`parse_json`), a typed model's
-validation failure to one `InvalidArgument` naming the field at fault, worded with the field's
-declared range (`validate_body`, `invalid_argument`), and base64 audio fields
+"""Reading an HTTP or WebSocket JSON body: JSON text to Python (`parse_json`, `json_body`), a
+typed model's validation failure to one `InvalidArgument` naming the field at fault, worded with
+the field's declared range (`validate_body`, `invalid_argument`), and base64 audio fields
 (`decode_base64_audio`). The typed models themselves are in `http_request`."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import annotated_types as at
 from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
 
 from qtts.request.errors import InvalidArgument
 
@@ -46,6 +47,14 @@ def parse_json(raw: bytes | str, what: str = "request body") -> Any:
         raise InvalidArgument(f"{what} is nested too deeply") from None
     except ValueError as exc:  # bad JSON, bad UTF-8, or an integer too long to convert
         raise InvalidArgument(f"{what} is not valid JSON: {exc}") from None
+
+
+async def json_body(request: Request) -> object:
+    """The request's body as JSON; an empty body is a 400 too."""
+    raw = await request.body()
+    if not raw:
+        raise InvalidArgument("request body must be a JSON object")
+    return parse_json(raw)
 
 
 def validate_body(model: type[BaseModel], body: Any, what: str = "request body") -> Any:
