@@ -40,9 +40,7 @@ from .http_request import StreamingSessionConfig
 from .speech_ws_session import Close, Segment, Session, StalledClient, Usage, UtteranceEnd
 from .text_stream import (
     SegmentAudio,
-    SegmentText,
     TextBudget,
-    TextPiece,
     TextSplitter,
     check_session,
     open_segment,
@@ -114,7 +112,7 @@ class SpeechStreamEndpoint:
             if message.get("type") == "websocket.disconnect":
                 raise WebSocketDisconnect(message.get("code", 1000))
             try:
-                msg = self._parse(message)
+                msg = parse_message(message, self.max_message_bytes, self.synth.limits.max_text_piece_chars)
             except InvalidArgument as exc:
                 await s.send_error(exc)
                 if s.config is None:
@@ -140,14 +138,14 @@ class SpeechStreamEndpoint:
                     self.synth.reject(PROTOCOL, exc)
                     await s.send_error(exc)
                     continue
-                self._route(s, s.splitter.feed(text))
+                s.route(s.splitter.feed(text))
             elif kind == "input.done":
-                self._end_utterance(s)
+                s.end_utterance()
             elif kind == "input.cancel":
-                self._cancel(s)
+                s.cancel()
             elif kind == "session.close":
                 if s.utterance_open:
-                    self._end_utterance(s)
+                    s.end_utterance()
                 s.queue.put_nowait(Close())
                 return CLOSE_NORMAL
             else:
@@ -185,39 +183,6 @@ class SpeechStreamEndpoint:
             await s.send_error(InvalidArgument(f"no {what} within {timeout:g} s; closing"))
             return None
 
-    def _parse(self, message: dict) -> dict:
-        raw = message.get("text")
-        if raw is None:
-            raise InvalidArgument("binary frames are not accepted; send JSON text messages")
-        if len(raw) > self.max_message_bytes:
-            raise InvalidArgument(f"message of {len(raw)} characters; the limit is {self.max_message_bytes}")
-        self._refuse_overlong_piece(raw)
-        msg = parse_json(raw, "message")
-        if not isinstance(msg, dict):
-            raise InvalidArgument("messages must be JSON objects")
-        return msg
-
-    def _refuse_overlong_piece(self, raw: str) -> None:
-        """Refuse, unparsed, a message too long to be anything but a session.config (with its clip)
-        that is not one: parsing 15 MB of JSON holds the event loop for a tenth of a second, and
-        only to learn that its text is over the piece limit. Its type is read from its start
-        (where clients write it); a message that does not even contain "session.config" cannot
-        be one either."""
-        max_piece = self.synth.limits.max_text_piece_chars
-        # The longest JSON an input.text of max_piece characters takes: 12 per character (an
-        # escaped surrogate pair) and room for the rest.
-        if len(raw) <= 12 * max_piece + 4096:
-            return
-        head = _HEAD_TYPE.match(raw)
-        kind = head.group(1) if head else None
-        if kind == "session.config" or (kind is None and "session.config" in raw):
-            return  # parsed, and held to its own limits
-        raise InvalidArgument(
-            f"a {len(raw)}-character {kind or 'message'} is refused unread: the limit for one piece "
-            f"is {max_piece} characters",
-            param="text" if kind in ("input.text", None) else None,
-        )
-
     async def _configure(self, s: Session, msg: dict) -> bool:
         """Apply a session.config; False (after an error event) when it is refused."""
         try:
@@ -247,49 +212,6 @@ class SpeechStreamEndpoint:
         s.splitter = TextSplitter(config.split_granularity, limits.max_input_chars)
         s.budget = TextBudget(limits.max_text_piece_chars, limits.max_utterance_chars)
         return True
-
-    def _route(self, s: Session, pieces: list[TextPiece]) -> None:
-        """Text into the open segment (a new one, queued, for the first text after an end)."""
-        for piece in pieces:
-            if piece.text:
-                if s.segment is None or s.segment.text.closed:  # ended early: failed, or at its length
-                    s.segment = Segment(s.utterance, s.sentences, SegmentText(), s.fields, s.audio)
-                    s.queue.put_nowait(s.segment)
-                    s.sentences += 1
-                s.segment.text.append(piece.text)
-            if piece.end and s.segment is not None:
-                s.segment.text.close()
-                s.segment = None
-
-    def _end_utterance(self, s: Session, cancelled: bool = False) -> None:
-        if not cancelled:
-            self._route(s, s.splitter.flush())
-        if s.segment is not None:
-            s.segment.text.close()
-            s.segment = None
-        s.queue.put_nowait(UtteranceEnd(s.utterance, s.sentences, cancelled))
-        s.budget.reset()
-        s.utterance += 1
-        s.sentences = 0
-
-    def _cancel(self, s: Session) -> None:
-        """Drop the buffered text and every queued segment, cut the one in flight. The open utterance
-        ends at once, and every utterance that loses audio still gets its session.done, marked
-        cancelled (the acknowledgement of the cancel)."""
-        s.splitter.reset()
-        kept = []
-        while not s.queue.empty():
-            item = s.queue.get_nowait()
-            if isinstance(item, UtteranceEnd):
-                item.cancelled = True
-                kept.append(item)
-            elif isinstance(item, Segment):
-                item.text.close()
-        for item in kept:
-            s.queue.put_nowait(item)
-        if s.current is not None:
-            s.current.cancel()
-        self._end_utterance(s, cancelled=True)
 
     async def _work(self, s: Session) -> None:
         """Synthesise queued segments in order; send session.done at each utterance's end."""
@@ -398,3 +320,38 @@ class SpeechStreamEndpoint:
                             **done,
                         }
                     )
+
+
+def parse_message(message: dict, max_message_bytes: int, max_piece: int) -> dict:
+    """The JSON object of a text message; a binary, overlong or malformed one is InvalidArgument."""
+    raw = message.get("text")
+    if raw is None:
+        raise InvalidArgument("binary frames are not accepted; send JSON text messages")
+    if len(raw) > max_message_bytes:
+        raise InvalidArgument(f"message of {len(raw)} characters; the limit is {max_message_bytes}")
+    _refuse_overlong_piece(raw, max_piece)
+    msg = parse_json(raw, "message")
+    if not isinstance(msg, dict):
+        raise InvalidArgument("messages must be JSON objects")
+    return msg
+
+
+def _refuse_overlong_piece(raw: str, max_piece: int) -> None:
+    """Refuse, unparsed, a message too long to be anything but a session.config (with its clip)
+    that is not one: parsing 15 MB of JSON holds the event loop for a tenth of a second, and
+    only to learn that its text is over the piece limit. Its type is read from its start
+    (where clients write it); a message that does not even contain "session.config" cannot
+    be one either."""
+    # The longest JSON an input.text of max_piece characters takes: 12 per character (an
+    # escaped surrogate pair) and room for the rest.
+    if len(raw) <= 12 * max_piece + 4096:
+        return
+    head = _HEAD_TYPE.match(raw)
+    kind = head.group(1) if head else None
+    if kind == "session.config" or (kind is None and "session.config" in raw):
+        return  # parsed, and held to its own limits
+    raise InvalidArgument(
+        f"a {len(raw)}-character {kind or 'message'} is refused unread: the limit for one piece "
+        f"is {max_piece} characters",
+        param="text" if kind in ("input.text", None) else None,
+    )

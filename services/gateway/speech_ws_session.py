@@ -14,7 +14,7 @@ from qtts.request.errors import Cancelled, openai_error_body
 from .core import GatewayCore
 from .http_request import StreamingSessionConfig
 from .job import SpeechFields
-from .text_stream import SegmentAudio, SegmentText, TextBudget, TextSplitter
+from .text_stream import SegmentAudio, SegmentText, TextBudget, TextPiece, TextSplitter
 from .validation import new_request_id
 
 
@@ -98,6 +98,53 @@ class Session:
         """Nothing to synthesise but what the client has still to send (a segment in flight that
         waits for its text is the client's to continue)."""
         return self.queue.empty() and (self.current is None or self.segment is not None)
+
+    def route(self, pieces: list[TextPiece]) -> None:
+        """Text into the open segment (a new one, queued, for the first text after an end)."""
+        for piece in pieces:
+            if piece.text:
+                if self.segment is None or self.segment.text.closed:  # ended early: failed, or at its length
+                    self.segment = Segment(
+                        self.utterance, self.sentences, SegmentText(), self.fields, self.audio
+                    )
+                    self.queue.put_nowait(self.segment)
+                    self.sentences += 1
+                self.segment.text.append(piece.text)
+            if piece.end and self.segment is not None:
+                self.segment.text.close()
+                self.segment = None
+
+    def end_utterance(self, cancelled: bool = False) -> None:
+        """End the open utterance: its text flushed into segments (dropped when `cancelled`), its
+        session.done queued after them."""
+        if not cancelled:
+            self.route(self.splitter.flush())
+        if self.segment is not None:
+            self.segment.text.close()
+            self.segment = None
+        self.queue.put_nowait(UtteranceEnd(self.utterance, self.sentences, cancelled))
+        self.budget.reset()
+        self.utterance += 1
+        self.sentences = 0
+
+    def cancel(self) -> None:
+        """Drop the buffered text and every queued segment, cut the one in flight. The open utterance
+        ends at once, and every utterance that loses audio still gets its session.done, marked
+        cancelled (the acknowledgement of the cancel)."""
+        self.splitter.reset()
+        kept = []
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, UtteranceEnd):
+                item.cancelled = True
+                kept.append(item)
+            elif isinstance(item, Segment):
+                item.text.close()
+        for item in kept:
+            self.queue.put_nowait(item)
+        if self.current is not None:
+            self.current.cancel()
+        self.end_utterance(cancelled=True)
 
     async def send_json(self, payload: dict) -> None:
         await self._send(self.ws.send_json, payload)
