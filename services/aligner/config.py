@@ -38,6 +38,11 @@ class AlignerConfig:
     device: str = setting("cpu", "torch device (cpu, cuda, cuda:N)")
     dtype: str = setting("float32", choices=DTYPES)
     max_batch: int = setting(32, "requests aligned in one forward pass at most")
+    cuda_graphs: bool = setting(
+        True, "on a GPU, capture each (batch, length) bucket's forward pass as a CUDA graph on first use"
+    )
+    max_graphs: int = setting(48, "CUDA graphs kept at most; buckets past them run eagerly")
+    graph_max_length: int = setting(1024, "longest prompt (positions) a CUDA graph is captured for")
     max_audio_s: float = setting(300.0, "longest audio one request may bring, seconds")
     max_text_chars: int = setting(4096, "longest transcript one request may bring, characters")
     drain_seconds: float = common.drain_seconds(10.0)
@@ -54,7 +59,9 @@ class AlignerConfig:
         check_connection_age(self)
         self.tls.validate()
         check_model_fields(self)
-        for name in ("max_batch", "max_text_chars"):
+        if self.max_graphs < 0:
+            raise InvalidArgument(f"--max-graphs must be >= 0, got {self.max_graphs}")
+        for name in ("max_batch", "max_text_chars", "graph_max_length"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.max_audio_s <= 400:
