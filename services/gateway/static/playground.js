@@ -32,6 +32,8 @@
   window.playground = probe;
 
   const state = { model: null, languages: [], ctx: null, take: null, live: null, lastStep: null };
+  const Words = window.PlaygroundWords;
+  const words = new Words.WordTrack($("words"), $("words-note"), probe);
 
   // ---- HTTP helpers ----------------------------------------------------------------------------
 
@@ -213,6 +215,7 @@
       this.segmentStart = false;
       this.pcm = [];
       this.samples = 0;
+      this.timeline = []; // [first sample, AudioContext start time, samples] per buffer (words.js)
       this.sources = new Set();
       this.out = ctx.createGain();
       this.out.connect(ctx.destination);
@@ -282,6 +285,7 @@
       };
       this.sources.add(src);
       src.start(this.nextTime);
+      this.timeline.push([this.samples, this.nextTime, pcm.length]);
       this.nextTime += buffer.duration;
       this.pcm.push(pcm);
       probe.samplesBeforeLastChunk = this.samples;
@@ -358,6 +362,10 @@
     const ctx = await audioContext();
     const take = state.take = new Take(ctx, "http");
     take.body = probe.body = { ...requestFields(), input: $("text").value, response_format: "pcm", stream: true };
+    // Word timestamps come over SSE: audio deltas, then the words of the audio sent.
+    const timed = $("word-timestamps").checked;
+    if (timed) Object.assign(take.body, { stream_format: "sse", word_timestamps: true });
+    words.reset(take, timed);
     let resp;
     try {
       resp = await api("/v1/audio/speech", {
@@ -373,16 +381,26 @@
     const requestId = resp.headers.get("x-request-id");
     const reader = resp.body.getReader();
     try {
-      for (;;) {
-        const { done, value } = await reader.read();
-        if (done) break;
-        take.pushBytes(value);
+      if (timed) {
+        await Words.readSse(reader, (event) => {
+          if (event.type === "speech.audio.delta") take.pushBytes(Words.base64Bytes(event.audio));
+          else if (event.type === "speech.audio.timestamps") words.add(event.timestamps);
+          else if (event.type === "error") {
+            throw Object.assign(new Error("error event"), { serverMessage: (event.error && event.error.message) || JSON.stringify(event) });
+          }
+        });
+      } else {
+        for (;;) {
+          const { done, value } = await reader.read();
+          if (done) break;
+          take.pushBytes(value);
+        }
       }
     } catch (e) {
       // A raw audio body that fails after its first byte is aborted by the server, which has no way
       // left to send its message; the request id names the request to whoever reads the server side.
       if (!take.stopped) {
-        take.fail(`the server aborted the stream after ${(take.samples / take.rate).toFixed(2)} s of audio`
+        take.fail(e.serverMessage || `the server aborted the stream after ${(take.samples / take.rate).toFixed(2)} s of audio`
           + ` (request ${requestId || "?"}; ${e.message})`);
       }
       return;
@@ -412,6 +430,7 @@
       // Another container means another synthesis of the same request (the same seed gives the same take).
       const body = { ...(take.body || { ...requestFields(), input: $("text").value }), response_format: fmt, stream: false };
       delete body.stream_format;
+      delete body.word_timestamps; // the file, not a JSON answer with the words
       $("download").disabled = true;
       try {
         const resp = await api("/v1/audio/speech", {
@@ -464,12 +483,14 @@
     ws.binaryType = "arraybuffer";
     const live = state.live = { ws, take, sent: "", timer: null, done: false };
     take.body = { ...requestFields(), input: $("text").value, response_format: "pcm" };
+    const timed = $("word-timestamps").checked;
+    words.reset(take, timed);
     $("live-done").hidden = false;
     ws.onopen = () => {
       // Raw PCM as it is produced; the server cuts the text at clauses and speaks each as it completes.
       ws.send(JSON.stringify({
         type: "session.config", ...requestFields(), response_format: "pcm", stream_audio: true,
-        split_granularity: "clause",
+        split_granularity: "clause", ...(timed ? { word_timestamps: true } : {}),
       }));
       take.begin(24000);
       take.t0 = performance.now();
@@ -483,6 +504,9 @@
         take.begin(msg.sample_rate);
         take.segmentStart = true;
         probe.segments += 1;
+        words.segmentStart(msg.utterance_index);
+      } else if (msg.type === "audio.done" && "timestamps" in msg) {
+        words.add(msg.timestamps, msg.utterance_index);
       } else if (msg.type === "session.done") {
         live.done = true;
         take.finish();
