@@ -174,9 +174,16 @@ class AlignerCore:
                     if not f.done():
                         f.set_result((words, elapsed, len(taken)))
 
-    async def warm_up(self) -> None:
-        """One alignment of a short clip: loads lazy kernels before health says SERVING."""
+    async def warm_up(self, graph_seconds: list[float] | None = None) -> int:
+        """One alignment of a short clip (lazy kernels load), then, on a GPU, the CUDA graphs of
+        clips `graph_seconds` long at every batch size: before health says SERVING. Returns the
+        graphs captured."""
         t = np.arange(24000, dtype=np.float32) / 24000
         await self.align(
             AlignJob("warm up", "english", (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 24000)
+        )
+        if not graph_seconds:
+            return len(self.runner.captured())
+        return await asyncio.get_running_loop().run_in_executor(
+            self._device, self.runner.warm_up, graph_seconds, self.max_batch
         )

@@ -68,13 +68,13 @@ class AlignerServer:
         await self.core.start()
         aligner_pb2_grpc.add_AlignerServiceServicer_to_server(AlignerServicer(self.core), self.host.server)
         port = await self.host.start()
-        await self.core.warm_up()
+        graphs = await self.core.warm_up(cfg.warmup_seconds())
         await self.host.set_serving()
         log.info(
             "aligner %s warm: SERVING (batches of up to %d, CUDA graphs %s)",
             self._aligner.name,
             cfg.max_batch,
-            "on" if runner.graphs_on else "off",
+            f"on, {graphs} captured" if runner.graphs_on else "off",
         )
         return port
 

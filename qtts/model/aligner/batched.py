@@ -20,8 +20,10 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from qtts.model.aligner.aligner import AlignInput, ForcedAligner, WordTiming
@@ -33,6 +35,7 @@ LENGTH_LADDER = (32, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280,
 AUDIO_LADDER = (16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512, 768, 1024)
 # Past the ladders: multiples of this many positions, run eagerly.
 PAST_LADDER_STEP = 512
+WARM_UP_WORDS = "the quick brown fox jumps over a lazy dog while seven tired cats watch".split()
 
 
 def ladder_size(n: int, ladder: tuple[int, ...]) -> int:
@@ -221,6 +224,24 @@ class BucketedAligner:
 
     def captured(self) -> list[Bucket]:
         return sorted(self._graphs)
+
+    @torch.inference_mode()
+    def warm_up(self, seconds: Sequence[float], max_batch: int, words_per_s: float = 2.5) -> int:
+        """Capture, before serving, the graphs of English clips `seconds` long (`words_per_s`
+        words a second) at every batch size up to `max_batch`, so the first requests of those
+        buckets do not wait for a capture. Returns the graphs captured (0 without graphs)."""
+        if not self.graphs_on:
+            return 0
+        sizes = sorted({batch_size(b) for b in range(1, max_batch + 1)})
+        rng = np.random.default_rng(0)
+        for s in seconds:
+            n_words = max(1, round(s * words_per_s))
+            text = " ".join(WARM_UP_WORDS[i % len(WARM_UP_WORDS)] for i in range(n_words))
+            pcm = (0.05 * rng.standard_normal(int(s * 24000))).astype(np.float32)
+            x = self.aligner.prepare(pcm, 24000, text, "english")
+            for b in sizes:
+                self.classes([x] * b)
+        return len(self._graphs)
 
     def _capture(self, bucket: Bucket, packed: Packed) -> _Graph:
         """Static copies of a real packing (every index valid), a warm-up, then the capture."""

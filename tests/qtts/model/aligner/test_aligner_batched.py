@@ -120,3 +120,14 @@ def test_packing_puts_each_embedding_at_its_slot(tiny_aligner, inputs):
     per_row = p.chunks.shape[0] // bucket.batch
     assert p.conv_lens[0].tolist() == [15, 8, 4]
     assert p.conv_lens[per_row].tolist() == [50, 25, 13]
+
+
+def test_warm_up_captures_every_batch_size_of_each_clip_length(tiny_aligner):
+    runner = BucketedAligner(tiny_aligner, emulate_graphs=True)
+    assert runner.warm_up([1.0, 4.0], max_batch=6) == len(runner.captured())
+    buckets = runner.captured()
+    # Batch sizes 1, 2, 4 and 8 (6 rounds up to 8) of each of the two clip lengths.
+    assert sorted({b.batch for b in buckets}) == [1, 2, 4, 8]
+    assert len({(b.length, b.audio) for b in buckets}) == 2 and len(buckets) == 8
+    # On the CPU, no graphs and so nothing to warm.
+    assert BucketedAligner(tiny_aligner).warm_up([1.0], max_batch=4) == 0
