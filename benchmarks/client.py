@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--synthetic-ref-seconds", type=float, default=3.0)
     req.add_argument("--x-vector-only", action="store_true")
     req.add_argument(
+        "--word-timestamps",
+        action="store_true",
+        help="set word_timestamps on every request (the stack needs an aligner stage); gRPC only: "
+        "the summary brings the words after the streamed audio, and each level counts them",
+    )
+    req.add_argument(
         "--voice-pool",
         type=int,
         default=0,
@@ -215,6 +221,12 @@ class BenchConfig:
             raise ValueError("--num-requests must be >= 1 and --rounds >= 0")
         if getattr(args, "voice_pool", 0) < 0 or getattr(args, "voice_pool_zipf", 1.0) < 0:
             raise ValueError("--voice-pool and --voice-pool-zipf must be >= 0")
+        if getattr(args, "word_timestamps", False) and args.protocol != "grpc":
+            # HTTP answers a raw audio stream with word_timestamps as one JSON body, not a stream.
+            raise ValueError(
+                "--word-timestamps needs --protocol grpc: over HTTP, word_timestamps turns the raw "
+                "audio stream into one JSON answer, which this client cannot time as a stream"
+            )
         lengths = LengthDistribution.parse(args.length_dist)
         if not lengths.is_fixed and args.max_new_tokens is not None:
             # Launch scripts always pass --max-new-tokens; the mix decides each request's frames.
@@ -257,6 +269,7 @@ class BenchConfig:
             request_timeout_s=args.request_timeout,
             ref_pool=pool,
             ref_pool_zipf=getattr(args, "voice_pool_zipf", 1.0),
+            word_timestamps=getattr(args, "word_timestamps", False),
         )
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
         out_dir = Path(args.out) if args.out else Path("run") / "bench" / f"{stamp}-{args.tag}"
@@ -285,6 +298,18 @@ def voice_mix(records: Sequence[RequestRecord], options: SynthesisOptions) -> di
         "zipf": options.ref_pool_zipf,
         "distinct": len(seen),
         "repeat_share": repeats / len(voices) if voices else None,
+    }
+
+
+def word_timestamp_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """How many of a level's successful requests came back with words, or with the aligner's
+    failure (the audio is whole then, and the words missing)."""
+    ok = [r for r in records if r.ok]
+    return {
+        "ok_requests": len(ok),
+        "with_words": sum(1 for r in ok if r.extra.get("words", 0) > 0),
+        "aligner_failed": sum(1 for r in ok if r.extra.get("word_timestamps_failed")),
+        "words": sum(r.extra.get("words", 0) for r in ok),
     }
 
 
@@ -355,6 +380,7 @@ async def conditions(cfg: BenchConfig) -> dict[str, Any]:
             else "one clip for every request"
         ),
         "x_vector_only": args.x_vector_only,
+        "word_timestamps": cfg.options.word_timestamps,
         "command": " ".join(sys.argv),
         "args": vars(args),
     }
@@ -610,6 +636,8 @@ async def _run_level(
     mix = voice_mix(run.records, cfg.options)
     if mix is not None:
         level["voice_mix"] = mix
+    if cfg.options.word_timestamps:
+        level["word_timestamps"] = word_timestamp_counts(run.records)
     if args.processes > 1:
         level["client_processes"] = args.processes
     return level, requested

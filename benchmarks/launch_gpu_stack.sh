@@ -20,6 +20,12 @@
 #   LAUNCHER_ARGS    extra flags for services.launcher   ("")
 #   TALKER_ARGS / CODE2WAV_ARGS / GATEWAY_ARGS  flags passed through to those services, e.g.
 #                    TALKER_ARGS="--engine graph" CODE2WAV_ARGS="--decode-engine slots"
+#   ALIGNER          1: also start the aligner stage (word timestamps), on the full-size
+#                    forced aligner with dummy weights on DEVICE / DTYPE unless ALIGNER_ARGS says
+#                    otherwise; the gateway then serves word_timestamps   (0)
+#   ALIGNER_ARGS     flags for services.aligner (setting it implies ALIGNER=1)
+#                    ("--model qwen3-forcedaligner-0.6b --load-format dummy --device DEVICE --dtype DTYPE")
+#                    A sweep with timestamps on: ALIGNER=1 PROTOCOL=grpc ... -- --word-timestamps
 #   PYTHON           interpreter with the project installed (python)
 #   GATEWAY_REPLICAS gateways in front of the talker (1), HTTP on HTTP_PORT, +1, ...; the client
 #                    sends request i to gateway i mod N, as a Service over gateway pods would
@@ -59,6 +65,13 @@ WEIGHTS=real
 # Random weights end speech at random: fix every request's length unless told otherwise.
 FIXED_LENGTH="${FIXED_LENGTH-$([[ "$WEIGHTS" == dummy ]] && echo 1 || true)}"
 LAUNCHER_ARGS="${LAUNCHER_ARGS:-}"
+ALIGNER="${ALIGNER:-0}"
+[[ -n "${ALIGNER_ARGS:-}" ]] && ALIGNER=1
+ALIGNER_ARGS="${ALIGNER_ARGS:-"--model qwen3-forcedaligner-0.6b --load-format dummy --device $DEVICE --dtype $DTYPE"}"
+ALIGNER_FLAGS=()
+if [[ "$ALIGNER" == 1 ]]; then
+    ALIGNER_FLAGS=(--aligner --aligner-args "$ALIGNER_ARGS")
+fi
 PYTHON="${PYTHON:-python}"
 HTTP_PORT=8000
 GRPC_PORT=50051
@@ -95,7 +108,7 @@ fi
     --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" \
     --log-dir "$OUT/logs" --startup-timeout "$STARTUP_TIMEOUT" \
     --talker-args "${TALKER_ARGS:-}" --code2wav-args "${CODE2WAV_ARGS:-}" --gateway-args "${GATEWAY_ARGS:-}" \
-    $LAUNCHER_ARGS \
+    "${ALIGNER_FLAGS[@]}" $LAUNCHER_ARGS \
     >"$OUT/launcher.log" 2>&1 &
 LAUNCHER_PID=$!
 
@@ -160,9 +173,10 @@ TOKENIZER="$("$PYTHON" -c 'from qtts.model.bpe_vocab import dummy_tokenizer_labe
     --processes "${CLIENT_PROCESSES:-1}" "$@"
 
 # Server-side view of the run: every service's Prometheus metrics once the sweep is done.
-"$PYTHON" - "$OUT" "${GATEWAY_REPLICAS:-1}" <<'PY' || true
+"$PYTHON" - "$OUT" "${GATEWAY_REPLICAS:-1}" "$ALIGNER" <<'PY' || true
 import sys, urllib.request
 extra = [(f"gateway-{i}", 9110 + i) for i in range(1, int(sys.argv[2]))]
+extra += [("aligner", 9101)] if sys.argv[3] == "1" else []
 for name, port in (("gateway", 9100), ("talker", 9102), ("code2wav", 9103), *extra):
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:

@@ -24,6 +24,10 @@ and bf16 disagreement is near-tie flips. `--agreement-only` runs just that check
     python -m benchmarks.talker_step --out run/talker_step.json
     python -m benchmarks.talker_step --quick --models qwen3-tts-12hz-1.7b-base
     python -m benchmarks.talker_step --models qwen3-tts-12hz-1.7b-base --dtype float32 --agreement-only
+
+This file runs the variants and writes the results; the measurements live beside it:
+`talker_step_timing.py` (frame step, floor, prefill, engine, the table), `talker_step_agreement.py`
+(graph vs eager, the verdict) and `talker_step_numerics.py` (dtype, TF32, kernels).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import argparse
 import gc
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,16 +44,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.revision import git_revision
 from benchmarks.runner_variants import serving_attention, variant_runner
-from benchmarks.timing import median_event_s, median_wall_s
+from benchmarks.talker_step_agreement import (
+    agreement_verdict,
+    bucket_map,
+    graph_eager_agreement,
+    print_agreement,
+)
+from benchmarks.talker_step_numerics import DTYPES, kernel_choices, set_precision, tf32_label, tf32_state
+from benchmarks.talker_step_timing import bench_engine, bench_prefill, print_table, time_batch
 from qtts.engine.model_runner import (
     DEFAULT_BATCH_BUCKETS,
     I_GREEDY,
     I_MINF,
-    I_PGREEDY,
     I_POS,
     I_PTOPK,
     I_SEED,
@@ -58,88 +66,9 @@ from qtts.engine.model_runner import (
     ModelRunner,
     RunnerConfig,
 )
-from qtts.engine.sequence import Sequence
-from qtts.engine.slot_scheduler import PrefillChunk
 from qtts.model import load_talker_bundle
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-HBM_BYTES_PER_S = 4.25e12
-BF16_FLOPS_PER_S = 690e12
-FP32_FLOPS_PER_S = 67e12  # H200 float32 without TF32 (CUDA cores)
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# Plain-PyTorch one-graph whole-frame baseline on an H200 (1.7B), and the targets, in ms.
-BASELINE_1P7B = {1: 8.2, 64: 10.4, 256: 17.4, 512: 27.7, 1024: 48.2}
-TARGET_1P7B = {1: 5.0, 256: 14.0, 512: 22.0, 1024: 40.0}
-
-
-def set_precision(dtype: str) -> dict[str, Any]:
-    """float32: TF32 off everywhere (call before any CUDA work). Returns the TF32 state."""
-    if dtype == "float32":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
-    return tf32_state()
-
-
-def tf32_state() -> dict[str, Any]:
-    state = {
-        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-    }
-    fp32 = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # the newer API, where it exists
-    if fp32 is not None:
-        state["matmul_fp32_precision"] = str(fp32)
-    return state
-
-
-def _tf32_label(state: dict[str, Any]) -> str:
-    on = (
-        state["matmul_allow_tf32"]
-        or state["cudnn_allow_tf32"]
-        or state["float32_matmul_precision"] != "highest"
-    )
-    return "on" if on else "off"
-
-
-def _event_median(fn, iters: int, warmup: int = 3) -> float:
-    return median_event_s(fn, iters, warmup) * 1e3
-
-
-def _wall_median(fn, iters: int, warmup: int = 3) -> float:
-    return median_wall_s(fn, iters, warmup) * 1e3
-
-
-def _linear_params(module: torch.nn.Module, skip: tuple[str, ...]) -> int:
-    """Parameters read by a decode step: every weight except the embedding tables."""
-    return sum(p.numel() for n, p in module.named_parameters() if not any(s in n for s in skip))
-
-
-def floor_ms(runner: ModelRunner, batch: int, context: int) -> dict[str, float]:
-    """Bandwidth and compute floors of one frame step at `context` cached positions per row."""
-    t, p = runner.tdec, runner.pdec
-    elem = torch.finfo(runner.dtype).bits // 8
-    talker_params = _linear_params(runner.talker, ("embedding", "text_projection"))
-    pred_params = _linear_params(runner.predictor, ("embedding",))
-    head_params = sum(h.weight.numel() for h in runner.predictor.lm_head)
-    pred_body = pred_params - head_params
-    weight_bytes = (talker_params + pred_params) * elem
-    kv_bytes = batch * context * runner.bytes_per_position()
-    pred_kv = batch * 2 * p.num_layers * p.num_kv_heads * p.head_dim * elem * 16 * 8  # small, ~16 positions
-    bytes_total = weight_bytes + kv_bytes + pred_kv
-    # Matmul FLOPs: talker one token; predictor 16 tokens through its layers, one head per step.
-    flops = 2 * batch * talker_params + 2 * batch * (16 * pred_body + head_params)
-    flops += 4 * batch * t.num_layers * t.num_heads * t.head_dim * context
-    flops += 4 * batch * p.num_layers * p.num_heads * p.head_dim * 16 * 8
-    bw = bytes_total / HBM_BYTES_PER_S * 1e3
-    fl = flops / (FP32_FLOPS_PER_S if runner.dtype == torch.float32 else BF16_FLOPS_PER_S) * 1e3
-    return {
-        "bandwidth_ms": bw,
-        "compute_ms": fl,
-        "floor_ms": max(bw, fl),
-        "weight_bytes": weight_bytes,
-        "kv_bytes": kv_bytes,
-    }
 
 
 def fill_slots(runner: ModelRunner, position: int) -> None:
@@ -177,7 +106,7 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
     kernels = kernel_choices(runner)
     tf32 = tf32_state()
     print(
-        f"{name} [{variant}] dtype {args.dtype}, tf32 {_tf32_label(tf32)} {tf32}; kernels: {kernels['kernels']}",
+        f"{name} [{variant}] dtype {args.dtype}, tf32 {tf32_label(tf32)} {tf32}; kernels: {kernels['kernels']}",
         flush=True,
     )
     fill_slots(runner, args.position)
@@ -282,10 +211,10 @@ def _timed_rows(
     batches: list[int],
     head: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Per batch, its timed row (`_time_batch`), written out and told as it comes."""
+    """Per batch, its timed row (`time_batch`), written out and told as it comes."""
     rows = []
     for b in batches:
-        row = _time_batch(runner, name, args, b)
+        row = time_batch(runner, name, args, b)
         rows.append(row)
         _write_partial(args, {**head, "rows": rows})
         eager_ms = row["eager_ms"]
@@ -298,42 +227,6 @@ def _timed_rows(
     return rows
 
 
-def _time_batch(runner: ModelRunner, name: str, args: argparse.Namespace, b: int) -> dict[str, Any]:
-    """Batch `b`'s row: graph replay, step wall and (--eager-batches) eager times, the
-    graph-vs-eager check and the memory floor (with the 1.7B baseline and target)."""
-    n, ctx = runner.bucket(b, args.position + 1)
-    runner.active[:n] = False
-    runner.active[:b] = True
-    graph = runner.graphs[(n, ctx)]
-    # Positions advance with every replay; keep them in range by resetting between runs.
-    runner.slot_ints[:, I_POS] = args.position
-    g_ms = _event_median(graph.replay, args.iters)
-    runner.slot_ints[:, I_POS] = args.position
-    step_ms = _wall_median(lambda b=b: runner.decode(b, range(b), args.position + 1), args.iters)
-    eager_ms = None
-    if b in args.eager_batches:
-        runner.slot_ints[:, I_POS] = args.position
-        eager_ms = _event_median(lambda n=n, ctx=ctx: runner._frame_step(n, ctx), max(3, args.iters // 10), 1)
-    runner.slot_ints[:, I_POS] = args.position
-    agree = graph_eager_agreement(runner, n, ctx, rows=b, frames=args.agreement_frames)
-    same = agree["codes"]
-    row = {
-        "batch": b,
-        "bucket": n,
-        "context_bucket": ctx,
-        "graph_ms": g_ms,
-        "step_wall_ms": step_ms,
-        "eager_ms": eager_ms,
-        "graph_eq_eager": same,
-        "graph_eq_eager_frames": agree["frames"],
-        **floor_ms(runner, b, args.position),
-    }
-    if "1.7b" in name:
-        row["baseline_ms"] = BASELINE_1P7B.get(b)
-        row["target_ms"] = TARGET_1P7B.get(b)
-    return row
-
-
 def _write_partial(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Rows measured so far, so that a run cut by a time limit still leaves them behind."""
     if args.out:
@@ -341,243 +234,6 @@ def _write_partial(args: argparse.Namespace, result: dict[str, Any]) -> None:
         Path(args.out).write_text(
             json.dumps({"partial": True, "git": git_revision(), "results": [result]}, indent=2)
         )
-
-
-def bucket_map(batches: list[int]) -> dict[int, int]:
-    """The batch bucket each of `batches` runs in, as ModelRunner.bucket maps it when its slots are
-    max(batches) and its buckets DEFAULT_BATCH_BUCKETS (those below the slot count, and the count)."""
-    slots = max(batches)
-    buckets = sorted({b for b in DEFAULT_BATCH_BUCKETS if b < slots} | {slots})
-    return {b: next(n for n in buckets if n >= b) for b in batches}
-
-
-def kernel_choices(runner: ModelRunner) -> dict[str, Any]:
-    """Which kernels the frame step runs (RunnerConfig.decode_kernels / sample_kernel / skinny_matmul
-    as resolved). Every Triton kernel accepts float32 (IEEE dots there, no TF32), so no choice
-    depends on the dtype."""
-    fused, sample, skinny = (
-        runner.fused_decode,
-        runner._sampling_kernels is not None,
-        runner._linear is not F.linear,
-    )
-    note = (
-        f"decode {'triton' if fused else 'torch'}, sampling {'triton' if sample else 'torch'}, "
-        f"skinny matmul {'on' if skinny else 'off'}"
-    )
-    if runner.dtype == torch.float32 and (fused or sample):
-        note += " (the Triton kernels take float32 as is, with IEEE float32 dots)"
-    return {"fused_decode": fused, "sample_kernel": sample, "skinny_matmul": skinny, "kernels": note}
-
-
-def graph_eager_agreement(
-    runner: ModelRunner, n: int, ctx: int, rows: int | None = None, frames: int = 1
-) -> dict[str, float]:
-    """Greedy codes of one graph replay against one eager frame step from the same state, for
-    `frames` consecutive frames of rows [0, rows) (default: the whole bucket of n rows; the caller
-    marks them active). Each frame starts both paths from the same state (state, sampling
-    parameters, next input, penalty mask; the KV positions they write are rewritten by the next
-    path before it reads them), then continues from the graph's result. Returns the share of
-    codes equal ("codes") and of row-frames whose codes are all equal ("frames"). Every slot's
-    state is put back afterwards."""
-    rows = n if rows is None else rows
-    graph = runner.graphs[(n, ctx)]
-    state = (runner.slot_ints, runner.slot_floats, runner.next_embed, runner.seen)
-    same_codes = same_frames = 0
-    with torch.inference_mode():
-        saved = [t.clone() for t in state]
-        runner.slot_ints[:, I_GREEDY] = 1
-        runner.slot_ints[:, I_PGREEDY] = 1
-        for _ in range(frames):
-            before = [t.clone() for t in state]
-            runner._frame_step(n, ctx)
-            eager = runner.codes_out[:rows].clone()
-            for t, s in zip(state, before, strict=True):
-                t.copy_(s)
-            graph.replay()
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            same = runner.codes_out[:rows] == eager  # [rows, codebooks]
-            same_codes += int(same.sum().item())
-            same_frames += int(same.all(dim=1).sum().item())
-        for t, s in zip(state, saved, strict=True):
-            t.copy_(s)
-    total = frames * rows
-    return {"codes": same_codes / (total * runner.num_codebooks), "frames": same_frames / total}
-
-
-def graph_matches_eager(
-    runner: ModelRunner, n: int, ctx: int, rows: int | None = None, frames: int = 1
-) -> float:
-    """Share of greedy codes equal between graph replays and eager steps (see graph_eager_agreement)."""
-    return graph_eager_agreement(runner, n, ctx, rows, frames)["codes"]
-
-
-def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict[str, float]:
-    """Prefill of one `--prompt-len` prompt (and of 8) into slots: eager ragged batch, and through
-    the captured prefill graphs when there are any (with the KV of both paths compared)."""
-    h = runner.hidden
-    res: dict[str, float] = {}
-    graphed = runner.prefill_buckets
-    for count in (1, 8):
-        seqs = []
-        for i in range(count):
-            prompt = type("P", (), {})()
-            prompt.embeds = torch.randn(args.prompt_len, h, device="cuda", dtype=runner.dtype) * 0.02
-            seq = Sequence(f"p{i}", prompt, None, seed=i, max_frames=1, cap_reason="length")
-            seq.slot = i
-            seqs.append(seq)
-        chunks = [PrefillChunk(s, 0, s.num_prefill_positions) for s in seqs]
-        runner.prefill_buckets = ()
-        res[f"prefill_{count}x{args.prompt_len}_ms"] = _wall_median(lambda c=chunks: runner.prefill(c), 10)
-        if graphed:
-            n = seqs[0].num_prefill_positions
-            want = runner.k_cache[:, :count, :, :n].float().clone()
-            runner.prefill_buckets = graphed
-            res[f"prefill_graph_{count}x{args.prompt_len}_ms"] = _wall_median(
-                lambda c=chunks: runner.prefill(c), 10
-            )
-            got = runner.k_cache[:, :count, :, :n].float()
-            res[f"prefill_graph_{count}_kv_max_abs_diff"] = (got - want).abs().max().item()
-        runner.prefill_buckets = graphed
-    return res
-
-
-def bench_engine(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The whole GraphEngine on the GPU: `--engine-streams` voice-clone requests (x-vector prompts)
-    joining in waves, greedy, `--engine-frames` frames each; wall time of every `step()`."""
-    from qtts.engine import GraphEngine, GraphEngineConfig
-    from qtts.model import SamplingParams, SynthesisSpec, VoicePrompt
-
-    bundle = load_talker_bundle(name, device="cuda", dtype=DTYPES[args.dtype], load_format="dummy")
-    streams = args.engine_streams
-    cfg = GraphEngineConfig(
-        runner=RunnerConfig(max_len=1024, max_batch=streams, num_slots=streams, max_trailing=256)
-    )
-    t0 = time.perf_counter()
-    eng = GraphEngine(bundle, config=cfg)
-    start_s = time.perf_counter() - t0
-    h = bundle.talker.hidden_size
-    text = "The quick brown fox jumps over the lazy dog near the quiet river bank today."
-    prompts = []
-    for _ in range(streams):
-        voice = VoicePrompt(x_vector=torch.randn(h) * 0.02, ref_codes=None, ref_text=None, x_vector_only=True)
-        prompts.append(bundle.build_prompt(SynthesisSpec(text=text, task="voice_clone", voice_prompt=voice)))
-    greedy = SamplingParams(greedy=True)
-    step_ms, frames, finished = [], 0, 0
-    waves = 4
-    i = 0
-    while i < streams or eng.has_work:
-        if i < streams:  # a wave joins every few steps while others run
-            for _ in range(max(1, streams // waves)):
-                if i < streams:
-                    eng.add(f"s{i}", prompts[i], greedy, args.engine_frames)
-                    i += 1
-        t = time.perf_counter()
-        outs = eng.step()
-        step_ms.append((time.perf_counter() - t) * 1e3)
-        frames += sum(o.codes is not None for o in outs)
-        finished += sum(o.finished for o in outs)
-    res = {
-        "model": name,
-        "streams": streams,
-        "frames": frames,
-        "finished": finished,
-        "steps": len(step_ms),
-        "start_s": start_s,
-        "step_ms_median": statistics.median(step_ms),
-        "step_ms_max": max(step_ms),
-        "prompt_len": int(prompts[0].embeds.shape[0]),
-        "tokenizer": bundle.tokenizer_name,
-        "dtype": args.dtype,
-        "tf32": tf32_state(),
-    }
-    print(f"engine {name}: {res}", flush=True)
-    return res
-
-
-def print_table(results: list[dict[str, Any]]) -> None:
-    print()
-    print(
-        "| model | variant | dtype | tf32 | batch | graph ms | step wall ms | eager ms | floor ms | graph==eager "
-        "(codes / frames) | baseline ms | target ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        dtype, tf32 = r.get("dtype", "bfloat16"), _tf32_label(r["tf32"]) if "tf32" in r else ""
-        for row in r["rows"]:
-            eager = "" if row["eager_ms"] is None else f"{row['eager_ms']:.2f}"
-            base = row.get("baseline_ms") or ""
-            tgt = row.get("target_ms") or ""
-            eq = f"{row['graph_eq_eager']:.4f} / {row.get('graph_eq_eager_frames', float('nan')):.4f}"
-            print(
-                f"| {r['model']} | {r['talker_attention']} | {dtype} | {tf32} | {row['batch']} | "
-                f"{row['graph_ms']:.2f} | {row['step_wall_ms']:.2f} | {eager} | {row['floor_ms']:.2f} | {eq} | "
-                f"{base} | {tgt} |"
-            )
-        print(
-            f"| {r['model']} | prefill | "
-            + ", ".join(f"{k} {v:.2f}" for k, v in r["prefill"].items())
-            + " ||||||||||"
-        )
-
-
-def agreement_verdict(results: list[dict[str, Any]], min_agreement: float) -> dict[str, Any]:
-    """PASS when every bucket of every run has at least `min_agreement` of its row-frames equal."""
-    below = [
-        {
-            "model": r["model"],
-            "variant": r["talker_attention"],
-            "batch": row["batch"],
-            "bucket": row["bucket"],
-            "graph_eq_eager_frames": row["graph_eq_eager_frames"],
-        }
-        for r in results
-        for row in r["rows"]
-        if row["graph_eq_eager_frames"] < min_agreement
-    ]
-    rows = [row for r in results for row in r["rows"]]
-    worst = min(rows, key=lambda row: row["graph_eq_eager_frames"]) if rows else None
-    return {
-        "pass": bool(rows) and not below,
-        "min_agreement": min_agreement,
-        "below": below,
-        "worst": None
-        if worst is None
-        else {k: worst[k] for k in ("batch", "bucket", "graph_eq_eager_frames")},
-    }
-
-
-def print_agreement(results: list[dict[str, Any]], verdict: dict[str, Any]) -> None:
-    print()
-    print(
-        "| model | variant | dtype | tf32 | kernels | batch | bucket | graph_eq_eager (codes) | frames all equal |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        for row in r["rows"]:
-            print(
-                f"| {r['model']} | {r['talker_attention']} | {r['dtype']} | {_tf32_label(r['tf32'])} | "
-                f"{r['kernels']} | {row['batch']} | {row['bucket']} | {row['graph_eq_eager']:.4f} | "
-                f"{row['graph_eq_eager_frames']:.4f} |"
-            )
-    frames = ", ".join(sorted({str(r["agreement_frames"]) for r in results})) or "-"
-    if verdict["pass"]:
-        w = verdict["worst"]
-        print(
-            f"PASS: every bucket has >= {verdict['min_agreement']} of its row-frames ({frames} frames per row) "
-            f"with graph codes equal to eager (lowest {w['graph_eq_eager_frames']:.4f} at batch {w['batch']}, "
-            f"bucket {w['bucket']})",
-            flush=True,
-        )
-    elif not results:
-        print("FAIL: no run finished", flush=True)
-    else:
-        worst = ", ".join(
-            f"{b['model']} [{b['variant']}] batch {b['batch']} (bucket {b['bucket']}) "
-            f"{b['graph_eq_eager_frames']:.4f}"
-            for b in verdict["below"]
-        )
-        print(f"FAIL: below {verdict['min_agreement']} of row-frames equal: {worst}", flush=True)
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:

@@ -76,6 +76,8 @@ class SynthesisOptions:
     # Zipf(`ref_pool_zipf`) over the pool, so the GPU prefix cache sees repeats and new voices.
     ref_pool: tuple[bytes, ...] = ()
     ref_pool_zipf: float = 1.0
+    # Ask for word timestamps (the aligner stage) on every request.
+    word_timestamps: bool = False
 
     def __post_init__(self) -> None:
         # Normalised once, so a misspelt task fails before any request is sent.
@@ -221,6 +223,8 @@ def http_payload(
         payload["ref_audio"] = ref_audio_url or audio_data_url(ref, options.ref_audio_name)
     if options.x_vector_only:
         payload["x_vector_only_mode"] = True
+    if options.word_timestamps:
+        payload["word_timestamps"] = True
     return {k: v for k, v in payload.items() if v is not None}
 
 
@@ -349,6 +353,7 @@ class GrpcSynthesizer:
             audio_encoding=pb.AUDIO_ENCODING_PCM_S16LE,
             max_new_frames=frames or 0,
             sampling=sampling,
+            word_timestamps=o.word_timestamps,
         )
 
     async def synthesize(
@@ -374,6 +379,9 @@ class GrpcSynthesizer:
                         "server_first_audio_s": s.timings.first_audio_ns / 1e9,
                         "server_total_s": s.timings.total_ns / 1e9,
                     }
+                    if self.options.word_timestamps:
+                        extra["words"] = len(s.word_timestamps)
+                        extra["word_timestamps_failed"] = s.word_timestamps_failed
         except self._grpc.aio.AioRpcError as exc:
             return trace.record(index, prompt_index, ok=False, status=exc.code().name, error=exc.details())
         if not extra:

@@ -16,12 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "settings.md"
 SERVICES = ("gateway", "talker", "code2wav", "speaker_cache", "aligner")
 # Where each program declares its settings (`SETTINGS`).
-MODULES = {**{name: f"services.{name}.config" for name in SERVICES}, "launcher": "services.launcher"}
+MODULES = {**{name: f"services.{name}.config" for name in SERVICES}, "launcher": "services.launcher.settings"}
 
 HEADER = """# Settings
 
 Every setting of every service, generated from the declarations in `services/<name>/config.py`,
-and of the launcher (`make run`), from `services/launcher.py` (`python docs/settings_table.py
+and of the launcher (`make run`), from `services/launcher/settings.py` (`python docs/settings_table.py
 --write`; a test fails when this page is out of date). A flag wins over its env variables, which
 are read in the order listed, and they over the default. A value that does not parse, or is not
 one of the choices, stops the program with one line naming the flag and the env variable (exit

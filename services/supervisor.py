@@ -5,8 +5,9 @@ stack down. The supervisor starts it again with the same flags, after a back-off
 each restart (from `first_backoff_s` up to `max_backoff_s`), and gives up, stopping the stack, when
 one service has needed more than `max_restarts` restarts within `window_s` (a service that cannot
 start would otherwise be restarted forever). The other services ride the outage as they do in a
-cluster: the talker and the gateway report NOT_SERVING while a stage they need is away, and SERVING
-again within their health interval once it is back.
+cluster: the talker and the gateway report NOT_SERVING while a stage they need is away (within a
+second of its death: the talker sees a code2wav connection refused), and SERVING again once it is
+back.
 """
 
 from __future__ import annotations

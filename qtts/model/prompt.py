@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from qtts.lru import BoundedLru
 from qtts.model.config import ModelConfig
+from qtts.model.prompt_embeddings import PromptEmbeddings
 from qtts.model.text_feed import TextFeed
 from qtts.model.tokenizer import encode
 from qtts.request.errors import InvalidArgument
@@ -156,9 +155,6 @@ def instruct_text(instruct: str) -> str:
     return f"<|im_start|>user\n{instruct}<|im_end|>\n"
 
 
-_MEMO_IDS = 8  # id lists up to this long have their embeddings kept (special tokens, roles)
-
-
 class PromptBuilder:
     """Builds `TalkerPrompt`s from `SynthesisSpec`s with a loaded talker and tokenizer."""
 
@@ -179,52 +175,8 @@ class PromptBuilder:
         self.frame_limit = frame_limit
         self.default_frames_per_text_token = default_frames_per_text_token
         self.model_name = model_name  # part of the prefix key (a cache may outlive one model)
-        # Embeddings that do not depend on the target text (special tokens, roles, codec ids and
-        # each voice's speaker embedding and reference frames), kept so a request's prompt costs
-        # a few device calls, not dozens: one prompt thread builds every prompt in the talker.
-        self._memo: BoundedLru[tuple, object] = BoundedLru(512)
-        self._memo_lock = threading.Lock()
-
-    # -- helpers ---------------------------------------------------------------------------
-    def _device(self) -> torch.device:
-        return self.talker.codec_head.weight.device
-
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        device = self._device()
-        host = torch.tensor([ids], dtype=torch.long)
-        if device.type != "cuda":
-            return host.to(device)
-        # Pinned and non-blocking: a plain copy from pageable memory waits until the GPU has run
-        # everything queued before it, i.e. the engine's frame step, on every prompt built.
-        return host.pin_memory().to(device, non_blocking=True)
-
-    def _to_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor of the voice prompt on the model's device, copied without a sync."""
-        device = self._device()
-        if device.type != "cuda" or t.device.type != "cpu":
-            return t.to(device, dtype)
-        return t.to(dtype).pin_memory().to(device, non_blocking=True)
-
-    def _remember(self, key: tuple, make):
-        """`make()`, computed once per key (LRU); the result is shared and never written to."""
-        with self._memo_lock:
-            hit = self._memo.get(key)
-        if hit is not None:
-            return hit
-        value = make()
-        with self._memo_lock:
-            self._memo.put(key, value)
-        return value
-
-    def _text(self, ids: list[int]) -> torch.Tensor:
-        if len(ids) <= _MEMO_IDS:
-            return self._remember(("text", *ids), lambda: self.talker.embed_text(self._ids(ids)))
-        return self.talker.embed_text(self._ids(ids))  # [1, n, H]
-
-    def _codec(self, ids: list[int]) -> torch.Tensor:
-        if len(ids) <= _MEMO_IDS:
-            return self._remember(("codec", *ids), lambda: self.talker.embed_codec(self._ids(ids)))
-        return self.talker.embed_codec(self._ids(ids))  # [1, n, H]
+        # T(.), C(.) and frame embeddings, those that do not depend on the target text kept.
+        self.embed = PromptEmbeddings(talker, code_predictor)
 
     def _voice_parts(self, voice) -> tuple:
         """(speaker embedding [1, 1, H], reference frames on the device, C(bos) + their embeddings
@@ -238,25 +190,26 @@ class PromptBuilder:
 
         def make() -> tuple:
             dtype = self.talker.codec_head.weight.dtype
-            speaker = self._to_device(voice.x_vector, dtype).view(1, 1, -1)
+            speaker = self.embed.to_device(voice.x_vector, dtype).view(1, 1, -1)
             if voice.ref_codes is None or not voice.ref_text:
                 return speaker, None, None, None
-            ref_codes = self._to_device(voice.ref_codes, torch.long)
+            ref_codes = self.embed.to_device(voice.ref_codes, torch.long)
             codec_embed = torch.cat(
-                [self._codec([self.config.talker.codec_bos_id]), self.frame_embeds(ref_codes)[None]], dim=1
+                [self.embed.codec([self.config.talker.codec_bos_id]), self.embed.frames(ref_codes)[None]],
+                dim=1,
             )
             ref_ids = encode(self.tokenizer, ref_text_block(voice.ref_text))[3:-2]
             return speaker, ref_codes, codec_embed, ref_ids
 
-        return self._remember(("voice", h.digest()), make)
+        return self.embed.remember(("voice", h.digest()), make)
 
     def text_embeds(self, ids: list[int]) -> torch.Tensor:
         """Projected text embeddings [len(ids), H] (trailing text appended to a running request)."""
-        return self._text(ids)[0] if ids else self.talker.embed_text(self._ids([0]))[0, :0]
+        return self.embed.text(ids)[0] if ids else self.talker.embed_text(self.embed.ids([0]))[0, :0]
 
     def eos_embed(self) -> torch.Tensor:
         """T(tts_eos) as one trailing position [1, H]."""
-        return self._text([self.config.tts_eos_id])[0]
+        return self.embed.text([self.config.tts_eos_id])[0]
 
     def role_and_target_ids(self, text: str) -> list[int]:
         """The role's and the target's ids of `text`, as a whole-text prompt tokenises it."""
@@ -270,12 +223,6 @@ class PromptBuilder:
         """(frame cap, default length) of a target text of `num_text_tokens` tokens."""
         cap = frame_cap(num_text_tokens, self.frame_limit)
         return cap, default_length(num_text_tokens, self.default_frames_per_text_token, cap)
-
-    def frame_embeds(self, codes: torch.Tensor) -> torch.Tensor:
-        """Summed 16-codebook embeddings of frames: codes [T, 16] → [T, H]."""
-        c0 = self.talker.embed_codec(codes[:, 0])
-        rest = self.code_predictor.embed_codes(codes[:, 1:])
-        return torch.cat([c0[:, None], rest], dim=1).sum(1)
 
     def language_id(self, language: str | None, speaker: str | None) -> int | None:
         lang = (language or "auto").lower()
@@ -309,7 +256,9 @@ class PromptBuilder:
             raise InvalidArgument("text has no tokens")
         lang_id = self.language_id(spec.language, speaker)
 
-        bos_eos_pad = self._text([self.config.tts_bos_id, self.config.tts_eos_id, self.config.tts_pad_id])
+        bos_eos_pad = self.embed.text(
+            [self.config.tts_bos_id, self.config.tts_eos_id, self.config.tts_pad_id]
+        )
         tts_bos, tts_eos, tts_pad = bos_eos_pad.chunk(3, dim=1)
         prefix, codec = self._codec_prefix(lang_id, speaker_embed)
         n = codec.shape[1]
@@ -371,7 +320,7 @@ class PromptBuilder:
                     raise InvalidArgument(
                         f"unknown speaker {spec.speaker!r}; supported: {sorted(tcfg.speaker_ids)}"
                     )
-                speaker_embed = self._codec([tcfg.speaker_ids[speaker]])
+                speaker_embed = self.embed.codec([tcfg.speaker_ids[speaker]])
             if not self.config.supports_instruct:
                 instruct = None
         elif spec.task == "voice_clone":
@@ -403,10 +352,10 @@ class PromptBuilder:
             prefix = [tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id]
         else:
             prefix = [tcfg.codec_think_id, tcfg.codec_think_bos_id, lang_id, tcfg.codec_think_eos_id]
-        pieces = [self._codec(prefix)]
+        pieces = [self.embed.codec(prefix)]
         if speaker_embed is not None:
             pieces.append(speaker_embed)
-        pieces.append(self._codec([tcfg.codec_pad_id, tcfg.codec_bos_id]))
+        pieces.append(self.embed.codec([tcfg.codec_pad_id, tcfg.codec_bos_id]))
         return prefix, torch.cat(pieces, dim=1)
 
     def _prefix_key(self, spec: SynthesisSpec, prefix: list[int], speaker: str | None) -> _PrefixHasher:
@@ -430,13 +379,13 @@ class PromptBuilder:
         if instruct:
             instruct_ids = encode(self.tokenizer, instruct_text(instruct))
             key.add("instruct", instruct_ids)
-            parts.append(self._text(instruct_ids))
+            parts.append(self.embed.text(instruct_ids))
         else:
             key.add("instruct", None)
         # The role's tokens come from the target's tokenisation: a text that starts with a newline
         # merges into the role's "\n" token, so the key takes the ids actually used.
         key.add("role", role_ids)
-        parts.append(self._text(role_ids))
+        parts.append(self.embed.text(role_ids))
         parts.append(head)
         return parts
 
@@ -460,7 +409,7 @@ class PromptBuilder:
         key.add("icl_streaming", bool(streaming))
         key.add("ref_text", ref_ids)
         key.add("ref_codes", voice.ref_codes.detach().to("cpu", torch.long))
-        text_embed = self._text(ref_ids + target)
+        text_embed = self.embed.text(ref_ids + target)
         if not open_:
             text_embed = torch.cat([text_embed, tts_eos], dim=1)
         elif text_embed.shape[1] < voice.ref_codes.shape[0] + 1:
@@ -469,7 +418,10 @@ class PromptBuilder:
         empty = tts_pad[:, :0]
         tl, cl = text_embed.shape[1], codec_embed.shape[1]
         if not streaming:
-            parts = [text_embed + self._codec([self.config.talker.codec_pad_id] * tl), codec_embed + tts_pad]
+            parts = [
+                text_embed + self.embed.codec([self.config.talker.codec_pad_id] * tl),
+                codec_embed + tts_pad,
+            ]
             return parts, empty, num_voice_body
         if tl > cl:
             return [text_embed[:, :cl] + codec_embed], text_embed[:, cl:], num_voice_body
@@ -490,10 +442,10 @@ class PromptBuilder:
         target token on the last codec position and the rest trailing; else the whole text."""
         empty = tts_pad[:, :0]
         if streaming:
-            first = self._text(ids[3:4]) + codec[:, -1:]
-            rest = self._text(ids[4:-5]) if len(target) > 1 else empty
+            first = self.embed.text(ids[3:4]) + codec[:, -1:]
+            rest = self.embed.text(ids[4:-5]) if len(target) > 1 else empty
             return [first], rest if open_ else torch.cat([rest, tts_eos], dim=1)
-        body = torch.cat([self._text(target), tts_eos], dim=1)
-        parts = [body + self._codec([self.config.talker.codec_pad_id] * body.shape[1])]
-        parts.append(tts_pad + self._codec([self.config.talker.codec_bos_id]))
+        body = torch.cat([self.embed.text(target), tts_eos], dim=1)
+        parts = [body + self.embed.codec([self.config.talker.codec_pad_id] * body.shape[1])]
+        parts.append(tts_pad + self.embed.codec([self.config.talker.codec_bos_id]))
         return parts, empty

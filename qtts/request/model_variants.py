@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from qtts.request.errors import InvalidArgument
+
 
 def supports_instructions(model_type: str, model_size: str) -> bool:
     """Whether the variant's prompt takes an instruct block: VoiceDesign (which needs one) and
@@ -10,3 +12,14 @@ def supports_instructions(model_type: str, model_size: str) -> bool:
     if model_type == "base":
         return False
     return not (model_type == "custom_voice" and model_size in "0b6")
+
+
+def unsupported_instructions(name: str, model_type: str, model_size: str) -> InvalidArgument:
+    """The refusal of `instructions` sent to a variant whose prompt has no instruct block."""
+    size = f" {model_size}" if model_size else ""
+    return InvalidArgument(
+        f"instructions are not supported by {name} ({model_type}{size}): only VoiceDesign "
+        "and 1.7B CustomVoice models take them; leave the field out (a gateway started with "
+        "--unsupported-instructions ignore drops it and reports it in the x-tts-ignored-fields header)",
+        param="instructions",
+    )

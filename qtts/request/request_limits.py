@@ -1,8 +1,9 @@
 """The finite range of every per-request field, declared once and enforced at every edge.
 
 The gateway's typed HTTP/WebSocket model (`services.gateway.http_request`) declares its fields
-with these bounds, the gateway's gRPC validation and the talker's own check call the functions
-below, so a direct talker caller meets the same limits as a client of the gateway. The sampling
+with these bounds, and the one request pass (`qtts.request.vocabulary.check_request`, which the
+gateway runs for every transport and the talker runs again) calls the functions below, so a
+direct talker caller meets the same limits as a client of the gateway. The sampling
 fields' declarations (`qtts.request.sampling_overrides.SamplingOverrides`) cite the sampling
 constants, and `sampling_overrides.check_sampling` checks them from there. Sampling runs
 batched: one row with a temperature of 1e-45 or 3.5e38 would turn the shared step's logits into

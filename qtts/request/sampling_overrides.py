@@ -3,9 +3,9 @@
 Each optional field is declared once, here, with `sampling_field`: its type, its range, its one-line
 description and (where they differ) its HTTP name and its model name. Everything else follows the
 declaration: the gateway's HTTP/WebSocket body fields and OpenAPI schema
-(`services.gateway.http_request`), the range check the gateway's gRPC path and the talker run
-(`check_sampling`), the protobuf converters (`qtts.request.sampling_pb`), gRPC's error paths and the
-talker's merge over the model's defaults. A new field is one `sampling_field` line here, one
+(`services.gateway.http_request`), the range check of the one request pass that the gateway (every
+transport) and the talker run (`check_sampling`), the protobuf converters
+(`qtts.request.sampling_pb`), gRPC's error paths and the talker's merge over the model's defaults. A new field is one `sampling_field` line here, one
 `optional` field of `tts.v1.SamplingParams` and one row of docs/api.md.
 
 Pure (no torch, no protobuf).

@@ -2,9 +2,11 @@
 request against the served model that the gateway and the talker both run.
 
 Pure (no torch, no protobuf): the gateway checks a client's request with it before any work is
-done, and the talker checks again, so a direct talker caller meets the same rules. Each caller
-names the fields as its own API spells them (`FieldNames`), so an error's message and `param`
-speak the caller's language.
+done, and the talker checks again, so a direct talker caller meets the same rules. `check_request`
+is one pass over the request's fields, each checked once and normalised into a `CheckedRequest`;
+the gateway adds its own bounds (`edge`: model name, text length, reference size, frame cap,
+output rate, instructions policy) to the same pass. Each caller names the fields as its own API
+spells them (`FieldNames`), so an error's message and `param` speak the caller's language.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Protocol
 
 from qtts.request import request_limits as lim
 from qtts.request.errors import InvalidArgument, NotFound
-from qtts.request.sampling_overrides import SamplingOverrides, check_sampling
+from qtts.request.model_variants import supports_instructions, unsupported_instructions
+from qtts.request.sampling_overrides import SamplingOverrides, check_sampling, zero_means_greedy
 
 
 class Task(StrEnum):
@@ -114,9 +117,10 @@ class ServedModel(Protocol):
 
 
 class RequestFields(Protocol):
-    """The fields a check reads; None and "" both mean "not set"."""
+    """The fields a check reads; None and "" both mean "not set". `text` None (the gateway's
+    streamed session, before its text) skips the text's checks."""
 
-    text: str
+    text: str | None
     task: str | None
     voice: str | None
     language: str | None
@@ -127,6 +131,31 @@ class RequestFields(Protocol):
     sampling: SamplingOverrides
     first_chunk_frames: int
     chunk_frames_ramp: Sequence[int]
+
+
+class EdgeFields(RequestFields, Protocol):
+    """What the public edge (the gateway) reads besides: the model asked for, the encoded
+    reference clip, the frame cap and the output rate."""
+
+    model: str
+    reference_audio: bytes | None
+    max_new_frames: int | None
+    sample_rate: int | None
+
+
+class EdgeModel(ServedModel, Protocol):
+    """What the edge needs of the served model besides: its size (which variants take instructions)."""
+
+    model_size: str
+
+
+class EdgeLimits(Protocol):
+    """The edge's own bounds, tighter than the declared ranges (the gateway's RequestLimits)."""
+
+    max_input_chars: int
+    max_new_frames_limit: int
+    max_ref_audio_bytes: int
+    default_sample_rate: int
 
 
 @dataclass(frozen=True)
@@ -177,14 +206,26 @@ TALKER_FIELDS = FieldNames(
 
 @dataclass(frozen=True)
 class CheckedRequest:
-    """What a request resolves to on the served model.
+    """What a request resolves to on the served model, every field checked and normalised.
 
     `voice`: the preset speaker (the model's spelling) for custom_voice, the stored voice's name
-    (or "") for voice_clone, "" for voice_design."""
+    (or "") for voice_clone, "" for voice_design. `text`, `instructions`, `reference_text`:
+    stripped; a voice clone from a stored voice, or from the x-vector alone, takes no transcript.
+    `sampling`: temperature 0 turned into greedy decoding. The rest is the edge's (`check_request`
+    with `edge`): `max_new_frames` (0: the talker's cap), the output `sample_rate`, and the fields
+    the served variant ignores (`ignored_fields`, dropped under the "ignore" instructions policy)."""
 
     task: str
     language: str
     voice: str
+    text: str = ""
+    instructions: str = ""
+    reference_text: str = ""
+    x_vector_only: bool = False
+    sampling: SamplingOverrides = SamplingOverrides()
+    max_new_frames: int = 0
+    sample_rate: int = NATIVE_SAMPLE_RATE
+    ignored_fields: tuple[str, ...] = ()
 
     @property
     def speaker(self) -> str | None:
@@ -197,31 +238,119 @@ def check_request(
     *,
     has_reference: bool,
     check_reference: Callable[[], None] | None = None,
-    max_text_chars: int = 0,
     names: FieldNames = HTTP_FIELDS,
+    edge: EdgeLimits | None = None,
+    unsupported_instructions: str = "reject",
 ) -> CheckedRequest:
-    """Check `req` against `model`: field limits, text, task, voice and language.
+    """Check `req` against `model` in one pass, each field once, in this order: (at the edge) the
+    model name; string limits; text; sampling; chunking; task; voice; language; (at the edge) the
+    frame cap, the output rate and instructions the variant cannot take. Returns the checked,
+    normalised request.
 
-    Raises InvalidArgument, or NotFound for an unknown speaker. `has_reference`: the request
-    carries a reference clip; `check_reference` checks its encoding (the caller's to know) where
-    a voice clone takes it. `max_text_chars`: a tighter limit on the stripped text (0: none)."""
+    Raises InvalidArgument, or NotFound for an unknown model or speaker. `has_reference`: the
+    request carries a reference clip; `check_reference` checks its encoding (the caller's to know)
+    where a voice clone takes it. `edge`: the public edge's bounds (`req` is then `EdgeFields` and
+    `model` an `EdgeModel`): the talker, behind it, leaves it None. `unsupported_instructions`:
+    at the edge, "reject" refuses instructions the served variant cannot take, "ignore" drops them
+    and names them in `ignored_fields`."""
+    if edge is not None:
+        _check_model(req.model, model)
+        check_reference = _reference_size_check(req.reference_audio, edge.max_ref_audio_bytes, names)
     _check_strings(req, names)
-    text = (req.text or "").strip()
+    text = _text(req.text, names, edge.max_input_chars if edge is not None else 0)
+    check_sampling(req.sampling)  # the declared ranges, as the HTTP model's
+    lim.check_chunking(req.first_chunk_frames, req.chunk_frames_ramp)
+    task = _task(req.task, model, names)
+    voice = _voice(task, req, model, has_reference, check_reference, names)
+    language = _language(req.language, model, names)
+    instructions, ignored = (req.instructions or "").strip(), ()
+    max_new_frames, sample_rate = 0, NATIVE_SAMPLE_RATE
+    if edge is not None:
+        max_new_frames, sample_rate = _frames_and_rate(req, edge)
+        instructions, ignored = _instructions(instructions, model, unsupported_instructions)
+    reference_text, x_vector_only = (req.reference_text or "").strip(), bool(req.x_vector_only)
+    if task == Task.VOICE_CLONE and (not has_reference or x_vector_only):
+        # A stored voice carries its own transcript and mode; the x-vector alone needs none.
+        reference_text, x_vector_only = "", x_vector_only and has_reference
+    return CheckedRequest(
+        task=task,
+        language=language,
+        voice=voice,
+        text=text,
+        instructions=instructions,
+        reference_text=reference_text,
+        x_vector_only=x_vector_only,
+        # Temperature 0 means deterministic decoding, as in the OpenAI sampling APIs.
+        sampling=zero_means_greedy(req.sampling),
+        max_new_frames=max_new_frames,
+        sample_rate=sample_rate,
+        ignored_fields=ignored,
+    )
+
+
+def _frames_and_rate(req: EdgeFields, edge: EdgeLimits) -> tuple[int, int]:
+    """The edge's frame cap (0: the talker's) and output rate, within the edge's bounds."""
+    if req.max_new_frames is not None and not 1 <= req.max_new_frames <= edge.max_new_frames_limit:
+        raise InvalidArgument(
+            f"max_new_tokens must be in 1..{edge.max_new_frames_limit}, got {req.max_new_frames}",
+            param="max_new_tokens",
+        )
+    sample_rate = req.sample_rate or edge.default_sample_rate
+    if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
+        raise InvalidArgument(
+            f"sample_rate must be in {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz, got {sample_rate}",
+            param="sample_rate",
+        )
+    return req.max_new_frames or 0, sample_rate
+
+
+def _instructions(instructions: str, model: EdgeModel, policy: str) -> tuple[str, tuple[str, ...]]:
+    """(instructions, ignored fields): unchanged where the variant takes them (or none were sent),
+    else refused (`policy` "reject") or dropped and named ("ignore")."""
+    if not instructions or supports_instructions(model.model_type, model.model_size):
+        return instructions, ()
+    if policy != "ignore":
+        raise unsupported_instructions(model.name, model.model_type, model.model_size)
+    return "", ("instructions",)
+
+
+def _check_model(name: str, model: ServedModel) -> None:
+    """Unknown model names are 404, as in the OpenAI API; empty means the served model."""
+    lim.check_string(name, "model", lim.MODEL_MAX_CHARS)
+    if name and name != model.name:
+        raise NotFound(f"model {name!r} does not exist; this server serves {model.name!r}", param="model")
+
+
+def _reference_size_check(audio: bytes | None, max_bytes: int, names: FieldNames) -> Callable[[], None]:
+    """The edge's check of an encoded clip, run where a voice clone takes it: at most `max_bytes`."""
+
+    def check() -> None:
+        if audio is not None and len(audio) > max_bytes:
+            raise InvalidArgument(
+                f"{names.reference_audio} is {len(audio)} bytes; the limit is {max_bytes}",
+                param=names.reference_audio,
+            )
+
+    return check
+
+
+def _text(value: str | None, names: FieldNames, max_chars: int) -> str:
+    """The stripped text: not empty, at most `max_chars` (0: the declared limit only), something
+    to speak. None (a streamed session before its text) is not checked."""
+    if value is None:
+        return ""
+    text = value.strip()
     if not text:
         raise InvalidArgument(f"{names.text} must be a non-empty string", param=names.text)
-    if max_text_chars and len(text) > max_text_chars:
+    if max_chars and len(text) > max_chars:
         raise InvalidArgument(
-            f"{names.text} is {len(text)} characters long; the limit is {max_text_chars}", param=names.text
+            f"{names.text} is {len(text)} characters long; the limit is {max_chars}", param=names.text
         )
     if not lim.has_speakable_text(text):
         raise InvalidArgument(
             f"{names.text} has nothing to speak (only whitespace or control characters)", param=names.text
         )
-    check_sampling(req.sampling)  # the declared ranges, as the HTTP model's
-    lim.check_chunking(req.first_chunk_frames, req.chunk_frames_ramp)
-    task = _task(req.task, model, names)
-    voice = _voice(task, req, model, has_reference, check_reference, names)
-    return CheckedRequest(task=task, language=_language(req.language, model, names), voice=voice)
+    return text
 
 
 def _check_strings(req: RequestFields, names: FieldNames) -> None:

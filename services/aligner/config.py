@@ -38,6 +38,16 @@ class AlignerConfig:
     device: str = setting("cpu", "torch device (cpu, cuda, cuda:N)")
     dtype: str = setting("float32", choices=DTYPES)
     max_batch: int = setting(32, "requests aligned in one forward pass at most")
+    cuda_graphs: bool = setting(
+        True, "on a GPU, capture each (batch, length) bucket's forward pass as a CUDA graph on first use"
+    )
+    max_graphs: int = setting(48, "CUDA graphs kept at most; buckets past them run eagerly")
+    graph_max_length: int = setting(1024, "longest prompt (positions) a CUDA graph is captured for")
+    graph_warmup_s: str = setting(
+        "2,5,10",
+        "on a GPU, before SERVING: capture the graphs of speech clips this long (seconds, a comma "
+        "list) at every batch size up to --max-batch; empty: capture on first use only",
+    )
     max_audio_s: float = setting(300.0, "longest audio one request may bring, seconds")
     max_text_chars: int = setting(4096, "longest transcript one request may bring, characters")
     drain_seconds: float = common.drain_seconds(10.0)
@@ -54,13 +64,28 @@ class AlignerConfig:
         check_connection_age(self)
         self.tls.validate()
         check_model_fields(self)
-        for name in ("max_batch", "max_text_chars"):
+        self.warmup_seconds()
+        if self.max_graphs < 0:
+            raise InvalidArgument(f"--max-graphs must be >= 0, got {self.max_graphs}")
+        for name in ("max_batch", "max_text_chars", "graph_max_length"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.max_audio_s <= 400:
             # 5000 timestamp classes of 80 ms: the aligner cannot place a word past 400 s.
             raise InvalidArgument(f"--max-audio-s must be in (0, 400], got {self.max_audio_s}")
         return self
+
+    def warmup_seconds(self) -> list[float]:
+        """--graph-warmup-s as numbers; raises `InvalidArgument` for a bad list."""
+        try:
+            out = [float(x) for x in self.graph_warmup_s.split(",") if x.strip()]
+        except ValueError:
+            out = [-1.0]
+        if any(not 0 < s <= self.max_audio_s for s in out):
+            raise InvalidArgument(
+                f"--graph-warmup-s must be a comma list of seconds in (0, --max-audio-s], got {self.graph_warmup_s!r}"
+            )
+        return out
 
 
 SETTINGS = ServiceSettings(AlignerConfig, "aligner", "python -m services.aligner", __doc__)

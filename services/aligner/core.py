@@ -4,7 +4,9 @@ Requests are featurised as they arrive (resampling, log-mel, word splitting, tok
 thread of their own (the fast tokenizer and nagisa are not safe to call from several threads at
 once, and the GIL would serialise most of that work anyway), then wait in one queue; a single
 loop takes up to `max_batch` of them into one forward pass on its own thread, so the device runs
-one batch at a time and requests that arrive while it works share the next pass. A request cancelled while queued never reaches the device.
+one batch at a time and requests that arrive while it works share the next pass. A request
+cancelled while queued never reaches the device. The pass is `BucketedAligner.run`: the batch
+padded to fixed (batch, length) buckets, a CUDA graph per bucket on a GPU, eager on the CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qtts.model.aligner import AlignInput, ForcedAligner, UnsupportedLanguage, WordTiming
+from qtts.model.aligner import AlignInput, UnsupportedLanguage, WordTiming
+from qtts.model.aligner.batched import BucketedAligner
 from qtts.request.errors import InvalidArgument
 from qtts.serving.metrics import AlignerMetrics
 
@@ -57,18 +60,19 @@ class AlignOutcome:
 
 
 class AlignerCore:
-    """Checks, featurises and batches `AlignJob`s over one `ForcedAligner`."""
+    """Checks, featurises and batches `AlignJob`s over one `BucketedAligner`."""
 
     def __init__(
         self,
-        aligner: ForcedAligner,
+        runner: BucketedAligner,
         metrics: AlignerMetrics,
         *,
         max_batch: int = 32,
         max_audio_s: float = 300.0,
         max_text_chars: int = 4096,
     ):
-        self.aligner = aligner
+        self.runner = runner
+        self.aligner = runner.aligner
         self.metrics = metrics
         self.max_batch = max_batch
         self.max_audio_s = max_audio_s
@@ -156,9 +160,7 @@ class AlignerCore:
                     continue
                 start = time.perf_counter_ns()
                 try:
-                    results = await loop.run_in_executor(
-                        self._device, self.aligner.run, [x for x, _ in taken]
-                    )
+                    results = await loop.run_in_executor(self._device, self.runner.run, [x for x, _ in taken])
                 except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
                     log.exception("aligner forward pass failed")
                     for _, f in taken:
@@ -172,9 +174,16 @@ class AlignerCore:
                     if not f.done():
                         f.set_result((words, elapsed, len(taken)))
 
-    async def warm_up(self) -> None:
-        """One alignment of a short clip: loads lazy kernels before health says SERVING."""
+    async def warm_up(self, graph_seconds: list[float] | None = None) -> int:
+        """One alignment of a short clip (lazy kernels load), then, on a GPU, the CUDA graphs of
+        clips `graph_seconds` long at every batch size: before health says SERVING. Returns the
+        graphs captured."""
         t = np.arange(24000, dtype=np.float32) / 24000
         await self.align(
             AlignJob("warm up", "english", (0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 24000)
+        )
+        if not graph_seconds:
+            return len(self.runner.captured())
+        return await asyncio.get_running_loop().run_in_executor(
+            self._device, self.runner.warm_up, graph_seconds, self.max_batch
         )

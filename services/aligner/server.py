@@ -9,6 +9,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from qtts.model.aligner import ForcedAligner, load_aligner
+from qtts.model.aligner.batched import BucketedAligner
 from qtts.pb import aligner_pb2, aligner_pb2_grpc
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
 from qtts.serving.metrics import AlignerMetrics
@@ -51,8 +52,14 @@ class AlignerServer:
         cfg = self.config
         if self._aligner is None:
             self._aligner = await asyncio.to_thread(load_model, cfg)
-        self.core = AlignerCore(
+        runner = BucketedAligner(
             self._aligner,
+            cuda_graphs=cfg.cuda_graphs,
+            max_graphs=cfg.max_graphs,
+            graph_max_length=cfg.graph_max_length,
+        )
+        self.core = AlignerCore(
+            runner,
             self.metrics,
             max_batch=cfg.max_batch,
             max_audio_s=cfg.max_audio_s,
@@ -61,9 +68,14 @@ class AlignerServer:
         await self.core.start()
         aligner_pb2_grpc.add_AlignerServiceServicer_to_server(AlignerServicer(self.core), self.host.server)
         port = await self.host.start()
-        await self.core.warm_up()
+        graphs = await self.core.warm_up(cfg.warmup_seconds())
         await self.host.set_serving()
-        log.info("aligner %s warm: SERVING (batches of up to %d)", self._aligner.name, cfg.max_batch)
+        log.info(
+            "aligner %s warm: SERVING (batches of up to %d, CUDA graphs %s)",
+            self._aligner.name,
+            cfg.max_batch,
+            f"on, {graphs} captured" if runner.graphs_on else "off",
+        )
         return port
 
     async def _close_core(self) -> None:

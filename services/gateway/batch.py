@@ -22,7 +22,8 @@ from qtts.request.errors import InvalidArgument, TTSError
 from .audio_encoding import MEDIA_TYPES, check_output_format
 from .audio_output import AudioOutput
 from .core import GatewayCore
-from .http_request import parse_json, parse_speech_body
+from .http_body import parse_json
+from .http_request import parse_speech_body
 from .http_streaming import run_unless_disconnected
 
 # vLLM-Omni bounds a batch at 32 items.

@@ -29,9 +29,8 @@ from qtts.request.errors import (
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 from qtts.serving.metrics import GatewayMetrics
 
-from .auth import current_owner, scoped_voice_name
+from .auth import current_owner
 from .client_identity import current_client
-from .instructions import apply_instructions_policy
 from .job import ModelCatalog, SpeechFields, SynthesisJob
 from .stream_limits import StreamLimits
 from .validation import RequestLimits, build_job, named_field
@@ -195,18 +194,9 @@ class GatewayCore:
         return catalog
 
     def validate(self, fields: SpeechFields) -> SynthesisJob:
-        catalog = self.catalog()
-        job = apply_instructions_policy(
-            build_job(fields, catalog, self.limits), catalog, self._unsupported_instructions
-        )
-        if (
-            job.task == "voice_clone"
-            and job.voice
-            and job.reference_audio is None
-            and (owner := current_owner())
-        ):
-            job = replace(job, voice=scoped_voice_name(job.voice, owner))  # the key's own stored voice
-        return job
+        """The job for `fields`, checked in one pass (validation.build_job); every transport hands
+        its request over here the same way. Raises the TTSError of the first field at fault."""
+        return build_job(fields, self.catalog(), self.limits, self._unsupported_instructions, current_owner())
 
     def early_refusal(self) -> ResourceExhausted | None:
         """The refusal `open()` would give the current client at the stream limit, known from the

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from qtts.pb import tts_pb2, tts_pb2_grpc
-from qtts.request.errors import Cancelled, InvalidArgument, RequestTimeout, TTSError
+from qtts.request.errors import Cancelled, InvalidArgument, TTSError
 from qtts.request.sampling_overrides import SamplingOverrides, http_name
 from qtts.request.sampling_pb import overrides_from_pb
 from qtts.request.tts_enums import FINISH_TO_PB, TASK_FROM_PB
@@ -23,9 +23,10 @@ from .auth import ApiKeys, grpc_owner, owner_var
 from .client_identity import client_var, grpc_client_key
 from .consents import ConsentStore
 from .core import GatewayCore, SynthesisStream
+from .grpc_text_input import END_OF_INPUT, TEXT_SPLITS, first_config, read_text
 from .instructions import ignored_fields_header
 from .job import SpeechFields, SynthesisJob
-from .text_stream import SegmentText, TextBudget, TextPiece, TextSplitter, check_session, open_segment
+from .text_stream import SegmentText, TextBudget, TextSplitter, check_session, open_segment
 from .validation import new_request_id
 from .voice_client import VoiceInfo
 from .voices import VoiceService
@@ -35,15 +36,6 @@ _ENCODINGS = {
     tts_pb2.AUDIO_ENCODING_PCM_S16LE: "pcm",
     tts_pb2.AUDIO_ENCODING_WAV: "wav",
 }
-_TEXT_SPLITS = {
-    tts_pb2.TEXT_SPLIT_UNSPECIFIED: "none",
-    tts_pb2.TEXT_SPLIT_SENTENCE: "sentence",
-    tts_pb2.TEXT_SPLIT_CLAUSE: "clause",
-    tts_pb2.TEXT_SPLIT_NONE: "none",
-}
-# The end of a StreamingSynthesize call's input, in its segment queue.
-_END_OF_INPUT = object()
-
 # Errors name a field as the HTTP API spells it (`param`); a gRPC caller's google.rpc.BadRequest
 # names the field of its own request message instead.
 _SYNTHESIZE_FIELDS = {
@@ -74,12 +66,14 @@ def _grpc_field(param: str | None, streaming: bool = False) -> str | None:
     return field
 
 
-def fields_from_pb(req: tts_pb2.SynthesizeRequest) -> SpeechFields:
+def fields_from_pb(req: tts_pb2.SynthesizeRequest, streaming: bool = False) -> SpeechFields:
+    """The typed request of a `tts.v1.SynthesizeRequest`; `streaming`: a StreamingSynthesize
+    config's, whose text comes later, in input messages (`text` None)."""
     if req.task_type not in TASK_FROM_PB:
         raise InvalidArgument(f"unknown task_type {req.task_type}", param="task_type")
     sampling = overrides_from_pb(req.sampling)
     return SpeechFields(
-        text=req.text,
+        text=None if streaming else req.text,
         model=req.model,
         task=TASK_FROM_PB[req.task_type],
         voice=req.voice or None,
@@ -101,96 +95,6 @@ def _encoding(value: int) -> str:
     if value not in _ENCODINGS:
         raise InvalidArgument(f"unsupported audio_encoding {value}", param="audio_encoding")
     return _ENCODINGS[value]
-
-
-async def _next_request(
-    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest],
-    idle_timeout_s: float,
-    idle: Callable[[], bool] = lambda: True,
-) -> tts_pb2.StreamingSynthesizeRequest | None:
-    """The next request message (None at the end of input). A client that sends nothing for
-    `idle_timeout_s` while `idle()` (nothing is being synthesised, or the synthesis waits for its
-    text) ends the call with RequestTimeout, as the WebSocket closes such a session; 0: never."""
-    if idle_timeout_s <= 0:
-        return await anext(requests, None)
-    receive = asyncio.ensure_future(anext(requests, None))
-    try:
-        while True:
-            done, _ = await asyncio.wait({receive}, timeout=idle_timeout_s)
-            if done:
-                return receive.result()
-            if idle():
-                raise RequestTimeout(f"no message within {idle_timeout_s:g} s; closing")
-    finally:
-        if not receive.done():
-            receive.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await receive
-
-
-async def _first_config(
-    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest], idle_timeout_s: float = 0.0
-):
-    first = await _next_request(requests, idle_timeout_s)
-    if first is None or not first.HasField("streaming_config"):
-        raise InvalidArgument(
-            "the first StreamingSynthesizeRequest must carry streaming_config", param="streaming_config"
-        )
-    return first.streaming_config
-
-
-async def _read_text(
-    requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest],
-    splitter: TextSplitter,
-    budget: TextBudget,
-    queue: asyncio.Queue,
-    idle_timeout_s: float = 0.0,
-    busy: Callable[[], bool] = lambda: False,
-) -> None:
-    """Route the incoming text into segments (each queued when its first text arrives, and fed
-    the rest as it comes), then the end of input (or the error) onto `queue`. Each piece is held
-    to `budget` (an utterance ends at each flush) before it is looked at. `busy()`: whether a
-    segment is being synthesised (the idle clock does not run then)."""
-    segment: SegmentText | None = None
-
-    def route(pieces: list[TextPiece]) -> None:
-        nonlocal segment
-        for piece in pieces:
-            if piece.text:
-                if segment is None or segment.closed:  # ended early: at its length
-                    segment = SegmentText()
-                    queue.put_nowait(segment)
-                segment.append(piece.text)
-            if piece.end and segment is not None:
-                segment.close()
-                segment = None
-
-    def idle() -> bool:
-        # Nothing queued, and nothing synthesised but what waits for the client's text.
-        return queue.empty() and (not busy() or (segment is not None and not segment.closed))
-
-    try:
-        while (req := await _next_request(requests, idle_timeout_s, idle)) is not None:
-            if not req.HasField("input"):
-                raise InvalidArgument(
-                    "streaming_config is only allowed in the first message", param="streaming_config"
-                )
-            budget.take(req.input.text)
-            route(splitter.feed(req.input.text))
-            if req.input.flush:
-                route(splitter.flush())
-                budget.reset()
-        route(splitter.flush())
-        queue.put_nowait(_END_OF_INPUT)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        # A protocol error, or the client's side of the call broke (it cancelled, or its stream
-        # failed): the segment in flight ends with the text it has, then the call with the error.
-        if segment is not None:
-            segment.close()
-        failed = Cancelled(f"the request stream ended with an error: {type(exc).__name__}")
-        queue.put_nowait(exc if isinstance(exc, InvalidArgument | RequestTimeout) else failed)
 
 
 async def _report_ignored(context: grpc.aio.ServicerContext, job: SynthesisJob) -> None:
@@ -346,21 +250,21 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     ) -> AsyncIterator[tts_pb2.StreamingSynthesizeResponse]:
         requests = aiter(request_iterator)
         self._bind_caller(context)
-        config, fmt, fields = await self._streaming_session(requests)
-        await _report_ignored(context, self._synth.validate(dataclasses.replace(fields, text=".")))
+        config, fmt, fields, session = await self._streaming_session(requests)
+        await _report_ignored(context, session)
         request_id = config.synthesis.request_id or new_request_id()
         limits = self._synth.limits
-        splitter = TextSplitter(_TEXT_SPLITS[config.text_split], limits.max_input_chars)
+        splitter = TextSplitter(TEXT_SPLITS[config.text_split], limits.max_input_chars)
         budget = TextBudget(limits.max_text_piece_chars, limits.max_utterance_chars, param="input.text")
         queue: asyncio.Queue = asyncio.Queue()
         current: list[SegmentText] = []  # the segment being synthesised
         reader = asyncio.create_task(
-            _read_text(requests, splitter, budget, queue, self._idle_timeout_s, lambda: bool(current))
+            read_text(requests, splitter, budget, queue, self._idle_timeout_s, lambda: bool(current))
         )
         seq = segment = 0
         align = _Align("") if config.synthesis.word_timestamps else None
         try:
-            while (item := await queue.get()) is not _END_OF_INPUT:
+            while (item := await queue.get()) is not END_OF_INPUT:
                 if isinstance(item, BaseException):
                     raise item
                 start = tts_pb2.SegmentStart(text=item.text)  # the text so far: more may follow
@@ -399,27 +303,28 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
 
     async def _streaming_session(
         self, requests: AsyncIterator[tts_pb2.StreamingSynthesizeRequest]
-    ) -> tuple[tts_pb2.StreamingSynthesizeConfig, str, SpeechFields]:
-        """The first message's config, checked: (config, audio encoding, the fields without text)."""
+    ) -> tuple[tts_pb2.StreamingSynthesizeConfig, str, SpeechFields, SynthesisJob]:
+        """The first message's config, checked: (config, audio encoding, the fields without text,
+        the session's job)."""
         try:
-            config = await _first_config(requests, self._idle_timeout_s)
+            config = await first_config(requests, self._idle_timeout_s)
             synthesis = config.synthesis
             if synthesis.text:
                 raise InvalidArgument(
                     "streaming_config.synthesis.text must be empty: text comes in input messages",
                     param="text",
                 )
-            if config.text_split not in _TEXT_SPLITS:
+            if config.text_split not in TEXT_SPLITS:
                 raise InvalidArgument(f"unknown text_split {config.text_split}", param="text_split")
             fmt = _encoding(synthesis.audio_encoding)
-            fields = fields_from_pb(synthesis)
-            check_session(self._synth, fields, fmt)
+            fields = fields_from_pb(synthesis, streaming=True)
+            session = check_session(self._synth, fields, fmt)
             if synthesis.word_timestamps:
                 self._check_word_timestamps(fields.language or "auto")
         except Exception as exc:
             self._synth.reject("grpc", exc)
             raise
-        return config, fmt, fields
+        return config, fmt, fields, session
 
     def _check_word_timestamps(self, language: str) -> None:
         if self._aligner is None:

@@ -8,12 +8,18 @@ arrive, and how long a response may wait for a client that reads nothing.
   byte every 20 s never stalls, and held a request open for good).
 - `header_timeout_protocol`: uvicorn closes idle keep-alive connections, but not a connection that
   never finishes its request headers (slowloris); this protocol closes it after `timeout_s`.
+  It also closes as nginx's lingering close does: a response sent before the request body was
+  all read (a 413, a 408) is followed by a half-close, and the rest of the body is read and
+  discarded, up to `Linger`'s bounds, before the socket closes. Closing at once with unread data
+  sends a reset, and a client that writes its whole body before reading (Python's http.client,
+  requests, httpx: no `Expect: 100-continue`) saw that reset instead of the 413.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -99,28 +105,116 @@ async def _refuse(send: Any, status: int, exc: TTSError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
+@dataclass(frozen=True)
+class Linger:
+    """Bounds on reading the rest of a refused request body (nginx: lingering_time 30 s,
+    lingering_timeout 5 s). Past any of them the socket closes, unread data or not."""
+
+    max_bytes: int = 256 << 20
+    max_s: float = 30.0
+    idle_s: float = 5.0
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: `close()` asks the protocol, which lingers
+    while the client is still sending its request body; everything else is the real transport's."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: Any):
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close_or_linger()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def header_timeout_protocol(timeout_s: float, linger: Linger | None = None) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request headers are not complete within
-    `timeout_s` of it opening (or of the previous response ending)."""
+    `timeout_s` of it opening (or of the previous response ending), and lingering (`Linger`) when
+    it closes before the request body was all read."""
+    linger = linger or Linger()
 
     class HeaderTimeoutH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _linger_timer: asyncio.TimerHandle | None = None
+        _linger_ends = 0.0
+        _lingered = 0
+        _lost = False
+        lingering = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            self._raw = transport
+            super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
             self._arm_header_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self._lost = True
             self._disarm_header_timer()
+            self._end_linger_timer()
             super().connection_lost(exc)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._arm_header_timer()
 
+        def shutdown(self) -> None:
+            # The server stops: a lingering connection closes now.
+            if self.lingering:
+                self._raw.close()
+            else:
+                super().shutdown()
+
+        def data_received(self, data: bytes) -> None:
+            if not self.lingering:
+                super().data_received(data)
+                return
+            self._lingered += len(data)
+            if self._lingered > linger.max_bytes:
+                self._raw.close()
+            else:
+                self._arm_linger_timer()
+
+        def eof_received(self) -> bool | None:
+            if self.lingering:
+                self._raw.close()  # the client sent all it had: the answer is in its buffer
+            return super().eof_received()
+
+        def close_or_linger(self) -> None:
+            """Close, unless the client is still sending a request body: then half-close (the
+            response stays readable) and discard what comes until it ends or a bound is hit."""
+            raw = self._raw
+            if self.lingering or raw.is_closing():
+                return
+            if self._lost or raw.get_protocol() is not self or self.conn.their_state is not h11.SEND_BODY:
+                raw.close()
+                return
+            self.lingering = True
+            self._disarm_header_timer()
+            self._unset_keepalive_if_required()
+            if raw.can_write_eof():
+                raw.write_eof()
+            raw.resume_reading()
+            self._linger_ends = self.loop.time() + linger.max_s
+            self._arm_linger_timer()
+
+        def _arm_linger_timer(self) -> None:
+            self._end_linger_timer()
+            wait = min(linger.idle_s, self._linger_ends - self.loop.time())
+            self._linger_timer = self.loop.call_later(max(0.0, wait), self._raw.close)
+
+        def _end_linger_timer(self) -> None:
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
+
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
-            if timeout_s > 0:
+            if timeout_s > 0 and not self.lingering:
                 self._header_timer = self.loop.call_later(timeout_s, self._header_timeout)
 
         def _disarm_header_timer(self) -> None:
@@ -133,10 +227,10 @@ def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
             # IDLE: no complete request head since the timer was armed. A WebSocket upgrade
             # hands the transport to another protocol, which this must not close.
             if (
-                self.transport.get_protocol() is self
-                and not self.transport.is_closing()
+                self._raw.get_protocol() is self
+                and not self._raw.is_closing()
                 and self.conn.their_state is h11.IDLE
             ):
-                self.transport.close()
+                self._raw.close()
 
     return HeaderTimeoutH11Protocol

@@ -5,28 +5,24 @@ These pydantic models are the one place where the request fields are declared, w
 default and range: the parser validates with them and `/openapi.json` and `/docs` are generated
 from them. The optional sampling fields are the exception: they are generated from their
 declarations in `qtts.request.sampling_overrides.SamplingOverrides` (`sampling_body_fields`), so a
-new one needs no edit here. A validation failure becomes one `InvalidArgument` whose `param` names the field at
-fault (OpenAI's error shape); checks that depend on the served model (task, voice, language) or on
-the server's limits (input length, frame cap) come later, in `validation.build_job`.
+new one needs no edit here. A validation failure becomes one `InvalidArgument` whose `param` names
+the field at fault (OpenAI's error shape; `http_body`). The body becomes the one typed request (`SpeechFields`) that every
+transport hands to `GatewayCore.validate`, whose one pass checks what depends on the served model
+(task, voice, language) and on the server's limits (input length, frame cap).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 
-import annotated_types as at
 from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationError,
     create_model,
     field_validator,
     model_validator,
@@ -39,6 +35,7 @@ from qtts.request.sampling_overrides import SamplingField, SamplingOverrides, sa
 from qtts.request.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, MAX_SPEED, MIN_SPEED
+from .http_body import decode_base64_audio, validate_body
 from .job import SpeechFields
 
 ResponseFormat = Literal["pcm", "wav", "mp3", "flac", "opus", "aac", "mulaw", "alaw"]
@@ -299,8 +296,9 @@ class SpeechOptions(_SpeechSampling):
     def _format_any_case(cls, value: Any) -> Any:
         return _lower(value)
 
-    def to_fields(self, text: str) -> SpeechFields:
-        """The protocol-neutral request fields (cross-field checks and base64 decoding included)."""
+    def to_fields(self, text: str | None) -> SpeechFields:
+        """The typed request (cross-field checks and base64 decoding included); `text` None: a
+        WebSocket session's, whose text comes later."""
         voice = self.voice.id if isinstance(self.voice, VoiceId) else self.voice
         if (
             voice is not None
@@ -425,114 +423,7 @@ class OutputOptions:
         return self.stream is not False and not self.word_timestamps
 
 
-def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
-    """Decode plain base64 or a `data:audio/...;base64,` URL; raise InvalidArgument otherwise."""
-    data = value.strip()
-    if data.startswith("data:"):
-        header, sep, data = data.partition(",")
-        if not sep or not header.endswith(";base64"):
-            raise InvalidArgument(
-                f"{field_name} data URL must be base64 encoded (data:audio/...;base64,...)", param=field_name
-            )
-    elif data.startswith(("http://", "https://", "file:")):
-        raise InvalidArgument(
-            f"{field_name} must be base64 audio or a data URL; URLs are not fetched", param=field_name
-        )
-    try:
-        raw = base64.b64decode("".join(data.split()), validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidArgument(f"{field_name} is not valid base64: {exc}", param=field_name) from None
-    if not raw:
-        raise InvalidArgument(f"{field_name} is empty", param=field_name)
-    return raw
-
-
-def parse_json(raw: bytes | str, what: str = "request body") -> Any:
-    """JSON text -> Python; bad JSON, bad UTF-8, too deep nesting or a too long integer is a 400."""
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise InvalidArgument(f"{what} is nested too deeply") from None
-    except ValueError as exc:  # bad JSON, bad UTF-8, or an integer too long to convert
-        raise InvalidArgument(f"{what} is not valid JSON: {exc}") from None
-
-
-def validate_body(model: type[SpeechOptions], body: Any, what: str = "request body") -> Any:
-    """`model` validated from `body`; the first failure as one InvalidArgument naming its field."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise invalid_argument(model, exc, what) from None
-
-
 def parse_speech_body(body: Any) -> tuple[SpeechFields, OutputOptions]:
     """Turn the JSON body into request fields and output options; type errors are 400s."""
     request = validate_body(SpeechRequest, body)
     return request.to_fields(request.input), request.output()
-
-
-_TYPE_WORDS = {
-    "string_type": "a string",
-    "bool_type": "a boolean",
-    "int_type": "an integer",
-    "float_type": "a number",
-    "dict_type": "an object",
-    "list_type": "a list",
-    "model_type": "an object",
-    "model_attributes_type": "an object",
-}
-
-
-def invalid_argument(
-    model: type[BaseModel], exc: ValidationError, what: str = "request body"
-) -> InvalidArgument:
-    """One InvalidArgument for a pydantic failure: unknown fields first (all of them named), then
-    the first failing field in declaration order, worded with the field's declared range."""
-    errors = exc.errors(include_url=False)
-    unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden" and e["loc"])
-    if unknown:
-        return InvalidArgument(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
-    e = errors[0]
-    if not e["loc"]:
-        return InvalidArgument(f"{what} must be a JSON object")
-    name = str(e["loc"][0])
-    kind, value = e["type"], e.get("input")
-    if kind == "missing":
-        message = f"{name} is required"
-    elif kind.startswith("tts_"):
-        message = e["msg"]
-    elif kind in _TYPE_WORDS:
-        message = f"{name} must be {_TYPE_WORDS[kind]}, got {type(value).__name__}"
-    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        message = f"{name} must be {_declared_range(model, name)}, got {value}"
-    elif kind in ("string_too_long", "too_long") and isinstance(value, str):
-        message = f"{name} is {len(value)} characters long; the limit is {e['ctx']['max_length']}"
-    elif kind == "string_unicode":
-        message = f"{name} is not valid Unicode text (a lone UTF-16 surrogate?)"
-    elif kind == "literal_error":
-        message = f"{name} must be one of {e['ctx']['expected']}, got {repr(value)[:100]}"
-    else:
-        message = f"{name} {e['msg']}"
-    return InvalidArgument(message, param=name)
-
-
-def _declared_range(model: type[BaseModel], name: str) -> str:
-    """A field's range as declared (`in 0.25..4.0`, `in (0, 1]`, `>= 0`)."""
-    lo = hi = None
-    lo_open = hi_open = False
-    for m in model.model_fields[name].metadata:
-        if isinstance(m, at.Ge):
-            lo = m.ge
-        elif isinstance(m, at.Gt):
-            lo, lo_open = m.gt, True
-        elif isinstance(m, at.Le):
-            hi = m.le
-        elif isinstance(m, at.Lt):
-            hi, hi_open = m.lt, True
-    if lo is not None and hi is not None:
-        if not lo_open and not hi_open:
-            return f"in {lo}..{hi}"
-        return f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-    if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo}"
-    return f"{'<' if hi_open else '<='} {hi}"

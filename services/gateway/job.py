@@ -33,9 +33,15 @@ SamplingOptions = SamplingOverrides
 
 @dataclass(frozen=True)
 class SpeechFields:
-    """A synthesis request as the client sent it, before validation (HTTP and gRPC alike)."""
+    """A synthesis request as the client sent it, before validation: the one typed request every
+    transport (HTTP, WebSocket, gRPC, batch) converts its input to and hands to
+    `GatewayCore.validate`.
 
-    text: str
+    `text` None: a streamed session's configuration, checked before its text comes (each segment
+    is then a request of its own, with its text). `text_follows`: more text is appended while the
+    request runs (text_stream.py), so the text is kept as received, its trailing space too."""
+
+    text: str | None
     model: str = ""
     task: str | None = None
     voice: str | None = None
@@ -54,6 +60,7 @@ class SpeechFields:
     chunk_frames_ramp: tuple[int, ...] = ()
     # Feed the text one token per frame (True) or all up front (False); None = the talker's default.
     streaming_text: bool | None = None
+    text_follows: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,28 +26,25 @@ import asyncio
 import contextlib
 import logging
 import re
-from dataclasses import dataclass, field
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from qtts.request.errors import Cancelled, InvalidArgument, TTSError, mapping_for, openai_error_body
+from qtts.request.errors import InvalidArgument, TTSError, mapping_for
 from qtts.request.vocabulary import NATIVE_SAMPLE_RATE
 
 from .aligner_client import AlignerClient, check_alignable
 from .audio_output import AudioOutput
 from .core import GatewayCore, SynthesisStream
-from .http_request import StreamingSessionConfig, parse_json, validate_body
-from .job import SpeechFields
+from .http_body import parse_json, validate_body
+from .http_request import StreamingSessionConfig
+from .speech_ws_session import Close, Segment, Session, StalledClient, Usage, UtteranceEnd
 from .text_stream import (
     SegmentAudio,
-    SegmentText,
     TextBudget,
-    TextPiece,
     TextSplitter,
     check_session,
     open_segment,
 )
-from .validation import new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -58,117 +55,8 @@ _HEAD_TYPE = re.compile(r'\s*\{\s*"type"\s*:\s*"([a-z._]{1,32})"')
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_INTERNAL = 1000, 1008, 1011
 
 
-class StalledClient(Cancelled):
-    """A send did not complete within the write timeout: the client stopped reading."""
-
-
-@dataclass(frozen=True)
-class _Segment:
-    utterance: int
-    index: int
-    text: SegmentText
-    fields: SpeechFields
-    audio: SegmentAudio
-
-
-@dataclass
-class _UtteranceEnd:
-    utterance: int
-    total: int
-    cancelled: bool = False
-
-
-@dataclass
-class _Close:
-    pass
-
-
-@dataclass
-class _Usage:
-    input_tokens: int = 0
-    output_tokens: int = 0
-
-    def to_json(self) -> dict:
-        return {
-            "input_tokens": self.input_tokens,
-            "output_tokens": self.output_tokens,
-            "total_tokens": self.input_tokens + self.output_tokens,
-        }
-
-
-@dataclass
-class _Session:
-    """One connection's state, shared by its receiver and its worker."""
-
-    ws: WebSocket
-    synth: GatewayCore
-    session_id: str = field(default_factory=new_request_id)
-    config: StreamingSessionConfig | None = None
-    fields: SpeechFields | None = None
-    audio: SegmentAudio | None = None
-    splitter: TextSplitter = field(default_factory=TextSplitter)
-    budget: TextBudget = field(default_factory=lambda: TextBudget(0, 0))
-    utterance: int = 0  # the utterance that takes input.text now
-    sentences: int = 0  # segments cut from it so far
-    segment: _Segment | None = None  # the segment that takes input.text now
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    current: asyncio.Task | None = None
-    current_utterance: int = -1
-    usage: dict[int, _Usage] = field(default_factory=dict)
-    # Seconds of the talker's audio sent per utterance so far: where its next segment starts.
-    spoken_s: dict[int, float] = field(default_factory=dict)
-    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # A send that does not complete this long ends the session (0 = never); see `_send`.
-    write_timeout_s: float = 0.0
-    stalled: list[StalledClient] = field(default_factory=list)
-
-    @property
-    def utterance_open(self) -> bool:
-        return self.sentences > 0 or self.splitter.open
-
-    @property
-    def idle(self) -> bool:
-        """Nothing to synthesise but what the client has still to send (a segment in flight that
-        waits for its text is the client's to continue)."""
-        return self.queue.empty() and (self.current is None or self.segment is not None)
-
-    async def send_json(self, payload: dict) -> None:
-        await self._send(self.ws.send_json, payload)
-
-    async def send_bytes(self, data: bytes) -> None:
-        await self._send(self.ws.send_bytes, data)
-
-    async def _send(self, send, data) -> None:
-        # A send blocks while the client's TCP window is full: a listener that never reads would
-        # hold its stream and admission slot for good. Once one send stalls, every later one
-        # fails at once (the connection is unusable), so the session ends without more waiting.
-        if self.stalled:
-            raise self.stalled[0]
-        async with self.send_lock:
-            if self.write_timeout_s <= 0:
-                await send(data)
-                return
-            try:
-                await asyncio.wait_for(send(data), self.write_timeout_s)
-            except TimeoutError:
-                self.stalled.append(StalledClient(f"the client took no audio for {self.write_timeout_s:g} s"))
-                raise self.stalled[0] from None
-
-    async def send_error(self, exc: BaseException, **context) -> None:
-        body = openai_error_body(exc)["error"]
-        await self.send_json(
-            {
-                "type": "error",
-                "message": body["message"],
-                "code": body["code"],
-                "param": body["param"],
-                **context,
-            }
-        )
-
-
 class SpeechStreamEndpoint:
-    """The `/v1/audio/speech/stream` handler: one `_Session` per connection."""
+    """The `/v1/audio/speech/stream` handler: one `Session` per connection."""
 
     def __init__(
         self,
@@ -189,7 +77,7 @@ class SpeechStreamEndpoint:
 
     async def __call__(self, ws: WebSocket) -> None:
         await ws.accept()
-        session = _Session(ws, self.synth, write_timeout_s=self.write_timeout_s)
+        session = Session(ws, self.synth, write_timeout_s=self.write_timeout_s)
         worker = asyncio.create_task(self._work(session))
         code = CLOSE_NORMAL
         try:
@@ -215,7 +103,7 @@ class SpeechStreamEndpoint:
                 with contextlib.suppress(Exception):
                     await ws.close(code)
 
-    async def _receive(self, s: _Session, worker: asyncio.Task) -> int:
+    async def _receive(self, s: Session, worker: asyncio.Task) -> int:
         """Read messages until session.close (CLOSE_NORMAL) or a fatal client error (CLOSE_POLICY)."""
         while True:
             message = await self._next_message(s, worker)
@@ -224,7 +112,7 @@ class SpeechStreamEndpoint:
             if message.get("type") == "websocket.disconnect":
                 raise WebSocketDisconnect(message.get("code", 1000))
             try:
-                msg = self._parse(message)
+                msg = parse_message(message, self.max_message_bytes, self.synth.limits.max_text_piece_chars)
             except InvalidArgument as exc:
                 await s.send_error(exc)
                 if s.config is None:
@@ -250,15 +138,15 @@ class SpeechStreamEndpoint:
                     self.synth.reject(PROTOCOL, exc)
                     await s.send_error(exc)
                     continue
-                self._route(s, s.splitter.feed(text))
+                s.route(s.splitter.feed(text))
             elif kind == "input.done":
-                self._end_utterance(s)
+                s.end_utterance()
             elif kind == "input.cancel":
-                self._cancel(s)
+                s.cancel()
             elif kind == "session.close":
                 if s.utterance_open:
-                    self._end_utterance(s)
-                s.queue.put_nowait(_Close())
+                    s.end_utterance()
+                s.queue.put_nowait(Close())
                 return CLOSE_NORMAL
             else:
                 await s.send_error(
@@ -269,7 +157,7 @@ class SpeechStreamEndpoint:
                     )
                 )
 
-    async def _next_message(self, s: _Session, worker: asyncio.Task) -> dict | None:
+    async def _next_message(self, s: Session, worker: asyncio.Task) -> dict | None:
         """The next ASGI message; None (after an error event) when the client stayed silent too long.
         The idle clock runs only while nothing is being synthesised."""
         while True:
@@ -295,40 +183,7 @@ class SpeechStreamEndpoint:
             await s.send_error(InvalidArgument(f"no {what} within {timeout:g} s; closing"))
             return None
 
-    def _parse(self, message: dict) -> dict:
-        raw = message.get("text")
-        if raw is None:
-            raise InvalidArgument("binary frames are not accepted; send JSON text messages")
-        if len(raw) > self.max_message_bytes:
-            raise InvalidArgument(f"message of {len(raw)} characters; the limit is {self.max_message_bytes}")
-        self._refuse_overlong_piece(raw)
-        msg = parse_json(raw, "message")
-        if not isinstance(msg, dict):
-            raise InvalidArgument("messages must be JSON objects")
-        return msg
-
-    def _refuse_overlong_piece(self, raw: str) -> None:
-        """Refuse, unparsed, a message too long to be anything but a session.config (with its clip)
-        that is not one: parsing 15 MB of JSON holds the event loop for a tenth of a second, and
-        only to learn that its text is over the piece limit. Its type is read from its start
-        (where clients write it); a message that does not even contain "session.config" cannot
-        be one either."""
-        max_piece = self.synth.limits.max_text_piece_chars
-        # The longest JSON an input.text of max_piece characters takes: 12 per character (an
-        # escaped surrogate pair) and room for the rest.
-        if len(raw) <= 12 * max_piece + 4096:
-            return
-        head = _HEAD_TYPE.match(raw)
-        kind = head.group(1) if head else None
-        if kind == "session.config" or (kind is None and "session.config" in raw):
-            return  # parsed, and held to its own limits
-        raise InvalidArgument(
-            f"a {len(raw)}-character {kind or 'message'} is refused unread: the limit for one piece "
-            f"is {max_piece} characters",
-            param="text" if kind in ("input.text", None) else None,
-        )
-
-    async def _configure(self, s: _Session, msg: dict) -> bool:
+    async def _configure(self, s: Session, msg: dict) -> bool:
         """Apply a session.config; False (after an error event) when it is refused."""
         try:
             if s.utterance_open:
@@ -337,8 +192,8 @@ class SpeechStreamEndpoint:
                     param="type",
                 )
             config = validate_body(StreamingSessionConfig, msg, "session.config")
-            fields = config.to_fields("")
-            rate = check_session(self.synth, fields, config.response_format)
+            fields = config.to_fields(None)
+            rate = check_session(self.synth, fields, config.response_format).sample_rate
             if config.word_timestamps:
                 if self.aligner is None:
                     raise InvalidArgument(
@@ -358,57 +213,14 @@ class SpeechStreamEndpoint:
         s.budget = TextBudget(limits.max_text_piece_chars, limits.max_utterance_chars)
         return True
 
-    def _route(self, s: _Session, pieces: list[TextPiece]) -> None:
-        """Text into the open segment (a new one, queued, for the first text after an end)."""
-        for piece in pieces:
-            if piece.text:
-                if s.segment is None or s.segment.text.closed:  # ended early: failed, or at its length
-                    s.segment = _Segment(s.utterance, s.sentences, SegmentText(), s.fields, s.audio)
-                    s.queue.put_nowait(s.segment)
-                    s.sentences += 1
-                s.segment.text.append(piece.text)
-            if piece.end and s.segment is not None:
-                s.segment.text.close()
-                s.segment = None
-
-    def _end_utterance(self, s: _Session, cancelled: bool = False) -> None:
-        if not cancelled:
-            self._route(s, s.splitter.flush())
-        if s.segment is not None:
-            s.segment.text.close()
-            s.segment = None
-        s.queue.put_nowait(_UtteranceEnd(s.utterance, s.sentences, cancelled))
-        s.budget.reset()
-        s.utterance += 1
-        s.sentences = 0
-
-    def _cancel(self, s: _Session) -> None:
-        """Drop the buffered text and every queued segment, cut the one in flight. The open utterance
-        ends at once, and every utterance that loses audio still gets its session.done, marked
-        cancelled (the acknowledgement of the cancel)."""
-        s.splitter.reset()
-        kept = []
-        while not s.queue.empty():
-            item = s.queue.get_nowait()
-            if isinstance(item, _UtteranceEnd):
-                item.cancelled = True
-                kept.append(item)
-            elif isinstance(item, _Segment):
-                item.text.close()
-        for item in kept:
-            s.queue.put_nowait(item)
-        if s.current is not None:
-            s.current.cancel()
-        self._end_utterance(s, cancelled=True)
-
-    async def _work(self, s: _Session) -> None:
+    async def _work(self, s: Session) -> None:
         """Synthesise queued segments in order; send session.done at each utterance's end."""
         while True:
             item = await s.queue.get()
-            if isinstance(item, _Close):
+            if isinstance(item, Close):
                 return
-            if isinstance(item, _UtteranceEnd):
-                usage = s.usage.pop(item.utterance, _Usage())
+            if isinstance(item, UtteranceEnd):
+                usage = s.usage.pop(item.utterance, Usage())
                 s.spoken_s.pop(item.utterance, None)
                 done = {
                     "type": "session.done",
@@ -429,7 +241,7 @@ class SpeechStreamEndpoint:
                 s.current = None
 
     async def _timestamps(
-        self, s: _Session, seg: _Segment, stream: SynthesisStream, output: AudioOutput
+        self, s: Session, seg: Segment, stream: SynthesisStream, output: AudioOutput
     ) -> list[dict] | None:
         """The segment's words, timed from the start of its utterance's audio."""
         pcm = b"".join(output.native_pcm)
@@ -444,7 +256,7 @@ class SpeechStreamEndpoint:
             offset_s=offset,
         )
 
-    async def _segment(self, s: _Session, seg: _Segment) -> None:
+    async def _segment(self, s: Session, seg: Segment) -> None:
         """One segment: audio.start, its audio as binary frames, audio.done (also on failure)."""
         request_id = f"{s.session_id}-u{seg.utterance}-s{seg.index}"
         ids = {"utterance_index": seg.utterance, "sentence_index": seg.index}
@@ -473,7 +285,7 @@ class SpeechStreamEndpoint:
                 done |= {"timestamps": await self._timestamps(s, seg, stream, output)}
             summary = stream.summary
             if summary is not None:
-                usage = s.usage.setdefault(seg.utterance, _Usage())
+                usage = s.usage.setdefault(seg.utterance, Usage())
                 usage.input_tokens += summary.num_input_tokens
                 usage.output_tokens += summary.num_frames
                 done |= {"finish_reason": summary.finish_reason, "num_frames": summary.num_frames}
@@ -508,3 +320,38 @@ class SpeechStreamEndpoint:
                             **done,
                         }
                     )
+
+
+def parse_message(message: dict, max_message_bytes: int, max_piece: int) -> dict:
+    """The JSON object of a text message; a binary, overlong or malformed one is InvalidArgument."""
+    raw = message.get("text")
+    if raw is None:
+        raise InvalidArgument("binary frames are not accepted; send JSON text messages")
+    if len(raw) > max_message_bytes:
+        raise InvalidArgument(f"message of {len(raw)} characters; the limit is {max_message_bytes}")
+    _refuse_overlong_piece(raw, max_piece)
+    msg = parse_json(raw, "message")
+    if not isinstance(msg, dict):
+        raise InvalidArgument("messages must be JSON objects")
+    return msg
+
+
+def _refuse_overlong_piece(raw: str, max_piece: int) -> None:
+    """Refuse, unparsed, a message too long to be anything but a session.config (with its clip)
+    that is not one: parsing 15 MB of JSON holds the event loop for a tenth of a second, and
+    only to learn that its text is over the piece limit. Its type is read from its start
+    (where clients write it); a message that does not even contain "session.config" cannot
+    be one either."""
+    # The longest JSON an input.text of max_piece characters takes: 12 per character (an
+    # escaped surrogate pair) and room for the rest.
+    if len(raw) <= 12 * max_piece + 4096:
+        return
+    head = _HEAD_TYPE.match(raw)
+    kind = head.group(1) if head else None
+    if kind == "session.config" or (kind is None and "session.config" in raw):
+        return  # parsed, and held to its own limits
+    raise InvalidArgument(
+        f"a {len(raw)}-character {kind or 'message'} is refused unread: the limit for one piece "
+        f"is {max_piece} characters",
+        param="text" if kind in ("input.text", None) else None,
+    )

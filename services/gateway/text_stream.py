@@ -23,7 +23,7 @@ from qtts.request.errors import InvalidArgument
 from .audio_encoding import check_output_format
 from .audio_output import AudioOutput
 from .core import GatewayCore, SynthesisStream
-from .job import SpeechFields
+from .job import SpeechFields, SynthesisJob
 
 GRANULARITIES = ("sentence", "clause", "none")
 # Abbreviation-prone ASCII marks end a unit only when whitespace follows; the CJK (and Devanagari,
@@ -272,12 +272,14 @@ class SegmentAudio:
         return AudioOutput(self.response_format, self.sample_rate, self.speed, self.streaming)
 
 
-def check_session(synth: GatewayCore, fields: SpeechFields, response_format: str) -> int:
-    """Validate a session's fields once, before any text: the errors a config can cause (model,
-    task, voice, reference, format) come at once, not with the first segment. Returns the rate."""
-    job = synth.validate(replace(fields, text="."))
+def check_session(synth: GatewayCore, fields: SpeechFields, response_format: str) -> SynthesisJob:
+    """Validate a session's fields (`text` None: the text comes later) once, before any text: the
+    errors a config can cause (model, task, voice, reference, format) come at once, not with the
+    first segment. Returns the session's job (its rate, its ignored fields); each segment is then
+    validated as a request of its own, with its text."""
+    job = synth.validate(fields)
     check_output_format(response_format, job.sample_rate)
-    return job.sample_rate
+    return job
 
 
 async def open_segment(
@@ -289,12 +291,10 @@ async def open_segment(
     the segment's whole text."""
     whole = fields.streaming_text is False
     first = await (text.whole() if whole else text.first())
+    follows = not (whole or text.closed)
     try:
-        job = synth.validate(replace(fields, text=first, request_id=request_id))
+        job = synth.validate(replace(fields, text=first, request_id=request_id, text_follows=follows))
     except Exception as exc:
         synth.reject(protocol, exc)
         raise
-    if whole or text.closed:
-        return await synth.open(job, protocol)
-    # As received: validation strips the text, and a space at its end belongs to the next word.
-    return await synth.open(replace(job, text=first), protocol, text=text.rest())
+    return await synth.open(job, protocol, text=text.rest() if follows else None)

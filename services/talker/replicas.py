@@ -6,6 +6,14 @@ streams moves); a health-check task puts it back once it reports SERVING again. 
 stalled a stream is held off the ring for a while first: a hung decoder may still report SERVING.
 `on_availability(False)` is called when the last replica leaves the ring and `(True)` when one is
 back, so the talker's own health can say that it cannot decode.
+
+A dead replica is told from a slow one by its connection, not by a deadline: each channel's
+connectivity is watched, and a connection that was up and is lost is checked at once without
+waiting for a reconnect. A refused connection (UNAVAILABLE: nothing listens, the process died)
+marks the replica down and `lost` within milliseconds; a live replica that is only slow keeps its
+connection READY and is never judged by this path (a 1 s deadline under GPU load once marked a
+live replica down). The periodic checks stay as they were for what a connection cannot tell (a
+host that vanished, a decoder that hangs).
 """
 
 from __future__ import annotations
@@ -83,10 +91,17 @@ class Code2WavReplicas:
         self._probe: asyncio.Task | None = None
         self._last_probe = float("-inf")
         self._on_availability = on_availability
+        self._lost: set[str] = set()  # replicas whose lost connection was refused: dead, not slow
+        self._watchers: list[asyncio.Task] = []
 
     @property
     def healthy(self) -> frozenset[str]:
         return self._ring.nodes
+
+    @property
+    def all_lost(self) -> bool:
+        """Whether every replica's connection was lost and refused (dead processes, not slow ones)."""
+        return set(self.addresses) <= self._lost
 
     def pick(self, key: str, exclude: frozenset[str] = frozenset()) -> str:
         """The replica for `key`; with `exclude`, the owner on a ring without those replicas."""
@@ -172,6 +187,7 @@ class Code2WavReplicas:
             serving = False
             reason = f"health check failed: {exc.code().name}"
         else:
+            self._lost.discard(address)
             reason = "health check reports NOT_SERVING"
         if serving:
             self.mark_up(address)
@@ -182,10 +198,52 @@ class Code2WavReplicas:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(a) for a in self.addresses))
 
+    async def check_lost(self, address: str, timeout_s: float = 1.0) -> None:
+        """A connection to `address` that was up is gone: ask at once, failing fast. Refused
+        (UNAVAILABLE) is a dead process: down and lost now. No answer in time is no verdict."""
+        try:
+            await self._health[address].Check(
+                health_pb2.HealthCheckRequest(service=CODE2WAV_SERVICE), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                return
+            self._lost.add(address)
+            was_on = address in self._ring
+            self.mark_down(address, "its connection was lost and a new one is refused")
+            if not was_on and not len(self._ring) and self._on_availability is not None:
+                self._on_availability(False)  # already off the ring: now known dead
+            return
+        await self.check(address)  # it answered on a new connection (a restart, a GOAWAY)
+
+    async def _watch(self, address: str) -> None:
+        """Follow `address`'s channel: a lost connection is checked at once (`check_lost`), a
+        connection back up is checked at once (a restarted replica returns without waiting
+        for the next round)."""
+        channel = self._channels[address]
+        ready = grpc.ChannelConnectivity.READY
+        try:
+            state = channel.get_state(try_to_connect=True)
+            while True:
+                await channel.wait_for_state_change(state)
+                was, state = state, channel.get_state(try_to_connect=False)
+                try:
+                    if was == ready and state != ready:
+                        await self.check_lost(address)
+                    elif state == ready and address not in self._ring:
+                        await self.check(address)
+                except Exception:  # noqa: BLE001 - the watch must outlive any single check
+                    log.exception("code2wav replica %s: connectivity check failed", address)
+        except Exception:  # noqa: BLE001 - a channel without connectivity (a test's fake)
+            log.warning("code2wav replica %s: its connectivity cannot be watched", address)
+
     def start(self) -> None:
-        """Start the periodic health checks."""
+        """Start the periodic health checks and the connectivity watches."""
         if self._task is None:
             self._task = asyncio.create_task(self._health_loop(), name="code2wav-health")
+            self._watchers = [
+                asyncio.create_task(self._watch(a), name=f"code2wav-watch-{a}") for a in self.addresses
+            ]
 
     async def _health_loop(self) -> None:
         while True:
@@ -200,9 +258,9 @@ class Code2WavReplicas:
             self._probe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe
-        if self._task is not None:
-            self._task.cancel()
+        for task in [*self._watchers, *([self._task] if self._task is not None else [])]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._task, self._watchers = None, []
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))

@@ -36,9 +36,10 @@ class TalkerServer:
     """The talker process; `bundle`, `generator_factory` and `exit_process` may be injected (tests).
 
     Health is SERVING while it can serve: after warm-up, and while at least one code2wav replica
-    is on the ring (without one every request would fail; a ring that stays empty for two health
-    rounds, so one round timed out under load is no outage). A fatal device error turns it
-    NOT_SERVING for good and ends the process (qtts.serving.device_failure).
+    is on the ring (without one every request would fail). An empty ring turns it NOT_SERVING at
+    once when every replica is known dead (its connection refused), else after two health rounds
+    (one round timed out under load is no outage). A fatal device error turns it NOT_SERVING for
+    good and ends the process (qtts.serving.device_failure).
     """
 
     def __init__(
@@ -167,7 +168,7 @@ class TalkerServer:
         if self._unready_timer is not None:
             self._unready_timer.cancel()
             self._unready_timer = None
-        if available:
+        if available or self.replicas.all_lost:
             self._sync_health_soon()
         else:
             delay = 2 * self.config.health_interval_s

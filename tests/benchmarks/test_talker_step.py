@@ -1,13 +1,14 @@
-"""benchmarks/talker_step.py is CUDA only: its command line, the bucket mapping of the agreement check,
-the PASS/FAIL verdict, and the graph-vs-eager comparison itself (on the CPU, with a stand-in for the
-captured graph) are checked here."""
+"""benchmarks/talker_step.py and its parts (talker_step_agreement.py, talker_step_numerics.py) are
+CUDA only: the command line, the bucket mapping of the agreement check, the PASS/FAIL verdict, and
+the graph-vs-eager comparison itself (on the CPU, with a stand-in for the captured graph) are
+checked here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks import talker_step
+from benchmarks import talker_step, talker_step_agreement, talker_step_numerics
 from qtts.engine.model_runner import (
     DEFAULT_BATCH_BUCKETS,
     I_GREEDY,
@@ -61,11 +62,11 @@ def test_float32_turns_tf32_off_and_records_it():
     try:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        assert talker_step._tf32_label(talker_step.tf32_state()) == "on"
-        state = talker_step.set_precision("float32")
+        assert talker_step_numerics.tf32_label(talker_step_numerics.tf32_state()) == "on"
+        state = talker_step_numerics.set_precision("float32")
         assert state["matmul_allow_tf32"] is False and state["cudnn_allow_tf32"] is False
         assert state["float32_matmul_precision"] == "highest"
-        assert talker_step._tf32_label(state) == "off"
+        assert talker_step_numerics.tf32_label(state) == "off"
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
         torch.set_float32_matmul_precision(saved[2])
@@ -73,9 +74,13 @@ def test_float32_turns_tf32_off_and_records_it():
 
 def test_bucket_map_follows_the_runner():
     batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-    got = talker_step.bucket_map(batches)
+    got = talker_step_agreement.bucket_map(batches)
     assert got[1] == 2 and all(got[b] == b for b in batches[1:])
-    assert talker_step.bucket_map([3, 100, 600]) == {3: 4, 100: 128, 600: 600}  # the slot count is a bucket
+    assert talker_step_agreement.bucket_map([3, 100, 600]) == {
+        3: 4,
+        100: 128,
+        600: 600,
+    }  # the slot count is a bucket
 
 
 def test_verdict_needs_every_bucket_above_the_threshold():
@@ -84,11 +89,11 @@ def test_verdict_needs_every_bucket_above_the_threshold():
         {"batch": 64, "bucket": 64, "graph_eq_eager": 0.999, "graph_eq_eager_frames": 0.995},
     ]
     results = [{"model": "m", "talker_attention": "matmul/compile", "rows": rows}]
-    ok = talker_step.agreement_verdict(results, 0.99)
+    ok = talker_step_agreement.agreement_verdict(results, 0.99)
     assert ok["pass"] and ok["worst"] == {"batch": 64, "bucket": 64, "graph_eq_eager_frames": 0.995}
-    bad = talker_step.agreement_verdict(results, 0.999)
+    bad = talker_step_agreement.agreement_verdict(results, 0.999)
     assert not bad["pass"] and [b["batch"] for b in bad["below"]] == [64]
-    assert not talker_step.agreement_verdict([], 0.99)["pass"]
+    assert not talker_step_agreement.agreement_verdict([], 0.99)["pass"]
 
 
 class _Replay:
@@ -138,16 +143,18 @@ def test_agreement_compares_several_frames_of_the_active_rows(tiny_runner):
     runner.active[:3] = True
     before = [t.clone() for t in (runner.slot_ints, runner.slot_floats, runner.next_embed, runner.seen)]
     runner.graphs[(n, ctx)] = _Replay(runner, n, ctx)
-    assert talker_step.graph_eager_agreement(runner, n, ctx, rows=3, frames=3) == {
+    assert talker_step_agreement.graph_eager_agreement(runner, n, ctx, rows=3, frames=3) == {
         "codes": 1.0,
         "frames": 1.0,
     }
     # One code of row 1 differs in every frame; row 3 is padding, outside the comparison.
     runner.graphs[(n, ctx)] = _Replay(runner, n, ctx, flip=((1, 5), (3, 0)))
-    got = talker_step.graph_eager_agreement(runner, n, ctx, rows=3, frames=4)
+    got = talker_step_agreement.graph_eager_agreement(runner, n, ctx, rows=3, frames=4)
     assert got["frames"] == pytest.approx(2 / 3)
     assert got["codes"] == pytest.approx(1 - 1 / (3 * runner.num_codebooks))
-    assert talker_step.graph_matches_eager(runner, n, ctx, rows=3, frames=2) == pytest.approx(got["codes"])
+    assert talker_step_agreement.graph_matches_eager(runner, n, ctx, rows=3, frames=2) == pytest.approx(
+        got["codes"]
+    )
     # Every slot's state (sampling mode and position included) is back as it was.
     after = (runner.slot_ints, runner.slot_floats, runner.next_embed, runner.seen)
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

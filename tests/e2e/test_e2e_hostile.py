@@ -14,6 +14,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import http.client
 import json
 import socket
 import threading
@@ -375,3 +376,44 @@ async def _flood(port: int, connections: int, body: bytes) -> dict:
 
     await asyncio.gather(*(one() for _ in range(connections)))
     return {"statuses": statuses, "connected": connected}
+
+
+def _openai_error(body: bytes) -> dict:
+    error = json.loads(body)["error"]
+    assert set(error) >= {"message", "type", "param", "code"}, error
+    return error
+
+
+def test_a_client_that_sends_its_whole_too_large_body_reads_the_413(guarded):
+    # http.client, requests and httpx send no `Expect: 100-continue`: they write the whole body
+    # before reading. The gateway answers 413 after the headers; closing then, with the body
+    # unread, reset the connection, and the client saw ECONNRESET instead of the answer. It
+    # lingers instead, reading and discarding the rest, as nginx does.
+    host, port = guarded.http_url.removeprefix("http://").split(":")
+    # 64 MB announced by its content-length, then 64 MB chunked (refused once past the limit).
+    for body in (b" " * (64 << 20), (b" " * (1 << 20) for _ in range(64))):
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            conn.request(
+                "POST",
+                "/v1/audio/speech",
+                body=body,
+                headers={"content-type": "application/json"},
+                encode_chunked=not isinstance(body, bytes),
+            )
+            resp = conn.getresponse()
+            status, answer = resp.status, resp.read()
+        finally:
+            conn.close()
+        assert status == 413, answer[:300]
+        assert _openai_error(answer)["code"] == "payload_too_large"
+    # A 50 MB voice upload, multipart through httpx.
+    with httpx.Client(timeout=60) as client:
+        r = client.post(
+            guarded.http_url + "/v1/audio/voices",
+            data={"name": "big", "consent": "c"},
+            files={"audio_sample": ("big.wav", b"RIFF" + bytes(50 << 20), "audio/wav")},
+        )
+    assert r.status_code == 413, r.text[:300]
+    assert _openai_error(r.content)["code"] == "payload_too_large"
+    assert good_from(guarded.http_url)  # and the gateway serves on

@@ -7,7 +7,6 @@ import socket
 
 import pytest
 
-from services import launcher
 from services.launcher import (
     ServiceSpec,
     StackConfig,
@@ -22,6 +21,7 @@ from services.launcher import (
     talker_spec,
     wait_serving,
 )
+from services.launcher import ports as launcher_ports
 
 
 def test_default_ports_skip_speaker_cache():
@@ -31,7 +31,7 @@ def test_default_ports_skip_speaker_cache():
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
-    low, high = launcher._ephemeral_range()
+    low, high = launcher_ports._ephemeral_range()
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
     assert all(not low <= p <= high for p in ports)
@@ -43,7 +43,7 @@ def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
 def test_parallel_test_workers_draw_ports_from_disjoint_slices():
     candidates = range(20000, 32768)
     slices = [
-        launcher._worker_slice(
+        launcher_ports._worker_slice(
             candidates, {"PYTEST_XDIST_WORKER": f"gw{i}", "PYTEST_XDIST_WORKER_COUNT": "3"}
         )
         for i in range(3)
@@ -52,19 +52,19 @@ def test_parallel_test_workers_draw_ports_from_disjoint_slices():
     assert all(a.stop <= b.start for a, b in zip(slices, slices[1:], strict=False))
     assert all(s.start >= candidates.start and s.stop <= candidates.stop for s in slices)
     # Outside a parallel run (or under a name that is not xdist's gwN) every candidate is open.
-    assert launcher._worker_slice(candidates, {}) == candidates
-    assert launcher._worker_slice(candidates, {"PYTEST_XDIST_WORKER": "main"}) == candidates
+    assert launcher_ports._worker_slice(candidates, {}) == candidates
+    assert launcher_ports._worker_slice(candidates, {"PYTEST_XDIST_WORKER": "main"}) == candidates
     # A worker count that is missing or unreadable still gives each worker its own slice.
-    unknown = launcher._worker_slice(candidates, {"PYTEST_XDIST_WORKER": "gw1"})
-    assert len(unknown) == len(candidates) // launcher._MAX_PORT_SLICES
+    unknown = launcher_ports._worker_slice(candidates, {"PYTEST_XDIST_WORKER": "gw1"})
+    assert len(unknown) == len(candidates) // launcher_ports._MAX_PORT_SLICES
     assert unknown.start == candidates.start + len(unknown)
 
 
 def test_free_port_stays_inside_this_workers_slice(monkeypatch):
-    low, _ = launcher._ephemeral_range()
+    low, _ = launcher_ports._ephemeral_range()
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
-    expected = launcher._worker_slice(range(launcher._LOWEST_PICKED_PORT, low), dict(os.environ))
+    expected = launcher_ports._worker_slice(range(launcher_ports._LOWEST_PICKED_PORT, low), dict(os.environ))
     ports = [free_port() for _ in range(50)]
     assert all(p in expected for p in ports), (expected, ports)
 
@@ -74,8 +74,8 @@ def test_a_port_something_listens_on_is_not_taken_for_free():
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = held.getsockname()[1]
-        assert not launcher._bindable("127.0.0.1", taken)
-    assert launcher._bindable("127.0.0.1", taken)
+        assert not launcher_ports._bindable("127.0.0.1", taken)
+    assert launcher_ports._bindable("127.0.0.1", taken)
 
 
 def test_cli_builds_a_stack_config():

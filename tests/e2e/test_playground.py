@@ -8,6 +8,7 @@ missing browser fails the test rather than skipping it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -193,3 +194,123 @@ def test_type_as_you_go_streams_text_over_the_websocket_when_the_endpoint_exists
     p = _probe(page)
     assert p["state"] != "error", p["error"]
     assert p["mode"] == "ws" and p["fetchDone"] and p["segments"] == 2 and p["samplesScheduled"] > 0
+
+
+# ---- word timestamps: the words light up as they are heard ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def aligned_gateway(snapshot_root, tmp_path_factory):
+    """A CustomVoice stack (preset speakers: nothing to upload) with the aligner stage."""
+    from e2e_helpers import running_stack, tiny_snapshot, tiny_stack_config
+
+    from services.launcher import free_port
+
+    config = tiny_stack_config(
+        snapshot_root,
+        tmp_path_factory.mktemp("logs-playground-aligner"),
+        model=str(tiny_snapshot(snapshot_root, "custom_voice")),
+        aligner_port=free_port(),
+        aligner_metrics_port=free_port(),
+    )
+    with running_stack(config) as started:
+        yield started
+
+
+ALL_LIT = (
+    "window.playground.words.length > 0"
+    " && window.playground.wordsLit === window.playground.words.length"
+    " && ['done', 'error'].includes(window.playground.state)"
+)
+
+
+def test_words_light_up_in_order_as_the_sse_take_plays(page, aligned_gateway):
+    _open(page, aligned_gateway.http_url, "customvoice")
+    page.check("#word-timestamps")
+    page.fill("#text", "Words light up as they are heard.")
+    page.fill("#max-frames", "40")
+    page.fill("#seed", "3")
+    p = _play_and_wait(page)
+    assert p["state"] != "error", p["error"]
+    assert p["body"]["stream_format"] == "sse" and p["body"]["word_timestamps"] is True
+    assert p["samplesScheduled"] > 0 and p["timestampEvents"] == 1 and p["timestampFailures"] == 0
+    _wait(page, ALL_LIT)
+    p = _probe(page)
+    assert [w["word"] for w in p["words"]] == ["Words", "light", "up", "as", "they", "are", "heard"]
+    # Lit one after the other, as the playback clock passed each start.
+    assert p["litOrder"] == list(range(7))
+    assert page.locator("#words-panel").is_visible()
+    assert page.locator("#words .word.heard").count() == 7 and page.locator("#words .word.now").count() == 0
+    # The page shows the server's words for this take (the same seed gives the same take).
+    r = httpx.post(aligned_gateway.http_url + "/v1/audio/speech", json=p["body"], timeout=60)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    (stamps,) = [e["timestamps"] for e in events if e["type"] == "speech.audio.timestamps"]
+    assert [{**w, "utterance": 0} for w in stamps] == p["words"]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "playground-words.png"), full_page=True)
+
+    # Without the box the take is raw PCM again and the words panel is hidden.
+    page.uncheck("#word-timestamps")
+    p = _play_and_wait(page)
+    assert "word_timestamps" not in p["body"] and "stream_format" not in p["body"]
+    assert p["words"] == [] and not page.locator("#words-panel").is_visible()
+
+
+def test_words_of_each_segment_light_up_when_typing_as_you_go(page, aligned_gateway):
+    _open(page, aligned_gateway.http_url, "customvoice")
+    _wait(page, "window.playground.liveProbe === 'open'", 10_000)
+    page.check("#live-mode")
+    page.check("#word-timestamps")
+    page.fill("#max-frames", "16")
+    page.fill("#text", "Hello there, how are you today?")
+    page.click("#play")
+    _wait(page, "window.playground.samplesScheduled > 0")
+    page.click("#live-done")
+    _wait(page, ALL_LIT)
+    p = _probe(page)
+    assert p["state"] != "error", p["error"]
+    assert p["mode"] == "ws" and p["segments"] == 2 and p["timestampEvents"] == 2
+    assert [w["word"] for w in p["words"]] == ["Hello", "there", "how", "are", "you", "today"]
+    assert p["litOrder"] == list(range(6))
+
+
+def test_word_clock_follows_the_scheduled_audio_and_lights_words_only_once_heard(page, aligned_gateway):
+    _open(page, aligned_gateway.http_url, "customvoice")
+    got = page.evaluate(
+        """() => {
+        const W = window.PlaygroundWords;
+        // Two buffers of 0.5 s (rate 1000), the second after a 1.5 s gap on the clock.
+        const take = { rate: 1000, samples: 1000, stopped: false, ctx: { currentTime: 0 },
+                       timeline: [[0, 10, 500], [500, 12, 500]] };
+        const clock = [0, 250, 500, 750, 1000, 1001].map((s) => W.clockTime(take, s));
+        const box = document.createElement("div");
+        document.createElement("div").append(box);
+        const probe = {};
+        const track = new W.WordTrack(box, document.createElement("div"), probe);
+        track.reset(take, true);
+        track.add([{ word: "a", start_ms: 0, end_ms: 300 }, { word: "b", start_ms: 400, end_ms: 600 },
+                   { word: "c", start_ms: 700, end_ms: 900 }, { word: "d", start_ms: 5000, end_ms: 6000 }]);
+        const seen = [];
+        const look = () => seen.push([...box.querySelectorAll(".word")].map(
+            (s) => (s.classList.contains("heard") ? "H" : "-") + (s.classList.contains("now") ? "N" : "")).join(" "));
+        for (const t of [9.9, 10.1, 10.45, 12.05, 12.3, 12.5]) { take.ctx.currentTime = t; track.tick(); look(); }
+        return { clock, seen, lit: probe.wordsLit, order: probe.litOrder };
+    }"""
+    )
+    assert got["clock"] == [10, 10.25, 12, 12.25, 12.5, None]
+    # b starts at 0.4 s (clock 10.4) and ends in the second buffer (clock 12.1): during the gap
+    # it stays the word being heard; c starts at 12.2. d, timed past the audio it came after, is
+    # heard when that audio ends (12.5).
+    assert got["seen"] == ["- - - -", "HN - - -", "H HN - -", "H HN - -", "H H HN -", "H H H H"]
+    assert got["lit"] == 4 and got["order"] == [0, 1, 2, 3]
+
+
+def test_a_refused_word_timestamps_request_shows_the_servers_message(page, aligned_gateway):
+    _open(page, aligned_gateway.http_url, "customvoice")
+    # The tiny model lists Korean (from its config), which the aligner cannot split into words.
+    _wait(page, "[...document.querySelectorAll('#language option')].some(o => o.value === 'korean')")
+    page.select_option("#language", "korean")
+    page.check("#word-timestamps")
+    p = _play_and_wait(page)
+    assert p["state"] == "error" and "word_timestamps" in p["error"], p["error"]
+    assert page.text_content("#error") == p["error"]

@@ -1,4 +1,4 @@
-"""The launcher (services/launcher.py) stops waiting for a starting service once it is asked to
+"""The launcher (services/launcher/) stops waiting for a starting service once it is asked to
 stop. (`run_service_main`'s own start-up signals: tests/qtts/serving/test_service_main_signals.py;
 the talker's: tests/services/talker/test_talker_startup_signal.py.)"""
 

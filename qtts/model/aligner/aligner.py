@@ -120,21 +120,18 @@ class ForcedAligner:
         ids = ids.to(self.device)
         logits = self.net(ids, [x.mel.to(self.device) for x in batch])
         classes = logits.argmax(dim=-1).cpu()
-        ids = ids.cpu()
-        out = []
-        seg = self.config.timestamp_segment_ms
-        for i, x in enumerate(batch):
-            row = ids[i, : len(x.input_ids)]
-            stamps = classes[i, : len(x.input_ids)][row == self.config.timestamp_token_id]
-            ms = (stamps * seg).numpy().tolist()
-            fixed = repair_timestamps(ms)
-            out.append(
-                [
-                    WordTiming(w, round(fixed[2 * j] / 1000.0, 3), round(fixed[2 * j + 1] / 1000.0, 3))
-                    for j, w in enumerate(x.words)
-                ]
-            )
-        return out
+        return [self.timings(x, classes[i]) for i, x in enumerate(batch)]
+
+    def timings(self, x: AlignInput, classes: torch.Tensor) -> list[WordTiming]:
+        """The words of `x` timed from the timestamp class of each of its positions (a CPU row of
+        at least len(x.input_ids); what lies past the prompt is padding)."""
+        row = torch.tensor(x.input_ids)
+        stamps = classes[: len(x.input_ids)][row == self.config.timestamp_token_id]
+        fixed = repair_timestamps((stamps * self.config.timestamp_segment_ms).numpy().tolist())
+        return [
+            WordTiming(w, round(fixed[2 * j] / 1000.0, 3), round(fixed[2 * j + 1] / 1000.0, 3))
+            for j, w in enumerate(x.words)
+        ]
 
     def align(self, audio: np.ndarray, sample_rate_hz: int, text: str, language: str) -> list[WordTiming]:
         return self.run([self.prepare(audio, sample_rate_hz, text, language)])[0]

@@ -60,6 +60,16 @@ class _EncoderAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
         return self.out_proj(out[0].transpose(0, 1).reshape(s, -1))
 
+    def forward_batched(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, D] of several audios, right-padded; mask: [B, 1, 1, S], True on real keys."""
+        b, s, _ = x.shape
+        q, k, v = (
+            p(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        return self.out_proj(out.transpose(1, 2).reshape(b, s, -1))
+
 
 class _EncoderLayer(nn.Module):
     def __init__(self, cfg: AudioEncoderConfig):
@@ -70,8 +80,10 @@ class _EncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [S, D] of one audio, or [B, S, D] of several with their key `mask` [B, 1, 1, S]."""
+        h = self.self_attn_layer_norm(x)
+        x = x + (self.self_attn(h) if mask is None else self.self_attn.forward_batched(h, mask))
         x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
         if x.dtype == torch.float16:
             lim = torch.finfo(x.dtype).max - 1000
@@ -128,6 +140,32 @@ class AudioEncoder(nn.Module):
         x = h[keep]
         for layer in self.layers:
             x = layer(x)
+        x = self.ln_post(x)
+        return self.proj2(F.gelu(self.proj1(x)))
+
+    def forward_padded(
+        self, chunks: torch.Tensor, conv_lens: torch.Tensor, tok_index: torch.Tensor, key_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Several audios in fixed shapes (no data-dependent shape: CUDA graphs can capture it).
+
+        chunks: [N, num_mel_bins, 2 * n_window] mel chunks, zero-padded; conv_lens: [N, 3] how many
+        outputs of each convolution are kept (the rest zeroed, as the convolution's own zero padding
+        would see them for a chunk that `forward` does not pad); tok_index: [B, A] the flat index
+        (chunk * tokens per chunk + token) of each audio's embeddings, right-padded; key_mask:
+        [B, A], True where attention may look. Returns [B, A, output_dim]."""
+        h = chunks[:, None]
+        for i, conv in enumerate((self.conv2d1, self.conv2d2, self.conv2d3)):
+            h = F.gelu(conv(h))
+            keep = torch.arange(h.shape[-1], device=h.device)[None] < conv_lens[:, i : i + 1]
+            h = h * keep[:, None, None, :].to(h.dtype)
+        n, c, f, t = h.shape
+        h = self.conv_out(h.permute(0, 3, 1, 2).reshape(n, t, c * f))
+        h = h + self.positional_embedding[:t].to(h.dtype)[None]
+        b, a = tok_index.shape
+        x = h.reshape(n * t, -1)[tok_index.reshape(-1)].view(b, a, -1)
+        mask = key_mask[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, mask)
         x = self.ln_post(x)
         return self.proj2(F.gelu(self.proj1(x)))
 
@@ -211,3 +249,22 @@ class AlignerNet(nn.Module):
             )
         embeds = embeds.masked_scatter(slots[..., None], audio.to(embeds.dtype))
         return self.lm_head(self.model(embeds))
+
+    def forward_padded(
+        self,
+        input_ids: torch.Tensor,
+        chunks: torch.Tensor,
+        conv_lens: torch.Tensor,
+        tok_index: torch.Tensor,
+        key_mask: torch.Tensor,
+        audio_at: torch.Tensor,
+        is_audio: torch.Tensor,
+    ) -> torch.Tensor:
+        """The batch in fixed shapes (see `AudioEncoder.forward_padded`); audio_at: [B, T] the flat
+        index (row * A + embedding) of the audio embedding at each audio slot, is_audio: [B, T].
+        Returns the timestamp class of every position, [B, T] (int64)."""
+        embeds = self.model.embed_tokens(input_ids)
+        audio = self.audio_tower.forward_padded(chunks.to(embeds.dtype), conv_lens, tok_index, key_mask)
+        audio = audio.reshape(-1, audio.shape[-1])[audio_at.reshape(-1)].view(*input_ids.shape, -1)
+        embeds = torch.where(is_audio[..., None], audio.to(embeds.dtype), embeds)
+        return self.lm_head(self.model(embeds)).argmax(dim=-1)

@@ -3,8 +3,10 @@
 The aligner gives every word two slots (start, end). What a "word" is depends on the language:
 Japanese is segmented by `nagisa` (imported on first use), every other supported language splits
 on whitespace and then cuts CJK ideographs out one per word. Only letters, digits and the
-apostrophe survive. Korean needs `soynlp` and a dictionary that only the `qwen-asr` package ships,
-so it is refused rather than split differently from the official code.
+apostrophe survive. Korean is refused rather than split differently from the official code: there
+`soynlp`'s `LTokenizer` cuts each space-separated word into a known left part and the rest, the
+left parts scored from `korean_dict_jieba.dict` (21,009 words), which only the `qwen-asr` package
+ships (`qwen_asr/inference/assets`); neither is a dependency here.
 
 The predicted slots are not guaranteed to rise; `repair_timestamps` keeps the longest
 non-decreasing run and fills the rest from its neighbours (nearest for runs of at most two,
@@ -89,7 +91,10 @@ def split_words(text: str, language: str) -> list[str]:
     if lang == JAPANESE:
         return split_japanese(text)
     if lang == KOREAN:
-        raise UnsupportedLanguage("word timestamps are not available for Korean")
+        raise UnsupportedLanguage(
+            "word timestamps are not available for Korean: the official word splitting (soynlp's "
+            "LTokenizer) scores words from a dictionary that only the qwen-asr package ships"
+        )
     return split_space_language(text)
 
 

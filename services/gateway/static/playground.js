@@ -6,8 +6,6 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const KEY_STORAGE = "qtts-playground-api-key";
-  // Scheduling margin for the first chunk and after a gap: a buffer started "now" would begin late.
-  const LEAD_S = 0.03;
   const STATUS_POLL_MS = 2000;
   const METER_FULL_S = 2.0;
   const VARIANTS = {
@@ -32,6 +30,9 @@
   window.playground = probe;
 
   const state = { model: null, languages: [], ctx: null, take: null, live: null, lastStep: null };
+  const Take = window.PlaygroundTake;
+  const Words = window.PlaygroundWords;
+  const words = new Words.WordTrack($("words"), $("words-note"), probe);
 
   // ---- HTTP helpers ----------------------------------------------------------------------------
 
@@ -198,149 +199,8 @@
     return state.ctx;
   }
 
-  /** One synthesis as it plays: PCM chunks scheduled back to back on the AudioContext clock. */
-  class Take {
-    constructor(ctx, mode) {
-      this.ctx = ctx;
-      this.rate = 24000;
-      this.t0 = performance.now();
-      this.nextTime = 0;
-      this.started = false;
-      this.streamEnded = false;
-      this.stopped = false;
-      this.failed = false;
-      this.carry = null;
-      this.segmentStart = false;
-      this.pcm = [];
-      this.samples = 0;
-      this.sources = new Set();
-      this.out = ctx.createGain();
-      this.out.connect(ctx.destination);
-      this.controller = new AbortController();
-      this.body = null;
-      probe.reset(mode);
-      setState("requesting");
-    }
-
-    begin(rate) {
-      this.rate = rate || 24000;
-      probe.sampleRate = this.rate;
-      setState("streaming");
-    }
-
-    /** Raw s16le bytes as they came off the network (a sample may straddle two chunks). */
-    pushBytes(chunk) {
-      let bytes = chunk;
-      if (this.carry !== null) {
-        bytes = new Uint8Array(chunk.length + 1);
-        bytes[0] = this.carry;
-        bytes.set(chunk, 1);
-        this.carry = null;
-      }
-      if (bytes.length % 2) {
-        this.carry = bytes[bytes.length - 1];
-        bytes = bytes.subarray(0, bytes.length - 1);
-      }
-      if (!bytes.length) return;
-      const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.length);
-      const pcm = new Int16Array(bytes.length / 2);
-      for (let i = 0; i < pcm.length; i++) pcm[i] = view.getInt16(2 * i, true);
-      this.schedule(pcm);
-    }
-
-    schedule(pcm) {
-      if (this.stopped) return;
-      const now = this.ctx.currentTime;
-      if (!this.started) {
-        this.started = true;
-        probe.ttfaMs = performance.now() - this.t0;
-        probe.firstScheduledAt = performance.now();
-        this.nextTime = now + LEAD_S;
-      } else if (now > this.nextTime) {
-        // Underrun: the playback clock reached the end of the buffered audio before the stream ended.
-        // Typing as you go, silence before a new segment is the typist's pause, not an underrun.
-        if (!this.segmentStart) {
-          const gap = now - this.nextTime;
-          probe.gaps += 1;
-          probe.gapSeconds += gap;
-          probe.maxGapSeconds = Math.max(probe.maxGapSeconds, gap);
-        }
-        this.nextTime = now + LEAD_S;
-      }
-      this.segmentStart = false;
-      const floats = new Float32Array(pcm.length);
-      for (let i = 0; i < pcm.length; i++) floats[i] = pcm[i] / 32768;
-      const buffer = this.ctx.createBuffer(1, pcm.length, this.rate);
-      buffer.copyToChannel(floats, 0);
-      const src = this.ctx.createBufferSource();
-      src.buffer = buffer;
-      src.connect(this.out);
-      src.onended = () => {
-        this.sources.delete(src);
-        // A stopped take's sources end after the next take has started: they say nothing.
-        if (this.streamEnded && !this.sources.size && !this.failed && !this.stopped) setState("done");
-      };
-      this.sources.add(src);
-      src.start(this.nextTime);
-      this.nextTime += buffer.duration;
-      this.pcm.push(pcm);
-      probe.samplesBeforeLastChunk = this.samples;
-      this.samples += pcm.length;
-      probe.samplesScheduled = this.samples;
-      probe.chunks += 1;
-      probe.durationSeconds = this.samples / this.rate;
-      render();
-    }
-
-    finish() {
-      this.streamEnded = true;
-      probe.fetchDone = true;
-      probe.fetchDoneAt = performance.now();
-      $("download").disabled = !this.samples;
-      setState(this.sources.size ? "playing out" : "done");
-    }
-
-    fail(message) {
-      this.failed = true;
-      this.streamEnded = true;
-      probe.fetchDoneAt = performance.now();
-      $("download").disabled = !this.samples;
-      setState("error");
-      showError(message);
-    }
-
-    stop() {
-      this.stopped = true;
-      this.controller.abort();
-      for (const src of this.sources) { try { src.stop(); } catch (_) { /* not started yet */ } }
-      this.sources.clear();
-      this.out.disconnect();
-    }
-
-    bufferedSeconds() {
-      return this.started && !this.stopped ? Math.max(0, this.nextTime - this.ctx.currentTime) : 0;
-    }
-
-    starving() {
-      return this.started && !this.streamEnded && this.ctx.currentTime > this.nextTime;
-    }
-
-    wav() {
-      const data = new Uint8Array(this.samples * 2);
-      let offset = 0;
-      for (const pcm of this.pcm) {
-        data.set(new Uint8Array(pcm.buffer, pcm.byteOffset, pcm.byteLength), offset);
-        offset += pcm.byteLength;
-      }
-      const header = new DataView(new ArrayBuffer(44));
-      const ascii = (at, s) => { for (let i = 0; i < s.length; i++) header.setUint8(at + i, s.charCodeAt(i)); };
-      ascii(0, "RIFF"); header.setUint32(4, 36 + data.length, true); ascii(8, "WAVE");
-      ascii(12, "fmt "); header.setUint32(16, 16, true); header.setUint16(20, 1, true); header.setUint16(22, 1, true);
-      header.setUint32(24, this.rate, true); header.setUint32(28, this.rate * 2, true);
-      header.setUint16(32, 2, true); header.setUint16(34, 16, true);
-      ascii(36, "data"); header.setUint32(40, data.length, true);
-      return { header: new Uint8Array(header.buffer), data };
-    }
+  function takeUi() {
+    return { probe, setState, render, showError, download: $("download") };
   }
 
   function setState(text) {
@@ -356,8 +216,12 @@
     if ($("live-mode").checked) { startLive(); return; }
     stopTake();
     const ctx = await audioContext();
-    const take = state.take = new Take(ctx, "http");
+    const take = state.take = new Take(ctx, "http", takeUi());
     take.body = probe.body = { ...requestFields(), input: $("text").value, response_format: "pcm", stream: true };
+    // Word timestamps come over SSE: audio deltas, then the words of the audio sent.
+    const timed = $("word-timestamps").checked;
+    if (timed) Object.assign(take.body, { stream_format: "sse", word_timestamps: true });
+    words.reset(take, timed);
     let resp;
     try {
       resp = await api("/v1/audio/speech", {
@@ -373,16 +237,26 @@
     const requestId = resp.headers.get("x-request-id");
     const reader = resp.body.getReader();
     try {
-      for (;;) {
-        const { done, value } = await reader.read();
-        if (done) break;
-        take.pushBytes(value);
+      if (timed) {
+        await Words.readSse(reader, (event) => {
+          if (event.type === "speech.audio.delta") take.pushBytes(Words.base64Bytes(event.audio));
+          else if (event.type === "speech.audio.timestamps") words.add(event.timestamps);
+          else if (event.type === "error") {
+            throw Object.assign(new Error("error event"), { serverMessage: (event.error && event.error.message) || JSON.stringify(event) });
+          }
+        });
+      } else {
+        for (;;) {
+          const { done, value } = await reader.read();
+          if (done) break;
+          take.pushBytes(value);
+        }
       }
     } catch (e) {
       // A raw audio body that fails after its first byte is aborted by the server, which has no way
       // left to send its message; the request id names the request to whoever reads the server side.
       if (!take.stopped) {
-        take.fail(`the server aborted the stream after ${(take.samples / take.rate).toFixed(2)} s of audio`
+        take.fail(e.serverMessage || `the server aborted the stream after ${(take.samples / take.rate).toFixed(2)} s of audio`
           + ` (request ${requestId || "?"}; ${e.message})`);
       }
       return;
@@ -412,6 +286,7 @@
       // Another container means another synthesis of the same request (the same seed gives the same take).
       const body = { ...(take.body || { ...requestFields(), input: $("text").value }), response_format: fmt, stream: false };
       delete body.stream_format;
+      delete body.word_timestamps; // the file, not a JSON answer with the words
       $("download").disabled = true;
       try {
         const resp = await api("/v1/audio/speech", {
@@ -459,17 +334,19 @@
   async function startLive() {
     stopTake();
     const ctx = await audioContext();
-    const take = state.take = new Take(ctx, "ws");
+    const take = state.take = new Take(ctx, "ws", takeUi());
     const ws = new WebSocket(wsUrl());
     ws.binaryType = "arraybuffer";
     const live = state.live = { ws, take, sent: "", timer: null, done: false };
     take.body = { ...requestFields(), input: $("text").value, response_format: "pcm" };
+    const timed = $("word-timestamps").checked;
+    words.reset(take, timed);
     $("live-done").hidden = false;
     ws.onopen = () => {
       // Raw PCM as it is produced; the server cuts the text at clauses and speaks each as it completes.
       ws.send(JSON.stringify({
         type: "session.config", ...requestFields(), response_format: "pcm", stream_audio: true,
-        split_granularity: "clause",
+        split_granularity: "clause", ...(timed ? { word_timestamps: true } : {}),
       }));
       take.begin(24000);
       take.t0 = performance.now();
@@ -483,6 +360,9 @@
         take.begin(msg.sample_rate);
         take.segmentStart = true;
         probe.segments += 1;
+        words.segmentStart(msg.utterance_index);
+      } else if (msg.type === "audio.done" && "timestamps" in msg) {
+        words.add(msg.timestamps, msg.utterance_index);
       } else if (msg.type === "session.done") {
         live.done = true;
         take.finish();
@@ -559,49 +439,7 @@
     $("play-state").textContent = text;
   }
 
-  async function pollStatus() {
-    if (document.hidden) return;
-    const dot = $("status-ready");
-    let status;
-    try {
-      const resp = await api("/v1/status");
-      if (!resp.ok) {
-        dot.className = "dot bad";
-        $("status-note").textContent = resp.status === 401 ? "API key needed" : `status: HTTP ${resp.status}`;
-        return;
-      }
-      status = await resp.json();
-    } catch (_) {
-      dot.className = "dot bad";
-      $("status-note").textContent = "gateway unreachable";
-      return;
-    }
-    dot.className = status.ready ? "dot ok" : "dot bad";
-    if (status.ready && !state.model && !state.loadingModel) {
-      // The page was opened before the talker was up (or the key was missing): try again now.
-      clearError();
-      loadModel();
-    }
-    const g = status.gateway;
-    $("status-streams").textContent = `${g.active_streams} / ${g.max_streams}`;
-    $("status-requests").textContent = String(g.requests_total);
-    if (status.model) fillLanguages(status.model.languages);
-    const t = status.talker;
-    let note = status.ready ? "" : "waiting for the talker";
-    if (t && !t.error) {
-      $("status-queue").textContent = String(t.queue_depth);
-      const last = state.lastStep;
-      const steps = last ? t.step_seconds_count - last.count : t.step_seconds_count;
-      const secs = last ? t.step_seconds_sum - last.sum : t.step_seconds_sum;
-      $("status-step").textContent = steps > 0 ? `${((1000 * secs) / steps).toFixed(1)} ms` : "idle";
-      state.lastStep = { count: t.step_seconds_count, sum: t.step_seconds_sum };
-    } else {
-      $("status-queue").textContent = "n/a";
-      $("status-step").textContent = "n/a";
-      if (t && t.error) note = t.error;
-    }
-    $("status-note").textContent = note;
-  }
+  const pollStatus = window.PlaygroundStatus({ api, state, clearError, loadModel, fillLanguages });
 
   // ---- wiring ----------------------------------------------------------------------------------
 

@@ -199,8 +199,8 @@ def test_a_voice_s_embeddings_are_computed_once_and_never_shared_with_another(bu
     bundle = bundle_factory("base")
     builder = bundle.prompt_builder
     calls = []
-    real = builder.frame_embeds
-    monkeypatch.setattr(builder, "frame_embeds", lambda codes: calls.append(codes.shape) or real(codes))
+    real = builder.embed.frames
+    monkeypatch.setattr(builder.embed, "frames", lambda codes: calls.append(codes.shape) or real(codes))
     voice_a = _voice(bundle.talker.hidden_size, 40, seed=101)  # seeds no other test uses
     voice_b = _voice(bundle.talker.hidden_size, 40, seed=102)
     assert not torch.equal(voice_a.ref_codes, voice_b.ref_codes)

@@ -127,8 +127,18 @@ async def test_bad_requests_are_invalid_argument_naming_the_problem(aligner_stub
 def test_config_flags_and_refusals():
     cfg = config_from_args(["--port", "0", "--max-batch", "4", "--load-format", "dummy"])
     assert (cfg.max_batch, cfg.load_format) == (4, "dummy")
+    assert (cfg.cuda_graphs, cfg.max_graphs, cfg.graph_max_length) == (True, 48, 1024)
+    cfg = config_from_args(["--cuda-graphs", "false", "--max-graphs", "0", "--graph-max-length", "256"])
+    assert (cfg.cuda_graphs, cfg.max_graphs, cfg.graph_max_length) == (False, 0, 256)
+    assert AlignerConfig().warmup_seconds() == [2.0, 5.0, 10.0]
+    assert config_from_args(["--graph-warmup-s", ""]).warmup_seconds() == []
     for bad, msg in [
         (dict(max_batch=0), "--max-batch"),
+        (dict(max_graphs=-1), "--max-graphs"),
+        (dict(graph_max_length=0), "--graph-max-length"),
+        (dict(graph_warmup_s="2,x"), "--graph-warmup-s"),
+        (dict(graph_warmup_s="0"), "--graph-warmup-s"),
+        (dict(graph_warmup_s="301"), "--graph-warmup-s"),
         (dict(max_audio_s=500.0), "--max-audio-s"),
         (dict(dtype="int8"), "--dtype"),
     ]:

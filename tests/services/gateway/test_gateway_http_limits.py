@@ -16,14 +16,14 @@ from gateway_fakes import build_gateway, clone_body, free_port
 
 from qtts.request.errors import Unavailable
 from services.gateway.http_app import HttpDeps, create_app
-from services.gateway.http_limits import header_timeout_protocol
+from services.gateway.http_limits import Linger, header_timeout_protocol
 from services.gateway.server import _UvicornServer
 
 GOOD = clone_body()
 
 
 @contextlib.asynccontextmanager
-async def serve(gw, header_timeout_s: float = 0.0, **limits):
+async def serve(gw, header_timeout_s: float = 0.0, linger: Linger | None = None, **limits):
     async def stage_health():
         return {"talker": "SERVING", "speaker_cache": "SERVING"}
 
@@ -36,7 +36,7 @@ async def serve(gw, header_timeout_s: float = 0.0, **limits):
             port=port,
             log_level="warning",
             lifespan="off",
-            http=header_timeout_protocol(header_timeout_s),
+            http=header_timeout_protocol(header_timeout_s, linger),
         )
     )
     task = asyncio.create_task(server.serve())
@@ -83,6 +83,39 @@ async def test_a_body_over_the_limit_is_a_413_before_it_is_read():
             r = await c.post("/v1/audio/speech", json={**GOOD, "stream": False})
             assert r.status_code == 200
     assert len(gw.talker.jobs) == 1
+
+
+def _send_refused_body(port: int, piece: bytes, every_s: float) -> tuple[bytes, int, float]:
+    """Announce 100 MB, read the answer, then send `piece` every `every_s` until the gateway
+    closes: the answer, the bytes sent after it and the seconds that took."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100000000\r\n\r\n"
+        )
+        answer = sock.recv(65536)
+        sent, started = 0, time.monotonic()
+        with contextlib.suppress(OSError):
+            while time.monotonic() - started < 20:
+                sock.sendall(piece)
+                sent += len(piece)
+                time.sleep(every_s)
+        return answer, sent, time.monotonic() - started
+
+
+async def test_a_refused_body_is_discarded_up_to_the_linger_bounds():
+    linger = Linger(max_bytes=4 << 20, max_s=1.5, idle_s=1.0)
+    async with serve(build_gateway(), linger=linger, max_body_bytes=10_000) as gw:
+        # The byte bound: a client that sends on at full speed is cut off past it.
+        answer, sent, _ = await asyncio.to_thread(_send_refused_body, gw.port, b" " * 65536, 0.0)
+        assert answer.startswith(b"HTTP/1.1 413") and b"payload_too_large" in answer
+        assert 4 << 20 <= sent < 40 << 20, sent
+        # The time bound: one that trickles under the idle bound is cut off at max_s.
+        answer, sent, took = await asyncio.to_thread(_send_refused_body, gw.port, b" " * 100, 0.05)
+        assert answer.startswith(b"HTTP/1.1 413")
+        assert 1.0 < took < 5.0, took
+        async with httpx.AsyncClient(base_url=gw.url) as c:
+            assert (await c.post("/v1/audio/speech", json={**GOOD, "stream": False})).status_code == 200
 
 
 async def test_slow_headers_and_stalled_bodies_are_closed():

@@ -15,7 +15,7 @@ from test_gateway_grpc import request, serve_grpc
 from qtts.request.errors import InvalidArgument
 from qtts.request.model_variants import supports_instructions
 from services.gateway.config import config_from_args
-from services.gateway.instructions import IGNORED_FIELDS_HEADER, apply_instructions_policy
+from services.gateway.instructions import IGNORED_FIELDS_HEADER
 
 CUSTOM_1B7 = dataclasses.replace(CUSTOM, model_size="1b7")
 CUSTOM_0B6 = dataclasses.replace(CUSTOM, model_size="0b6")
@@ -112,7 +112,7 @@ def test_the_policy_and_its_flag(monkeypatch):
         job(fields)
     assert info.value.param == "instructions"
     plain = job(dataclasses.replace(fields, instructions=None))
-    assert apply_instructions_policy(plain, BASE) is plain
+    assert plain.ignored_fields == () and plain.instructions == ""
     assert config_from_args([]).unsupported_instructions == "reject"
     assert config_from_args(["--unsupported-instructions", "ignore"]).unsupported_instructions == "ignore"
     monkeypatch.setenv("TTS_GATEWAY_UNSUPPORTED_INSTRUCTIONS", "ignore")

@@ -19,13 +19,13 @@ from qtts.request.errors import InvalidArgument
 from qtts.request.sampling_overrides import SamplingOverrides, check_sampling, sampling_field, sampling_fields
 from qtts.request.sampling_pb import overrides_from_pb, overrides_to_pb
 from services.gateway.grpc_servicer import _grpc_field, fields_from_pb
+from services.gateway.http_body import validate_body
 from services.gateway.http_request import (
     SpeechRequest,
     StreamingSessionConfig,
     parse_speech_body,
     sampling_body_fields,
     sampling_from_body,
-    validate_body,
 )
 from services.gateway.validation import RequestLimits, build_job
 

@@ -8,7 +8,8 @@ import pytest
 from gateway_fakes import BASE, CUSTOM, DESIGN
 
 from qtts.request.errors import InvalidArgument, NotFound
-from services.gateway.http_request import decode_base64_audio, parse_speech_body
+from services.gateway.http_body import decode_base64_audio
+from services.gateway.http_request import parse_speech_body
 from services.gateway.job import SamplingOptions, SpeechFields
 from services.gateway.validation import RequestLimits, build_job, check_voice_name
 
