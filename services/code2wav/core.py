@@ -54,6 +54,21 @@ class IncrementalDecoderLike(Protocol):
     def free(self, state: Any) -> None: ...
 
 
+def _start_state(
+    decoder: IncrementalDecoderLike, device: torch.device, metrics: Code2WavMetrics, prefix: np.ndarray | None
+) -> Any:
+    """A new decoder state after `prefix` (worker thread); counts the slots engine's prefix-state
+    cache hits and misses."""
+    with torch.inference_mode():
+        codes = None if prefix is None else torch.from_numpy(prefix.astype(np.int64)).to(device)
+        hits = getattr(decoder, "prefix_hits", None)
+        state = decoder.start(codes)
+        if codes is not None and hits is not None:
+            hit = decoder.prefix_hits > hits
+            (metrics.prefix_state_hits_total if hit else metrics.prefix_state_misses_total).inc()
+        return state
+
+
 class Code2WavCore:
     """Owns the decoder, the worker thread and the stream registry of one code2wav replica."""
 
@@ -168,7 +183,9 @@ class Code2WavCore:
         )
         self.registry.add(stream)
         prefix = None if prefix_codes is None or not len(prefix_codes) else prefix_codes
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, self._start_sync, prefix)
+        fut = asyncio.get_running_loop().run_in_executor(
+            self._executor, _start_state, self.decoder, self.device, self.metrics, prefix
+        )
         fut.add_done_callback(functools.partial(self._state_made, stream, time.perf_counter()))
         stream.start_credit()
         return stream
@@ -225,18 +242,6 @@ class Code2WavCore:
             self._executor.submit(self.decoder.free, state)
         except RuntimeError:  # the worker is shut down: nothing else can touch the state
             self.decoder.free(state)
-
-    def _start_sync(self, prefix: np.ndarray | None) -> Any:
-        with torch.inference_mode():
-            codes = None if prefix is None else torch.from_numpy(prefix.astype(np.int64)).to(self.device)
-            hits = getattr(self.decoder, "prefix_hits", None)
-            state = self.decoder.start(codes)
-            if codes is not None and hits is not None:  # the slots engine's prefix-state cache
-                hit = self.decoder.prefix_hits > hits
-                (
-                    self.metrics.prefix_state_hits_total if hit else self.metrics.prefix_state_misses_total
-                ).inc()
-            return state
 
     # ---------------------------------------------------------------- decoding
 
