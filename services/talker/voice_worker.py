@@ -83,11 +83,25 @@ def worker_main(conn_in: Any, conn_out: Any, spec: VoiceWorkerSpec) -> None:
         )
         encoders.max_batch = spec.max_batch
         fingerprint = encoders.fingerprint()
+        _warm_up(encoders)
     except BaseException as exc:  # noqa: BLE001 - the front reports it
         conn_out.send(("start_failed", f"{type(exc).__name__}: {exc}"))
         return
     conn_out.send(("ready", os.getpid(), fingerprint))
     _serve(conn_in, conn_out, encoders)
+
+
+def _warm_up(encoders: Any) -> None:
+    """One clip through both encoders before "ready", so the first voice does not pay the
+    device's first-call costs (kernel loading, allocator growth)."""
+    from qtts.model.voice_encoders import VoiceClip
+
+    t = np.arange(24000, dtype=np.float32) / 24000
+    result = encoders.compute_many(
+        [VoiceClip((0.1 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), "warm", False)]
+    )
+    if isinstance(result[0], BaseException):
+        raise result[0]
 
 
 def _serve(conn_in: Any, conn_out: Any, encoders: Any) -> None:
