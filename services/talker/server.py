@@ -103,6 +103,9 @@ class TalkerServer:
         else:
             await self._start_engine_here()
         info = self.bundle.info
+        if self._voice_worker is not None and info.model_type != "base":  # no voice to clone
+            await asyncio.to_thread(self._voice_worker.stop)
+            self._voice_worker = None
         self.replicas = Code2WavReplicas(
             self.config.code2wav,
             vnodes=self.config.ring_vnodes,
