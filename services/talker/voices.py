@@ -1,7 +1,7 @@
 """Resolves the voice prompt of a voice-clone request: inline clip or named voice, cached by content key.
 
-Lookup order: an in-process LRU, then speaker_cache (`GetVoicePrompt`), then computing it with
-the bundle and storing it back (`PutVoicePrompt`, in the background). When speaker_cache is
+Lookup order: an in-process LRU, then speaker_cache (`GetVoicePrompt`), then computing it (the
+voice worker, or the bundle in this process) and storing it back (`PutVoicePrompt`, in the background). When speaker_cache is
 unreachable the prompt is computed locally and the request goes on.
 
 A voice is looked up and computed once however many requests ask for it at the same time (they
