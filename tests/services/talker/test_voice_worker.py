@@ -147,3 +147,40 @@ async def test_the_talker_starts_and_stops_its_voice_worker(tiny_snapshot):
         stage = {"service": "talker", "stage": "voice_prompt_queue"}
         assert s.talker.metrics.registry.get_sample_value("tts_stage_latency_seconds_count", stage) == 1
     assert not worker.alive()
+
+
+def ended(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+def test_a_front_that_dies_takes_its_worker_with_it(tiny_snapshot):
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from services.talker.voice_worker import VoiceWorker, VoiceWorkerSpec\n"
+        "if __name__ == '__main__':\n"
+        f"    w = VoiceWorker(VoiceWorkerSpec(model_path={str(tiny_snapshot('base'))!r}))\n"
+        "    w.start()\n"
+        "    print(w.pid, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(front.stdout.readline())
+        assert not ended(pid)
+        front.kill()  # no stop, no cleanup: the worker sees its pipe close
+        front.wait()
+        deadline = time.monotonic() + 30
+        while not ended(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ended(pid)
+    finally:
+        front.kill()
+        front.wait()
