@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from qtts.model.sampling import SamplingParams
 from qtts.model.snapshot import Snapshot, SnapshotError, open_snapshot
 from qtts.model.talker import Talker
 from qtts.model.tokenizer import config_id_mismatches, load_text_tokenizer
-from qtts.request.errors import InvalidArgument
+from qtts.model.voice_encoders import VoiceClip, VoiceEncoders
 
 log = logging.getLogger(__name__)
 
@@ -69,54 +68,35 @@ class TalkerBundle:
     def build_prompt(self, spec: SynthesisSpec) -> TalkerPrompt:
         return self.prompt_builder.build(spec)
 
-    @torch.inference_mode()
     def voice_encoder_fingerprint(self) -> str:
-        """sha256 hex over the weights a voice prompt depends on (speaker encoder and codec
-        encoder: names, dtypes, shapes, bytes), so cached prompts are shared exactly by snapshots
-        whose encoders are equal, whatever they are served as. Computed once (a few hundred MB
-        hashed at start-up for the full-size Base models); "" for models without encoders."""
+        """sha256 hex over the weights a voice prompt depends on (`VoiceEncoders.fingerprint`),
+        so cached prompts are shared exactly by snapshots whose encoders are equal, whatever they
+        are served as. Computed once; "" for models without encoders."""
         cached = getattr(self, "_voice_fingerprint", None)
-        if cached is not None:
-            return cached
-        h = hashlib.sha256()
-        for name, module in (
-            ("speaker_encoder", self.speaker_encoder),
-            ("codec_encoder", self.codec_encoder),
-        ):
-            if module is None:
-                continue
-            for key, tensor in sorted(module.state_dict().items()):
-                t = tensor.detach().contiguous().cpu()
-                h.update(f"{name}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        digest = h.hexdigest() if (self.speaker_encoder is not None or self.codec_encoder is not None) else ""
-        self._voice_fingerprint = digest
-        return digest
+        if cached is None:
+            cached = self._voice_fingerprint = self.voice_encoders.fingerprint()
+        return cached
 
-    @torch.inference_mode()
+    @property
+    def voice_encoders(self) -> VoiceEncoders:
+        """The speaker and codec encoders, which compute voice prompts."""
+        encoders = getattr(self, "_voice_encoders", None)
+        if encoders is None:
+            encoders = VoiceEncoders(
+                self.info.name, self.config.tts_model_type, self.speaker_encoder, self.codec_encoder
+            )
+            self._voice_encoders = encoders
+        return encoders
+
     def compute_voice_prompt(
         self, pcm_24k: np.ndarray, ref_text: str | None, x_vector_only: bool
     ) -> VoicePrompt:
         """Speaker x-vector (and for ICL the reference codes) of a 24 kHz mono float32 clip."""
-        if self.config.tts_model_type != "base" or self.speaker_encoder is None:
-            raise InvalidArgument(f"{self.info.name} is not a voice-clone (Base) model")
-        wav = torch.as_tensor(np.ascontiguousarray(pcm_24k, dtype=np.float32)).reshape(-1)
-        if wav.numel() == 0:
-            raise InvalidArgument("reference audio is empty")
-        if not x_vector_only and not ref_text:
-            raise InvalidArgument("reference text is required for ICL voice cloning (or use x_vector_only)")
-        x_vector = self.speaker_encoder.embed(wav).detach().float().cpu().reshape(-1)
-        ref_codes = None
-        if not x_vector_only:
-            if self.codec_encoder is None:
-                raise InvalidArgument(f"{self.info.name} has no codec encoder for ICL voice cloning")
-            ref_codes = self.codec_encoder.encode(wav).detach().to(torch.long).cpu()
-        return VoicePrompt(
-            x_vector=x_vector,
-            ref_codes=ref_codes,
-            ref_text=None if x_vector_only else ref_text,
-            x_vector_only=x_vector_only,
-        )
+        return self.voice_encoders.compute(VoiceClip(pcm_24k, ref_text, x_vector_only))
+
+    def compute_voice_prompts(self, clips: list[VoiceClip]) -> list[VoicePrompt | Exception]:
+        """The prompt (or the error) of each clip, clips of one length encoded together."""
+        return self.voice_encoders.compute_many(clips)
 
 
 def _load_state_dict(snap: Snapshot) -> dict[str, torch.Tensor]:
@@ -187,6 +167,31 @@ def _codec_encoder(snap: Snapshot, device, dtype, load_format: str):
         log.warning("%s: no codec weights for a dummy load: ICL voice cloning is disabled", snap.folder)
         return None
     return CodecEncoder.load(snap.speech_tokenizer_dir, device, dtype, **kwargs)
+
+
+def _speaker_state_dict(snap: Snapshot) -> dict[str, torch.Tensor]:
+    """Only the `speaker_encoder.*` weights of the snapshot (the talker LM's are not read)."""
+    from safetensors import safe_open
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in snap.weight_files:
+        try:
+            with safe_open(str(f), framework="pt") as weights:
+                for k in weights.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if k.startswith(SPEAKER_PREFIX):
+                        sd[k[len(SPEAKER_PREFIX) :]] = weights.get_tensor(k)
+        except Exception as e:
+            raise SnapshotError(f"{f}: unreadable safetensors file ({e})") from e
+    if not sd:
+        raise SnapshotError(f"{snap.folder}: a Base snapshot without speaker_encoder.* weights")
+    return sd
+
+
+def load_encoders(snap: Snapshot, device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[Any, Any]:
+    """(speaker encoder, codec encoder) of a Base snapshot, as `load_talker_bundle` loads them."""
+    speaker_sd = None if snap.load_format == "dummy" else _speaker_state_dict(snap)
+    speaker = _speaker_encoder(snap.config, speaker_sd, seed, device, dtype, snap.folder)
+    return speaker, _codec_encoder(snap, device, dtype, snap.load_format)
 
 
 def _tokenizer(snap: Snapshot) -> tuple[Any, str]:

@@ -89,8 +89,17 @@ class CodecEncoder(nn.Module):
         """Mono 24 kHz waveform [N] -> codes LongTensor[ceil(N / 1920), 16] (on the encoder's device)."""
         if wav24k.dim() != 1 or wav24k.shape[0] == 0:
             raise ValueError(f"expected a non-empty mono waveform [N], got {tuple(wav24k.shape)}")
+        return self.encode_batch(wav24k.unsqueeze(0))[0]
+
+    @torch.inference_mode()
+    def encode_batch(self, wavs24k: torch.Tensor) -> torch.Tensor:
+        """Equal-length mono 24 kHz waveforms [B, N] -> codes LongTensor[B, ceil(N / 1920), 16],
+        each the codes `encode` gives its waveform. Clips of different lengths must not be padded
+        to one: the downsampling pads the last partial frame by replication, so its codes change."""
+        if wavs24k.dim() != 2 or wavs24k.shape[1] == 0:
+            raise ValueError(f"expected non-empty waveforms [B, N], got {tuple(wavs24k.shape)}")
         dtype = next(self.model.parameters()).dtype
-        x = wav24k.to(device=self.device, dtype=dtype).view(1, 1, -1)
+        x = wavs24k.to(device=self.device, dtype=dtype).unsqueeze(1)
         out = self.model.encode(x, num_quantizers=self.num_quantizers, return_dict=True)
-        frames = math.ceil(wav24k.shape[0] / self.samples_per_frame)
-        return out.audio_codes[0, : self.num_quantizers, :frames].transpose(0, 1).long().contiguous()
+        frames = math.ceil(wavs24k.shape[1] / self.samples_per_frame)
+        return out.audio_codes[:, : self.num_quantizers, :frames].transpose(1, 2).long().contiguous()

@@ -159,6 +159,16 @@ class SpeakerEncoder(nn.Module):
             raise ValueError(f"expected a mono waveform [N], got {tuple(wav24k.shape)}")
         if wav24k.shape[0] <= 512:
             raise InvalidArgument("reference audio is too short for a speaker embedding")
+        return self.embed_batch(wav24k.unsqueeze(0))[0]
+
+    @torch.inference_mode()
+    def embed_batch(self, wavs24k: torch.Tensor) -> torch.Tensor:
+        """Equal-length mono 24 kHz waveforms [B, N] -> x-vectors [B, enc_dim] in float32, each
+        the x-vector `embed` gives its waveform (no padding: the statistics pool over all of N)."""
+        if wavs24k.dim() != 2:
+            raise ValueError(f"expected waveforms [B, N], got {tuple(wavs24k.shape)}")
+        if wavs24k.shape[1] <= 512:
+            raise InvalidArgument("reference audio is too short for a speaker embedding")
         weight = self.fc.weight
-        mels = log_mel_spectrogram(wav24k.float().cpu()).to(device=weight.device, dtype=weight.dtype)
-        return self(mels)[0].float()
+        mels = log_mel_spectrogram(wavs24k.float().cpu()).to(device=weight.device, dtype=weight.dtype)
+        return self(mels).float()

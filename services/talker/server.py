@@ -24,6 +24,7 @@ from .model_setup import generator_factory_for, load_bundle, scheduler_for
 from .replicas import Code2WavReplicas
 from .servicer import TalkerServicer
 from .speaker_cache_client import SpeakerCacheClient
+from .voice_worker import VoiceWorker, VoiceWorkerSpec
 from .voices import VoiceResolver
 from .warmup import warm_up
 
@@ -72,6 +73,7 @@ class TalkerServer:
         self.core: TalkerCore | None = None
         self._cache: SpeakerCacheClient | None = None
         self._voices: VoiceResolver | None = None
+        self._voice_worker: VoiceWorker | None = None
         self._exit_process = exit_process
         self.device_failure: DeviceFailure | None = None
         self._started = False
@@ -85,6 +87,9 @@ class TalkerServer:
         self.device_failure = DeviceFailure(self.host, exit=self._exit_process)
         self.host.on_unexpected_error(self.device_failure.check)
         if self.engine_client is not None:
+            # The voice encoders get a process of their own too (voice_worker.py); it loads meanwhile.
+            self._voice_worker = VoiceWorker(VoiceWorkerSpec.from_config(self.config))
+            self._voice_worker.launch()
             # Model load, graph capture and warm-up happen there; health keeps answering here.
             facts = await asyncio.to_thread(self.engine_client.start)
             self.bundle = RemoteBundle(self.engine_client, facts)
@@ -99,6 +104,9 @@ class TalkerServer:
         else:
             await self._start_engine_here()
         info = self.bundle.info
+        if self._voice_worker is not None and info.model_type != "base":  # no voice to clone
+            await asyncio.to_thread(self._voice_worker.stop)
+            self._voice_worker = None
         self.replicas = Code2WavReplicas(
             self.config.code2wav,
             vnodes=self.config.ring_vnodes,
@@ -120,7 +128,11 @@ class TalkerServer:
         fingerprint = getattr(self.bundle, "voice_encoder_fingerprint", None)
         digest = await asyncio.to_thread(fingerprint) if fingerprint is not None else ""
         model_id = f"{info.name}@{digest[:16]}" if digest else info.name
-        self._voices = VoiceResolver(self.bundle, self._cache, model_id=model_id, metrics=self.metrics)
+        if self._voice_worker is not None and await asyncio.to_thread(self._voice_worker.start) != digest:
+            raise RuntimeError("the voice worker's encoder weights differ from the engine's")
+        self._voices = VoiceResolver(
+            self.bundle, self._cache, model_id=model_id, metrics=self.metrics, worker=self._voice_worker
+        )
         self.core = TalkerCore(
             bundle=self.bundle,
             engine=self.engine,
@@ -199,7 +211,9 @@ class TalkerServer:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if self._voices is not None:
-            await self._voices.close()
+            await self._voices.close()  # stops the voice worker
+        elif self._voice_worker is not None:
+            await asyncio.to_thread(self._voice_worker.stop)
         if self._cache is not None:
             await self._cache.close()
         if self.replicas is not None:

@@ -1,13 +1,17 @@
 """Resolves the voice prompt of a voice-clone request: inline clip or named voice, cached by content key.
 
-Lookup order: an in-process LRU, then speaker_cache (`GetVoicePrompt`), then computing it with
-the bundle and storing it back (`PutVoicePrompt`, in the background). When speaker_cache is
+Lookup order: an in-process LRU, then speaker_cache (`GetVoicePrompt`), then computing it (the
+voice worker, or the bundle in this process) and storing it back (`PutVoicePrompt`, in the background). When speaker_cache is
 unreachable the prompt is computed locally and the request goes on.
 
 A voice is looked up and computed once however many requests ask for it at the same time (they
-wait on the one lookup: a burst of new voices used to compute the same voice once per request),
-and the computations run one at a time in a thread of their own: the speaker and codec encoders
-are GPU work that many threads would only interleave, under the GIL beside the engine's thread.
+wait on the one lookup: a burst of new voices used to compute the same voice once per request).
+The computations go through a `VoicePromptBatcher`: the new voices that wait while one batch is
+computed go together as the next (services/talker/voice_batches.py). On the GPU the encoders run
+in a voice worker process of their own (services/talker/voice_worker.py): computed in the engine
+process, a voice prompt waited behind the prompt builds for the one prompt thread, shared its GIL
+with the thread driving the frame steps and queued its kernels behind each step, one voice at a
+time: 16 ms alone, 432 ms under load.
 """
 
 from __future__ import annotations
@@ -15,19 +19,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from qtts.lru import BoundedLru
+from qtts.model.voice_encoders import VoiceClip
 from qtts.request.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from qtts.request.vocabulary import unknown_voice
 from qtts.streams.voice_key import REFERENCE_NOT_CACHED, voice_prompt_key, voice_prompt_key_for_digest
 
 from .request import GenerationRequest
 from .speaker_cache_client import SpeakerCacheClient, SpeakerCacheUnreachable, VoicePromptArrays
+from .voice_batches import DEFAULT_MAX_BATCH, VoicePromptBatcher, one_by_one
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +76,12 @@ class VoiceResolver:
         cache: SpeakerCacheClient,
         model_id: str,
         local_entries: int = 1024,
-        compute_workers: int = 1,
         metrics: Any = None,
+        worker: Any = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ):
+        """`worker`: a started `VoiceWorker` that computes the prompts (the resolver stops it on
+        close); without one, `bundle` computes them in a thread of this process."""
         self._bundle = bundle
         self._cache = cache
         self._model_id = model_id
@@ -83,11 +90,21 @@ class VoiceResolver:
         self._background: set[asyncio.Task] = set()
         # key -> the one lookup (speaker_cache, then compute) every request for that voice awaits.
         self._inflight: dict[str, asyncio.Task] = {}
-        self._executor = ThreadPoolExecutor(max_workers=compute_workers, thread_name_prefix="voice-prompt")
+        self._worker = worker
+        if worker is not None:
+            compute_many = worker.compute_many
+        elif hasattr(bundle, "compute_voice_prompts"):
+            compute_many = bundle.compute_voice_prompts
+        else:
+            compute_many = one_by_one(bundle.compute_voice_prompt)
+        # With metrics (a ServiceMetrics): each voice's wait for the encoders as the stage
+        # voice_prompt_queue, the computation that gave its prompt as compute_voice_prompt.
+        self._batcher = VoicePromptBatcher(compute_many, max_batch=max_batch, metrics=metrics)
         self.computed = 0  # prompts computed here (not found in this process or speaker_cache)
-        # A ServiceMetrics: each computation's own time (in its thread) as the stage
-        # compute_voice_prompt, apart from the waits that the stage voice_prompt includes.
-        self._metrics = metrics
+
+    @property
+    def batcher(self) -> VoicePromptBatcher:
+        return self._batcher
 
     async def resolve(self, req: GenerationRequest) -> Any:
         if req.reference_digest and not req.reference_pcm_f32:
@@ -178,24 +195,15 @@ class VoiceResolver:
         return pcm, voice.reference_text or None, voice.x_vector_only or req.x_vector_only
 
     async def _compute(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
+        clip = VoiceClip(
+            np.array(pcm, dtype=np.float32),  # a writable copy: torch wraps it
+            None if x_vector_only else ref_text,
+            x_vector_only,
+        )
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._executor,
-                self._timed_compute,
-                np.array(pcm, dtype=np.float32),  # a writable copy: torch wraps it
-                None if x_vector_only else ref_text,
-                x_vector_only,
-            )
+            return await self._batcher.compute(clip)
         except ValueError as exc:
             raise InvalidArgument(f"cannot compute the voice prompt: {exc}") from exc
-
-    def _timed_compute(self, pcm: np.ndarray, ref_text: str | None, x_vector_only: bool) -> Any:
-        started = time.perf_counter()
-        try:
-            return self._bundle.compute_voice_prompt(pcm, ref_text, x_vector_only)
-        finally:
-            if self._metrics is not None:
-                self._metrics.observe_stage("compute_voice_prompt", time.perf_counter() - started)
 
     def _store_in_background(self, key: str, prompt: Any) -> None:
         async def store() -> None:
@@ -219,4 +227,6 @@ class VoiceResolver:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._batcher.close()
+        if self._worker is not None:
+            await asyncio.to_thread(self._worker.stop)

@@ -24,7 +24,10 @@ async def test_icl_clone_streams_the_decoded_frames_after_the_reference_and_reus
     bundle = tiny_talker_bundle("base")
     calls = []
     compute = bundle.compute_voice_prompt
-    monkeypatch.setattr(bundle, "compute_voice_prompt", lambda *a: calls.append(1) or compute(*a))
+    compute_many = bundle.compute_voice_prompts
+    monkeypatch.setattr(
+        bundle, "compute_voice_prompts", lambda clips: calls.extend(clips) or compute_many(clips)
+    )
     code2wav = Code2WavServer(
         Code2WavConfig(port=0, metrics_port=0, model=str(tiny_snapshot("base")), drain_seconds=0.5)
     )
