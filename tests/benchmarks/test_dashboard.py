@@ -55,6 +55,7 @@ HISTOGRAMS = {
     "tts_code2wav_deadline_slack_seconds",
     "tts_talker_chunk_hop_seconds",
     "tts_talker_first_chunk_hop_seconds",
+    "tts_gateway_first_chunk_hop_seconds",
     "tts_code2wav_first_chunk_wait_seconds",
     "tts_code2wav_chunk_wait_seconds",
     "tts_rpc_duration_seconds",
