@@ -481,7 +481,7 @@ def test_the_running_length_sums_equal_a_fresh_scan_after_random_changes():
         return ScheduledRequest(rid, prompt, None, frames, StreamCredit(10), lambda e: None)
 
     def scan_mean() -> float | None:
-        lengths = [x for r in (*s.running.values(), *list(s.waiting)[:1]) if (x := s._length_s(r))]
+        lengths = [x for r in (*s.running.values(), *list(s.waiting)[:1]) if (x := s.forecast._length_s(r))]
         return sum(lengths) / len(lengths) if lengths else None
 
     now, next_id = 0.0, 0
