@@ -145,6 +145,16 @@ class _SortedStreams:
 
 
 @dataclass
+class _RunningView:
+    """The running streams as admission sees them (`DeadlineScheduler._running_view`)."""
+
+    behind: int = 0
+    mature: int = 0
+    prefill_pending: int = 0
+    tightest: float = math.inf
+
+
+@dataclass
 class StepPlan:
     """The engine's next move: start `admitted`, refuse `refused`, and step unless `step` is False.
 
@@ -246,6 +256,7 @@ class DeadlineScheduler:
         """Admit, refuse the requests past their budget, and decide the next step."""
         plan = StepPlan()
         self.forecast.refuse_expired(now, plan)
+        self.forecast.refuse_late(now, plan)
         self._admit(now, plan)
         model = self.admission.model if self.admission is not None else None
         step_s = model.predict(len(self.running)) if model is not None else 0.0
@@ -400,29 +411,41 @@ class DeadlineScheduler:
         if adm is not None:  # a burst ramps up, so the measurements can react
             limit = min(limit, len(self.running) + adm.config.max_admit_per_step)
         if adm is None or not self.waiting:
-            behind, mature, mean_s = 0, 0, None
+            view, mean_s, room = _RunningView(), None, math.inf
         else:
-            behind, mature = self._behind(now)
+            view = self._running_view(now, adm.model.predict(len(self.running)))
             mean_s = self._mean_stream_s()
+            room = self._prefill_budget(view.tightest)
         while self.waiting and len(self.running) < limit:
             req = self.waiting[0]
-            if adm is not None and not adm.allows(len(self.running), behind, mature, mean_s):
+            positions = req.prefill_positions
+            if adm is not None and not adm.allows(
+                len(self.running), view.behind, view.mature, mean_s, view.prefill_pending, room, positions
+            ):
                 return
             self.waiting.popleft()
             req.admitted_at = now
             self.running[req.request_id] = req
             plan.admitted.append(req)
+            view.prefill_pending += positions
             if adm is not None:
                 adm.observe_admit(now, req.submitted_at)
 
-    def _behind(self, now: float) -> tuple[int, int]:
-        """(streams whose listener ran dry, streams with audio). A pass over the running streams,
-        once per plan and only while requests wait: it runs before the plan's own pass, whose
-        admitted streams must be in the running set, and a count kept from the previous plan
-        would admit on a step-old view of the listeners."""
-        behind = mature = 0
+    def _running_view(self, now: float, step_s: float) -> _RunningView:
+        """What admission weighs of the running streams: how many ran dry of the ones with audio,
+        the prompt positions admitted and not yet prefilled, and the tightest stream's time left
+        (which bounds the next step's prefill). A pass over the running streams, once per plan and
+        only while requests wait: it runs before the plan's own pass, whose admitted streams must
+        be in the running set, and a view kept from the previous plan would admit on a step-old
+        view of the listeners."""
+        view = _RunningView()
         for req in self.running.values():
+            if not req.stepped:
+                view.prefill_pending += req.prefill_positions
             if req.clock_running and not req.text_waiting:
-                mature += 1
-                behind += req.slack_s(now) < 0
-        return behind, mature
+                view.mature += 1
+                if req.slack_s(now) < 0:
+                    view.behind += 1
+                else:
+                    view.tightest = min(view.tightest, req.time_left_s(now, step_s))
+        return view
