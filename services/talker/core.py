@@ -318,6 +318,14 @@ class TalkerCore:
         self._observe_build(built_s)
         return prompt, reference_rows(prompt)
 
+    async def headroom(self) -> Any:
+        """The engine's room for new requests (forecast.Headroom), counting the prompts this side
+        builds (an engine process counts the ones it builds itself)."""
+        remote = getattr(self._engine, "headroom_async", None)
+        if remote is not None:
+            return await asyncio.wrap_future(remote())
+        return self._engine.headroom(self._prompts_waiting)
+
     def _refuse_at_once(self, in_engine: bool) -> None:
         """The refusals a request gets before it queues for its prompt: a full prompt queue, then
         (prompts built in this process) the engine's admission counting the prompts ahead. With
