@@ -10,7 +10,7 @@ import numpy as np
 
 from qtts.lru import BoundedLru
 from qtts.pb import talker_pb2, talker_pb2_grpc
-from qtts.request.errors import FailedPrecondition, NotFound, Unavailable, from_grpc
+from qtts.request.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable, from_grpc
 from qtts.request.sampling_pb import overrides_to_pb
 from qtts.request.tts_enums import FINISH_FROM_PB, TASK_TO_PB
 from qtts.request.vocabulary import (
@@ -271,6 +271,8 @@ class TalkerClient:
             if lease is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 lease.mark_unavailable()
             error = from_grpc(exc.code(), exc.details(), exc.trailing_metadata())
+            if lease is not None and isinstance(error, ResourceExhausted):
+                lease.mark_full(error.retry_after_s)  # refused at capacity: no room until it says
             if isinstance(error, NotFound) and error.message.startswith(UNKNOWN_VOICE):
                 error.param = "voice"  # the talker found no stored voice of that name
             raise error from None
