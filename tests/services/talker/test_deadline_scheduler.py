@@ -845,3 +845,28 @@ def test_headroom_says_what_starts_now_what_would_queue_and_when_to_retry():
     assert (full.start_now, full.accept) == (0, 0) and full.retry_after_s >= 1
     s.admitting = False
     assert s.forecast.headroom(0.0).accept == 0
+
+
+def test_with_code2wav_s_published_cost_a_load_the_shared_gpu_cannot_carry_is_refused_at_once():
+    """As above, with no `--decoder-frame-us` prior: the talker shares the GPU with the decoder
+    (0.2 ms a frame and 1 ms a call) and learns its cost from what code2wav measures and
+    publishes. Without `decoder_shares_gpu` the publication is ignored and many listeners are
+    late; with it, the load is partly refused at submission and every admitted stream is on time."""
+    shared = dataclasses.replace(COST, decoder_frame_s=0.0002, decoder_call_s=0.001)
+    load = poisson_load(26, 30, 125, 300)
+
+    def run(shares: bool):
+        adm = Admission(AdmissionConfig(decoder_shares_gpu=shares))
+        sched = DeadlineScheduler(10_000, 10_000, admission=adm)
+        return simulate(sched, load, shared, until_s=60, publish_decoder_cost=True), adm
+
+    ignored, adm = run(False)
+    assert not adm.decoder_measured
+    assert sum(x.max_underrun_s() > 0 for x in ignored if not x.refused) > len(ignored) // 10
+    counted, adm = run(True)
+    assert adm.decoder_measured and adm.decoder_frame_s == pytest.approx(0.0002, rel=0.01)
+    admitted = [x for x in counted if not x.refused]
+    refused = [x for x in counted if x.refused]
+    assert refused and len(admitted) > len(counted) // 2
+    assert all(x.max_underrun_s() == 0 for x in admitted)
+    assert p95(x.refused_at - x.arrived_at for x in refused) <= 0.05
