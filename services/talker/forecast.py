@@ -198,10 +198,13 @@ class QueueForecast:
         if adm is None or adm.config.first_audio_budget_s <= 0 or not s.waiting:
             return
         budget = adm.config.first_audio_budget_s
-        ends = self._ends(now)
+        cap = adm.capacity(self.mean_stream_s())
+        ends = None  # the running streams' ends, sorted only when the queue reaches past capacity
         while s.waiting:
             position = len(s.waiting) - 1
             req = s.waiting[position]
+            if ends is None and cap is not None and len(s.running) + position + 1 > cap:
+                ends = self._ends(now)
             # The measured rate, not a stall: admissions come a step's worth at a time, and the
             # pause between two steps is no stall; `refuse_expired` ends a real one.
             wait = self.wait_at(now, position, ends, stalled=False)
