@@ -180,6 +180,11 @@ class TalkerClient:
     def channel(self) -> grpc.aio.Channel:
         return self._channel
 
+    def refusal(self) -> ResourceExhausted | None:
+        """The refusal a new stream would get now from the talkers' published room, without a
+        call (None: some talker has room, or there is no pool to know it)."""
+        return self.pool.refusal() if self.pool is not None else None
+
     async def model_info(self, timeout: float = 5.0) -> ModelCatalog:
         try:
             info = await self._stub.GetModelInfo(talker_pb2.GetModelInfoRequest(), timeout=timeout)

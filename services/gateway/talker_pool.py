@@ -286,13 +286,9 @@ class TalkerPool:
         usable = self.usable()
         if not usable:
             return None
-        roomy = [e for e in usable if e.has_room()]
-        if not roomy:
-            retry = min(e.retry_after_s for e in usable)
-            raise ResourceExhausted(
-                f"every talker is at capacity ({len(usable)} ready, none has room); retry later", retry
-            )
-        usable = roomy
+        if (full := self.refusal()) is not None:
+            raise full
+        usable = [e for e in usable if e.has_room()]
         # Rotate the start so that equally loaded talkers take turns (round robin).
         start = self._turn % len(usable)
         self._turn += 1
@@ -302,6 +298,18 @@ class TalkerPool:
         if endpoint.room is not None:  # until the next poll, count what we start there
             endpoint.room -= 1
         return Lease(self, endpoint)
+
+    def refusal(self) -> ResourceExhausted | None:
+        """The refusal a new stream gets now because every ready talker published that it has no
+        room (the shortest retry hint among them); None while one has room, or none is ready (an
+        outage, not a refusal). A peek: it takes no lease."""
+        usable = self.usable()
+        if not usable or any(e.has_room() for e in usable):
+            return None
+        retry = min(e.retry_after_s for e in usable)
+        return ResourceExhausted(
+            f"every talker is at capacity ({len(usable)} ready, none has room); retry later", retry
+        )
 
     async def wait_usable(self, retry_s: float = 0.2) -> None:
         """Return once a talker is usable (refreshing until then): a gateway reports SERVING only

@@ -42,12 +42,13 @@ async def test_the_pool_places_streams_where_there_is_room_and_refuses_when_ther
     pool = await ready_pool(rooms)
     leases = [pool.pick(), pool.pick()]
     assert [x.address for x in leases] == ["b:1", "b:1"]  # the only one with room, counted down
+    assert isinstance(pool.refusal(), ResourceExhausted)  # a peek: no lease taken
     with pytest.raises(ResourceExhausted) as err:
         pool.pick()
     assert err.value.retry_after_s == 3 and "at capacity" in err.value.message  # the shortest hint
     rooms["a:1"] = None  # a talker that does not say: taken as having room
     await pool.poll_capacity()
-    assert pool.pick().address == "a:1"
+    assert pool.refusal() is None and pool.pick().address == "a:1"
     leases[0].mark_full(9)  # a talker's own refusal: no room there until it publishes some
     assert pool.endpoints["b:1"].room == 0 and pool.endpoints["b:1"].retry_after_s == 9
 
@@ -89,6 +90,11 @@ async def test_no_talker_with_room_is_a_refusal_at_once_over_http_grpc_and_webso
             r = await c.post("/v1/audio/speech", json=body)
             assert r.status_code == 429, r.text
             assert r.headers["retry-after"] == "7" and "at capacity" in r.json()["error"]["message"]
+            # Known from the headers: refused before the body is read (a storm's bodies cost nothing).
+            r = await c.post(
+                "/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 429 and r.headers["retry-after"] == "7"
 
             async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
                 stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
