@@ -110,7 +110,8 @@ def simulate(
     replaced = 0
     now = 0.0
     adm = scheduler.admission
-    decoder = DecodeCost() if publish_decoder_cost else None
+    # Refitted after every call: code2wav refits at most every 50 ms of its clock to spare its loop.
+    decoder = DecodeCost(refit_s=0.0) if publish_decoder_cost else None
 
     def arrive(t: float, frames: int, positions: int) -> None:
         rid = f"r{len(listeners)}"
