@@ -7,6 +7,7 @@ This adapter is the only talker module that touches the code2wav protobufs; the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from qtts.request.errors import TTSError, Unavailable, from_grpc
 from qtts.serving.log_context import outgoing_metadata
 from qtts.streams.chunk_plan import ChunkPlan
 from qtts.streams.decode_events import Credit, DecodedAudio, Done
+
+log = logging.getLogger(__name__)
 
 # Status codes that mean the replica itself is gone or unreachable (not a verdict on the stream).
 # CANCELLED comes from the server side only when it stopped under us: our own cancel ends reading.
@@ -69,6 +72,7 @@ class DecoderCosts:
         self._clock = clock
         self._by_replica: dict[str, tuple[float, float]] = {}  # replica -> (frame_s, call load)
         self._sent_at = -float("inf")
+        self._logged: tuple[float, float, float] | None = None  # (at, frame_s, call load) last logged
 
     def observe(self, replica: str, frame_s: float, call_s: float, calls_per_s: float) -> None:
         if frame_s <= 0:
@@ -81,6 +85,15 @@ class DecoderCosts:
         frame = max(f for f, _ in self._by_replica.values())
         load = sum(c for _, c in self._by_replica.values())
         self._sink(frame, load, 1.0)
+        last = self._logged
+        if last is None or (now - last[0] >= 10.0 and abs(frame - last[1]) > 0.1 * last[1]):
+            self._logged = (now, frame, load)
+            log.info(
+                "code2wav's decode cost on this GPU: %.1f us a frame, per-call load %.1f%% (%d replicas)",
+                frame * 1e6,
+                load * 100,
+                len(self._by_replica),
+            )
 
 
 def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
