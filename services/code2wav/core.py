@@ -38,6 +38,7 @@ from qtts.serving.metrics import Code2WavMetrics
 from qtts.streams.chunk_plan import ChunkPlan
 from qtts.streams.decode_events import DecodedAudio
 from services.code2wav.credit import CreditPolicy
+from services.code2wav.decode_cost import DecodeCost
 from services.code2wav.registry import StreamRegistry
 from services.code2wav.stream import CodecShape, DecodeStream
 
@@ -107,6 +108,8 @@ class Code2WavCore:
         self.deadline_safety_s = deadline_safety_s
         self.clock = clock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-decode")
+        # What a decode call costs on this GPU, published on the credit grants (decode_cost.py).
+        self.cost = DecodeCost()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         # Streams that became ready during a coalescing wait (None while no wait is on).
@@ -282,6 +285,7 @@ class Code2WavCore:
                 continue
             self.metrics.decode_seconds.observe(elapsed_ns / 1e9)
             self.metrics.decode_batch_streams.observe(len(batch))
+            self.cost.observe(sum(len(c) for c in codes), elapsed_ns / 1e9, self.clock())
             if steps is not None:
                 self.metrics.decode_model_steps.observe(steps)
             for (stream, first, chunk_codes), (pcm, num_samples) in zip(batch, outputs, strict=True):

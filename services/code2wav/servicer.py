@@ -14,6 +14,7 @@ from qtts.pb import code2wav_pb2_grpc
 from qtts.request.errors import FailedPrecondition, InvalidArgument, TTSError
 from qtts.streams.decode_events import Credit, DecodedAudio, DecodeEvent, Done
 from services.code2wav.core import Code2WavCore
+from services.code2wav.decode_cost import DecodeCostEstimate
 from services.code2wav.stream import DecodeStream
 
 
@@ -27,17 +28,21 @@ def codes_from_bytes(data: bytes, num_frames: int, num_codebooks: int, what: str
     return np.frombuffer(data, dtype="<i2").reshape(num_frames, num_codebooks)
 
 
-def event_to_pb(stream_id: str, seq: int, event: DecodeEvent) -> pb.DecodeResponse:
+def event_to_pb(
+    stream_id: str, seq: int, event: DecodeEvent, cost: DecodeCostEstimate | None = None
+) -> pb.DecodeResponse:
+    """The message of `event`; a credit grant also carries the replica's decode `cost`."""
     if isinstance(event, Credit):
-        return pb.DecodeResponse(
-            stream_id=stream_id,
-            sequence_number=seq,
-            credit=pb.CreditGrant(
-                frames_allowed_until=event.frames_allowed_until,
-                first_chunk_frames=event.plan.first if event.plan else 0,
-                chunk_frames_ramp=event.plan.ramp if event.plan else (),
-            ),
+        grant = pb.CreditGrant(
+            frames_allowed_until=event.frames_allowed_until,
+            first_chunk_frames=event.plan.first if event.plan else 0,
+            chunk_frames_ramp=event.plan.ramp if event.plan else (),
         )
+        if cost is not None:
+            grant.decode_frame_ns = round(cost.frame_s * 1e9)
+            grant.decode_call_ns = round(cost.call_s * 1e9)
+            grant.decode_calls_per_s = cost.calls_per_s
+        return pb.DecodeResponse(stream_id=stream_id, sequence_number=seq, credit=grant)
     if isinstance(event, DecodedAudio):
         audio = pb.AudioOut(
             pcm_s16le=event.pcm_s16le,
@@ -104,9 +109,11 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
         reader = asyncio.create_task(self._read(requests, stream, cancelled))
         seq = 0
         try:
+            cost = getattr(self.engine, "cost", None)
             async for event in stream.events():
                 seq += 1
-                yield event_to_pb(stream.stream_id, seq, event)
+                estimate = cost.estimate() if cost is not None and isinstance(event, Credit) else None
+                yield event_to_pb(stream.stream_id, seq, event, estimate)
             self.engine.release(stream)
             # The client may still send an ack it wrote before it saw StreamDone; closing now would
             # fail that write on its side. Wait (bounded) for it to half-close its request stream.

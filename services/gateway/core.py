@@ -199,13 +199,16 @@ class GatewayCore:
         return build_job(fields, self.catalog(), self.limits, self._unsupported_instructions, current_owner())
 
     def early_refusal(self) -> ResourceExhausted | None:
-        """The refusal `open()` would give the current client at the stream limit, known from the
-        request's headers alone, so a front end can answer it before reading (and parsing) the body.
-        A peek: it takes no slot, and `open()` still admits (a slot taken in between is refused
-        there). None while draining: `open()` gives that refusal, after the usual checks."""
+        """The refusal `open()` would give the current client at the stream limit or while no
+        talker has room, known from the request's headers alone, so a front end can answer it
+        before reading (and parsing) the body. A peek: it takes no slot, and `open()` still admits
+        (a slot taken in between is refused there). None while draining: `open()` gives that
+        refusal, after the usual checks."""
         if self._refusal is not None:
             return None
-        return self.admission.refusal(current_client())
+        # Then the talkers' published room (services/gateway/talker_pool.py): none has any.
+        talkers = getattr(self.talker, "refusal", None)
+        return self.admission.refusal(current_client()) or (talkers() if talkers is not None else None)
 
     async def open(
         self, job: SynthesisJob, protocol: str, text: AsyncIterator[tuple[str, bool]] | None = None

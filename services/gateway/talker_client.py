@@ -10,7 +10,7 @@ import numpy as np
 
 from qtts.lru import BoundedLru
 from qtts.pb import talker_pb2, talker_pb2_grpc
-from qtts.request.errors import FailedPrecondition, NotFound, Unavailable, from_grpc
+from qtts.request.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable, from_grpc
 from qtts.request.sampling_pb import overrides_to_pb
 from qtts.request.tts_enums import FINISH_FROM_PB, TASK_TO_PB
 from qtts.request.vocabulary import (
@@ -180,6 +180,11 @@ class TalkerClient:
     def channel(self) -> grpc.aio.Channel:
         return self._channel
 
+    def refusal(self) -> ResourceExhausted | None:
+        """The refusal a new stream would get now from the talkers' published room, without a
+        call (None: some talker has room, or there is no pool to know it)."""
+        return self.pool.refusal() if self.pool is not None else None
+
     async def model_info(self, timeout: float = 5.0) -> ModelCatalog:
         try:
             info = await self._stub.GetModelInfo(talker_pb2.GetModelInfoRequest(), timeout=timeout)
@@ -271,6 +276,8 @@ class TalkerClient:
             if lease is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 lease.mark_unavailable()
             error = from_grpc(exc.code(), exc.details(), exc.trailing_metadata())
+            if lease is not None and isinstance(error, ResourceExhausted):
+                lease.mark_full(error.retry_after_s)  # refused at capacity: no room until it says
             if isinstance(error, NotFound) and error.message.startswith(UNKNOWN_VOICE):
                 error.param = "voice"  # the talker found no stored voice of that name
             raise error from None

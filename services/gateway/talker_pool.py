@@ -8,6 +8,13 @@ has in flight there (round robin among equals). A stream stays on the channel it
 it ends: an address that leaves the resolution only stops getting new streams, and its channel is
 closed once its last stream is done. An address that comes back before that is used again.
 
+Each talker publishes its room for new requests (`talker.v1.TalkerService/GetCapacity`, from its
+capacity model of the GPU): the pool polls it every `capacity_refresh_s` and counts the streams
+it starts in between, so that while no ready talker has room a new stream is refused at once
+(`ResourceExhausted` with the talkers' `Retry-After`: 429 over HTTP, RESOURCE_EXHAUSTED over gRPC,
+the error event over WebSocket), without calling a talker and waiting for its no. A talker that
+does not answer the poll (an older one, or one too busy) is treated as having room, as before.
+
 The resolver is pluggable (`Resolver`): `DnsResolver` in production, a fake one in the tests.
 """
 
@@ -25,7 +32,8 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qtts.request.errors import Unavailable
+from qtts.pb import talker_pb2, talker_pb2_grpc
+from qtts.request.errors import ResourceExhausted, Unavailable
 from qtts.serving.grpc_server import RECONNECT_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -90,6 +98,25 @@ async def health_probe(channel: Any, timeout_s: float = 1.0) -> bool | None:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@dataclass(frozen=True)
+class Room:
+    """What a talker published of its room: requests it would accept, and the retry hint."""
+
+    accept: int
+    retry_after_s: int = 1
+
+
+async def capacity_probe(channel: Any, timeout_s: float = 0.5) -> Room | None:
+    """The talker's published room (GetCapacity); None when it did not say (unknown: has room)."""
+    try:
+        resp = await talker_pb2_grpc.TalkerServiceStub(channel).GetCapacity(
+            talker_pb2.GetCapacityRequest(), timeout=timeout_s
+        )
+    except grpc.aio.AioRpcError:
+        return None
+    return Room(resp.accept, max(1, resp.retry_after_s))
+
+
 def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
 
@@ -106,6 +133,13 @@ class Endpoint:
     active: int = 0
     # Probes in a row that got no answer in time: one alone keeps a ready talker ready.
     slow_probes: int = 0
+    # Requests it would still accept, from its last published room less the streams started here
+    # since (None: unknown, taken as room), and its retry hint.
+    room: int | None = None
+    retry_after_s: int = 1
+
+    def has_room(self) -> bool:
+        return self.room is None or self.room > 0
 
 
 class Lease:
@@ -127,6 +161,11 @@ class Lease:
     def mark_unavailable(self) -> None:
         """The talker failed the call as unreachable: no new streams until a probe says SERVING."""
         self.endpoint.ready = False
+
+    def mark_full(self, retry_after_s: int | None) -> None:
+        """The talker refused the call at capacity: no room there until it publishes some."""
+        self.endpoint.room = 0
+        self.endpoint.retry_after_s = max(1, retry_after_s or 1)
 
     def release(self) -> None:
         if not self._released:
@@ -152,10 +191,15 @@ class TalkerPool:
         refresh_s: float = 5.0,
         min_refresh_gap_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        capacity: Callable[[Any], Awaitable[Room | None]] | None = capacity_probe,
+        capacity_refresh_s: float = 0.1,
     ):
         self._resolver = resolver
         self._connect = connect
         self._probe = probe
+        self._capacity = capacity
+        self.capacity_refresh_s = capacity_refresh_s
+        self._capacity_task: asyncio.Task | None = None
         self.refresh_s = refresh_s
         self._min_gap_s = min_refresh_gap_s
         self._clock = clock
@@ -236,17 +280,36 @@ class TalkerPool:
     # ------------------------------------------------------------------ streams
 
     def pick(self) -> Lease | None:
-        """A lease on the usable talker with the fewest streams of ours, or None if there is none."""
+        """A lease on the usable talker with room and the fewest streams of ours, or None if none
+        is usable; raises `ResourceExhausted` when every usable talker published that it has no
+        room (the shortest retry hint among them)."""
         usable = self.usable()
         if not usable:
             return None
+        if (full := self.refusal()) is not None:
+            raise full
+        usable = [e for e in usable if e.has_room()]
         # Rotate the start so that equally loaded talkers take turns (round robin).
         start = self._turn % len(usable)
         self._turn += 1
         rotated = usable[start:] + usable[:start]
         endpoint = min(rotated, key=lambda e: e.active)
         endpoint.active += 1
+        if endpoint.room is not None:  # until the next poll, count what we start there
+            endpoint.room -= 1
         return Lease(self, endpoint)
+
+    def refusal(self) -> ResourceExhausted | None:
+        """The refusal a new stream gets now because every ready talker published that it has no
+        room (the shortest retry hint among them); None while one has room, or none is ready (an
+        outage, not a refusal). A peek: it takes no lease."""
+        usable = self.usable()
+        if not usable or any(e.has_room() for e in usable):
+            return None
+        retry = min(e.retry_after_s for e in usable)
+        return ResourceExhausted(
+            f"every talker is at capacity ({len(usable)} ready, none has room); retry later", retry
+        )
 
     async def wait_usable(self, retry_s: float = 0.2) -> None:
         """Return once a talker is usable (refreshing until then): a gateway reports SERVING only
@@ -286,9 +349,32 @@ class TalkerPool:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Refresh now and then every `refresh_s` until `close()`."""
+        """Refresh now and then every `refresh_s`, and poll the talkers' room every
+        `capacity_refresh_s`, until `close()`."""
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._loop())
+        if self._capacity_task is None and self._capacity is not None:
+            self._capacity_task = asyncio.create_task(self._capacity_loop())
+
+    async def poll_capacity(self) -> None:
+        """Ask every usable talker for its room once (concurrently)."""
+        if self._capacity is None:
+            return
+        current = self.usable()
+        results = await asyncio.gather(*(self._capacity(e.channel) for e in current), return_exceptions=True)
+        for endpoint, room in zip(current, results, strict=True):
+            if isinstance(room, Room):
+                endpoint.room, endpoint.retry_after_s = room.accept, room.retry_after_s
+            else:  # no answer: unknown, taken as room (the talker still refuses if it has none)
+                endpoint.room = None
+
+    async def _capacity_loop(self) -> None:
+        while True:
+            try:
+                await self.poll_capacity()
+            except Exception:  # noqa: BLE001 - keep polling whatever one round did
+                log.exception("talker capacity poll failed")
+            await asyncio.sleep(self.capacity_refresh_s)
 
     async def _loop(self) -> None:
         while True:
@@ -299,11 +385,12 @@ class TalkerPool:
             await asyncio.sleep(self.refresh_s)
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-            self._loop_task = None
+        for task in (self._loop_task, self._capacity_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._loop_task = self._capacity_task = None
         for endpoint in list(self._endpoints.values()):
             close = getattr(endpoint.channel, "close", None)
             if close is not None:

@@ -83,6 +83,19 @@ def code2wav_specs(cfg: StackConfig, model: str) -> list[ServiceSpec]:
     return specs
 
 
+def decoder_shares_gpu(cfg: StackConfig) -> bool:
+    """Whether a code2wav replica runs on the talker's GPU (so the talker's admission counts the
+    decode cost code2wav measures there): on CUDA, with no code2wav devices or one of them the
+    talker's."""
+
+    def gpu(device: str) -> str:
+        return device if ":" in device else f"{device}:0"
+
+    if not cfg.device.startswith("cuda"):
+        return False
+    return not cfg.code2wav_devices or gpu(cfg.device) in {gpu(d) for d in cfg.code2wav_devices}
+
+
 def talker_spec(
     cfg: StackConfig,
     model: str,
@@ -97,6 +110,7 @@ def talker_spec(
         ",".join(cfg.address(p) for p in cfg.code2wav_ports),
         "--speaker-cache",
         cfg.address(cfg.speaker_cache_port),
+        *(["--decoder-shares-gpu"] if decoder_shares_gpu(cfg) else []),
     )
     return _stage_spec(
         cfg,

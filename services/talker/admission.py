@@ -17,10 +17,19 @@ Two predictions decide it, both from what the engine measured on this GPU:
   admission on it refused most requests).
 
 When the decoder (code2wav) runs on the same GPU, each running stream also costs the GPU its
-decode, `decoder_frame_s` per stream and frame (`--decoder-frame-us`, measured by
-`benchmarks/code2wav_decode.py` on that GPU): the steady load counts it beside the frame steps and
-the prefills, so admission stops at the two engines' combined limit, not at the talker's alone (at
-1,024 streams the decoder takes about a third of an H200).
+decode: `decoder_frame_s` per stream and frame, and the decoder's per-call cost at the rate it
+calls (`decoder_call_load`, a busy fraction). code2wav measures both on its GPU and publishes them
+on its credit grants; with `decoder_shares_gpu` the published figures replace the
+`--decoder-frame-us` prior as they arrive (`observe_decoder`), without it they are ignored (the
+decoder runs on other GPUs) and the flag alone counts. The steady load counts the decode beside
+the frame steps and the prefills, so admission stops at the two engines' combined limit, not at
+the talker's alone (at 1,024 streams the decoder takes about a third of an H200).
+
+Prompts admitted and not yet prefilled are GPU work already promised: admission holds while they
+fill what the next step may prefill (`prefill_room`), so a burst is admitted as fast as the
+engine prefills it, and a request waits for its start in the queue (where its predicted wait is
+checked against its first-audio budget) rather than admitted and then kept from its prefill for
+seconds.
 
 Streams whose listener is short of audio (`behind`) mean the pipeline after the talker is not
 keeping up: admission holds while more than `max_behind_fraction` of the mature streams are behind
@@ -59,8 +68,10 @@ class AdmissionConfig:
     prefill_request_s: float = 0.01
     default_stream_s: float = 10.0
     ewma_alpha: float = 0.1
-    # GPU time the decoder spends per stream and frame when it shares this GPU (0: it runs elsewhere).
+    # GPU time the decoder spends per stream and frame when it shares this GPU (0: it runs elsewhere):
+    # a prior that code2wav's published measurements replace when `decoder_shares_gpu`.
     decoder_frame_s: float = 0.0
+    decoder_shares_gpu: bool = False
 
     def __post_init__(self) -> None:
         if self.max_duty < 0 or self.max_load < 0 or self.first_audio_budget_s < 0 or self.safety_s < 0:
@@ -129,6 +140,24 @@ class Admission:
         self._last_admit_at: float | None = None
         self._drain_busy_s = 0.0  # time the recent admissions of a backlog took (decayed)
         self._drain_count = 0.0  # and their number (decayed alike)
+        # The decoder's cost on this GPU: the flag's prior until code2wav publishes its own.
+        self.decoder_frame_s = self.config.decoder_frame_s
+        self.decoder_call_load = 0.0  # busy fraction of the decoder's per-call cost
+        self.decoder_measured = False
+
+    def observe_decoder(self, frame_s: float, call_s: float = 0.0, calls_per_s: float = 0.0) -> bool:
+        """code2wav's published cost on its GPU: seconds per decoded frame, per decode call, and
+        its calls per second. Counted only when the decoder shares this GPU (returns whether it
+        was); a negative or non-finite figure is an error."""
+        for name, value in (("frame_s", frame_s), ("call_s", call_s), ("calls_per_s", calls_per_s)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"decoder {name} must be finite and >= 0, got {value!r}")
+        if not self.config.decoder_shares_gpu:
+            return False
+        self.decoder_frame_s = frame_s
+        self.decoder_call_load = min(call_s * calls_per_s, 1.0)
+        self.decoder_measured = True
+        return True
 
     def load(self, num_streams: int, mean_stream_s: float | None = None) -> float:
         """Predicted busy fraction of the GPU with `num_streams` running in steady state: their
@@ -139,16 +168,34 @@ class Admission:
         return (
             self.model.predict(n) / self.frame_s
             + n * self.model.prefill_request_s / length
-            + n * self.config.decoder_frame_s / self.frame_s
+            + n * self.decoder_frame_s / self.frame_s
+            + (self.decoder_call_load if n else 0.0)
         )
 
-    def allows(self, num_running: int, behind: int, mature: int, mean_stream_s: float | None = None) -> bool:
-        """May one more stream start now, beside `num_running` of which `behind` of the `mature`
-        ones (with audio) are short of it? `mean_stream_s`: the running streams' mean length."""
+    def allows(
+        self,
+        num_running: int,
+        behind: int,
+        mature: int,
+        mean_stream_s: float | None = None,
+        prefill_pending: int = 0,
+        prefill_room: float = math.inf,
+        positions: int = 0,
+    ) -> bool:
+        """May one more stream (of `positions` prompt positions) start now, beside `num_running`
+        of which `behind` of the `mature` ones (with audio) are short of it? `mean_stream_s`: the
+        running streams' mean length; `prefill_pending`: prompt positions admitted and not yet
+        prefilled, `prefill_room`: the positions the next step may prefill."""
         if num_running == 0:
             self.reason = ""
             return True
         cfg = self.config
+        if prefill_pending > 0 and prefill_pending + positions > prefill_room:
+            self.reason = (
+                f"{prefill_pending} prompt positions wait for their prefill, and the next step "
+                f"prefills at most {prefill_room:.0f}"
+            )
+            return False
         if cfg.max_load > 0:
             load = self.load(num_running + 1, mean_stream_s)
             if load > cfg.max_load:
@@ -180,9 +227,10 @@ class Admission:
             caps.append(int((cfg.max_duty * self.frame_s - m.base_s) / m.per_stream_s))
         if cfg.max_load > 0:
             length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else cfg.default_stream_s
-            per_stream = (m.per_stream_s + cfg.decoder_frame_s) / self.frame_s + m.prefill_request_s / length
+            per_stream = (m.per_stream_s + self.decoder_frame_s) / self.frame_s + m.prefill_request_s / length
             if per_stream > 0:
-                caps.append(int((cfg.max_load - m.base_s / self.frame_s) / per_stream))
+                fixed = m.base_s / self.frame_s + self.decoder_call_load
+                caps.append(int((cfg.max_load - fixed) / per_stream))
         return max(1, min(caps)) if caps else None
 
     def observe_admit(self, now: float, submitted_at: float | None = None) -> None:

@@ -7,7 +7,9 @@ This adapter is the only talker module that touches the code2wav protobufs; the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -18,6 +20,8 @@ from qtts.request.errors import TTSError, Unavailable, from_grpc
 from qtts.serving.log_context import outgoing_metadata
 from qtts.streams.chunk_plan import ChunkPlan
 from qtts.streams.decode_events import Credit, DecodedAudio, Done
+
+log = logging.getLogger(__name__)
 
 # Status codes that mean the replica itself is gone or unreachable (not a verdict on the stream).
 # CANCELLED comes from the server side only when it stopped under us: our own cancel ends reading.
@@ -43,6 +47,54 @@ class DecodeClosed:
 
 DecodeCallEvent = Credit | DecodedAudio | Done | DecodeFailed | DecodeClosed
 
+# Where a replica's published decode cost goes: (replica, seconds per frame, seconds per call,
+# calls per second).
+CostSink = Callable[[str, float, float, float], None]
+
+
+class DecoderCosts:
+    """The decode cost every code2wav replica publishes on its grants, passed on to the engine's
+    admission (`sink(frame_s, call_s, calls_per_s)`) when the decoder shares the talker's GPU.
+
+    Replicas on one GPU add up: the slowest per-frame figure counts for every stream (a stream's
+    replica is not known to admission), and each replica's per-call cost at its call rate adds a
+    fixed share, passed as `call_s` with one call a second. The engine hears of it at most every
+    `min_interval_s` (grants come by the thousand a second; the figures move slowly)."""
+
+    def __init__(
+        self,
+        sink: Callable[[float, float, float], None],
+        min_interval_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._sink = sink
+        self._min_interval_s = min_interval_s
+        self._clock = clock
+        self._by_replica: dict[str, tuple[float, float]] = {}  # replica -> (frame_s, call load)
+        self._sent_at = -float("inf")
+        self._logged: tuple[float, float, float] | None = None  # (at, frame_s, call load) last logged
+
+    def observe(self, replica: str, frame_s: float, call_s: float, calls_per_s: float) -> None:
+        if frame_s <= 0:
+            return  # not measured yet
+        self._by_replica[replica] = (frame_s, call_s * calls_per_s)
+        now = self._clock()
+        if now - self._sent_at < self._min_interval_s:
+            return
+        self._sent_at = now
+        frame = max(f for f, _ in self._by_replica.values())
+        load = sum(c for _, c in self._by_replica.values())
+        self._sink(frame, load, 1.0)
+        last = self._logged
+        if last is None or (now - last[0] >= 10.0 and abs(frame - last[1]) > 0.1 * last[1]):
+            self._logged = (now, frame, load)
+            log.info(
+                "code2wav's decode cost on this GPU: %.1f us a frame, per-call load %.1f%% (%d replicas)",
+                frame * 1e6,
+                load * 100,
+                len(self._by_replica),
+            )
+
 
 def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
     code = exc.code()
@@ -59,8 +111,11 @@ def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
 class DecodeCall:
     """A `Decode` bidi call on one replica; writes must come from one task at a time."""
 
-    def __init__(self, stub: code2wav_pb2_grpc.Code2WavServiceStub, replica: str):
+    def __init__(
+        self, stub: code2wav_pb2_grpc.Code2WavServiceStub, replica: str, on_cost: CostSink | None = None
+    ):
         self.replica = replica
+        self._on_cost = on_cost  # gets the decode cost the replica publishes on its grants
         # The request id bound for the talker's call (qtts.serving.log_context) reaches code2wav's logs.
         self._call = stub.Decode(metadata=outgoing_metadata())
         self._finished = False
@@ -126,6 +181,13 @@ class DecodeCall:
                         if c.first_chunk_frames
                         else None
                     )
+                    if self._on_cost is not None and c.decode_frame_ns:
+                        self._on_cost(
+                            self.replica,
+                            c.decode_frame_ns / 1e9,
+                            c.decode_call_ns / 1e9,
+                            c.decode_calls_per_s,
+                        )
                     yield Credit(c.frames_allowed_until, plan)
                 elif kind == "audio":
                     a = msg.audio

@@ -133,9 +133,18 @@ class TalkerConfig:
     )
     decoder_frame_us: float = setting(
         0.0,
-        "GPU time code2wav's decoder spends per stream and frame when it shares this talker's GPU "
-        "(benchmarks/code2wav_decode.py measures it; 0 = the decoder runs on other GPUs): admission "
-        "counts it beside the talker's own load",
+        "GPU time code2wav's decoder spends per stream and frame on this talker's GPU "
+        "(benchmarks/code2wav_decode.py measures it): admission counts it beside the talker's own "
+        "load; with --decoder-shares-gpu a prior that code2wav's measured cost replaces, without "
+        "it a fixed figure (0 = the decoder costs this GPU nothing)",
+    )
+    # Off by default: in a deployment code2wav runs in pods of its own, on other GPUs, and its
+    # cost there must not lower this talker's capacity; one-GPU stacks (the launcher, the
+    # benchmarks) turn it on.
+    decoder_shares_gpu: bool = setting(
+        False,
+        "code2wav runs on this talker's GPU: admission counts the decode cost code2wav measures "
+        "and publishes on its credit grants (--decoder-frame-us until it has)",
     )
     first_audio_budget_ms: float = setting(
         3000.0, "longest a request waits to start before it is refused with a retry hint (0 = no budget)"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -14,26 +13,20 @@ from typing import Any
 import numpy as np
 
 from qtts.request import request_limits as lim
-from qtts.request.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
+from qtts.request.errors import Cancelled, InvalidArgument, TTSError
 from qtts.request.sampling_overrides import sampling_fields
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary, Task
 from qtts.serving.metrics import TalkerMetrics
 
 from .generation_loop import GenerationLoop
+from .prompt_queue import PromptQueue, reference_rows
 from .replicas import Code2WavReplicas
 from .request import GenerationRequest, SamplingOverrides
 from .stream import StreamSession
 from .validation import check_request
 from .voices import VoiceResolver
 
-
-def reference_rows(prompt: Any) -> np.ndarray | None:
-    """A prompt's ICL reference frames as int16 host rows for code2wav (None without)."""
-    rows = getattr(prompt, "ref_codes_host", False)
-    if rows is not False:  # built in the engine process (engine_process.RemotePrompt)
-        return rows
-    ref = getattr(prompt, "ref_codes", None)
-    return None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
+__all__ = ["TalkerCore", "merge_sampling", "reference_rows"]  # reference_rows: engine_process's
 
 
 def merge_sampling(defaults: Any, overrides: SamplingOverrides) -> Any:
@@ -68,11 +61,8 @@ class TalkerCore:
         first_audio_budget_s: float = 0.0,
     ):
         self.bundle = bundle
-        # The prompt queue is the first queue a request waits in: the first-audio budget holds
-        # there too, so a saturated prompt thread refuses at once instead of hiding a long wait.
-        self._budget_s = first_audio_budget_s
-        self._prompts_waiting = 0
-        self._build_s = 0.0  # moving average of one prompt's build time
+        # The first queue a request waits in, under the first-audio budget.
+        self.prompts = PromptQueue(bundle, metrics, first_audio_budget_s)
         self.info = bundle.info
         self._engine = engine
         self._replicas = replicas
@@ -81,11 +71,6 @@ class TalkerCore:
         self._window = credit_window_frames
         self._stall_timeout_s = stall_timeout_s
         self._spec_factory = spec_factory
-        # One thread builds every prompt, in arrival order. A pool of them (asyncio.to_thread's)
-        # ran a burst's prompts side by side: dozens of threads taking the GIL back after each
-        # of their many small torch calls, and the engine thread waiting behind them for its own.
-        self._prompt_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="talker-prompt")
-        self._prompt_stream: Any = None  # None: not looked at yet; False: no GPU
 
     async def generate(
         self, req: GenerationRequest, text: AsyncIterator[tuple[str, bool]] | None = None
@@ -141,18 +126,12 @@ class TalkerCore:
         """The prompt built in this process's prompt thread, after the at-once refusals (a full
         prompt queue, then the engine's admission counting the prompts ahead)."""
         self._refuse_at_once(in_engine=False)
-        self._prompts_waiting += 1
+        self.prompts.waiting += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._prompt_thread,
-                self._build_prompt_and_ref_codes,
-                req,
-                checked,
-                voice_prompt,
-                queued_at,
-            )
+            make = lambda: self._build_prompt(req, checked, voice_prompt)  # noqa: E731
+            return await self.prompts.run(self.prompts.build, make, queued_at)
         finally:
-            self._prompts_waiting -= 1
+            self.prompts.waiting -= 1
 
     def _new_session(
         self, req: GenerationRequest, prompt: Any, sampling: Any, ref_codes: Any, started_at: float
@@ -180,11 +159,11 @@ class TalkerCore:
     ) -> tuple[Any, np.ndarray | None]:
         """The prompt built in the engine process (engine_process.RemoteBundle), many in flight:
         its prompt queue and budget are there; this side counts them for the at-once refusal."""
-        self._check_prompt_queue()
-        self._prompts_waiting += 1
+        self.prompts.check()
+        self.prompts.waiting += 1
         try:
             future = self.bundle.build_prompt_async(
-                self._spec(req, checked, voice_prompt), queued_at, self._budget_s
+                self._spec(req, checked, voice_prompt), queued_at, self.prompts.budget_s
             )
             prompt = await asyncio.wrap_future(future)
         except asyncio.CancelledError:  # the caller went away: the engine process frees the prompt
@@ -193,13 +172,9 @@ class TalkerCore:
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
         finally:
-            self._prompts_waiting -= 1
-        self._build_s = prompt.build_s  # the engine process keeps the average
+            self.prompts.waiting -= 1
+        self.prompts.build_s = prompt.build_s  # the engine process keeps the average
         return prompt, prompt.ref_codes_host
-
-    def _observe_build(self, built_s: float) -> None:
-        """Keep the moving average of one prompt's build the at-once refusal predicts with."""
-        self._build_s = built_s if self._build_s == 0 else self._build_s + 0.1 * (built_s - self._build_s)
 
     async def _open_prompt(
         self, open_text: Any, first: str, text: AsyncIterator[tuple[str, bool]]
@@ -225,7 +200,7 @@ class TalkerCore:
         remote = getattr(self.bundle, "open_text", None)
         if remote is not None:  # the engine process holds the text (engine_process.RemoteBundle)
             return remote(spec)
-        stream = self._cuda_prompt_stream()
+        stream = self.prompts.cuda_stream()
         return OpenText(
             self.bundle.prompt_builder,
             spec,
@@ -240,32 +215,7 @@ class TalkerCore:
         queued before it); the prompt and its reference frames once it is built, else None."""
         if len(open_text.text) + len(piece) > lim.TEXT_MAX_CHARS:
             raise InvalidArgument(f"the text is longer than {lim.TEXT_MAX_CHARS} characters", param="text")
-        return await asyncio.get_running_loop().run_in_executor(
-            self._prompt_thread, self._push_text_sync, open_text, piece, final
-        )
-
-    def _push_text_sync(
-        self, open_text: Any, piece: str, final: bool
-    ) -> tuple[Any, np.ndarray | None] | None:
-        started = time.perf_counter()
-        stream = self._cuda_prompt_stream()
-        try:
-            if stream is None:
-                prompt = open_text.push(piece, final)
-            else:
-                import torch
-
-                with torch.cuda.stream(stream):
-                    prompt = open_text.push(piece, final)
-                stream.synchronize()
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
-        if prompt is None:
-            return None
-        built_s = time.perf_counter() - started
-        self._metrics.observe_stage("build_prompt", built_s)
-        self._observe_build(built_s)
-        return prompt, reference_rows(prompt)
+        return await self.prompts.run(self.prompts.push, open_text, piece, final)
 
     async def _feed_text(
         self, open_text: Any, text: AsyncIterator[tuple[str, bool]], session: StreamSession
@@ -287,66 +237,21 @@ class TalkerCore:
         except Exception as exc:  # the caller's request stream broke
             session.fail(Cancelled(f"the text stream ended with an error: {type(exc).__name__}"))
 
-    def _build_prompt_and_ref_codes(
-        self, req: GenerationRequest, checked: Any, voice_prompt: Any, queued_at: float | None = None
-    ) -> tuple[Any, np.ndarray | None]:
-        """The prompt, and its ICL reference frames as int16 host rows for code2wav (or None).
-
-        On a GPU the prompt's kernels run on a CUDA stream of their own, and the thread waits for
-        that stream only: on the engine's stream every host copy of a prompt waited behind the
-        frame step queued before it."""
-        started = time.perf_counter()
-        if queued_at is not None:
-            self._metrics.observe_stage("prompt_queue", started - queued_at)
-            if self._budget_s > 0 and started - queued_at > self._budget_s:
-                raise ResourceExhausted(
-                    f"the talker is at capacity: the request waited {started - queued_at:.1f} s for its "
-                    f"prompt, past the {self._budget_s:g} s first-audio budget; retry later",
-                    max(1, round(self._prompts_waiting * self._build_s)),
-                )
-        stream = self._cuda_prompt_stream()
-        if stream is None:
-            prompt = self._build_prompt(req, checked, voice_prompt)
-        else:
-            import torch
-
-            with torch.cuda.stream(stream):
-                prompt = self._build_prompt(req, checked, voice_prompt)
-            stream.synchronize()  # the engine reads the embeddings from its own stream
-        built_s = time.perf_counter() - started
-        self._metrics.observe_stage("build_prompt", built_s)
-        self._observe_build(built_s)
-        return prompt, reference_rows(prompt)
+    async def headroom(self) -> Any:
+        """The engine's room for new requests (forecast.Headroom), counting the prompts this side
+        builds (an engine process counts the ones it builds itself)."""
+        remote = getattr(self._engine, "headroom_async", None)
+        if remote is not None:
+            return await asyncio.wrap_future(remote())
+        return self._engine.headroom(self.prompts.waiting)
 
     def _refuse_at_once(self, in_engine: bool) -> None:
         """The refusals a request gets before it queues for its prompt: a full prompt queue, then
         (prompts built in this process) the engine's admission counting the prompts ahead. With
         the engine in its own process, that process applies its admission when the build comes."""
-        self._check_prompt_queue()
+        self.prompts.check()
         if not in_engine:
-            self._engine.check_admission(self._prompts_waiting)
-
-    def _check_prompt_queue(self) -> None:
-        """Refuse at once a request whose prompt would start being built past the budget."""
-        wait = self._prompts_waiting * self._build_s
-        if self._budget_s > 0 and wait > self._budget_s:
-            raise ResourceExhausted(
-                f"the talker is at capacity: {self._prompts_waiting} prompts wait to be built, about "
-                f"{wait:.1f} s, over the {self._budget_s:g} s first-audio budget; retry later",
-                max(1, round(wait)),
-            )
-
-    def _cuda_prompt_stream(self) -> Any:
-        """The prompt thread's CUDA stream (made on first use), or None off the GPU."""
-        if self._prompt_stream is None:
-            device = getattr(self.bundle, "device", None)
-            if device is None or getattr(device, "type", str(device).split(":")[0]) != "cuda":
-                self._prompt_stream = False
-            else:
-                import torch
-
-                self._prompt_stream = torch.cuda.Stream(device=device)
-        return self._prompt_stream or None
+            self._engine.check_admission(self.prompts.waiting)
 
     def _spec(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
         if self._spec_factory is None:

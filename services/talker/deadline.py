@@ -41,15 +41,23 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from qtts.request.errors import ResourceExhausted, TTSError, Unavailable
+from qtts.request.errors import ResourceExhausted, TTSError
 
 from .admission import Admission, StepModel
+from .forecast import QueueForecast
+from .scheduled import FRAME_S, RunningStreams, ScheduledRequest, StreamCredit
 
-FRAME_S = 0.08  # one codec frame: 1920 samples at 24 kHz
+__all__ = [
+    "FRAME_S",
+    "DeadlinePolicy",
+    "DeadlineScheduler",
+    "RunningStreams",
+    "ScheduledRequest",
+    "StepPlan",
+    "StreamCredit",
+]
 
 
 @dataclass(frozen=True)
@@ -111,111 +119,6 @@ class DeadlinePolicy:
 
 
 @dataclass
-class StreamCredit:
-    """Credit of one stream, in generated-frame indices.
-
-    `granted_until` is code2wav's latest `frames_allowed_until` (written by the asyncio side),
-    `generated` the frames produced so far (written by the engine thread).
-    """
-
-    window: int
-    granted_until: int = 0
-    generated: int = 0
-
-    def has_credit(self) -> bool:
-        return self.generated < self.granted_until + self.window
-
-    def grant(self, frames_allowed_until: int) -> bool:
-        """Record a grant; grants never move backwards. True when the credit grew."""
-        if frames_allowed_until > self.granted_until:
-            self.granted_until = frames_allowed_until
-            return True
-        return False
-
-
-@dataclass
-class ScheduledRequest:
-    """A request on its way through the generator; `sink` receives its engine events.
-
-    With `loop` set, `sink` runs on that event loop (the engine batches one step's events into one
-    `call_soon_threadsafe`); without it, `sink` is called on the engine thread and must be
-    thread-safe.
-
-    The playback clock (`first_audio_at`, `delivered_s`) is written by the asyncio side as audio
-    is handed on; the scheduler reads it (a float store is atomic under the GIL).
-    """
-
-    request_id: str
-    prompt: Any
-    sampling: Any
-    max_new_frames: int | None
-    credit: StreamCredit
-    sink: Callable[[Any], None]
-    submitted_at: float = 0.0
-    admitted_at: float = 0.0
-    stalled: bool = False
-    stepped: bool = False
-    loop: Any = None
-    first_audio_at: float | None = None
-    delivered_s: float = 0.0
-    # code2wav's chunk plan for this stream (a qtts.streams.chunk_plan.ChunkPlan, from its first grant):
-    # audio reaches the listener a whole chunk at a time.
-    chunk_plan: Any = None
-    # Frames generated and not yet handed to the event loop (engine thread only).
-    held_codes: list = field(default_factory=list)
-    # Text still arriving (qtts.model.text_feed.TextFeed; None: the whole text is in the prompt).
-    text: Any = None
-    # Skipped for lack of text in the last plan; and, once the text came back after the
-    # listener ran dry, the playback clock restarts at the next chunk handed on.
-    text_waiting: bool = False
-    clock_restart: bool = False
-
-    @property
-    def clock_running(self) -> bool:
-        """Whether the listener is playing: audio was handed on and the clock is not paused."""
-        return self.first_audio_at is not None and not self.clock_restart
-
-    def hand_on_now(self) -> bool:
-        """Whether the frames held so far go to the event loop now: at a chunk boundary, when the
-        credit stops the stream, or while the chunk plan is unknown (frame by frame)."""
-        plan = self.chunk_plan
-        generated = self.credit.generated
-        return plan is None or plan.end_at_or_below(generated) == generated or not self.credit.has_credit()
-
-    @property
-    def prefill_positions(self) -> int:
-        embeds = getattr(self.prompt, "embeds", None)
-        return int(embeds.shape[0]) if embeds is not None else 0
-
-    def lead_s(self, now: float, frame_s: float = FRAME_S) -> float:
-        """Audio generated ahead of the listener's playback; -inf before the first audio."""
-        if not self.clock_running:
-            return -math.inf
-        return self.credit.generated * frame_s - (now - self.first_audio_at)
-
-    def slack_s(self, now: float) -> float:
-        """Audio handed on ahead of the listener's playback (what it has buffered)."""
-        if not self.clock_running:
-            return math.inf
-        return self.delivered_s - (now - self.first_audio_at)
-
-    def frames_to_next_chunk(self) -> int:
-        """Frames still to generate before the stream's next chunk can be handed on."""
-        generated = self.credit.generated
-        if self.chunk_plan is None:
-            return 1
-        return max(1, self.chunk_plan.end_after(generated) - generated)
-
-    def time_left_s(self, now: float, step_s: float) -> float:
-        """Slack left once the frames of its next chunk are generated at `step_s` a frame: how
-        long a step may be delayed before this stream's listener runs dry."""
-        slack = self.slack_s(now)
-        if self.chunk_plan is None or math.isinf(slack):
-            return slack
-        return slack - self.frames_to_next_chunk() * step_s
-
-
-@dataclass
 class _SortedStreams:
     """The running streams sorted by one plan: what must step, what may ride along, and the
     bounds the urgent ones set."""
@@ -241,74 +144,14 @@ class _SortedStreams:
         self.frame_budget = min(self.frame_budget, max(req.slack_s(now), 0.0) / need)
 
 
-def _length_frames(req: ScheduledRequest) -> Any:
-    """A stream's expected length in frames (0 or None: unknown)."""
-    return (
-        req.max_new_frames
-        or getattr(req.prompt, "default_max_frames", None)
-        or getattr(req.prompt, "max_frames", None)
-    )
+@dataclass
+class _RunningView:
+    """The running streams as admission sees them (`DeadlineScheduler._running_view`)."""
 
-
-class RunningStreams(dict[str, ScheduledRequest]):
-    """The running streams by request id, with the sum and count of their known lengths (frames)
-    kept as streams come and go, so the mean length costs O(1) per plan and submit instead of a
-    scan of every stream. A stream's length is taken when it is added (its `max_new_frames` and
-    prompt do not change while it runs)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._frames: dict[str, Any] = {}  # the known lengths, by request id
-        self.length_frames: Any = 0  # their sum
-        self.num_lengths = 0  # their count
-
-    def __setitem__(self, rid: str, req: ScheduledRequest) -> None:
-        self._forget(rid)
-        super().__setitem__(rid, req)
-        frames = _length_frames(req)
-        if frames:
-            self._frames[rid] = frames
-            self.length_frames += frames
-            self.num_lengths += 1
-
-    def __delitem__(self, rid: str) -> None:
-        super().__delitem__(rid)
-        self._forget(rid)
-
-    def pop(self, rid: str, *default: Any) -> Any:
-        if rid not in self:
-            return super().pop(rid, *default)
-        self._forget(rid)
-        return super().pop(rid)
-
-    def popitem(self) -> tuple[str, ScheduledRequest]:
-        rid, req = super().popitem()
-        self._forget(rid)
-        return rid, req
-
-    def setdefault(self, rid: str, req: Any = None) -> Any:
-        if rid not in self:
-            self[rid] = req
-        return self[rid]
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for rid, req in dict(*args, **kwargs).items():
-            self[rid] = req
-
-    def __ior__(self, other: Any) -> RunningStreams:
-        self.update(other)
-        return self
-
-    def clear(self) -> None:
-        super().clear()
-        self._frames.clear()
-        self.length_frames, self.num_lengths = 0, 0
-
-    def _forget(self, rid: str) -> None:
-        frames = self._frames.pop(rid, None)
-        if frames is not None:
-            self.length_frames -= frames
-            self.num_lengths -= 1
+    behind: int = 0
+    mature: int = 0
+    prefill_pending: int = 0
+    tightest: float = math.inf
 
 
 @dataclass
@@ -353,6 +196,7 @@ class DeadlineScheduler:
         self.running = RunningStreams()
         self.admitting = True
         self._last_step_at = -math.inf
+        self.forecast = QueueForecast(self)
 
     @property
     def num_waiting(self) -> int:
@@ -386,76 +230,15 @@ class DeadlineScheduler:
 
     def refusal(self, now: float, ahead: int = 0) -> TTSError | None:
         """The error `submit` would refuse a request with now (None: it would queue), with `ahead`
-        more requests before it that are not submitted yet (prompts still being built): so a
-        request can be refused before its prompt is built, not after waiting behind the others."""
-        if not self.admitting:
-            return Unavailable("the talker is draining and admits no new requests")
-        queued = len(self.waiting) + ahead
-        if len(self.running) + queued >= self.max_batch + self.max_waiting:
-            return ResourceExhausted(
-                f"the talker is at capacity ({self.max_batch} streams generating, "
-                f"{self.max_waiting} waiting); retry later",
-                self._retry_after(now, ahead),
-            )
-        adm = self.admission
-        if adm is not None and adm.config.first_audio_budget_s > 0:
-            wait = self.predicted_wait_s(now, ahead)
-            if wait is not None and wait > adm.config.first_audio_budget_s:
-                return ResourceExhausted(
-                    f"the talker is at capacity: {queued} requests wait to start, about "
-                    f"{wait:.1f} s, over the {adm.config.first_audio_budget_s:g} s first-audio budget",
-                    self._retry_after(now, ahead),
-                )
-        return None
+        more requests not submitted yet before it (`QueueForecast.refusal`)."""
+        return self.forecast.refusal(now, ahead)
 
     def predicted_wait_s(self, now: float, ahead: int = 0) -> float | None:
-        """How long a request submitted now would wait to start (None: no estimate, or at once),
-        behind the waiting requests and `ahead` more not submitted yet.
-
-        The later of two predictions: the queue's drain rate, and, when the running
-        streams fill the capacity admission allows, the time until enough of them finish to let
-        every request ahead and this one in (from each stream's expected length, paced at most
-        `max_lead_s` ahead of its listener). At capacity the queue drains only as streams end, which
-        a rate measured while it still admitted freely overestimates."""
-        adm = self.admission
-        if adm is None:
-            return None
-        waits = []
-        queued = len(self.waiting) + ahead
-        if queued:
-            rate_wait = adm.predicted_wait_s(queued, now, self._waiting_since())
-            if rate_wait is not None:
-                waits.append(rate_wait)
-        cap = adm.capacity(self._mean_stream_s())
-        if cap is not None:
-            need = len(self.running) + queued + 1 - cap
-            if need > 0:
-                ends = sorted(self._finish_in_s(r, now) for r in self.running.values())
-                end = ends[need - 1] if need <= len(ends) else math.inf
-                if not math.isinf(end):  # streams of unknown length give no estimate
-                    waits.append(end)
-        return max(waits) if waits else None
-
-    def _length_s(self, req: ScheduledRequest) -> float | None:
-        """A stream's expected length in seconds of audio (None: unknown)."""
-        total = _length_frames(req)
-        return total * self.policy.frame_s if total else None
+        """How long a request submitted now would wait to start (`QueueForecast.predicted_wait_s`)."""
+        return self.forecast.predicted_wait_s(now, ahead)
 
     def _mean_stream_s(self) -> float | None:
-        """Mean expected length of the running streams and the next waiting one (None: unknown);
-        O(1): the running streams' sum and count are kept by `RunningStreams`."""
-        total, n = self.running.length_frames, self.running.num_lengths
-        if self.waiting and (frames := _length_frames(self.waiting[0])):
-            total, n = total + frames, n + 1
-        return total * self.policy.frame_s / n if n else None
-
-    def _finish_in_s(self, req: ScheduledRequest, now: float) -> float:
-        """When a running stream is expected to end generating, from now."""
-        length = self._length_s(req)
-        if length is None:
-            return math.inf
-        played = 0.0 if req.first_audio_at is None else now - req.first_audio_at
-        return max(0.0, length - played - self.policy.max_lead_s)
+        return self.forecast.mean_stream_s()
 
     def remove(self, request_id: str) -> tuple[ScheduledRequest | None, bool]:
         """Forget a request; returns it and whether it was running (so the generator holds it)."""
@@ -468,20 +251,12 @@ class DeadlineScheduler:
                 return w, False
         return None, False
 
-    def _retry_after(self, now: float, ahead: int = 0) -> int | None:
-        if self.admission is None:
-            return None
-        return self.admission.retry_after_s(len(self.waiting) + ahead, now, self._waiting_since())
-
-    def _waiting_since(self) -> float | None:
-        """When the oldest waiting request was submitted (None: none waits)."""
-        return self.waiting[0].submitted_at if self.waiting else None
-
     # -- planning -------------------------------------------------------------------------------
     def plan(self, now: float) -> StepPlan:
         """Admit, refuse the requests past their budget, and decide the next step."""
         plan = StepPlan()
-        self._refuse_expired(now, plan)
+        self.forecast.refuse_expired(now, plan)
+        self.forecast.refuse_late(now, plan)
         self._admit(now, plan)
         model = self.admission.model if self.admission is not None else None
         step_s = model.predict(len(self.running)) if model is not None else 0.0
@@ -630,54 +405,47 @@ class DeadlineScheduler:
         per = max(model.prefill_position_s, 1e-9)
         return int(min(pol.max_prefill_positions, max(pol.min_prefill_positions, spare / per)))
 
-    def _refuse_expired(self, now: float, plan: StepPlan) -> None:
-        adm = self.admission
-        if adm is None or adm.config.first_audio_budget_s <= 0:
-            return
-        budget = adm.config.first_audio_budget_s
-        while self.waiting and now - self.waiting[0].submitted_at > budget:
-            req = self.waiting.popleft()
-            waited = now - req.submitted_at
-            plan.refused.append(
-                (
-                    req,
-                    ResourceExhausted(
-                        f"the talker is at capacity: the request waited {waited:.1f} s to start, "
-                        f"past the {budget:g} s first-audio budget; retry later",
-                        self._retry_after(now),
-                    ),
-                )
-            )
-
     def _admit(self, now: float, plan: StepPlan) -> None:
         adm = self.admission
         limit = self.max_batch
         if adm is not None:  # a burst ramps up, so the measurements can react
             limit = min(limit, len(self.running) + adm.config.max_admit_per_step)
         if adm is None or not self.waiting:
-            behind, mature, mean_s = 0, 0, None
+            view, mean_s, room = _RunningView(), None, math.inf
         else:
-            behind, mature = self._behind(now)
+            view = self._running_view(now, adm.model.predict(len(self.running)))
             mean_s = self._mean_stream_s()
+            room = self._prefill_budget(view.tightest)
         while self.waiting and len(self.running) < limit:
             req = self.waiting[0]
-            if adm is not None and not adm.allows(len(self.running), behind, mature, mean_s):
+            positions = req.prefill_positions
+            if adm is not None and not adm.allows(
+                len(self.running), view.behind, view.mature, mean_s, view.prefill_pending, room, positions
+            ):
                 return
             self.waiting.popleft()
             req.admitted_at = now
             self.running[req.request_id] = req
             plan.admitted.append(req)
+            view.prefill_pending += positions
             if adm is not None:
                 adm.observe_admit(now, req.submitted_at)
 
-    def _behind(self, now: float) -> tuple[int, int]:
-        """(streams whose listener ran dry, streams with audio). A pass over the running streams,
-        once per plan and only while requests wait: it runs before the plan's own pass, whose
-        admitted streams must be in the running set, and a count kept from the previous plan
-        would admit on a step-old view of the listeners."""
-        behind = mature = 0
+    def _running_view(self, now: float, step_s: float) -> _RunningView:
+        """What admission weighs of the running streams: how many ran dry of the ones with audio,
+        the prompt positions admitted and not yet prefilled, and the tightest stream's time left
+        (which bounds the next step's prefill). A pass over the running streams, once per plan and
+        only while requests wait: it runs before the plan's own pass, whose admitted streams must
+        be in the running set, and a view kept from the previous plan would admit on a step-old
+        view of the listeners."""
+        view = _RunningView()
         for req in self.running.values():
+            if not req.stepped:
+                view.prefill_pending += req.prefill_positions
             if req.clock_running and not req.text_waiting:
-                mature += 1
-                behind += req.slack_s(now) < 0
-        return behind, mature
+                view.mature += 1
+                if req.slack_s(now) < 0:
+                    view.behind += 1
+                else:
+                    view.tightest = min(view.tightest, req.time_left_s(now, step_s))
+        return view

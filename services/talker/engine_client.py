@@ -128,6 +128,13 @@ class EngineClient:
     def stop_admitting(self) -> None:
         self._send_quietly(("stop_admitting",))
 
+    def headroom_async(self) -> concurrent.futures.Future:
+        """The engine's room for new requests (forecast.Headroom), its queued builds counted."""
+        return self.call_async("headroom")
+
+    def observe_decoder_cost(self, frame_s: float, call_s: float, calls_per_s: float) -> None:
+        self._send_quietly(("decoder_cost", frame_s, call_s, calls_per_s))
+
     def start_counts(self) -> tuple[int, int]:
         """As GenerationLoop.start_counts, from the requests this front submitted: the front
         keeps their playback clocks."""

@@ -187,6 +187,8 @@ class _EngineWorker:
             call_id, name, call_args = args
             if name == "metrics":  # answered at once, not behind the prompts
                 self._answer(call_id, self._metrics_snapshot)
+            elif name == "headroom":  # answered at once too: the gateways poll it
+                self._answer(call_id, self.loop.headroom, self.builds.queued)
             elif name == "build_prompt":
                 try:  # refused now rather than after the prompts ahead of it are built
                     self.loop.check_admission(self.builds.queued)
@@ -226,6 +228,8 @@ class _EngineWorker:
             (messages,) = args
             for message in messages:
                 self._apply(message[0], message[1:])
+        elif kind == "decoder_cost":
+            self.loop.observe_decoder_cost(*args)
         elif kind == "wake":
             self.loop.text_appended()
         elif kind == "stop_admitting":

@@ -65,7 +65,9 @@ class ReplicaLink:
         while True:
             replica = await self.replicas.pick_or_probe(self.request_id, exclude=frozenset(self._tried))
             self._tried.add(replica)
-            call = c2w.DecodeCall(self.replicas.stub(replica), replica)
+            call = c2w.DecodeCall(
+                self.replicas.stub(replica), replica, getattr(self.replicas, "on_decoder_cost", None)
+            )
             try:
                 await call.start(self.request_id, self._num_codebooks, self._ref_codes, *self._plan)
             except Unavailable as exc:

@@ -93,6 +93,8 @@ class Code2WavReplicas:
         self._on_availability = on_availability
         self._lost: set[str] = set()  # replicas whose lost connection was refused: dead, not slow
         self._watchers: list[asyncio.Task] = []
+        # Gets the decode cost each replica publishes on its grants (code2wav_client.DecoderCosts).
+        self.on_decoder_cost: Callable[[str, float, float, float], None] | None = None
 
     @property
     def healthy(self) -> frozenset[str]:

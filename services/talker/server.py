@@ -15,6 +15,7 @@ from qtts.serving.device_failure import DEVICE_FAILURE_EXIT_CODE, DeviceFailure
 from qtts.serving.grpc_server import GrpcServiceHost, service_full_name
 from qtts.serving.metrics import TalkerMetrics
 
+from .code2wav_client import DecoderCosts
 from .config import TalkerConfig
 from .core import TalkerCore
 from .engine_client import EngineClient, RemoteBundle, engine_process_on
@@ -116,6 +117,8 @@ class TalkerServer:
             tls=self.config.tls,
             on_availability=self._replicas_changed,
         )
+        if self.config.decoder_shares_gpu:  # code2wav's measured cost reaches admission
+            self.replicas.on_decoder_cost = DecoderCosts(self.engine.observe_decoder_cost).observe
         self.replicas.start()
         self._cache = SpeakerCacheClient(
             self.config.speaker_cache or None,

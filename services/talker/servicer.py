@@ -94,7 +94,8 @@ async def _appended_text(
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
-    """Generate streams a request's audio then its summary; GetModelInfo describes the model."""
+    """Generate streams a request's audio then its summary; GetModelInfo describes the model;
+    GetCapacity says how many more requests it would take now."""
 
     def __init__(self, core: TalkerCore | None = None, sample_rate_hz: int = 24000):
         # None until the model is loaded: the server registers the servicer before it starts.
@@ -154,4 +155,16 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
             sample_rate_hz=info.sample_rate,
             samples_per_frame=info.samples_per_frame,
             num_codebooks=info.num_codebooks,
+        )
+
+    async def GetCapacity(  # noqa: N802 - gRPC method name
+        self, request: talker_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext
+    ) -> talker_pb2.GetCapacityResponse:
+        room = await self._ready_core().headroom()
+        return talker_pb2.GetCapacityResponse(
+            start_now=room.start_now,
+            accept=room.accept,
+            retry_after_s=room.retry_after_s,
+            running=room.running,
+            waiting=room.waiting,
         )

@@ -174,8 +174,11 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
         die_after_frames: int | None = None,
         hold: bool = False,
         plan: tuple[int, tuple[int, ...]] | None = None,
+        cost: tuple[int, int, float] | None = None,
     ):
         self.name = name
+        # cost: (decode_frame_ns, decode_call_ns, decode_calls_per_s) published on every grant.
+        self.cost = cost
         # plan: (first chunk, ramp) announced in the first grant, as the real code2wav does.
         self.plan = plan
         # hold: grant only the first window, as a decoder that is stuck would.
@@ -204,6 +207,10 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
             plan = {}
             if first and self.plan is not None:
                 plan = {"first_chunk_frames": self.plan[0], "chunk_frames_ramp": list(self.plan[1])}
+            if self.cost is not None:
+                plan.update(
+                    zip(("decode_frame_ns", "decode_call_ns", "decode_calls_per_s"), self.cost, strict=True)
+                )
             return msg(credit=code2wav_pb2.CreditGrant(frames_allowed_until=log.max_allowed, **plan))
 
         try:

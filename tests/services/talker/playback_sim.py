@@ -7,8 +7,11 @@ unless one is given), `decode_s` after the chunk's last frame. Each listener sta
 when its first chunk arrives and measures underruns as the benchmark client does.
 
 With `decoder_frame_s` the decoder shares the GPU: each chunk's frames cost that much GPU time
-per frame after the step that finished them, before the next step can run, and the talker's own
-step measurement does not see it (as a talker on a GPU shared with code2wav measures its steps).
+per frame (and `decoder_call_s` once per step that decodes any) after the step that finished them,
+before the next step can run, and the talker's own step measurement does not see it (as a talker
+on a GPU shared with code2wav measures its steps). With `publish_decoder_cost`, code2wav's
+`DecodeCost` measures those decode calls and admission hears its estimate after each one, as the
+talker hears it on code2wav's credit grants.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from qtts.streams.chunk_plan import ChunkPlan, start_plan
+from services.code2wav.decode_cost import DecodeCost
 from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
 
 FRAME_S = 0.08
@@ -37,6 +41,7 @@ class Cost:
     prefill_step_s: float = 0.0
     # GPU time the decoder takes per frame of a chunk, on the GPU the engine steps on (0: elsewhere).
     decoder_frame_s: float = 0.0
+    decoder_call_s: float = 0.0
 
 
 @dataclass
@@ -82,6 +87,7 @@ def simulate(
     until_s: float = 60.0,
     plan: ChunkPlan | Callable[[int, int], ChunkPlan] | None = None,
     retry_refused_s: float | None = None,
+    publish_decoder_cost: bool = False,
 ) -> list[Listener]:
     """Run `arrivals` (time, frames, prompt positions) to completion or `until_s`.
 
@@ -104,6 +110,8 @@ def simulate(
     replaced = 0
     now = 0.0
     adm = scheduler.admission
+    # Refitted after every call: code2wav refits at most every 50 ms of its clock to spare its loop.
+    decoder = DecodeCost(refit_s=0.0) if publish_decoder_cost else None
 
     def arrive(t: float, frames: int, positions: int) -> None:
         rid = f"r{len(listeners)}"
@@ -184,7 +192,7 @@ def simulate(
                     seq += 1
                     decoded_frames += g - done
                     # The decoder's GPU work of the chunks so far this step runs before this one.
-                    gpu_s = decoded_frames * cost.decoder_frame_s
+                    gpu_s = cost.decoder_call_s + decoded_frames * cost.decoder_frame_s
                     heapq.heappush(
                         deliveries, (now + gpu_s + cost.decode_s, seq, req.request_id, g - done, g * FRAME_S)
                     )
@@ -195,7 +203,13 @@ def simulate(
                         replaced += 1
                         pending.append((now, lis.frames, lis.prompt_positions))
                         pending.sort()
-            now += decoded_frames * cost.decoder_frame_s  # the GPU decodes before the next step
+            if decoded_frames:  # the GPU decodes before the next step, in one call
+                call_s = cost.decoder_call_s + decoded_frames * cost.decoder_frame_s
+                now += call_s
+                if decoder is not None and adm is not None:
+                    decoder.observe(decoded_frames, call_s, now)
+                    est = decoder.estimate()
+                    adm.observe_decoder(est.frame_s, est.call_s, est.calls_per_s)
         else:
             nxt = [until_s]
             if pending:

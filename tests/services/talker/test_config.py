@@ -49,3 +49,19 @@ def test_engine_flags_reach_the_graph_engine_config(monkeypatch):
     cfg = config_from_args(["--max-prefill-tokens", "1024", "--sample-kernel", "torch"])
     assert (cfg.decode_kernels, cfg.max_prefill_tokens, cfg.sample_kernel) == ("torch", 1024, "torch")
     assert config_from_args([]).max_prefill_tokens == 2048
+
+
+def test_the_decoder_shares_the_gpu_only_when_told_and_the_launcher_tells_on_one_gpu():
+    import dataclasses
+
+    from services.launcher import StackConfig, talker_spec
+
+    assert not config_from_args([]).decoder_shares_gpu  # deployments decode on other GPUs
+    assert config_from_args(["--decoder-shares-gpu"]).decoder_shares_gpu
+
+    def told(device: str, code2wav_devices: tuple[str, ...] = ()) -> bool:
+        cfg = dataclasses.replace(StackConfig(), device=device, code2wav_devices=code2wav_devices)
+        return "--decoder-shares-gpu" in talker_spec(cfg, "m").args
+
+    assert told("cuda") and told("cuda:0", ("cuda",)) and told("cuda:1", ("cuda:0", "cuda:1"))
+    assert not told("cpu") and not told("cuda:0", ("cuda:1", "cuda:2"))

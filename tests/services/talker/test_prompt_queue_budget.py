@@ -31,27 +31,26 @@ def core(budget_s: float, bundle=None, engine=None, voices=None) -> TalkerCore:
 
 def test_a_request_whose_prompt_could_not_start_within_the_budget_is_refused_at_once():
     c = core(3.0)
-    c._build_s, c._prompts_waiting = 0.05, 50  # 2.5 s of prompts ahead: fits
-    c._check_prompt_queue()
-    c._prompts_waiting = 70  # 3.5 s
+    c.prompts.build_s, c.prompts.waiting = 0.05, 50  # 2.5 s of prompts ahead: fits
+    c.prompts.check()
+    c.prompts.waiting = 70  # 3.5 s
     with pytest.raises(ResourceExhausted, match="70 prompts wait") as err:
-        c._check_prompt_queue()
+        c.prompts.check()
     assert err.value.retry_after_s == 4
 
 
 def test_a_prompt_that_waited_past_the_budget_is_not_built():
     c = core(1.0)
     built = []
-    c._build_prompt = lambda *a: built.append(a)
     with pytest.raises(ResourceExhausted, match="waited .* for its prompt"):
-        c._build_prompt_and_ref_codes(None, None, None, queued_at=time.perf_counter() - 2.0)
+        c.prompts.build(lambda: built.append(1), queued_at=time.perf_counter() - 2.0)
     assert built == []
 
 
 def test_without_a_budget_nothing_is_refused():
     c = core(0.0)
-    c._build_s, c._prompts_waiting = 1.0, 10_000
-    c._check_prompt_queue()
+    c.prompts.build_s, c.prompts.waiting = 1.0, 10_000
+    c.prompts.check()
 
 
 class _CountingVoices:
@@ -96,7 +95,7 @@ async def _first(c: TalkerCore) -> None:
 @pytest.mark.parametrize("in_engine", [False, True])
 async def test_a_full_prompt_queue_refuses_before_the_voice_is_resolved(monkeypatch, in_engine):
     c, voices = _clone_core(monkeypatch, 3.0, _RefusingEngine(refuse=False), in_engine)
-    c._build_s, c._prompts_waiting = 0.05, 70  # 3.5 s of prompts ahead, over the 3 s budget
+    c.prompts.build_s, c.prompts.waiting = 0.05, 70  # 3.5 s of prompts ahead, over the 3 s budget
     with pytest.raises(ResourceExhausted, match="70 prompts wait"):
         await _first(c)
     assert voices.resolved == 0
@@ -105,7 +104,7 @@ async def test_a_full_prompt_queue_refuses_before_the_voice_is_resolved(monkeypa
 async def test_the_engines_admission_refuses_before_the_voice_is_resolved(monkeypatch):
     engine = _RefusingEngine(refuse=True)
     c, voices = _clone_core(monkeypatch, 3.0, engine, in_engine=False)
-    c._prompts_waiting = 3
+    c.prompts.waiting = 3
     with pytest.raises(ResourceExhausted, match="at capacity"):
         await _first(c)
     assert voices.resolved == 0 and engine.asked == [3]

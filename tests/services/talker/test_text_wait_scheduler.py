@@ -50,13 +50,13 @@ def test_a_listener_that_ran_dry_waiting_for_text_is_not_late_and_restarts_with_
     started(s, "a", first_audio_at=0.0, generated=10)  # 0.8 s of audio handed on at t=0
     assert s.plan(0.5).num_text_waiting == 1 and r.text_waiting
     # At t=3 the listener has been dry 2.2 s: not behind (admission) while it waits.
-    assert s._behind(3.0) == (0, 0)
+    assert behind(s, 3.0) == (0, 0)
     feed.append(torch.zeros(5, 4))
     plan = s.plan(3.0)
     assert r.clock_restart and not r.clock_running
     # Until its next chunk it is a stream without audio: urgent, infinite slack, no lead.
     assert plan.step and [x.request_id for x in plan.stepping] == ["a"]
-    assert r.slack_s(3.0) == math.inf and r.lead_s(3.0) == -math.inf and s._behind(3.0) == (0, 0)
+    assert r.slack_s(3.0) == math.inf and r.lead_s(3.0) == -math.inf and behind(s, 3.0) == (0, 0)
 
 
 def test_text_that_returns_before_the_listener_runs_dry_keeps_the_clock():
@@ -70,3 +70,9 @@ def test_text_that_returns_before_the_listener_runs_dry_keeps_the_clock():
     feed.append(torch.zeros(5, 4))
     s.plan(1.0)  # 0.6 s still buffered
     assert not r.clock_restart and r.slack_s(1.0) == 1.6 - 1.0
+
+
+def behind(s: DeadlineScheduler, now: float) -> tuple[int, int]:
+    """(streams short of audio, streams with audio) as admission sees them."""
+    view = s._running_view(now, 0.0)
+    return view.behind, view.mature

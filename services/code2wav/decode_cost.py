@@ -1,0 +1,94 @@
+"""What one decode call costs on this replica's GPU, measured from its own calls.
+
+A call of `frames` frames (every stream's chunk in one batch together) takes about
+`call_s + frame_s * frames`, and the replica makes `calls_per_s` of them. The servicer publishes
+them on every credit grant (`code2wav.v1.CreditGrant`): a talker on the same GPU counts them in
+its admission (services/talker/admission.py).
+
+The fit is of the calls' lower envelope, not their mean: a least-squares line over the recent
+calls, then again over the quarter of them furthest below it. On a GPU the talker shares, a call
+that ran beside a frame step took longer (the issue's open loop: 13.5 ms a call against about
+3 ms alone), and the talker's own step times already include that contention; counting the
+decoder's contended time too would count the overlap twice and halve the capacity admission
+allows. The calls made while the GPU was free (the talker steps about once a frame, in one wide
+batch, and leaves the GPU free in between) say what the decoder itself costs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DecodeCostEstimate:
+    """Seconds a decode call costs on top of its frames, seconds per frame, and calls a second."""
+
+    call_s: float
+    frame_s: float
+    calls_per_s: float
+
+
+def _fit(frames: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """(call_s, frame_s) of a least-squares line, both >= 0; calls of one size put the whole of
+    a call's time on its frames (a per-call part cannot be told apart)."""
+    mx, my = float(frames.mean()), float(seconds.mean())
+    var = float(((frames - mx) ** 2).mean())
+    if var > 1e-9 * mx * mx:
+        slope = float(((frames - mx) * (seconds - my)).mean()) / var
+        if slope > 0 and my - slope * mx >= 0:
+            return my - slope * mx, slope
+        if slope > 0:  # a negative intercept: a line through the origin
+            return 0.0, float((frames * seconds).sum() / (frames * frames).sum())
+    return 0.0, my / mx
+
+
+class DecodeCost:
+    """The lower-envelope fit of decode time against frames over the last `memory_calls` calls,
+    refitted at most every `refit_s` of the clock (the servicer asks on every grant)."""
+
+    LOWER_SHARE = 0.25  # the share of calls, furthest below the first fit, that the second one uses
+    MIN_LOWER = 8
+
+    def __init__(self, memory_calls: int = 200, max_gap_s: float = 1.0, refit_s: float = 0.05):
+        if memory_calls < 2 or max_gap_s <= 0 or refit_s < 0:
+            raise ValueError("memory_calls must be >= 2, max_gap_s > 0 and refit_s >= 0")
+        self._calls: deque[tuple[float, float]] = deque(maxlen=memory_calls)  # (frames, seconds)
+        self._gaps: deque[float] = deque(maxlen=memory_calls)  # between calls, each <= max_gap_s
+        self._max_gap_s = max_gap_s
+        self._refit_s = refit_s
+        self._last_at: float | None = None
+        self._fitted_at = -math.inf
+        self._estimate: DecodeCostEstimate | None = None
+
+    def observe(self, frames: int, seconds: float, now: float) -> None:
+        """One decode call of `frames` frames took `seconds`, ending at clock time `now`."""
+        if frames <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self._calls.append((float(frames), float(seconds)))
+        if self._last_at is not None:
+            self._gaps.append(min(max(now - self._last_at, 0.0), self._max_gap_s))
+        self._last_at = now
+        if now - self._fitted_at >= self._refit_s or self._estimate is None:
+            self._fitted_at = now
+            self._estimate = self._refit()
+
+    def estimate(self) -> DecodeCostEstimate | None:
+        """The cost as last fitted (None before the first call)."""
+        return self._estimate
+
+    def _refit(self) -> DecodeCostEstimate:
+        data = np.asarray(self._calls)
+        frames, seconds = data[:, 0], data[:, 1]
+        call_s, frame_s = _fit(frames, seconds)
+        lower = max(self.MIN_LOWER, int(len(data) * self.LOWER_SHARE))
+        if len(data) > lower:
+            residual = seconds - (call_s + frame_s * frames)
+            keep = np.argsort(residual, kind="stable")[:lower]
+            call_s, frame_s = _fit(frames[keep], seconds[keep])
+        gaps = sum(self._gaps)
+        rate = len(self._gaps) / gaps if gaps > 0 else 0.0
+        return DecodeCostEstimate(call_s, frame_s, rate)

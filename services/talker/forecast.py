@@ -1,0 +1,243 @@
+"""What the deadline scheduler's queue and running set predict: when a request submitted now
+would start, whether it is refused at once (and the `Retry-After` it is told), and the requests
+waiting past their first-audio budget.
+
+Pure bookkeeping over a `DeadlineScheduler`'s state (its waiting queue, running streams and
+admission); it changes nothing but the queue it refuses from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qtts.request.errors import ResourceExhausted, TTSError, Unavailable
+
+from .scheduled import ScheduledRequest, length_frames
+
+if TYPE_CHECKING:
+    from .deadline import DeadlineScheduler, StepPlan
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """A talker's room for new requests, published to the front ends (`QueueForecast.headroom`)."""
+
+    start_now: int  # requests that would start at once
+    accept: int  # requests that would be accepted (started, or queued within their budget)
+    retry_after_s: int  # for a request refused now (0 while some are accepted)
+    running: int
+    waiting: int  # requests waiting to start, the ones whose prompts are being built included
+
+
+class QueueForecast:
+    """The waits, refusals and retry hints of one scheduler's queue."""
+
+    def __init__(self, scheduler: DeadlineScheduler):
+        self._s = scheduler
+
+    def refusal(self, now: float, ahead: int = 0) -> TTSError | None:
+        """The error `submit` would refuse a request with now (None: it would queue), with `ahead`
+        more requests before it that are not submitted yet (prompts still being built): so a
+        request can be refused before its prompt is built, not after waiting behind the others."""
+        s = self._s
+        if not s.admitting:
+            return Unavailable("the talker is draining and admits no new requests")
+        queued = len(s.waiting) + ahead
+        if len(s.running) + queued >= s.max_batch + s.max_waiting:
+            return ResourceExhausted(
+                f"the talker is at capacity ({s.max_batch} streams generating, "
+                f"{s.max_waiting} waiting); retry later",
+                self.retry_after(now, ahead),
+            )
+        return self._late(now, ahead, self.predicted_wait_s(now, ahead))
+
+    def _late(self, now: float, ahead: int, wait: float | None) -> TTSError | None:
+        """The refusal of a request that would wait `wait` to start: past its first-audio budget."""
+        adm = self._s.admission
+        if adm is None or adm.config.first_audio_budget_s <= 0 or wait is None:
+            return None
+        budget = adm.config.first_audio_budget_s
+        if wait <= budget:
+            return None
+        queued = len(self._s.waiting) + ahead
+        return ResourceExhausted(
+            f"the talker is at capacity: {queued} requests wait to start, about "
+            f"{wait:.1f} s, over the {budget:g} s first-audio budget",
+            self.retry_after(now, ahead, wait),
+        )
+
+    def headroom(self, now: float, ahead: int = 0) -> Headroom:
+        """What this talker may take now, for the front ends that pick among talkers: the streams
+        that could start at once, the requests it would accept (start or queue within their
+        first-audio budget), and how long a refused one should wait before retrying."""
+        s = self._s
+        queued = len(s.waiting) + ahead
+        slots = s.max_batch + s.max_waiting - len(s.running) - queued
+        if not s.admitting or slots <= 0:
+            return Headroom(0, 0, self.retry_after(now, ahead) or 1, len(s.running), queued)
+        cap = s.max_batch
+        if s.admission is not None:
+            cap = min(cap, s.admission.capacity(self.mean_stream_s()) or cap)
+        start_now = max(0, min(cap - len(s.running) - queued, slots))
+        ends = self._ends(now)
+        # The most k for which a request with k more ahead is still accepted (refusal is monotone
+        # in the requests ahead): a binary search over the running streams' ends computed once.
+        lo, hi = 0, slots
+        if self._late(now, ahead, self.predicted_wait_s(now, ahead, ends)) is not None:
+            hi = 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._late(now, ahead + mid - 1, self.predicted_wait_s(now, ahead + mid - 1, ends)) is None:
+                lo = mid
+            else:
+                hi = mid - 1
+        accept = max(lo, start_now)
+        retry = 0 if accept else (self.retry_after(now, ahead) or 1)
+        return Headroom(start_now, accept, retry, len(s.running), queued)
+
+    def predicted_wait_s(self, now: float, ahead: int = 0, ends: list[float] | None = None) -> float | None:
+        """How long a request submitted now would wait to start (None: no estimate, or at once),
+        behind the waiting requests and `ahead` more not submitted yet.
+
+        The later of two predictions: the queue's drain rate, and, when the running
+        streams fill the capacity admission allows, the time until enough of them finish to let
+        every request ahead and this one in (from each stream's expected length, paced at most
+        `max_lead_s` ahead of its listener). At capacity the queue drains only as streams end, which
+        a rate measured while it still admitted freely overestimates. `ends`: `_ends(now)`, when
+        the caller already has them."""
+        return self.wait_at(now, len(self._s.waiting) + ahead, ends)
+
+    def wait_at(
+        self, now: float, position: int, ends: list[float] | None = None, stalled: bool = True
+    ) -> float | None:
+        """How long a request with `position` requests ahead of it waits to start from now (see
+        `predicted_wait_s`); `stalled` False: at the measured drain rate, however long since the
+        last admission."""
+        s = self._s
+        adm = s.admission
+        if adm is None:
+            return None
+        waits = []
+        queued = position
+        if queued:
+            rate_wait = adm.predicted_wait_s(queued, now, self.waiting_since() if stalled else None)
+            if rate_wait is not None:
+                waits.append(rate_wait)
+        cap = adm.capacity(self.mean_stream_s())
+        if cap is not None:
+            need = len(s.running) + queued + 1 - cap
+            if need > 0:
+                ends = self._ends(now) if ends is None else ends
+                if need <= len(ends):
+                    end = ends[need - 1]
+                else:  # more than every running stream must end: rounds of the streams after them
+                    mean_s = self.mean_stream_s() or adm.config.default_stream_s
+                    end = (ends[-1] if ends else 0.0) + mean_s * math.ceil((need - len(ends)) / max(cap, 1))
+                if not math.isinf(end):  # streams of unknown length give no estimate
+                    waits.append(end)
+        return max(waits) if waits else None
+
+    def mean_stream_s(self) -> float | None:
+        """Mean expected length of the running streams and the next waiting one (None: unknown);
+        O(1): the running streams' sum and count are kept by `RunningStreams`."""
+        s = self._s
+        total, n = s.running.length_frames, s.running.num_lengths
+        if s.waiting and (frames := length_frames(s.waiting[0])):
+            total, n = total + frames, n + 1
+        return total * s.policy.frame_s / n if n else None
+
+    def retry_after(self, now: float, ahead: int = 0, wait: float | None = None) -> int | None:
+        """Whole seconds a refused request should wait before retrying: the queue's measured drain
+        time, or `wait` (the predicted wait to start) when that is longer."""
+        adm = self._s.admission
+        if adm is None:
+            return None
+        drain = adm.retry_after_s(len(self._s.waiting) + ahead, now, self.waiting_since())
+        if wait is not None and math.isfinite(wait):
+            drain = max(drain, min(60, math.ceil(wait)))
+        return drain
+
+    def waiting_since(self) -> float | None:
+        """When the oldest waiting request was submitted (None: none waits)."""
+        waiting = self._s.waiting
+        return waiting[0].submitted_at if waiting else None
+
+    def refuse_expired(self, now: float, plan: StepPlan) -> None:
+        """Refuse (into `plan`) the waiting requests past their first-audio budget."""
+        s = self._s
+        adm = s.admission
+        if adm is None or adm.config.first_audio_budget_s <= 0:
+            return
+        budget = adm.config.first_audio_budget_s
+        while s.waiting and now - s.waiting[0].submitted_at > budget:
+            req = s.waiting.popleft()
+            waited = now - req.submitted_at
+            plan.refused.append(
+                (
+                    req,
+                    ResourceExhausted(
+                        f"the talker is at capacity: the request waited {waited:.1f} s to start, "
+                        f"past the {budget:g} s first-audio budget; retry later",
+                        self.retry_after(now),
+                    ),
+                )
+            )
+
+    def _ends(self, now: float) -> list[float]:
+        """When each running stream is expected to end, from now, soonest first."""
+        return sorted(self._finish_in_s(r, now) for r in self._s.running.values())
+
+    def refuse_late(self, now: float, plan: StepPlan) -> None:
+        """Refuse (into `plan`) the waiting requests, from the back of the queue, whose predicted
+        start has moved past their first-audio budget (the forecast learned more since
+        they queued: a slower step, a stalled queue), rather than after they waited it out."""
+        s = self._s
+        adm = s.admission
+        if adm is None or adm.config.first_audio_budget_s <= 0 or not s.waiting:
+            return
+        budget = adm.config.first_audio_budget_s
+        cap = adm.capacity(self.mean_stream_s())
+        ends = None  # the running streams' ends, sorted only when the queue reaches past capacity
+        while s.waiting:
+            position = len(s.waiting) - 1
+            req = s.waiting[position]
+            if ends is None and cap is not None and len(s.running) + position + 1 > cap:
+                ends = self._ends(now)
+            # The measured rate, not a stall: admissions come a step's worth at a time, and the
+            # pause between two steps is no stall; `refuse_expired` ends a real one.
+            wait = self.wait_at(now, position, ends, stalled=False)
+            start = now - req.submitted_at + (wait or 0.0)
+            if wait is None or start <= budget:
+                return
+            s.waiting.pop()
+            plan.refused.append(
+                (
+                    req,
+                    ResourceExhausted(
+                        f"the talker is at capacity: the request would start in about "
+                        f"{start:.1f} s, past the {budget:g} s first-audio budget; retry later",
+                        self.retry_after(now, 0, wait),
+                    ),
+                )
+            )
+
+    def _length_s(self, req: ScheduledRequest) -> float | None:
+        """A stream's expected length in seconds of audio (None: unknown)."""
+        total = length_frames(req)
+        return total * self._s.policy.frame_s if total else None
+
+    def _finish_in_s(self, req: ScheduledRequest, now: float) -> float:
+        """When a running stream is expected to end generating, from now: once the rest of its
+        audio is generated, as far ahead of its listener as it is now or as the scheduler keeps
+        it when streams wait (`urgent_lead_s`), whichever is more (`max_lead_s` at most)."""
+        length = self._length_s(req)
+        if length is None:
+            return math.inf
+        pol = self._s.policy
+        played = 0.0 if req.first_audio_at is None else now - req.first_audio_at
+        lead = pol.urgent_lead_s
+        if req.clock_running:
+            lead = min(max(lead, req.lead_s(now, pol.frame_s)), pol.max_lead_s)
+        return max(0.0, length - played - lead)

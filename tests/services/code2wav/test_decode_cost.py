@@ -1,0 +1,75 @@
+"""code2wav measures what its decode calls cost and publishes it on its credit grants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.code2wav.decode_cost import DecodeCost
+from tests.services.code2wav.test_code2wav import _codes, _start, code2wav, run_stream
+
+
+def test_the_fit_separates_the_per_call_cost_from_the_per_frame_cost():
+    cost = DecodeCost(refit_s=0.0)
+    assert cost.estimate() is None
+    t = 0.0
+    for frames in (4, 16, 64, 128, 8, 256) * 20:  # 2 ms a call + 30 us a frame, 10 calls a second
+        t += 0.1
+        cost.observe(frames, 0.002 + 0.00003 * frames, t)
+    est = cost.estimate()
+    assert est.call_s == pytest.approx(0.002, rel=1e-6)
+    assert est.frame_s == pytest.approx(0.00003, rel=1e-6)
+    assert est.calls_per_s == pytest.approx(10.0)
+
+
+def test_calls_of_one_size_put_the_whole_call_on_its_frames_and_idle_gaps_are_capped():
+    cost = DecodeCost(max_gap_s=1.0, refit_s=0.0)
+    for i in range(5):
+        cost.observe(16, 0.0032, 10.0 * i)  # 10 s apart: each gap counts 1 s
+    est = cost.estimate()
+    assert (est.call_s, est.frame_s) == (0.0, pytest.approx(0.0002))
+    assert est.calls_per_s == pytest.approx(1.0)
+    cost.observe(0, 1.0, 60.0)  # ignored: no frames
+    cost.observe(16, math.nan, 60.0)
+    assert cost.estimate() == est
+    with pytest.raises(ValueError):
+        DecodeCost(memory_calls=1)
+
+
+def test_calls_slowed_beside_the_talker_s_steps_do_not_count_as_the_decoder_s_cost():
+    """Three calls in four ran beside a frame step and took 4x as long: the fit follows the calls
+    made on a free GPU (2 ms a call, 30 us a frame), not the mean."""
+    cost = DecodeCost(refit_s=0.0)
+    t = 0.0
+    for i, frames in enumerate((4, 16, 64, 128, 8, 256, 32, 96) * 25):
+        t += 0.05
+        alone = 0.002 + 0.00003 * frames
+        cost.observe(frames, alone if i % 4 == 0 else 4 * alone, t)
+    est = cost.estimate()
+    assert est.call_s == pytest.approx(0.002, rel=0.01) and est.frame_s == pytest.approx(0.00003, rel=0.01)
+
+
+def test_the_fit_is_refreshed_at_most_every_refit_interval():
+    cost = DecodeCost(refit_s=1.0)
+    cost.observe(10, 0.001, 0.0)
+    first = cost.estimate()
+    cost.observe(10, 0.003, 0.5)  # within the interval: the estimate stays
+    assert cost.estimate() is first
+    cost.observe(10, 0.003, 1.2)
+    assert cost.estimate().frame_s > first.frame_s
+
+
+async def test_credit_grants_carry_the_replica_s_measured_decode_cost(fake_decoder, bidi_client):
+    async with code2wav(fake_decoder) as (server, stub):
+        await run_stream(bidi_client, stub, _codes(12))
+        est = server.engine.cost.estimate()
+        assert est is not None and est.frame_s > 0
+        client = bidi_client(stub.Decode)
+        client.send(_start())
+        msg = await client.read()
+        assert msg.WhichOneof("event") == "credit"
+        assert msg.credit.decode_frame_ns == round(est.frame_s * 1e9) > 0
+        assert msg.credit.decode_call_ns == round(est.call_s * 1e9)
+        assert msg.credit.decode_calls_per_s == pytest.approx(est.calls_per_s, rel=1e-6)
+        client.call.cancel()

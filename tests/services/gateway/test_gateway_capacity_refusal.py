@@ -1,0 +1,134 @@
+"""The gateway refuses at once, from the talkers' published room, without calling a talker:
+unit tests of the pool's placement, then a real gateway in front of a real gRPC talker whose
+GetCapacity says it has no room, over HTTP, gRPC and WebSocket alike."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import grpc
+import httpx
+import pytest
+from gateway_fakes import fake_decode, free_port, wav_bytes
+from test_gateway_server import FakeTalkerServicer, _start_talker
+from websockets.asyncio.client import connect
+
+from qtts.pb import talker_pb2, tts_pb2, tts_pb2_grpc
+from qtts.request.errors import ResourceExhausted
+from services.gateway.config import GatewayConfig
+from services.gateway.server import GatewayServer
+from services.gateway.talker_pool import Room, StaticResolver, TalkerPool
+
+
+async def ready_pool(rooms: dict[str, Room | None]) -> TalkerPool:
+    async def probe(channel) -> bool:
+        return True
+
+    async def capacity(channel) -> Room | None:
+        return rooms[channel]
+
+    pool = TalkerPool(
+        StaticResolver(rooms), connect=lambda a: a, probe=probe, capacity=capacity, min_refresh_gap_s=0.0
+    )
+    await pool.refresh()
+    await pool.poll_capacity()
+    return pool
+
+
+async def test_the_pool_places_streams_where_there_is_room_and_refuses_when_there_is_none():
+    rooms = {"a:1": Room(0, 5), "b:1": Room(2, 4), "c:1": Room(0, 3)}
+    pool = await ready_pool(rooms)
+    leases = [pool.pick(), pool.pick()]
+    assert [x.address for x in leases] == ["b:1", "b:1"]  # the only one with room, counted down
+    assert isinstance(pool.refusal(), ResourceExhausted)  # a peek: no lease taken
+    with pytest.raises(ResourceExhausted) as err:
+        pool.pick()
+    assert err.value.retry_after_s == 3 and "at capacity" in err.value.message  # the shortest hint
+    rooms["a:1"] = None  # a talker that does not say: taken as having room
+    await pool.poll_capacity()
+    assert pool.refusal() is None and pool.pick().address == "a:1"
+    leases[0].mark_full(9)  # a talker's own refusal: no room there until it publishes some
+    assert pool.endpoints["b:1"].room == 0 and pool.endpoints["b:1"].retry_after_s == 9
+
+
+class FullTalker(FakeTalkerServicer):
+    """A talker whose published room the test sets (accept 0 first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.accept = 0
+
+    async def GetCapacity(self, request, context):
+        return talker_pb2.GetCapacityResponse(accept=self.accept, retry_after_s=7)
+
+
+async def test_no_talker_with_room_is_a_refusal_at_once_over_http_grpc_and_websocket():
+    talker = FullTalker()
+    talker_host = await _start_talker(talker)
+    config = GatewayConfig(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=0,
+        talker=f"127.0.0.1:{talker_host.bound_port}",
+        speaker_cache=f"127.0.0.1:{free_port()}",
+        drain_seconds=0.5,
+    ).validate()
+    gateway = GatewayServer(config, catalog_retry_s=0.05, decode=fake_decode)
+    gateway.talker_pool.capacity_refresh_s = 0.02
+    await gateway.start()
+    url = f"http://127.0.0.1:{config.http_port}"
+    body = {"input": "Hi.", "voice": "alice", "max_new_tokens": 2, "response_format": "pcm", "stream": False}
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+            for _ in range(200):
+                if gateway.catalog is not None and gateway.talker_pool.usable():
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)  # a capacity poll or two
+            r = await c.post("/v1/audio/speech", json=body)
+            assert r.status_code == 429, r.text
+            assert r.headers["retry-after"] == "7" and "at capacity" in r.json()["error"]["message"]
+            # Known from the headers: refused before the body is read (a storm's bodies cost nothing).
+            r = await c.post(
+                "/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 429 and r.headers["retry-after"] == "7"
+
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+                stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
+                request = tts_pb2.SynthesizeRequest(
+                    text="Hi.", reference_audio=wav_bytes(), x_vector_only=True
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    [m async for m in stub.Synthesize(request)]
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert ("retry-after", "7") in tuple(err.value.trailing_metadata() or ())
+
+            async with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream") as ws:
+                config_msg = {
+                    "type": "session.config",
+                    "ref_audio": base64.b64encode(wav_bytes()).decode(),
+                    "x_vector_only_mode": True,
+                    "response_format": "pcm",
+                }
+                await ws.send(json.dumps(config_msg))
+                await ws.send(json.dumps({"type": "input.text", "text": "Hi."}))
+                await ws.send(json.dumps({"type": "input.done"}))
+                events = []
+                while not any(e.get("type") == "error" for e in events):
+                    msg = await asyncio.wait_for(ws.recv(), 5)
+                    if isinstance(msg, str):
+                        events.append(json.loads(msg))
+                error = next(e for e in events if e["type"] == "error")
+                assert error["code"] == "rate_limit_exceeded" and "at capacity" in error["message"]
+
+            assert talker.requests == []  # refused at the gateway: the talker was never called
+            talker.accept = 5
+            await asyncio.sleep(0.1)
+            r = await c.post("/v1/audio/speech", json=body)
+            assert r.status_code == 200 and len(talker.requests) == 1
+    finally:
+        await gateway.stop()
+        await talker_host.stop(0)

@@ -1,0 +1,331 @@
+"""Capacity admission and the queue's forecast, on a simulated clock (no timings): refusals at
+submission with a retry hint, waits forecast from the drain and from when streams end, prompts
+awaiting prefill holding admission, the decoder's share of a GPU it shares, and the headroom a
+talker publishes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from qtts.request.errors import ResourceExhausted, Unavailable
+from services.talker.admission import Admission, AdmissionConfig
+from services.talker.deadline import DeadlineScheduler
+from tests.services.talker.playback_sim import simulate
+from tests.services.talker.test_deadline_scheduler import COST, poisson_load, req, started
+
+
+def test_requests_past_their_first_audio_budget_are_refused_with_a_retry_hint():
+    cfg = AdmissionConfig(max_duty=0.5, step_base_s=0.05, first_audio_budget_s=1.0)
+    s = DeadlineScheduler(max_batch=10, max_waiting=10, admission=Admission(cfg))
+    s.submit(req("a"), now=0.0)
+    assert len(s.plan(0.0).admitted) == 1  # nothing runs: always admitted
+    s.submit(req("b"), now=0.0)  # 50 ms steps: over half a frame, b waits
+    assert s.plan(0.5).refused == []
+    (refused,) = s.plan(1.2).refused
+    assert refused[0].request_id == "b" and refused[1].retry_after_s >= 1
+    assert "first-audio budget" in refused[1].message
+
+
+def test_at_capacity_the_wait_is_predicted_from_when_running_streams_end():
+    """Capacity (duty 0.6, 4 ms + 2 ms per stream): 22 streams. With 22 running, 125 frames each
+    and 4 s ahead of playback, ending 2.0, 2.1, ... 4.1 s from now, the k-th newcomer waits for
+    the k-th end: those within the 3 s budget queue, the next is refused at submission."""
+    adm = Admission(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.002, first_audio_budget_s=3.0))
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    assert adm.capacity() == 22
+    for i in range(22):
+        r = req(f"run{i}")
+        r.max_new_frames = 125
+        s.running[r.request_id] = r
+        started(s, r.request_id, first_audio_at=-4.0 + 0.1 * i, generated=100)
+    assert s.predicted_wait_s(0.0) == pytest.approx(2.0)  # 10 s - 4 s played - 4 s lead
+    for k in range(11):  # waits 2.0 .. 3.0 s
+        s.submit(req(f"fits{k}"), now=0.0)
+    with pytest.raises(ResourceExhausted, match="first-audio budget"):
+        s.submit(req("too-late"), now=0.0)  # 3.1 s
+    assert s.num_waiting == 11
+
+
+def test_a_queue_that_cannot_drain_in_time_refuses_new_requests_at_once():
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    for t in (0.0, 0.5, 1.0):  # two admissions per second
+        adm.observe_admit(t)
+    for i in range(2):
+        s.submit(req(f"w{i}"), now=1.0)
+    with pytest.raises(ResourceExhausted, match="first-audio budget") as err:
+        s.submit(req("late"), now=1.0)  # third in line: about 1.5 s to wait
+    assert err.value.retry_after_s == 2
+
+
+def test_the_pause_between_two_waves_is_not_a_stalled_queue():
+    # A closed loop: a wave drains at two a second, then every stream runs and nobody waits for
+    # 8 s. The next wave's first request must not be refused for the 8 s without admissions.
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    for t in (0.5, 1.0, 1.5):  # each waited since 0.0: a backlog draining at two a second
+        adm.observe_admit(t, submitted_at=0.0)
+    assert adm.drain_per_s(9.0) == pytest.approx(2.0)
+    s.submit(req("next-wave"), now=9.0)  # first in line: about 0.5 s
+    assert s.predicted_wait_s(9.0) == pytest.approx(1.0)  # the second in line
+    # A queue that does stall still decays: nothing started for 3 s while one waits.
+    assert adm.drain_per_s(12.0, waiting_since=9.0) == pytest.approx(1 / 3)
+    with pytest.raises(ResourceExhausted, match="first-audio budget"):
+        s.submit(req("behind-a-stall"), now=12.0)
+
+
+def test_the_drain_rate_averages_the_gaps_of_bursty_admissions():
+    # Sixteen start in one step, then the next step comes a frame later: 200 a second, not the
+    # thousands that averaging the inverse gaps gave.
+    adm = Admission()
+    t = 0.0
+    for _ in range(20):
+        for k in range(16):
+            adm.observe_admit(t + k * 1e-5, submitted_at=0.0)
+        t += 0.08
+    assert adm.drain_per_s(t) == pytest.approx(200.0, rel=0.15)
+    # Requests that found no queue start at once whatever the gap since the last admission.
+    fresh = Admission()
+    fresh.observe_admit(0.0, submitted_at=0.0)
+    fresh.observe_admit(5.0, submitted_at=5.0)
+    assert fresh.predicted_wait_s(0, 5.1) < 0.01
+
+
+def test_at_three_times_the_gap_free_load_the_admitted_stay_on_time_and_the_rest_are_refused_at_once():
+    """10 s streams under the default admission (duty 0.6 of a frame: about 220 streams with this
+    cost model) carry 22 requests/s with every stream on time and none refused. At 66/s, three
+    times that: every admitted stream is still gap-free, and every refusal comes at submission
+    (the queue is at capacity and its wait is predicted from when running streams end), none
+    after waiting for its first-audio budget."""
+    light = simulate(
+        DeadlineScheduler(10_000, 10_000, admission=Admission(AdmissionConfig())),
+        poisson_load(22, 30, 125, 300),
+        COST,
+        until_s=60,
+    )
+    assert not any(x.refused for x in light) and all(x.max_underrun_s() == 0 for x in light)
+    heavy = simulate(
+        DeadlineScheduler(10_000, 10_000, admission=Admission(AdmissionConfig())),
+        poisson_load(66, 30, 125, 300),
+        COST,
+        until_s=60,
+    )
+    admitted = [x for x in heavy if not x.refused]
+    refused = [x for x in heavy if x.refused]
+    assert len(admitted) >= len(light) and len(refused) > len(heavy) // 3
+    assert all(x.max_underrun_s() == 0 for x in admitted)
+    assert p95(x.refused_at - x.arrived_at for x in refused) <= 0.05
+
+
+def p95(values) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.95 * (len(ordered) - 1))]
+
+
+def test_a_request_is_refused_before_its_prompt_when_the_prompts_ahead_fill_the_budget():
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    for t in (0.0, 0.5, 1.0):  # two admissions per second
+        adm.observe_admit(t)
+    assert s.refusal(1.0) is None and s.refusal(1.0, ahead=1) is None  # second in line: 1 s
+    refusal = s.refusal(1.0, ahead=2)  # third in line, its two predecessors still being built
+    assert isinstance(refusal, ResourceExhausted) and "first-audio budget" in refusal.message
+    assert refusal.retry_after_s == 2
+    # The bound on queued requests counts those not yet submitted as well.
+    small = DeadlineScheduler(max_batch=2, max_waiting=1)
+    assert small.refusal(0.0, ahead=2) is None
+    assert isinstance(small.refusal(0.0, ahead=3), ResourceExhausted)
+    small.admitting = False
+    assert isinstance(small.refusal(0.0), Unavailable)
+
+
+def test_a_load_the_talker_carries_alone_but_not_beside_its_decoder_is_refused_at_once():
+    """The decoder shares the GPU (0.2 ms of GPU time per decoded frame, which the talker's step
+    measurements do not see). Counting only the talker, 26 requests/s of 10 s streams are nearly
+    all admitted, and the decoder's share then makes many listeners late. With the decoder's cost
+    in admission (`decoder_frame_s`), the same load is partly refused, each refusal at submission,
+    and every admitted stream stays on time."""
+    shared = dataclasses.replace(COST, decoder_frame_s=0.0002)
+    load = poisson_load(26, 30, 125, 300)
+
+    def run(decoder_frame_s: float):
+        adm = Admission(AdmissionConfig(decoder_frame_s=decoder_frame_s))
+        return simulate(DeadlineScheduler(10_000, 10_000, admission=adm), load, shared, until_s=60)
+
+    talker_only = run(0.0)
+    assert sum(x.max_underrun_s() > 0 for x in talker_only if not x.refused) > len(talker_only) // 10
+    both = run(shared.decoder_frame_s)
+    admitted = [x for x in both if not x.refused]
+    refused = [x for x in both if x.refused]
+    assert refused and admitted
+    assert all(x.max_underrun_s() == 0 for x in admitted)
+    assert p95(x.refused_at - x.arrived_at for x in refused) <= 0.05
+
+
+def test_the_decoder_share_lowers_the_capacity_by_its_part_of_a_frame():
+    alone = Admission(AdmissionConfig(max_duty=0, step_base_s=0.004, step_per_stream_s=0.0001))
+    shared = Admission(
+        AdmissionConfig(max_duty=0, step_base_s=0.004, step_per_stream_s=0.0001, decoder_frame_s=0.0001)
+    )
+    # Per stream: 0.1 ms of step, 1 ms of prefill per 10 s stream, and on a shared GPU 0.1 ms of
+    # decode, against a load bound of 0.8 of the 80 ms frame less the 4 ms base.
+    assert alone.capacity(10.0) == int((0.8 - 0.05) / (0.0001 / 0.08 + 0.01 / 10))
+    assert shared.capacity(10.0) == int((0.8 - 0.05) / (0.0002 / 0.08 + 0.01 / 10))
+    assert shared.load(100, 10.0) == pytest.approx(alone.load(100, 10.0) + 100 * 0.0001 / 0.08)
+    with pytest.raises(ValueError):
+        AdmissionConfig(decoder_frame_s=-1)
+
+
+def test_a_closed_loop_past_capacity_is_told_no_at_once_however_long_the_queue():
+    """Closed-loop clients that send their next request as soon as one ends or is refused (as the
+    benchmark's do), at 1.4x and 2x what the talker carries (about 220 streams of 10 s with this
+    cost model) and a 6 s first-audio budget: the queue fills to what the budget allows, and from
+    then on refusals come at submission (at the 95th percentile; the few that queued while the
+    step model still held its prior are refused once the forecast says they cannot start in
+    time), at both loads alike, and every admitted stream stays on time."""
+    latencies = {}
+    for clients in (300, 450):
+        adm = Admission(AdmissionConfig(first_audio_budget_s=6.0))
+        arrivals = [(i * 0.001, 125, 300) for i in range(clients)]
+        run = simulate(
+            DeadlineScheduler(10_000, 10_000, admission=adm),
+            arrivals,
+            COST,
+            closed_loop=100_000,
+            retry_refused_s=0.001,
+            until_s=40,
+        )
+        refused = [x for x in run if x.refused]
+        started = [x for x in run if x.chunks]
+        assert len(refused) > len(started) // 4, clients  # past capacity: many told no
+        assert all(x.max_underrun_s() == 0 for x in started), clients
+        latencies[clients] = p95(x.refused_at - x.arrived_at for x in refused)
+        assert latencies[clients] <= 0.05, clients
+    assert latencies[450] <= latencies[300] + 0.05
+
+
+def test_admitted_prompts_waiting_for_their_prefill_hold_admission():
+    """One stream plays with 40 ms of audio left, so the next step may prefill only the minimum
+    320 positions: the first 300-position prompt is admitted, the second waits in the queue
+    (where its wait is forecast) until the first is prefilled."""
+    s = DeadlineScheduler(100, 100, admission=Admission(AdmissionConfig(max_behind_fraction=0)))
+    s.submit(req("playing"), 0.0)
+    s.plan(0.0)
+    started(s, "playing", first_audio_at=0.0, generated=1)
+    for i in range(3):
+        s.submit(req(f"p{i}", positions=300), 0.0)
+    assert [r.request_id for r in s.plan(0.04).admitted] == ["p0"]
+    assert "wait for their prefill" in s.holding_reason
+    assert s.plan(0.05).admitted == []
+    s.running["p0"].stepped = True  # prefilled
+    assert [r.request_id for r in s.plan(0.06).admitted] == ["p1"]
+
+
+def test_at_twice_capacity_admitted_streams_get_their_first_audio_within_a_second():
+    """The closed loop of 450 clients (2x capacity): a request admitted is prefilled and heard
+    within a second of its admission (admission holds while admitted prompts wait for their
+    prefill, instead of admitting a burst that then waited seconds for it)."""
+    adm = Admission(AdmissionConfig(first_audio_budget_s=6.0))
+    s = DeadlineScheduler(10_000, 10_000, admission=adm)
+    admitted_at: dict[str, float] = {}
+    plan = s.plan
+
+    def recording_plan(now: float):
+        out = plan(now)
+        admitted_at.update((r.request_id, now) for r in out.admitted)
+        return out
+
+    s.plan = recording_plan
+    arrivals = [(i * 0.001, 125, 300) for i in range(450)]
+    run = simulate(s, arrivals, COST, closed_loop=100_000, retry_refused_s=0.001, until_s=20)
+    heard = [x for x in run if x.chunks]
+    assert len(heard) > 200
+    assert max(x.chunks[0][0] - admitted_at[x.request_id] for x in heard) < 1.0
+    assert all(x.max_underrun_s() == 0 for x in heard)
+
+
+def test_the_decoder_s_published_cost_counts_only_when_it_shares_the_gpu():
+    base = dict(max_duty=0, step_base_s=0.004, step_per_stream_s=0.0001)
+    elsewhere = Admission(AdmissionConfig(**base, decoder_frame_s=0.00005))
+    assert not elsewhere.observe_decoder(0.0002, 0.002, 10.0)  # ignored: the flag stays the override
+    assert elsewhere.decoder_frame_s == 0.00005 and not elsewhere.decoder_measured
+    shared = Admission(AdmissionConfig(**base, decoder_frame_s=0.00005, decoder_shares_gpu=True))
+    prior = shared.capacity(10.0)
+    assert shared.observe_decoder(0.0002, 0.002, 10.0)  # replaces the prior
+    # 0.2 ms a frame, and 2 ms a call at 10 calls a second: 2% of the GPU whatever the streams.
+    per_stream = (0.0001 + 0.0002) / 0.08 + 0.01 / 10
+    assert shared.capacity(10.0) == int((0.8 - 0.05 - 0.02) / per_stream) < prior
+    assert shared.load(100, 10.0) == pytest.approx(
+        0.004 / 0.08 + 100 * (0.0001 / 0.08 + 0.001 + 0.0002 / 0.08) + 0.02
+    )
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError):
+            shared.observe_decoder(bad)
+
+
+def test_a_queued_request_is_refused_once_its_forecast_start_passes_the_budget():
+    """Two admissions a second: the second in line is forecast to start in 1 s, within the 1 s
+    budget, and queues. Nothing more is admitted (the drain stalls): at the next plan the forecast
+    puts its start past the budget and it is refused then, not after waiting the budget out."""
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0, max_duty=0.01))
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    for t in (0.0, 0.5, 1.0):
+        adm.observe_admit(t)
+    s.running["running"] = req("running")  # the duty bound holds the rest
+    s.submit(req("first"), now=1.0)
+    s.submit(req("second"), now=1.0)
+    plan = s.plan(1.3)  # 0.3 s waited + 1 s to start (two in line, the mean gap 0.5 s)
+    assert [r.request_id for r, _ in plan.refused] == ["second"]
+    assert plan.refused[0][1].retry_after_s >= 1
+    assert [r.request_id for r in s.waiting] == ["first"]
+
+
+def test_headroom_says_what_starts_now_what_would_queue_and_when_to_retry():
+    """Capacity 22 (duty 0.6, 4 ms + 2 ms a stream); 20 running, ending 2 s from now: two start at
+    once, and the next ones wait for the streams that end, within the 3 s budget."""
+    adm = Admission(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.002, first_audio_budget_s=3.0))
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    for i in range(20):
+        r = req(f"run{i}")
+        r.max_new_frames = 125
+        s.running[r.request_id] = r
+        started(s, r.request_id, first_audio_at=-4.0, generated=100)
+    room = s.forecast.headroom(0.0)
+    assert (room.start_now, room.running, room.waiting, room.retry_after_s) == (2, 20, 0, 0)
+    assert room.accept == 22  # 2 now and 20 as the running streams end (a new round is past 3 s)
+    for k in range(room.accept):
+        s.submit(req(f"new{k}"), now=0.0)
+    with pytest.raises(ResourceExhausted):
+        s.submit(req("one-more"), now=0.0)
+    full = s.forecast.headroom(0.0)
+    assert (full.start_now, full.accept) == (0, 0) and full.retry_after_s >= 1
+    s.admitting = False
+    assert s.forecast.headroom(0.0).accept == 0
+
+
+def test_with_code2wav_s_published_cost_a_load_the_shared_gpu_cannot_carry_is_refused_at_once():
+    """As above, with no `--decoder-frame-us` prior: the talker shares the GPU with the decoder
+    (0.2 ms a frame and 1 ms a call) and learns its cost from what code2wav measures and
+    publishes. Without `decoder_shares_gpu` the publication is ignored and many listeners are
+    late; with it, the load is partly refused at submission and every admitted stream is on time."""
+    shared = dataclasses.replace(COST, decoder_frame_s=0.0002, decoder_call_s=0.001)
+    load = poisson_load(26, 30, 125, 300)
+
+    def run(shares: bool):
+        adm = Admission(AdmissionConfig(decoder_shares_gpu=shares))
+        sched = DeadlineScheduler(10_000, 10_000, admission=adm)
+        return simulate(sched, load, shared, until_s=60, publish_decoder_cost=True), adm
+
+    ignored, adm = run(False)
+    assert not adm.decoder_measured
+    assert sum(x.max_underrun_s() > 0 for x in ignored if not x.refused) > len(ignored) // 10
+    counted, adm = run(True)
+    assert adm.decoder_measured and adm.decoder_frame_s == pytest.approx(0.0002, rel=0.01)
+    admitted = [x for x in counted if not x.refused]
+    refused = [x for x in counted if x.refused]
+    assert refused and len(admitted) > len(counted) // 2
+    assert all(x.max_underrun_s() == 0 for x in admitted)
+    assert p95(x.refused_at - x.arrived_at for x in refused) <= 0.05

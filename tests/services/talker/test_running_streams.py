@@ -1,0 +1,78 @@
+"""The running set's length bookkeeping (services/talker/scheduled.py): the sum and count of the
+known stream lengths stay equal to a fresh scan whatever the scheduler does."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from qtts.request.errors import ResourceExhausted
+from services.talker.deadline import DeadlinePolicy, DeadlineScheduler, ScheduledRequest, StreamCredit
+
+
+def test_the_running_length_sums_equal_a_fresh_scan_after_random_changes():
+    """`RunningStreams` keeps the sum and count of the running streams' lengths as they come and
+    go (submits, admits, removes, direct inserts and deletes, a request id reused): after every
+    change they, and the mean length admission uses, equal a scan of every stream."""
+
+    rng = np.random.default_rng(18)
+    s = DeadlineScheduler(max_batch=24, max_waiting=40, policy=DeadlinePolicy(frame_s=0.08))
+
+    def random_req(rid: str) -> ScheduledRequest:
+        prompt = SimpleNamespace(embeds=np.zeros((10, 1)))
+        if rng.random() < 0.4:
+            prompt.default_max_frames = int(rng.integers(0, 400))
+        if rng.random() < 0.4:
+            prompt.max_frames = int(rng.integers(0, 400))
+        frames = None if rng.random() < 0.5 else int(rng.integers(0, 400))
+        return ScheduledRequest(rid, prompt, None, frames, StreamCredit(10), lambda e: None)
+
+    def scan_mean() -> float | None:
+        lengths = [x for r in (*s.running.values(), *list(s.waiting)[:1]) if (x := s.forecast._length_s(r))]
+        return sum(lengths) / len(lengths) if lengths else None
+
+    now, next_id = 0.0, 0
+    for _ in range(3000):
+        now += 0.01
+        op = rng.random()
+        ids = [*s.running, *(w.request_id for w in s.waiting)]
+        if op < 0.4:
+            try:
+                s.submit(random_req(f"r{next_id}"), now)
+            except ResourceExhausted:
+                pass
+            next_id += 1
+        elif op < 0.6:
+            s.plan(now)
+        elif op < 0.8 and ids:
+            s.remove(str(rng.choice(ids)))
+        elif op < 0.85 and s.running:
+            del s.running[str(rng.choice(list(s.running)))]
+        elif op < 0.9 and s.running:  # the same id again, another length
+            rid = str(rng.choice(list(s.running)))
+            s.running[rid] = random_req(rid)
+        elif op < 0.95:
+            s.running.pop("no-such-id", None)
+        else:
+            rid = f"direct{next_id}"
+            next_id += 1
+            s.running[rid] = random_req(rid)
+        known = [
+            f
+            for r in s.running.values()
+            if (
+                f := r.max_new_frames
+                or getattr(r.prompt, "default_max_frames", None)
+                or getattr(r.prompt, "max_frames", None)
+            )
+        ]
+        assert (s.running.length_frames, s.running.num_lengths) == (sum(known), len(known))
+        fresh, kept = scan_mean(), s._mean_stream_s()
+        assert (fresh is None) == (kept is None) and (
+            fresh is None or kept == pytest.approx(fresh, rel=1e-12)
+        )
+    assert next_id > 1000 and s.num_running > 0
+    s.running.clear()
+    assert (s.running.length_frames, s.running.num_lengths) == (0, 0)
