@@ -1,16 +1,20 @@
 """GPU benchmark of the code2wav decode engine (`qtts.decode_engine`) on the full-size decoder.
 
 Full-size speech-tokenizer decoder from `configs/speech_tokenizer` with seeded random weights
-(`--load-format dummy` semantics: the same compute as real weights). Measures:
+(`--load-format dummy` semantics: the same compute as real weights). Every variant
+(`precision:conv_stack`, default the reference channels-first and the channels-last conv stack,
+both bf16 with CUDA graphs) is measured in the same run:
 
-1. steady state: audio seconds decoded per GPU second at 1/8/32/128/256 concurrent streams, every
-   stream past the 72-frame window, one `--chunk`-frame chunk per stream per engine call
-   (`decode_batch`, host work and the device sync included), per precision and graph/eager;
-2. SNR of the bf16 (and TF32) engine against the strict fp32 engine on the same codes;
-3. cost per new frame of a 4- and a 25-frame chunk, stateful vs a stateless decode that re-decodes
-   `--context` left-context frames from scratch (GPU time of the captured steps);
-4. first-chunk latency at batch 1: a 1-4 frame first chunk of a fresh stream (wall time of
-   `decode`, sync included), and `start` with an ICL prefix.
+1. steady state: microseconds per frame per stream and audio seconds decoded per GPU second (xRT)
+   at 128 / 512 / 1,024 concurrent streams, every stream past the 72-frame window, one
+   `--chunk`-frame chunk per stream per engine call (`decode_batch`, host work and sync included);
+2. SNR against the strict fp32 reference engine (channels-first, eager) on the same codes;
+3. first-chunk latency at batch 1: a 1-4 frame first chunk of a fresh stream (wall time of
+   `decode`, sync included), and `start` with an ICL prefix;
+4. with `--stateless`: cost per new frame of a 4- and a 25-frame chunk, stateful vs a stateless
+   decode that re-decodes `--context` left-context frames (GPU time of the captured steps).
+
+A short table compares the variants; `--out` writes everything as JSON.
 
     python -m benchmarks.code2wav_decode --out run/code2wav_decode.json
     python -m benchmarks.code2wav_decode --quick   # smaller sweep, a minute or two
@@ -33,6 +37,7 @@ import torch
 from benchmarks.revision import git_revision
 from benchmarks.timing import median_event_s, median_wall_s, sync
 from qtts.decode_engine import SlotDecoder, SlotDecoderConfig
+from qtts.decode_engine.runner import CONV_STACKS, PRECISIONS
 from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -59,10 +64,12 @@ def _engine(
     batches: Sequence[int],
     max_step_frames: int,
     extra: Sequence[tuple[int, int]] = (),
+    conv_stack: str = "channels_first",
 ) -> SlotDecoder:
     cfg = SlotDecoderConfig(
         max_streams=streams,
         precision=precision,
+        conv_stack=conv_stack,
         cuda_graphs=graphs,
         batch_sizes=tuple(batches),
         chunk_sizes=tuple(chunks),
@@ -72,7 +79,8 @@ def _engine(
     t0 = time.perf_counter()
     n = eng.capture(extra) if graphs else 0
     print(
-        f"[{precision} graphs={graphs}] captured {n} shapes in {time.perf_counter() - t0:.1f} s", flush=True
+        f"[{precision} {conv_stack} graphs={graphs}] captured {n} shapes in {time.perf_counter() - t0:.1f} s",
+        flush=True,
     )
     return eng
 
@@ -207,10 +215,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32, 128, 256])
-    p.add_argument("--chunk", type=int, default=25, help="steady-state chunk frames")
-    p.add_argument("--precisions", nargs="+", default=["tf32", "bf16"])
+    p.add_argument("--streams", type=int, nargs="+", default=[128, 512, 1024])
+    p.add_argument("--chunk", type=int, default=16, help="steady-state chunk frames")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["bf16:channels_first", "bf16:channels_last"],
+        help="precision:conv_stack pairs (precision fp32|tf32|bf16; conv_stack one of "
+        + "|".join(CONV_STACKS)
+        + ")",
+    )
     p.add_argument("--eager", action="store_true", help="also measure the eager (no graph) engine")
+    p.add_argument("--stateless", action="store_true", help="also compare with stateless re-decoding")
     p.add_argument("--cost-batch", type=int, default=128)
     p.add_argument("--contexts", type=int, nargs="+", default=[12, 25])
     p.add_argument("--prefix-frames", type=int, default=75, help="ICL prefix for the start() latency")
@@ -220,8 +236,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--revision", default=None, help="git revision to record (default: git rev-parse)")
     args = p.parse_args(argv)
+    for v in args.variants:
+        precision, _, conv_stack = v.partition(":")
+        if precision not in PRECISIONS or conv_stack not in CONV_STACKS:
+            p.error(f"--variants: {v!r} is not precision:conv_stack")
     if args.quick:
-        args.streams, args.iters = [s for s in args.streams if s in (1, 32, 128)], 5
+        args.streams, args.iters = [s for s in args.streams if s in (1, 32, 128)] or args.streams[:1], 5
     return args
 
 
@@ -235,12 +255,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "git": args.revision or git_revision(),
         "weights": "dummy (seeded random)",
         "decoder": "full-size speech tokenizer decoder (configs/speech_tokenizer)",
+        "chunk_frames": args.chunk,
+        "max_step_frames": args.max_step_frames,
         "steady_state": {},
         "snr_db": {},
         "stateful_vs_stateless": {},
         "first_chunk": {},
     }
     _measure(dec, args, result)
+    result["summary"] = _summary(args, result)
     _print_summary(args, result)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -250,18 +273,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _measure(dec: Any, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """Every precision (graph, and eager with --eager) against the fp32 reference, into `result`."""
+    """Every variant (graph, and eager with --eager) against the fp32 reference, into `result`."""
     stream_cap = max(max(args.streams), args.cost_batch)
     batches = sorted(set(args.streams) | {args.cost_batch, 1, 2, 4})
     cost_chunks = (4, 25)
     stateless = sorted({c + n for c in args.contexts for n in cost_chunks})
-    chunks = sorted({1, 2, 3, 4, args.chunk, *cost_chunks})
+    chunks = sorted({1, 2, 3, 4, args.chunk, *(cost_chunks if args.stateless else ())})
     # The stateless comparison's longer steps, captured at the cost batch only.
-    extra = [(args.cost_batch, f) for f in stateless if f <= 72]
+    extra = [(args.cost_batch, f) for f in stateless if f <= 72] if args.stateless else []
     ref = _engine(dec, "fp32", False, 8, (), (), args.max_step_frames)
-    for precision in args.precisions:
+    for variant in args.variants:
+        precision, _, conv_stack = variant.partition(":")
         for graphs in (True, False) if args.eager else (True,):
-            key = f"{precision}_{'graph' if graphs else 'eager'}"
+            key = f"{precision}_{conv_stack}_{'graph' if graphs else 'eager'}"
             eng = _engine(
                 dec,
                 precision,
@@ -271,19 +295,18 @@ def _measure(dec: Any, args: argparse.Namespace, result: dict[str, Any]) -> None
                 batches if graphs else (),
                 args.max_step_frames,
                 extra if graphs else (),
+                conv_stack=conv_stack,
             )
             print(f"== {key}: steady state", flush=True)
             result["steady_state"][key] = steady_state(eng, args.streams, args.chunk, args.iters)
             if graphs:
-                result["snr_db"][f"{precision}_vs_fp32"] = snr_against(ref, eng)
-                print(
-                    f"  SNR {precision} vs fp32: {result['snr_db'][f'{precision}_vs_fp32']:.1f} dB",
-                    flush=True,
-                )
-                print(f"== {key}: stateful vs stateless (batch {args.cost_batch})", flush=True)
-                result["stateful_vs_stateless"][key] = stateful_vs_stateless(
-                    eng, args.cost_batch, cost_chunks, args.contexts, args.iters
-                )
+                result["snr_db"][key] = snr_against(ref, eng)
+                print(f"  SNR {key} vs fp32: {result['snr_db'][key]:.1f} dB", flush=True)
+                if args.stateless:
+                    print(f"== {key}: stateful vs stateless (batch {args.cost_batch})", flush=True)
+                    result["stateful_vs_stateless"][key] = stateful_vs_stateless(
+                        eng, args.cost_batch, cost_chunks, args.contexts, args.iters
+                    )
                 print(f"== {key}: first chunk at batch 1", flush=True)
                 result["first_chunk"][key] = first_chunk_latency(eng, args.iters, args.prefix_frames)
             del eng
@@ -291,15 +314,36 @@ def _measure(dec: Any, args: argparse.Namespace, result: dict[str, Any]) -> None
                 torch.cuda.empty_cache()
 
 
+def _summary(args: argparse.Namespace, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per measured variant: us/frame and xRT per stream count, SNR, first chunk."""
+    rows = []
+    for key, steady in result["steady_state"].items():
+        row: dict[str, Any] = {"variant": key}
+        for r in steady:
+            row[f"us_per_frame_{r['streams']}"] = r["us_per_frame_per_stream"]
+            row[f"xrt_{r['streams']}"] = r["xrt"]
+        row["snr_db"] = result["snr_db"].get(key)
+        first = result["first_chunk"].get(key, [])
+        row["first_chunk_1f_ms"] = next(
+            (r["decode_ms"] for r in first if r.get("first_chunk_frames") == 1), None
+        )
+        rows.append(row)
+    return rows
+
+
 def _print_summary(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """The steady-state table and the SNRs."""
-    print("\nsteady state, audio seconds per GPU second (x real time), chunk", args.chunk)
-    keys = list(result["steady_state"])
-    print(f"{'streams':>8} " + " ".join(f"{k:>14}" for k in keys))
-    for i, b in enumerate(args.streams):
-        print(f"{b:>8} " + " ".join(f"{result['steady_state'][k][i]['xrt']:>14.0f}" for k in keys))
-    for k, v in result["snr_db"].items():
-        print(f"SNR {k}: {v:.1f} dB")
+    """The comparison table: per-frame cost and xRT per stream count, SNR, first chunk."""
+    print(f"\nsteady state, chunk {args.chunk} frames, max {args.max_step_frames} frames a step")
+    head = ["variant"] + [f"us/f@{b}" for b in args.streams] + [f"xRT@{b}" for b in args.streams]
+    head += ["SNR dB", "1st 1f ms"]
+    print(" | ".join(head))
+    for row in result["summary"]:
+        cells = [row["variant"]]
+        cells += [f"{row.get(f'us_per_frame_{b}', float('nan')):.1f}" for b in args.streams]
+        cells += [f"{row.get(f'xrt_{b}', float('nan')):.0f}" for b in args.streams]
+        cells.append("-" if row["snr_db"] is None else f"{row['snr_db']:.1f}")
+        cells.append("-" if row["first_chunk_1f_ms"] is None else f"{row['first_chunk_1f_ms']:.2f}")
+        print(" | ".join(cells))
 
 
 if __name__ == "__main__":

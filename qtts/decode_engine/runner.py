@@ -26,11 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from qtts.decode_engine.conv_stack import ConvStack
+from qtts.decode_engine.conv_stack_cl import ChannelsLastConvStack
 from qtts.decode_engine.frame_stage import FrameStage
 from qtts.decode_engine.slots import SlotPool
 from qtts.model.codec_decoder import CausalConv1d, CausalTransConv1d, CodecDecoder, SlidingAttention
 
 PRECISIONS = ("fp32", "tf32", "bf16")
+# "channels_first": the checkpoint's [B, C, T] layout (`conv_stack.ConvStack`, the reference);
+# "channels_last": [B, T, C] with GEMMs, NHWC convs and fused SnakeBeta passes (`conv_stack_cl`).
+CONV_STACKS = ("channels_first", "channels_last")
 
 
 @contextlib.contextmanager
@@ -50,12 +54,18 @@ def precision_flags(precision: str, device: torch.device) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = cudnn
 
 
-def state_layout(decoder: CodecDecoder) -> dict[str, tuple[int, ...]]:
-    """Per-slot shape of every carried history, keyed like the decoder's own stream cache."""
+def state_layout(decoder: CodecDecoder, time_major: bool = False) -> dict[str, tuple[int, ...]]:
+    """Per-slot shape of every carried history, keyed like the decoder's own stream cache.
+
+    `time_major` lays the conv stack's histories out as [steps, channels] (the channels-last
+    conv stack); the frame-rate pre-conv and the attention windows keep their own layout."""
     layout: dict[str, tuple[int, ...]] = {}
-    for _, mod in decoder.named_modules():
+    for name, mod in decoder.named_modules():
         if isinstance(mod, CausalConv1d | CausalTransConv1d) and mod.history:
-            layout[mod.key] = (mod.conv.in_channels, mod.history)
+            shape = (mod.conv.in_channels, mod.history)
+            if time_major and name.startswith(("upsample.", "decoder.")):
+                shape = shape[::-1]
+            layout[mod.key] = shape
         elif isinstance(mod, SlidingAttention):
             shape = (mod.kv_heads, mod.window, mod.head_dim)
             layout[mod.key + "k"] = shape
@@ -98,9 +108,12 @@ class StepRunner:
         *,
         precision: str = "fp32",
         emulate_graphs: bool = False,
+        conv_stack: str = "channels_first",
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if conv_stack not in CONV_STACKS:
+            raise ValueError(f"conv_stack must be one of {CONV_STACKS}, got {conv_stack!r}")
         if precision != "bf16" and decoder.dtype != torch.float32:
             raise ValueError(f"precision {precision} needs a float32 decoder, got {decoder.dtype}")
         self.precision = precision
@@ -114,10 +127,17 @@ class StepRunner:
         self.num_quantizers = cfg.num_quantizers
         self.samples_per_frame = decoder.samples_per_frame
         self.window = cfg.sliding_window
-        self.pool = SlotPool(state_layout(self.model), capacity, device=self.device, dtype=self.dtype)
+        self.conv_stack = conv_stack
+        channels_last = conv_stack == "channels_last"
+        layout = state_layout(self.model, time_major=channels_last)
+        self.pool = SlotPool(layout, capacity, device=self.device, dtype=self.dtype)
         self.prefix_tail_frames = conv_stack_receptive_frames(self.model)
         self.frames = FrameStage(self.model, decoder, self.pool, self.dtype)
-        self.convs = ConvStack(self.model, decoder, self.pool)
+        self.convs: ConvStack | ChannelsLastConvStack = (
+            ChannelsLastConvStack(self.model, decoder, self.pool)
+            if channels_last
+            else ConvStack(self.model, decoder, self.pool)
+        )
         self._emulate = emulate_graphs and self.device.type != "cuda"
         self._graphs: dict[tuple[int, int], _StaticStep] = {}
         self._in: torch.Tensor | None = None

@@ -1,0 +1,197 @@
+"""SnakeBeta for time-major activations [B, T, C], fused with what surrounds it in the decoder.
+
+In the channels-last conv stack every SnakeBeta sits between a producer whose bias (and, after a
+residual unit, whose residual add) is still pending and a conv that reads `cat(history, act)`.
+One pass does all of it:
+
+    v = x + bias[c] + residual          (the pending bias and residual add)
+    sum_out = v                         (optional: the residual stream the next unit adds to)
+    act = v + inv_beta[c] * sin(alpha[c] * v)^2, written after the history in the conv's input
+
+and for a transposed conv whose two taps are one GEMM, the "paired" layout [B, T, 2C] holds the
+previous step's activation in the first C columns and the step's own in the last C columns.
+
+On CUDA (or under TRITON_INTERPRET=1 when asked) this is one Triton kernel, math in float32; the
+torch version computes the same in float32 and is what CPU runs use by default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is only needed (and only present) on CUDA machines.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    triton = None
+    tl = None
+
+
+def triton_available(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel can run on x (a CUDA tensor, or any under the interpreter)."""
+    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _snake_nwc_kernel(
+        x_ptr,
+        res_ptr,
+        bias_ptr,
+        alpha_ptr,
+        inv_beta_ptr,
+        sum_ptr,
+        out_ptr,
+        total,
+        channels,
+        steps,
+        out_batch_stride,
+        out_row_stride,
+        out_row_offset,
+        HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        WRITE_SUM: tl.constexpr,
+        PAIRED: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < total
+        c = offs % channels
+        row = offs // channels
+        t = row % steps
+        b = row // steps
+        v = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            v = v + tl.load(bias_ptr + c, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            v = v + tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if WRITE_SUM:
+            tl.store(sum_ptr + offs, v.to(sum_ptr.dtype.element_ty), mask=m)
+        a = tl.load(alpha_ptr + c, mask=m, other=0.0)
+        ib = tl.load(inv_beta_ptr + c, mask=m, other=0.0)
+        s = tl.sin(v * a)
+        y = (v + ib * s * s).to(out_ptr.dtype.element_ty)
+        base = out_ptr + b * out_batch_stride + c
+        if PAIRED:
+            # Own step in the second half of row t, previous step of row t + 1 in the first half.
+            tl.store(base + t * out_row_stride + channels, y, mask=m)
+            tl.store(base + (t + 1) * out_row_stride, y, mask=m & (t + 1 < steps))
+        else:
+            tl.store(base + (t + out_row_offset) * out_row_stride, y, mask=m)
+
+
+_BLOCK = 1024
+
+
+def _torch_value(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+    v = x.float()
+    if bias is not None:
+        v = v + bias.float()
+    if residual is not None:
+        v = v + residual.float()
+    return v
+
+
+def _torch_snake(v: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
+    return v + inv_beta * torch.sin(v * alpha).pow(2)
+
+
+def snake_nwc(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    alpha: torch.Tensor,
+    inv_beta: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    want_sum: bool = False,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`cat([history, snake(x + bias + residual)], dim=1)` for x [B, T, C], history [B, h, C]
+    (h may be 0), and with `want_sum` also `x + bias + residual` itself (else None)."""
+    b, t, c = x.shape
+    h = history.shape[1]
+    if use_triton is None:
+        use_triton = x.is_cuda and triton is not None
+    if not use_triton:
+        v = _torch_value(x, bias, residual)
+        act = _torch_snake(v, alpha, inv_beta).to(x.dtype)
+        full = torch.cat([history.to(x.dtype), act], dim=1) if h else act
+        return full, (v.to(x.dtype) if want_sum else None)
+    out = torch.empty(b, h + t, c, device=x.device, dtype=x.dtype)
+    if h:
+        out[:, :h] = history
+    total = _launch(x, out, alpha, inv_beta, bias, residual, want_sum, paired=False, offset=h)
+    return out, total
+
+
+def snake_nwc_paired(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    alpha: torch.Tensor,
+    inv_beta: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """[B, T, 2C]: row t holds (act[t-1], act[t]) with act = snake(x + bias + residual) for x
+    [B, T, C] and act[-1] = history [B, 1, C]: the input of a 2-tap transposed conv as one GEMM."""
+    b, t, c = x.shape
+    if use_triton is None:
+        use_triton = x.is_cuda and triton is not None
+    if not use_triton:
+        act = _torch_snake(_torch_value(x, bias, residual), alpha, inv_beta).to(x.dtype)
+        prev = torch.cat([history.to(x.dtype), act[:, :-1]], dim=1)
+        return torch.cat([prev, act], dim=2)
+    out = torch.empty(b, t, 2 * c, device=x.device, dtype=x.dtype)
+    out[:, 0, :c] = history[:, 0]
+    _launch(x, out, alpha, inv_beta, bias, residual, False, paired=True, offset=0)
+    return out
+
+
+def _launch(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    alpha: torch.Tensor,
+    inv_beta: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    want_sum: bool,
+    *,
+    paired: bool,
+    offset: int,
+) -> torch.Tensor | None:
+    b, t, c = x.shape
+    x = x.contiguous()
+    res = residual.contiguous() if residual is not None else x
+    total = torch.empty_like(x) if want_sum else None
+    n = b * t * c
+    if n == 0:
+        return total
+    grid = (triton.cdiv(n, _BLOCK),)
+    _snake_nwc_kernel[grid](
+        x,
+        res,
+        alpha if bias is None else bias,
+        alpha,
+        inv_beta,
+        x if total is None else total,
+        out,
+        n,
+        c,
+        t,
+        out.stride(0),
+        out.stride(1),
+        offset,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        WRITE_SUM=want_sum,
+        PAIRED=paired,
+        BLOCK=_BLOCK,
+        num_warps=4,
+    )
+    return total
