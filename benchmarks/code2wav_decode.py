@@ -2,8 +2,8 @@
 
 Full-size speech-tokenizer decoder from `configs/speech_tokenizer` with seeded random weights
 (`--load-format dummy` semantics: the same compute as real weights). Every variant
-(`precision:conv_stack`, default the reference channels-first and the channels-last conv stack,
-both bf16 with CUDA graphs) is measured in the same run:
+(`precision:conv_stack`, default bf16 with CUDA graphs and each of the three conv stacks:
+channels-first, the reference; channels-last; channels-last fused) is measured in one run:
 
 1. steady state: microseconds per frame per stream and audio seconds decoded per GPU second (xRT)
    at 128 / 512 / 1,024 concurrent streams, every stream past the 72-frame window, one
@@ -220,7 +220,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         nargs="+",
-        default=["bf16:channels_first", "bf16:channels_last"],
+        default=["bf16:channels_first", "bf16:channels_last", "bf16:channels_last_fused"],
         help="precision:conv_stack pairs (precision fp32|tf32|bf16; conv_stack one of "
         + "|".join(CONV_STACKS)
         + ")",

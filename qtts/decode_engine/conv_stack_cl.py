@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 from qtts.decode_engine.conv_stack import snake_table
 from qtts.decode_engine.slots import SlotPool
+from qtts.decode_engine.snake_gemm import snake_gemm
 from qtts.decode_engine.snake_nwc import snake_nwc, snake_nwc_paired
-from qtts.model.codec_decoder import CausalConv1d, CodecDecoder, SnakeBeta
+from qtts.model.codec_decoder import CausalConv1d, CodecDecoder, ResidualUnit, SnakeBeta
 
 
 @dataclass
@@ -54,8 +55,21 @@ class _Unit:
     act1: tuple[torch.Tensor, torch.Tensor]
     conv1: _Conv
     act2: tuple[torch.Tensor, torch.Tensor]
-    w2: torch.Tensor  # [C, C] linear weight of the 1x1 conv
+    w2: torch.Tensor  # [Cout, Cin] linear weight of the 1x1 conv
+    w2t: torch.Tensor  # [Cin, Cout], for the fused GEMM
     b2: torch.Tensor
+
+
+def _unit(unit: ResidualUnit, snakes: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> _Unit:
+    w = unit.conv2.conv.weight.detach()[:, :, 0]
+    return _Unit(
+        snakes[id(unit.act1)],
+        _conv(unit.conv1),
+        snakes[id(unit.act2)],
+        w.contiguous(),
+        w.t().contiguous(),
+        unit.conv2.conv.bias.detach(),
+    )
 
 
 @dataclass
@@ -77,13 +91,22 @@ def _paired_weight(conv: torch.nn.ConvTranspose1d, r: int) -> torch.Tensor:
 class ChannelsLastConvStack:
     """Transformer output [B, n, latent] -> clamped waveform [B, n * spf] float32, time-major.
 
-    `use_triton` forces (True) or forbids (False) the Triton SnakeBeta; None means "on CUDA"."""
+    `fused` runs each residual unit's SnakeBeta, 1x1 conv, residual add and the next unit's
+    SnakeBeta as one GEMM pass (`snake_gemm`). `use_triton` forces (True) or forbids (False) the
+    Triton kernels; None means "on CUDA"."""
 
     def __init__(
-        self, model: CodecDecoder, reference: CodecDecoder, pool: SlotPool, use_triton: bool | None = None
+        self,
+        model: CodecDecoder,
+        reference: CodecDecoder,
+        pool: SlotPool,
+        *,
+        fused: bool = False,
+        use_triton: bool | None = None,
     ):
         self.pool = pool
         self.samples_per_frame = model.samples_per_frame
+        self.fused = fused
         self.use_triton = use_triton
         snakes = snake_table(reference, model)
         self._upsample = []
@@ -107,16 +130,7 @@ class ChannelsLastConvStack:
                     _paired_weight(trans.conv, trans.stride),
                     trans.conv.bias.detach().repeat(trans.stride),
                     trans.stride,
-                    [
-                        _Unit(
-                            snakes[id(u.act1)],
-                            _conv(u.conv1),
-                            snakes[id(u.act2)],
-                            u.conv2.conv.weight.detach()[:, :, 0].contiguous(),
-                            u.conv2.conv.bias.detach(),
-                        )
-                        for u in units
-                    ],
+                    [_unit(u, snakes) for u in units],
                 )
             )
         final_act: SnakeBeta = layers[-2]
@@ -147,16 +161,48 @@ class ChannelsLastConvStack:
             c_in = z.shape[2]
             hist.index_copy_(0, slots, paired[:, -1:, c_in:])
             z = F.linear(paired, blk.weight, blk.bias).view(b, -1, blk.weight.shape[0] // blk.stride)
-            pending_bias, residual = None, None
-            for unit in blk.units:
-                full, z = self._snake_into(unit.conv1, z, slots, unit.act1, pending_bias, residual)
-                y = self._causal_conv(unit.conv1, full, bias=False)
-                g, _ = snake_nwc(y, y[:, :0], *unit.act2, bias=unit.conv1.bias, use_triton=self.use_triton)
-                residual, z = z, F.linear(g, unit.w2)
-                pending_bias = unit.b2
+            if self.fused:
+                z, pending_bias, residual = self._units_fused(blk.units, z, slots), None, None
+            else:
+                z, pending_bias, residual = self._units(blk.units, z, slots)
         full, _ = self._snake_into(self._final, z, slots, self._final_act, pending_bias, residual, False)
         out = self._causal_conv(self._final, full, bias=True)
         return out.clamp(min=-1.0, max=1.0).reshape(b, n * self.samples_per_frame).float()
+
+    def _units(
+        self, units: list[_Unit], z: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The residual units; returns (z, bias, residual) whose sum is their output."""
+        pending_bias, residual = None, None
+        for unit in units:
+            full, z = self._snake_into(unit.conv1, z, slots, unit.act1, pending_bias, residual)
+            y = self._causal_conv(unit.conv1, full, bias=False)
+            g, _ = snake_nwc(y, y[:, :0], *unit.act2, bias=unit.conv1.bias, use_triton=self.use_triton)
+            residual, z = z, F.linear(g, unit.w2)
+            pending_bias = unit.b2
+        return z, pending_bias, residual
+
+    def _units_fused(self, units: list[_Unit], x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The residual units, each a dilated conv and one `snake_gemm` pass; returns their output."""
+        full, _ = self._snake_into(units[0].conv1, x, slots, units[0].act1, None, None, False)
+        for i, unit in enumerate(units):
+            y = self._causal_conv(unit.conv1, full, bias=False)
+            nxt = units[i + 1] if i + 1 < len(units) else None
+            buf = None if nxt is None else self.pool.buffers[nxt.conv1.key]
+            x, full = snake_gemm(
+                y,
+                unit.conv1.bias,
+                unit.act2,
+                unit.w2t,
+                unit.b2,
+                x,
+                None if nxt is None else nxt.act1,
+                None if buf is None else buf.index_select(0, slots),
+                use_triton=self.use_triton,
+            )
+            if buf is not None:
+                buf.index_copy_(0, slots, full[:, full.shape[1] - nxt.conv1.history :])
+        return x
 
     def _snake_into(
         self,

@@ -33,8 +33,9 @@ from qtts.model.codec_decoder import CausalConv1d, CausalTransConv1d, CodecDecod
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 # "channels_first": the checkpoint's [B, C, T] layout (`conv_stack.ConvStack`, the reference);
-# "channels_last": [B, T, C] with GEMMs, NHWC convs and fused SnakeBeta passes (`conv_stack_cl`).
-CONV_STACKS = ("channels_first", "channels_last")
+# "channels_last": [B, T, C] with GEMMs, NHWC convs and fused SnakeBeta passes (`conv_stack_cl`);
+# "channels_last_fused": the same with each residual unit's tail as one GEMM pass (`snake_gemm`).
+CONV_STACKS = ("channels_first", "channels_last", "channels_last_fused")
 
 
 @contextlib.contextmanager
@@ -128,13 +129,13 @@ class StepRunner:
         self.samples_per_frame = decoder.samples_per_frame
         self.window = cfg.sliding_window
         self.conv_stack = conv_stack
-        channels_last = conv_stack == "channels_last"
+        channels_last = conv_stack.startswith("channels_last")
         layout = state_layout(self.model, time_major=channels_last)
         self.pool = SlotPool(layout, capacity, device=self.device, dtype=self.dtype)
         self.prefix_tail_frames = conv_stack_receptive_frames(self.model)
         self.frames = FrameStage(self.model, decoder, self.pool, self.dtype)
         self.convs: ConvStack | ChannelsLastConvStack = (
-            ChannelsLastConvStack(self.model, decoder, self.pool)
+            ChannelsLastConvStack(self.model, decoder, self.pool, fused=conv_stack.endswith("_fused"))
             if channels_last
             else ConvStack(self.model, decoder, self.pool)
         )

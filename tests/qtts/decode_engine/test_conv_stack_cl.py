@@ -1,4 +1,5 @@
-"""The channels-last conv stack (`conv_stack="channels_last"`) against the reference path: fp32
+"""The channels-last conv stacks (`conv_stack="channels_last"` and `"channels_last_fused"`) against
+the reference path: fp32
 outputs equal the full decode and the channels-first step for every partition of the frames into
 chunks (1-frame chunks included), late joins at every batch bucket, and its Triton SnakeBeta passes
 (run by Triton's interpreter here) equal their torch versions."""
@@ -13,6 +14,7 @@ import torch
 
 from qtts.decode_engine import SlotDecoder, SlotDecoderConfig
 from qtts.decode_engine.runner import StepRunner, state_layout
+from qtts.decode_engine.snake_gemm import snake_gemm
 from qtts.decode_engine.snake_nwc import snake_nwc, snake_nwc_paired, triton_available
 from qtts.decode_engine.snakebeta import snake_factors, snake_reference
 
@@ -20,6 +22,7 @@ SPF = 1920
 # fp32 end to end: the two layouts only sum in a different order (measured ~4e-6 on outputs of
 # magnitude ~1); 1e-4 absolute is 1e-4 relative to the clamp range.
 ATOL = 1e-4
+FAST = ("channels_last", "channels_last_fused")
 
 
 def _codes(t: int, seed: int, batch: int | None = None) -> torch.Tensor:
@@ -51,11 +54,11 @@ def test_history_layout_is_time_major_for_the_conv_stack_only(tiny_codec_decoder
 
 
 def test_every_partition_of_the_frames_equals_the_full_decode(tiny_codec_decoder):
-    """All 64 ways to cut 7 frames into chunks, 3 streams a batch, both layouts, fp32."""
+    """All 64 ways to cut 7 frames into chunks, 3 streams a batch, every layout, fp32."""
     dec = tiny_codec_decoder
     codes = _codes(7, seed=3, batch=3)
     full = dec.decode(codes)
-    runners = {cs: StepRunner(dec, 3, conv_stack=cs) for cs in ("channels_first", "channels_last")}
+    runners = {cs: StepRunner(dec, 3, conv_stack=cs) for cs in ("channels_first", *FAST)}
     parts = list(_compositions(7))
     assert len(parts) == 64 and [1] * 7 in parts
     for sizes in parts:
@@ -68,13 +71,15 @@ def test_every_partition_of_the_frames_equals_the_full_decode(tiny_codec_decoder
                 pieces.append(run.run_eager([0, 1, 2], [off] * 3, list(codes[:, off : off + n])))
                 off += n
             got[cs] = torch.cat(pieces, dim=1)
-        torch.testing.assert_close(got["channels_last"], full, atol=ATOL, rtol=0, msg=f"chunks {sizes}")
-        torch.testing.assert_close(got["channels_last"], got["channels_first"], atol=ATOL, rtol=0)
+        for cs in FAST:
+            torch.testing.assert_close(got[cs], full, atol=ATOL, rtol=0, msg=f"{cs} chunks {sizes}")
+            torch.testing.assert_close(got[cs], got["channels_first"], atol=ATOL, rtol=0)
     assert full.abs().max() > 0.1  # not a trivially silent output
 
 
+@pytest.mark.parametrize("conv_stack", FAST)
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static-buffers"])
-def test_late_joins_at_every_batch_bucket_equal_one_full_decode(tiny_codec_decoder, static):
+def test_late_joins_at_every_batch_bucket_equal_one_full_decode(tiny_codec_decoder, static, conv_stack):
     """Streams join one by one (1..8 live: buckets 1, 2, 4 and 8, padded rows in between), each at
     its own position, chunk sizes captured and not; every stream equals its own full decode."""
     engine = SlotDecoder(
@@ -85,11 +90,11 @@ def test_late_joins_at_every_batch_bucket_equal_one_full_decode(tiny_codec_decod
             emulate_graphs=static,
             batch_sizes=(1, 2, 4, 8),
             chunk_sizes=(1, 2, 4),
-            conv_stack="channels_last",
+            conv_stack=conv_stack,
         ),
     )
     engine.capture()
-    assert engine.runner.conv_stack == "channels_last"
+    assert engine.runner.conv_stack == conv_stack
     streams = [_codes(40, seed=20 + i) for i in range(8)]
     states, outs, offs = [], [], []
     for step in range(10):
@@ -112,23 +117,25 @@ def test_prefix_and_mixed_chunks_match_the_reference_layout(tiny_codec_decoder):
     """An ICL prefix (trimmed tail path) then chunks past the attention window, both layouts."""
     outs = {}
     prefix, codes = _codes(30, seed=40), _codes(90, seed=41)
-    for cs in ("channels_first", "channels_last"):
+    for cs in ("channels_first", *FAST):
         engine = SlotDecoder(tiny_codec_decoder, SlotDecoderConfig(max_streams=2, conv_stack=cs))
         state = engine.start(prefix)
         outs[cs] = torch.cat([engine.decode(state, codes[o : o + 25]) for o in range(0, 90, 25)])
     want = tiny_codec_decoder.decode(torch.cat([prefix, codes]))[30 * SPF :]
-    torch.testing.assert_close(outs["channels_last"], want, atol=ATOL, rtol=0)
-    torch.testing.assert_close(outs["channels_last"], outs["channels_first"], atol=ATOL, rtol=0)
+    for cs in FAST:
+        torch.testing.assert_close(outs[cs], want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(outs[cs], outs["channels_first"], atol=ATOL, rtol=0)
 
 
-def test_bf16_channels_last_snr_against_fp32(tiny_codec_decoder):
+@pytest.mark.parametrize("conv_stack", FAST)
+def test_bf16_channels_last_snr_against_fp32(tiny_codec_decoder, conv_stack):
     def snr(ref: torch.Tensor, x: torch.Tensor) -> float:
         noise = (ref.double() - x.double()).pow(2).sum()
         return 10.0 * torch.log10(ref.double().pow(2).sum() / noise).item()
 
     codes = _codes(40, seed=5, batch=3)
     full = tiny_codec_decoder.decode(codes)
-    run = StepRunner(tiny_codec_decoder, 3, precision="bf16", conv_stack="channels_last")
+    run = StepRunner(tiny_codec_decoder, 3, precision="bf16", conv_stack=conv_stack)
     got = torch.cat(
         [run.run_eager([0, 1, 2], [o] * 3, list(codes[:, o : o + 8])) for o in range(0, 40, 8)], 1
     )
@@ -201,20 +208,46 @@ def test_triton_paired_layout_equals_torch():
 
 
 @needs_triton
+@pytest.mark.parametrize("width", [(24, 24), (4, 4), (96, 40)], ids=["24", "4", "96to40"])
+@pytest.mark.parametrize("next_act", [True, False], ids=["next-act", "last-unit"])
+def test_triton_snake_gemm_equals_torch(width, next_act):
+    k, n = width
+    g = torch.Generator().manual_seed(6)
+    y, res = torch.randn(2, 37, k, generator=g), torch.randn(2, 37, n, generator=g)
+    w2t, hist = torch.randn(k, n, generator=g) / k**0.5, torch.randn(2, 6, n, generator=g)
+    b1, b2 = torch.randn(k, generator=g), torch.randn(n, generator=g)
+    act2 = _factors(k, 7)[2]
+    act1 = _factors(n, 8)[2] if next_act else None
+    args = [t.to(DEVICE) for t in (y, b1)], [t.to(DEVICE) for t in (w2t, b2, res)]
+    history = hist.to(DEVICE) if next_act else None
+    got = snake_gemm(*args[0], act2, *args[1], act1, history, use_triton=True)
+    ref = snake_gemm(*args[0], act2, *args[1], act1, history, use_triton=False)
+    # The formula, spelled out once more.
+    v = y + b1
+    a2, ib2 = (t.cpu() for t in act2)
+    x_new = (v + ib2 * torch.sin(v * a2) ** 2) @ w2t + b2 + res
+    torch.testing.assert_close(got[0].cpu(), x_new, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    if next_act:
+        a1, ib1 = (t.cpu() for t in act1)
+        want = torch.cat([hist, x_new + ib1 * torch.sin(x_new * a1) ** 2], dim=1)
+        assert got[1].shape == (2, 43, n)
+        torch.testing.assert_close(got[1].cpu(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+    else:
+        assert got[1] is None and ref[1] is None
+
+
+@needs_triton
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="slow"
 )
-def test_conv_stack_with_triton_passes_equals_the_full_decode(tiny_codec_decoder):
-    """The whole channels-last step with its Triton passes (tiny: 2 streams, 3 + 2 frames)."""
+@pytest.mark.parametrize("conv_stack", FAST)
+def test_conv_stack_with_triton_passes_equals_the_full_decode(tiny_codec_decoder, conv_stack):
+    """The whole channels-last step with its Triton passes (tiny: 1 stream, 1 + 1 frames)."""
     dec = tiny_codec_decoder
-    codes = _codes(5, seed=9, batch=2)
-    run = StepRunner(dec, 2, conv_stack="channels_last")
+    codes = _codes(2, seed=9, batch=1)
+    run = StepRunner(dec, 1, conv_stack=conv_stack)
     run.convs.use_triton = True
-    got = torch.cat(
-        [
-            run.run_eager([0, 1], [0, 0], list(codes[:, :3])),
-            run.run_eager([0, 1], [3, 3], list(codes[:, 3:])),
-        ],
-        1,
-    )
+    got = torch.cat([run.run_eager([0], [0], [codes[0, :1]]), run.run_eager([0], [1], [codes[0, 1:]])], 1)
     torch.testing.assert_close(got, dec.decode(codes), atol=ATOL, rtol=0)

@@ -226,7 +226,7 @@ def test_config_validation():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-@pytest.mark.parametrize("conv_stack", ["channels_first", "channels_last"])
+@pytest.mark.parametrize("conv_stack", ["channels_first", "channels_last", "channels_last_fused"])
 def test_cuda_graphs_match_the_full_decode(decoder, precision, conv_stack):
     dec = decoder.to("cuda")
     try:

@@ -1,0 +1,156 @@
+"""The tail of a residual unit and the head of the next in one GEMM pass, time-major rows:
+
+    g      = snake2(y + b1)                   prologue, on each tile of the GEMM's input
+    x_new  = g @ W2^T + b2 + residual         the unit's 1x1 conv and residual add (epilogue)
+    act    = snake1_next(x_new)               the next unit's activation, written after its
+                                              carried history in that unit's conv input
+
+y [M, K] is the unit's dilated conv output (M = B*T rows), x_new [M, N] the residual stream. Apart
+from the conv, a residual unit then reads two tensors and writes two, instead of eight passes for a
+separate SnakeBeta, GEMM, residual add and SnakeBeta. On CUDA (or under TRITON_INTERPRET=1 when
+asked) this is one Triton kernel, accumulation in float32; the torch version computes the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qtts.decode_engine.snake_nwc import tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _snake_gemm_kernel(
+        y_ptr,
+        w_ptr,
+        b1_ptr,
+        a2_ptr,
+        ib2_ptr,
+        b2_ptr,
+        res_ptr,
+        a1_ptr,
+        ib1_ptr,
+        x_ptr,
+        act_ptr,
+        M,
+        steps,
+        act_batch_stride,
+        act_row_offset,
+        N: tl.constexpr,  # channels are few per model: one compiled kernel per width
+        K: tl.constexpr,
+        WRITE_ACT: tl.constexpr,
+        IEEE: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            k_ok = rk < K
+            a = tl.load(y_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a = a.to(tl.float32) + tl.load(b1_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            al = tl.load(a2_ptr + rk, mask=k_ok, other=0.0)
+            ib = tl.load(ib2_ptr + rk, mask=k_ok, other=0.0)
+            s = tl.sin(a * al[None, :])
+            g = (a + ib[None, :] * s * s).to(w_ptr.dtype.element_ty)  # masked columns stay 0
+            w = tl.load(w_ptr + rk[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(g, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(g, w, acc)
+        mask = m_ok[:, None] & n_ok[None, :]
+        acc = acc + tl.load(b2_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc = acc + tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(x_ptr + rm[:, None] * N + rn[None, :], acc.to(x_ptr.dtype.element_ty), mask=mask)
+        if WRITE_ACT:
+            al1 = tl.load(a1_ptr + rn, mask=n_ok, other=0.0)
+            ib1 = tl.load(ib1_ptr + rn, mask=n_ok, other=0.0)
+            s1 = tl.sin(acc * al1[None, :])
+            v = (acc + ib1[None, :] * s1 * s1).to(act_ptr.dtype.element_ty)
+            b = rm // steps
+            t = rm % steps
+            dst = act_ptr + b[:, None] * act_batch_stride + (t[:, None] + act_row_offset) * N + rn[None, :]
+            tl.store(dst, v, mask=mask)
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    p = lo
+    while p < n and p < hi:
+        p *= 2
+    return p
+
+
+def snake_gemm(
+    y: torch.Tensor,
+    b1: torch.Tensor,
+    act2: tuple[torch.Tensor, torch.Tensor],
+    w2t: torch.Tensor,
+    b2: torch.Tensor,
+    residual: torch.Tensor,
+    act_next: tuple[torch.Tensor, torch.Tensor] | None = None,
+    history_next: torch.Tensor | None = None,
+    *,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x_new [B, T, N], cat(history_next, snake1_next(x_new)) [B, h + T, N] or None) for
+    y [B, T, K], w2t [K, N] (the 1x1 conv's weight, transposed), residual [B, T, N]."""
+    b, t, k = y.shape
+    n = w2t.shape[1]
+    if use_triton is None:
+        use_triton = y.is_cuda and triton is not None
+    if not use_triton:
+        v = y.float() + b1.float()
+        g = (v + act2[1] * torch.sin(v * act2[0]).pow(2)).to(y.dtype)
+        acc = torch.matmul(g.float(), w2t.float()) + b2.float() + residual.float()
+        if act_next is None:
+            return acc.to(y.dtype), None
+        # The next activation is applied to the unrounded sum, as in the kernel.
+        act = (acc + act_next[1] * torch.sin(acc * act_next[0]).pow(2)).to(y.dtype)
+        return acc.to(y.dtype), torch.cat([history_next.to(y.dtype), act], dim=1)
+    y = y.contiguous()
+    residual = residual.contiguous()
+    x_new = torch.empty(b, t, n, device=y.device, dtype=y.dtype)
+    full = None
+    h = 0
+    if act_next is not None:
+        h = history_next.shape[1]
+        full = torch.empty(b, h + t, n, device=y.device, dtype=y.dtype)
+        if h:
+            full[:, :h] = history_next
+    m = b * t
+    if m == 0:
+        return x_new, full
+    bm, bn, bk = 128, _pow2(n, 16, 128), _pow2(k, 16, 64)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    a1, ib1 = act_next if act_next is not None else act2
+    _snake_gemm_kernel[grid](
+        y,
+        w2t,
+        b1,
+        act2[0],
+        act2[1],
+        b2,
+        residual,
+        a1,
+        ib1,
+        x_new,
+        x_new if full is None else full,
+        m,
+        t,
+        (h + t) * n,
+        h,
+        N=n,
+        K=k,
+        WRITE_ACT=act_next is not None,
+        IEEE=y.dtype == torch.float32,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        num_warps=8 if bn >= 64 else 4,
+    )
+    return x_new, full
