@@ -11,7 +11,8 @@ channels-first, the reference; channels-last; channels-last fused) is measured i
 2. SNR against the strict fp32 reference engine (channels-first, eager) on the same codes;
 3. first-chunk latency at batch 1: a 1-4 frame first chunk of a fresh stream (wall time of
    `decode`, sync included), and `start` with an ICL prefix;
-4. with `--stateless`: cost per new frame of a 4- and a 25-frame chunk, stateful vs a stateless
+4. a per-kernel GPU time profile of one eager step per variant (`--no-profile` skips it);
+5. with `--stateless`: cost per new frame of a 4- and a 25-frame chunk, stateful vs a stateless
    decode that re-decodes `--context` left-context frames (GPU time of the captured steps).
 
 A short table compares the variants; `--out` writes everything as JSON.
@@ -167,6 +168,51 @@ def stateful_vs_stateless(
     return rows
 
 
+def kernel_profile(eng: SlotDecoder, batch: int, chunk: int, top: int = 12) -> list[dict]:
+    """GPU time by kernel of one eager step (batch x chunk frames, past the window): where a
+    variant spends its frame. Eager, so every kernel is visible; the graph replays the same ones."""
+    if not torch.cuda.is_available():
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    run = eng.runner
+    states = [eng.start() for _ in range(batch)]
+    slots, positions = [s.slot for s in states], [eng.window + 1] * batch
+    codes = [_codes(chunk, seed=i) for i in range(batch)]
+    try:
+        for _ in range(2):
+            run.run_eager(slots, positions, codes)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run.run_eager(slots, positions, codes)
+            sync()
+        # Kernels only (an operator's device time would count its kernels twice).
+        events = [
+            e for e in prof.key_averages() if str(e.device_type).endswith("CUDA") and e.device_time_total > 0
+        ]
+    except Exception as e:  # a profiler that cannot start must not cost the timing results
+        print(f"  profile skipped: {e}", flush=True)
+        return []
+    finally:
+        for s in states:
+            eng.free(s)
+    total = sum(e.device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    rows = [
+        {
+            "kernel": e.key[:90],
+            "calls": e.count,
+            "us_per_frame": e.device_time_total / (batch * chunk),
+            "share": e.device_time_total / total,
+        }
+        for e in events[:top]
+    ]
+    print(f"  step total {total / (batch * chunk):.2f} us a frame (eager, kernels only)")
+    for r in rows:
+        print(f"  {r['us_per_frame']:7.2f} us/f {100 * r['share']:5.1f}% x{r['calls']:<4d} {r['kernel']}")
+    return rows
+
+
 def first_chunk_latency(eng: SlotDecoder, iters: int, prefix_frames: int) -> list[dict]:
     """Wall time of `decode` of a fresh stream's 1-4 frame first chunk (sync included)."""
     rows = []
@@ -227,6 +273,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--eager", action="store_true", help="also measure the eager (no graph) engine")
     p.add_argument("--stateless", action="store_true", help="also compare with stateless re-decoding")
+    p.add_argument(
+        "--no-profile", dest="profile", action="store_false", help="skip the per-kernel profile of a step"
+    )
     p.add_argument("--cost-batch", type=int, default=128)
     p.add_argument("--contexts", type=int, nargs="+", default=[12, 25])
     p.add_argument("--prefix-frames", type=int, default=75, help="ICL prefix for the start() latency")
@@ -261,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "snr_db": {},
         "stateful_vs_stateless": {},
         "first_chunk": {},
+        "kernel_profile": {},
     }
     _measure(dec, args, result)
     result["summary"] = _summary(args, result)
@@ -309,6 +359,11 @@ def _measure(dec: Any, args: argparse.Namespace, result: dict[str, Any]) -> None
                     )
                 print(f"== {key}: first chunk at batch 1", flush=True)
                 result["first_chunk"][key] = first_chunk_latency(eng, args.iters, args.prefix_frames)
+                if args.profile:
+                    print(
+                        f"== {key}: kernel profile (batch {args.cost_batch}, chunk {args.chunk})", flush=True
+                    )
+                    result["kernel_profile"][key] = kernel_profile(eng, args.cost_batch, args.chunk)
             del eng
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
