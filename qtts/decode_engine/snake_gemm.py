@@ -44,7 +44,8 @@ if triton is not None:
         BN: tl.constexpr,
         BK: tl.constexpr,
     ):
-        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rm64 = rm.to(tl.int64)  # row bases in 64 bits, offsets within a row in 32
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         m_ok = rm < M
         n_ok = rn < N
@@ -52,7 +53,9 @@ if triton is not None:
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
             k_ok = rk < K
-            a = tl.load(y_ptr + rm[:, None] * K + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(
+                (y_ptr + rm64 * K)[:, None] + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
             a = a.to(tl.float32) + tl.load(b1_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             al = tl.load(a2_ptr + rk, mask=k_ok, other=0.0)
             ib = tl.load(ib2_ptr + rk, mask=k_ok, other=0.0)
@@ -65,16 +68,17 @@ if triton is not None:
                 acc = tl.dot(g, w, acc)
         mask = m_ok[:, None] & n_ok[None, :]
         acc = acc + tl.load(b2_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        acc = acc + tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(x_ptr + rm[:, None] * N + rn[None, :], acc.to(x_ptr.dtype.element_ty), mask=mask)
+        acc = acc + tl.load((res_ptr + rm64 * N)[:, None] + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store((x_ptr + rm64 * N)[:, None] + rn[None, :], acc.to(x_ptr.dtype.element_ty), mask=mask)
         if WRITE_ACT:
             al1 = tl.load(a1_ptr + rn, mask=n_ok, other=0.0)
             ib1 = tl.load(ib1_ptr + rn, mask=n_ok, other=0.0)
             s1 = tl.sin(acc * al1[None, :])
             v = (acc + ib1[None, :] * s1 * s1).to(act_ptr.dtype.element_ty)
-            b = rm // steps
+            b = rm // steps  # 32-bit division; the address is formed in 64 bits
             t = rm % steps
-            dst = act_ptr + b[:, None] * act_batch_stride + (t[:, None] + act_row_offset) * N + rn[None, :]
+            row = b.to(tl.int64) * act_batch_stride + (t + act_row_offset).to(tl.int64) * N
+            dst = (act_ptr + row)[:, None] + rn[None, :]
             tl.store(dst, v, mask=mask)
 
 
@@ -125,7 +129,8 @@ def snake_gemm(
     m = b * t
     if m == 0:
         return x_new, full
-    bm, bn, bk = 128, _pow2(n, 16, 128), _pow2(k, 16, 64)
+    # BM 64 x BN 128 with 8 warps compiles for sm_90 without register spills; 128 x 128 spills.
+    bm, bn, bk = 64, _pow2(n, 16, 128), _pow2(k, 16, 64)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     a1, ib1 = act_next if act_next is not None else act2
     _snake_gemm_kernel[grid](

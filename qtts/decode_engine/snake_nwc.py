@@ -45,7 +45,7 @@ if triton is not None:
         inv_beta_ptr,
         sum_ptr,
         out_ptr,
-        total,
+        rows,
         channels,
         steps,
         out_batch_stride,
@@ -55,35 +55,43 @@ if triton is not None:
         HAS_RES: tl.constexpr,
         WRITE_SUM: tl.constexpr,
         PAIRED: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < total
-        c = offs % channels
-        row = offs // channels
-        t = row % steps
-        b = row // steps
-        v = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        # A tile of (b, t) rows x channels: the row arithmetic is per row and in 32 bits, the
+        # addresses in 64 (a step may hold more than 2^31 elements).
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        r_ok = r < rows
+        c_ok = c < channels
+        m = r_ok[:, None] & c_ok[None, :]
+        src = (r.to(tl.int64) * channels)[:, None] + c[None, :]
+        v = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            v = v + tl.load(bias_ptr + c, mask=m, other=0.0).to(tl.float32)
+            v = v + tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_RES:
-            v = v + tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            v = v + tl.load(res_ptr + src, mask=m, other=0.0).to(tl.float32)
         if WRITE_SUM:
-            tl.store(sum_ptr + offs, v.to(sum_ptr.dtype.element_ty), mask=m)
-        a = tl.load(alpha_ptr + c, mask=m, other=0.0)
-        ib = tl.load(inv_beta_ptr + c, mask=m, other=0.0)
+            tl.store(sum_ptr + src, v.to(sum_ptr.dtype.element_ty), mask=m)
+        a = tl.load(alpha_ptr + c, mask=c_ok, other=0.0)[None, :]
+        ib = tl.load(inv_beta_ptr + c, mask=c_ok, other=0.0)[None, :]
         s = tl.sin(v * a)
         y = (v + ib * s * s).to(out_ptr.dtype.element_ty)
-        base = out_ptr + b * out_batch_stride + c
+        b = r // steps
+        t = r % steps
+        base = b.to(tl.int64) * out_batch_stride
         if PAIRED:
             # Own step in the second half of row t, previous step of row t + 1 in the first half.
-            tl.store(base + t * out_row_stride + channels, y, mask=m)
-            tl.store(base + (t + 1) * out_row_stride, y, mask=m & (t + 1 < steps))
+            own = base + t.to(tl.int64) * out_row_stride + channels
+            tl.store(out_ptr + own[:, None] + c[None, :], y, mask=m)
+            nxt = base + (t + 1).to(tl.int64) * out_row_stride
+            tl.store(out_ptr + nxt[:, None] + c[None, :], y, mask=m & (t + 1 < steps)[:, None])
         else:
-            tl.store(base + (t + out_row_offset) * out_row_stride, y, mask=m)
+            dst = base + (t + out_row_offset).to(tl.int64) * out_row_stride
+            tl.store(out_ptr + dst[:, None] + c[None, :], y, mask=m)
 
 
-_BLOCK = 1024
+_TILE = 4096  # elements per program
 
 
 def _torch_value(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
@@ -169,10 +177,11 @@ def _launch(
     x = x.contiguous()
     res = residual.contiguous() if residual is not None else x
     total = torch.empty_like(x) if want_sum else None
-    n = b * t * c
-    if n == 0:
+    if b * t * c == 0:
         return total
-    grid = (triton.cdiv(n, _BLOCK),)
+    block_c = min(triton.next_power_of_2(c), 128)
+    block_r = _TILE // block_c
+    grid = (triton.cdiv(b * t, block_r), triton.cdiv(c, block_c))
     _snake_nwc_kernel[grid](
         x,
         res,
@@ -181,7 +190,7 @@ def _launch(
         inv_beta,
         x if total is None else total,
         out,
-        n,
+        b * t,
         c,
         t,
         out.stride(0),
@@ -191,7 +200,8 @@ def _launch(
         HAS_RES=residual is not None,
         WRITE_SUM=want_sum,
         PAIRED=paired,
-        BLOCK=_BLOCK,
-        num_warps=4,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=8,
     )
     return total
