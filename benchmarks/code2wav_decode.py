@@ -29,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -311,19 +312,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stateful_vs_stateless": {},
         "first_chunk": {},
         "kernel_profile": {},
+        "errors": {},
     }
     _measure(dec, args, result)
     result["summary"] = _summary(args, result)
     _print_summary(args, result)
+    _save(args, result)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")
-    return 0
+    return 1 if result["errors"] else 0
 
 
 def _measure(dec: Any, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """Every variant (graph, and eager with --eager) against the fp32 reference, into `result`."""
+    """Every variant (graph, and eager with --eager) against the fp32 reference, into `result`.
+
+    A variant that fails is recorded under "errors" and the others still run; with --out the JSON
+    is rewritten after every variant, so a run cut short keeps what it measured."""
+    ref = _engine(dec, "fp32", False, 8, (), (), args.max_step_frames)
+    for variant in args.variants:
+        precision, _, conv_stack = variant.partition(":")
+        for graphs in (True, False) if args.eager else (True,):
+            key = f"{precision}_{conv_stack}_{'graph' if graphs else 'eager'}"
+            try:
+                _measure_variant(dec, ref, args, result, key, precision, conv_stack, graphs)
+            except Exception as e:  # one broken variant must not cost the others' numbers
+                traceback.print_exc()
+                result["errors"][key] = repr(e)
+                print(f"== {key}: FAILED {e!r}", flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            _save(args, result)
+
+
+def _measure_variant(
+    dec: Any,
+    ref: SlotDecoder,
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    key: str,
+    precision: str,
+    conv_stack: str,
+    graphs: bool,
+) -> None:
     stream_cap = max(max(args.streams), args.cost_batch)
     batches = sorted(set(args.streams) | {args.cost_batch, 1, 2, 4})
     cost_chunks = (4, 25)
@@ -331,42 +361,39 @@ def _measure(dec: Any, args: argparse.Namespace, result: dict[str, Any]) -> None
     chunks = sorted({1, 2, 3, 4, args.chunk, *(cost_chunks if args.stateless else ())})
     # The stateless comparison's longer steps, captured at the cost batch only.
     extra = [(args.cost_batch, f) for f in stateless if f <= 72] if args.stateless else []
-    ref = _engine(dec, "fp32", False, 8, (), (), args.max_step_frames)
-    for variant in args.variants:
-        precision, _, conv_stack = variant.partition(":")
-        for graphs in (True, False) if args.eager else (True,):
-            key = f"{precision}_{conv_stack}_{'graph' if graphs else 'eager'}"
-            eng = _engine(
-                dec,
-                precision,
-                graphs,
-                stream_cap,
-                chunks if graphs else (),
-                batches if graphs else (),
-                args.max_step_frames,
-                extra if graphs else (),
-                conv_stack=conv_stack,
-            )
-            print(f"== {key}: steady state", flush=True)
-            result["steady_state"][key] = steady_state(eng, args.streams, args.chunk, args.iters)
-            if graphs:
-                result["snr_db"][key] = snr_against(ref, eng)
-                print(f"  SNR {key} vs fp32: {result['snr_db'][key]:.1f} dB", flush=True)
-                if args.stateless:
-                    print(f"== {key}: stateful vs stateless (batch {args.cost_batch})", flush=True)
-                    result["stateful_vs_stateless"][key] = stateful_vs_stateless(
-                        eng, args.cost_batch, cost_chunks, args.contexts, args.iters
-                    )
-                print(f"== {key}: first chunk at batch 1", flush=True)
-                result["first_chunk"][key] = first_chunk_latency(eng, args.iters, args.prefix_frames)
-                if args.profile:
-                    print(
-                        f"== {key}: kernel profile (batch {args.cost_batch}, chunk {args.chunk})", flush=True
-                    )
-                    result["kernel_profile"][key] = kernel_profile(eng, args.cost_batch, args.chunk)
-            del eng
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    eng = _engine(
+        dec,
+        precision,
+        graphs,
+        stream_cap,
+        chunks if graphs else (),
+        batches if graphs else (),
+        args.max_step_frames,
+        extra if graphs else (),
+        conv_stack=conv_stack,
+    )
+    print(f"== {key}: steady state", flush=True)
+    result["steady_state"][key] = steady_state(eng, args.streams, args.chunk, args.iters)
+    if not graphs:
+        return
+    result["snr_db"][key] = snr_against(ref, eng)
+    print(f"  SNR {key} vs fp32: {result['snr_db'][key]:.1f} dB", flush=True)
+    if args.stateless:
+        print(f"== {key}: stateful vs stateless (batch {args.cost_batch})", flush=True)
+        result["stateful_vs_stateless"][key] = stateful_vs_stateless(
+            eng, args.cost_batch, cost_chunks, args.contexts, args.iters
+        )
+    print(f"== {key}: first chunk at batch 1", flush=True)
+    result["first_chunk"][key] = first_chunk_latency(eng, args.iters, args.prefix_frames)
+    if args.profile:
+        print(f"== {key}: kernel profile (batch {args.cost_batch}, chunk {args.chunk})", flush=True)
+        result["kernel_profile"][key] = kernel_profile(eng, args.cost_batch, args.chunk)
+
+
+def _save(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
 
 
 def _summary(args: argparse.Namespace, result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -399,6 +426,8 @@ def _print_summary(args: argparse.Namespace, result: dict[str, Any]) -> None:
         cells.append("-" if row["snr_db"] is None else f"{row['snr_db']:.1f}")
         cells.append("-" if row["first_chunk_1f_ms"] is None else f"{row['first_chunk_1f_ms']:.2f}")
         print(" | ".join(cells))
+    for key, err in result["errors"].items():
+        print(f"{key}: FAILED {err}")
 
 
 if __name__ == "__main__":
