@@ -13,7 +13,7 @@ def test_one_run_compares_the_conv_stacks(tiny_codec_dir, tmp_path, capsys):
     out = tmp_path / "dec.json"
     argv = ["--model", str(tiny_codec_dir), "--load-format", "auto", "--device", "cpu"]
     argv += ["--streams", "2", "--chunk", "2", "--iters", "1", "--prefix-frames", "3", "--revision", "test"]
-    argv += ["--variants", "fp32:channels_first", "fp32:channels_last", "--out", str(out)]
+    argv += ["--precisions", "fp32", "--conv-stacks", "channels_first", "channels_last", "--out", str(out)]
     assert code2wav_decode.main(argv) == 0
     result = json.loads(out.read_text())
     keys = ["fp32_channels_first_graph", "fp32_channels_last_graph"]
@@ -37,7 +37,7 @@ def test_a_failing_variant_is_recorded_and_the_others_still_run(tiny_codec_dir, 
     out = tmp_path / "dec.json"
     argv = ["--model", str(tiny_codec_dir), "--load-format", "auto", "--device", "cpu", "--no-profile"]
     argv += ["--streams", "1", "--chunk", "1", "--iters", "1", "--prefix-frames", "2", "--revision", "test"]
-    argv += ["--variants", "fp32:channels_last", "fp32:channels_first", "--out", str(out)]
+    argv += ["--precisions", "fp32", "--conv-stacks", "channels_last", "channels_first", "--out", str(out)]
     assert code2wav_decode.main(argv) == 1
     result = json.loads(out.read_text())
     assert "kernel failed" in result["errors"]["fp32_channels_last_graph"]
