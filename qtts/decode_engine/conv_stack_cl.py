@@ -147,25 +147,15 @@ class ChannelsLastConvStack:
             h = h + block.gamma * y
         # `pending` bias / residual are added by the next SnakeBeta pass, never on their own.
         z = self._causal_conv(self._first, self._with_history(self._first, h, slots), bias=False)
-        pending_bias, residual = self._first.bias, None
-        for blk in self._blocks:
-            hist = self.pool.buffers[blk.key]
-            paired = snake_nwc_paired(
-                z,
-                hist.index_select(0, slots),
-                *blk.act,
-                bias=pending_bias,
-                residual=residual,
-                use_triton=self.use_triton,
-            )
-            c_in = z.shape[2]
-            hist.index_copy_(0, slots, paired[:, -1:, c_in:])
-            z = F.linear(paired, blk.weight, blk.bias).view(b, -1, blk.weight.shape[0] // blk.stride)
-            if self.fused:
-                z, pending_bias, residual = self._units_fused(blk.units, z, slots), None, None
-            else:
+        if self.fused:
+            full = self._blocks_fused(z, slots)
+        else:
+            pending_bias, residual = self._first.bias, None
+            for blk in self._blocks:
+                paired = self._paired(blk, z, slots, pending_bias, residual)
+                z = F.linear(paired, blk.weight, blk.bias).view(b, -1, blk.weight.shape[0] // blk.stride)
                 z, pending_bias, residual = self._units(blk.units, z, slots)
-        full, _ = self._snake_into(self._final, z, slots, self._final_act, pending_bias, residual, False)
+            full, _ = self._snake_into(self._final, z, slots, self._final_act, pending_bias, residual, False)
         out = self._causal_conv(self._final, full, bias=True)
         return out.clamp(min=-1.0, max=1.0).reshape(b, n * self.samples_per_frame).float()
 
@@ -182,13 +172,50 @@ class ChannelsLastConvStack:
             pending_bias = unit.b2
         return z, pending_bias, residual
 
-    def _units_fused(self, units: list[_Unit], x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The residual units, each a dilated conv and one `snake_gemm` pass; returns their output."""
+    def _paired(
+        self,
+        blk: _Block,
+        z: torch.Tensor,
+        slots: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The block's transposed-conv input rows (act[t-1], act[t]); writes its history back."""
+        hist = self.pool.buffers[blk.key]
+        paired = snake_nwc_paired(
+            z, hist.index_select(0, slots), *blk.act, bias=bias, residual=residual, use_triton=self.use_triton
+        )
+        hist.index_copy_(0, slots, paired[:, -1:, z.shape[2] :])
+        return paired
+
+    def _blocks_fused(self, z: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The decoder blocks with fused residual units; returns the final conv's input."""
+        b = z.shape[0]
+        paired = self._paired(self._blocks[0], z, slots, self._first.bias, None)
+        for i, blk in enumerate(self._blocks):
+            x = F.linear(paired, blk.weight, blk.bias).view(b, -1, blk.weight.shape[0] // blk.stride)
+            nxt = self._blocks[i + 1] if i + 1 < len(self._blocks) else None
+            paired = self._units_fused(blk.units, x, slots, nxt)
+        return paired  # after the last block: the final conv's input, history first
+
+    def _units_fused(
+        self, units: list[_Unit], x: torch.Tensor, slots: torch.Tensor, nxt: _Block | None
+    ) -> torch.Tensor:
+        """A block's residual units, each a dilated conv and one `snake_gemm` pass whose epilogue
+        writes the next consumer's input: the next unit's conv, the next block's transposed conv
+        (paired rows) or, after the last block, the final conv."""
         full, _ = self._snake_into(units[0].conv1, x, slots, units[0].act1, None, None, False)
         for i, unit in enumerate(units):
             y = self._causal_conv(unit.conv1, full, bias=False)
-            nxt = units[i + 1] if i + 1 < len(units) else None
-            buf = None if nxt is None else self.pool.buffers[nxt.conv1.key]
+            last = i + 1 == len(units)
+            if not last:
+                key, act, keep = units[i + 1].conv1.key, units[i + 1].act1, units[i + 1].conv1.history
+            elif nxt is not None:
+                key, act, keep = nxt.key, nxt.act, 1
+            else:
+                key, act, keep = self._final.key, self._final_act, self._final.history
+            buf = self.pool.buffers[key]
+            paired = last and nxt is not None
             x, full = snake_gemm(
                 y,
                 unit.conv1.bias,
@@ -196,13 +223,15 @@ class ChannelsLastConvStack:
                 unit.w2t,
                 unit.b2,
                 x,
-                None if nxt is None else nxt.act1,
-                None if buf is None else buf.index_select(0, slots),
+                act,
+                buf.index_select(0, slots),
+                paired=paired,
+                want_x=not last,
                 use_triton=self.use_triton,
             )
-            if buf is not None:
-                buf.index_copy_(0, slots, full[:, full.shape[1] - nxt.conv1.history :])
-        return x
+            tail = full[:, -1:, full.shape[2] // 2 :] if paired else full[:, full.shape[1] - keep :]
+            buf.index_copy_(0, slots, tail)
+        return full
 
     def _snake_into(
         self,

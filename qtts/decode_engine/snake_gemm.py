@@ -5,6 +5,9 @@
     act    = snake1_next(x_new)               the next unit's activation, written after its
                                               carried history in that unit's conv input
 
+After a block's last unit the next activation is the next block's (written in the "paired" layout
+of its transposed conv, see `snake_nwc`) or the final one, and x_new itself is not needed.
+
 y [M, K] is the unit's dilated conv output (M = B*T rows), x_new [M, N] the residual stream. Apart
 from the conv, a residual unit then reads two tensors and writes two, instead of eight passes for a
 separate SnakeBeta, GEMM, residual add and SnakeBeta. On CUDA (or under TRITON_INTERPRET=1 when
@@ -35,10 +38,12 @@ if triton is not None:
         M,
         steps,
         act_batch_stride,
+        act_row_stride,
         act_row_offset,
         N: tl.constexpr,  # channels are few per model: one compiled kernel per width
         K: tl.constexpr,
-        WRITE_ACT: tl.constexpr,
+        WRITE_X: tl.constexpr,
+        ACT_MODE: tl.constexpr,  # 0: none, 1: after the history, 2: paired (prev | own step)
         IEEE: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
@@ -69,17 +74,24 @@ if triton is not None:
         mask = m_ok[:, None] & n_ok[None, :]
         acc = acc + tl.load(b2_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc = acc + tl.load((res_ptr + rm64 * N)[:, None] + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store((x_ptr + rm64 * N)[:, None] + rn[None, :], acc.to(x_ptr.dtype.element_ty), mask=mask)
-        if WRITE_ACT:
+        if WRITE_X:
+            tl.store((x_ptr + rm64 * N)[:, None] + rn[None, :], acc.to(x_ptr.dtype.element_ty), mask=mask)
+        if ACT_MODE != 0:
             al1 = tl.load(a1_ptr + rn, mask=n_ok, other=0.0)
             ib1 = tl.load(ib1_ptr + rn, mask=n_ok, other=0.0)
             s1 = tl.sin(acc * al1[None, :])
             v = (acc + ib1[None, :] * s1 * s1).to(act_ptr.dtype.element_ty)
             b = rm // steps  # 32-bit division; the address is formed in 64 bits
             t = rm % steps
-            row = b.to(tl.int64) * act_batch_stride + (t + act_row_offset).to(tl.int64) * N
-            dst = (act_ptr + row)[:, None] + rn[None, :]
-            tl.store(dst, v, mask=mask)
+            base = b.to(tl.int64) * act_batch_stride
+            if ACT_MODE == 1:
+                row = base + (t + act_row_offset).to(tl.int64) * act_row_stride
+                tl.store((act_ptr + row)[:, None] + rn[None, :], v, mask=mask)
+            else:
+                own = base + t.to(tl.int64) * act_row_stride + N
+                tl.store((act_ptr + own)[:, None] + rn[None, :], v, mask=mask)
+                nxt = base + (t + 1).to(tl.int64) * act_row_stride
+                tl.store((act_ptr + nxt)[:, None] + rn[None, :], v, mask=mask & (t + 1 < steps)[:, None])
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -99,40 +111,41 @@ def snake_gemm(
     act_next: tuple[torch.Tensor, torch.Tensor] | None = None,
     history_next: torch.Tensor | None = None,
     *,
+    paired: bool = False,
+    want_x: bool = True,
     use_triton: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x_new [B, T, N], cat(history_next, snake1_next(x_new)) [B, h + T, N] or None) for
-    y [B, T, K], w2t [K, N] (the 1x1 conv's weight, transposed), residual [B, T, N]."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(x_new [B, T, N] or None, the next conv's input or None) for y [B, T, K], w2t [K, N] (the 1x1
+    conv's weight, transposed) and residual [B, T, N].
+
+    The next conv's input is cat(history_next [B, h, N], act) [B, h + T, N], or with `paired` the
+    rows (act[t-1], act[t]) [B, T, 2N] with act[-1] = history_next [B, 1, N]."""
     b, t, k = y.shape
     n = w2t.shape[1]
     if use_triton is None:
         use_triton = y.is_cuda and triton is not None
     if not use_triton:
-        v = y.float() + b1.float()
-        g = (v + act2[1] * torch.sin(v * act2[0]).pow(2)).to(y.dtype)
-        acc = torch.matmul(g.float(), w2t.float()) + b2.float() + residual.float()
-        if act_next is None:
-            return acc.to(y.dtype), None
-        # The next activation is applied to the unrounded sum, as in the kernel.
-        act = (acc + act_next[1] * torch.sin(acc * act_next[0]).pow(2)).to(y.dtype)
-        return acc.to(y.dtype), torch.cat([history_next.to(y.dtype), act], dim=1)
+        return _snake_gemm_torch(y, b1, act2, w2t, b2, residual, act_next, history_next, paired, want_x)
     y = y.contiguous()
     residual = residual.contiguous()
-    x_new = torch.empty(b, t, n, device=y.device, dtype=y.dtype)
-    full = None
-    h = 0
+    x_new = torch.empty(b, t, n, device=y.device, dtype=y.dtype) if want_x else None
+    out, h = None, 0
     if act_next is not None:
         h = history_next.shape[1]
-        full = torch.empty(b, h + t, n, device=y.device, dtype=y.dtype)
-        if h:
-            full[:, :h] = history_next
-    m = b * t
-    if m == 0:
-        return x_new, full
+        if paired:
+            out = torch.empty(b, t, 2 * n, device=y.device, dtype=y.dtype)
+            out[:, 0, :n] = history_next[:, 0]
+        else:
+            out = torch.empty(b, h + t, n, device=y.device, dtype=y.dtype)
+            if h:
+                out[:, :h] = history_next
+    if b * t == 0:
+        return x_new, out
     # BM 64 x BN 128 with 8 warps compiles for sm_90 without register spills; 128 x 128 spills.
     bm, bn, bk = 64, _pow2(n, 16, 128), _pow2(k, 16, 64)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = (triton.cdiv(b * t, bm), triton.cdiv(n, bn))
     a1, ib1 = act_next if act_next is not None else act2
+    dummy = y if x_new is None else x_new
     _snake_gemm_kernel[grid](
         y,
         w2t,
@@ -143,19 +156,47 @@ def snake_gemm(
         residual,
         a1,
         ib1,
-        x_new,
-        x_new if full is None else full,
-        m,
+        dummy,
+        dummy if out is None else out,
+        b * t,
         t,
-        (h + t) * n,
+        0 if out is None else out.stride(0),
+        0 if out is None else out.stride(1),
         h,
         N=n,
         K=k,
-        WRITE_ACT=act_next is not None,
+        WRITE_X=want_x,
+        ACT_MODE=0 if act_next is None else 2 if paired else 1,
         IEEE=y.dtype == torch.float32,
         BM=bm,
         BN=bn,
         BK=bk,
         num_warps=8 if bn >= 64 else 4,
     )
-    return x_new, full
+    return x_new, out
+
+
+def _snake_gemm_torch(
+    y: torch.Tensor,
+    b1: torch.Tensor,
+    act2: tuple[torch.Tensor, torch.Tensor],
+    w2t: torch.Tensor,
+    b2: torch.Tensor,
+    residual: torch.Tensor,
+    act_next: tuple[torch.Tensor, torch.Tensor] | None,
+    history_next: torch.Tensor | None,
+    paired: bool,
+    want_x: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    v = y.float() + b1.float()
+    g = (v + act2[1] * torch.sin(v * act2[0]).pow(2)).to(y.dtype)
+    acc = torch.matmul(g.float(), w2t.float()) + b2.float() + residual.float()
+    x_new = acc.to(y.dtype) if want_x else None
+    if act_next is None:
+        return x_new, None
+    # The next activation is applied to the unrounded sum, as in the kernel.
+    act = (acc + act_next[1] * torch.sin(acc * act_next[0]).pow(2)).to(y.dtype)
+    hist = history_next.to(y.dtype)
+    if paired:
+        return x_new, torch.cat([torch.cat([hist, act[:, :-1]], dim=1), act], dim=2)
+    return x_new, torch.cat([hist, act], dim=1)

@@ -209,33 +209,45 @@ def test_triton_paired_layout_equals_torch():
 
 @needs_triton
 @pytest.mark.parametrize("width", [(24, 24), (4, 4), (96, 40)], ids=["24", "4", "96to40"])
-@pytest.mark.parametrize("next_act", [True, False], ids=["next-act", "last-unit"])
-def test_triton_snake_gemm_equals_torch(width, next_act):
+@pytest.mark.parametrize("mode", ["next-unit", "next-block", "none"])
+def test_triton_snake_gemm_equals_torch(width, mode):
+    """x_new and the next consumer's input: the next unit's (after a 6-step history), the next
+    block's paired rows (after a 1-step history, x_new not written), or none."""
     k, n = width
     g = torch.Generator().manual_seed(6)
     y, res = torch.randn(2, 37, k, generator=g), torch.randn(2, 37, n, generator=g)
-    w2t, hist = torch.randn(k, n, generator=g) / k**0.5, torch.randn(2, 6, n, generator=g)
+    w2t = torch.randn(k, n, generator=g) / k**0.5
+    hist = torch.randn(2, 1 if mode == "next-block" else 6, n, generator=g)
     b1, b2 = torch.randn(k, generator=g), torch.randn(n, generator=g)
     act2 = _factors(k, 7)[2]
-    act1 = _factors(n, 8)[2] if next_act else None
+    act1 = _factors(n, 8)[2] if mode != "none" else None
     args = [t.to(DEVICE) for t in (y, b1)], [t.to(DEVICE) for t in (w2t, b2, res)]
-    history = hist.to(DEVICE) if next_act else None
-    got = snake_gemm(*args[0], act2, *args[1], act1, history, use_triton=True)
-    ref = snake_gemm(*args[0], act2, *args[1], act1, history, use_triton=False)
+    history = hist.to(DEVICE) if mode != "none" else None
+    kw = {"paired": mode == "next-block", "want_x": mode != "next-block"}
+    got = snake_gemm(*args[0], act2, *args[1], act1, history, use_triton=True, **kw)
+    ref = snake_gemm(*args[0], act2, *args[1], act1, history, use_triton=False, **kw)
     # The formula, spelled out once more.
     v = y + b1
     a2, ib2 = (t.cpu() for t in act2)
     x_new = (v + ib2 * torch.sin(v * a2) ** 2) @ w2t + b2 + res
-    torch.testing.assert_close(got[0].cpu(), x_new, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
-    if next_act:
-        a1, ib1 = (t.cpu() for t in act1)
-        want = torch.cat([hist, x_new + ib1 * torch.sin(x_new * a1) ** 2], dim=1)
-        assert got[1].shape == (2, 43, n)
-        torch.testing.assert_close(got[1].cpu(), want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+    if mode == "next-block":
+        assert got[0] is None and ref[0] is None
     else:
+        torch.testing.assert_close(got[0].cpu(), x_new, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    if mode == "none":
         assert got[1] is None and ref[1] is None
+        return
+    a1, ib1 = (t.cpu() for t in act1)
+    act = x_new + ib1 * torch.sin(x_new * a1) ** 2
+    if mode == "next-block":
+        want = torch.cat([torch.cat([hist, act[:, :-1]], dim=1), act], dim=2)
+        assert got[1].shape == (2, 37, 2 * n)
+    else:
+        want = torch.cat([hist, act], dim=1)
+        assert got[1].shape == (2, 43, n)
+    torch.testing.assert_close(got[1].cpu(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
 
 
 @needs_triton
