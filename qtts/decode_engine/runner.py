@@ -13,6 +13,10 @@ copy per step. Outputs land in one float32 buffer shared by all graphs and are c
 Precision: "fp32" (strict, the reference), "tf32" (fp32 storage, TF32 matmuls and convs),
 "bf16" (a bf16 copy of the weights and state; RVQ tables folded in fp32, norms and softmax in fp32,
 SnakeBeta in fp32 registers).
+
+The step is `frame_stage.FrameStage` (RVQ, pre-conv, transformer: frame rate) followed by a conv
+stack, chosen by `conv_stack` (see CONV_STACKS): the channels-first reference (`conv_stack`) or the
+time-major ones (`conv_stack_cl`), which compute the same within float rounding.
 """
 
 from __future__ import annotations
