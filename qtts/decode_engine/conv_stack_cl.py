@@ -122,7 +122,8 @@ class ChannelsLastConvStack:
         self._blocks: list[_Block] = []
         for blk in layers[1:-2]:
             act, trans, *units = blk.block
-            assert trans.conv.kernel_size[0] == 2 * trans.stride and trans.history == 1
+            if trans.conv.kernel_size[0] != 2 * trans.stride:  # the paired GEMM takes two taps
+                raise ValueError(f"{trans.key}: the channels-last stack needs kernel = 2 x stride")
             self._blocks.append(
                 _Block(
                     snakes[id(act)],
