@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from qtts.decode_engine.snake_nwc import tl, triton
+from qtts.decode_engine.snake_nwc import fast_sin_ok, sin_f32, tl, triton
 
 if triton is not None:
 
@@ -45,6 +45,7 @@ if triton is not None:
         WRITE_X: tl.constexpr,
         ACT_MODE: tl.constexpr,  # 0: none, 1: after the history, 2: paired (prev | own step)
         IEEE: tl.constexpr,
+        FAST_SIN: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
@@ -64,7 +65,7 @@ if triton is not None:
             a = a.to(tl.float32) + tl.load(b1_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             al = tl.load(a2_ptr + rk, mask=k_ok, other=0.0)
             ib = tl.load(ib2_ptr + rk, mask=k_ok, other=0.0)
-            s = tl.sin(a * al[None, :])
+            s = sin_f32(a * al[None, :], FAST_SIN)
             g = (a + ib[None, :] * s * s).to(w_ptr.dtype.element_ty)  # masked columns stay 0
             w = tl.load(w_ptr + rk[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if IEEE:
@@ -79,7 +80,7 @@ if triton is not None:
         if ACT_MODE != 0:
             al1 = tl.load(a1_ptr + rn, mask=n_ok, other=0.0)
             ib1 = tl.load(ib1_ptr + rn, mask=n_ok, other=0.0)
-            s1 = tl.sin(acc * al1[None, :])
+            s1 = sin_f32(acc * al1[None, :], FAST_SIN)
             v = (acc + ib1[None, :] * s1 * s1).to(act_ptr.dtype.element_ty)
             b = rm // steps  # 32-bit division; the address is formed in 64 bits
             t = rm % steps
@@ -168,6 +169,7 @@ def snake_gemm(
         WRITE_X=want_x,
         ACT_MODE=0 if act_next is None else 2 if paired else 1,
         IEEE=y.dtype == torch.float32,
+        FAST_SIN=fast_sin_ok(y),
         BM=bm,
         BN=bn,
         BK=bk,

@@ -27,6 +27,7 @@ try:  # Triton is only needed (and only present) on CUDA machines.
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
     tl = None
+    sin_f32 = None
 
 
 def triton_available(x: torch.Tensor) -> bool:
@@ -34,7 +35,23 @@ def triton_available(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def fast_sin_ok(x: torch.Tensor) -> bool:
+    """The hardware sine (`sin.approx.f32`, absolute error ~2^-20.5 up to |x| = 100 pi) for 16-bit
+    activations on CUDA: far below their rounding, and ~5x fewer instructions than the precise
+    sine, which made the SnakeBeta passes compute-bound. Float32 keeps the precise one."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
 if triton is not None:
+
+    @triton.jit
+    def sin_f32(x, FAST: tl.constexpr):
+        if FAST:
+            return tl.inline_asm_elementwise(
+                "sin.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+            )
+        else:
+            return tl.sin(x)
 
     @triton.jit
     def _snake_nwc_kernel(
@@ -55,6 +72,7 @@ if triton is not None:
         HAS_RES: tl.constexpr,
         WRITE_SUM: tl.constexpr,
         PAIRED: tl.constexpr,
+        FAST_SIN: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
@@ -75,7 +93,7 @@ if triton is not None:
             tl.store(sum_ptr + src, v.to(sum_ptr.dtype.element_ty), mask=m)
         a = tl.load(alpha_ptr + c, mask=c_ok, other=0.0)[None, :]
         ib = tl.load(inv_beta_ptr + c, mask=c_ok, other=0.0)[None, :]
-        s = tl.sin(v * a)
+        s = sin_f32(v * a, FAST_SIN)
         y = (v + ib * s * s).to(out_ptr.dtype.element_ty)
         b = r // steps
         t = r % steps
@@ -200,6 +218,7 @@ def _launch(
         HAS_RES=residual is not None,
         WRITE_SUM=want_sum,
         PAIRED=paired,
+        FAST_SIN=fast_sin_ok(x),
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         num_warps=8,
