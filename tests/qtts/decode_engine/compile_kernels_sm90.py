@@ -49,7 +49,7 @@ def main() -> int:
         ptrs.update(a2_ptr=fp32, ib2_ptr=fp32, a1_ptr=fp32, ib1_ptr=fp32)
         for mode in (0, 1, 2):
             consts = dict(
-                N=96, K=96, WRITE_X=mode != 2, ACT_MODE=mode, IEEE=False, FAST_SIN=True, BM=64, BN=128, BK=64
+                N=96, K=96, WRITE_X=mode != 2, ACT_MODE=mode, IEEE=False, FAST_SIN=True, BM=64, BN=64, BK=32
             )
             checks.append(
                 (f"snake_gemm act_mode={mode}", _ptx(snake_gemm._snake_gemm_kernel, ptrs, consts, 8), "mma")
