@@ -274,6 +274,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=CONV_STACKS,
         help="conv stack layouts to compare (each with every precision)",
     )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="precision:conv_stack pairs to measure instead of --precisions x --conv-stacks",
+    )
     p.add_argument("--eager", action="store_true", help="also measure the eager (no graph) engine")
     p.add_argument("--stateless", action="store_true", help="also compare with stateless re-decoding")
     p.add_argument(
@@ -288,7 +294,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--revision", default=None, help="git revision to record (default: git rev-parse)")
     args = p.parse_args(argv)
-    args.variants = [(pr, cs) for pr in args.precisions for cs in args.conv_stacks]
+    if args.variants is None:
+        args.variants = [(pr, cs) for pr in args.precisions for cs in args.conv_stacks]
+    else:
+        pairs = [tuple(v.partition(":")[::2]) for v in args.variants]
+        bad = [
+            v
+            for v, (pr, cs) in zip(args.variants, pairs, strict=True)
+            if pr not in PRECISIONS or cs not in CONV_STACKS
+        ]
+        if bad:
+            p.error(f"--variants: {bad} are not precision:conv_stack ({PRECISIONS} x {CONV_STACKS})")
+        args.variants = pairs
     if args.quick:
         args.streams, args.iters = [s for s in args.streams if s in (1, 32, 128)] or args.streams[:1], 5
     return args

@@ -37,7 +37,7 @@ def test_a_failing_variant_is_recorded_and_the_others_still_run(tiny_codec_dir, 
     out = tmp_path / "dec.json"
     argv = ["--model", str(tiny_codec_dir), "--load-format", "auto", "--device", "cpu", "--no-profile"]
     argv += ["--streams", "1", "--chunk", "1", "--iters", "1", "--prefix-frames", "2", "--revision", "test"]
-    argv += ["--precisions", "fp32", "--conv-stacks", "channels_last", "channels_first", "--out", str(out)]
+    argv += ["--variants", "fp32:channels_last", "fp32:channels_first", "--out", str(out)]
     assert code2wav_decode.main(argv) == 1
     result = json.loads(out.read_text())
     assert "kernel failed" in result["errors"]["fp32_channels_last_graph"]
