@@ -1,16 +1,21 @@
 """GPU benchmark of the code2wav decode engine (`qtts.decode_engine`) on the full-size decoder.
 
 Full-size speech-tokenizer decoder from `configs/speech_tokenizer` with seeded random weights
-(`--load-format dummy` semantics: the same compute as real weights). Measures:
+(`--load-format dummy` semantics: the same compute as real weights). Every variant
+(`--precisions` x `--conv-stacks`, default bf16 with CUDA graphs and each of the three conv stacks:
+channels-first, the reference; channels-last; channels-last fused) is measured in one run:
 
-1. steady state: audio seconds decoded per GPU second at 1/8/32/128/256 concurrent streams, every
-   stream past the 72-frame window, one `--chunk`-frame chunk per stream per engine call
-   (`decode_batch`, host work and the device sync included), per precision and graph/eager;
-2. SNR of the bf16 (and TF32) engine against the strict fp32 engine on the same codes;
-3. cost per new frame of a 4- and a 25-frame chunk, stateful vs a stateless decode that re-decodes
-   `--context` left-context frames from scratch (GPU time of the captured steps);
-4. first-chunk latency at batch 1: a 1-4 frame first chunk of a fresh stream (wall time of
-   `decode`, sync included), and `start` with an ICL prefix.
+1. steady state: microseconds per frame per stream and audio seconds decoded per GPU second (xRT)
+   at 128 / 512 / 1,024 concurrent streams, every stream past the 72-frame window, one
+   `--chunk`-frame chunk per stream per engine call (`decode_batch`, host work and sync included);
+2. SNR against the strict fp32 reference engine (channels-first, eager) on the same codes;
+3. first-chunk latency at batch 1: a 1-4 frame first chunk of a fresh stream (wall time of
+   `decode`, sync included), and `start` with an ICL prefix;
+4. a per-kernel GPU time profile of one eager step per variant (`--no-profile` skips it);
+5. with `--stateless`: cost per new frame of a 4- and a 25-frame chunk, stateful vs a stateless
+   decode that re-decodes `--context` left-context frames (GPU time of the captured steps).
+
+A short table compares the variants; `--out` writes everything as JSON.
 
     python -m benchmarks.code2wav_decode --out run/code2wav_decode.json
     python -m benchmarks.code2wav_decode --quick   # smaller sweep, a minute or two
@@ -24,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,7 @@ import torch
 from benchmarks.revision import git_revision
 from benchmarks.timing import median_event_s, median_wall_s, sync
 from qtts.decode_engine import SlotDecoder, SlotDecoderConfig
+from qtts.decode_engine.runner import CONV_STACKS, PRECISIONS
 from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -59,10 +66,12 @@ def _engine(
     batches: Sequence[int],
     max_step_frames: int,
     extra: Sequence[tuple[int, int]] = (),
+    conv_stack: str = "channels_first",
 ) -> SlotDecoder:
     cfg = SlotDecoderConfig(
         max_streams=streams,
         precision=precision,
+        conv_stack=conv_stack,
         cuda_graphs=graphs,
         batch_sizes=tuple(batches),
         chunk_sizes=tuple(chunks),
@@ -72,7 +81,8 @@ def _engine(
     t0 = time.perf_counter()
     n = eng.capture(extra) if graphs else 0
     print(
-        f"[{precision} graphs={graphs}] captured {n} shapes in {time.perf_counter() - t0:.1f} s", flush=True
+        f"[{precision} {conv_stack} graphs={graphs}] captured {n} shapes in {time.perf_counter() - t0:.1f} s",
+        flush=True,
     )
     return eng
 
@@ -159,6 +169,51 @@ def stateful_vs_stateless(
     return rows
 
 
+def kernel_profile(eng: SlotDecoder, batch: int, chunk: int, top: int = 12) -> list[dict]:
+    """GPU time by kernel of one eager step (batch x chunk frames, past the window): where a
+    variant spends its frame. Eager, so every kernel is visible; the graph replays the same ones."""
+    if not torch.cuda.is_available():
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    run = eng.runner
+    states = [eng.start() for _ in range(batch)]
+    slots, positions = [s.slot for s in states], [eng.window + 1] * batch
+    codes = [_codes(chunk, seed=i) for i in range(batch)]
+    try:
+        for _ in range(2):
+            run.run_eager(slots, positions, codes)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run.run_eager(slots, positions, codes)
+            sync()
+        # Kernels only (an operator's device time would count its kernels twice).
+        events = [
+            e for e in prof.key_averages() if str(e.device_type).endswith("CUDA") and e.device_time_total > 0
+        ]
+    except Exception as e:  # a profiler that cannot start must not cost the timing results
+        print(f"  profile skipped: {e}", flush=True)
+        return []
+    finally:
+        for s in states:
+            eng.free(s)
+    total = sum(e.device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    rows = [
+        {
+            "kernel": e.key[:90],
+            "calls": e.count,
+            "us_per_frame": e.device_time_total / (batch * chunk),
+            "share": e.device_time_total / total,
+        }
+        for e in events[:top]
+    ]
+    print(f"  step total {total / (batch * chunk):.2f} us a frame (eager, kernels only)")
+    for r in rows:
+        print(f"  {r['us_per_frame']:7.2f} us/f {100 * r['share']:5.1f}% x{r['calls']:<4d} {r['kernel']}")
+    return rows
+
+
 def first_chunk_latency(eng: SlotDecoder, iters: int, prefix_frames: int) -> list[dict]:
     """Wall time of `decode` of a fresh stream's 1-4 frame first chunk (sync included)."""
     rows = []
@@ -207,10 +262,29 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32, 128, 256])
-    p.add_argument("--chunk", type=int, default=25, help="steady-state chunk frames")
-    p.add_argument("--precisions", nargs="+", default=["tf32", "bf16"])
+    p.add_argument("--streams", type=int, nargs="+", default=[128, 512, 1024])
+    p.add_argument("--chunk", type=int, default=16, help="steady-state chunk frames")
+    p.add_argument("--precisions", nargs="+", default=["bf16"], choices=PRECISIONS)
+    p.add_argument(
+        "--conv-stacks",
+        nargs="+",
+        # The new stacks first: a run cut short by a time limit keeps them (the reference's
+        # figures are known from earlier runs).
+        default=list(reversed(CONV_STACKS)),
+        choices=CONV_STACKS,
+        help="conv stack layouts to compare (each with every precision)",
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="precision:conv_stack pairs to measure instead of --precisions x --conv-stacks",
+    )
     p.add_argument("--eager", action="store_true", help="also measure the eager (no graph) engine")
+    p.add_argument("--stateless", action="store_true", help="also compare with stateless re-decoding")
+    p.add_argument(
+        "--no-profile", dest="profile", action="store_false", help="skip the per-kernel profile of a step"
+    )
     p.add_argument("--cost-batch", type=int, default=128)
     p.add_argument("--contexts", type=int, nargs="+", default=[12, 25])
     p.add_argument("--prefix-frames", type=int, default=75, help="ICL prefix for the start() latency")
@@ -220,8 +294,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--revision", default=None, help="git revision to record (default: git rev-parse)")
     args = p.parse_args(argv)
+    if args.variants is None:
+        args.variants = [(pr, cs) for pr in args.precisions for cs in args.conv_stacks]
+    else:
+        pairs = [tuple(v.partition(":")[::2]) for v in args.variants]
+        bad = [
+            v
+            for v, (pr, cs) in zip(args.variants, pairs, strict=True)
+            if pr not in PRECISIONS or cs not in CONV_STACKS
+        ]
+        if bad:
+            p.error(f"--variants: {bad} are not precision:conv_stack ({PRECISIONS} x {CONV_STACKS})")
+        args.variants = pairs
     if args.quick:
-        args.streams, args.iters = [s for s in args.streams if s in (1, 32, 128)], 5
+        args.streams, args.iters = [s for s in args.streams if s in (1, 32, 128)] or args.streams[:1], 5
     return args
 
 
@@ -235,71 +321,132 @@ def main(argv: Sequence[str] | None = None) -> int:
         "git": args.revision or git_revision(),
         "weights": "dummy (seeded random)",
         "decoder": "full-size speech tokenizer decoder (configs/speech_tokenizer)",
+        "chunk_frames": args.chunk,
+        "max_step_frames": args.max_step_frames,
         "steady_state": {},
         "snr_db": {},
         "stateful_vs_stateless": {},
         "first_chunk": {},
+        "kernel_profile": {},
+        "errors": {},
     }
     _measure(dec, args, result)
+    result["summary"] = _summary(args, result)
     _print_summary(args, result)
+    _save(args, result)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")
-    return 0
+    return 1 if result["errors"] else 0
 
 
 def _measure(dec: Any, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """Every precision (graph, and eager with --eager) against the fp32 reference, into `result`."""
-    stream_cap = max(max(args.streams), args.cost_batch)
-    batches = sorted(set(args.streams) | {args.cost_batch, 1, 2, 4})
-    cost_chunks = (4, 25)
-    stateless = sorted({c + n for c in args.contexts for n in cost_chunks})
-    chunks = sorted({1, 2, 3, 4, args.chunk, *cost_chunks})
-    # The stateless comparison's longer steps, captured at the cost batch only.
-    extra = [(args.cost_batch, f) for f in stateless if f <= 72]
+    """Every variant (graph, and eager with --eager) against the fp32 reference, into `result`.
+
+    A variant that fails is recorded under "errors" and the others still run; with --out the JSON
+    is rewritten after every variant, so a run cut short keeps what it measured."""
     ref = _engine(dec, "fp32", False, 8, (), (), args.max_step_frames)
-    for precision in args.precisions:
+    for precision, conv_stack in args.variants:
         for graphs in (True, False) if args.eager else (True,):
-            key = f"{precision}_{'graph' if graphs else 'eager'}"
-            eng = _engine(
-                dec,
-                precision,
-                graphs,
-                stream_cap,
-                chunks if graphs else (),
-                batches if graphs else (),
-                args.max_step_frames,
-                extra if graphs else (),
-            )
-            print(f"== {key}: steady state", flush=True)
-            result["steady_state"][key] = steady_state(eng, args.streams, args.chunk, args.iters)
-            if graphs:
-                result["snr_db"][f"{precision}_vs_fp32"] = snr_against(ref, eng)
-                print(
-                    f"  SNR {precision} vs fp32: {result['snr_db'][f'{precision}_vs_fp32']:.1f} dB",
-                    flush=True,
-                )
-                print(f"== {key}: stateful vs stateless (batch {args.cost_batch})", flush=True)
-                result["stateful_vs_stateless"][key] = stateful_vs_stateless(
-                    eng, args.cost_batch, cost_chunks, args.contexts, args.iters
-                )
-                print(f"== {key}: first chunk at batch 1", flush=True)
-                result["first_chunk"][key] = first_chunk_latency(eng, args.iters, args.prefix_frames)
-            del eng
+            key = f"{precision}_{conv_stack}_{'graph' if graphs else 'eager'}"
+            try:
+                _measure_variant(dec, ref, args, result, key, precision, conv_stack, graphs)
+            except Exception as e:  # one broken variant must not cost the others' numbers
+                traceback.print_exc()
+                result["errors"][key] = repr(e)
+                print(f"== {key}: FAILED {e!r}", flush=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+            _save(args, result)
+
+
+def _measure_variant(
+    dec: Any,
+    ref: SlotDecoder,
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    key: str,
+    precision: str,
+    conv_stack: str,
+    graphs: bool,
+) -> None:
+    stream_cap = max(max(args.streams), args.cost_batch)
+    # Only the buckets a step can use: wider ones exceed --max-step-frames at this chunk (the
+    # planner splits them), and capturing them costs minutes of cuDNN autotuning.
+    batches = sorted(
+        b for b in set(args.streams) | {args.cost_batch, 1, 2, 4} if b * args.chunk <= args.max_step_frames
+    )
+    cost_chunks = (4, 25)
+    stateless = sorted({c + n for c in args.contexts for n in cost_chunks})
+    chunks = sorted({1, 2, 3, 4, args.chunk, *(cost_chunks if args.stateless else ())})
+    # The stateless comparison's longer steps, captured at the cost batch only.
+    extra = [(args.cost_batch, f) for f in stateless if f <= 72] if args.stateless else []
+    eng = _engine(
+        dec,
+        precision,
+        graphs,
+        stream_cap,
+        chunks if graphs else (),
+        batches if graphs else (),
+        args.max_step_frames,
+        extra if graphs else (),
+        conv_stack=conv_stack,
+    )
+    print(f"== {key}: steady state", flush=True)
+    result["steady_state"][key] = steady_state(eng, args.streams, args.chunk, args.iters)
+    if not graphs:
+        return
+    result["snr_db"][key] = snr_against(ref, eng)
+    print(f"  SNR {key} vs fp32: {result['snr_db'][key]:.1f} dB", flush=True)
+    if args.stateless:
+        print(f"== {key}: stateful vs stateless (batch {args.cost_batch})", flush=True)
+        result["stateful_vs_stateless"][key] = stateful_vs_stateless(
+            eng, args.cost_batch, cost_chunks, args.contexts, args.iters
+        )
+    print(f"== {key}: first chunk at batch 1", flush=True)
+    result["first_chunk"][key] = first_chunk_latency(eng, args.iters, args.prefix_frames)
+    if args.profile:
+        print(f"== {key}: kernel profile (batch {args.cost_batch}, chunk {args.chunk})", flush=True)
+        result["kernel_profile"][key] = kernel_profile(eng, args.cost_batch, args.chunk)
+
+
+def _save(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+def _summary(args: argparse.Namespace, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per measured variant: us/frame and xRT per stream count, SNR, first chunk."""
+    rows = []
+    for key, steady in result["steady_state"].items():
+        row: dict[str, Any] = {"variant": key}
+        for r in steady:
+            row[f"us_per_frame_{r['streams']}"] = r["us_per_frame_per_stream"]
+            row[f"xrt_{r['streams']}"] = r["xrt"]
+        row["snr_db"] = result["snr_db"].get(key)
+        first = result["first_chunk"].get(key, [])
+        row["first_chunk_1f_ms"] = next(
+            (r["decode_ms"] for r in first if r.get("first_chunk_frames") == 1), None
+        )
+        rows.append(row)
+    return rows
 
 
 def _print_summary(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """The steady-state table and the SNRs."""
-    print("\nsteady state, audio seconds per GPU second (x real time), chunk", args.chunk)
-    keys = list(result["steady_state"])
-    print(f"{'streams':>8} " + " ".join(f"{k:>14}" for k in keys))
-    for i, b in enumerate(args.streams):
-        print(f"{b:>8} " + " ".join(f"{result['steady_state'][k][i]['xrt']:>14.0f}" for k in keys))
-    for k, v in result["snr_db"].items():
-        print(f"SNR {k}: {v:.1f} dB")
+    """The comparison table: per-frame cost and xRT per stream count, SNR, first chunk."""
+    print(f"\nsteady state, chunk {args.chunk} frames, max {args.max_step_frames} frames a step")
+    head = ["variant"] + [f"us/f@{b}" for b in args.streams] + [f"xRT@{b}" for b in args.streams]
+    head += ["SNR dB", "1st 1f ms"]
+    print(" | ".join(head))
+    for row in result["summary"]:
+        cells = [row["variant"]]
+        cells += [f"{row.get(f'us_per_frame_{b}', float('nan')):.1f}" for b in args.streams]
+        cells += [f"{row.get(f'xrt_{b}', float('nan')):.0f}" for b in args.streams]
+        cells.append("-" if row["snr_db"] is None else f"{row['snr_db']:.1f}")
+        cells.append("-" if row["first_chunk_1f_ms"] is None else f"{row['first_chunk_1f_ms']:.2f}")
+        print(" | ".join(cells))
+    for key, err in result["errors"].items():
+        print(f"{key}: FAILED {err}")
 
 
 if __name__ == "__main__":

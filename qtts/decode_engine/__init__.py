@@ -8,7 +8,9 @@
 - `batcher.BatchPlanner`: pure-Python planning of ready chunks into (batch bucket, chunk frames)
   steps, outputs mapped back by stream id;
 - `runner.StepRunner`: the static-shape step itself, CUDA graphs per captured shape, eager fallback,
-  fp32 / TF32 / bf16.
+  fp32 / TF32 / bf16; the step is `frame_stage.FrameStage` (RVQ, pre-conv, transformer) and a conv
+  stack: `conv_stack_cl.ChannelsLastConvStack` (the default: time-major GEMMs, NHWC convs, fused
+  SnakeBeta passes of `snake_nwc` / `snake_gemm`) or `conv_stack.ConvStack` (the reference layout).
 """
 
 from qtts.decode_engine.slot_decoder import (

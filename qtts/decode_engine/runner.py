@@ -13,6 +13,10 @@ copy per step. Outputs land in one float32 buffer shared by all graphs and are c
 Precision: "fp32" (strict, the reference), "tf32" (fp32 storage, TF32 matmuls and convs),
 "bf16" (a bf16 copy of the weights and state; RVQ tables folded in fp32, norms and softmax in fp32,
 SnakeBeta in fp32 registers).
+
+The step is `frame_stage.FrameStage` (RVQ, pre-conv, transformer: frame rate) followed by a conv
+stack, chosen by `conv_stack` (see CONV_STACKS): the channels-first reference (`conv_stack`) or the
+time-major ones (`conv_stack_cl`), which compute the same within float rounding.
 """
 
 from __future__ import annotations
@@ -24,20 +28,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from qtts.decode_engine.conv_stack import ConvStack
+from qtts.decode_engine.conv_stack_cl import ChannelsLastConvStack
+from qtts.decode_engine.frame_stage import FrameStage
 from qtts.decode_engine.slots import SlotPool
-from qtts.decode_engine.snakebeta import bias_add, snake, snake_after_history, snake_factors
-from qtts.model.codec_decoder import (
-    CausalConv1d,
-    CausalTransConv1d,
-    CodecDecoder,
-    ConvNeXtBlock,
-    SlidingAttention,
-    SnakeBeta,
-)
+from qtts.model.codec_decoder import CausalConv1d, CausalTransConv1d, CodecDecoder, SlidingAttention
 
 PRECISIONS = ("fp32", "tf32", "bf16")
+# "channels_first": the checkpoint's [B, C, T] layout (`conv_stack.ConvStack`, the reference);
+# "channels_last": [B, T, C] with GEMMs, NHWC convs and fused SnakeBeta passes (`conv_stack_cl`);
+# "channels_last_fused": the same with each residual unit's tail as one GEMM pass (`snake_gemm`).
+CONV_STACKS = ("channels_first", "channels_last", "channels_last_fused")
 
 
 @contextlib.contextmanager
@@ -57,12 +59,18 @@ def precision_flags(precision: str, device: torch.device) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = cudnn
 
 
-def state_layout(decoder: CodecDecoder) -> dict[str, tuple[int, ...]]:
-    """Per-slot shape of every carried history, keyed like the decoder's own stream cache."""
+def state_layout(decoder: CodecDecoder, time_major: bool = False) -> dict[str, tuple[int, ...]]:
+    """Per-slot shape of every carried history, keyed like the decoder's own stream cache.
+
+    `time_major` lays the conv stack's histories out as [steps, channels] (the channels-last
+    conv stack); the frame-rate pre-conv and the attention windows keep their own layout."""
     layout: dict[str, tuple[int, ...]] = {}
-    for _, mod in decoder.named_modules():
+    for name, mod in decoder.named_modules():
         if isinstance(mod, CausalConv1d | CausalTransConv1d) and mod.history:
-            layout[mod.key] = (mod.conv.in_channels, mod.history)
+            shape = (mod.conv.in_channels, mod.history)
+            if time_major and name.startswith(("upsample.", "decoder.")):
+                shape = shape[::-1]
+            layout[mod.key] = shape
         elif isinstance(mod, SlidingAttention):
             shape = (mod.kv_heads, mod.window, mod.head_dim)
             layout[mod.key + "k"] = shape
@@ -105,9 +113,12 @@ class StepRunner:
         *,
         precision: str = "fp32",
         emulate_graphs: bool = False,
+        conv_stack: str = "channels_first",
     ):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if conv_stack not in CONV_STACKS:
+            raise ValueError(f"conv_stack must be one of {CONV_STACKS}, got {conv_stack!r}")
         if precision != "bf16" and decoder.dtype != torch.float32:
             raise ValueError(f"precision {precision} needs a float32 decoder, got {decoder.dtype}")
         self.precision = precision
@@ -121,18 +132,17 @@ class StepRunner:
         self.num_quantizers = cfg.num_quantizers
         self.samples_per_frame = decoder.samples_per_frame
         self.window = cfg.sliding_window
-        self.pool = SlotPool(state_layout(self.model), capacity, device=self.device, dtype=self.dtype)
+        self.conv_stack = conv_stack
+        channels_last = conv_stack.startswith("channels_last")
+        layout = state_layout(self.model, time_major=channels_last)
+        self.pool = SlotPool(layout, capacity, device=self.device, dtype=self.dtype)
         self.prefix_tail_frames = conv_stack_receptive_frames(self.model)
-        self._rvq_table, self._rvq_offsets = self._fold_rvq(decoder)
-        # RoPE frequencies from the fp32 reference: a bf16 copy would round them, and the error
-        # grows with the distance between positions.
-        self._inv_freq = decoder.pre_transformer.inv_freq.detach().float().clone()
-        # SnakeBeta factors from the fp32 parameters too (the model copy has the same module order).
-        self._snake = {
-            id(mine): snake_factors(ref.alpha, ref.beta)
-            for ref, mine in zip(decoder.modules(), self.model.modules(), strict=True)
-            if isinstance(mine, SnakeBeta)
-        }
+        self.frames = FrameStage(self.model, decoder, self.pool, self.dtype)
+        self.convs: ConvStack | ChannelsLastConvStack = (
+            ChannelsLastConvStack(self.model, decoder, self.pool, fused=conv_stack.endswith("_fused"))
+            if channels_last
+            else ConvStack(self.model, decoder, self.pool)
+        )
         self._emulate = emulate_graphs and self.device.type != "cuda"
         self._graphs: dict[tuple[int, int], _StaticStep] = {}
         self._in: torch.Tensor | None = None
@@ -140,21 +150,6 @@ class StepRunner:
         self._host_in: torch.Tensor | None = None
         self._h2d_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self._graph_pool = None
-
-    # ------------------------------------------------------------------ parameters
-
-    def _fold_rvq(self, decoder: CodecDecoder) -> tuple[torch.Tensor, torch.Tensor]:
-        """One table [Q * size, codebook_dim]: each codebook vector already through its group's
-        1x1 output projection (linear, so projecting before the sum equals projecting after)."""
-        tables = []
-        with torch.no_grad():
-            for group in (decoder.quantizer.rvq_first, decoder.quantizer.rvq_rest):
-                proj = group.output_proj.weight.detach().float()[:, :, 0]  # [io_dim, dim]
-                for layer in group.vq.layers:
-                    tables.append(layer._codebook.table().detach().float() @ proj.t())
-        size = self.cfg.codebook_size
-        offsets = torch.arange(len(tables), device=self.device, dtype=torch.long) * size
-        return torch.cat(tables).to(device=self.device, dtype=self.dtype).contiguous(), offsets
 
     # ------------------------------------------------------------------ the step
 
@@ -165,154 +160,8 @@ class StepRunner:
 
         Every row must hold `n` valid frames. Reads and writes the slots' history in the pool.
         `frame_only` stops after the transformer (used for the early part of a long prefix)."""
-        m = self.model
-        b, n, _ = codes.shape
-        # Out-of-range codes must never reach the gather: on CUDA that is a device assert that
-        # poisons the whole process (the service validates codes; this is the last line).
-        idx = codes.clamp(min=0, max=self.cfg.codebook_size - 1) + self._rvq_offsets
-        h = F.embedding(idx, self._rvq_table).sum(dim=2).transpose(1, 2)  # [B, codebook_dim, n]
-        h = self._conv(m.pre_conv, h, slots)
-        h = self._transformer(h.transpose(1, 2), slots, positions)
-        if frame_only:
-            return None
-        h = h.transpose(1, 2)
-        for trans, block in m.upsample:
-            h = self._trans_conv(trans, h, slots)
-            h = self._convnext(block, h, slots)
-        # From here on the tensors are large (up to 1920 steps per frame): each conv's bias is
-        # added by the next elementwise pass (SnakeBeta, or the residual add) instead of its own.
-        layers = m.decoder
-        h, bias = self._conv_deferred(layers[0], h, slots)
-        for blk in layers[1:-2]:
-            act, trans, *units = blk.block
-            full = self._with_history(trans, h, slots, act, bias)
-            y = F.conv_transpose1d(full, trans.conv.weight, None, stride=trans.stride)
-            start = trans.history * trans.stride
-            h = _add_bias(y[..., start : start + h.shape[-1] * trans.stride], trans.conv.bias)
-            for unit in units:
-                h1, b1 = self._conv_deferred(unit.conv1, h, slots, unit.act1)
-                h2, b2 = self._conv_deferred(unit.conv2, h1, slots, unit.act2, b1)
-                h = _add_bias(h2, b2, residual=h)
-            bias = None
-        h = self._conv(layers[-1], h, slots, layers[-2])
-        return h.clamp(min=-1.0, max=1.0).reshape(b, n * self.samples_per_frame).float()
-
-    def _act_input(
-        self, x: torch.Tensor, hist: torch.Tensor | None, act: SnakeBeta | None, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        if act is None:
-            x = x if bias is None else _add_bias(x, bias)
-            return x if hist is None else torch.cat([hist, x], dim=2)
-        alpha, inv_beta = self._snake[id(act)]
-        if hist is None:
-            return snake(x, alpha, inv_beta, bias)
-        return snake_after_history(x, hist, alpha, inv_beta, bias)
-
-    def _with_history(
-        self,
-        mod: CausalConv1d | CausalTransConv1d,
-        x: torch.Tensor,
-        slots: torch.Tensor,
-        act: SnakeBeta | None,
-        bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """cat(history, act(x + bias)) for the layer, writing the new history back to the pool."""
-        if not mod.history:
-            return self._act_input(x, None, act, bias)
-        buf = self.pool.buffers[mod.key]
-        full = self._act_input(x, buf.index_select(0, slots), act, bias)
-        buf.index_copy_(0, slots, full[:, :, full.shape[2] - mod.history :])
-        return full
-
-    def _conv(
-        self, mod: CausalConv1d, x: torch.Tensor, slots: torch.Tensor, act: SnakeBeta | None = None
-    ) -> torch.Tensor:
-        return mod.conv(self._with_history(mod, x, slots, act))
-
-    def _conv_deferred(
-        self,
-        mod: CausalConv1d,
-        x: torch.Tensor,
-        slots: torch.Tensor,
-        act: SnakeBeta | None = None,
-        in_bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The conv without its bias, and the bias for the consumer to add."""
-        c = mod.conv
-        full = self._with_history(mod, x, slots, act, in_bias)
-        return F.conv1d(full, c.weight, None, c.stride, 0, c.dilation, c.groups), c.bias
-
-    def _trans_conv(
-        self, mod: CausalTransConv1d, x: torch.Tensor, slots: torch.Tensor, act: SnakeBeta | None = None
-    ) -> torch.Tensor:
-        out_len = x.shape[-1] * mod.stride
-        start = mod.history * mod.stride
-        return mod.conv(self._with_history(mod, x, slots, act))[..., start : start + out_len]
-
-    def _convnext(self, block: ConvNeXtBlock, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        h = self._conv(block.dwconv, x, slots).transpose(1, 2)
-        h = block.pwconv2(block.act(block.pwconv1(block.norm(h))))
-        return x + (block.gamma * h).transpose(1, 2)
-
-    def _transformer(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, n, latent] -> [B, n, latent]; keys/values of the last `window` positions live in
-        ring column `position % window` of each slot, so only the n new columns are written."""
-        t = self.model.pre_transformer
-        b, n, _ = x.shape
-        w = self.window
-        dev = x.device
-        q_pos = positions.view(b, 1) + torch.arange(n, device=dev).view(1, n)  # [B, n]
-        cols = torch.arange(w, device=dev).view(1, w)
-        # Ring column j holds the one position p < positions with p % w == j and p >= positions - w.
-        ring_pos = positions.view(b, 1) - w + torch.remainder(cols - positions.view(b, 1), w)
-        k_pos = torch.cat([ring_pos, q_pos], dim=1)  # [B, w + n]
-        qp, kp = q_pos.unsqueeze(2), k_pos.unsqueeze(1)
-        allowed = ((kp >= 0) & (kp <= qp) & (kp > qp - w)).unsqueeze(1)  # [B, 1, n, w + n]
-        freqs = q_pos.float().unsqueeze(-1) * self._inv_freq.view(1, 1, -1)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = emb.cos().to(x.dtype).unsqueeze(1)
-        sin = emb.sin().to(x.dtype).unsqueeze(1)
-        write_rows = slots.view(b, 1).expand(b, n)
-        write_cols = torch.remainder(q_pos, w)
-        h = t.input_proj(x)
-        for layer in t.layers:
-            attn = self._attention(
-                layer.self_attn, layer.input_layernorm(h), cos, sin, allowed, slots, write_rows, write_cols
-            )
-            h = h + layer.self_attn_layer_scale(attn)
-            h = h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
-        return t.output_proj(t.norm(h))
-
-    def _attention(
-        self,
-        a: SlidingAttention,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        allowed: torch.Tensor,
-        slots: torch.Tensor,
-        write_rows: torch.Tensor,
-        write_cols: torch.Tensor,
-    ) -> torch.Tensor:
-        b, n, _ = x.shape
-        q = a.q_proj(x).view(b, n, a.heads, a.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        k_buf, v_buf = self.pool.buffers[a.key + "k"], self.pool.buffers[a.key + "v"]
-        k_all = torch.cat([k_buf.index_select(0, slots), k], dim=2)  # [B, kv, w + n, D]
-        v_all = torch.cat([v_buf.index_select(0, slots), v], dim=2)
-        k_buf[write_rows, :, write_cols] = k.transpose(1, 2)
-        v_buf[write_rows, :, write_cols] = v.transpose(1, 2)
-        # A plain matmul-softmax-matmul: at most window + n keys, and the softmax in fp32.
-        rep = a.heads // a.kv_heads
-        qg = q.reshape(b, a.kv_heads, rep * n, a.head_dim)
-        scores = torch.matmul(qg, k_all.transpose(2, 3)).float() * (a.head_dim**-0.5)
-        scores = scores.view(b, a.kv_heads, rep, n, -1).masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v_all.dtype).view(b, a.kv_heads, rep * n, -1)
-        out = torch.matmul(probs, v_all).view(b, a.heads, n, a.head_dim)
-        return a.o_proj(out.transpose(1, 2).reshape(b, n, a.heads * a.head_dim))
+        h = self.frames.run(codes, slots, positions)
+        return None if frame_only else self.convs.run(h, slots)
 
     # ------------------------------------------------------------------ eager entry points
 
@@ -435,16 +284,3 @@ class StepRunner:
                 self._h2d_done.record()
         static.replay()
         return static.outputs[:rows]
-
-
-def _add_bias(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    if bias is None:
-        return x.contiguous() if residual is None else x + residual
-    return bias_add(x, bias, residual)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from qtts.decode_engine.snake_nwc import fast_sin_ok, sin_f32
+
 try:  # Triton is only needed (and only present) on CUDA machines.
     import triton
     import triton.language as tl
@@ -56,6 +58,7 @@ if triton is not None:
         out_row_stride,
         out_offset,
         HAS_BIAS: tl.constexpr,
+        FAST_SIN: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)  # b * channels + c
@@ -68,7 +71,7 @@ if triton is not None:
         x = tl.load(x_ptr + row.to(tl.int64) * length + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_BIAS:
             x = x + tl.load(bias_ptr + c).to(tl.float32)
-        s = tl.sin(x * a)
+        s = sin_f32(x * a, FAST_SIN)
         y = x + ib * s * s
         dst = out_ptr + row.to(tl.int64) * out_row_stride + out_offset + offs
         tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m)
@@ -178,6 +181,7 @@ def _launch(
         row_stride,
         offset,
         HAS_BIAS=bias is not None,
+        FAST_SIN=fast_sin_ok(x),
         BLOCK=_BLOCK,
         num_warps=4,
     )

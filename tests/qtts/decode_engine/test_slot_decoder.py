@@ -226,13 +226,18 @@ def test_config_validation():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
-def test_cuda_graphs_match_the_full_decode(decoder, precision):
+@pytest.mark.parametrize("conv_stack", ["channels_first", "channels_last", "channels_last_fused"])
+def test_cuda_graphs_match_the_full_decode(decoder, precision, conv_stack):
     dec = decoder.to("cuda")
     try:
         engine = SlotDecoder(
             dec,
             SlotDecoderConfig(
-                max_streams=4, precision=precision, batch_sizes=(1, 2, 4), chunk_sizes=(1, 2, 4, 25)
+                max_streams=4,
+                precision=precision,
+                batch_sizes=(1, 2, 4),
+                chunk_sizes=(1, 2, 4, 25),
+                conv_stack=conv_stack,
             ),
         )
         assert engine.capture() > 0 and engine.runner.has_graph(4, 25)
