@@ -1,0 +1,199 @@
+"""Triton attention kernels over the runner's KV slots: one query token per row (the frame step).
+
+`decode_attention`: token m attends positions [0, positions[m]] of slot rows[m] in the KV cache
+[slot, kv_head, pos, D], online softmax in blocks of keys; the G = HQ / HKV query heads of one KV
+head share one program (padded to 16 rows for tensor-core dots). Split from `triton_ops` (the
+norm, rope-store and matmul kernels of the decode layers), which re-exports it.
+
+All kernels also run under Triton's interpreter (`TRITON_INTERPRET=1`) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU builds run the PyTorch path instead.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+if triton is not None:
+
+    @triton.jit
+    def _attention_block(
+        q,
+        kc_ptr,
+        vc_ptr,
+        base,
+        start,
+        n_keys,
+        d,
+        dm,
+        kc_s_pos,
+        scale,
+        m_i,
+        l_i,
+        acc,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """Keys [start, start + BLOCK_N) of one slot and head into the online-softmax state."""
+        n = start + tl.arange(0, BLOCK_N)
+        nm = n < n_keys
+        offs = base + n[:, None] * kc_s_pos + d[None, :]
+        kv_mask = nm[:, None] & dm[None, :]
+        k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)  # issued before the dot waits on k
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where(nm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        row_ptr,
+        pos_ptr,
+        o_ptr,
+        scale,
+        kc_s_slot,
+        kc_s_head,
+        kc_s_pos,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        PIPELINED: tl.constexpr,
+    ):
+        """One query token against positions [0, pos] of its slot, for the G = HQ / HKV query heads
+        of one KV head (padded to BLOCK_H rows and BLOCK_D >= 16 columns for tensor-core dots),
+        online softmax. IEEE: full-precision float32 dots (float32 models; TF32 otherwise).
+        PIPELINED: a `range` loop over the loaded length, which the compiler software-pipelines
+        (loads of the next blocks in flight); Triton's interpreter cannot take a loaded bound
+        there, so it runs the same blocks in a while loop.
+
+        Long, kept in one piece: a kernel's body reads best whole (its loop body is `_attention_block`)."""
+        m = tl.program_id(0)
+        hk = tl.program_id(1)
+        G: tl.constexpr = HQ // HKV
+        gi = tl.arange(0, BLOCK_H)
+        gm = gi < G
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        slot = tl.load(row_ptr + m)
+        n_keys = tl.load(pos_ptr + m) + 1
+        q = tl.load(
+            q_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
+            mask=gm[:, None] & dm[None, :],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        base = slot * kc_s_slot + hk * kc_s_head
+        if PIPELINED:
+            for start in range(0, n_keys, BLOCK_N):
+                m_i, l_i, acc = _attention_block(
+                    q,
+                    kc_ptr,
+                    vc_ptr,
+                    base,
+                    start,
+                    n_keys,
+                    d,
+                    dm,
+                    kc_s_pos,
+                    scale,
+                    m_i,
+                    l_i,
+                    acc,
+                    BLOCK_N,
+                    IEEE,
+                )
+        else:
+            start = 0
+            while start < n_keys:
+                m_i, l_i, acc = _attention_block(
+                    q,
+                    kc_ptr,
+                    vc_ptr,
+                    base,
+                    start,
+                    n_keys,
+                    d,
+                    dm,
+                    kc_s_pos,
+                    scale,
+                    m_i,
+                    l_i,
+                    acc,
+                    BLOCK_N,
+                    IEEE,
+                )
+                start += BLOCK_N
+        out = acc / l_i[:, None]
+        tl.store(
+            o_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=gm[:, None] & dm[None, :],
+        )
+
+
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    rows,
+    positions,
+    block_n: int = 64,
+    num_stages: int = 3,
+    num_warps: int = 4,
+    pipelined: bool | None = None,
+) -> torch.Tensor:
+    """q [M, HQ, D]; token m attends positions [0, positions[m]] of slot rows[m] in
+    k_cache / v_cache [slot, HKV, pos, D] (positions must lie inside the cache). Returns [M, HQ * D].
+    `pipelined` (default: on CUDA) takes the software-pipelined loop (see the kernel)."""
+    m, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    out = torch.empty(m, hq * d, device=q.device, dtype=q.dtype)
+    block_h = max(16, triton.next_power_of_2(hq // hkv))
+    _decode_attention_kernel[(m, hkv)](
+        q,
+        k_cache,
+        v_cache,
+        rows,
+        positions,
+        out,
+        d**-0.5,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HQ=hq,
+        HKV=hkv,
+        D=d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32,
+        PIPELINED=q.is_cuda if pipelined is None else pipelined,
+        num_stages=num_stages,
+        num_warps=num_warps,
+    )
+    return out
