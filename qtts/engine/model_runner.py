@@ -309,6 +309,7 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
                 if pool is None:
                     pool = graph.pool()
                 self.graphs[(n, ctx)] = graph
+        pool = self._capture_packed(pool)
         if self.prefill_buckets:
             self._capture_prefill(pool)
             self.prefill_embeds.zero_()

@@ -83,7 +83,15 @@ class RunnerConfig:
     # `max_candidates` is not set (the kernel has no candidate cap).
     sample_kernel: str = "auto"
     prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
-    # Fast path on CUDA: capture the prefill of one prompt chunk as CUDA graphs at these widths
+    # Packed prefill: the step's prompt chunks concatenated on one token axis, one GEMM per linear
+    # per layer and a varlen causal attention (qtts.engine.packed_prefill). None: on with the fast
+    # path. Off: the per-row prefill below (prefill_buckets / prefill_rows).
+    prefill_packed: bool | None = None
+    # Packed prefill on CUDA with graphs: token counts captured as graphs (a call is padded up to
+    # the smallest that holds it; larger calls run eagerly, where the GEMMs outlast the launches).
+    prefill_token_buckets: tuple[int, ...] = (128, 256, 512, 768, 1024, 1536, 2048)
+    # Per-row prefill (prefill_packed off), fast path on CUDA: capture the prefill of one prompt
+    # chunk as CUDA graphs at these widths
     # (positions, padded up); wider chunks and CPU runs take the eager ragged batch. Empty: off.
     prefill_buckets: tuple[int, ...] = ()
     # Chunks of one width bucket go through one graph in batches of these many rows (padding rows
@@ -106,6 +114,8 @@ class RunnerConfig:
             raise ValueError("sample_kernel='triton' has no candidate cap: leave max_candidates unset")
         if any(b < 1 for b in self.batch_buckets) or not self.batch_buckets:
             raise ValueError("batch_buckets must be positive")
+        if any(b < 1 for b in self.prefill_token_buckets):
+            raise ValueError("prefill_token_buckets must be positive")
         if any(b < 1 for b in self.prefill_buckets) or not self.prefill_rows or min(self.prefill_rows) < 1:
             raise ValueError("prefill_buckets and prefill_rows must be positive (prefill_rows non-empty)")
 

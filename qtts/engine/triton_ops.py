@@ -30,14 +30,16 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-from qtts.engine.triton_attention import decode_attention  # re-exported
+from qtts.engine.triton_attention import PREFILL_BLOCK_M, decode_attention, prefill_attention  # re-exported
 
 __all__ = [
+    "PREFILL_BLOCK_M",
     "SKINNY_RULES",
     "add_rms_norm",
     "available",
     "decode_attention",
     "linear",
+    "prefill_attention",
     "qk_norm_rope_store",
     "silu_mul",
     "skinny_linear",
