@@ -189,6 +189,7 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         "model": name,
         "talker_attention": variant,
         "dtype": args.dtype,
+        "weight_dtype": args.weight_dtype,
         "tf32": tf32,
         **kernels,
         "position": args.position,
@@ -237,6 +238,7 @@ def _runner_config(args: argparse.Namespace, attention: str, mode: str, batches:
         decode_kernels=args.decode_kernels,
         sample_kernel=args.sample_kernel,
         skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
+        weight_dtype=args.weight_dtype,
     )
 
 
@@ -413,11 +415,21 @@ def graph_matches_eager(
 
 
 def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict[str, float]:
-    """Prefill of one `--prompt-len` prompt (and of 8) into slots: eager ragged batch, and through
-    the captured prefill graphs when there are any (with the KV of both paths compared)."""
+    """Prefill of one `--prompt-len` prompt (and of 8) into slots: eager, and through the captured
+    prefill graphs when there are any (with the KV of both paths compared). With the packed
+    prefill (the default) both are packed calls; benchmarks/prefill_cost.py compares it with the
+    per-row prefill."""
     h = runner.hidden
     res: dict[str, float] = {}
-    graphed = runner.prefill_buckets
+    packed = runner.prefill_packed
+    graphed = runner.packed_graphs if packed else runner.prefill_buckets
+
+    def use_graphs(on: bool) -> None:
+        if packed:
+            runner.packed_graphs = graphed if on else {}
+        else:
+            runner.prefill_buckets = graphed if on else ()
+
     for count in (1, 8):
         seqs = []
         for i in range(count):
@@ -427,18 +439,18 @@ def bench_prefill(runner: ModelRunner, bundle, args: argparse.Namespace) -> dict
             seq.slot = i
             seqs.append(seq)
         chunks = [PrefillChunk(s, 0, s.num_prefill_positions) for s in seqs]
-        runner.prefill_buckets = ()
+        use_graphs(False)
         res[f"prefill_{count}x{args.prompt_len}_ms"] = _wall_median(lambda c=chunks: runner.prefill(c), 10)
         if graphed:
             n = seqs[0].num_prefill_positions
             want = runner.k_cache[:, :count, :, :n].float().clone()
-            runner.prefill_buckets = graphed
+            use_graphs(True)
             res[f"prefill_graph_{count}x{args.prompt_len}_ms"] = _wall_median(
                 lambda c=chunks: runner.prefill(c), 10
             )
             got = runner.k_cache[:, :count, :, :n].float()
             res[f"prefill_graph_{count}_kv_max_abs_diff"] = (got - want).abs().max().item()
-        runner.prefill_buckets = graphed
+        use_graphs(True)
     return res
 
 
@@ -606,6 +618,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
         args.sample_kernel,
         "--skinny-matmul",
         args.skinny_matmul,
+        "--weight-dtype",
+        args.weight_dtype,
         "--dtype",
         args.dtype,
         "--agreement-frames",
@@ -662,6 +676,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         choices=("auto", "on", "off"),
         help="few-row matmuls on the Triton skinny kernel (RunnerConfig.skinny_matmul)",
+    )
+    ap.add_argument(
+        "--weight-dtype",
+        default="model",
+        choices=("model", "fp8"),
+        help="decoder-layer linear weights: the model dtype, or fp8 (RunnerConfig.weight_dtype)",
     )
     ap.add_argument(
         "--dtype",

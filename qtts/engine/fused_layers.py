@@ -1,7 +1,8 @@
 """The talker's decode layers in two layouts: the bundle's modules and the fast path.
 
 The fast path concatenates q|k|v and gate|up weights (`LayerWeights`) and uses functional RMSNorm,
-so a layer is a few kernels; `fused_decoder_layers` runs a whole stack on the Triton kernels of
+so a layer is a few kernels; its linears go through `fp8.linear` (F.linear, or the FP8 product
+when `RunnerConfig.weight_dtype="fp8"` made the weights `fp8.Fp8Weight`); `fused_decoder_layers` runs a whole stack on the Triton kernels of
 `qtts.engine.triton_ops`. Everything here is stateless: the runner owns the caches and passes them in.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qtts.engine.fp8 import linear
 from qtts.model.layers import apply_rope
 
 
@@ -81,7 +83,7 @@ def fast_qkv(x, ln1, w_qkv, b_qkv, q_norm, k_norm, cos, sin, eps: float, heads: 
     b, t, _ = x.shape
     d = q_norm.shape[0]
     h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
-    q, k, v = F.linear(h, w_qkv, b_qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = linear(h, w_qkv, b_qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     q = F.rms_norm(q.view(b, t, heads, d), (d,), q_norm, eps).transpose(1, 2)
     k = F.rms_norm(k.view(b, t, kv_heads, d), (d,), k_norm, eps).transpose(1, 2)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(b, t, kv_heads, d).transpose(1, 2)
@@ -89,9 +91,9 @@ def fast_qkv(x, ln1, w_qkv, b_qkv, q_norm, k_norm, cos, sin, eps: float, heads: 
 
 def fast_out_mlp(x, attn, w_o, b_o, ln2, w_gate_up, w_down, eps: float):
     """Output projection + residual, RMSNorm, one gate|up matmul, SwiGLU, down + residual."""
-    x = x + F.linear(attn, w_o, b_o)
-    gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), ln2, eps), w_gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w_down)
+    x = x + linear(attn, w_o, b_o)
+    gate, up = linear(F.rms_norm(x, (x.shape[-1],), ln2, eps), w_gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, w_down)
 
 
 def fast_predictor_layer(

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from qtts.engine import sampler
+from qtts.engine.fp8 import dispatching as fp8_dispatching
+from qtts.engine.fp8 import quantize_layer
 from qtts.engine.frame_step import FrameStepMixin
 from qtts.engine.fused_layers import fast_out_mlp, fast_predictor_layer, fast_qkv, fuse_layer
 from qtts.engine.kv_slots import slots_for_budget
@@ -122,13 +124,12 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
             "sdpa" if config.predictor_attention == "auto" else config.predictor_attention
         )
         self.fast_path = self.device.type == "cuda" if config.fast_path is None else config.fast_path
+        self.fp8 = config.weight_dtype == "fp8"
+        if self.fp8 and not self.fast_path:
+            raise ValueError("weight_dtype='fp8' needs the fast path")
         # Fused weights first: the KV sizing below measures the memory left after them.
-        self.talker_weights = (
-            [fuse_layer(layer) for layer in self.talker.model.layers] if self.fast_path else []
-        )
-        self.predictor_weights = (
-            [fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
-        )
+        self.talker_weights = self._layer_weights(self.talker.model.layers)
+        self.predictor_weights = self._layer_weights(self.predictor.model.layers)
         self._choose_kernels(config)
         self.num_slots = self._size_slots()
         self.batch_buckets = tuple(
@@ -141,6 +142,13 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.use_graphs = config.use_cuda_graphs and self.device.type == "cuda"
         self._init_prefill(config)
+
+    def _layer_weights(self, layers) -> list:
+        """The fast path's per-layer weights (FP8 linears with weight_dtype="fp8"); none otherwise."""
+        if not self.fast_path:
+            return []
+        fused = [fuse_layer(layer) for layer in layers]
+        return [quantize_layer(w) for w in fused] if self.fp8 else fused
 
     def _choose_kernels(self, config: RunnerConfig) -> None:
         """The layer functions, the fused decode and sampling kernel modules and the matmul, compiled
@@ -161,6 +169,8 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
         if skinny and not self.fused_decode:
             raise ValueError("skinny_matmul needs the fused decode kernels")
         self._linear = self._fused_kernels.linear if skinny else F.linear
+        if self.fp8:
+            self._linear = fp8_dispatching(self._linear)
         # The sampling kernel's module (None: sampler.sample_rows). It has no candidate cap, so "auto"
         # with max_candidates set takes the reference.
         sample_choice = (
@@ -171,10 +181,10 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
             self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
         )
         if self.fast_path and compile_layers:
-            self._compile_layer_fns()
+            self._compile_layer_fns(layers=not self.fp8)  # FP8 weights: the layer functions stay eager
 
-    def _compile_layer_fns(self) -> None:
-        """torch.compile the fast path's per-layer functions and the sampler."""
+    def _compile_layer_fns(self, layers: bool = True) -> None:
+        """torch.compile the fast path's per-layer functions (`layers`) and the sampler."""
         # Every batch bucket, predictor step and prefill width is its own variant: above the
         # default limit of 8, dynamo silently runs the rest uncompiled. Raise the limit for this
         # process.
@@ -184,11 +194,12 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
             if hasattr(dynamo_config, name):
                 setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
         # Batch, positions and sequence length vary across buckets and predictor steps.
-        self._qkv_fn = torch.compile(fast_qkv, dynamic=True)
-        self._out_fn = torch.compile(fast_out_mlp, dynamic=True)
         self._sample = torch.compile(sampler.sample_rows, dynamic=True)
         self._c0_logits = torch.compile(sampler.codebook0_logits, dynamic=True)
-        self._pred_layer_fn = torch.compile(fast_predictor_layer, dynamic=True)
+        if layers:
+            self._qkv_fn = torch.compile(fast_qkv, dynamic=True)
+            self._out_fn = torch.compile(fast_out_mlp, dynamic=True)
+            self._pred_layer_fn = torch.compile(fast_predictor_layer, dynamic=True)
 
     def _kernel_module(self, choice: str, module_name: str, setting: str):
         """The Triton kernel module `qtts.engine.<module_name>` when `choice` ("auto", "triton" or

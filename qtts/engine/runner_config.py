@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qtts.engine.fp8 import WEIGHT_DTYPES
+
 # No bucket of 1: a single stream padded to 2 rows ran faster (the M=1 matmuls take slower
 # kernels). Above 256 the buckets are an eighth apart: a step's time grows with its bucket, so
 # 574 streams should not pay for 1024.
@@ -82,6 +84,10 @@ class RunnerConfig:
     # sampler.sample_rows (same semantics; it sorts), "auto" Triton on CUDA when it is installed and
     # `max_candidates` is not set (the kernel has no candidate cap).
     sample_kernel: str = "auto"
+    # "fp8": the decoder layers' linear weights (talker and predictor) in float8_e4m3fn with
+    # per-output-channel scales, activations quantized per token (qtts.engine.fp8; needs the fast
+    # path; FP8 tensor cores on sm90, a dequantizing reference elsewhere). "model": the model dtype.
+    weight_dtype: str = "model"
     prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
     # Packed prefill: the step's prompt chunks concatenated on one token axis, one GEMM per linear
     # per layer and a varlen causal attention (qtts.engine.packed_prefill). None: on with the fast
@@ -108,6 +114,8 @@ class RunnerConfig:
                 raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")
         if self.decode_kernels not in DECODE_KERNELS:
             raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}")
         if self.sample_kernel not in SAMPLE_KERNELS:
             raise ValueError(f"sample_kernel must be one of {SAMPLE_KERNELS}")
         if self.sample_kernel == "triton" and self.max_candidates:

@@ -1,0 +1,125 @@
+"""FP8 (float8_e4m3fn) linear weights for the talker and code-predictor decoder layers (opt-in).
+
+`RunnerConfig.weight_dtype="fp8"` quantizes every decoder-layer linear (q|k|v, o, gate|up, down of
+the talker's 28 and the predictor's 5 layers) once at start-up: an `Fp8Weight` holds the weight in
+float8_e4m3fn with one float32 scale per output channel (its row's absolute maximum / 448).
+Activations are quantized per token (row) at run time, the same way, and the product is
+
+    y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] * wq[n, k]   (+ bias)
+
+On CUDA that is `torch._scaled_mm` with row-wise scales (FP8 tensor cores, sm90; float32
+accumulation, bfloat16 output); the per-token quantization of x is one Triton kernel where Triton
+runs. Everywhere else (the CPU tests) a reference path computes the same formula from the
+dequantized operands in float32 (float64 for a float64 model). The output heads, embeddings and
+the predictor's input projection stay in the model dtype: they are a few percent of the bytes a
+step reads and set the logits directly.
+
+`linear(x, w, b)` is F.linear for a tensor weight and the FP8 product for an `Fp8Weight`: the fast
+path's layer functions call it, so one switch covers decode, predictor and prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+WEIGHT_DTYPES = ("model", "fp8")
+_MIN_AMAX = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear weight [N, K] as float8_e4m3fn `q` with per-output-channel float32 `scale` [N]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.q.to(dtype) * self.scale.to(dtype)[:, None]
+
+
+def quantize_weight(w: torch.Tensor) -> Fp8Weight:
+    """Per-output-channel symmetric quantization: row n scaled so its absolute maximum is 448."""
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=1).clamp_min(_MIN_AMAX) / FP8_MAX
+    q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return Fp8Weight(q=q.contiguous(), scale=scale.contiguous())
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], float32 scale [M, 1]): per-token dynamic scaling."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(_MIN_AMAX) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_reference`, as one Triton kernel on CUDA."""
+    if x.is_cuda:
+        from qtts.engine import triton_fp8
+
+        if triton_fp8.triton is not None:
+            return triton_fp8.quantize_rows(x)
+    return quantize_rows_reference(x)
+
+
+def _scaled_mm_ok(x: torch.Tensor, w: Fp8Weight) -> bool:
+    n, k = w.q.shape
+    return x.is_cuda and k % 16 == 0 and n % 16 == 0
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w^T with x quantized per token; output in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    xq, xs = quantize_rows(x2)
+    if _scaled_mm_ok(x2, w):
+        y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16).to(
+            x.dtype
+        )
+    else:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        y = F.linear(xq.to(acc) * xs.to(acc), w.dequantize(acc)).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, -1)
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or `fp8_linear` when `w` is an `Fp8Weight`."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def dispatching(lin):
+    """`lin` (F.linear or the skinny-matmul `linear`) for tensor weights, `fp8_linear` for FP8 ones."""
+
+    def call(x, w, bias=None):
+        if isinstance(w, Fp8Weight):
+            return fp8_linear(x, w, bias)
+        return lin(x, w, bias)
+
+    return call
+
+
+def quantize_layer(w):
+    """A `fused_layers.LayerWeights` with its four linear weights in FP8 (norms and biases kept)."""
+    return dataclasses.replace(
+        w,
+        w_qkv=quantize_weight(w.w_qkv),
+        w_o=quantize_weight(w.w_o),
+        w_gate_up=quantize_weight(w.w_gate_up),
+        w_down=quantize_weight(w.w_down),
+    )
