@@ -38,10 +38,11 @@ def query_blocks(spans: Seq[tuple[int, int, int, int]], block_m: int) -> list[tu
 
 
 def fused_prefill_layers(
-    kernels, lin, x, weights, dcfg, k_cache, v_cache, rows, wpos, cos, sin, blocks
+    kernels, lin, x, weights, dcfg, k_cache, v_cache, rows, wpos, cos, sin, blocks, block_m: int
 ) -> None:
     """The talker's layers over packed tokens x [N, H] with the fused Triton kernels: token m
-    writes its K/V at (rows[m], wpos[m]); attention by query block (`blocks`). Writes KV only."""
+    writes its K/V at (rows[m], wpos[m]); attention by query blocks of at most `block_m` tokens
+    (`blocks`). Writes KV only."""
     eps = dcfg.rms_norm_eps
     delta = None
     last = len(weights) - 1
@@ -63,7 +64,7 @@ def fused_prefill_layers(
         )
         if i == last:
             return
-        attn = kernels.prefill_attention(q, k_cache[i], v_cache[i], blocks)
+        attn = kernels.prefill_attention(q, k_cache[i], v_cache[i], blocks, block_m=block_m)
         x, h = kernels.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
         delta = lin(kernels.silu_mul(lin(h, w.w_gate_up)), w.w_down)
 
@@ -123,7 +124,7 @@ class PackedPrefillMixin:
         """Static buffers for the largest token bucket (graphs captured later, CUDA only)."""
         self.packed_token_buckets = tuple(sorted(set(config.prefill_token_buckets)))
         self.packed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._packed_block_m = self._fused_kernels.PREFILL_BLOCK_M if self.fused_decode else 0
+        self._packed_block_m = self._fused_kernels.prefill_block_m(self.dtype) if self.fused_decode else 0
         if not (self.use_graphs and self.packed_token_buckets):
             return
         n = self.packed_token_buckets[-1]
@@ -193,6 +194,7 @@ class PackedPrefillMixin:
                 cos,
                 sin,
                 blocks,
+                self._packed_block_m,
             )
         else:
             torch_prefill_layers(

@@ -342,6 +342,12 @@ def decode_attention(
 PREFILL_BLOCK_M = 64
 
 
+def prefill_block_m(dtype: torch.dtype) -> int:
+    """Tokens per query block for `dtype`: half as many for 4- and 8-byte types (their tiles take
+    twice the shared memory and registers)."""
+    return PREFILL_BLOCK_M if dtype.itemsize <= 2 else PREFILL_BLOCK_M // 2
+
+
 def prefill_attention(
     q,
     k_cache,
@@ -349,13 +355,14 @@ def prefill_attention(
     blocks,
     block_m: int = PREFILL_BLOCK_M,
     block_n: int = 64,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     num_warps: int = 8,
     pipelined: bool | None = None,
 ) -> torch.Tensor:
     """q [N, HQ, D] of packed prompt tokens whose K/V are already in k_cache / v_cache
     [slot, HKV, pos, D]; `blocks` int32 [B, 4] rows (slot, first token, count <= block_m, first
-    position), as `packed_prefill.query_blocks` builds them. Token q0 + j of a block attends
+    position), as `packed_prefill.query_blocks` builds them with the same `block_m` (at least
+    every block's count). Token q0 + j of a block attends
     positions [0, p0 + j] of its slot. Returns [N, HQ * D] (rows of tokens in no block: zero)."""
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -381,7 +388,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         IEEE=q.dtype in (torch.float32, torch.float64),
         PIPELINED=q.is_cuda if pipelined is None else pipelined,
-        num_stages=num_stages,
+        num_stages=num_stages or (2 if q.dtype.itemsize <= 2 else 1),
         num_warps=num_warps,
     )
     return out

@@ -30,16 +30,20 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-from qtts.engine.triton_attention import PREFILL_BLOCK_M, decode_attention, prefill_attention  # re-exported
+from qtts.engine.triton_attention import (  # re-exported
+    decode_attention,
+    prefill_attention,
+    prefill_block_m,
+)
 
 __all__ = [
-    "PREFILL_BLOCK_M",
     "SKINNY_RULES",
     "add_rms_norm",
     "available",
     "decode_attention",
     "linear",
     "prefill_attention",
+    "prefill_block_m",
     "qk_norm_rope_store",
     "silu_mul",
     "skinny_linear",
