@@ -48,7 +48,10 @@ def _reference_qkv(qkv, qn, kn, cos, sin, hq, hkv, d, eps):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope_store_writes_each_token_at_its_slot_and_position(dtype):
+@pytest.mark.parametrize("heads_per_program", [2, 4, 8])
+def test_qk_norm_rope_store_writes_each_token_at_its_slot_and_position(dtype, heads_per_program, monkeypatch):
+    """4 q + 2 k heads a token in programs of 2 (q, q, k), 4 (q, k + 2 padding) or 8 heads."""
+    monkeypatch.setattr(triton_ops, "QK_HEADS_PER_PROGRAM", heads_per_program)
     g = torch.Generator().manual_seed(1)
     hq, hkv, d, m, eps = 4, 2, 16, 6, 1e-6
     qkv = torch.randn(m, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
