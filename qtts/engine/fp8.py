@@ -47,6 +47,16 @@ class Fp8Weight:
         return self.q.to(dtype) * self.scale.to(dtype)[:, None]
 
 
+@dataclass(frozen=True)
+class QuantRows:
+    """An activation [M, K] already quantized per row (by a fused kernel): float8 `q`, scale [M, 1],
+    and `dtype`, the model dtype it was computed in (the product's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
 def quantize_weight(w: torch.Tensor) -> Fp8Weight:
     """Per-output-channel symmetric quantization: row n scaled so its absolute maximum is 448."""
     wf = w.detach().float()
@@ -77,20 +87,23 @@ def _scaled_mm_ok(x: torch.Tensor, w: Fp8Weight) -> bool:
     return x.is_cuda and k % 16 == 0 and n % 16 == 0
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ w^T with x quantized per token; output in x's dtype."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    xq, xs = quantize_rows(x2)
-    if _scaled_mm_ok(x2, w):
-        y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16).to(
-            x.dtype
-        )
+def fp8_linear(x, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w^T with x quantized per token (or already: a `QuantRows` [M, K]); output in
+    x's (model) dtype."""
+    if isinstance(x, QuantRows):
+        x2, xq, xs, lead, dtype = x.q, x.q, x.scale, x.q.shape[:-1], x.dtype
     else:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        y = F.linear(xq.to(acc) * xs.to(acc), w.dequantize(acc)).to(x.dtype)
+        lead, k, dtype = x.shape[:-1], x.shape[-1], x.dtype
+        x2 = x.reshape(-1, k)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        xq, xs = quantize_rows(x2)
+    if _scaled_mm_ok(x2, w):
+        y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16)
+        y = y.to(dtype)
+    else:
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        y = F.linear(xq.to(acc) * xs.to(acc), w.dequantize(acc)).to(dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, -1)

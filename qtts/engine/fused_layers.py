@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qtts.engine.fp8 import linear
+from qtts.engine.fp8 import Fp8Weight, linear
 from qtts.model.layers import apply_rope
 
 
@@ -127,6 +127,16 @@ def fast_predictor_layer(
     return fast_out_mlp(x, out, w_o, b_o, ln2, w_gate_up, w_down, eps), keys, values
 
 
+def fp8_fused_kernels(kernels, weights: list[LayerWeights], x: torch.Tensor):
+    """(add_rms_norm, silu_mul) for the fused layers: `kernels`' own, or with FP8 weights on CUDA
+    the variants of `triton_fp8` that hand the next linear its input already quantized."""
+    if weights and isinstance(weights[0].w_qkv, Fp8Weight) and x.is_cuda:
+        from qtts.engine import triton_fp8
+
+        return triton_fp8.add_rms_norm_fp8, triton_fp8.silu_mul_fp8
+    return kernels.add_rms_norm, kernels.silu_mul
+
+
 def fused_decoder_layers(
     kernels,
     lin,
@@ -148,9 +158,10 @@ def fused_decoder_layers(
     final-normed hidden [M, H]. `kernels`: the module qtts.engine.triton_ops; `lin`: its `linear`
     (skinny matmuls) or F.linear."""
     eps = dcfg.rms_norm_eps
+    norm, silu_mul = fp8_fused_kernels(kernels, weights, x)
     delta = None
     for i, w in enumerate(weights):
-        x, h = kernels.add_rms_norm(x, delta, w.ln1, eps)
+        x, h = norm(x, delta, w.ln1, eps)
         q = kernels.qk_norm_rope_store(
             lin(h, w.w_qkv, w.b_qkv),
             w.q_norm,
@@ -166,6 +177,6 @@ def fused_decoder_layers(
             dcfg.num_kv_heads,
         )
         attn = kernels.decode_attention(q, k_cache[i], v_cache[i], rows, apos, block_n=block_n)
-        x, h = kernels.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
-        delta = lin(kernels.silu_mul(lin(h, w.w_gate_up)), w.w_down)
+        x, h = norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
+        delta = lin(silu_mul(lin(h, w.w_gate_up)), w.w_down)
     return kernels.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]

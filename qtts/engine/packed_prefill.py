@@ -20,7 +20,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from qtts.engine.fused_layers import attend
+from qtts.engine.fused_layers import attend, fp8_fused_kernels
 from qtts.engine.slot_scheduler import PrefillChunk
 
 # Chunks per packed call: the captured attention grid holds ceil(N / block_m) + this many blocks.
@@ -44,10 +44,11 @@ def fused_prefill_layers(
     writes its K/V at (rows[m], wpos[m]); attention by query blocks of at most `block_m` tokens
     (`blocks`). Writes KV only."""
     eps = dcfg.rms_norm_eps
+    norm, silu_mul = fp8_fused_kernels(kernels, weights, x)
     delta = None
     last = len(weights) - 1
     for i, w in enumerate(weights):
-        x, h = kernels.add_rms_norm(x, delta, w.ln1, eps)
+        x, h = norm(x, delta, w.ln1, eps)
         q = kernels.qk_norm_rope_store(
             lin(h, w.w_qkv, w.b_qkv),
             w.q_norm,
@@ -65,8 +66,8 @@ def fused_prefill_layers(
         if i == last:
             return
         attn = kernels.prefill_attention(q, k_cache[i], v_cache[i], blocks, block_m=block_m)
-        x, h = kernels.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
-        delta = lin(kernels.silu_mul(lin(h, w.w_gate_up)), w.w_down)
+        x, h = norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
+        delta = lin(silu_mul(lin(h, w.w_gate_up)), w.w_down)
 
 
 def torch_prefill_layers(

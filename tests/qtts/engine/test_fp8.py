@@ -134,3 +134,60 @@ def test_fp8_needs_a_known_dtype_and_the_fast_path(tiny_bundle):
         RunnerConfig(weight_dtype="int4")
     with pytest.raises(ValueError, match="fast path"):
         ModelRunner(tiny_bundle, RunnerConfig(max_batch=2, max_len=16, fast_path=False, weight_dtype="fp8"))
+
+
+def _fp8_interpreter_ok() -> bool:
+    from qtts.engine import triton_fp8, triton_ops
+
+    return triton_fp8.triton is not None and triton_ops.available(
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_norm_and_swiglu_hand_over_their_output_quantized(with_delta):
+    """add_rms_norm_fp8 / silu_mul_fp8 equal the unfused kernel followed by the row quantization
+    (exactly on CUDA; on the interpreter up to its float8 rounding, as above)."""
+    if not _fp8_interpreter_ok():
+        pytest.skip("needs Triton (or its interpreter)")
+    from qtts.engine import triton_fp8, triton_ops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=g).to(device, dtype)
+    d = torch.randn(5, 96, generator=g).to(device, dtype) if with_delta else None
+    w = (torch.rand(96, generator=g) + 0.5).to(device, dtype)
+    gu = torch.randn(5, 2 * 80, generator=g).to(device, dtype)
+    x_out, hq = triton_fp8.add_rms_norm_fp8(x, d, w, 1e-6)
+    want_x, want_h = triton_ops.add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(x_out, want_x) and hq.dtype == dtype
+    sq = triton_fp8.silu_mul_fp8(gu)
+    for got, ref in ((hq, want_h), (sq, triton_ops.silu_mul(gu))):
+        q, s = fp8.quantize_rows_reference(ref)
+        assert torch.allclose(got.scale, s, rtol=1e-6)
+        same = (got.q.float() == q.float()).float().mean()
+        assert same == 1.0 if device == "cuda" else same > 0.95
+        # A QuantRows goes into the FP8 product as is.
+        wq = fp8.quantize_weight(torch.randn(32, ref.shape[1], generator=g).to(device))
+        assert fp8.fp8_linear(got, wq).dtype == dtype
+
+
+def test_fused_fp8_layers_stay_close_to_the_pytorch_fp8_layers(tiny_bundle, monkeypatch):
+    """The fused Triton layers with the quantizing norm/SwiGLU (what CUDA runs; forced here on the
+    interpreter) against the PyTorch FP8 layers: the same decode hidden state within the
+    interpreter's float8 rounding differences."""
+    if not _fp8_interpreter_ok():
+        pytest.skip("needs Triton (or its interpreter)")
+    from qtts.engine import fused_layers, packed_prefill, triton_fp8
+
+    def quantizing(kernels, weights, x):
+        return triton_fp8.add_rms_norm_fp8, triton_fp8.silu_mul_fp8
+
+    prompts = [make_prompt(tiny_bundle, n, 2, seed=1300 + n) for n in (7, 10)]
+    ref = _loaded(tiny_bundle, prompts, weight_dtype="fp8", decode_kernels="torch")
+    monkeypatch.setattr(fused_layers, "fp8_fused_kernels", quantizing)
+    monkeypatch.setattr(packed_prefill, "fp8_fused_kernels", quantizing)
+    fused = _loaded(tiny_bundle, prompts, weight_dtype="fp8", decode_kernels="triton")
+    h_ref, h_fused = ref._talker_decode(2, ref.max_len), fused._talker_decode(2, fused.max_len)
+    assert ((h_fused - h_ref).norm() / h_ref.norm()).item() < 0.05
