@@ -126,8 +126,10 @@ class PackedPrefillMixin:
         self.packed_token_buckets = tuple(sorted(set(config.prefill_token_buckets)))
         self.packed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._packed_block_m = self._fused_kernels.prefill_block_m(self.dtype) if self.fused_decode else 0
-        if not (self.use_graphs and self.packed_token_buckets):
-            return
+        if self.prefill_packed and self.fused_decode and self.use_graphs and self.packed_token_buckets:
+            self._alloc_packed_buffers()  # graphs replay the fused kernels only (the PyTorch path loops)
+
+    def _alloc_packed_buffers(self) -> None:
         n = self.packed_token_buckets[-1]
         dev = self.device
         self.packed_x = torch.zeros(n, self.hidden, device=dev, dtype=self.dtype)
@@ -213,22 +215,21 @@ class PackedPrefillMixin:
                 spans,
             )
 
+    def _packed_graph_args(self, n: int) -> tuple:
+        """`_packed_layers` arguments of the graph at token bucket n: views of the static buffers."""
+        blocks = self.packed_blocks[: self._grid_blocks(n)]
+        return self.packed_x[:n], self.packed_rows[:n], self.packed_pos[:n], blocks, None
+
     def _capture_packed(self, pool):
         """One graph per token bucket, largest first, into `pool` (the fused kernels only: the
         PyTorch fallback loops over chunks on the host). Writes only slot 0's scratch column."""
-        if not (self.fused_decode and self.use_graphs and self.packed_token_buckets):
+        if not (self.prefill_packed and self.fused_decode and self.use_graphs and self.packed_token_buckets):
             return pool
         self.packed_rows.zero_()
         self.packed_pos.fill_(self.scratch)
         self.packed_blocks.zero_()
         for n in sorted(self.packed_token_buckets, reverse=True):
-            args = (
-                self.packed_x[:n],
-                self.packed_rows[:n],
-                self.packed_pos[:n],
-                self.packed_blocks[: self._grid_blocks(n)],
-                None,
-            )
+            args = self._packed_graph_args(n)
             self._packed_layers(*args)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()

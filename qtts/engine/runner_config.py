@@ -94,8 +94,9 @@ class RunnerConfig:
     # path. Off: the per-row prefill below (prefill_buckets / prefill_rows).
     prefill_packed: bool | None = None
     # Packed prefill on CUDA with graphs: token counts captured as graphs (a call is padded up to
-    # the smallest that holds it; larger calls run eagerly, where the GEMMs outlast the launches).
-    prefill_token_buckets: tuple[int, ...] = (128, 256, 512, 768, 1024, 1536, 2048)
+    # the smallest that holds it). Larger calls run eagerly: above ~1,000 tokens a layer's GEMMs
+    # outlast its ~10 launches, and exact sizes waste no padding.
+    prefill_token_buckets: tuple[int, ...] = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
     # Per-row prefill (prefill_packed off), fast path on CUDA: capture the prefill of one prompt
     # chunk as CUDA graphs at these widths
     # (positions, padded up); wider chunks and CPU runs take the eager ragged batch. Empty: off.

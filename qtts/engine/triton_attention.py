@@ -189,7 +189,7 @@ if triton is not None:
         b = tl.program_id(0)
         hk = tl.program_id(1)
         G: tl.constexpr = HQ // HKV
-        slot = tl.load(blk_ptr + b * 4)
+        slot = tl.load(blk_ptr + b * 4).to(tl.int64)  # slot offsets pass 2**31 in large caches
         q0 = tl.load(blk_ptr + b * 4 + 1)
         count = tl.load(blk_ptr + b * 4 + 2)
         p0 = tl.load(blk_ptr + b * 4 + 3)
@@ -249,7 +249,7 @@ if triton is not None:
                     IEEE,
                 )
                 start += BLOCK_N
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # an empty block (count 0) stores nothing
         tl.store(o_ptr + q_offs, out.to(o_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
 
     @triton.jit

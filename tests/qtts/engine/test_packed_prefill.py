@@ -168,3 +168,42 @@ def test_many_chunks_split_into_packed_calls(tiny_bundle, monkeypatch):
 def test_packed_prefill_needs_the_fast_path(tiny_bundle):
     with pytest.raises(ValueError, match="fast path"):
         ModelRunner(tiny_bundle, RunnerConfig(max_batch=2, max_len=16, fast_path=False, prefill_packed=True))
+
+
+class _EagerReplay:
+    """Stands in for a captured graph on the CPU: replaying it runs the layers on the static
+    buffers, which is what the graph captured."""
+
+    def __init__(self, runner: ModelRunner, n: int) -> None:
+        self.runner, self.n = runner, n
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.runner._packed_layers(*self.runner._packed_graph_args(self.n))
+
+
+def test_token_bucket_replays_write_the_same_kv_as_the_eager_call(tiny_bundle):
+    """The graph path: chunks copied into the static buffers at a token bucket, padding tokens at
+    the scratch column of slot 0, unused query blocks empty. Calls of 21 and 27 tokens go through
+    buckets 24 and 32; a call of 40 tokens (above the largest bucket) runs eagerly."""
+    from qtts.engine import triton_ops
+
+    if not triton_ops.available(torch.device("cpu")) and not torch.cuda.is_available():
+        pytest.skip("needs Triton (or its interpreter)")
+    prompts = [make_prompt(tiny_bundle, n, 2, seed=990 + n) for n in (9, 14, 16, 12)]
+    seqs = _seqs(prompts)
+    eager = _runner(tiny_bundle, fast_path=True, decode_kernels="triton")
+    graphed = _runner(tiny_bundle, fast_path=True, decode_kernels="triton", prefill_token_buckets=(8, 24, 32))
+    graphed._alloc_packed_buffers()
+    graphed.packed_graphs = {n: _EagerReplay(graphed, n) for n in graphed.packed_token_buckets}
+    for r in (eager, graphed):
+        r.prefill([PrefillChunk(s, 0, s.num_prefill_positions) for s in seqs[:2]])  # 8 + 13 = 21 tokens
+        r.prefill([PrefillChunk(s, 0, s.num_prefill_positions) for s in seqs[2:]])  # 15 + 11 = 26 tokens
+    assert [graphed.packed_graphs[n].replays for n in (8, 24, 32)] == [0, 1, 1]
+    # Padding wrote only slot 0's scratch column.
+    _assert_same_kv(graphed, eager, seqs, atol=1e-6)
+    wide = make_prompt(tiny_bundle, 41, 2, seed=999)
+    (seq,) = _seqs([wide])
+    graphed.prefill([PrefillChunk(seq, 0, seq.num_prefill_positions)])
+    assert sum(g.replays for g in graphed.packed_graphs.values()) == 2
