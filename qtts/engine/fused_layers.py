@@ -152,11 +152,12 @@ def fused_decoder_layers(
     sin,
     final_norm,
     block_n: int = 64,
+    stages: int = 3,
 ) -> torch.Tensor:
     """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
     attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
     final-normed hidden [M, H]. `kernels`: the module qtts.engine.triton_ops; `lin`: its `linear`
-    (skinny matmuls) or F.linear."""
+    (skinny matmuls) or F.linear; `stages`: the attention kernel's pipeline stages."""
     eps = dcfg.rms_norm_eps
     norm, silu_mul = fp8_fused_kernels(kernels, weights, x)
     delta = None
@@ -176,7 +177,9 @@ def fused_decoder_layers(
             dcfg.num_heads,
             dcfg.num_kv_heads,
         )
-        attn = kernels.decode_attention(q, k_cache[i], v_cache[i], rows, apos, block_n=block_n)
+        attn = kernels.decode_attention(
+            q, k_cache[i], v_cache[i], rows, apos, block_n=block_n, num_stages=stages
+        )
         x, h = norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
         delta = lin(silu_mul(lin(h, w.w_gate_up)), w.w_down)
     return kernels.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]
