@@ -85,6 +85,7 @@ class FrameStepMixin:
             cos,
             sin,
             model.norm,
+            fused_qkv=self.fused_qkv,
         )
 
     def _predictor_fused(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
@@ -119,6 +120,7 @@ class FrameStepMixin:
             self.predictor.model.norm,
             block_n=32,
             stages=PREDICTOR_ATTENTION_STAGES,
+            fused_qkv=self.fused_qkv,
         )
         return h.view(n, t, -1)
 

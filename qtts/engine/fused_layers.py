@@ -153,33 +153,44 @@ def fused_decoder_layers(
     final_norm,
     block_n: int = 64,
     stages: int = 3,
+    fused_qkv: bool = False,
 ) -> torch.Tensor:
     """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
     attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
     final-normed hidden [M, H]. `kernels`: the module qtts.engine.triton_ops; `lin`: its `linear`
-    (skinny matmuls) or F.linear; `stages`: the attention kernel's pipeline stages."""
+    (skinny matmuls) or F.linear; `stages`: the attention kernel's pipeline stages; `fused_qkv`:
+    the q/k norm, RoPE, KV store and attention as one kernel (`qkv_attention`) instead of two."""
     eps = dcfg.rms_norm_eps
     norm, silu_mul = fp8_fused_kernels(kernels, weights, x)
     delta = None
     for i, w in enumerate(weights):
         x, h = norm(x, delta, w.ln1, eps)
-        q = kernels.qk_norm_rope_store(
-            lin(h, w.w_qkv, w.b_qkv),
-            w.q_norm,
-            w.k_norm,
-            cos,
-            sin,
-            k_cache[i],
-            v_cache[i],
-            rows,
-            wpos,
-            eps,
-            dcfg.num_heads,
-            dcfg.num_kv_heads,
-        )
-        attn = kernels.decode_attention(
-            q, k_cache[i], v_cache[i], rows, apos, block_n=block_n, num_stages=stages
-        )
+        qkv = lin(h, w.w_qkv, w.b_qkv)
+        heads = (dcfg.num_heads, dcfg.num_kv_heads)
+        if fused_qkv:
+            attn = kernels.qkv_attention(
+                qkv,
+                w.q_norm,
+                w.k_norm,
+                cos,
+                sin,
+                k_cache[i],
+                v_cache[i],
+                rows,
+                wpos,
+                apos,
+                eps,
+                *heads,
+                block_n=block_n,
+                num_stages=stages,
+            )
+        else:
+            q = kernels.qk_norm_rope_store(
+                qkv, w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps, *heads
+            )
+            attn = kernels.decode_attention(
+                q, k_cache[i], v_cache[i], rows, apos, block_n=block_n, num_stages=stages
+            )
         x, h = norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
         delta = lin(silu_mul(lin(h, w.w_gate_up)), w.w_down)
     return kernels.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]

@@ -164,6 +164,7 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
             else None
         )
         self.fused_decode = self._fused_kernels is not None
+        self.fused_qkv = self._use_fused_qkv(config.fused_qkv_attention)
         self._pred_layer_fn = fast_predictor_layer
         skinny = self.fused_decode if config.skinny_matmul is None else config.skinny_matmul
         if skinny and not self.fused_decode:
@@ -182,6 +183,27 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
         )
         if self.fast_path and compile_layers:
             self._compile_layer_fns(layers=not self.fp8)  # FP8 weights: the layer functions stay eager
+
+    def _use_fused_qkv(self, choice: bool | None) -> bool:
+        """Whether the fused decode runs `qkv_attention` (RunnerConfig.fused_qkv_attention)."""
+        if choice is False or (choice is None and self.device.type != "cuda"):
+            return False
+        if not self.fused_decode:
+            if choice:
+                raise ValueError("fused_qkv_attention needs the fused decode kernels")
+            return False
+        from qtts.engine.triton_qkv_attention import self_check
+
+        shapes = ((self.tdec, 64), (self.pdec, 32))
+        ok = all(
+            self_check(self.device, self.dtype, d.num_heads, d.num_kv_heads, d.head_dim, bn)
+            for d, bn in shapes
+        )
+        if not ok:
+            if choice:
+                raise ValueError("fused_qkv_attention failed its self-check on this device")
+            log.warning("fused q/k/v attention kernel failed its self-check: running the two kernels")
+        return ok
 
     def _compile_layer_fns(self, layers: bool = True) -> None:
         """torch.compile the fast path's per-layer functions (`layers`) and the sampler."""

@@ -79,6 +79,10 @@ class RunnerConfig:
     # triton_ops.SKINNY_RULES (measured faster than cuBLAS there) take the Triton skinny kernel.
     # None: on whenever the fused decode is.
     skinny_matmul: bool | None = None
+    # With the fused decode kernels: the q/k norm, RoPE, KV store and attention of a layer as one
+    # kernel (triton_qkv_attention) instead of two. None: on CUDA where a start-up self-check of
+    # the kernel against the two passes (else the two kernels, with a warning).
+    fused_qkv_attention: bool | None = None
     # Sampling of the 16 codebooks: "triton" runs qtts.engine.triton_sampling (one kernel per
     # codebook that also computes the row's counter uniform; no sort), "torch" the PyTorch reference
     # sampler.sample_rows (same semantics; it sorts), "auto" Triton on CUDA when it is installed and

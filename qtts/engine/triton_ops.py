@@ -35,6 +35,7 @@ from qtts.engine.triton_attention import (  # re-exported
     prefill_attention,
     prefill_block_m,
 )
+from qtts.engine.triton_qkv_attention import qkv_attention  # re-exported
 
 __all__ = [
     "SKINNY_RULES",
@@ -45,6 +46,7 @@ __all__ = [
     "prefill_attention",
     "prefill_block_m",
     "qk_norm_rope_store",
+    "qkv_attention",
     "silu_mul",
     "skinny_linear",
     "use_skinny",
