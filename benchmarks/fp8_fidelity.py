@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.revision import git_revision
+from qtts.engine import fp8
 from qtts.engine.model_runner import ModelRunner, RunnerConfig
 from qtts.engine.sequence import Sequence
 from qtts.engine.slot_scheduler import PrefillChunk
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "prompt_len": args.prompt_len,
             "frames": args.frames,
             "greedy": True,
+            "fp8_scaled_mm_failed": list(fp8._SCALED_MM_FAILED),
         },
         "rows": rows,
     }

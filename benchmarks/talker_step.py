@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from benchmarks.revision import git_revision
 from benchmarks.runner_variants import serving_attention, variant_runner
 from benchmarks.timing import median_event_s, median_wall_s
+from qtts.engine import fp8
 from qtts.engine.model_runner import (
     DEFAULT_BATCH_BUCKETS,
     I_GREEDY,
@@ -190,6 +191,10 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         "talker_attention": variant,
         "dtype": args.dtype,
         "weight_dtype": args.weight_dtype,
+        # FP8 linears on the reference path (torch._scaled_mm refused): then its times mean nothing
+        "fp8_scaled_mm_failed": list(fp8._SCALED_MM_FAILED),
+        "fused_qkv_attention": runner.fused_qkv,
+        "prefill_packed": runner.prefill_packed,
         "tf32": tf32,
         **kernels,
         "position": args.position,

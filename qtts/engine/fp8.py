@@ -21,10 +21,13 @@ path's layer functions call it, so one switch covers decode, predictor and prefi
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -87,6 +90,23 @@ def _scaled_mm_ok(x: torch.Tensor, w: Fp8Weight) -> bool:
     return x.is_cuda and k % 16 == 0 and n % 16 == 0
 
 
+_SCALED_MM_FAILED: list[str] = []  # the first failure, kept: every later call takes the reference
+
+
+def _scaled_mm(xq: torch.Tensor, xs: torch.Tensor, w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor | None:
+    """torch._scaled_mm with row-wise scales (None where this device or build refuses it: the
+    caller computes the reference instead, and a warning says so once)."""
+    if _SCALED_MM_FAILED:
+        return None
+    try:
+        y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as exc:
+        _SCALED_MM_FAILED.append(str(exc))
+        log.warning("torch._scaled_mm with row-wise scales failed (%s): FP8 linears take the reference", exc)
+        return None
+    return y.to(dtype)
+
+
 def fp8_linear(x, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w^T with x quantized per token (or already: a `QuantRows` [M, K]); output in
     x's (model) dtype."""
@@ -98,10 +118,8 @@ def fp8_linear(x, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tenso
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         xq, xs = quantize_rows(x2)
-    if _scaled_mm_ok(x2, w):
-        y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=torch.bfloat16)
-        y = y.to(dtype)
-    else:
+    y = _scaled_mm(xq, xs, w, dtype) if _scaled_mm_ok(x2, w) else None
+    if y is None:
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         y = F.linear(xq.to(acc) * xs.to(acc), w.dequantize(acc)).to(dtype)
     if bias is not None:
