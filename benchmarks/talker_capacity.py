@@ -472,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "load_s": load_s,
             "engine_start_s": start_s,
             "num_slots": eng.max_batch,
+            "prefill_packed": eng.runner.prefill_packed,
+            "fused_qkv_attention": eng.runner.fused_qkv,
             "max_len": eng.config.runner.max_len,
         },
         "settings": {
