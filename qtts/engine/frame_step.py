@@ -85,7 +85,7 @@ class FrameStepMixin:
             cos,
             sin,
             model.norm,
-            fused_qkv=self.fused_qkv,
+            fused_qkv=self.fused_qkv and self.cfg.fused_qkv_max_rows,
         )
 
     def _predictor_fused(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
@@ -120,7 +120,7 @@ class FrameStepMixin:
             self.predictor.model.norm,
             block_n=32,
             stages=PREDICTOR_ATTENTION_STAGES,
-            fused_qkv=self.fused_qkv,
+            fused_qkv=self.fused_qkv and self.cfg.fused_qkv_max_rows,
         )
         return h.view(n, t, -1)
 

@@ -153,15 +153,18 @@ def fused_decoder_layers(
     final_norm,
     block_n: int = 64,
     stages: int = 3,
-    fused_qkv: bool = False,
+    fused_qkv: bool | int = False,
 ) -> torch.Tensor:
     """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
     attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
     final-normed hidden [M, H]. `kernels`: the module qtts.engine.triton_ops; `lin`: its `linear`
     (skinny matmuls) or F.linear; `stages`: the attention kernel's pipeline stages; `fused_qkv`:
-    the q/k norm, RoPE, KV store and attention as one kernel (`qkv_attention`) instead of two."""
+    the q/k norm, RoPE, KV store and attention as one kernel (`qkv_attention`) instead of two,
+    when true (an int: when x has at most that many rows)."""
     eps = dcfg.rms_norm_eps
     norm, silu_mul = fp8_fused_kernels(kernels, weights, x)
+    if fused_qkv is not True and fused_qkv is not False:
+        fused_qkv = x.shape[0] <= fused_qkv
     delta = None
     for i, w in enumerate(weights):
         x, h = norm(x, delta, w.ln1, eps)

@@ -80,9 +80,13 @@ class RunnerConfig:
     # None: on whenever the fused decode is.
     skinny_matmul: bool | None = None
     # With the fused decode kernels: the q/k norm, RoPE, KV store and attention of a layer as one
-    # kernel (triton_qkv_attention) instead of two. None: on CUDA where a start-up self-check of
-    # the kernel against the two passes (else the two kernels, with a warning).
+    # kernel (triton_qkv_attention) instead of two, for steps of at most `fused_qkv_max_rows`
+    # tokens. None: on CUDA where a start-up self-check of the kernel against the two passes (else
+    # the two kernels, with a warning). Small batches are launch-bound: one kernel fewer a layer
+    # is ~100 fewer a frame step. At large batches the two kernels stay: the attention is
+    # bandwidth-bound there, and a longer prologue per program would delay its first loads.
     fused_qkv_attention: bool | None = None
+    fused_qkv_max_rows: int = 64
     # Sampling of the 16 codebooks: "triton" runs qtts.engine.triton_sampling (one kernel per
     # codebook that also computes the row's counter uniform; no sort), "torch" the PyTorch reference
     # sampler.sample_rows (same semantics; it sorts), "auto" Triton on CUDA when it is installed and
@@ -119,6 +123,8 @@ class RunnerConfig:
                 raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")
         if self.decode_kernels not in DECODE_KERNELS:
             raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}")
+        if self.fused_qkv_max_rows < 0:
+            raise ValueError("fused_qkv_max_rows must be >= 0")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}")
         if self.sample_kernel not in SAMPLE_KERNELS:

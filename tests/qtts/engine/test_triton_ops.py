@@ -267,3 +267,30 @@ def test_qkv_attention_equals_rope_store_then_decode_attention(dtype, group, hea
     assert torch.allclose(got.float(), want.float(), **_tol(dtype))
     assert torch.allclose(kc2.float(), kc.float(), **_tol(dtype)) and torch.equal(vc2, vc)
     assert triton_qkv_attention.self_check(DEVICE, dtype, hq, hkv, head_dim, 16)
+
+
+def test_fused_qkv_attention_only_up_to_its_row_limit(tiny_bundle, monkeypatch):
+    """fused_qkv_max_rows: steps of more tokens keep the two kernels (large batches)."""
+    from qtts.engine.model_runner import ModelRunner, RunnerConfig
+
+    cfg = RunnerConfig(
+        max_batch=4,
+        max_len=16,
+        max_trailing=2,
+        fast_path=True,
+        compile_layers=False,
+        decode_kernels="triton",
+        fused_qkv_attention=True,
+        fused_qkv_max_rows=2,
+    )
+    runner = ModelRunner(tiny_bundle, cfg)
+    calls = []
+    real = triton_ops.qkv_attention
+    monkeypatch.setattr(
+        triton_ops, "qkv_attention", lambda qkv, *a, **kw: calls.append(qkv.shape[0]) or real(qkv, *a, **kw)
+    )
+    runner.active[:4] = True
+    runner._talker_decode(4, 16)
+    assert calls == []
+    runner._talker_decode(2, 16)
+    assert calls == [2] * runner.tdec.num_layers
