@@ -15,7 +15,10 @@ greedy frame steps at that batch's bucket (eager: graphs replay the same kernels
   (after penalty and masks; suppressed ids left out), and logit_max_abs_err.
 
 bf16 against float32 is the yardstick: the FP8 engine's distance to float32 should be of the same
-order, and its distance to bf16 says what switching bf16 to FP8 changes. Speed: `talker_step
+order, and its distance to bf16 says what switching bf16 to FP8 changes. One linear alone
+(`single_linear_rel_err`) shows the rounding step each precision starts from: random weights
+amplify it through 28 + 5 layers (bf16's ~0.3% per linear became ~3.7% of the logits on an H200),
+so the end-to-end ratio FP8 / bf16 should follow the per-linear ratio. Speed: `talker_step
 --weight-dtype fp8`.
 
     python3 -m benchmarks.fp8_fidelity --out benchmarks/results/fp8_fidelity.json
@@ -73,6 +76,27 @@ def prompts(args: argparse.Namespace, hidden: int) -> list[SimpleNamespace]:
     return out
 
 
+def single_linear_errors(runner: ModelRunner, rows: int = 64) -> dict[str, dict[str, float]]:
+    """One linear alone, on the float32 engine's exact weights: relative error of the bf16 and the
+    FP8 product against float32 for the first talker and predictor layer's four weights, on
+    N(0, 1) activations. How much of the end-to-end logit error is one rounding step, amplified
+    by the random network (bf16 and FP8 should be amplified alike; a scale bug would not be)."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    out = {}
+    for part, weights in (("talker", runner.talker_weights[0]), ("predictor", runner.predictor_weights[0])):
+        for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+            w = getattr(weights, name).float()
+            x = torch.randn(rows, w.shape[1], generator=g).to(w.device)
+            ref = x @ w.t()
+            bf16 = (x.bfloat16() @ w.bfloat16().t()).float()
+            f8 = fp8.fp8_linear(x.bfloat16(), fp8.quantize_weight(w)).float()
+            out[f"{part}.{name}"] = {
+                "bf16": ((bf16 - ref).norm() / ref.norm()).item(),
+                "fp8": ((f8 - ref).norm() / ref.norm()).item(),
+            }
+    return out
+
+
 def run_engine(name: str, args: argparse.Namespace, workdir: Path) -> dict[int, dict[str, torch.Tensor]]:
     """Per batch: the first frame's codebook-0 logits [b, V] and the codes [frames, b, 16]."""
     dtype, weight_dtype = ENGINES[name]
@@ -96,6 +120,9 @@ def run_engine(name: str, args: argparse.Namespace, workdir: Path) -> dict[int, 
     runner._c0_logits = lambda *a: seen.append(c0(*a)) or seen[-1]
     ps = prompts(args, runner.hidden)
     out = {}
+    if name == "float32":
+        with torch.inference_mode():
+            out["single_linear"] = single_linear_errors(runner)
     with torch.inference_mode():
         for b in args.batches:
             seqs = []
@@ -168,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_float32_matmul_precision("highest")
     with tempfile.TemporaryDirectory() as tmp:
         runs = {name: run_engine(name, args, Path(tmp)) for name in ENGINES}
+    single = runs["float32"].pop("single_linear")
     rows = []
     for b in args.batches:
         for a, r in PAIRS:
@@ -194,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "greedy": True,
             "fp8_scaled_mm_failed": list(fp8._SCALED_MM_FAILED),
         },
+        "single_linear_rel_err": single,
         "rows": rows,
     }
     print(
@@ -204,6 +233,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"| {r['batch']} | {r['bucket']} | {r['engine']} | {r['against']} | {r['frame0_rows_equal']:.4f} | "
             f"{r['frame0_c0_equal']:.4f} | {r['codes_equal']:.4f} | {r['logit_rel_err']:.4f} | {r['logit_max_abs_err']:.4f} |"
+        )
+    print("\none linear against float32 (relative error; first talker / predictor layer):")
+    for k, v in single.items():
+        print(
+            f"  {k:22s} bf16 {v['bf16']:.4f}  fp8 {v['fp8']:.4f}  ratio {v['fp8'] / max(v['bf16'], 1e-12):.1f}"
         )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

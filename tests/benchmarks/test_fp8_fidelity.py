@@ -20,3 +20,10 @@ def test_fp8_fidelity_smoke(tmp_path):
         for key in ("frame0_rows_equal", "frame0_c0_equal", "codes_equal"):
             assert 0.0 <= r[key] <= 1.0
         assert 0.0 < r["logit_rel_err"] < 0.2
+    # One linear alone: e4m3 rounds ~10x coarser than bf16 (3 mantissa bits against 7).
+    single = data["single_linear_rel_err"]
+    assert set(single) == {
+        f"{p}.{w}" for p in ("talker", "predictor") for w in ("w_qkv", "w_o", "w_gate_up", "w_down")
+    }
+    for v in single.values():
+        assert 0 < v["bf16"] < 0.01 and 4 * v["bf16"] < v["fp8"] < 0.08
