@@ -37,14 +37,22 @@ _MIN_AMAX = 1e-12
 
 @dataclass(frozen=True)
 class Fp8Weight:
-    """A linear weight [N, K] as float8_e4m3fn `q` with per-output-channel float32 `scale` [N]."""
+    """A linear weight [N, K] as float8_e4m3fn `q` with per-output-channel float32 `scale` [N].
+    `full` (optional): the model-dtype weight, which products of fewer than `min_rows` rows use
+    instead (at small batches FP8 saved nothing measurable and its quantization costs kernels)."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    full: torch.Tensor | None = None
+    min_rows: int = 0
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+    def takes_fp8(self, rows: int) -> bool:
+        """Whether a product of `rows` rows uses the FP8 weight (else `full`)."""
+        return self.full is None or rows >= self.min_rows
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.q.to(dtype) * self.scale.to(dtype)[:, None]
@@ -60,12 +68,14 @@ class QuantRows:
     dtype: torch.dtype
 
 
-def quantize_weight(w: torch.Tensor) -> Fp8Weight:
-    """Per-output-channel symmetric quantization: row n scaled so its absolute maximum is 448."""
+def quantize_weight(w: torch.Tensor, min_rows: int = 0) -> Fp8Weight:
+    """Per-output-channel symmetric quantization: row n scaled so its absolute maximum is 448.
+    `min_rows` > 0 keeps `w` itself for products of fewer rows."""
     wf = w.detach().float()
     scale = wf.abs().amax(dim=1).clamp_min(_MIN_AMAX) / FP8_MAX
     q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return Fp8Weight(q=q.contiguous(), scale=scale.contiguous())
+    full = w if min_rows > 0 else None
+    return Fp8Weight(q=q.contiguous(), scale=scale.contiguous(), full=full, min_rows=min_rows)
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +123,8 @@ def fp8_linear(x, w: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tenso
     if isinstance(x, QuantRows):
         x2, xq, xs, lead, dtype = x.q, x.q, x.scale, x.q.shape[:-1], x.dtype
     else:
+        if not w.takes_fp8(x.numel() // max(x.shape[-1], 1)):
+            return F.linear(x, w.full, bias)
         lead, k, dtype = x.shape[:-1], x.shape[-1], x.dtype
         x2 = x.reshape(-1, k)
         if not x2.is_contiguous():
@@ -139,18 +151,21 @@ def dispatching(lin):
 
     def call(x, w, bias=None):
         if isinstance(w, Fp8Weight):
-            return fp8_linear(x, w, bias)
+            if isinstance(x, QuantRows) or w.takes_fp8(x.numel() // max(x.shape[-1], 1)):
+                return fp8_linear(x, w, bias)
+            w = w.full
         return lin(x, w, bias)
 
     return call
 
 
-def quantize_layer(w):
-    """A `fused_layers.LayerWeights` with its four linear weights in FP8 (norms and biases kept)."""
+def quantize_layer(w, min_rows: int = 0):
+    """A `fused_layers.LayerWeights` with its four linear weights in FP8 (norms and biases kept);
+    `min_rows` > 0: products of fewer rows keep the model-dtype weights."""
     return dataclasses.replace(
         w,
-        w_qkv=quantize_weight(w.w_qkv),
-        w_o=quantize_weight(w.w_o),
-        w_gate_up=quantize_weight(w.w_gate_up),
-        w_down=quantize_weight(w.w_down),
+        w_qkv=quantize_weight(w.w_qkv, min_rows),
+        w_o=quantize_weight(w.w_o, min_rows),
+        w_gate_up=quantize_weight(w.w_gate_up, min_rows),
+        w_down=quantize_weight(w.w_down, min_rows),
     )

@@ -130,7 +130,8 @@ def fast_predictor_layer(
 def fp8_fused_kernels(kernels, weights: list[LayerWeights], x: torch.Tensor):
     """(add_rms_norm, silu_mul) for the fused layers: `kernels`' own, or with FP8 weights on CUDA
     the variants of `triton_fp8` that hand the next linear its input already quantized."""
-    if weights and isinstance(weights[0].w_qkv, Fp8Weight) and x.is_cuda:
+    w = weights[0].w_qkv if weights else None
+    if isinstance(w, Fp8Weight) and x.is_cuda and w.takes_fp8(x.shape[0]):
         from qtts.engine import triton_fp8
 
         return triton_fp8.add_rms_norm_fp8, triton_fp8.silu_mul_fp8

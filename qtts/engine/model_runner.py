@@ -148,7 +148,7 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
         if not self.fast_path:
             return []
         fused = [fuse_layer(layer) for layer in layers]
-        return [quantize_layer(w) for w in fused] if self.fp8 else fused
+        return [quantize_layer(w, self.cfg.fp8_min_rows) for w in fused] if self.fp8 else fused
 
     def _choose_kernels(self, config: RunnerConfig) -> None:
         """The layer functions, the fused decode and sampling kernel modules and the matmul, compiled

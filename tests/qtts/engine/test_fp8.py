@@ -66,7 +66,7 @@ def test_triton_row_quantization_matches_the_reference():
 
 
 def _loaded(bundle, prompts, **kw) -> ModelRunner:
-    cfg = dict(max_batch=4, max_len=48, max_trailing=8, fast_path=True, compile_layers=False)
+    cfg = dict(max_batch=4, max_len=48, max_trailing=8, fast_path=True, compile_layers=False, fp8_min_rows=0)
     cfg.update(kw)
     runner = ModelRunner(bundle, RunnerConfig(**cfg))
     seqs = []
@@ -191,3 +191,24 @@ def test_fused_fp8_layers_stay_close_to_the_pytorch_fp8_layers(tiny_bundle, monk
     fused = _loaded(tiny_bundle, prompts, weight_dtype="fp8", decode_kernels="triton")
     h_ref, h_fused = ref._talker_decode(2, ref.max_len), fused._talker_decode(2, fused.max_len)
     assert ((h_fused - h_ref).norm() / h_ref.norm()).item() < 0.05
+
+
+def test_fp8_below_its_row_threshold_runs_the_model_dtype_weights(tiny_bundle):
+    """fp8_min_rows: products of fewer rows take the kept model-dtype weights (the same result as
+    the model-dtype runner), larger ones FP8."""
+    prompts = [make_prompt(tiny_bundle, n, 2, seed=1400 + n) for n in (8, 12, 10, 9)]
+    model = _loaded(tiny_bundle, prompts, decode_kernels="torch")
+    hybrid = _loaded(tiny_bundle, prompts, weight_dtype="fp8", decode_kernels="torch", fp8_min_rows=3)
+    w = hybrid.talker_weights[0].w_qkv
+    assert (
+        isinstance(w, fp8.Fp8Weight)
+        and w.full is model.talker_weights[0].w_qkv.detach()
+        or w.full is not None
+    )
+    # The prefill (8 + 12 + 10 + 9 - 4 = 35 packed tokens) took FP8, so compare decode from the same KV.
+    hybrid.k_cache.copy_(model.k_cache)
+    hybrid.v_cache.copy_(model.v_cache)
+    assert torch.equal(hybrid._talker_decode(2, hybrid.max_len), model._talker_decode(2, model.max_len))
+    assert not torch.allclose(
+        hybrid._talker_decode(4, hybrid.max_len), model._talker_decode(4, model.max_len)
+    )
