@@ -9,7 +9,8 @@ keys (`triton_attention.prefill_attention`; a PyTorch loop per chunk where the T
 not run), one o GEMM, one gate|up GEMM and one down GEMM over all N tokens. The last layer stops
 after writing its K/V: nothing reads its attention or MLP output. On CUDA the call is a graph
 replay at the smallest token bucket that holds it (padding tokens write the scratch column of
-slot 0), or an eager run above the largest bucket, where the GEMMs outlast the launches.
+slot 0; `RunnerConfig.prefill_token_buckets`, up to 8,192 tokens by default), or an eager run
+above the largest bucket (eager calls are host-bound: about ten Python launches a layer).
 
 `PackedPrefillMixin` is part of `ModelRunner` (its caches, weights, layer functions and kernels).
 """
@@ -149,7 +150,7 @@ class PackedPrefillMixin:
 
     def _packed_call(self, chunks: Seq[PrefillChunk]) -> None:
         """One packed call: a graph replay at the smallest token bucket that holds the chunks, or
-        an eager run (no graphs, or more tokens than the largest bucket: GEMM-bound there)."""
+        an eager run (no graphs, or more tokens than the largest bucket)."""
         spans, q0 = [], 0
         for c in chunks:
             spans.append((c.seq.slot, q0, c.end - c.start, c.start))
