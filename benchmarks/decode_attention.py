@@ -7,6 +7,7 @@ KV they read (256 rows x 301 positions x 8 heads x 128 x 2 x bf16 = 158 MB) take
 row count's times next to the bytes floor.
 
     python -m benchmarks.decode_attention --out run/decode_attention.json
+    python -m benchmarks.decode_attention --position 8 --max-len 16 --rows 256,1024   # predictor-like
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device("cuda")
     hq, hkv, d = 16, 8, 128
     variants = [(False, 64, 3, 4)] + [
-        (True, bn, st, w) for bn, st, w in itertools.product((32, 64, 128), (2, 3, 4), (4, 8))
+        (True, bn, st, w) for bn, st, w in itertools.product((32, 64, 128), (1, 2, 3, 4), (4, 8))
     ]
     result = {
         "git": git_revision(),

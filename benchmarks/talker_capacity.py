@@ -314,6 +314,8 @@ def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int)
         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
         prefill_rows=tuple(int(x) for x in args.prefill_rows.split(",") if x),
+        prefill_packed=None if args.prefill == "auto" else args.prefill == "packed",
+        weight_dtype=args.weight_dtype,
     )
     if args.max_prefill_tokens is None:
         return GraphEngineConfig(runner=runner)
@@ -373,6 +375,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prefill-buckets", default="", help="widths of captured prefill graphs, e.g. 64,128,256,512"
     )
     ap.add_argument("--prefill-rows", default="1,2,4,8", help="row buckets of the captured prefill graphs")
+    ap.add_argument(
+        "--prefill",
+        default="auto",
+        choices=("auto", "packed", "rows"),
+        help="packed prefill (RunnerConfig.prefill_packed; auto: with the fast path) or the per-row one",
+    )
+    ap.add_argument(
+        "--weight-dtype", default="model", choices=("model", "fp8"), help="RunnerConfig.weight_dtype"
+    )
     ap.add_argument("--context-step", type=int, default=None, help="attention-span bucket step (default 128)")
     ap.add_argument("--prefix-cache-mb", type=float, default=0.0, help="prefix KV cache (0: off)")
     ap.add_argument(
@@ -461,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "load_s": load_s,
             "engine_start_s": start_s,
             "num_slots": eng.max_batch,
+            "prefill_packed": eng.runner.prefill_packed,
+            "fused_qkv_attention": eng.runner.fused_qkv,
             "max_len": eng.config.runner.max_len,
         },
         "settings": {
@@ -470,6 +483,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "measure_steps": args.measure_steps,
             "max_prefill_tokens": args.max_prefill_tokens,
             "prefix_cache_mb": args.prefix_cache_mb,
+            "prefill": args.prefill,
+            "weight_dtype": args.weight_dtype,
             "greedy": args.greedy,
         },
         "budget_ms": args.budget_ms,

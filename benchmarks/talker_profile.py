@@ -148,6 +148,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "on", "off"),
         help="few-row matmuls on the Triton skinny kernel (RunnerConfig.skinny_matmul)",
     )
+    ap.add_argument(
+        "--weight-dtype", default="model", choices=("model", "fp8"), help="RunnerConfig.weight_dtype"
+    )
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
@@ -173,6 +176,7 @@ def _runner(args: argparse.Namespace, buckets: list[int]) -> ModelRunner:
         skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
         prefill_buckets=tuple(int(x) for x in args.prefill_buckets.split(",") if x),
         prefill_rows=(1,),
+        weight_dtype=args.weight_dtype,
     )
     runner = ModelRunner(bundle, cfg)
     fill_slots(runner, args.position)
@@ -227,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
         "max_candidates": args.max_candidates,
         "sample_kernel": runner._sampling_kernels is not None,
         "skinny_matmul": runner._linear is not torch.nn.functional.linear,
+        "weight_dtype": args.weight_dtype,
+        "fused_qkv_attention": runner.fused_qkv,
+        "prefill_packed": runner.prefill_packed,
         "rows": rows,
         "prefill": prefill,
     }

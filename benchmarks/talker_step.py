@@ -55,6 +55,7 @@ from benchmarks.talker_step_agreement import (
 )
 from benchmarks.talker_step_numerics import DTYPES, kernel_choices, set_precision, tf32_label, tf32_state
 from benchmarks.talker_step_timing import bench_engine, bench_prefill, print_table, time_batch
+from qtts.engine import fp8
 from qtts.engine.model_runner import (
     DEFAULT_BATCH_BUCKETS,
     I_GREEDY,
@@ -118,6 +119,11 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         "model": name,
         "talker_attention": variant,
         "dtype": args.dtype,
+        "weight_dtype": args.weight_dtype,
+        # FP8 linears on the reference path (torch._scaled_mm refused): then its times mean nothing
+        "fp8_scaled_mm_failed": list(fp8._SCALED_MM_FAILED),
+        "fused_qkv_attention": runner.fused_qkv,
+        "prefill_packed": runner.prefill_packed,
         "tf32": tf32,
         **kernels,
         "position": args.position,
@@ -166,6 +172,7 @@ def _runner_config(args: argparse.Namespace, attention: str, mode: str, batches:
         decode_kernels=args.decode_kernels,
         sample_kernel=args.sample_kernel,
         skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
+        weight_dtype=args.weight_dtype,
     )
 
 
@@ -262,6 +269,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
         args.sample_kernel,
         "--skinny-matmul",
         args.skinny_matmul,
+        "--weight-dtype",
+        args.weight_dtype,
         "--dtype",
         args.dtype,
         "--agreement-frames",
@@ -318,6 +327,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         choices=("auto", "on", "off"),
         help="few-row matmuls on the Triton skinny kernel (RunnerConfig.skinny_matmul)",
+    )
+    ap.add_argument(
+        "--weight-dtype",
+        default="model",
+        choices=("model", "fp8"),
+        help="decoder-layer linear weights: the model dtype, or fp8 (RunnerConfig.weight_dtype)",
     )
     ap.add_argument(
         "--dtype",

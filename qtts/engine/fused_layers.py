@@ -1,7 +1,8 @@
 """The talker's decode layers in two layouts: the bundle's modules and the fast path.
 
 The fast path concatenates q|k|v and gate|up weights (`LayerWeights`) and uses functional RMSNorm,
-so a layer is a few kernels; `fused_decoder_layers` runs a whole stack on the Triton kernels of
+so a layer is a few kernels; its linears go through `fp8.linear` (F.linear, or the FP8 product
+when `RunnerConfig.weight_dtype="fp8"` made the weights `fp8.Fp8Weight`); `fused_decoder_layers` runs a whole stack on the Triton kernels of
 `qtts.engine.triton_ops`. Everything here is stateless: the runner owns the caches and passes them in.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qtts.engine.fp8 import Fp8Weight, linear
 from qtts.model.layers import apply_rope
 
 
@@ -81,7 +83,7 @@ def fast_qkv(x, ln1, w_qkv, b_qkv, q_norm, k_norm, cos, sin, eps: float, heads: 
     b, t, _ = x.shape
     d = q_norm.shape[0]
     h = F.rms_norm(x, (x.shape[-1],), ln1, eps)
-    q, k, v = F.linear(h, w_qkv, b_qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = linear(h, w_qkv, b_qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     q = F.rms_norm(q.view(b, t, heads, d), (d,), q_norm, eps).transpose(1, 2)
     k = F.rms_norm(k.view(b, t, kv_heads, d), (d,), k_norm, eps).transpose(1, 2)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(b, t, kv_heads, d).transpose(1, 2)
@@ -89,9 +91,9 @@ def fast_qkv(x, ln1, w_qkv, b_qkv, q_norm, k_norm, cos, sin, eps: float, heads: 
 
 def fast_out_mlp(x, attn, w_o, b_o, ln2, w_gate_up, w_down, eps: float):
     """Output projection + residual, RMSNorm, one gate|up matmul, SwiGLU, down + residual."""
-    x = x + F.linear(attn, w_o, b_o)
-    gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), ln2, eps), w_gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w_down)
+    x = x + linear(attn, w_o, b_o)
+    gate, up = linear(F.rms_norm(x, (x.shape[-1],), ln2, eps), w_gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, w_down)
 
 
 def fast_predictor_layer(
@@ -125,6 +127,17 @@ def fast_predictor_layer(
     return fast_out_mlp(x, out, w_o, b_o, ln2, w_gate_up, w_down, eps), keys, values
 
 
+def fp8_fused_kernels(kernels, weights: list[LayerWeights], x: torch.Tensor):
+    """(add_rms_norm, silu_mul) for the fused layers: `kernels`' own, or with FP8 weights on CUDA
+    the variants of `triton_fp8` that hand the next linear its input already quantized."""
+    w = weights[0].w_qkv if weights else None
+    if isinstance(w, Fp8Weight) and x.is_cuda and w.takes_fp8(x.shape[0]):
+        from qtts.engine import triton_fp8
+
+        return triton_fp8.add_rms_norm_fp8, triton_fp8.silu_mul_fp8
+    return kernels.add_rms_norm, kernels.silu_mul
+
+
 def fused_decoder_layers(
     kernels,
     lin,
@@ -140,30 +153,48 @@ def fused_decoder_layers(
     sin,
     final_norm,
     block_n: int = 64,
+    stages: int = 3,
+    fused_qkv: bool | int = False,
 ) -> torch.Tensor:
     """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
     attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
     final-normed hidden [M, H]. `kernels`: the module qtts.engine.triton_ops; `lin`: its `linear`
-    (skinny matmuls) or F.linear."""
+    (skinny matmuls) or F.linear; `stages`: the attention kernel's pipeline stages; `fused_qkv`:
+    the q/k norm, RoPE, KV store and attention as one kernel (`qkv_attention`) instead of two,
+    when true (an int: when x has at most that many rows)."""
     eps = dcfg.rms_norm_eps
+    norm, silu_mul = fp8_fused_kernels(kernels, weights, x)
+    if fused_qkv is not True and fused_qkv is not False:
+        fused_qkv = x.shape[0] <= fused_qkv
     delta = None
     for i, w in enumerate(weights):
-        x, h = kernels.add_rms_norm(x, delta, w.ln1, eps)
-        q = kernels.qk_norm_rope_store(
-            lin(h, w.w_qkv, w.b_qkv),
-            w.q_norm,
-            w.k_norm,
-            cos,
-            sin,
-            k_cache[i],
-            v_cache[i],
-            rows,
-            wpos,
-            eps,
-            dcfg.num_heads,
-            dcfg.num_kv_heads,
-        )
-        attn = kernels.decode_attention(q, k_cache[i], v_cache[i], rows, apos, block_n=block_n)
-        x, h = kernels.add_rms_norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
-        delta = lin(kernels.silu_mul(lin(h, w.w_gate_up)), w.w_down)
+        x, h = norm(x, delta, w.ln1, eps)
+        qkv = lin(h, w.w_qkv, w.b_qkv)
+        heads = (dcfg.num_heads, dcfg.num_kv_heads)
+        if fused_qkv:
+            attn = kernels.qkv_attention(
+                qkv,
+                w.q_norm,
+                w.k_norm,
+                cos,
+                sin,
+                k_cache[i],
+                v_cache[i],
+                rows,
+                wpos,
+                apos,
+                eps,
+                *heads,
+                block_n=block_n,
+                num_stages=stages,
+            )
+        else:
+            q = kernels.qk_norm_rope_store(
+                qkv, w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps, *heads
+            )
+            attn = kernels.decode_attention(
+                q, k_cache[i], v_cache[i], rows, apos, block_n=block_n, num_stages=stages
+            )
+        x, h = norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
+        delta = lin(silu_mul(lin(h, w.w_gate_up)), w.w_down)
     return kernels.add_rms_norm(x, delta, final_norm.weight, final_norm.eps)[1]

@@ -17,7 +17,9 @@ All per-slot state lives in device tensors updated inside the graph; the host wr
 mask before a replay and reads the [B, 16] codes after it.
 
 Neighbours: `runner_config.py` (RunnerConfig), `fused_layers.py` (the decode layer functions),
-`prefill.py` (PrefillMixin: prompt chunks into KV).
+`frame_step.py` (FrameStepMixin: the frame step itself), `slot_state.py` (SlotStateMixin: the
+per-slot state columns and the eager bookkeeping copies), `prefill.py` (PrefillMixin: prompt
+chunks into KV).
 """
 
 from __future__ import annotations
@@ -29,16 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from qtts.engine import sampler
-from qtts.engine.fused_layers import (
-    LayerWeights,
-    attend,
-    fast_out_mlp,
-    fast_predictor_layer,
-    fast_qkv,
-    fuse_layer,
-    fused_decoder_layers,
-    module_qkv,
-)
+from qtts.engine.fp8 import dispatching as fp8_dispatching
+from qtts.engine.fp8 import quantize_layer
+from qtts.engine.frame_step import FrameStepMixin
+from qtts.engine.fused_layers import fast_out_mlp, fast_predictor_layer, fast_qkv, fuse_layer
 from qtts.engine.kv_slots import slots_for_budget
 from qtts.engine.prefill import PrefillMixin
 from qtts.engine.prefix_cache import PrefixCache
@@ -50,8 +46,25 @@ from qtts.engine.runner_config import (
     SAMPLE_KERNELS,
     RunnerConfig,
 )
-from qtts.engine.sequence import Sequence
-from qtts.engine.slot_scheduler import KVMove
+from qtts.engine.slot_state import (
+    F_PTEMP,
+    F_PTOPP,
+    F_REP,
+    F_TEMP,
+    F_TOPP,
+    I_FRAME,
+    I_GREEDY,
+    I_MINF,
+    I_PGREEDY,
+    I_POS,
+    I_PTOPK,
+    I_SEED,
+    I_TLEN,
+    I_TOPK,
+    NUM_F,
+    NUM_I,
+    SlotStateMixin,
+)
 from qtts.model.layers import KVCache
 
 __all__ = [
@@ -82,14 +95,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Columns of the packed per-slot integer / float state.
-I_POS, I_FRAME, I_SEED, I_TOPK, I_PTOPK, I_GREEDY, I_PGREEDY, I_MINF, I_TLEN = range(9)
-NUM_I = 9
-F_TEMP, F_TOPP, F_REP, F_PTEMP, F_PTOPP = range(5)
-NUM_F = 5
 
-
-class ModelRunner(PrefillMixin):
+class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
     """Owns the KV cache, the per-slot state, the frame step and its CUDA graphs."""
 
     # Fast path: the predictor carries its per-frame K/V as concatenated tensors (one compiled
@@ -117,13 +124,12 @@ class ModelRunner(PrefillMixin):
             "sdpa" if config.predictor_attention == "auto" else config.predictor_attention
         )
         self.fast_path = self.device.type == "cuda" if config.fast_path is None else config.fast_path
+        self.fp8 = config.weight_dtype == "fp8"
+        if self.fp8 and not self.fast_path:
+            raise ValueError("weight_dtype='fp8' needs the fast path")
         # Fused weights first: the KV sizing below measures the memory left after them.
-        self.talker_weights = (
-            [fuse_layer(layer) for layer in self.talker.model.layers] if self.fast_path else []
-        )
-        self.predictor_weights = (
-            [fuse_layer(layer) for layer in self.predictor.model.layers] if self.fast_path else []
-        )
+        self.talker_weights = self._layer_weights(self.talker.model.layers)
+        self.predictor_weights = self._layer_weights(self.predictor.model.layers)
         self._choose_kernels(config)
         self.num_slots = self._size_slots()
         self.batch_buckets = tuple(
@@ -136,6 +142,13 @@ class ModelRunner(PrefillMixin):
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.use_graphs = config.use_cuda_graphs and self.device.type == "cuda"
         self._init_prefill(config)
+
+    def _layer_weights(self, layers) -> list:
+        """The fast path's per-layer weights (FP8 linears with weight_dtype="fp8"); none otherwise."""
+        if not self.fast_path:
+            return []
+        fused = [fuse_layer(layer) for layer in layers]
+        return [quantize_layer(w, self.cfg.fp8_min_rows) for w in fused] if self.fp8 else fused
 
     def _choose_kernels(self, config: RunnerConfig) -> None:
         """The layer functions, the fused decode and sampling kernel modules and the matmul, compiled
@@ -151,11 +164,14 @@ class ModelRunner(PrefillMixin):
             else None
         )
         self.fused_decode = self._fused_kernels is not None
+        self.fused_qkv = self._use_fused_qkv(config.fused_qkv_attention)
         self._pred_layer_fn = fast_predictor_layer
         skinny = self.fused_decode if config.skinny_matmul is None else config.skinny_matmul
         if skinny and not self.fused_decode:
             raise ValueError("skinny_matmul needs the fused decode kernels")
         self._linear = self._fused_kernels.linear if skinny else F.linear
+        if self.fp8:
+            self._linear = fp8_dispatching(self._linear)
         # The sampling kernel's module (None: sampler.sample_rows). It has no candidate cap, so "auto"
         # with max_candidates set takes the reference.
         sample_choice = (
@@ -166,10 +182,31 @@ class ModelRunner(PrefillMixin):
             self.device.type == "cuda" if config.compile_layers is None else config.compile_layers
         )
         if self.fast_path and compile_layers:
-            self._compile_layer_fns()
+            self._compile_layer_fns(layers=not self.fp8)  # FP8 weights: the layer functions stay eager
 
-    def _compile_layer_fns(self) -> None:
-        """torch.compile the fast path's per-layer functions and the sampler."""
+    def _use_fused_qkv(self, choice: bool | None) -> bool:
+        """Whether the fused decode runs `qkv_attention` (RunnerConfig.fused_qkv_attention)."""
+        if choice is False or (choice is None and self.device.type != "cuda"):
+            return False
+        if not self.fused_decode:
+            if choice:
+                raise ValueError("fused_qkv_attention needs the fused decode kernels")
+            return False
+        from qtts.engine.triton_qkv_attention import self_check
+
+        shapes = ((self.tdec, 64), (self.pdec, 32))
+        ok = all(
+            self_check(self.device, self.dtype, d.num_heads, d.num_kv_heads, d.head_dim, bn)
+            for d, bn in shapes
+        )
+        if not ok:
+            if choice:
+                raise ValueError("fused_qkv_attention failed its self-check on this device")
+            log.warning("fused q/k/v attention kernel failed its self-check: running the two kernels")
+        return ok
+
+    def _compile_layer_fns(self, layers: bool = True) -> None:
+        """torch.compile the fast path's per-layer functions (`layers`) and the sampler."""
         # Every batch bucket, predictor step and prefill width is its own variant: above the
         # default limit of 8, dynamo silently runs the rest uncompiled. Raise the limit for this
         # process.
@@ -179,11 +216,12 @@ class ModelRunner(PrefillMixin):
             if hasattr(dynamo_config, name):
                 setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
         # Batch, positions and sequence length vary across buckets and predictor steps.
-        self._qkv_fn = torch.compile(fast_qkv, dynamic=True)
-        self._out_fn = torch.compile(fast_out_mlp, dynamic=True)
         self._sample = torch.compile(sampler.sample_rows, dynamic=True)
         self._c0_logits = torch.compile(sampler.codebook0_logits, dynamic=True)
-        self._pred_layer_fn = torch.compile(fast_predictor_layer, dynamic=True)
+        if layers:
+            self._qkv_fn = torch.compile(fast_qkv, dynamic=True)
+            self._out_fn = torch.compile(fast_out_mlp, dynamic=True)
+            self._pred_layer_fn = torch.compile(fast_predictor_layer, dynamic=True)
 
     def _kernel_module(self, choice: str, module_name: str, setting: str):
         """The Triton kernel module `qtts.engine.<module_name>` when `choice` ("auto", "triton" or
@@ -263,348 +301,6 @@ class ModelRunner(PrefillMixin):
         )
         self._active_host = torch.zeros(s, dtype=torch.bool, pin_memory=dev.type == "cuda")
 
-    # -- bookkeeping copies (eager, outside the graphs) ---------------------------------------
-    def apply_moves(self, moves: Seq[KVMove]) -> None:
-        if not moves:
-            return
-        for m in moves:
-            n = m.num_positions
-            if n > 0:
-                self.k_cache[:, m.dst, :, :n] = self.k_cache[:, m.src, :, :n]
-                self.v_cache[:, m.dst, :, :n] = self.v_cache[:, m.src, :, :n]
-        src = torch.tensor([m.src for m in moves], device=self.device)
-        dst = torch.tensor([m.dst for m in moves], device=self.device)
-        for buf in (self.next_embed, self.trailing, self.seen, self.slot_ints, self.slot_floats):
-            buf[dst] = buf[src]
-
-    def load_prefixes(self, seqs: Seq[Sequence]) -> None:
-        """Copy cached prompt-prefix KV into the slots of sequences admitted with a hit."""
-        for seq in seqs:
-            k, v = self.prefix_cache.get(seq.prefix_key)
-            n = seq.num_prefilled
-            self.k_cache[:, seq.slot, :, :n] = k[:, :, :n]
-            self.v_cache[:, seq.slot, :, :n] = v[:, :, :n]
-
-    def store_prefix(self, seq: Sequence) -> None:
-        """Keep the slot's first `prefix_len` positions under the sequence's prefix key."""
-        n = seq.prefix_len
-        k = self.k_cache[:, seq.slot, :, :n].clone()
-        v = self.v_cache[:, seq.slot, :, :n].clone()
-        self.prefix_cache.put(seq.prefix_key, k, v)
-
-    def start(self, seqs: Seq[Sequence]) -> None:
-        """Load the decode state of sequences whose prompt is now in KV."""
-        if not seqs:
-            return
-        ints, floats = [], []
-        for seq in seqs:
-            sp, pr = seq.sampling, seq.prompt
-            n_trail = int(pr.trailing.shape[0]) if pr.trailing is not None else 0
-            if n_trail > self.cfg.max_trailing:
-                raise ValueError(
-                    f"{n_trail} trailing text positions exceed max_trailing={self.cfg.max_trailing}"
-                )
-            ints.append(
-                [
-                    seq.num_prefill_positions,
-                    0,
-                    seq.seed,
-                    sp.top_k,
-                    sp.subtalker_top_k,
-                    int(sp.greedy),
-                    int(sp.predictor_greedy),
-                    sp.min_new_tokens,
-                    n_trail,
-                ]
-            )
-            floats.append(
-                [
-                    sp.temperature,
-                    sp.top_p,
-                    sp.repetition_penalty,
-                    sp.subtalker_temperature,
-                    sp.subtalker_top_p,
-                ]
-            )
-            slot = seq.slot
-            self.next_embed[slot] = pr.embeds[-1].to(self.device, self.dtype)
-            if n_trail:
-                self.trailing[slot, :n_trail] = pr.trailing.to(self.device, self.dtype)
-            self.trailing[slot, n_trail] = pr.pad_embed.reshape(-1).to(self.device, self.dtype)
-        idx = torch.tensor([s.slot for s in seqs], device=self.device)
-        self.slot_ints[idx] = torch.tensor(ints, dtype=torch.long).to(self.device)
-        self.slot_floats[idx] = torch.tensor(floats, dtype=torch.float32).to(self.device)
-        self.seen[idx] = False
-
-    def append_trailing(self, slot: int, start: int, embeds: torch.Tensor, pad_embed: torch.Tensor) -> None:
-        """Text that arrived for a running stream: trailing positions [start, start + k) of its
-        slot, `tts_pad` after them, and the row's trailing length (eager copies between replays)."""
-        end = start + int(embeds.shape[0])
-        self.trailing[slot, start:end] = embeds.to(self.device, self.dtype)
-        self.trailing[slot, end] = pad_embed.reshape(-1).to(self.device, self.dtype)
-        self.slot_ints[slot, I_TLEN] = end
-
-    # -- the frame step --------------------------------------------------------------------------
-    def _talker_decode(self, n: int, ctx: int) -> torch.Tensor:
-        """One token per row at its own position; returns final-normed hidden [n, H]."""
-        if self.fused_decode:
-            return self._talker_decode_fused(n)
-        model = self.talker.model
-        act = self.active[:n]
-        pos = self.slot_ints[:n, I_POS]
-        wpos = torch.where(act, pos, torch.full_like(pos, self.scratch))
-        rows = self.rows[:n]
-        cos, sin = model.rotary(pos[:, None], self.dtype)  # [n, 1, D]
-        mask = (torch.arange(ctx, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
-        x = self.next_embed[:n][:, None]  # [n, 1, H]
-        for i, layer in enumerate(model.layers):
-            q, k, v = self._layer_qkv(i, layer, x, cos, sin, self.talker_weights, self.tdec)
-            self.k_cache[i][rows, :, wpos] = k[:, :, 0].to(self.dtype)
-            self.v_cache[i][rows, :, wpos] = v[:, :, 0].to(self.dtype)
-            keys = self.k_cache[i, :n, :, :ctx]
-            values = self.v_cache[i, :n, :, :ctx]
-            out = self._talker_attention(q, keys, values, mask).transpose(1, 2).reshape(n, 1, -1)
-            x = self._layer_out(i, layer, x, out, self.talker_weights, self.tdec)
-        return self._final_norm(model.norm, x)[:, 0]
-
-    def _talker_attention(self, q, keys, values, mask) -> torch.Tensor:
-        """The PyTorch decode's talker attention (benchmarks/runner_variants.py swaps in its variant)."""
-        return attend(q, keys, values, mask, self.talker_attention)
-
-    def _talker_decode_fused(self, n: int) -> torch.Tensor:
-        """`_talker_decode` with the fused kernels; attention spans each row's own positions."""
-        model = self.talker.model
-        act = self.active[:n]
-        pos = self.slot_ints[:n, I_POS]
-        wpos = torch.where(act, pos, torch.full_like(pos, self.scratch))
-        apos = pos.clamp(max=self.max_len - 1)  # padding rows may carry any position
-        cos, sin = model.rotary(pos, self.dtype)  # [n, D]
-        return fused_decoder_layers(
-            self._fused_kernels,
-            self._linear,
-            self.next_embed[:n],
-            self.talker_weights,
-            self.tdec,
-            self.k_cache,
-            self.v_cache,
-            self.rows[:n],
-            wpos,
-            apos,
-            cos,
-            sin,
-            model.norm,
-        )
-
-    def _predictor_fused(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
-        """`_predictor_layers` with the fused kernels, the per-frame K/V in `pk_cache`/`pv_cache`."""
-        t = x.shape[1]
-        if t == 2:
-            assert start == 0
-            m = 2 * n
-            rows, pos = self.pred_start_rows[:m], self.pred_start_pos[:m]
-            cos, sin = self.pred_start_cos[:m], self.pred_start_sin[:m]
-        else:
-            m = n
-            rows, pos = self.rows[:n], self.pred_step_pos[start, :n]
-            cos, sin = self.pred_cos[0, start].expand(n, -1), self.pred_sin[0, start].expand(n, -1)
-        # At most 16 keys per row (the 2-token start, then 14 steps): one block of 32, not the talker's 64.
-        h = fused_decoder_layers(
-            self._fused_kernels,
-            self._linear,
-            x.reshape(m, -1),
-            self.predictor_weights,
-            self.pdec,
-            self.pk_cache,
-            self.pv_cache,
-            rows,
-            pos,
-            pos,
-            cos,
-            sin,
-            self.predictor.model.norm,
-            block_n=32,
-        )
-        return h.view(n, t, -1)
-
-    def _layer_qkv(self, i: int, layer, x, cos, sin, weights: list[LayerWeights], dcfg):
-        if not self.fast_path:
-            return module_qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
-        w = weights[i]
-        return self._qkv_fn(
-            x,
-            w.ln1,
-            w.w_qkv,
-            w.b_qkv,
-            w.q_norm,
-            w.k_norm,
-            cos,
-            sin,
-            dcfg.rms_norm_eps,
-            dcfg.num_heads,
-            dcfg.num_kv_heads,
-        )
-
-    def _layer_out(self, i: int, layer, x, attn, weights: list[LayerWeights], dcfg):
-        if not self.fast_path:
-            x = x + layer.self_attn.o_proj(attn)
-            return x + layer.mlp(layer.post_attention_layernorm(x))
-        w = weights[i]
-        return self._out_fn(x, attn, w.w_o, w.b_o, w.ln2, w.w_gate_up, w.w_down, dcfg.rms_norm_eps)
-
-    def _final_norm(self, norm, x):
-        if not self.fast_path:
-            return norm(x)
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
-
-    def _predictor_layers(self, x: torch.Tensor, start: int, n: int, carry: list) -> torch.Tensor:
-        """Predictor decoder over positions [start, start + T) of its per-frame KV; x [n, T, Hp].
-        On the fast path with matmul attention the KV is carried in `carry` (per layer), else it
-        lives in `pk_cache`/`pv_cache`."""
-        if self.fused_decode:
-            return self._predictor_fused(x, start, n)
-        model = self.predictor.model
-        t = x.shape[1]
-        cos, sin = self.pred_cos[:, start : start + t], self.pred_sin[:, start : start + t]
-        mask = self.start_mask if t == 2 else None
-        if self.fast_path and self.predictor_carry_kv and self.predictor_attention == "matmul":
-            d = self.pdec
-            for i in range(d.num_layers):
-                if start == 0:
-                    carry[i] = (self.pk_cache[i, :n, :, :0], self.pv_cache[i, :n, :, :0])
-                w = self.predictor_weights[i]
-                x, keys, values = self._pred_layer_fn(
-                    x,
-                    carry[i][0],
-                    carry[i][1],
-                    cos,
-                    sin,
-                    mask,
-                    w.ln1,
-                    w.w_qkv,
-                    w.b_qkv,
-                    w.q_norm,
-                    w.k_norm,
-                    w.w_o,
-                    w.b_o,
-                    w.ln2,
-                    w.w_gate_up,
-                    w.w_down,
-                    d.rms_norm_eps,
-                    d.num_heads,
-                    d.num_kv_heads,
-                )
-                carry[i] = (keys, values)
-            return self._final_norm(model.norm, x)
-        for i, layer in enumerate(model.layers):
-            q, k, v = self._layer_qkv(i, layer, x, cos, sin, self.predictor_weights, self.pdec)
-            self.pk_cache[i, :n, :, start : start + t] = k.to(self.dtype)
-            self.pv_cache[i, :n, :, start : start + t] = v.to(self.dtype)
-            keys = self.pk_cache[i, :n, :, : start + t]
-            values = self.pv_cache[i, :n, :, : start + t]
-            out = attend(q, keys, values, mask, self.predictor_attention).transpose(1, 2).reshape(n, t, -1)
-            x = self._layer_out(i, layer, x, out, self.predictor_weights, self.pdec)
-        return self._final_norm(model.norm, x)
-
-    def _frame_uniforms(self, n: int) -> torch.Tensor | None:
-        """[n, 16] counter uniforms of this frame (None: the sampling kernel computes its own)."""
-        if self._sampling_kernels is not None:
-            return None
-        ints = self.slot_ints[:n]
-        return sampler.frame_uniforms(ints[:, I_SEED], ints[:, I_FRAME], self.num_codebooks)
-
-    def _sample_codebook(self, logits: torch.Tensor, n: int, codebook: int, uniforms: torch.Tensor | None):
-        """Codebook `codebook` of rows [0, n) from its logits, with the talker's sampling parameters
-        for codebook 0 and the predictor's for the others."""
-        ints, floats = self.slot_ints[:n], self.slot_floats[:n]
-        if codebook == 0:
-            temp, top_k, top_p, greedy = (
-                floats[:, F_TEMP],
-                ints[:, I_TOPK],
-                floats[:, F_TOPP],
-                ints[:, I_GREEDY],
-            )
-        else:
-            temp, top_k, top_p, greedy = (
-                floats[:, F_PTEMP],
-                ints[:, I_PTOPK],
-                floats[:, F_PTOPP],
-                ints[:, I_PGREEDY],
-            )
-        if self._sampling_kernels is not None:
-            return self._sampling_kernels.sample(
-                logits, temp, top_k, top_p, greedy, ints[:, I_SEED], ints[:, I_FRAME], codebook
-            )
-        return self._sample(
-            logits, temp, top_k, top_p, greedy.bool(), uniforms[:, codebook], self.cfg.max_candidates
-        )
-
-    def _codebook0(self, hidden: torch.Tensor, n: int, uniforms: torch.Tensor | None) -> torch.Tensor:
-        """Codebook 0 of rows [0, n) from the talker's hidden state: head, repetition penalty,
-        masks, sampling. The float32 casts happen inside the (compiled) functions, fused there."""
-        ints, floats = self.slot_ints[:n], self.slot_floats[:n]
-        logits = self._c0_logits(
-            self._linear(hidden, self.talker.codec_head.weight),
-            self.seen[:n],
-            floats[:, F_REP],
-            self.suppressed,
-            self.eos_mask,
-            ints[:, I_FRAME],
-            ints[:, I_MINF],
-        )
-        return self._sample_codebook(logits, n, 0, uniforms)
-
-    def _frame_step(self, n: int, ctx: int) -> None:
-        """Produce one frame for rows [0, n): reads and writes only persistent buffers."""
-        ints = self.slot_ints[:n]
-        act = self.active[:n]
-        frame = ints[:, I_FRAME]
-        uniforms = self._frame_uniforms(n)
-
-        hidden = self._talker_decode(n, ctx)
-        c0 = self._codebook0(hidden, n, uniforms)
-        # A broken row samples sampler.INVALID_ID (-1): looked up as id 0 here, so the batch goes
-        # on; codes_out keeps the -1 and the engine fails that row alone.
-        c0_safe = c0.clamp_min(0)
-
-        pred = self.predictor
-        c0_embed = self.talker.model.codec_embedding(c0_safe)
-        x = self._project(torch.stack([hidden, c0_embed], dim=1))
-        codes = [c0]
-        embed_sum = c0_embed
-        start = 0
-        carry: list = [None] * self.pdec.num_layers
-        for j in range(pred.num_steps):
-            h = self._predictor_layers(x, start, n, carry)
-            start += x.shape[1]
-            head = pred.lm_head[j]
-            code = self._sample_codebook(self._linear(h[:, -1], head.weight, head.bias), n, j + 1, uniforms)
-            codes.append(code)
-            e = pred.model.codec_embedding[j](code.clamp_min(0))
-            embed_sum = embed_sum + e
-            if j + 1 < pred.num_steps:
-                x = self._project(e[:, None])
-
-        trail_idx = torch.minimum(frame, ints[:, I_TLEN])
-        next_embed = (
-            embed_sum + self.trailing[:n].gather(1, trail_idx[:, None, None].expand(n, 1, self.hidden))[:, 0]
-        )
-        # Commit, masked by `active` so padding / prefilling / skipped rows keep their state.
-        self.codes_out[:n] = torch.stack(codes, dim=1)
-        self.next_embed[:n] = torch.where(act[:, None], next_embed.to(self.dtype), self.next_embed[:n])
-        seen_c0 = self.seen[:n].gather(1, c0_safe[:, None])
-        self.seen[:n].scatter_(1, c0_safe[:, None], seen_c0 | act[:, None])
-        step = act.long()
-        self.slot_ints[:n, I_POS] += step
-        self.slot_ints[:n, I_FRAME] += step
-
-    def _project(self, x: torch.Tensor) -> torch.Tensor:
-        """The predictor's input projection (talker width -> predictor width) of x [n, T, H]."""
-        proj = self.predictor.small_to_mtp_projection
-        if not isinstance(proj, torch.nn.Linear):
-            return proj(x)
-        n, t, h = x.shape
-        return self._linear(x.reshape(n * t, h), proj.weight, proj.bias).view(n, t, -1)
-
     def bucket(self, n_rows: int, ctx_needed: int) -> tuple[int, int]:
         n = next((b for b in self.batch_buckets if b >= n_rows), self.num_slots)
         ctx = next((c for c in self.context_buckets if c >= ctx_needed), self.max_len)
@@ -646,6 +342,7 @@ class ModelRunner(PrefillMixin):
                 if pool is None:
                     pool = graph.pool()
                 self.graphs[(n, ctx)] = graph
+        pool = self._capture_packed(pool)
         if self.prefill_buckets:
             self._capture_prefill(pool)
             self.prefill_embeds.zero_()

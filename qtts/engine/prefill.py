@@ -3,7 +3,9 @@
 Chunks run as one eager ragged batch through the bundle's decoder stack, or on the fast path
 through the fused layer functions; chunks no wider than the largest prefill bucket go through
 static-shape buffers at a (rows, width, fresh) bucket, replayed as CUDA graphs once captured.
-`PrefillMixin` is part of `ModelRunner`, whose KV cache, weights and layer functions it uses.
+With `RunnerConfig.prefill_packed` (the fast path's default) every call goes to the packed prefill
+of `packed_prefill.py` instead. `PrefillMixin` is part of `ModelRunner`, whose KV cache, weights
+and layer functions it uses.
 """
 
 from __future__ import annotations
@@ -14,18 +16,26 @@ import torch
 import torch.nn.functional as F
 
 from qtts.engine.fused_layers import attend
+from qtts.engine.packed_prefill import PackedPrefillMixin
 from qtts.engine.slot_scheduler import PrefillChunk
 
 
-class PrefillMixin:
+class PrefillMixin(PackedPrefillMixin):
     """The prefill half of `ModelRunner` (its buffers, graphs and entry point `prefill`)."""
 
     def _init_prefill(self, config) -> None:
-        """Prefill width and row buckets, their graphs and static input buffers (`config`: RunnerConfig)."""
+        """Prefill width and row buckets, their graphs and static input buffers (`config`: RunnerConfig),
+        or the packed prefill's (`packed_prefill.py`)."""
+        self.prefill_packed = self.fast_path if config.prefill_packed is None else config.prefill_packed
+        if self.prefill_packed and not self.fast_path:
+            raise ValueError("prefill_packed needs the fast path")
+        self._init_packed_prefill(config)
         # Static-width prefill (fast path): inputs are copied into the buffers below and run at a
         # bucket width, as a CUDA graph once captured (eagerly on the CPU, for tests).
         self.prefill_buckets = (
-            tuple(sorted({min(w, self.max_len) for w in config.prefill_buckets})) if self.fast_path else ()
+            tuple(sorted({min(w, self.max_len) for w in config.prefill_buckets}))
+            if self.fast_path and not self.prefill_packed
+            else ()
         )
         self.prefill_rows = tuple(sorted(set(config.prefill_rows)))
         # Keyed (rows, width, fresh): a fresh batch starts every chunk at position 0, so its
@@ -42,6 +52,9 @@ class PrefillMixin:
         """Write the KV of prompt positions [start, end) of every chunk, as one ragged batch."""
         chunks = [c for c in chunks if c.end > c.start]
         if not chunks:
+            return
+        if self.prefill_packed:
+            self._prefill_packed(chunks)
             return
         width = max(c.end - c.start for c in chunks)
         if self.prefill_buckets and width <= self.prefill_buckets[-1]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qtts.engine.fp8 import WEIGHT_DTYPES
+
 # No bucket of 1: a single stream padded to 2 rows ran faster (the M=1 matmuls take slower
 # kernels). Above 256 the buckets are an eighth apart: a step's time grows with its bucket, so
 # 574 streams should not pay for 1024.
@@ -77,13 +79,45 @@ class RunnerConfig:
     # triton_ops.SKINNY_RULES (measured faster than cuBLAS there) take the Triton skinny kernel.
     # None: on whenever the fused decode is.
     skinny_matmul: bool | None = None
+    # With the fused decode kernels: the q/k norm, RoPE, KV store and attention of a layer as one
+    # kernel (triton_qkv_attention) instead of two, for steps of at most `fused_qkv_max_rows`
+    # tokens. None: on CUDA where a start-up self-check of the kernel against the two passes (else
+    # the two kernels, with a warning). Small batches are launch-bound: one kernel fewer a layer
+    # is ~100 fewer a frame step. At large batches the two kernels stay: the attention is
+    # bandwidth-bound there, and a longer prologue per program would delay its first loads.
+    fused_qkv_attention: bool | None = None
+    fused_qkv_max_rows: int = 64
     # Sampling of the 16 codebooks: "triton" runs qtts.engine.triton_sampling (one kernel per
     # codebook that also computes the row's counter uniform; no sort), "torch" the PyTorch reference
     # sampler.sample_rows (same semantics; it sorts), "auto" Triton on CUDA when it is installed and
     # `max_candidates` is not set (the kernel has no candidate cap).
     sample_kernel: str = "auto"
+    # "fp8": the decoder layers' linear weights (talker and predictor) in float8_e4m3fn with
+    # per-output-channel scales, activations quantized per token (qtts.engine.fp8; needs the fast
+    # path; FP8 tensor cores on sm90, a dequantizing reference elsewhere). "model": the model dtype.
+    weight_dtype: str = "model"
+    # With FP8 weights: products of fewer rows (tokens) than this keep the model-dtype weights (an
+    # extra copy of the layers' linears). H200 at a301b03: FP8 at batch 1 / 256 / 1024 took 6.20 /
+    # 9.90 / 22.78 ms against bf16's 4.36 / 8.72 / 23.63. 0: FP8 at every size.
+    fp8_min_rows: int = 512
     prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
-    # Fast path on CUDA: capture the prefill of one prompt chunk as CUDA graphs at these widths
+    # Packed prefill: the step's prompt chunks concatenated on one token axis, one GEMM per linear
+    # per layer and a varlen causal attention (qtts.engine.packed_prefill). None: on with the fast
+    # path. Off: the per-row prefill below (prefill_buckets / prefill_rows).
+    prefill_packed: bool | None = None
+    # Packed prefill on CUDA with graphs: token counts captured as graphs (a call is padded up to
+    # the smallest that holds it; larger calls run eagerly). Steps of 64 to 512, then 128 to
+    # 1,024, 256 to 2,048 and 512 to 8,192: padding stays under ~1/8. Eager calls are host-bound
+    # far past 1,000 tokens (H200 at a301b03: 300 positions 45.8 us each eager against 11.4
+    # graphed, 2,400 positions 6.5 against ~5.8).
+    prefill_token_buckets: tuple[int, ...] = (
+        *range(64, 513, 64),
+        *range(640, 1025, 128),
+        *range(1280, 2049, 256),
+        *range(2560, 8193, 512),
+    )
+    # Per-row prefill (prefill_packed off), fast path on CUDA: capture the prefill of one prompt
+    # chunk as CUDA graphs at these widths
     # (positions, padded up); wider chunks and CPU runs take the eager ragged batch. Empty: off.
     prefill_buckets: tuple[int, ...] = ()
     # Chunks of one width bucket go through one graph in batches of these many rows (padding rows
@@ -100,12 +134,20 @@ class RunnerConfig:
                 raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")
         if self.decode_kernels not in DECODE_KERNELS:
             raise ValueError(f"decode_kernels must be one of {DECODE_KERNELS}")
+        if self.fp8_min_rows < 0:
+            raise ValueError("fp8_min_rows must be >= 0")
+        if self.fused_qkv_max_rows < 0:
+            raise ValueError("fused_qkv_max_rows must be >= 0")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}")
         if self.sample_kernel not in SAMPLE_KERNELS:
             raise ValueError(f"sample_kernel must be one of {SAMPLE_KERNELS}")
         if self.sample_kernel == "triton" and self.max_candidates:
             raise ValueError("sample_kernel='triton' has no candidate cap: leave max_candidates unset")
         if any(b < 1 for b in self.batch_buckets) or not self.batch_buckets:
             raise ValueError("batch_buckets must be positive")
+        if any(b < 1 for b in self.prefill_token_buckets):
+            raise ValueError("prefill_token_buckets must be positive")
         if any(b < 1 for b in self.prefill_buckets) or not self.prefill_rows or min(self.prefill_rows) < 1:
             raise ValueError("prefill_buckets and prefill_rows must be positive (prefill_rows non-empty)")
 

@@ -8,7 +8,8 @@ bytes, sets the step time (BENCHMARKS.md, the fused decode kernels). With these 
     add_rms_norm -> gate|up matmul -> silu_mul -> down matmul (its add joins the next layer's norm)
 
 nine kernels plus what cuBLAS launches for the four matmuls. The attention reads only the
-positions a row has (its own length), not a padded context bucket.
+positions a row has (its own length), not a padded context bucket; its kernels live in
+`triton_attention` (re-exported here as `decode_attention`).
 
 Numerics follow the fast path (`fused_layers.fast_qkv` / `fast_out_mlp`): activations in the
 model dtype between kernels, norms and softmax in float32. Rounding points differ slightly from the
@@ -28,6 +29,28 @@ try:  # Triton ships with CUDA builds of torch; CPU builds run the PyTorch path 
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
+
+from qtts.engine.triton_attention import (  # re-exported
+    decode_attention,
+    prefill_attention,
+    prefill_block_m,
+)
+from qtts.engine.triton_qkv_attention import qkv_attention  # re-exported
+
+__all__ = [
+    "SKINNY_RULES",
+    "add_rms_norm",
+    "available",
+    "decode_attention",
+    "linear",
+    "prefill_attention",
+    "prefill_block_m",
+    "qk_norm_rope_store",
+    "qkv_attention",
+    "silu_mul",
+    "skinny_linear",
+    "use_skinny",
+]
 
 
 def available(device: torch.device) -> bool:
@@ -78,174 +101,54 @@ if triton is not None:
         HQ: tl.constexpr,
         HKV: tl.constexpr,
         D: tl.constexpr,
+        HB: tl.constexpr,
     ):
+        """Heads [p * HB, (p + 1) * HB) of the q|k heads of token m (program (m, p)) as one
+        [HB, D / 2] tile per half: per-head RMSNorm, RoPE, q to `q_ptr`, k to the cache; a k head's
+        program also copies the matching v head into the cache. (One program per head was 24
+        programs of 64-element loads a token: the kernel ran at a fraction of bandwidth.)"""
         m = tl.program_id(0)
-        h = tl.program_id(1)
+        h = tl.program_id(1) * HB + tl.arange(0, HB)
         half = tl.arange(0, D // 2)
-        base = qkv_ptr + m * (HQ + 2 * HKV) * D + h * D
-        x1 = tl.load(base + half).to(tl.float32)
-        x2 = tl.load(base + D // 2 + half).to(tl.float32)
-        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-        c1 = tl.load(cos_ptr + m * cs_stride + half).to(tl.float32)
-        c2 = tl.load(cos_ptr + m * cs_stride + D // 2 + half).to(tl.float32)
-        s1 = tl.load(sin_ptr + m * cs_stride + half).to(tl.float32)
-        s2 = tl.load(sin_ptr + m * cs_stride + D // 2 + half).to(tl.float32)
-        if h < HQ:
-            w1 = tl.load(qw_ptr + half).to(tl.float32)
-            w2 = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
-            n1 = x1 * inv * w1
-            n2 = x2 * inv * w2
-            out = q_ptr + m * HQ * D + h * D
-            tl.store(out + half, (n1 * c1 - n2 * s1).to(q_ptr.dtype.element_ty))
-            tl.store(out + D // 2 + half, (n2 * c2 + n1 * s2).to(q_ptr.dtype.element_ty))
-        else:
-            hk = h - HQ
-            w1 = tl.load(kw_ptr + half).to(tl.float32)
-            w2 = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
-            n1 = x1 * inv * w1
-            n2 = x2 * inv * w2
-            slot = tl.load(row_ptr + m)
-            pos = tl.load(pos_ptr + m)
-            dst = slot * kc_s_slot + hk * kc_s_head + pos * kc_s_pos
-            tl.store(kc_ptr + dst + half, (n1 * c1 - n2 * s1).to(kc_ptr.dtype.element_ty))
-            tl.store(kc_ptr + dst + D // 2 + half, (n2 * c2 + n1 * s2).to(kc_ptr.dtype.element_ty))
-            full = tl.arange(0, D)
-            v = tl.load(qkv_ptr + m * (HQ + 2 * HKV) * D + (HQ + HKV + hk) * D + full)
-            tl.store(vc_ptr + dst + full, v.to(vc_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _attention_block(
-        q,
-        kc_ptr,
-        vc_ptr,
-        base,
-        start,
-        n_keys,
-        d,
-        dm,
-        kc_s_pos,
-        scale,
-        m_i,
-        l_i,
-        acc,
-        BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr,
-    ):
-        """Keys [start, start + BLOCK_N) of one slot and head into the online-softmax state."""
-        n = start + tl.arange(0, BLOCK_N)
-        nm = n < n_keys
-        offs = base + n[:, None] * kc_s_pos + d[None, :]
-        kv_mask = nm[:, None] & dm[None, :]
-        k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)  # issued before the dot waits on k
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        s = tl.where(nm[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _decode_attention_kernel(
-        q_ptr,
-        kc_ptr,
-        vc_ptr,
-        row_ptr,
-        pos_ptr,
-        o_ptr,
-        scale,
-        kc_s_slot,
-        kc_s_head,
-        kc_s_pos,
-        HQ: tl.constexpr,
-        HKV: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr,
-        PIPELINED: tl.constexpr,
-    ):
-        """One query token against positions [0, pos] of its slot, for the G = HQ / HKV query heads
-        of one KV head (padded to BLOCK_H rows and BLOCK_D >= 16 columns for tensor-core dots),
-        online softmax. IEEE: full-precision float32 dots (float32 models; TF32 otherwise).
-        PIPELINED: a `range` loop over the loaded length, which the compiler software-pipelines
-        (loads of the next blocks in flight); Triton's interpreter cannot take a loaded bound
-        there, so it runs the same blocks in a while loop.
-
-        Long, kept in one piece: a kernel's body reads best whole (its loop body is `_attention_block`)."""
-        m = tl.program_id(0)
-        hk = tl.program_id(1)
-        G: tl.constexpr = HQ // HKV
-        gi = tl.arange(0, BLOCK_H)
-        gm = gi < G
-        d = tl.arange(0, BLOCK_D)
-        dm = d < D
+        hm = h < HQ + HKV
+        is_q = h < HQ
+        is_k = hm & (h >= HQ)
+        base = qkv_ptr + m * (HQ + 2 * HKV) * D
+        offs = h[:, None] * D + half[None, :]
+        x1 = tl.load(base + offs, mask=hm[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(base + offs + D // 2, mask=hm[:, None], other=0.0).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+        c1 = tl.load(cos_ptr + m * cs_stride + half).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + m * cs_stride + D // 2 + half).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + m * cs_stride + half).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + m * cs_stride + D // 2 + half).to(tl.float32)[None, :]
+        w1 = tl.where(
+            is_q[:, None],
+            tl.load(qw_ptr + half).to(tl.float32)[None, :],
+            tl.load(kw_ptr + half).to(tl.float32)[None, :],
+        )
+        w2 = tl.where(
+            is_q[:, None],
+            tl.load(qw_ptr + D // 2 + half).to(tl.float32)[None, :],
+            tl.load(kw_ptr + D // 2 + half).to(tl.float32)[None, :],
+        )
+        n1 = x1 * inv[:, None] * w1
+        n2 = x2 * inv[:, None] * w2
+        r1 = n1 * c1 - n2 * s1
+        r2 = n2 * c2 + n1 * s2
+        qo = q_ptr + m * HQ * D + offs
+        tl.store(qo, r1.to(q_ptr.dtype.element_ty), mask=is_q[:, None])
+        tl.store(qo + D // 2, r2.to(q_ptr.dtype.element_ty), mask=is_q[:, None])
         slot = tl.load(row_ptr + m)
-        n_keys = tl.load(pos_ptr + m) + 1
-        q = tl.load(
-            q_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
-            mask=gm[:, None] & dm[None, :],
-            other=0.0,
-        )
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        base = slot * kc_s_slot + hk * kc_s_head
-        if PIPELINED:
-            for start in range(0, n_keys, BLOCK_N):
-                m_i, l_i, acc = _attention_block(
-                    q,
-                    kc_ptr,
-                    vc_ptr,
-                    base,
-                    start,
-                    n_keys,
-                    d,
-                    dm,
-                    kc_s_pos,
-                    scale,
-                    m_i,
-                    l_i,
-                    acc,
-                    BLOCK_N,
-                    IEEE,
-                )
-        else:
-            start = 0
-            while start < n_keys:
-                m_i, l_i, acc = _attention_block(
-                    q,
-                    kc_ptr,
-                    vc_ptr,
-                    base,
-                    start,
-                    n_keys,
-                    d,
-                    dm,
-                    kc_s_pos,
-                    scale,
-                    m_i,
-                    l_i,
-                    acc,
-                    BLOCK_N,
-                    IEEE,
-                )
-                start += BLOCK_N
-        out = acc / l_i[:, None]
-        tl.store(
-            o_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
-            out.to(o_ptr.dtype.element_ty),
-            mask=gm[:, None] & dm[None, :],
-        )
+        pos = tl.load(pos_ptr + m)
+        hk = tl.where(is_k, h - HQ, 0)
+        dst = slot * kc_s_slot + hk[:, None] * kc_s_head + pos * kc_s_pos + half[None, :]
+        tl.store(kc_ptr + dst, r1.to(kc_ptr.dtype.element_ty), mask=is_k[:, None])
+        tl.store(kc_ptr + dst + D // 2, r2.to(kc_ptr.dtype.element_ty), mask=is_k[:, None])
+        full = tl.arange(0, D)
+        v = tl.load(base + (HQ + HKV + hk)[:, None] * D + full[None, :], mask=is_k[:, None], other=0.0)
+        vdst = slot * kc_s_slot + hk[:, None] * kc_s_head + pos * kc_s_pos + full[None, :]
+        tl.store(vc_ptr + vdst, v.to(vc_ptr.dtype.element_ty), mask=is_k[:, None])
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -326,6 +229,11 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return x_out, normed
 
 
+# q|k heads per program of qk_norm_rope_store: a token's 16 + 8 heads of the 1.7B talker in 3
+# programs, each a [8, 64] tile per half.
+QK_HEADS_PER_PROGRAM = 8
+
+
 def qk_norm_rope_store(
     qkv,
     q_norm,
@@ -352,7 +260,8 @@ def qk_norm_rope_store(
         raise ValueError(
             "k_cache and v_cache need equal strides with contiguous heads, cos/sin contiguous rows"
         )
-    _qk_norm_rope_store_kernel[(m, num_heads + num_kv_heads)](
+    hb = min(QK_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads + num_kv_heads))
+    _qk_norm_rope_store_kernel[(m, triton.cdiv(num_heads + num_kv_heads, hb))](
         qkv,
         q_norm,
         k_norm,
@@ -371,51 +280,9 @@ def qk_norm_rope_store(
         HQ=num_heads,
         HKV=num_kv_heads,
         D=d,
+        HB=hb,
     )
     return q
-
-
-def decode_attention(
-    q,
-    k_cache,
-    v_cache,
-    rows,
-    positions,
-    block_n: int = 64,
-    num_stages: int = 3,
-    num_warps: int = 4,
-    pipelined: bool | None = None,
-) -> torch.Tensor:
-    """q [M, HQ, D]; token m attends positions [0, positions[m]] of slot rows[m] in
-    k_cache / v_cache [slot, HKV, pos, D] (positions must lie inside the cache). Returns [M, HQ * D].
-    `pipelined` (default: on CUDA) takes the software-pipelined loop (see the kernel)."""
-    m, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    out = torch.empty(m, hq * d, device=q.device, dtype=q.dtype)
-    block_h = max(16, triton.next_power_of_2(hq // hkv))
-    _decode_attention_kernel[(m, hkv)](
-        q,
-        k_cache,
-        v_cache,
-        rows,
-        positions,
-        out,
-        d**-0.5,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        HQ=hq,
-        HKV=hkv,
-        D=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32,
-        PIPELINED=q.is_cuda if pipelined is None else pipelined,
-        num_stages=num_stages,
-        num_warps=num_warps,
-    )
-    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,12 @@ class TalkerConfig:
         "graph engine: codebook sampling: auto (one Triton kernel per codebook on CUDA), triton or torch",
         choices=SAMPLE_KERNELS,
     )
+    # FP8 decoder-layer weights (qtts.engine.fp8), off by default: benchmarks/fp8_fidelity.py.
+    weight_dtype: str = setting(
+        "model",
+        "graph engine on CUDA: decoder-layer linear weights: model (its dtype) or fp8",
+        choices=("model", "fp8"),
+    )
     # Playback-deadline scheduling (services/talker/deadline.py).
     urgent_lead_ms: float = setting(
         2000.0,

@@ -52,6 +52,7 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
             prefill_buckets=config.prefill_buckets,
             decode_kernels=config.decode_kernels,
             sample_kernel=config.sample_kernel,
+            weight_dtype=config.weight_dtype,
         )
         return GraphEngine(
             bundle,

@@ -67,8 +67,11 @@ def mixed_reference(tiny_bundle):
         {"max_prefill_tokens": 10},  # chunked prefill across steps
         {"pad_to_buckets": True, "context_buckets": (16, 32, 64), "batch_buckets": (1, 2, 4)},
         {"talker_attention": "matmul", "predictor_attention": "sdpa", "max_candidates": 64},
+        # The fast path's packed prefill (the CUDA default): whole prompts, then split by the budget.
+        {"fast_path": True, "decode_kernels": "torch", "compile_layers": False},
+        {"fast_path": True, "decode_kernels": "torch", "compile_layers": False, "max_prefill_tokens": 10},
     ],
-    ids=["exact", "chunked-prefill", "padded-buckets", "matmul-attention"],
+    ids=["exact", "chunked-prefill", "padded-buckets", "matmul-attention", "packed", "packed-chunked"],
 )
 def test_mixed_batch_joining_and_leaving_equals_requests_run_alone(tiny_bundle, mixed_reference, runner_kw):
     prompts, want = mixed_reference

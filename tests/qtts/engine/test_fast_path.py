@@ -13,8 +13,12 @@ from qtts.model import SamplingParams
 from tests.qtts.engine.tiny_talker import make_prompt
 
 
-def loaded_runner(bundle, fast: bool, prompts) -> tuple[ModelRunner, list[Sequence]]:
-    runner = ModelRunner(bundle, RunnerConfig(max_batch=4, max_len=64, max_trailing=8, fast_path=fast))
+def loaded_runner(bundle, fast: bool, prompts, packed: bool = False) -> tuple[ModelRunner, list[Sequence]]:
+    """`packed` False: the per-row prefill (test_packed_prefill checks the packed one)."""
+    runner = ModelRunner(
+        bundle,
+        RunnerConfig(max_batch=4, max_len=64, max_trailing=8, fast_path=fast, prefill_packed=packed and fast),
+    )
     seqs = []
     for slot, p in enumerate(prompts):
         seq = Sequence(
@@ -88,6 +92,7 @@ def test_bucketed_prefill_writes_the_same_kv_as_the_ragged_batch(tiny_bundle, ro
             max_len=64,
             max_trailing=8,
             fast_path=True,
+            prefill_packed=False,
             prefill_buckets=(4, 8, 16),
             prefill_rows=rows,
         ),

@@ -48,7 +48,10 @@ def _reference_qkv(qkv, qn, kn, cos, sin, hq, hkv, d, eps):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope_store_writes_each_token_at_its_slot_and_position(dtype):
+@pytest.mark.parametrize("heads_per_program", [2, 4, 8])
+def test_qk_norm_rope_store_writes_each_token_at_its_slot_and_position(dtype, heads_per_program, monkeypatch):
+    """4 q + 2 k heads a token in programs of 2 (q, q, k), 4 (q, k + 2 padding) or 8 heads."""
+    monkeypatch.setattr(triton_ops, "QK_HEADS_PER_PROGRAM", heads_per_program)
     g = torch.Generator().manual_seed(1)
     hq, hkv, d, m, eps = 4, 2, 16, 6, 1e-6
     qkv = torch.randn(m, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
@@ -122,14 +125,20 @@ def test_silu_mul(dtype):
     assert torch.allclose(triton_ops.silu_mul(gu).float(), want.float(), **_tol(dtype))
 
 
-def _runner(bundle, kernels: str, prompts):
+def _runner(bundle, kernels: str, prompts, fused_qkv: bool = False):
     from qtts.engine.model_runner import ModelRunner, RunnerConfig
     from qtts.engine.sequence import Sequence
     from qtts.engine.slot_scheduler import PrefillChunk
     from qtts.model import SamplingParams
 
     cfg = RunnerConfig(
-        max_batch=4, max_len=64, max_trailing=8, fast_path=True, compile_layers=False, decode_kernels=kernels
+        max_batch=4,
+        max_len=64,
+        max_trailing=8,
+        fast_path=True,
+        compile_layers=False,
+        decode_kernels=kernels,
+        fused_qkv_attention=fused_qkv,
     )
     runner = ModelRunner(bundle, cfg)
     seqs = []
@@ -144,11 +153,13 @@ def _runner(bundle, kernels: str, prompts):
     return runner
 
 
-@pytest.mark.parametrize("skinny", [False, True])
-def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle, skinny, monkeypatch):
+@pytest.mark.parametrize("skinny,fused_qkv", [(False, False), (True, False), (False, True)])
+def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(
+    tiny_bundle, skinny, fused_qkv, monkeypatch
+):
     """CPU: the float64 tiny model under the interpreter; GPU: the same weights in float32.
     `skinny`: every few-row matmul of the fused step takes the skinny kernel (the real rules name
-    only full-size shapes)."""
+    only full-size shapes); `fused_qkv`: the one-kernel q/k/v attention (triton_qkv_attention)."""
     import copy
     from types import SimpleNamespace
 
@@ -170,8 +181,8 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(tiny_bundle,
             triton_ops, "use_skinny", lambda x, w: calls.append(tuple(w.shape)) or x.dim() == 2
         )
     torch_runner = _runner(tiny_bundle, "torch", prompts)
-    fused = _runner(tiny_bundle, "triton", prompts)
-    assert fused.fused_decode and not torch_runner.fused_decode
+    fused = _runner(tiny_bundle, "triton", prompts, fused_qkv=fused_qkv)
+    assert fused.fused_decode and not torch_runner.fused_decode and fused.fused_qkv == fused_qkv
     assert fused.context_buckets == (64,)
     for r in (torch_runner, fused):
         r.active[:3] = True  # row 3 is padding: it must not change anything
@@ -225,3 +236,61 @@ def test_linear_takes_the_skinny_kernel_only_where_the_rules_say(monkeypatch):
     other = torch.randn(5, 32, generator=g).to(DEVICE)
     assert torch.equal(triton_ops.linear(small, other), F.linear(small, other))  # no rule for [5, 32]
     assert calls == [2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group,head_dim", [(1, 16), (2, 16), (4, 16), (2, 8)])
+def test_qkv_attention_equals_rope_store_then_decode_attention(dtype, group, head_dim):
+    """One kernel for q/k norm, RoPE, KV store and attention against the two it replaces: the
+    same output and cache, including a row whose write position is the scratch column past the
+    positions it attends (a padding row) and head_dim 8 (tiles padded to 16, the tiny predictor)."""
+    from qtts.engine import triton_qkv_attention
+
+    g = torch.Generator().manual_seed(11)
+    hkv, m, slots, length = 2, 4, 3, 24
+    hq = hkv * group
+    qkv = torch.randn(m, (hq + 2 * hkv) * head_dim, generator=g).to(DEVICE, dtype)
+    qn = (torch.rand(head_dim, generator=g) + 0.5).to(DEVICE, dtype)
+    kn = (torch.rand(head_dim, generator=g) + 0.5).to(DEVICE, dtype)
+    positions = torch.tensor([3, 0, 17, 9], device=DEVICE)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0)(positions, dtype)
+    rows = torch.tensor([1, 0, 2, 0], device=DEVICE)
+    wpos = torch.tensor([3, 0, 17, length - 1], device=DEVICE)  # the last row writes the scratch column
+    cache = torch.randn(2, slots, hkv, length, head_dim, generator=g).to(DEVICE, dtype)
+    kc, vc = cache[0].clone(), cache[1].clone()
+    q = triton_ops.qk_norm_rope_store(qkv, qn, kn, cos, sin, kc, vc, rows, wpos, 1e-6, hq, hkv)
+    want = triton_ops.decode_attention(q, kc, vc, rows, positions, block_n=16)
+    kc2, vc2 = cache[0].clone(), cache[1].clone()
+    got = triton_ops.qkv_attention(
+        qkv, qn, kn, cos, sin, kc2, vc2, rows, wpos, positions, 1e-6, hq, hkv, block_n=16
+    )
+    assert torch.allclose(got.float(), want.float(), **_tol(dtype))
+    assert torch.allclose(kc2.float(), kc.float(), **_tol(dtype)) and torch.equal(vc2, vc)
+    assert triton_qkv_attention.self_check(DEVICE, dtype, hq, hkv, head_dim, 16)
+
+
+def test_fused_qkv_attention_only_up_to_its_row_limit(tiny_bundle, monkeypatch):
+    """fused_qkv_max_rows: steps of more tokens keep the two kernels (large batches)."""
+    from qtts.engine.model_runner import ModelRunner, RunnerConfig
+
+    cfg = RunnerConfig(
+        max_batch=4,
+        max_len=16,
+        max_trailing=2,
+        fast_path=True,
+        compile_layers=False,
+        decode_kernels="triton",
+        fused_qkv_attention=True,
+        fused_qkv_max_rows=2,
+    )
+    runner = ModelRunner(tiny_bundle, cfg)
+    calls = []
+    real = triton_ops.qkv_attention
+    monkeypatch.setattr(
+        triton_ops, "qkv_attention", lambda qkv, *a, **kw: calls.append(qkv.shape[0]) or real(qkv, *a, **kw)
+    )
+    runner.active[:4] = True
+    runner._talker_decode(4, 16)
+    assert calls == []
+    runner._talker_decode(2, 16)
+    assert calls == [2] * runner.tdec.num_layers
