@@ -148,7 +148,9 @@ class Admission:
     def observe_decoder(self, frame_s: float, call_s: float = 0.0, calls_per_s: float = 0.0) -> bool:
         """code2wav's published cost on its GPU: seconds per decoded frame, per decode call, and
         its calls per second. Counted only when the decoder shares this GPU (returns whether it
-        was); a negative or non-finite figure is an error."""
+        was); a negative or non-finite figure is an error. Safe from another thread than the
+        engine's: plain float stores, and a plan that sees one new figure beside an old one errs
+        by one update."""
         for name, value in (("frame_s", frame_s), ("call_s", call_s), ("calls_per_s", calls_per_s)):
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"decoder {name} must be finite and >= 0, got {value!r}")
@@ -158,6 +160,13 @@ class Admission:
         self.decoder_call_load = min(call_s * calls_per_s, 1.0)
         self.decoder_measured = True
         return True
+
+    def frame_gpu_s(self, num_streams: int) -> float:
+        """GPU time of one frame of `num_streams` streams for both engines together: the frame
+        step and, when the decoder shares the GPU, its decode of those frames and its per-call
+        share of a frame (no prefill)."""
+        n = max(num_streams, 0)
+        return self.model.predict(n) + n * self.decoder_frame_s + self.decoder_call_load * self.frame_s
 
     def load(self, num_streams: int, mean_stream_s: float | None = None) -> float:
         """Predicted busy fraction of the GPU with `num_streams` running in steady state: their

@@ -259,7 +259,9 @@ class DeadlineScheduler:
         self.forecast.refuse_late(now, plan)
         self._admit(now, plan)
         model = self.admission.model if self.admission is not None else None
-        step_s = model.predict(len(self.running)) if model is not None else 0.0
+        # A frame of every stream costs the GPU its step and, on a GPU the decoder shares, its
+        # decode: the time a stream's next chunk takes, so how soon it must step.
+        step_s = self.admission.frame_gpu_s(len(self.running)) if self.admission is not None else 0.0
         return self._decide_step(plan, now, model, self._sort_running(plan, now, step_s))
 
     def _sort_running(self, plan: StepPlan, now: float, step_s: float) -> _SortedStreams:
@@ -413,7 +415,7 @@ class DeadlineScheduler:
         if adm is None or not self.waiting:
             view, mean_s, room = _RunningView(), None, math.inf
         else:
-            view = self._running_view(now, adm.model.predict(len(self.running)))
+            view = self._running_view(now, adm.frame_gpu_s(len(self.running)))
             mean_s = self._mean_stream_s()
             room = self._prefill_budget(view.tightest)
         while self.waiting and len(self.running) < limit:

@@ -132,9 +132,13 @@ class _EngineWorker:
             self.builds.stream = torch.cuda.Stream(device=device)
         self.metrics = self.builds.metrics = engine_metrics()
         self.builds.build = bundle.build_prompt
+        scheduler = model_setup.scheduler_for(self.config, generator)
+        # Told code2wav's decode cost (`decoder_cost`) from this thread: a few floats the engine
+        # thread reads, so a plan between two of the writes mixes old and new figures, harmlessly.
+        self.admission = scheduler.admission
         self.loop = GenerationLoop(
             generator,
-            model_setup.scheduler_for(self.config, generator),
+            scheduler,
             self.metrics,
             device_failure=self._fatal,
         )
@@ -229,7 +233,8 @@ class _EngineWorker:
             for message in messages:
                 self._apply(message[0], message[1:])
         elif kind == "decoder_cost":
-            self.loop.observe_decoder_cost(*args)
+            if self.admission is not None:
+                self.admission.observe_decoder(*args)
         elif kind == "wake":
             self.loop.text_appended()
         elif kind == "stop_admitting":

@@ -250,12 +250,6 @@ class GenerationLoop:
         with self._cond:
             return self._scheduler.forecast.headroom(self._clock(), ahead)
 
-    def observe_decoder_cost(self, frame_s: float, call_s: float, calls_per_s: float) -> None:
-        """code2wav's published decode cost, for admission on a GPU the decoder shares."""
-        with self._cond:
-            if self._scheduler.admission is not None:
-                self._scheduler.admission.observe_decoder(frame_s, call_s, calls_per_s)
-
     def cancel(self, request_id: str) -> None:
         """Drop a request wherever it is; a no-op when it already finished."""
         with self._cond:

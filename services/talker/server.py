@@ -70,6 +70,7 @@ class TalkerServer:
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
         self.host.add_shutdown_callback(self._shutdown)
         self.engine: GenerationLoop | EngineClient | None = None
+        self.admission: Any = None  # the in-process engine's (services/talker/admission.py)
         self.replicas: Code2WavReplicas | None = None
         self.core: TalkerCore | None = None
         self._cache: SpeakerCacheClient | None = None
@@ -118,7 +119,13 @@ class TalkerServer:
             on_availability=self._replicas_changed,
         )
         if self.config.decoder_shares_gpu:  # code2wav's measured cost reaches admission
-            self.replicas.on_decoder_cost = DecoderCosts(self.engine.observe_decoder_cost).observe
+            # In this process a few floats the engine thread reads: no lock (see Admission).
+            sink = (
+                self.engine_client.observe_decoder_cost
+                if self.engine_client
+                else self.admission.observe_decoder
+            )
+            self.replicas.on_decoder_cost = DecoderCosts(sink).observe
         self.replicas.start()
         self._cache = SpeakerCacheClient(
             self.config.speaker_cache or None,
@@ -163,9 +170,11 @@ class TalkerServer:
         if self._run_warm_up:
             # Before the engine thread exists: the generator is only ever driven by one thread.
             await asyncio.to_thread(warm_up, self.bundle, generator)
+        scheduler = scheduler_for(self.config, generator)
+        self.admission = scheduler.admission  # code2wav's decode cost goes here (see start)
         self.engine = GenerationLoop(
             generator,
-            scheduler_for(self.config, generator),
+            scheduler,
             self.metrics,
             device_failure=self.device_failure.check,
         )
