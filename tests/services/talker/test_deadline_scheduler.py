@@ -453,7 +453,9 @@ def test_under_a_backlog_streams_with_enough_audio_leave_the_steps_to_the_waitin
 
 def test_narrow_first_chunk_steps_start_a_closed_loop_s_audio_sooner_without_gaps():
     """512 closed-loop 10 s streams on the simulated engine: with first chunks riding in steps of
-    at most 15 ms, the median first audio comes sooner than with 40 ms steps, with no more gaps."""
+    at most 15 ms, the median first audio comes sooner than with 40 ms steps, with no more gaps.
+    (Half as soon before admission held while admitted prompts wait for their prefill; since, the
+    burst is admitted as fast as it is prefilled, which sets much of its first audio either way.)"""
     cost = Cost(
         base_s=0.0043, per_stream_s=0.00004, prefill_position_s=0.000025, decode_s=0.03, prefill_step_s=0.012
     )
@@ -473,7 +475,7 @@ def test_narrow_first_chunk_steps_start_a_closed_loop_s_audio_sooner_without_gap
         assert len(done) == 1024
         gaps[budget] = sum(x.max_underrun_s() > 0 for x in done)
         medians[budget] = float(np.median([x.ttfa_s for x in done]))
-    assert medians[0.015] < 0.5 * medians[0.04]
+    assert medians[0.015] < 0.8 * medians[0.04]
     # The burst's first stream has a few ms gap either way (its second chunk waits behind the
     # burst's prefills); the narrower steps add none.
     assert gaps[0.015] <= gaps[0.04] <= 2
