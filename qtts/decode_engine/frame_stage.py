@@ -82,8 +82,8 @@ class FrameStage:
         allowed = ((kp >= 0) & (kp <= qp) & (kp > qp - w)).unsqueeze(1)  # [B, 1, n, w + n]
         freqs = q_pos.float().unsqueeze(-1) * self.inv_freq.view(1, 1, -1)
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos = emb.cos().to(x.dtype).unsqueeze(1)
-        sin = emb.sin().to(x.dtype).unsqueeze(1)
+        cos = emb.cos().to(x.dtype).unsqueeze(2)  # [B, n, 1, D]: every head of a position
+        sin = emb.sin().to(x.dtype).unsqueeze(2)
         write_rows = slots.view(b, 1).expand(b, n)
         write_cols = torch.remainder(q_pos, w)
         h = t.input_proj(x)
@@ -111,12 +111,13 @@ class FrameStage:
     ) -> torch.Tensor:
         b, n, _ = x.shape
         qd, kd = a.heads * a.head_dim, a.kv_heads * a.head_dim
-        q, k, v = F.linear(x, *self._qkv[i]).split([qd, kd, kd], dim=-1)
-        q = q.reshape(b, n, a.heads, a.head_dim).transpose(1, 2)
-        k = k.reshape(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
-        v = v.reshape(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qkv = F.linear(x, *self._qkv[i])
+        # RoPE on the query and key heads together (one set of elementwise kernels).
+        qk = qkv[..., : qd + kd].reshape(b, n, a.heads + a.kv_heads, a.head_dim)
+        qk = qk * cos + _rotate_half(qk) * sin
+        q = qk[:, :, : a.heads].transpose(1, 2)
+        k = qk[:, :, a.heads :].transpose(1, 2)
+        v = qkv[..., qd + kd :].reshape(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
         k_buf, v_buf = self.pool.buffers[a.key + "k"], self.pool.buffers[a.key + "v"]
         k_all = torch.cat([k_buf.index_select(0, slots), k], dim=2)  # [B, kv, w + n, D]
         v_all = torch.cat([v_buf.index_select(0, slots), v], dim=2)
