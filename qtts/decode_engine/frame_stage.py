@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from qtts.decode_engine.slots import SlotPool
 from qtts.model.codec_decoder import CodecDecoder, SlidingAttention
+from qtts.model.layers import RMSNorm
 
 
 class FrameStage:
@@ -27,6 +28,18 @@ class FrameStage:
         self.device = model.device
         self.rvq_table, self.rvq_offsets = self._fold_rvq(reference, dtype)
         self.inv_freq = reference.pre_transformer.inv_freq.detach().float().clone()
+        # One GEMM for q, k and v and one for gate and up per layer (fewer launches per step: a
+        # batch-1 step is launch-bound, and most of its kernels are this transformer's).
+        self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._gate_up: list[torch.Tensor] = []
+        with torch.no_grad():
+            for layer in model.pre_transformer.layers:
+                a = layer.self_attn
+                projs = (a.q_proj, a.k_proj, a.v_proj)
+                bias = None if a.q_proj.bias is None else torch.cat([m.bias for m in projs]).detach()
+                self._qkv.append((torch.cat([m.weight for m in projs]).detach(), bias))
+                mlp = layer.mlp
+                self._gate_up.append(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach())
 
     def _fold_rvq(self, decoder: CodecDecoder, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One table [Q * size, codebook_dim]: each codebook vector already through its group's
@@ -69,21 +82,24 @@ class FrameStage:
         allowed = ((kp >= 0) & (kp <= qp) & (kp > qp - w)).unsqueeze(1)  # [B, 1, n, w + n]
         freqs = q_pos.float().unsqueeze(-1) * self.inv_freq.view(1, 1, -1)
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos = emb.cos().to(x.dtype).unsqueeze(1)
-        sin = emb.sin().to(x.dtype).unsqueeze(1)
+        cos = emb.cos().to(x.dtype).unsqueeze(2)  # [B, n, 1, D]: every head of a position
+        sin = emb.sin().to(x.dtype).unsqueeze(2)
         write_rows = slots.view(b, 1).expand(b, n)
         write_cols = torch.remainder(q_pos, w)
         h = t.input_proj(x)
-        for layer in t.layers:
-            attn = self._attention(
-                layer.self_attn, layer.input_layernorm(h), cos, sin, allowed, slots, write_rows, write_cols
-            )
+        for i, layer in enumerate(t.layers):
+            x_in = _rms_norm(layer.input_layernorm, h)
+            attn = self._attention(i, layer.self_attn, x_in, cos, sin, allowed, slots, write_rows, write_cols)
             h = h + layer.self_attn_layer_scale(attn)
-            h = h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
-        return t.output_proj(t.norm(h))
+            gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, h), self._gate_up[i]).chunk(
+                2, dim=-1
+            )
+            h = h + layer.mlp_layer_scale(layer.mlp.down_proj(F.silu(gate) * up))
+        return t.output_proj(_rms_norm(t.norm, h))
 
     def _attention(
         self,
+        i: int,
         a: SlidingAttention,
         x: torch.Tensor,
         cos: torch.Tensor,
@@ -94,11 +110,14 @@ class FrameStage:
         write_cols: torch.Tensor,
     ) -> torch.Tensor:
         b, n, _ = x.shape
-        q = a.q_proj(x).view(b, n, a.heads, a.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qd, kd = a.heads * a.head_dim, a.kv_heads * a.head_dim
+        qkv = F.linear(x, *self._qkv[i])
+        # RoPE on the query and key heads together (one set of elementwise kernels).
+        qk = qkv[..., : qd + kd].reshape(b, n, a.heads + a.kv_heads, a.head_dim)
+        qk = qk * cos + _rotate_half(qk) * sin
+        q = qk[:, :, : a.heads].transpose(1, 2)
+        k = qk[:, :, a.heads :].transpose(1, 2)
+        v = qkv[..., qd + kd :].reshape(b, n, a.kv_heads, a.head_dim).transpose(1, 2)
         k_buf, v_buf = self.pool.buffers[a.key + "k"], self.pool.buffers[a.key + "v"]
         k_all = torch.cat([k_buf.index_select(0, slots), k], dim=2)  # [B, kv, w + n, D]
         v_all = torch.cat([v_buf.index_select(0, slots), v], dim=2)
@@ -112,6 +131,11 @@ class FrameStage:
         probs = torch.softmax(scores, dim=-1).to(v_all.dtype).view(b, a.kv_heads, rep * n, -1)
         out = torch.matmul(probs, v_all).view(b, a.heads, n, a.head_dim)
         return a.o_proj(out.transpose(1, 2).reshape(b, n, a.heads * a.head_dim))
+
+
+def _rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The model's RMSNorm as one fused op (statistics in float32, like the module)."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
