@@ -27,10 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qtts.engine.fp8_types import FP8, FP8_MAX, QuantRows
+
+__all__ = ["FP8", "FP8_MAX", "QuantRows"]  # re-exported: the kernels' and the tests' names
+
 log = logging.getLogger(__name__)
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 WEIGHT_DTYPES = ("model", "fp8")
 _MIN_AMAX = 1e-12
 
@@ -56,16 +58,6 @@ class Fp8Weight:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.q.to(dtype) * self.scale.to(dtype)[:, None]
-
-
-@dataclass(frozen=True)
-class QuantRows:
-    """An activation [M, K] already quantized per row (by a fused kernel): float8 `q`, scale [M, 1],
-    and `dtype`, the model dtype it was computed in (the product's output dtype)."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
 
 
 def quantize_weight(w: torch.Tensor, min_rows: int = 0) -> Fp8Weight:

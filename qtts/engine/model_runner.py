@@ -192,7 +192,7 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
             if choice:
                 raise ValueError("fused_qkv_attention needs the fused decode kernels")
             return False
-        from qtts.engine.triton_qkv_attention import self_check
+        from qtts.engine.triton_ops import self_check
 
         shapes = ((self.tdec, 64), (self.pdec, 32))
         ok = all(

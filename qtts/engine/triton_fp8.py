@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from qtts.engine.fp8_types import FP8, FP8_MAX, QuantRows
+
 try:  # Triton ships with CUDA builds of torch; CPU builds run the PyTorch path instead.
     import triton
     import triton.language as tl
@@ -97,8 +99,6 @@ def _tl_dtype(dtype: torch.dtype):
 
 def add_rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """`triton_ops.add_rms_norm` whose normed output comes quantized: (x + delta, QuantRows)."""
-    from qtts.engine.fp8 import FP8, FP8_MAX, QuantRows
-
     m, h = x.shape
     x_out = torch.empty_like(x) if delta is not None else x
     q = torch.empty(m, h, device=x.device, dtype=FP8)
@@ -123,8 +123,6 @@ def add_rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.
 
 def silu_mul_fp8(gate_up: torch.Tensor):
     """`triton_ops.silu_mul`, quantized per row: [M, 2I] -> QuantRows of silu(gate) * up."""
-    from qtts.engine.fp8 import FP8, FP8_MAX, QuantRows
-
     m, two_i = gate_up.shape
     inter = two_i // 2
     q = torch.empty(m, inter, device=gate_up.device, dtype=FP8)
@@ -145,8 +143,6 @@ def silu_mul_fp8(gate_up: torch.Tensor):
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (float8_e4m3fn [M, K], float32 scale [M, 1])."""
-    from qtts.engine.fp8 import FP8, FP8_MAX
-
     m, k = x.shape
     if x.stride(-1) != 1:
         raise ValueError("quantize_rows needs rows with contiguous columns")

@@ -221,39 +221,3 @@ def qkv_attention(
         num_warps=num_warps,
     )
     return out
-
-
-def self_check(
-    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_n: int
-) -> bool:
-    """Whether `qkv_attention` compiles here and equals the two kernels it replaces on a small
-    random case of these head counts (the runner falls back to the two kernels otherwise)."""
-    from qtts.engine import triton_ops
-
-    try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        m, slots, length = 3, 4, 40
-        qkv = torch.randn(m, (heads + 2 * kv_heads) * head_dim, generator=g).to(device, dtype)
-        qn = (torch.rand(head_dim, generator=g) + 0.5).to(device, dtype)
-        kn = (torch.rand(head_dim, generator=g) + 0.5).to(device, dtype)
-        ang = torch.rand(m, head_dim, generator=g).to(device, torch.float32)
-        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-        cache = torch.randn(2, slots, kv_heads, length, head_dim, generator=g).to(device, dtype)
-        rows = torch.tensor([2, 0, 3], device=device)
-        wpos = torch.tensor([5, 0, length - 1], device=device)
-        apos = torch.tensor([5, 0, 30], device=device)
-        kc, vc = cache[0].clone(), cache[1].clone()
-        q = triton_ops.qk_norm_rope_store(qkv, qn, kn, cos, sin, kc, vc, rows, wpos, 1e-6, heads, kv_heads)
-        want = triton_ops.decode_attention(q, kc, vc, rows, apos, block_n=block_n)
-        kc2, vc2 = cache[0].clone(), cache[1].clone()
-        got = qkv_attention(
-            qkv, qn, kn, cos, sin, kc2, vc2, rows, wpos, apos, 1e-6, heads, kv_heads, block_n=block_n
-        )
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
-        return bool(
-            torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
-            and torch.allclose(kc2.float(), kc.float(), atol=tol, rtol=tol)
-            and torch.equal(vc2, vc)
-        )
-    except Exception:  # a compile or launch failure on this device: keep the two kernels
-        return False

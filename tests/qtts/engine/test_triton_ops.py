@@ -244,7 +244,6 @@ def test_qkv_attention_equals_rope_store_then_decode_attention(dtype, group, hea
     """One kernel for q/k norm, RoPE, KV store and attention against the two it replaces: the
     same output and cache, including a row whose write position is the scratch column past the
     positions it attends (a padding row) and head_dim 8 (tiles padded to 16, the tiny predictor)."""
-    from qtts.engine import triton_qkv_attention
 
     g = torch.Generator().manual_seed(11)
     hkv, m, slots, length = 2, 4, 3, 24
@@ -266,7 +265,7 @@ def test_qkv_attention_equals_rope_store_then_decode_attention(dtype, group, hea
     )
     assert torch.allclose(got.float(), want.float(), **_tol(dtype))
     assert torch.allclose(kc2.float(), kc.float(), **_tol(dtype)) and torch.equal(vc2, vc)
-    assert triton_qkv_attention.self_check(DEVICE, dtype, hq, hkv, head_dim, 16)
+    assert triton_ops.self_check(DEVICE, dtype, hq, hkv, head_dim, 16)
 
 
 def test_fused_qkv_attention_only_up_to_its_row_limit(tiny_bundle, monkeypatch):
