@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from benchmarks.revision import git_revision
+from benchmarks.talker_capacity_table import print_level, print_table
 from qtts.engine import GraphEngine, GraphEngineConfig, RunnerConfig
 from qtts.engine.model_runner import DEFAULT_BATCH_BUCKETS
 from qtts.engine.sequence import SeqStatus
@@ -322,26 +323,6 @@ def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int)
     return GraphEngineConfig(runner=runner, max_prefill_tokens=args.max_prefill_tokens)
 
 
-def print_table(result: dict[str, Any]) -> None:
-    print()
-    print(
-        "| streams | step p50 ms | step p99 ms | interval p50 ms | interval p99 ms | interval max ms | "
-        "p99 / step | running/step | waiting/step | prefill pos/step | arrivals/step | audio s / s | real-time |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in result["levels"]:
-        print(
-            f"| {r['streams']} | {r['step_ms_p50']:.2f} | {r['step_ms_p99']:.2f} | {r['interval_ms_p50']:.2f} | "
-            f"{r['interval_ms_p99']:.2f} | {r['interval_ms_max']:.2f} | {r['p99_interval_over_median_step']:.2f} | "
-            f"{r['running_per_step_mean']:.0f} | {r['waiting_per_step_mean']:.0f} | "
-            f"{r['prefill_positions_per_step_mean']:.0f} | {r['arrivals_per_step']:.2f} | "
-            f"{r['audio_s_per_wall_s']:.1f} | {'yes' if r['real_time'] else 'no'} |"
-        )
-    print(
-        f"\nlargest real-time level (p99 frame interval <= {result['budget_ms']} ms): {result['max_realtime_streams']}"
-    )
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Long, kept in one piece: a flag table, then the defaults that depend on --tiny."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -428,15 +409,7 @@ def _run_levels(
         if args.out:  # levels so far, in case a time limit cuts the run
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps({"partial": True, "levels": levels}, indent=2))
-        print(
-            f"streams {n:5d}: step p50 {res['step_ms_p50']:.2f} ms, interval p99 {res['interval_ms_p99']:.2f} ms "
-            f"(max {res['interval_ms_max']:.2f}), p99/step {res['p99_interval_over_median_step']:.2f}, "
-            f"{res['arrivals_per_step']:.2f} arrivals/step, running {res['running_per_step_mean']:.0f}, "
-            f"waiting {res['waiting_per_step_mean']:.0f}, prefilling {res['prefilling_per_step_mean']:.0f}, "
-            f"{res['prompts_completed_per_step']:.2f} prompts completed/step "
-            f"({res['prefill_positions_per_completed_prompt']:.0f} positions each), real-time {res['real_time']}",
-            flush=True,
-        )
+        print_level(n, res)
         if not res["real_time"] and not args.keep_going:
             break
     return levels
