@@ -117,15 +117,27 @@ def faulty_code2wav(argv: list[str]) -> int:
         return _FaultyDecoder(decoder), limits
 
     real_open = worker.Code2WavCore.open_stream
+    real_state_made = worker.Code2WavCore._state_made
+    faulty_streams: dict[int, BaseException] = {}
 
     async def open_stream(self, request_id, *args, **kwargs):
         stream = await real_open(self, request_id, *args, **kwargs)
         if (fault := _fault_for(request_id)) is not None:
-            self.decoder.faults[id(stream.decoder_state)] = fault
+            if stream.decoder_state is not None:
+                self.decoder.faults[id(stream.decoder_state)] = fault
+            else:  # the state is made after the stream opens: mark it when it is
+                faulty_streams[id(stream)] = fault
         return stream
+
+    def state_made(self, stream, began, fut):
+        fault = faulty_streams.pop(id(stream), None)
+        if fault is not None and not fut.cancelled() and fut.exception() is None:
+            self.decoder.faults[id(fut.result())] = fault  # before any decode can see the state
+        real_state_made(self, stream, began, fut)
 
     server.load_decoder = load_decoder
     worker.Code2WavCore.open_stream = open_stream
+    worker.Code2WavCore._state_made = state_made
     return main(argv)
 
 

@@ -24,11 +24,17 @@ MANIFEST = ROOT / "deploy" / "k8s" / "base" / "redis.yaml"
 
 
 def deployed_redis_args() -> list[str]:
-    """The redis container's args of the kustomize base (its StatefulSet)."""
+    """The redis container's args of the kustomize base (its StatefulSet), less `--requirepass`:
+    its value there is `$(REDIS_PASSWORD)`, which the kubelet expands from the Secret, and these
+    tests' clients connect without a password (tests/deploy checks the password wiring)."""
     for doc in yaml.safe_load_all(MANIFEST.read_text()):
         if doc and doc.get("kind") == "StatefulSet":
             (container,) = doc["spec"]["template"]["spec"]["containers"]
-            return [str(a) for a in container["args"]]
+            args = [str(a) for a in container["args"]]
+            if "--requirepass" in args:
+                i = args.index("--requirepass")
+                del args[i : i + 2]
+            return args
     raise AssertionError(f"no StatefulSet in {MANIFEST}")
 
 

@@ -228,5 +228,7 @@ def simulate(
 
 def _starting_running(reqs: dict[str, ScheduledRequest], scheduler: DeadlineScheduler) -> tuple[int, int]:
     """(streams starting: submitted, no first audio yet; streams generating or waiting to)."""
-    live = [r for r in reqs.values() if r.request_id in scheduler.running or r in scheduler.waiting]
+    # From the scheduler's own sets, not every request ever made: an arrival's cost must not grow
+    # with the run (a closed loop past capacity makes tens of thousands of them).
+    live = [reqs[rid] for rid in scheduler.running if rid in reqs] + list(scheduler.waiting)
     return sum(1 for r in live if r.first_audio_at is None), len(live)
