@@ -131,6 +131,13 @@ def test_client_examples_run_against_the_stack(stack, client_python, tmp_path):
             prefix,
             cwd=tmp_path,
         )
-        assert out.count("speaking:") == segments, out
+        spoken = out.count("speaking:")
+        if (transport, split) == ("ws", "none"):
+            # One utterance, unless the 10-frame cap ends it while words still stream in: since
+            # generation starts on the first word, the rest is then spoken as a second segment
+            # (nothing dropped). Which one happens depends on the machine's load.
+            assert spoken in (1, 2), out
+            segments = spoken
+        assert spoken == segments, out
         sizes = [(tmp_path / f"{prefix}_{i}.pcm").stat().st_size for i in range(segments)]
         assert sizes == [10 * FRAME_BYTES] * segments, (transport, sizes)
