@@ -26,6 +26,7 @@
 #   ALIGNER_ARGS     flags for services.aligner (setting it implies ALIGNER=1)
 #                    ("--model qwen3-forcedaligner-0.6b --load-format dummy --device DEVICE --dtype DTYPE")
 #                    A sweep with timestamps on: ALIGNER=1 PROTOCOL=grpc ... -- --word-timestamps
+#   THEN_ARGS        client flags of a second sweep on the same stack, into OUT/then   ("")
 #   PYTHON           interpreter with the project installed (python)
 #   GATEWAY_REPLICAS gateways in front of the talker (1), HTTP on HTTP_PORT, +1, ...; the client
 #                    sends request i to gateway i mod N, as a Service over gateway pods would
@@ -164,13 +165,24 @@ GATEWAY_URLS="http://127.0.0.1:$HTTP_PORT"
 for ((i = 1; i < ${GATEWAY_REPLICAS:-1}; i++)); do GATEWAY_URLS+=",http://127.0.0.1:$((HTTP_PORT + i))"; done
 # The text tokenizer the talker's dummy load uses (the real BPE vocabulary when it is installed).
 TOKENIZER="$("$PYTHON" -c 'from qtts.model.bpe_vocab import dummy_tokenizer_label; print(dummy_tokenizer_label())' 2>/dev/null || echo unknown)"
-# shellcheck disable=SC2086  # CONCURRENCY is a list of levels
-"$PYTHON" -m benchmarks.client \
-    --protocol "$PROTOCOL" --url "$GATEWAY_URLS" --grpc-target "127.0.0.1:$GRPC_PORT" \
-    --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" --rounds "$ROUNDS" \
-    --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
-    --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$OUT" \
-    --processes "${CLIENT_PROCESSES:-1}" "$@"
+sweep() {  # $1: results folder; the rest: extra client flags
+    local out="$1"
+    shift
+    # shellcheck disable=SC2086  # CONCURRENCY is a list of levels
+    "$PYTHON" -m benchmarks.client \
+        --protocol "$PROTOCOL" --url "$GATEWAY_URLS" --grpc-target "127.0.0.1:$GRPC_PORT" \
+        --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" --rounds "$ROUNDS" \
+        --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
+        --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$out" \
+        --processes "${CLIENT_PROCESSES:-1}" "$@"
+}
+sweep "$OUT" "$@"
+# THEN_ARGS: the same sweep again on this stack with these flags added, into $OUT/then (e.g.
+# ALIGNER=1 PROTOCOL=grpc THEN_ARGS=--word-timestamps: timestamps off, then on, one stack).
+if [[ -n "${THEN_ARGS:-}" ]]; then
+    # shellcheck disable=SC2086  # THEN_ARGS is a list of flags
+    sweep "$OUT/then" "$@" $THEN_ARGS
+fi
 
 # Server-side view of the run: every service's Prometheus metrics once the sweep is done.
 "$PYTHON" - "$OUT" "${GATEWAY_REPLICAS:-1}" "$ALIGNER" <<'PY' || true
