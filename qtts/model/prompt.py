@@ -30,9 +30,10 @@ import torch
 
 from qtts.model.config import ModelConfig
 from qtts.model.prompt_embeddings import PromptEmbeddings
+from qtts.model.prompt_key import PrefixHasher, host_bytes, update_holding_gil
 from qtts.model.prompt_layout import CodecTable, PromptLayout, materialise
 from qtts.model.text_feed import TextFeed
-from qtts.model.tokenizer import encode
+from qtts.model.tokenizer import encode, encode_many
 from qtts.request.errors import InvalidArgument
 from qtts.request.vocabulary import served_task
 
@@ -47,7 +48,6 @@ DEFAULT_LENGTH_MARGIN = 8
 # A prefix shorter than this is not worth a cache entry: copying its KV into a slot costs about
 # what prefilling it does (a preset speaker or x-vector prompt without instruct has 8-9 positions).
 MIN_CACHED_PREFIX = 16
-PREFIX_KEY_VERSION = b"qtts-prompt-prefix-v1"
 
 
 def frame_cap(num_text_tokens: int, limit: int | None = None) -> int:
@@ -120,39 +120,6 @@ class TalkerPrompt:
     text_feed: TextFeed | None = None
 
 
-class _PrefixHasher:
-    """sha256 over labelled fields, so that different field splits never collide."""
-
-    def __init__(self) -> None:
-        self._h = hashlib.sha256(PREFIX_KEY_VERSION)
-
-    @staticmethod
-    def tensor_raw(data: torch.Tensor) -> bytes:
-        """The bytes a tensor field adds (kept per voice, so a build makes no device call for it)."""
-        return (
-            f"{data.dtype}{tuple(data.shape)}".encode() + data.detach().cpu().contiguous().numpy().tobytes()
-        )
-
-    def add_raw(self, label: str, raw: bytes) -> None:
-        self._h.update(label.encode() + b"\0" + len(raw).to_bytes(8, "little") + raw)
-
-    def add(self, label: str, data: bytes | str | int | list[int] | torch.Tensor | None) -> None:
-        if data is None:
-            raw = b"<none>"
-        elif isinstance(data, torch.Tensor):
-            raw = self.tensor_raw(data)
-        elif isinstance(data, bytes):
-            raw = data
-        elif isinstance(data, list):
-            raw = b",".join(str(int(i)).encode() for i in data)
-        else:
-            raw = str(data).encode()
-        self.add_raw(label, raw)
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
 def assistant_text(text: str) -> str:
     return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -197,21 +164,21 @@ class PromptBuilder:
         for t in (voice.x_vector, voice.ref_codes):
             if t is not None:
                 h.update(f"{t.dtype}{tuple(t.shape)};".encode())
-                h.update(_host_bytes(t))
+                update_holding_gil(h, host_bytes(t))
         h.update(repr(voice.ref_text).encode())
         digest = h.digest()
 
         def make() -> tuple:
             dtype = self.talker.codec_head.weight.dtype
             speaker = self.embed.to_device(voice.x_vector, dtype).view(1, -1)
-            x_key = _PrefixHasher.tensor_raw(voice.x_vector.detach().to("cpu", torch.float32).reshape(-1))
+            x_key = PrefixHasher.tensor_raw(voice.x_vector.detach().to("cpu", torch.float32).reshape(-1))
             if voice.ref_codes is None or not voice.ref_text:
                 return speaker, None, x_key, None
             ref_codes = self.embed.to_device(voice.ref_codes, torch.long)
             bos = self.embed.codec([self.config.talker.codec_bos_id])[0]
             rows = torch.cat([speaker, bos, self.embed.frames(ref_codes)])
             ref_ids = encode(self.tokenizer, ref_text_block(voice.ref_text))[3:-2]
-            codes_key = _PrefixHasher.tensor_raw(voice.ref_codes.detach().to("cpu", torch.long))
+            codes_key = PrefixHasher.tensor_raw(voice.ref_codes.detach().to("cpu", torch.long))
             return rows, ref_ids, x_key, codes_key
 
         return digest, self.embed.remember(("voice", digest), make)
@@ -267,9 +234,13 @@ class PromptBuilder:
         summed together on the device (`prompt_layout`). A device error raises for all."""
         out: list[TalkerPrompt | Exception] = []
         layouts = []
-        for spec in specs:
+        try:  # every target text in one tokenizer call
+            encoded = encode_many(self.tokenizer, [assistant_text(s.text) for s in specs])
+        except Exception:  # noqa: BLE001 - e.g. a text the tokenizer refuses: each spec on its own
+            encoded = [None] * len(specs)
+        for spec, ids in zip(specs, encoded, strict=True):
             try:
-                layouts.append(self.layout(spec))
+                layouts.append(self.layout(spec, ids))
                 out.append(None)  # type: ignore[arg-type] - filled in below
             except Exception as exc:  # noqa: BLE001 - this spec's error, the rest go on
                 out.append(exc)
@@ -291,9 +262,10 @@ class PromptBuilder:
             pad = self._pad = self.embed.text([self.config.tts_pad_id])[0, 0]
         return pad
 
-    def layout(self, spec: SynthesisSpec) -> PromptLayout:
+    def layout(self, spec: SynthesisSpec, ids: list[int] | None = None) -> PromptLayout:
         """The prompt of `spec` as text ids and codec rows (DESIGN.md section 3), laid out exactly
-        as the official `generate` sums its embeddings; raises what refuses the spec."""
+        as the official `generate` sums its embeddings (`ids`: its `assistant_text` tokenised,
+        when the caller has them); raises what refuses the spec."""
         self._check_served(spec)
         cfg, tcfg, codecs = self.config, self.config.talker, self.codecs
         voice = spec.voice_prompt
@@ -307,7 +279,8 @@ class PromptBuilder:
         streaming = self._streaming_text(spec)
         open_ = spec.text_open
 
-        ids = encode(self.tokenizer, assistant_text(spec.text))
+        if ids is None:
+            ids = encode(self.tokenizer, assistant_text(spec.text))
         target = ids[3:-5]
         if not target:
             raise InvalidArgument("text has no tokens")
@@ -399,10 +372,10 @@ class PromptBuilder:
 
     def _prefix_key(
         self, spec: SynthesisSpec, prefix: list[int], speaker: str | None, parts: tuple | None
-    ) -> _PrefixHasher:
+    ) -> PrefixHasher:
         """The key's first fields: everything that shapes the positions before the body."""
         cfg, tcfg = self.config, self.config.talker
-        key = _PrefixHasher()
+        key = PrefixHasher()
         key.add("model", f"{cfg.tts_model_type}/{cfg.tts_model_size}/{self.model_name or ''}")
         key.add("hidden", int(self.talker.codec_head.weight.shape[1]))
         key.add("codec_prefix", prefix)
@@ -419,7 +392,7 @@ class PromptBuilder:
         target: list[int],
         streaming: bool,
         open_: bool,
-        key: _PrefixHasher,
+        key: PrefixHasher,
         text_ids: list[int],
         codec_rows: list[int],
     ) -> tuple[list[int], int]:
@@ -476,15 +449,6 @@ class PromptBuilder:
         pad_row, bos_row = self.codecs.rows([cfg.talker.codec_pad_id, cfg.talker.codec_bos_id])
         codec_rows += [pad_row] * len(body) + [bos_row]
         return []
-
-
-def _host_bytes(t) -> bytes:
-    """The bytes of a host tensor or array (C order), without a device call where it can."""
-    if isinstance(t, torch.Tensor):
-        if t.device.type != "cpu" or t.requires_grad:
-            t = t.detach().cpu()
-        return t.numpy().tobytes()
-    return t.tobytes()
 
 
 def _long_on_host(t: torch.Tensor) -> torch.Tensor:

@@ -188,3 +188,11 @@ def load_text_tokenizer(folder: str | Path, config_folder: str | Path | None = N
 def encode(tok, text: str) -> list[int]:
     """Token ids of `text` as the official processor computes them (no padding, no BOS)."""
     return list(tok(text)["input_ids"])
+
+
+def encode_many(tok, texts: list[str]) -> list[list[int]]:
+    """`encode` of each text, in one tokenizer call (a fast tokenizer releases the GIL once per
+    call, and a thread that releases it waits to take it back)."""
+    if not texts:
+        return []
+    return [list(ids) for ids in tok(texts)["input_ids"]]
