@@ -15,7 +15,15 @@ step's prefill from the tightest stream's slack, so many young streams make a bu
 crawl. On the talker tests' simulated clock, 512 streams starting at once heard first audio after
 5.1 s at the median instead of 2.4 s, with gaps, and a 60 requests/s open loop backed up. So the
 talker asks for the 4-frame start (`BURST_PLAN`) for a stream that starts while the talker is
-busy (`start_plan`); a light talker starts with one frame."""
+busy (`start_plan`); a light talker starts with one frame.
+
+A heavily loaded talker asks for an 8-frame start (`HEAVY_PLAN`). On one H200 at a82a653, with
+prompt builds no longer holding admission back, 768 and 1,024 closed-loop streams (the 4-frame
+start for all) heard gaps in 22% and 76% of the streams, and the talker's late-chunk log named
+the early chunks: the chunk ending at frame 8 arrived 75-250 ms late, its 4 frames generated in
+155-212 ms (steps of ~50 ms among a burst's prefills) and decoded after a ~200 ms trip through
+code2wav, against 320 ms of audio buffered. 8 frames buffer 640 ms, the hop and the next chunk's
+generation together."""
 
 from __future__ import annotations
 
@@ -30,6 +38,10 @@ BURST_FIRST_CHUNK_FRAMES = 4
 BURST_CHUNK_RAMP = (4, 4, 8, 8, 16)
 BUSY_STARTING = 4
 BUSY_STREAMS = 128
+# A heavily loaded talker's plan: this many generating (or waiting to).
+HEAVY_FIRST_CHUNK_FRAMES = 8
+HEAVY_CHUNK_RAMP = (8, 16)
+HEAVY_STREAMS = 384
 
 
 @dataclass(frozen=True)
@@ -123,10 +135,13 @@ class ChunkPlan:
 
 
 BURST_PLAN = ChunkPlan(BURST_FIRST_CHUNK_FRAMES, BURST_CHUNK_RAMP)
+HEAVY_PLAN = ChunkPlan(HEAVY_FIRST_CHUNK_FRAMES, HEAVY_CHUNK_RAMP)
 
 
 def start_plan(starting: int, streams: int) -> ChunkPlan | None:
     """The plan a new stream asks for when `starting` other streams have no first audio yet and
     `streams` are generating or waiting to: `BURST_PLAN` on a busy talker, else None (the
-    decoder's default, a one-frame start)."""
+    decoder's default, a one-frame start); `HEAVY_PLAN` on a heavily loaded one."""
+    if streams >= HEAVY_STREAMS:
+        return HEAVY_PLAN
     return BURST_PLAN if starting >= BUSY_STARTING or streams >= BUSY_STREAMS else None

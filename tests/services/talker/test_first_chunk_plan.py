@@ -1,12 +1,21 @@
 """Which chunk plan a new stream asks for: one frame first on a light talker, the 4-frame start on
-a busy one; on the simulated clock of `playback_sim`, and through the talker service."""
+a busy one, 8 frames on a heavily loaded one; on the simulated clock of `playback_sim`, and
+through the talker service."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from qtts.pb import talker_pb2
-from qtts.streams.chunk_plan import BURST_PLAN, BUSY_STARTING, BUSY_STREAMS, ChunkPlan, start_plan
+from qtts.streams.chunk_plan import (
+    BURST_PLAN,
+    BUSY_STARTING,
+    BUSY_STREAMS,
+    HEAVY_PLAN,
+    HEAVY_STREAMS,
+    ChunkPlan,
+    start_plan,
+)
 from services.talker.admission import Admission, AdmissionConfig
 from services.talker.deadline import DeadlinePolicy, DeadlineScheduler
 from tests.services.talker.fakes import FakeCode2Wav
@@ -27,6 +36,22 @@ def test_start_plan_is_the_default_until_the_talker_is_busy():
     assert start_plan(0, 0) is None and start_plan(BUSY_STARTING - 1, BUSY_STREAMS - 1) is None
     assert start_plan(BUSY_STARTING, 0) == BURST_PLAN == start_plan(0, BUSY_STREAMS)
     assert BURST_PLAN.first == 4
+    # Heavily loaded: 8 frames first, whatever is starting.
+    assert start_plan(0, HEAVY_STREAMS - 1) == BURST_PLAN
+    assert start_plan(0, HEAVY_STREAMS) == HEAVY_PLAN == start_plan(BUSY_STARTING, 4 * HEAVY_STREAMS)
+    assert HEAVY_PLAN.first == 8 and HEAVY_PLAN.largest == 16
+
+
+def test_the_heavy_start_buffers_a_slow_hop_and_the_next_chunks_generation():
+    """At 50 ms a frame step and a 200 ms trip through code2wav (the H200 stack at c=768), the
+    chunk after the first is late with the 4-frame start and on time with the 8-frame one."""
+    step_s, hop_s = 0.05, 0.2
+
+    def second_chunk_late_s(plan: ChunkPlan) -> float:
+        buffered_s = plan.first * 0.08  # playback starts when the first chunk arrives
+        return plan.size(1) * step_s + hop_s - buffered_s
+
+    assert second_chunk_late_s(BURST_PLAN) > 0 > second_chunk_late_s(HEAVY_PLAN)
 
 
 def _open_loop(rate: float, plan) -> list:
