@@ -237,11 +237,23 @@ def _error_message(body: bytes) -> str:
         return text[:500]
 
 
+# Connection pools per HttpSynthesizer (request i uses pool i mod POOLS). httpcore scans every
+# connection of a pool, and counts the idle ones once per idle one, each time a request starts or
+# ends: one pool of 256 connections made that scan most of a client process's CPU in a refusal
+# storm, and every refusal's and first chunk's time waited on it (benchmarks/refusal_latency.py).
+POOLS = 32
+
+
 class HttpSynthesizer:
     """Streams `POST /v1/audio/speech` responses over pooled HTTP/1.1 connections."""
 
     def __init__(
-        self, base_url: str, options: SynthesisOptions, *, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        base_url: str,
+        options: SynthesisOptions,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        pools: int = POOLS,
     ):
         self.options = options
         self.url = base_url.rstrip("/") + SPEECH_PATH
@@ -249,7 +261,10 @@ class HttpSynthesizer:
         timeout = httpx.Timeout(options.request_timeout_s, connect=min(30.0, options.request_timeout_s))
         # No pool cap: the load generator, not the pool, decides how many streams are open.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+        self._clients = [
+            httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+            for _ in range(max(1, pools))
+        ]
         self._ref_audio_url = (
             None if options.ref_audio is None else audio_data_url(options.ref_audio, options.ref_audio_name)
         )
@@ -277,10 +292,11 @@ class HttpSynthesizer:
         ref_url = self._ref_audio_url if voice is None else self._pool_urls[voice]
         ref_json = None if voice is None else self._pool_json[voice]
         payload = http_payload(self.options, text, index, ref_url, max_new_tokens)
+        client = self._clients[index % len(self._clients)]
         trace = _Trace(self.options.audible_dbfs)
         try:
             async with asyncio.timeout(self.options.request_timeout_s):
-                async with self._client.stream(
+                async with client.stream(
                     "POST",
                     self.url,
                     content=self.body(payload, ref_json),
@@ -303,13 +319,14 @@ class HttpSynthesizer:
         return trace.record(index, prompt_index, ok=True, status="200")
 
     async def warm(self) -> None:
-        """`GET /health` through the request pool: the first request of a fresh client otherwise
+        """`GET /health` through each request pool: the first request of a fresh client otherwise
         pays the TCP connect and httpx's first-use paths in its first-audio time. Any status counts
         (the connection is what is warmed); `get` reads the body, so the connection stays pooled."""
-        await self._client.get(self.health_url)
+        await asyncio.gather(*(client.get(self.health_url) for client in self._clients))
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
 
 
 class GrpcSynthesizer:
