@@ -250,26 +250,28 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
     )
     async def speech(request: Request) -> Response:
         """OpenAI `audio.speech.create`, plus Qwen3-TTS fields (task_type, ref_audio, ...)."""
-        # At the stream limit, refused before the body is read: a voice clone's body carries its
-        # clip (hundreds of KB), and reading and parsing it for every refusal of a storm delays the
-        # audio of the admitted streams. The same answer as open()'s refusal below; uvicorn
-        # discards the unread body once the answer is sent (the connection stays usable).
-        if (busy := synth.early_refusal()) is not None:
-            synth.reject("http", busy)
-            return error_response(busy, metrics)
-        try:
-            fields, out = parse_speech_body(await json_body(request))
-            job = synth.validate(fields)
-            check_output_format(out.response_format, job.sample_rate)
-            if out.word_timestamps:
-                _check_word_timestamps(deps, job)
-        except TTSError as exc:
-            synth.reject("http", exc)
-            return error_response(exc, metrics)
-        try:
-            stream = await synth.open(job, "http")
-        except TTSError as exc:
-            return error_response(exc, metrics)
+        # At the stream limit or with no talker room, refused before the body is read: a voice
+        # clone's body carries its clip (hundreds of KB), and reading and parsing it for every
+        # refusal of a storm delays the audio of the admitted streams. The same answer as open()'s
+        # refusal below; uvicorn discards the unread body once the answer is sent (the connection
+        # stays usable). A request let in holds its place while its body comes (core.py).
+        with synth.early_admission() as busy:
+            if busy is not None:
+                synth.reject("http", busy)
+                return error_response(busy, metrics)
+            try:
+                fields, out = parse_speech_body(await json_body(request))
+                job = synth.validate(fields)
+                check_output_format(out.response_format, job.sample_rate)
+                if out.word_timestamps:
+                    _check_word_timestamps(deps, job)
+            except TTSError as exc:
+                synth.reject("http", exc)
+                return error_response(exc, metrics)
+            try:
+                stream = await synth.open(job, "http")
+            except TTSError as exc:
+                return error_response(exc, metrics)
         if out.streaming:
             return _streaming_speech(job, stream, out, deps)
         if out.word_timestamps:
