@@ -141,6 +141,14 @@ async def probe(url: str, every_s: float, stop: asyncio.Event) -> dict[str, list
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pcts(values: Sequence[float]) -> str:
     if not values:
         return "n=0"
@@ -203,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "benchmarks.refusal_latency", "load", "--url", url,
                "--concurrency", str(args.concurrency), "--requests", str(args.requests),
                "--frames", str(args.frames), "--duration-s", str(args.duration_s), "--pools", str(args.pools), "--out", str(loaded_path)]  # fmt: skip
+        gateway_pid = procs[-1].popen.pid
+        cpu0, t0 = cpu_seconds(gateway_pid), time.perf_counter()
         loader = subprocess.Popen(cmd)
 
         async def probe_while_loaded() -> dict:
@@ -214,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
             return await task
 
         probed = asyncio.run(probe_while_loaded())
+        gateway_cpu = (cpu_seconds(gateway_pid) - cpu0) / (time.perf_counter() - t0)
         if loader.returncode != 0:
             print(f"the loader failed ({loader.returncode})", file=sys.stderr)
             return 1
@@ -222,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
     log = (cfg.log_dir / "gateway.log").read_text(errors="replace")
     server = [float(m) for m in ACCESS_429.findall(log)]
     summary = report(json.loads(loaded_path.read_text()), probed, server)
+    summary["gateway CPU (cores) while loaded"] = round(gateway_cpu, 3)
+    print(f"{'gateway CPU (cores) while loaded':>62}: {gateway_cpu:.2f}")
     (out / "summary.json").write_text(json.dumps({"args": vars(args), "summary": summary}, indent=1))
     return 0
 
