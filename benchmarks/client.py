@@ -39,6 +39,7 @@ from benchmarks.loadgen import (
 from benchmarks.metrics import RequestRecord
 from benchmarks.multiproc import LevelSpec
 from benchmarks.multiproc import run_level as run_level_in_processes
+from benchmarks.refusal_probe import probe_until
 from benchmarks.report import (
     gap_free_lines,
     highest_gap_free_load,
@@ -151,6 +152,10 @@ def make_send(cfg: BenchConfig, synthesizer: Synthesizer, offset: int, count: in
         return record
 
     return send
+
+
+# Probe requests' indices within a level (each level's requests count from level_no * 1,000,000).
+PROBE_INDEX_OFFSET = 900_000
 
 
 def level_sender(args: argparse.Namespace, spec: LevelSpec):
@@ -308,9 +313,14 @@ async def _run_level(
             arrivals=tuple(arrivals) if mode == "open" else (),
         )
         print(f"tts-bench: {label} over {args.processes} client processes", file=sys.stderr)
-        run = await asyncio.to_thread(
-            run_level_in_processes, args, spec, args.processes, deadline, level_sender
+        level_run = asyncio.ensure_future(
+            asyncio.to_thread(run_level_in_processes, args, spec, args.processes, deadline, level_sender)
         )
+        probe = None
+        if getattr(args, "refusal_probe_s", 0.0) > 0:
+            first = level_no * 1_000_000 + PROBE_INDEX_OFFSET
+            probe = await probe_until(synthesizer, level_run, every_s=args.refusal_probe_s, first_index=first)
+        run = await level_run
     else:
         send = make_send(cfg, synthesizer, level_no * 1_000_000, total)
         with tqdm(total=total, desc=label, unit="req", disable=args.no_progress, file=sys.stderr) as bar:
@@ -331,6 +341,8 @@ async def _run_level(
         level["word_timestamps"] = word_timestamp_counts(run.records)
     if args.processes > 1:
         level["client_processes"] = args.processes
+        if probe is not None:
+            level["probe"] = probe
     return level, requested
 
 

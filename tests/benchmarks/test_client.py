@@ -419,6 +419,31 @@ def test_cli_levels_over_several_client_processes(tmp_path):
     assert sorted(r["input"] for r in server.requests) == sorted(prompts[:5])
 
 
+def test_refusal_probe_times_refusals_from_the_idle_parent(tmp_path, monkeypatch):
+    """--refusal-probe-s with --processes 2: while the workers run the level, the parent sends one
+    1-frame request at a time; its refusals are timed apart (`probe`), not among the level's."""
+    from benchmarks import refusal_probe
+
+    monkeypatch.setattr(refusal_probe, "PROBE_TEXT", "reject")  # the fake server's 429
+    script = [(0.0, LOUD), (0.2, LOUD)]
+    with FakeSpeechServer(script) as server:
+        rc = main(
+            [
+                "--url", server.url, "--concurrency", "2", "--num-requests", "4", "--warmup", "0",
+                "--max-new-tokens", "5", "--out", str(tmp_path), "--no-progress", "--no-plots",
+                "--processes", "2", "--refusal-probe-s", "0.01",
+            ]
+        )  # fmt: skip
+    assert rc == 0
+    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
+    probe = level["probe"]
+    assert probe["sent"] >= 1 and probe["statuses"] == {"429": probe["sent"]}
+    assert probe["refusal_latency_s"]["p50"] > 0 and probe["every_s"] == 0.01
+    assert level["aggregates"]["num_requests"] == 4 and level["aggregates"]["num_ok"] == 4
+    probes = [r for r in server.requests if r["input"] == "reject"]
+    assert len(probes) == probe["sent"] and {r["max_new_tokens"] for r in probes} == {1}
+
+
 def test_level_shards_and_merge_keep_every_request_once():
     from benchmarks.loadgen import LevelRun
     from benchmarks.metrics import RequestRecord
