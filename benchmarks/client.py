@@ -33,6 +33,7 @@ from benchmarks.loadgen import (
     LevelRun,
     length_stats,
     poisson_arrivals,
+    retry_after_backoff,
     run_closed_loop,
     run_open_loop,
 )
@@ -326,8 +327,14 @@ async def _run_level(
         with tqdm(total=total, desc=label, unit="req", disable=args.no_progress, file=sys.stderr) as bar:
             on_done = lambda _record: bar.update(1)  # noqa: E731
             if mode == "closed":
+                backoff = retry_after_backoff if getattr(args, "retry_after", False) else None
                 run: LevelRun = await run_closed_loop(
-                    send, concurrency=concurrency, num_requests=total, deadline=deadline, on_done=on_done
+                    send,
+                    concurrency=concurrency,
+                    num_requests=total,
+                    deadline=deadline,
+                    on_done=on_done,
+                    backoff=backoff,
                 )
             else:
                 run = await run_open_loop(send, arrivals, deadline=deadline, on_done=on_done)

@@ -138,6 +138,13 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         help="client processes per level (one Python process can fall behind hundreds of streams)",
     )
     load.add_argument(
+        "--retry-after",
+        action="store_true",
+        help="closed loop: a refused worker waits the server's Retry-After (1 s without one) before "
+        "its next request, as a client that honours it would; default: it sends again at once, a "
+        "refusal storm that also times the client's own queue",
+    )
+    load.add_argument(
         "--refusal-probe-s",
         type=float,
         default=0.0,

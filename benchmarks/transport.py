@@ -244,6 +244,14 @@ def _error_message(body: bytes) -> str:
 POOLS = 32
 
 
+def _retry_after(value: str | None) -> dict[str, Any]:
+    """A refusal's Retry-After (seconds) as a record's extra; nothing when absent or not a number."""
+    try:
+        return {} if value is None else {"retry_after_s": float(value)}
+    except ValueError:
+        return {}
+
+
 class HttpSynthesizer:
     """Streams `POST /v1/audio/speech` responses over pooled HTTP/1.1 connections."""
 
@@ -305,7 +313,10 @@ class HttpSynthesizer:
                     if response.status_code != 200:
                         body = await response.aread()
                         status, error = str(response.status_code), _error_message(body)
-                        return trace.record(index, prompt_index, ok=False, status=status, error=error)
+                        extra = _retry_after(response.headers.get("retry-after"))
+                        return trace.record(
+                            index, prompt_index, ok=False, status=status, error=error, extra=extra
+                        )
                     async for data in response.aiter_raw():
                         trace.chunk(data)
         except TimeoutError:
@@ -400,7 +411,15 @@ class GrpcSynthesizer:
                         extra["words"] = len(s.word_timestamps)
                         extra["word_timestamps_failed"] = s.word_timestamps_failed
         except self._grpc.aio.AioRpcError as exc:
-            return trace.record(index, prompt_index, ok=False, status=exc.code().name, error=exc.details())
+            retry = dict(exc.trailing_metadata() or ()).get("retry-after")
+            return trace.record(
+                index,
+                prompt_index,
+                ok=False,
+                status=exc.code().name,
+                error=exc.details(),
+                extra=_retry_after(retry),
+            )
         if not extra:
             return trace.record(
                 index, prompt_index, ok=False, status="INCOMPLETE", error="stream ended without a summary"

@@ -419,6 +419,20 @@ def test_cli_levels_over_several_client_processes(tmp_path):
     assert sorted(r["input"] for r in server.requests) == sorted(prompts[:5])
 
 
+async def test_a_refusal_records_its_retry_after():
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(429, headers={"retry-after": "7"}, json={"error": {"message": "busy"}})
+
+    client = HttpSynthesizer("http://gateway:8000/", OPTIONS, transport=httpx.MockTransport(handler))
+    try:
+        record = await client.synthesize(0, 0, "x")
+    finally:
+        await client.aclose()
+    assert record.status == "429" and record.extra["retry_after_s"] == 7.0 and record.error == "busy"
+
+
 def test_refusal_probe_times_refusals_from_the_idle_parent(tmp_path, monkeypatch):
     """--refusal-probe-s with --processes 2: while the workers run the level, the parent sends one
     1-frame request at a time; its refusals are timed apart (`probe`), not among the level's."""
