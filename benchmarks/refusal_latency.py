@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import re
@@ -27,7 +28,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -174,8 +175,10 @@ def report(loaded: dict, probed: dict, server_429_s: list[float]) -> dict:
     return summary
 
 
-def run(args: argparse.Namespace) -> int:
-    """speaker_cache, the room talker and one gateway as processes; the loader and the prober."""
+@contextlib.contextmanager
+def room_stack(out: Path, args: argparse.Namespace) -> Iterator[tuple[str, int, Path]]:
+    """speaker_cache, the room talker (`--room` ...) and one gateway (`--gateway-args`) as
+    processes, logs under `out`: yields the gateway's URL, its pid and its log; stops them after."""
     from services.launcher import (
         ServiceSpec,
         StackConfig,
@@ -186,8 +189,6 @@ def run(args: argparse.Namespace) -> int:
         wait_serving,
     )
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(
         StackConfig.on_free_ports(),
         log_dir=out / "logs",
@@ -206,12 +207,21 @@ def run(args: argparse.Namespace) -> int:
             procs.append(start_service(spec, cfg.log_dir))
         for proc in procs:
             wait_serving(proc, 120.0)
-        url = f"http://{cfg.host}:{cfg.http_port}"
-        loaded_path = out / "loaded.json"
+        yield f"http://{cfg.host}:{cfg.http_port}", procs[-1].popen.pid, cfg.log_dir / "gateway.log"
+    finally:
+        stop_services(procs, grace=5.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The room stack; the loader and the prober through it; the gateway's access log after."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded_path = out / "loaded.json"
+    with room_stack(out, args) as (url, gateway_pid, gateway_log):
         cmd = [sys.executable, "-m", "benchmarks.refusal_latency", "load", "--url", url,
                "--concurrency", str(args.concurrency), "--requests", str(args.requests),
-               "--frames", str(args.frames), "--duration-s", str(args.duration_s), "--pools", str(args.pools), "--out", str(loaded_path)]  # fmt: skip
-        gateway_pid = procs[-1].popen.pid
+               "--frames", str(args.frames), "--duration-s", str(args.duration_s), "--pools", str(args.pools),
+               "--out", str(loaded_path)]  # fmt: skip
         cpu0, t0 = cpu_seconds(gateway_pid), time.perf_counter()
         loader = subprocess.Popen(cmd)
 
@@ -225,13 +235,10 @@ def run(args: argparse.Namespace) -> int:
 
         probed = asyncio.run(probe_while_loaded())
         gateway_cpu = (cpu_seconds(gateway_pid) - cpu0) / (time.perf_counter() - t0)
-        if loader.returncode != 0:
-            print(f"the loader failed ({loader.returncode})", file=sys.stderr)
-            return 1
-    finally:
-        stop_services(procs, grace=5.0)
-    log = (cfg.log_dir / "gateway.log").read_text(errors="replace")
-    server = [float(m) for m in ACCESS_429.findall(log)]
+    if loader.returncode != 0:
+        print(f"the loader failed ({loader.returncode})", file=sys.stderr)
+        return 1
+    server = [float(m) for m in ACCESS_429.findall(gateway_log.read_text(errors="replace"))]
     summary = report(json.loads(loaded_path.read_text()), probed, server)
     summary["gateway CPU (cores) while loaded"] = round(gateway_cpu, 3)
     print(f"{'gateway CPU (cores) while loaded':>62}: {gateway_cpu:.2f}")
