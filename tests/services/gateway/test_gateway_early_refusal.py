@@ -208,6 +208,46 @@ async def test_a_refusal_at_the_limit_comes_before_the_body_is_read():
     assert gw.synth.admission.active == 0 and len(gw.talker.jobs) == 3
 
 
+async def test_the_refusal_middleware_answers_ahead_of_the_app_and_names_the_route():
+    """EarlyRefusalMiddleware: a speech POST the gateway would refuse is answered without the app
+    behind it (FastAPI's routing), the route set for the per-route metrics; anything else, or a
+    request let in, reaches the app."""
+    from services.gateway.http_app import error_response
+    from services.gateway.http_refusal import EarlyRefusalMiddleware
+
+    reached: list[str] = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+
+    busy: list[ResourceExhausted | None] = [ResourceExhausted("full; retry later", retry_after_s=3)]
+    route = object()
+    middleware = EarlyRefusalMiddleware(
+        inner, refusal=lambda: busy[0], respond=lambda exc: error_response(exc), route=lambda: route
+    )
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        raise AssertionError("the body is not read")
+
+    def scope(method: str = "POST", path: str = "/v1/audio/speech", kind: str = "http") -> dict:
+        return {"type": kind, "method": method, "path": path, "headers": []}
+
+    refused = scope()
+    await middleware(refused, receive, send)
+    assert reached == [] and refused["route"] is route
+    assert sent[0]["status"] == 429 and (b"retry-after", b"3") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"])["error"]["code"] == "rate_limit_exceeded"
+    for other in (scope("GET"), scope(path="/v1/audio/voices"), scope(kind="websocket", path="/x")):
+        await middleware(other, receive, send)
+    busy[0] = None
+    await middleware(scope(), receive, send)
+    assert reached == ["/v1/audio/speech", "/v1/audio/voices", "/x", "/v1/audio/speech"]
+
+
 async def test_a_request_reading_its_body_holds_its_slot_and_a_burst_is_refused_on_headers():
     """A request let in on its headers holds its slot while its body comes: the next one past the
     limit is refused unread (a peek alone let it in, to be refused after its body); the held one
