@@ -33,12 +33,14 @@ from benchmarks.loadgen import (
     LevelRun,
     length_stats,
     poisson_arrivals,
+    retry_after_backoff,
     run_closed_loop,
     run_open_loop,
 )
 from benchmarks.metrics import RequestRecord
 from benchmarks.multiproc import LevelSpec
 from benchmarks.multiproc import run_level as run_level_in_processes
+from benchmarks.refusal_probe import probe_until
 from benchmarks.report import (
     gap_free_lines,
     highest_gap_free_load,
@@ -151,6 +153,10 @@ def make_send(cfg: BenchConfig, synthesizer: Synthesizer, offset: int, count: in
         return record
 
     return send
+
+
+# Probe requests' indices within a level (each level's requests count from level_no * 1,000,000).
+PROBE_INDEX_OFFSET = 900_000
 
 
 def level_sender(args: argparse.Namespace, spec: LevelSpec):
@@ -308,16 +314,27 @@ async def _run_level(
             arrivals=tuple(arrivals) if mode == "open" else (),
         )
         print(f"tts-bench: {label} over {args.processes} client processes", file=sys.stderr)
-        run = await asyncio.to_thread(
-            run_level_in_processes, args, spec, args.processes, deadline, level_sender
+        level_run = asyncio.ensure_future(
+            asyncio.to_thread(run_level_in_processes, args, spec, args.processes, deadline, level_sender)
         )
+        probe = None
+        if getattr(args, "refusal_probe_s", 0.0) > 0:
+            first = level_no * 1_000_000 + PROBE_INDEX_OFFSET
+            probe = await probe_until(synthesizer, level_run, every_s=args.refusal_probe_s, first_index=first)
+        run = await level_run
     else:
         send = make_send(cfg, synthesizer, level_no * 1_000_000, total)
         with tqdm(total=total, desc=label, unit="req", disable=args.no_progress, file=sys.stderr) as bar:
             on_done = lambda _record: bar.update(1)  # noqa: E731
             if mode == "closed":
+                backoff = retry_after_backoff if getattr(args, "retry_after", False) else None
                 run: LevelRun = await run_closed_loop(
-                    send, concurrency=concurrency, num_requests=total, deadline=deadline, on_done=on_done
+                    send,
+                    concurrency=concurrency,
+                    num_requests=total,
+                    deadline=deadline,
+                    on_done=on_done,
+                    backoff=backoff,
                 )
             else:
                 run = await run_open_loop(send, arrivals, deadline=deadline, on_done=on_done)
@@ -331,6 +348,8 @@ async def _run_level(
         level["word_timestamps"] = word_timestamp_counts(run.records)
     if args.processes > 1:
         level["client_processes"] = args.processes
+        if probe is not None:
+            level["probe"] = probe
     return level, requested
 
 

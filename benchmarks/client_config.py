@@ -137,6 +137,21 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         default=1,
         help="client processes per level (one Python process can fall behind hundreds of streams)",
     )
+    load.add_argument(
+        "--retry-after",
+        action="store_true",
+        help="closed loop: a refused worker waits the server's Retry-After (1 s without one) before "
+        "its next request, as a client that honours it would; default: it sends again at once, a "
+        "refusal storm that also times the client's own queue",
+    )
+    load.add_argument(
+        "--refusal-probe-s",
+        type=float,
+        default=0.0,
+        help="with --processes > 1: every this many seconds of a level, the idle parent process sends "
+        "one 1-frame request and times it alone (the level's `probe`: refusal latency without a "
+        "loaded client process in it); 0: no probe",
+    )
     load.add_argument("--time-limit", type=float, default=None, help="hard limit for the whole run, seconds")
 
     out = p.add_argument_group("output and conditions")
@@ -173,6 +188,8 @@ class BenchConfig:
             raise ValueError("--rate values must be positive")
         if getattr(args, "processes", 1) < 1:
             raise ValueError("--processes must be >= 1")
+        if getattr(args, "refusal_probe_s", 0.0) < 0:
+            raise ValueError("--refusal-probe-s must be >= 0")
         if getattr(args, "warmup_frames", 0) < 0:
             raise ValueError("--warmup-frames must be >= 0")
         if args.num_requests < 1 or args.rounds < 0:

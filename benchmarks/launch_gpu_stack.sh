@@ -32,6 +32,9 @@
 #                    sends request i to gateway i mod N, as a Service over gateway pods would
 #   CLIENT_PROCESSES client processes per level (1); one Python client can fall behind hundreds
 #                    of streams, and its lag reads as gaps
+#   REFUSAL_PROBE_S  with CLIENT_PROCESSES > 1: the idle parent sends a 1-frame request this often
+#                    and times it alone (each level's `probe`: refusal latency without a loaded
+#                    client process in it); 0: none   (0.1)
 #   MPS              1: run the services under an NVIDIA MPS daemon (started here, stopped at
 #                    the end), so the talker's and code2wav's kernels share the GPU instead of
 #                    taking turns in time slices between the two processes' contexts   (0)
@@ -174,7 +177,7 @@ sweep() {  # $1: results folder; the rest: extra client flags
         --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" --rounds "$ROUNDS" \
         --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
         --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$out" \
-        --processes "${CLIENT_PROCESSES:-1}" "$@"
+        --processes "${CLIENT_PROCESSES:-1}" --refusal-probe-s "${REFUSAL_PROBE_S:-0.1}" "$@"
 }
 sweep "$OUT" "$@"
 # THEN_ARGS: the same sweep again on this stack with these flags added, into $OUT/then (e.g.

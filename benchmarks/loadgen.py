@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.metrics import RequestRecord
+from benchmarks.metrics import REFUSAL_STATUSES, RequestRecord
 
 SendFn = Callable[[int], Awaitable[RequestRecord]]
 DoneFn = Callable[[RequestRecord], None]
@@ -41,6 +41,14 @@ class LevelRun:
     wall_s: float = 0.0
     aborted: int = 0
     hit_deadline: bool = False
+
+
+def retry_after_backoff(record: RequestRecord) -> float:
+    """How long a refused request's worker waits before its next one: the server's Retry-After
+    (`extra["retry_after_s"]`, 1 s when it gave none); 0 for any other record."""
+    if record.status not in REFUSAL_STATUSES:
+        return 0.0
+    return float(record.extra.get("retry_after_s") or 1.0)
 
 
 def poisson_arrivals(
@@ -200,7 +208,7 @@ class _Collector:
         self._send = send
         self._on_done = on_done
 
-    async def one(self, index: int) -> None:
+    async def one(self, index: int) -> RequestRecord:
         self.in_flight += 1
         try:
             record = await self._send(index)
@@ -210,6 +218,7 @@ class _Collector:
         self.run.records.append(record)
         if self._on_done is not None:
             self._on_done(record)
+        return record
 
     async def finish(self, tasks: Sequence[asyncio.Task], deadline: float | None) -> LevelRun:
         timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
@@ -238,8 +247,10 @@ async def run_closed_loop(
     num_requests: int,
     deadline: float | None = None,
     on_done: DoneFn | None = None,
+    backoff: Callable[[RequestRecord], float] | None = None,
 ) -> LevelRun:
-    """`concurrency` workers each send the next request as soon as their previous one ends."""
+    """`concurrency` workers each send the next request as soon as their previous one ends, or
+    `backoff(record)` seconds after it (a refused client waiting the server's Retry-After)."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     collector = _Collector(send, on_done)
@@ -248,7 +259,10 @@ async def run_closed_loop(
     async def worker() -> None:
         # One shared iterator: each index is taken by exactly one worker.
         for index in indices:
-            await collector.one(index)
+            record = await collector.one(index)
+            wait = backoff(record) if backoff is not None else 0.0
+            if wait > 0:
+                await asyncio.sleep(wait)
 
     tasks = [asyncio.create_task(worker()) for _ in range(min(concurrency, num_requests))]
     return await collector.finish(tasks, deadline)

@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from benchmarks.loadgen import LevelRun, run_closed_loop, run_open_loop
+from benchmarks.loadgen import LevelRun, retry_after_backoff, run_closed_loop, run_open_loop
 from benchmarks.metrics import RequestRecord
 from benchmarks.transport import warm_or_log
 
@@ -113,7 +113,10 @@ async def _drive(
         started = time.perf_counter()
         deadline = None if deadline_in_s is None else start_at + deadline_in_s
         if spec.mode == "closed":
-            run = await run_closed_loop(send, concurrency=slots, num_requests=len(indices), deadline=deadline)
+            backoff = retry_after_backoff if getattr(args, "retry_after", False) else None
+            run = await run_closed_loop(
+                send, concurrency=slots, num_requests=len(indices), deadline=deadline, backoff=backoff
+            )
         else:
             run = await run_open_loop(send, arrivals, deadline=deadline)
         # The loaders number requests locally; the records carry the level index already (send).

@@ -237,11 +237,31 @@ def _error_message(body: bytes) -> str:
         return text[:500]
 
 
+# Connection pools per HttpSynthesizer (request i uses pool i mod POOLS). httpcore scans every
+# connection of a pool, and counts the idle ones once per idle one, each time a request starts or
+# ends: one pool of 256 connections made that scan most of a client process's CPU in a refusal
+# storm, and every refusal's and first chunk's time waited on it (benchmarks/refusal_latency.py).
+POOLS = 32
+
+
+def _retry_after(value: str | None) -> dict[str, Any]:
+    """A refusal's Retry-After (seconds) as a record's extra; nothing when absent or not a number."""
+    try:
+        return {} if value is None else {"retry_after_s": float(value)}
+    except ValueError:
+        return {}
+
+
 class HttpSynthesizer:
     """Streams `POST /v1/audio/speech` responses over pooled HTTP/1.1 connections."""
 
     def __init__(
-        self, base_url: str, options: SynthesisOptions, *, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        base_url: str,
+        options: SynthesisOptions,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        pools: int = POOLS,
     ):
         self.options = options
         self.url = base_url.rstrip("/") + SPEECH_PATH
@@ -249,7 +269,10 @@ class HttpSynthesizer:
         timeout = httpx.Timeout(options.request_timeout_s, connect=min(30.0, options.request_timeout_s))
         # No pool cap: the load generator, not the pool, decides how many streams are open.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+        self._clients = [
+            httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+            for _ in range(max(1, pools))
+        ]
         self._ref_audio_url = (
             None if options.ref_audio is None else audio_data_url(options.ref_audio, options.ref_audio_name)
         )
@@ -277,10 +300,11 @@ class HttpSynthesizer:
         ref_url = self._ref_audio_url if voice is None else self._pool_urls[voice]
         ref_json = None if voice is None else self._pool_json[voice]
         payload = http_payload(self.options, text, index, ref_url, max_new_tokens)
+        client = self._clients[index % len(self._clients)]
         trace = _Trace(self.options.audible_dbfs)
         try:
             async with asyncio.timeout(self.options.request_timeout_s):
-                async with self._client.stream(
+                async with client.stream(
                     "POST",
                     self.url,
                     content=self.body(payload, ref_json),
@@ -289,7 +313,10 @@ class HttpSynthesizer:
                     if response.status_code != 200:
                         body = await response.aread()
                         status, error = str(response.status_code), _error_message(body)
-                        return trace.record(index, prompt_index, ok=False, status=status, error=error)
+                        extra = _retry_after(response.headers.get("retry-after"))
+                        return trace.record(
+                            index, prompt_index, ok=False, status=status, error=error, extra=extra
+                        )
                     async for data in response.aiter_raw():
                         trace.chunk(data)
         except TimeoutError:
@@ -303,13 +330,14 @@ class HttpSynthesizer:
         return trace.record(index, prompt_index, ok=True, status="200")
 
     async def warm(self) -> None:
-        """`GET /health` through the request pool: the first request of a fresh client otherwise
+        """`GET /health` through each request pool: the first request of a fresh client otherwise
         pays the TCP connect and httpx's first-use paths in its first-audio time. Any status counts
         (the connection is what is warmed); `get` reads the body, so the connection stays pooled."""
-        await self._client.get(self.health_url)
+        await asyncio.gather(*(client.get(self.health_url) for client in self._clients))
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
 
 
 class GrpcSynthesizer:
@@ -383,7 +411,15 @@ class GrpcSynthesizer:
                         extra["words"] = len(s.word_timestamps)
                         extra["word_timestamps_failed"] = s.word_timestamps_failed
         except self._grpc.aio.AioRpcError as exc:
-            return trace.record(index, prompt_index, ok=False, status=exc.code().name, error=exc.details())
+            retry = dict(exc.trailing_metadata() or ()).get("retry-after")
+            return trace.record(
+                index,
+                prompt_index,
+                ok=False,
+                status=exc.code().name,
+                error=exc.details(),
+                extra=_retry_after(retry),
+            )
         if not extra:
             return trace.record(
                 index, prompt_index, ok=False, status="INCOMPLETE", error="stream ended without a summary"

@@ -13,8 +13,10 @@ failed stream (an SSE or WebSocket error event, a gRPC status), not with a silen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Protocol
 
@@ -36,6 +38,15 @@ from .stream_limits import StreamLimits
 from .validation import RequestLimits, build_job, named_field
 
 Event = AudioPiece | SynthesisSummary
+
+
+class _Place:
+    """A stream-limit slot held for the request the current task serves (`early_admission`)."""
+
+    admitted = False
+
+
+_current_place: ContextVar[_Place | None] = ContextVar("gateway_held_place", default=None)
 
 
 class TalkerAPI(Protocol):
@@ -210,6 +221,31 @@ class GatewayCore:
         talkers = getattr(self.talker, "refusal", None)
         return self.admission.refusal(current_client()) or (talkers() if talkers is not None else None)
 
+    @contextlib.contextmanager
+    def early_admission(self) -> Iterator[ResourceExhausted | None]:
+        """`early_refusal()`; when it lets the request in, its place is held while the body is read
+        and checked: a stream-limit slot until `open()` admits it, talker room until its talker
+        call picks a talker (both in this task), each let go on leaving the block if not taken.
+        A burst past the limits is then refused on its headers, all but the places there are;
+        a peek alone let the whole burst in to be refused after its bodies."""
+        refused = self.early_refusal()
+        if refused is not None or self._refusal is not None:
+            yield refused
+            return
+        place = _Place()
+        self.admission.hold()
+        token = _current_place.set(place)
+        hold = getattr(self.talker, "hold", None)
+        talker_hold = hold() if hold is not None else None
+        try:
+            yield None
+        finally:
+            _current_place.reset(token)
+            if not place.admitted:
+                self.admission.unhold()
+            if talker_hold is not None:
+                talker_hold.release()
+
     async def open(
         self, job: SynthesisJob, protocol: str, text: AsyncIterator[tuple[str, bool]] | None = None
     ) -> SynthesisStream:
@@ -222,7 +258,12 @@ class GatewayCore:
         try:
             if self._refusal is not None:
                 raise self._refusal
-            self.admission.admit(client)
+            place = _current_place.get()
+            if place is not None and not place.admitted:
+                place.admitted = True  # the held slot is spent, admitted or not
+                self.admission.admit(client, held=True)
+            else:
+                self.admission.admit(client)
         except TTSError as exc:  # refused before admission: counted like a request that failed checks
             self.reject(protocol, exc)
             raise

@@ -223,6 +223,10 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
     ) -> AsyncIterator[tts_pb2.SynthesizeResponse]:
         self._bind_caller(context)
         try:
+            # Known without the request's fields (the stream limit, the talkers' published room):
+            # refused before they are copied and checked, as HTTP refuses before reading its body.
+            if (busy := self._synth.early_refusal()) is not None:
+                raise busy
             fmt = _encoding(request.audio_encoding)
             job = self._synth.validate(fields_from_pb(request))
             if request.word_timestamps:

@@ -28,6 +28,7 @@ from .consents import ConsentStore, consent_router
 from .core import GatewayCore, SynthesisStream
 from .http_body import json_body
 from .http_limits import BodyLimitMiddleware
+from .http_refusal import SPEECH_PATH, EarlyRefusalMiddleware
 from .http_request import OutputOptions, parse_speech_body
 from .http_streaming import (
     DisconnectAwareStreamingResponse,
@@ -195,7 +196,20 @@ def create_app(deps: HttpDeps) -> FastAPI:
 
 
 def _add_middleware(app: FastAPI, deps: HttpDeps) -> None:
-    """Body limits, rate limit, client identity and API keys (the last added runs first)."""
+    """The early speech refusal, body limits, rate limit, client identity and API keys (the last
+    added runs first)."""
+    synth, metrics = deps.synthesizer, deps.metrics
+
+    def refuse(busy: TTSError) -> JSONResponse:
+        synth.reject("http", busy)
+        return error_response(busy, metrics)
+
+    def speech_route():
+        return next(r for r in app.routes if getattr(r, "path", None) == SPEECH_PATH)
+
+    app.add_middleware(
+        EarlyRefusalMiddleware, refusal=lambda: synth.early_refusal(), respond=refuse, route=speech_route
+    )
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=deps.max_body_bytes,
@@ -250,26 +264,29 @@ def _add_speech_routes(app: FastAPI, deps: HttpDeps) -> None:
     )
     async def speech(request: Request) -> Response:
         """OpenAI `audio.speech.create`, plus Qwen3-TTS fields (task_type, ref_audio, ...)."""
-        # At the stream limit, refused before the body is read: a voice clone's body carries its
-        # clip (hundreds of KB), and reading and parsing it for every refusal of a storm delays the
-        # audio of the admitted streams. The same answer as open()'s refusal below; uvicorn
-        # discards the unread body once the answer is sent (the connection stays usable).
-        if (busy := synth.early_refusal()) is not None:
-            synth.reject("http", busy)
-            return error_response(busy, metrics)
-        try:
-            fields, out = parse_speech_body(await json_body(request))
-            job = synth.validate(fields)
-            check_output_format(out.response_format, job.sample_rate)
-            if out.word_timestamps:
-                _check_word_timestamps(deps, job)
-        except TTSError as exc:
-            synth.reject("http", exc)
-            return error_response(exc, metrics)
-        try:
-            stream = await synth.open(job, "http")
-        except TTSError as exc:
-            return error_response(exc, metrics)
+        # At the stream limit or with no talker room, refused before the body is read: a voice
+        # clone's body carries its clip (hundreds of KB), and reading and parsing it for every
+        # refusal of a storm delays the audio of the admitted streams. The same answer as open()'s
+        # refusal below; uvicorn discards the unread body once the answer is sent (the connection
+        # stays usable). EarlyRefusalMiddleware gives it ahead of the routing; here it is made
+        # again for a request let in there, which then holds its place while its body comes.
+        with synth.early_admission() as busy:
+            if busy is not None:
+                synth.reject("http", busy)
+                return error_response(busy, metrics)
+            try:
+                fields, out = parse_speech_body(await json_body(request))
+                job = synth.validate(fields)
+                check_output_format(out.response_format, job.sample_rate)
+                if out.word_timestamps:
+                    _check_word_timestamps(deps, job)
+            except TTSError as exc:
+                synth.reject("http", exc)
+                return error_response(exc, metrics)
+            try:
+                stream = await synth.open(job, "http")
+            except TTSError as exc:
+                return error_response(exc, metrics)
         if out.streaming:
             return _streaming_speech(job, stream, out, deps)
         if out.word_timestamps:

@@ -29,6 +29,8 @@ class StreamLimits:
         self.max_streams = max_streams
         self.max_per_client = max_per_client
         self._active = 0
+        # Slots kept for requests let in on their headers whose bodies are still being read.
+        self._held = 0
         self._by_client: Counter[str] = Counter()
 
     @property
@@ -38,9 +40,14 @@ class StreamLimits:
     def active_for(self, client: str) -> int:
         return self._by_client[client]
 
+    @property
+    def held(self) -> int:
+        return self._held
+
     def refusal(self, client: str = "") -> ResourceExhausted | None:
-        """What `admit(client)` would raise now, or None when it would admit: a peek, no slot taken."""
-        if self._active >= self.max_streams:
+        """What `admit(client)` would raise now, or None when it would admit: a peek, no slot taken.
+        Held slots count as taken."""
+        if self._active + self._held >= self.max_streams:
             return ResourceExhausted(
                 f"server is at its limit of {self.max_streams} concurrent streams; retry later",
                 retry_after_s=RETRY_AFTER_S,
@@ -53,7 +60,20 @@ class StreamLimits:
             )
         return None
 
-    def admit(self, client: str = "") -> None:
+    def hold(self) -> None:
+        """Keep a slot for a request let in on its headers until `admit(held=True)` or `unhold()`:
+        a burst past the limit is then refused on its headers, not after each body is read."""
+        self._held += 1
+
+    def unhold(self) -> None:
+        if self._held <= 0:
+            raise RuntimeError("unhold() without hold()")
+        self._held -= 1
+
+    def admit(self, client: str = "", held: bool = False) -> None:
+        """Take a slot (`held`: the one `hold()` kept, whether or not this admits)."""
+        if held:
+            self.unhold()
         refused = self.refusal(client)
         if refused is not None:
             raise refused

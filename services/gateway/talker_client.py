@@ -28,7 +28,7 @@ from qtts.serving.tls import TlsConfig, aio_channel
 from qtts.streams.voice_key import REFERENCE_NOT_CACHED, reference_digest
 
 from .job import ModelCatalog, SynthesisJob
-from .talker_pool import TalkerPool
+from .talker_pool import Hold, TalkerPool
 
 
 def generate_request(
@@ -184,6 +184,11 @@ class TalkerClient:
         """The refusal a new stream would get now from the talkers' published room, without a
         call (None: some talker has room, or there is no pool to know it)."""
         return self.pool.refusal() if self.pool is not None else None
+
+    def hold(self) -> Hold | None:
+        """Keep room for the request the current task serves until its call picks a talker
+        (talker_pool.Hold); None without a pool."""
+        return self.pool.hold() if self.pool is not None else None
 
     async def model_info(self, timeout: float = 5.0) -> ModelCatalog:
         try:

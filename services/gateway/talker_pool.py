@@ -26,6 +26,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -179,6 +180,26 @@ class Lease:
         self.release()
 
 
+class Hold:
+    """Room kept, while its body is read, for a request let in on its headers: counted against the
+    talkers' published room until the request picks a talker (`TalkerPool.pick` in the same
+    task) or `release()` (idempotent). Without it every request of a burst past the room passes
+    the header check, and all but the room's worth are refused only after their bodies."""
+
+    def __init__(self, pool: TalkerPool):
+        self._pool = pool
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._pool._held -= 1
+
+
+# The hold of the request the current task serves (set by `TalkerPool.hold`, taken by `pick`).
+_current_hold: ContextVar[Hold | None] = ContextVar("talker_room_hold", default=None)
+
+
 class TalkerPool:
     """The ready talkers behind one name, refreshed in the background (`start()`)."""
 
@@ -204,6 +225,7 @@ class TalkerPool:
         self._min_gap_s = min_refresh_gap_s
         self._clock = clock
         self._endpoints: dict[str, Endpoint] = {}
+        self._held = 0  # rooms kept by `hold()` and not yet taken by `pick()` or released
         self._turn = 0
         self._last_refresh: float | None = None
         self._refreshing: asyncio.Task | None = None
@@ -282,7 +304,10 @@ class TalkerPool:
     def pick(self) -> Lease | None:
         """A lease on the usable talker with room and the fewest streams of ours, or None if none
         is usable; raises `ResourceExhausted` when every usable talker published that it has no
-        room (the shortest retry hint among them)."""
+        room (the shortest retry hint among them). The current task's `hold()` is taken here."""
+        if (held := _current_hold.get()) is not None:
+            _current_hold.set(None)
+            held.release()  # its room is this pick's now
         usable = self.usable()
         if not usable:
             return None
@@ -300,16 +325,26 @@ class TalkerPool:
         return Lease(self, endpoint)
 
     def refusal(self) -> ResourceExhausted | None:
-        """The refusal a new stream gets now because every ready talker published that it has no
-        room (the shortest retry hint among them); None while one has room, or none is ready (an
-        outage, not a refusal). A peek: it takes no lease."""
+        """The refusal a new stream gets now because the ready talkers published no room beyond
+        what `hold()` keeps (the shortest retry hint among them); None while there is some, or a
+        talker's room is unknown, or none is ready (an outage, not a refusal). A peek: it takes
+        no lease."""
         usable = self.usable()
-        if not usable or any(e.has_room() for e in usable):
+        if not usable or any(e.room is None for e in usable):
+            return None
+        if sum(max(0, e.room or 0) for e in usable) > self._held:
             return None
         retry = min(e.retry_after_s for e in usable)
         return ResourceExhausted(
             f"every talker is at capacity ({len(usable)} ready, none has room); retry later", retry
         )
+
+    def hold(self) -> Hold:
+        """Keep room for the request the current task serves until it picks a talker (see Hold)."""
+        held = Hold(self)
+        self._held += 1
+        _current_hold.set(held)
+        return held
 
     async def wait_usable(self, retry_s: float = 0.2) -> None:
         """Return once a talker is usable (refreshing until then): a gateway reports SERVING only

@@ -419,6 +419,45 @@ def test_cli_levels_over_several_client_processes(tmp_path):
     assert sorted(r["input"] for r in server.requests) == sorted(prompts[:5])
 
 
+async def test_a_refusal_records_its_retry_after():
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(429, headers={"retry-after": "7"}, json={"error": {"message": "busy"}})
+
+    client = HttpSynthesizer("http://gateway:8000/", OPTIONS, transport=httpx.MockTransport(handler))
+    try:
+        record = await client.synthesize(0, 0, "x")
+    finally:
+        await client.aclose()
+    assert record.status == "429" and record.extra["retry_after_s"] == 7.0 and record.error == "busy"
+
+
+def test_refusal_probe_times_refusals_from_the_idle_parent(tmp_path, monkeypatch):
+    """--refusal-probe-s with --processes 2: while the workers run the level, the parent sends one
+    1-frame request at a time; its refusals are timed apart (`probe`), not among the level's."""
+    from benchmarks import refusal_probe
+
+    monkeypatch.setattr(refusal_probe, "PROBE_TEXT", "reject")  # the fake server's 429
+    script = [(0.0, LOUD), (0.2, LOUD)]
+    with FakeSpeechServer(script) as server:
+        rc = main(
+            [
+                "--url", server.url, "--concurrency", "2", "--num-requests", "4", "--warmup", "0",
+                "--max-new-tokens", "5", "--out", str(tmp_path), "--no-progress", "--no-plots",
+                "--processes", "2", "--refusal-probe-s", "0.01",
+            ]
+        )  # fmt: skip
+    assert rc == 0
+    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
+    probe = level["probe"]
+    assert probe["sent"] >= 1 and probe["statuses"] == {"429": probe["sent"]}
+    assert probe["refusal_latency_s"]["p50"] > 0 and probe["every_s"] == 0.01
+    assert level["aggregates"]["num_requests"] == 4 and level["aggregates"]["num_ok"] == 4
+    probes = [r for r in server.requests if r["input"] == "reject"]
+    assert len(probes) == probe["sent"] and {r["max_new_tokens"] for r in probes} == {1}
+
+
 def test_level_shards_and_merge_keep_every_request_once():
     from benchmarks.loadgen import LevelRun
     from benchmarks.metrics import RequestRecord
@@ -556,12 +595,37 @@ async def test_http_warm_sends_a_health_request_and_no_synthesis():
         seen.append((request.method, request.url.path))
         return httpx.Response(200, json={"status": "ok"})
 
-    client = HttpSynthesizer("http://gateway:8000/", OPTIONS, transport=httpx.MockTransport(handler))
+    client = HttpSynthesizer("http://gateway:8000/", OPTIONS, transport=httpx.MockTransport(handler), pools=3)
     try:
         await client.warm()
     finally:
         await client.aclose()
-    assert seen == [("GET", "/health")]
+    assert seen == [("GET", "/health")] * 3  # one through each connection pool
+
+
+async def test_http_requests_spread_over_the_connection_pools():
+    """Request i goes through pool i mod pools: no one pool holds every connection of a level
+    (httpcore's per-request work grows with its pool's connections, faster than linearly)."""
+    import httpx
+
+    client = HttpSynthesizer(
+        "http://gateway:8000/", OPTIONS, transport=httpx.MockTransport(lambda r: httpx.Response(429)), pools=4
+    )
+    used: list[int] = []
+
+    def note(i: int):
+        async def hook(request) -> None:
+            used.append(i)
+
+        return hook
+
+    for i, pool in enumerate(client._clients):
+        pool.event_hooks["request"] = [note(i)]
+    try:
+        records = [await client.synthesize(index, 0, "x") for index in range(8)]
+    finally:
+        await client.aclose()
+    assert used == [0, 1, 2, 3, 0, 1, 2, 3] and {r.status for r in records} == {"429"}
 
 
 async def test_http_warm_failure_is_one_stderr_line(capsys):
@@ -659,9 +723,10 @@ async def test_worker_warms_before_the_common_start_and_starts_on_time(capsys):
 
 
 def test_cli_warms_each_client_once_without_synthesis(tmp_path, monkeypatch):
-    """One process: one GET /health before the first level (two levels); --processes 2: one per
-    worker per level. The speech requests are exactly the level's requests."""
+    """One process: one GET /health per connection pool before the first level (two levels);
+    --processes 2: that per worker per level. The speech requests are exactly the level's requests."""
     from benchmarks import multiproc
+    from benchmarks.transport import POOLS
 
     # A worker warms only within the wait for the common start; spawning two workers that import
     # the client takes longer than the default 2 s on a loaded machine (the suite's parallel run).
@@ -673,7 +738,7 @@ def test_cli_warms_each_client_once_without_synthesis(tmp_path, monkeypatch):
              "--max-new-tokens", "5", "--out", str(tmp_path / "one"), "--no-progress", "--no-plots"]
         )  # fmt: skip
     assert rc == 0
-    assert server.gets.count("/health") == 1 and len(server.requests) == 4
+    assert server.gets.count("/health") == POOLS and len(server.requests) == 4
     with FakeSpeechServer(script) as server:
         rc = main(
             ["--url", server.url, "--concurrency", "2", "--num-requests", "4", "--warmup", "0",
@@ -681,7 +746,7 @@ def test_cli_warms_each_client_once_without_synthesis(tmp_path, monkeypatch):
              "--processes", "2"]
         )  # fmt: skip
     assert rc == 0
-    assert server.gets.count("/health") == 2 and len(server.requests) == 4
+    assert server.gets.count("/health") == 2 * POOLS and len(server.requests) == 4
 
 
 def test_warm_up_requests_are_short_unless_told_otherwise(tmp_path):

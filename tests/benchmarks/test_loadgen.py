@@ -119,3 +119,30 @@ async def test_errors_in_send_are_not_swallowed():
 
     with pytest.raises(RuntimeError):
         await run_closed_loop(broken, concurrency=2, num_requests=2)
+
+
+async def test_closed_loop_backoff_waits_the_refusals_retry_after():
+    """With `backoff=retry_after_backoff` a refused worker waits the record's Retry-After before
+    its next request; an admitted one goes on at once."""
+    from benchmarks.loadgen import retry_after_backoff
+
+    async def send(index: int):
+        refused = index == 0
+        return build_record(
+            index=index,
+            prompt_index=0,
+            start_s=time.perf_counter(),
+            chunk_times_s=[] if refused else [0.001],
+            chunk_bytes=[] if refused else [4800],
+            e2e_s=0.001,
+            ok=not refused,
+            status="429" if refused else "200",
+            extra={"retry_after_s": 0.3} if refused else None,
+        )
+
+    run = await run_closed_loop(send, concurrency=1, num_requests=3, backoff=retry_after_backoff)
+    starts = [r.start_s for r in run.records]
+    assert starts[1] - starts[0] >= 0.3 and starts[2] - starts[1] < 0.2
+    assert retry_after_backoff(run.records[1]) == 0.0
+    run.records[0].extra.clear()
+    assert retry_after_backoff(run.records[0]) == 1.0  # no hint: one second

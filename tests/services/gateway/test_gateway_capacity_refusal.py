@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import json
 
 import grpc
@@ -51,6 +52,31 @@ async def test_the_pool_places_streams_where_there_is_room_and_refuses_when_ther
     assert pool.refusal() is None and pool.pick().address == "a:1"
     leases[0].mark_full(9)  # a talker's own refusal: no room there until it publishes some
     assert pool.endpoints["b:1"].room == 0 and pool.endpoints["b:1"].retry_after_s == 9
+
+
+def test_room_held_for_a_request_reading_its_body_counts_as_taken():
+    """hold() keeps room for a request let in on its headers until it picks (in its own task's
+    context) or lets go: a burst past the room is refused on its headers."""
+    rooms = {"a:1": Room(2, 5)}
+    pool = asyncio.run(ready_pool(rooms))
+    first, second, third = (contextvars.copy_context() for _ in range(3))
+    h1 = first.run(pool.hold)
+    assert pool.refusal() is None  # 2 published, 1 held
+    h2 = second.run(pool.hold)
+    refused = pool.refusal()
+    assert isinstance(refused, ResourceExhausted) and refused.retry_after_s == 5
+    lease = first.run(pool.pick)  # its own hold is spent on the pick: no refusal for it
+    assert lease.address == "a:1" and pool.endpoints["a:1"].room == 1
+    assert isinstance(pool.refusal(), ResourceExhausted)  # 1 left, held by the second
+    h2.release()
+    h2.release()  # idempotent
+    assert pool.refusal() is None
+    h1.release()  # already taken by its pick: no effect
+    assert third.run(pool.pick).address == "a:1" and isinstance(pool.refusal(), ResourceExhausted)
+    rooms["a:1"] = None  # unknown room: holds refuse nothing
+    asyncio.run(pool.poll_capacity())
+    second.run(pool.hold)
+    assert pool.refusal() is None
 
 
 class FullTalker(FakeTalkerServicer):
@@ -105,6 +131,10 @@ async def test_no_talker_with_room_is_a_refusal_at_once_over_http_grpc_and_webso
                     [m async for m in stub.Synthesize(request)]
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert ("retry-after", "7") in tuple(err.value.trailing_metadata() or ())
+                # Refused before its fields are looked at, as HTTP before its body: no text at all.
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    [m async for m in stub.Synthesize(tts_pb2.SynthesizeRequest())]
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
             async with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream") as ws:
                 config_msg = {
@@ -125,10 +155,13 @@ async def test_no_talker_with_room_is_a_refusal_at_once_over_http_grpc_and_webso
                 assert error["code"] == "rate_limit_exceeded" and "at capacity" in error["message"]
 
             assert talker.requests == []  # refused at the gateway: the talker was never called
-            talker.accept = 5
+            # Room for one: the request holds it while its body is read, and its own pick takes
+            # it (a hold left standing would have refused that very pick).
+            talker.accept = 1
             await asyncio.sleep(0.1)
             r = await c.post("/v1/audio/speech", json=body)
             assert r.status_code == 200 and len(talker.requests) == 1
+            assert gateway.talker_pool._held == 0
     finally:
         await gateway.stop()
         await talker_host.stop(0)

@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 from gateway_fakes import FakeTalker, build_gateway, clone_body, free_port
 
+from qtts.request.errors import ResourceExhausted
 from services.gateway.auth import ApiKeys
 from services.gateway.http_app import HttpDeps, create_app
 from services.gateway.http_metrics import HttpMetricsMiddleware
@@ -143,6 +144,24 @@ def test_refusal_is_a_peek_that_takes_no_slot():
     assert a.refusal("key:c") is None and a.refusal("key:b") is not None
 
 
+def test_a_held_slot_counts_as_taken_until_admitted_or_let_go():
+    a = StreamLimits(2)
+    a.hold()
+    a.hold()
+    assert a.refusal() is not None and (a.active, a.held) == (0, 2)
+    a.admit(held=True)  # the held slot becomes the stream's
+    assert (a.active, a.held) == (1, 1) and a.refusal() is not None
+    a.unhold()
+    assert a.refusal() is None
+    a.admit()
+    a.hold()
+    with pytest.raises(ResourceExhausted):
+        a.admit(held=True)  # over the limit: refused, and the hold is spent all the same
+    assert (a.active, a.held) == (2, 0)
+    with pytest.raises(RuntimeError):
+        a.unhold()
+
+
 async def test_a_refusal_at_the_limit_comes_before_the_body_is_read():
     gw = gated_gateway(max_streams=2)
     async with serve(gw) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
@@ -187,6 +206,85 @@ async def test_a_refusal_at_the_limit_comes_before_the_body_is_read():
         r = await c.post("/v1/audio/speech", json=GOOD)
         assert r.status_code == 200 and r.content
     assert gw.synth.admission.active == 0 and len(gw.talker.jobs) == 3
+
+
+async def test_the_refusal_middleware_answers_ahead_of_the_app_and_names_the_route():
+    """EarlyRefusalMiddleware: a speech POST the gateway would refuse is answered without the app
+    behind it (FastAPI's routing), the route set for the per-route metrics; anything else, or a
+    request let in, reaches the app."""
+    from services.gateway.http_app import error_response
+    from services.gateway.http_refusal import EarlyRefusalMiddleware
+
+    reached: list[str] = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+
+    busy: list[ResourceExhausted | None] = [ResourceExhausted("full; retry later", retry_after_s=3)]
+    route = object()
+    middleware = EarlyRefusalMiddleware(
+        inner, refusal=lambda: busy[0], respond=lambda exc: error_response(exc), route=lambda: route
+    )
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        raise AssertionError("the body is not read")
+
+    def scope(method: str = "POST", path: str = "/v1/audio/speech", kind: str = "http") -> dict:
+        return {"type": kind, "method": method, "path": path, "headers": []}
+
+    refused = scope()
+    await middleware(refused, receive, send)
+    assert reached == [] and refused["route"] is route
+    assert sent[0]["status"] == 429 and (b"retry-after", b"3") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"])["error"]["code"] == "rate_limit_exceeded"
+    for other in (scope("GET"), scope(path="/v1/audio/voices"), scope(kind="websocket", path="/x")):
+        await middleware(other, receive, send)
+    busy[0] = None
+    await middleware(scope(), receive, send)
+    assert reached == ["/v1/audio/speech", "/v1/audio/voices", "/x", "/v1/audio/speech"]
+
+
+async def test_a_request_reading_its_body_holds_its_slot_and_a_burst_is_refused_on_headers():
+    """A request let in on its headers holds its slot while its body comes: the next one past the
+    limit is refused unread (a peek alone let it in, to be refused after its body); the held one
+    is then admitted, and a held request whose body is bad lets its slot go."""
+    gw = gated_gateway(max_streams=2)
+    async with serve(gw) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+        held = await hold(c, gw, 1)
+        body = json.dumps(GOOD).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(
+            b"POST /v1/audio/speech HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)
+        )
+        writer.write(body[:100])
+        await writer.drain()
+        while gw.synth.admission.held < 1:
+            await asyncio.sleep(0.01)
+        read_before = gw.body_read.get("/v1/audio/speech", 0)
+
+        r = await c.post("/v1/audio/speech", json=GOOD)
+        assert r.status_code == 429 and r.json() == AT_LIMIT
+        assert gw.body_read["/v1/audio/speech"] == read_before  # refused unread
+
+        writer.write(body[100:])
+        await writer.drain()
+        while gw.synth.admission.active < 2:
+            await asyncio.sleep(0.01)
+        assert gw.synth.admission.held == 0  # the hold became the admission
+        gw.talker.gate.set()
+        status, _, audio = await read_response(reader)
+        assert status.startswith(b"HTTP/1.1 200") and audio
+        writer.close()
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200]
+
+        bad = await c.post("/v1/audio/speech", content=b"{", headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and gw.synth.admission.held == 0
+    assert gw.synth.admission.active == 0
 
 
 async def test_the_early_refusal_is_the_handlers_refusal_to_the_byte(monkeypatch):
