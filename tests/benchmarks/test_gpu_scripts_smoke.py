@@ -161,5 +161,11 @@ def test_prompt_build_cost_smoke(tmp_path):
     out = tmp_path / "build.json"
     assert prompt_build_cost.main(["--model", str(snap), "--builds", "3", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
-    assert got["builds"] == 3 and got["per_build_ms"] > 0 and got["device"] == "cpu"
+    assert got["builds"] == 3 and got["device"] == "cpu"
+    assert [r["batch"] for r in got["rows"]] == [1, 16]
+    for row in got["rows"]:
+        assert row["ms_per_build_alone"] > 0 and row["ms_per_build_beside_busy_thread"] > 0
+        assert row["aten_ops_per_batch"] > 0
+    # Built together, a batch dispatches fewer ops than its prompts would one by one.
+    assert got["rows"][1]["aten_ops_per_batch"] < 16 * got["rows"][0]["aten_ops_per_batch"]
     assert got["profiled_own_ms_per_build"] and all(r["ms"] >= 0 for r in got["profiled_own_ms_per_build"])
