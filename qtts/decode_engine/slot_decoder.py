@@ -48,7 +48,7 @@ class SlotDecoderConfig:
     # Decoder states right after a reference prefix, kept per distinct prefix (LRU; 0 = off): a
     # stream of a voice seen before copies its state instead of decoding the prefix again.
     # Each entry holds one slot's state (`SlotPool.slot_bytes()`).
-    prefix_cache_entries: int = 64
+    prefix_cache_entries: int = 512
 
     def __post_init__(self) -> None:
         if self.max_streams < 1:

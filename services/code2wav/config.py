@@ -64,9 +64,11 @@ class Code2WavConfig:
     # Credit: frames received but not decoded <= window; audio not acked <= max-ahead (see credit.py).
     credit_window_frames: int = setting(32, "frames a stream may send that are not decoded yet")
     max_ahead_frames: int = setting(100, "frames of audio a stream may be ahead of its acknowledgements")
-    # About 5 MB each at full size.
+    # About 5.3 MB each at full size (512: 2.7 GB). 64 missed 40% of a 200-voice pool's streams
+    # on the H200 (685-744 misses a run, each a prefix decode in the one worker every decode call
+    # waits behind: open_stream p50 ~0.5 s, chunks 1.3 s late at 768 streams).
     prefix_cache_entries: int = setting(
-        64, "slots engine: decoder states after distinct ICL reference prefixes kept for reuse (0 = off)"
+        512, "slots engine: decoder states after distinct ICL reference prefixes kept for reuse (0 = off)"
     )
     max_prefix_frames: int = setting(2048, "longest reference prefix a stream may bring, frames")
     # Decode scheduling (see core.py): never within the safety margin of the nearest

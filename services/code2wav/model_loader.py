@@ -37,7 +37,7 @@ def load_slot_decoder(
     device: str,
     precision: str,
     max_states: int,
-    prefix_cache_entries: int = 64,
+    prefix_cache_entries: int = 512,
 ):
     """(SlotDecoder, CodecShape): the GPU engine, its pool sized to --max-states, graphs captured
     here (minutes on a GPU) so the service reports SERVING only once it is ready."""

@@ -556,7 +556,7 @@ async def test_server_passes_the_engine_batch_limit(fake_decoder):
 def test_prefix_cache_entries_flag_reaches_the_slots_engine():
     from services.code2wav.model_loader import load_decoder
 
-    assert config_from_args([]).prefix_cache_entries == 64
+    assert config_from_args([]).prefix_cache_entries == 512  # a 200-voice pool fits
     cfg = config_from_args(["--decode-engine", "slots", "--prefix-cache-entries", "3", "--max-states", "2"])
     engine, _ = load_decoder(cfg)
     assert engine.config.prefix_cache_entries == 3 and engine.pool.capacity == 2
