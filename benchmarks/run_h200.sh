@@ -15,6 +15,8 @@
 #   session: the talker-alone capacity, then the closed-loop and the open-loop stack sweeps, each
 #           stack fresh, in one call (CONCURRENCY, RATES, OPEN_DURATION, MPS). Carry: .whl
 #   decode: code2wav decode engine (both precisions). Carry: .whl
+#   stacks: fresh stacks one after another (STACKS="http http": the closed-loop headline twice;
+#           also grpc, grpcts: timestamps off then on, open), packed after each. Carry: .whl
 #
 # Usage on the device machine, from the repository root (OUT defaults to $OUT, else run/h200):
 #   benchmarks/run_h200.sh talker|stack|gaps|decode
@@ -40,7 +42,7 @@
 # e.g. CLIENT_PROCESSES=4 with GATEWAY_REPLICAS=1 and 2 to tell the gateway from the client.
 # Without a GPU, `python -m benchmarks.relay_capacity run` measures the gateway and client alone.
 set -uo pipefail
-MODE="${1:?talker, stack, gaps, replicas, session or decode}"
+MODE="${1:?talker, stack, gaps, replicas, session, stacks or decode}"
 OUT="${OUT:-run/h200}"
 mkdir -p "$OUT"
 RES="$(mktemp -d)/results"
@@ -165,13 +167,61 @@ session)
         --rate ${RATES:-20 60 80} --duration "${OPEN_DURATION:-20}" --length-dist mixed:2:20 "${POOL[@]}" \
         >"$RES/open.log" 2>&1
     ;;
+stacks)
+    # Fresh stacks one after another in one call, as STACKS names them (default "http http": the
+    # closed-loop headline twice): http (HTTP closed loop, CONCURRENCY, default "768 1024"), grpc
+    # (the same over gRPC), grpcts (gRPC with the aligner stage: the levels with word timestamps
+    # off, then on, on one stack; TS_LEVELS, default 512), open (HTTP open loop, RATES, mixed
+    # 2-20 s). Every request's clip from the 200-voice pool, warmed first; MPS on; the client in 4
+    # processes. A stack starts (about 185 s on an H200) only while BUDGET (585) s minus the time
+    # spent leaves NEED (255) s for it; the services left over are killed between stacks, and the
+    # client's ephemeral ports kept off the services' (a client port on 50050 once kept the next
+    # stack's aligner from binding). Each stack's logs are cut to their last 300 kB. Carry: .whl
+    install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
+    python3 -c "from qtts import pb; pb.generate(force=True)"
+    sysctl -w net.ipv4.ip_local_port_range="20000 45000" >/dev/null 2>&1 || echo "ephemeral ports unchanged"
+    export MPS="${MPS:-1}" CLIENT_PROCESSES="${CLIENT_PROCESSES:-4}" PYTHON=python3 NUM_REQUESTS="${NUM_REQUESTS:-16}" \
+        ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-110}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
+        GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 2048}"
+    POOL=(--voice-pool "${VOICE_POOL:-200}" --voice-pool-warm)
+    START=$SECONDS
+    n=0
+    for kind in ${STACKS:-http http}; do
+        left=$(( ${BUDGET:-585} - (SECONDS - START) ))
+        if (( left < ${NEED:-255} )); then echo "not started: $kind ($left s left)"; continue; fi
+        n=$((n + 1))
+        dir="$RES/$kind$n"
+        case "$kind" in
+        http | grpc)
+            PROTOCOL="$kind" FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-768 1024}" timeout -k 10 $((left - 10)) \
+                benchmarks/launch_gpu_stack.sh "$dir" -- "${POOL[@]}" >"$dir.log" 2>&1 ;;
+        grpcts)
+            PROTOCOL=grpc ALIGNER=1 FIXED_LENGTH=1 CONCURRENCY="${TS_LEVELS:-512}" THEN_ARGS=--word-timestamps \
+                timeout -k 10 $((left - 10)) benchmarks/launch_gpu_stack.sh "$dir" -- "${POOL[@]}" >"$dir.log" 2>&1 ;;
+        open)
+            # shellcheck disable=SC2086  # RATES is a list
+            FIXED_LENGTH= timeout -k 10 $((left - 10)) benchmarks/launch_gpu_stack.sh "$dir" -- \
+                --rate ${RATES:-20 100} --duration "${OPEN_DURATION:-20}" --length-dist mixed:2:20 "${POOL[@]}" \
+                >"$dir.log" 2>&1 ;;
+        *) echo "unknown stack kind $kind (http, grpc, grpcts, open)" >&2 ;;
+        esac
+        echo "$kind$n rc=$? at $((SECONDS - START)) s"
+        pkill -f "services\.(launcher|talker|code2wav|gateway|speaker_cache|aligner)" 2>/dev/null
+        sleep 2
+        pkill -9 -f "services\." 2>/dev/null
+        echo quit | nvidia-cuda-mps-control 2>/dev/null
+        for f in "$dir"/logs/*.log; do [[ -f "$f" ]] && { tail -c 300000 "$f" >"$f.tail" && mv "$f.tail" "$f"; }; done
+        rm -rf "$dir"/mps "$dir"/*.png "$dir"/then/*.png
+        pack
+    done
+    ;;
 decode)
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     timeout 500 python3 -m benchmarks.code2wav_decode --revision "$REV" --out "$RES/code2wav_decode.json" \
         >"$RES/code2wav_decode.log" 2>&1
     ;;
 *)
-    echo "unknown mode $MODE (talker, stack, gaps, replicas, session or decode)" >&2
+    echo "unknown mode $MODE (talker, stack, gaps, replicas, session, stacks or decode)" >&2
     exit 2
     ;;
 esac
