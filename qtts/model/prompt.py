@@ -31,7 +31,14 @@ import torch
 from qtts.model.config import ModelConfig
 from qtts.model.prompt_embeddings import PromptEmbeddings
 from qtts.model.prompt_key import PrefixHasher, host_bytes, update_holding_gil
-from qtts.model.prompt_layout import CodecTable, PromptLayout, materialise
+from qtts.model.prompt_layout import (  # NeedMoreText: its callers import it from here
+    CodecTable,
+    NeedMoreText,  # noqa: F401
+    PromptLayout,
+    icl_layout,
+    materialise,
+    text_layout,
+)
 from qtts.model.text_feed import TextFeed
 from qtts.model.tokenizer import encode, encode_many
 from qtts.request.errors import InvalidArgument
@@ -91,11 +98,6 @@ class SynthesisSpec:
     # More text follows while the request runs (`text` is what is safe to tokenise so far): the
     # prompt gets a `TextFeed` and no `tts_eos` yet. Needs the streaming-text prompt.
     text_open: bool = False
-
-
-class NeedMoreText(InvalidArgument):
-    """A text-open ICL prompt whose text does not yet fill the reference frames: a whole-text
-    prompt would pad it with tts_pad, so the prompt waits for more text (or the end of it)."""
 
 
 @dataclass
@@ -310,11 +312,11 @@ class PromptBuilder:
 
         num_voice_body = 0  # leading body positions that depend on the voice only
         if icl:
-            trailing, num_voice_body = self._icl_layout(
-                voice, parts, target, streaming, open_, key, text_ids, codec_rows
+            trailing, num_voice_body = icl_layout(
+                cfg, codecs, voice, parts, target, streaming, open_, key, text_ids, codec_rows
             )
         else:
-            trailing = self._text_layout(ids, target, codec, streaming, open_, text_ids, codec_rows)
+            trailing = text_layout(cfg, codecs, ids, target, codec, streaming, open_, text_ids, codec_rows)
         prefix_len = min(num_head + num_voice_body, len(text_ids))
         cap, default_max = self.text_bounds(len(target))
         meta = dict(
@@ -384,71 +386,6 @@ class PromptBuilder:
         elif spec.task == "voice_clone":
             key.add_raw("x_vector", parts[2])
         return key
-
-    def _icl_layout(
-        self,
-        voice: VoicePrompt,
-        parts: tuple,
-        target: list[int],
-        streaming: bool,
-        open_: bool,
-        key: PrefixHasher,
-        text_ids: list[int],
-        codec_rows: list[int],
-    ) -> tuple[list[int], int]:
-        """Lay out the body of an ICL prompt (appended to `text_ids` / `codec_rows`); (trailing
-        text ids, leading body positions that depend on the voice only). The reference side goes
-        into `key`."""
-        _, ref_ids, _, codes_key = parts
-        # Body position i is T(x_i) + Y_i (streaming) or T(x_i) + C(pad) (non-streaming) with
-        # x = ref tokens + target tokens + tts_eos and Y = C(codec_bos), reference frames: the
-        # first target token enters at body position len(ref_ids).
-        key.add("icl_streaming", bool(streaming))
-        key.add("ref_text", ref_ids)
-        key.add_raw("ref_codes", codes_key)
-        cfg = self.config
-        x = ref_ids + target if open_ else ref_ids + target + [cfg.tts_eos_id]
-        cl = int(voice.ref_codes.shape[0]) + 1  # C(codec_bos) and the reference frames
-        if open_ and len(x) < cl:
-            # The whole text might still end inside the reference frames (padded there).
-            raise NeedMoreText("the text so far does not reach past the reference frames")
-        frames = list(range(self.codecs.voice_base + 1, self.codecs.voice_base + 1 + cl))
-        tl = len(x)
-        if not streaming:
-            text_ids += x + [cfg.tts_pad_id] * cl
-            codec_rows += [self.codecs.row(cfg.talker.codec_pad_id)] * tl + frames
-            return [], len(ref_ids)
-        codec_rows += frames
-        if tl > cl:
-            text_ids += x[:cl]
-            return x[cl:], len(ref_ids)
-        text_ids += x + [cfg.tts_pad_id] * (cl - tl)
-        return [], len(ref_ids)
-
-    def _text_layout(
-        self,
-        ids: list[int],
-        target: list[int],
-        codec: list[int],
-        streaming: bool,
-        open_: bool,
-        text_ids: list[int],
-        codec_rows: list[int],
-    ) -> list[int]:
-        """Lay out the body of a prompt without reference frames; its trailing text ids: streaming,
-        the first target token on the last codec position and the rest trailing; else the whole
-        text."""
-        cfg = self.config
-        if streaming:
-            text_ids.append(ids[3])
-            codec_rows.append(codec[-1])
-            rest = ids[4:-5] if len(target) > 1 else []
-            return rest if open_ else rest + [cfg.tts_eos_id]
-        body = target + [cfg.tts_eos_id]
-        text_ids += body + [cfg.tts_pad_id]
-        pad_row, bos_row = self.codecs.rows([cfg.talker.codec_pad_id, cfg.talker.codec_bos_id])
-        codec_rows += [pad_row] * len(body) + [bos_row]
-        return []
 
 
 def _long_on_host(t: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,21 @@ table holds them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from qtts.request.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from qtts.model.prompt import VoicePrompt
+    from qtts.model.prompt_key import PrefixHasher
+
+
+class NeedMoreText(InvalidArgument):
+    """A text-open ICL prompt whose text does not yet fill the reference frames: a whole-text
+    prompt would pad it with tts_pad, so the prompt waits for more text (or the end of it)."""
 
 
 @dataclass
@@ -111,4 +122,73 @@ def materialise(
     return list(zip(embeds, trails, strict=True))
 
 
-__all__ = ["CodecTable", "PromptLayout", "materialise"]
+def icl_layout(
+    config: Any,
+    codecs: CodecTable,
+    voice: VoicePrompt,
+    parts: tuple,
+    target: list[int],
+    streaming: bool,
+    open_: bool,
+    key: PrefixHasher,
+    text_ids: list[int],
+    codec_rows: list[int],
+) -> tuple[list[int], int]:
+    """Lay out the body of an ICL prompt (appended to `text_ids` / `codec_rows`); (trailing
+    text ids, leading body positions that depend on the voice only). The reference side goes
+    into `key`."""
+    _, ref_ids, _, codes_key = parts
+    # Body position i is T(x_i) + Y_i (streaming) or T(x_i) + C(pad) (non-streaming) with
+    # x = ref tokens + target tokens + tts_eos and Y = C(codec_bos), reference frames: the
+    # first target token enters at body position len(ref_ids).
+    key.add("icl_streaming", bool(streaming))
+    key.add("ref_text", ref_ids)
+    key.add_raw("ref_codes", codes_key)
+    cfg = config
+    x = ref_ids + target if open_ else ref_ids + target + [cfg.tts_eos_id]
+    cl = int(voice.ref_codes.shape[0]) + 1  # C(codec_bos) and the reference frames
+    if open_ and len(x) < cl:
+        # The whole text might still end inside the reference frames (padded there).
+        raise NeedMoreText("the text so far does not reach past the reference frames")
+    frames = list(range(codecs.voice_base + 1, codecs.voice_base + 1 + cl))
+    tl = len(x)
+    if not streaming:
+        text_ids += x + [cfg.tts_pad_id] * cl
+        codec_rows += [codecs.row(cfg.talker.codec_pad_id)] * tl + frames
+        return [], len(ref_ids)
+    codec_rows += frames
+    if tl > cl:
+        text_ids += x[:cl]
+        return x[cl:], len(ref_ids)
+    text_ids += x + [cfg.tts_pad_id] * (cl - tl)
+    return [], len(ref_ids)
+
+
+def text_layout(
+    config: Any,
+    codecs: CodecTable,
+    ids: list[int],
+    target: list[int],
+    codec: list[int],
+    streaming: bool,
+    open_: bool,
+    text_ids: list[int],
+    codec_rows: list[int],
+) -> list[int]:
+    """Lay out the body of a prompt without reference frames; its trailing text ids: streaming,
+    the first target token on the last codec position and the rest trailing; else the whole
+    text."""
+    cfg = config
+    if streaming:
+        text_ids.append(ids[3])
+        codec_rows.append(codec[-1])
+        rest = ids[4:-5] if len(target) > 1 else []
+        return rest if open_ else rest + [cfg.tts_eos_id]
+    body = target + [cfg.tts_eos_id]
+    text_ids += body + [cfg.tts_pad_id]
+    pad_row, bos_row = codecs.rows([cfg.talker.codec_pad_id, cfg.talker.codec_bos_id])
+    codec_rows += [pad_row] * len(body) + [bos_row]
+    return []
+
+
+__all__ = ["CodecTable", "NeedMoreText", "PromptLayout", "icl_layout", "materialise", "text_layout"]

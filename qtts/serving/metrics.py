@@ -135,6 +135,16 @@ class GatewayMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.refusal_hop_seconds = Histogram(
+            "tts_gateway_refusal_hop_seconds",
+            "Where a request refused after admission at the gateway (RESOURCE_EXHAUSTED from the "
+            "talker, or later at the gateway) spent its time, per hop: admit (from the gateway "
+            "letting it in to its talker call: the reference clip), talker (the call to its "
+            "refusal). The time before (the body, its checks) is in the access log's duration.",
+            ["hop"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.first_chunk_hop_seconds = Histogram(
             "tts_gateway_first_chunk_hop_seconds",
             "Where a request's first audio goes at the gateway, per hop: admit (request received "

@@ -269,6 +269,7 @@ class GatewayCore:
             raise
         self.metrics.active_streams.inc()
         events: AsyncIterator[Event] | None = None
+        asked = None
         try:
             if job.reference_audio is not None and job.reference_pcm is None:
                 with self.metrics.stage_timer("decode_reference"):
@@ -291,6 +292,11 @@ class GatewayCore:
         except BaseException as exc:
             if events is not None:
                 await events.aclose()
+            if isinstance(exc, ResourceExhausted):  # where a talker's refusal spent its time
+                now = time.perf_counter()
+                self.metrics.refusal_hop_seconds.labels("admit").observe(max((asked or now) - started, 0.0))
+                if asked is not None:
+                    self.metrics.refusal_hop_seconds.labels("talker").observe(max(now - asked, 0.0))
             self._finish(protocol, started, exc, client)
             raise
         return SynthesisStream(self, job, protocol, events, first, started, client, hops)

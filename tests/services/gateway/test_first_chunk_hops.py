@@ -40,3 +40,23 @@ async def test_a_request_without_audio_records_no_first_chunk_hops():
         r = await client.post("/v1/audio/speech", json=clone_body(stream=True))
         assert r.status_code == 200
         assert [hop(gw, name) for name in HOPS] == [0, 0, 0]
+
+
+def refusal_hop(gw, name: str) -> float:
+    return gw.metrics.registry.get_sample_value("tts_gateway_refusal_hop_seconds_count", {"hop": name}) or 0.0
+
+
+async def test_a_talker_refusal_records_where_its_time_went():
+    """A request the talker refuses is a 429 with its admit and talker hops observed once each, and
+    no first-chunk hops; a request the gateway refuses before any talker call records neither."""
+    from qtts.request.errors import ResourceExhausted
+
+    gw = build_gateway(frames=4, chunk=2, error_before=ResourceExhausted("the talker is at capacity", 2))
+    async with serve_http(gw) as gw, httpx.AsyncClient(base_url=gw.url) as client:
+        r = await client.post("/v1/audio/speech", json=clone_body(stream=True))
+        assert r.status_code == 429 and r.headers["retry-after"] == "2"
+        assert [refusal_hop(gw, name) for name in ("admit", "talker")] == [1, 1]
+        assert [hop(gw, name) for name in HOPS] == [0, 0, 0]
+        r = await client.post("/v1/audio/speech", json={**clone_body(stream=True), "speed": 99})
+        assert r.status_code == 400
+        assert [refusal_hop(gw, name) for name in ("admit", "talker")] == [1, 1]
