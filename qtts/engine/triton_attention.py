@@ -68,52 +68,30 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _decode_attention_kernel(
-        q_ptr,
+    def _attend_group(
+        q,
         kc_ptr,
         vc_ptr,
-        row_ptr,
-        pos_ptr,
-        o_ptr,
-        scale,
-        kc_s_slot,
-        kc_s_head,
+        base,
+        n_keys,
+        d,
+        dm,
         kc_s_pos,
-        HQ: tl.constexpr,
-        HKV: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        scale,
         BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
         PIPELINED: tl.constexpr,
     ):
-        """One query token against positions [0, pos] of its slot, for the G = HQ / HKV query heads
-        of one KV head (padded to BLOCK_H rows and BLOCK_D >= 16 columns for tensor-core dots),
-        online softmax. IEEE: full-precision float32 dots (float32 models; TF32 otherwise).
-        PIPELINED: a `range` loop over the loaded length, which the compiler software-pipelines
-        (loads of the next blocks in flight); Triton's interpreter cannot take a loaded bound
-        there, so it runs the same blocks in a while loop.
-
-        Long, kept in one piece: a kernel's body reads best whole (its loop body is `_attention_block`)."""
-        m = tl.program_id(0)
-        hk = tl.program_id(1)
-        G: tl.constexpr = HQ // HKV
-        gi = tl.arange(0, BLOCK_H)
-        gm = gi < G
-        d = tl.arange(0, BLOCK_D)
-        dm = d < D
-        slot = tl.load(row_ptr + m)
-        n_keys = tl.load(pos_ptr + m) + 1
-        q = tl.load(
-            q_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
-            mask=gm[:, None] & dm[None, :],
-            other=0.0,
-        )
+        """The BLOCK_H query rows `q` of one KV head against keys [0, n_keys) of one slot (`base`),
+        online softmax: their attention output [BLOCK_H, BLOCK_D] in float32. PIPELINED: a `range`
+        loop over the loaded length, which the compiler software-pipelines (loads of the next
+        blocks in flight); Triton's interpreter cannot take a loaded bound there, so it runs the
+        same blocks in a while loop. Shared by the frame step's attention kernels (inlined)."""
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        base = slot * kc_s_slot + hk * kc_s_head
         if PIPELINED:
             for start in range(0, n_keys, BLOCK_N):
                 m_i, l_i, acc = _attention_block(
@@ -154,7 +132,64 @@ if triton is not None:
                     IEEE,
                 )
                 start += BLOCK_N
-        out = acc / l_i[:, None]
+        return acc / l_i[:, None]
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        row_ptr,
+        pos_ptr,
+        o_ptr,
+        scale,
+        kc_s_slot,
+        kc_s_head,
+        kc_s_pos,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+        PIPELINED: tl.constexpr,
+    ):
+        """One query token against positions [0, pos] of its slot, for the G = HQ / HKV query heads
+        of one KV head (padded to BLOCK_H rows and BLOCK_D >= 16 columns for tensor-core dots),
+        online softmax (`_attend_group`). IEEE: full-precision float32 dots (float32 models; TF32
+        otherwise)."""
+        m = tl.program_id(0)
+        hk = tl.program_id(1)
+        G: tl.constexpr = HQ // HKV
+        gi = tl.arange(0, BLOCK_H)
+        gm = gi < G
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        slot = tl.load(row_ptr + m)
+        n_keys = tl.load(pos_ptr + m) + 1
+        q = tl.load(
+            q_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
+            mask=gm[:, None] & dm[None, :],
+            other=0.0,
+        )
+        base = slot * kc_s_slot + hk * kc_s_head
+        out = _attend_group(
+            q,
+            kc_ptr,
+            vc_ptr,
+            base,
+            n_keys,
+            d,
+            dm,
+            kc_s_pos,
+            scale,
+            BLOCK_H,
+            BLOCK_D,
+            BLOCK_N,
+            IEEE,
+            PIPELINED,
+        )
         tl.store(
             o_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
             out.to(o_ptr.dtype.element_ty),

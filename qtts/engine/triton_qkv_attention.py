@@ -21,7 +21,7 @@ from qtts.engine.triton_attention import triton
 if triton is not None:
     import triton.language as tl
 
-    from qtts.engine.triton_attention import _attention_block
+    from qtts.engine.triton_attention import _attend_group
 
     @triton.jit
     def _normed_rotated(x_ptr, w_ptr, cos, sin, rows_off, d, part, sign, mask, eps, D: tl.constexpr):
@@ -108,50 +108,22 @@ if triton is not None:
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty)[None, :], mask=dm[None, :])
         tl.debug_barrier()  # the key and value just stored are read back below
         n_keys = tl.load(apos_ptr + m) + 1
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        if PIPELINED:
-            for start in range(0, n_keys, BLOCK_N):
-                m_i, l_i, acc = _attention_block(
-                    q,
-                    kc_ptr,
-                    vc_ptr,
-                    base,
-                    start,
-                    n_keys,
-                    d,
-                    dm,
-                    kc_s_pos,
-                    scale,
-                    m_i,
-                    l_i,
-                    acc,
-                    BLOCK_N,
-                    IEEE,
-                )
-        else:
-            start = 0
-            while start < n_keys:
-                m_i, l_i, acc = _attention_block(
-                    q,
-                    kc_ptr,
-                    vc_ptr,
-                    base,
-                    start,
-                    n_keys,
-                    d,
-                    dm,
-                    kc_s_pos,
-                    scale,
-                    m_i,
-                    l_i,
-                    acc,
-                    BLOCK_N,
-                    IEEE,
-                )
-                start += BLOCK_N
-        out = acc / l_i[:, None]
+        out = _attend_group(
+            q,
+            kc_ptr,
+            vc_ptr,
+            base,
+            n_keys,
+            d,
+            dm,
+            kc_s_pos,
+            scale,
+            BLOCK_H,
+            BLOCK_D,
+            BLOCK_N,
+            IEEE,
+            PIPELINED,
+        )
         tl.store(
             o_ptr + m * HQ * D + (hk * G + gi)[:, None] * D + d[None, :],
             out.to(o_ptr.dtype.element_ty),
