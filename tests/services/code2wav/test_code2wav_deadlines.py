@@ -293,10 +293,12 @@ class SlowStart(CallLog):
     def __init__(self, fail: Exception | None = None):
         super().__init__()
         self.made = threading.Event()
+        self.entered = threading.Event()  # a state is being made
         self.fail = fail
         self.freed = 0
 
     def start(self, prefix_codes=None):
+        self.entered.set()
         assert self.made.wait(timeout=10)
         if self.fail is not None:
             raise self.fail
@@ -357,9 +359,27 @@ async def test_a_stream_released_while_its_state_is_made_frees_the_state_once_ma
     await engine.start()
     try:
         stream = await engine.open_stream("r", 16)
+        await _until(decoder.entered.is_set, "the state being made")
         engine.release(stream)
         decoder.made.set()
         await _until(lambda: decoder.freed == 1, "the state freed")
         assert decoder.live == 0 and stream.decoder_state is None
+    finally:
+        await engine.close()
+
+
+async def test_a_stream_released_before_its_turn_gets_no_state():
+    decoder = SlowStart()
+    engine = Code2WavCore(decoder, Code2WavMetrics(CollectorRegistry()))
+    await engine.start()
+    try:
+        first = await engine.open_stream("first", 16)
+        await _until(decoder.entered.is_set, "the first state being made")
+        second = await engine.open_stream("second", 16)  # queued behind the first
+        engine.release(second)
+        decoder.made.set()
+        await _until(lambda: first.started, "the first state made")
+        await asyncio.sleep(0.05)
+        assert decoder.live == 1 and decoder.freed == 0 and second.decoder_state is None
     finally:
         await engine.close()
