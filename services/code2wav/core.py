@@ -9,7 +9,10 @@ ready, the next call decodes only such streams, and their audio goes out when th
 not after a wide call of steady-state chunks (whose listeners have audio buffered). A first chunk
 is usually shorter than the steady-state chunks ready beside it, so the decoder would have run it
 as a step of its own inside the wide call anyway: the lane costs a call's overhead, not a step
-(one more step only where a first chunk is as long as chunks ready beside it).
+(one more step only where a first chunk is as long as chunks ready beside it). The lane is never
+taken twice in a row while playing streams have chunks ready: in a burst of opens a new batch of
+first chunks is ready before every call, and the lane alone would hold playing streams back until
+the burst ends.
 
 New streams' states are made in batches between decode calls (`starts.StateStarter`), so a decode
 call waits behind at most one batch of starts.
@@ -106,6 +109,8 @@ class Code2WavCore:
         # Streams that became ready during a coalescing wait (None while no wait is on).
         self._arrived: set[DecodeStream] | None = None
         self._rescan = False
+        # The last call was a first-chunk lane call that passed over ready playing streams.
+        self._lane_passed_over = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -328,8 +333,12 @@ class Code2WavCore:
     def _collect(self) -> list[tuple[DecodeStream, int, np.ndarray]]:
         ready = [s for s in self.registry if s.ready_frames() > 0]
         ready.sort(key=lambda s: s.deadline)  # earliest deadline first; streams not yet playing lead
-        if ready and ready[0].first_audio_at is None:  # the first-chunk lane (module docstring)
-            ready = [s for s in ready if s.first_audio_at is None]
+        lane = bool(ready) and ready[0].first_audio_at is None and not self._lane_passed_over
+        if lane:  # the first-chunk lane (module docstring), never twice in a row over playing streams
+            starting = [s for s in ready if s.first_audio_at is None]
+            self._lane_passed_over, ready = len(starting) < len(ready), starting
+        else:
+            self._lane_passed_over = False
         batch = []
         for stream in ready[: self.max_batch]:
             first, codes = stream.take_chunk()
