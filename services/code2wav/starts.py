@@ -31,9 +31,11 @@ from services.code2wav.stream import DecodeStream
 
 log = logging.getLogger(__name__)
 
-# States made per worker job at most. One uncached 38-frame prefix took on the order of 10-20 ms on
-# an H200 (`start`, eager frame-rate part); 8 bound the wait a decode call can see behind a batch to
-# tens of milliseconds while a burst of opens still drains at 8 per turn of the worker.
+# States made per worker job at most: the longest a decode call can wait behind starts. `start`
+# with an uncached 75-frame prefix took 15 ms (TF32) / 21 ms (bf16) on an H200, most of it the
+# eager frame-rate windows, which only prefixes of equal length share; so a job of 8 misses of
+# distinct lengths may hold a decode call back for tens of milliseconds (estimate), a job of cache
+# hits for about a millisecond. A burst of opens still drains 8 per turn of the worker.
 START_BATCH = 8
 
 
