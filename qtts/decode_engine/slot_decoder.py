@@ -5,7 +5,6 @@ It is driven from one thread (the code2wav decode worker); it is not thread-safe
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from qtts.decode_engine.batcher import BatchPlanner, PieceCollector, PlannerConfig, WorkItem
+from qtts.decode_engine.prefix_states import PrefixStateCache, Snapshot
 from qtts.decode_engine.runner import CONV_STACKS, PRECISIONS, StepRunner
 from qtts.decode_engine.slots import SlotPool
-from qtts.lru import BoundedLru
 from qtts.model.codec_decoder import CodecDecoder, load_codec_decoder
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -120,18 +119,24 @@ class SlotDecoder:
         )
         self._ids = itertools.count(1)
         self._live: dict[int, SlotState] = {}
-        # Prefix digest -> (slot snapshot, frames); hits/misses count starts with a prefix.
-        self._prefix_states: BoundedLru[bytes, tuple[dict[str, torch.Tensor], int]] = BoundedLru(
-            self.config.prefix_cache_entries
-        )
-        self.prefix_hits = 0
-        self.prefix_misses = 0
+        self._prefix_states = PrefixStateCache(self.pool, cfg.prefix_cache_entries)
 
     # ------------------------------------------------------------------ set-up
 
     @property
     def pool(self) -> SlotPool:
         return self.runner.pool
+
+    @property
+    def prefix_hits(self) -> int:
+        """Starts with a prefix whose state was copied (from the cache, or from an equal prefix
+        decoded in the same `start_many`)."""
+        return self._prefix_states.hits
+
+    @property
+    def prefix_misses(self) -> int:
+        """Starts with a prefix that was decoded."""
+        return self._prefix_states.misses
 
     def capture(self, extra_shapes: Sequence[tuple[int, int]] = ()) -> int:
         """Capture every (batch, chunk) shape the planner can pick, plus `extra_shapes`, in one
@@ -151,19 +156,59 @@ class SlotDecoder:
     def start(self, prefix_codes: torch.Tensor | None = None) -> SlotState:
         """New stream in a free slot (`SlotPoolFull` when none); an ICL reference prefix [P, Q] is
         decoded now as context and never returned."""
-        prefix = None
-        if prefix_codes is not None and prefix_codes.shape[0] > 0:
-            prefix = self._check_codes(prefix_codes)
-        sid = next(self._ids)
-        state = SlotState(id=sid, slot=self.pool.allocate(sid))
-        self._live[sid] = state
-        try:
-            if prefix is not None:
-                self._start_from_prefix(state, prefix)
-        except BaseException:
-            self.free(state)
-            raise
+        state = self.start_many([prefix_codes])[0]
+        if isinstance(state, Exception):
+            raise state
         return state
+
+    def start_many(self, prefixes: Sequence[torch.Tensor | None]) -> list[SlotState | Exception]:
+        """`start` for several new streams in one pass: result i is the state after prefixes[i], or
+        the error that stream met (its slot is freed; the other streams are not affected, except
+        that a decode error fails every stream whose prefix was decoded in that call).
+
+        Cached prefixes are copied; the others are decoded together (`_decode_prefixes`); a prefix
+        that appears twice is decoded once and copied, as `start` after `start` would."""
+        results: list[SlotState | Exception] = []
+        misses: list[tuple[SlotState, torch.Tensor, bytes | None]] = []
+        copies: list[tuple[SlotState, bytes]] = []  # equal to a prefix decoded in this call
+        cache = self._prefix_states
+        try:
+            for codes in prefixes:
+                try:
+                    prefix = None if codes is None or codes.shape[0] == 0 else self._check_codes(codes)
+                    state = self._allocate()
+                except Exception as exc:  # noqa: BLE001 - this stream fails, the others go on
+                    results.append(exc)
+                    continue
+                results.append(state)
+                if prefix is None:
+                    continue
+                key = cache.key(prefix)
+                if (snap := cache.get(key)) is not None:
+                    cache.hits += 1
+                    self._restore(state, snap)
+                elif key is not None and any(key == k for _, _, k in misses):
+                    cache.hits += 1
+                    copies.append((state, key))
+                else:
+                    cache.misses += 1
+                    misses.append((state, prefix, key))
+            made, errors = self._decode_prefixes(misses)
+            for state, key in copies:
+                if key in made:
+                    self._restore(state, made[key])
+                else:
+                    errors[state.id] = errors[next(s.id for s, _, k in misses if k == key)]
+        except BaseException:
+            for r in results:
+                if isinstance(r, SlotState):
+                    self.free(r)
+            raise
+        for i, r in enumerate(results):
+            if isinstance(r, SlotState) and r.id in errors:
+                self.free(r)
+                results[i] = errors[r.id]
+        return results
 
     def reset(self, state: SlotState, prefix_codes: torch.Tensor | None = None) -> SlotState:
         """Restart a stream from scratch (its old state is freed, a new one started)."""
@@ -250,42 +295,62 @@ class SlotDecoder:
             raise ValueError("decoder state is unusable after a failed decode")
         self.pool.check(state.slot, state.id)
 
-    def _start_from_prefix(self, state: SlotState, prefix: torch.Tensor) -> None:
-        """The state after `prefix`: copied from the prefix cache, or decoded (and cached)."""
-        entries = self.config.prefix_cache_entries
-        if entries == 0:
-            self._decode_prefix(state, prefix)
-            return
-        host = prefix.detach().to("cpu", torch.long).contiguous()
-        key = hashlib.sha256(repr(tuple(host.shape)).encode() + host.numpy().tobytes()).digest()
-        cached = self._prefix_states.get(key)
-        if cached is not None:
-            self.prefix_hits += 1
-            snap, frames = cached
-            self.pool.restore(state.slot, snap)
-            state.frames = state.prefix_frames = frames
-            return
-        self.prefix_misses += 1
-        self._decode_prefix(state, prefix)
-        self._prefix_states.put(key, (self.pool.snapshot(state.slot), state.frames))
+    def _allocate(self) -> SlotState:
+        sid = next(self._ids)
+        state = SlotState(id=sid, slot=self.pool.allocate(sid))
+        self._live[sid] = state
+        return state
 
-    def _decode_prefix(self, state: SlotState, prefix: torch.Tensor) -> None:
-        """Run a reference prefix through the decoder, keeping only its state.
+    def _restore(self, state: SlotState, snap: Snapshot) -> None:
+        self.pool.restore(state.slot, snap[0])
+        state.frames = state.prefix_frames = snap[1]
 
-        The frame-rate part (pre-conv, transformer) sees every prefix frame; the upsampler and
-        conv blocks only the last `prefix_tail_frames` (their receptive field, plus one): their
-        history at the end of the prefix is then exactly that of a full decode, at a fraction of
-        the cost."""
+    def _decode_prefixes(
+        self, items: list[tuple[SlotState, torch.Tensor, bytes | None]]
+    ) -> tuple[dict[bytes, Snapshot], dict[int, Exception]]:
+        """Run reference prefixes through the decoder, keeping only their states (cached under
+        their keys): (snapshot by key, error by stream id of those that failed).
+
+        The frame-rate part (pre-conv, transformer) sees every prefix frame, in eager windows
+        shared by the prefixes of equal length; the upsampler and conv blocks only the last
+        `prefix_tail_frames` (their receptive field, plus one): their history at the end of the
+        prefix is then exactly that of a full decode, at a fraction of the cost. Those tails are
+        equally long for every prefix past that length, so all of them go through one `_decode`."""
         run = self.runner
-        total = prefix.shape[0]
-        head = max(0, total - run.prefix_tail_frames)
-        for start in range(0, head, self.window):
-            end = min(start + self.window, head)
-            run.run_eager([state.slot], [state.frames], [prefix[start:end]], frame_only=True)
-            state.frames += end - start
-        # The tail goes through the planned (captured) steps; its audio is dropped.
-        self._decode([state], [prefix[head:]])
-        state.prefix_frames = state.frames
+        errors: dict[int, Exception] = {}
+        groups: dict[int, list[tuple[SlotState, torch.Tensor]]] = {}
+        for state, prefix, _ in items:
+            groups.setdefault(max(0, prefix.shape[0] - run.prefix_tail_frames), []).append((state, prefix))
+        # Rows of one eager window at most (activation memory, as `max_step_frames` bounds a step).
+        rows = max(1, self.config.max_step_frames // self.window)
+        for head, group in groups.items():
+            for i in range(0, len(group), rows):
+                part = group[i : i + rows]
+                try:
+                    for start in range(0, head, self.window):
+                        end = min(start + self.window, head)
+                        slots, positions = [s.slot for s, _ in part], [s.frames for s, _ in part]
+                        run.run_eager(slots, positions, [p[start:end] for _, p in part], frame_only=True)
+                        for s, _ in part:
+                            s.frames += end - start
+                except Exception as exc:  # noqa: BLE001 - these streams fail, the others go on
+                    errors.update((s.id, exc) for s, _ in part)
+        tails = [
+            (s, p[max(0, p.shape[0] - run.prefix_tail_frames) :]) for s, p, _ in items if s.id not in errors
+        ]
+        if tails:
+            try:
+                # The tails' audio is dropped.
+                self._decode([s for s, _ in tails], [t for _, t in tails])
+            except Exception as exc:  # noqa: BLE001 - a failed call fails its streams (as decode_batch)
+                errors.update((s.id, exc) for s, _ in tails)
+        made: dict[bytes, Snapshot] = {}
+        for state, _, key in items:
+            if state.id not in errors:
+                state.prefix_frames = state.frames
+                if key is not None:
+                    made[key] = self._prefix_states.put(key, state.slot, state.frames)
+        return made, errors
 
 
 def build_slot_decoder(decoder: CodecDecoder, config: SlotDecoderConfig | None = None) -> SlotDecoder:

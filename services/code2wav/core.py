@@ -9,7 +9,13 @@ ready, the next call decodes only such streams, and their audio goes out when th
 not after a wide call of steady-state chunks (whose listeners have audio buffered). A first chunk
 is usually shorter than the steady-state chunks ready beside it, so the decoder would have run it
 as a step of its own inside the wide call anyway: the lane costs a call's overhead, not a step
-(one more step only where a first chunk is as long as chunks ready beside it).
+(one more step only where a first chunk is as long as chunks ready beside it). The lane is never
+taken twice in a row while playing streams have chunks ready: in a burst of opens a new batch of
+first chunks is ready before every call, and the lane alone would hold playing streams back until
+the burst ends.
+
+New streams' states are made in batches between decode calls (`starts.StateStarter`), so a decode
+call waits behind at most one batch of starts.
 
 A decode call costs a fixed launch floor plus a share per frame, so narrow calls waste the GPU. When
 no ready stream is starting and the nearest deadline is far enough away, the loop waits a short,
@@ -21,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -40,34 +45,21 @@ from qtts.streams.decode_events import DecodedAudio
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.decode_cost import DecodeCost
 from services.code2wav.registry import StreamRegistry
+from services.code2wav.starts import StateStarter
 from services.code2wav.stream import CodecShape, DecodeStream
 
 log = logging.getLogger(__name__)
 
 
 class IncrementalDecoderLike(Protocol):
-    """What the engine needs of `qtts.model.IncrementalDecoder`."""
+    """What the engine needs of `qtts.model.IncrementalDecoder` (`decode_batch` and `start_many`
+    are used where the decoder has them; `starts.make_states` falls back to one `start` each)."""
 
     def start(self, prefix_codes: torch.Tensor | None = None) -> Any: ...
 
     def decode(self, state: Any, codes: torch.Tensor) -> torch.Tensor: ...
 
     def free(self, state: Any) -> None: ...
-
-
-def _start_state(
-    decoder: IncrementalDecoderLike, device: torch.device, metrics: Code2WavMetrics, prefix: np.ndarray | None
-) -> Any:
-    """A new decoder state after `prefix` (worker thread); counts the slots engine's prefix-state
-    cache hits and misses."""
-    with torch.inference_mode():
-        codes = None if prefix is None else torch.from_numpy(prefix.astype(np.int64)).to(device)
-        hits = getattr(decoder, "prefix_hits", None)
-        state = decoder.start(codes)
-        if codes is not None and hits is not None:
-            hit = decoder.prefix_hits > hits
-            (metrics.prefix_state_hits_total if hit else metrics.prefix_state_misses_total).inc()
-        return state
 
 
 class Code2WavCore:
@@ -108,6 +100,8 @@ class Code2WavCore:
         self.deadline_safety_s = deadline_safety_s
         self.clock = clock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="code2wav-decode")
+        # New streams' states, made in batches between decode calls (starts.py).
+        self._starter = StateStarter(decoder, self.device, metrics, self._executor, self._state_made)
         # What a decode call costs on this GPU, published on the credit grants (decode_cost.py).
         self.cost = DecodeCost()
         self._wake = asyncio.Event()
@@ -115,6 +109,8 @@ class Code2WavCore:
         # Streams that became ready during a coalescing wait (None while no wait is on).
         self._arrived: set[DecodeStream] | None = None
         self._rescan = False
+        # The last call was a first-chunk lane call that passed over ready playing streams.
+        self._lane_passed_over = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -129,6 +125,7 @@ class Code2WavCore:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        await self._starter.close()
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
     async def warm_up(self, frames: int = 2) -> None:
@@ -157,13 +154,12 @@ class Code2WavCore:
         first_chunk_frames: int = 0,
         chunk_frames_ramp: Sequence[int] = (),
     ) -> DecodeStream:
-        """Reserve a state slot (RESOURCE_EXHAUSTED when full), grant the first credit, and start
-        the decoder state in the worker.
+        """Reserve a state slot (RESOURCE_EXHAUSTED when full), grant the first credit, and queue
+        the decoder state for the worker (`StateStarter`: in batches, between decode calls).
 
-        The grant does not wait for the state (an ICL reference prefix is decoded into it, behind
-        any decode call in flight): the talker's first frames come while it is made and wait in
-        the stream, which decodes nothing before its state exists. A state that cannot be made
-        fails the stream."""
+        The grant does not wait for the state (an ICL reference prefix is decoded into it): the
+        talker's first frames come while it is made and wait in the stream, which decodes nothing
+        before its state exists. A state that cannot be made fails the stream."""
         if num_codebooks != self.codec_shape.num_codebooks:
             raise InvalidArgument(
                 f"num_codebooks is {num_codebooks}, this decoder takes {self.codec_shape.num_codebooks}"
@@ -186,10 +182,7 @@ class Code2WavCore:
         )
         self.registry.add(stream)
         prefix = None if prefix_codes is None or not len(prefix_codes) else prefix_codes
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._executor, _start_state, self.decoder, self.device, self.metrics, prefix
-        )
-        fut.add_done_callback(functools.partial(self._state_made, stream, time.perf_counter()))
+        self._starter.add(stream, prefix)
         stream.start_credit()
         return stream
 
@@ -269,7 +262,7 @@ class Code2WavCore:
             codes = [c for _, _, c in batch]
             try:
                 outputs, elapsed_ns, steps = await loop.run_in_executor(
-                    self._executor, self._decode_sync, states, codes
+                    self._executor, _decode_chunks, self.decoder, self.device, states, codes
                 )
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its streams, not the server
                 if self._device_failure is not None and self._device_failure(exc):
@@ -340,28 +333,33 @@ class Code2WavCore:
     def _collect(self) -> list[tuple[DecodeStream, int, np.ndarray]]:
         ready = [s for s in self.registry if s.ready_frames() > 0]
         ready.sort(key=lambda s: s.deadline)  # earliest deadline first; streams not yet playing lead
-        if ready and ready[0].first_audio_at is None:  # the first-chunk lane (module docstring)
-            ready = [s for s in ready if s.first_audio_at is None]
+        lane = bool(ready) and ready[0].first_audio_at is None and not self._lane_passed_over
+        if lane:  # the first-chunk lane (module docstring), never twice in a row over playing streams
+            starting = [s for s in ready if s.first_audio_at is None]
+            self._lane_passed_over, ready = len(starting) < len(ready), starting
+        else:
+            self._lane_passed_over = False
         batch = []
         for stream in ready[: self.max_batch]:
             first, codes = stream.take_chunk()
             batch.append((stream, first, codes))
         return batch
 
-    def _decode_sync(
-        self, states: list[Any], codes: list[np.ndarray]
-    ) -> tuple[list[tuple[bytes, int]], int, int | None]:
-        """(PCM and sample count per stream, nanoseconds, decoder runs or None when the decoder
-        does not count them). Runs in the worker thread, the only one that touches the decoder."""
-        start = time.perf_counter_ns()
-        steps_before = getattr(self.decoder, "steps_total", None)
-        with torch.inference_mode():
-            tensors = [torch.from_numpy(c.astype(np.int64)).to(self.device) for c in codes]
-            decode_batch = getattr(self.decoder, "decode_batch", None)
-            if decode_batch is not None and len(states) > 1:
-                audio = decode_batch(states, tensors)
-            else:
-                audio = [self.decoder.decode(s, t) for s, t in zip(states, tensors, strict=True)]
-            out = list(zip(pcm_s16le_batch(audio), (int(a.numel()) for a in audio), strict=True))
-        steps = None if steps_before is None else self.decoder.steps_total - steps_before
-        return out, time.perf_counter_ns() - start, steps
+
+def _decode_chunks(
+    decoder: IncrementalDecoderLike, device: torch.device, states: list[Any], codes: list[np.ndarray]
+) -> tuple[list[tuple[bytes, int]], int, int | None]:
+    """(PCM and sample count per stream, nanoseconds, decoder runs or None when the decoder does
+    not count them). Runs in the worker thread, the only one that touches the decoder."""
+    start = time.perf_counter_ns()
+    steps_before = getattr(decoder, "steps_total", None)
+    with torch.inference_mode():
+        tensors = [torch.from_numpy(c.astype(np.int64)).to(device) for c in codes]
+        decode_batch = getattr(decoder, "decode_batch", None)
+        if decode_batch is not None and len(states) > 1:
+            audio = decode_batch(states, tensors)
+        else:
+            audio = [decoder.decode(s, t) for s, t in zip(states, tensors, strict=True)]
+        out = list(zip(pcm_s16le_batch(audio), (int(a.numel()) for a in audio), strict=True))
+    steps = None if steps_before is None else decoder.steps_total - steps_before
+    return out, time.perf_counter_ns() - start, steps

@@ -569,16 +569,16 @@ async def test_prefix_state_cache_hits_and_misses_are_counted():
     from prometheus_client import CollectorRegistry
 
     from qtts.serving.metrics import Code2WavMetrics
-    from services.code2wav.core import _start_state
     from services.code2wav.model_loader import load_decoder
+    from services.code2wav.starts import make_states
 
     cfg = config_from_args(["--decode-engine", "slots", "--max-states", "4"])
     decoder, codec_shape = load_decoder(cfg)
     metrics = Code2WavMetrics(CollectorRegistry())
     prefix = np.random.default_rng(0).integers(0, 2048, (6, 16)).astype(np.int16)
     device = "cpu"  # the slots engine takes host codes
-    states = [_start_state(decoder, device, metrics, prefix) for _ in range(2)]
-    states.append(_start_state(decoder, device, metrics, None))
+    states = [make_states(decoder, device, metrics, [prefix])[0] for _ in range(2)]
+    states.append(make_states(decoder, device, metrics, [None])[0])
     assert metrics.prefix_state_misses_total._value.get() == 1
     assert metrics.prefix_state_hits_total._value.get() == 1  # no-prefix streams count neither
     for s in states:

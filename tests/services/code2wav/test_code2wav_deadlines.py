@@ -152,6 +152,28 @@ async def test_first_chunks_are_decoded_and_delivered_before_steady_state_work()
         assert [sorted(call) for call in _named(decoder, streams)] == [sorted(streams)]
 
 
+async def test_the_first_chunk_lane_never_passes_over_playing_streams_twice_in_a_row():
+    """In a burst of opens a new first chunk is ready before every call: a lane call that left a
+    playing stream's ready chunk behind is followed by a call that takes it (first chunks still
+    lead that call)."""
+    async with engine_with(ChunkPlan(1, (1,)), max_batch=64) as (engine, _, _):
+        streams = await _open(engine, "a", "new1", "new2", "new3")
+        _feed(streams["a"], 1)
+        await _decode_now(engine)  # "a" plays
+        _feed(streams["a"], 1)
+        _feed(streams["new1"], 1)
+        by_stream = {id(s): n for n, s in streams.items()}
+
+        def collect() -> list[str]:
+            return [by_stream[id(s)] for s, _, _ in engine._collect()]
+
+        assert collect() == ["new1"]  # the lane
+        _feed(streams["new2"], 1)  # the next state made, its first chunk ready
+        assert collect() == ["new2", "a"]  # not the lane again: "a" waited once
+        _feed(streams["new3"], 1)
+        assert collect() == ["new3"]  # "a" is in flight: nothing playing is passed over
+
+
 async def test_coalescing_waits_for_more_streams_until_the_batch_is_full():
     # 16-frame chunks: 1.28 s of audio out, so the deadline leaves room for a long wait.
     async with engine_with(ChunkPlan(16, (16,)), max_batch=2, coalesce_max_s=1.0, deadline_safety_s=0.1) as (
@@ -293,10 +315,12 @@ class SlowStart(CallLog):
     def __init__(self, fail: Exception | None = None):
         super().__init__()
         self.made = threading.Event()
+        self.entered = threading.Event()  # a state is being made
         self.fail = fail
         self.freed = 0
 
     def start(self, prefix_codes=None):
+        self.entered.set()
         assert self.made.wait(timeout=10)
         if self.fail is not None:
             raise self.fail
@@ -357,9 +381,27 @@ async def test_a_stream_released_while_its_state_is_made_frees_the_state_once_ma
     await engine.start()
     try:
         stream = await engine.open_stream("r", 16)
+        await _until(decoder.entered.is_set, "the state being made")
         engine.release(stream)
         decoder.made.set()
         await _until(lambda: decoder.freed == 1, "the state freed")
         assert decoder.live == 0 and stream.decoder_state is None
+    finally:
+        await engine.close()
+
+
+async def test_a_stream_released_before_its_turn_gets_no_state():
+    decoder = SlowStart()
+    engine = Code2WavCore(decoder, Code2WavMetrics(CollectorRegistry()))
+    await engine.start()
+    try:
+        first = await engine.open_stream("first", 16)
+        await _until(decoder.entered.is_set, "the first state being made")
+        second = await engine.open_stream("second", 16)  # queued behind the first
+        engine.release(second)
+        decoder.made.set()
+        await _until(lambda: first.started, "the first state made")
+        await asyncio.sleep(0.05)
+        assert decoder.live == 1 and decoder.freed == 0 and second.decoder_state is None
     finally:
         await engine.close()
