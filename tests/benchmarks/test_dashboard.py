@@ -56,6 +56,7 @@ HISTOGRAMS = {
     "tts_talker_chunk_hop_seconds",
     "tts_talker_first_chunk_hop_seconds",
     "tts_gateway_first_chunk_hop_seconds",
+    "tts_gateway_refusal_hop_seconds",
     "tts_code2wav_first_chunk_wait_seconds",
     "tts_code2wav_chunk_wait_seconds",
     "tts_rpc_duration_seconds",
