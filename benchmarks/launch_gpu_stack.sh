@@ -27,6 +27,7 @@
 #                    ("--model qwen3-forcedaligner-0.6b --load-format dummy --device DEVICE --dtype DTYPE")
 #                    A sweep with timestamps on: ALIGNER=1 PROTOCOL=grpc ... -- --word-timestamps
 #   THEN_ARGS        client flags of a second sweep on the same stack, into OUT/then   ("")
+#   AND_BACK         1: then the first sweep again, into OUT/back   (0)
 #   PYTHON           interpreter with the project installed (python)
 #   GATEWAY_REPLICAS gateways in front of the talker (1), HTTP on HTTP_PORT, +1, ...; the client
 #                    sends request i to gateway i mod N, as a Service over gateway pods would
@@ -185,6 +186,11 @@ sweep "$OUT" "$@"
 if [[ -n "${THEN_ARGS:-}" ]]; then
     # shellcheck disable=SC2086  # THEN_ARGS is a list of flags
     sweep "$OUT/then" "$@" $THEN_ARGS
+    # AND_BACK=1: the first sweep once more, into $OUT/back, so that neither setting has only
+    # the warmer stack (off, on, off: the two offs bracket the on).
+    if [[ "${AND_BACK:-0}" == 1 ]]; then
+        sweep "$OUT/back" "$@"
+    fi
 fi
 
 # Server-side view of the run: every service's Prometheus metrics once the sweep is done.

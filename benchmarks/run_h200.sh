@@ -171,7 +171,8 @@ stacks)
     # Fresh stacks one after another in one call, as STACKS names them (default "http http": the
     # closed-loop headline twice): http (HTTP closed loop, CONCURRENCY, default "768 1024"), grpc
     # (the same over gRPC), grpcts (gRPC with the aligner stage: the levels with word timestamps
-    # off, then on, on one stack; TS_LEVELS, default 512), open (HTTP open loop, RATES, mixed
+    # off, on, then off again, on one stack, so the on sweep is not the only one on a warmer
+    # stack; TS_LEVELS, default 512), open (HTTP open loop, RATES, mixed
     # 2-20 s). Every request's clip from the 200-voice pool, warmed first; MPS on; the client in 4
     # processes. A stack starts (about 185 s on an H200) only while BUDGET (585) s minus the time
     # spent leaves NEED (255) s for it; the services left over are killed between stacks, and the
@@ -196,7 +197,7 @@ stacks)
             PROTOCOL="$kind" FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-768 1024}" timeout -k 10 $((left - 10)) \
                 benchmarks/launch_gpu_stack.sh "$dir" -- "${POOL[@]}" >"$dir.log" 2>&1 ;;
         grpcts)
-            PROTOCOL=grpc ALIGNER=1 FIXED_LENGTH=1 CONCURRENCY="${TS_LEVELS:-512}" THEN_ARGS=--word-timestamps \
+            PROTOCOL=grpc ALIGNER=1 FIXED_LENGTH=1 CONCURRENCY="${TS_LEVELS:-512}" THEN_ARGS=--word-timestamps AND_BACK=1 \
                 timeout -k 10 $((left - 10)) benchmarks/launch_gpu_stack.sh "$dir" -- "${POOL[@]}" >"$dir.log" 2>&1 ;;
         open)
             # shellcheck disable=SC2086  # RATES is a list
