@@ -255,10 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--host", default="127.0.0.1")
     t.add_argument("--port", type=int, default=50052)
     t.add_argument("--room", type=int, default=100)
-    for q in (t,):
-        q.add_argument("--frames", type=int, default=125)
-        q.add_argument("--speedup", type=float, default=4.0)
-        q.add_argument("--lead-s", type=float, default=4.0)
+    t.add_argument("--frames", type=int, default=125)
+    t.add_argument("--speedup", type=float, default=4.0)
+    t.add_argument("--lead-s", type=float, default=4.0)
     ld = sub.add_parser("load", help="the loaded client (a closed loop)")
     ld.add_argument("--url", required=True)
     ld.add_argument("--concurrency", type=int, required=True)

@@ -187,7 +187,7 @@ class PromptBuilder:
 
     def text_embeds(self, ids: list[int]) -> torch.Tensor:
         """Projected text embeddings [len(ids), H] (trailing text appended to a running request)."""
-        return self.embed.text(ids)[0] if ids else self.talker.embed_text(self.embed.ids([0]))[0, :0]
+        return self.embed.text(ids)[0]
 
     def eos_embed(self) -> torch.Tensor:
         """T(tts_eos) as one trailing position [1, H]."""

@@ -48,11 +48,10 @@ class PrefixHasher:
     def add_raw(self, label: str, raw: bytes) -> None:
         update_holding_gil(self._h, label.encode() + b"\0" + len(raw).to_bytes(8, "little") + raw)
 
-    def add(self, label: str, data: bytes | str | int | list[int] | torch.Tensor | None) -> None:
+    def add(self, label: str, data: bytes | str | int | list[int] | None) -> None:
+        """A field; a tensor's goes in as `add_raw(label, tensor_raw(t))`, made once per voice."""
         if data is None:
             raw = b"<none>"
-        elif isinstance(data, torch.Tensor):
-            raw = self.tensor_raw(data)
         elif isinstance(data, bytes):
             raw = data
         elif isinstance(data, list):
