@@ -155,7 +155,8 @@ async def test_signals_to_the_process_group_leave_the_engine_to_the_front(tiny_s
         engine = s.talker.engine_client
         call = s.stub.Generate(
             talker_pb2.GenerateRequest(
-                request_id="on", text="Hello world.", voice="vivian", max_new_frames=40
+                request_id="on", text="Hello world.", voice="vivian", max_new_frames=40,
+                sampling=GREEDY,  # sampled codes may end the clip early; greedy ones run to 40
             )
         )
         assert (await call.read()).WhichOneof("event") == "audio"
@@ -165,6 +166,7 @@ async def test_signals_to_the_process_group_leave_the_engine_to_the_front(tiny_s
         while (msg := await call.read()) != grpc.aio.EOF:
             last = msg
         assert last.WhichOneof("event") == "summary" and last.summary.num_frames == 40
+        assert last.summary.finish_reason == tts_pb2.FINISH_REASON_LENGTH
         assert engine.alive
     # The front's stop ended it.
     assert not engine.alive
