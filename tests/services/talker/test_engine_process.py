@@ -67,7 +67,8 @@ async def test_one_scrape_shows_both_processes_metrics(tiny_snapshot):
     c2w = FakeCode2Wav("c2w-a")
     async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
         _, summary = await generate_all(
-            s.stub, request_id="m", text="Hello world.", voice="vivian", language="english", max_new_frames=4
+            s.stub, request_id="m", text="Hello world.", voice="vivian", language="english", max_new_frames=4,
+            sampling=GREEDY,
         )
         registry = s.talker.metrics.registry
         assert isinstance(registry, MergedRegistry)
@@ -89,7 +90,8 @@ async def test_cancel_frees_the_stream_in_the_engine_process(tiny_snapshot):
     async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
         call = s.stub.Generate(
             talker_pb2.GenerateRequest(
-                request_id="bye", text="Hello world, this is long.", voice="vivian", max_new_frames=500
+                request_id="bye", text="Hello world, this is long.", voice="vivian", max_new_frames=500,
+                sampling=GREEDY,
             )
         )
         assert (await call.read()).WhichOneof("event") == "audio"
@@ -98,7 +100,7 @@ async def test_cancel_frees_the_stream_in_the_engine_process(tiny_snapshot):
         await eventually(lambda: c2w.live == 0 and s.gauge("tts_talker_active_streams") == 0, timeout=30)
         # The engine still serves.
         _, summary = await generate_all(
-            s.stub, request_id="next", text="Hi.", voice="vivian", max_new_frames=3
+            s.stub, request_id="next", text="Hi.", voice="vivian", max_new_frames=3, sampling=GREEDY
         )
         assert summary.num_frames == 3
 
