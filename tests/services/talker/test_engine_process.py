@@ -67,7 +67,12 @@ async def test_one_scrape_shows_both_processes_metrics(tiny_snapshot):
     c2w = FakeCode2Wav("c2w-a")
     async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
         _, summary = await generate_all(
-            s.stub, request_id="m", text="Hello world.", voice="vivian", language="english", max_new_frames=4,
+            s.stub,
+            request_id="m",
+            text="Hello world.",
+            voice="vivian",
+            language="english",
+            max_new_frames=4,
             sampling=GREEDY,
         )
         registry = s.talker.metrics.registry
@@ -90,7 +95,10 @@ async def test_cancel_frees_the_stream_in_the_engine_process(tiny_snapshot):
     async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
         call = s.stub.Generate(
             talker_pb2.GenerateRequest(
-                request_id="bye", text="Hello world, this is long.", voice="vivian", max_new_frames=500,
+                request_id="bye",
+                text="Hello world, this is long.",
+                voice="vivian",
+                max_new_frames=500,
                 sampling=GREEDY,
             )
         )
@@ -157,7 +165,10 @@ async def test_signals_to_the_process_group_leave_the_engine_to_the_front(tiny_s
         engine = s.talker.engine_client
         call = s.stub.Generate(
             talker_pb2.GenerateRequest(
-                request_id="on", text="Hello world.", voice="vivian", max_new_frames=40,
+                request_id="on",
+                text="Hello world.",
+                voice="vivian",
+                max_new_frames=40,
                 sampling=GREEDY,  # sampled codes may end the clip early; greedy ones run to 40
             )
         )
