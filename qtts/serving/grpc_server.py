@@ -216,6 +216,8 @@ class GrpcServiceHost:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
+        if self.metrics is not None:
+            self.metrics.loop_lag.start()
         if self.metrics_port and self.metrics is not None:
             http_server, _ = start_http_server(
                 self.metrics_port, addr=self.host, registry=self.metrics.registry
@@ -285,6 +287,8 @@ class GrpcServiceHost:
                     await result
             except Exception:  # noqa: BLE001 - one failing cleanup must not skip the others
                 log.exception("shutdown callback %r failed", callback)
+        if self.metrics is not None:
+            await self.metrics.loop_lag.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

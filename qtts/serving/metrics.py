@@ -27,6 +27,8 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from qtts.serving.loop_lag import LoopLagMonitor
+
 # Latencies of a streaming TTS stack span ~1 ms (a decode step) to tens of seconds (a long stream).
 LATENCY_BUCKETS = (
     0.001,
@@ -95,6 +97,8 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        # tts_event_loop_lag_seconds: sampled while the service's GrpcServiceHost runs.
+        self.loop_lag = LoopLagMonitor(registry, service)
 
     def error(self, code: str) -> None:
         """Count one error by its gRPC status code name (e.g. "INVALID_ARGUMENT")."""

@@ -40,6 +40,7 @@ COUNTERS_AND_GAUGES = {
     "tts_rpc_requests_total",
     "tts_http_requests_total",
     "tts_gateway_underruns_total",
+    "tts_event_loop_lag_max_seconds",
 }
 HISTOGRAMS = {
     "tts_gateway_ttfa_seconds",
@@ -57,6 +58,7 @@ HISTOGRAMS = {
     "tts_talker_first_chunk_hop_seconds",
     "tts_gateway_first_chunk_hop_seconds",
     "tts_gateway_refusal_hop_seconds",
+    "tts_event_loop_lag_seconds",
     "tts_code2wav_first_chunk_wait_seconds",
     "tts_code2wav_chunk_wait_seconds",
     "tts_rpc_duration_seconds",

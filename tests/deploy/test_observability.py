@@ -40,10 +40,24 @@ KEDA = {"talker": {"autoscaling": {"enabled": True, "provider": "keda", "targetA
 
 
 def exported_metrics() -> set[str]:
-    """Every series name qtts/serving/metrics.py exports (histograms with their suffixes)."""
-    source = (ROOT / "qtts" / "serving" / "metrics.py").read_text()
-    names = set(re.findall(r'"(tts_[a-z0-9_]+)"', source))
-    return names | {n + s for n in names for s in ("_bucket", "_sum", "_count")}
+    """Every tts_ series name the services' metrics (qtts/serving/metrics.py) register, counters
+    with `_total` and histograms with their suffixes."""
+    from prometheus_client import CollectorRegistry
+
+    from qtts.serving import metrics
+
+    names: set[str] = set()
+    for cls in (
+        metrics.GatewayMetrics,
+        metrics.TalkerMetrics,
+        metrics.Code2WavMetrics,
+        metrics.SpeakerCacheMetrics,
+        metrics.AlignerMetrics,
+    ):
+        registry = CollectorRegistry()
+        cls(registry)
+        names |= {f.name for f in registry.collect() if f.name.startswith("tts_")}
+    return names | {n + s for n in names for s in ("_total", "_bucket", "_sum", "_count")}
 
 
 def metric_names(promql: str) -> set[str]:
