@@ -213,6 +213,8 @@ stacks)
         echo quit | nvidia-cuda-mps-control 2>/dev/null
         for f in "$dir"/logs/*.log; do [[ -f "$f" ]] && { tail -c 300000 "$f" >"$f.tail" && mv "$f.tail" "$f"; }; done
         rm -rf "$dir"/mps "$dir"/*.png "$dir"/then/*.png
+        # The client's table and the services' view (loop lag, stages, hops), kept and shown.
+        python3 -m benchmarks.stack_summary "$dir" >"$dir/summary.txt" 2>&1 && tail -n 40 "$dir/summary.txt"
         pack
     done
     ;;

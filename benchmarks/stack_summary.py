@@ -1,0 +1,212 @@
+"""One screen of a stack run: the client's table and what the services saw, from a run's folder.
+
+`benchmarks/launch_gpu_stack.sh` leaves, per stack, the client's `results.json` (one per sweep:
+the first, `then/`, `back/`) and every service's `/metrics` page scraped after the sweeps
+(`metrics-<service>.txt`). This prints, for every such folder under the roots given:
+
+- per load level: requests that succeeded, admitted streams gap-free, refusal latency, first audio
+  (p50 / p95) and audio-s/s;
+- per service: event-loop lag (p50 / p99 from the histogram's buckets, "<=" the bucket's bound,
+  and the worst sample), underruns, the stages' mean times and the chunk hops' means;
+- the commonest failure statuses and messages per level (numbers in the messages folded, so alike
+  ones group) and the idle
+  refusal probe, when the client ran one.
+
+    python -m benchmarks.stack_summary run/stacks        # every results.json and metrics-*.txt below
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Stages worth a mean per service (tts_stage_latency_seconds{stage}); the rest stay in the file.
+STAGES = {
+    "talker": ("prompt_queue", "build_prompt", "prefill", "admit"),
+    "code2wav": ("open_stream",),
+    "gateway": (),
+}
+HOP_HISTOGRAMS = (
+    "tts_talker_chunk_hop_seconds",
+    "tts_talker_first_chunk_hop_seconds",
+    "tts_gateway_first_chunk_hop_seconds",
+    "tts_gateway_refusal_hop_seconds",
+)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}"
+
+
+def level_rows(result: dict[str, Any]) -> list[dict[str, str]]:
+    """The table's rows of one results.json (one per load level)."""
+    rows = []
+    for level in result.get("levels", []):
+        a = level["aggregates"]
+        refused = a.get("refusal_latency_s") or {}
+        ttfa = a.get("ttfa_s") or {}
+        load = level.get("concurrency") or level.get("rate")
+        xrt = a.get("xrt")
+        rows.append(
+            {
+                "load": f"c={load}" if level.get("concurrency") else f"{load} RPS",
+                "ok %": _pct(a.get("success_rate")),
+                "gap-free %": _pct(a.get("zero_underrun_share")),
+                "refused ms p50/p95": f"{_ms(refused.get('p50'))}/{_ms(refused.get('p95'))}",
+                "TTFA ms p50/p95": f"{_ms(ttfa.get('p50'))}/{_ms(ttfa.get('p95'))}",
+                "xRT": "-" if xrt is None else f"{xrt:.0f}",
+            }
+        )
+    return rows
+
+
+def failure_lines(result: dict[str, Any], top: int = 4) -> list[str]:
+    """The commonest failure messages per level, digits folded to N, with their end-to-end p50."""
+    lines = []
+    for level in result.get("levels", []):
+        by_message: dict[str, list[float]] = collections.defaultdict(list)
+        for record in level.get("records", []):
+            if not record.get("ok"):
+                folded = re.sub(r"\b\d+(\.\d+)?\b", "N", str(record.get("error") or ""))
+                by_message[f"{record.get('status')}: {folded}"[:100]].append(record.get("e2e_s") or 0.0)
+        load = level.get("concurrency") or level.get("rate")
+        for message, times in sorted(by_message.items(), key=lambda kv: -len(kv[1]))[:top]:
+            times.sort()
+            lines.append(
+                f"  {load}: {len(times)} x {message!r}, end to end p50 {times[len(times) // 2]:.2f} s"
+            )
+        if level.get("probe"):
+            lines.append(f"  {load}: idle refusal probe {json.dumps(level['probe'])[:200]}")
+    return lines
+
+
+def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
+    """The upper bound of the first bucket that holds quantile `q` of a cumulative histogram
+    ((le, count) pairs in order, +Inf last); None when it is empty or `q` falls past the last
+    finite bound."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    want = q * buckets[-1][1]
+    for le, count in buckets:
+        if count >= want:
+            return None if math.isinf(le) else le
+    return None
+
+
+class ScrapedMetrics:
+    """One service's scraped /metrics page, read with prometheus_client's parser."""
+
+    def __init__(self, text: str):
+        self.samples: list[tuple[str, dict[str, str], float]] = []
+        for family in text_string_to_metric_families(text):
+            self.samples.extend((s.name, s.labels, s.value) for s in family.samples)
+
+    def values(self, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+        return [
+            (lab, v)
+            for n, lab, v in self.samples
+            if n == name and all(lab.get(k) == want for k, want in labels.items())
+        ]
+
+    def total(self, name: str, **labels: str) -> float:
+        return sum(v for _, v in self.values(name, **labels))
+
+    def buckets(self, name: str, **labels: str) -> list[tuple[float, float]]:
+        summed: dict[float, float] = collections.defaultdict(float)
+        for lab, value in self.values(f"{name}_bucket", **labels):
+            summed[float(lab["le"])] += value
+        return sorted(summed.items())
+
+    def mean(self, name: str, **labels: str) -> tuple[float, float] | None:
+        """(count, mean) of a histogram's observations, or None without any."""
+        count = self.total(f"{name}_count", **labels)
+        return (count, self.total(f"{name}_sum", **labels) / count) if count else None
+
+    def label_values(self, name: str, label: str) -> list[str]:
+        return sorted({lab[label] for lab, _ in self.values(f"{name}_count") if label in lab})
+
+
+def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
+    lines = []
+    lag = metrics.buckets("tts_event_loop_lag_seconds")
+    if lag:
+        p50, p99 = bucket_quantile(lag, 0.5), bucket_quantile(lag, 0.99)
+        worst = metrics.total("tts_event_loop_lag_max_seconds")
+        lines.append(
+            f"  event-loop lag p50 <= {_ms(p50)} ms, p99 <= {_ms(p99)} ms over {lag[-1][1]:.0f} samples; "
+            f"worst since the last scrape {_ms(worst)} ms"
+        )
+    underruns = metrics.total(f"tts_{service}_underruns_total")
+    if metrics.values(f"tts_{service}_underruns_total"):
+        lines.append(f"  underruns {underruns:.0f}")
+    for stage in STAGES.get(service, ()):
+        if (got := metrics.mean("tts_stage_latency_seconds", stage=stage)) is not None:
+            lines.append(f"  stage {stage}: n={got[0]:.0f}, mean {got[1] * 1e3:.1f} ms")
+    for name in HOP_HISTOGRAMS:
+        if not name.startswith(f"tts_{service}_"):
+            continue
+        hops = []
+        for hop in metrics.label_values(name, "hop"):
+            if (got := metrics.mean(name, hop=hop)) is not None:
+                hops.append(f"{hop} {got[1] * 1e3:.1f}")
+        if hops:
+            lines.append(f"  {name.removeprefix('tts_')} means (ms): " + ", ".join(hops))
+    return lines
+
+
+def runs_under(roots: Iterable[Path]) -> list[Path]:
+    """Every folder below `roots` (themselves included) with a results.json or a metrics page."""
+    found: set[Path] = set()
+    for root in roots:
+        for path in [*root.rglob("results.json"), *root.rglob("metrics-*.txt")]:
+            found.add(path.parent)
+    return sorted(found)
+
+
+def summary(roots: Sequence[Path]) -> str:
+    out: list[str] = []
+    header = ("load", "ok %", "gap-free %", "refused ms p50/p95", "TTFA ms p50/p95", "xRT")
+    for run in runs_under(roots):
+        name = next((str(run.relative_to(r)) or "." for r in roots if run.is_relative_to(r)), str(run))
+        out.append(f"== {name}")
+        result_path = run / "results.json"
+        if result_path.exists():
+            result = json.loads(result_path.read_text())
+            out.append("| " + " | ".join(header) + " |")
+            out.extend("| " + " | ".join(row[h] for h in header) + " |" for row in level_rows(result))
+            out.extend(failure_lines(result))
+        for page in sorted(run.glob("metrics-*.txt")):
+            service = page.stem.removeprefix("metrics-")
+            lines = service_lines(service.split("-")[0], ScrapedMetrics(page.read_text()))
+            if lines:
+                out.append(f"{service}:")
+                out.extend(lines)
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("roots", nargs="+", type=Path, help="folders a stack run left")
+    args = parser.parse_args(argv)
+    missing = [str(r) for r in args.roots if not r.is_dir()]
+    if missing:
+        parser.error(f"no such folder: {', '.join(missing)}")
+    text = summary(args.roots)
+    print(text or "no results.json or metrics-*.txt below " + ", ".join(map(str, args.roots)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""`benchmarks.stack_summary`: the client's table and the services' view of a stack run, from
+results.json files and scraped /metrics pages as launch_gpu_stack.sh leaves them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from benchmarks.stack_summary import bucket_quantile, main, summary
+from qtts.serving.metrics import Code2WavMetrics, TalkerMetrics
+
+
+def level(concurrency, records, **aggregates):
+    base = {"success_rate": 0.5, "zero_underrun_share": 0.75, "xrt": 412.4}
+    base.update(aggregates)
+    return {"concurrency": concurrency, "aggregates": base, "records": records}
+
+
+def write_run(tmp_path):
+    run = tmp_path / "http1"
+    (run / "then").mkdir(parents=True)
+    records = [
+        {"ok": True, "e2e_s": 10.0},
+        {"ok": False, "e2e_s": 0.04, "status": "429", "error": "every talker is at capacity (3 ready)"},
+        {"ok": False, "e2e_s": 0.06, "status": "429", "error": "every talker is at capacity (4 ready)"},
+        {"ok": False, "e2e_s": 2.5, "status": "503", "error": "code2wav replica c2w-1 stalled for 2.5 s"},
+    ]
+    first = level(
+        768,
+        records,
+        refusal_latency_s={"p50": 0.05, "p95": 0.0598},
+        ttfa_s={"p50": 0.6561, "p95": 4.79},
+    )
+    first["probe"] = {"p50_s": 0.004}
+    (run / "results.json").write_text(json.dumps({"levels": [first]}))
+    (run / "then" / "results.json").write_text(json.dumps({"levels": [level(1024, [], xrt=None)]}))
+
+    talker = TalkerMetrics(CollectorRegistry())
+    for lag in [0.0004] * 98 + [0.02, 0.3]:
+        talker.loop_lag.observe(lag)
+    talker.underruns_total.inc(7)
+    talker.observe_stage("prefill", 0.010)
+    talker.observe_stage("prefill", 0.020)
+    talker.chunk_hop_seconds.labels("code2wav").observe(1.25)
+    talker.chunk_hop_seconds.labels("code2wav").observe(0.75)
+    (run / "metrics-talker.txt").write_bytes(generate_latest(talker.registry))
+    c2w = Code2WavMetrics(CollectorRegistry())
+    c2w.observe_stage("open_stream", 0.5)
+    (run / "metrics-code2wav.txt").write_bytes(generate_latest(c2w.registry))
+    return tmp_path
+
+
+def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_path):
+    text = summary([write_run(tmp_path)])
+    lines = text.splitlines()
+    assert lines[0] == "== http1"
+    assert "| c=768 | 50.0 | 75.0 | 50/60 | 656/4790 | 412 |" in lines
+    assert "| c=1024 | 50.0 | 75.0 | -/- | -/- | - |" in lines  # the then/ sweep, no numbers
+    assert lines.index("== http1/then") > lines.index("| c=768 | 50.0 | 75.0 | 50/60 | 656/4790 | 412 |")
+    # Alike messages group, digits folded; the commonest first.
+    assert "  768: 2 x '429: every talker is at capacity (N ready)', end to end p50 0.06 s" in lines
+    assert "  768: 1 x '503: code2wav replica c2w-N stalled for N s', end to end p50 2.50 s" in lines
+    assert any(line.startswith("  768: idle refusal probe {") for line in lines)
+    talker = lines[lines.index("talker:") + 1 :]
+    assert talker[0] == (
+        "  event-loop lag p50 <= 0 ms, p99 <= 25 ms over 100 samples; worst since the last scrape 300 ms"
+    )
+    assert "  underruns 7" in talker
+    assert "  stage prefill: n=2, mean 15.0 ms" in talker
+    assert "  talker_chunk_hop_seconds means (ms): code2wav 1000.0" in talker
+    assert "  stage open_stream: n=1, mean 500.0 ms" in lines[lines.index("code2wav:") :]
+
+
+def test_bucket_quantile_takes_the_bucket_that_holds_it():
+    buckets = [(0.001, 50.0), (0.01, 90.0), (0.1, 99.0), (float("inf"), 100.0)]
+    assert bucket_quantile(buckets, 0.5) == 0.001
+    assert bucket_quantile(buckets, 0.9) == 0.01
+    assert bucket_quantile(buckets, 0.99) == 0.1
+    assert bucket_quantile(buckets, 1.0) is None  # past the last finite bound
+    assert bucket_quantile([], 0.5) is None
+    assert bucket_quantile([(float("inf"), 0.0)], 0.5) is None
+
+
+def test_the_command_prints_it_and_refuses_a_missing_folder(tmp_path, capsys):
+    assert main([str(write_run(tmp_path))]) == 0
+    assert "| c=768 |" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(empty)]) == 0
+    assert capsys.readouterr().out.startswith("no results.json or metrics-*.txt below")
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "nowhere")])
+    assert exc.value.code == 2
+    assert "no such folder" in capsys.readouterr().err
