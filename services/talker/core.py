@@ -127,9 +127,8 @@ class TalkerCore:
         prompt queue, then the engine's admission counting the prompts ahead)."""
         self._refuse_at_once(in_engine=False)
         self.prompts.waiting += 1
-        try:
-            make = lambda: self._build_prompt(req, checked, voice_prompt)  # noqa: E731
-            return await self.prompts.run(self.prompts.build, make, queued_at)
+        try:  # built with the prompts queued beside it
+            return await self.prompts.build(self._spec(req, checked, voice_prompt), queued_at)
         finally:
             self.prompts.waiting -= 1
 
@@ -267,10 +266,3 @@ class TalkerCore:
             voice_prompt=voice_prompt,
             streaming_text=req.streaming_text,
         )
-
-    def _build_prompt(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
-        spec = self._spec(req, checked, voice_prompt)
-        try:
-            return self.bundle.build_prompt(spec)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc

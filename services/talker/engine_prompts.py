@@ -12,11 +12,7 @@ from typing import Any
 from qtts.request.errors import ResourceExhausted
 
 from .engine_wire import RemotePrompt, spec_from_wire
-
-# Prompts built together before one wait for the prompt stream: enough for a burst, few enough
-# that the first of them is not held long behind the last (a batch's host work is about 0.1-0.3 ms
-# a prompt: tokenising and laying out; its device calls are a fixed dozen).
-MAX_BUILD_BATCH = 16
+from .prompt_queue import MAX_BUILD_BATCH  # one cap for both prompt queues
 
 
 class PromptBuilds:

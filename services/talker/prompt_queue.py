@@ -1,5 +1,5 @@
 """The talker's prompt queue: one thread builds every prompt in arrival order, under the
-first-audio budget.
+first-audio budget, the prompts queued when it comes to them together.
 
 A pool of threads (asyncio.to_thread's) ran a burst's prompts side by side: dozens of threads
 taking the GIL back after each of their many small torch calls, and the engine thread waiting
@@ -11,6 +11,7 @@ too: a request whose prompt could not start being built within it is refused at 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import time
 from collections.abc import Callable
@@ -20,6 +21,12 @@ import numpy as np
 
 from qtts.request.errors import InvalidArgument, ResourceExhausted
 from qtts.serving.metrics import TalkerMetrics
+
+# Prompts built together before one wait for the prompt stream: enough for a burst, few enough
+# that the first of them is not held long behind the last (a batch's host work is about 0.1-0.3 ms
+# a prompt: tokenising and laying out; its device calls are a fixed dozen). The engine process's
+# queue (engine_prompts.py) builds as many at a time.
+MAX_BUILD_BATCH = 16
 
 
 def reference_rows(prompt: Any) -> np.ndarray | None:
@@ -47,6 +54,8 @@ class PromptQueue:
         self._metrics = metrics
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="talker-prompt")
         self._stream: Any = None  # None: not looked at yet; False: no GPU
+        # Builds not yet taken by the prompt thread: (spec, queued_at, answer).
+        self._queued: collections.deque[tuple[Any, float, concurrent.futures.Future]] = collections.deque()
 
     def check(self) -> None:
         """Refuse at once a request whose prompt would start being built past the budget."""
@@ -66,27 +75,85 @@ class PromptQueue:
         """`fn(*args)` in the prompt thread, after everything queued before it."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    def build(self, make: Callable[[], Any], queued_at: float | None = None) -> tuple[Any, np.ndarray | None]:
-        """In the prompt thread: the prompt `make()` builds, and its ICL reference frames as
-        int16 host rows for code2wav (or None); refused when it waited past the budget.
+    async def build(self, spec: Any, queued_at: float) -> tuple[Any, np.ndarray | None]:
+        """The prompt of `spec` and its ICL reference frames as int16 host rows for code2wav (or
+        None), built in the prompt thread with the prompts queued beside it (`build_queued`);
+        refused when it waited past the budget. A caller that goes away before the thread takes
+        its spec costs no build."""
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        self._queued.append((spec, queued_at, answer))
+        self._thread.submit(self.build_queued)
+        return await asyncio.wrap_future(answer)
 
-        On a GPU the prompt's kernels run on a CUDA stream of their own, and the thread waits for
-        that stream only: on the engine's stream every host copy of a prompt waited behind the
-        frame step queued before it."""
+    def build_queued(self) -> None:
+        """In the prompt thread: build the queued prompts (at most `MAX_BUILD_BATCH`) together
+        (`build_many`: one tokenizer call and a fixed dozen device calls, whatever their number)
+        and wait for the prompt stream once. Each caller gets its own prompt or error: one that
+        waited past the budget is refused, a spec the builder refuses fails alone, a device error
+        fails the batch. (Each `build` queues a call; one that finds nothing queued returns.)"""
+        batch = []
+        while self._queued and len(batch) < MAX_BUILD_BATCH:
+            spec, queued_at, answer = self._queued.popleft()
+            if answer.set_running_or_notify_cancel():  # else its caller went away
+                batch.append((spec, queued_at, answer))
+        try:
+            self._build_batch(batch)
+        except Exception as exc:  # noqa: BLE001 - a device error fails every prompt of the batch
+            for _, _, answer in batch:
+                if not answer.done():  # not refused before the build
+                    answer.set_exception(exc)
+
+    def _build_batch(self, batch: list[tuple[Any, float, concurrent.futures.Future]]) -> None:
+        """Answer each of `batch`: refused past the budget, or built with the rest."""
+        if not batch:
+            return
         started = time.perf_counter()
-        if queued_at is not None:
-            self._metrics.observe_stage("prompt_queue", started - queued_at)
-            if self.budget_s > 0 and started - queued_at > self.budget_s:
-                raise ResourceExhausted(
-                    f"the talker is at capacity: the request waited {started - queued_at:.1f} s for its "
-                    f"prompt, past the {self.budget_s:g} s first-audio budget; retry later",
-                    max(1, round(self.waiting * self.build_s)),
-                )
-        prompt = self._on_stream(make)
-        built_s = time.perf_counter() - started
-        self._metrics.observe_stage("build_prompt", built_s)
-        self.observe_build(built_s)
-        return prompt, reference_rows(prompt)
+        todo = []
+        for spec, queued_at, answer in batch:
+            try:
+                self._admit(queued_at, started)
+            except ResourceExhausted as exc:
+                answer.set_exception(exc)
+                continue
+            todo.append((spec, answer))
+        if not todo:
+            return
+        built = self._on_stream(lambda: self._build_many([spec for spec, _ in todo]))
+        batch_s = time.perf_counter() - started
+        self.observe_build(batch_s / len(batch))  # the drain rate the refusals predict with
+        for (_, answer), prompt in zip(todo, built, strict=True):
+            if isinstance(prompt, Exception):  # this spec's error, the rest go on
+                answer.set_exception(_invalid(prompt) if isinstance(prompt, ValueError) else prompt)
+                continue
+            self._metrics.observe_stage("build_prompt", batch_s)  # as the engine process counts
+            try:
+                answer.set_result((prompt, reference_rows(prompt)))
+            except Exception as exc:  # noqa: BLE001 - this caller's error, the rest go on
+                answer.set_exception(exc)
+
+    def _admit(self, queued_at: float, started: float) -> None:
+        """Count a build's wait; refuse it when it waited past the budget to start."""
+        self._metrics.observe_stage("prompt_queue", started - queued_at)
+        if self.budget_s > 0 and started - queued_at > self.budget_s:
+            raise ResourceExhausted(
+                f"the talker is at capacity: the request waited {started - queued_at:.1f} s for its "
+                f"prompt, past the {self.budget_s:g} s first-audio budget; retry later",
+                max(1, round(self.waiting * self.build_s)),
+            )
+
+    def _build_many(self, specs: list[Any]) -> list[Any]:
+        """The prompt of each spec, or the error that refuses it (a bundle without a
+        `prompt_builder`, as the tests' fakes: one `build_prompt` each)."""
+        builder = getattr(self.bundle, "prompt_builder", None)
+        if builder is not None:
+            return builder.build_many(specs)
+        built: list[Any] = []
+        for spec in specs:
+            try:
+                built.append(self.bundle.build_prompt(spec))
+            except Exception as exc:  # noqa: BLE001 - this spec's error, the rest go on
+                built.append(exc)
+        return built
 
     def push(self, open_text: Any, piece: str, final: bool) -> tuple[Any, np.ndarray | None] | None:
         """In the prompt thread: hand a piece to `open_text`; the prompt and its reference frames
@@ -95,7 +162,7 @@ class PromptQueue:
         try:
             prompt = self._on_stream(lambda: open_text.push(piece, final))
         except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
+            raise _invalid(exc) from exc
         if prompt is None:
             return None
         built_s = time.perf_counter() - started
@@ -104,7 +171,11 @@ class PromptQueue:
         return prompt, reference_rows(prompt)
 
     def _on_stream(self, fn: Callable[[], Any]) -> Any:
-        """`fn()` on the prompt thread's CUDA stream, waiting for that stream (off the GPU: as is)."""
+        """`fn()` on the prompt thread's CUDA stream, waiting for that stream (off the GPU: as is).
+
+        On a GPU the prompts' kernels run on a CUDA stream of their own, and the thread waits for
+        that stream only: on the engine's stream every host copy of a prompt waited behind the
+        frame step queued before it."""
         stream = self.cuda_stream()
         if stream is None:
             return fn()
@@ -126,3 +197,10 @@ class PromptQueue:
 
                 self._stream = torch.cuda.Stream(device=device, priority=-1)  # ahead of frame steps
         return self._stream or None
+
+
+def _invalid(exc: ValueError) -> InvalidArgument:
+    """A spec or text the builder refuses, as the caller's error (its cause kept)."""
+    err = InvalidArgument(str(exc))
+    err.__cause__ = exc
+    return err

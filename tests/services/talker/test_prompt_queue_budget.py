@@ -39,11 +39,12 @@ def test_a_request_whose_prompt_could_not_start_within_the_budget_is_refused_at_
     assert err.value.retry_after_s == 4
 
 
-def test_a_prompt_that_waited_past_the_budget_is_not_built():
-    c = core(1.0)
+async def test_a_prompt_that_waited_past_the_budget_is_not_built():
     built = []
+    bundle = SimpleNamespace(info=SimpleNamespace(), device=None, build_prompt=built.append)
+    c = core(1.0, bundle)
     with pytest.raises(ResourceExhausted, match="waited .* for its prompt"):
-        c.prompts.build(lambda: built.append(1), queued_at=time.perf_counter() - 2.0)
+        await c.prompts.build(object(), queued_at=time.perf_counter() - 2.0)
     assert built == []
 
 
