@@ -35,6 +35,12 @@ class PrefixStateCache:
         host = prefix.detach().to("cpu", torch.long).contiguous()
         return hashlib.sha256(repr(tuple(host.shape)).encode() + host.numpy().tobytes()).digest()
 
+    def holds(self, prefix: torch.Tensor) -> bool:
+        """Whether a start after `prefix` would copy a cached state now (any thread: a membership
+        test that leaves the LRU order alone; the worker may evict it before that start)."""
+        key = self.key(prefix)
+        return key is not None and key in self._lru
+
     def get(self, key: bytes | None) -> Snapshot | None:
         return None if key is None else self._lru.get(key)
 

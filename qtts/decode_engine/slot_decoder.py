@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from qtts.decode_engine.batcher import BatchPlanner, PieceCollector, PlannerConfig, WorkItem
@@ -160,6 +161,12 @@ class SlotDecoder:
         if isinstance(state, Exception):
             raise state
         return state
+
+    def prefix_cached(self, prefix: np.ndarray) -> bool:
+        """Whether a stream starting after `prefix` (int frames [n, codebooks]) would copy a cached
+        state rather than decode it: what `StateStarter` counts a start's cost by. Callable from
+        any thread (a read of the cache's keys)."""
+        return self._prefix_states.holds(torch.from_numpy(np.ascontiguousarray(prefix, dtype=np.int64)))
 
     def start_many(self, prefixes: Sequence[torch.Tensor | None]) -> list[SlotState | Exception]:
         """`start` for several new streams in one pass: result i is the state after prefixes[i], or

@@ -3,9 +3,10 @@
 A state with an ICL reference prefix the engine has not cached costs a prefix decode (eager
 frame-rate windows and planned tail steps). Handed to the single worker one by one, a burst of
 opens queued many of them ahead of the running streams' next decode call, and listeners already
-playing heard gaps. `StateStarter` queues the opens instead: a drain task hands the worker at most
-`START_BATCH` of them at a time (one `start_many` call, where the engine decodes equal misses
-together) and submits the next batch only when that one is done. The decode loop keeps at most one
+playing heard gaps. `StateStarter` queues the opens instead: a drain task hands the worker one
+job at a time (one `start_many` call, where the engine decodes equal misses together): at most
+`START_BATCH` prefix decodes and `START_MAX` states in all (a start without a prefix, or with one
+whose state the engine has cached, is a copy), and submits the next job only when that one is done. The decode loop keeps at most one
 decode call in flight too, so in the worker's FIFO a decode call waits behind at most one batch of
 starts, and a batch of starts behind at most one decode call.
 """
@@ -31,12 +32,16 @@ from services.code2wav.stream import DecodeStream
 
 log = logging.getLogger(__name__)
 
-# States made per worker job at most: the longest a decode call can wait behind starts. `start`
+# Prefix decodes per worker job at most: the longest a decode call can wait behind starts. `start`
 # with an uncached 75-frame prefix took 15 ms (TF32) / 21 ms (bf16) on an H200, most of it the
 # eager frame-rate windows, which only prefixes of equal length share; so a job of 8 misses of
-# distinct lengths may hold a decode call back for tens of milliseconds (estimate), a job of cache
-# hits for about a millisecond. A burst of opens still drains 8 per turn of the worker.
+# distinct lengths may hold a decode call back for tens of milliseconds (estimate).
 START_BATCH = 8
+# States per worker job at most, cheap ones included (no prefix, or a prefix whose state the engine
+# has cached: a grouped copy). With 8 of any kind a turn, a closed loop of 768 streams on the
+# stand-in decoder (benchmarks/code2wav_host.py) spent 0.41 s on average in `open_stream` and
+# 64 took 0.08 s: each turn of the worker also waits for a decode call.
+START_MAX = 64
 
 
 def make_states(
@@ -87,13 +92,17 @@ class StateStarter:
         executor: Executor,
         on_made: Callable[[DecodeStream, float, asyncio.Future], None],
         batch: int = START_BATCH,
+        most: int = START_MAX,
     ):
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
+        if batch < 1 or most < batch:
+            raise ValueError(f"need 1 <= batch <= most, got {batch} and {most}")
         self._job = functools.partial(make_states, decoder, device, metrics)
         self._executor = executor
         self._on_made = on_made
         self.batch = batch
+        self.most = most
+        # Whether a prefix's state is cached (a cheap start); engines without the cache: never.
+        self._cached: Callable[[np.ndarray], bool] = getattr(decoder, "prefix_cached", lambda _: False)
         self._queue: collections.deque[_Pending] = collections.deque()
         self._task: asyncio.Task | None = None
 
@@ -127,11 +136,21 @@ class StateStarter:
                 await asyncio.shield(fut)
 
     def _take(self) -> list[_Pending]:
+        """The next job, in arrival order: at most `most` states, of which at most `batch` decode a
+        prefix (the rest have none, or one the engine has cached)."""
         batch: list[_Pending] = []
-        while self._queue and len(batch) < self.batch:
-            pending = self._queue.popleft()
-            if not pending.stream.closed:
-                batch.append(pending)
+        decodes = 0
+        while self._queue and len(batch) < self.most:
+            pending = self._queue[0]
+            if pending.stream.closed:
+                self._queue.popleft()
+                continue
+            costly = pending.prefix is not None and not self._cached(pending.prefix)
+            if costly and decodes >= self.batch:
+                break
+            self._queue.popleft()
+            batch.append(pending)
+            decodes += costly
         return batch
 
     def _made(self, batch: list[_Pending], fut: asyncio.Future) -> None:

@@ -238,3 +238,55 @@ def test_make_states_falls_back_to_one_start_each_and_keeps_errors_per_stream():
     got = make_states(decoder, torch.device("cpu"), Code2WavMetrics(CollectorRegistry()), prefixes)
     assert got[0]["pos"] == 0 and isinstance(got[1], GenerationFailed) and got[2]["pos"] == 4
     assert decoder.live == 2
+
+
+def test_a_job_takes_cheap_starts_beside_a_bounded_number_of_prefix_decodes():
+    from types import SimpleNamespace
+
+    from services.code2wav.starts import StateStarter, _Pending
+
+    class Cached(FakeIncrementalDecoder):
+        def prefix_cached(self, prefix):  # 5-frame prefixes are not cached
+            return prefix.shape[0] != 5
+
+    starter = StateStarter(
+        Cached(), torch.device("cpu"), Code2WavMetrics(CollectorRegistry()), None, None, 2, 6
+    )
+    miss, hit = np.ones((5, 16), dtype=np.int16), np.ones((3, 16), dtype=np.int16)
+
+    def queue(*prefixes, closed=()):
+        for i, p in enumerate(prefixes):
+            starter._queue.append(_Pending(SimpleNamespace(closed=i in closed, name=i), p))
+
+    queue(miss, None, hit, miss, None, miss, None, closed={4})
+    # Two decodes a job: the third miss waits, and nothing behind it jumps the queue.
+    assert [p.stream.name for p in starter._take()] == [0, 1, 2, 3]
+    assert [p.stream.name for p in starter._take()] == [5, 6]
+    queue(*[None] * 8, hit)
+    assert len(starter._take()) == 6 and len(starter._take()) == 3 and starter._take() == []
+    # An engine without a prefix-state cache: every prefix costs a decode.
+    plain = StateStarter(FakeIncrementalDecoder(), torch.device("cpu"), None, None, None, 2, 6)
+    plain._queue.extend(_Pending(SimpleNamespace(closed=False), p) for p in (hit, None, hit, hit))
+    assert len(plain._take()) == 3
+    with pytest.raises(ValueError, match="batch <= most"):
+        StateStarter(Cached(), torch.device("cpu"), None, None, None, 8, 4)
+
+
+def test_the_slots_engine_says_which_prefixes_it_has_cached():
+    from qtts.decode_engine import SlotDecoderConfig, build_slot_decoder
+    from qtts.model.codec_decoder import CodecDecoder, CodecDecoderConfig, init_dummy_weights
+    from qtts.tiny_model.codec import TINY_DECODER_CONFIG
+
+    codec = CodecDecoder(CodecDecoderConfig.from_dict(TINY_DECODER_CONFIG))
+    init_dummy_weights(codec, 0)
+    decoder = build_slot_decoder(
+        codec.eval(), SlotDecoderConfig(max_streams=2, precision="fp32", cuda_graphs=False)
+    )
+    rng = np.random.default_rng(3)
+    seen, other = (rng.integers(0, codec.cfg.codebook_size, (6, 16)).astype(np.int16) for _ in range(2))
+    assert not decoder.prefix_cached(seen)
+    with torch.inference_mode():
+        (state,) = decoder.start_many([torch.from_numpy(seen.astype(np.int64))])
+    decoder.free(state)
+    assert decoder.prefix_cached(seen) and not decoder.prefix_cached(other)
+    assert not decoder.prefix_cached(seen[:5])  # a prefix of it is another prefix
