@@ -91,6 +91,8 @@ def serve(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
 
+    sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)  # as run_service_main does
+
     async def main() -> None:
         server = Code2WavServer(config, decoder=decoder)
         await server.run()

@@ -57,6 +57,11 @@ class Code2WavConfig:
         "streams decoded per step",
         shown=", ".join(f"{n} for {e}" for e, n in DEFAULT_MAX_BATCH.items()),
     )
+    # 1,024 frames: about 28 ms of the H200's bf16 slot decoder (27 us a frame), the longest a first
+    # chunk waits behind a call in flight; 64 steady 16-frame chunks a call.
+    max_call_frames: int = setting(
+        1024, "frames one decode call takes at most, earliest deadlines first (0 = only --max-batch)"
+    )
     first_chunk_frames: int = setting(DEFAULT_FIRST_CHUNK_FRAMES, "frames in a stream's first chunk")
     chunk_frames_ramp: tuple[int, ...] = setting(
         DEFAULT_CHUNK_RAMP, "frames in the chunks after the first, comma-separated (the last repeats)"
@@ -136,8 +141,9 @@ class Code2WavConfig:
         for name in ("coalesce_max_ms", "deadline_safety_ms"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.prefix_cache_entries < 0:
-            raise InvalidArgument(f"--prefix-cache-entries must be >= 0, got {self.prefix_cache_entries}")
+        for name in ("prefix_cache_entries", "max_call_frames"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.first_chunk_frames < 1 or not self.chunk_frames_ramp or min(self.chunk_frames_ramp) < 1:
             raise InvalidArgument("--first-chunk-frames and every --chunk-frames-ramp value must be >= 1")
         largest = self.chunk_plan.largest

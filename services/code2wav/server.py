@@ -59,6 +59,7 @@ class Code2WavServer:
             self.metrics,
             max_states=cfg.max_states,
             max_batch=cfg.batch_limit,
+            max_call_frames=cfg.max_call_frames,
             plan=cfg.chunk_plan,
             policy=cfg.credit_policy,
             codec_shape=self._codec_shape or CodecShape(),

@@ -120,6 +120,36 @@ async def test_earliest_deadline_first_and_new_streams_before_everyone():
         assert _named(decoder, streams) == [["new"], ["near", "far"]]
 
 
+async def test_a_call_takes_at_most_max_call_frames_earliest_deadlines_first():
+    async with engine_with(ChunkPlan(2, (4,)), max_batch=8, max_call_frames=8) as (engine, decoder, clock):
+        streams = await _open(engine, "a", "b", "c", "d")
+        for name in streams:
+            _feed(streams[name], 2)
+        await _decode_now(engine)  # all four play from t=100, 2 frames each
+        for i, name in enumerate(("d", "c", "b", "a")):  # "d" has the least audio out
+            streams[name].ack(streams[name].emitted_samples)
+            _feed(streams[name], 4 * (i + 1))
+            if i:
+                await _decode_now(engine)
+        decoder.calls.clear()
+        for name in streams:
+            _feed(streams[name], 4)
+        for s in streams.values():
+            s.ack(s.emitted_samples)
+        order = sorted(streams, key=lambda n: streams[n].deadline)
+        assert order == ["d", "c", "b", "a"]  # not the order they were opened in
+        await _decode_now(engine)
+        # 4-frame chunks, 8 frames a call: two streams a call, the nearest deadlines first.
+        assert _named(decoder, streams) == [order[:2], order[2:]]
+        # One chunk longer than the cap still goes, alone.
+        engine.max_call_frames = 3
+        decoder.calls.clear()
+        for name in ("a", "b"):
+            _feed(streams[name], 4)
+        await _decode_now(engine)
+        assert sorted(map(len, decoder.calls)) == [1, 1]
+
+
 async def test_first_chunks_are_decoded_and_delivered_before_steady_state_work():
     """Two streams starting and three playing, all ready at once: the first chunks go in one call
     ahead of the others, and their audio is out before the steady-state call begins. Without a
@@ -286,7 +316,10 @@ def test_slack_and_underruns_follow_the_playback_clock():
 def test_scheduling_flags(monkeypatch):
     monkeypatch.delenv("TTS_CODE2WAV_COALESCE_MAX_MS", raising=False)
     cfg = config_from_args([])
-    assert (cfg.coalesce_max_ms, cfg.deadline_safety_ms) == (0.0, 100.0)
+    assert (cfg.coalesce_max_ms, cfg.deadline_safety_ms, cfg.max_call_frames) == (0.0, 100.0, 1024)
+    assert config_from_args(["--max-call-frames", "0"]).max_call_frames == 0
+    with pytest.raises(InvalidArgument, match="--max-call-frames"):
+        config_from_args(["--max-call-frames", "-1"])
     cfg = config_from_args(["--coalesce-max-ms", "0", "--deadline-safety-ms", "50"])
     assert (cfg.coalesce_max_ms, cfg.deadline_safety_ms) == (0.0, 50.0)
     monkeypatch.setenv("TTS_CODE2WAV_COALESCE_MAX_MS", "4.5")
@@ -297,13 +330,19 @@ def test_scheduling_flags(monkeypatch):
 
 async def test_server_passes_the_scheduling_settings(fake_decoder):
     config = Code2WavConfig(
-        port=0, metrics_port=0, drain_seconds=0.5, coalesce_max_ms=7, deadline_safety_ms=80
+        port=0,
+        metrics_port=0,
+        drain_seconds=0.5,
+        coalesce_max_ms=7,
+        deadline_safety_ms=80,
+        max_call_frames=96,
     )
     server = Code2WavServer(config.validate(), decoder=fake_decoder)
     await server.start()
     try:
         assert server.engine.coalesce_max_s == pytest.approx(0.007)
         assert server.engine.deadline_safety_s == pytest.approx(0.08)
+        assert server.engine.max_call_frames == 96
     finally:
         await server.stop(0.5)
 
