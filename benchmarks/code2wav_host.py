@@ -273,17 +273,17 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     }
 
 
-def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 120.0, name: str = "code2wav") -> None:
     until = time.monotonic() + timeout_s
     while time.monotonic() < until:
         if proc.poll() is not None:
-            raise SystemExit(f"code2wav exited with {proc.returncode} before it served")
+            raise SystemExit(f"{name} exited with {proc.returncode} before it served")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2):
                 return
         except OSError:
             time.sleep(0.5)
-    raise SystemExit(f"code2wav did not serve metrics on :{port} within {timeout_s:.0f} s")
+    raise SystemExit(f"{name} did not serve metrics on :{port} within {timeout_s:.0f} s")
 
 
 def run(args: argparse.Namespace) -> dict:

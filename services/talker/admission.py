@@ -55,6 +55,11 @@ class AdmissionConfig:
     max_load: float = 0.8
     # Longest a request waits for its start before it is refused; 0 = wait until the queue bound.
     first_audio_budget_s: float = 3.0
+    # A new request queues only while its predicted start is within this share of the budget; once
+    # queued it is refused only when its start is predicted past the whole budget. The margin
+    # absorbs the forecast's drift, so a queued request starts rather than being refused after
+    # a second or two (1.0: no margin).
+    queue_budget_share: float = 0.5
     safety_s: float = 0.04
     max_behind_fraction: float = 0.05
     # At most this many start per step, so the measurements can react before the next ones start.
@@ -76,6 +81,8 @@ class AdmissionConfig:
     def __post_init__(self) -> None:
         if self.max_duty < 0 or self.max_load < 0 or self.first_audio_budget_s < 0 or self.safety_s < 0:
             raise ValueError("max_duty, max_load, first_audio_budget_s and safety_s must be >= 0")
+        if not 0 < self.queue_budget_share <= 1:
+            raise ValueError(f"queue_budget_share must be in (0, 1], got {self.queue_budget_share}")
         if self.default_stream_s <= 0 or self.prefill_request_s < 0 or self.decoder_frame_s < 0:
             raise ValueError("default_stream_s must be > 0, prefill_request_s and decoder_frame_s >= 0")
         if not 0.0 <= self.max_behind_fraction < 1.0 or not 0.0 < self.ewma_alpha <= 1.0:

@@ -54,17 +54,19 @@ class QueueForecast:
         return self._late(now, ahead, self.predicted_wait_s(now, ahead))
 
     def _late(self, now: float, ahead: int, wait: float | None) -> TTSError | None:
-        """The refusal of a request that would wait `wait` to start: past its first-audio budget."""
+        """The refusal of a new request that would wait `wait` to start: past the share of its
+        first-audio budget a new request may be predicted to wait (`queue_budget_share`)."""
         adm = self._s.admission
         if adm is None or adm.config.first_audio_budget_s <= 0 or wait is None:
             return None
         budget = adm.config.first_audio_budget_s
-        if wait <= budget:
+        limit = budget * adm.config.queue_budget_share
+        if wait <= limit:
             return None
         queued = len(self._s.waiting) + ahead
         return ResourceExhausted(
-            f"the talker is at capacity: {queued} requests wait to start, about "
-            f"{wait:.1f} s, over the {budget:g} s first-audio budget",
+            f"the talker is at capacity: {queued} requests wait to start, about {wait:.1f} s, "
+            f"over the {limit:g} s a new request may wait of its {budget:g} s first-audio budget",
             self.retry_after(now, ahead, wait),
         )
 

@@ -80,6 +80,7 @@ def scheduler_for(config: TalkerConfig, generator: Any = None) -> DeadlineSchedu
             max_duty=c.admission_max_duty,
             max_load=c.admission_max_load,
             first_audio_budget_s=c.first_audio_budget_ms / 1e3,
+            queue_budget_share=c.queue_budget_share,
             decoder_frame_s=c.decoder_frame_us / 1e6,
             decoder_shares_gpu=c.decoder_shares_gpu,
         )

@@ -32,8 +32,9 @@ def test_requests_past_their_first_audio_budget_are_refused_with_a_retry_hint():
 def test_at_capacity_the_wait_is_predicted_from_when_running_streams_end():
     """Capacity (duty 0.6, 4 ms + 2 ms per stream): 22 streams. With 22 running, 125 frames each
     and 4 s ahead of playback, ending 2.0, 2.1, ... 4.1 s from now, the k-th newcomer waits for
-    the k-th end: those within the 3 s budget queue, the next is refused at submission."""
-    adm = Admission(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.002, first_audio_budget_s=3.0))
+    the k-th end: those within the 3 s a new request may wait (half its 6 s budget) queue, the next
+    is refused at submission."""
+    adm = Admission(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.002, first_audio_budget_s=6.0))
     s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
     assert adm.capacity() == 22
     for i in range(22):
@@ -50,7 +51,7 @@ def test_at_capacity_the_wait_is_predicted_from_when_running_streams_end():
 
 
 def test_a_queue_that_cannot_drain_in_time_refuses_new_requests_at_once():
-    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0, queue_budget_share=1.0))
     s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
     for t in (0.0, 0.5, 1.0):  # two admissions per second
         adm.observe_admit(t)
@@ -126,7 +127,7 @@ def p95(values) -> float:
 
 
 def test_a_request_is_refused_before_its_prompt_when_the_prompts_ahead_fill_the_budget():
-    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0))
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0, queue_budget_share=1.0))
     s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
     for t in (0.0, 0.5, 1.0):  # two admissions per second
         adm.observe_admit(t)
@@ -270,7 +271,7 @@ def test_a_queued_request_is_refused_once_its_forecast_start_passes_the_budget()
     """Two admissions a second: the second in line is forecast to start in 1 s, within the 1 s
     budget, and queues. Nothing more is admitted (the drain stalls): at the next plan the forecast
     puts its start past the budget and it is refused then, not after waiting the budget out."""
-    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0, max_duty=0.01))
+    adm = Admission(AdmissionConfig(first_audio_budget_s=1.0, max_duty=0.01, queue_budget_share=1.0))
     s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
     for t in (0.0, 0.5, 1.0):
         adm.observe_admit(t)
@@ -283,10 +284,34 @@ def test_a_queued_request_is_refused_once_its_forecast_start_passes_the_budget()
     assert [r.request_id for r in s.waiting] == ["first"]
 
 
+def test_a_new_request_queues_within_half_its_budget_and_a_queued_one_keeps_the_whole_budget():
+    """Two admissions a second, 2 s budget: a new request may be predicted to wait 1 s (half the
+    budget), so two queue and the third is refused at once. The drain then stalls for 0.8 s: the
+    second in line is forecast to start 1.8 s after it came, past the 1 s a new request may wait but
+    within its 2 s budget, and stays; only past the whole budget is it refused."""
+    adm = Admission(AdmissionConfig(first_audio_budget_s=2.0, max_duty=0.01))
+    assert adm.config.queue_budget_share == 0.5  # the default
+    s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
+    for t in (0.0, 0.5, 1.0):
+        adm.observe_admit(t)
+    s.running["running"] = req("running")  # the duty bound holds the rest
+    s.submit(req("first"), now=1.0)
+    s.submit(req("second"), now=1.0)  # 1.0 s: within half the budget
+    with pytest.raises(ResourceExhausted, match="over the 1 s a new request may wait of its 2 s"):
+        s.submit(req("third"), now=1.0)  # 1.5 s
+    assert s.plan(1.8).refused == []  # second: 0.8 s waited + 1 s to start, within 2 s
+    assert [r.request_id for r in s.waiting] == ["first", "second"]
+    refused = s.plan(2.3).refused  # 1.3 s waited + 1 s to start: past 2 s
+    assert [r.request_id for r, _ in refused] == ["second"]
+    with pytest.raises(ValueError, match="queue_budget_share"):
+        AdmissionConfig(queue_budget_share=0)
+
+
 def test_headroom_says_what_starts_now_what_would_queue_and_when_to_retry():
     """Capacity 22 (duty 0.6, 4 ms + 2 ms a stream); 20 running, ending 2 s from now: two start at
-    once, and the next ones wait for the streams that end, within the 3 s budget."""
-    adm = Admission(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.002, first_audio_budget_s=3.0))
+    once, and the next ones wait for the streams that end, within the 3 s a new request may wait
+    (half its 6 s budget)."""
+    adm = Admission(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.002, first_audio_budget_s=6.0))
     s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
     for i in range(20):
         r = req(f"run{i}")

@@ -1,0 +1,44 @@
+"""benchmarks/talker_host.py: the stand-in model's generator, and one short run through the real
+talker and code2wav services (processes of their own) driven as the gateway drives the talker."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.talker_host import SleepGenerator, Spec, StandInBundle, main
+from services.launcher.config import free_port
+
+
+def test_the_stand_in_model_makes_the_frames_its_text_asks_for():
+    bundle = StandInBundle()
+    prompt = bundle.build_prompt(Spec(text="frames=3"))
+    gen = SleepGenerator(max_batch=4, step_s=0.0, per_stream_s=0.0)
+    gen.add("a", prompt, bundle.generation_defaults)
+    gen.add("b", bundle.build_prompt(Spec(text="frames=9")), bundle.generation_defaults, max_new_frames=2)
+    made = {"a": 0, "b": 0}
+    ended = []
+    while gen.num_active:
+        for out in gen.step():
+            if out.codes is not None:
+                made[out.request_id] += 1
+            if out.finished:
+                ended.append(out.request_id)
+    assert made == {"a": 3, "b": 2} and sorted(ended) == ["a", "b"]
+
+
+def test_a_short_run_through_the_real_talker_and_code2wav(tmp_path, capsys):
+    out = tmp_path / "talker.json"
+    ports = [str(free_port()) for _ in range(4)]
+    argv = ["--streams", "4", "--seconds", "1", "--clip-s", "0.8", "--ramp-s", "0.1", "--out", str(out)]
+    argv += ["--port", ports[0], "--metrics-port", ports[1], "--code2wav-port", ports[2]]
+    argv += ["--code2wav-metrics-port", ports[3], "--talker-args", "--queue-budget-share 1"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["conditions"]["talker_args"] == ["--queue-budget-share", "1"]
+    (level,) = result["levels"]
+    assert level["errors"] == {} and level["refused"] == 0
+    assert level["finished"] >= 4 and level["gap_free_share"] is not None
+    assert 0 < level["ttfa_s"]["p50"] <= level["ttfa_s"]["max"]
+    assert level["talker_stages"]["prompt_queue"]["count"] >= 4
+    assert level["talker_chunk_hop_means_s"] and level["talker_cpu_per_s"] > 0
+    assert "streams     4: finished" in capsys.readouterr().out
