@@ -45,6 +45,7 @@ import numpy as np
 from benchmarks.code2wav_host import _pcts, _wait_ready, loop_lag, scrape
 from benchmarks.stack_summary import bucket_quantile
 from qtts.pb import talker_pb2, talker_pb2_grpc
+from qtts.serving.log_context import outgoing_metadata
 
 FRAME_S = 0.08
 VOICE = "vivian"
@@ -192,7 +193,7 @@ async def one_stream(stub, name: str, args: argparse.Namespace, level: Level) ->
     )
     first_at, worst = None, 0.0
     try:
-        async for msg in stub.Generate(request):
+        async for msg in stub.Generate(request, metadata=outgoing_metadata(name)):
             if msg.WhichOneof("event") != "audio":
                 continue
             now = time.perf_counter()
@@ -250,6 +251,11 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
         n = delta(talker0, talker1, "tts_talker_chunk_hop_seconds_count", hop=hop)
         total = delta(talker0, talker1, "tts_talker_chunk_hop_seconds_sum", hop=hop)
         hops[hop] = total / n if n else None
+    generate = {"method": "/talker.v1.TalkerService/Generate"}
+    accept = talker1.buckets("tts_rpc_accept_seconds", **generate)
+    before_accept = dict(talker0.buckets("tts_rpc_accept_seconds", **generate))
+    accept = [(le, n - before_accept.get(le, 0.0)) for le, n in accept]
+    accepted = delta(talker0, talker1, "tts_rpc_accept_seconds_count", **generate)
     stages = {}
     for stage in talker1.label_values("tts_stage_latency_seconds", "stage"):
         n = delta(talker0, talker1, "tts_stage_latency_seconds_count", stage=stage)
@@ -272,6 +278,14 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
         "talker_underruns": delta(talker0, talker1, "tts_talker_underruns_total"),
         "talker_chunk_hop_means_s": hops,
         "talker_stages": stages,
+        # From the driver's send to the talker's Generate handler (one host, one clock).
+        "talker_accept_s": {
+            "mean": delta(talker0, talker1, "tts_rpc_accept_seconds_sum", **generate) / accepted
+            if accepted
+            else None,
+            "p50_le": bucket_quantile(accept, 0.5),
+            "p95_le": bucket_quantile(accept, 0.95),
+        },
         "code2wav_cpu_per_s": delta(c2w0, c2w1, "process_cpu_seconds_total") / wall,
         "code2wav_underruns": delta(c2w0, c2w1, "tts_code2wav_underruns_total"),
         "driver_cpu_per_s": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / wall,

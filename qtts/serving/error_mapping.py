@@ -25,7 +25,12 @@ from grpc_status import rpc_status
 
 from qtts.request.errors import InvalidArgument, TTSError, mapping_for, redact_internal
 from qtts.serving import tracing
-from qtts.serving.log_context import bind_request_id, request_id_from_metadata, request_id_var
+from qtts.serving.log_context import (
+    bind_request_id,
+    request_id_from_metadata,
+    request_id_var,
+    waited_since_sent,
+)
 from qtts.serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -84,7 +89,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_unary(self, behavior: Callable, method: str, streamed_requests: bool = False) -> Callable:
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             start, code = time.monotonic(), None
-            token = _bind_caller_request_id(context)
+            token = _bind_caller_request_id(context, self._metrics, method)
             try:
                 request = _checked_requests(request) if streamed_requests else _checked(request)
                 with self._span(method, context):
@@ -104,7 +109,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             async def gen_wrapper(request: Any, context: grpc.aio.ServicerContext):
                 start, code = time.monotonic(), None
-                token = _bind_caller_request_id(context)
+                token = _bind_caller_request_id(context, self._metrics, method)
                 responses = None
                 try:
                     request = _checked_requests(request) if streamed_requests else _checked(request)
@@ -241,12 +246,15 @@ async def _checked_requests(requests: Any):
         yield _checked(request)
 
 
-def _bind_caller_request_id(context: grpc.aio.ServicerContext):
-    """Bind the caller's x-request-id (if it sent one) for the call; returns the reset token."""
+def _bind_caller_request_id(context: grpc.aio.ServicerContext, metrics: Any = None, method: str = ""):
+    """Bind the caller's x-request-id (if it sent one) for the call; returns the reset token. With
+    `metrics`, times how long the call waited since the caller sent it (tts_rpc_accept_seconds)."""
     try:
         metadata = context.invocation_metadata()
     except Exception:  # noqa: BLE001 - a context without metadata: nothing to bind
         metadata = ()
+    if metrics is not None and (waited := waited_since_sent(metadata)) is not None:
+        metrics.rpc_accepted(method, waited)
     return bind_request_id(request_id_from_metadata(metadata))
 
 

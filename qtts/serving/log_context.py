@@ -12,11 +12,16 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from contextvars import ContextVar, Token
 
 from qtts.serving import tracing
 
 METADATA_KEY = "x-request-id"
+# When the caller sent the call (wall clock, ns): the receiving service times how long the call
+# waited before its handler ran (qtts.serving.error_mapping, tts_rpc_accept_seconds). Across hosts
+# the figure carries their clock offset (NTP keeps it to milliseconds).
+SENT_AT_KEY = "x-tts-sent-at-ns"
 HEADER = "X-Request-Id"
 LOG_FORMATS = ("text", "json")
 
@@ -39,12 +44,23 @@ def bind_request_id(request_id: str) -> Token:
 
 
 def outgoing_metadata(request_id: str | None = None) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata for a call to the next stage: `request_id` (default: the bound one) and the
-    current trace context (qtts.serving.tracing), whichever there are."""
+    """gRPC metadata for a call to the next stage: `request_id` (default: the bound one), the
+    current trace context (qtts.serving.tracing), whichever there are, and the time it is sent."""
     rid = request_id if request_id is not None else request_id_var.get()
     metadata = [(METADATA_KEY, rid)] if rid else []
     metadata += tracing.inject({}).items()
+    metadata.append((SENT_AT_KEY, str(time.time_ns())))
     return tuple(metadata)
+
+
+def waited_since_sent(metadata: object, now_ns: int | None = None) -> float | None:
+    """Seconds since the caller sent the call (its `SENT_AT_KEY`; not below 0), or None when it
+    did not say."""
+    for key, value in metadata or ():
+        if key == SENT_AT_KEY and isinstance(value, str) and value.isdigit():
+            now_ns = time.time_ns() if now_ns is None else now_ns
+            return max(0.0, (now_ns - int(value)) / 1e9)
+    return None
 
 
 def request_id_from_metadata(metadata: object) -> str:

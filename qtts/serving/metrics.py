@@ -97,6 +97,15 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.rpc_accept_seconds = Histogram(
+            "tts_rpc_accept_seconds",
+            "How long a call waited from its caller sending it to this service's handler running "
+            "(callers among the services say when they sent it; across hosts it carries their "
+            "clock offset).",
+            ["service", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         # tts_event_loop_lag_seconds: sampled while the service's GrpcServiceHost runs.
         self.loop_lag = LoopLagMonitor(registry, service)
 
@@ -108,6 +117,10 @@ class ServiceMetrics:
         """Count one finished gRPC call (`method` is the full /package.Service/Method path)."""
         self.rpc_total.labels(self.service, method, code).inc()
         self.rpc_duration_seconds.labels(self.service, method).observe(seconds)
+
+    def rpc_accepted(self, method: str, seconds: float) -> None:
+        """A call's handler runs `seconds` after its caller sent it."""
+        self.rpc_accept_seconds.labels(self.service, method).observe(seconds)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage_latency_seconds.labels(self.service, stage).observe(seconds)

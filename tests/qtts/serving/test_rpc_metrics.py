@@ -4,6 +4,7 @@ process_* metrics on its own registry."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -77,3 +78,31 @@ async def test_calls_are_counted_and_timed_by_method_and_code():
         assert sample(r, "process_resident_memory_bytes") > 0
     finally:
         await host.stop(0)
+
+
+async def test_a_call_from_another_service_times_its_wait_before_the_handler():
+    from qtts.serving.log_context import SENT_AT_KEY, outgoing_metadata, waited_since_sent
+
+    metrics = TalkerMetrics(CollectorRegistry())
+    host = GrpcServiceHost(
+        service_names=[service_full_name(talker_pb2, "TalkerService")], metrics=metrics, port=0
+    )
+    talker_pb2_grpc.add_TalkerServiceServicer_to_server(Servicer(), host.server)
+    await host.start()
+    await host.set_serving()
+    labels = {"service": "talker", "method": INFO}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{host.bound_port}") as channel:
+            stub = talker_pb2_grpc.TalkerServiceStub(channel)
+            await stub.GetModelInfo(talker_pb2.GetModelInfoRequest())  # a client that does not say
+            assert sample(metrics.registry, "tts_rpc_accept_seconds_count", **labels) == 0
+            await stub.GetModelInfo(talker_pb2.GetModelInfoRequest(), metadata=outgoing_metadata("r1"))
+            # Sent 2 s ago by the caller's clock: the wait counts from then.
+            old = (*outgoing_metadata("r2")[:-1], (SENT_AT_KEY, str(time.time_ns() - 2_000_000_000)))
+            await stub.GetModelInfo(talker_pb2.GetModelInfoRequest(), metadata=old)
+    finally:
+        await host.stop(0)
+    assert sample(metrics.registry, "tts_rpc_accept_seconds_count", **labels) == 2
+    assert 2.0 <= sample(metrics.registry, "tts_rpc_accept_seconds_sum", **labels) < 3.0
+    assert waited_since_sent([(SENT_AT_KEY, "100")], now_ns=50) == 0.0  # a clock behind: not below 0
+    assert waited_since_sent([(SENT_AT_KEY, "-5")]) is None and waited_since_sent(()) is None
