@@ -72,18 +72,20 @@ async def test_frames_go_to_code2wav_a_chunk_at_a_time_when_it_announces_its_pla
 
 
 async def test_stream_without_credit_stops_generating_at_the_window():
-    # The replica grants 4 frames and never more: the talker sends those 4, generates 3 more into
-    # its buffer (its own window) and then skips the stream.
-    c2w = FakeCode2Wav("c2w-a", window=4, hold=True)
+    # The replica grants 40 frames and never more: the talker sends those 40, generates 3 more into
+    # its buffer (its own window) and then skips the stream. (40 frames are 3.2 s of audio: until
+    # its listener runs dry the held stream is not "behind", which would rightly hold admission,
+    # and keep the other stream below from starting, on a slow machine.)
+    c2w = FakeCode2Wav("c2w-a", window=40, hold=True)
     async with fake_stack([c2w], credit_window_frames=3, max_batch=4) as s:
         call = s.stub.Generate(talker_pb2.GenerateRequest(request_id="held", text="frames=100000", **CLONE))
-        await eventually(lambda: "held" in s.generator._active and s.generator._active["held"][1] >= 7)
+        await eventually(lambda: "held" in s.generator._active and s.generator._active["held"][1] >= 43)
         await asyncio.sleep(0.2)
         produced = s.generator._active["held"][1]
         granted = c2w.logs[0].max_allowed
-        assert granted == 4 and produced == granted + 3
+        assert granted == 40 and produced == granted + 3
         assert len(c2w.logs[0].frames) == granted and c2w.logs[0].violations == []
-        # Another stream (within its 4 granted frames) is not held up by the stalled one.
+        # Another stream (within its granted frames) is not held up by the stalled one.
         chunks, summary = await generate_all(s.stub, request_id="other", text="frames=4", **CLONE)
         assert summary.num_frames == 4 and sum(c.num_samples for c in chunks) == 4 * 1920
         call.cancel()
