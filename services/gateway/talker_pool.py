@@ -107,14 +107,23 @@ class Room:
     retry_after_s: int = 1
 
 
-async def capacity_probe(channel: Any, timeout_s: float = 0.5) -> Room | None:
-    """The talker's published room (GetCapacity); None when it did not say (unknown: has room)."""
+# A talker that did not answer the room poll in time: busy, not empty. Its last published room
+# stands (counted down by the streams started since). On a CPU stand-in stack relaying 768 streams
+# the talker took calls up to a second late (benchmarks/HISTORY.md, the night CPU session): with
+# every poll timed out and so taken as "room unknown", the gateway sent every request on, to be
+# refused there a second later.
+SLOW = object()
+
+
+async def capacity_probe(channel: Any, timeout_s: float = 0.5) -> Room | None | object:
+    """The talker's published room (GetCapacity); None when it did not say (unknown: has room);
+    `SLOW` when it did not answer within `timeout_s`."""
     try:
         resp = await talker_pb2_grpc.TalkerServiceStub(channel).GetCapacity(
             talker_pb2.GetCapacityRequest(), timeout=timeout_s
         )
-    except grpc.aio.AioRpcError:
-        return None
+    except grpc.aio.AioRpcError as exc:
+        return SLOW if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else None
     return Room(resp.accept, max(1, resp.retry_after_s))
 
 
@@ -212,7 +221,7 @@ class TalkerPool:
         refresh_s: float = 5.0,
         min_refresh_gap_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
-        capacity: Callable[[Any], Awaitable[Room | None]] | None = capacity_probe,
+        capacity: Callable[[Any], Awaitable[Room | None | object]] | None = capacity_probe,
         capacity_refresh_s: float = 0.1,
     ):
         self._resolver = resolver
@@ -400,7 +409,7 @@ class TalkerPool:
         for endpoint, room in zip(current, results, strict=True):
             if isinstance(room, Room):
                 endpoint.room, endpoint.retry_after_s = room.accept, room.retry_after_s
-            else:  # no answer: unknown, taken as room (the talker still refuses if it has none)
+            elif room is not SLOW:  # no answer: unknown, taken as room (the talker still refuses)
                 endpoint.room = None
 
     async def _capacity_loop(self) -> None:

@@ -20,7 +20,7 @@ from qtts.pb import talker_pb2, tts_pb2, tts_pb2_grpc
 from qtts.request.errors import ResourceExhausted
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer
-from services.gateway.talker_pool import Room, StaticResolver, TalkerPool
+from services.gateway.talker_pool import SLOW, Room, StaticResolver, TalkerPool, capacity_probe
 
 
 async def ready_pool(rooms: dict[str, Room | None]) -> TalkerPool:
@@ -52,6 +52,39 @@ async def test_the_pool_places_streams_where_there_is_room_and_refuses_when_ther
     assert pool.refusal() is None and pool.pick().address == "a:1"
     leases[0].mark_full(9)  # a talker's own refusal: no room there until it publishes some
     assert pool.endpoints["b:1"].room == 0 and pool.endpoints["b:1"].retry_after_s == 9
+
+
+async def test_a_talker_too_busy_to_answer_the_poll_keeps_its_last_room():
+    rooms: dict[str, object] = {"a:1": Room(1, 4)}
+    pool = await ready_pool(rooms)
+    rooms["a:1"] = SLOW  # the poll timed out: its last room (1) stands, counted down
+    await pool.poll_capacity()
+    assert pool.pick().address == "a:1"
+    await pool.poll_capacity()
+    with pytest.raises(ResourceExhausted) as err:
+        pool.pick()
+    assert err.value.retry_after_s == 4
+    rooms["a:1"] = None  # an answer that says nothing (an older talker): unknown, taken as room
+    await pool.poll_capacity()
+    assert pool.pick().address == "a:1"
+
+
+async def test_the_probe_tells_a_timeout_from_a_talker_without_the_method():
+    class Slow(FakeTalkerServicer):
+        async def GetCapacity(self, request, context):  # noqa: N802 - gRPC method name
+            await asyncio.sleep(1.0)
+            return talker_pb2.GetCapacityResponse(accept=3)
+
+    host, plain = await _start_talker(Slow()), await _start_talker(FakeTalkerServicer())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{host.bound_port}") as channel:
+            assert await capacity_probe(channel, timeout_s=0.05) is SLOW
+            assert await capacity_probe(channel, timeout_s=5.0) == Room(3, 1)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{plain.bound_port}") as channel:
+            assert await capacity_probe(channel) is None  # UNIMPLEMENTED: it does not say
+    finally:
+        await host.stop(0)
+        await plain.stop(0)
 
 
 def test_room_held_for_a_request_reading_its_body_counts_as_taken():
