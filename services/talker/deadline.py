@@ -243,6 +243,7 @@ class DeadlineScheduler:
     def remove(self, request_id: str) -> tuple[ScheduledRequest | None, bool]:
         """Forget a request; returns it and whether it was running (so the generator holds it)."""
         req = self.running.pop(request_id, None)
+        self.forecast.streams_changed()
         if req is not None:
             return req, True
         for w in self.waiting:
@@ -255,6 +256,7 @@ class DeadlineScheduler:
     def plan(self, now: float) -> StepPlan:
         """Admit, refuse the requests past their budget, and decide the next step."""
         plan = StepPlan()
+        self.forecast.streams_changed()  # a step ran since the last plan
         self.forecast.refuse_expired(now, plan)
         self.forecast.refuse_late(now, plan)
         self._admit(now, plan)
@@ -428,6 +430,7 @@ class DeadlineScheduler:
             self.waiting.popleft()
             req.admitted_at = now
             self.running[req.request_id] = req
+            self.forecast.streams_changed()
             plan.admitted.append(req)
             view.prefill_pending += positions
             if adm is not None:

@@ -31,11 +31,25 @@ class Headroom:
     waiting: int  # requests waiting to start, the ones whose prompts are being built included
 
 
+# The running streams' expected ends, sorted, are reused for this long after they were worked out
+# (until the running set changes or the scheduler's next plan): between, they are the same
+# instants seen from a later now. Worked out per call, every request a busy talker refused at once
+# sorted all its streams while holding the engine's lock: at 768 streams, a tenth of the event
+# loop's busy time (py-spy, benchmarks/talker_host.py; benchmarks/HISTORY.md).
+ENDS_REUSE_S = 0.05
+
+
 class QueueForecast:
     """The waits, refusals and retry hints of one scheduler's queue."""
 
     def __init__(self, scheduler: DeadlineScheduler):
         self._s = scheduler
+        # (when, the ends as instants, soonest first) of the last `_ends`; None: work them out.
+        self._ends_at: tuple[float, list[float]] | None = None
+
+    def streams_changed(self) -> None:
+        """The running streams changed: the next `_ends` works them out afresh."""
+        self._ends_at = None
 
     def refusal(self, now: float, ahead: int = 0) -> TTSError | None:
         """The error `submit` would refuse a request with now (None: it would queue), with `ahead`
@@ -188,8 +202,14 @@ class QueueForecast:
             )
 
     def _ends(self, now: float) -> list[float]:
-        """When each running stream is expected to end, from now, soonest first."""
-        return sorted(self._finish_in_s(r, now) for r in self._s.running.values())
+        """When each running stream is expected to end, from now, soonest first (worked out at most
+        once per `ENDS_REUSE_S` while the streams are unchanged)."""
+        kept = self._ends_at
+        if kept is not None and 0.0 <= now - kept[0] <= ENDS_REUSE_S:
+            return [max(0.0, end - now) for end in kept[1]]
+        ends = sorted(self._finish_in_s(r, now) for r in self._s.running.values())
+        self._ends_at = (now, [now + e for e in ends])
+        return ends
 
     def refuse_late(self, now: float, plan: StepPlan) -> None:
         """Refuse (into `plan`) the waiting requests, from the back of the queue, whose predicted
