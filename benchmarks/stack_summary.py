@@ -7,7 +7,8 @@ the first, `then/`, `back/`) and every service's `/metrics` page scraped after t
 - per load level: requests that succeeded, admitted streams gap-free, refusal latency, first audio
   (p50 / p95) and audio-s/s;
 - per service: event-loop lag (p50 / p99 from the histogram's buckets, "<=" the bucket's bound,
-  and the worst sample), underruns, the stages' mean times and the chunk hops' means;
+  and the worst sample), how long calls from the other services waited before their handler ran,
+  underruns, the stages' mean times and the chunk hops' means;
 - the commonest failure statuses and messages per level (numbers in the messages folded, so alike
   ones group) and the idle
   refusal probe, when the client ran one.
@@ -147,6 +148,13 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
         lines.append(
             f"  event-loop lag p50 <= {_ms(p50)} ms, p99 <= {_ms(p99)} ms over {lag[-1][1]:.0f} samples; "
             f"worst since the last scrape {_ms(worst)} ms"
+        )
+    accept = metrics.buckets("tts_rpc_accept_seconds")
+    if accept and accept[-1][1] > 0:
+        waited = metrics.mean("tts_rpc_accept_seconds")
+        lines.append(
+            f"  calls waited before their handler: mean {_ms(waited[1])} ms, p95 <= "
+            f"{_ms(bucket_quantile(accept, 0.95))} ms over {accept[-1][1]:.0f} calls"
         )
     underruns = metrics.total(f"tts_{service}_underruns_total")
     if metrics.values(f"tts_{service}_underruns_total"):

@@ -41,6 +41,8 @@ def write_run(tmp_path):
     for lag in [0.0004] * 98 + [0.02, 0.3]:
         talker.loop_lag.observe(lag)
     talker.underruns_total.inc(7)
+    for waited in (0.002, 0.004, 1.2):
+        talker.rpc_accepted("/talker.v1.TalkerService/Generate", waited)
     talker.observe_stage("prefill", 0.010)
     talker.observe_stage("prefill", 0.020)
     talker.chunk_hop_seconds.labels("code2wav").observe(1.25)
@@ -68,6 +70,7 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
         "  event-loop lag p50 <= 0 ms, p99 <= 25 ms over 100 samples; worst since the last scrape 300 ms"
     )
     assert "  underruns 7" in talker
+    assert "  calls waited before their handler: mean 402 ms, p95 <= 2500 ms over 3 calls" in talker
     assert "  stage prefill: n=2, mean 15.0 ms" in talker
     assert "  talker_chunk_hop_seconds means (ms): code2wav 1000.0" in talker
     assert "  stage open_stream: n=1, mean 500.0 ms" in lines[lines.index("code2wav:") :]
