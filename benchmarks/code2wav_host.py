@@ -37,6 +37,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from benchmarks.metrics import percentiles
 from benchmarks.stack_summary import ScrapedMetrics, bucket_quantile
 from qtts.pb import code2wav_pb2_grpc
 from qtts.streams.chunk_plan import BUSY_STARTING, ChunkPlan, start_plan
@@ -187,11 +188,30 @@ def scrape(port: int) -> ScrapedMetrics:
         return ScrapedMetrics(r.read().decode())
 
 
-def _pcts(values: Sequence[float]) -> dict[str, float | None]:
-    if not len(values):
-        return {"p50": None, "p95": None, "p99": None, "max": None}
-    a = np.asarray(values)
-    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 95, 99)} | {"max": float(a.max())}
+def pcts(values: Sequence[float]) -> dict[str, float | None]:
+    """p50 / p95 / p99, the mean (benchmarks.metrics.percentiles) and the max; None when empty."""
+    return percentiles(values, (50, 95, 99)) | {"max": max(values) if len(values) else None}
+
+
+class Since:
+    """A service's counters and histograms over one level: two scrapes, before and after."""
+
+    def __init__(self, before: ScrapedMetrics, after: ScrapedMetrics):
+        self.before, self.after = before, after
+
+    def total(self, name: str, **labels: str) -> float:
+        return self.after.total(name, **labels) - self.before.total(name, **labels)
+
+    def mean(self, name: str, **labels: str) -> float | None:
+        """A histogram's mean over the level (None: nothing observed)."""
+        count = self.total(f"{name}_count", **labels)
+        return self.total(f"{name}_sum", **labels) / count if count else None
+
+    def quantiles(self, name: str, *qs: float, **labels: str) -> dict[str, float | None]:
+        """A histogram's quantiles over the level, as the bounds of the buckets holding them."""
+        old = dict(self.before.buckets(name, **labels))
+        diff = [(le, n - old.get(le, 0.0)) for le, n in self.after.buckets(name, **labels)]
+        return {f"p{round(100 * q)}_le": bucket_quantile(diff, q) for q in qs}
 
 
 # code2wav's histograms whose mean over a level says where a chunk's time went.
@@ -201,22 +221,6 @@ WHERE = {
     "decode_call": ("tts_code2wav_decode_seconds", {}),
     "open_stream": ("tts_stage_latency_seconds", {"stage": "open_stream"}),
 }
-
-
-def _means(before: ScrapedMetrics, after: ScrapedMetrics) -> dict[str, float | None]:
-    out = {}
-    for key, (name, labels) in WHERE.items():
-        count = after.total(f"{name}_count", **labels) - before.total(f"{name}_count", **labels)
-        total = after.total(f"{name}_sum", **labels) - before.total(f"{name}_sum", **labels)
-        out[key] = total / count if count else None
-    return out
-
-
-def _delta_lag(before: ScrapedMetrics, after: ScrapedMetrics) -> dict[str, float | None]:
-    b = dict(before.buckets("tts_event_loop_lag_seconds"))
-    a = after.buckets("tts_event_loop_lag_seconds")
-    diff = [(le, count - b.get(le, 0.0)) for le, count in a]
-    return {"p50_le": bucket_quantile(diff, 0.5), "p99_le": bucket_quantile(diff, 0.99)}
 
 
 async def run_level(streams: int, args: argparse.Namespace) -> dict:
@@ -243,15 +247,9 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     await sampler
     wall = time.perf_counter() - wall0
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    after = scrape(args.metrics_port)
+    c2w = Since(before, scrape(args.metrics_port))
     await channel.close()
-    calls = after.total("tts_code2wav_decode_batch_streams_count") - before.total(
-        "tts_code2wav_decode_batch_streams_count"
-    )
-    streams_decoded = after.total("tts_code2wav_decode_batch_streams_sum") - before.total(
-        "tts_code2wav_decode_batch_streams_sum"
-    )
-    c2w_cpu = after.total("process_cpu_seconds_total") - before.total("process_cpu_seconds_total")
+    calls = c2w.total("tts_code2wav_decode_batch_streams_count")
     return {
         "streams": streams,
         "plan": [plan.first, list(plan.ramp)],
@@ -259,21 +257,20 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
         "streams_done": level.done,
         "failed": level.failed,
         "chunks": len(level.hops),
-        "hop_s": _pcts(level.hops),
-        "first_chunk_hop_s": _pcts(level.first_hops),
-        "code2wav_cpu_per_s": c2w_cpu / wall,
-        "code2wav_loop_lag_s": _delta_lag(before, after),
-        "code2wav_means_s": _means(before, after),
+        "hop_s": pcts(level.hops),
+        "first_chunk_hop_s": pcts(level.first_hops),
+        "code2wav_cpu_per_s": c2w.total("process_cpu_seconds_total") / wall,
+        "code2wav_loop_lag_s": c2w.quantiles("tts_event_loop_lag_seconds", 0.5, 0.99),
+        "code2wav_means_s": {key: c2w.mean(name, **labels) for key, (name, labels) in WHERE.items()},
         "decode_calls_per_s": calls / wall,
-        "decode_batch_mean": streams_decoded / calls if calls else None,
-        "code2wav_underruns": after.total("tts_code2wav_underruns_total")
-        - before.total("tts_code2wav_underruns_total"),
+        "decode_batch_mean": c2w.total("tts_code2wav_decode_batch_streams_sum") / calls if calls else None,
+        "code2wav_underruns": c2w.total("tts_code2wav_underruns_total"),
         "driver_cpu_per_s": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / wall,
-        "driver_loop_lag_s": _pcts(level.lags),
+        "driver_loop_lag_s": pcts(level.lags),
     }
 
 
-def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 120.0, name: str = "code2wav") -> None:
+def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 120.0, name: str = "code2wav") -> None:
     until = time.monotonic() + timeout_s
     while time.monotonic() < until:
         if proc.poll() is not None:
@@ -297,17 +294,24 @@ def run(args: argparse.Namespace) -> dict:
         return _result(args, [asyncio.run(run_level(n, args)) for n in args.streams])
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        _wait_ready(args.metrics_port, proc)
+        wait_ready(args.metrics_port, proc)
         time.sleep(1.0)  # health SERVING follows the metrics port by a warm-up decode
         levels = [asyncio.run(run_level(n, args)) for n in args.streams]
     finally:
+        stop([proc])
+    return _result(args, levels)
+
+
+def stop(procs: Sequence[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """SIGTERM the processes (the last started first), SIGKILL any still there after `grace_s`."""
+    for proc in reversed(procs):
         proc.terminate()
+    for proc in reversed(procs):
         try:
-            proc.wait(30)
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return _result(args, levels)
 
 
 def _result(args: argparse.Namespace, levels: list[dict]) -> dict:

@@ -42,23 +42,13 @@ from typing import Any
 import grpc
 import numpy as np
 
-from benchmarks.code2wav_host import _pcts, _wait_ready, loop_lag, scrape
-from benchmarks.stack_summary import bucket_quantile
+from benchmarks.code2wav_host import Since, loop_lag, pcts, scrape, stop, wait_ready
+from qtts.model.sampling import SamplingParams
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.serving.log_context import outgoing_metadata
 
 FRAME_S = 0.08
 VOICE = "vivian"
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
-    seed: int | None = None
-    greedy: bool = False
 
 
 @dataclasses.dataclass
@@ -95,7 +85,7 @@ class StandInBundle:
             sample_rate=24000,
             samples_per_frame=1920,
         )
-        self.generation_defaults = Sampling()
+        self.generation_defaults = SamplingParams()
 
     def compute_voice_prompt(self, pcm, ref_text, x_vector_only):
         raise ValueError("the stand-in model has only its preset voice")
@@ -178,7 +168,6 @@ class Level:
     def __init__(self) -> None:
         self.ttfa: list[float] = []
         self.worst_gap: list[float] = []  # per finished stream
-        self.refused: list[float] = []
         self.refusal_reasons: dict[str, list[float]] = {}  # reason (numbers folded) -> latencies
         self.errors: dict[str, int] = {}
         self.lags: list[float] = []
@@ -205,9 +194,8 @@ async def one_stream(stub, name: str, args: argparse.Namespace, level: Level) ->
         level.worst_gap.append(worst)
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and first_at is None:
-            level.refused.append(time.perf_counter() - sent)
             reason = re.sub(r"\b\d+(\.\d+)?\b", "N", exc.details() or "")[:100]
-            level.refusal_reasons.setdefault(reason, []).append(level.refused[-1])
+            level.refusal_reasons.setdefault(reason, []).append(time.perf_counter() - sent)
             # Refused clients that all wait the same retry_s come back together, as clients that
             # honour one Retry-After do; --retry-jitter spreads them over +-that share of it.
             await asyncio.sleep(args.retry_s * (1 + args.retry_jitter * (2 * random.random() - 1)))
@@ -237,59 +225,45 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     await sampler
     wall = time.perf_counter() - wall0
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    talker1, c2w1 = scrape(args.metrics_port), scrape(args.code2wav_metrics_port)
+    talker = Since(talker0, scrape(args.metrics_port))
+    c2w = Since(c2w0, scrape(args.code2wav_metrics_port))
     await channel.close()
-
-    def delta(before, after, name, **labels):
-        return after.total(name, **labels) - before.total(name, **labels)
-
-    lag = talker1.buckets("tts_event_loop_lag_seconds")
-    before = dict(talker0.buckets("tts_event_loop_lag_seconds"))
-    lag = [(le, n - before.get(le, 0.0)) for le, n in lag]
-    hops = {}
-    for hop in talker1.label_values("tts_talker_chunk_hop_seconds", "hop"):
-        n = delta(talker0, talker1, "tts_talker_chunk_hop_seconds_count", hop=hop)
-        total = delta(talker0, talker1, "tts_talker_chunk_hop_seconds_sum", hop=hop)
-        hops[hop] = total / n if n else None
     generate = {"method": "/talker.v1.TalkerService/Generate"}
-    accept = talker1.buckets("tts_rpc_accept_seconds", **generate)
-    before_accept = dict(talker0.buckets("tts_rpc_accept_seconds", **generate))
-    accept = [(le, n - before_accept.get(le, 0.0)) for le, n in accept]
-    accepted = delta(talker0, talker1, "tts_rpc_accept_seconds_count", **generate)
-    stages = {}
-    for stage in talker1.label_values("tts_stage_latency_seconds", "stage"):
-        n = delta(talker0, talker1, "tts_stage_latency_seconds_count", stage=stage)
-        total = delta(talker0, talker1, "tts_stage_latency_seconds_sum", stage=stage)
-        stages[stage] = {"count": n, "mean_s": total / n if n else None}
+    hop_s = "tts_talker_chunk_hop_seconds"
+    stage_s = "tts_stage_latency_seconds"
     gaps = np.asarray(level.worst_gap) if level.worst_gap else np.zeros(0)
+    refused = [t for times in level.refusal_reasons.values() for t in times]
     return {
         "streams": streams,
         "wall_s": wall,
         "finished": len(level.worst_gap),
         "gap_free_share": float((gaps <= 0).mean()) if len(gaps) else None,
-        "worst_gap_s": _pcts([g for g in level.worst_gap if g > 0]),
-        "ttfa_s": _pcts(level.ttfa),
-        "refused": len(level.refused),
-        "refusal_s": _pcts(level.refused),
-        "refusal_reasons": {k: {"count": len(v)} | _pcts(v) for k, v in level.refusal_reasons.items()},
+        "worst_gap_s": pcts([g for g in level.worst_gap if g > 0]),
+        "ttfa_s": pcts(level.ttfa),
+        "refused": len(refused),
+        "refusal_s": pcts(refused),
+        "refusal_reasons": {k: {"count": len(v)} | pcts(v) for k, v in level.refusal_reasons.items()},
         "errors": level.errors,
-        "talker_cpu_per_s": delta(talker0, talker1, "process_cpu_seconds_total") / wall,
-        "talker_loop_lag_s": {"p50_le": bucket_quantile(lag, 0.5), "p99_le": bucket_quantile(lag, 0.99)},
-        "talker_underruns": delta(talker0, talker1, "tts_talker_underruns_total"),
-        "talker_chunk_hop_means_s": hops,
-        "talker_stages": stages,
-        # From the driver's send to the talker's Generate handler (one host, one clock).
-        "talker_accept_s": {
-            "mean": delta(talker0, talker1, "tts_rpc_accept_seconds_sum", **generate) / accepted
-            if accepted
-            else None,
-            "p50_le": bucket_quantile(accept, 0.5),
-            "p95_le": bucket_quantile(accept, 0.95),
+        "talker_cpu_per_s": talker.total("process_cpu_seconds_total") / wall,
+        "talker_loop_lag_s": talker.quantiles("tts_event_loop_lag_seconds", 0.5, 0.99),
+        "talker_underruns": talker.total("tts_talker_underruns_total"),
+        "talker_chunk_hop_means_s": {
+            hop: talker.mean(hop_s, hop=hop) for hop in talker.after.label_values(hop_s, "hop")
         },
-        "code2wav_cpu_per_s": delta(c2w0, c2w1, "process_cpu_seconds_total") / wall,
-        "code2wav_underruns": delta(c2w0, c2w1, "tts_code2wav_underruns_total"),
+        "talker_stages": {
+            stage: {
+                "count": talker.total(f"{stage_s}_count", stage=stage),
+                "mean_s": talker.mean(stage_s, stage=stage),
+            }
+            for stage in talker.after.label_values(stage_s, "stage")
+        },
+        # From the driver's send to the talker's Generate handler (one host, one clock).
+        "talker_accept_s": {"mean": talker.mean("tts_rpc_accept_seconds", **generate)}
+        | talker.quantiles("tts_rpc_accept_seconds", 0.5, 0.95, **generate),
+        "code2wav_cpu_per_s": c2w.total("process_cpu_seconds_total") / wall,
+        "code2wav_underruns": c2w.total("tts_code2wav_underruns_total"),
         "driver_cpu_per_s": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / wall,
-        "driver_loop_lag_s": _pcts(level.lags),
+        "driver_loop_lag_s": pcts(level.lags),
     }
 
 
@@ -308,19 +282,13 @@ def run(args: argparse.Namespace) -> dict:
     talker += ["--talker-args", shlex.join(args.talker_args)]
     procs = [subprocess.Popen(c2w, env=env)]
     try:
-        _wait_ready(args.code2wav_metrics_port, procs[0])
+        wait_ready(args.code2wav_metrics_port, procs[0])
         procs.append(subprocess.Popen(talker, env=env))
-        _wait_ready(args.metrics_port, procs[1], name="talker")
+        wait_ready(args.metrics_port, procs[1], name="talker")
         time.sleep(2.0)  # both SERVING, the talker's ring connected
         levels = [asyncio.run(run_level(n, args)) for n in args.streams]
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(procs)
     return {
         "benchmark": "talker_host",
         "conditions": {
