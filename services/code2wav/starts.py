@@ -75,6 +75,7 @@ class _Pending:
     stream: DecodeStream
     prefix: np.ndarray | None
     began: float = field(default_factory=time.perf_counter)
+    costly: bool | None = None  # decodes its prefix (worked out once, when first looked at)
 
 
 class StateStarter:
@@ -145,7 +146,9 @@ class StateStarter:
             if pending.stream.closed:
                 self._queue.popleft()
                 continue
-            costly = pending.prefix is not None and not self._cached(pending.prefix)
+            if pending.costly is None:
+                pending.costly = pending.prefix is not None and not self._cached(pending.prefix)
+            costly = pending.costly
             if costly and decodes >= self.batch:
                 break
             self._queue.popleft()
