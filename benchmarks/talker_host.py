@@ -45,7 +45,9 @@ import numpy as np
 from benchmarks.code2wav_host import Since, loop_lag, pcts, scrape, stop, wait_ready
 from qtts.model.sampling import SamplingParams
 from qtts.pb import talker_pb2, talker_pb2_grpc
+from qtts.request.errors import ResourceExhausted, from_grpc
 from qtts.serving.log_context import outgoing_metadata
+from services.gateway.talker_pool import StaticResolver, TalkerPool, capacity_probe, capacity_watch
 
 FRAME_S = 0.08
 VOICE = "vivian"
@@ -94,6 +96,11 @@ class StandInBundle:
         words = dict(w.split("=", 1) for w in spec.text.split() if "=" in w)
         return Prompt(frames=int(words.get("frames", 125)))
 
+    @property
+    def prompt_builder(self) -> SimpleNamespace:
+        """The engine process builds its queued prompts together (`build_many`)."""
+        return SimpleNamespace(build_many=lambda specs: [self.build_prompt(spec) for spec in specs])
+
 
 class SleepGenerator:
     """The engine's generator contract, its step a sleep of the H200 frame step's length."""
@@ -137,6 +144,26 @@ class SleepGenerator:
         return outs
 
 
+# Set by `serve --engine-process`: "step_ms,step_us_per_stream". The engine process is spawned and
+# imports this module afresh (as multiprocessing's main module), so the stand-in model it loads
+# is installed at import, from the environment it inherits.
+STAND_IN_ENV = "TALKER_HOST_STAND_IN"
+
+
+def install_stand_in(step_ms: float, step_us_per_stream: float) -> None:
+    """Make the talker's model setup load the stand-in model and generator."""
+    from services.talker import model_setup
+
+    model_setup.load_bundle = lambda config: StandInBundle()
+    model_setup.generator_factory_for = lambda config: (
+        lambda bundle, n: SleepGenerator(n, step_ms / 1e3, step_us_per_stream / 1e6)
+    )
+
+
+if os.environ.get(STAND_IN_ENV):
+    install_stand_in(*(float(x) for x in os.environ[STAND_IN_ENV].split(",")))
+
+
 def serve(args: argparse.Namespace) -> None:
     """The talker on `args.port` with the stand-in model, its code2wav at `args.code2wav`."""
     from services.talker.config import config_from_args
@@ -145,20 +172,26 @@ def serve(args: argparse.Namespace) -> None:
     config = config_from_args(
         ["--port", str(args.port), "--metrics-port", str(args.metrics_port), "--code2wav", args.code2wav]
         + ["--drain-seconds", "1", "--max-batch", "1024", "--max-queue", "2048"]
+        + (["--engine-process", "on"] if args.engine_process else [])
         + args.talker_args
     )
     sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
 
     async def main() -> None:
-        server = TalkerServer(
-            config,
-            bundle=StandInBundle(),
-            generator_factory=lambda bundle, n: SleepGenerator(
-                n, args.step_ms / 1e3, args.step_us_per_stream / 1e6
-            ),
-            spec_factory=Spec,
-            run_warm_up=False,
-        )
+        if args.engine_process:  # as on the GPU: the engine in a process of its own
+            os.environ[STAND_IN_ENV] = f"{args.step_ms},{args.step_us_per_stream}"
+            install_stand_in(args.step_ms, args.step_us_per_stream)
+            server = TalkerServer(config, spec_factory=Spec, run_warm_up=False)
+        else:
+            server = TalkerServer(
+                config,
+                bundle=StandInBundle(),
+                generator_factory=lambda bundle, n: SleepGenerator(
+                    n, args.step_ms / 1e3, args.step_us_per_stream / 1e6
+                ),
+                spec_factory=Spec,
+                run_warm_up=False,
+            )
         await server.run()
 
     asyncio.run(main())
@@ -171,18 +204,53 @@ class Level:
         self.refusal_reasons: dict[str, list[float]] = {}  # reason (numbers folded) -> latencies
         self.errors: dict[str, int] = {}
         self.lags: list[float] = []
+        self.polls: list[float] = []  # --gateway-pool: each capacity poll's round trip
 
 
-async def one_stream(stub, name: str, args: argparse.Namespace, level: Level) -> None:
-    """One Generate call, listened to in real time from its first chunk."""
+def refused(level: Level, sent: float, message: str) -> None:
+    reason = re.sub(r"\b\d+(\.\d+)?\b", "N", message)[:100]
+    level.refusal_reasons.setdefault(reason, []).append(time.perf_counter() - sent)
+
+
+async def pooled_stream(pool: TalkerPool, name: str, args: argparse.Namespace, level: Level) -> None:
+    """One stream as the gateway starts it: refused at once while the talker's published room is
+    spent (`TalkerPool.acquire`), otherwise a call on the picked talker's channel, whose refusal
+    marks it full until its next published room."""
     sent = time.perf_counter()
+    try:
+        lease = await pool.acquire()
+    except ResourceExhausted as exc:
+        refused(level, sent, f"gateway: {exc.message}")
+        await asyncio.sleep(retry_s(args))
+        return
+    with lease:
+        stub = talker_pb2_grpc.TalkerServiceStub(lease.channel)
+        error = await one_stream(stub, name, args, level, sent, lease.metadata)
+        if isinstance(error, ResourceExhausted):
+            lease.mark_full(error.retry_after_s)
+    if error is not None:
+        await asyncio.sleep(retry_s(args))
+
+
+def retry_s(args: argparse.Namespace) -> float:
+    """Refused clients that all wait the same retry_s come back together, as clients that honour
+    one Retry-After do; --retry-jitter spreads them over +-that share of it."""
+    return args.retry_s * (1 + args.retry_jitter * (2 * random.random() - 1))
+
+
+async def one_stream(
+    stub, name: str, args: argparse.Namespace, level: Level, sent: float | None = None, metadata: tuple = ()
+) -> ResourceExhausted | None:
+    """One Generate call, listened to in real time from its first chunk. Returns its refusal
+    (recorded) when refused before any audio; the caller waits before retrying."""
+    sent = time.perf_counter() if sent is None else sent
     frames = round(args.clip_s / FRAME_S)  # a known length, as the benchmark client's max_new_tokens
     request = talker_pb2.GenerateRequest(
         request_id=name, text=f"frames={frames}", voice=VOICE, language="english", max_new_frames=frames
     )
     first_at, worst = None, 0.0
     try:
-        async for msg in stub.Generate(request, metadata=outgoing_metadata(name)):
+        async for msg in stub.Generate(request, metadata=outgoing_metadata(name) + metadata):
             if msg.WhichOneof("event") != "audio":
                 continue
             now = time.perf_counter()
@@ -194,20 +262,36 @@ async def one_stream(stub, name: str, args: argparse.Namespace, level: Level) ->
         level.worst_gap.append(worst)
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and first_at is None:
-            reason = re.sub(r"\b\d+(\.\d+)?\b", "N", exc.details() or "")[:100]
-            level.refusal_reasons.setdefault(reason, []).append(time.perf_counter() - sent)
-            # Refused clients that all wait the same retry_s come back together, as clients that
-            # honour one Retry-After do; --retry-jitter spreads them over +-that share of it.
-            await asyncio.sleep(args.retry_s * (1 + args.retry_jitter * (2 * random.random() - 1)))
-        else:
-            key = f"{exc.code().name}: {exc.details()}"[:90]
-            level.errors[key] = level.errors.get(key, 0) + 1
+            refused(level, sent, exc.details() or "")
+            return from_grpc(exc.code(), exc.details(), exc.trailing_metadata())
+        key = f"{exc.code().name}: {exc.details()}"[:90]
+        level.errors[key] = level.errors.get(key, 0) + 1
+    return None
 
 
 async def run_level(streams: int, args: argparse.Namespace) -> dict:
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{args.port}")
-    stub = talker_pb2_grpc.TalkerServiceStub(channel)
+    address = f"127.0.0.1:{args.port}"
+    # --channels N: N connections (a local subchannel pool each), streams spread over them.
+    channels = [
+        grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(args.channels)
+    ]
+    stubs = [talker_pb2_grpc.TalkerServiceStub(c) for c in channels]
     level = Level()
+    pool = None
+    if args.gateway_pool:
+
+        async def timed_probe(ch: Any, caller: str) -> Any:
+            start = time.perf_counter()
+            try:
+                return await capacity_probe(ch, caller)
+            finally:
+                level.polls.append(time.perf_counter() - start)
+
+        watch = None if args.gateway_pool == "poll" else capacity_watch
+        pool = TalkerPool(StaticResolver([address]), capacity=timed_probe, watch=watch)
+        await pool.refresh()
+        pool.start()
     talker0, c2w0 = scrape(args.metrics_port), scrape(args.code2wav_metrics_port)
     cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     deadline = wall0 + args.seconds
@@ -218,7 +302,11 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     async def slot(i: int) -> None:
         await asyncio.sleep(i * args.ramp_s / streams)
         while time.perf_counter() < deadline:
-            await one_stream(stub, f"t{streams}-{next(counter)}", args, level)
+            name = f"t{streams}-{next(counter)}"
+            if pool is not None:
+                await pooled_stream(pool, name, args, level)
+            elif await one_stream(stubs[i % len(stubs)], name, args, level) is not None:
+                await asyncio.sleep(retry_s(args))
 
     await asyncio.gather(*(slot(i) for i in range(streams)))
     stop.set()
@@ -227,12 +315,16 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     talker = Since(talker0, scrape(args.metrics_port))
     c2w = Since(c2w0, scrape(args.code2wav_metrics_port))
-    await channel.close()
+    for channel in channels:
+        await channel.close()
+    if pool is not None:
+        await pool.close()
     generate = {"method": "/talker.v1.TalkerService/Generate"}
+    polls = {"method": "/talker.v1.TalkerService/GetCapacity"}
     hop_s = "tts_talker_chunk_hop_seconds"
     stage_s = "tts_stage_latency_seconds"
     gaps = np.asarray(level.worst_gap) if level.worst_gap else np.zeros(0)
-    refused = [t for times in level.refusal_reasons.values() for t in times]
+    refusals = [t for times in level.refusal_reasons.values() for t in times]
     return {
         "streams": streams,
         "wall_s": wall,
@@ -240,9 +332,10 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
         "gap_free_share": float((gaps <= 0).mean()) if len(gaps) else None,
         "worst_gap_s": pcts([g for g in level.worst_gap if g > 0]),
         "ttfa_s": pcts(level.ttfa),
-        "refused": len(refused),
-        "refusal_s": pcts(refused),
+        "refused": len(refusals),
+        "refusal_s": pcts(refusals),
         "refusal_reasons": {k: {"count": len(v)} | pcts(v) for k, v in level.refusal_reasons.items()},
+        "capacity_poll_s": pcts(level.polls) | {"count": len(level.polls)},
         "errors": level.errors,
         "talker_cpu_per_s": talker.total("process_cpu_seconds_total") / wall,
         "talker_loop_lag_s": talker.quantiles("tts_event_loop_lag_seconds", 0.5, 0.99),
@@ -260,11 +353,35 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
         # From the driver's send to the talker's Generate handler (one host, one clock).
         "talker_accept_s": {"mean": talker.mean("tts_rpc_accept_seconds", **generate)}
         | talker.quantiles("tts_rpc_accept_seconds", 0.5, 0.95, **generate),
+        "talker_capacity_accept_s": {"mean": talker.mean("tts_rpc_accept_seconds", **polls)}
+        | talker.quantiles("tts_rpc_accept_seconds", 0.5, 0.95, **polls),
         "code2wav_cpu_per_s": c2w.total("process_cpu_seconds_total") / wall,
         "code2wav_underruns": c2w.total("tts_code2wav_underruns_total"),
         "driver_cpu_per_s": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / wall,
         "driver_loop_lag_s": pcts(level.lags),
     }
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    """Until the talker's health says SERVING (model loaded, a code2wav replica on its ring)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    until = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        while time.monotonic() < until:
+            if proc.poll() is not None:
+                raise SystemExit(f"the talker exited with {proc.returncode} before it served")
+            try:
+                if (
+                    check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise SystemExit(f"the talker at {address} was not SERVING within {timeout_s:.0f} s")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -280,12 +397,13 @@ def run(args: argparse.Namespace) -> dict:
     talker += ["--metrics-port", str(args.metrics_port), "--code2wav", f"127.0.0.1:{args.code2wav_port}"]
     talker += ["--step-ms", str(args.step_ms), "--step-us-per-stream", str(args.step_us_per_stream)]
     talker += ["--talker-args", shlex.join(args.talker_args)]
+    talker += ["--engine-process"] if args.engine_process else []
     procs = [subprocess.Popen(c2w, env=env)]
     try:
         wait_ready(args.code2wav_metrics_port, procs[0])
         procs.append(subprocess.Popen(talker, env=env))
         wait_ready(args.metrics_port, procs[1], name="talker")
-        time.sleep(2.0)  # both SERVING, the talker's ring connected
+        wait_serving(f"127.0.0.1:{args.port}", procs[1])  # its engine loaded, its ring connected
         levels = [asyncio.run(run_level(n, args)) for n in args.streams]
     finally:
         stop(procs)
@@ -297,6 +415,8 @@ def run(args: argparse.Namespace) -> dict:
             "clip_s": args.clip_s,
             "seconds": args.seconds,
             "talker_args": args.talker_args,
+            "engine": "own process" if args.engine_process else "in the talker's process",
+            "driver": f"gateway pool ({args.gateway_pool})" if args.gateway_pool else "direct Generate calls",
             "code2wav_args": args.code2wav_args,
             "cpus": os.cpu_count(),
             "command": " ".join(sys.argv),
@@ -314,6 +434,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ramp-s", type=float, default=2.0, help="a level's streams start over this")
     parser.add_argument("--retry-s", type=float, default=1.0, help="a refused stream waits this long")
     parser.add_argument("--retry-jitter", type=float, default=0.0, help="+- this share of --retry-s")
+    parser.add_argument(
+        "--gateway-pool",
+        nargs="?",
+        const="watch",
+        choices=("watch", "poll"),
+        default=None,
+        help="start streams as the gateway does: refused at once from the talker's published room, "
+        "watched (WatchCapacity) or polled (GetCapacity every 100 ms)",
+    )
+    parser.add_argument("--channels", type=int, default=1, help="direct calls: connections to spread over")
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="the talker's engine in a process of its own, as on the GPU (default: in the talker's)",
+    )
     parser.add_argument("--step-ms", type=float, default=4.4, help="frame step at batch 1")
     parser.add_argument("--step-us-per-stream", type=float, default=20.0, help="frame step per stream")
     parser.add_argument("--port", type=int, default=50452)

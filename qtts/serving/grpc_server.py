@@ -174,6 +174,7 @@ class GrpcServiceHost:
             self.server,
         )
         self._shutdown_callbacks: list[Callable[[], Any]] = []
+        self._drain_callbacks: list[Callable[[], Any]] = []
         self._metrics_http: Any = None
         self._stop_requested = asyncio.Event()
         self._stopped = False
@@ -199,6 +200,11 @@ class GrpcServiceHost:
             interceptors=server_interceptors(config.internal_token),
             credentials=config.tls.server_credentials(),
         )
+
+    def add_drain_callback(self, callback: Callable[[], Any]) -> None:
+        """`callback()` when a drain begins, before in-flight calls get their grace: for calls
+        that would otherwise run to its end (a long-lived watch)."""
+        self._drain_callbacks.append(callback)
 
     def add_shutdown_callback(self, callback: Callable[[], Any]) -> None:
         """Run `callback` (sync or async) after the server stopped, in registration order."""
@@ -279,6 +285,11 @@ class GrpcServiceHost:
             return
         self._stopped = True
         await self.health.enter_graceful_shutdown()
+        for callback in self._drain_callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - the drain goes on
+                log.exception("drain callback %r failed", callback)
         await self.server.stop(self.drain_seconds if grace is None else grace)
         for callback in self._shutdown_callbacks:
             try:

@@ -22,6 +22,9 @@ METADATA_KEY = "x-request-id"
 # waited before its handler ran (qtts.serving.error_mapping, tts_rpc_accept_seconds). Across hosts
 # the figure carries their clock offset (NTP keeps it to milliseconds).
 SENT_AT_KEY = "x-tts-sent-at-ns"
+# A gateway's id (random per process) on its talker calls: the talker counts the calls it has seen
+# from each caller and says so with its published room (services/talker/room.py).
+CALLER_KEY = "x-tts-caller"
 HEADER = "X-Request-Id"
 LOG_FORMATS = ("text", "json")
 

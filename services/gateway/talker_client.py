@@ -254,7 +254,7 @@ class TalkerClient:
         (the talker resolved its clip)."""
         lease = await self.pool.acquire() if self.pool is not None else None
         stub = self._stub if lease is None else talker_pb2_grpc.TalkerServiceStub(lease.channel)
-        metadata = outgoing_metadata(job.request_id)
+        metadata = outgoing_metadata(job.request_id) + (lease.metadata if lease is not None else ())
         try:
             if text is None:
                 call = stub.Generate(request, metadata=metadata)
@@ -262,6 +262,7 @@ class TalkerClient:
                 call = stub.GenerateStream(_stream_requests(request, text), metadata=metadata)
         except BaseException:
             if lease is not None:
+                lease.unsent()
                 lease.release()
             raise
         try:

@@ -8,12 +8,14 @@ has in flight there (round robin among equals). A stream stays on the channel it
 it ends: an address that leaves the resolution only stops getting new streams, and its channel is
 closed once its last stream is done. An address that comes back before that is used again.
 
-Each talker publishes its room for new requests (`talker.v1.TalkerService/GetCapacity`, from its
-capacity model of the GPU): the pool polls it every `capacity_refresh_s` and counts the streams
-it starts in between, so that while no ready talker has room a new stream is refused at once
-(`ResourceExhausted` with the talkers' `Retry-After`: 429 over HTTP, RESOURCE_EXHAUSTED over gRPC,
-the error event over WebSocket), without calling a talker and waiting for its no. A talker that
-does not answer the poll (an older one, or one too busy) is treated as having room, as before.
+Each talker publishes its room for new requests (from its capacity model of the GPU): the pool
+watches it (`WatchCapacity`, one long-lived call per talker; polled with `GetCapacity` every
+`capacity_refresh_s` from a talker without the watch) and counts the streams it starts after each
+published room and those the talker had not yet seen (talker_room.py), so that while no ready
+talker has room a new stream is refused at once (`ResourceExhausted` with the talkers'
+`Retry-After`: 429 over HTTP, RESOURCE_EXHAUSTED over gRPC, the error event over WebSocket),
+without calling a talker and waiting for its no. A talker that says nothing of its room (an older
+one) is treated as having room, as before.
 
 The resolver is pluggable (`Resolver`): `DnsResolver` in production, a fake one in the tests.
 """
@@ -25,7 +27,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,9 +35,12 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.request.errors import ResourceExhausted, Unavailable
 from qtts.serving.grpc_server import RECONNECT_OPTIONS
+
+from .talker_room import SLOW, Room, caller_metadata, capacity_probe, capacity_watch, new_caller_id
+
+__all__ = ["SLOW", "Room", "capacity_probe", "capacity_watch", "StaticResolver", "TalkerPool"]
 
 log = logging.getLogger(__name__)
 
@@ -99,34 +104,6 @@ async def health_probe(channel: Any, timeout_s: float = 1.0) -> bool | None:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-@dataclass(frozen=True)
-class Room:
-    """What a talker published of its room: requests it would accept, and the retry hint."""
-
-    accept: int
-    retry_after_s: int = 1
-
-
-# A talker that did not answer the room poll in time: busy, not empty. Its last published room
-# stands (counted down by the streams started since). On a CPU stand-in stack relaying 768 streams
-# the talker took calls up to a second late (benchmarks/HISTORY.md, the night CPU session): with
-# every poll timed out and so taken as "room unknown", the gateway sent every request on, to be
-# refused there a second later.
-SLOW = object()
-
-
-async def capacity_probe(channel: Any, timeout_s: float = 0.5) -> Room | None | object:
-    """The talker's published room (GetCapacity); None when it did not say (unknown: has room);
-    `SLOW` when it did not answer within `timeout_s`."""
-    try:
-        resp = await talker_pb2_grpc.TalkerServiceStub(channel).GetCapacity(
-            talker_pb2.GetCapacityRequest(), timeout=timeout_s
-        )
-    except grpc.aio.AioRpcError as exc:
-        return SLOW if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else None
-    return Room(resp.accept, max(1, resp.retry_after_s))
-
-
 def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
 
@@ -147,9 +124,21 @@ class Endpoint:
     # since (None: unknown, taken as room), and its retry hint.
     room: int | None = None
     retry_after_s: int = 1
+    # Streams this gateway started here (its calls, each carrying its caller id).
+    sent: int = 0
+    # Its room comes from a WatchCapacity call now (not polled); False after UNIMPLEMENTED too.
+    watching: bool = False
+    watch_unsupported: bool = False
+    watch_task: asyncio.Task | None = None
 
     def has_room(self) -> bool:
         return self.room is None or self.room > 0
+
+    def publish(self, room: Room) -> None:
+        """A room the talker published: less the calls sent here that it had not yet seen."""
+        unseen = max(0, self.sent - room.calls_seen) if room.calls_seen is not None else 0
+        self.room = room.accept - unseen
+        self.retry_after_s = room.retry_after_s
 
 
 class Lease:
@@ -167,6 +156,15 @@ class Lease:
     @property
     def channel(self) -> Any:
         return self.endpoint.channel
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """To send with the stream's call: the gateway's caller id, which the talker counts."""
+        return caller_metadata(self._pool.caller)
+
+    def unsent(self) -> None:
+        """The stream's call could not be made: not one the talker will see."""
+        self.endpoint.sent -= 1
 
     def mark_unavailable(self) -> None:
         """The talker failed the call as unreachable: no new streams until a probe says SERVING."""
@@ -221,14 +219,19 @@ class TalkerPool:
         refresh_s: float = 5.0,
         min_refresh_gap_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
-        capacity: Callable[[Any], Awaitable[Room | None | object]] | None = capacity_probe,
+        capacity: Callable[[Any, str], Awaitable[Room | None | object]] | None = capacity_probe,
         capacity_refresh_s: float = 0.1,
+        watch: Callable[[Any, str], AsyncIterator[Room]] | None = capacity_watch,
+        watch_retry_s: float = 1.0,
     ):
         self._resolver = resolver
         self._connect = connect
         self._probe = probe
         self._capacity = capacity
         self.capacity_refresh_s = capacity_refresh_s
+        self._watch = watch if capacity is not None else None
+        self.watch_retry_s = watch_retry_s
+        self.caller = new_caller_id()
         self._capacity_task: asyncio.Task | None = None
         self.refresh_s = refresh_s
         self._min_gap_s = min_refresh_gap_s
@@ -302,6 +305,8 @@ class TalkerPool:
 
     def _drop(self, endpoint: Endpoint) -> None:
         del self._endpoints[endpoint.address]
+        if endpoint.watch_task is not None:
+            endpoint.watch_task.cancel()
         close = getattr(endpoint.channel, "close", None)
         if close is not None:
             result = close()
@@ -329,7 +334,8 @@ class TalkerPool:
         rotated = usable[start:] + usable[:start]
         endpoint = min(rotated, key=lambda e: e.active)
         endpoint.active += 1
-        if endpoint.room is not None:  # until the next poll, count what we start there
+        endpoint.sent += 1
+        if endpoint.room is not None:  # until the next published room, count what we start there
             endpoint.room -= 1
         return Lease(self, endpoint)
 
@@ -401,20 +407,51 @@ class TalkerPool:
             self._capacity_task = asyncio.create_task(self._capacity_loop())
 
     async def poll_capacity(self) -> None:
-        """Ask every usable talker for its room once (concurrently)."""
+        """Ask every usable talker whose room no watch brings for its room once (concurrently)."""
         if self._capacity is None:
             return
-        current = self.usable()
-        results = await asyncio.gather(*(self._capacity(e.channel) for e in current), return_exceptions=True)
+        current = [e for e in self.usable() if not e.watching]
+        results = await asyncio.gather(
+            *(self._capacity(e.channel, self.caller) for e in current), return_exceptions=True
+        )
         for endpoint, room in zip(current, results, strict=True):
+            if endpoint.watching:  # its watch answered meanwhile, later than this poll
+                continue
             if isinstance(room, Room):
-                endpoint.room, endpoint.retry_after_s = room.accept, room.retry_after_s
+                endpoint.publish(room)
             elif room is not SLOW:  # no answer: unknown, taken as room (the talker still refuses)
                 endpoint.room = None
+
+    def _start_watches(self) -> None:
+        if self._watch is None:
+            return
+        for endpoint in self.usable():
+            if not endpoint.watch_unsupported and (endpoint.watch_task is None or endpoint.watch_task.done()):
+                endpoint.watch_task = asyncio.create_task(self._watch_room(endpoint))
+
+    async def _watch_room(self, endpoint: Endpoint) -> None:
+        """Take `endpoint`'s room from its WatchCapacity call while the call lasts; polls take over
+        meanwhile, and for good from a talker without the watch."""
+        try:
+            async for room in self._watch(endpoint.channel, self.caller):
+                endpoint.watching = True
+                endpoint.publish(room)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                endpoint.watch_unsupported = True
+            elif exc.code() != grpc.StatusCode.CANCELLED:
+                log.info("talker %s: room watch ended (%s); polling", endpoint.address, exc.code().name)
+        except Exception:  # noqa: BLE001 - polls take over
+            log.exception("talker %s: room watch failed; polling", endpoint.address)
+        finally:
+            endpoint.watching = False
+        if not endpoint.watch_unsupported:
+            await asyncio.sleep(self.watch_retry_s)  # started again by the capacity loop after this
 
     async def _capacity_loop(self) -> None:
         while True:
             try:
+                self._start_watches()
                 await self.poll_capacity()
             except Exception:  # noqa: BLE001 - keep polling whatever one round did
                 log.exception("talker capacity poll failed")
@@ -436,6 +473,8 @@ class TalkerPool:
                     await task
         self._loop_task = self._capacity_task = None
         for endpoint in list(self._endpoints.values()):
+            if endpoint.watch_task is not None:
+                endpoint.watch_task.cancel()
             close = getattr(endpoint.channel, "close", None)
             if close is not None:
                 result = close()

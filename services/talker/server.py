@@ -69,6 +69,7 @@ class TalkerServer:
         self.servicer = TalkerServicer()
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
         self.host.add_shutdown_callback(self._shutdown)
+        self.host.add_drain_callback(self.servicer.stopping.set)  # ends the WatchCapacity calls
         self.engine: GenerationLoop | EngineClient | None = None
         self.admission: Any = None  # the in-process engine's (services/talker/admission.py)
         self.replicas: Code2WavReplicas | None = None

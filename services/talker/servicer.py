@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import uuid
@@ -18,6 +19,7 @@ from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 
 from .core import TalkerCore
 from .request import GenerationRequest
+from .room import SeenCalls, published_room, watch_room
 
 
 def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
@@ -101,6 +103,9 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         # None until the model is loaded: the server registers the servicer before it starts.
         self.core = core
         self._sample_rate_hz = sample_rate_hz
+        self.seen = SeenCalls()  # each gateway's calls seen, published with the room (room.py)
+        # Set when the talker drains: WatchCapacity calls end instead of holding the drain.
+        self.stopping = asyncio.Event()
 
     def _ready_core(self) -> TalkerCore:
         if self.core is None:
@@ -110,6 +115,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: talker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[talker_pb2.GenerateResponse]:
+        self.seen.saw(context.invocation_metadata())
         async for msg in self._generate(request, None, talker_pb2.GenerateResponse):
             yield msg
 
@@ -118,6 +124,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         request_iterator: AsyncIterator[talker_pb2.GenerateStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[talker_pb2.GenerateStreamResponse]:
+        self.seen.saw(context.invocation_metadata())
         requests = aiter(request_iterator)
         first = await anext(requests, None)
         if first is None or not first.HasField("start"):
@@ -160,11 +167,11 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     async def GetCapacity(  # noqa: N802 - gRPC method name
         self, request: talker_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext
     ) -> talker_pb2.GetCapacityResponse:
-        room = await self._ready_core().headroom()
-        return talker_pb2.GetCapacityResponse(
-            start_now=room.start_now,
-            accept=room.accept,
-            retry_after_s=room.retry_after_s,
-            running=room.running,
-            waiting=room.waiting,
-        )
+        return await published_room(self._ready_core().headroom, self.seen, request.caller)
+
+    async def WatchCapacity(  # noqa: N802 - gRPC method name
+        self, request: talker_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[talker_pb2.GetCapacityResponse]:
+        core = self._ready_core()
+        async for msg in watch_room(core.headroom, self.seen, request.caller, self.stopping):
+            yield msg

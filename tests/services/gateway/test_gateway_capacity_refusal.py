@@ -18,16 +18,17 @@ from websockets.asyncio.client import connect
 
 from qtts.pb import talker_pb2, tts_pb2, tts_pb2_grpc
 from qtts.request.errors import ResourceExhausted
+from qtts.serving.log_context import CALLER_KEY
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer
-from services.gateway.talker_pool import SLOW, Room, StaticResolver, TalkerPool, capacity_probe
+from services.gateway.talker_pool import SLOW, Endpoint, Room, StaticResolver, TalkerPool, capacity_probe
 
 
 async def ready_pool(rooms: dict[str, Room | None]) -> TalkerPool:
     async def probe(channel) -> bool:
         return True
 
-    async def capacity(channel) -> Room | None:
+    async def capacity(channel, caller) -> Room | None:
         return rooms[channel]
 
     pool = TalkerPool(
@@ -52,6 +53,85 @@ async def test_the_pool_places_streams_where_there_is_room_and_refuses_when_ther
     assert pool.refusal() is None and pool.pick().address == "a:1"
     leases[0].mark_full(9)  # a talker's own refusal: no room there until it publishes some
     assert pool.endpoints["b:1"].room == 0 and pool.endpoints["b:1"].retry_after_s == 9
+
+
+def test_a_published_room_is_less_the_calls_sent_that_the_talker_had_not_seen():
+    endpoint = Endpoint("a:1", None)
+    endpoint.sent = 10
+    endpoint.publish(Room(5, 2, calls_seen=7))  # 3 calls in flight: they take room once seen
+    assert (endpoint.room, endpoint.retry_after_s) == (2, 2)
+    endpoint.publish(Room(2, 1, calls_seen=10))
+    assert endpoint.room == 2
+    endpoint.publish(Room(1, 1, calls_seen=4))  # more in flight than room: none
+    assert endpoint.room == -5 and not endpoint.has_room()
+    endpoint.publish(Room(4, 1))  # a talker that does not count calls: its room as published
+    assert endpoint.room == 4
+
+
+async def test_the_pool_takes_pushed_rooms_polls_only_talkers_without_the_watch_and_counts_its_calls():
+    pushed: dict[str, asyncio.Queue] = {"a:1": asyncio.Queue(), "b:1": asyncio.Queue()}
+    polled: list[str] = []
+    callers: set[str] = set()
+
+    async def watch(channel, caller):
+        callers.add(caller)
+        if channel == "b:1":  # an older talker
+            raise FakeRpcError(grpc.StatusCode.UNIMPLEMENTED)
+        while True:
+            yield await pushed[channel].get()
+
+    async def capacity(channel, caller):
+        polled.append(channel)
+        callers.add(caller)
+        return Room(0, 9)
+
+    async def probe(channel) -> bool:
+        return True
+
+    pool = TalkerPool(
+        StaticResolver(["a:1", "b:1"]),
+        connect=lambda a: a,
+        probe=probe,
+        capacity=capacity,
+        watch=watch,
+        capacity_refresh_s=0.01,
+        min_refresh_gap_s=0.0,
+    )
+    await pool.refresh()
+    pool.start()
+    try:
+        pushed["a:1"].put_nowait(Room(2, 1, calls_seen=0))
+        await eventually(lambda: pool.endpoints["a:1"].watching and pool.endpoints["b:1"].watch_unsupported)
+        polled.clear()
+        await asyncio.sleep(0.05)
+        assert set(polled) == {"b:1"}  # the watched one is not polled
+        assert callers == {pool.caller} and len(pool.caller) == 32
+        first, second = pool.pick(), pool.pick()
+        assert [first.address, second.address] == ["a:1", "a:1"]  # b published no room
+        assert first.metadata == ((CALLER_KEY, pool.caller),)
+        with pytest.raises(ResourceExhausted):
+            pool.pick()
+        # The talker saw one of the two calls when it worked out this room: one is in flight.
+        pushed["a:1"].put_nowait(Room(3, 1, calls_seen=1))
+        await eventually(lambda: pool.endpoints["a:1"].room == 2)
+        first.unsent()  # a call that could not be made: one the talker will never see
+        pushed["a:1"].put_nowait(Room(3, 1, calls_seen=1))
+        await eventually(lambda: pool.endpoints["a:1"].room == 3)
+    finally:
+        await pool.close()
+
+
+async def eventually(predicate, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+class FakeRpcError(grpc.aio.AioRpcError):
+    def __init__(self, code: grpc.StatusCode):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=code.name)
 
 
 async def test_a_talker_too_busy_to_answer_the_poll_keeps_its_last_room():
@@ -79,7 +159,7 @@ async def test_the_probe_tells_a_timeout_from_a_talker_without_the_method():
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{host.bound_port}") as channel:
             assert await capacity_probe(channel, timeout_s=0.05) is SLOW
-            assert await capacity_probe(channel, timeout_s=5.0) == Room(3, 1)
+            assert await capacity_probe(channel, "gw", timeout_s=5.0) == Room(3, 1, None)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{plain.bound_port}") as channel:
             assert await capacity_probe(channel) is None  # UNIMPLEMENTED: it does not say
     finally:

@@ -1,0 +1,122 @@
+"""The room the talker publishes (services/talker/room.py): each gateway's calls seen, counted from
+its `x-tts-caller` metadata, GetCapacity and WatchCapacity through a real talker, and the watch's
+pushes (at once, on change, on the heartbeat) and its end when the talker drains."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+
+from qtts.pb import talker_pb2
+from qtts.serving.log_context import CALLER_KEY
+from services.talker.forecast import Headroom
+from services.talker.room import SeenCalls, published_room, watch_room
+from tests.services.talker.fakes import FakeCode2Wav
+from tests.services.talker.stack import eventually
+from tests.services.talker.test_talker_capacity import stack
+from tests.services.talker.test_talker_service import CLONE
+
+
+def test_calls_are_counted_per_caller_and_bounded():
+    seen = SeenCalls(max_callers=2)
+    seen.saw(((CALLER_KEY, "a"), ("x-request-id", "r1")))
+    seen.saw(((CALLER_KEY, "a"),))
+    seen.saw(((CALLER_KEY, "b"),))
+    seen.saw((("x-request-id", "r2"),))  # no caller: not counted
+    seen.saw(None)
+    assert (seen.seen("a"), seen.seen("b"), seen.seen("")) == (2, 1, 0)
+    seen.saw(((CALLER_KEY, "c"),))  # a third caller: the least recent ("a") is forgotten
+    assert (seen.seen("a"), seen.seen("b"), seen.seen("c")) == (0, 1, 1)
+
+
+async def test_the_calls_seen_are_read_before_the_room_is_worked_out():
+    """A call seen while the room is worked out counts in the room, not in the calls seen: the
+    gateway takes it off twice (one request too few), never lets one more in."""
+    seen = SeenCalls()
+
+    async def headroom():
+        seen.saw(((CALLER_KEY, "g"),))  # arrives meanwhile
+        return Headroom(start_now=1, accept=3, retry_after_s=0, running=2, waiting=0)
+
+    msg = await published_room(headroom, seen, "g")
+    assert (msg.accept, msg.calls_seen, msg.running) == (3, 0, 2)
+    assert seen.seen("g") == 1
+    anonymous = await published_room(headroom, seen, "")
+    assert not anonymous.HasField("calls_seen")  # no caller: nothing to say
+
+
+async def test_the_watch_pushes_at_once_on_change_and_on_the_heartbeat_then_ends_when_stopping():
+    rooms = [Headroom(1, 2, 0, 0, 0)]
+    seen, stopping, now = SeenCalls(), asyncio.Event(), [0.0]
+
+    async def headroom():
+        return rooms[-1]
+
+    got: list = []
+
+    async def consume():
+        async for msg in watch_room(headroom, seen, "g", stopping, interval_s=0.001, clock=lambda: now[0]):
+            got.append((msg.accept, msg.calls_seen))
+
+    task = asyncio.create_task(consume())
+    await eventually(lambda: got == [(2, 0)])
+    await asyncio.sleep(0.02)
+    assert got == [(2, 0)]  # nothing changed: nothing sent
+    rooms.append(Headroom(0, 0, 3, 1, 0))
+    await eventually(lambda: got[-1] == (0, 0))
+    seen.saw(((CALLER_KEY, "g"),))  # a call seen is a change too
+    await eventually(lambda: got[-1] == (0, 1))
+    count = len(got)
+    now[0] = 5.0  # a heartbeat is due: the same room again
+    await eventually(lambda: len(got) == count + 1)
+    assert got[-1] == (0, 1)
+    stopping.set()
+    await asyncio.wait_for(task, 1.0)
+
+
+async def test_a_real_talker_counts_each_gateway_s_calls_and_pushes_its_room():
+    async with stack([FakeCode2Wav("c2w-a")], max_batch=1, max_queue=0) as s:
+        watch = s.stub.WatchCapacity(talker_pb2.GetCapacityRequest(caller="gw-1"))
+        first = await watch.read()
+        assert (first.accept, first.calls_seen) == (1, 0)
+        call = s.stub.Generate(
+            talker_pb2.GenerateRequest(request_id="a", text="frames=100000 slow", **CLONE),
+            metadata=((CALLER_KEY, "gw-1"),),
+        )
+        await call.read()
+        full = await asyncio.wait_for(watch.read(), 5.0)
+        assert (full.accept, full.calls_seen, full.running) == (0, 1, 1)
+        assert full.retry_after_s >= 1
+        polled = await s.stub.GetCapacity(talker_pb2.GetCapacityRequest(caller="gw-1"))
+        other = await s.stub.GetCapacity(talker_pb2.GetCapacityRequest(caller="gw-2"))
+        assert (polled.calls_seen, other.calls_seen) == (1, 0)
+        call.cancel()
+        freed = await asyncio.wait_for(watch.read(), 5.0)
+        assert freed.accept == 1
+        started = time.monotonic()
+        await s.talker.stop(5.0)  # the drain ends the watch instead of waiting out its grace
+        while await watch.read() is not grpc.aio.EOF:
+            pass
+        assert await watch.code() == grpc.StatusCode.OK
+        assert time.monotonic() - started < 4.0
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+async def test_both_generate_methods_are_counted_whatever_their_outcome(method):
+    async with stack([FakeCode2Wav("c2w-a")]) as s:
+        request = talker_pb2.GenerateRequest(request_id="a", text="frames=2", **CLONE)
+        metadata = ((CALLER_KEY, "gw"),)
+        if method == "Generate":
+            call = s.stub.Generate(request, metadata=metadata)
+        else:
+            call = s.stub.GenerateStream(
+                iter([talker_pb2.GenerateStreamRequest(start=request)]), metadata=metadata
+            )
+        with contextlib.suppress(grpc.aio.AioRpcError):  # the fakes take no streamed text
+            [m async for m in call]
+        room = await s.stub.GetCapacity(talker_pb2.GetCapacityRequest(caller="gw"))
+        assert room.calls_seen == 1
