@@ -42,3 +42,21 @@ def test_a_short_run_through_the_real_talker_and_code2wav(tmp_path, capsys):
     assert level["talker_stages"]["prompt_queue"]["count"] >= 4
     assert level["talker_chunk_hop_means_s"] and level["talker_cpu_per_s"] > 0
     assert "streams     4: finished" in capsys.readouterr().out
+
+
+def test_a_short_run_with_the_engine_in_its_own_process_started_through_the_gateway_pool(tmp_path):
+    """As on the GPU: the stand-in model is loaded by the spawned engine process (installed there
+    from the environment), and streams are started as the gateway starts them (its room watched)."""
+    out = tmp_path / "talker.json"
+    ports = [str(free_port()) for _ in range(4)]
+    argv = ["--streams", "3", "--seconds", "1", "--clip-s", "0.8", "--ramp-s", "0.1", "--out", str(out)]
+    argv += ["--port", ports[0], "--metrics-port", ports[1], "--code2wav-port", ports[2]]
+    argv += ["--code2wav-metrics-port", ports[3], "--engine-process", "--gateway-pool"]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["conditions"]["engine"] == "own process"
+    assert result["conditions"]["driver"] == "gateway pool (watch)"
+    (level,) = result["levels"]
+    assert level["errors"] == {} and level["refused"] == 0 and level["finished"] >= 3
+    assert level["talker_stages"]["build_prompt"]["count"] >= 3  # built in the engine process
+    assert level["capacity_poll_s"]["count"] <= 2  # the room came from the watch, not from polls
