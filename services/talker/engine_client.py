@@ -96,15 +96,16 @@ class EngineClient:
 
     # -- GenerationLoop's interface ----------------------------------------------------------
     def submit(self, req: Any) -> None:
+        self._check_alive()
         self._requests[req.request_id] = req
-        self._send(
+        self._defer(
             ("submit", req.request_id, req.prompt.key, req.sampling, req.max_new_frames, req.credit.window)
         )
 
     def cancel(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
             self._plan_sent.discard(request_id)
-            self._send_quietly(("cancel", request_id))
+            self._defer(("cancel", request_id))
 
     def grant(self, req: Any, frames_allowed_until: int) -> None:
         req.credit.grant(frames_allowed_until)
@@ -120,7 +121,7 @@ class EngineClient:
     def release_prompt(self, prompt: Any) -> None:
         key = getattr(prompt, "key", None)
         if key is not None:
-            self._send_quietly(("drop", key))
+            self._defer(("drop", key))
 
     def text_appended(self) -> None:
         self._send_quietly(("wake",))
@@ -144,7 +145,9 @@ class EngineClient:
     # -- calls --------------------------------------------------------------------------------
     def call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
         """Run `name` in the engine process and return its value (blocking: off the event loop)."""
-        return self.call_async(name, *args).result(timeout)
+        future = self.call_async(name, *args)
+        self._send_quietly(None)  # now, with any deferred before it: this thread waits for it
+        return future.result(timeout)
 
     def call_async(self, name: str, *args: Any) -> concurrent.futures.Future:
         """Run `name` in the engine process; its value (or error) arrives on the future."""
@@ -153,9 +156,11 @@ class EngineClient:
         self._calls[call_id] = future
         future.add_done_callback(lambda _: self._calls.pop(call_id, None))
         try:
-            self._send(("call", call_id, name, args))
+            self._check_alive()
         except Unavailable as exc:
             future.set_exception(exc)
+            return future
+        self._defer(("call", call_id, name, args))
         return future
 
     def abandon(self, future: concurrent.futures.Future) -> None:
@@ -179,10 +184,13 @@ class EngineClient:
             return []
 
     # -- transport ----------------------------------------------------------------------------
-    def _send(self, message: tuple | None) -> None:
-        """Send `message` (None: only the deferred ones), after the deferred messages before it."""
+    def _check_alive(self) -> None:
         if self._lost is not None or self._cmd is None:
             raise Unavailable(f"the talker's engine is not running: {self._lost or 'not started'}")
+
+    def _send(self, message: tuple | None) -> None:
+        """Send `message` (None: only the deferred ones), after the deferred messages before it."""
+        self._check_alive()
         try:
             with self._send_lock:
                 if self._deferred:
@@ -195,9 +203,11 @@ class EngineClient:
 
     def _defer(self, message: tuple) -> None:
         """Send `message` with the others of this event-loop turn, as one pipe message: credit
-        grants and playback clocks come for hundreds of streams a second, and each message costs
-        the engine process's threads a receive and an unpickle under their GIL. Off an event loop
-        it goes at once; any message sent directly goes after the deferred ones."""
+        grants, playback clocks, submissions, cancels and calls (prompt builds, the published
+        room) come for hundreds of streams a second, and each message costs a pickle and a pipe
+        write on the event loop and the engine process's threads a receive and an unpickle under
+        their GIL. Off an event loop it goes at once; any message sent directly goes after the
+        deferred ones."""
         if self._lost is not None:
             return  # every stream fails with the engine: its grants go nowhere
         with self._send_lock:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from qtts.audio import SAMPLE_RATE
+from qtts.audio import SAMPLE_RATE, SAMPLES_PER_FRAME
 from qtts.request.errors import GenerationFailed, TTSError, Unavailable
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 from qtts.streams.chunk_plan import ChunkPlan, start_plan
@@ -38,6 +38,13 @@ from .replica_link import STALL_CHECK, ReplicaLink
 from .replicas import Code2WavReplicas
 
 log = logging.getLogger(__name__)
+
+# Audio handed on is acknowledged to code2wav once this much is unacknowledged, or at once when
+# frames wait for credit. code2wav lets a stream be `--max-ahead-frames` (100) ahead of its acks,
+# and the scheduler keeps it at most 4 s (50 frames) ahead of its listener, so acks that lag by up
+# to 16 frames never hold a stream back; an ack per chunk was a write per chunk on the talker's
+# event loop and a read and a grant per chunk on code2wav's.
+ACK_EVERY_SAMPLES = 16 * SAMPLES_PER_FRAME
 
 FRAME_CAP_MESSAGE = "generation hit the frame cap without end of speech"
 # qtts.model.generator.SAMPLING_FAILED: this stream's sampling broke (its batch went on).
@@ -96,6 +103,8 @@ class StreamSession:
         self._plan: ChunkPlan | None = None
         self._gen_end: Finished | None = None
         self._end_sent = False
+        self._delivered = 0  # samples handed on to the caller
+        self._acked = 0  # of those, acknowledged to the replica
         self._link = ReplicaLink(
             request_id, replicas, self._events.put_nowait, num_codebooks, ref_codes, stall_timeout_s
         )
@@ -147,8 +156,9 @@ class StreamSession:
                     yield AudioPiece(ev.pcm_s16le, ev.first_frame_index, ev.num_frames)
                     # Handed on: the playback clock the scheduler paces this stream by.
                     self._hand_on(samples / SAMPLE_RATE, ev.first_frame_index + ev.num_frames, arrived)
-                    # The caller took the chunk: tell code2wav how far the listener is.
-                    await self._link.call.ack(samples)
+                    # The caller took the chunk: code2wav learns how far the listener is.
+                    self._delivered = samples
+                    await self._ack()
                     self._link.touch()
                 elif isinstance(ev, c2w.Done):
                     done = True
@@ -276,6 +286,17 @@ class StreamSession:
             return
         raise ev.error
 
+    async def _ack(self) -> None:
+        """Acknowledge the audio handed on once `ACK_EVERY_SAMPLES` are unacknowledged, or while
+        frames wait for credit (which may wait on this ack)."""
+        unacked = self._delivered - self._acked
+        if unacked <= 0:
+            return
+        blocked = bool(self._buffer) and self._sent >= self._request.credit.granted_until
+        if blocked or unacked >= ACK_EVERY_SAMPLES:
+            self._acked = self._delivered
+            await self._link.call.ack(self._delivered)
+
     def _waiting_on_replica(self) -> bool:
         """Frames held back by the credit (not by the chunk boundary), or the end sent."""
         blocked = bool(self._buffer) and self._sent >= self._request.credit.granted_until
@@ -338,4 +359,5 @@ class StreamSession:
             self._end_sent = True
             await self._link.call.end(self._gen_end.num_frames)
             self._link.touch()
+        await self._ack()  # frames held back by the credit: it may wait on this ack
         self._watch_stall()

@@ -273,3 +273,24 @@ async def test_a_streams_first_chunk_is_timed_per_hop_apart_from_the_rest():
             registry.get_sample_value("tts_talker_first_chunk_hop_seconds_sum", {"hop": hop}) for hop in hops
         )
         assert total > 0
+
+
+@pytest.mark.parametrize("window", [3, 200])
+async def test_audio_is_acknowledged_every_16_frames_or_at_once_when_the_credit_waits_on_it(window):
+    """code2wav grants `window` frames past the acknowledged audio. With a wide window the talker
+    acknowledges every 16 frames (1.28 s) of audio handed on, not every chunk; with a narrow one
+    frames wait for credit, and each audio chunk is acknowledged at once, so the stream never waits
+    on an ack it held back."""
+    c2w = FakeCode2Wav("c2w-a", window=window, plan=(1, (1, 2, 2, 4)))
+    async with fake_stack([c2w], credit_window_frames=8) as s:
+        chunks, summary = await generate_all(s.stub, request_id="r1", text="frames=40", **CLONE)
+        assert summary.num_frames == 40 and sum(c.num_frames for c in chunks) == 40
+        log = c2w.logs[0]
+        assert log.violations == [] and log.frames == list(range(40)) and log.ended
+        acked = [a // 1920 for a in log.acks]
+        assert acked == sorted(set(acked)) and acked
+        if window == 200:
+            assert all(b - a >= 16 for a, b in zip([0, *acked], acked, strict=False))
+            assert len(acked) <= 40 // 16 < len(chunks)
+        else:  # no chunk waits on a held-back ack: every one the credit depends on is sent
+            assert acked[-1] >= 40 - window
