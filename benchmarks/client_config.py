@@ -140,9 +140,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     load.add_argument(
         "--retry-after",
         action="store_true",
-        help="closed loop: a refused worker waits the server's Retry-After (1 s without one) before "
-        "its next request, as a client that honours it would; default: it sends again at once, a "
-        "refusal storm that also times the client's own queue",
+        help="closed loop: a refused worker waits the server's retry-after-ms, else its Retry-After "
+        "(1 s without either) before its next request, as a client that honours it would (the OpenAI "
+        "SDK reads them in that order); default: it sends again at once, a refusal storm that also "
+        "times the client's own queue",
     )
     load.add_argument(
         "--refusal-probe-s",

@@ -244,12 +244,18 @@ def _error_message(body: bytes) -> str:
 POOLS = 32
 
 
-def _retry_after(value: str | None) -> dict[str, Any]:
-    """A refusal's Retry-After (seconds) as a record's extra; nothing when absent or not a number."""
-    try:
-        return {} if value is None else {"retry_after_s": float(value)}
-    except ValueError:
-        return {}
+def _retry_after(headers: Any) -> dict[str, Any]:
+    """A refusal's retry hint (seconds) as a record's extra, from `retry-after-ms` first, then
+    `Retry-After`, as the OpenAI SDK reads them; nothing when absent or not a number."""
+    for key, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(key)
+        if value is None:
+            continue
+        try:
+            return {"retry_after_s": float(value) / divisor}
+        except ValueError:
+            continue
+    return {}
 
 
 class HttpSynthesizer:
@@ -313,7 +319,7 @@ class HttpSynthesizer:
                     if response.status_code != 200:
                         body = await response.aread()
                         status, error = str(response.status_code), _error_message(body)
-                        extra = _retry_after(response.headers.get("retry-after"))
+                        extra = _retry_after(response.headers)
                         return trace.record(
                             index, prompt_index, ok=False, status=status, error=error, extra=extra
                         )
@@ -411,14 +417,13 @@ class GrpcSynthesizer:
                         extra["words"] = len(s.word_timestamps)
                         extra["word_timestamps_failed"] = s.word_timestamps_failed
         except self._grpc.aio.AioRpcError as exc:
-            retry = dict(exc.trailing_metadata() or ()).get("retry-after")
             return trace.record(
                 index,
                 prompt_index,
                 ok=False,
                 status=exc.code().name,
                 error=exc.details(),
-                extra=_retry_after(retry),
+                extra=_retry_after(dict(exc.trailing_metadata() or ())),
             )
         if not extra:
             return trace.record(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -40,6 +42,24 @@ class ResourceExhausted(TTSError):
     def __init__(self, message: str, retry_after_s: int | None = None, param: str | None = None):
         super().__init__(message, param)
         self.retry_after_s = retry_after_s
+
+
+# A refusal's hint in milliseconds is spread over [1, 1 + RETRY_SPREAD) of its `retry_after_s`.
+RETRY_SPREAD = 0.5
+
+
+def retry_after_ms(retry_after_s: float, draw: Callable[[], float] = random.random) -> int:
+    """The retry hint in milliseconds (`retry-after-ms`), drawn at random from at least the hint
+    to half as much again. Clients that honour one whole-second Retry-After come back together
+    and are mostly refused again together; the OpenAI SDK reads `retry-after-ms` first, so its
+    clients come back spread out, never before the hint."""
+    return int(retry_after_s * 1000 * (1 + RETRY_SPREAD * draw()))
+
+
+def retry_headers(retry_after_s: float) -> dict[str, str]:
+    """The HTTP headers of a refusal with a retry hint: the standard whole seconds and the spread
+    milliseconds."""
+    return {"Retry-After": str(int(retry_after_s)), "retry-after-ms": str(retry_after_ms(retry_after_s))}
 
 
 class FailedPrecondition(TTSError):

@@ -23,7 +23,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from qtts.request.errors import InvalidArgument, TTSError, mapping_for, redact_internal
+from qtts.request.errors import InvalidArgument, TTSError, mapping_for, redact_internal, retry_after_ms
 from qtts.serving import tracing
 from qtts.serving.log_context import (
     bind_request_id,
@@ -158,10 +158,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         trailing: tuple[tuple[str, str | bytes], ...] = ()
         retry_after = getattr(exc, "retry_after_s", None)
         if retry_after:
-            # gRPC's own retry policy reads grpc-retry-pushback-ms; our clients read retry-after.
+            # gRPC's own retry policy reads grpc-retry-pushback-ms; our clients read retry-after
+            # (whole seconds) or retry-after-ms (spread over half a hint more, as over HTTP).
+            spread_ms = str(retry_after_ms(retry_after))
             trailing = (
                 ("retry-after", str(retry_after)),
-                ("grpc-retry-pushback-ms", str(int(retry_after * 1000))),
+                ("retry-after-ms", spread_ms),
+                ("grpc-retry-pushback-ms", spread_ms),
             )
         if mapping.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
             trailing += bad_request_details(mapping.grpc_code, message, getattr(exc, "param", None))

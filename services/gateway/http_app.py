@@ -14,7 +14,14 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qtts.request.errors import InvalidArgument, NotFound, TTSError, mapping_for, openai_error_body
+from qtts.request.errors import (
+    InvalidArgument,
+    NotFound,
+    TTSError,
+    mapping_for,
+    openai_error_body,
+    retry_headers,
+)
 from qtts.serving.metrics import GatewayMetrics
 
 from . import sse
@@ -93,7 +100,7 @@ def error_response(exc: BaseException, metrics: GatewayMetrics | None = None) ->
     if not isinstance(exc, TTSError):
         log.error("unexpected error", exc_info=exc)
     retry_after = getattr(exc, "retry_after_s", None)
-    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    headers = retry_headers(retry_after) if retry_after else None
     return JSONResponse(openai_error_body(exc), status_code=m.http_status, headers=headers)
 
 

@@ -49,7 +49,12 @@ _RETRY_AFTER = {
     "Retry-After": {
         "description": "Seconds until the server expects a free slot.",
         "schema": {"type": "integer"},
-    }
+    },
+    "retry-after-ms": {
+        "description": "The same hint in milliseconds, drawn at random from 1 to 1.5 times it, so that "
+        "clients that honour it (the OpenAI SDK reads it first) come back spread out.",
+        "schema": {"type": "integer"},
+    },
 }
 _AUDIO = {"schema": {"type": "string", "format": "binary"}}
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from qtts.request.errors import ResourceExhausted, openai_error_body
+from qtts.request.errors import ResourceExhausted, openai_error_body, retry_headers
 
 from .client_identity import current_client, grpc_client_key
 
@@ -111,7 +111,7 @@ async def _refuse(send: Any, exc: ResourceExhausted, prefix: str = "") -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
-                (b"retry-after", str(exc.retry_after_s).encode()),
+                *((k.lower().encode(), v.encode()) for k, v in retry_headers(exc.retry_after_s).items()),
             ],
         }
     )

@@ -433,6 +433,21 @@ async def test_a_refusal_records_its_retry_after():
     assert record.status == "429" and record.extra["retry_after_s"] == 7.0 and record.error == "busy"
 
 
+async def test_a_refusal_s_retry_after_ms_comes_first_as_the_openai_sdk_reads_it():
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        headers = {"retry-after": "2", "retry-after-ms": "2750"}
+        return httpx.Response(429, headers=headers, json={"error": {"message": "busy"}})
+
+    client = HttpSynthesizer("http://gateway:8000/", OPTIONS, transport=httpx.MockTransport(handler))
+    try:
+        record = await client.synthesize(0, 0, "x")
+    finally:
+        await client.aclose()
+    assert record.extra["retry_after_s"] == 2.75
+
+
 def test_refusal_probe_times_refusals_from_the_idle_parent(tmp_path, monkeypatch):
     """--refusal-probe-s with --processes 2: while the workers run the level, the parent sends one
     1-frame request at a time; its refusals are timed apart (`probe`), not among the level's."""

@@ -119,6 +119,8 @@ async def test_http_client_over_its_rate_gets_429_with_retry_after_and_others_go
         assert codes == [200, 200, 200]
         refused = await c.post("/v1/audio/speech", json=GOOD, headers=hog)
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        hint_ms = 1000 * int(refused.headers["retry-after"])
+        assert hint_ms <= int(refused.headers["retry-after-ms"]) < 1.5 * hint_ms
         error = refused.json()["error"]
         assert error["type"] == "rate_limit_error" and "rate limit" in error["message"]
         # Bad requests count too: a flood of 400s is a flood.
@@ -164,7 +166,10 @@ async def test_grpc_client_over_its_rate_gets_resource_exhausted_with_pushback()
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             trailers = dict(info.value.trailing_metadata())
             assert int(trailers["retry-after"]) >= 1
-            assert int(trailers["grpc-retry-pushback-ms"]) == 1000 * int(trailers["retry-after"])
+            # The pushback and retry-after-ms are the hint spread over [1, 1.5) of it.
+            hint_ms = 1000 * int(trailers["retry-after"])
+            assert trailers["grpc-retry-pushback-ms"] == trailers["retry-after-ms"]
+            assert hint_ms <= int(trailers["retry-after-ms"]) < 1.5 * hint_ms
             with pytest.raises(grpc.aio.AioRpcError) as info:  # unary calls count as well
                 await stub.ListVoices(tts_pb2.ListVoicesRequest())
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
