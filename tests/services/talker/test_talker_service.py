@@ -288,9 +288,10 @@ async def test_audio_is_acknowledged_every_16_frames_or_at_once_when_the_credit_
         log = c2w.logs[0]
         assert log.violations == [] and log.frames == list(range(40)) and log.ended
         acked = [a // 1920 for a in log.acks]
-        assert acked == sorted(set(acked)) and acked
+        assert acked == sorted(set(acked))
         if window == 200:
+            # (acks after StreamEnd may arrive after the replica stopped reading: fewer recorded)
             assert all(b - a >= 16 for a, b in zip([0, *acked], acked, strict=False))
             assert len(acked) <= 40 // 16 < len(chunks)
-        else:  # no chunk waits on a held-back ack: every one the credit depends on is sent
-            assert acked[-1] >= 40 - window
+        else:  # the credit depends on every ack: each went out before the frames it freed
+            assert acked and acked[-1] >= 40 - window
