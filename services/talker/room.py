@@ -6,6 +6,8 @@ after it. A call in flight when the room was worked out (sent, its handler not y
 relaying hundreds of streams takes new calls late) is in neither count, so each published room
 also says how many calls of that gateway the talker had seen (`calls_seen`, from the `x-tts-caller`
 metadata the gateway sends): the gateway's room is the published one less its calls not yet seen.
+Several gateways asking share the room in proportion to the calls each has been sending
+(`SeenCalls.share`), each at least one request while there is any.
 
 WatchCapacity sends the room at once, then whenever it (or the calls seen) changes, checked every
 `WATCH_INTERVAL_S`, and at least every `WATCH_HEARTBEAT_S`; it ends when the talker drains.
@@ -14,6 +16,7 @@ WatchCapacity sends the room at once, then whenever it (or the calls seen) chang
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -26,23 +29,76 @@ WATCH_INTERVAL_S = 0.02
 WATCH_HEARTBEAT_S = 1.0
 # Callers remembered (gateway processes; each restart is a new one). The least recent goes first.
 MAX_CALLERS = 4096
+# A caller's share of the room follows its calls a second, averaged over this long; a caller that
+# sends none still counts this many; callers that have not asked for their room this long are out.
+RATE_TAU_S = 2.0
+RATE_FLOOR = 0.5
+ACTIVE_S = 5.0
+
+
+class _Caller:
+    __slots__ = ("calls", "rate", "rate_at", "asked_at")
+
+    def __init__(self) -> None:
+        self.calls = 0  # calls seen
+        self.rate = 0.0  # calls a second, decayed over RATE_TAU_S, as of `rate_at`
+        self.rate_at = 0.0
+        self.asked_at = -math.inf  # when it last asked for its room
 
 
 class SeenCalls:
-    """Generate and GenerateStream calls seen per caller id (`x-tts-caller`)."""
+    """Generate and GenerateStream calls seen per caller id (`x-tts-caller`), and each caller's
+    share of the room: several gateways in front of one talker each get the room in proportion
+    to the calls they have been sending (each at least one request while there is room), instead
+    of the whole room each, which would let N gateways send N times what the talker takes."""
 
-    def __init__(self, max_callers: int = MAX_CALLERS):
-        self._counts: BoundedLru[str, int] = BoundedLru(max_entries=max_callers)
+    def __init__(self, max_callers: int = MAX_CALLERS, clock: Callable[[], float] = time.monotonic):
+        self._callers: BoundedLru[str, _Caller] = BoundedLru(max_entries=max_callers)
+        self._clock = clock
+
+    def _caller(self, caller: str) -> _Caller:
+        entry = self._callers.peek(caller)
+        if entry is None:
+            entry = _Caller()
+            self._callers.put(caller, entry)
+        return entry
 
     def saw(self, metadata: Any) -> None:
         """Count a call whose handler runs now, if its metadata names its caller."""
         for key, value in metadata or ():
             if key == CALLER_KEY and isinstance(value, str) and value:
-                self._counts.put(value, (self._counts.peek(value) or 0) + 1)
+                entry = self._caller(value)
+                self._callers.get(value)  # the most recently used now
+                now = self._clock()
+                entry.calls += 1
+                entry.rate = _decayed(entry, now) + 1.0 / RATE_TAU_S
+                entry.rate_at = now
                 return
 
     def seen(self, caller: str) -> int:
-        return self._counts.peek(caller) or 0
+        entry = self._callers.peek(caller)
+        return entry.calls if entry is not None else 0
+
+    def share(self, caller: str) -> float:
+        """`caller`'s share of the room (1.0 while it is the only caller asking): its recent call
+        rate, plus `RATE_FLOOR` so that a quiet gateway still gets some, over all callers' that
+        asked for their room within `ACTIVE_S`."""
+        now = self._clock()
+        self._caller(caller).asked_at = now
+        mine = total = 0.0
+        for key in self._callers:
+            entry = self._callers.peek(key)
+            if entry is None or now - entry.asked_at > ACTIVE_S:
+                continue
+            weight = _decayed(entry, now) + RATE_FLOOR
+            total += weight
+            if key == caller:
+                mine = weight
+        return mine / total if total > 0 else 1.0
+
+
+def _decayed(entry: _Caller, now: float) -> float:
+    return entry.rate * math.exp(-max(0.0, now - entry.rate_at) / RATE_TAU_S)
 
 
 def capacity_message(room: Any, calls_seen: int | None = None) -> talker_pb2.GetCapacityResponse:
@@ -65,7 +121,10 @@ async def published_room(
     room is worked out is then counted in the room and not in the calls seen, so the gateway
     subtracts it twice (one request too few, never one too many)."""
     calls_seen = seen.seen(caller) if caller else None
-    return capacity_message(await headroom(), calls_seen)
+    msg = capacity_message(await headroom(), calls_seen)
+    if caller and msg.accept:
+        msg.accept = max(1, math.ceil(msg.accept * seen.share(caller)))
+    return msg
 
 
 async def watch_room(

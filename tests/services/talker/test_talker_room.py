@@ -120,3 +120,28 @@ async def test_both_generate_methods_are_counted_whatever_their_outcome(method):
             [m async for m in call]
         room = await s.stub.GetCapacity(talker_pb2.GetCapacityRequest(caller="gw"))
         assert room.calls_seen == 1
+
+
+async def test_gateways_share_the_room_by_the_calls_they_send_and_a_quiet_one_still_gets_some():
+    now = [100.0]
+    seen = SeenCalls(clock=lambda: now[0])
+
+    async def headroom():
+        return Headroom(start_now=10, accept=10, retry_after_s=0, running=0, waiting=0)
+
+    alone = await published_room(headroom, seen, "busy")
+    assert alone.accept == 10  # the only caller asking: the whole room
+    for _ in range(40):  # 40 calls over the last second from "busy", none from "quiet"
+        now[0] += 0.025
+        seen.saw(((CALLER_KEY, "busy"),))
+    quiet = await published_room(headroom, seen, "quiet")
+    busy = await published_room(headroom, seen, "busy")
+    assert quiet.accept == 1 and 9 <= busy.accept <= 10  # about all of it, with one for "quiet"
+    for _ in range(40):  # now both send alike
+        now[0] += 0.025
+        seen.saw(((CALLER_KEY, "quiet"),))
+        seen.saw(((CALLER_KEY, "busy"),))
+    shares = [(await published_room(headroom, seen, c)).accept for c in ("quiet", "busy")]
+    assert 3 <= shares[0] <= shares[1] <= 7 and sum(shares) <= 11
+    now[0] += 10.0  # "quiet" stopped asking: "busy" alone again
+    assert (await published_room(headroom, seen, "busy")).accept == 10
