@@ -278,7 +278,7 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     ]
     stubs = [talker_pb2_grpc.TalkerServiceStub(c) for c in channels]
     level = Level()
-    pool = None
+    pools: list[TalkerPool] = []
     if args.gateway_pool:
 
         async def timed_probe(ch: Any, caller: str) -> Any:
@@ -289,9 +289,11 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
                 level.polls.append(time.perf_counter() - start)
 
         watch = None if args.gateway_pool == "poll" else capacity_watch
-        pool = TalkerPool(StaticResolver([address]), capacity=timed_probe, watch=watch)
-        await pool.refresh()
-        pool.start()
+        for _ in range(args.gateways):  # a pool each: gateways of their own (caller ids)
+            pool = TalkerPool(StaticResolver([address]), capacity=timed_probe, watch=watch)
+            await pool.refresh()
+            pool.start()
+            pools.append(pool)
     talker0, c2w0 = scrape(args.metrics_port), scrape(args.code2wav_metrics_port)
     cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     deadline = wall0 + args.seconds
@@ -303,8 +305,8 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
         await asyncio.sleep(i * args.ramp_s / streams)
         while time.perf_counter() < deadline:
             name = f"t{streams}-{next(counter)}"
-            if pool is not None:
-                await pooled_stream(pool, name, args, level)
+            if pools:
+                await pooled_stream(pools[i % len(pools)], name, args, level)
             elif await one_stream(stubs[i % len(stubs)], name, args, level) is not None:
                 await asyncio.sleep(retry_s(args))
 
@@ -317,7 +319,7 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     c2w = Since(c2w0, scrape(args.code2wav_metrics_port))
     for channel in channels:
         await channel.close()
-    if pool is not None:
+    for pool in pools:
         await pool.close()
     generate = {"method": "/talker.v1.TalkerService/Generate"}
     polls = {"method": "/talker.v1.TalkerService/GetCapacity"}
@@ -417,6 +419,7 @@ def run(args: argparse.Namespace) -> dict:
             "talker_args": args.talker_args,
             "engine": "own process" if args.engine_process else "in the talker's process",
             "driver": f"gateway pool ({args.gateway_pool})" if args.gateway_pool else "direct Generate calls",
+            "gateways": args.gateways if args.gateway_pool else 0,
             "code2wav_args": args.code2wav_args,
             "cpus": os.cpu_count(),
             "command": " ".join(sys.argv),
@@ -442,6 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="start streams as the gateway does: refused at once from the talker's published room, "
         "watched (WatchCapacity) or polled (GetCapacity every 100 ms)",
+    )
+    parser.add_argument(
+        "--gateways", type=int, default=1, help="--gateway-pool: gateways the streams alternate over"
     )
     parser.add_argument("--channels", type=int, default=1, help="direct calls: connections to spread over")
     parser.add_argument(
