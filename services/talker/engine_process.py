@@ -196,10 +196,10 @@ class _EngineWorker:
             if name == "metrics":  # answered at once, not behind the prompts
                 self._answer(call_id, self._metrics_snapshot)
             elif name == "headroom":  # answered at once too: the gateways poll it
-                self._answer(call_id, self.loop.headroom, self.builds.queued)
+                self._answer(call_id, self.loop.headroom, self._ahead())
             elif name == "build_prompt":
                 try:  # refused now rather than after the prompts ahead of it are built
-                    self.loop.check_admission(self.builds.queued)
+                    self.loop.check_admission(self._ahead())
                 except Exception as exc:  # noqa: BLE001 - the caller gets the refusal
                     self.send(("reply", call_id, False, exc))
                     return
@@ -291,6 +291,13 @@ class _EngineWorker:
             self.loop.submit(req)
         except Exception as exc:  # noqa: BLE001 - refused (or not serving): the stream's error
             self.emit([(rid, Failed(exc))])
+
+    def _ahead(self) -> int:
+        """Requests on their way to the scheduler that it does not hold yet: prompts asked for and
+        not yet answered, and prompts built and not yet submitted (the front submits a built
+        prompt a pipe message later; counted only while building, a burst's requests were
+        admitted for room the ones just built already took, and refused at their submission)."""
+        return self.builds.pending + len(self._prompts)
 
     def _drop(self, key: str) -> None:
         self._prompts.pop(key, None)

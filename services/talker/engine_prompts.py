@@ -27,7 +27,7 @@ class PromptBuilds:
         self, mode: str, reply: Callable[[int, bool, Any], None], store: Callable[[Any], RemotePrompt]
     ):
         self.mode = mode
-        self._reply = reply
+        self._reply_one = reply
         self._store = store
         self.build: Callable[[Any], Any] | None = None
         self.build_many: Callable[[list], list] | None = None  # prompts or errors, in order
@@ -36,6 +36,10 @@ class PromptBuilds:
         self.stream: Any = None
         self._waiting: collections.deque[tuple[int, Any, float, float]] = collections.deque()
         self.queued = 0  # builds waiting for the prompt thread
+        # Builds asked for (counted by the thread that reads the front's commands) and answered
+        # (by the prompt thread): one writer each, so `pending` needs no lock.
+        self._asked = 0
+        self._answered = 0
         self.build_s = 0.0  # moving average of one build
         self._last_answer_at = 0.0  # when the last pipelined build was answered
         # Pipelined builds whose kernels were queued, not yet answered: (call, began, prompt, event).
@@ -44,6 +48,7 @@ class PromptBuilds:
     def add(self, call_id: int, spec: Any, queued_at: float, budget_s: float) -> None:
         """Queue a build (on the thread that reads the front's commands); `build_queued` runs it."""
         self.queued += 1
+        self._asked += 1
         self._waiting.append((call_id, spec, queued_at, budget_s))
 
     def on_stream(self, fn: Callable, *args: Any, wait: bool = True) -> Any:
@@ -104,12 +109,23 @@ class PromptBuilds:
             replies.append((call_id, True, remote))
         self._reply_many(replies)
 
+    @property
+    def pending(self) -> int:
+        """Builds asked for and not yet answered (waiting, being built, or built and not yet
+        stored): requests the engine's admission counts ahead of a new one."""
+        return self._asked - self._answered
+
+    def _reply(self, call_id: int, ok: bool, value: Any) -> None:
+        self._answered += 1
+        self._reply_one(call_id, ok, value)
+
     def _reply_many(self, replies: list[tuple[int, bool, Any]]) -> None:
+        self._answered += len(replies)
         if self.reply_many is not None:
             self.reply_many(replies)
         else:
             for reply in replies:
-                self._reply(*reply)
+                self._reply_one(*reply)
 
     def _build_pipelined(self) -> None:
         """Build up to `MAX_BUILD_BATCH` queued prompts, each followed by an event on the prompt
