@@ -109,7 +109,11 @@ class QueueForecast:
                 lo = mid
             else:
                 hi = mid - 1
-        accept = max(lo, start_now)
+        # Not floored at start_now: a request's own check (`refusal`) counts the requests ahead of
+        # it at the queue's drain rate even while slots are free, so a burst past that rate is
+        # refused there; published as room, it was let in by the gateways and refused by this
+        # talker, taken late, 1-2 s after it was sent.
+        accept = lo
         retry = 0 if accept else (self.retry_after(now, ahead) or 1)
         return Headroom(start_now, accept, retry, len(s.running), queued)
 
