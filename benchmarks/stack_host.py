@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             wait_ready(metrics_port, procs[-1], name=name)
             if name == "talker":
                 wait_serving(f"127.0.0.1:{args.talker_port}", procs[-1])
-        wait_serving(f"127.0.0.1:{args.grpc_port}", procs[-1])  # the gateway found its talker
+        wait_serving(f"127.0.0.1:{args.grpc_port}", procs[-1], name="the gateway")  # found its talker
         client = [sys.executable, "-m", "benchmarks.client", "--url", f"http://127.0.0.1:{args.http_port}"]
         client += ["--grpc-target", f"127.0.0.1:{args.grpc_port}", "--protocol", args.protocol]
         client += ["--out", str(out), "--tag", "stack-host", "--no-plots", "--no-progress"]

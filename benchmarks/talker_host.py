@@ -46,6 +46,7 @@ from benchmarks.code2wav_host import Since, loop_lag, pcts, scrape, stop, wait_r
 from qtts.model.sampling import SamplingParams
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.request.errors import ResourceExhausted, from_grpc
+from qtts.serving import probe
 from qtts.serving.log_context import outgoing_metadata
 from services.gateway.talker_pool import StaticResolver, TalkerPool, capacity_probe, capacity_watch
 
@@ -364,26 +365,19 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     }
 
 
-def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    """Until the talker's health says SERVING (model loaded, a code2wav replica on its ring)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+def wait_serving(
+    address: str, proc: subprocess.Popen, timeout_s: float = 180.0, name: str = "the talker"
+) -> None:
+    """Until the service's health says SERVING (for the talker: model loaded, a code2wav replica
+    on its ring)."""
     until = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        check = health_pb2_grpc.HealthStub(channel).Check
-        while time.monotonic() < until:
-            if proc.poll() is not None:
-                raise SystemExit(f"the talker exited with {proc.returncode} before it served")
-            try:
-                if (
-                    check(health_pb2.HealthCheckRequest(), timeout=2).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise SystemExit(f"the talker at {address} was not SERVING within {timeout_s:.0f} s")
+    while time.monotonic() < until:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited with {proc.returncode} before it served")
+        if probe.health_status(address, timeout=2.0) == "SERVING":
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"{name} at {address} was not SERVING within {timeout_s:.0f} s")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -37,13 +37,12 @@ ACTIVE_S = 5.0
 
 
 class _Caller:
-    __slots__ = ("calls", "rate", "rate_at", "asked_at")
+    __slots__ = ("calls", "rate", "rate_at")
 
     def __init__(self) -> None:
         self.calls = 0  # calls seen
         self.rate = 0.0  # calls a second, decayed over RATE_TAU_S, as of `rate_at`
         self.rate_at = 0.0
-        self.asked_at = -math.inf  # when it last asked for its room
 
 
 class SeenCalls:
@@ -54,21 +53,20 @@ class SeenCalls:
 
     def __init__(self, max_callers: int = MAX_CALLERS, clock: Callable[[], float] = time.monotonic):
         self._callers: BoundedLru[str, _Caller] = BoundedLru(max_entries=max_callers)
+        # Callers that asked for their room within ACTIVE_S: when each last asked. Pruned as the
+        # shares are worked out, so a share looks at the gateways there now, not every one
+        # remembered (each gateway restart is a new caller).
+        self._asking: dict[str, float] = {}
         self._clock = clock
-
-    def _caller(self, caller: str) -> _Caller:
-        entry = self._callers.peek(caller)
-        if entry is None:
-            entry = _Caller()
-            self._callers.put(caller, entry)
-        return entry
 
     def saw(self, metadata: Any) -> None:
         """Count a call whose handler runs now, if its metadata names its caller."""
         for key, value in metadata or ():
             if key == CALLER_KEY and isinstance(value, str) and value:
-                entry = self._caller(value)
-                self._callers.get(value)  # the most recently used now
+                entry = self._callers.get(value)  # the most recently used now
+                if entry is None:
+                    entry = _Caller()
+                    self._callers.put(value, entry)
                 now = self._clock()
                 entry.calls += 1
                 entry.rate = _decayed(entry, now) + 1.0 / RATE_TAU_S
@@ -84,17 +82,18 @@ class SeenCalls:
         rate, plus `RATE_FLOOR` so that a quiet gateway still gets some, over all callers' that
         asked for their room within `ACTIVE_S`."""
         now = self._clock()
-        self._caller(caller).asked_at = now
+        self._asking[caller] = now
         mine = total = 0.0
-        for key in self._callers:
-            entry = self._callers.peek(key)
-            if entry is None or now - entry.asked_at > ACTIVE_S:
+        for key, asked_at in list(self._asking.items()):
+            if now - asked_at > ACTIVE_S:
+                del self._asking[key]
                 continue
-            weight = _decayed(entry, now) + RATE_FLOOR
+            entry = self._callers.peek(key)
+            weight = (_decayed(entry, now) if entry is not None else 0.0) + RATE_FLOOR
             total += weight
             if key == caller:
                 mine = weight
-        return mine / total if total > 0 else 1.0
+        return mine / total
 
 
 def _decayed(entry: _Caller, now: float) -> float:
@@ -147,7 +146,4 @@ async def watch_room(
         if key != last or now - last_at >= heartbeat_s:
             last, last_at = key, now
             yield msg
-        try:
-            await asyncio.wait_for(stopping.wait(), interval_s)
-        except TimeoutError:
-            pass
+        await asyncio.sleep(interval_s)  # a drain ends the watch within one interval

@@ -290,17 +290,17 @@ class StreamSession:
         """Acknowledge the audio handed on once `ACK_EVERY_SAMPLES` are unacknowledged, or while
         frames wait for credit (which may wait on this ack)."""
         unacked = self._delivered - self._acked
-        if unacked <= 0:
-            return
-        blocked = bool(self._buffer) and self._sent >= self._request.credit.granted_until
-        if blocked or unacked >= ACK_EVERY_SAMPLES:
+        if unacked > 0 and (unacked >= ACK_EVERY_SAMPLES or self._held_by_credit()):
             self._acked = self._delivered
             await self._link.call.ack(self._delivered)
 
+    def _held_by_credit(self) -> bool:
+        """Frames held back by the credit (not by the chunk boundary)."""
+        return bool(self._buffer) and self._sent >= self._request.credit.granted_until
+
     def _waiting_on_replica(self) -> bool:
-        """Frames held back by the credit (not by the chunk boundary), or the end sent."""
-        blocked = bool(self._buffer) and self._sent >= self._request.credit.granted_until
-        return blocked or self._end_sent
+        """Frames held back by the credit, or the end sent."""
+        return self._held_by_credit() or self._end_sent
 
     def _watch_stall(self) -> None:
         self._link.watch_stall(self._waiting_on_replica())
