@@ -332,12 +332,18 @@ def _result(args: argparse.Namespace, levels: list[dict]) -> dict:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def host_parser(doc: str, streams: list[int]) -> argparse.ArgumentParser:
+    """The flags the host harnesses share: run or serve, the levels, their length and clips."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("mode", nargs="?", default="run", choices=("run", "serve"))
-    parser.add_argument("--streams", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--streams", type=int, nargs="+", default=streams)
     parser.add_argument("--seconds", type=float, default=20.0, help="each level's length")
     parser.add_argument("--clip-s", type=float, default=10.0, help="audio per stream")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = host_parser(__doc__, [128, 256, 512])
     parser.add_argument("--speedup", type=float, default=8.0, help="frames made this x real time")
     parser.add_argument("--lead-s", type=float, default=4.0, help="until this far ahead of playback")
     parser.add_argument("--ramp-s", type=float, default=2.0, help="a level's streams open over this")

@@ -42,7 +42,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from benchmarks.code2wav_host import Since, loop_lag, pcts, scrape, stop, wait_ready
+from benchmarks.code2wav_host import Since, host_parser, loop_lag, pcts, scrape, stop, wait_ready
 from qtts.model.sampling import SamplingParams
 from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.request.errors import ResourceExhausted, from_grpc
@@ -423,11 +423,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", nargs="?", default="run", choices=("run", "serve"))
-    parser.add_argument("--streams", type=int, nargs="+", default=[256, 512])
-    parser.add_argument("--seconds", type=float, default=20.0, help="each level's length")
-    parser.add_argument("--clip-s", type=float, default=10.0, help="audio per stream")
+    parser = host_parser(__doc__, [256, 512])
     parser.add_argument("--ramp-s", type=float, default=2.0, help="a level's streams start over this")
     parser.add_argument("--retry-s", type=float, default=1.0, help="a refused stream waits this long")
     parser.add_argument("--retry-jitter", type=float, default=0.0, help="+- this share of --retry-s")

@@ -26,14 +26,30 @@ def test_the_stand_in_model_makes_the_frames_its_text_asks_for():
     assert made == {"a": 3, "b": 2} and sorted(ended) == ["a", "b"]
 
 
-def test_a_short_run_through_the_real_talker_and_code2wav(tmp_path, capsys):
+def short_run(tmp_path, streams: int, *flags: str) -> dict:
+    """A 1 s level of `streams` on free ports, with `flags`; its results JSON."""
     out = tmp_path / "talker.json"
     ports = [str(free_port()) for _ in range(4)]
-    argv = ["--streams", "4", "--seconds", "1", "--clip-s", "0.8", "--ramp-s", "0.1", "--out", str(out)]
+    argv = [
+        "--streams",
+        str(streams),
+        "--seconds",
+        "1",
+        "--clip-s",
+        "0.8",
+        "--ramp-s",
+        "0.1",
+        "--out",
+        str(out),
+    ]
     argv += ["--port", ports[0], "--metrics-port", ports[1], "--code2wav-port", ports[2]]
-    argv += ["--code2wav-metrics-port", ports[3], "--talker-args", "--queue-budget-share 1"]
+    argv += ["--code2wav-metrics-port", ports[3], *flags]
     assert main(argv) == 0
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_a_short_run_through_the_real_talker_and_code2wav(tmp_path, capsys):
+    result = short_run(tmp_path, 4, "--talker-args", "--queue-budget-share 1")
     assert result["conditions"]["talker_args"] == ["--queue-budget-share", "1"]
     (level,) = result["levels"]
     assert level["errors"] == {} and level["refused"] == 0
@@ -47,13 +63,7 @@ def test_a_short_run_through_the_real_talker_and_code2wav(tmp_path, capsys):
 def test_a_short_run_with_the_engine_in_its_own_process_started_through_the_gateway_pool(tmp_path):
     """As on the GPU: the stand-in model is loaded by the spawned engine process (installed there
     from the environment), and streams are started as the gateway starts them (its room watched)."""
-    out = tmp_path / "talker.json"
-    ports = [str(free_port()) for _ in range(4)]
-    argv = ["--streams", "3", "--seconds", "1", "--clip-s", "0.8", "--ramp-s", "0.1", "--out", str(out)]
-    argv += ["--port", ports[0], "--metrics-port", ports[1], "--code2wav-port", ports[2]]
-    argv += ["--code2wav-metrics-port", ports[3], "--engine-process", "--gateway-pool"]
-    assert main(argv) == 0
-    result = json.loads(out.read_text())
+    result = short_run(tmp_path, 3, "--engine-process", "--gateway-pool")
     assert result["conditions"]["engine"] == "own process"
     assert result["conditions"]["driver"] == "gateway pool (watch)"
     (level,) = result["levels"]

@@ -32,11 +32,8 @@ class Servicer(talker_pb2_grpc.TalkerServiceServicer):
             )
 
 
-def sample(registry: CollectorRegistry, name: str, **labels) -> float:
-    return registry.get_sample_value(name, labels) or 0.0
-
-
-async def test_calls_are_counted_and_timed_by_method_and_code():
+async def started_host() -> tuple[TalkerMetrics, GrpcServiceHost]:
+    """A serving host of `Servicer` on a free port, with its metrics."""
     metrics = TalkerMetrics(CollectorRegistry())
     host = GrpcServiceHost(
         service_names=[service_full_name(talker_pb2, "TalkerService")], metrics=metrics, port=0
@@ -44,6 +41,15 @@ async def test_calls_are_counted_and_timed_by_method_and_code():
     talker_pb2_grpc.add_TalkerServiceServicer_to_server(Servicer(), host.server)
     await host.start()
     await host.set_serving()
+    return metrics, host
+
+
+def sample(registry: CollectorRegistry, name: str, **labels) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_calls_are_counted_and_timed_by_method_and_code():
+    metrics, host = await started_host()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{host.bound_port}") as channel:
             stub = talker_pb2_grpc.TalkerServiceStub(channel)
@@ -83,13 +89,7 @@ async def test_calls_are_counted_and_timed_by_method_and_code():
 async def test_a_call_from_another_service_times_its_wait_before_the_handler():
     from qtts.serving.log_context import SENT_AT_KEY, outgoing_metadata, waited_since_sent
 
-    metrics = TalkerMetrics(CollectorRegistry())
-    host = GrpcServiceHost(
-        service_names=[service_full_name(talker_pb2, "TalkerService")], metrics=metrics, port=0
-    )
-    talker_pb2_grpc.add_TalkerServiceServicer_to_server(Servicer(), host.server)
-    await host.start()
-    await host.set_serving()
+    metrics, host = await started_host()
     labels = {"service": "talker", "method": INFO}
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{host.bound_port}") as channel:
