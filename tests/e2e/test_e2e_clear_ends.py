@@ -208,7 +208,8 @@ def test_client_cancels_are_no_errors_and_log_one_line(ends):
         new = ends.log(name)[logs_before[name] :]
         assert "Traceback" not in new, new
         for rid in ids:
-            lines = [line for line in new.splitlines() if rid in line]
+            # A loaded machine may also log a late chunk (chunk_hops): timing, not the cancel.
+            lines = [line for line in new.splitlines() if rid in line and "chunk_hops" not in line]
             assert len(lines) == 1, (name, rid, lines)
             assert "CANCELLED" in lines[0], lines
 
