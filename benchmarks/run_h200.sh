@@ -15,6 +15,8 @@
 #   session: the talker-alone capacity, then the closed-loop and the open-loop stack sweeps, each
 #           stack fresh, in one call (CONCURRENCY, RATES, OPEN_DURATION, MPS). Carry: .whl
 #   decode: code2wav decode engine (both precisions). Carry: .whl
+#   engines: the talker with prompts arriving, the decoder, the aligner, the frame step and the
+#           prefill cost, each alone (issues #27 and #30). Carry: .whl
 #   stacks: fresh stacks one after another (STACKS="http http": the closed-loop headline twice;
 #           also grpc, grpcts: timestamps off then on, open), packed after each. Carry: .whl
 #
@@ -42,7 +44,7 @@
 # e.g. CLIENT_PROCESSES=4 with GATEWAY_REPLICAS=1 and 2 to tell the gateway from the client.
 # Without a GPU, `python -m benchmarks.relay_capacity run` measures the gateway and client alone.
 set -uo pipefail
-MODE="${1:?talker, stack, gaps, replicas, session, stacks or decode}"
+MODE="${1:?talker, stack, gaps, replicas, session, stacks, engines or decode}"
 OUT="${OUT:-run/h200}"
 mkdir -p "$OUT"
 RES="$(mktemp -d)/results"
@@ -218,13 +220,38 @@ stacks)
         pack
     done
     ;;
+engines)
+    # The engines alone (issue #27's table and #30's aligner cost) in one call of about 8 minutes,
+    # each step under its own timeout so one slow step leaves the others' results: the talker with
+    # prompts arriving (ENGINE_STREAMS), the decoder, the aligner, then the frame step and the
+    # prefill cost when time is left (ENGINE_STEPS="capacity decode aligner step prefill"). Carry: .whl
+    install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
+    for step in ${ENGINE_STEPS:-capacity decode aligner step prefill}; do
+        case "$step" in
+        capacity) timeout "${CAPACITY_TIMEOUT:-170}" python3 -m benchmarks.talker_capacity --streams "${ENGINE_STREAMS:-1536}" \
+            --measure-steps 100 --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1 ;;
+        # shellcheck disable=SC2086  # DECODE_STREAMS is a list
+        decode) timeout "${DECODE_TIMEOUT:-130}" python3 -m benchmarks.code2wav_decode --streams ${DECODE_STREAMS:-128 512} --revision "$REV" \
+            --out "$RES/code2wav_decode.json" >"$RES/code2wav_decode.log" 2>&1 ;;
+        aligner) timeout 70 python3 -m benchmarks.aligner_cost --out "$RES/aligner_cost.json" \
+            >"$RES/aligner_cost.log" 2>&1 ;;
+        step) timeout 120 python3 -m benchmarks.talker_step --models qwen3-tts-12hz-1.7b-base \
+            --batches 1,256,512,1024 --out "$RES/talker_step.json" >"$RES/talker_step.log" 2>&1 ;;
+        prefill) timeout 90 python3 -m benchmarks.prefill_cost --out "$RES/prefill_cost.json" \
+            >"$RES/prefill_cost.log" 2>&1 ;;
+        *) echo "unknown engine step $step (capacity, decode, aligner, step, prefill)" >&2 ;;
+        esac
+        echo "$step rc=$? at $SECONDS s"
+        pack >/dev/null  # each step's results kept even if a later one runs out the call
+    done
+    ;;
 decode)
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     timeout 500 python3 -m benchmarks.code2wav_decode --revision "$REV" --out "$RES/code2wav_decode.json" \
         >"$RES/code2wav_decode.log" 2>&1
     ;;
 *)
-    echo "unknown mode $MODE (talker, stack, gaps, replicas, session, stacks or decode)" >&2
+    echo "unknown mode $MODE (talker, stack, gaps, replicas, session, stacks, engines or decode)" >&2
     exit 2
     ;;
 esac
