@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from starlette.websockets import WebSocket
 
-from qtts.request.errors import Cancelled, openai_error_body
+from qtts.request.errors import Cancelled, openai_error_body, retry_after_ms
 
 from .core import GatewayCore
 from .http_request import StreamingSessionConfig
@@ -169,13 +169,18 @@ class Session:
                 raise self.stalled[0] from None
 
     async def send_error(self, exc: BaseException, **context) -> None:
+        """An `error` event; a refusal that knows when room is expected also says when to try
+        again (`retry_after_ms`, spread as HTTP's `retry-after-ms` is)."""
         body = openai_error_body(exc)["error"]
+        retry_after_s = getattr(exc, "retry_after_s", None)
+        hint = {"retry_after_ms": retry_after_ms(retry_after_s)} if retry_after_s else {}
         await self.send_json(
             {
                 "type": "error",
                 "message": body["message"],
                 "code": body["code"],
                 "param": body["param"],
+                **hint,
                 **context,
             }
         )

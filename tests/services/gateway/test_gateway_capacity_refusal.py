@@ -267,6 +267,7 @@ async def test_no_talker_with_room_is_a_refusal_at_once_over_http_grpc_and_webso
                         events.append(json.loads(msg))
                 error = next(e for e in events if e["type"] == "error")
                 assert error["code"] == "rate_limit_exceeded" and "at capacity" in error["message"]
+                assert 7000 <= error["retry_after_ms"] < 10500  # the same hint as HTTP's
 
             assert talker.requests == []  # refused at the gateway: the talker was never called
             # Room for one: the request holds it while its body is read, and its own pick takes
