@@ -228,8 +228,9 @@ engines)
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     for step in ${ENGINE_STEPS:-capacity decode aligner step prefill}; do
         case "$step" in
+        # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags (e.g. --max-prefill-tokens 8192)
         capacity) timeout "${CAPACITY_TIMEOUT:-170}" python3 -m benchmarks.talker_capacity --streams "${ENGINE_STREAMS:-1536}" \
-            --measure-steps 100 --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1 ;;
+            --measure-steps 100 ${CAPACITY_ARGS:-} --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1 ;;
         # shellcheck disable=SC2086  # DECODE_STREAMS is a list
         decode) timeout "${DECODE_TIMEOUT:-130}" python3 -m benchmarks.code2wav_decode --streams ${DECODE_STREAMS:-128 512} --revision "$REV" \
             --out "$RES/code2wav_decode.json" >"$RES/code2wav_decode.log" 2>&1 ;;
