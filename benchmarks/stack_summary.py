@@ -8,6 +8,7 @@ the first, `then/`, `back/`) and every service's `/metrics` page scraped after t
   (p50 / p95) and audio-s/s;
 - per service: event-loop lag (p50 / p99 from the histogram's buckets, "<=" the bucket's bound,
   and the worst sample), how long calls from the other services waited before their handler ran,
+  the talker's admission capacity over the run's steps and the costs it last worked with,
   underruns, the stages' mean times and the chunk hops' means;
 - the commonest failure statuses and messages per level (numbers in the messages folded, so alike
   ones group) and the idle
@@ -156,6 +157,7 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
             f"  calls waited before their handler: mean {_ms(waited[1])} ms, p95 <= "
             f"{_ms(bucket_quantile(accept, 0.95))} ms over {accept[-1][1]:.0f} calls"
         )
+    lines.extend(admission_lines(metrics))
     underruns = metrics.total(f"tts_{service}_underruns_total")
     if metrics.values(f"tts_{service}_underruns_total"):
         lines.append(f"  underruns {underruns:.0f}")
@@ -172,6 +174,30 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
         if hops:
             lines.append(f"  {name.removeprefix('tts_')} means (ms): " + ", ".join(hops))
     return lines
+
+
+def admission_lines(metrics: ScrapedMetrics) -> list[str]:
+    """The talker's admission capacity over the run's steps (p5 / p50 / p95, bucket bounds) and
+    the costs it last worked with: how far the estimate moved, and from what."""
+    cap = metrics.buckets("tts_talker_admission_capacity_streams")
+    if not cap or cap[-1][1] <= 0:
+        return []
+    q = [bucket_quantile(cap, p) for p in (0.05, 0.5, 0.95)]
+    over = metrics.total("tts_talker_steps_over_capacity_total")
+    line = (
+        "  admission capacity p5/p50/p95 <= "
+        + "/".join("-" if v is None else f"{v:.0f}" for v in q)
+        + f" streams over {cap[-1][1]:.0f} steps, {over:.0f} with more running"
+    )
+    costs = {lab["cost"]: v for lab, v in metrics.values("tts_talker_admission_cost_seconds")}
+    if costs:
+        line += (
+            f"; last costs: step {costs.get('step_base', 0) * 1e3:.2f} ms + "
+            f"{costs.get('step_per_stream', 0) * 1e6:.1f} us a stream, prefill "
+            f"{costs.get('prefill_request', 0) * 1e3:.1f} ms a request, decoder "
+            f"{costs.get('decoder_frame', 0) * 1e6:.1f} us a frame"
+        )
+    return [line]
 
 
 def runs_under(roots: Iterable[Path]) -> list[Path]:

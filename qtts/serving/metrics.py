@@ -53,6 +53,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Deadline slack (audio a listener has buffered when a chunk is handed on): no negative bounds, since
 # prometheus_client drops `_sum` for them; a late chunk falls in the first bucket and counts as an underrun.
 SLACK_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.6, 2.0, 3.0, 5.0, 10.0)
+# The streams the talker's admission allows at once (its capacity bound), observed once a step.
+CAPACITY_BUCKETS = (32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 2048, 4096)
 # A call's whole life: a health check takes a millisecond, a stream up to the longest audio (330 s).
 CALL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -335,6 +337,27 @@ class TalkerMetrics(ServiceMetrics):
         self.predicted_step_seconds = Gauge(
             "tts_talker_predicted_step_seconds",
             "Frame step time the admission model predicts for every running stream stepping at once.",
+            registry=registry,
+        )
+        self.admission_capacity_streams = Histogram(
+            "tts_talker_admission_capacity_streams",
+            "The streams admission allows at once (its duty and load bounds over the fitted costs), "
+            "observed once a step: its spread is how much the estimate moves under load.",
+            buckets=CAPACITY_BUCKETS,
+            registry=registry,
+        )
+        self.steps_over_capacity_total = Counter(
+            "tts_talker_steps_over_capacity_total",
+            "Steps with more streams running than the admission capacity of that moment (admitted "
+            "under a higher estimate): new requests wait for streams to end, or are refused.",
+            registry=registry,
+        )
+        self.admission_cost_seconds = Gauge(
+            "tts_talker_admission_cost_seconds",
+            "The costs admission works with, as fitted or published: step_base and step_per_stream "
+            "(the frame step), prefill_request (one prompt's prefill), decoder_frame (code2wav's "
+            "decode of one frame on this GPU, 0 when it is not counted).",
+            ["cost"],
             registry=registry,
         )
 

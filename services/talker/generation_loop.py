@@ -302,6 +302,8 @@ class GenerationLoop:
             self._metrics.text_waiting_streams.set(plan.num_text_waiting)
         if s.admission is not None:
             self._metrics.predicted_step_seconds.set(s.admission.model.predict(s.num_running))
+            if plan is not None and plan.step:  # once a step that runs
+                self._observe_admission(s.admission, s.num_running)
         reason = s.holding_reason
         held = bool(reason)
         if held and not self._held:
@@ -309,6 +311,19 @@ class GenerationLoop:
             log.info("holding %d waiting requests: %s", s.num_waiting, reason)
         self._held = held
         self._metrics.admission_held.set(int(held))
+
+    def _observe_admission(self, adm: Any, running: int) -> None:
+        """The admission capacity of this step and the costs it comes from (metrics only)."""
+        cap = adm.capacity(self._scheduler.forecast.mean_stream_s())
+        if cap is not None:
+            self._metrics.admission_capacity_streams.observe(cap)
+            if running > cap:
+                self._metrics.steps_over_capacity_total.inc()
+        m, cost = adm.model, self._metrics.admission_cost_seconds
+        cost.labels("step_base").set(m.base_s)
+        cost.labels("step_per_stream").set(m.per_stream_s)
+        cost.labels("prefill_request").set(m.prefill_request_s)
+        cost.labels("decoder_frame").set(adm.decoder_frame_s if adm.config.decoder_shares_gpu else 0.0)
 
     def _next_plan(self) -> tuple[list[str], StepPlan] | None:
         """Wait until there is something to do; None once stopped. Call with the lock held."""

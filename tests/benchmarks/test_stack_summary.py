@@ -47,6 +47,12 @@ def write_run(tmp_path):
     talker.observe_stage("prefill", 0.020)
     talker.chunk_hop_seconds.labels("code2wav").observe(1.25)
     talker.chunk_hop_seconds.labels("code2wav").observe(0.75)
+    for cap in [600] * 80 + [500] * 10 + [1000] * 10:
+        talker.admission_capacity_streams.observe(cap)
+    talker.steps_over_capacity_total.inc(4)
+    for cost, seconds in (("step_base", 0.0047), ("step_per_stream", 20e-6), ("prefill_request", 0.004)):
+        talker.admission_cost_seconds.labels(cost).set(seconds)
+    talker.admission_cost_seconds.labels("decoder_frame").set(27e-6)
     (run / "metrics-talker.txt").write_bytes(generate_latest(talker.registry))
     c2w = Code2WavMetrics(CollectorRegistry())
     c2w.observe_stage("open_stream", 0.5)
@@ -70,6 +76,10 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
         "  event-loop lag p50 <= 0 ms, p99 <= 25 ms over 100 samples; worst since the last scrape 300 ms"
     )
     assert "  underruns 7" in talker
+    assert talker[2] == (
+        "  admission capacity p5/p50/p95 <= 512/640/1024 streams over 100 steps, 4 with more running; "
+        "last costs: step 4.70 ms + 20.0 us a stream, prefill 4.0 ms a request, decoder 27.0 us a frame"
+    )
     assert "  calls waited before their handler: mean 402 ms, p95 <= 2500 ms over 3 calls" in talker
     assert "  stage prefill: n=2, mean 15.0 ms" in talker
     assert "  talker_chunk_hop_seconds means (ms): code2wav 1000.0" in talker

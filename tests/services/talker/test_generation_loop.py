@@ -356,3 +356,66 @@ def test_a_burst_gets_its_first_chunks_in_the_steps_right_after_its_prefill(plan
         step, frame = first_chunk_at[req.request_id]
         assert (frame.index, len(frame.codes)) == (0, plan.first)
         assert step == gen.prefilled_in[req.request_id] + plan.first - 1
+
+
+def test_each_step_observes_the_admission_capacity_and_the_costs_it_comes_from():
+    from services.talker.admission import Admission, AdmissionConfig
+
+    config = AdmissionConfig(
+        max_duty=0,
+        step_base_s=0.004,
+        step_per_stream_s=0.001,
+        decoder_shares_gpu=True,
+        decoder_frame_s=0.0005,
+    )
+    adm = Admission(config)
+    metrics = TalkerMetrics(CollectorRegistry())
+    engine = GenerationLoop(gen := FakeGenerator(), DeadlineScheduler(4, 4, admission=adm), metrics, 0.05)
+    events: queue.Queue = queue.Queue()
+    engine.start()
+    try:
+        engine.submit(make_req("a", frames=6, window=100, sink=lambda ev: events.put(("a", ev))))
+        collect(events, "a", Finished, 1)
+    finally:
+        engine.stop()
+    assert gen.num_active == 0
+    registry = metrics.registry
+    steps = registry.get_sample_value("tts_talker_admission_capacity_streams_count")
+    assert steps is not None and steps >= 6  # one a step that ran
+    # Tens of streams under these costs: every observation far above the one stream running.
+    assert registry.get_sample_value("tts_talker_admission_capacity_streams_bucket", {"le": "32.0"}) == 0
+    for cost, want in (("step_per_stream", adm.model.per_stream_s), ("decoder_frame", 0.0005)):
+        assert registry.get_sample_value("tts_talker_admission_cost_seconds", {"cost": cost}) == want
+    assert registry.get_sample_value("tts_talker_steps_over_capacity_total") == 0  # one stream, far under
+
+
+def test_a_capacity_that_falls_under_the_running_streams_is_counted_a_step_at_a_time():
+    from services.talker.admission import Admission, AdmissionConfig
+
+    adm = Admission(
+        AdmissionConfig(max_duty=0, step_base_s=0.004, step_per_stream_s=0.001, decoder_shares_gpu=True)
+    )
+    metrics = TalkerMetrics(CollectorRegistry())
+    engine = GenerationLoop(FakeGenerator(), DeadlineScheduler(4, 4, admission=adm), metrics, 0.05)
+    events: queue.Queue = queue.Queue()
+    sink = {rid: (lambda ev, rid=rid: events.put((rid, ev))) for rid in ("a", "b")}
+    engine.start()
+    try:
+        for rid in ("a", "b"):
+            engine.submit(make_req(rid, frames=10_000, window=10_000, sink=sink[rid]))
+        for rid in ("a", "b"):
+            collect(events, rid, Admitted, 1)
+        counter = "tts_talker_steps_over_capacity_total"
+        assert metrics.registry.get_sample_value(counter) == 0
+        # code2wav now publishes a decode cost that leaves room for one stream, with two running.
+        adm.observe_decoder(0.1)
+        assert adm.capacity(800.0) == 1
+        deadline = time.monotonic() + 10
+        while metrics.registry.get_sample_value(counter) < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the steps go on, both streams running, each one counted
+        assert metrics.registry.get_sample_value(counter) >= 10
+        assert engine.start_counts()[1] == 2
+    finally:
+        engine.cancel("a")
+        engine.cancel("b")
+        engine.stop()
