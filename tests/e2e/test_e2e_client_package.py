@@ -132,10 +132,11 @@ def test_client_examples_run_against_the_stack(stack, client_python, tmp_path):
             cwd=tmp_path,
         )
         spoken = out.count("speaking:")
-        if (transport, split) == ("ws", "none"):
+        if split == "none":
             # One utterance, unless the 10-frame cap ends it while words still stream in: since
             # generation starts on the first word, the rest is then spoken as a second segment
-            # (nothing dropped). Which one happens depends on the machine's load.
+            # (nothing dropped). Which one happens depends on the machine's load, over the
+            # WebSocket and gRPC alike (a clean-clone CI run saw two over gRPC).
             assert spoken in (1, 2), out
             segments = spoken
         assert spoken == segments, out
