@@ -41,6 +41,8 @@ COUNTERS_AND_GAUGES = {
     "tts_http_requests_total",
     "tts_gateway_underruns_total",
     "tts_event_loop_lag_max_seconds",
+    "tts_talker_steps_over_capacity_total",
+    "tts_talker_admission_cost_seconds",
 }
 HISTOGRAMS = {
     "tts_gateway_ttfa_seconds",
@@ -65,6 +67,7 @@ HISTOGRAMS = {
     "tts_rpc_duration_seconds",
     "tts_http_request_duration_seconds",
     "tts_gateway_deadline_slack_seconds",
+    "tts_talker_admission_capacity_streams",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC = re.compile(r"\b(tts_[a-z0-9_]+)")
