@@ -60,6 +60,23 @@ GATEWAY="${GATEWAY_ARGS:---max-streams 1024}"
 PREFILL_BUCKETS="--prefill-buckets 64,128,192,256,320,384,448,512"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$RES/revision.txt" 2>&1
 
+# Compile caches (torch.compile's and Triton's): a fresh machine compiles every kernel again, part
+# of each stack's start. A call that carries .compile_cache (an earlier call's
+# compile-cache.tar.gz, unpacked here from there) starts with them; each call leaves its own in $OUT
+# when under 15 MB, for the next call or session to carry.
+CACHE=/tmp/compile-cache
+mkdir -p "$CACHE/inductor" "$CACHE/triton"
+[[ -f .compile_cache/compile-cache.tar.gz ]] && tar -xzf .compile_cache/compile-cache.tar.gz -C /tmp
+export TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor" TRITON_CACHE_DIR="$CACHE/triton"
+
+save_cache() {
+    if (( $(du -sm "$CACHE" | cut -f1) < 15 )); then
+        tar -czf "$OUT/compile-cache.tar.gz" -C /tmp compile-cache
+    else
+        echo "compile cache over 15 MB: not kept ($(du -sh "$CACHE" | cut -f1))"
+    fi
+}
+
 install() {  # $1: wheel folder, $2: target
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
 }
@@ -71,7 +88,7 @@ pack() {
         [[ -f "$f" ]] && { echo "== $f"; tail -n 30 "$f"; }
     done
 }
-trap pack EXIT
+trap 'pack; save_cache' EXIT
 
 case "$MODE" in
 talker)
