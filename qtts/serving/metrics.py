@@ -356,7 +356,7 @@ class TalkerMetrics(ServiceMetrics):
             "tts_talker_admission_cost_seconds",
             "The costs admission works with, as fitted or published: step_base and step_per_stream "
             "(the frame step), prefill_request (one prompt's prefill), decoder_frame (code2wav's "
-            "decode of one frame on this GPU, 0 when it is not counted).",
+            "decode of one frame on this GPU, as the capacity counts it: published or the prior).",
             ["cost"],
             registry=registry,
         )

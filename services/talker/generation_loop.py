@@ -197,6 +197,11 @@ class GenerationLoop:
         self._step_fn = skipping_step(generator)
         self._scheduler = scheduler
         self._metrics = metrics
+        # The admission-cost gauges' children, bound once rather than looked up every step.
+        costs = metrics.admission_cost_seconds
+        self._cost_gauges = tuple(
+            costs.labels(c) for c in ("step_base", "step_per_stream", "prefill_request", "decoder_frame")
+        )
         self._idle_wait_s = idle_wait_s
         self._cond = threading.Condition()
         self._pending_cancels: list[str] = []
@@ -319,11 +324,13 @@ class GenerationLoop:
             self._metrics.admission_capacity_streams.observe(cap)
             if running > cap:
                 self._metrics.steps_over_capacity_total.inc()
-        m, cost = adm.model, self._metrics.admission_cost_seconds
-        cost.labels("step_base").set(m.base_s)
-        cost.labels("step_per_stream").set(m.per_stream_s)
-        cost.labels("prefill_request").set(m.prefill_request_s)
-        cost.labels("decoder_frame").set(adm.decoder_frame_s if adm.config.decoder_shares_gpu else 0.0)
+        m = adm.model
+        for gauge, value in zip(
+            self._cost_gauges,
+            (m.base_s, m.per_stream_s, m.prefill_request_s, adm.decoder_frame_s),
+            strict=True,
+        ):
+            gauge.set(value)
 
     def _next_plan(self) -> tuple[list[str], StepPlan] | None:
         """Wait until there is something to do; None once stopped. Call with the lock held."""
