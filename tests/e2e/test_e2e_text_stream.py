@@ -101,7 +101,9 @@ def test_websocket_utterance_in_pieces_is_one_request_then_cancel(stack):
             _talker_calls(stack),
         )
 
-        # An utterance whose text stays open, cancelled once its audio flows.
+        # An utterance whose text stays open, cancelled once its audio flows. The random model may
+        # sample its end among the first frames; a length floor keeps it running until the cancel.
+        ws.send(json.dumps({**CONFIG, "min_new_tokens": 200, "max_new_tokens": 400}))
         ws.send(json.dumps({"type": "input.text", "text": "A long story that nobody waits to hear "}))
         assert _event(ws)["type"] == "audio.start"
         assert isinstance(ws.recv(timeout=60), bytes)
@@ -109,8 +111,10 @@ def test_websocket_utterance_in_pieces_is_one_request_then_cancel(stack):
         ws.send(json.dumps({"type": "input.cancel"}))
         while isinstance(msg := ws.recv(timeout=60), bytes):
             pass
-        assert json.loads(msg)["cancelled"] is True
-        assert _event(ws)["cancelled"] is True
+        done = json.loads(msg)
+        assert (done["type"], done.get("cancelled")) == ("audio.done", True), done
+        end = _event(ws)
+        assert (end["type"], end.get("cancelled")) == ("session.done", True), end
         assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
         ws.send(json.dumps({"type": "session.close"}))
     assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
@@ -156,9 +160,13 @@ def test_grpc_streaming_synthesize_in_pieces_is_one_request_then_cancel(stack):
     before = _talker_calls(stack)
     sent_rest = False
 
-    def requests(request_id: str, texts: list[str], first_audio: threading.Event):
+    def requests(request_id: str, texts: list[str], first_audio: threading.Event, floor: int = 0):
         nonlocal sent_rest
-        yield _config(request_id=request_id, sampling=tts_pb2.SamplingParams(seed=1))
+        # A length floor keeps an utterance that is to be cancelled from ending by itself first.
+        sampling = (
+            tts_pb2.SamplingParams(seed=1, min_new_frames=floor) if floor else tts_pb2.SamplingParams(seed=1)
+        )
+        yield _config(request_id=request_id, sampling=sampling)
         yield _text(texts[0])
         first_audio.wait(60)  # the rest of the text only after audio came back
         sent_rest = True
@@ -190,7 +198,8 @@ def test_grpc_streaming_synthesize_in_pieces_is_one_request_then_cancel(stack):
 
         hold = threading.Event()
         call = stub.StreamingSynthesize(
-            requests("grpc-cancel", ["A long story nobody waits for ", "never sent."], hold), timeout=120
+            requests("grpc-cancel", ["A long story nobody waits for ", "never sent."], hold, floor=200),
+            timeout=120,
         )
         assert next(call).HasField("segment_start") and next(call).HasField("audio")
         assert poll(lambda: _live(stack) == (1, 1)), _live(stack)
