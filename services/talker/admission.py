@@ -4,7 +4,9 @@ stream still meets its playback deadline.
 Two predictions decide it, both from what the engine measured on this GPU:
 
 - the frame step: `StepModel` fits step time = base + per_stream * batch from the steps it saw
-  (steps with a prefill are left out). With one more stream, stepping every running stream at
+  (steps with a prefill are left out), each figure a trimmed mean of the recent steps, so that
+  one slow step (a stall, a burst of another process's work on a shared GPU) does not move the
+  capacity. With one more stream, stepping every running stream at
   once must take at most `max_duty` of a frame's 80 ms, leaving the rest of the GPU to prefill and
   to the decoder sharing it;
 - the steady load: with one more stream, the frame steps (every stream about once a frame) plus
@@ -43,6 +45,7 @@ the budget is refused at once with a `Retry-After`, instead of after waiting for
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -72,7 +75,12 @@ class AdmissionConfig:
     # running stream says its own.
     prefill_request_s: float = 0.01
     default_stream_s: float = 10.0
-    ewma_alpha: float = 0.1
+    # The step model's memory: the last this many steps of each kind (small-batch steps for the
+    # base, prefill steps for the prefill costs), and for the per-stream slope the recent steps
+    # up to this many stream-steps (a step of batch b counts b), so that a run of small, noisy
+    # batches displaces little of what the large ones measured.
+    fit_steps: int = 64
+    fit_stream_steps: int = 16_384
     # GPU time the decoder spends per stream and frame when it shares this GPU (0: it runs elsewhere):
     # a prior that code2wav's published measurements replace when `decoder_shares_gpu`.
     decoder_frame_s: float = 0.0
@@ -85,27 +93,59 @@ class AdmissionConfig:
             raise ValueError(f"queue_budget_share must be in (0, 1], got {self.queue_budget_share}")
         if self.default_stream_s <= 0 or self.prefill_request_s < 0 or self.decoder_frame_s < 0:
             raise ValueError("default_stream_s must be > 0, prefill_request_s and decoder_frame_s >= 0")
-        if not 0.0 <= self.max_behind_fraction < 1.0 or not 0.0 < self.ewma_alpha <= 1.0:
-            raise ValueError("max_behind_fraction must be in [0, 1) and ewma_alpha in (0, 1]")
+        if not 0.0 <= self.max_behind_fraction < 1.0:
+            raise ValueError("max_behind_fraction must be in [0, 1)")
+        if self.fit_steps < 1 or self.fit_stream_steps < 1:
+            raise ValueError("fit_steps and fit_stream_steps must be >= 1")
         if self.max_admit_per_step < 1:
             raise ValueError("max_admit_per_step must be >= 1")
+
+
+def trimmed_mean(samples: list[tuple[float, float]], trim: float = 0.25) -> float:
+    """The weighted mean of (value, weight) samples after dropping `trim` of the total weight
+    from each end (0.25: the interquartile mean). Robust to a quarter of the weight being wild,
+    and nearer the mean than a median when the spread is honest. `samples` must not be empty."""
+    ordered = sorted(samples)
+    total = sum(w for _, w in ordered)
+    if total <= 0:
+        return ordered[len(ordered) // 2][0]
+    lo, hi = trim * total, (1.0 - trim) * total
+    acc = kept = weighted = 0.0
+    for value, weight in ordered:
+        inside = min(acc + weight, hi) - max(acc, lo)
+        if inside > 0:
+            kept += inside
+            weighted += inside * value
+        acc += weight
+    return weighted / kept if kept > 0 else ordered[len(ordered) // 2][0]
 
 
 class StepModel:
     """Frame step time as base + per_stream * batch, fitted from measured steps.
 
-    Small batches (<= 8) measure the base (launch-bound); larger ones the per-stream slope over it.
-    Each is an exponential average, so the model follows a GPU that another process shares."""
+    Small batches (<= 8) measure the base (launch-bound); larger ones the per-stream slope over it,
+    each step's slope weighted by its batch (a slow step of 10 streams says little about a step of
+    500). Each figure is a trimmed mean over a window of recent steps, not an exponential average:
+    one stalled step moved an average with weight 0.1 by a tenth of its error, and on an H200
+    shared with the decoder and the aligner the fitted slope swung 2x and the capacity from 32 to
+    896 streams (HISTORY.md, 2026-12-05). The windows still follow a GPU that another process comes
+    to share within a few dozen steps."""
 
     _SMALL = 8
 
     def __init__(self, config: AdmissionConfig):
-        self._alpha = config.ewma_alpha
         self.base_s = config.step_base_s
         self.per_stream_s = config.step_per_stream_s
         self.prefill_position_s = config.prefill_position_s
         self.prefill_request_s = config.prefill_request_s
-        self._base_seen = False
+        self._max_stream_steps = config.fit_stream_steps
+        self._base: deque[tuple[int, float]] = deque(maxlen=config.fit_steps)
+        # (batch, seconds) of large-batch steps; their slopes are taken over the base of the time
+        # of the fit, so a base learnt later corrects them.
+        self._large: deque[tuple[int, float]] = deque(maxlen=max(2 * config.fit_steps, 16))
+        self._large_weight = 0
+        self._position: deque[tuple[float, float]] = deque(maxlen=config.fit_steps)
+        self._request: deque[tuple[float, float]] = deque(maxlen=config.fit_steps)
 
     def predict(self, batch: int) -> float:
         return self.base_s + self.per_stream_s * max(batch, 0)
@@ -113,22 +153,31 @@ class StepModel:
     def observe(
         self, batch: int, seconds: float, prefill_positions: int = 0, prefill_requests: int = 0
     ) -> None:
-        if batch < 1 or seconds <= 0:
+        if batch < 1 or seconds <= 0 or not math.isfinite(seconds):
             return
-        a = self._alpha
         if prefill_positions > 0:
             extra = max(0.0, seconds - self.predict(batch))
-            self.prefill_position_s += a * (extra / prefill_positions - self.prefill_position_s)
+            self._position.append((extra / prefill_positions, 1.0))
+            self.prefill_position_s = trimmed_mean(list(self._position))
             if prefill_requests > 0:
-                self.prefill_request_s += a * (extra / prefill_requests - self.prefill_request_s)
+                self._request.append((extra / prefill_requests, 1.0))
+                self.prefill_request_s = trimmed_mean(list(self._request))
             return
         if batch <= self._SMALL:
-            self.base_s = seconds if not self._base_seen else self.base_s + a * (seconds - self.base_s)
-            self._base_seen = True
+            # The intercept: a small batch's own streams taken off at the current slope.
+            self._base.append((batch, seconds))
+            slope = self.per_stream_s
+            self.base_s = trimmed_mean([(max(0.0, s - slope * b), 1.0) for b, s in self._base])
             return
         # A large batch measures the slope over the base (the prior until a small batch is seen).
-        slope = max(0.0, seconds - self.base_s) / batch
-        self.per_stream_s += a * (slope - self.per_stream_s)
+        if len(self._large) == self._large.maxlen:
+            self._large_weight -= self._large[0][0]
+        self._large.append((batch, seconds))
+        self._large_weight += batch
+        while len(self._large) > 1 and self._large_weight - self._large[0][0] >= self._max_stream_steps:
+            self._large_weight -= self._large.popleft()[0]
+        base = self.base_s
+        self.per_stream_s = trimmed_mean([(max(0.0, s - base) / b, float(b)) for b, s in self._large])
 
     def prefill_s(self, positions: int) -> float:
         return self.prefill_position_s * max(positions, 0)

@@ -77,18 +77,20 @@ def test_queue_bounds_and_draining():
 
 
 def test_a_large_batch_first_measures_the_slope_not_the_base():
-    m = StepModel(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0, ewma_alpha=1.0))
+    m = StepModel(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0))
     m.observe(200, 0.004 + 200 * 0.0001)
     assert m.base_s == 0.004 and m.per_stream_s == pytest.approx(0.0001)
 
 
 def test_step_model_learns_base_and_slope():
-    m = StepModel(AdmissionConfig(step_base_s=0.001, step_per_stream_s=0.0, ewma_alpha=0.5))
+    m = StepModel(AdmissionConfig(step_base_s=0.001, step_per_stream_s=0.0))
     for _ in range(30):
         m.observe(4, 0.010)
         m.observe(200, 0.010 + 200 * 0.0003)
-    assert m.base_s == pytest.approx(0.010, rel=1e-3)
-    assert m.per_stream_s == pytest.approx(0.0003, rel=0.02)
+    # The base is the intercept: the small batch's own four streams come off it.
+    assert m.predict(4) == pytest.approx(0.010, rel=1e-3)
+    assert m.predict(200) == pytest.approx(0.010 + 200 * 0.0003, rel=1e-3)
+    assert m.per_stream_s == pytest.approx(0.0003, rel=0.03)
     assert m.predict(400) == pytest.approx(0.010 + 400 * 0.0003, rel=0.02)
     for _ in range(30):
         m.observe(200, m.predict(200) + 300 * 0.00002, prefill_positions=300)
@@ -96,9 +98,7 @@ def test_step_model_learns_base_and_slope():
 
 
 def test_admission_refuses_at_capacity_and_admits_again_when_load_falls():
-    cfg = AdmissionConfig(
-        max_duty=0.5, step_base_s=0.0045, step_per_stream_s=0.001, first_audio_budget_s=0, ewma_alpha=0.5
-    )
+    cfg = AdmissionConfig(max_duty=0.5, step_base_s=0.0045, step_per_stream_s=0.001, first_audio_budget_s=0)
     s = DeadlineScheduler(max_batch=100, max_waiting=100, admission=Admission(cfg))
     for i in range(50):
         s.submit(req(f"r{i}"), now=0.0)
@@ -145,9 +145,7 @@ def test_admission_counts_the_prefills_that_replace_ending_streams():
 
 
 def test_the_step_model_learns_what_a_request_s_prefill_costs():
-    m = StepModel(
-        AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0, prefill_request_s=0.0, ewma_alpha=0.5)
-    )
+    m = StepModel(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0, prefill_request_s=0.0))
     for _ in range(30):
         m.observe(100, 0.004 + 3 * 0.012, prefill_positions=90, prefill_requests=3)
     assert m.prefill_request_s == pytest.approx(0.012, rel=1e-3)
@@ -391,7 +389,7 @@ def _playing(s: DeadlineScheduler, rid: str, now: float, buffered_s: float) -> S
 def test_a_first_chunk_rides_with_only_as_many_streams_as_its_step_budget_allows():
     """A new stream's first chunk steps at once; streams that are not urgent join its step up to
     `first_chunk_step_s` of predicted step time (the least ahead first), urgent ones always."""
-    model = dict(step_base_s=0.004, step_per_stream_s=0.0001, ewma_alpha=1e-9)
+    model = dict(step_base_s=0.004, step_per_stream_s=0.0001)
     widths = {}
     for budget in (0.04, 0.01):
         adm = Admission(AdmissionConfig(first_audio_budget_s=0, max_load=0, max_duty=0, **model))

@@ -89,13 +89,14 @@ def _burst(plan) -> tuple[float, int]:
 
 def test_a_burst_starts_with_four_frames_where_one_frame_for_all_would_crawl():
     """256 closed-loop streams at once: a one-frame start for every stream leaves hundreds of
-    young streams with 80 ms of audio, and dozens of them gap (34 here). The talker's choice
+    young streams with 80 ms of audio, and several of them gap (8 here; 34 before the step model's
+    figures were trimmed means, which let fewer in during the burst). The talker's choice
     gives the burst the 4-frame start: first audio as soon as with that plan for all, and gaps in
     at most 2 streams (the burst's first few start with one frame). (Before admission held while
     admitted prompts wait for their prefill, the one-frame burst's first audio also came 1.8x as
     late; since, the burst is admitted as fast as it is prefilled and the gaps are the cost.)"""
     chosen, all_four, all_one = _burst(None), _burst(BURST_PLAN), _burst(ONE_FRAME)
-    assert all_one[1] > 10
+    assert all_one[1] >= 4 * max(chosen[1], 1)
     assert chosen[0] <= 1.1 * all_four[0] and chosen[1] <= 2
 
 
