@@ -67,6 +67,18 @@ def test_voice_clone_audio_through_the_engine_process(process_stack):
     assert text.count("# TYPE tts_talker_frames_total counter") == 1
 
 
+def _where_the_stream_is(stack) -> str:
+    """What a slot that stays taken looks like from each side: the gateway's live streams and
+    outcomes, the talker's streams, and the tail of both logs (a failure says where it stuck)."""
+    gateway = scrape(stack["gateway"].spec.metrics_port)
+    seen = {
+        k: v for k, v in gateway.items() if k.startswith(("tts_gateway_active", "tts_gateway_requests_total"))
+    }
+    talker = {k: v for k, v in _talker(stack).items() if "active_streams" in k or "waiting" in k}
+    logs = "\n".join(f"--- {name}\n{stack[name].log_tail(15)}" for name in ("gateway", "talker"))
+    return f"gateway {seen}\ntalker {talker}\n{logs}"
+
+
 def test_a_client_that_leaves_frees_the_engine_process_slot(process_stack):
     # Generous polls: the gauge comes from the engine process, and two loaded cores (the suite,
     # the stack's processes) can take seconds to turn it over.
@@ -89,5 +101,7 @@ def test_a_client_that_leaves_frees_the_engine_process_slot(process_stack):
         chunks = r.iter_raw()
         assert next(chunks)
         assert poll(lambda: _talker(process_stack).get("tts_talker_active_streams", 0.0) == 1, timeout=20)
-    assert poll(lambda: _talker(process_stack).get("tts_talker_active_streams", 0.0) == 0, timeout=20)
+    assert poll(lambda: _talker(process_stack).get("tts_talker_active_streams", 0.0) == 0, timeout=20), (
+        _where_the_stream_is(process_stack)
+    )
     assert httpx.get(f"{process_stack.http_url}/health", timeout=10).status_code == 200
