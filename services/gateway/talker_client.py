@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import AsyncIterator
 
@@ -217,9 +218,13 @@ class TalkerClient:
         A reference clip the talkers accepted before goes as its digest alone (a unary Generate
         only); a talker that holds no prompt for it fails the call before any audio and the call is
         made again with the clip."""
+        # aclosing throughout: closing this iterator (the client went away) closes the inner one,
+        # whose `finally` cancels the talker call at once; left to the garbage collector, a
+        # reference cycle could keep the call, and the talker's slot, for seconds.
         if text is not None or job.reference_pcm is None:
-            async for item in self._generate(job, generate_request(job), text):
-                yield item
+            async with contextlib.aclosing(self._generate(job, generate_request(job), text)) as items:
+                async for item in items:
+                    yield item
             return
         pcm: bytes | None = None
         digest = self.clip_digests.get(job)
@@ -230,9 +235,11 @@ class TalkerClient:
         if digest in self.sent_references:
             yielded = False
             try:
-                async for item in self._generate(job, generate_request(job, (b"", digest), clip=False)):
-                    yielded = True
-                    yield item
+                request = generate_request(job, (b"", digest), clip=False)
+                async with contextlib.aclosing(self._generate(job, request)) as items:
+                    async for item in items:
+                        yielded = True
+                        yield item
                 return
             except FailedPrecondition as exc:
                 if yielded or not exc.message.startswith(REFERENCE_NOT_CACHED):
@@ -240,8 +247,10 @@ class TalkerClient:
                 self.sent_references.discard(digest)  # evicted there: send the clip once more
         if pcm is None:
             pcm = reference_bytes(job)
-        async for item in self._generate(job, generate_request(job, (pcm, digest)), accepted=digest):
-            yield item
+        request = generate_request(job, (pcm, digest))
+        async with contextlib.aclosing(self._generate(job, request, accepted=digest)) as items:
+            async for item in items:
+                yield item
 
     async def _generate(
         self,
