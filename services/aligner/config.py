@@ -38,6 +38,11 @@ class AlignerConfig:
     device: str = setting("cpu", "torch device (cpu, cuda, cuda:N)")
     dtype: str = setting("float32", choices=DTYPES)
     max_batch: int = setting(32, "requests aligned in one forward pass at most")
+    gather_ms: float = setting(
+        50.0,
+        "hold a forward pass until its oldest request has waited this long or --max-batch are "
+        "queued, so the requests share it (0 = run at once)",
+    )
     cuda_graphs: bool = setting(
         True, "on a GPU, capture each (batch, length) bucket's forward pass as a CUDA graph on first use"
     )
@@ -67,6 +72,8 @@ class AlignerConfig:
         self.warmup_seconds()
         if self.max_graphs < 0:
             raise InvalidArgument(f"--max-graphs must be >= 0, got {self.max_graphs}")
+        if not 0 <= self.gather_ms <= 1000:
+            raise InvalidArgument(f"--gather-ms must be in [0, 1000], got {self.gather_ms}")
         for name in ("max_batch", "max_text_chars", "graph_max_length"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

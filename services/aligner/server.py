@@ -62,6 +62,7 @@ class AlignerServer:
             runner,
             self.metrics,
             max_batch=cfg.max_batch,
+            gather_s=cfg.gather_ms / 1e3,
             max_audio_s=cfg.max_audio_s,
             max_text_chars=cfg.max_text_chars,
         )

@@ -100,6 +100,30 @@ async def test_concurrent_requests_share_forward_passes_and_keep_their_answers(a
     assert server.metrics.batch_size._sum.get() >= 12  # every request was counted in some batch
 
 
+async def test_requests_that_arrive_one_by_one_wait_for_company_and_share_a_pass(tiny_aligner):
+    """Segments end one at a time: with a gather window, requests sent apart still share one
+    forward pass (each waits at most the window for company), and each keeps its own answer."""
+    server = AlignerServer(
+        AlignerConfig(port=0, metrics_port=0, max_batch=8, max_audio_s=20, gather_ms=1000),
+        aligner=tiny_aligner,
+    )
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = aligner_pb2_grpc.AlignerServiceStub(channel)
+            english = (0, 3, 4, 7)  # quick to featurise, so only the window decides the batching
+            calls = []
+            for i in english:
+                calls.append(asyncio.ensure_future(stub.Align(_request(i))))
+                await asyncio.sleep(0.15)
+            responses = await asyncio.gather(*calls)
+        assert [r.batch_size for r in responses] == [4, 4, 4, 4]
+        for i, resp in zip(english, responses, strict=True):
+            assert _words(resp) == _expected(tiny_aligner, i)
+    finally:
+        await server.stop(grace=0.5)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -126,7 +150,8 @@ async def test_bad_requests_are_invalid_argument_naming_the_problem(aligner_stub
 
 def test_config_flags_and_refusals():
     cfg = config_from_args(["--port", "0", "--max-batch", "4", "--load-format", "dummy"])
-    assert (cfg.max_batch, cfg.load_format) == (4, "dummy")
+    assert (cfg.max_batch, cfg.load_format, cfg.gather_ms) == (4, "dummy", 50.0)
+    assert config_from_args(["--gather-ms", "0"]).gather_ms == 0.0
     assert (cfg.cuda_graphs, cfg.max_graphs, cfg.graph_max_length) == (True, 48, 1024)
     cfg = config_from_args(["--cuda-graphs", "false", "--max-graphs", "0", "--graph-max-length", "256"])
     assert (cfg.cuda_graphs, cfg.max_graphs, cfg.graph_max_length) == (False, 0, 256)
@@ -140,6 +165,8 @@ def test_config_flags_and_refusals():
         (dict(graph_warmup_s="0"), "--graph-warmup-s"),
         (dict(graph_warmup_s="301"), "--graph-warmup-s"),
         (dict(max_audio_s=500.0), "--max-audio-s"),
+        (dict(gather_ms=-1.0), "--gather-ms"),
+        (dict(gather_ms=1001.0), "--gather-ms"),
         (dict(dtype="int8"), "--dtype"),
     ]:
         with pytest.raises(InvalidArgument, match=msg):
