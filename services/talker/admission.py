@@ -81,6 +81,8 @@ class AdmissionConfig:
     # batches displaces little of what the large ones measured.
     fit_steps: int = 64
     fit_stream_steps: int = 16_384
+    # Which band of the recent steps the frame step's base and slope average (STEP_FITS).
+    step_fit: str = "typical"
     # GPU time the decoder spends per stream and frame when it shares this GPU (0: it runs elsewhere):
     # a prior that code2wav's published measurements replace when `decoder_shares_gpu`.
     decoder_frame_s: float = 0.0
@@ -97,19 +99,30 @@ class AdmissionConfig:
             raise ValueError("max_behind_fraction must be in [0, 1)")
         if self.fit_steps < 1 or self.fit_stream_steps < 1:
             raise ValueError("fit_steps and fit_stream_steps must be >= 1")
+        if self.step_fit not in STEP_FITS:
+            raise ValueError(f"step_fit must be one of {', '.join(STEP_FITS)}, got {self.step_fit!r}")
         if self.max_admit_per_step < 1:
             raise ValueError("max_admit_per_step must be >= 1")
 
 
-def trimmed_mean(samples: list[tuple[float, float]], trim: float = 0.25) -> float:
-    """The weighted mean of (value, weight) samples after dropping `trim` of the total weight
-    from each end (0.25: the interquartile mean). Robust to a quarter of the weight being wild,
-    and nearer the mean than a median when the spread is honest. `samples` must not be empty."""
+STEP_FITS = ("typical", "uncontended")
+# The weight band of the step samples each fit averages: the interquartile mean (the step as it
+# runs beside the other engines, stalls left out), or the lower half (as it runs when they leave
+# the GPU alone; the decoder's published cost is its own lower envelope too, so with it the two
+# engines' own costs are summed rather than their contended ones).
+_BANDS = {"typical": (0.25, 0.75), "uncontended": (0.0, 0.5)}
+
+
+def trimmed_mean(samples: list[tuple[float, float]], lower: float = 0.25, upper: float = 0.75) -> float:
+    """The weighted mean of (value, weight) samples between the `lower` and `upper` quantiles of
+    their total weight (0.25, 0.75: the interquartile mean). Robust to a quarter of the weight
+    being wild at either end, and nearer the mean than a median when the spread is honest.
+    `samples` must not be empty."""
     ordered = sorted(samples)
     total = sum(w for _, w in ordered)
     if total <= 0:
         return ordered[len(ordered) // 2][0]
-    lo, hi = trim * total, (1.0 - trim) * total
+    lo, hi = lower * total, upper * total
     acc = kept = weighted = 0.0
     for value, weight in ordered:
         inside = min(acc + weight, hi) - max(acc, lo)
@@ -139,6 +152,7 @@ class StepModel:
         self.prefill_position_s = config.prefill_position_s
         self.prefill_request_s = config.prefill_request_s
         self._max_stream_steps = config.fit_stream_steps
+        self._band = _BANDS[config.step_fit]
         self._base: deque[tuple[int, float]] = deque(maxlen=config.fit_steps)
         # (batch, seconds) of large-batch steps; their slopes are taken over the base of the time
         # of the fit, so a base learnt later corrects them.
@@ -167,7 +181,7 @@ class StepModel:
             # The intercept: a small batch's own streams taken off at the current slope.
             self._base.append((batch, seconds))
             slope = self.per_stream_s
-            self.base_s = trimmed_mean([(max(0.0, s - slope * b), 1.0) for b, s in self._base])
+            self.base_s = trimmed_mean([(max(0.0, s - slope * b), 1.0) for b, s in self._base], *self._band)
             return
         # A large batch measures the slope over the base (the prior until a small batch is seen).
         if len(self._large) == self._large.maxlen:
@@ -177,7 +191,9 @@ class StepModel:
         while len(self._large) > 1 and self._large_weight - self._large[0][0] >= self._max_stream_steps:
             self._large_weight -= self._large.popleft()[0]
         base = self.base_s
-        self.per_stream_s = trimmed_mean([(max(0.0, s - base) / b, float(b)) for b, s in self._large])
+        self.per_stream_s = trimmed_mean(
+            [(max(0.0, s - base) / b, float(b)) for b, s in self._large], *self._band
+        )
 
     def prefill_s(self, positions: int) -> float:
         return self.prefill_position_s * max(positions, 0)

@@ -13,6 +13,8 @@ from qtts.serving.settings import ServiceSettings, group, setting
 from qtts.serving.tls import TlsConfig
 from qtts.tiny_model import DEFAULT_TINY_SNAPSHOT
 
+from .admission import STEP_FITS
+
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("eager", "graph")
@@ -136,6 +138,13 @@ class TalkerConfig:
         0.8,
         "start a request only while the predicted steady load (frame steps plus the prefills "
         "replacing ending streams) keeps the engine busy at most this fraction of the time (0 = no limit)",
+    )
+    admission_step_fit: str = setting(
+        "typical",
+        "what admission takes a frame step to cost: typical (the recent steps' interquartile mean, "
+        "contention from the other engines on this GPU included) or uncontended (the mean of their "
+        "faster half: with --decoder-shares-gpu, the two engines' own costs summed)",
+        choices=STEP_FITS,
     )
     decoder_frame_us: float = setting(
         0.0,

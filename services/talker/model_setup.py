@@ -83,6 +83,7 @@ def scheduler_for(config: TalkerConfig, generator: Any = None) -> DeadlineSchedu
             queue_budget_share=c.queue_budget_share,
             decoder_frame_s=c.decoder_frame_us / 1e6,
             decoder_shares_gpu=c.decoder_shares_gpu,
+            step_fit=c.admission_step_fit,
         )
     )
     policy = DeadlinePolicy(

@@ -86,3 +86,34 @@ def test_the_window_flags_are_checked():
     for bad in ({"fit_steps": 0}, {"fit_stream_steps": 0}):
         with pytest.raises(ValueError, match="fit_steps"):
             AdmissionConfig(**bad)
+
+
+def test_the_uncontended_fit_reads_the_step_as_it_runs_alone():
+    """Half the steps overlap the decoder's calls and take 60% longer: the typical fit reads the
+    contended mix, the uncontended one the step alone (the decoder's published cost is its own
+    lower envelope, so the two are summed without counting the overlap twice)."""
+    rng = random.Random(5)
+    steps = []
+    for _ in range(400):
+        b = rng.randint(300, 600)
+        s = (BASE_S + PER_STREAM_S * b) * rng.uniform(0.99, 1.01)
+        steps.append((b, s * 1.6 if rng.random() < 0.5 else s))
+    fitted = {}
+    for fit in ("typical", "uncontended"):
+        m = StepModel(AdmissionConfig(step_base_s=BASE_S, step_per_stream_s=PER_STREAM_S, step_fit=fit))
+        for b, s in steps:
+            m.observe(b, s)
+        fitted[fit] = m.per_stream_s
+    assert fitted["uncontended"] == pytest.approx(PER_STREAM_S, rel=0.05)
+    assert fitted["typical"] > 1.2 * PER_STREAM_S
+    with pytest.raises(ValueError, match="step_fit"):
+        AdmissionConfig(step_fit="median")
+
+
+def test_the_talker_flag_picks_the_fit():
+    from services.talker.config import config_from_args
+
+    assert config_from_args([]).admission_step_fit == "typical"
+    assert config_from_args(["--admission-step-fit", "uncontended"]).admission_step_fit == "uncontended"
+    with pytest.raises(SystemExit):
+        config_from_args(["--admission-step-fit", "median"])
