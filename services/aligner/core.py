@@ -197,8 +197,9 @@ class AlignerCore:
             if left <= 0:
                 return
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), left)  # each new request wakes it
+            try:  # each new request wakes it; asyncio.timeout: wait_for can swallow a cancel
+                async with asyncio.timeout(left):
+                    await self._wake.wait()
             except TimeoutError:
                 return
 

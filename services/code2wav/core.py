@@ -319,8 +319,9 @@ class Code2WavCore:
                 if not ready or ready + len(self._arrived) >= self.max_batch or not others or wait <= 0:
                     return
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), wait)
+                try:  # asyncio.timeout: wait_for can swallow a cancel
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
                 except TimeoutError:
                     return
         finally:

@@ -75,8 +75,10 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
         self, request_iterator: AsyncIterator[pb.DecodeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeResponse]:
         try:
-            async for response in self._decode(request_iterator, context.cancelled):
-                yield response
+            # aclosing: a cancelled stream frees its decoder state when this closes, not when collected.
+            async with contextlib.aclosing(self._decode(request_iterator, context.cancelled)) as responses:
+                async for response in responses:
+                    yield response
         except FailedPrecondition as exc:
             # Not in the shared error table: this status only exists on this internal API.
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
@@ -118,7 +120,8 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
             # The client may still send an ack it wrote before it saw StreamDone; closing now would
             # fail that write on its side. Wait (bounded) for it to half-close its request stream.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(reader), self.close_wait_s)
+                async with asyncio.timeout(self.close_wait_s):  # not wait_for: it can swallow a cancel
+                    await asyncio.shield(reader)
         finally:
             # Free first: nothing below may be skipped by a second cancellation.
             self.engine.release(stream)

@@ -239,8 +239,9 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
         error: BaseException | None = None
         align = _Align(job.text) if request.word_timestamps else None
         try:
-            async for msg in self._responses(stream, fmt, align):
-                yield msg
+            async with contextlib.aclosing(self._responses(stream, fmt, align)) as msgs:
+                async for msg in msgs:
+                    yield msg
         except BaseException as exc:
             error = exc
             raise

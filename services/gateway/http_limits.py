@@ -60,8 +60,9 @@ class BodyLimitMiddleware:
             left = None if deadline is None else deadline - loop.time()
             if left is not None and (wait is None or left < wait):
                 wait = max(0.0, left)
-            try:
-                message = await asyncio.wait_for(receive(), wait)
+            try:  # asyncio.timeout: wait_for can swallow a cancel (http_streaming.py)
+                async with asyncio.timeout(wait):
+                    message = await receive()
             except TimeoutError:
                 refused = True
                 if left is not None and wait == max(0.0, left):

@@ -88,8 +88,13 @@ class DisconnectAwareStreamingResponse(Response):
         if self._write_timeout_s <= 0:
             await send(message)
             return
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that lands while
+        # its inner send has just finished, and once the client has gone every send finishes at
+        # once, so the pump cancelled on the disconnect streamed on into nothing until the talker
+        # ended it (the slot held for the stream's whole length).
         try:
-            await asyncio.wait_for(send(message), self._write_timeout_s)
+            async with asyncio.timeout(self._write_timeout_s):
+                await send(message)
         except TimeoutError:
             raise Cancelled(f"the client took no audio for {self._write_timeout_s:g} s") from None
 
@@ -113,9 +118,20 @@ class DisconnectAwareStreamingResponse(Response):
                 task.cancel()
             for task in (pump, watch):
                 # A pump error has been reported above (or the client went away): not again here.
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                await _ended(task)
             await self._chunks.aclose()
+
+
+async def _ended(task: asyncio.Task, every_s: float = 0.5) -> None:
+    """Wait for the cancelled `task` to end, cancelling it again every `every_s` while it runs on (a
+    cancel that some library swallowed must not keep a stream, and its talker slot, for good); its
+    outcome is retrieved, not raised."""
+    while not task.done():
+        await asyncio.wait({task}, timeout=every_s)
+        if not task.done():
+            task.cancel()
+    if not task.cancelled():
+        task.exception()
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

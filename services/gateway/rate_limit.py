@@ -13,6 +13,7 @@ one, so the table forgets full buckets first and holds at most `max_clients` key
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -146,8 +147,9 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
 
             async def limited_stream(request: Any, context: grpc.aio.ServicerContext):
                 self.limiter.check(grpc_client_key(context, self.keys_enabled))
-                async for response in behavior(request, context):
-                    yield response
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
 
             return limited_stream
 

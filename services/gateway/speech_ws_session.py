@@ -162,8 +162,9 @@ class Session:
             if self.write_timeout_s <= 0:
                 await send(data)
                 return
-            try:
-                await asyncio.wait_for(send(data), self.write_timeout_s)
+            try:  # asyncio.timeout: wait_for can swallow a cancel (http_streaming.py)
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(data)
             except TimeoutError:
                 self.stalled.append(StalledClient(f"the client took no audio for {self.write_timeout_s:g} s"))
                 raise self.stalled[0] from None

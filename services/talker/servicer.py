@@ -116,8 +116,10 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         self, request: talker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[talker_pb2.GenerateResponse]:
         self.seen.saw(context.invocation_metadata())
-        async for msg in self._generate(request, None, talker_pb2.GenerateResponse):
-            yield msg
+        # aclosing: a cancelled call frees its stream when this closes, not when collected.
+        async with contextlib.aclosing(self._generate(request, None, talker_pb2.GenerateResponse)) as msgs:
+            async for msg in msgs:
+                yield msg
 
     async def GenerateStream(  # noqa: N802 - gRPC method name
         self,
@@ -129,10 +131,10 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         first = await anext(requests, None)
         if first is None or not first.HasField("start"):
             raise InvalidArgument("the first GenerateStreamRequest must carry start", param="start")
-        async for msg in self._generate(
-            first.start, _appended_text(requests), talker_pb2.GenerateStreamResponse
-        ):
-            yield msg
+        msgs = self._generate(first.start, _appended_text(requests), talker_pb2.GenerateStreamResponse)
+        async with contextlib.aclosing(msgs):
+            async for msg in msgs:
+                yield msg
 
     async def _generate(
         self, request: talker_pb2.GenerateRequest, text: AsyncIterator[tuple[str, bool]] | None, cls: type
@@ -173,5 +175,8 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         self, request: talker_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[talker_pb2.GetCapacityResponse]:
         core = self._ready_core()
-        async for msg in watch_room(core.headroom, self.seen, request.caller, self.stopping):
-            yield msg
+        async with contextlib.aclosing(
+            watch_room(core.headroom, self.seen, request.caller, self.stopping)
+        ) as msgs:
+            async for msg in msgs:
+                yield msg
