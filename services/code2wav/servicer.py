@@ -112,10 +112,11 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
         seq = 0
         try:
             cost = getattr(self.engine, "cost", None)
-            async for event in stream.events():
-                seq += 1
-                estimate = cost.estimate() if cost is not None and isinstance(event, Credit) else None
-                yield event_to_pb(stream.stream_id, seq, event, estimate)
+            async with contextlib.aclosing(stream.events()) as events:
+                async for event in events:
+                    seq += 1
+                    estimate = cost.estimate() if cost is not None and isinstance(event, Credit) else None
+                    yield event_to_pb(stream.stream_id, seq, event, estimate)
             self.engine.release(stream)
             # The client may still send an ack it wrote before it saw StreamDone; closing now would
             # fail that write on its side. Wait (bounded) for it to half-close its request stream.

@@ -283,16 +283,18 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
                 if align is not None:
                     align.text = item
                 try:
-                    async for msg in self._responses(stream, fmt, align):
-                        event = (
-                            {"audio": msg.audio}
-                            if msg.HasField("audio")
-                            else {"segment_summary": msg.summary}
-                        )
-                        yield tts_pb2.StreamingSynthesizeResponse(
-                            request_id=request_id, sequence_number=seq, segment_index=segment, **event
-                        )
-                        seq += 1
+                    msgs = self._responses(stream, fmt, align)
+                    async with contextlib.aclosing(msgs):
+                        async for msg in msgs:
+                            event = (
+                                {"audio": msg.audio}
+                                if msg.HasField("audio")
+                                else {"segment_summary": msg.summary}
+                            )
+                            yield tts_pb2.StreamingSynthesizeResponse(
+                                request_id=request_id, sequence_number=seq, segment_index=segment, **event
+                            )
+                            seq += 1
                 except BaseException as exc:
                     error = exc
                     raise
@@ -365,24 +367,25 @@ class TextToSpeechServicer(tts_pb2_grpc.TextToSpeechServiceServicer):
             seq += 1
             return msg
 
-        async for chunk in output.chunks(stream):
-            if chunk.data:
-                yield response(
-                    audio=tts_pb2.AudioChunk(
-                        audio=chunk.data,
-                        num_samples=chunk.num_samples,
-                        sample_rate_hz=rate,
-                        first_frame_index=chunk.first_frame_index,
-                        num_frames=chunk.num_frames,
+        async with contextlib.aclosing(output.chunks(stream)) as chunks:
+            async for chunk in chunks:
+                if chunk.data:
+                    yield response(
+                        audio=tts_pb2.AudioChunk(
+                            audio=chunk.data,
+                            num_samples=chunk.num_samples,
+                            sample_rate_hz=rate,
+                            first_frame_index=chunk.first_frame_index,
+                            num_frames=chunk.num_frames,
+                        )
                     )
-                )
-            if chunk.last:
-                summary = _summary_to_pb(stream.summary, output.num_samples, rate)
-                if align is not None:
-                    extra = await self._word_timestamps(stream, align, output)
-                    summary.word_timestamps.extend(extra.get("word_timestamps", []))
-                    summary.word_timestamps_failed = extra.get("word_timestamps_failed", False)
-                yield response(summary=summary)
+                if chunk.last:
+                    summary = _summary_to_pb(stream.summary, output.num_samples, rate)
+                    if align is not None:
+                        extra = await self._word_timestamps(stream, align, output)
+                        summary.word_timestamps.extend(extra.get("word_timestamps", []))
+                        summary.word_timestamps_failed = extra.get("word_timestamps_failed", False)
+                    yield response(summary=summary)
 
     async def ListVoices(
         self, request: tts_pb2.ListVoicesRequest, context: grpc.aio.ServicerContext

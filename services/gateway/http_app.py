@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -146,13 +147,14 @@ async def _stream_chunks(
     clock = PlaybackClock(metrics, out.speed)
     error: BaseException | None = None
     try:
-        async for chunk in output.chunks(stream):
-            if chunk.data:
-                yield sse.audio_delta(chunk.data) if is_sse else chunk.data
-            if not chunk.last:
-                # The response sends each chunk before asking for the next: it is on the
-                # connection now (an encoder may have held some talker samples back before).
-                clock.handed_on(chunk.talker_samples)
+        async with contextlib.aclosing(output.chunks(stream)) as chunks:
+            async for chunk in chunks:
+                if chunk.data:
+                    yield sse.audio_delta(chunk.data) if is_sse else chunk.data
+                if not chunk.last:
+                    # The response sends each chunk before asking for the next: it is on the
+                    # connection now (an encoder may have held some talker samples back before).
+                    clock.handed_on(chunk.talker_samples)
         if timestamps:
             job = stream.job
             words = await aligner.try_align(
