@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,8 +84,8 @@ class AlignerCore:
         self.gather_s = gather_s
         self.max_audio_s = max_audio_s
         self.max_text_chars = max_text_chars
-        self._queue: list[tuple[AlignInput, asyncio.Future]] = []
-        self._oldest_at = 0.0  # loop time the oldest queued request was queued
+        # (prepared request, its answer, the loop time it was queued)
+        self._queue: list[tuple[AlignInput, asyncio.Future, float]] = []
         self._wake = asyncio.Event()
         self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aligner-forward")
         self._featurise = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aligner-prepare")
@@ -100,7 +99,7 @@ class AlignerCore:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for _, fut in self._queue:
+        for _, fut, _ in self._queue:
             if not fut.done():
                 fut.cancel()
         self._queue.clear()
@@ -145,9 +144,7 @@ class AlignerCore:
         prepared = await asyncio.get_running_loop().run_in_executor(self._featurise, self._prepare, job)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        if not self._queue:
-            self._oldest_at = loop.time()
-        self._queue.append((prepared, fut))
+        self._queue.append((prepared, fut, loop.time()))
         self.metrics.queued.set(len(self._queue))
         self._wake.set()
         words, forward_ns, batch_size = await fut
@@ -166,10 +163,8 @@ class AlignerCore:
             self._wake.clear()
             while self._queue:
                 await self._gather()
-                taken = [(x, f) for x, f in self._queue[: self.max_batch] if not f.done()]
+                taken = [(x, f) for x, f, _ in self._queue[: self.max_batch] if not f.done()]
                 del self._queue[: self.max_batch]
-                if self._queue:  # past a full batch: those left have waited their turn already
-                    self._oldest_at = -math.inf
                 self.metrics.queued.set(len(self._queue))
                 if not taken:
                     continue
@@ -193,7 +188,7 @@ class AlignerCore:
         """Wait until the oldest queued request has waited `gather_s` or a full batch is queued."""
         loop = asyncio.get_running_loop()
         while 0 < len(self._queue) < self.max_batch:
-            left = self._oldest_at + self.gather_s - loop.time()
+            left = self._queue[0][2] + self.gather_s - loop.time()
             if left <= 0:
                 return
             self._wake.clear()

@@ -218,14 +218,36 @@ class TalkerClient:
         A reference clip the talkers accepted before goes as its digest alone (a unary Generate
         only); a talker that holds no prompt for it fails the call before any audio and the call is
         made again with the clip."""
-        # aclosing throughout: closing this iterator (the client went away) closes the inner one,
-        # whose `finally` cancels the talker call at once; left to the garbage collector, a
-        # reference cycle could keep the call, and the talker's slot, for seconds.
+        request, accepted, digest = self._first_request(job, text)
+        while True:
+            yielded = False
+            try:
+                # aclosing: closing this iterator (the client went away) closes the call's, whose
+                # `finally` cancels the talker call at once; left to the garbage collector, a
+                # reference cycle could keep the call, and the talker's slot, for seconds.
+                async with contextlib.aclosing(self._generate(job, request, text, accepted)) as items:
+                    async for item in items:
+                        yielded = True
+                        yield item
+                return
+            except FailedPrecondition as exc:
+                if digest is None or yielded or not exc.message.startswith(REFERENCE_NOT_CACHED):
+                    raise
+                # Evicted there: send the clip once more.
+                self.sent_references.discard(digest)
+                request, accepted, digest = (
+                    generate_request(job, (reference_bytes(job), digest)),
+                    digest,
+                    None,
+                )
+
+    def _first_request(
+        self, job: SynthesisJob, text: AsyncIterator[tuple[str, bool]] | None
+    ) -> tuple[talker_pb2.GenerateRequest, str | None, str | None]:
+        """(the first call's request, the clip digest to remember once it yields, the digest it
+        sends alone: a FailedPrecondition for it makes the call again with the clip)."""
         if text is not None or job.reference_pcm is None:
-            async with contextlib.aclosing(self._generate(job, generate_request(job), text)) as items:
-                async for item in items:
-                    yield item
-            return
+            return generate_request(job), None, None
         pcm: bytes | None = None
         digest = self.clip_digests.get(job)
         if digest is None:
@@ -233,24 +255,8 @@ class TalkerClient:
             digest = reference_digest(pcm, job.reference_text or None, job.x_vector_only)
             self.clip_digests.put(job, digest)
         if digest in self.sent_references:
-            yielded = False
-            try:
-                request = generate_request(job, (b"", digest), clip=False)
-                async with contextlib.aclosing(self._generate(job, request)) as items:
-                    async for item in items:
-                        yielded = True
-                        yield item
-                return
-            except FailedPrecondition as exc:
-                if yielded or not exc.message.startswith(REFERENCE_NOT_CACHED):
-                    raise
-                self.sent_references.discard(digest)  # evicted there: send the clip once more
-        if pcm is None:
-            pcm = reference_bytes(job)
-        request = generate_request(job, (pcm, digest))
-        async with contextlib.aclosing(self._generate(job, request, accepted=digest)) as items:
-            async for item in items:
-                yield item
+            return generate_request(job, (b"", digest), clip=False), None, digest
+        return generate_request(job, (pcm if pcm is not None else reference_bytes(job), digest)), digest, None
 
     async def _generate(
         self,

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -105,15 +106,15 @@ class AdmissionConfig:
             raise ValueError("max_admit_per_step must be >= 1")
 
 
-STEP_FITS = ("typical", "uncontended")
 # The weight band of the step samples each fit averages: the interquartile mean (the step as it
 # runs beside the other engines, stalls left out), or the lower half (as it runs when they leave
 # the GPU alone; the decoder's published cost is its own lower envelope too, so with it the two
 # engines' own costs are summed rather than their contended ones).
 _BANDS = {"typical": (0.25, 0.75), "uncontended": (0.0, 0.5)}
+STEP_FITS = tuple(_BANDS)
 
 
-def trimmed_mean(samples: list[tuple[float, float]], lower: float = 0.25, upper: float = 0.75) -> float:
+def trimmed_mean(samples: Iterable[tuple[float, float]], lower: float = 0.25, upper: float = 0.75) -> float:
     """The weighted mean of (value, weight) samples between the `lower` and `upper` quantiles of
     their total weight (0.25, 0.75: the interquartile mean). Robust to a quarter of the weight
     being wild at either end, and nearer the mean than a median when the spread is honest.
@@ -172,10 +173,10 @@ class StepModel:
         if prefill_positions > 0:
             extra = max(0.0, seconds - self.predict(batch))
             self._position.append((extra / prefill_positions, 1.0))
-            self.prefill_position_s = trimmed_mean(list(self._position))
+            self.prefill_position_s = trimmed_mean(self._position)
             if prefill_requests > 0:
                 self._request.append((extra / prefill_requests, 1.0))
-                self.prefill_request_s = trimmed_mean(list(self._request))
+                self.prefill_request_s = trimmed_mean(self._request)
             return
         if batch <= self._SMALL:
             # The intercept: a small batch's own streams taken off at the current slope.
