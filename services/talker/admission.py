@@ -146,6 +146,9 @@ class StepModel:
     to share within a few dozen steps."""
 
     _SMALL = 8
+    # Samples a window holds before its mean replaces the configured prior: a fresh talker's first
+    # few steps (a cold start, one slow prefill) must not set its capacity alone.
+    MIN_SAMPLES = 8
 
     def __init__(self, config: AdmissionConfig):
         self.base_s = config.step_base_s
@@ -173,14 +176,18 @@ class StepModel:
         if prefill_positions > 0:
             extra = max(0.0, seconds - self.predict(batch))
             self._position.append((extra / prefill_positions, 1.0))
-            self.prefill_position_s = trimmed_mean(self._position)
+            if len(self._position) >= self.MIN_SAMPLES:
+                self.prefill_position_s = trimmed_mean(self._position)
             if prefill_requests > 0:
                 self._request.append((extra / prefill_requests, 1.0))
-                self.prefill_request_s = trimmed_mean(self._request)
+                if len(self._request) >= self.MIN_SAMPLES:
+                    self.prefill_request_s = trimmed_mean(self._request)
             return
         if batch <= self._SMALL:
             # The intercept: a small batch's own streams taken off at the current slope.
             self._base.append((batch, seconds))
+            if len(self._base) < self.MIN_SAMPLES:
+                return
             slope = self.per_stream_s
             self.base_s = trimmed_mean([(max(0.0, s - slope * b), 1.0) for b, s in self._base], *self._band)
             return
@@ -191,6 +198,8 @@ class StepModel:
         self._large_weight += batch
         while len(self._large) > 1 and self._large_weight - self._large[0][0] >= self._max_stream_steps:
             self._large_weight -= self._large.popleft()[0]
+        if len(self._large) < self.MIN_SAMPLES and self._large_weight < self._max_stream_steps:
+            return
         base = self.base_s
         self.per_stream_s = trimmed_mean(
             [(max(0.0, s - base) / b, float(b)) for b, s in self._large], *self._band

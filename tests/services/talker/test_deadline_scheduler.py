@@ -78,7 +78,8 @@ def test_queue_bounds_and_draining():
 
 def test_a_large_batch_first_measures_the_slope_not_the_base():
     m = StepModel(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0))
-    m.observe(200, 0.004 + 200 * 0.0001)
+    for _ in range(StepModel.MIN_SAMPLES):  # a window replaces the prior once it holds this many
+        m.observe(200, 0.004 + 200 * 0.0001)
     assert m.base_s == 0.004 and m.per_stream_s == pytest.approx(0.0001)
 
 

@@ -117,3 +117,17 @@ def test_the_talker_flag_picks_the_fit():
     assert config_from_args(["--admission-step-fit", "uncontended"]).admission_step_fit == "uncontended"
     with pytest.raises(SystemExit):
         config_from_args(["--admission-step-fit", "median"])
+
+
+def test_a_fresh_talker_keeps_its_prior_until_a_window_holds_enough_steps():
+    """A cold start's few slow steps (one prefill of 300 ms on a loaded CPU) do not set the capacity
+    alone: each figure stays at its prior until its window holds MIN_SAMPLES steps."""
+    cfg = AdmissionConfig(step_base_s=BASE_S, step_per_stream_s=PER_STREAM_S, prefill_request_s=0.01)
+    m = StepModel(cfg)
+    for _ in range(StepModel.MIN_SAMPLES - 1):
+        m.observe(300, m.predict(300) + 0.3, prefill_positions=300, prefill_requests=1)
+        m.observe(2, 0.05)
+        m.observe(300, 0.1)
+    assert (m.prefill_request_s, m.base_s, m.per_stream_s) == (0.01, BASE_S, PER_STREAM_S)
+    m.observe(300, m.predict(300) + 0.3, prefill_positions=300, prefill_requests=1)
+    assert m.prefill_request_s == pytest.approx(0.3)
