@@ -81,6 +81,13 @@ install() {  # $1: wheel folder, $2: target
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
 }
 
+cut_log() {  # a log over 300 kB keeps its first 60 kB (the start-up) and its last 240 kB
+    local f=$1
+    if (( $(stat -c %s "$f") > 300000 )); then
+        { head -c 60000 "$f"; printf '\n[... cut ...]\n'; tail -c 240000 "$f"; } >"$f.cut" && mv "$f.cut" "$f"
+    fi
+}
+
 pack() {
     tar -czf "$OUT/results.tar.gz" -C "$(dirname "$RES")" results
     for f in "$RES"/*.log "$RES"/stack/*.md "$RES"/open/*.md "$RES"/replicas-*/*.md; do
@@ -196,7 +203,8 @@ stacks)
     # processes. A stack starts (about 185 s on an H200) only while BUDGET (585) s minus the time
     # spent leaves NEED (255) s for it; the services left over are killed between stacks, and the
     # client's ephemeral ports kept off the services' (a client port on 50050 once kept the next
-    # stack's aligner from binding). Each stack's logs are cut to their last 300 kB. Carry: .whl
+    # stack's aligner from binding). Each stack's logs over 300 kB are cut to their first 60 kB
+    # (the start-up) and last 240 kB. Carry: .whl
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     python3 -c "from qtts import pb; pb.generate(force=True)"
     sysctl -w net.ipv4.ip_local_port_range="20000 45000" >/dev/null 2>&1 || echo "ephemeral ports unchanged"
@@ -230,7 +238,7 @@ stacks)
         sleep 2
         pkill -9 -f "services\." 2>/dev/null
         echo quit | nvidia-cuda-mps-control 2>/dev/null
-        for f in "$dir"/logs/*.log; do [[ -f "$f" ]] && { tail -c 300000 "$f" >"$f.tail" && mv "$f.tail" "$f"; }; done
+        for f in "$dir"/logs/*.log; do [[ -f "$f" ]] && cut_log "$f"; done
         rm -rf "$dir"/mps "$dir"/*.png "$dir"/then/*.png
         # The client's table and the services' view (loop lag, stages, hops), kept and shown.
         python3 -m benchmarks.stack_summary "$dir" >"$dir/summary.txt" 2>&1 && tail -n 40 "$dir/summary.txt"

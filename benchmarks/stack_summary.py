@@ -6,7 +6,7 @@ the first, `then/`, `back/`) and every service's `/metrics` page scraped after t
 
 - per load level: requests that succeeded, admitted streams gap-free, refusal latency, first audio
   (p50 / p95) and audio-s/s;
-- per service: event-loop lag (p50 / p99 from the histogram's buckets, "<=" the bucket's bound,
+- per service: its start-up, phase by phase; event-loop lag (p50 / p99 from the histogram's buckets, "<=" the bucket's bound,
   and the worst sample), how long calls from the other services waited before their handler ran,
   the talker's admission capacity over the run's steps and the costs it last worked with,
   underruns, the stages' mean times and the chunk hops' means;
@@ -140,8 +140,18 @@ class ScrapedMetrics:
         return sorted({lab[label] for lab, _ in self.values(f"{name}_count") if label in lab})
 
 
+def startup_line(metrics: ScrapedMetrics) -> list[str]:
+    """The service's start-up, phase by phase (tts_startup_seconds), 'serving' (process start to
+    its first SERVING) first."""
+    phases = {lab["phase"]: v for lab, v in metrics.values("tts_startup_seconds")}
+    if not phases:
+        return []
+    order = sorted(phases, key=lambda p: (p != "serving", p))
+    return ["  start-up: " + ", ".join(f"{p} {phases[p]:.1f} s" for p in order)]
+
+
 def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
-    lines = []
+    lines = startup_line(metrics)
     lag = metrics.buckets("tts_event_loop_lag_seconds")
     if lag:
         p50, p99 = bucket_quantile(lag, 0.5), bucket_quantile(lag, 0.99)

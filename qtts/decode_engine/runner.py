@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +36,8 @@ from qtts.decode_engine.conv_stack_cl import ChannelsLastConvStack
 from qtts.decode_engine.frame_stage import FrameStage
 from qtts.decode_engine.slots import SlotPool
 from qtts.model.codec_decoder import CausalConv1d, CausalTransConv1d, CodecDecoder, SlidingAttention
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 # "channels_first": the checkpoint's [B, C, T] layout (`conv_stack.ConvStack`, the reference);
@@ -207,11 +211,26 @@ class StepRunner:
             self._graph_pool = torch.cuda.graph_pool_handle()
         prev_bench = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = cudnn_benchmark
+        start = time.monotonic()
+        took: dict[tuple[int, int], float] = {}
         try:
             for batch, frames in shapes:
+                t0 = time.monotonic()
                 self._graphs[(batch, frames)] = self._capture_one(batch, frames)
+                took[(batch, frames)] = time.monotonic() - t0
+                log.debug(
+                    "decoder: captured (batch %d, %d frames) in %.2f s", batch, frames, took[(batch, frames)]
+                )
         finally:
             torch.backends.cudnn.benchmark = prev_bench
+        slowest = sorted(took, key=took.__getitem__, reverse=True)[:3]
+        log.info(
+            "decoder: captured %d graphs in %.1f s (cuDNN benchmark %s; slowest: %s)",
+            len(self._graphs),
+            time.monotonic() - start,
+            "on" if cudnn_benchmark else "off",
+            ", ".join(f"{b}x{f} {took[(b, f)]:.1f} s" for b, f in slowest),
+        )
         return len(self._graphs)
 
     def captured_shapes(self) -> list[tuple[int, int]]:

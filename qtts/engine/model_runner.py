@@ -25,6 +25,7 @@ chunks into KV).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence as Seq
 
 import torch
@@ -332,6 +333,7 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
             return
         self.active.zero_()
         pool = None
+        start = time.monotonic()
         for n in sorted(self.batch_buckets, reverse=True):
             for ctx in sorted(self.context_buckets, reverse=True):
                 self._frame_step(n, ctx)  # warm-up: lazy inits, autotuning, allocator
@@ -342,8 +344,15 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
                 if pool is None:
                     pool = graph.pool()
                 self.graphs[(n, ctx)] = graph
+        steps_s = time.monotonic() - start
         pool = self._capture_packed(pool)
         if self.prefill_buckets:
             self._capture_prefill(pool)
             self.prefill_embeds.zero_()
         torch.cuda.synchronize(self.device)
+        log.info(
+            "talker: captured %d frame-step graphs in %.1f s, the prefill graphs in %.1f s",
+            len(self.graphs),
+            steps_s,
+            time.monotonic() - start - steps_s,
+        )

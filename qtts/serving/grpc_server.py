@@ -244,6 +244,9 @@ class GrpcServiceHost:
         """Report SERVING for every service and overall (call after model load and warm-up)."""
         settle_heap()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+        startup = getattr(self.metrics, "startup", None)
+        if startup is not None:
+            startup.serving()
 
     async def set_not_serving(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)

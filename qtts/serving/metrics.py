@@ -28,6 +28,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from qtts.serving.loop_lag import LoopLagMonitor
+from qtts.serving.startup import StartupPhases
 
 # Latencies of a streaming TTS stack span ~1 ms (a decode step) to tens of seconds (a long stream).
 LATENCY_BUCKETS = (
@@ -110,6 +111,7 @@ class ServiceMetrics:
         )
         # tts_event_loop_lag_seconds: sampled while the service's GrpcServiceHost runs.
         self.loop_lag = LoopLagMonitor(registry, service)
+        self.startup = StartupPhases(registry, service)  # tts_startup_seconds
 
     def error(self, code: str) -> None:
         """Count one error by its gRPC status code name (e.g. "INVALID_ARGUMENT")."""

@@ -50,8 +50,10 @@ class AlignerServer:
     async def start(self) -> int:
         """Load the model (unless injected), warm it up, serve; returns the bound port."""
         cfg = self.config
+        startup = self.metrics.startup
         if self._aligner is None:
-            self._aligner = await asyncio.to_thread(load_model, cfg)
+            with startup.phase("load the model"):
+                self._aligner = await asyncio.to_thread(load_model, cfg)
         runner = BucketedAligner(
             self._aligner,
             cuda_graphs=cfg.cuda_graphs,
@@ -69,7 +71,8 @@ class AlignerServer:
         await self.core.start()
         aligner_pb2_grpc.add_AlignerServiceServicer_to_server(AlignerServicer(self.core), self.host.server)
         port = await self.host.start()
-        graphs = await self.core.warm_up(cfg.warmup_seconds())
+        with startup.phase("warm up (graph capture)"):
+            graphs = await self.core.warm_up(cfg.warmup_seconds())
         await self.host.set_serving()
         log.info(
             "aligner %s warm: SERVING (batches of up to %d, CUDA graphs %s)",

@@ -52,8 +52,10 @@ class Code2WavServer:
         cfg = self.config
         self.device_failure = DeviceFailure(self.host, exit=self._exit_process)
         self.host.on_unexpected_error(self.device_failure.check)
+        startup = self.metrics.startup
         if self._decoder is None:
-            self._decoder, self._codec_shape = await asyncio.to_thread(load_decoder, cfg)
+            with startup.phase("load the decoder and capture its graphs"):
+                self._decoder, self._codec_shape = await asyncio.to_thread(load_decoder, cfg)
         self.engine = Code2WavCore(
             self._decoder,
             self.metrics,
@@ -75,7 +77,8 @@ class Code2WavServer:
             Code2WavServicer(self.engine), self.host.server
         )
         port = await self.host.start()
-        await self.engine.warm_up()
+        with startup.phase("warm up"):
+            await self.engine.warm_up()
         await self.host.set_serving()
         log.info("decoder warm: SERVING (max %d states)", cfg.max_states)
         return port

@@ -117,16 +117,21 @@ class _EngineWorker:
         import torch
 
         from qtts.serving.grpc_server import settle_heap
+        from qtts.serving.startup import StartupPhases
 
         from . import model_setup
         from .generation_loop import GenerationLoop
         from .metrics_merge import engine_metrics
         from .warmup import warm_up
 
-        self.bundle = bundle = model_setup.load_bundle(self.config)
-        generator = model_setup.generator_factory_for(self.config)(bundle, self.config.max_batch)
+        phases = StartupPhases(None, "talker-engine")  # logged here, sent to the front
+        with phases.phase("load the model"):
+            self.bundle = bundle = model_setup.load_bundle(self.config)
+        with phases.phase("build the engine (graph capture)"):
+            generator = model_setup.generator_factory_for(self.config)(bundle, self.config.max_batch)
         if self._run_warm_up:
-            warm_up(bundle, generator)
+            with phases.phase("warm up"):
+                warm_up(bundle, generator)
         device = getattr(bundle, "device", None)
         if device is not None and torch.device(device).type == "cuda":
             # High priority: a build's few small kernels go ahead of the frame step's queued
@@ -155,6 +160,7 @@ class _EngineWorker:
             voice_fingerprint=fingerprint() if fingerprint is not None else "",
             max_text_positions=getattr(generator, "max_text_positions", None),
             pid=os.getpid(),
+            startup=dict(phases.phases),
         )
 
     def _fatal(self, exc: BaseException) -> bool:

@@ -4,7 +4,7 @@ numpy arrays instead of tensors (see engine_process.py for the protocol)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,8 @@ class EngineFacts:
     voice_fingerprint: str
     max_text_positions: int | None
     pid: int
+    # Seconds each phase of the engine process's start-up took (load, graph capture, warm-up).
+    startup: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -94,7 +94,9 @@ class TalkerServer:
             self._voice_worker = VoiceWorker(VoiceWorkerSpec.from_config(self.config))
             self._voice_worker.launch()
             # Model load, graph capture and warm-up happen there; health keeps answering here.
-            facts = await asyncio.to_thread(self.engine_client.start)
+            with self.metrics.startup.phase("start the engine process"):
+                facts = await asyncio.to_thread(self.engine_client.start)
+            self.metrics.startup.record_all(facts.startup, prefix="engine: ")
             self.bundle = RemoteBundle(self.engine_client, facts)
             self.engine = self.engine_client
             log.info(
@@ -162,15 +164,19 @@ class TalkerServer:
         return port
 
     async def _start_engine_here(self) -> None:
+        startup = self.metrics.startup
         if self.bundle is None:
-            self.bundle = await asyncio.to_thread(load_bundle, self.config)
+            with startup.phase("load the model"):
+                self.bundle = await asyncio.to_thread(load_bundle, self.config)
         info = self.bundle.info
         log.info("loaded %s (%s, %s)", info.name, info.model_type, info.model_size)
         # Graph capture takes a while on a GPU: off the loop, so health keeps answering.
-        generator = await asyncio.to_thread(self._generator_factory, self.bundle, self.config.max_batch)
+        with startup.phase("build the engine (graph capture)"):
+            generator = await asyncio.to_thread(self._generator_factory, self.bundle, self.config.max_batch)
         if self._run_warm_up:
             # Before the engine thread exists: the generator is only ever driven by one thread.
-            await asyncio.to_thread(warm_up, self.bundle, generator)
+            with startup.phase("warm up"):
+                await asyncio.to_thread(warm_up, self.bundle, generator)
         scheduler = scheduler_for(self.config, generator)
         self.admission = scheduler.admission  # code2wav's decode cost goes here (see start)
         self.engine = GenerationLoop(

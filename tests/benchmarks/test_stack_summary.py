@@ -56,6 +56,9 @@ def write_run(tmp_path):
     (run / "metrics-talker.txt").write_bytes(generate_latest(talker.registry))
     c2w = Code2WavMetrics(CollectorRegistry())
     c2w.observe_stage("open_stream", 0.5)
+    c2w.startup.record("load the decoder and capture its graphs", 151.25)
+    c2w.startup.record("warm up", 2.0)
+    c2w.startup.record("serving", 159.4)
     (run / "metrics-code2wav.txt").write_bytes(generate_latest(c2w.registry))
     return tmp_path
 
@@ -83,7 +86,12 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
     assert "  calls waited before their handler: mean 402 ms, p95 <= 2500 ms over 3 calls" in talker
     assert "  stage prefill: n=2, mean 15.0 ms" in talker
     assert "  talker_chunk_hop_seconds means (ms): code2wav 1000.0" in talker
-    assert "  stage open_stream: n=1, mean 500.0 ms" in lines[lines.index("code2wav:") :]
+    code2wav = lines[lines.index("code2wav:") + 1 :]
+    assert "  stage open_stream: n=1, mean 500.0 ms" in code2wav
+    # The start-up first, "serving" (process start to SERVING) ahead of its phases.
+    assert code2wav[0] == (
+        "  start-up: serving 159.4 s, load the decoder and capture its graphs 151.2 s, warm up 2.0 s"
+    )
 
 
 def test_bucket_quantile_takes_the_bucket_that_holds_it():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -255,6 +256,7 @@ class BucketedAligner:
             return _Graph(inputs, output, replay)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        start = time.monotonic()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -265,7 +267,12 @@ class BucketedAligner:
         with torch.cuda.graph(graph, pool=self._pool):
             output = self.net.forward_padded(*inputs)
         torch.cuda.synchronize()
-        log.info("aligner: captured a CUDA graph for %s (%d graphs)", bucket, len(self._graphs) + 1)
+        log.info(
+            "aligner: captured a CUDA graph for %s in %.2f s (%d graphs)",
+            bucket,
+            time.monotonic() - start,
+            len(self._graphs) + 1,
+        )
         return _Graph(inputs, output, graph.replay)
 
 

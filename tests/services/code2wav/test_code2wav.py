@@ -232,6 +232,17 @@ async def test_stream_returns_chunks_in_order_then_done(fake_decoder, bidi_clien
         assert reg.get_sample_value("tts_code2wav_decode_backlog_frames") == 0
         assert len(server.engine.registry) == 0
         assert fake_decoder.live == 0
+        # Start-up phases: the injected decoder loads nothing; the warm-up and SERVING are timed.
+        phase = {"service": "code2wav"}
+        assert reg.get_sample_value("tts_startup_seconds", {**phase, "phase": "warm up"}) >= 0
+        serving = reg.get_sample_value("tts_startup_seconds", {**phase, "phase": "serving"})
+        assert serving is not None and serving > 0
+        assert (
+            reg.get_sample_value(
+                "tts_startup_seconds", {**phase, "phase": "load the decoder and capture its graphs"}
+            )
+            is None
+        )
 
 
 async def test_client_chunk_plan_and_prefix_and_empty_stream(fake_decoder, bidi_client):

@@ -88,6 +88,19 @@ async def test_one_scrape_shows_both_processes_metrics(tiny_snapshot):
         await eventually(lambda: s.gauge("tts_talker_active_streams") == 0)
         names = [f.name for f in registry.collect()]
         assert len(names) == len(set(names))  # each family once
+        # The start-up, phase by phase: the engine process's own phases reach the front's page.
+        startup = {
+            phase: registry.get_sample_value("tts_startup_seconds", {"service": "talker", "phase": phase})
+            for phase in (
+                "start the engine process",
+                "engine: load the model",
+                "engine: build the engine (graph capture)",
+                "serving",
+            )
+        }
+        assert all(v is not None and v >= 0 for v in startup.values()), startup
+        assert startup["start the engine process"] >= startup["engine: load the model"]
+        assert startup["serving"] >= startup["start the engine process"]
 
 
 async def test_cancel_frees_the_stream_in_the_engine_process(tiny_snapshot):
