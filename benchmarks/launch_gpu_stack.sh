@@ -28,6 +28,10 @@
 #                    A sweep with timestamps on: ALIGNER=1 PROTOCOL=grpc ... -- --word-timestamps
 #   THEN_ARGS        client flags of a second sweep on the same stack, into OUT/then   ("")
 #   AND_BACK         1: then the first sweep again, into OUT/back   (0)
+#   IDLE_FIRST       N: before the sweep, N requests of 2 s one at a time on the idle stack, into
+#                    OUT/idle, with every service's metrics scraped right after them, so idle
+#                    first audio and its hops (the first-chunk hop histograms) stand apart from
+#                    the loaded levels'   (0: none)
 #   PYTHON           interpreter with the project installed (python)
 #   GATEWAY_REPLICAS gateways in front of the talker (1), HTTP on HTTP_PORT, +1, ...; the client
 #                    sends request i to gateway i mod N, as a Service over gateway pods would
@@ -180,6 +184,26 @@ sweep() {  # $1: results folder; the rest: extra client flags
         --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$out" \
         --processes "${CLIENT_PROCESSES:-1}" --refusal-probe-s "${REFUSAL_PROBE_S:-0.1}" "$@"
 }
+# Server-side view: every service's Prometheus metrics page, into $1.
+scrape() {
+    "$PYTHON" - "$1" "${GATEWAY_REPLICAS:-1}" "$ALIGNER" <<'PY' || true
+import sys, urllib.request
+extra = [(f"gateway-{i}", 9110 + i) for i in range(1, int(sys.argv[2]))]
+extra += [("aligner", 9101)] if sys.argv[3] == "1" else []
+for name, port in (("gateway", 9100), ("talker", 9102), ("code2wav", 9103), *extra):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            open(f"{sys.argv[1]}/metrics-{name}.txt", "wb").write(r.read())
+    except Exception as exc:  # noqa: BLE001 - a missing scrape must not fail the run
+        print(f"metrics of {name} (:{port}) not scraped: {exc}", file=sys.stderr)
+PY
+}
+if (( ${IDLE_FIRST:-0} > 0 )); then
+    # One client process, one request at a time, 25 frames each; its own warm-up as any sweep's.
+    CONCURRENCY=1 NUM_REQUESTS="$IDLE_FIRST" ROUNDS=0 MAX_NEW_TOKENS=25 CLIENT_PROCESSES=1 REFUSAL_PROBE_S=0 \
+        sweep "$OUT/idle" "$@"
+    scrape "$OUT/idle"
+fi
 sweep "$OUT" "$@"
 # THEN_ARGS: the same sweep again on this stack with these flags added, into $OUT/then (e.g.
 # ALIGNER=1 PROTOCOL=grpc THEN_ARGS=--word-timestamps: timestamps off, then on, one stack).
@@ -193,15 +217,6 @@ if [[ -n "${THEN_ARGS:-}" ]]; then
     fi
 fi
 
-# Server-side view of the run: every service's Prometheus metrics once the sweep is done.
-"$PYTHON" - "$OUT" "${GATEWAY_REPLICAS:-1}" "$ALIGNER" <<'PY' || true
-import sys, urllib.request
-extra = [(f"gateway-{i}", 9110 + i) for i in range(1, int(sys.argv[2]))]
-extra += [("aligner", 9101)] if sys.argv[3] == "1" else []
-for name, port in (("gateway", 9100), ("talker", 9102), ("code2wav", 9103), *extra):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            open(f"{sys.argv[1]}/metrics-{name}.txt", "wb").write(r.read())
-    except Exception as exc:  # noqa: BLE001 - a missing scrape must not fail the run
-        print(f"metrics of {name} (:{port}) not scraped: {exc}", file=sys.stderr)
-PY
+# Server-side view of the run: every service's Prometheus metrics once the sweeps are done (counts
+# since the stack started: the idle requests' too, when IDLE_FIRST ran them).
+scrape "$OUT"

@@ -203,7 +203,8 @@ stacks)
     # processes. A stack starts (about 185 s on an H200) only while BUDGET (585) s minus the time
     # spent leaves NEED (255) s for it; the services left over are killed between stacks, and the
     # client's ephemeral ports kept off the services' (a client port on 50050 once kept the next
-    # stack's aligner from binding). Each stack's logs over 300 kB are cut to their first 60 kB
+    # stack's aligner from binding). An http or grpc stack first sends IDLE_FIRST (40) requests of
+    # 2 s one at a time (idle first audio and its hops, in idle/). Each stack's logs over 300 kB are cut to their first 60 kB
     # (the start-up) and last 240 kB. Carry: .whl
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     python3 -c "from qtts import pb; pb.generate(force=True)"
@@ -221,7 +222,8 @@ stacks)
         dir="$RES/$kind$n"
         case "$kind" in
         http | grpc)
-            PROTOCOL="$kind" FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-768 1024}" timeout -k 10 $((left - 10)) \
+            IDLE_FIRST="${IDLE_FIRST:-40}" PROTOCOL="$kind" FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-768 1024}" \
+                timeout -k 10 $((left - 10)) \
                 benchmarks/launch_gpu_stack.sh "$dir" -- "${POOL[@]}" >"$dir.log" 2>&1 ;;
         grpcts)
             PROTOCOL=grpc ALIGNER=1 FIXED_LENGTH=1 CONCURRENCY="${TS_LEVELS:-512}" THEN_ARGS=--word-timestamps AND_BACK=1 \
