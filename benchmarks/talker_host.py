@@ -1,17 +1,14 @@
 """How many streams the talker's host side carries: the real talker and code2wav, GPUs stood in.
 
-`benchmarks/code2wav_host.py` showed code2wav's host side carrying 768 streams on this machine
-with no underrun, so the late chunks the H200 showed at c=768 come from elsewhere. This runs the
-next suspect: the talker's front (the Generate calls, the deadline scheduler, the engine thread,
-the relay of every chunk from code2wav to the caller, credits and acks). The talker is the real
-`TalkerServer` with a stand-in model: a generator whose step sleeps, the GIL released, for the
-time the H200's frame step takes (`--step-ms` plus `--step-us-per-stream` a stream: 4.4 ms +
-20 us, the 1.7B graph step at batch 1 and its slope to 1,024) and returns silent codes, and prompts
-that end after the requested number of frames. code2wav is `code2wav_host`'s stand-in. The engine
-runs in the talker's process (an injected model cannot cross to an engine process), the setting
-`--engine-process` was made to avoid: the host work of its steps shares the GIL with the relay.
+The talker's front (the Generate calls, the deadline scheduler, the engine thread, the relay of
+every chunk from code2wav to the caller, credits and acks) is the real `TalkerServer` with a
+stand-in model: a step that sleeps, the GIL released, for the H200's frame step (`--step-ms` plus
+`--step-us-per-stream` a stream: 4.4 ms + 20 us) and returns silent codes, and prompts that end
+after the requested frames. code2wav is `code2wav_host`'s stand-in. `--engine-process` puts the
+engine in a process of its own, as on a GPU.
 
-A driver in this process plays the gateway: `--streams` concurrent Generate calls in a closed loop
+A driver in this process plays the gateway (`--sessions`: as opens on a Session call, as the
+gateway sends them): `--streams` concurrent Generate calls in a closed loop
 (`--clip-s` of audio each, a preset voice), each listened to in real time from its first chunk:
 a chunk that arrives after its audio was due is a gap. Per level: first audio, the streams with a
 gap and the worst gap, refusals, the talker's loop lag, CPU and underruns, its chunk hops, and the
@@ -49,6 +46,7 @@ from qtts.request.errors import ResourceExhausted, from_grpc
 from qtts.serving import probe
 from qtts.serving.log_context import outgoing_metadata
 from services.gateway.talker_pool import StaticResolver, TalkerPool, capacity_probe, capacity_watch
+from services.gateway.talker_session import TalkerSession
 
 FRAME_S = 0.08
 VOICE = "vivian"
@@ -226,11 +224,21 @@ async def pooled_stream(pool: TalkerPool, name: str, args: argparse.Namespace, l
         return
     with lease:
         stub = talker_pb2_grpc.TalkerServiceStub(lease.channel)
-        error = await one_stream(stub, name, args, level, sent, lease.metadata)
+        session = session_of(lease.channel) if args.sessions else None
+        error = await one_stream(stub, name, args, level, sent, lease.metadata, session)
         if isinstance(error, ResourceExhausted):
             lease.mark_full(error.retry_after_s)
     if error is not None:
         await asyncio.sleep(retry_s(args))
+
+
+_SESSIONS: dict[Any, TalkerSession] = {}  # --sessions: one per channel, as the gateway keeps
+
+
+def session_of(channel: Any) -> TalkerSession:
+    if channel not in _SESSIONS:
+        _SESSIONS[channel] = TalkerSession(channel)
+    return _SESSIONS[channel]
 
 
 def retry_s(args: argparse.Namespace) -> float:
@@ -239,8 +247,8 @@ def retry_s(args: argparse.Namespace) -> float:
     return args.retry_s * (1 + args.retry_jitter * (2 * random.random() - 1))
 
 
-async def one_stream(
-    stub, name: str, args: argparse.Namespace, level: Level, sent: float | None = None, metadata: tuple = ()
+async def one_stream(  # noqa: PLR0913
+    stub, name: str, args: argparse.Namespace, level: Level, sent=None, metadata=(), session=None
 ) -> ResourceExhausted | None:
     """One Generate call, listened to in real time from its first chunk. Returns its refusal
     (recorded) when refused before any audio; the caller waits before retrying."""
@@ -251,7 +259,9 @@ async def one_stream(
     )
     first_at, worst = None, 0.0
     try:
-        async for msg in stub.Generate(request, metadata=outgoing_metadata(name) + metadata):
+        md = outgoing_metadata(name) + metadata
+        call = session.stream(request, md) if session is not None else stub.Generate(request, metadata=md)
+        async for msg in call:
             if msg.WhichOneof("event") != "audio":
                 continue
             now = time.perf_counter()
@@ -278,6 +288,7 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
         for _ in range(args.channels)
     ]
     stubs = [talker_pb2_grpc.TalkerServiceStub(c) for c in channels]
+    sessions = [session_of(c) if args.sessions else None for c in channels]
     level = Level()
     pools: list[TalkerPool] = []
     if args.gateway_pool:
@@ -308,7 +319,7 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
             name = f"t{streams}-{next(counter)}"
             if pools:
                 await pooled_stream(pools[i % len(pools)], name, args, level)
-            elif await one_stream(stubs[i % len(stubs)], name, args, level) is not None:
+            elif await one_stream(stubs[i % len(stubs)], name, args, level, session=sessions[i % len(stubs)]):
                 await asyncio.sleep(retry_s(args))
 
     await asyncio.gather(*(slot(i) for i in range(streams)))
@@ -318,6 +329,9 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     talker = Since(talker0, scrape(args.metrics_port))
     c2w = Since(c2w0, scrape(args.code2wav_metrics_port))
+    for session in _SESSIONS.values():
+        await session.close()
+    _SESSIONS.clear()
     for channel in channels:
         await channel.close()
     for pool in pools:
@@ -440,6 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gateways", type=int, default=1, help="--gateway-pool: gateways the streams alternate over"
     )
     parser.add_argument("--channels", type=int, default=1, help="direct calls: connections to spread over")
+    parser.add_argument(
+        "--sessions", action="store_true", help="opens on a Session call (default: Generate calls)"
+    )
     parser.add_argument(
         "--engine-process",
         action="store_true",

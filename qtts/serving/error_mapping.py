@@ -140,37 +140,16 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             # The handler aborted by itself: count it under the code it chose.
             self._count(_code_of(context))
             return
-        mapping = mapping_for(exc)
-        if isinstance(exc, TTSError):
-            message = exc.message
-            log.info("%s failed: %s: %s", method, mapping.grpc_code.name, message)
-            if self._redact:
-                message = redact_internal(message)
-        else:
-            message = "internal error"
-            log.error("%s raised an unexpected exception", method, exc_info=exc)
-            if self.on_unexpected is not None:
-                self.on_unexpected(exc)
-        if len(message) > MAX_STATUS_MESSAGE_CHARS:
-            # The status travels in trailing metadata, which clients cap at a few KiB.
-            message = message[:MAX_STATUS_MESSAGE_CHARS] + "..."
-        self._count(mapping.grpc_code)
-        trailing: tuple[tuple[str, str | bytes], ...] = ()
-        retry_after = getattr(exc, "retry_after_s", None)
-        if retry_after:
-            # gRPC's own retry policy reads grpc-retry-pushback-ms; our clients read retry-after
-            # (whole seconds) or retry-after-ms (spread over half a hint more, as over HTTP).
-            spread_ms = str(retry_after_ms(retry_after))
-            trailing = (
-                ("retry-after", str(retry_after)),
-                ("retry-after-ms", spread_ms),
-                ("grpc-retry-pushback-ms", spread_ms),
-            )
-        if mapping.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
-            trailing += bad_request_details(mapping.grpc_code, message, getattr(exc, "param", None))
-        if trailing:
-            await context.abort(mapping.grpc_code, message, trailing_metadata=trailing)
-        await context.abort(mapping.grpc_code, message)
+        if isinstance(exc, NotImplementedError) and _code_of(context) == grpc.StatusCode.UNIMPLEMENTED:
+            # A generated servicer base's method this service does not implement: UNIMPLEMENTED
+            # (callers fall back on it), not an internal error.
+            self._count(grpc.StatusCode.UNIMPLEMENTED)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented here")
+        status = map_exception(exc, method, redact=self._redact, on_unexpected=self.on_unexpected)
+        self._count(status.code)
+        if status.trailing:
+            await context.abort(status.code, status.message, trailing_metadata=status.trailing)
+        await context.abort(status.code, status.message)
 
     def _count(self, code: grpc.StatusCode | None) -> None:
         if self._metrics is not None and code is not None and code != grpc.StatusCode.OK:
@@ -194,14 +173,71 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return tracing.server_span(method.lstrip("/"), carrier, attrs)
 
     def _record(self, method: str, code: grpc.StatusCode | None, start: float) -> None:
-        """tts_rpc_requests_total / tts_rpc_duration_seconds and an access log line (logger
-        qtts.access, not for health checks) for one finished call."""
-        seconds = time.monotonic() - start
-        name = (code or grpc.StatusCode.OK).name
-        if self._metrics is not None:
-            self._metrics.rpc(method, name, seconds)
-        if not method.startswith(_UNTRACED):
-            access_log.info("%s %s %.3fs", method, name, seconds)
+        record_call(self._metrics, method, code, start)
+
+
+@dataclass(frozen=True)
+class MappedStatus:
+    """The status a call that raised an exception ends with: code, message and trailing metadata."""
+
+    code: grpc.StatusCode
+    message: str
+    trailing: tuple[tuple[str, str | bytes], ...] = ()
+
+
+def map_exception(
+    exc: BaseException,
+    method: str,
+    *,
+    redact: bool = False,
+    on_unexpected: Callable[[BaseException], Any] | None = None,
+) -> MappedStatus:
+    """The status of a call whose handler raised `exc` (not a cancel): a TTSError's mapped code
+    and message (redacted for a public front end), INTERNAL for anything else (logged with its
+    traceback, and handed to `on_unexpected`); retry hints and a BadRequest naming the field in
+    the trailing metadata."""
+    mapping = mapping_for(exc)
+    if isinstance(exc, TTSError):
+        message = exc.message
+        log.info("%s failed: %s: %s", method, mapping.grpc_code.name, message)
+        if redact:
+            message = redact_internal(message)
+    else:
+        message = "internal error"
+        log.error("%s raised an unexpected exception", method, exc_info=exc)
+        if on_unexpected is not None:
+            on_unexpected(exc)
+    if len(message) > MAX_STATUS_MESSAGE_CHARS:
+        # The status travels in trailing metadata, which clients cap at a few KiB.
+        message = message[:MAX_STATUS_MESSAGE_CHARS] + "..."
+    trailing: tuple[tuple[str, str | bytes], ...] = ()
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after:
+        # gRPC's own retry policy reads grpc-retry-pushback-ms; our clients read retry-after
+        # (whole seconds) or retry-after-ms (spread over half a hint more, as over HTTP).
+        spread_ms = str(retry_after_ms(retry_after))
+        trailing = (
+            ("retry-after", str(retry_after)),
+            ("retry-after-ms", spread_ms),
+            ("grpc-retry-pushback-ms", spread_ms),
+        )
+    if mapping.grpc_code == grpc.StatusCode.INVALID_ARGUMENT:
+        trailing += bad_request_details(mapping.grpc_code, message, getattr(exc, "param", None))
+    return MappedStatus(mapping.grpc_code, message, trailing)
+
+
+def record_call(
+    metrics: ServiceMetrics | None, method: str, code: grpc.StatusCode | None, start: float
+) -> None:
+    """tts_rpc_requests_total / tts_rpc_duration_seconds and an access log line (logger
+    qtts.access, not for health checks) for one finished call that began at `start`
+    (time.monotonic())."""
+    seconds = time.monotonic() - start
+    name = (code or grpc.StatusCode.OK).name
+    if metrics is not None:
+        metrics.rpc(method, name, seconds)
+    if not method.startswith(_UNTRACED):
+        access_log.info("%s %s %.3fs", method, name, seconds)
 
 
 def bad_request_details(

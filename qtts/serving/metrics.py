@@ -316,7 +316,7 @@ class TalkerMetrics(ServiceMetrics):
             "Where a chunk's time goes, per hop: generate (from the previous chunk's hand-on to the "
             "chunk's last frame), engine_to_loop (engine thread to the stream's task), to_code2wav "
             "(waiting for credit or the chunk boundary), code2wav (frames sent to audio back), "
-            "to_gateway (audio yielded until the caller took it).",
+            "to_gateway (audio yielded until the caller took it: a Generate call's write, or the hand-off to a Session call's writer).",
             ["hop"],
             buckets=LATENCY_BUCKETS,
             registry=registry,

@@ -42,6 +42,12 @@ class GatewayConfig:
         "streams first); channel: one channel, round robin over the first resolution",
         choices=TALKER_BALANCING,
     )
+    talker_sessions: bool = setting(
+        True,
+        "send each request as an open on one long-lived Session call per talker instead of a "
+        "Generate call of its own (a busy talker starts a burst of calls late); a talker "
+        "without Session gets Generate calls",
+    )
     talker_refresh_s: float = setting(
         5.0, "how often the pool re-resolves --talker and health-checks each talker, seconds"
     )

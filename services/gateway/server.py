@@ -126,7 +126,11 @@ class GatewayServer:
             else None
         )
         self.talker = TalkerClient(
-            config.talker, pool=self.talker_pool, token=config.internal_token, tls=config.tls
+            config.talker,
+            pool=self.talker_pool,
+            token=config.internal_token,
+            tls=config.tls,
+            sessions=config.talker_sessions,
         )
         self.voice_client = VoiceClient(config.speaker_cache, token=config.internal_token, tls=config.tls)
         # Optional: without it word_timestamps is refused.

@@ -30,6 +30,7 @@ from qtts.streams.voice_key import REFERENCE_NOT_CACHED, reference_digest
 
 from .job import ModelCatalog, SynthesisJob
 from .talker_pool import Hold, TalkerPool
+from .talker_session import TalkerSession
 
 
 def generate_request(
@@ -160,13 +161,27 @@ class TalkerClient:
     re-resolved name, fewest streams first) and stays there. Without one, calls share one channel
     that round-robins over the addresses the name resolved to when it connected. GetModelInfo and
     the gateway's health check use that shared channel either way.
+
+    With `sessions` (the default), a request without streamed text goes as an open on the
+    channel's Session call (talker_session.py) instead of a Generate call of its own; a talker
+    without Session gets Generate calls from then on.
     """
 
     def __init__(
-        self, address: str, pool: TalkerPool | None = None, token: str = "", tls: TlsConfig | None = None
+        self,
+        address: str,
+        pool: TalkerPool | None = None,
+        token: str = "",
+        tls: TlsConfig | None = None,
+        sessions: bool = True,
     ):
         self.address = address
         self.pool = pool
+        self.sessions = sessions
+        # One TalkerSession per channel, gone with the channel (a pool drops a talker's).
+        self._sessions: weakref.WeakKeyDictionary[grpc.aio.Channel, TalkerSession] = (
+            weakref.WeakKeyDictionary()
+        )
         self._channel = aio_channel(
             address,
             tls,
@@ -230,6 +245,8 @@ class TalkerClient:
                         yielded = True
                         yield item
                 return
+            except _NoSession:
+                continue  # the talker has no Session: the same request as a Generate call
             except FailedPrecondition as exc:
                 if digest is None or yielded or not exc.message.startswith(REFERENCE_NOT_CACHED):
                     raise
@@ -268,10 +285,14 @@ class TalkerClient:
         """One talker call of `request`; `accepted`: a digest to remember once the call yields
         (the talker resolved its clip)."""
         lease = await self.pool.acquire() if self.pool is not None else None
-        stub = self._stub if lease is None else talker_pb2_grpc.TalkerServiceStub(lease.channel)
+        channel = self._channel if lease is None else lease.channel
+        stub = self._stub if lease is None else talker_pb2_grpc.TalkerServiceStub(channel)
         metadata = outgoing_metadata(job.request_id) + (lease.metadata if lease is not None else ())
+        session = self._session(channel) if text is None else None
         try:
-            if text is None:
+            if session is not None:
+                call = session.stream(request, metadata)
+            elif text is None:
                 call = stub.Generate(request, metadata=metadata)
             else:
                 call = stub.GenerateStream(_stream_requests(request, text), metadata=metadata)
@@ -280,8 +301,10 @@ class TalkerClient:
                 lease.unsent()
                 lease.release()
             raise
+        answered = False
         try:
             async for msg in call:
+                answered = True
                 if accepted is not None:  # the talker resolved the clip: next time, its digest
                     self.sent_references.add(accepted)
                     accepted = None
@@ -294,6 +317,10 @@ class TalkerClient:
                     tracing.set_attributes(summary_span_attributes(summary, lease))
                     yield summary
         except grpc.aio.AioRpcError as exc:
+            if session is not None and session.unimplemented and not answered:
+                if lease is not None:
+                    lease.unsent()  # the talker saw no Generate request
+                raise _NoSession() from None
             if lease is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 lease.mark_unavailable()
             error = from_grpc(exc.code(), exc.details(), exc.trailing_metadata())
@@ -304,11 +331,29 @@ class TalkerClient:
             raise error from None
         finally:
             # No-op when the call already finished; cancels it when the consumer went away.
-            call.cancel()
+            if session is not None:
+                await call.aclose()
+            else:
+                call.cancel()
             if lease is not None:
                 lease.release()
 
+    def _session(self, channel: grpc.aio.Channel) -> TalkerSession | None:
+        """The channel's Session, or None when sessions are off or its talker has none."""
+        if not self.sessions:
+            return None
+        session = self._sessions.get(channel)
+        if session is None:
+            session = self._sessions[channel] = TalkerSession(channel)
+        return None if session.unimplemented else session
+
     async def close(self) -> None:
+        for session in list(self._sessions.values()):
+            await session.close()
         if self.pool is not None:
             await self.pool.close()
         await self._channel.close()
+
+
+class _NoSession(Exception):
+    """The talker answered the Session call UNIMPLEMENTED before any audio: use Generate."""

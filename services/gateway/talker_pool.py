@@ -163,8 +163,10 @@ class Lease:
         return caller_metadata(self._pool.caller)
 
     def unsent(self) -> None:
-        """The stream's call could not be made: not one the talker will see."""
+        """The stream's call could not be made: not one the talker will see, nor room it took."""
         self.endpoint.sent -= 1
+        if self.endpoint.room is not None:
+            self.endpoint.room += 1
 
     def mark_unavailable(self) -> None:
         """The talker failed the call as unreachable: no new streams until a probe says SERVING."""

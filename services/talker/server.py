@@ -69,7 +69,8 @@ class TalkerServer:
         self.servicer = TalkerServicer()
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
         self.host.add_shutdown_callback(self._shutdown)
-        self.host.add_drain_callback(self.servicer.stopping.set)  # ends the WatchCapacity calls
+        self.host.add_drain_callback(self.servicer.drain)  # ends WatchCapacity and idle Session calls
+        self.servicer.sessions.metrics = self.metrics
         self.engine: GenerationLoop | EngineClient | None = None
         self.admission: Any = None  # the in-process engine's (services/talker/admission.py)
         self.replicas: Code2WavReplicas | None = None
@@ -89,6 +90,7 @@ class TalkerServer:
         port = await self.host.start()
         self.device_failure = DeviceFailure(self.host, exit=self._exit_process)
         self.host.on_unexpected_error(self.device_failure.check)
+        self.servicer.sessions.on_unexpected = self.device_failure.check
         if self.engine_client is not None:
             # The voice encoders get a process of their own too (voice_worker.py); it loads meanwhile.
             self._voice_worker = VoiceWorker(VoiceWorkerSpec.from_config(self.config))

@@ -20,6 +20,7 @@ from qtts.request.vocabulary import AudioPiece, SynthesisSummary
 from .core import TalkerCore
 from .request import GenerationRequest
 from .room import SeenCalls, published_room, watch_room
+from .session import SessionServer
 
 
 def request_from_proto(msg: talker_pb2.GenerateRequest) -> GenerationRequest:
@@ -96,16 +97,26 @@ async def _appended_text(
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
-    """Generate streams a request's audio then its summary; GetModelInfo describes the model;
-    GetCapacity says how many more requests it would take now."""
+    """Generate streams a request's audio then its summary (Session: many requests on one call);
+    GetModelInfo describes the model; GetCapacity says how many more requests it would take now."""
 
     def __init__(self, core: TalkerCore | None = None, sample_rate_hz: int = 24000):
         # None until the model is loaded: the server registers the servicer before it starts.
         self.core = core
         self._sample_rate_hz = sample_rate_hz
         self.seen = SeenCalls()  # each gateway's calls seen, published with the room (room.py)
-        # Set when the talker drains: WatchCapacity calls end instead of holding the drain.
+        # Set when the talker drains: WatchCapacity calls end instead of holding the drain, and
+        # Session calls once their streams have.
         self.stopping = asyncio.Event()
+        self.sessions = SessionServer(
+            lambda request: self._generate(request, None, talker_pb2.GenerateResponse),
+            self.seen,
+            self.stopping,
+        )
+
+    def drain(self) -> None:
+        self.stopping.set()
+        self.sessions.wake_all()
 
     def _ready_core(self) -> TalkerCore:
         if self.core is None:
@@ -133,6 +144,15 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
             raise InvalidArgument("the first GenerateStreamRequest must carry start", param="start")
         msgs = self._generate(first.start, _appended_text(requests), talker_pb2.GenerateStreamResponse)
         async with contextlib.aclosing(msgs):
+            async for msg in msgs:
+                yield msg
+
+    async def Session(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[talker_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[talker_pb2.SessionResponse]:
+        async with contextlib.aclosing(self.sessions.serve(request_iterator)) as msgs:
             async for msg in msgs:
                 yield msg
 

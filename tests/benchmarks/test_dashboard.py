@@ -41,6 +41,7 @@ COUNTERS_AND_GAUGES = {
     "tts_http_requests_total",
     "tts_gateway_underruns_total",
     "tts_event_loop_lag_max_seconds",
+    "tts_startup_seconds",
     "tts_talker_steps_over_capacity_total",
     "tts_talker_admission_cost_seconds",
 }

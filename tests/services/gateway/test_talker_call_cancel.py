@@ -47,7 +47,7 @@ class EndlessStub:
 
 @pytest.mark.parametrize("path", ["no clip", "clip sent", "digest only"])
 async def test_closing_the_stream_cancels_the_talker_call_within_the_close(path):
-    client = TalkerClient("127.0.0.1:1")
+    client = TalkerClient("127.0.0.1:1", sessions=False)  # Generate calls (Session: test_talker_session)
     stub = client._stub = EndlessStub()
     try:
         if path == "no clip":

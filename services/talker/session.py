@@ -1,0 +1,183 @@
+"""`talker.v1.TalkerService/Session`: many Generate requests on one call (see talker.proto).
+
+grpc.aio takes a server's new calls one at a time, each after a turn of the event loop, so a
+talker relaying hundreds of streams started a burst of Generate calls hundreds of milliseconds
+late (a loop kept ~60% busy by 1 ms callbacks took 220 ms to start the last of 50 calls; the
+H200's talker waited 53 ms on average, p95 up to 500 ms). A gateway's Session carries the
+requests as messages instead: every open of a message starts in the turn that reads it.
+
+Each open runs as a task of its own through the same path as a Generate call (`open_stream`),
+counted, timed and logged under the Generate method as that call would be (tts_rpc_*, the access
+log, the accept wait from the open's x-tts-sent-at-ns, the caller's calls seen), its request id
+bound in its task. Its responses are queued with its stream id; the handler writes whatever is
+queued as one SessionResponse per turn. A stream that fails ends with the status its Generate call
+would have ended with (`map_exception`: code, message, retry hints); a cancel from the caller, or
+the call's end, cancels the stream's task as cancelling its Generate call would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from qtts.pb import talker_pb2
+from qtts.serving import tracing
+from qtts.serving.error_mapping import map_exception, record_call
+from qtts.serving.log_context import bind_request_id, request_id_from_metadata, waited_since_sent
+
+from .room import SeenCalls
+
+log = logging.getLogger(__name__)
+
+GENERATE = "/talker.v1.TalkerService/Generate"
+# Responses in one SessionResponse at most (an audio chunk is up to ~60 kB): one message per turn
+# unless more are queued.
+MAX_EVENTS_PER_MESSAGE = 64
+
+
+class _Session:
+    """One Session call's streams and what is queued to write."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.events: list[talker_pb2.SessionEvent] = []
+        self.ends: list[talker_pb2.SessionEnd] = []
+        self.wake = asyncio.Event()
+        self.half_closed = False  # the caller sends no more opens
+
+    def end(self, stream_id: int, code: grpc.StatusCode, message: str = "", trailing: tuple = ()) -> None:
+        trailers = {k: v.encode() if isinstance(v, str) else bytes(v) for k, v in trailing}
+        self.ends.append(
+            talker_pb2.SessionEnd(stream_id=stream_id, code=code.value[0], message=message, trailers=trailers)
+        )
+        self.wake.set()
+
+
+class SessionServer:
+    """Serves Session calls; `open_stream(request)` yields a request's GenerateResponses (the
+    servicer's Generate path)."""
+
+    def __init__(
+        self,
+        open_stream: Callable[[talker_pb2.GenerateRequest], AsyncIterator[Any]],
+        seen: SeenCalls,
+        stopping: asyncio.Event,
+    ):
+        self._open_stream = open_stream
+        self._seen = seen
+        self._stopping = stopping
+        self._live: set[_Session] = set()
+        self.metrics: Any = None  # the talker's ServiceMetrics, once the server has them
+        self.on_unexpected: Callable[[BaseException], Any] | None = None
+
+    def wake_all(self) -> None:
+        """The talker drains: each Session ends once its streams have (new opens are refused)."""
+        for session in self._live:
+            session.wake.set()
+
+    async def serve(self, requests: AsyncIterator[talker_pb2.SessionRequest]) -> AsyncIterator[Any]:
+        session = _Session()
+        self._live.add(session)
+        reader = asyncio.ensure_future(self._read(requests, session))
+        try:
+            while True:
+                if session.events or session.ends:
+                    yield self._take(session)
+                    continue
+                if reader.done() and reader.exception() is not None:
+                    raise reader.exception()
+                if not session.tasks and (session.half_closed or self._stopping.is_set()):
+                    return
+                session.wake.clear()
+                await session.wake.wait()
+        finally:
+            self._live.discard(session)
+            reader.cancel()
+            for task in session.tasks.values():
+                task.cancel()
+            await asyncio.gather(reader, *session.tasks.values(), return_exceptions=True)
+
+    @staticmethod
+    def _take(session: _Session) -> talker_pb2.SessionResponse:
+        events = session.events[:MAX_EVENTS_PER_MESSAGE]
+        del session.events[: len(events)]
+        if session.events:  # ends wait for the events before them
+            return talker_pb2.SessionResponse(events=events)
+        ends, session.ends = session.ends, []
+        return talker_pb2.SessionResponse(events=events, ends=ends)
+
+    async def _read(self, requests: AsyncIterator[talker_pb2.SessionRequest], session: _Session) -> None:
+        try:
+            async for msg in requests:
+                for op in msg.open:
+                    self._open(op, session)
+                for stream_id in msg.cancel:
+                    task = session.tasks.get(stream_id)
+                    if task is not None:
+                        task.cancel()
+        finally:
+            session.half_closed = True
+            session.wake.set()
+
+    def _open(self, op: talker_pb2.SessionOpen, session: _Session) -> None:
+        metadata = tuple(op.metadata.items())
+        if op.stream_id in session.tasks:
+            session.end(
+                op.stream_id,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"stream_id {op.stream_id} is already open on this session",
+            )
+            return
+        self._seen.saw(metadata)
+        if self._stopping.is_set():
+            self._refuse(op.stream_id, metadata, session, "the talker is draining: retry on another talker")
+            return
+        session.tasks[op.stream_id] = asyncio.ensure_future(self._run(op, metadata, session))
+
+    def _refuse(self, stream_id: int, metadata: tuple, session: _Session, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.error(grpc.StatusCode.UNAVAILABLE.name)
+        record_call(self.metrics, GENERATE, grpc.StatusCode.UNAVAILABLE, time.monotonic())
+        session.end(stream_id, grpc.StatusCode.UNAVAILABLE, message)
+
+    async def _run(self, op: talker_pb2.SessionOpen, metadata: tuple, session: _Session) -> None:
+        start, code = time.monotonic(), None
+        bind_request_id(request_id_from_metadata(metadata))  # this task's own context
+        waited = waited_since_sent(metadata)
+        if self.metrics is not None and waited is not None:
+            self.metrics.rpc_accepted(GENERATE, waited)
+        sid = op.stream_id
+        try:
+            with self._span(metadata):
+                async with contextlib.aclosing(self._open_stream(op.request)) as msgs:
+                    async for msg in msgs:
+                        session.events.append(talker_pb2.SessionEvent(stream_id=sid, response=msg))
+                        session.wake.set()
+            code = grpc.StatusCode.OK
+            session.end(sid, code)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED  # the caller cancelled it or left: no end to send
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream ends with its mapped status
+            status = map_exception(exc, GENERATE, on_unexpected=self.on_unexpected)
+            code = status.code
+            if self.metrics is not None:
+                self.metrics.error(code.name)
+            session.end(sid, code, status.message, status.trailing)
+        finally:
+            session.tasks.pop(sid, None)
+            session.wake.set()
+            record_call(self.metrics, GENERATE, code, start)
+
+    def _span(self, metadata: tuple):
+        if not tracing.enabled():
+            return contextlib.nullcontext()
+        carrier = {k: v for k, v in metadata if isinstance(v, str)}
+        attrs = {"rpc.system": "grpc", "rpc.method": GENERATE, "qtts.service": "talker", "qtts.session": True}
+        return tracing.server_span(GENERATE.lstrip("/"), carrier, attrs)

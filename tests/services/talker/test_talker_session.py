@@ -1,0 +1,288 @@
+"""`talker.v1.TalkerService/Session`: many Generate requests on one call, the talker's end
+(services/talker/session.py) and the gateway's (services/gateway/talker_session.py), through a
+real gRPC server with the services' interceptor. Each stream behaves as a Generate call would:
+the same responses, the same statuses and retry hints, a cancel that frees its work, and the
+same counts under the Generate method."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from qtts.pb import talker_pb2, talker_pb2_grpc, tts_pb2
+from qtts.request.errors import InvalidArgument, ResourceExhausted, from_grpc
+from qtts.serving.grpc_server import GrpcServiceHost
+from qtts.serving.log_context import outgoing_metadata
+from qtts.serving.metrics import TalkerMetrics
+from services.gateway.talker_session import TalkerSession
+from services.talker.room import CALLER_KEY, SeenCalls
+from services.talker.session import GENERATE, SessionServer
+
+SERVICE = "talker.v1.TalkerService"
+
+
+def audio(request_id: str, seq: int) -> talker_pb2.GenerateResponse:
+    return talker_pb2.GenerateResponse(
+        request_id=request_id,
+        sequence_number=seq,
+        audio=tts_pb2.AudioChunk(
+            audio=bytes([seq % 256]) * 64, num_samples=32, first_frame_index=seq, num_frames=1
+        ),
+    )
+
+
+class Behaviour:
+    """What the stand-in Generate path does, by the request's text."""
+
+    def __init__(self):
+        self.cancelled: list[str] = []
+        self.started: list[str] = []
+
+    async def stream(self, request: talker_pb2.GenerateRequest):
+        rid, text = request.request_id, request.text
+        self.started.append(rid)
+        if text.startswith(("ok:", "slow:")):  # slow: 10 ms a chunk
+            kind, n = text.split(":")
+            for seq in range(int(n)):
+                await asyncio.sleep(0.01 if kind == "slow" else 0)
+                yield audio(rid, seq)
+            yield talker_pb2.GenerateResponse(
+                request_id=rid, summary=talker_pb2.GenerateSummary(num_frames=int(n))
+            )
+        elif text == "refuse":
+            raise ResourceExhausted("the talker is at capacity", retry_after_s=3)
+        elif text == "invalid":
+            raise InvalidArgument("no such voice", param="voice")
+        elif text == "crash":
+            raise RuntimeError("boom")
+        elif text == "endless":
+            seq = 0
+            try:
+                while True:
+                    yield audio(rid, seq)
+                    seq += 1
+                    await asyncio.sleep(0.005)
+            except (asyncio.CancelledError, GeneratorExit):
+                self.cancelled.append(rid)
+                raise
+
+
+class Servicer(talker_pb2_grpc.TalkerServiceServicer):
+    def __init__(self, behaviour: Behaviour, metrics: TalkerMetrics):
+        self.seen = SeenCalls()
+        self.stopping = asyncio.Event()
+        self.sessions = SessionServer(behaviour.stream, self.seen, self.stopping)
+        self.sessions.metrics = metrics
+
+    async def Session(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        async with contextlib.aclosing(self.sessions.serve(request_iterator)) as msgs:
+            async for msg in msgs:
+                yield msg
+
+    def drain(self):
+        self.stopping.set()
+        self.sessions.wake_all()
+
+
+@contextlib.asynccontextmanager
+async def talker(servicer_cls: type = Servicer):
+    metrics = TalkerMetrics(CollectorRegistry())
+    behaviour = Behaviour()
+    host = GrpcServiceHost(service_names=[SERVICE], metrics=metrics, drain_seconds=2.0)
+    servicer = servicer_cls(behaviour, metrics) if issubclass(servicer_cls, Servicer) else servicer_cls()
+    talker_pb2_grpc.add_TalkerServiceServicer_to_server(servicer, host.server)
+    if hasattr(servicer, "drain"):
+        host.add_drain_callback(servicer.drain)
+    port = await host.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield host, servicer, behaviour, metrics, channel
+    finally:
+        await channel.close()
+        await host.stop(0)
+
+
+def request(rid: str, text: str) -> talker_pb2.GenerateRequest:
+    return talker_pb2.GenerateRequest(request_id=rid, text=text)
+
+
+async def collect(session: TalkerSession, rid: str, text: str, metadata=()):
+    return [m async for m in session.stream(request(rid, text), metadata or outgoing_metadata(rid))]
+
+
+def calls(metrics: TalkerMetrics, method: str, code: str) -> float:
+    labels = {"service": "talker", "method": method, "code": code}
+    return metrics.registry.get_sample_value("tts_rpc_requests_total", labels) or 0.0
+
+
+async def test_many_requests_share_one_call_and_each_gets_what_generate_gives():
+    async with talker() as (_, servicer, behaviour, metrics, channel):
+        session = TalkerSession(channel)
+        caller = ((CALLER_KEY, "gw-1"),)
+        got = await asyncio.gather(
+            *(
+                collect(session, f"r{i}", f"ok:{i + 1}", outgoing_metadata(f"r{i}") + caller)
+                for i in range(40)
+            )
+        )
+        for i, msgs in enumerate(got):
+            assert [m.WhichOneof("event") for m in msgs] == ["audio"] * (i + 1) + ["summary"]
+            assert [m.audio.first_frame_index for m in msgs[:-1]] == list(range(i + 1))
+            assert all(m.request_id == f"r{i}" for m in msgs) and msgs[-1].summary.num_frames == i + 1
+        # One call carried them; each is counted as the Generate call it stands for.
+        assert calls(metrics, GENERATE, "OK") == 40
+        assert calls(metrics, f"/{SERVICE}/Session", "OK") == 0  # still open
+        accept = metrics.registry.get_sample_value(
+            "tts_rpc_accept_seconds_count", {"service": "talker", "method": GENERATE}
+        )
+        assert accept == 40  # the wait since the gateway sent each open
+        assert servicer.seen.seen("gw-1") == 40  # the caller's calls, as its Generate calls would be
+        await session.close()
+
+
+async def test_a_failed_stream_ends_with_its_generate_status_and_the_others_go_on():
+    async with talker() as (_, _servicer, _behaviour, metrics, channel):
+        session = TalkerSession(channel)
+        fine = asyncio.ensure_future(collect(session, "fine", "ok:30"))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(session, "r1", "refuse")
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details() == "the talker is at capacity"
+        trailing = dict(refused.value.trailing_metadata())
+        assert trailing["retry-after"] == "3" and 3000 <= int(trailing["retry-after-ms"]) < 4500
+        error = from_grpc(refused.value.code(), refused.value.details(), refused.value.trailing_metadata())
+        assert isinstance(error, ResourceExhausted) and error.retry_after_s == 3
+
+        with pytest.raises(grpc.aio.AioRpcError) as invalid:
+            await collect(session, "r2", "invalid")
+        assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = dict(invalid.value.trailing_metadata())["grpc-status-details-bin"]
+        assert isinstance(details, bytes) and b"voice" in details  # the BadRequest naming the field
+
+        with pytest.raises(grpc.aio.AioRpcError) as crash:
+            await collect(session, "r3", "crash")
+        assert crash.value.code() == grpc.StatusCode.INTERNAL and crash.value.details() == "internal error"
+
+        assert len(await fine) == 31  # the session and its other stream carried on
+        assert calls(metrics, GENERATE, "RESOURCE_EXHAUSTED") == 1
+        assert calls(metrics, GENERATE, "INVALID_ARGUMENT") == 1
+        assert calls(metrics, GENERATE, "INTERNAL") == 1
+        errors = metrics.registry.get_sample_value(
+            "tts_errors_total", {"service": "talker", "code": "INTERNAL"}
+        )
+        assert errors == 1
+        await session.close()
+
+
+async def test_closing_a_stream_cancels_its_work_and_leaves_the_session_open(eventually):
+    async with talker() as (_, servicer, behaviour, metrics, channel):
+        session = TalkerSession(channel)
+        stream = session.stream(request("gone", "endless"), outgoing_metadata("gone"))
+        assert (await anext(stream)).audio.num_frames == 1
+        await stream.aclose()  # the listener went away
+        await eventually(lambda: behaviour.cancelled == ["gone"], what="the talker's stream cancelled")
+        await eventually(lambda: calls(metrics, GENERATE, "CANCELLED") == 1)
+        assert len(await collect(session, "next", "ok:3")) == 4  # the same call goes on
+        assert calls(metrics, f"/{SERVICE}/Session", "CANCELLED") == 0
+        await session.close()
+        await eventually(lambda: calls(metrics, f"/{SERVICE}/Session", "CANCELLED") == 1)
+
+
+async def test_closing_the_session_cancels_every_stream_on_it(eventually):
+    async with talker() as (_, _servicer, behaviour, _metrics, channel):
+        session = TalkerSession(channel)
+        streams = [session.stream(request(f"e{i}", "endless"), outgoing_metadata(f"e{i}")) for i in range(3)]
+        for s in streams:
+            await anext(s)
+        await session.close()  # the gateway went away
+        await eventually(
+            lambda: sorted(behaviour.cancelled) == ["e0", "e1", "e2"], what="every stream cancelled"
+        )
+        for s in streams:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while True:
+                    await anext(s)
+            assert err.value.code() == grpc.StatusCode.CANCELLED
+
+
+async def test_a_draining_talker_refuses_new_opens_and_ends_the_session_after_its_streams(eventually):
+    async with talker() as (host, _servicer, _behaviour, metrics, channel):
+        session = TalkerSession(channel)
+        running = session.stream(request("long", "slow:100"), outgoing_metadata("long"))
+        await anext(running)
+        stop = asyncio.ensure_future(host.stop(5.0))
+        await eventually(lambda: host._stopped)
+        await asyncio.sleep(0.05)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await collect(session, "late", "ok:1")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        rest = [m async for m in running]  # the running stream finishes whole
+        assert rest[-1].WhichOneof("event") == "summary" and len(rest) == 100
+        await asyncio.wait_for(stop, 5)  # and the session ended with it, well inside the grace
+        assert calls(metrics, f"/{SERVICE}/Session", "OK") == 1
+
+
+async def test_a_lost_talker_fails_the_streams_on_its_session():
+    async with talker() as (host, _servicer, _behaviour, _metrics, channel):
+        session = TalkerSession(channel)
+        stream = session.stream(request("e", "endless"), outgoing_metadata("e"))
+        await anext(stream)
+        await host.stop(0)  # no grace: the call is cut
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while True:
+                await anext(stream)
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+class Older(talker_pb2_grpc.TalkerServiceServicer):
+    """A talker from before Session: the generated base answers it."""
+
+
+async def test_a_talker_without_session_is_answered_unimplemented():
+    async with talker(Older) as (_, _servicer, _behaviour, _metrics, channel):
+        session = TalkerSession(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await collect(session, "r", "ok:1")
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED  # not INTERNAL: callers fall back on it
+        assert session.unimplemented
+
+
+async def test_a_session_takes_opens_for_rotate_s_then_ends_with_its_streams(eventually):
+    now = [0.0]
+    async with talker() as (_, _servicer, _behaviour, metrics, channel):
+        session = TalkerSession(channel, rotate_s=10.0, clock=lambda: now[0])
+        first = session.stream(request("a", "ok:50"), outgoing_metadata("a"))
+        await anext(first)
+        now[0] = 11.0  # past rotate_s: the next open goes on a new call
+        assert len(await collect(session, "b", "ok:2")) == 3
+        assert calls(metrics, f"/{SERVICE}/Session", "OK") == 0  # the first still carries "a"
+        assert len([m async for m in first]) == 50
+        # Half-closed once "a" ended: the talker ends that call.
+        await eventually(lambda: calls(metrics, f"/{SERVICE}/Session", "OK") == 1)
+        await session.close()
+
+
+async def test_opens_of_one_turn_go_in_one_message():
+    sent: list[talker_pb2.SessionRequest] = []
+
+    class Recording(Servicer):
+        async def Session(self, request_iterator, context):  # noqa: N802 - gRPC method name
+            async def recorded():
+                async for msg in request_iterator:
+                    sent.append(msg)
+                    yield msg
+
+            async with contextlib.aclosing(self.sessions.serve(recorded())) as msgs:
+                async for msg in msgs:
+                    yield msg
+
+    async with talker(Recording) as (_, _servicer, behaviour, _metrics, channel):
+        session = TalkerSession(channel)
+        await asyncio.gather(*(collect(session, f"r{i}", "ok:1") for i in range(20)))
+        assert len(sent[0].open) == 20  # one message carried the turn's opens
+        assert sorted(behaviour.started) == sorted(f"r{i}" for i in range(20))
+        await session.close()
