@@ -178,10 +178,9 @@ class TalkerClient:
         self.address = address
         self.pool = pool
         self.sessions = sessions
-        # One TalkerSession per channel, gone with the channel (a pool drops a talker's).
-        self._sessions: weakref.WeakKeyDictionary[grpc.aio.Channel, TalkerSession] = (
-            weakref.WeakKeyDictionary()
-        )
+        # One TalkerSession per channel; a pool drops a talker's channel, and its ended session
+        # goes when the next one is made.
+        self._sessions: dict[grpc.aio.Channel, TalkerSession] = {}
         self._channel = aio_channel(
             address,
             tls,
@@ -344,6 +343,9 @@ class TalkerClient:
             return None
         session = self._sessions.get(channel)
         if session is None:
+            for other, ended in list(self._sessions.items()):
+                if ended.idle and not ended.unimplemented:
+                    del self._sessions[other]
             session = self._sessions[channel] = TalkerSession(channel)
         return None if session.unimplemented else session
 

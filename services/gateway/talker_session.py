@@ -69,6 +69,11 @@ class TalkerSession:
         self._ids = itertools.count(1)
         self.unimplemented = False  # the talker has no Session: the caller uses Generate
 
+    @property
+    def idle(self) -> bool:
+        """No Session call is open: none was made, or the last one ended."""
+        return self._current is None or self._current.ended
+
     def _call(self) -> _Call:
         call = self._current
         if call is None or call.ended or call.closing or self._clock() - call.started >= self._rotate_s:

@@ -286,3 +286,32 @@ async def test_opens_of_one_turn_go_in_one_message():
         assert len(sent[0].open) == 20  # one message carried the turn's opens
         assert sorted(behaviour.started) == sorted(f"r{i}" for i in range(20))
         await session.close()
+
+
+async def test_the_gateway_client_keeps_a_session_per_channel_and_drops_ended_ones():
+    from services.gateway.talker_client import TalkerClient
+
+    async with talker() as (host, _servicer, _behaviour, _metrics, channel):
+        client = TalkerClient(f"127.0.0.1:{host.bound_port}")
+        try:
+            first = client._session(channel)
+            assert client._session(channel) is first  # one per channel
+            assert len(await collect(first, "a", "ok:1")) == 2
+            assert not first.idle  # its call stays open for the next request
+            await first.close()  # its talker went away: the pool closed the channel
+            assert first.idle
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{host.bound_port}") as other:
+                assert client._session(other) is not first
+                assert list(client._sessions) == [other]  # the ended one went
+        finally:
+            await client.close()
+
+
+async def test_sessions_off_the_gateway_client_makes_generate_calls():
+    from services.gateway.talker_client import TalkerClient
+
+    client = TalkerClient("127.0.0.1:1", sessions=False)
+    try:
+        assert client._session(client.channel) is None
+    finally:
+        await client.close()
