@@ -287,10 +287,12 @@ class TalkerClient:
         channel = self._channel if lease is None else lease.channel
         stub = self._stub if lease is None else talker_pb2_grpc.TalkerServiceStub(channel)
         metadata = outgoing_metadata(job.request_id) + (lease.metadata if lease is not None else ())
-        session = self._session(channel) if text is None else None
+        session = self._session(channel)
+        if text is not None and session is not None and not session.proven:
+            session = None  # text once read could not be sent again if it turned out to have none
         try:
             if session is not None:
-                call = session.stream(request, metadata)
+                call = session.stream(request, metadata, text)
             elif text is None:
                 call = stub.Generate(request, metadata=metadata)
             else:

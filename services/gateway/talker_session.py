@@ -5,7 +5,8 @@ burst of Generate calls waits hundreds of milliseconds to start (services/talker
 `TalkerSession` keeps one Session call on a talker's channel and sends each new request as an
 open on it, every open and cancel of a loop turn in one message.
 
-`stream(request, metadata)` behaves as a Generate call: it yields the request's
+`stream(request, metadata, text)` behaves as a Generate call (with `text`, a GenerateStream call:
+an open with `text_follows`, then its pieces as appends): it yields the request's
 GenerateResponses, and ends by returning (OK) or by raising the `grpc.aio.AioRpcError` that call
 would have raised (code, details, trailing metadata with the retry hints), so the caller's error
 handling is the same either way. Closing the iterator early sends a cancel. If the Session call
@@ -68,6 +69,9 @@ class TalkerSession:
         self._current: _Call | None = None
         self._ids = itertools.count(1)
         self.unimplemented = False  # the talker has no Session: the caller uses Generate
+        # A response came on one of its calls: the talker has Session. Streams whose text follows
+        # wait for it (their text, once read, could not be sent again as a GenerateStream).
+        self.proven = False
 
     @property
     def idle(self) -> bool:
@@ -83,11 +87,17 @@ class TalkerSession:
         return call
 
     async def stream(
-        self, request: talker_pb2.GenerateRequest, metadata: tuple[tuple[str, str], ...]
+        self,
+        request: talker_pb2.GenerateRequest,
+        metadata: tuple[tuple[str, str], ...],
+        text: AsyncIterator[tuple[str, bool]] | None = None,
     ) -> AsyncIterator[talker_pb2.GenerateResponse]:
+        """As a Generate call of `request`, or with `text` (the (piece, final) pairs to append)
+        as a GenerateStream call."""
         call = self._call()
         sid = next(self._ids)
-        queue = call.open(sid, request, metadata)
+        queue = call.open(sid, request, metadata, text_follows=text is not None)
+        pump = asyncio.ensure_future(call.pump_text(sid, text)) if text is not None else None
         ended = False
         try:
             while True:
@@ -104,6 +114,8 @@ class TalkerSession:
                     return
                 raise _rpc_error(_code(item.code), item.message, _trailers(item))
         finally:
+            if pump is not None:
+                pump.cancel()
             call.forget(sid, cancel=not ended)
 
     async def close(self) -> None:
@@ -121,18 +133,39 @@ class _Call:
         self.closing = False  # half-closed: no more opens
         self._streams: dict[int, asyncio.Queue] = {}
         self._opens: list[talker_pb2.SessionOpen] = []
+        self._appends: list[talker_pb2.SessionAppend] = []
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
         self._owner = owner
         self._grpc_call = stub.Session(self._requests())
         self._reader = asyncio.ensure_future(self._read())
 
-    def open(self, sid: int, request: talker_pb2.GenerateRequest, metadata: tuple) -> asyncio.Queue:
+    def open(
+        self, sid: int, request: talker_pb2.GenerateRequest, metadata: tuple, text_follows: bool = False
+    ) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[sid] = queue
-        self._opens.append(talker_pb2.SessionOpen(stream_id=sid, request=request, metadata=dict(metadata)))
+        self._opens.append(
+            talker_pb2.SessionOpen(
+                stream_id=sid, request=request, metadata=dict(metadata), text_follows=text_follows
+            )
+        )
         self._wake.set()
         return queue
+
+    async def pump_text(self, sid: int, text: AsyncIterator[tuple[str, bool]]) -> None:
+        """Send `text`'s pieces as appends until the final one (an end without one sends it)."""
+        final = False
+        async for piece, final in text:
+            if sid not in self._streams:
+                return
+            self._appends.append(talker_pb2.SessionAppend(stream_id=sid, text=piece, final=final))
+            self._wake.set()
+            if final:
+                return
+        if not final and sid in self._streams:
+            self._appends.append(talker_pb2.SessionAppend(stream_id=sid, final=True))
+            self._wake.set()
 
     def forget(self, sid: int, cancel: bool) -> None:
         if self._streams.pop(sid, None) is not None and cancel and not self.ended:
@@ -149,9 +182,9 @@ class _Call:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._opens or self._cancels:
-                msg = talker_pb2.SessionRequest(open=self._opens, cancel=self._cancels)
-                self._opens, self._cancels = [], []
+            if self._opens or self._appends or self._cancels:
+                msg = talker_pb2.SessionRequest(open=self._opens, append=self._appends, cancel=self._cancels)
+                self._opens, self._appends, self._cancels = [], [], []
                 yield msg
             # Half-closed once no stream is left to cancel: the talker then ends the call.
             if self.closing and not self._streams:
@@ -161,6 +194,7 @@ class _Call:
         error = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the talker ended the session")
         try:
             async for msg in self._grpc_call:
+                self._owner.proven = True
                 for event in msg.events:
                     queue = self._streams.get(event.stream_id)
                     if queue is not None:

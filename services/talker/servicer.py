@@ -109,7 +109,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         # Session calls once their streams have.
         self.stopping = asyncio.Event()
         self.sessions = SessionServer(
-            lambda request: self._generate(request, None, talker_pb2.GenerateResponse),
+            lambda request, text: self._generate(request, text, talker_pb2.GenerateResponse),
             self.seen,
             self.stopping,
         )

@@ -46,6 +46,7 @@ class _Session:
 
     def __init__(self) -> None:
         self.tasks: dict[int, asyncio.Task] = {}
+        self.texts: dict[int, asyncio.Queue] = {}  # (piece, final) of the streams whose text follows
         self.events: list[talker_pb2.SessionEvent] = []
         self.ends: list[talker_pb2.SessionEnd] = []
         self.wake = asyncio.Event()
@@ -60,12 +61,14 @@ class _Session:
 
 
 class SessionServer:
-    """Serves Session calls; `open_stream(request)` yields a request's GenerateResponses (the
-    servicer's Generate path)."""
+    """Serves Session calls; `open_stream(request, text)` yields a request's GenerateResponses
+    (the servicer's Generate path; `text`: the (piece, final) pairs appended, or None)."""
 
     def __init__(
         self,
-        open_stream: Callable[[talker_pb2.GenerateRequest], AsyncIterator[Any]],
+        open_stream: Callable[
+            [talker_pb2.GenerateRequest, AsyncIterator[tuple[str, bool]] | None], AsyncIterator[Any]
+        ],
         seen: SeenCalls,
         stopping: asyncio.Event,
     ):
@@ -117,12 +120,18 @@ class SessionServer:
             async for msg in requests:
                 for op in msg.open:
                     self._open(op, session)
+                for more in msg.append:
+                    queue = session.texts.get(more.stream_id)
+                    if queue is not None:
+                        queue.put_nowait((more.text, more.final))
                 for stream_id in msg.cancel:
                     task = session.tasks.get(stream_id)
                     if task is not None:
                         task.cancel()
         finally:
             session.half_closed = True
+            for queue in session.texts.values():  # no more appends: their text is complete
+                queue.put_nowait(("", True))
             session.wake.set()
 
     def _open(self, op: talker_pb2.SessionOpen, session: _Session) -> None:
@@ -138,7 +147,11 @@ class SessionServer:
         if self._stopping.is_set():
             self._refuse(op.stream_id, metadata, session, "the talker is draining: retry on another talker")
             return
-        session.tasks[op.stream_id] = asyncio.ensure_future(self._run(op, metadata, session))
+        text = None
+        if op.text_follows:
+            queue = session.texts[op.stream_id] = asyncio.Queue()
+            text = _appended(queue)
+        session.tasks[op.stream_id] = asyncio.ensure_future(self._run(op, metadata, session, text))
 
     def _refuse(self, stream_id: int, metadata: tuple, session: _Session, message: str) -> None:
         if self.metrics is not None:
@@ -146,7 +159,13 @@ class SessionServer:
         record_call(self.metrics, GENERATE, grpc.StatusCode.UNAVAILABLE, time.monotonic())
         session.end(stream_id, grpc.StatusCode.UNAVAILABLE, message)
 
-    async def _run(self, op: talker_pb2.SessionOpen, metadata: tuple, session: _Session) -> None:
+    async def _run(
+        self,
+        op: talker_pb2.SessionOpen,
+        metadata: tuple,
+        session: _Session,
+        text: AsyncIterator[tuple[str, bool]] | None,
+    ) -> None:
         start, code = time.monotonic(), None
         bind_request_id(request_id_from_metadata(metadata))  # this task's own context
         waited = waited_since_sent(metadata)
@@ -155,7 +174,7 @@ class SessionServer:
         sid = op.stream_id
         try:
             with self._span(metadata):
-                async with contextlib.aclosing(self._open_stream(op.request)) as msgs:
+                async with contextlib.aclosing(self._open_stream(op.request, text)) as msgs:
                     async for msg in msgs:
                         session.events.append(talker_pb2.SessionEvent(stream_id=sid, response=msg))
                         session.wake.set()
@@ -172,6 +191,7 @@ class SessionServer:
             session.end(sid, code, status.message, status.trailing)
         finally:
             session.tasks.pop(sid, None)
+            session.texts.pop(sid, None)
             session.wake.set()
             record_call(self.metrics, GENERATE, code, start)
 
@@ -181,3 +201,12 @@ class SessionServer:
         carrier = {k: v for k, v in metadata if isinstance(v, str)}
         attrs = {"rpc.system": "grpc", "rpc.method": GENERATE, "qtts.service": "talker", "qtts.session": True}
         return tracing.server_span(GENERATE.lstrip("/"), carrier, attrs)
+
+
+async def _appended(queue: asyncio.Queue) -> AsyncIterator[tuple[str, bool]]:
+    """A text-following stream's appends, until the final one."""
+    while True:
+        piece, final = await queue.get()
+        yield piece, final
+        if final:
+            return

@@ -42,9 +42,17 @@ class Behaviour:
         self.cancelled: list[str] = []
         self.started: list[str] = []
 
-    async def stream(self, request: talker_pb2.GenerateRequest):
+    async def stream(self, request: talker_pb2.GenerateRequest, appended=None):
         rid, text = request.request_id, request.text
         self.started.append(rid)
+        if appended is not None:  # text follows: one chunk per piece, its text in the audio bytes
+            yield talker_pb2.GenerateResponse(request_id=rid, audio=tts_pb2.AudioChunk(audio=text.encode()))
+            async for piece, final in appended:
+                yield talker_pb2.GenerateResponse(
+                    request_id=rid, audio=tts_pb2.AudioChunk(audio=piece.encode(), num_frames=int(final))
+                )
+            yield talker_pb2.GenerateResponse(request_id=rid, summary=talker_pb2.GenerateSummary())
+            return
         if text.startswith(("ok:", "slow:")):  # slow: 10 ms a chunk
             kind, n = text.split(":")
             for seq in range(int(n)):
@@ -315,3 +323,76 @@ async def test_sessions_off_the_gateway_client_makes_generate_calls():
         assert client._session(client.channel) is None
     finally:
         await client.close()
+
+
+async def test_text_that_follows_is_appended_in_order_on_the_session():
+    async with talker() as (_, _servicer, _behaviour, metrics, channel):
+        session = TalkerSession(channel)
+        pieces = asyncio.Queue()
+
+        async def text():
+            while (item := await pieces.get()) is not None:
+                yield item
+
+        stream = session.stream(request("t", "Hello"), outgoing_metadata("t"), text())
+        assert (await anext(stream)).audio.audio == b"Hello"  # the first piece came with the open
+        assert session.proven  # a response arrived: the talker has Session
+        for piece in (" there,", " how"):
+            await pieces.put((piece, False))
+            assert (await anext(stream)).audio.audio == piece.encode()
+        await pieces.put((" are you?", True))
+        last = await anext(stream)
+        assert last.audio.audio == b" are you?" and last.audio.num_frames == 1  # final
+        assert (await anext(stream)).WhichOneof("event") == "summary"
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        # Text that ends without a final piece is completed (as GenerateStream's end of requests).
+        short = session.stream(request("u", "One"), outgoing_metadata("u"), aiter_of([("two", False)]))
+        got = [m async for m in short]
+        assert [m.audio.audio for m in got[:-1]] == [b"One", b"two", b""] and got[-2].audio.num_frames == 1
+        assert calls(metrics, GENERATE, "OK") == 2
+        await session.close()
+
+
+async def aiter_of(items):
+    for item in items:
+        yield item
+
+
+class WithGenerateStream(Servicer):
+    """Also serves GenerateStream, recording each call."""
+
+    def __init__(self, behaviour, metrics):
+        super().__init__(behaviour, metrics)
+        self.stream_calls: list[str] = []
+
+    async def GenerateStream(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        first = await anext(aiter(request_iterator))
+        self.stream_calls.append(first.start.request_id)
+        async for _ in request_iterator:
+            pass
+        yield talker_pb2.GenerateStreamResponse(
+            request_id=first.start.request_id, summary=talker_pb2.GenerateSummary()
+        )
+
+
+async def test_the_gateway_client_sends_streamed_text_on_a_proven_session_only():
+    from services.gateway.talker_client import TalkerClient
+    from tests.synthesis_jobs import talker_job
+
+    async with talker(WithGenerateStream) as (host, servicer, behaviour, _metrics, _channel):
+        client = TalkerClient(f"127.0.0.1:{host.bound_port}")
+        try:
+            # Nothing has come back on the channel's session yet: a text stream is a GenerateStream
+            # call (its text, once read, could not be sent again if the talker had no Session).
+            got = [x async for x in client.generate(talker_job("s1"), aiter_of([("more", True)]))]
+            assert servicer.stream_calls == ["s1"] and "s1" not in behaviour.started
+            assert got[-1].num_frames == 0  # its summary
+            # A plain request goes on the session and proves it; text streams then go there too.
+            [x async for x in client.generate(talker_job("p1", text="ok:1"))]
+            assert "p1" in behaviour.started
+            got = [x async for x in client.generate(talker_job("s2"), aiter_of([(" more", True)]))]
+            assert servicer.stream_calls == ["s1"] and "s2" in behaviour.started
+            assert [bytes(x.pcm_s16le) for x in got[:-1]] == [b"Hi.", b" more"]
+        finally:
+            await client.close()
