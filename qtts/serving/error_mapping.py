@@ -310,6 +310,8 @@ def _final_code(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.S
         return grpc.StatusCode.CANCELLED
     if isinstance(exc, grpc.aio.AbortError):
         return _code_of(context) or grpc.StatusCode.UNKNOWN
+    if isinstance(exc, NotImplementedError) and _code_of(context) == grpc.StatusCode.UNIMPLEMENTED:
+        return grpc.StatusCode.UNIMPLEMENTED  # a generated base method (see _handle)
     return mapping_for(exc).grpc_code
 
 

@@ -74,7 +74,7 @@ class Code2WavServer:
         )
         await self.engine.start()
         code2wav_pb2_grpc.add_Code2WavServiceServicer_to_server(
-            Code2WavServicer(self.engine), self.host.server
+            Code2WavServicer(self.engine, metrics=self.metrics), self.host.server
         )
         port = await self.host.start()
         with startup.phase("warm up"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -15,6 +16,7 @@ from qtts.request.errors import FailedPrecondition, InvalidArgument, TTSError
 from qtts.streams.decode_events import Credit, DecodedAudio, DecodeEvent, Done
 from services.code2wav.core import Code2WavCore
 from services.code2wav.decode_cost import DecodeCostEstimate
+from services.code2wav.session import DecodeSessionServer
 from services.code2wav.stream import DecodeStream
 
 
@@ -67,9 +69,17 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
     call with OK (it ends it anyway after `close_wait_s`).
     """
 
-    def __init__(self, engine: Code2WavCore, close_wait_s: float = 2.0):
+    def __init__(self, engine: Code2WavCore, close_wait_s: float = 2.0, metrics: Any = None):
         self.engine = engine
         self.close_wait_s = close_wait_s
+        self.sessions = DecodeSessionServer(self._decode, metrics)
+
+    async def DecodeSession(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.DecodeSessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeSessionResponse]:
+        async with contextlib.aclosing(self.sessions.serve(request_iterator)) as responses:
+            async for response in responses:
+                yield response
 
     async def Decode(
         self, request_iterator: AsyncIterator[pb.DecodeRequest], context: grpc.aio.ServicerContext

@@ -162,9 +162,9 @@ class TalkerClient:
     that round-robins over the addresses the name resolved to when it connected. GetModelInfo and
     the gateway's health check use that shared channel either way.
 
-    With `sessions` (the default), a request without streamed text goes as an open on the
-    channel's Session call (talker_session.py) instead of a Generate call of its own; a talker
-    without Session gets Generate calls from then on.
+    With `sessions` (the default), a request goes as an open on the channel's Session call
+    (talker_session.py) instead of a Generate (or GenerateStream) call of its own, once that call
+    has answered; a talker without Session gets calls of their own.
     """
 
     def __init__(
@@ -244,8 +244,6 @@ class TalkerClient:
                         yielded = True
                         yield item
                 return
-            except _NoSession:
-                continue  # the talker has no Session: the same request as a Generate call
             except FailedPrecondition as exc:
                 if digest is None or yielded or not exc.message.startswith(REFERENCE_NOT_CACHED):
                     raise
@@ -288,11 +286,10 @@ class TalkerClient:
         stub = self._stub if lease is None else talker_pb2_grpc.TalkerServiceStub(channel)
         metadata = outgoing_metadata(job.request_id) + (lease.metadata if lease is not None else ())
         session = self._session(channel)
-        if text is not None and session is not None and not session.proven:
-            session = None  # text once read could not be sent again if it turned out to have none
+        on_session = session.open(request, metadata, text) if session is not None else None
         try:
-            if session is not None:
-                call = session.stream(request, metadata, text)
+            if on_session is not None:
+                call = on_session
             elif text is None:
                 call = stub.Generate(request, metadata=metadata)
             else:
@@ -302,10 +299,8 @@ class TalkerClient:
                 lease.unsent()
                 lease.release()
             raise
-        answered = False
         try:
             async for msg in call:
-                answered = True
                 if accepted is not None:  # the talker resolved the clip: next time, its digest
                     self.sent_references.add(accepted)
                     accepted = None
@@ -318,10 +313,6 @@ class TalkerClient:
                     tracing.set_attributes(summary_span_attributes(summary, lease))
                     yield summary
         except grpc.aio.AioRpcError as exc:
-            if session is not None and session.unimplemented and not answered:
-                if lease is not None:
-                    lease.unsent()  # the talker saw no Generate request
-                raise _NoSession() from None
             if lease is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 lease.mark_unavailable()
             error = from_grpc(exc.code(), exc.details(), exc.trailing_metadata())
@@ -332,7 +323,7 @@ class TalkerClient:
             raise error from None
         finally:
             # No-op when the call already finished; cancels it when the consumer went away.
-            if session is not None:
+            if on_session is not None:
                 await call.aclose()
             else:
                 call.cancel()
@@ -357,7 +348,3 @@ class TalkerClient:
         if self.pool is not None:
             await self.pool.close()
         await self._channel.close()
-
-
-class _NoSession(Exception):
-    """The talker answered the Session call UNIMPLEMENTED before any audio: use Generate."""

@@ -2,21 +2,18 @@
 
 A talker takes new calls one per turn of its event loop, so while it relays hundreds of streams a
 burst of Generate calls waits hundreds of milliseconds to start (services/talker/session.py). A
-`TalkerSession` keeps one Session call on a talker's channel and sends each new request as an
-open on it, every open and cancel of a loop turn in one message.
+`TalkerSession` keeps a Session call on a talker's channel and sends each new request as an open
+on it, every open, append and cancel of a loop turn in one message.
 
-`stream(request, metadata, text)` behaves as a Generate call (with `text`, a GenerateStream call:
+`open(request, metadata, text)` behaves as a Generate call (with `text`, a GenerateStream call:
 an open with `text_follows`, then its pieces as appends): it yields the request's
 GenerateResponses, and ends by returning (OK) or by raising the `grpc.aio.AioRpcError` that call
 would have raised (code, details, trailing metadata with the retry hints), so the caller's error
 handling is the same either way. Closing the iterator early sends a cancel. If the Session call
-itself ends (the connection is lost, the talker drains, or it does not have Session: UNIMPLEMENTED),
-every stream still on it fails with that status.
-
-A session takes new opens for `rotate_s` from its start, then is half-closed (it ends once its
-streams have) and the next open starts a new one: a session's life is then bounded as a Generate
-call's is (its streams' length), so connection ageing (max_connection_age) and a talker's drain
-cut no more streams than they cut calls.
+itself ends (the connection is lost, the talker drains), every stream still on it fails with that
+status. Which call a stream goes on, and when none has answered yet (the caller then makes a call
+of its own), is `qtts.serving.session_calls`: calls are rotated every `rotate_s`, and a talker
+that answers UNIMPLEMENTED (one from before Session) is not asked again.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from qtts.pb import talker_pb2, talker_pb2_grpc
+from qtts.serving.session_calls import SessionCalls
 
 ROTATE_S = 30.0
 
@@ -60,42 +58,45 @@ class _Failed:
 
 
 class TalkerSession:
-    """One Session call at a time on `channel`; see the module docstring."""
+    """The Session calls on `channel` (qtts.serving.session_calls); see the module docstring."""
 
     def __init__(self, channel: grpc.aio.Channel, rotate_s: float = ROTATE_S, clock=time.monotonic):
-        self._stub = talker_pb2_grpc.TalkerServiceStub(channel)
-        self._rotate_s = rotate_s
-        self._clock = clock
-        self._current: _Call | None = None
+        stub = talker_pb2_grpc.TalkerServiceStub(channel)
+        self._calls: SessionCalls[_Call] = SessionCalls(lambda now: _Call(stub, now), rotate_s, clock)
         self._ids = itertools.count(1)
-        self.unimplemented = False  # the talker has no Session: the caller uses Generate
-        # A response came on one of its calls: the talker has Session. Streams whose text follows
-        # wait for it (their text, once read, could not be sent again as a GenerateStream).
-        self.proven = False
+
+    @property
+    def unimplemented(self) -> bool:
+        """The talker has no Session: the caller makes Generate calls."""
+        return self._calls.unimplemented
 
     @property
     def idle(self) -> bool:
-        """No Session call is open: none was made, or the last one ended."""
-        return self._current is None or self._current.ended
+        """No Session call is open or opening."""
+        return self._calls.idle
 
-    def _call(self) -> _Call:
-        call = self._current
-        if call is None or call.ended or call.closing or self._clock() - call.started >= self._rotate_s:
-            if call is not None:
-                call.half_close()
-            call = self._current = _Call(self._stub, self._clock(), self)
-        return call
-
-    async def stream(
+    def open(
         self,
         request: talker_pb2.GenerateRequest,
         metadata: tuple[tuple[str, str], ...],
         text: AsyncIterator[tuple[str, bool]] | None = None,
+    ) -> AsyncIterator[talker_pb2.GenerateResponse] | None:
+        """The request as a stream on the session call in use (with `text`: the (piece, final)
+        pairs to append, as GenerateStream's), or None while no call has answered yet (one is
+        opened meanwhile): the caller makes a call of its own."""
+        call = self._calls.current()
+        if call is None:
+            return None
+        return self._stream(call, next(self._ids), request, metadata, text)
+
+    async def _stream(
+        self,
+        call: _Call,
+        sid: int,
+        request: talker_pb2.GenerateRequest,
+        metadata: tuple[tuple[str, str], ...],
+        text: AsyncIterator[tuple[str, bool]] | None,
     ) -> AsyncIterator[talker_pb2.GenerateResponse]:
-        """As a Generate call of `request`, or with `text` (the (piece, final) pairs to append)
-        as a GenerateStream call."""
-        call = self._call()
-        sid = next(self._ids)
         queue = call.open(sid, request, metadata, text_follows=text is not None)
         pump = asyncio.ensure_future(call.pump_text(sid, text)) if text is not None else None
         ended = False
@@ -107,8 +108,6 @@ class TalkerSession:
                     continue
                 ended = True
                 if isinstance(item, _Failed):
-                    if item.error.code() == grpc.StatusCode.UNIMPLEMENTED:
-                        self.unimplemented = True
                     raise item.error
                 if item.code == 0:
                     return
@@ -119,24 +118,23 @@ class TalkerSession:
             call.forget(sid, cancel=not ended)
 
     async def close(self) -> None:
-        if self._current is not None:
-            await self._current.close()
-            self._current = None
+        await self._calls.close()
 
 
 class _Call:
     """One Session call: its streams' queues, and the opens and cancels to send."""
 
-    def __init__(self, stub: talker_pb2_grpc.TalkerServiceStub, started: float, owner: TalkerSession):
+    def __init__(self, stub: talker_pb2_grpc.TalkerServiceStub, started: float):
         self.started = started
+        self.answered = False  # the talker's first (empty) message came
         self.ended = False
+        self.unimplemented = False
         self.closing = False  # half-closed: no more opens
         self._streams: dict[int, asyncio.Queue] = {}
         self._opens: list[talker_pb2.SessionOpen] = []
         self._appends: list[talker_pb2.SessionAppend] = []
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
-        self._owner = owner
         self._grpc_call = stub.Session(self._requests())
         self._reader = asyncio.ensure_future(self._read())
 
@@ -194,7 +192,7 @@ class _Call:
         error = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the talker ended the session")
         try:
             async for msg in self._grpc_call:
-                self._owner.proven = True
+                self.answered = True
                 for event in msg.events:
                     queue = self._streams.get(event.stream_id)
                     if queue is not None:
@@ -205,6 +203,7 @@ class _Call:
                         queue.put_nowait(end)
         except grpc.aio.AioRpcError as exc:
             error = exc
+            self.unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED and not self.answered
         except asyncio.CancelledError:
             error = _rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the session")
             raise

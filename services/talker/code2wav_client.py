@@ -108,6 +108,53 @@ def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
     return DecodeFailed(err, False)
 
 
+def event_of(
+    msg: code2wav_pb2.DecodeResponse, replica: str, on_cost: CostSink | None
+) -> Credit | DecodedAudio | Done | None:
+    """The domain event of a Decode response (a grant's decode cost goes to `on_cost`)."""
+    kind = msg.WhichOneof("event")
+    if kind == "credit":
+        c = msg.credit
+        plan = ChunkPlan(c.first_chunk_frames, tuple(c.chunk_frames_ramp)) if c.first_chunk_frames else None
+        if on_cost is not None and c.decode_frame_ns:
+            on_cost(replica, c.decode_frame_ns / 1e9, c.decode_call_ns / 1e9, c.decode_calls_per_s)
+        return Credit(c.frames_allowed_until, plan)
+    if kind == "audio":
+        a = msg.audio
+        return DecodedAudio(a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns)
+    if kind == "done":
+        return Done(msg.done.num_frames, msg.done.num_samples, msg.done.replica)
+    return None
+
+
+def start_request(
+    request_id: str,
+    num_codebooks: int,
+    prefix_codes: np.ndarray | None,
+    first_chunk_frames: int,
+    chunk_frames_ramp: Sequence[int],
+) -> code2wav_pb2.DecodeRequest:
+    start = code2wav_pb2.StreamStart(
+        request_id=request_id,
+        num_codebooks=num_codebooks,
+        first_chunk_frames=first_chunk_frames,
+        chunk_frames_ramp=list(chunk_frames_ramp),
+    )
+    if prefix_codes is not None and len(prefix_codes):
+        start.prefix_codes_i16 = np.ascontiguousarray(prefix_codes, dtype="<i2").tobytes()
+        start.num_prefix_frames = int(prefix_codes.shape[0])
+    return code2wav_pb2.DecodeRequest(start=start)
+
+
+def frames_request(first_frame_index: int, codes: np.ndarray) -> code2wav_pb2.DecodeRequest:
+    delta = code2wav_pb2.FrameDelta(
+        first_frame_index=first_frame_index,
+        num_frames=int(codes.shape[0]),
+        codes_i16=np.ascontiguousarray(codes, dtype="<i2").tobytes(),
+    )
+    return code2wav_pb2.DecodeRequest(frames=delta)
+
+
 class DecodeCall:
     """A `Decode` bidi call on one replica; writes must come from one task at a time."""
 
@@ -128,25 +175,13 @@ class DecodeCall:
         first_chunk_frames: int,
         chunk_frames_ramp: Sequence[int],
     ) -> None:
-        start = code2wav_pb2.StreamStart(
-            request_id=request_id,
-            num_codebooks=num_codebooks,
-            first_chunk_frames=first_chunk_frames,
-            chunk_frames_ramp=list(chunk_frames_ramp),
+        await self._write(
+            start_request(request_id, num_codebooks, prefix_codes, first_chunk_frames, chunk_frames_ramp)
         )
-        if prefix_codes is not None and len(prefix_codes):
-            start.prefix_codes_i16 = np.ascontiguousarray(prefix_codes, dtype="<i2").tobytes()
-            start.num_prefix_frames = int(prefix_codes.shape[0])
-        await self._write(code2wav_pb2.DecodeRequest(start=start))
 
     async def send_frames(self, first_frame_index: int, codes: np.ndarray) -> None:
         """Send frames [first, first + len(codes)); `codes` is int [n, num_codebooks]."""
-        delta = code2wav_pb2.FrameDelta(
-            first_frame_index=first_frame_index,
-            num_frames=int(codes.shape[0]),
-            codes_i16=np.ascontiguousarray(codes, dtype="<i2").tobytes(),
-        )
-        await self._write(code2wav_pb2.DecodeRequest(frames=delta))
+        await self._write(frames_request(first_frame_index, codes))
 
     async def end(self, total_frames: int) -> None:
         await self._write(code2wav_pb2.DecodeRequest(end=code2wav_pb2.StreamEnd(total_frames=total_frames)))
@@ -173,30 +208,11 @@ class DecodeCall:
         """Server messages as domain events; always ends with Done, DecodeFailed or DecodeClosed."""
         try:
             async for msg in self._call:
-                kind = msg.WhichOneof("event")
-                if kind == "credit":
-                    c = msg.credit
-                    plan = (
-                        ChunkPlan(c.first_chunk_frames, tuple(c.chunk_frames_ramp))
-                        if c.first_chunk_frames
-                        else None
-                    )
-                    if self._on_cost is not None and c.decode_frame_ns:
-                        self._on_cost(
-                            self.replica,
-                            c.decode_frame_ns / 1e9,
-                            c.decode_call_ns / 1e9,
-                            c.decode_calls_per_s,
-                        )
-                    yield Credit(c.frames_allowed_until, plan)
-                elif kind == "audio":
-                    a = msg.audio
-                    yield DecodedAudio(
-                        a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns
-                    )
-                elif kind == "done":
+                event = event_of(msg, self.replica, self._on_cost)
+                if event is not None:
+                    yield event
+                if isinstance(event, Done):
                     self._finished = True
-                    yield Done(msg.done.num_frames, msg.done.num_samples, msg.done.replica)
                     return
         except grpc.aio.AioRpcError as exc:
             self._finished = True

@@ -177,6 +177,11 @@ class TalkerConfig:
     # A stream's send buffer bound.
     credit_window_frames: int = setting(8, "frames a stream may generate ahead of its code2wav credit")
     ring_vnodes: int = setting(160, "virtual nodes per code2wav replica on the hashing ring")
+    code2wav_sessions: bool = setting(
+        True,
+        "carry the streams on one DecodeSession call per code2wav replica (one message a loop turn "
+        "for all of them) instead of a Decode call each; a replica without it gets Decode calls",
+    )
     health_interval_s: float = setting(2.0, "how often each code2wav replica's health is checked, seconds")
     # A hung decoder process can still answer keepalive pings and health checks.
     code2wav_stall_timeout_s: float = setting(

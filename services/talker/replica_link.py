@@ -44,7 +44,7 @@ class ReplicaLink:
         self.stall_timeout_s = stall_timeout_s
         self._loop = asyncio.get_running_loop()
         self._plan: tuple[int, Sequence[int]] = (0, ())
-        self.call: c2w.DecodeCall | None = None
+        self.call: Any = None  # c2w.DecodeCall or decode_session.SessionDecodeCall
         self._reader: asyncio.Task | None = None
         self._tried: set[str] = set()
         self.heard = False  # the replica answered (a grant or audio)
@@ -65,8 +65,13 @@ class ReplicaLink:
         while True:
             replica = await self.replicas.pick_or_probe(self.request_id, exclude=frozenset(self._tried))
             self._tried.add(replica)
-            call = c2w.DecodeCall(
-                self.replicas.stub(replica), replica, getattr(self.replicas, "on_decoder_cost", None)
+            open_call = getattr(self.replicas, "open_call", None)
+            call = (
+                open_call(replica)
+                if open_call is not None
+                else c2w.DecodeCall(
+                    self.replicas.stub(replica), replica, getattr(self.replicas, "on_decoder_cost", None)
+                )
             )
             try:
                 await call.start(self.request_id, self._num_codebooks, self._ref_codes, *self._plan)

@@ -34,6 +34,9 @@ from qtts.serving.internal_auth import client_interceptors
 from qtts.serving.tls import TlsConfig, aio_channel
 from qtts.streams.hash_ring import HashRing
 
+from . import code2wav_client as c2w
+from .decode_session import ReplicaSession, SessionDecodeCall
+
 log = logging.getLogger(__name__)
 
 CODE2WAV_SERVICE = "code2wav.v1.Code2WavService"
@@ -56,6 +59,7 @@ class Code2WavReplicas:
         token: str = "",
         tls: TlsConfig | None = None,
         on_availability: Callable[[bool], None] | None = None,
+        sessions: bool = True,
     ):
         if not addresses:
             raise ValueError("at least one code2wav address is needed")
@@ -95,6 +99,10 @@ class Code2WavReplicas:
         self._watchers: list[asyncio.Task] = []
         # Gets the decode cost each replica publishes on its grants (code2wav_client.DecoderCosts).
         self.on_decoder_cost: Callable[[str, float, float, float], None] | None = None
+        # Streams as messages on one DecodeSession call per replica (decode_session.py).
+        self._sessions = (
+            {addr: ReplicaSession(self._stubs[addr]) for addr in self.addresses} if sessions else {}
+        )
 
     @property
     def healthy(self) -> frozenset[str]:
@@ -137,6 +145,15 @@ class Code2WavReplicas:
 
     def stub(self, address: str) -> code2wav_pb2_grpc.Code2WavServiceStub:
         return self._stubs[address]
+
+    def open_call(self, address: str) -> c2w.DecodeCall | SessionDecodeCall:
+        """A new stream's call on `address`: on its DecodeSession once that has answered,
+        otherwise a Decode call of its own."""
+        session = self._sessions.get(address)
+        call = session.open(address, self.on_decoder_cost) if session is not None else None
+        return (
+            call if call is not None else c2w.DecodeCall(self._stubs[address], address, self.on_decoder_cost)
+        )
 
     def mark_down(self, address: str, reason: str) -> None:
         if address in self._ring:
@@ -265,4 +282,6 @@ class Code2WavReplicas:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._task, self._watchers = None, []
+        for session in self._sessions.values():
+            await session.close()
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))

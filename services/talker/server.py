@@ -122,6 +122,7 @@ class TalkerServer:
             token=self.config.internal_token,
             tls=self.config.tls,
             on_availability=self._replicas_changed,
+            sessions=self.config.code2wav_sessions,
         )
         if self.config.decoder_shares_gpu:  # code2wav's measured cost reaches admission
             # In this process a few floats the engine thread reads: no lock (see Admission).

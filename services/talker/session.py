@@ -36,6 +36,7 @@ from .room import SeenCalls
 log = logging.getLogger(__name__)
 
 GENERATE = "/talker.v1.TalkerService/Generate"
+GENERATE_STREAM = "/talker.v1.TalkerService/GenerateStream"  # a stream whose text follows
 # Responses in one SessionResponse at most (an audio chunk is up to ~60 kB): one message per turn
 # unless more are queued.
 MAX_EVENTS_PER_MESSAGE = 64
@@ -89,6 +90,7 @@ class SessionServer:
         self._live.add(session)
         reader = asyncio.ensure_future(self._read(requests, session))
         try:
+            yield talker_pb2.SessionResponse()  # at once: the caller may put streams on it now
             while True:
                 if session.events or session.ends:
                     yield self._take(session)
@@ -167,10 +169,11 @@ class SessionServer:
         text: AsyncIterator[tuple[str, bool]] | None,
     ) -> None:
         start, code = time.monotonic(), None
+        method = GENERATE_STREAM if op.text_follows else GENERATE  # counted as its call would be
         bind_request_id(request_id_from_metadata(metadata))  # this task's own context
         waited = waited_since_sent(metadata)
         if self.metrics is not None and waited is not None:
-            self.metrics.rpc_accepted(GENERATE, waited)
+            self.metrics.rpc_accepted(method, waited)
         sid = op.stream_id
         try:
             with self._span(metadata):
@@ -184,7 +187,7 @@ class SessionServer:
             code = grpc.StatusCode.CANCELLED  # the caller cancelled it or left: no end to send
             raise
         except Exception as exc:  # noqa: BLE001 - the stream ends with its mapped status
-            status = map_exception(exc, GENERATE, on_unexpected=self.on_unexpected)
+            status = map_exception(exc, method, on_unexpected=self.on_unexpected)
             code = status.code
             if self.metrics is not None:
                 self.metrics.error(code.name)
@@ -193,7 +196,7 @@ class SessionServer:
             session.tasks.pop(sid, None)
             session.texts.pop(sid, None)
             session.wake.set()
-            record_call(self.metrics, GENERATE, code, start)
+            record_call(self.metrics, method, code, start)
 
     def _span(self, metadata: tuple):
         if not tracing.enabled():

@@ -20,7 +20,7 @@ from qtts.serving.log_context import outgoing_metadata
 from qtts.serving.metrics import TalkerMetrics
 from services.gateway.talker_session import TalkerSession
 from services.talker.room import CALLER_KEY, SeenCalls
-from services.talker.session import GENERATE, SessionServer
+from services.talker.session import GENERATE, GENERATE_STREAM, SessionServer
 
 SERVICE = "talker.v1.TalkerService"
 
@@ -118,8 +118,23 @@ def request(rid: str, text: str) -> talker_pb2.GenerateRequest:
     return talker_pb2.GenerateRequest(request_id=rid, text=text)
 
 
+async def ready(session: TalkerSession) -> TalkerSession:
+    """The session once its call has answered: streams go on it from then on."""
+    from tests.grpc_helpers import wait_until
+
+    session._calls.current()  # opens the call
+    await wait_until(lambda: session._calls.current() is not None, what="the talker's first message")
+    return session
+
+
+def stream_on(session: TalkerSession, rid: str, text: str, metadata=(), appended=None):
+    stream = session.open(request(rid, text), metadata or outgoing_metadata(rid), appended)
+    assert stream is not None, "no session call has answered"
+    return stream
+
+
 async def collect(session: TalkerSession, rid: str, text: str, metadata=()):
-    return [m async for m in session.stream(request(rid, text), metadata or outgoing_metadata(rid))]
+    return [m async for m in stream_on(session, rid, text, metadata)]
 
 
 def calls(metrics: TalkerMetrics, method: str, code: str) -> float:
@@ -129,7 +144,7 @@ def calls(metrics: TalkerMetrics, method: str, code: str) -> float:
 
 async def test_many_requests_share_one_call_and_each_gets_what_generate_gives():
     async with talker() as (_, servicer, behaviour, metrics, channel):
-        session = TalkerSession(channel)
+        session = await ready(TalkerSession(channel))
         caller = ((CALLER_KEY, "gw-1"),)
         got = await asyncio.gather(
             *(
@@ -154,7 +169,7 @@ async def test_many_requests_share_one_call_and_each_gets_what_generate_gives():
 
 async def test_a_failed_stream_ends_with_its_generate_status_and_the_others_go_on():
     async with talker() as (_, _servicer, _behaviour, metrics, channel):
-        session = TalkerSession(channel)
+        session = await ready(TalkerSession(channel))
         fine = asyncio.ensure_future(collect(session, "fine", "ok:30"))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await collect(session, "r1", "refuse")
@@ -188,8 +203,8 @@ async def test_a_failed_stream_ends_with_its_generate_status_and_the_others_go_o
 
 async def test_closing_a_stream_cancels_its_work_and_leaves_the_session_open(eventually):
     async with talker() as (_, servicer, behaviour, metrics, channel):
-        session = TalkerSession(channel)
-        stream = session.stream(request("gone", "endless"), outgoing_metadata("gone"))
+        session = await ready(TalkerSession(channel))
+        stream = stream_on(session, "gone", "endless")
         assert (await anext(stream)).audio.num_frames == 1
         await stream.aclose()  # the listener went away
         await eventually(lambda: behaviour.cancelled == ["gone"], what="the talker's stream cancelled")
@@ -202,8 +217,8 @@ async def test_closing_a_stream_cancels_its_work_and_leaves_the_session_open(eve
 
 async def test_closing_the_session_cancels_every_stream_on_it(eventually):
     async with talker() as (_, _servicer, behaviour, _metrics, channel):
-        session = TalkerSession(channel)
-        streams = [session.stream(request(f"e{i}", "endless"), outgoing_metadata(f"e{i}")) for i in range(3)]
+        session = await ready(TalkerSession(channel))
+        streams = [stream_on(session, f"e{i}", "endless") for i in range(3)]
         for s in streams:
             await anext(s)
         await session.close()  # the gateway went away
@@ -219,8 +234,8 @@ async def test_closing_the_session_cancels_every_stream_on_it(eventually):
 
 async def test_a_draining_talker_refuses_new_opens_and_ends_the_session_after_its_streams(eventually):
     async with talker() as (host, _servicer, _behaviour, metrics, channel):
-        session = TalkerSession(channel)
-        running = session.stream(request("long", "slow:100"), outgoing_metadata("long"))
+        session = await ready(TalkerSession(channel))
+        running = stream_on(session, "long", "slow:100")
         await anext(running)
         stop = asyncio.ensure_future(host.stop(5.0))
         await eventually(lambda: host._stopped)
@@ -236,8 +251,8 @@ async def test_a_draining_talker_refuses_new_opens_and_ends_the_session_after_it
 
 async def test_a_lost_talker_fails_the_streams_on_its_session():
     async with talker() as (host, _servicer, _behaviour, _metrics, channel):
-        session = TalkerSession(channel)
-        stream = session.stream(request("e", "endless"), outgoing_metadata("e"))
+        session = await ready(TalkerSession(channel))
+        stream = stream_on(session, "e", "endless")
         await anext(stream)
         await host.stop(0)  # no grace: the call is cut
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -250,26 +265,31 @@ class Older(talker_pb2_grpc.TalkerServiceServicer):
     """A talker from before Session: the generated base answers it."""
 
 
-async def test_a_talker_without_session_is_answered_unimplemented():
-    async with talker(Older) as (_, _servicer, _behaviour, _metrics, channel):
+async def test_a_talker_without_session_is_answered_unimplemented_and_not_asked_again(eventually):
+    async with talker(Older) as (_, _servicer, _behaviour, metrics, channel):
         session = TalkerSession(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await collect(session, "r", "ok:1")
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED  # not INTERNAL: callers fall back on it
-        assert session.unimplemented
+        assert session.open(request("r", "ok:1"), ()) is None  # no call has answered: a call of its own
+        await eventually(lambda: session.unimplemented, what="UNIMPLEMENTED")  # not INTERNAL
+        assert session.open(request("r", "ok:1"), ()) is None
+        await asyncio.sleep(0.05)
+        assert calls(metrics, f"/{SERVICE}/Session", "UNIMPLEMENTED") == 1  # asked once
 
 
-async def test_a_session_takes_opens_for_rotate_s_then_ends_with_its_streams(eventually):
+async def test_calls_rotate_after_rotate_s_and_end_with_their_streams(eventually):
     now = [0.0]
     async with talker() as (_, _servicer, _behaviour, metrics, channel):
-        session = TalkerSession(channel, rotate_s=10.0, clock=lambda: now[0])
-        first = session.stream(request("a", "ok:50"), outgoing_metadata("a"))
-        await anext(first)
-        now[0] = 11.0  # past rotate_s: the next open goes on a new call
-        assert len(await collect(session, "b", "ok:2")) == 3
+        session = await ready(TalkerSession(channel, rotate_s=10.0, clock=lambda: now[0]))
+        first_call = session._calls.current()
+        a = stream_on(session, "a", "slow:50")
+        await anext(a)
+        now[0] = 11.0  # past rotate_s: the next call opens; the first takes streams until it answers
+        b = stream_on(session, "b", "ok:2")
+        await eventually(lambda: session._calls.current() is not first_call, what="the next call in use")
+        assert len(await collect(session, "c", "ok:2")) == 3  # on the new call
+        assert len([m async for m in b]) == 3
         assert calls(metrics, f"/{SERVICE}/Session", "OK") == 0  # the first still carries "a"
-        assert len([m async for m in first]) == 50
-        # Half-closed once "a" ended: the talker ends that call.
+        assert len([m async for m in a]) == 50
+        # Half-closed when the new call came into use, it ends with "a".
         await eventually(lambda: calls(metrics, f"/{SERVICE}/Session", "OK") == 1)
         await session.close()
 
@@ -289,7 +309,7 @@ async def test_opens_of_one_turn_go_in_one_message():
                     yield msg
 
     async with talker(Recording) as (_, _servicer, behaviour, _metrics, channel):
-        session = TalkerSession(channel)
+        session = await ready(TalkerSession(channel))
         await asyncio.gather(*(collect(session, f"r{i}", "ok:1") for i in range(20)))
         assert len(sent[0].open) == 20  # one message carried the turn's opens
         assert sorted(behaviour.started) == sorted(f"r{i}" for i in range(20))
@@ -304,6 +324,7 @@ async def test_the_gateway_client_keeps_a_session_per_channel_and_drops_ended_on
         try:
             first = client._session(channel)
             assert client._session(channel) is first  # one per channel
+            await ready(first)
             assert len(await collect(first, "a", "ok:1")) == 2
             assert not first.idle  # its call stays open for the next request
             await first.close()  # its talker went away: the pool closed the channel
@@ -327,16 +348,15 @@ async def test_sessions_off_the_gateway_client_makes_generate_calls():
 
 async def test_text_that_follows_is_appended_in_order_on_the_session():
     async with talker() as (_, _servicer, _behaviour, metrics, channel):
-        session = TalkerSession(channel)
+        session = await ready(TalkerSession(channel))
         pieces = asyncio.Queue()
 
         async def text():
             while (item := await pieces.get()) is not None:
                 yield item
 
-        stream = session.stream(request("t", "Hello"), outgoing_metadata("t"), text())
+        stream = stream_on(session, "t", "Hello", appended=text())
         assert (await anext(stream)).audio.audio == b"Hello"  # the first piece came with the open
-        assert session.proven  # a response arrived: the talker has Session
         for piece in (" there,", " how"):
             await pieces.put((piece, False))
             assert (await anext(stream)).audio.audio == piece.encode()
@@ -347,10 +367,13 @@ async def test_text_that_follows_is_appended_in_order_on_the_session():
         with pytest.raises(StopAsyncIteration):
             await anext(stream)
         # Text that ends without a final piece is completed (as GenerateStream's end of requests).
-        short = session.stream(request("u", "One"), outgoing_metadata("u"), aiter_of([("two", False)]))
+        short = stream_on(session, "u", "One", appended=aiter_of([("two", False)]))
         got = [m async for m in short]
         assert [m.audio.audio for m in got[:-1]] == [b"One", b"two", b""] and got[-2].audio.num_frames == 1
-        assert calls(metrics, GENERATE, "OK") == 2
+        assert (
+            calls(metrics, GENERATE_STREAM, "OK") == 2
+        )  # counted as the GenerateStream calls they stand for
+        assert calls(metrics, GENERATE, "OK") == 0
         await session.close()
 
 
@@ -376,23 +399,23 @@ class WithGenerateStream(Servicer):
         )
 
 
-async def test_the_gateway_client_sends_streamed_text_on_a_proven_session_only():
+async def test_the_gateway_client_sends_text_on_a_session_once_it_has_answered(eventually):
     from services.gateway.talker_client import TalkerClient
     from tests.synthesis_jobs import talker_job
 
     async with talker(WithGenerateStream) as (host, servicer, behaviour, _metrics, _channel):
         client = TalkerClient(f"127.0.0.1:{host.bound_port}")
         try:
-            # Nothing has come back on the channel's session yet: a text stream is a GenerateStream
-            # call (its text, once read, could not be sent again if the talker had no Session).
+            # No session call has answered yet: a text stream is a GenerateStream call of its own.
             got = [x async for x in client.generate(talker_job("s1"), aiter_of([("more", True)]))]
             assert servicer.stream_calls == ["s1"] and "s1" not in behaviour.started
             assert got[-1].num_frames == 0  # its summary
-            # A plain request goes on the session and proves it; text streams then go there too.
+            session = client._session(client.channel)
+            await eventually(lambda: session._calls.current() is not None, what="the session answered")
+            got = [x async for x in client.generate(talker_job("s2"), aiter_of([(" more", True)]))]
+            assert servicer.stream_calls == ["s1"] and "s2" in behaviour.started  # on the session
+            assert [bytes(x.pcm_s16le) for x in got[:-1]] == [b"Hi.", b" more"]
             [x async for x in client.generate(talker_job("p1", text="ok:1"))]
             assert "p1" in behaviour.started
-            got = [x async for x in client.generate(talker_job("s2"), aiter_of([(" more", True)]))]
-            assert servicer.stream_calls == ["s1"] and "s2" in behaviour.started
-            assert [bytes(x.pcm_s16le) for x in got[:-1]] == [b"Hi.", b" more"]
         finally:
             await client.close()

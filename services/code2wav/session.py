@@ -1,0 +1,150 @@
+"""`code2wav.v1.Code2WavService/DecodeSession`: many Decode streams on one call (see the proto).
+
+A talker's stream used a Decode call of its own: a call to open (grpc.aio takes new calls one per
+loop turn), and a write per message per stream on both sides. A DecodeSession carries every
+stream's messages of a turn in one message. Each stream runs the servicer's Decode path
+(`decode(requests, cancelled)`) in a task of its own, fed from a queue; its responses are tagged
+with the caller's stream id, and it ends with the status its Decode call would have ended with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from qtts.pb import code2wav_pb2 as pb
+from qtts.request.errors import FailedPrecondition
+from qtts.serving.error_mapping import map_exception, record_call
+from qtts.serving.log_context import bind_request_id
+
+DECODE = "/code2wav.v1.Code2WavService/Decode"
+MAX_EVENTS_PER_MESSAGE = 128
+_DONE_WRITING = None
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.inputs: dict[int, asyncio.Queue] = {}
+        self.cancelled: set[int] = set()
+        self.events: list[pb.DecodeSessionEvent] = []
+        self.ends: list[pb.DecodeSessionEnd] = []
+        self.wake = asyncio.Event()
+        self.half_closed = False
+
+    def end(self, stream_id: int, code: grpc.StatusCode, message: str = "", trailing: tuple = ()) -> None:
+        trailers = {k: v.encode() if isinstance(v, str) else bytes(v) for k, v in trailing}
+        self.ends.append(
+            pb.DecodeSessionEnd(stream_id=stream_id, code=code.value[0], message=message, trailers=trailers)
+        )
+        self.wake.set()
+
+
+class DecodeSessionServer:
+    """Serves DecodeSession calls over `decode(requests, cancelled)` (the servicer's Decode path)."""
+
+    def __init__(self, decode: Callable[..., AsyncIterator[pb.DecodeResponse]], metrics: Any = None):
+        self._decode = decode
+        self.metrics = metrics
+
+    async def serve(self, requests: AsyncIterator[pb.DecodeSessionRequest]) -> AsyncIterator[Any]:
+        session = _Session()
+        reader = asyncio.ensure_future(self._read(requests, session))
+        try:
+            yield pb.DecodeSessionResponse()  # at once: the caller may put streams on it now
+            while True:
+                if session.events or session.ends:
+                    events = session.events[:MAX_EVENTS_PER_MESSAGE]
+                    del session.events[: len(events)]
+                    if session.events:  # ends wait for the events before them
+                        yield pb.DecodeSessionResponse(events=events)
+                        continue
+                    ends, session.ends = session.ends, []
+                    yield pb.DecodeSessionResponse(events=events, ends=ends)
+                    continue
+                if reader.done() and reader.exception() is not None:
+                    raise reader.exception()
+                if session.half_closed and not session.tasks:
+                    return
+                session.wake.clear()
+                await session.wake.wait()
+        finally:
+            reader.cancel()
+            for task in session.tasks.values():
+                task.cancel()
+            await asyncio.gather(reader, *session.tasks.values(), return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[pb.DecodeSessionRequest], session: _Session) -> None:
+        try:
+            async for msg in requests:
+                for item in msg.messages:
+                    queue = session.inputs.get(item.stream_id)
+                    if queue is None:
+                        if item.stream_id in session.tasks:
+                            continue  # its requests were complete: nothing more is read
+                        queue = session.inputs[item.stream_id] = asyncio.Queue()
+                        session.tasks[item.stream_id] = asyncio.ensure_future(
+                            self._run(item.stream_id, queue, session)
+                        )
+                    queue.put_nowait(item.request)
+                for sid in msg.done_writing:
+                    queue = session.inputs.pop(sid, None)
+                    if queue is not None:
+                        queue.put_nowait(_DONE_WRITING)
+                for sid in msg.cancel:
+                    session.cancelled.add(sid)
+                    task = session.tasks.get(sid)
+                    if task is not None:
+                        task.cancel()
+        finally:
+            session.half_closed = True
+            for queue in session.inputs.values():  # as the end of each call's requests
+                queue.put_nowait(_DONE_WRITING)
+            session.inputs.clear()
+            session.wake.set()
+
+    async def _run(self, sid: int, queue: asyncio.Queue, session: _Session) -> None:
+        start, code = time.monotonic(), None
+        try:
+            first = await queue.get()
+            if first is not _DONE_WRITING and first.WhichOneof("event") == "start":
+                bind_request_id(first.start.request_id)  # for this stream's log lines
+            requests = _prepend(first, queue)
+            responses = self._decode(requests, lambda: sid in session.cancelled)
+            async with contextlib.aclosing(responses) as msgs:
+                async for msg in msgs:
+                    session.events.append(pb.DecodeSessionEvent(stream_id=sid, response=msg))
+                    session.wake.set()
+            code = grpc.StatusCode.OK
+            session.end(sid, code)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except FailedPrecondition as exc:  # this internal API's own status (as Decode's)
+            code = grpc.StatusCode.FAILED_PRECONDITION
+            session.end(sid, code, exc.message)
+        except Exception as exc:  # noqa: BLE001 - the stream ends with its mapped status
+            status = map_exception(exc, DECODE)
+            code = status.code
+            session.end(sid, code, status.message, status.trailing)
+        finally:
+            session.tasks.pop(sid, None)
+            session.inputs.pop(sid, None)
+            session.cancelled.discard(sid)
+            session.wake.set()
+            if self.metrics is not None and code not in (None, grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+                self.metrics.error(code.name)
+            record_call(self.metrics, DECODE, code, start)
+
+
+async def _prepend(first: Any, queue: asyncio.Queue) -> AsyncIterator[pb.DecodeRequest]:
+    """`first`, then the queue's messages until its requests are complete."""
+    msg = first
+    while msg is not _DONE_WRITING:
+        yield msg
+        msg = await queue.get()
