@@ -7,12 +7,11 @@ stand-in model: a step that sleeps, the GIL released, for the H200's frame step 
 after the requested frames. code2wav is `code2wav_host`'s stand-in. `--engine-process` puts the
 engine in a process of its own, as on a GPU.
 
-A driver in this process plays the gateway (`--sessions`: as opens on a Session call, as the
-gateway sends them): `--streams` concurrent Generate calls in a closed loop
-(`--clip-s` of audio each, a preset voice), each listened to in real time from its first chunk:
-a chunk that arrives after its audio was due is a gap. Per level: first audio, the streams with a
-gap and the worst gap, refusals, the talker's loop lag, CPU and underruns, its chunk hops, and the
-driver's own CPU and loop lag.
+A driver in this process plays the gateway (`--sessions`: opens on a Session call, as it sends
+them): `--streams` concurrent Generate calls in a closed loop (`--clip-s` of audio each, a preset
+voice), each listened to in real time from its first chunk: a chunk that arrives after its audio
+was due is a gap. Per level: first audio, gaps, refusals, the talker's loop lag, CPU, underruns and
+chunk hops, the driver's CPU and loop lag.
 
     python -m benchmarks.talker_host --streams 256 512 768 --seconds 20 --out run/talker_host.json
 """
@@ -260,7 +259,8 @@ async def one_stream(  # noqa: PLR0913
     first_at, worst = None, 0.0
     try:
         md = outgoing_metadata(name) + metadata
-        call = session.stream(request, md) if session is not None else stub.Generate(request, metadata=md)
+        # A session's open is None until its call has answered: a Generate call meanwhile.
+        call = (session and session.open(request, md)) or stub.Generate(request, metadata=md)
         async for msg in call:
             if msg.WhichOneof("event") != "audio":
                 continue
