@@ -186,6 +186,8 @@ class SessionDecodeCall:
         self._session.done_writing(self._sid)
 
     async def ack(self, samples_delivered: int) -> None:
+        if not self._writing:  # as a Decode call's ack after its half-close: not sent (a message
+            return  # for a stream the replica may have closed would start a stream there)
         with contextlib.suppress(TTSError):  # after its end, an ack no longer read is harmless
             self._send(
                 code2wav_pb2.DecodeRequest(ack=code2wav_pb2.AudioAck(samples_delivered=samples_delivered))

@@ -68,6 +68,14 @@ async def test_streams_on_one_session_get_what_their_decode_calls_would(fake_dec
         labels = {"service": "code2wav", "method": "/code2wav.v1.Code2WavService/Decode", "code": "OK"}
         await eventually(lambda: reg.get_sample_value("tts_rpc_requests_total", labels) == 12)
         await eventually(lambda: reg.get_sample_value("tts_code2wav_live_states") == 0)
+        await asyncio.sleep(0.05)
+        # The acks of the last chunks (after StreamEnd) are not sent: one for a stream the replica
+        # had closed would have started a stream there, failed as "the first message must be
+        # StreamStart".
+        errors = reg.get_sample_value(
+            "tts_errors_total", {"service": "code2wav", "code": "FAILED_PRECONDITION"}
+        )
+        assert not errors
         await session.close()
 
 
