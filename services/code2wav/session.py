@@ -10,6 +10,7 @@ with the caller's stream id, and it ends with the status its Decode call would h
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,7 @@ from qtts.serving.log_context import bind_request_id
 
 DECODE = "/code2wav.v1.Code2WavService/Decode"
 MAX_EVENTS_PER_MESSAGE = 128
+ENDED_KEPT = 4096  # ended stream ids remembered per session
 _DONE_WRITING = None
 
 
@@ -32,6 +34,9 @@ class _Session:
         self.tasks: dict[int, asyncio.Task] = {}
         self.inputs: dict[int, asyncio.Queue] = {}
         self.cancelled: set[int] = set()
+        # Streams that ended here: a message the talker sent before it saw the end (frames in
+        # flight when a stream failed) is dropped, not taken as the start of a new stream.
+        self.ended: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.events: list[pb.DecodeSessionEvent] = []
         self.ends: list[pb.DecodeSessionEnd] = []
         self.wake = asyncio.Event()
@@ -85,8 +90,8 @@ class DecodeSessionServer:
                 for item in msg.messages:
                     queue = session.inputs.get(item.stream_id)
                     if queue is None:
-                        if item.stream_id in session.tasks:
-                            continue  # its requests were complete: nothing more is read
+                        if item.stream_id in session.tasks or item.stream_id in session.ended:
+                            continue  # its requests were complete, or it ended: nothing more is read
                         queue = session.inputs[item.stream_id] = asyncio.Queue()
                         session.tasks[item.stream_id] = asyncio.ensure_future(
                             self._run(item.stream_id, queue, session)
@@ -136,6 +141,9 @@ class DecodeSessionServer:
             session.tasks.pop(sid, None)
             session.inputs.pop(sid, None)
             session.cancelled.discard(sid)
+            session.ended[sid] = None
+            if len(session.ended) > ENDED_KEPT:
+                session.ended.popitem(last=False)
             session.wake.set()
             if self.metrics is not None and code not in (None, grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
                 self.metrics.error(code.name)

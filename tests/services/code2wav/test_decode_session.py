@@ -80,7 +80,7 @@ async def test_streams_on_one_session_get_what_their_decode_calls_would(fake_dec
 
 
 async def test_a_protocol_violation_ends_that_stream_only(fake_decoder, eventually):
-    async with code2wav(fake_decoder) as (_, stub):
+    async with code2wav(fake_decoder) as (server, stub):
         session = await ready_session(stub, eventually)
         fine = asyncio.ensure_future(drive(on(session), _codes(30), "fine"))
         bad = on(session)
@@ -88,8 +88,14 @@ async def test_a_protocol_violation_ends_that_stream_only(fake_decoder, eventual
         events = [ev async for ev in bad.events()]
         assert len(events) == 1 and isinstance(events[0], c2w.DecodeFailed)
         assert not events[0].replica_down and "StreamStart" in events[0].error.message
+        # Frames that were in flight for it when it failed are dropped, not a stream of their own.
+        bad._session.send(bad._sid, c2w.frames_request(2, _codes(2)))
         audio, done = await fine
         assert done.num_frames == 30
+        await asyncio.sleep(0.05)
+        reg = server.metrics.registry
+        failed = {"service": "code2wav", "code": "FAILED_PRECONDITION"}
+        assert reg.get_sample_value("tts_errors_total", failed) == 1
         await session.close()
 
 
