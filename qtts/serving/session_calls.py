@@ -1,5 +1,7 @@
-"""Which long-lived session call new streams go on: the gateway's Session per talker and the
-talker's DecodeSession per code2wav replica share it.
+"""Session calls: many streams on one long-lived call, as the gateway's Session per talker and
+the talker's DecodeSession per code2wav replica carry them. Here: which call new streams go on
+(`SessionCalls`), the caller's side of one call (`ClientCall`), and a stream's status as its own
+call would have had it (`end_message`, `end_error`).
 
 A session call is used only once it has answered (its server sends an empty message at once), so
 a stream never goes on a call whose server turns out not to have the method, or is unreachable:
@@ -12,9 +14,13 @@ cut calls of their own. A server that answers UNIMPLEMENTED is not asked again.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
 
 
 class SessionCall(Protocol):
@@ -85,3 +91,119 @@ class SessionCalls(Generic[C]):
             if call is not None:
                 await call.close()
         self._in_use = self._opening = None
+
+
+# ---------------------------------------------------------------- a stream's status on a session
+
+
+def end_message(
+    cls: type, stream_id: int, code: grpc.StatusCode, message: str = "", trailing: tuple = ()
+) -> Any:
+    """A server's end of one stream (`cls`: its SessionEnd type): the code, message and trailing
+    metadata the stream's own call would have ended with."""
+    trailers = {k: v.encode() if isinstance(v, str) else bytes(v) for k, v in trailing}
+    return cls(stream_id=stream_id, code=code.value[0], message=message, trailers=trailers)
+
+
+def rpc_error(
+    code: grpc.StatusCode, details: str, trailers: Mapping[str, bytes] | None = None
+) -> grpc.aio.AioRpcError:
+    """The error the stream's own call would have raised (binary -bin trailers stay bytes)."""
+    metadata = grpc.aio.Metadata(
+        *((k, v if k.endswith("-bin") else v.decode()) for k, v in (trailers or {}).items())
+    )
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), metadata, details)
+
+
+def end_error(end: Any) -> grpc.aio.AioRpcError:
+    """The error of a SessionEnd whose code is not OK."""
+    code = next((c for c in grpc.StatusCode if c.value[0] == end.code), grpc.StatusCode.UNKNOWN)
+    return rpc_error(code, end.message, dict(end.trailers))
+
+
+class Failed:
+    """Queued to every stream of a session call that ended: the status they fail with."""
+
+    def __init__(self, error: grpc.aio.AioRpcError):
+        self.error = error
+
+
+class ClientCall:
+    """The caller's side of one session call: each stream's queue of responses and ends, and what
+    is to be sent. A subclass says what its request message is (`_take`); the rest is shared."""
+
+    gone = "the caller closed the session"
+
+    def __init__(self, start_call: Callable[[AsyncIterator[Any]], Any], started: float):
+        self.started = started
+        self.answered = False  # the server's first (empty) message came
+        self.ended = False
+        self.unimplemented = False  # it ended UNIMPLEMENTED before answering
+        self.closing = False  # no new streams: half-closed once none is left
+        self.streams: dict[int, asyncio.Queue] = {}
+        self._cancels: list[int] = []
+        self._wake = asyncio.Event()
+        self._grpc_call = start_call(self._requests())
+        self._reader = asyncio.ensure_future(self._read())
+
+    def _take(self) -> Any:
+        """The message of what is pending (and clear it), or None."""
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def forget(self, sid: int, cancel: bool) -> None:
+        """The stream is done with (`cancel`: cancel it on the server, as cancelling its call)."""
+        if self.streams.pop(sid, None) is not None and cancel and not self.ended:
+            self._cancels.append(sid)
+        self._wake.set()  # a cancel to send, or a half-close once no stream is left
+
+    def take_cancels(self) -> list[int]:
+        cancels, self._cancels = self._cancels, []
+        return cancels
+
+    def half_close(self) -> None:
+        self.closing = True
+        self._wake.set()
+
+    async def _requests(self) -> AsyncIterator[Any]:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            msg = self._take()
+            if msg is not None:
+                yield msg
+            # Half-closed once no stream is left to cancel: the server then ends the call.
+            if self.closing and not self.streams:
+                return
+
+    async def _read(self) -> None:
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the server ended the session")
+        try:
+            async for msg in self._grpc_call:
+                self.answered = True
+                for event in msg.events:
+                    queue = self.streams.get(event.stream_id)
+                    if queue is not None:
+                        queue.put_nowait(event.response)
+                for end in msg.ends:
+                    queue = self.streams.get(end.stream_id)
+                    if queue is not None:
+                        queue.put_nowait(end)
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+            self.unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED and not self.answered
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.CANCELLED, self.gone)
+            raise
+        finally:
+            self.ended = True
+            for queue in self.streams.values():
+                queue.put_nowait(Failed(error))
+
+    async def close(self) -> None:
+        self._grpc_call.cancel()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader

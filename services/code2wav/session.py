@@ -22,6 +22,7 @@ from qtts.pb import code2wav_pb2 as pb
 from qtts.request.errors import FailedPrecondition
 from qtts.serving.error_mapping import map_exception, record_call
 from qtts.serving.log_context import bind_request_id
+from qtts.serving.session_calls import end_message
 
 DECODE = "/code2wav.v1.Code2WavService/Decode"
 MAX_EVENTS_PER_MESSAGE = 128
@@ -43,10 +44,7 @@ class _Session:
         self.half_closed = False
 
     def end(self, stream_id: int, code: grpc.StatusCode, message: str = "", trailing: tuple = ()) -> None:
-        trailers = {k: v.encode() if isinstance(v, str) else bytes(v) for k, v in trailing}
-        self.ends.append(
-            pb.DecodeSessionEnd(stream_id=stream_id, code=code.value[0], message=message, trailers=trailers)
-        )
+        self.ends.append(end_message(pb.DecodeSessionEnd, stream_id, code, message, trailing))
         self.wake.set()
 
 

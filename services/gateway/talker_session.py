@@ -19,7 +19,6 @@ that answers UNIMPLEMENTED (one from before Session) is not asked again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -27,34 +26,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from qtts.pb import talker_pb2, talker_pb2_grpc
-from qtts.serving.session_calls import SessionCalls
+from qtts.serving.session_calls import ClientCall, Failed, SessionCalls, end_error
 
 ROTATE_S = 30.0
-
-
-def _rpc_error(
-    code: grpc.StatusCode, details: str, trailing: grpc.aio.Metadata | None = None
-) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(), details)
-
-
-def _code(value: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN
-
-
-def _trailers(end: talker_pb2.SessionEnd) -> grpc.aio.Metadata:
-    """The end's trailing metadata as the Generate call's would be: binary keys (-bin) as bytes."""
-    return grpc.aio.Metadata(*((k, v if k.endswith("-bin") else v.decode()) for k, v in end.trailers.items()))
-
-
-class _Failed:
-    """Queued to every stream when the Session call ends: the status they fail with."""
-
-    def __init__(self, error: grpc.aio.AioRpcError):
-        self.error = error
 
 
 class TalkerSession:
@@ -107,11 +81,11 @@ class TalkerSession:
                     yield item
                     continue
                 ended = True
-                if isinstance(item, _Failed):
+                if isinstance(item, Failed):
                     raise item.error
                 if item.code == 0:
                     return
-                raise _rpc_error(_code(item.code), item.message, _trailers(item))
+                raise end_error(item)
         finally:
             if pump is not None:
                 pump.cancel()
@@ -121,99 +95,46 @@ class TalkerSession:
         await self._calls.close()
 
 
-class _Call:
-    """One Session call: its streams' queues, and the opens and cancels to send."""
+class _Call(ClientCall):
+    """One Session call: its streams, and the opens, appends and cancels to send."""
+
+    gone = "the gateway closed the session"
 
     def __init__(self, stub: talker_pb2_grpc.TalkerServiceStub, started: float):
-        self.started = started
-        self.answered = False  # the talker's first (empty) message came
-        self.ended = False
-        self.unimplemented = False
-        self.closing = False  # half-closed: no more opens
-        self._streams: dict[int, asyncio.Queue] = {}
         self._opens: list[talker_pb2.SessionOpen] = []
         self._appends: list[talker_pb2.SessionAppend] = []
-        self._cancels: list[int] = []
-        self._wake = asyncio.Event()
-        self._grpc_call = stub.Session(self._requests())
-        self._reader = asyncio.ensure_future(self._read())
+        super().__init__(stub.Session, started)
 
     def open(
         self, sid: int, request: talker_pb2.GenerateRequest, metadata: tuple, text_follows: bool = False
     ) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[sid] = queue
+        self.streams[sid] = queue
         self._opens.append(
             talker_pb2.SessionOpen(
                 stream_id=sid, request=request, metadata=dict(metadata), text_follows=text_follows
             )
         )
-        self._wake.set()
+        self.wake()
         return queue
 
     async def pump_text(self, sid: int, text: AsyncIterator[tuple[str, bool]]) -> None:
         """Send `text`'s pieces as appends until the final one (an end without one sends it)."""
         final = False
         async for piece, final in text:
-            if sid not in self._streams:
+            if sid not in self.streams:
                 return
             self._appends.append(talker_pb2.SessionAppend(stream_id=sid, text=piece, final=final))
-            self._wake.set()
+            self.wake()
             if final:
                 return
-        if not final and sid in self._streams:
+        if not final and sid in self.streams:
             self._appends.append(talker_pb2.SessionAppend(stream_id=sid, final=True))
-            self._wake.set()
+            self.wake()
 
-    def forget(self, sid: int, cancel: bool) -> None:
-        if self._streams.pop(sid, None) is not None and cancel and not self.ended:
-            self._cancels.append(sid)
-            self._wake.set()
-        if self.closing and not self._streams:
-            self._wake.set()  # the request stream may end now
-
-    def half_close(self) -> None:
-        self.closing = True
-        self._wake.set()
-
-    async def _requests(self) -> AsyncIterator[talker_pb2.SessionRequest]:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._opens or self._appends or self._cancels:
-                msg = talker_pb2.SessionRequest(open=self._opens, append=self._appends, cancel=self._cancels)
-                self._opens, self._appends, self._cancels = [], [], []
-                yield msg
-            # Half-closed once no stream is left to cancel: the talker then ends the call.
-            if self.closing and not self._streams:
-                return
-
-    async def _read(self) -> None:
-        error = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the talker ended the session")
-        try:
-            async for msg in self._grpc_call:
-                self.answered = True
-                for event in msg.events:
-                    queue = self._streams.get(event.stream_id)
-                    if queue is not None:
-                        queue.put_nowait(event.response)
-                for end in msg.ends:
-                    queue = self._streams.get(end.stream_id)
-                    if queue is not None:
-                        queue.put_nowait(end)
-        except grpc.aio.AioRpcError as exc:
-            error = exc
-            self.unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED and not self.answered
-        except asyncio.CancelledError:
-            error = _rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the session")
-            raise
-        finally:
-            self.ended = True
-            for queue in self._streams.values():
-                queue.put_nowait(_Failed(error))
-
-    async def close(self) -> None:
-        self._grpc_call.cancel()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+    def _take(self) -> talker_pb2.SessionRequest | None:
+        if not (self._opens or self._appends or self._cancels):
+            return None
+        msg = talker_pb2.SessionRequest(open=self._opens, append=self._appends, cancel=self.take_cancels())
+        self._opens, self._appends = [], []
+        return msg

@@ -18,32 +18,15 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
 
-import grpc
 import numpy as np
 
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 from qtts.request.errors import TTSError, Unavailable
-from qtts.serving.session_calls import SessionCalls
+from qtts.serving.session_calls import ClientCall, Failed, SessionCalls, end_error
 
 from . import code2wav_client as c2w
 
 ROTATE_S = 30.0
-
-
-def _rpc_error(code: grpc.StatusCode, details: str, trailers: dict | None = None) -> grpc.aio.AioRpcError:
-    metadata = grpc.aio.Metadata(
-        *((k, v if k.endswith("-bin") else v.decode()) for k, v in (trailers or {}).items())
-    )
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), metadata, details)
-
-
-def _code(value: int) -> grpc.StatusCode:
-    return next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.UNKNOWN)
-
-
-class _Failed:
-    def __init__(self, error: grpc.aio.AioRpcError):
-        self.error = error
 
 
 class ReplicaSession:
@@ -71,80 +54,32 @@ class ReplicaSession:
         await self._calls.close()
 
 
-class _SessionCall:
+class _SessionCall(ClientCall):
+    """One DecodeSession call: its streams, and their messages, done-writings and cancels to send."""
+
+    gone = "the talker closed the session"
+
     def __init__(self, stub: code2wav_pb2_grpc.Code2WavServiceStub, started: float):
-        self.started = started
-        self.answered = False
-        self.ended = False
-        self.unimplemented = False
-        self.closing = False
-        self.streams: dict[int, asyncio.Queue] = {}
         self._messages: list[code2wav_pb2.DecodeSessionMessage] = []
         self._done_writing: list[int] = []
-        self._cancels: list[int] = []
-        self._wake = asyncio.Event()
-        self._call = stub.DecodeSession(self._requests())
-        self._reader = asyncio.ensure_future(self._read())
+        super().__init__(stub.DecodeSession, started)
 
     def send(self, sid: int, request: code2wav_pb2.DecodeRequest) -> None:
         self._messages.append(code2wav_pb2.DecodeSessionMessage(stream_id=sid, request=request))
-        self._wake.set()
+        self.wake()
 
     def done_writing(self, sid: int) -> None:
         self._done_writing.append(sid)
-        self._wake.set()
+        self.wake()
 
-    def forget(self, sid: int, cancel: bool) -> None:
-        if self.streams.pop(sid, None) is not None and cancel and not self.ended:
-            self._cancels.append(sid)
-        self._wake.set()
-
-    def half_close(self) -> None:
-        self.closing = True
-        self._wake.set()
-
-    async def _requests(self) -> AsyncIterator[code2wav_pb2.DecodeSessionRequest]:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._messages or self._done_writing or self._cancels:
-                msg = code2wav_pb2.DecodeSessionRequest(
-                    messages=self._messages, done_writing=self._done_writing, cancel=self._cancels
-                )
-                self._messages, self._done_writing, self._cancels = [], [], []
-                yield msg
-            if self.closing and not self.streams:
-                return
-
-    async def _read(self) -> None:
-        error = _rpc_error(grpc.StatusCode.UNAVAILABLE, "the replica ended the session")
-        try:
-            async for msg in self._call:
-                self.answered = True
-                for event in msg.events:
-                    queue = self.streams.get(event.stream_id)
-                    if queue is not None:
-                        queue.put_nowait(event.response)
-                for end in msg.ends:
-                    queue = self.streams.get(end.stream_id)
-                    if queue is not None:
-                        queue.put_nowait(end)
-        except grpc.aio.AioRpcError as exc:
-            error = exc
-            self.unimplemented = exc.code() == grpc.StatusCode.UNIMPLEMENTED and not self.answered
-        except asyncio.CancelledError:
-            error = _rpc_error(grpc.StatusCode.CANCELLED, "the talker closed the session")
-            raise
-        finally:
-            self.ended = True
-            for queue in self.streams.values():
-                queue.put_nowait(_Failed(error))
-
-    async def close(self) -> None:
-        self._call.cancel()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+    def _take(self) -> code2wav_pb2.DecodeSessionRequest | None:
+        if not (self._messages or self._done_writing or self._cancels):
+            return None
+        msg = code2wav_pb2.DecodeSessionRequest(
+            messages=self._messages, done_writing=self._done_writing, cancel=self.take_cancels()
+        )
+        self._messages, self._done_writing = [], []
+        return msg
 
 
 class SessionDecodeCall:
@@ -210,12 +145,10 @@ class SessionDecodeCall:
                         return
                     continue
                 self._finished = True
-                if isinstance(item, _Failed):
+                if isinstance(item, Failed):
                     yield c2w._error(self.replica, item.error)
                 elif item.code != 0:
-                    yield c2w._error(
-                        self.replica, _rpc_error(_code(item.code), item.message, dict(item.trailers))
-                    )
+                    yield c2w._error(self.replica, end_error(item))
                 else:
                     yield c2w.DecodeClosed()
                 return

@@ -30,6 +30,7 @@ from qtts.pb import talker_pb2
 from qtts.serving import tracing
 from qtts.serving.error_mapping import map_exception, record_call
 from qtts.serving.log_context import bind_request_id, request_id_from_metadata, waited_since_sent
+from qtts.serving.session_calls import end_message
 
 from .room import SeenCalls
 
@@ -54,10 +55,7 @@ class _Session:
         self.half_closed = False  # the caller sends no more opens
 
     def end(self, stream_id: int, code: grpc.StatusCode, message: str = "", trailing: tuple = ()) -> None:
-        trailers = {k: v.encode() if isinstance(v, str) else bytes(v) for k, v in trailing}
-        self.ends.append(
-            talker_pb2.SessionEnd(stream_id=stream_id, code=code.value[0], message=message, trailers=trailers)
-        )
+        self.ends.append(end_message(talker_pb2.SessionEnd, stream_id, code, message, trailing))
         self.wake.set()
 
 
