@@ -140,9 +140,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             # The handler aborted by itself: count it under the code it chose.
             self._count(_code_of(context))
             return
-        if isinstance(exc, NotImplementedError) and _code_of(context) == grpc.StatusCode.UNIMPLEMENTED:
-            # A generated servicer base's method this service does not implement: UNIMPLEMENTED
-            # (callers fall back on it), not an internal error.
+        if _unimplemented(exc, context):
             self._count(grpc.StatusCode.UNIMPLEMENTED)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented here")
         status = map_exception(exc, method, redact=self._redact, on_unexpected=self.on_unexpected)
@@ -310,9 +308,15 @@ def _final_code(exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.S
         return grpc.StatusCode.CANCELLED
     if isinstance(exc, grpc.aio.AbortError):
         return _code_of(context) or grpc.StatusCode.UNKNOWN
-    if isinstance(exc, NotImplementedError) and _code_of(context) == grpc.StatusCode.UNIMPLEMENTED:
-        return grpc.StatusCode.UNIMPLEMENTED  # a generated base method (see _handle)
+    if _unimplemented(exc, context):
+        return grpc.StatusCode.UNIMPLEMENTED
     return mapping_for(exc).grpc_code
+
+
+def _unimplemented(exc: BaseException, context: grpc.aio.ServicerContext) -> bool:
+    """A generated servicer base's method this service does not implement (it sets UNIMPLEMENTED
+    and raises NotImplementedError): UNIMPLEMENTED, which callers fall back on, not INTERNAL."""
+    return isinstance(exc, NotImplementedError) and _code_of(context) == grpc.StatusCode.UNIMPLEMENTED
 
 
 def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode | None:

@@ -121,6 +121,57 @@ def end_error(end: Any) -> grpc.aio.AioRpcError:
     return rpc_error(code, end.message, dict(end.trailers))
 
 
+class ServerSession:
+    """The server's side of one session call: its streams' tasks, and the events and ends queued
+    to write (`emit`, `end`). `responses(reader, finished)` is what the handler yields: an empty
+    message at once (the caller may put streams on the call from then on), then whatever is
+    queued as one message per turn (at most `max_events` events; a stream's end after its
+    events), until no stream runs and `finished()` says no more will come; it cancels the
+    `reader` task and every stream's task when it ends."""
+
+    def __init__(self, response_cls: type, event_cls: type, end_cls: type, max_events: int):
+        self._response_cls, self._event_cls, self._end_cls = response_cls, event_cls, end_cls
+        self._max_events = max_events
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.events: list[Any] = []
+        self.ends: list[Any] = []
+        self.wake = asyncio.Event()
+        self.half_closed = False  # the caller sends nothing more
+
+    def emit(self, stream_id: int, response: Any) -> None:
+        self.events.append(self._event_cls(stream_id=stream_id, response=response))
+        self.wake.set()
+
+    def end(self, stream_id: int, code: grpc.StatusCode, message: str = "", trailing: tuple = ()) -> None:
+        self.ends.append(end_message(self._end_cls, stream_id, code, message, trailing))
+        self.wake.set()
+
+    async def responses(self, reader: asyncio.Task, finished: Callable[[], bool]) -> AsyncIterator[Any]:
+        try:
+            yield self._response_cls()
+            while True:
+                if self.events or self.ends:
+                    events = self.events[: self._max_events]
+                    del self.events[: len(events)]
+                    if self.events:  # ends wait for the events before them
+                        yield self._response_cls(events=events)
+                        continue
+                    ends, self.ends = self.ends, []
+                    yield self._response_cls(events=events, ends=ends)
+                    continue
+                if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                    raise reader.exception()
+                if not self.tasks and finished():
+                    return
+                self.wake.clear()
+                await self.wake.wait()
+        finally:
+            reader.cancel()
+            for task in self.tasks.values():
+                task.cancel()
+            await asyncio.gather(reader, *self.tasks.values(), return_exceptions=True)
+
+
 class Failed:
     """Queued to every stream of a session call that ended: the status they fail with."""
 

@@ -22,7 +22,7 @@ from qtts.pb import code2wav_pb2 as pb
 from qtts.request.errors import FailedPrecondition
 from qtts.serving.error_mapping import map_exception, record_call
 from qtts.serving.log_context import bind_request_id
-from qtts.serving.session_calls import end_message
+from qtts.serving.session_calls import ServerSession
 
 DECODE = "/code2wav.v1.Code2WavService/Decode"
 MAX_EVENTS_PER_MESSAGE = 128
@@ -30,22 +30,16 @@ ENDED_KEPT = 4096  # ended stream ids remembered per session
 _DONE_WRITING = None
 
 
-class _Session:
+class _Session(ServerSession):
     def __init__(self) -> None:
-        self.tasks: dict[int, asyncio.Task] = {}
+        super().__init__(
+            pb.DecodeSessionResponse, pb.DecodeSessionEvent, pb.DecodeSessionEnd, MAX_EVENTS_PER_MESSAGE
+        )
         self.inputs: dict[int, asyncio.Queue] = {}
         self.cancelled: set[int] = set()
         # Streams that ended here: a message the talker sent before it saw the end (frames in
         # flight when a stream failed) is dropped, not taken as the start of a new stream.
         self.ended: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.events: list[pb.DecodeSessionEvent] = []
-        self.ends: list[pb.DecodeSessionEnd] = []
-        self.wake = asyncio.Event()
-        self.half_closed = False
-
-    def end(self, stream_id: int, code: grpc.StatusCode, message: str = "", trailing: tuple = ()) -> None:
-        self.ends.append(end_message(pb.DecodeSessionEnd, stream_id, code, message, trailing))
-        self.wake.set()
 
 
 class DecodeSessionServer:
@@ -58,29 +52,9 @@ class DecodeSessionServer:
     async def serve(self, requests: AsyncIterator[pb.DecodeSessionRequest]) -> AsyncIterator[Any]:
         session = _Session()
         reader = asyncio.ensure_future(self._read(requests, session))
-        try:
-            yield pb.DecodeSessionResponse()  # at once: the caller may put streams on it now
-            while True:
-                if session.events or session.ends:
-                    events = session.events[:MAX_EVENTS_PER_MESSAGE]
-                    del session.events[: len(events)]
-                    if session.events:  # ends wait for the events before them
-                        yield pb.DecodeSessionResponse(events=events)
-                        continue
-                    ends, session.ends = session.ends, []
-                    yield pb.DecodeSessionResponse(events=events, ends=ends)
-                    continue
-                if reader.done() and reader.exception() is not None:
-                    raise reader.exception()
-                if session.half_closed and not session.tasks:
-                    return
-                session.wake.clear()
-                await session.wake.wait()
-        finally:
-            reader.cancel()
-            for task in session.tasks.values():
-                task.cancel()
-            await asyncio.gather(reader, *session.tasks.values(), return_exceptions=True)
+        async with contextlib.aclosing(session.responses(reader, lambda: session.half_closed)) as msgs:
+            async for msg in msgs:
+                yield msg
 
     async def _read(self, requests: AsyncIterator[pb.DecodeSessionRequest], session: _Session) -> None:
         try:
@@ -121,8 +95,7 @@ class DecodeSessionServer:
             responses = self._decode(requests, lambda: sid in session.cancelled)
             async with contextlib.aclosing(responses) as msgs:
                 async for msg in msgs:
-                    session.events.append(pb.DecodeSessionEvent(stream_id=sid, response=msg))
-                    session.wake.set()
+                    session.emit(sid, msg)
             code = grpc.StatusCode.OK
             session.end(sid, code)
         except asyncio.CancelledError:

@@ -30,7 +30,7 @@ from qtts.pb import talker_pb2
 from qtts.serving import tracing
 from qtts.serving.error_mapping import map_exception, record_call
 from qtts.serving.log_context import bind_request_id, request_id_from_metadata, waited_since_sent
-from qtts.serving.session_calls import end_message
+from qtts.serving.session_calls import ServerSession
 
 from .room import SeenCalls
 
@@ -43,20 +43,14 @@ GENERATE_STREAM = "/talker.v1.TalkerService/GenerateStream"  # a stream whose te
 MAX_EVENTS_PER_MESSAGE = 64
 
 
-class _Session:
-    """One Session call's streams and what is queued to write."""
+class _Session(ServerSession):
+    """One Session call's streams, the text queues of those whose text follows, and their output."""
 
     def __init__(self) -> None:
-        self.tasks: dict[int, asyncio.Task] = {}
+        super().__init__(
+            talker_pb2.SessionResponse, talker_pb2.SessionEvent, talker_pb2.SessionEnd, MAX_EVENTS_PER_MESSAGE
+        )
         self.texts: dict[int, asyncio.Queue] = {}  # (piece, final) of the streams whose text follows
-        self.events: list[talker_pb2.SessionEvent] = []
-        self.ends: list[talker_pb2.SessionEnd] = []
-        self.wake = asyncio.Event()
-        self.half_closed = False  # the caller sends no more opens
-
-    def end(self, stream_id: int, code: grpc.StatusCode, message: str = "", trailing: tuple = ()) -> None:
-        self.ends.append(end_message(talker_pb2.SessionEnd, stream_id, code, message, trailing))
-        self.wake.set()
 
 
 class SessionServer:
@@ -88,32 +82,12 @@ class SessionServer:
         self._live.add(session)
         reader = asyncio.ensure_future(self._read(requests, session))
         try:
-            yield talker_pb2.SessionResponse()  # at once: the caller may put streams on it now
-            while True:
-                if session.events or session.ends:
-                    yield self._take(session)
-                    continue
-                if reader.done() and reader.exception() is not None:
-                    raise reader.exception()
-                if not session.tasks and (session.half_closed or self._stopping.is_set()):
-                    return
-                session.wake.clear()
-                await session.wake.wait()
+            responses = session.responses(reader, lambda: session.half_closed or self._stopping.is_set())
+            async with contextlib.aclosing(responses) as msgs:
+                async for msg in msgs:
+                    yield msg
         finally:
             self._live.discard(session)
-            reader.cancel()
-            for task in session.tasks.values():
-                task.cancel()
-            await asyncio.gather(reader, *session.tasks.values(), return_exceptions=True)
-
-    @staticmethod
-    def _take(session: _Session) -> talker_pb2.SessionResponse:
-        events = session.events[:MAX_EVENTS_PER_MESSAGE]
-        del session.events[: len(events)]
-        if session.events:  # ends wait for the events before them
-            return talker_pb2.SessionResponse(events=events)
-        ends, session.ends = session.ends, []
-        return talker_pb2.SessionResponse(events=events, ends=ends)
 
     async def _read(self, requests: AsyncIterator[talker_pb2.SessionRequest], session: _Session) -> None:
         try:
@@ -145,7 +119,8 @@ class SessionServer:
             return
         self._seen.saw(metadata)
         if self._stopping.is_set():
-            self._refuse(op.stream_id, metadata, session, "the talker is draining: retry on another talker")
+            method = GENERATE_STREAM if op.text_follows else GENERATE
+            self._refuse(op.stream_id, method, session, "the talker is draining: retry on another talker")
             return
         text = None
         if op.text_follows:
@@ -153,10 +128,10 @@ class SessionServer:
             text = _appended(queue)
         session.tasks[op.stream_id] = asyncio.ensure_future(self._run(op, metadata, session, text))
 
-    def _refuse(self, stream_id: int, metadata: tuple, session: _Session, message: str) -> None:
+    def _refuse(self, stream_id: int, method: str, session: _Session, message: str) -> None:
         if self.metrics is not None:
             self.metrics.error(grpc.StatusCode.UNAVAILABLE.name)
-        record_call(self.metrics, GENERATE, grpc.StatusCode.UNAVAILABLE, time.monotonic())
+        record_call(self.metrics, method, grpc.StatusCode.UNAVAILABLE, time.monotonic())
         session.end(stream_id, grpc.StatusCode.UNAVAILABLE, message)
 
     async def _run(
@@ -174,11 +149,10 @@ class SessionServer:
             self.metrics.rpc_accepted(method, waited)
         sid = op.stream_id
         try:
-            with self._span(metadata):
+            with self._span(method, metadata):
                 async with contextlib.aclosing(self._open_stream(op.request, text)) as msgs:
                     async for msg in msgs:
-                        session.events.append(talker_pb2.SessionEvent(stream_id=sid, response=msg))
-                        session.wake.set()
+                        session.emit(sid, msg)
             code = grpc.StatusCode.OK
             session.end(sid, code)
         except asyncio.CancelledError:
@@ -196,12 +170,13 @@ class SessionServer:
             session.wake.set()
             record_call(self.metrics, method, code, start)
 
-    def _span(self, metadata: tuple):
+    @staticmethod
+    def _span(method: str, metadata: tuple):
         if not tracing.enabled():
             return contextlib.nullcontext()
         carrier = {k: v for k, v in metadata if isinstance(v, str)}
-        attrs = {"rpc.system": "grpc", "rpc.method": GENERATE, "qtts.service": "talker", "qtts.session": True}
-        return tracing.server_span(GENERATE.lstrip("/"), carrier, attrs)
+        attrs = {"rpc.system": "grpc", "rpc.method": method, "qtts.service": "talker", "qtts.session": True}
+        return tracing.server_span(method.lstrip("/"), carrier, attrs)
 
 
 async def _appended(queue: asyncio.Queue) -> AsyncIterator[tuple[str, bool]]:
