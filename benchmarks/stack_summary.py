@@ -183,6 +183,12 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
                 hops.append(f"{hop} {got[1] * 1e3:.1f}")
         if hops:
             lines.append(f"  {name.removeprefix('tts_')} means (ms): " + ", ".join(hops))
+    writes = []
+    for method in metrics.label_values("tts_session_write_seconds", "method"):
+        if (got := metrics.mean("tts_session_write_seconds", method=method)) is not None:
+            writes.append(f"{method.rsplit('/', 1)[-1]} {got[1] * 1e3:.1f} ms over {got[0]:.0f}")
+    if writes:  # the part of the hops to the next stage that a session's queueing hides
+        lines.append("  session writes (oldest queued to written), means: " + ", ".join(writes))
     return lines
 
 

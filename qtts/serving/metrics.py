@@ -109,6 +109,15 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.session_write_seconds = Histogram(
+            "tts_session_write_seconds",
+            "Session calls (many streams on one call): from the oldest item a message carries being "
+            "queued to the message written, by session method. The chunk hops count handing on to "
+            "a session as done; this is the rest of the way.",
+            ["service", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         # tts_event_loop_lag_seconds: sampled while the service's GrpcServiceHost runs.
         self.loop_lag = LoopLagMonitor(registry, service)
         self.startup = StartupPhases(registry, service)  # tts_startup_seconds
@@ -125,6 +134,10 @@ class ServiceMetrics:
     def rpc_accepted(self, method: str, seconds: float) -> None:
         """A call's handler runs `seconds` after its caller sent it."""
         self.rpc_accept_seconds.labels(self.service, method).observe(seconds)
+
+    def session_written(self, method: str, seconds: float) -> None:
+        """A message on a session call (`method`) was written `seconds` after its oldest item was queued."""
+        self.session_write_seconds.labels(self.service, method).observe(seconds)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage_latency_seconds.labels(self.service, stage).observe(seconds)

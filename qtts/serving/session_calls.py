@@ -127,11 +127,15 @@ class ServerSession:
     message at once (the caller may put streams on the call from then on), then whatever is
     queued as one message per turn (at most `max_events` events; a stream's end after its
     events), until no stream runs and `finished()` says no more will come; it cancels the
-    `reader` task and every stream's task when it ends."""
+    `reader` task and every stream's task when it ends. `on_written(seconds)`, when set, gets
+    each message's time from its oldest event or end being queued to the message written (what a
+    stream's hop counts as zero: on a session, handing on is queueing)."""
 
     def __init__(self, response_cls: type, event_cls: type, end_cls: type, max_events: int):
         self._response_cls, self._event_cls, self._end_cls = response_cls, event_cls, end_cls
         self._max_events = max_events
+        self.on_written: Callable[[float], None] | None = None
+        self._queued_at = 0.0  # when the oldest unsent event or end was queued (0: none)
         self.tasks: dict[int, asyncio.Task] = {}
         self.events: list[Any] = []
         self.ends: list[Any] = []
@@ -140,24 +144,40 @@ class ServerSession:
 
     def emit(self, stream_id: int, response: Any) -> None:
         self.events.append(self._event_cls(stream_id=stream_id, response=response))
-        self.wake.set()
+        self._queued()
 
     def end(self, stream_id: int, code: grpc.StatusCode, message: str = "", trailing: tuple = ()) -> None:
         self.ends.append(end_message(self._end_cls, stream_id, code, message, trailing))
+        self._queued()
+
+    def _queued(self) -> None:
+        if not self._queued_at:
+            self._queued_at = time.perf_counter()
         self.wake.set()
+
+    def _written(self, queued_at: float) -> None:
+        """The message with what was queued from `queued_at` on was written."""
+        if self.on_written is not None:
+            self.on_written(time.perf_counter() - queued_at)
 
     async def responses(self, reader: asyncio.Task, finished: Callable[[], bool]) -> AsyncIterator[Any]:
         try:
             yield self._response_cls()
             while True:
                 if self.events or self.ends:
+                    # After a yield the message is written: gRPC asks for the next one then.
+                    queued_at = self._queued_at
                     events = self.events[: self._max_events]
                     del self.events[: len(events)]
                     if self.events:  # ends wait for the events before them
+                        self._queued_at = time.perf_counter()  # the rest: from now, a lower bound
                         yield self._response_cls(events=events)
+                        self._written(queued_at)
                         continue
                     ends, self.ends = self.ends, []
+                    self._queued_at = 0.0
                     yield self._response_cls(events=events, ends=ends)
+                    self._written(queued_at)
                     continue
                 if reader.done() and not reader.cancelled() and reader.exception() is not None:
                     raise reader.exception()
@@ -181,12 +201,21 @@ class Failed:
 
 class ClientCall:
     """The caller's side of one session call: each stream's queue of responses and ends, and what
-    is to be sent. A subclass says what its request message is (`_take`); the rest is shared."""
+    is to be sent. A subclass says what its request message is (`_take`); the rest is shared.
+    `on_written(seconds)`, when given, gets each message's time from the first of what it carries
+    being queued to the message written."""
 
     gone = "the caller closed the session"
 
-    def __init__(self, start_call: Callable[[AsyncIterator[Any]], Any], started: float):
+    def __init__(
+        self,
+        start_call: Callable[[AsyncIterator[Any]], Any],
+        started: float,
+        on_written: Callable[[float], None] | None = None,
+    ):
         self.started = started
+        self._on_written = on_written
+        self._queued_at = 0.0  # when the first unsent item was queued (0: none)
         self.answered = False  # the server's first (empty) message came
         self.ended = False
         self.unimplemented = False  # it ended UNIMPLEMENTED before answering
@@ -202,6 +231,9 @@ class ClientCall:
         raise NotImplementedError
 
     def wake(self) -> None:
+        """Something was queued to send."""
+        if not self._queued_at:
+            self._queued_at = time.perf_counter()
         self._wake.set()
 
     def forget(self, sid: int, cancel: bool) -> None:
@@ -222,9 +254,12 @@ class ClientCall:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            queued_at, self._queued_at = self._queued_at, 0.0
             msg = self._take()
             if msg is not None:
-                yield msg
+                yield msg  # resumed once gRPC has written it
+                if self._on_written is not None and queued_at:
+                    self._on_written(time.perf_counter() - queued_at)
             # Half-closed once no stream is left to cancel: the server then ends the call.
             if self.closing and not self.streams:
                 return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -25,6 +26,7 @@ from qtts.serving.log_context import bind_request_id
 from qtts.serving.session_calls import ServerSession
 
 DECODE = "/code2wav.v1.Code2WavService/Decode"
+DECODE_SESSION = "/code2wav.v1.Code2WavService/DecodeSession"
 MAX_EVENTS_PER_MESSAGE = 128
 ENDED_KEPT = 4096  # ended stream ids remembered per session
 _DONE_WRITING = None
@@ -51,6 +53,8 @@ class DecodeSessionServer:
 
     async def serve(self, requests: AsyncIterator[pb.DecodeSessionRequest]) -> AsyncIterator[Any]:
         session = _Session()
+        if self.metrics is not None:
+            session.on_written = functools.partial(self.metrics.session_written, DECODE_SESSION)
         reader = asyncio.ensure_future(self._read(requests, session))
         async with contextlib.aclosing(session.responses(reader, lambda: session.half_closed)) as msgs:
             async for msg in msgs:

@@ -43,6 +43,7 @@ from .status import StatusReporter
 from .stream_limits import StreamLimits
 from .talker_client import TalkerClient
 from .talker_pool import DnsResolver, TalkerPool
+from .talker_session import SESSION
 from .validation import RequestLimits
 from .voice_client import SpeakerCacheConsents, VoiceClient
 from .voices import VoiceService
@@ -131,6 +132,7 @@ class GatewayServer:
             token=config.internal_token,
             tls=config.tls,
             sessions=config.talker_sessions,
+            on_session_written=functools.partial(self.metrics.session_written, SESSION),
         )
         self.voice_client = VoiceClient(config.speaker_cache, token=config.internal_token, tls=config.tls)
         # Optional: without it word_timestamps is refused.

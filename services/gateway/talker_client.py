@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import numpy as np
@@ -174,10 +174,12 @@ class TalkerClient:
         token: str = "",
         tls: TlsConfig | None = None,
         sessions: bool = True,
+        on_session_written: Callable[[float], None] | None = None,
     ):
         self.address = address
         self.pool = pool
         self.sessions = sessions
+        self._on_session_written = on_session_written  # each Session message's write time
         # One TalkerSession per channel; a pool drops a talker's channel, and its ended session
         # goes when the next one is made.
         self._sessions: dict[grpc.aio.Channel, TalkerSession] = {}
@@ -339,7 +341,7 @@ class TalkerClient:
             for other, ended in list(self._sessions.items()):
                 if ended.idle and not ended.unimplemented:
                     del self._sessions[other]
-            session = self._sessions[channel] = TalkerSession(channel)
+            session = self._sessions[channel] = TalkerSession(channel, on_written=self._on_session_written)
         return None if session.unimplemented else session
 
     async def close(self) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -29,14 +29,24 @@ from qtts.pb import talker_pb2, talker_pb2_grpc
 from qtts.serving.session_calls import ClientCall, Failed, SessionCalls, end_error
 
 ROTATE_S = 30.0
+SESSION = "/talker.v1.TalkerService/Session"
 
 
 class TalkerSession:
     """The Session calls on `channel` (qtts.serving.session_calls); see the module docstring."""
 
-    def __init__(self, channel: grpc.aio.Channel, rotate_s: float = ROTATE_S, clock=time.monotonic):
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        rotate_s: float = ROTATE_S,
+        clock=time.monotonic,
+        on_written: Callable[[float], None] | None = None,
+    ):
+        """`on_written(seconds)`: each message's write time (ClientCall)."""
         stub = talker_pb2_grpc.TalkerServiceStub(channel)
-        self._calls: SessionCalls[_Call] = SessionCalls(lambda now: _Call(stub, now), rotate_s, clock)
+        self._calls: SessionCalls[_Call] = SessionCalls(
+            lambda now: _Call(stub, now, on_written), rotate_s, clock
+        )
         self._ids = itertools.count(1)
 
     @property
@@ -100,10 +110,15 @@ class _Call(ClientCall):
 
     gone = "the gateway closed the session"
 
-    def __init__(self, stub: talker_pb2_grpc.TalkerServiceStub, started: float):
+    def __init__(
+        self,
+        stub: talker_pb2_grpc.TalkerServiceStub,
+        started: float,
+        on_written: Callable[[float], None] | None = None,
+    ):
         self._opens: list[talker_pb2.SessionOpen] = []
         self._appends: list[talker_pb2.SessionAppend] = []
-        super().__init__(stub.Session, started)
+        super().__init__(stub.Session, started, on_written)
 
     def open(
         self, sid: int, request: talker_pb2.GenerateRequest, metadata: tuple, text_follows: bool = False

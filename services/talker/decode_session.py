@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
@@ -27,16 +27,22 @@ from qtts.serving.session_calls import ClientCall, Failed, SessionCalls, end_err
 from . import code2wav_client as c2w
 
 ROTATE_S = 30.0
+DECODE_SESSION = "/code2wav.v1.Code2WavService/DecodeSession"
 
 
 class ReplicaSession:
     """The DecodeSession calls on one replica (qtts.serving.session_calls)."""
 
     def __init__(
-        self, stub: code2wav_pb2_grpc.Code2WavServiceStub, rotate_s: float = ROTATE_S, clock=time.monotonic
+        self,
+        stub: code2wav_pb2_grpc.Code2WavServiceStub,
+        rotate_s: float = ROTATE_S,
+        clock=time.monotonic,
+        on_written: Callable[[float], None] | None = None,
     ):
+        """`on_written(seconds)`: each message's write time (ClientCall)."""
         self._calls: SessionCalls[_SessionCall] = SessionCalls(
-            lambda now: _SessionCall(stub, now), rotate_s, clock
+            lambda now: _SessionCall(stub, now, on_written), rotate_s, clock
         )
         self._ids = itertools.count(1)
 
@@ -59,10 +65,15 @@ class _SessionCall(ClientCall):
 
     gone = "the talker closed the session"
 
-    def __init__(self, stub: code2wav_pb2_grpc.Code2WavServiceStub, started: float):
+    def __init__(
+        self,
+        stub: code2wav_pb2_grpc.Code2WavServiceStub,
+        started: float,
+        on_written: Callable[[float], None] | None = None,
+    ):
         self._messages: list[code2wav_pb2.DecodeSessionMessage] = []
         self._done_writing: list[int] = []
-        super().__init__(stub.DecodeSession, started)
+        super().__init__(stub.DecodeSession, started, on_written)
 
     def send(self, sid: int, request: code2wav_pb2.DecodeRequest) -> None:
         self._messages.append(code2wav_pb2.DecodeSessionMessage(stream_id=sid, request=request))

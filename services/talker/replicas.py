@@ -60,6 +60,7 @@ class Code2WavReplicas:
         tls: TlsConfig | None = None,
         on_availability: Callable[[bool], None] | None = None,
         sessions: bool = True,
+        on_session_written: Callable[[float], None] | None = None,
     ):
         if not addresses:
             raise ValueError("at least one code2wav address is needed")
@@ -101,7 +102,12 @@ class Code2WavReplicas:
         self.on_decoder_cost: Callable[[str, float, float, float], None] | None = None
         # Streams as messages on one DecodeSession call per replica (decode_session.py).
         self._sessions = (
-            {addr: ReplicaSession(self._stubs[addr]) for addr in self.addresses} if sessions else {}
+            {
+                addr: ReplicaSession(self._stubs[addr], on_written=on_session_written)
+                for addr in self.addresses
+            }
+            if sessions
+            else {}
         )
 
     @property

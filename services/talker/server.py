@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from qtts.serving.metrics import TalkerMetrics
 from .code2wav_client import DecoderCosts
 from .config import TalkerConfig
 from .core import TalkerCore
+from .decode_session import DECODE_SESSION
 from .engine_client import EngineClient, RemoteBundle, engine_process_on
 from .generation_loop import GenerationLoop
 from .metrics_merge import MergedRegistry
@@ -123,6 +125,7 @@ class TalkerServer:
             tls=self.config.tls,
             on_availability=self._replicas_changed,
             sessions=self.config.code2wav_sessions,
+            on_session_written=functools.partial(self.metrics.session_written, DECODE_SESSION),
         )
         if self.config.decoder_shares_gpu:  # code2wav's measured cost reaches admission
             # In this process a few floats the engine thread reads: no lock (see Admission).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 GENERATE = "/talker.v1.TalkerService/Generate"
 GENERATE_STREAM = "/talker.v1.TalkerService/GenerateStream"  # a stream whose text follows
+SESSION = "/talker.v1.TalkerService/Session"
 # Responses in one SessionResponse at most (an audio chunk is up to ~60 kB): one message per turn
 # unless more are queued.
 MAX_EVENTS_PER_MESSAGE = 64
@@ -79,6 +81,8 @@ class SessionServer:
 
     async def serve(self, requests: AsyncIterator[talker_pb2.SessionRequest]) -> AsyncIterator[Any]:
         session = _Session()
+        if self.metrics is not None:
+            session.on_written = functools.partial(self.metrics.session_written, SESSION)
         self._live.add(session)
         reader = asyncio.ensure_future(self._read(requests, session))
         try:

@@ -63,6 +63,7 @@ HISTOGRAMS = {
     "tts_gateway_refusal_hop_seconds",
     "tts_event_loop_lag_seconds",
     "tts_rpc_accept_seconds",
+    "tts_session_write_seconds",
     "tts_code2wav_first_chunk_wait_seconds",
     "tts_code2wav_chunk_wait_seconds",
     "tts_rpc_duration_seconds",

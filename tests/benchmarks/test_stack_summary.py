@@ -47,6 +47,9 @@ def write_run(tmp_path):
     talker.observe_stage("prefill", 0.020)
     talker.chunk_hop_seconds.labels("code2wav").observe(1.25)
     talker.chunk_hop_seconds.labels("code2wav").observe(0.75)
+    for seconds in (0.002, 0.004):
+        talker.session_written("/code2wav.v1.Code2WavService/DecodeSession", seconds)
+    talker.session_written("/talker.v1.TalkerService/Session", 0.010)
     for cap in [600] * 80 + [500] * 10 + [1000] * 10:
         talker.admission_capacity_streams.observe(cap)
     talker.steps_over_capacity_total.inc(4)
@@ -86,6 +89,9 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
     assert "  calls waited before their handler: mean 402 ms, p95 <= 2500 ms over 3 calls" in talker
     assert "  stage prefill: n=2, mean 15.0 ms" in talker
     assert "  talker_chunk_hop_seconds means (ms): code2wav 1000.0" in talker
+    assert (
+        "  session writes (oldest queued to written), means: DecodeSession 3.0 ms over 2, Session 10.0 ms over 1"
+    ) in talker
     code2wav = lines[lines.index("code2wav:") + 1 :]
     assert "  stage open_stream: n=1, mean 500.0 ms" in code2wav
     # The start-up first, "serving" (process start to SERVING) ahead of its phases.

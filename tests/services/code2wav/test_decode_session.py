@@ -17,8 +17,8 @@ from services.talker.replicas import Code2WavReplicas
 from tests.services.code2wav.test_code2wav import SPF, TEST_PLAN, _codes, code2wav
 
 
-async def ready_session(stub, eventually) -> ReplicaSession:
-    session = ReplicaSession(stub)
+async def ready_session(stub, eventually, on_written=None) -> ReplicaSession:
+    session = ReplicaSession(stub, on_written=on_written)
     assert session.open("replica-a", None) is None  # opens the call; nothing has answered yet
     await eventually(lambda: session._calls.current() is not None, what="the replica's first message")
     return session
@@ -55,7 +55,8 @@ async def drive(call: SessionDecodeCall, codes: np.ndarray, request_id: str) -> 
 
 async def test_streams_on_one_session_get_what_their_decode_calls_would(fake_decoder, eventually):
     async with code2wav(fake_decoder) as (server, stub):
-        session = await ready_session(stub, eventually)
+        written: list[float] = []
+        session = await ready_session(stub, eventually, written.append)
         codes = [_codes(20 + 7 * i, seed=i) for i in range(12)]
         results = await asyncio.gather(*(drive(on(session), c, f"r{i}") for i, c in enumerate(codes)))
         for c, (audio, done) in zip(codes, results, strict=True):
@@ -76,6 +77,10 @@ async def test_streams_on_one_session_get_what_their_decode_calls_would(fake_dec
             "tts_errors_total", {"service": "code2wav", "code": "FAILED_PRECONDITION"}
         )
         assert not errors
+        # Each message's write is timed on both sides (the part of the hop a session hides).
+        assert written and all(0 <= s < 5 for s in written)  # starts, frames, acks, ends
+        session_labels = {"service": "code2wav", "method": "/code2wav.v1.Code2WavService/DecodeSession"}
+        assert reg.get_sample_value("tts_session_write_seconds_count", session_labels) >= 1
         await session.close()
 
 

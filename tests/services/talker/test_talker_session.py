@@ -164,6 +164,10 @@ async def test_many_requests_share_one_call_and_each_gets_what_generate_gives():
         )
         assert accept == 40  # the wait since the gateway sent each open
         assert servicer.seen.seen("gw-1") == 40  # the caller's calls, as its Generate calls would be
+        writes = metrics.registry.get_sample_value(
+            "tts_session_write_seconds_count", {"service": "talker", "method": f"/{SERVICE}/Session"}
+        )
+        assert writes >= 1  # the audio's messages to the gateway, each write timed
         await session.close()
 
 
