@@ -67,6 +67,7 @@ def _engine(
     max_step_frames: int,
     extra: Sequence[tuple[int, int]] = (),
     conv_stack: str = "channels_first",
+    cudnn_benchmark: bool = True,
 ) -> SlotDecoder:
     cfg = SlotDecoderConfig(
         max_streams=streams,
@@ -76,6 +77,7 @@ def _engine(
         batch_sizes=tuple(batches),
         chunk_sizes=tuple(chunks),
         max_step_frames=max_step_frames,
+        cudnn_benchmark=cudnn_benchmark,
     )
     eng = SlotDecoder(dec, cfg)
     t0 = time.perf_counter()
@@ -290,6 +292,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-frames", type=int, default=75, help="ICL prefix for the start() latency")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--max-step-frames", type=int, default=3200)
+    p.add_argument(
+        "--cudnn-benchmark",
+        choices=("on", "off"),
+        default="on",
+        help="let cuDNN time each convolution's algorithms at capture (code2wav's default), or use its "
+        "heuristics; the capture time of each variant is recorded (run each setting in a fresh process: "
+        "cuDNN keeps its choices for the process)",
+    )
     p.add_argument("--quick", action="store_true", help="fewer iterations and stream counts")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--revision", default=None, help="git revision to record (default: git rev-parse)")
@@ -323,6 +333,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "decoder": "full-size speech tokenizer decoder (configs/speech_tokenizer)",
         "chunk_frames": args.chunk,
         "max_step_frames": args.max_step_frames,
+        "cudnn_benchmark": args.cudnn_benchmark,
+        "capture_s": {},
         "steady_state": {},
         "snr_db": {},
         "stateful_vs_stateless": {},
@@ -380,6 +392,7 @@ def _measure_variant(
     chunks = sorted({1, 2, 3, 4, args.chunk, *(cost_chunks if args.stateless else ())})
     # The stateless comparison's longer steps, captured at the cost batch only.
     extra = [(args.cost_batch, f) for f in stateless if f <= 72] if args.stateless else []
+    t0 = time.perf_counter()
     eng = _engine(
         dec,
         precision,
@@ -390,7 +403,9 @@ def _measure_variant(
         args.max_step_frames,
         extra if graphs else (),
         conv_stack=conv_stack,
+        cudnn_benchmark=args.cudnn_benchmark == "on",
     )
+    result["capture_s"][key] = round(time.perf_counter() - t0, 2)
     print(f"== {key}: steady state", flush=True)
     result["steady_state"][key] = steady_state(eng, args.streams, args.chunk, args.iters)
     if not graphs:

@@ -75,6 +75,12 @@ class Code2WavConfig:
     prefix_cache_entries: int = setting(
         512, "slots engine: decoder states after distinct ICL reference prefixes kept for reuse (0 = off)"
     )
+    # cuDNN tries each convolution's algorithms once per captured shape at start-up (the slots
+    # engine's graphs: 44 shapes); off, its heuristics choose. What each costs in start-up and in
+    # decode speed: benchmarks/code2wav_decode.py --cudnn-benchmark on / off.
+    cudnn_benchmark: bool = setting(
+        True, "slots engine: let cuDNN time each convolution's algorithms at capture"
+    )
     max_prefix_frames: int = setting(2048, "longest reference prefix a stream may bring, frames")
     # Decode scheduling (see core.py): never within the safety margin of the nearest
     # playback deadline. Off by default: the wait re-checks every stream on each arrival, which at

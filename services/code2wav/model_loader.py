@@ -38,6 +38,7 @@ def load_slot_decoder(
     precision: str,
     max_states: int,
     prefix_cache_entries: int = 512,
+    cudnn_benchmark: bool = True,
 ):
     """(SlotDecoder, CodecShape): the GPU engine, its pool sized to --max-states, graphs captured
     here (minutes on a GPU) so the service reports SERVING only once it is ready."""
@@ -51,6 +52,7 @@ def load_slot_decoder(
         precision=precision,
         cuda_graphs=on_gpu,
         prefix_cache_entries=prefix_cache_entries,
+        cudnn_benchmark=cudnn_benchmark,
     )
     engine = load(path, device=device, load_format=load_format, config=config)
     return engine, _codec_shape(engine.decoder)
@@ -67,6 +69,7 @@ def load_decoder(cfg):
             precision=precision,
             max_states=cfg.max_states,
             prefix_cache_entries=cfg.prefix_cache_entries,
+            cudnn_benchmark=cfg.cudnn_benchmark,
         )
     return load_incremental_decoder(
         cfg.model, load_format=cfg.load_format, device=cfg.device, dtype=cfg.dtype

@@ -575,6 +575,16 @@ def test_prefix_cache_entries_flag_reaches_the_slots_engine():
         config_from_args(["--prefix-cache-entries", "-1"])
 
 
+def test_cudnn_benchmark_flag_reaches_the_slots_engine():
+    from services.code2wav.model_loader import load_decoder
+
+    assert config_from_args([]).cudnn_benchmark is True
+    for flag, expected in (("true", True), ("false", False)):
+        cfg = config_from_args(["--decode-engine", "slots", "--max-states", "2", "--cudnn-benchmark", flag])
+        engine, _ = load_decoder(cfg)
+        assert engine.config.cudnn_benchmark is expected
+
+
 async def test_prefix_state_cache_hits_and_misses_are_counted():
     """The slots engine on the tiny model: two streams with one reference prefix decode it once."""
     from prometheus_client import CollectorRegistry
