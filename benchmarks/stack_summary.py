@@ -30,12 +30,15 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.metrics import REFUSAL_STATUSES, percentiles
+
 # Stages worth a mean per service (tts_stage_latency_seconds{stage}); the rest stay in the file.
 STAGES = {
     "talker": ("prompt_queue", "build_prompt", "prefill", "admit"),
     "code2wav": ("open_stream",),
     "gateway": (),
 }
+BURST_S = 1.0  # a level's opening burst, for the refusal latency split
 HOP_HISTOGRAMS = (
     "tts_talker_chunk_hop_seconds",
     "tts_talker_first_chunk_hop_seconds",
@@ -89,9 +92,39 @@ def failure_lines(result: dict[str, Any], top: int = 4) -> list[str]:
             lines.append(
                 f"  {load}: {len(times)} x {message!r}, end to end p50 {times[len(times) // 2]:.2f} s"
             )
+        if (split := burst_split(level.get("records", []))) is not None:
+            lines.append(f"  {load}: {split}")
         if level.get("probe"):
             lines.append(f"  {load}: idle refusal probe {json.dumps(level['probe'])[:200]}")
     return lines
+
+
+def burst_split(records: Sequence[dict[str, Any]], burst_s: float = BURST_S) -> str | None:
+    """Refusal latency (send to refusal, as the client's table) of the requests sent in a level's
+    first `burst_s` against those sent later: a closed loop opens with every client at once, and
+    the front takes new calls one loop turn at a time, so the opening burst's refusals wait for
+    the accepted ones' start; the steady state's come as the loop is free. None without refusals."""
+    refused = [
+        r
+        for r in records
+        if not r.get("ok")
+        and str(r.get("status")) in REFUSAL_STATUSES
+        and not any(n > 0 for n in r.get("chunk_bytes") or ())
+        and r.get("start_s") is not None
+        and r.get("e2e_s") is not None
+    ]
+    if not refused:
+        return None
+    first = min(r["start_s"] for r in records if r.get("start_s") is not None)
+    parts = []
+    for name, group in (
+        (f"sent in the first {burst_s:g} s", [r["e2e_s"] for r in refused if r["start_s"] - first < burst_s]),
+        ("later", [r["e2e_s"] for r in refused if r["start_s"] - first >= burst_s]),
+    ):
+        if group:
+            q = percentiles(group, (50, 95))
+            parts.append(f"{name} {len(group)}, p50 / p95 {_ms(q['p50'])} / {_ms(q['p95'])} ms")
+    return "refusals " + "; ".join(parts)
 
 
 def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:

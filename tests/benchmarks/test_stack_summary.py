@@ -22,9 +22,21 @@ def write_run(tmp_path):
     run = tmp_path / "http1"
     (run / "then").mkdir(parents=True)
     records = [
-        {"ok": True, "e2e_s": 10.0},
-        {"ok": False, "e2e_s": 0.04, "status": "429", "error": "every talker is at capacity (3 ready)"},
-        {"ok": False, "e2e_s": 0.06, "status": "429", "error": "every talker is at capacity (4 ready)"},
+        {"ok": True, "e2e_s": 10.0, "start_s": 5.0},
+        {
+            "ok": False,
+            "e2e_s": 0.04,
+            "status": "429",
+            "error": "every talker is at capacity (3 ready)",
+            "start_s": 5.2,
+        },
+        {
+            "ok": False,
+            "e2e_s": 0.06,
+            "status": "429",
+            "error": "every talker is at capacity (4 ready)",
+            "start_s": 7.0,
+        },
         {"ok": False, "e2e_s": 2.5, "status": "503", "error": "code2wav replica c2w-1 stalled for 2.5 s"},
     ]
     first = level(
@@ -77,6 +89,11 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
     assert "  768: 2 x '429: every talker is at capacity (N ready)', end to end p50 0.06 s" in lines
     assert "  768: 1 x '503: code2wav replica c2w-N stalled for N s', end to end p50 2.50 s" in lines
     assert any(line.startswith("  768: idle refusal probe {") for line in lines)
+    # Refusals of the opening burst (sent within 1 s of the level's first request) apart.
+    assert (
+        "  768: refusals sent in the first 1 s 1, p50 / p95 40 / 40 ms; later 1, p50 / p95 60 / 60 ms"
+        in lines
+    )
     talker = lines[lines.index("talker:") + 1 :]
     assert talker[0] == (
         "  event-loop lag p50 <= 0 ms, p99 <= 25 ms over 100 samples; worst since the last scrape 300 ms"
