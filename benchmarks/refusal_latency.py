@@ -176,9 +176,10 @@ def report(loaded: dict, probed: dict, server_429_s: list[float]) -> dict:
 
 
 @contextlib.contextmanager
-def room_stack(out: Path, args: argparse.Namespace) -> Iterator[tuple[str, int, Path]]:
+def room_stack(out: Path, args: argparse.Namespace) -> Iterator[tuple[str, int, Path, str]]:
     """speaker_cache, the room talker (`--room` ...) and one gateway (`--gateway-args`) as
-    processes, logs under `out`: yields the gateway's URL, its pid and its log; stops them after."""
+    processes, logs under `out`: yields the gateway's URL, its pid, its log and its gRPC address;
+    stops them after."""
     from services.launcher import (
         ServiceSpec,
         StackConfig,
@@ -207,7 +208,12 @@ def room_stack(out: Path, args: argparse.Namespace) -> Iterator[tuple[str, int, 
             procs.append(start_service(spec, cfg.log_dir))
         for proc in procs:
             wait_serving(proc, 120.0)
-        yield f"http://{cfg.host}:{cfg.http_port}", procs[-1].popen.pid, cfg.log_dir / "gateway.log"
+        yield (
+            f"http://{cfg.host}:{cfg.http_port}",
+            procs[-1].popen.pid,
+            cfg.log_dir / "gateway.log",
+            f"{cfg.host}:{cfg.grpc_port}",
+        )
     finally:
         stop_services(procs, grace=5.0)
 
@@ -217,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     loaded_path = out / "loaded.json"
-    with room_stack(out, args) as (url, gateway_pid, gateway_log):
+    with room_stack(out, args) as (url, gateway_pid, gateway_log, _grpc):
         cmd = [sys.executable, "-m", "benchmarks.refusal_latency", "load", "--url", url,
                "--concurrency", str(args.concurrency), "--requests", str(args.requests),
                "--frames", str(args.frames), "--duration-s", str(args.duration_s), "--pools", str(args.pools),

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.room, args.frames, args.speedup, args.lead_s = 0, 125, 4.0, 4.0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with room_stack(out, args) as (url, gateway_pid, _):
+    with room_stack(out, args) as (url, gateway_pid, _, _grpc):
         where = urlsplit(url)
         time.sleep(0.5)  # a capacity poll or more: the pool knows there is no room
         cpu0, t0 = cpu_seconds(gateway_pid), time.perf_counter()
