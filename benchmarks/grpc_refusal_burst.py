@@ -76,7 +76,7 @@ def burst(target: str, gateway_pid: int, args: argparse.Namespace) -> dict:
     ctx = multiprocessing.get_context("spawn")
     out: multiprocessing.Queue = ctx.Queue()
     share = [args.calls // args.processes + (i < args.calls % args.processes) for i in range(args.processes)]
-    start_at = time.time() + args.lead_s
+    start_at = time.time() + args.start_in_s
     procs = [
         ctx.Process(target=_client, args=(target, n, args.channels, start_at, not args.no_clip, out))
         for n in share
@@ -113,19 +113,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--channels", type=int, default=4, help="channels per client process")
     p.add_argument("--room", type=int, default=0, help="streams the stand-in talker has room for")
     p.add_argument("--repeats", type=int, default=3, help="bursts, each after the last has ended")
-    p.add_argument("--lead-s", type=float, default=3.0, help="time the client processes get to connect")
+    p.add_argument("--start-in-s", type=float, default=3.0, help="time the client processes get to connect")
     p.add_argument("--no-clip", action="store_true", help="no reference clip in the requests")
     p.add_argument("--gateway-args", default="--max-streams 1024")
     # room_stack's stand-in talker settings
     p.add_argument("--frames", type=int, default=125)
     p.add_argument("--speedup", type=float, default=4.0)
-    p.add_argument("--lead-s-talker", dest="lead_s_talker", type=float, default=4.0)
+    p.add_argument("--lead-s", type=float, default=4.0, help="the stand-in talker's pacing lead")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    stack_args = argparse.Namespace(**vars(args))
-    stack_args.lead_s = args.lead_s_talker
     rows = []
-    with room_stack(args.out, stack_args) as (url, pid, _log, grpc_target):
+    with room_stack(args.out, args) as (_url, pid, _log, grpc_target):
         for i in range(args.repeats):
             row = burst(grpc_target, pid, args)
             rows.append(row)
