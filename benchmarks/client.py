@@ -99,9 +99,12 @@ def word_timestamp_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
 
 def make_synthesizer(cfg: BenchConfig) -> Synthesizer:
     if cfg.args.protocol == "grpc":
-        return GrpcSynthesizer(
-            cfg.args.grpc_target, cfg.options, channels=cfg.args.grpc_channels, request_id_prefix=cfg.args.tag
-        )
+        targets = [t.strip() for t in cfg.args.grpc_target.split(",") if t.strip()] or [cfg.args.grpc_target]
+        grpc = [
+            GrpcSynthesizer(t, cfg.options, channels=cfg.args.grpc_channels, request_id_prefix=cfg.args.tag)
+            for t in targets
+        ]
+        return RoundRobinSynthesizer(grpc) if len(grpc) > 1 else grpc[0]
     urls = [u.strip() for u in cfg.args.url.split(",") if u.strip()]
     if len(urls) > 1:
         return RoundRobinSynthesizer([HttpSynthesizer(u, cfg.options) for u in urls])
@@ -109,7 +112,7 @@ def make_synthesizer(cfg: BenchConfig) -> Synthesizer:
 
 
 class RoundRobinSynthesizer:
-    """Request i goes to synthesizer i mod n (one per gateway URL), as a Service spreads streams
+    """Request i goes to synthesizer i mod n (one per gateway URL or gRPC target), as a Service spreads streams
     over gateway pods; the records do not say which gateway served them."""
 
     def __init__(self, synthesizers: Sequence[Synthesizer]):

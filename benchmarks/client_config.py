@@ -30,7 +30,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         default="http://127.0.0.1:8000",
         help="gateway HTTP base URL; several, comma-separated, take the requests in turn (gateway pods)",
     )
-    target.add_argument("--grpc-target", default="127.0.0.1:50051", help="gateway gRPC host:port")
+    target.add_argument(
+        "--grpc-target",
+        default="127.0.0.1:50051",
+        help="gateway gRPC host:port (comma-separated: one per gateway, requests spread round-robin)",
+    )
     target.add_argument("--grpc-channels", type=int, default=1, help="gRPC channels to spread streams over")
     target.add_argument("--model", default=None, help="served model name (default: the server's)")
 

@@ -170,7 +170,11 @@ done
 echo "stack healthy after $(( $(date +%s) - START ))s"
 
 GATEWAY_URLS="http://127.0.0.1:$HTTP_PORT"
-for ((i = 1; i < ${GATEWAY_REPLICAS:-1}; i++)); do GATEWAY_URLS+=",http://127.0.0.1:$((HTTP_PORT + i))"; done
+GRPC_TARGETS="127.0.0.1:$GRPC_PORT"  # gateway i > 0 listens on HTTP_PORT + i and GRPC_PORT + 10 + i
+for ((i = 1; i < ${GATEWAY_REPLICAS:-1}; i++)); do
+    GATEWAY_URLS+=",http://127.0.0.1:$((HTTP_PORT + i))"
+    GRPC_TARGETS+=",127.0.0.1:$((GRPC_PORT + 10 + i))"
+done
 # The text tokenizer the talker's dummy load uses (the real BPE vocabulary when it is installed).
 TOKENIZER="$("$PYTHON" -c 'from qtts.model.bpe_vocab import dummy_tokenizer_label; print(dummy_tokenizer_label())' 2>/dev/null || echo unknown)"
 sweep() {  # $1: results folder; the rest: extra client flags
@@ -178,7 +182,7 @@ sweep() {  # $1: results folder; the rest: extra client flags
     shift
     # shellcheck disable=SC2086  # CONCURRENCY is a list of levels
     "$PYTHON" -m benchmarks.client \
-        --protocol "$PROTOCOL" --url "$GATEWAY_URLS" --grpc-target "127.0.0.1:$GRPC_PORT" \
+        --protocol "$PROTOCOL" --url "$GATEWAY_URLS" --grpc-target "$GRPC_TARGETS" \
         --task-type voice_clone --concurrency $CONCURRENCY --num-requests "$NUM_REQUESTS" --rounds "$ROUNDS" \
         --max-new-tokens "$MAX_NEW_TOKENS" ${FIXED_LENGTH:+--fixed-length} --time-limit "$TIME_LIMIT" --warmup 4 \
         --gpu "$GPU_NAME" --weights "$WEIGHTS" --tokenizer "$TOKENIZER" --tag "gpu-sweep" --out "$out" \

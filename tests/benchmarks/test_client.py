@@ -280,6 +280,37 @@ async def test_grpc_client_records_chunks_summary_and_errors():
     assert sent.max_new_frames == 40 and sent.sampling.seed == 8
 
 
+def test_cli_spreads_grpc_requests_over_several_gateway_targets(tmp_path):
+    """--grpc-target a,b: request i goes to gateway i mod 2, as over HTTP with --url a,b."""
+
+    async def run() -> tuple[int, list[FakeTextToSpeech]]:
+        servicers, servers, targets = [], [], []
+        for _ in range(2):
+            servicer, server = FakeTextToSpeech(), grpc.aio.server()
+            tts_pb2_grpc.add_TextToSpeechServiceServicer_to_server(servicer, server)
+            targets.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+            await server.start()
+            servicers.append(servicer)
+            servers.append(server)
+        args = [
+            "--protocol", "grpc", "--grpc-target", ",".join(targets), "--concurrency", "2",
+            "--num-requests", "4", "--warmup", "0", "--max-new-tokens", "5", "--out", str(tmp_path),
+            "--no-progress", "--no-plots",
+        ]  # fmt: skip
+        try:
+            rc = await asyncio.to_thread(main, args)
+        finally:
+            for server in servers:
+                await server.stop(None)
+        return rc, servicers
+
+    rc, servicers = asyncio.run(run())
+    assert rc == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["levels"][0]["aggregates"]["num_ok"] == 4
+    assert [len(s.requests) for s in servicers] == [2, 2]
+
+
 def test_http_body_splices_the_pre_encoded_reference_clip():
     """The request body with the clip spliced in as pre-encoded JSON parses to the same payload."""
     from benchmarks.transport import HttpSynthesizer, SynthesisOptions, http_payload
