@@ -94,6 +94,7 @@ class Code2WavCore:
         self._device_failure = device_failure
         self.metrics = metrics
         self.registry = StreamRegistry(max_states, metrics)
+        self.max_states = max_states
         self.max_batch = max_batch
         self.max_call_frames = max_call_frames  # 0: no bound but max_batch
         self.plan = plan or ChunkPlan()
@@ -136,7 +137,8 @@ class Code2WavCore:
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
     async def warm_up(self, frames: int = 2) -> None:
-        """One decode of a few frames, so the first real stream does not pay for lazy init."""
+        """One decode of a few frames, so the first real stream does not pay for lazy init; then
+        `calibrate` measures what a call costs before any stream comes."""
 
         def run() -> None:
             with torch.inference_mode():
@@ -150,6 +152,53 @@ class Code2WavCore:
                     self.decoder.free(state)
 
         await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        await self.calibrate()
+
+    # The decode calls `calibrate` times, each `CALIBRATION_REPEATS` times: (streams, frames each).
+    # One frame of one stream and a wide batch of full chunks: sizes far enough apart for the
+    # cost fit to tell a frame's cost from a call's (decode_cost.py).
+    CALIBRATION_REPEATS = 3
+
+    def calibration_calls(self) -> list[tuple[int, int]]:
+        chunk = max(self.plan.ramp) if self.plan.ramp else 16
+        wide = max(1, min(self.max_batch, self.max_states, 64))
+        if self.max_call_frames:
+            wide = max(1, min(wide, self.max_call_frames // chunk))
+        return [(1, 1), (1, chunk), (wide, chunk)]
+
+    async def calibrate(self) -> None:
+        """Time decode calls of the sizes `calibration_calls` names on fresh states (freed after)
+        and seed the published cost with them, so a talker sharing this GPU admits its first
+        burst at the decoder's real per-frame cost rather than at what an idle replica's few
+        small calls suggest."""
+        sizes = self.calibration_calls()
+        num_states = max(streams for streams, _ in sizes)
+
+        def run() -> list[tuple[int, float]]:
+            states = []
+            timed = []
+            try:
+                with torch.inference_mode():
+                    for _ in range(num_states):
+                        states.append(self.decoder.start(None))
+                for _ in range(self.CALIBRATION_REPEATS):
+                    for streams, frames in sizes:
+                        codes = [np.zeros((frames, self.codec_shape.num_codebooks), np.int64)] * streams
+                        _, elapsed_ns, _ = _decode_chunks(self.decoder, self.device, states[:streams], codes)
+                        timed.append((streams * frames, elapsed_ns / 1e9))
+            finally:
+                for state in states:
+                    self.decoder.free(state)
+            return timed
+
+        for frames, seconds in await asyncio.get_running_loop().run_in_executor(self._executor, run):
+            self.cost.calibrate(frames, seconds)
+        if (est := self.cost.estimate()) is not None:
+            log.info(
+                "decode cost calibrated: %.2f ms a call + %.1f us a frame",
+                est.call_s * 1e3,
+                est.frame_s * 1e6,
+            )
 
     # ---------------------------------------------------------------- streams
 

@@ -32,6 +32,12 @@ class DecodeCostEstimate:
     calls_per_s: float
 
 
+def _spans(frames: np.ndarray, spread: float, span: float) -> bool:
+    """Do the calls' sizes differ enough for their line to measure a per-frame cost?"""
+    lo, hi = float(frames.min()), float(frames.max())
+    return hi >= spread * lo and hi - lo >= span
+
+
 def _fit(frames: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
     """(call_s, frame_s) of a least-squares line, both >= 0; calls of one size put the whole of
     a call's time on its frames (a per-call part cannot be told apart)."""
@@ -52,6 +58,9 @@ class DecodeCost:
 
     LOWER_SHARE = 0.25  # the share of calls, furthest below the first fit, that the second one uses
     MIN_LOWER = 8
+    # Calls whose sizes span this factor and this many frames measure the per-frame cost.
+    MIN_SPREAD = 4.0
+    MIN_SPAN_FRAMES = 64
 
     def __init__(self, memory_calls: int = 200, max_gap_s: float = 1.0, refit_s: float = 0.05):
         if memory_calls < 2 or max_gap_s <= 0 or refit_s < 0:
@@ -63,6 +72,8 @@ class DecodeCost:
         self._last_at: float | None = None
         self._fitted_at = -math.inf
         self._estimate: DecodeCostEstimate | None = None
+        # Seconds a frame, from the last fit over calls of sizes far enough apart (None: none yet).
+        self._frame_s: float | None = None
 
     def observe(self, frames: int, seconds: float, now: float) -> None:
         """One decode call of `frames` frames took `seconds`, ending at clock time `now`."""
@@ -76,19 +87,40 @@ class DecodeCost:
             self._fitted_at = now
             self._estimate = self._refit()
 
+    def calibrate(self, frames: int, seconds: float) -> None:
+        """A decode call made to measure the decoder (start-up): counted in the fit, not in the
+        call rate (calls made back to back say nothing about how often streams need one)."""
+        if frames <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self._calls.append((float(frames), float(seconds)))
+        self._estimate = self._refit()
+
     def estimate(self) -> DecodeCostEstimate | None:
         """The cost as last fitted (None before the first call)."""
         return self._estimate
 
+    def _line(self, frames: np.ndarray, seconds: np.ndarray, keep_slope: bool) -> tuple[float, float]:
+        """(call_s, frame_s): a free line over calls of sizes far enough apart (remembering its
+        per-frame cost when `keep_slope`), else the last such per-frame cost (at most the mean
+        cost of a frame here) with the calls' mean setting the per-call part."""
+        if self._frame_s is None or _spans(frames, self.MIN_SPREAD, self.MIN_SPAN_FRAMES):
+            call_s, frame_s = _fit(frames, seconds)
+            if keep_slope and _spans(frames, self.MIN_SPREAD, self.MIN_SPAN_FRAMES):
+                self._frame_s = frame_s
+            return call_s, frame_s
+        mx, my = float(frames.mean()), float(seconds.mean())
+        frame_s = min(self._frame_s, my / mx)
+        return my - frame_s * mx, frame_s
+
     def _refit(self) -> DecodeCostEstimate:
         data = np.asarray(self._calls)
         frames, seconds = data[:, 0], data[:, 1]
-        call_s, frame_s = _fit(frames, seconds)
         lower = max(self.MIN_LOWER, int(len(data) * self.LOWER_SHARE))
+        call_s, frame_s = self._line(frames, seconds, keep_slope=len(data) <= lower)
         if len(data) > lower:
             residual = seconds - (call_s + frame_s * frames)
             keep = np.argsort(residual, kind="stable")[:lower]
-            call_s, frame_s = _fit(frames[keep], seconds[keep])
+            call_s, frame_s = self._line(frames[keep], seconds[keep], keep_slope=True)
         gaps = sum(self._gaps)
         rate = len(self._gaps) / gaps if gaps > 0 else 0.0
         return DecodeCostEstimate(call_s, frame_s, rate)

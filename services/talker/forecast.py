@@ -159,14 +159,28 @@ class QueueForecast:
                     waits.append(end)
         return max(waits) if waits else None
 
+    # Streams of the configured default length (AdmissionConfig.default_stream_s) that the mean
+    # length counts beside the known ones: a few short streams on an idle talker (a probe's 2 s
+    # requests) do not make it plan for a burst of streams all as short, each with a prefill to
+    # repay in 2 s (an H100 stack, 2026-12-05: capacity 256-384 at idle refused two thirds of
+    # the next burst of 10 s streams).
+    PRIOR_STREAMS = 8
+
     def mean_stream_s(self) -> float | None:
-        """Mean expected length of the running streams and the next waiting one (None: unknown);
+        """Mean expected length of the running streams and the next waiting one, with
+        `PRIOR_STREAMS` of the default length beside them (None: no admission, nothing known);
         O(1): the running streams' sum and count are kept by `RunningStreams`."""
         s = self._s
         total, n = s.running.length_frames, s.running.num_lengths
         if s.waiting and (frames := length_frames(s.waiting[0])):
             total, n = total + frames, n + 1
-        return total * s.policy.frame_s / n if n else None
+        if not n:
+            return None
+        seconds = total * s.policy.frame_s
+        if s.admission is None:
+            return seconds / n
+        prior = self.PRIOR_STREAMS
+        return (seconds + prior * s.admission.config.default_stream_s) / (n + prior)
 
     def retry_after(self, now: float, ahead: int = 0, wait: float | None = None) -> int | None:
         """Whole seconds a refused request should wait before retrying: the queue's measured drain

@@ -39,15 +39,53 @@ def test_calls_of_one_size_put_the_whole_call_on_its_frames_and_idle_gaps_are_ca
 
 def test_calls_slowed_beside_the_talker_s_steps_do_not_count_as_the_decoder_s_cost():
     """Three calls in four ran beside a frame step and took 4x as long: the fit follows the calls
-    made on a free GPU (2 ms a call, 30 us a frame), not the mean."""
+    made on a free GPU (2 ms a call, 30 us a frame), not the mean. (Seven sizes to every four
+    calls: the calls on a free GPU come in every size, as they do in a stack.)"""
     cost = DecodeCost(refit_s=0.0)
     t = 0.0
-    for i, frames in enumerate((4, 16, 64, 128, 8, 256, 32, 96) * 25):
+    for i, frames in enumerate((4, 16, 64, 128, 8, 256, 32) * 28):
         t += 0.05
         alone = 0.002 + 0.00003 * frames
         cost.observe(frames, alone if i % 4 == 0 else 4 * alone, t)
     est = cost.estimate()
     assert est.call_s == pytest.approx(0.002, rel=0.01) and est.frame_s == pytest.approx(0.00003, rel=0.01)
+
+
+def test_small_calls_keep_the_per_frame_cost_of_the_last_wide_fit():
+    """An idle replica's calls (one stream, 1-8 frames, about 3 ms each, noisy) cannot tell a
+    frame's cost from a call's: the per-frame cost stays what calls of wide sizes measured, and
+    the small calls set the per-call part. Before, a line through them put 57 us on a frame."""
+    cost = DecodeCost(refit_s=0.0)
+    for _ in range(3):
+        for frames in (1, 16, 1024):  # start-up calibration: 2 ms a call + 25 us a frame
+            cost.calibrate(frames, 0.002 + 0.000025 * frames)
+    est = cost.estimate()
+    assert est.frame_s == pytest.approx(0.000025, rel=1e-6) and est.call_s == pytest.approx(0.002, rel=1e-6)
+    assert est.calls_per_s == 0.0  # back-to-back calibration calls are no call rate
+    t = 0.0
+    for i in range(200):
+        t += 0.1
+        frames = (1, 2, 4, 8)[i % 4]
+        cost.observe(frames, 0.003 + (0.0004 if i % 3 else 0.0) + 0.00006 * frames, t)
+    est = cost.estimate()
+    assert est.frame_s == pytest.approx(0.000025, rel=1e-6)
+    assert 0.003 <= est.call_s <= 0.0032
+    assert est.calls_per_s == pytest.approx(10.0)
+    # Wide calls again: the per-frame cost follows them.
+    for frames in (16, 256, 1024, 64) * 60:
+        t += 0.05
+        cost.observe(frames, 0.002 + 0.00003 * frames, t)
+    assert cost.estimate().frame_s == pytest.approx(0.00003, rel=1e-6)
+
+
+async def test_a_replica_publishes_a_calibrated_cost_before_any_stream(fake_decoder):
+    """Start-up decodes one frame, one chunk and a wide batch: the fit has both parts before the
+    first stream, and no call rate."""
+    async with code2wav(fake_decoder) as (server, _stub):
+        est = server.engine.cost.estimate()
+        sizes = server.engine.calibration_calls()
+    assert sizes[0] == (1, 1) and sizes[-1][0] > 1
+    assert est is not None and est.frame_s > 0 and est.calls_per_s == 0.0
 
 
 def test_the_fit_is_refreshed_at_most_every_refit_interval():

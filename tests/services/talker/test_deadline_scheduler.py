@@ -145,6 +145,31 @@ def test_admission_counts_the_prefills_that_replace_ending_streams():
     assert abs(no_load_bound.capacity(mean_stream_s=10.0) - 2200) <= 1  # (48 - 4) ms / 20 us
 
 
+def test_a_few_short_streams_do_not_set_the_capacity_for_the_next_burst():
+    """One 2 s stream on an idle talker (a probe) weighs against PRIOR_STREAMS streams of the
+    default 10 s: the capacity stays near the 10 s one (333 here), not the 2 s one; a hundred
+    such streams do move it, since then short streams are what the talker serves."""
+    cfg = AdmissionConfig(
+        max_duty=0.6, max_load=0.8, step_base_s=0.004, step_per_stream_s=0.00002, prefill_request_s=0.02
+    )
+    s = DeadlineScheduler(max_batch=5000, max_waiting=5000, admission=Admission(cfg))
+    assert s._mean_stream_s() is None
+    first = req("probe")
+    first.max_new_frames = 25  # 2 s
+    s.submit(first, now=0.0)
+    assert s.plan(0.0).admitted == [first]
+    prior = s.forecast.PRIOR_STREAMS
+    mean = s._mean_stream_s()
+    assert mean == pytest.approx((2.0 + prior * 10.0) / (1 + prior))
+    assert s.admission.capacity(mean) >= 300 > s.admission.capacity(2.0)
+    for i in range(99):
+        r = req(f"short{i}")
+        r.max_new_frames = 25
+        s.running[r.request_id] = r
+    many = s._mean_stream_s()
+    assert many == pytest.approx((200.0 + prior * 10.0) / (100 + prior)) and many < 3.0
+
+
 def test_the_step_model_learns_what_a_request_s_prefill_costs():
     m = StepModel(AdmissionConfig(step_base_s=0.004, step_per_stream_s=0.0, prefill_request_s=0.0))
     for _ in range(30):
