@@ -76,10 +76,14 @@ class Code2WavConfig:
         512, "slots engine: decoder states after distinct ICL reference prefixes kept for reuse (0 = off)"
     )
     # cuDNN tries each convolution's algorithms once per captured shape at start-up (the slots
-    # engine's graphs: 44 shapes); off, its heuristics choose. What each costs in start-up and in
-    # decode speed: benchmarks/code2wav_decode.py --cudnn-benchmark on / off.
+    # engine's graphs: 44 shapes); off, its heuristics choose. Measured on an H100 (2026-12-05,
+    # benchmarks/code2wav_decode.py, bf16 channels-last graphs, 512 streams): off captured 20
+    # shapes in 11.1 s against 43.7 s, and decoded at 689 us a frame against 19.2 (116x real time
+    # against 4,172x). Keep it on; off is for start-up experiments only.
     cudnn_benchmark: bool = setting(
-        True, "slots engine: let cuDNN time each convolution's algorithms at capture"
+        True,
+        "slots engine: let cuDNN time each convolution's algorithms at capture (off starts faster "
+        "and decodes about 36x slower)",
     )
     max_prefix_frames: int = setting(2048, "longest reference prefix a stream may bring, frames")
     # Decode scheduling (see core.py): never within the safety margin of the nearest
