@@ -15,6 +15,10 @@ after the sweep (`metrics-<service>.txt`) and their logs; `benchmarks/stack_summ
 them at the end, as `run_h200.sh stacks` does on the GPU.
 
     python -m benchmarks.stack_host --out run/stack_host --client-args "--concurrency 256 512"
+
+`--idle-first N` sends N requests of 2 s one at a time before the sweep, into `idle/`, as
+`launch_gpu_stack.sh`'s IDLE_FIRST does on the GPU: idle first audio, and what the services learn
+while idle carried into the sweep's first burst.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ from benchmarks.talker_host import VOICE, wait_serving
 
 # The client's flags unless --client-args replaces them: 10 s requests of the stand-in's preset
 # voice in a closed loop, refused clients retrying after the Retry-After they are given.
+IDLE_ARGS = (
+    "--task-type custom_voice --voice {voice} --no-ref-audio --concurrency 1 --num-requests {n} "
+    "--max-new-tokens 25 --fixed-length --warmup 0"
+)
 CLIENT_ARGS = (
     "--task-type custom_voice --voice {voice} --no-ref-audio --concurrency 256 512 --num-requests 1024 "
     "--max-new-tokens 125 --fixed-length --time-limit 40 --retry-after --refusal-probe-s 0.1"
@@ -54,6 +62,7 @@ def services(args: argparse.Namespace, out: Path) -> list[tuple[str, list[str], 
         f"127.0.0.1:{args.code2wav_port}",
     ]
     talker += ["--step-ms", str(args.step_ms), "--step-us-per-stream", str(args.step_us_per_stream)]
+    talker += ["--prefill-ms", str(args.prefill_ms)]
     talker += ["--talker-args", args.talker_args]
     gateway = py + [
         "services.gateway",
@@ -96,15 +105,27 @@ def run(args: argparse.Namespace) -> int:
             if name == "talker":
                 wait_serving(f"127.0.0.1:{args.talker_port}", procs[-1])
         wait_serving(f"127.0.0.1:{args.grpc_port}", procs[-1], name="the gateway")  # found its talker
-        client = [sys.executable, "-m", "benchmarks.client", "--url", f"http://127.0.0.1:{args.http_port}"]
-        client += ["--grpc-target", f"127.0.0.1:{args.grpc_port}", "--protocol", args.protocol]
-        client += ["--out", str(out), "--tag", "stack-host", "--no-plots", "--no-progress"]
-        client += shlex.split(args.client_args.format(voice=VOICE))
+        metrics = {
+            "gateway": args.gateway_metrics_port,
+            "talker": args.talker_metrics_port,
+            "code2wav": args.code2wav_metrics_port,
+        }
+
+        def client(folder: Path, flags: str, tag: str) -> list[str]:
+            cmd = [sys.executable, "-m", "benchmarks.client", "--url", f"http://127.0.0.1:{args.http_port}"]
+            cmd += ["--grpc-target", f"127.0.0.1:{args.grpc_port}", "--protocol", args.protocol]
+            cmd += ["--out", str(folder), "--tag", tag, "--no-plots", "--no-progress"]
+            return cmd + shlex.split(flags)
+
+        if args.idle_first > 0:
+            idle = IDLE_ARGS.format(voice=VOICE, n=args.idle_first)
+            code = subprocess.call(client(out / "idle", idle, "stack-host-idle"), env=env)
+            print(f"idle client exited {code}", file=sys.stderr)
+            scrape_all(out / "idle", metrics)
         started = time.monotonic()
-        code = subprocess.call(client, env=env)
+        code = subprocess.call(client(out, args.client_args.format(voice=VOICE), "stack-host"), env=env)
         print(f"client exited {code} after {time.monotonic() - started:.0f} s", file=sys.stderr)
-        scrape_all(out, {"gateway": args.gateway_metrics_port, "talker": args.talker_metrics_port,
-                         "code2wav": args.code2wav_metrics_port})  # fmt: skip
+        scrape_all(out, metrics)
     finally:
         stop(procs)
         for log in logs:
@@ -120,11 +141,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--client-args", default=CLIENT_ARGS, help="benchmark client flags ({voice}: the preset)"
     )
+    parser.add_argument(
+        "--idle-first",
+        type=int,
+        default=0,
+        help="requests of 2 s sent one at a time before the sweep (into idle/)",
+    )
     parser.add_argument("--talker-args", default="", help="more talker flags")
     parser.add_argument("--code2wav-args", default="--max-batch 256 --max-states 2048")
     parser.add_argument("--gateway-args", default="", help="more gateway flags")
     parser.add_argument("--step-ms", type=float, default=4.4, help="frame step at batch 1")
     parser.add_argument("--step-us-per-stream", type=float, default=20.0, help="frame step per stream")
+    parser.add_argument(
+        "--prefill-ms", type=float, default=0.0, help="a step's extra time per request prefilled in it"
+    )
     parser.add_argument("--http-port", type=int, default=8460)
     parser.add_argument("--grpc-port", type=int, default=50461)
     parser.add_argument("--gateway-metrics-port", type=int, default=9460)

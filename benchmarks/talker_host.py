@@ -103,11 +103,14 @@ class StandInBundle:
 class SleepGenerator:
     """The engine's generator contract, its step a sleep of the H200 frame step's length."""
 
-    def __init__(self, max_batch: int, step_s: float, per_stream_s: float):
+    def __init__(self, max_batch: int, step_s: float, per_stream_s: float, prefill_s: float = 0.0):
         import torch
 
         self.max_batch = max_batch
         self.step_s, self.per_stream_s = step_s, per_stream_s
+        # Each request added since the last step makes that step longer by this (its prefill).
+        self.prefill_s = prefill_s
+        self._prefills = 0
         self._active: dict[str, list] = {}
         self._codes = torch.zeros(16, dtype=torch.long)
 
@@ -120,6 +123,7 @@ class SleepGenerator:
             prompt.frames if max_new_frames is None else min(prompt.frames, max_new_frames),
             0,
         ]
+        self._prefills += 1
 
     def cancel(self, request_id: str) -> None:
         self._active.pop(request_id, None)
@@ -127,7 +131,8 @@ class SleepGenerator:
     def step(self, skip=()) -> list:
         skip = set(skip)
         stepping = [rid for rid in self._active if rid not in skip]
-        time.sleep(self.step_s + self.per_stream_s * len(stepping))
+        time.sleep(self.step_s + self.per_stream_s * len(stepping) + self.prefill_s * self._prefills)
+        self._prefills = 0
         outs = []
         for rid in stepping:
             state = self._active[rid]
@@ -142,19 +147,19 @@ class SleepGenerator:
         return outs
 
 
-# Set by `serve --engine-process`: "step_ms,step_us_per_stream". The engine process is spawned and
+# Set by `serve --engine-process`: "step_ms,step_us_per_stream,prefill_ms". The engine process is spawned and
 # imports this module afresh (as multiprocessing's main module), so the stand-in model it loads
 # is installed at import, from the environment it inherits.
 STAND_IN_ENV = "TALKER_HOST_STAND_IN"
 
 
-def install_stand_in(step_ms: float, step_us_per_stream: float) -> None:
+def install_stand_in(step_ms: float, step_us_per_stream: float, prefill_ms: float = 0.0) -> None:
     """Make the talker's model setup load the stand-in model and generator."""
     from services.talker import model_setup
 
     model_setup.load_bundle = lambda config: StandInBundle()
     model_setup.generator_factory_for = lambda config: (
-        lambda bundle, n: SleepGenerator(n, step_ms / 1e3, step_us_per_stream / 1e6)
+        lambda bundle, n: SleepGenerator(n, step_ms / 1e3, step_us_per_stream / 1e6, prefill_ms / 1e3)
     )
 
 
@@ -177,15 +182,15 @@ def serve(args: argparse.Namespace) -> None:
 
     async def main() -> None:
         if args.engine_process:  # as on the GPU: the engine in a process of its own
-            os.environ[STAND_IN_ENV] = f"{args.step_ms},{args.step_us_per_stream}"
-            install_stand_in(args.step_ms, args.step_us_per_stream)
+            os.environ[STAND_IN_ENV] = f"{args.step_ms},{args.step_us_per_stream},{args.prefill_ms}"
+            install_stand_in(args.step_ms, args.step_us_per_stream, args.prefill_ms)
             server = TalkerServer(config, spec_factory=Spec, run_warm_up=False)
         else:
             server = TalkerServer(
                 config,
                 bundle=StandInBundle(),
                 generator_factory=lambda bundle, n: SleepGenerator(
-                    n, args.step_ms / 1e3, args.step_us_per_stream / 1e6
+                    n, args.step_ms / 1e3, args.step_us_per_stream / 1e6, args.prefill_ms / 1e3
                 ),
                 spec_factory=Spec,
                 run_warm_up=False,
@@ -406,7 +411,7 @@ def run(args: argparse.Namespace) -> dict:
     talker = [sys.executable, "-m", "benchmarks.talker_host", "serve", "--port", str(args.port)]
     talker += ["--metrics-port", str(args.metrics_port), "--code2wav", f"127.0.0.1:{args.code2wav_port}"]
     talker += ["--step-ms", str(args.step_ms), "--step-us-per-stream", str(args.step_us_per_stream)]
-    talker += ["--talker-args", shlex.join(args.talker_args)]
+    talker += ["--prefill-ms", str(args.prefill_ms), "--talker-args", shlex.join(args.talker_args)]
     talker += ["--engine-process"] if args.engine_process else []
     procs = [subprocess.Popen(c2w, env=env)]
     try:
@@ -464,6 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--step-ms", type=float, default=4.4, help="frame step at batch 1")
     parser.add_argument("--step-us-per-stream", type=float, default=20.0, help="frame step per stream")
+    parser.add_argument(
+        "--prefill-ms", type=float, default=0.0, help="a step's extra time per request prefilled in it"
+    )
     parser.add_argument("--port", type=int, default=50452)
     parser.add_argument("--metrics-port", type=int, default=9452)
     parser.add_argument("--code2wav", default="", help="serve: code2wav's address")

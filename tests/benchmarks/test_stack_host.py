@@ -14,7 +14,7 @@ FLAGS = ("http_port", "grpc_port", "gateway_metrics_port", "talker_port", "talke
 
 def test_a_short_run_through_the_whole_stack_leaves_results_and_every_service_s_metrics(tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["--out", str(out), "--client-args"]
+    argv = ["--out", str(out), "--idle-first", "2", "--prefill-ms", "1", "--client-args"]
     argv += ["--task-type custom_voice --voice {voice} --no-ref-audio --concurrency 3 --num-requests 6 "
              "--max-new-tokens 10 --time-limit 60"]  # fmt: skip
     for flag in FLAGS:
@@ -25,5 +25,8 @@ def test_a_short_run_through_the_whole_stack_leaves_results_and_every_service_s_
     assert level["aggregates"]["num_requests"] == 6 and level["aggregates"]["success_rate"] == 1.0
     for service in ("gateway", "talker", "code2wav"):
         assert "tts_event_loop_lag_seconds" in (out / f"metrics-{service}.txt").read_text()
+        assert (out / "idle" / f"metrics-{service}.txt").is_file()
+    (idle,) = json.loads((out / "idle" / "results.json").read_text())["levels"]
+    assert idle["concurrency"] == 1 and idle["aggregates"]["num_requests"] == 2
     printed = capsys.readouterr().out
     assert "| c=3 | 100.0 |" in printed and "talker_first_chunk_hop_seconds" in printed

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.talker_host import SleepGenerator, Spec, StandInBundle, main
 from services.launcher.config import free_port
 
@@ -24,6 +26,19 @@ def test_the_stand_in_model_makes_the_frames_its_text_asks_for():
             if out.finished:
                 ended.append(out.request_id)
     assert made == {"a": 3, "b": 2} and sorted(ended) == ["a", "b"]
+
+
+def test_the_stand_in_step_pays_for_the_requests_added_since_the_last(monkeypatch):
+    """--prefill-ms: each request added makes the next step that much longer, once."""
+    slept = []
+    monkeypatch.setattr("benchmarks.talker_host.time.sleep", slept.append)
+    bundle = StandInBundle()
+    gen = SleepGenerator(max_batch=4, step_s=0.004, per_stream_s=0.0, prefill_s=0.002)
+    for rid in ("a", "b"):
+        gen.add(rid, bundle.build_prompt(Spec(text="frames=5")), bundle.generation_defaults)
+    gen.step()
+    gen.step()
+    assert slept == [pytest.approx(0.008), pytest.approx(0.004)]
 
 
 def short_run(tmp_path, streams: int, *flags: str) -> dict:
