@@ -324,7 +324,7 @@ class Admission:
                 caps.append(int((cfg.max_load - fixed) / per_stream))
         return max(1, min(caps)) if caps else None
 
-    def observe_admit(self, now: float, submitted_at: float | None = None) -> None:
+    def observe_admit(self, now: float, submitted_at: float | None = None, backlog: bool = True) -> None:
         """One request started: update the drain rate (admissions per second).
 
         The drain rate is how fast a backlog empties, so each admission counts the time since the
@@ -332,9 +332,15 @@ class Admission:
         started at once and says nothing about a slow queue (the gap between two waves of
         requests is not a stalled queue). The rate is the admissions' count over the time they took,
         not an average of inverse gaps, so a step that admits sixteen at once and then pauses a
-        frame gives sixteen per frame."""
+        frame gives sixteen per frame.
+
+        `backlog` False: the request started alone, nobody waiting behind it and no other started
+        with it. Its wait (a step or two from its submission) is no queue's drain time and is not
+        counted: an idle talker's requests, one at a time about 20 ms each, measured 50 a second,
+        and the next burst was told its 143rd request would wait past 3 s and refused the rest
+        (an H100 stack, 2026-12-05: 142 of 768 let in)."""
         starts = [t for t in (self._last_admit_at, submitted_at) if t is not None]
-        if starts:
+        if starts and backlog:
             start = max(starts)
             # Decayed sums over about the last `_DRAIN_MEMORY` admissions: their count over the
             # time they took.

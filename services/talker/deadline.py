@@ -434,7 +434,8 @@ class DeadlineScheduler:
             plan.admitted.append(req)
             view.prefill_pending += positions
             if adm is not None:
-                adm.observe_admit(now, req.submitted_at)
+                # A request started alone (none behind it, none beside it) drained no backlog.
+                adm.observe_admit(now, req.submitted_at, backlog=bool(self.waiting) or len(plan.admitted) > 1)
 
     def _running_view(self, now: float, step_s: float) -> _RunningView:
         """What admission weighs of the running streams: how many ran dry of the ones with audio,

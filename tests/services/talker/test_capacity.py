@@ -95,6 +95,35 @@ def test_the_drain_rate_averages_the_gaps_of_bursty_admissions():
     assert fresh.predicted_wait_s(0, 5.1) < 0.01
 
 
+def test_an_idle_talker_s_one_at_a_time_requests_do_not_set_the_next_burst_s_drain_rate():
+    """Thirty requests one at a time, each started 20 ms after its submission and alone: no
+    backlog drained, so no drain rate. Before, they measured 50 a second, and the talker then
+    published room for the 150 requests of a burst that 3 s of that rate drains (an H100 stack:
+    142 of 768 let in). The burst's own admissions, sixteen a step behind each other, do count."""
+    cfg = AdmissionConfig(first_audio_budget_s=6.0, prefill_request_s=0.002)
+    adm = Admission(cfg)
+    s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=adm)
+    t = 0.0
+    for i in range(30):
+        r = req(f"idle{i}")
+        r.max_new_frames = 25
+        s.submit(r, now=t)
+        (started_alone,) = s.plan(t + 0.02).admitted
+        s.remove(started_alone.request_id)
+        t += 0.5
+    assert adm.drain_per_s(t) is None
+    room = s.forecast.headroom(t)
+    cap = adm.capacity(s.forecast.mean_stream_s())
+    assert room.accept >= room.start_now == min(cap, 1024) > 600
+    for i in range(700):
+        r = req(f"burst{i}")
+        r.max_new_frames = 125
+        s.submit(r, now=t)
+    assert len(s.plan(t + 0.05).admitted) == cfg.max_admit_per_step
+    assert len(s.plan(t + 0.10).admitted) == cfg.max_admit_per_step
+    assert adm.drain_per_s(t + 0.10) is not None  # a backlog drained: now measured
+
+
 def test_at_three_times_the_gap_free_load_the_admitted_stay_on_time_and_the_rest_are_refused_at_once():
     """10 s streams under the default admission (duty 0.6 of a frame: about 220 streams with this
     cost model) carry 22 requests/s with every stream on time and none refused. At 66/s, three
