@@ -336,9 +336,10 @@ class Admission:
 
         `backlog` False: the request started alone, nobody waiting behind it and no other started
         with it. Its wait (a step or two from its submission) is no queue's drain time and is not
-        counted: an idle talker's requests, one at a time about 20 ms each, measured 50 a second,
-        and the next burst was told its 143rd request would wait past 3 s and refused the rest
-        (an H100 stack, 2026-12-05: 142 of 768 let in)."""
+        counted: an idle talker's requests, one at a time and each started a step or two after its
+        submission, measure 50-80 a second, and the next burst is then told that its 150th-250th
+        request would wait past 3 s (an H100 stack after such a probe let in 142 of 768,
+        2026-12-05; HISTORY.md)."""
         starts = [t for t in (self._last_admit_at, submitted_at) if t is not None]
         if starts and backlog:
             start = max(starts)

@@ -11,7 +11,8 @@ per frame (and `decoder_call_s` once per step that decodes any) after the step t
 before the next step can run, and the talker's own step measurement does not see it (as a talker
 on a GPU shared with code2wav measures its steps). With `publish_decoder_cost`, code2wav's
 `DecodeCost` measures those decode calls and admission hears its estimate after each one, as the
-talker hears it on code2wav's credit grants.
+talker hears it on code2wav's credit grants; with `calibrate_decoder` (the default) the estimate
+starts from code2wav's start-up calibration, as a replica's does.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def simulate(
     plan: ChunkPlan | Callable[[int, int], ChunkPlan] | None = None,
     retry_refused_s: float | None = None,
     publish_decoder_cost: bool = False,
+    calibrate_decoder: bool = True,
 ) -> list[Listener]:
     """Run `arrivals` (time, frames, prompt positions) to completion or `until_s`.
 
@@ -112,6 +114,13 @@ def simulate(
     adm = scheduler.admission
     # Refitted after every call: code2wav refits at most every 50 ms of its clock to spare its loop.
     decoder = DecodeCost(refit_s=0.0) if publish_decoder_cost else None
+    if decoder is not None and calibrate_decoder and adm is not None:
+        # As code2wav's start-up does (Code2WavCore.calibrate): one frame, one chunk, a wide batch.
+        for _ in range(3):
+            for frames in (1, 16, 64 * 16):
+                decoder.calibrate(frames, cost.decoder_call_s + frames * cost.decoder_frame_s)
+        est = decoder.estimate()
+        adm.observe_decoder(est.frame_s, est.call_s, est.calls_per_s)
 
     def arrive(t: float, frames: int, positions: int) -> None:
         rid = f"r{len(listeners)}"

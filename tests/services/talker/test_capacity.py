@@ -13,7 +13,7 @@ import pytest
 from qtts.request.errors import ResourceExhausted, Unavailable
 from services.talker.admission import Admission, AdmissionConfig
 from services.talker.deadline import DeadlineScheduler
-from tests.services.talker.playback_sim import simulate
+from tests.services.talker.playback_sim import Cost, simulate
 from tests.services.talker.test_deadline_scheduler import COST, poisson_load, req, started
 
 
@@ -122,6 +122,42 @@ def test_an_idle_talker_s_one_at_a_time_requests_do_not_set_the_next_burst_s_dra
     assert len(s.plan(t + 0.05).admitted) == cfg.max_admit_per_step
     assert len(s.plan(t + 0.10).admitted) == cfg.max_admit_per_step
     assert adm.drain_per_s(t + 0.10) is not None  # a backlog drained: now measured
+
+
+def test_a_burst_of_first_chunks_does_not_inflate_the_decoder_s_published_cost():
+    """768 voice clones at once on a fresh talker whose GPU code2wav shares (the decoder 1.5 ms a
+    call + 20 us a frame, as published): the first decode calls are all of first chunks, one size,
+    and a line through calls of one size put 114 us on a frame; the capacity fell to 134 and the
+    rest of the burst was told it would start in about a minute (the H100 stack let in 142).
+    From code2wav's start-up calibration the per-frame cost stays 20 us and the burst is let in
+    up to its first-audio budget, every stream on time."""
+    cost = Cost(
+        base_s=0.0052, per_stream_s=0.000025, prefill_position_s=0.0000126, decode_s=0.002,
+        decoder_frame_s=0.00002, decoder_call_s=0.0015,
+    )  # fmt: skip
+    cfg = AdmissionConfig(
+        first_audio_budget_s=6.0, step_fit="uncontended", decoder_shares_gpu=True, prefill_request_s=0.002,
+        step_base_s=0.0052, step_per_stream_s=0.000025, prefill_position_s=0.0000126,
+    )  # fmt: skip
+
+    def burst(calibrate: bool) -> tuple[list, Admission]:
+        adm = Admission(cfg)
+        s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=adm)
+        lis = simulate(
+            s,
+            [(0.0, 125, 299)] * 768,
+            cost,
+            until_s=40.0,
+            publish_decoder_cost=True,
+            calibrate_decoder=calibrate,
+        )
+        return [x for x in lis if not x.refused], adm
+
+    uncalibrated, _ = burst(False)
+    assert len(uncalibrated) < 200
+    let_in, adm = burst(True)
+    assert len(let_in) >= 700 and adm.decoder_frame_s == pytest.approx(0.00002)
+    assert all(x.max_underrun_s() == 0 for x in let_in)
 
 
 def test_at_three_times_the_gap_free_load_the_admitted_stay_on_time_and_the_rest_are_refused_at_once():
