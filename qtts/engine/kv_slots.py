@@ -82,3 +82,16 @@ def slots_for_budget(budget_bytes: int, max_len: int, bytes_per_position: int, m
     """How many slots of `max_len` positions (+1 scratch position each) fit in `budget_bytes`."""
     per_slot = (max_len + 1) * bytes_per_position
     return max(0, min(max_slots, budget_bytes // per_slot))
+
+
+def kv_budget_bytes(
+    free: int, total: int, own: int, *, reserve: int, others: int, prefix_cache: int, fraction: float
+) -> int:
+    """Bytes the KV slots may take on a GPU with `free` of `total` bytes free, `own` of them held
+    by this process: `fraction` of what is free after this process's own `reserve` (graphs,
+    activations, prefill), its prefix cache and what other processes on the GPU may still take of
+    the `others` they need (less what they already hold, so the answer does not depend on whether
+    code2wav sharing the GPU has allocated its memory before this engine sizes its slots)."""
+    others_now = max(0, total - free - own)
+    others_to_come = max(0, others - others_now)
+    return int(max(0, free - reserve - prefix_cache - others_to_come) * fraction)

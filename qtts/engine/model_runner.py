@@ -36,7 +36,7 @@ from qtts.engine.fp8 import dispatching as fp8_dispatching
 from qtts.engine.fp8 import quantize_layer
 from qtts.engine.frame_step import FrameStepMixin
 from qtts.engine.fused_layers import fast_out_mlp, fast_predictor_layer, fast_qkv, fuse_layer
-from qtts.engine.kv_slots import slots_for_budget
+from qtts.engine.kv_slots import kv_budget_bytes, slots_for_budget
 from qtts.engine.prefill import PrefillMixin
 from qtts.engine.prefix_cache import PrefixCache
 from qtts.engine.runner_config import (
@@ -256,9 +256,15 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
         cap = self.cfg.num_slots or self.cfg.max_batch
         if self.device.type != "cuda" or self.cfg.num_slots is not None:
             return cap
-        free, _ = torch.cuda.mem_get_info(self.device)
-        budget = int(
-            max(0, free - self.cfg.reserve_bytes - self.cfg.prefix_cache_bytes) * self.cfg.kv_memory_fraction
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_budget_bytes(
+            free,
+            total,
+            torch.cuda.memory_reserved(self.device),
+            reserve=self.cfg.reserve_bytes,
+            others=self.cfg.others_bytes,
+            prefix_cache=self.cfg.prefix_cache_bytes,
+            fraction=self.cfg.kv_memory_fraction,
         )
         per_pos = self.bytes_per_position() + self.bytes_per_slot_state() // (self.max_len + 1) + 1
         n = slots_for_budget(budget, self.max_len, per_pos, cap)

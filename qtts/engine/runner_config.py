@@ -50,6 +50,9 @@ class RunnerConfig:
     num_slots: int | None = None  # None: max_batch, capped by measured free memory on CUDA
     kv_memory_fraction: float = 0.9  # of the free memory after weights, for slots
     reserve_bytes: int = 4 << 30  # kept free for graphs, activations and prefill
+    # GPU memory other processes on the GPU (code2wav beside the talker) need in all; what they
+    # do not hold yet when the slots are sized is left free too (kv_slots.kv_budget_bytes).
+    others_bytes: int = 0
     max_trailing: int = 512  # trailing text embeddings held per slot
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     # Attention spans captured; the decode reads the whole bucket of every row, so finer buckets
@@ -129,6 +132,8 @@ class RunnerConfig:
             raise ValueError("max_len >= 2, max_batch >= 1, max_trailing >= 0 and context_step >= 1 required")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError("kv_memory_fraction must be in (0, 1]")
+        if self.reserve_bytes < 0 or self.others_bytes < 0:
+            raise ValueError("reserve_bytes and others_bytes must be >= 0")
         for name in ("talker_attention", "predictor_attention"):
             if getattr(self, name) not in ATTENTION_IMPLS:
                 raise ValueError(f"{name} must be one of {ATTENTION_IMPLS}")

@@ -74,14 +74,15 @@ class TalkerConfig:
         1024, "graph engine: KV cache of voice-only prompt prefixes, MiB (0 = off)"
     )
     # The KV slots take a share of the GPU memory free when the engine starts; on one GPU with
-    # code2wav, code2wav may start capturing its graphs later. An H100 stack (2026-12-05) with
+    # code2wav, code2wav may still be capturing its graphs then. An H100 stack (2026-12-05) with
     # --max-batch 896 gave the talker 58.8 GiB and code2wav ran out at 19.3 GiB, mid-capture;
     # at 768 both fit, leaving code2wav 26.9 GiB (it needs 20-27 GiB at --max-states 1024
-    # --max-batch 256). A 24 GiB reserve keeps about 745 slots there, and on an H200 all 1,024.
-    gpu_reserve_gib: float = setting(
+    # --max-batch 256). What the others already hold when the slots are sized is not left twice.
+    gpu_others_gib: float = setting(
         -1.0,
-        "graph engine: GPU memory its KV slots leave to others, GiB (-1 = 4, or 24 with "
-        "--decoder-shares-gpu: code2wav's decoder and graphs)",
+        "graph engine: GPU memory other processes on this GPU need in all, GiB; the KV slots "
+        "leave what they do not hold yet (-1 = 24 with --decoder-shares-gpu: code2wav's decoder "
+        "and graphs; else 0)",
     )
     # Fewer attention-span buckets: faster start-up, more KV read per step.
     max_len: int = setting(1024, "graph engine: KV positions per slot (prompt + generated frames)")
@@ -215,11 +216,11 @@ class TalkerConfig:
     tls: TlsConfig = group(TlsConfig(), "tls", what="gRPC between the services")
 
     @property
-    def gpu_reserve_bytes(self) -> int:
-        """What `--gpu-reserve-gib` leaves free, -1 resolved."""
-        gib = self.gpu_reserve_gib
+    def gpu_others_bytes(self) -> int:
+        """`--gpu-others-gib` in bytes, -1 resolved."""
+        gib = self.gpu_others_gib
         if gib == -1:
-            gib = 24.0 if self.decoder_shares_gpu else 4.0
+            gib = 24.0 if self.decoder_shares_gpu else 0.0
         return int(gib * (1 << 30))
 
     @property
@@ -264,10 +265,8 @@ class TalkerConfig:
             raise InvalidArgument(
                 f"--prompt-builds must be one of {', '.join(PROMPT_BUILDS)}, got {self.prompt_builds!r}"
             )
-        if self.gpu_reserve_gib < 0 and self.gpu_reserve_gib != -1:
-            raise InvalidArgument(
-                f"--gpu-reserve-gib must be >= 0 or -1 (auto), got {self.gpu_reserve_gib:g}"
-            )
+        if self.gpu_others_gib < 0 and self.gpu_others_gib != -1:
+            raise InvalidArgument(f"--gpu-others-gib must be >= 0 or -1 (auto), got {self.gpu_others_gib:g}")
         if self.prefix_cache_mb < 0:
             raise InvalidArgument(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
         if self.max_prefill_tokens < 1:

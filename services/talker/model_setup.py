@@ -49,7 +49,7 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
             max_len=config.max_len,
             context_step=config.context_step,
             prefix_cache_bytes=config.prefix_cache_mb << 20,
-            reserve_bytes=config.gpu_reserve_bytes,
+            others_bytes=config.gpu_others_bytes,
             prefill_buckets=config.prefill_buckets,
             decode_kernels=config.decode_kernels,
             sample_kernel=config.sample_kernel,

@@ -26,7 +26,7 @@ def test_flags_and_env_fallbacks(monkeypatch):
         (["--max-prefill-tokens", "0"], "--max-prefill-tokens"),
         (["--decode-kernels", "cuda"], "--decode-kernels"),
         (["--sample-kernel", "sort"], "--sample-kernel"),
-        (["--gpu-reserve-gib", "-2"], "--gpu-reserve-gib"),
+        (["--gpu-others-gib", "-2"], "--gpu-others-gib"),
     ],
 )
 def test_unusable_flags_exit_with_a_clear_message(flags, message, capsys):
@@ -69,22 +69,22 @@ def test_the_decoder_shares_the_gpu_only_when_told_and_the_launcher_tells_on_one
 
 
 def test_the_kv_slots_leave_code2wav_its_memory_when_it_shares_the_gpu(monkeypatch):
-    """--gpu-reserve-gib -1 (the default): 4 GiB alone, 24 GiB with code2wav on the same GPU (an
+    """--gpu-others-gib -1 (the default): nothing alone, 24 GiB with code2wav on the same GPU (an
     H100 stack ran code2wav out of memory mid-capture); the graph engine's runner gets it."""
     from services.talker import model_setup
 
-    assert config_from_args([]).gpu_reserve_bytes == 4 << 30
-    assert config_from_args(["--decoder-shares-gpu"]).gpu_reserve_bytes == 24 << 30
-    assert config_from_args(["--decoder-shares-gpu", "--gpu-reserve-gib", "0"]).gpu_reserve_bytes == 0
+    assert config_from_args([]).gpu_others_bytes == 0
+    assert config_from_args(["--decoder-shares-gpu"]).gpu_others_bytes == 24 << 30
+    assert config_from_args(["--decoder-shares-gpu", "--gpu-others-gib", "0"]).gpu_others_bytes == 0
     seen = {}
 
     class Engine:
         def __init__(self, bundle, max_batch, config):
-            seen["reserve"] = config.runner.reserve_bytes
+            seen["others"] = config.runner.others_bytes
 
     import qtts.engine
 
     monkeypatch.setattr(qtts.engine, "GraphEngine", Engine)
-    cfg = config_from_args(["--engine", "graph", "--gpu-reserve-gib", "6.5"])
+    cfg = config_from_args(["--engine", "graph", "--gpu-others-gib", "6.5"])
     model_setup.generator_factory_for(cfg)(None, 8)
-    assert seen["reserve"] == int(6.5 * (1 << 30))
+    assert seen["others"] == int(6.5 * (1 << 30))
