@@ -67,6 +67,10 @@ class Prompt:
     frames: int
     end_reason: str = "stop"
     ref_codes: Any = None
+    # What the scheduler reads of a prompt's positions (`embeds.shape[0]`): a voice clone's 299 by
+    # default ("positions=N" in the text sets it), so the talker times the stand-in's prefills
+    # (`--prefill-ms`) and learns their cost as on a GPU instead of keeping its prior.
+    embeds: Any = None
 
 
 class StandInBundle:
@@ -92,7 +96,8 @@ class StandInBundle:
 
     def build_prompt(self, spec: Spec) -> Prompt:
         words = dict(w.split("=", 1) for w in spec.text.split() if "=" in w)
-        return Prompt(frames=int(words.get("frames", 125)))
+        positions = int(words.get("positions", 299))
+        return Prompt(frames=int(words.get("frames", 125)), embeds=SimpleNamespace(shape=(positions, 0)))
 
     @property
     def prompt_builder(self) -> SimpleNamespace:
