@@ -98,22 +98,24 @@ def word_timestamp_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
 
 
 def make_synthesizer(cfg: BenchConfig) -> Synthesizer:
-    if cfg.args.protocol == "grpc":
-        targets = [t.strip() for t in cfg.args.grpc_target.split(",") if t.strip()] or [cfg.args.grpc_target]
-        grpc = [
-            GrpcSynthesizer(t, cfg.options, channels=cfg.args.grpc_channels, request_id_prefix=cfg.args.tag)
-            for t in targets
-        ]
-        return RoundRobinSynthesizer(grpc) if len(grpc) > 1 else grpc[0]
-    urls = [u.strip() for u in cfg.args.url.split(",") if u.strip()]
-    if len(urls) > 1:
-        return RoundRobinSynthesizer([HttpSynthesizer(u, cfg.options) for u in urls])
-    return HttpSynthesizer(urls[0] if urls else cfg.args.url, cfg.options)
+    """One synthesizer per gateway the comma-separated --url or --grpc-target names, taken in turn."""
+    args = cfg.args
+    if args.protocol == "grpc":
+        targets, make = (
+            args.grpc_target,
+            lambda t: GrpcSynthesizer(
+                t, cfg.options, channels=args.grpc_channels, request_id_prefix=args.tag
+            ),
+        )
+    else:
+        targets, make = args.url, lambda u: HttpSynthesizer(u, cfg.options)
+    made = [make(t) for t in ([t.strip() for t in targets.split(",") if t.strip()] or [targets])]
+    return RoundRobinSynthesizer(made) if len(made) > 1 else made[0]
 
 
 class RoundRobinSynthesizer:
-    """Request i goes to synthesizer i mod n (one per gateway URL or gRPC target), as a Service spreads streams
-    over gateway pods; the records do not say which gateway served them."""
+    """Request i goes to synthesizer i mod n (one per gateway URL or gRPC target), as a Service
+    spreads streams over gateway pods; the records do not say which gateway served them."""
 
     def __init__(self, synthesizers: Sequence[Synthesizer]):
         self._synthesizers = list(synthesizers)

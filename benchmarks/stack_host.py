@@ -37,12 +37,13 @@ from benchmarks.code2wav_host import stop, wait_ready
 from benchmarks.stack_summary import summary
 from benchmarks.talker_host import VOICE, wait_serving
 
-# The client's flags unless --client-args replaces them: 10 s requests of the stand-in's preset
-# voice in a closed loop, refused clients retrying after the Retry-After they are given.
+# --idle-first's client: n requests of 2 s, one at a time.
 IDLE_ARGS = (
     "--task-type custom_voice --voice {voice} --no-ref-audio --concurrency 1 --num-requests {n} "
     "--max-new-tokens 25 --fixed-length --warmup 0"
 )
+# The client's flags unless --client-args replaces them: 10 s requests of the stand-in's preset
+# voice in a closed loop, refused clients retrying after the Retry-After they are given.
 CLIENT_ARGS = (
     "--task-type custom_voice --voice {voice} --no-ref-audio --concurrency 256 512 --num-requests 1024 "
     "--max-new-tokens 125 --fixed-length --time-limit 40 --retry-after --refusal-probe-s 0.1"

@@ -48,7 +48,7 @@ from qtts.serving.metrics import Code2WavMetrics
 from qtts.streams.chunk_plan import ChunkPlan
 from qtts.streams.decode_events import DecodedAudio
 from services.code2wav.credit import CreditPolicy
-from services.code2wav.decode_cost import DecodeCost
+from services.code2wav.decode_cost import CALIBRATION_REPEATS, DecodeCost, calibration_calls
 from services.code2wav.registry import StreamRegistry
 from services.code2wav.starts import StateStarter
 from services.code2wav.stream import CodecShape, DecodeStream
@@ -94,7 +94,6 @@ class Code2WavCore:
         self._device_failure = device_failure
         self.metrics = metrics
         self.registry = StreamRegistry(max_states, metrics)
-        self.max_states = max_states
         self.max_batch = max_batch
         self.max_call_frames = max_call_frames  # 0: no bound but max_batch
         self.plan = plan or ChunkPlan()
@@ -154,17 +153,13 @@ class Code2WavCore:
         await asyncio.get_running_loop().run_in_executor(self._executor, run)
         await self.calibrate()
 
-    # The decode calls `calibrate` times, each `CALIBRATION_REPEATS` times: (streams, frames each).
-    # One frame of one stream and a wide batch of full chunks: sizes far enough apart for the
-    # cost fit to tell a frame's cost from a call's (decode_cost.py).
-    CALIBRATION_REPEATS = 3
-
     def calibration_calls(self) -> list[tuple[int, int]]:
+        """(streams, frames each) of the calls `calibrate` times (decode_cost.calibration_calls)."""
         chunk = max(self.plan.ramp) if self.plan.ramp else 16
-        wide = max(1, min(self.max_batch, self.max_states, 64))
+        wide = min(self.max_batch, self.registry.max_states)
         if self.max_call_frames:
-            wide = max(1, min(wide, self.max_call_frames // chunk))
-        return [(1, 1), (1, chunk), (wide, chunk)]
+            wide = min(wide, self.max_call_frames // chunk)
+        return calibration_calls(chunk, wide)
 
     async def calibrate(self) -> None:
         """Time decode calls of the sizes `calibration_calls` names on fresh states (freed after)
@@ -181,7 +176,7 @@ class Code2WavCore:
                 with torch.inference_mode():
                     for _ in range(num_states):
                         states.append(self.decoder.start(None))
-                for _ in range(self.CALIBRATION_REPEATS):
+                for _ in range(CALIBRATION_REPEATS):
                     for streams, frames in sizes:
                         codes = [np.zeros((frames, self.codec_shape.num_codebooks), np.int64)] * streams
                         _, elapsed_ns, _ = _decode_chunks(self.decoder, self.device, states[:streams], codes)

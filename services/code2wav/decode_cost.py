@@ -32,6 +32,17 @@ class DecodeCostEstimate:
     calls_per_s: float
 
 
+# Each calibration call is made this many times (Code2WavCore.calibrate).
+CALIBRATION_REPEATS = 3
+
+
+def calibration_calls(chunk_frames: int, max_streams: int) -> list[tuple[int, int]]:
+    """(streams, frames each) of the decode calls a replica times at start-up: one frame of one
+    stream, one chunk of one, and up to 64 streams' chunks at once, sizes far enough apart for
+    the fit to tell a frame's cost from a call's."""
+    return [(1, 1), (1, chunk_frames), (max(1, min(max_streams, 64)), chunk_frames)]
+
+
 def _spans(frames: np.ndarray, spread: float, span: float) -> bool:
     """Do the calls' sizes differ enough for their line to measure a per-frame cost?"""
     lo, hi = float(frames.min()), float(frames.max())
@@ -77,9 +88,8 @@ class DecodeCost:
 
     def observe(self, frames: int, seconds: float, now: float) -> None:
         """One decode call of `frames` frames took `seconds`, ending at clock time `now`."""
-        if frames <= 0 or not math.isfinite(seconds) or seconds < 0:
+        if not self._add(frames, seconds):
             return
-        self._calls.append((float(frames), float(seconds)))
         if self._last_at is not None:
             self._gaps.append(min(max(now - self._last_at, 0.0), self._max_gap_s))
         self._last_at = now
@@ -90,10 +100,15 @@ class DecodeCost:
     def calibrate(self, frames: int, seconds: float) -> None:
         """A decode call made to measure the decoder (start-up): counted in the fit, not in the
         call rate (calls made back to back say nothing about how often streams need one)."""
+        if self._add(frames, seconds):
+            self._estimate = self._refit()
+
+    def _add(self, frames: int, seconds: float) -> bool:
+        """Keep a call for the fit; False (and nothing kept) for one with no frames or no time."""
         if frames <= 0 or not math.isfinite(seconds) or seconds < 0:
-            return
+            return False
         self._calls.append((float(frames), float(seconds)))
-        self._estimate = self._refit()
+        return True
 
     def estimate(self) -> DecodeCostEstimate | None:
         """The cost as last fitted (None before the first call)."""

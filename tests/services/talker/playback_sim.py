@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from qtts.streams.chunk_plan import ChunkPlan, start_plan
-from services.code2wav.decode_cost import DecodeCost
+from services.code2wav.decode_cost import CALIBRATION_REPEATS, DecodeCost, calibration_calls
 from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
 
 FRAME_S = 0.08
@@ -116,9 +116,11 @@ def simulate(
     decoder = DecodeCost(refit_s=0.0) if publish_decoder_cost else None
     if decoder is not None and calibrate_decoder and adm is not None:
         # As code2wav's start-up does (Code2WavCore.calibrate): one frame, one chunk, a wide batch.
-        for _ in range(3):
-            for frames in (1, 16, 64 * 16):
-                decoder.calibrate(frames, cost.decoder_call_s + frames * cost.decoder_frame_s)
+        for _ in range(CALIBRATION_REPEATS):
+            for streams, frames in calibration_calls(16, 64):
+                decoder.calibrate(
+                    streams * frames, cost.decoder_call_s + streams * frames * cost.decoder_frame_s
+                )
         est = decoder.estimate()
         adm.observe_decoder(est.frame_s, est.call_s, est.calls_per_s)
 
