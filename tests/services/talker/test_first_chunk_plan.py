@@ -111,9 +111,13 @@ async def test_a_stream_asks_its_replica_for_the_four_frame_start_while_others_s
                 request = talker_pb2.GenerateRequest(request_id=f"r{i}", text="frames=100000", **CLONE)
                 calls.append(s.stub.Generate(request))
                 await eventually(lambda i=i: f"r{i}" in s.generator._active)
-            asked = [(log.first_chunk_frames, log.chunk_frames_ramp) for log in c2w.logs]
-            assert asked[:BUSY_STARTING] == [(0, ())] * BUSY_STARTING
-            assert asked[BUSY_STARTING] == (BURST_PLAN.first, BURST_PLAN.ramp)
+            # The replica hears the Decode calls in whatever order they arrive: by request id, once
+            # every call's start message is in.
+            ids = {f"r{i}" for i in range(BUSY_STARTING + 1)}
+            await eventually(lambda: {log.request_id for log in c2w.logs} == ids)
+            asked = {log.request_id: (log.first_chunk_frames, log.chunk_frames_ramp) for log in c2w.logs}
+            assert [asked[f"r{i}"] for i in range(BUSY_STARTING)] == [(0, ())] * BUSY_STARTING
+            assert asked[f"r{BUSY_STARTING}"] == (BURST_PLAN.first, BURST_PLAN.ramp)
         finally:
             for call in calls:
                 call.cancel()
