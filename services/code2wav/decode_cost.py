@@ -118,9 +118,10 @@ class DecodeCost:
         """(call_s, frame_s): a free line over calls of sizes far enough apart (remembering its
         per-frame cost when `keep_slope`), else the last such per-frame cost (at most the mean
         cost of a frame here) with the calls' mean setting the per-call part."""
-        if self._frame_s is None or _spans(frames, self.MIN_SPREAD, self.MIN_SPAN_FRAMES):
+        spans = _spans(frames, self.MIN_SPREAD, self.MIN_SPAN_FRAMES)
+        if self._frame_s is None or spans:
             call_s, frame_s = _fit(frames, seconds)
-            if keep_slope and _spans(frames, self.MIN_SPREAD, self.MIN_SPAN_FRAMES):
+            if keep_slope and spans:
                 self._frame_s = frame_s
             return call_s, frame_s
         mx, my = float(frames.mean()), float(seconds.mean())
