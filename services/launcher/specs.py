@@ -88,12 +88,28 @@ def decoder_shares_gpu(cfg: StackConfig) -> bool:
     decode cost code2wav measures there): on CUDA, with no code2wav devices or one of them the
     talker's."""
 
-    def gpu(device: str) -> str:
-        return device if ":" in device else f"{device}:0"
-
     if not cfg.device.startswith("cuda"):
         return False
-    return not cfg.code2wav_devices or gpu(cfg.device) in {gpu(d) for d in cfg.code2wav_devices}
+    return not cfg.code2wav_devices or _gpu(cfg.device) in {_gpu(d) for d in cfg.code2wav_devices}
+
+
+def aligner_shares_gpu(cfg: StackConfig) -> bool:
+    """Whether the aligner stage runs on the talker's GPU (so the talker's KV slots leave it room):
+    started, on CUDA, by the last `--device` of its flags (the aligner's default is the CPU)."""
+    if not cfg.aligner_port or not cfg.device.startswith("cuda"):
+        return False
+    device = "cpu"
+    args = list(cfg.extra_args.get("aligner", ()))
+    for i, arg in enumerate(args):
+        if arg == "--device" and i + 1 < len(args):
+            device = args[i + 1]
+        elif arg.startswith("--device="):
+            device = arg.split("=", 1)[1]
+    return device.startswith("cuda") and _gpu(device) == _gpu(cfg.device)
+
+
+def _gpu(device: str) -> str:
+    return device if ":" in device else f"{device}:0"
 
 
 def talker_spec(
@@ -111,6 +127,7 @@ def talker_spec(
         "--speaker-cache",
         cfg.address(cfg.speaker_cache_port),
         *(["--decoder-shares-gpu"] if decoder_shares_gpu(cfg) else []),
+        *(["--aligner-shares-gpu"] if aligner_shares_gpu(cfg) else []),
     )
     return _stage_spec(
         cfg,

@@ -20,6 +20,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("eager", "graph")
 ENGINE_PROCESS = ("auto", "on", "off")
 PROMPT_BUILDS = ("batched", "pipelined")
+# What --gpu-others-gib -1 leaves beside the KV slots for each engine sharing the talker's GPU:
+# code2wav's decoder and graphs (20-27 GiB at --max-states 1024 --max-batch 256), the aligner's.
+DECODER_GPU_GIB = 24.0
+ALIGNER_GPU_GIB = 14.0
 # qtts.engine.model_runner.KERNEL_CHOICES, copied so that parsing flags does not import torch
 # (a test checks they are equal).
 DECODE_KERNELS = SAMPLE_KERNELS = ("auto", "triton", "torch")
@@ -82,7 +86,14 @@ class TalkerConfig:
         -1.0,
         "graph engine: GPU memory other processes on this GPU need in all, GiB; the KV slots "
         "leave what they do not hold yet (-1 = 24 with --decoder-shares-gpu: code2wav's decoder "
-        "and graphs; else 0)",
+        "and graphs; 14 more with --aligner-shares-gpu; else 0)",
+    )
+    # The launcher's one-GPU stack with --aligner (an H100 stack, 2026-12-06): the talker left
+    # 24 GiB, code2wav took 22 and the aligner ran out at 11 GiB while capturing its graphs.
+    aligner_shares_gpu: bool = setting(
+        False,
+        "the aligner stage (word timestamps) runs on this talker's GPU: --gpu-others-gib -1 "
+        "leaves it 14 GiB (its model and graphs) beside code2wav's",
     )
     # Fewer attention-span buckets: faster start-up, more KV read per step.
     max_len: int = setting(1024, "graph engine: KV positions per slot (prompt + generated frames)")
@@ -220,7 +231,9 @@ class TalkerConfig:
         """`--gpu-others-gib` in bytes, -1 resolved."""
         gib = self.gpu_others_gib
         if gib == -1:
-            gib = 24.0 if self.decoder_shares_gpu else 0.0
+            gib = (DECODER_GPU_GIB if self.decoder_shares_gpu else 0.0) + (
+                ALIGNER_GPU_GIB if self.aligner_shares_gpu else 0.0
+            )
         return int(gib * (1 << 30))
 
     @property

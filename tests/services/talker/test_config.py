@@ -88,3 +88,31 @@ def test_the_kv_slots_leave_code2wav_its_memory_when_it_shares_the_gpu(monkeypat
     cfg = config_from_args(["--engine", "graph", "--gpu-others-gib", "6.5"])
     model_setup.generator_factory_for(cfg)(None, 8)
     assert seen["others"] == int(6.5 * (1 << 30))
+
+
+def test_the_kv_slots_leave_the_aligner_its_memory_when_it_shares_the_gpu():
+    """An aligner on the talker's GPU adds 14 GiB to what --gpu-others-gib -1 leaves (an H100
+    stack with --aligner ran the aligner out of memory while it captured its graphs); the
+    launcher says so when the aligner's --device is the talker's GPU, not when it is the CPU or
+    another GPU."""
+    import dataclasses
+
+    from services.launcher import StackConfig, talker_spec
+
+    assert config_from_args(["--aligner-shares-gpu"]).gpu_others_bytes == 14 << 30
+    both = config_from_args(["--decoder-shares-gpu", "--aligner-shares-gpu"])
+    assert both.gpu_others_bytes == 38 << 30
+    told_others = config_from_args(["--decoder-shares-gpu", "--aligner-shares-gpu", "--gpu-others-gib", "30"])
+    assert told_others.gpu_others_bytes == 30 << 30
+
+    def told(device: str, aligner_args: tuple[str, ...], aligner_port: int = 50050) -> bool:
+        cfg = dataclasses.replace(
+            StackConfig(), device=device, aligner_port=aligner_port, extra_args={"aligner": aligner_args}
+        )
+        return "--aligner-shares-gpu" in talker_spec(cfg, "m").args
+
+    assert told("cuda", ("--device", "cuda")) and told("cuda:0", ("--device=cuda",))
+    assert told("cuda:1", ("--device", "cuda:0", "--device", "cuda:1"))  # the last one counts
+    assert not told("cuda", ())  # the aligner's default device is the CPU
+    assert not told("cuda", ("--device", "cpu")) and not told("cuda:0", ("--device", "cuda:1"))
+    assert not told("cpu", ("--device", "cpu")) and not told("cuda", ("--device", "cuda"), aligner_port=0)
