@@ -213,6 +213,8 @@ class Admission:
     """Decides whether the next waiting request may start; see the module docstring."""
 
     _DRAIN_MEMORY = 100  # admissions the drain rate averages over (about half a second in a burst)
+    _EVENT_MEMORY = 16  # admission events (steps) the time between them averages over
+    _SAME_EVENT_S = 1e-3  # admissions this close together are one event (one step's plan)
 
     def __init__(self, config: AdmissionConfig | None = None, frame_s: float = 0.08):
         self.config = config or AdmissionConfig()
@@ -222,6 +224,10 @@ class Admission:
         self._last_admit_at: float | None = None
         self._drain_busy_s = 0.0  # time the recent admissions of a backlog took (decayed)
         self._drain_count = 0.0  # and their number (decayed alike)
+        # The same for admission events (the steps that started some): how long a backlog
+        # normally goes without an admission, the yardstick of a stall.
+        self._event_busy_s = 0.0
+        self._event_count = 0.0
         # The decoder's cost on this GPU: the flag's prior until code2wav publishes its own.
         self.decoder_frame_s = self.config.decoder_frame_s
         self.decoder_call_load = 0.0  # busy fraction of the decoder's per-call cost
@@ -348,6 +354,11 @@ class Admission:
             keep = 1.0 - 1.0 / self._DRAIN_MEMORY
             self._drain_busy_s = self._drain_busy_s * keep + max(now - start, 0.0)
             self._drain_count = self._drain_count * keep + 1.0
+            last = self._last_admit_at
+            if last is None or now - last > self._SAME_EVENT_S:  # the first of a step's admissions
+                keep = 1.0 - 1.0 / self._EVENT_MEMORY
+                self._event_busy_s = self._event_busy_s * keep + max(now - start, 0.0)
+                self._event_count = self._event_count * keep + 1.0
         self._last_admit_at = now
 
     def drain_per_s(self, now: float, waiting_since: float | None = None) -> float | None:
@@ -360,7 +371,14 @@ class Admission:
         if waiting_since is not None:
             last = self._last_admit_at if self._last_admit_at is not None else waiting_since
             stalled = now - max(waiting_since, last)
-            gap = max(gap, stalled)
+            # A stall is judged against the time between admission events, not between
+            # admissions: a step that starts sixteen and runs 54 ms leaves 54 ms without an
+            # admission, which is no stall. Judged per admission, a burst's requests arriving
+            # mid-step were told the queue drains at 18 a second, not 300, and refused (an H100
+            # stack, 2026-12-06: "56 requests wait to start, about 3.1 s").
+            event_gap = self._event_busy_s / self._event_count if self._event_count else gap
+            if stalled > event_gap:
+                gap *= stalled / max(event_gap, 1e-4)
         return 1.0 / gap
 
     def predicted_wait_s(

@@ -95,6 +95,32 @@ def test_the_drain_rate_averages_the_gaps_of_bursty_admissions():
     assert fresh.predicted_wait_s(0, 5.1) < 0.01
 
 
+def test_a_request_arriving_mid_step_sees_the_burst_s_drain_rate_not_a_stall():
+    """Sixteen start every 54 ms step (about 300 a second). A request that arrives 50 ms after the
+    last step's admissions, with a queue waiting, meets the same rate: a step's length without an
+    admission is no stall. Judged per admission it read 20 a second, and an H100 stack told the
+    57th request of a burst it would wait 3.1 s ("56 requests wait to start") and refused it. Past
+    the steps' usual interval the rate still decays, and a queue stalled for 3 s drains slowly."""
+    cfg = AdmissionConfig(first_audio_budget_s=6.0)
+    adm = Admission(cfg)
+    s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=adm)
+    t = 0.0
+    for _ in range(20):
+        t += 0.054
+        for k in range(16):
+            adm.observe_admit(t + k * 1e-5, submitted_at=0.0)
+    last = t + 15e-5
+    assert adm.drain_per_s(last + 0.05, waiting_since=0.0) == pytest.approx(296.0, rel=0.1)
+    for i in range(56):
+        s.submit(req(f"w{i}"), now=last + 0.05)
+    assert s.predicted_wait_s(last + 0.05) == pytest.approx(57 / 296.0, rel=0.1)  # not 3.1 s
+    # Twice the steps' interval without an admission: half the rate; 3 s: about 5 a second.
+    assert adm.drain_per_s(last + 0.108, waiting_since=0.0) == pytest.approx(148.0, rel=0.1)
+    assert adm.drain_per_s(last + 3.0, waiting_since=0.0) == pytest.approx(5.3, rel=0.1)
+    with pytest.raises(ResourceExhausted, match="first-audio budget"):
+        s.submit(req("behind-a-stall"), now=last + 3.0)
+
+
 def test_an_idle_talker_s_one_at_a_time_requests_do_not_set_the_next_burst_s_drain_rate():
     """Thirty requests one at a time, each started 20 ms after its submission and alone: no
     backlog drained, so no drain rate. Before, they measured 50 a second, and the talker then
@@ -158,6 +184,30 @@ def test_a_burst_of_first_chunks_does_not_inflate_the_decoder_s_published_cost()
     let_in, adm = burst(True)
     assert len(let_in) >= 700 and adm.decoder_frame_s == pytest.approx(0.00002)
     assert all(x.max_underrun_s() == 0 for x in let_in)
+
+
+def test_a_burst_reaching_the_talker_over_a_second_is_let_in_up_to_its_budget():
+    """768 voice clones reaching a fresh talker over 1 s (as a stack's gateway and talker pass a
+    closed loop's opening burst on), H100-like costs: the requests that arrive while a step runs
+    meet the burst's drain rate, so the burst is let in up to its first-audio budget, every
+    stream on time. Judged per admission, a step's length without one read as a stall and 395
+    were let in (the H100 stack's first wave: 528 and 635 of its 667 slots)."""
+    cost = Cost(
+        base_s=0.0052, per_stream_s=0.000025, prefill_position_s=0.0000126, decode_s=0.002,
+        decoder_frame_s=0.00002, decoder_call_s=0.0015,
+    )  # fmt: skip
+    cfg = AdmissionConfig(
+        first_audio_budget_s=6.0, step_fit="uncontended", decoder_shares_gpu=True, prefill_request_s=0.002,
+        step_base_s=0.0052, step_per_stream_s=0.000025, prefill_position_s=0.0000126,
+    )  # fmt: skip
+    s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=Admission(cfg))
+    lis = simulate(
+        s, [(i / 768, 125, 299) for i in range(768)], cost, until_s=40.0, publish_decoder_cost=True
+    )
+    let_in = [x for x in lis if not x.refused]
+    assert len(let_in) >= 730
+    assert all(x.max_underrun_s() == 0 for x in let_in)
+    assert all(x.ttfa_s is not None and x.ttfa_s <= 6.0 for x in let_in)
 
 
 def test_at_three_times_the_gap_free_load_the_admitted_stay_on_time_and_the_rest_are_refused_at_once():
