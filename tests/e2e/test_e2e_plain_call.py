@@ -21,7 +21,7 @@ def _seconds(data: bytes) -> float:
 
 
 def test_a_plain_openai_sdk_call_returns_audio(stack):
-    """The tiny model never says end of speech; without its declared default length this call ran
+    """The tiny model seldom says end of speech; without its declared default length this call ran
     into the text-derived frame cap and failed (a 500 the SDK retried twice)."""
     client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
@@ -53,4 +53,8 @@ def test_the_launchers_demo_request_needs_no_length_field(stack):
     assert "max_new_tokens" not in body
     r = httpx.post(f"{stack.http_url}/v1/audio/speech", json={**body, "stream": False}, timeout=120)
     assert r.status_code == 200, r.text
-    assert r.headers["x-tts-finish-reason"] == "length" and int(r.headers["x-tts-num-frames"]) > 0
+    # "length": the model's declared default bound; "stop": its random weights sampled end of
+    # speech first (they can: a clean CI run on 2026-12-06 met it).
+    # Either is a complete answer; running into the text-derived frame cap was the failure (500).
+    assert r.headers["x-tts-finish-reason"] in ("length", "stop"), r.headers["x-tts-finish-reason"]
+    assert int(r.headers["x-tts-num-frames"]) > 0
