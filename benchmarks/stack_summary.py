@@ -9,6 +9,7 @@ the first, `then/`, `back/`) and every service's `/metrics` page scraped after t
 - per service: its start-up, phase by phase; event-loop lag (p50 / p99 from the histogram's buckets, "<=" the bucket's bound,
   and the worst sample), how long calls from the other services waited before their handler ran,
   the talker's admission capacity over the run's steps and the costs it last worked with,
+  code2wav's decode calls (streams, frames, time) and the cost it published,
   underruns, the stages' mean times and the chunk hops' means;
 - the commonest failure statuses and messages per level (numbers in the messages folded, so alike
   ones group) and the idle
@@ -201,6 +202,7 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
             f"{_ms(bucket_quantile(accept, 0.95))} ms over {accept[-1][1]:.0f} calls"
         )
     lines.extend(admission_lines(metrics))
+    lines.extend(decode_lines(metrics))
     underruns = metrics.total(f"tts_{service}_underruns_total")
     if metrics.values(f"tts_{service}_underruns_total"):
         lines.append(f"  underruns {underruns:.0f}")
@@ -245,6 +247,28 @@ def admission_lines(metrics: ScrapedMetrics) -> list[str]:
             f"{costs.get('step_per_stream', 0) * 1e6:.1f} us a stream, prefill "
             f"{costs.get('prefill_request', 0) * 1e3:.1f} ms a request, decoder "
             f"{costs.get('decoder_frame', 0) * 1e6:.1f} us a frame"
+        )
+    return [line]
+
+
+def decode_lines(metrics: ScrapedMetrics) -> list[str]:
+    """code2wav's decode calls (how many, their mean streams, frames and time) and the cost it
+    last published: a per-frame cost far above the engine's own lowers the talker's capacity."""
+    calls = metrics.mean("tts_code2wav_decode_seconds")
+    if calls is None or calls[0] <= 0:
+        return []
+    streams = metrics.mean("tts_code2wav_decode_batch_streams")
+    frames = metrics.mean("tts_code2wav_decode_batch_frames")
+    line = f"  decode calls: {calls[0]:.0f}, mean {calls[1] * 1e3:.1f} ms"
+    if streams is not None:
+        line += f", {streams[1]:.1f} streams"
+    if frames is not None:
+        line += f", {frames[1]:.1f} frames"
+    costs = {lab["cost"]: v for lab, v in metrics.values("tts_code2wav_decode_cost_seconds")}
+    if costs:
+        line += (
+            f"; published cost {costs.get('call', 0) * 1e3:.2f} ms a call + "
+            f"{costs.get('frame', 0) * 1e6:.1f} us a frame"
         )
     return [line]
 

@@ -405,6 +405,21 @@ class Code2WavMetrics(ServiceMetrics):
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
             registry=registry,
         )
+        self.decode_batch_frames = Histogram(
+            "tts_code2wav_decode_batch_frames",
+            "Frames in one batched decode call, all its streams' chunks together.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+            registry=registry,
+        )
+        # What a talker on this GPU counts (published on every credit grant): where an open
+        # loop's calls of a few streams each give a per-frame cost far above the engine's own.
+        self.decode_cost_seconds = Gauge(
+            "tts_code2wav_decode_cost_seconds",
+            "The decode cost this replica last fitted and publishes: call (a call's fixed part) "
+            "and frame (each frame's).",
+            ["cost"],
+            registry=registry,
+        )
         self.decode_model_steps = Histogram(
             "tts_code2wav_decode_model_steps",
             "Decoder runs (graph replays or eager steps) one batched decode call took: one per "

@@ -329,7 +329,12 @@ class Code2WavCore:
                 continue
             self.metrics.decode_seconds.observe(elapsed_ns / 1e9)
             self.metrics.decode_batch_streams.observe(len(batch))
-            self.cost.observe(sum(len(c) for c in codes), elapsed_ns / 1e9, self.clock())
+            frames = sum(len(c) for c in codes)
+            self.metrics.decode_batch_frames.observe(frames)
+            self.cost.observe(frames, elapsed_ns / 1e9, self.clock())
+            if (est := self.cost.estimate()) is not None:
+                self.metrics.decode_cost_seconds.labels("call").set(est.call_s)
+                self.metrics.decode_cost_seconds.labels("frame").set(est.frame_s)
             if steps is not None:
                 self.metrics.decode_model_steps.observe(steps)
             for (stream, first, chunk_codes), (pcm, num_samples) in zip(batch, outputs, strict=True):

@@ -74,6 +74,12 @@ def write_run(tmp_path):
     c2w.startup.record("load the decoder and capture its graphs", 151.25)
     c2w.startup.record("warm up", 2.0)
     c2w.startup.record("serving", 159.4)
+    for streams, frames, seconds in ((4, 16, 0.004), (8, 48, 0.008)):
+        c2w.decode_seconds.observe(seconds)
+        c2w.decode_batch_streams.observe(streams)
+        c2w.decode_batch_frames.observe(frames)
+    c2w.decode_cost_seconds.labels("call").set(0.0015)
+    c2w.decode_cost_seconds.labels("frame").set(90e-6)
     (run / "metrics-code2wav.txt").write_bytes(generate_latest(c2w.registry))
     return tmp_path
 
@@ -111,6 +117,10 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
     ) in talker
     code2wav = lines[lines.index("code2wav:") + 1 :]
     assert "  stage open_stream: n=1, mean 500.0 ms" in code2wav
+    # Its decode calls and the cost it publishes to the talker (an open loop's small calls).
+    assert (
+        "  decode calls: 2, mean 6.0 ms, 6.0 streams, 32.0 frames; published cost 1.50 ms a call + 90.0 us a frame"
+    ) in code2wav
     # The start-up first, "serving" (process start to SERVING) ahead of its phases.
     assert code2wav[0] == (
         "  start-up: serving 159.4 s, load the decoder and capture its graphs 151.2 s, warm up 2.0 s"

@@ -225,6 +225,12 @@ async def test_stream_returns_chunks_in_order_then_done(fake_decoder, bidi_clien
         # One stream: one per call; the fake decoder counts no model steps.
         assert reg.get_sample_value("tts_code2wav_decode_batch_streams_sum") == calls
         assert reg.get_sample_value("tts_code2wav_decode_model_steps_count") == 0
+        # Every call's frames (the 40, over the calls), and the cost it fits and publishes.
+        assert reg.get_sample_value("tts_code2wav_decode_batch_frames_count") == calls
+        assert reg.get_sample_value("tts_code2wav_decode_batch_frames_sum") == 40
+        est = server.engine.cost.estimate()
+        assert reg.get_sample_value("tts_code2wav_decode_cost_seconds", {"cost": "frame"}) == est.frame_s
+        assert reg.get_sample_value("tts_code2wav_decode_cost_seconds", {"cost": "call"}) == est.call_s
         # Every chunk's wait for a decode call, and the first chunk's apart (one stream: one).
         assert reg.get_sample_value("tts_code2wav_chunk_wait_seconds_count") == len(chunks)
         assert reg.get_sample_value("tts_code2wav_first_chunk_wait_seconds_count") == 1
