@@ -44,6 +44,7 @@ COUNTERS_AND_GAUGES = {
     "tts_startup_seconds",
     "tts_talker_steps_over_capacity_total",
     "tts_talker_admission_cost_seconds",
+    "tts_code2wav_decode_cost_seconds",
 }
 HISTOGRAMS = {
     "tts_gateway_ttfa_seconds",
@@ -53,6 +54,7 @@ HISTOGRAMS = {
     "tts_talker_batch_size",
     "tts_code2wav_decode_seconds",
     "tts_code2wav_decode_batch_streams",
+    "tts_code2wav_decode_batch_frames",
     "tts_code2wav_decode_model_steps",
     "tts_stage_latency_seconds",
     "tts_talker_deadline_slack_seconds",
