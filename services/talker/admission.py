@@ -213,7 +213,6 @@ class Admission:
     """Decides whether the next waiting request may start; see the module docstring."""
 
     _DRAIN_MEMORY = 100  # admissions the drain rate averages over (about half a second in a burst)
-    _EVENT_MEMORY = 16  # admission events (steps) the time between them averages over
     _SAME_EVENT_S = 1e-3  # admissions this close together are one event (one step's plan)
 
     def __init__(self, config: AdmissionConfig | None = None, frame_s: float = 0.08):
@@ -352,13 +351,15 @@ class Admission:
             # Decayed sums over about the last `_DRAIN_MEMORY` admissions: their count over the
             # time they took.
             keep = 1.0 - 1.0 / self._DRAIN_MEMORY
-            self._drain_busy_s = self._drain_busy_s * keep + max(now - start, 0.0)
+            took = max(now - start, 0.0)
+            self._drain_busy_s = self._drain_busy_s * keep + took
             self._drain_count = self._drain_count * keep + 1.0
+            # The events' sums decay with the admissions' (the same window): with one admission
+            # an event they equal them.
             last = self._last_admit_at
-            if last is None or now - last > self._SAME_EVENT_S:  # the first of a step's admissions
-                keep = 1.0 - 1.0 / self._EVENT_MEMORY
-                self._event_busy_s = self._event_busy_s * keep + max(now - start, 0.0)
-                self._event_count = self._event_count * keep + 1.0
+            first_of_event = last is None or now - last > self._SAME_EVENT_S
+            self._event_busy_s = self._event_busy_s * keep + (took if first_of_event else 0.0)
+            self._event_count = self._event_count * keep + (1.0 if first_of_event else 0.0)
         self._last_admit_at = now
 
     def drain_per_s(self, now: float, waiting_since: float | None = None) -> float | None:
@@ -376,7 +377,7 @@ class Admission:
             # admission, which is no stall. Judged per admission, a burst's requests arriving
             # mid-step were told the queue drains at 18 a second, not 300, and refused (an H100
             # stack, 2026-12-06: "56 requests wait to start, about 3.1 s").
-            event_gap = self._event_busy_s / self._event_count if self._event_count else gap
+            event_gap = max(self._event_busy_s / self._event_count, gap) if self._event_count else gap
             if stalled > event_gap:
                 gap *= stalled / max(event_gap, 1e-4)
         return 1.0 / gap
