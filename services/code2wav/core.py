@@ -48,7 +48,12 @@ from qtts.serving.metrics import Code2WavMetrics
 from qtts.streams.chunk_plan import ChunkPlan
 from qtts.streams.decode_events import DecodedAudio
 from services.code2wav.credit import CreditPolicy
-from services.code2wav.decode_cost import CALIBRATION_REPEATS, DecodeCost, calibration_calls
+from services.code2wav.decode_cost import (
+    CALIBRATION_REPEATS,
+    DecodeCost,
+    DecodeCostEstimate,
+    calibration_calls,
+)
 from services.code2wav.registry import StreamRegistry
 from services.code2wav.starts import StateStarter
 from services.code2wav.stream import CodecShape, DecodeStream
@@ -111,6 +116,7 @@ class Code2WavCore:
         self._starter = StateStarter(decoder, self.device, metrics, self._executor, self._state_made)
         # What a decode call costs on this GPU, published on the credit grants (decode_cost.py).
         self.cost = DecodeCost()
+        self._published_cost: DecodeCostEstimate | None = None  # the estimate the metrics last showed
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         # Streams that became ready during a coalescing wait (None while no wait is on).
@@ -332,7 +338,8 @@ class Code2WavCore:
             frames = sum(len(c) for c in codes)
             self.metrics.decode_batch_frames.observe(frames)
             self.cost.observe(frames, elapsed_ns / 1e9, self.clock())
-            if (est := self.cost.estimate()) is not None:
+            if (est := self.cost.estimate()) is not self._published_cost:  # refitted (<= 20 a second)
+                self._published_cost = est
                 self.metrics.decode_cost_seconds.labels("call").set(est.call_s)
                 self.metrics.decode_cost_seconds.labels("frame").set(est.frame_s)
             if steps is not None:

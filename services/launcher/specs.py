@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from services.launcher.config import StackConfig
 from services.launcher.processes import ServiceSpec
 
@@ -98,13 +100,9 @@ def aligner_shares_gpu(cfg: StackConfig) -> bool:
     started, on CUDA, by the last `--device` of its flags (the aligner's default is the CPU)."""
     if not cfg.aligner_port or not cfg.device.startswith("cuda"):
         return False
-    device = "cpu"
-    args = list(cfg.extra_args.get("aligner", ()))
-    for i, arg in enumerate(args):
-        if arg == "--device" and i + 1 < len(args):
-            device = args[i + 1]
-        elif arg.startswith("--device="):
-            device = arg.split("=", 1)[1]
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--device", default="cpu")
+    device = flags.parse_known_args(list(cfg.extra_args.get("aligner", ())))[0].device
     return device.startswith("cuda") and _gpu(device) == _gpu(cfg.device)
 
 

@@ -223,9 +223,8 @@ class Admission:
         self._last_admit_at: float | None = None
         self._drain_busy_s = 0.0  # time the recent admissions of a backlog took (decayed)
         self._drain_count = 0.0  # and their number (decayed alike)
-        # The same for admission events (the steps that started some): how long a backlog
-        # normally goes without an admission, the yardstick of a stall.
-        self._event_busy_s = 0.0
+        # The admission events (the steps that started some) among them, decayed alike: how long
+        # a backlog normally goes without an admission, the yardstick of a stall.
         self._event_count = 0.0
         # The decoder's cost on this GPU: the flag's prior until code2wav publishes its own.
         self.decoder_frame_s = self.config.decoder_frame_s
@@ -351,14 +350,13 @@ class Admission:
             # Decayed sums over about the last `_DRAIN_MEMORY` admissions: their count over the
             # time they took.
             keep = 1.0 - 1.0 / self._DRAIN_MEMORY
-            took = max(now - start, 0.0)
-            self._drain_busy_s = self._drain_busy_s * keep + took
+            self._drain_busy_s = self._drain_busy_s * keep + max(now - start, 0.0)
             self._drain_count = self._drain_count * keep + 1.0
-            # The events' sums decay with the admissions' (the same window): with one admission
-            # an event they equal them.
+            # Admission events (a step's admissions, within 1 ms) counted in the same window: the
+            # time between events is the busy time over their count; with one admission an event
+            # it is the time between admissions.
             last = self._last_admit_at
             first_of_event = last is None or now - last > self._SAME_EVENT_S
-            self._event_busy_s = self._event_busy_s * keep + (took if first_of_event else 0.0)
             self._event_count = self._event_count * keep + (1.0 if first_of_event else 0.0)
         self._last_admit_at = now
 
@@ -377,9 +375,9 @@ class Admission:
             # admission, which is no stall. Judged per admission, a burst's requests arriving
             # mid-step were told the queue drains at 18 a second, not 300, and refused (an H100
             # stack, 2026-12-06: "56 requests wait to start, about 3.1 s").
-            event_gap = max(self._event_busy_s / self._event_count, gap) if self._event_count else gap
+            event_gap = max(self._drain_busy_s / self._event_count, 1e-4) if self._event_count else gap
             if stalled > event_gap:
-                gap *= stalled / max(event_gap, 1e-4)
+                gap *= stalled / event_gap
         return 1.0 / gap
 
     def predicted_wait_s(

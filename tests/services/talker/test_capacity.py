@@ -150,6 +150,18 @@ def test_an_idle_talker_s_one_at_a_time_requests_do_not_set_the_next_burst_s_dra
     assert adm.drain_per_s(t + 0.10) is not None  # a backlog drained: now measured
 
 
+# H100-like costs on the simulated clock, code2wav sharing the GPU (the decoder 1.5 ms a call +
+# 20 us a frame), and the admission of the H100 stacks (6 s first-audio budget, uncontended fit).
+H100_COST = Cost(
+    base_s=0.0052, per_stream_s=0.000025, prefill_position_s=0.0000126, decode_s=0.002,
+    decoder_frame_s=0.00002, decoder_call_s=0.0015,
+)  # fmt: skip
+H100_ADMISSION = AdmissionConfig(
+    first_audio_budget_s=6.0, step_fit="uncontended", decoder_shares_gpu=True, prefill_request_s=0.002,
+    step_base_s=0.0052, step_per_stream_s=0.000025, prefill_position_s=0.0000126,
+)  # fmt: skip
+
+
 def test_a_burst_of_first_chunks_does_not_inflate_the_decoder_s_published_cost():
     """768 voice clones at once on a fresh talker whose GPU code2wav shares (the decoder 1.5 ms a
     call + 20 us a frame, as published): the first decode calls are all of first chunks, one size,
@@ -157,14 +169,7 @@ def test_a_burst_of_first_chunks_does_not_inflate_the_decoder_s_published_cost()
     rest of the burst was told it would start in about a minute (the H100 stack let in 142).
     From code2wav's start-up calibration the per-frame cost stays 20 us and the burst is let in
     up to its first-audio budget, every stream on time."""
-    cost = Cost(
-        base_s=0.0052, per_stream_s=0.000025, prefill_position_s=0.0000126, decode_s=0.002,
-        decoder_frame_s=0.00002, decoder_call_s=0.0015,
-    )  # fmt: skip
-    cfg = AdmissionConfig(
-        first_audio_budget_s=6.0, step_fit="uncontended", decoder_shares_gpu=True, prefill_request_s=0.002,
-        step_base_s=0.0052, step_per_stream_s=0.000025, prefill_position_s=0.0000126,
-    )  # fmt: skip
+    cost, cfg = H100_COST, H100_ADMISSION
 
     def burst(calibrate: bool) -> tuple[list, Admission]:
         adm = Admission(cfg)
@@ -192,14 +197,7 @@ def test_a_burst_reaching_the_talker_over_a_second_is_let_in_up_to_its_budget():
     meet the burst's drain rate, so the burst is let in up to its first-audio budget, every
     stream on time. Judged per admission, a step's length without one read as a stall and 395
     were let in (the H100 stack's first wave: 528 and 635 of its 667 slots)."""
-    cost = Cost(
-        base_s=0.0052, per_stream_s=0.000025, prefill_position_s=0.0000126, decode_s=0.002,
-        decoder_frame_s=0.00002, decoder_call_s=0.0015,
-    )  # fmt: skip
-    cfg = AdmissionConfig(
-        first_audio_budget_s=6.0, step_fit="uncontended", decoder_shares_gpu=True, prefill_request_s=0.002,
-        step_base_s=0.0052, step_per_stream_s=0.000025, prefill_position_s=0.0000126,
-    )  # fmt: skip
+    cost, cfg = H100_COST, H100_ADMISSION
     s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=Admission(cfg))
     lis = simulate(
         s, [(i / 768, 125, 299) for i in range(768)], cost, until_s=40.0, publish_decoder_cost=True
