@@ -138,10 +138,34 @@ BURST_PLAN = ChunkPlan(BURST_FIRST_CHUNK_FRAMES, BURST_CHUNK_RAMP)
 HEAVY_PLAN = ChunkPlan(HEAVY_FIRST_CHUNK_FRAMES, HEAVY_CHUNK_RAMP)
 
 
-def start_plan(starting: int, streams: int) -> ChunkPlan | None:
-    """The plan a new stream asks for when `starting` other streams have no first audio yet and
-    `streams` are generating or waiting to: `BURST_PLAN` on a busy talker, else None (the
-    decoder's default, a one-frame start); `HEAVY_PLAN` on a heavily loaded one."""
-    if streams >= HEAVY_STREAMS:
-        return HEAVY_PLAN
-    return BURST_PLAN if starting >= BUSY_STARTING or streams >= BUSY_STREAMS else None
+@dataclass(frozen=True)
+class StartPolicy:
+    """When a new stream asks for a larger first chunk than the decoder's default: the talker's
+    `--start-plan-*` flags. 0 turns a threshold off."""
+
+    busy_starting: int = BUSY_STARTING  # streams without first audio yet (a burst)
+    busy_streams: int = BUSY_STREAMS  # streams generating or waiting to
+    heavy_streams: int = HEAVY_STREAMS
+
+    def __post_init__(self) -> None:
+        if min(self.busy_starting, self.busy_streams, self.heavy_streams) < 0:
+            raise ValueError("start plan thresholds must be >= 0")
+
+    def plan(self, starting: int, streams: int) -> ChunkPlan | None:
+        """The plan a new stream asks for when `starting` other streams have no first audio yet
+        and `streams` are generating or waiting to: `BURST_PLAN` on a busy talker, else None (the
+        decoder's default, a one-frame start); `HEAVY_PLAN` on a heavily loaded one."""
+        if self.heavy_streams and streams >= self.heavy_streams:
+            return HEAVY_PLAN
+        busy = (self.busy_starting and starting >= self.busy_starting) or (
+            self.busy_streams and streams >= self.busy_streams
+        )
+        return BURST_PLAN if busy else None
+
+
+DEFAULT_START_POLICY = StartPolicy()
+
+
+def start_plan(starting: int, streams: int, policy: StartPolicy = DEFAULT_START_POLICY) -> ChunkPlan | None:
+    """`policy.plan(starting, streams)`: the default thresholds unless the talker sets others."""
+    return policy.plan(starting, streams)

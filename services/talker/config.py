@@ -11,6 +11,7 @@ from qtts.serving import service_config as common
 from qtts.serving.service_config import check_connection_age, check_server_fields
 from qtts.serving.settings import ServiceSettings, group, setting
 from qtts.serving.tls import TlsConfig
+from qtts.streams.chunk_plan import StartPolicy
 from qtts.tiny_model import DEFAULT_TINY_SNAPSHOT
 
 from .admission import STEP_FITS
@@ -139,6 +140,20 @@ class TalkerConfig:
         "the longest predicted step a new stream's first chunk rides in: streams that are not "
         "urgent join it only up to this (urgent ones always do)",
     )
+    # A new stream's first chunk (qtts/streams/chunk_plan.py): one frame unless the talker is busy.
+    start_plan_busy_starting: int = setting(
+        4,
+        "a new stream starts with a 4-frame chunk while this many others have no first audio "
+        "yet (0 = never on this count)",
+    )
+    start_plan_busy_streams: int = setting(
+        128,
+        "a new stream starts with a 4-frame chunk while this many streams generate or wait to (0 = never on this count)",
+    )
+    start_plan_heavy_streams: int = setting(
+        384,
+        "a new stream starts with an 8-frame chunk while this many streams generate or wait to (0 = never)",
+    )
     prefill_coalesce_ms: float = setting(
         120.0,
         "while streams play, new prompts wait up to this long (or for 8 of them) to be "
@@ -237,6 +252,13 @@ class TalkerConfig:
         return int(gib * (1 << 30))
 
     @property
+    def start_policy(self) -> StartPolicy:
+        """The `--start-plan-*` thresholds of a new stream's first chunk."""
+        return StartPolicy(
+            self.start_plan_busy_starting, self.start_plan_busy_streams, self.start_plan_heavy_streams
+        )
+
+    @property
     def model_path(self) -> str:
         return self.model or str(DEFAULT_TINY_SNAPSHOT)
 
@@ -314,6 +336,11 @@ class TalkerConfig:
                 f"--backlog-lead-ms must be 0 (off) or between 300 and --urgent-lead-ms "
                 f"({self.urgent_lead_ms:g}), got {self.backlog_lead_ms:g}"
             )
+        if (
+            min(self.start_plan_busy_starting, self.start_plan_busy_streams, self.start_plan_heavy_streams)
+            < 0
+        ):
+            raise InvalidArgument("--start-plan-busy-starting, -busy-streams and -heavy-streams must be >= 0")
         if self.first_chunk_step_ms <= 0:
             raise InvalidArgument(f"--first-chunk-step-ms must be > 0, got {self.first_chunk_step_ms:g}")
         if not 0 < self.queue_budget_share <= 1:

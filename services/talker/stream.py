@@ -28,7 +28,7 @@ import numpy as np
 from qtts.audio import SAMPLE_RATE, SAMPLES_PER_FRAME
 from qtts.request.errors import GenerationFailed, TTSError, Unavailable
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
-from qtts.streams.chunk_plan import ChunkPlan, start_plan
+from qtts.streams.chunk_plan import DEFAULT_START_POLICY, ChunkPlan, StartPolicy
 
 from . import code2wav_client as c2w
 from .chunk_hops import ChunkHops
@@ -78,8 +78,10 @@ class StreamSession:
         started_at: float,
         stall_timeout_s: float = 0.0,
         metrics: Any = None,
+        start_policy: StartPolicy = DEFAULT_START_POLICY,
     ):
         self.request_id = request_id
+        self._start_policy = start_policy
         self._engine = engine
         self._first_chunk_frames = first_chunk_frames
         self._ramp = tuple(chunk_frames_ramp)
@@ -181,10 +183,10 @@ class StreamSession:
 
     def _choose_plan(self) -> None:
         """A request without a chunk plan of its own starts with the replica's default (one frame)
-        on a light talker, with the 4-frame start on a busy one (chunk_plan.start_plan)."""
+        on a light talker, with the 4-frame start on a busy one (chunk_plan.StartPolicy)."""
         if self._first_chunk_frames or self._ramp:
             return
-        plan = start_plan(*self._engine.start_counts())
+        plan = self._start_policy.plan(*self._engine.start_counts())
         if plan is not None:
             self._first_chunk_frames, self._ramp = plan.first, plan.ramp
 
