@@ -11,11 +11,19 @@ the 4-frame start allowed (1.43x, 56 ms). The ramp ends in 16 frames, a captured
 
 Under load the one-frame start costs more than it gives: a young stream has 80 ms of audio
 buffered, so its second chunk must beat any long step or slow decode, and the talker budgets each
-step's prefill from the tightest stream's slack, so many young streams make a burst's prefills
-crawl. On the talker tests' simulated clock, 512 streams starting at once heard first audio after
-5.1 s at the median instead of 2.4 s, with gaps, and a 60 requests/s open loop backed up. So the
-talker asks for the 4-frame start (`BURST_PLAN`) for a stream that starts while the talker is
-busy (`start_plan`); a light talker starts with one frame.
+step's prefill from the tightest stream's slack, so many young streams make the prefills crawl.
+On the talker tests' simulated clock, 512 streams starting at once heard first audio after 5.1 s
+at the median instead of 2.4 s, with gaps; an open loop of 100 requests/s with one-frame starts
+(H100-like costs) backed up to a first audio of 1.1 s at the median.
+
+So a busy talker (`StartPolicy`: 4 streams starting, or 64 generating) asks for the 2-frame start
+(`STEADY_PLAN`): 160 ms buffered, enough slack for the prefills to keep up with arrivals, one
+frame step more than the one-frame start. A burst (32 streams starting at once) asks for the
+4-frame start (`BURST_PLAN`). Until 5737c78 the 4-frame start began at 4 starting or 128
+generating, which an open loop of 100 requests/s always is: its first audio waited three frame
+steps after the prefill (H100, d99e487: p95 184 ms). On the simulated clock (H100-like costs,
+mixed 2-20 s lengths) the 2-frame start for the steady load took the p95 from 115 to 78 ms at
+100 requests/s and from 161 to 106 ms at 150, without gaps.
 
 A heavily loaded talker asks for an 8-frame start (`HEAVY_PLAN`). On one H200 at a82a653, with
 prompt builds no longer holding admission back, 768 and 1,024 closed-loop streams (the 4-frame
@@ -34,10 +42,16 @@ DEFAULT_FIRST_CHUNK_FRAMES = 1
 DEFAULT_CHUNK_RAMP = (1, 2, 2, 4, 4, 8, 8, 16)
 # A busy talker's plan (`start_plan`): this many streams starting at once (submitted, no first
 # audio yet), or this many generating, make it busy.
+# A busy talker's plan (`StartPolicy`): this many streams starting (submitted, no first audio yet)
+# or this many generating (or waiting to) make it busy. Its ramp needs at most 1.5x real time.
+STEADY_FIRST_CHUNK_FRAMES = 2
+STEADY_CHUNK_RAMP = (2, 4, 4, 8, 8, 16)
+BUSY_STARTING = 4
+BUSY_STREAMS = 64
+# A burst's plan: this many streams starting at once.
 BURST_FIRST_CHUNK_FRAMES = 4
 BURST_CHUNK_RAMP = (4, 4, 8, 8, 16)
-BUSY_STARTING = 4
-BUSY_STREAMS = 128
+BURST_STARTING = 32
 # A heavily loaded talker's plan: this many generating (or waiting to).
 HEAVY_FIRST_CHUNK_FRAMES = 8
 HEAVY_CHUNK_RAMP = (8, 16)
@@ -134,33 +148,39 @@ class ChunkPlan:
         return sizes
 
 
+STEADY_PLAN = ChunkPlan(STEADY_FIRST_CHUNK_FRAMES, STEADY_CHUNK_RAMP)
 BURST_PLAN = ChunkPlan(BURST_FIRST_CHUNK_FRAMES, BURST_CHUNK_RAMP)
 HEAVY_PLAN = ChunkPlan(HEAVY_FIRST_CHUNK_FRAMES, HEAVY_CHUNK_RAMP)
 
 
 @dataclass(frozen=True)
 class StartPolicy:
-    """When a new stream asks for a larger first chunk than the decoder's default: the talker's
+    """Which first chunk a new stream asks for, by how busy the talker is: the talker's
     `--start-plan-*` flags. 0 turns a threshold off."""
 
-    busy_starting: int = BUSY_STARTING  # streams without first audio yet (a burst)
-    busy_streams: int = BUSY_STREAMS  # streams generating or waiting to
-    heavy_streams: int = HEAVY_STREAMS
+    busy_starting: int = BUSY_STARTING  # streams without first audio yet: the 2-frame start
+    busy_streams: int = BUSY_STREAMS  # streams generating or waiting to: the 2-frame start
+    burst_starting: int = BURST_STARTING  # streams without first audio yet: the 4-frame start
+    heavy_streams: int = HEAVY_STREAMS  # streams generating or waiting to: the 8-frame start
 
     def __post_init__(self) -> None:
-        if min(self.busy_starting, self.busy_streams, self.heavy_streams) < 0:
+        if min(self.busy_starting, self.busy_streams, self.burst_starting, self.heavy_streams) < 0:
             raise ValueError("start plan thresholds must be >= 0")
 
     def plan(self, starting: int, streams: int) -> ChunkPlan | None:
         """The plan a new stream asks for when `starting` other streams have no first audio yet
-        and `streams` are generating or waiting to: `BURST_PLAN` on a busy talker, else None (the
-        decoder's default, a one-frame start); `HEAVY_PLAN` on a heavily loaded one."""
+        and `streams` are generating or waiting to: None (the decoder's default, a one-frame
+        start) on a light talker, `STEADY_PLAN` on a busy one, `BURST_PLAN` in a burst,
+        `HEAVY_PLAN` on a heavily loaded one."""
         if self.heavy_streams and streams >= self.heavy_streams:
             return HEAVY_PLAN
-        busy = (self.busy_starting and starting >= self.busy_starting) or (
+        if self.burst_starting and starting >= self.burst_starting:
+            return BURST_PLAN
+        if (self.busy_starting and starting >= self.busy_starting) or (
             self.busy_streams and streams >= self.busy_streams
-        )
-        return BURST_PLAN if busy else None
+        ):
+            return STEADY_PLAN
+        return None
 
 
 DEFAULT_START_POLICY = StartPolicy()

@@ -143,12 +143,17 @@ class TalkerConfig:
     # A new stream's first chunk (qtts/streams/chunk_plan.py): one frame unless the talker is busy.
     start_plan_busy_starting: int = setting(
         4,
-        "a new stream starts with a 4-frame chunk while this many others have no first audio "
+        "a new stream starts with a 2-frame chunk while this many others have no first audio "
         "yet (0 = never on this count)",
     )
     start_plan_busy_streams: int = setting(
-        128,
-        "a new stream starts with a 4-frame chunk while this many streams generate or wait to (0 = never on this count)",
+        64,
+        "a new stream starts with a 2-frame chunk while this many streams generate or wait to "
+        "(0 = never on this count)",
+    )
+    start_plan_burst_starting: int = setting(
+        32,
+        "a new stream starts with a 4-frame chunk while this many others have no first audio yet (0 = never)",
     )
     start_plan_heavy_streams: int = setting(
         384,
@@ -157,8 +162,8 @@ class TalkerConfig:
     prefill_coalesce_ms: float = setting(
         120.0,
         "while streams play, new prompts wait up to this long (or for 8 of them) to be "
-        "prefilled in one step, scaled by the engine's predicted load: none below 0.3, all of it "
-        "from 0.6 (0 = each at once)",
+        "prefilled in one step, scaled by the engine's predicted load: none below 0.5, all of it "
+        "from 0.8 (0 = each at once)",
     )
     min_step_interval_ms: float = setting(
         0.0,
@@ -255,7 +260,10 @@ class TalkerConfig:
     def start_policy(self) -> StartPolicy:
         """The `--start-plan-*` thresholds of a new stream's first chunk."""
         return StartPolicy(
-            self.start_plan_busy_starting, self.start_plan_busy_streams, self.start_plan_heavy_streams
+            self.start_plan_busy_starting,
+            self.start_plan_busy_streams,
+            self.start_plan_burst_starting,
+            self.start_plan_heavy_streams,
         )
 
     @property
@@ -336,11 +344,15 @@ class TalkerConfig:
                 f"--backlog-lead-ms must be 0 (off) or between 300 and --urgent-lead-ms "
                 f"({self.urgent_lead_ms:g}), got {self.backlog_lead_ms:g}"
             )
-        if (
-            min(self.start_plan_busy_starting, self.start_plan_busy_streams, self.start_plan_heavy_streams)
-            < 0
-        ):
-            raise InvalidArgument("--start-plan-busy-starting, -busy-streams and -heavy-streams must be >= 0")
+        plan_flags = {
+            "--start-plan-busy-starting": self.start_plan_busy_starting,
+            "--start-plan-busy-streams": self.start_plan_busy_streams,
+            "--start-plan-burst-starting": self.start_plan_burst_starting,
+            "--start-plan-heavy-streams": self.start_plan_heavy_streams,
+        }
+        for flag, value in plan_flags.items():
+            if value < 0:
+                raise InvalidArgument(f"{flag} must be >= 0 (0 = off), got {value}")
         if self.first_chunk_step_ms <= 0:
             raise InvalidArgument(f"--first-chunk-step-ms must be > 0, got {self.first_chunk_step_ms:g}")
         if not 0 < self.queue_budget_share <= 1:
