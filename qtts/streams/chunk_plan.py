@@ -14,16 +14,17 @@ buffered, so its second chunk must beat any long step or slow decode, and the ta
 step's prefill from the tightest stream's slack, so many young streams make the prefills crawl.
 On the talker tests' simulated clock, 512 streams starting at once heard first audio after 5.1 s
 at the median instead of 2.4 s, with gaps; an open loop of 100 requests/s with one-frame starts
-(H100-like costs) backed up to a first audio of 1.1 s at the median.
+(H100-like costs, mixed 2-20 s lengths) backed up to a p95 first audio of 0.8 s.
 
 So a busy talker (`StartPolicy`: 4 streams starting, or 64 generating) asks for the 2-frame start
-(`STEADY_PLAN`): 160 ms buffered, enough slack for the prefills to keep up with arrivals, one
-frame step more than the one-frame start. A burst (32 streams starting at once) asks for the
+(`STEADY_PLAN`, its ramp no steeper than the 4-frame start's: 1.43x real time): 160 ms buffered,
+one frame step more than the one-frame start. A burst (32 streams starting at once) asks for the
 4-frame start (`BURST_PLAN`). Until 5737c78 the 4-frame start began at 4 starting or 128
 generating, which an open loop of 100 requests/s always is: its first audio waited three frame
-steps after the prefill (H100, d99e487: p95 184 ms). On the simulated clock (H100-like costs,
-mixed 2-20 s lengths) the 2-frame start for the steady load took the p95 from 115 to 78 ms at
-100 requests/s and from 161 to 106 ms at 150, without gaps.
+steps after the prefill (H100, d99e487: p95 184 ms). On the simulated clock the 2-frame start
+for the steady load took the p95 from 116 to 97 ms at 100 requests/s and from 161 to 134 ms at
+150, without gaps. Small starts are taken only while the talker's recent steps and trips
+through code2wav keep their early chunks on time (`StartPlanner`).
 
 A heavily loaded talker asks for an 8-frame start (`HEAVY_PLAN`). On one H200 at a82a653, with
 prompt builds no longer holding admission back, 768 and 1,024 closed-loop streams (the 4-frame
@@ -35,6 +36,8 @@ generation together."""
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,7 +48,7 @@ DEFAULT_CHUNK_RAMP = (1, 2, 2, 4, 4, 8, 8, 16)
 # A busy talker's plan (`StartPolicy`): this many streams starting (submitted, no first audio yet)
 # or this many generating (or waiting to) make it busy. Its ramp needs at most 1.5x real time.
 STEADY_FIRST_CHUNK_FRAMES = 2
-STEADY_CHUNK_RAMP = (2, 4, 4, 8, 8, 16)
+STEADY_CHUNK_RAMP = (2, 2, 4, 4, 8, 8, 8, 16)
 BUSY_STARTING = 4
 BUSY_STREAMS = 64
 # A burst's plan: this many streams starting at once.
@@ -184,6 +187,69 @@ class StartPolicy:
 
 
 DEFAULT_START_POLICY = StartPolicy()
+
+FRAME_S = 0.08  # 12.5 frames a second
+
+
+class StartPlanner:
+    """`StartPolicy` by the counts, then checked against the talker's recent frame steps and trips
+    through code2wav: a small start (one frame, or `STEADY_PLAN`'s two) is taken only while the
+    steps and hops keep its early chunks ahead of the listener with `margin` to spare, and gives
+    way to the next larger one otherwise (`BURST_PLAN` the last).
+
+    A small start fits when the steps are fast enough for its ramp (`required_speedup` x step <=
+    a frame / margin) and its first chunk's audio covers the next chunk's frame steps and hop
+    (size(1) x step + hop <= first x frame / margin). Steps and hops are the 90th percentile of the
+    last `window` seen. On the talker tests' simulated clock (test_capacity: 26 requests/s beside
+    a decoder, steps of ~30 ms, trips of 40-60 ms), the 2-frame start by the counts alone gapped
+    in 48 of 562 admitted streams; with this check at a margin of 1.25, in 2; at 1.6 and 1.75 in
+    none, the open loop's first audio unchanged. The plan is chosen when the request arrives,
+    and a queued one starts later, under whatever load is then: hence the margin.
+    Not thread-safe: the talker's event loop owns it."""
+
+    def __init__(self, policy: StartPolicy = DEFAULT_START_POLICY, window: int = 256, margin: float = 1.6):
+        if window < 1 or margin < 1:
+            raise ValueError("window must be >= 1 and margin >= 1")
+        self.policy = policy
+        self.margin = margin
+        self._steps: deque[float] = deque(maxlen=window)
+        self._hops: deque[float] = deque(maxlen=window)
+
+    def observe_step(self, seconds: float) -> None:
+        """A frame step (prefill included) took `seconds`."""
+        if seconds > 0 and math.isfinite(seconds):
+            self._steps.append(seconds)
+
+    def observe_hop(self, seconds: float) -> None:
+        """A chunk's trip through code2wav (sent to audio back) took `seconds`."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self._hops.append(seconds)
+
+    def plan(self, starting: int, streams: int) -> ChunkPlan | None:
+        chosen = self.policy.plan(starting, streams)
+        if chosen is not None and chosen != STEADY_PLAN:
+            return chosen
+        if not self._steps:
+            return chosen
+        step = _p90(self._steps)
+        hop = _p90(self._hops) if self._hops else 0.0
+        ladder: tuple[ChunkPlan | None, ...] = (None, STEADY_PLAN) if chosen is None else (STEADY_PLAN,)
+        for candidate in ladder:
+            if self._fits(candidate or ChunkPlan(), step, hop):
+                return candidate
+        return BURST_PLAN
+
+    def _fits(self, plan: ChunkPlan, step_s: float, hop_s: float) -> bool:
+        budget_s = FRAME_S / self.margin
+        return (
+            plan.required_speedup() * step_s <= budget_s
+            and plan.size(1) * step_s + hop_s <= plan.first * budget_s
+        )
+
+
+def _p90(values: deque[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 def start_plan(starting: int, streams: int, policy: StartPolicy = DEFAULT_START_POLICY) -> ChunkPlan | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -18,9 +19,12 @@ log = logging.getLogger(__name__)
 class ChunkHops:
     """One stream's chunk timing; `metrics` None records nothing."""
 
-    def __init__(self, request_id: str, metrics: Any = None):
+    def __init__(
+        self, request_id: str, metrics: Any = None, on_code2wav_hop: Callable[[float], None] | None = None
+    ):
         self.request_id = request_id
         self._metrics = metrics
+        self._on_code2wav_hop = on_code2wav_hop  # each chunk's trip through code2wav, seconds
         self._made_at: dict[int, tuple[float, float]] = {}  # end frame -> (made, received)
         self._sent_at: dict[int, float] = {}  # end frame -> sent to code2wav
         self._handed_at = 0.0  # the last hand-on (at first: the submission to the engine)
@@ -75,6 +79,8 @@ class ChunkHops:
         if made is None or sent is None or not arrived:
             return {}
         made_at, received_at = made
+        if self._on_code2wav_hop is not None:
+            self._on_code2wav_hop(arrived - sent)
         return {
             "generate": made_at - self._handed_at,
             "engine_to_loop": received_at - made_at,

@@ -162,8 +162,8 @@ class TalkerConfig:
     prefill_coalesce_ms: float = setting(
         120.0,
         "while streams play, new prompts wait up to this long (or for 8 of them) to be "
-        "prefilled in one step, scaled by the engine's predicted load: none below 0.5, all of it "
-        "from 0.8 (0 = each at once)",
+        "prefilled in one step, scaled by the engine's predicted load: none below 0.3, all of it "
+        "from 0.6 (0 = each at once)",
     )
     min_step_interval_ms: float = setting(
         0.0,

@@ -17,7 +17,7 @@ from qtts.request.errors import Cancelled, InvalidArgument, TTSError
 from qtts.request.sampling_overrides import sampling_fields
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary, Task
 from qtts.serving.metrics import TalkerMetrics
-from qtts.streams.chunk_plan import DEFAULT_START_POLICY, StartPolicy
+from qtts.streams.chunk_plan import DEFAULT_START_POLICY, StartPlanner, StartPolicy
 
 from .generation_loop import GenerationLoop
 from .prompt_queue import PromptQueue, reference_rows
@@ -63,7 +63,7 @@ class TalkerCore:
         start_policy: StartPolicy = DEFAULT_START_POLICY,
     ):
         self.bundle = bundle
-        self._start_policy = start_policy
+        self._start_planner = StartPlanner(start_policy)
         # The first queue a request waits in, under the first-audio budget.
         self.prompts = PromptQueue(bundle, metrics, first_audio_budget_s)
         self.info = bundle.info
@@ -154,7 +154,7 @@ class TalkerCore:
             started_at=started_at,
             stall_timeout_s=self._stall_timeout_s,
             metrics=self._metrics,
-            start_policy=self._start_policy,
+            start_planner=self._start_planner,
         )
 
     async def _build_in_engine(

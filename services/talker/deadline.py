@@ -88,12 +88,12 @@ class DeadlinePolicy:
     # predicted engine load (admission.Admission.load) of `coalesce_from_load` to all of
     # `coalesce_s` at `coalesce_full_load`, so a lightly loaded server starts audio at once.
     # coalesce_full_load 0: always the whole wait.
-    # On the simulated clock (H100-like costs, open loop, mixed 2-20 s, 2-frame starts) 0.3 to 0.6
-    # held first audio back from 100 requests/s on (p95 97 ms against 78 at 100, 134 against 106
-    # at 150); 0.5 to 0.8 keeps the wait for the overload, where it still pays (200: p95 386 ms,
-    # 390 with 0.3 to 0.6, 775 with no wait).
-    coalesce_from_load: float = 0.5
-    coalesce_full_load: float = 0.8
+    # 0.5 to 0.8 took the simulated open loop's p95 first audio from 97 to 78 ms at 100
+    # requests/s and from 134 to 106 ms at 150 (H100-like costs, 2-frame starts), but a closed
+    # loop past capacity then let in more streams than it could keep on time (74 of 405 gapped,
+    # none of 226 with 0.3 to 0.6): the wait also throttles admission under overload.
+    coalesce_from_load: float = 0.3
+    coalesce_full_load: float = 0.6
     # Steps for streams that are due but not short start at most this often, so the streams
     # that fall under the lead bound meanwhile join one wide step instead of many narrow ones
     # (each step costs about 5 ms whatever its width). Streams with less than `critical_s`

@@ -28,7 +28,7 @@ import numpy as np
 from qtts.audio import SAMPLE_RATE, SAMPLES_PER_FRAME
 from qtts.request.errors import GenerationFailed, TTSError, Unavailable
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary
-from qtts.streams.chunk_plan import DEFAULT_START_POLICY, ChunkPlan, StartPolicy
+from qtts.streams.chunk_plan import ChunkPlan, StartPlanner
 
 from . import code2wav_client as c2w
 from .chunk_hops import ChunkHops
@@ -78,10 +78,11 @@ class StreamSession:
         started_at: float,
         stall_timeout_s: float = 0.0,
         metrics: Any = None,
-        start_policy: StartPolicy = DEFAULT_START_POLICY,
+        start_planner: StartPlanner | None = None,
     ):
         self.request_id = request_id
-        self._start_policy = start_policy
+        # Shared by the talker's streams: it learns from every stream's steps and hops.
+        self._planner = start_planner if start_planner is not None else StartPlanner()
         self._engine = engine
         self._first_chunk_frames = first_chunk_frames
         self._ramp = tuple(chunk_frames_ramp)
@@ -110,7 +111,7 @@ class StreamSession:
         self._link = ReplicaLink(
             request_id, replicas, self._events.put_nowait, num_codebooks, ref_codes, stall_timeout_s
         )
-        self._hops = ChunkHops(request_id, metrics)
+        self._hops = ChunkHops(request_id, metrics, on_code2wav_hop=self._planner.observe_hop)
 
     def fail(self, error: Exception) -> None:
         """End the stream with `error` (from outside its events: e.g. appended text refused)."""
@@ -183,10 +184,10 @@ class StreamSession:
 
     def _choose_plan(self) -> None:
         """A request without a chunk plan of its own starts with the replica's default (one frame)
-        on a light talker, with the 4-frame start on a busy one (chunk_plan.StartPolicy)."""
+        on a light talker, with a larger start on a busy one (chunk_plan.StartPlanner)."""
         if self._first_chunk_frames or self._ramp:
             return
-        plan = self._start_policy.plan(*self._engine.start_counts())
+        plan = self._planner.plan(*self._engine.start_counts())
         if plan is not None:
             self._first_chunk_frames, self._ramp = plan.first, plan.ramp
 
@@ -195,6 +196,7 @@ class StreamSession:
         if ev.clock_restart:
             self._request.clock_restart = True
         self._hops.made(ev.index + len(ev.codes), ev.made_at)
+        self._planner.observe_step(ev.step_s)
         self._buffer.extend(ev.codes)
 
     def _end_generation(self, ev: Finished) -> None:

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from qtts.streams.chunk_plan import ChunkPlan, start_plan
+from qtts.streams.chunk_plan import ChunkPlan, StartPlanner
 from services.code2wav.decode_cost import CALIBRATION_REPEATS, DecodeCost, calibration_calls
 from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
 
@@ -99,9 +99,11 @@ def simulate(
 
     `plan` is every stream's chunk plan, or a function that picks a stream's plan when it arrives
     from how many streams are starting then (submitted, first audio not yet heard) and how many
-    are generating or waiting to; by default the talker's own choice (`start_plan`)."""
+    are generating or waiting to; by default the talker's own choice (`StartPlanner`, fed with the
+    simulated steps and trips through code2wav)."""
+    planner = StartPlanner()
     if plan is None:
-        plan_for = lambda starting, streams: start_plan(starting, streams) or ChunkPlan()  # noqa: E731
+        plan_for = lambda starting, streams: planner.plan(starting, streams) or ChunkPlan()  # noqa: E731
     else:
         plan_for = plan if callable(plan) else (lambda _starting, _streams: plan)
     pending = sorted(arrivals)
@@ -188,6 +190,7 @@ def simulate(
             dt += cost.prefill_step_s if prefill else 0.0
             old = sum(1 for r in decoding if r.stepped)
             now += dt
+            planner.observe_step(dt)
             if adm is not None:
                 adm.model.observe(max(old, 1), dt, prefill)
             decoded_frames = 0
@@ -204,6 +207,7 @@ def simulate(
                     decoded_frames += g - done
                     # The decoder's GPU work of the chunks so far this step runs before this one.
                     gpu_s = cost.decoder_call_s + decoded_frames * cost.decoder_frame_s
+                    planner.observe_hop(gpu_s + cost.decode_s)
                     heapq.heappush(
                         deliveries, (now + gpu_s + cost.decode_s, seq, req.request_id, g - done, g * FRAME_S)
                     )
