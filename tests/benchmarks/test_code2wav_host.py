@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from benchmarks.code2wav_host import SAMPLES_PER_FRAME, SleepDecoder, main
+from qtts.streams.chunk_plan import STEADY_PLAN
 from services.launcher.config import free_port
 
 
@@ -32,8 +33,10 @@ def test_a_short_run_through_the_real_service_decodes_every_stream(tmp_path, cap
     assert [lv["streams"] for lv in result["levels"]] == [3, 6]
     for level in result["levels"]:
         assert level["failed"] == {} and level["streams_done"] >= level["streams"]
-        # 15 frames a clip in chunks of 4, 4, 4 and 3 (the busy plan): one first chunk a stream.
-        assert level["chunks"] == 3 * level["streams_done"]
+        # 15 frames a clip in chunks of 2, 2, 2, 4, 4 and 1 (the busy plan): one first chunk and
+        # five later ones a stream.
+        assert STEADY_PLAN.split(15) == [2, 2, 2, 4, 4, 1]
+        assert level["chunks"] == 5 * level["streams_done"]
         assert 0 < level["first_chunk_hop_s"]["p50"] <= level["first_chunk_hop_s"]["max"]
         assert level["decode_calls_per_s"] > 0 and level["code2wav_cpu_per_s"] > 0
         assert level["code2wav_means_s"]["open_stream"] is not None
