@@ -202,6 +202,7 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
             f"{_ms(bucket_quantile(accept, 0.95))} ms over {accept[-1][1]:.0f} calls"
         )
     lines.extend(admission_lines(metrics))
+    lines.extend(start_plan_lines(metrics))
     lines.extend(decode_lines(metrics))
     underruns = metrics.total(f"tts_{service}_underruns_total")
     if metrics.values(f"tts_{service}_underruns_total"):
@@ -249,6 +250,20 @@ def admission_lines(metrics: ScrapedMetrics) -> list[str]:
             f"{costs.get('decoder_frame', 0) * 1e6:.1f} us a frame"
         )
     return [line]
+
+
+def start_plan_lines(metrics: ScrapedMetrics) -> list[str]:
+    """How many new streams asked for each first chunk, and why (counts, timing, request)."""
+    plans = [
+        (lab.get("first", "?"), lab.get("why", "?"), v)
+        for lab, v in metrics.values("tts_talker_start_plans_total")
+    ]
+    plans = [p for p in plans if p[2] > 0]
+    if not plans:
+        return []
+    order = {"default": 0}
+    plans.sort(key=lambda p: (order.get(p[0], 1), int(p[0]) if p[0].isdigit() else 0, p[1]))
+    return ["  first chunks asked (frames, why): " + ", ".join(f"{f} {w} {v:.0f}" for f, w, v in plans)]
 
 
 def decode_lines(metrics: ScrapedMetrics) -> list[str]:

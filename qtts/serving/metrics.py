@@ -361,6 +361,14 @@ class TalkerMetrics(ServiceMetrics):
             buckets=CAPACITY_BUCKETS,
             registry=registry,
         )
+        self.start_plans_total = Counter(
+            "tts_talker_start_plans_total",
+            "New streams by the first chunk asked of code2wav (first: frames, or default: the "
+            "replica's own plan) and why: counts (how busy the talker was), timing (moved up: the "
+            "recent steps and trips would make a smaller start late) or request (the caller's plan).",
+            ["first", "why"],
+            registry=registry,
+        )
         self.steps_over_capacity_total = Counter(
             "tts_talker_steps_over_capacity_total",
             "Steps with more streams running than the admission capacity of that moment (admitted "

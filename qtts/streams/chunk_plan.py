@@ -214,6 +214,7 @@ class StartPlanner:
         self.margin = margin
         self._steps: deque[float] = deque(maxlen=window)
         self._hops: deque[float] = deque(maxlen=window)
+        self.moved = False  # whether the last `plan` moved the counts' choice up (the timing)
 
     def observe_step(self, seconds: float) -> None:
         """A frame step (prefill included) took `seconds`."""
@@ -226,6 +227,7 @@ class StartPlanner:
             self._hops.append(seconds)
 
     def plan(self, starting: int, streams: int) -> ChunkPlan | None:
+        self.moved = False
         chosen = self.policy.plan(starting, streams)
         if chosen is not None and chosen != STEADY_PLAN:
             return chosen
@@ -236,7 +238,9 @@ class StartPlanner:
         ladder: tuple[ChunkPlan | None, ...] = (None, STEADY_PLAN) if chosen is None else (STEADY_PLAN,)
         for candidate in ladder:
             if self._fits(candidate or ChunkPlan(), step, hop):
+                self.moved = candidate != chosen
                 return candidate
+        self.moved = True
         return BURST_PLAN
 
     def _fits(self, plan: ChunkPlan, step_s: float, hop_s: float) -> bool:

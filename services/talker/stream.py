@@ -112,6 +112,7 @@ class StreamSession:
             request_id, replicas, self._events.put_nowait, num_codebooks, ref_codes, stall_timeout_s
         )
         self._hops = ChunkHops(request_id, metrics, on_code2wav_hop=self._planner.observe_hop)
+        self._metrics = metrics
 
     def fail(self, error: Exception) -> None:
         """End the stream with `error` (from outside its events: e.g. appended text refused)."""
@@ -186,10 +187,18 @@ class StreamSession:
         """A request without a chunk plan of its own starts with the replica's default (one frame)
         on a light talker, with a larger start on a busy one (chunk_plan.StartPlanner)."""
         if self._first_chunk_frames or self._ramp:
+            self._count_plan(str(self._first_chunk_frames or "default"), "request")
             return
         plan = self._planner.plan(*self._engine.start_counts())
+        self._count_plan(
+            "default" if plan is None else str(plan.first), "timing" if self._planner.moved else "counts"
+        )
         if plan is not None:
             self._first_chunk_frames, self._ramp = plan.first, plan.ramp
+
+    def _count_plan(self, first: str, why: str) -> None:
+        if self._metrics is not None:
+            self._metrics.start_plans_total.labels(first, why).inc()
 
     def _take_frames(self, ev: Frame) -> None:
         """Buffer the engine's frames until the credit and the chunk plan let them go."""

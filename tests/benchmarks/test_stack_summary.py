@@ -65,6 +65,13 @@ def write_run(tmp_path):
     for cap in [600] * 80 + [500] * 10 + [1000] * 10:
         talker.admission_capacity_streams.observe(cap)
     talker.steps_over_capacity_total.inc(4)
+    for first, why, n in (
+        ("default", "counts", 30),
+        ("2", "counts", 500),
+        ("4", "timing", 70),
+        ("4", "counts", 9),
+    ):
+        talker.start_plans_total.labels(first, why).inc(n)
     for cost, seconds in (("step_base", 0.0047), ("step_per_stream", 20e-6), ("prefill_request", 0.004)):
         talker.admission_cost_seconds.labels(cost).set(seconds)
     talker.admission_cost_seconds.labels("decoder_frame").set(27e-6)
@@ -108,6 +115,10 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
     assert talker[2] == (
         "  admission capacity p5/p50/p95 <= 512/640/1024 streams over 100 steps, 4 with more running; "
         "last costs: step 4.70 ms + 20.0 us a stream, prefill 4.0 ms a request, decoder 27.0 us a frame"
+    )
+    assert (
+        talker[3]
+        == "  first chunks asked (frames, why): default counts 30, 2 counts 500, 4 counts 9, 4 timing 70"
     )
     assert "  calls waited before their handler: mean 402 ms, p95 <= 2500 ms over 3 calls" in talker
     assert "  stage prefill: n=2, mean 15.0 ms" in talker

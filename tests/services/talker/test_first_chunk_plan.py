@@ -185,6 +185,15 @@ async def test_a_stream_asks_its_replica_for_the_two_frame_start_while_others_st
             asked = {log.request_id: (log.first_chunk_frames, log.chunk_frames_ramp) for log in c2w.logs}
             assert [asked[f"r{i}"] for i in range(BUSY_STARTING)] == [(0, ())] * BUSY_STARTING
             assert asked[f"r{BUSY_STARTING}"] == (STEADY_PLAN.first, STEADY_PLAN.ramp)
+            # Counted by the plan asked for and why (tts_talker_start_plans_total).
+            registry = s.talker.metrics.registry
+            counted = {
+                first: registry.get_sample_value(
+                    "tts_talker_start_plans_total", {"first": first, "why": "counts"}
+                )
+                for first in ("default", "2")
+            }
+            assert counted == {"default": BUSY_STARTING, "2": 1}
         finally:
             for call in calls:
                 call.cancel()
@@ -203,7 +212,8 @@ def test_the_planner_takes_a_small_start_only_while_steps_and_hops_keep_it_on_ti
     # A 60 ms trip: one frame (80 ms) no longer covers the next frame's step and the trip.
     for _ in range(256):
         fast.observe_hop(0.06)
-    assert fast.plan(0, 0) == STEADY_PLAN
+    assert fast.plan(0, 0) == STEADY_PLAN and fast.moved  # counted as moved by the timing
+    assert fast.plan(0, BUSY_STREAMS) == STEADY_PLAN and not fast.moved  # the counts' own choice
     # Steps of 40 ms: too slow for the 2-frame ramp (1.43 x 40 ms > 80 / 1.6 ms).
     slow = StartPlanner()
     for _ in range(50):
@@ -211,7 +221,8 @@ def test_the_planner_takes_a_small_start_only_while_steps_and_hops_keep_it_on_ti
         slow.observe_hop(0.01)
     assert slow.plan(0, 0) == BURST_PLAN == slow.plan(0, BUSY_STREAMS)
     # Bursts and heavy loads keep their plans whatever the steps.
-    assert fast.plan(BURST_STARTING, 0) == BURST_PLAN and fast.plan(0, HEAVY_STREAMS) == HEAVY_PLAN
+    assert fast.plan(BURST_STARTING, 0) == BURST_PLAN and not fast.moved
+    assert fast.plan(0, HEAVY_STREAMS) == HEAVY_PLAN and not fast.moved
     # Ten fast steps do not hide the slow ones at the 90th percentile.
     for _ in range(10):
         slow.observe_step(0.005)
