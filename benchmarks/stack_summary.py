@@ -32,6 +32,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.metrics import REFUSAL_STATUSES, percentiles
+from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME
 
 # Stages worth a mean per service (tts_stage_latency_seconds{stage}); the rest stay in the file.
 STAGES = {
@@ -95,9 +96,33 @@ def failure_lines(result: dict[str, Any], top: int = 4) -> list[str]:
             )
         if (split := burst_split(level.get("records", []))) is not None:
             lines.append(f"  {load}: {split}")
+        if (by_first := first_chunk_split(level.get("records", []))) is not None:
+            lines.append(f"  {load}: {by_first}")
         if level.get("probe"):
             lines.append(f"  {load}: idle refusal probe {json.dumps(level['probe'])[:200]}")
     return lines
+
+
+def first_chunk_split(records: Sequence[dict[str, Any]]) -> str | None:
+    """First audio of the successful streams by the size of their first chunk, in frames (its
+    share of the stream's bytes times the stream's audio, 80 ms a frame: exact for PCM and WAV):
+    which start the talker gave a stream shows in its first audio. None without a stream."""
+    by_frames: dict[int, list[float]] = collections.defaultdict(list)
+    for r in records:
+        sizes = r.get("chunk_bytes") or ()
+        total, audio, ttfa = sum(sizes), r.get("audio_s"), r.get("ttfa_s")
+        if not r.get("ok") or not sizes or total <= 0 or not audio or ttfa is None:
+            continue
+        by_frames[max(1, round(audio * sizes[0] / total * NATIVE_SAMPLE_RATE / SAMPLES_PER_FRAME))].append(
+            ttfa
+        )
+    if not by_frames:
+        return None
+    parts = []
+    for frames, times in sorted(by_frames.items()):
+        q = percentiles(times, (50, 95))
+        parts.append(f"{frames}: {len(times)}, p50 / p95 {_ms(q['p50'])} / {_ms(q['p95'])} ms")
+    return "first audio by first chunk (frames: streams, p50 / p95): " + "; ".join(parts)
 
 
 def burst_split(records: Sequence[dict[str, Any]], burst_s: float = BURST_S) -> str | None:

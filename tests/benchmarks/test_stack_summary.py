@@ -8,7 +8,7 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks.stack_summary import bucket_quantile, main, summary
+from benchmarks.stack_summary import bucket_quantile, first_chunk_split, main, summary
 from qtts.serving.metrics import Code2WavMetrics, TalkerMetrics
 
 
@@ -159,3 +159,25 @@ def test_the_command_prints_it_and_refuses_a_missing_folder(tmp_path, capsys):
         main([str(tmp_path / "nowhere")])
     assert exc.value.code == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_first_audio_is_split_by_the_first_chunk_each_stream_got():
+    """A stream's first chunk in frames is its share of the bytes times its audio, 80 ms a frame:
+    here 1 frame of 10, 2 of 10 and 4 of 20 (16-bit PCM at 24 kHz: 3,840 bytes a frame)."""
+
+    def stream(first_frames: int, frames: int, ttfa_s: float, ok: bool = True) -> dict:
+        rest = [3840] * (frames - first_frames)
+        return {
+            "ok": ok,
+            "ttfa_s": ttfa_s,
+            "audio_s": frames * 0.08,
+            "chunk_bytes": [3840 * first_frames, *rest],
+        }
+
+    records = [stream(1, 10, 0.04), stream(2, 10, 0.1), stream(2, 10, 0.12), stream(4, 20, 0.2)]
+    records += [stream(8, 20, 5.0, ok=False), {"ok": True, "ttfa_s": 0.3, "audio_s": 0.0, "chunk_bytes": []}]
+    assert first_chunk_split(records) == (
+        "first audio by first chunk (frames: streams, p50 / p95): 1: 1, p50 / p95 40 / 40 ms; "
+        "2: 2, p50 / p95 110 / 119 ms; 4: 1, p50 / p95 200 / 200 ms"
+    )
+    assert first_chunk_split([{"ok": False, "status": "429", "chunk_bytes": []}]) is None
