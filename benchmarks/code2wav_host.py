@@ -40,7 +40,7 @@ import numpy as np
 from benchmarks.metrics import percentiles
 from benchmarks.stack_summary import ScrapedMetrics, bucket_quantile
 from qtts.pb import code2wav_pb2_grpc
-from qtts.streams.chunk_plan import BUSY_STARTING, ChunkPlan, start_plan
+from qtts.streams.chunk_plan import BUSY_STARTING, DEFAULT_START_POLICY, ChunkPlan
 from qtts.streams.decode_events import Credit, DecodedAudio, Done
 from services.talker.code2wav_client import DecodeCall
 
@@ -227,7 +227,7 @@ async def run_level(streams: int, args: argparse.Namespace) -> dict:
     """`streams` concurrent Decode calls for `args.seconds` (each ended one replaced at once)."""
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{args.port}")
     stub = code2wav_pb2_grpc.Code2WavServiceStub(channel)
-    plan = start_plan(BUSY_STARTING, streams) or ChunkPlan()
+    plan = DEFAULT_START_POLICY.plan(BUSY_STARTING, streams) or ChunkPlan()
     frames = round(args.clip_s / FRAME_S)
     level = Level()
     before = scrape(args.metrics_port)

@@ -41,12 +41,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME
+
 DEFAULT_FIRST_CHUNK_FRAMES = 1
 DEFAULT_CHUNK_RAMP = (1, 2, 2, 4, 4, 8, 8, 16)
-# A busy talker's plan (`start_plan`): this many streams starting at once (submitted, no first
-# audio yet), or this many generating, make it busy.
 # A busy talker's plan (`StartPolicy`): this many streams starting (submitted, no first audio yet)
-# or this many generating (or waiting to) make it busy. Its ramp needs at most 1.5x real time.
+# or this many generating (or waiting to) make it busy. Its ramp needs at most 1.43x real time.
 STEADY_FIRST_CHUNK_FRAMES = 2
 STEADY_CHUNK_RAMP = (2, 2, 4, 4, 8, 8, 8, 16)
 BUSY_STARTING = 4
@@ -188,7 +188,7 @@ class StartPolicy:
 
 DEFAULT_START_POLICY = StartPolicy()
 
-FRAME_S = 0.08  # 12.5 frames a second
+FRAME_S = SAMPLES_PER_FRAME / NATIVE_SAMPLE_RATE  # 80 ms
 
 
 class StartPlanner:
@@ -200,7 +200,8 @@ class StartPlanner:
     A small start fits when the steps are fast enough for its ramp (`required_speedup` x step <=
     a frame / margin) and its first chunk's audio covers the next chunk's frame steps and hop
     (size(1) x step + hop <= first x frame / margin). Steps and hops are the 90th percentile of the
-    last `window` seen. On the talker tests' simulated clock (test_capacity: 26 requests/s beside
+    last `window` seen, each step once (the chunks one step hands on share its `step_s`; counted
+    per chunk, one step of 300 streams filled the window). On the talker tests' simulated clock (test_capacity: 26 requests/s beside
     a decoder, steps of ~30 ms, trips of 40-60 ms), the 2-frame start by the counts alone gapped
     in 48 of 562 admitted streams; with this check at a margin of 1.25, in 2; at 1.6 and 1.75 in
     none, the open loop's first audio unchanged. The plan is chosen when the request arrives,
@@ -213,12 +214,15 @@ class StartPlanner:
         self.policy = policy
         self.margin = margin
         self._steps: deque[float] = deque(maxlen=window)
+        self._last_step_s = 0.0
         self._hops: deque[float] = deque(maxlen=window)
         self.moved = False  # whether the last `plan` moved the counts' choice up (the timing)
 
     def observe_step(self, seconds: float) -> None:
-        """A frame step (prefill included) took `seconds`."""
-        if seconds > 0 and math.isfinite(seconds):
+        """A frame step (prefill included) took `seconds`: the `step_s` of a chunk handed on. The
+        chunks of one step come one after another with the same figure, and count once."""
+        if seconds > 0 and math.isfinite(seconds) and seconds != self._last_step_s:
+            self._last_step_s = seconds
             self._steps.append(seconds)
 
     def observe_hop(self, seconds: float) -> None:
@@ -254,8 +258,3 @@ class StartPlanner:
 def _p90(values: deque[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-
-
-def start_plan(starting: int, streams: int, policy: StartPolicy = DEFAULT_START_POLICY) -> ChunkPlan | None:
-    """`policy.plan(starting, streams)`: the default thresholds unless the talker sets others."""
-    return policy.plan(starting, streams)

@@ -292,7 +292,7 @@ class GenerationLoop:
 
     def start_counts(self) -> tuple[int, int]:
         """(streams without first audio yet, streams generating or waiting to): how busy the
-        talker is, for a new stream's chunk plan (qtts.streams.chunk_plan.start_plan)."""
+        talker is, for a new stream's chunk plan (qtts.streams.chunk_plan.StartPlanner)."""
         with self._cond:
             s = self._scheduler
             unheard = sum(1 for req in s.running.values() if req.first_audio_at is None)

@@ -15,13 +15,13 @@ from qtts.streams.chunk_plan import (
     BURST_STARTING,
     BUSY_STARTING,
     BUSY_STREAMS,
+    DEFAULT_START_POLICY,
     HEAVY_PLAN,
     HEAVY_STREAMS,
     STEADY_PLAN,
     ChunkPlan,
     StartPlanner,
     StartPolicy,
-    start_plan,
 )
 from services.talker.admission import Admission, AdmissionConfig
 from services.talker.config import TalkerConfig, config_from_args
@@ -41,16 +41,27 @@ ONE_FRAME = ChunkPlan()
 
 def test_start_plan_is_the_default_until_the_talker_is_busy():
     assert ONE_FRAME.first == 1
-    assert start_plan(0, 0) is None and start_plan(BUSY_STARTING - 1, BUSY_STREAMS - 1) is None
+    assert (
+        DEFAULT_START_POLICY.plan(0, 0) is None
+        and DEFAULT_START_POLICY.plan(BUSY_STARTING - 1, BUSY_STREAMS - 1) is None
+    )
     # Busy: two frames first, from a few streams starting or a steady load generating.
-    assert start_plan(BUSY_STARTING, 0) == STEADY_PLAN == start_plan(0, BUSY_STREAMS)
+    assert (
+        DEFAULT_START_POLICY.plan(BUSY_STARTING, 0)
+        == STEADY_PLAN
+        == DEFAULT_START_POLICY.plan(0, BUSY_STREAMS)
+    )
     assert STEADY_PLAN.first == 2 and STEADY_PLAN.required_speedup() <= 1.5
     # A burst starting at once: four frames first.
-    assert start_plan(BURST_STARTING - 1, HEAVY_STREAMS - 1) == STEADY_PLAN
-    assert start_plan(BURST_STARTING, 0) == BURST_PLAN
+    assert DEFAULT_START_POLICY.plan(BURST_STARTING - 1, HEAVY_STREAMS - 1) == STEADY_PLAN
+    assert DEFAULT_START_POLICY.plan(BURST_STARTING, 0) == BURST_PLAN
     assert BURST_PLAN.first == 4
     # Heavily loaded: 8 frames first, whatever is starting.
-    assert start_plan(0, HEAVY_STREAMS) == HEAVY_PLAN == start_plan(BURST_STARTING, 4 * HEAVY_STREAMS)
+    assert (
+        DEFAULT_START_POLICY.plan(0, HEAVY_STREAMS)
+        == HEAVY_PLAN
+        == DEFAULT_START_POLICY.plan(BURST_STARTING, 4 * HEAVY_STREAMS)
+    )
     assert HEAVY_PLAN.first == 8 and HEAVY_PLAN.largest == 16
 
 
@@ -205,8 +216,8 @@ def test_the_planner_takes_a_small_start_only_while_steps_and_hops_keep_it_on_ti
     steps and trips through code2wav move a start that would be late to the next larger one."""
     fast = StartPlanner()
     assert fast.plan(0, 0) is None and fast.plan(BUSY_STARTING, 0) == STEADY_PLAN  # nothing seen yet
-    for _ in range(50):
-        fast.observe_step(0.01)
+    for i in range(50):
+        fast.observe_step(0.01 + i * 1e-6)  # one step each (the chunks of a step share its time)
         fast.observe_hop(0.02)
     assert fast.plan(0, 0) is None and fast.plan(0, BUSY_STREAMS) == STEADY_PLAN
     # A 60 ms trip: one frame (80 ms) no longer covers the next frame's step and the trip.
@@ -216,16 +227,24 @@ def test_the_planner_takes_a_small_start_only_while_steps_and_hops_keep_it_on_ti
     assert fast.plan(0, BUSY_STREAMS) == STEADY_PLAN and not fast.moved  # the counts' own choice
     # Steps of 40 ms: too slow for the 2-frame ramp (1.43 x 40 ms > 80 / 1.6 ms).
     slow = StartPlanner()
-    for _ in range(50):
-        slow.observe_step(0.04)
+    for i in range(50):
+        slow.observe_step(0.04 + i * 1e-6)
         slow.observe_hop(0.01)
     assert slow.plan(0, 0) == BURST_PLAN == slow.plan(0, BUSY_STREAMS)
     # Bursts and heavy loads keep their plans whatever the steps.
     assert fast.plan(BURST_STARTING, 0) == BURST_PLAN and not fast.moved
     assert fast.plan(0, HEAVY_STREAMS) == HEAVY_PLAN and not fast.moved
     # Ten fast steps do not hide the slow ones at the 90th percentile.
-    for _ in range(10):
-        slow.observe_step(0.005)
+    for i in range(10):
+        slow.observe_step(0.005 + i * 1e-6)
     assert slow.plan(0, 0) == BURST_PLAN
+    # One slow step handing on the chunks of 300 streams counts once, not 300 times.
+    once = StartPlanner()
+    for _ in range(300):
+        once.observe_step(0.04)
+    for i in range(50):
+        once.observe_step(0.01 + i * 1e-6)
+        once.observe_hop(0.02)
+    assert once.plan(0, 0) is None
     with pytest.raises(ValueError):
         StartPlanner(margin=0.5)
