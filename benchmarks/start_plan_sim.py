@@ -41,12 +41,21 @@ COSTS = {
 PLANS = {"chosen": None, "one": ChunkPlan(), "two": STEADY_PLAN, "four": BURST_PLAN}
 
 
-def run(rate: float, plan: ChunkPlan | None, cost: Cost, duration_s: float, seed: int) -> dict:
+def run(
+    rate: float,
+    plan: ChunkPlan | None,
+    cost: Cost,
+    duration_s: float,
+    seed: int,
+    policy: DeadlinePolicy | None = None,
+) -> dict:
     rng = np.random.default_rng(seed)
     times = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * duration_s * 2) + 16))
     times = times[times < duration_s]
     frames = LengthDistribution.parse("mixed:2:20").frames(len(times), seed=seed)
-    sched = DeadlineScheduler(1024, 2048, admission=Admission(AdmissionConfig()), policy=DeadlinePolicy())
+    sched = DeadlineScheduler(
+        1024, 2048, admission=Admission(AdmissionConfig()), policy=policy or DeadlinePolicy()
+    )
     out = simulate(
         sched,
         [(float(t), n, 300) for t, n in zip(times, frames, strict=True)],
@@ -77,14 +86,25 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--coalesce",
+        type=float,
+        nargs=3,
+        metavar=("MS", "FROM_LOAD", "FULL_LOAD"),
+        help="the prefill coalescing wait and the loads it scales between (default: the talker's)",
+    )
     args = parser.parse_args()
     cost = COSTS[args.cost]
+    policy = DeadlinePolicy()
+    if args.coalesce:
+        ms, lo, hi = args.coalesce
+        policy = DeadlinePolicy(coalesce_s=ms / 1e3, coalesce_from_load=lo, coalesce_full_load=hi)
     rows = []
     print("| rate | plan | finished | TTFA p50 / p95 / p99 ms | gapped |")
     for rate in args.rates:
         for name in args.plans:
             began = time.perf_counter()
-            row = {"plan": name, **run(rate, PLANS[name], cost, args.duration, args.seed)}
+            row = {"plan": name, **run(rate, PLANS[name], cost, args.duration, args.seed, policy)}
             row["sim_seconds"] = round(time.perf_counter() - began, 2)
             rows.append(row)
             t = row["ttfa_ms"] or {}
@@ -95,7 +115,17 @@ def main() -> None:
             )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"revision": git_revision(), "cost": args.cost, "duration_s": args.duration, "seed": args.seed}
+        meta = {
+            "revision": git_revision(),
+            "cost": args.cost,
+            "duration_s": args.duration,
+            "seed": args.seed,
+            "coalesce": {
+                "ms": policy.coalesce_s * 1e3,
+                "from_load": policy.coalesce_from_load,
+                "full_load": policy.coalesce_full_load,
+            },
+        }
         args.out.write_text(json.dumps({"conditions": meta, "rows": rows}, indent=1))
 
 

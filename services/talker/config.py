@@ -162,8 +162,17 @@ class TalkerConfig:
     prefill_coalesce_ms: float = setting(
         120.0,
         "while streams play, new prompts wait up to this long (or for 8 of them) to be "
-        "prefilled in one step, scaled by the engine's predicted load: none below 0.3, all of it "
-        "from 0.6 (0 = each at once)",
+        "prefilled in one step: all of it while requests queue for their start, otherwise "
+        "scaled by the engine's predicted load (--prefill-coalesce-from-load, "
+        "--prefill-coalesce-full-load) (0 = each at once)",
+    )
+    prefill_coalesce_from_load: float = setting(
+        0.45, "predicted engine load below which new prompts do not wait for company"
+    )
+    prefill_coalesce_full_load: float = setting(
+        0.75,
+        "predicted engine load from which new prompts wait all of --prefill-coalesce-ms for "
+        "company (0 = always all of it)",
     )
     min_step_interval_ms: float = setting(
         0.0,
@@ -334,6 +343,12 @@ class TalkerConfig:
             )
         if self.prefill_coalesce_ms < 0 or self.min_step_interval_ms < 0:
             raise InvalidArgument("--prefill-coalesce-ms and --min-step-interval-ms must be >= 0")
+        lo, hi = self.prefill_coalesce_from_load, self.prefill_coalesce_full_load
+        if hi != 0 and not 0 <= lo < hi:
+            raise InvalidArgument(
+                f"--prefill-coalesce-from-load and --prefill-coalesce-full-load must satisfy "
+                f"0 <= from < full (or full 0), got {lo:g} and {hi:g}"
+            )
         if not 0 <= self.urgent_lead_ms <= self.max_lead_ms:
             raise InvalidArgument(
                 f"--urgent-lead-ms and --max-lead-ms must satisfy 0 <= urgent <= max, got "

@@ -86,14 +86,16 @@ class DeadlinePolicy:
     coalesce_rows: int = 8
     # The wait is for throughput, which only a busy engine needs: it scales from none at a
     # predicted engine load (admission.Admission.load) of `coalesce_from_load` to all of
-    # `coalesce_s` at `coalesce_full_load`, so a lightly loaded server starts audio at once.
+    # `coalesce_s` at `coalesce_full_load`, so a lightly loaded server starts audio at once;
+    # while requests queue for their start it is always the whole wait. The wait also throttles
+    # admission (prompts held for company fill the next step's prefill room): without the
+    # queue's rule, 0.45 to 0.75 let a closed loop past capacity start streams faster than it
+    # kept them on time (74 of 407 gapped on the simulated clock, none from 0.3 to 0.6). With
+    # it, 0.45 to 0.75 took the simulated open loop's p95 first audio from 94 to 77 ms at 100
+    # requests/s and from 134 to 117 ms at 150 (H100 costs, `benchmarks/start_plan_sim.py`).
     # coalesce_full_load 0: always the whole wait.
-    # 0.5 to 0.8 took the simulated open loop's p95 first audio from 97 to 78 ms at 100
-    # requests/s and from 134 to 106 ms at 150 (H100-like costs, 2-frame starts), but a closed
-    # loop past capacity then let in more streams than it could keep on time (74 of 405 gapped,
-    # none of 226 with 0.3 to 0.6): the wait also throttles admission under overload.
-    coalesce_from_load: float = 0.3
-    coalesce_full_load: float = 0.6
+    coalesce_from_load: float = 0.45
+    coalesce_full_load: float = 0.75
     # Steps for streams that are due but not short start at most this often, so the streams
     # that fall under the lead bound meanwhile join one wide step instead of many narrow ones
     # (each step costs about 5 ms whatever its width). Streams with less than `critical_s`
@@ -377,10 +379,13 @@ class DeadlineScheduler:
         return until if now < until else None
 
     def _coalesce_share(self) -> float:
-        """The share of `coalesce_s` new prompts wait: 0 up to `coalesce_from_load` of predicted
-        engine load with the running streams, 1 from `coalesce_full_load` on (1 without a model)."""
+        """The share of `coalesce_s` new prompts wait: all of it while requests queue for their
+        start (overload: the prefills' throughput is the capacity, and the prompts held for
+        company also hold admission, `Admission.allows`' `prefill_room`); otherwise 0 up to
+        `coalesce_from_load` of predicted engine load with the running streams, 1 from
+        `coalesce_full_load` on (1 without a model)."""
         pol, adm = self.policy, self.admission
-        if pol.coalesce_full_load <= 0 or adm is None:
+        if pol.coalesce_full_load <= 0 or adm is None or self.waiting:
             return 1.0
         load = adm.load(len(self.running), self._mean_stream_s())
         share = (load - pol.coalesce_from_load) / (pol.coalesce_full_load - pol.coalesce_from_load)

@@ -13,6 +13,7 @@ from qtts.streams.chunk_plan import ChunkPlan
 from services.talker.admission import Admission, AdmissionConfig, StepModel
 from services.talker.config import config_from_args
 from services.talker.deadline import DeadlinePolicy, DeadlineScheduler, ScheduledRequest, StreamCredit
+from services.talker.model_setup import scheduler_for
 from tests.services.talker.playback_sim import Cost, _prompt, simulate
 
 
@@ -212,8 +213,8 @@ def test_new_prompts_wait_for_company_while_streams_play_and_go_at_once_on_an_id
 def test_new_prompts_wait_for_company_only_as_long_as_the_engine_load_asks():
     # Priors: a step of n streams 4.7 ms + 20 us * n, a prefill 10 ms, streams of 10 s. One
     # stream playing is a light load (about 7%): a new prompt is prefilled at once. With the
-    # per-stream cost raised so that the running streams load the engine about 80%, it waits the
-    # whole 100 ms for company; in between, part of it.
+    # per-stream cost raised so that the running streams load the engine past 75%, it waits the
+    # whole 100 ms for company; at 60% (between 45% and 75%), half of it.
     def scheduler() -> DeadlineScheduler:
         return DeadlineScheduler(
             100,
@@ -229,7 +230,11 @@ def test_new_prompts_wait_for_company_only_as_long_as_the_engine_load_asks():
     light.submit(req("a", positions=40), now=0.5)
     assert light.plan(0.5).prefill_budget >= 40  # no wait
 
-    for per_stream_s, wait_s in ((0.0016, 0.1), (0.0007025, 0.053)):
+    def load_with(per_stream_s: float) -> float:  # 41 streams: the newcomer running too
+        return (0.0047 + 41 * per_stream_s) / 0.08 + 41 * 0.01 / 10
+
+    half_way = ((0.60 - 41 * 0.01 / 10) * 0.08 - 0.0047) / 41
+    for per_stream_s, wait_s in ((0.0016, 0.1), (half_way, 0.05)):
         busy = scheduler()
         busy.admission.model.per_stream_s = per_stream_s
         for k in range(40):
@@ -239,13 +244,37 @@ def test_new_prompts_wait_for_company_only_as_long_as_the_engine_load_asks():
         busy.plan(0.0)
         for k in range(40):
             started(busy, f"r{k}", first_audio_at=0.0, generated=8)
-        # The load with the newcomer running too: 41 streams.
-        load = (0.0047 + 41 * per_stream_s) / 0.08 + 41 * 0.01 / 10
-        assert (load > 0.6) if wait_s == 0.1 else (0.3 < load < 0.6)
+        load = load_with(per_stream_s)
+        assert (load > 0.75) if wait_s == 0.1 else load == pytest.approx(0.6)
         busy.submit(req("late", positions=40), now=0.5)
         assert busy.plan(0.5).prefill_budget == 0  # waits for company
         assert busy.plan(0.5 + wait_s - 0.005).prefill_budget == 0
         assert busy.plan(0.5 + wait_s + 0.005).prefill_budget >= 40, (load, wait_s)
+
+
+def test_while_requests_queue_for_their_start_new_prompts_wait_the_whole_time_for_company():
+    """A light load (one stream playing) but requests waiting to start (held here by a step
+    bound): the server is at capacity, so an admitted prompt waits the whole 100 ms for others
+    to share its prefill, and its prefill held back keeps the queue's next request waiting too
+    (a shorter wait at such loads let a closed loop past capacity in faster than its prefills
+    and frame steps kept up: 74 of 407 streams gapped on the simulated clock)."""
+    s = DeadlineScheduler(
+        100,
+        100,
+        admission=Admission(AdmissionConfig(first_audio_budget_s=0, max_load=0, max_duty=0)),
+        policy=DeadlinePolicy(coalesce_s=0.1, coalesce_rows=8),
+    )
+    s.submit(req("first", positions=50), now=0.0)
+    s.plan(0.0)
+    started(s, "first", first_audio_at=0.0, generated=8)
+    s.admission.allows = lambda num_running, *args, **kwargs: num_running < 2  # room for one more
+    s.submit(req("a", positions=40), now=0.5)
+    s.submit(req("queued", positions=40), now=0.5)
+    plan = s.plan(0.5)
+    assert [r.request_id for r in plan.admitted] == ["a"] and s.num_waiting == 1
+    assert plan.prefill_budget == 0  # light load, yet a waits for company: a request queues
+    assert s.plan(0.595).prefill_budget == 0
+    assert s.plan(0.605).prefill_budget >= 40
 
 
 def test_admission_holds_while_too_many_streams_are_short_of_audio():
@@ -339,6 +368,19 @@ def test_config_flags_for_deadlines_and_admission():
         config_from_args(["--urgent-lead-ms", "5000", "--max-lead-ms", "4000"])
     with pytest.raises(SystemExit):
         config_from_args(["--admission-max-duty", "-1"])
+
+
+def test_the_coalescing_loads_are_flags_that_reach_the_scheduler():
+    default = scheduler_for(config_from_args([])).policy
+    assert (default.coalesce_from_load, default.coalesce_full_load) == (0.45, 0.75)
+    c = config_from_args(["--prefill-coalesce-from-load", "0.3", "--prefill-coalesce-full-load", "0.6"])
+    policy = scheduler_for(c).policy
+    assert (policy.coalesce_from_load, policy.coalesce_full_load) == (0.3, 0.6)
+    always = config_from_args(["--prefill-coalesce-full-load", "0"])
+    assert scheduler_for(always).policy.coalesce_full_load == 0
+    for bad in (("0.6", "0.3"), ("-0.1", "0.5"), ("0.5", "0.5")):
+        with pytest.raises(SystemExit):
+            config_from_args(["--prefill-coalesce-from-load", bad[0], "--prefill-coalesce-full-load", bad[1]])
 
 
 def counting_steps(s: DeadlineScheduler) -> list[int]:
@@ -479,7 +521,8 @@ def test_narrow_first_chunk_steps_start_a_closed_loop_s_audio_sooner_without_gap
     """512 closed-loop 10 s streams on the simulated engine: with first chunks riding in steps of
     at most 15 ms, the median first audio comes sooner than with 40 ms steps, with no more gaps.
     (Half as soon before admission held while admitted prompts wait for their prefill; since, the
-    burst is admitted as fast as it is prefilled, which sets much of its first audio either way.)"""
+    burst is admitted as fast as it is prefilled, which sets much of its first audio either way;
+    and prompts wait for company while requests queue, which makes the gain a sixth.)"""
     cost = Cost(
         base_s=0.0043, per_stream_s=0.00004, prefill_position_s=0.000025, decode_s=0.03, prefill_step_s=0.012
     )
@@ -499,7 +542,7 @@ def test_narrow_first_chunk_steps_start_a_closed_loop_s_audio_sooner_without_gap
         assert len(done) == 1024
         gaps[budget] = sum(x.max_underrun_s() > 0 for x in done)
         medians[budget] = float(np.median([x.ttfa_s for x in done]))
-    assert medians[0.015] < 0.8 * medians[0.04]
+    assert medians[0.015] < 0.85 * medians[0.04]
     # The burst's first stream has a few ms gap either way (its second chunk waits behind the
     # burst's prefills); the narrower steps add none.
     assert gaps[0.015] <= gaps[0.04] <= 2

@@ -170,12 +170,13 @@ def test_a_steady_open_loop_starts_with_two_frames_sooner_than_with_four_and_kee
     """100 requests/s, about 150 streams generating and 7 starting at any time: the talker's
     choice (the 2-frame start) hears first audio sooner at the median and the 95th percentile
     than the 4-frame start for all (the choice for this load until 5737c78), without a gap. A
-    one-frame start for all leaves the young streams too little slack for the prefills to keep
-    up with the arrivals: its 95th percentile backs up to most of a second."""
+    one-frame start for all leaves the young streams less slack for the prefills: its 95th
+    percentile comes later than the talker's choice (with prompts waiting up to 120 ms for
+    company from a load of 0.3 it backed up to most of a second; from 0.45, about 10% later)."""
     chosen, all_four, all_one = (_steady_open_loop(100, plan) for plan in (None, BURST_PLAN, ONE_FRAME))
     assert chosen[2] == all_four[2] == 1.0 and chosen[3] == all_four[3] == 0
     assert chosen[0] < 0.85 * all_four[0] and chosen[1] < 0.9 * all_four[1]
-    assert all_one[1] > 5 * chosen[1]
+    assert all_one[1] > chosen[1]
 
 
 async def test_a_stream_asks_its_replica_for_the_two_frame_start_while_others_start():
