@@ -226,7 +226,8 @@ class StartPlanner:
             self._steps.append(seconds)
 
     def observe_hop(self, seconds: float) -> None:
-        """A chunk's trip through code2wav (sent to audio back) took `seconds`."""
+        """A young stream's chunk's trip through code2wav (sent to audio back) took `seconds`
+        (the talker feeds each stream's first chunks only: `ChunkHops`)."""
         if seconds >= 0 and math.isfinite(seconds):
             self._hops.append(seconds)
 

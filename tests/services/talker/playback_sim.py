@@ -207,6 +207,8 @@ def simulate(
                     decoded_frames += g - done
                     # The decoder's GPU work of the chunks so far this step runs before this one.
                     gpu_s = cost.decoder_call_s + decoded_frames * cost.decoder_frame_s
+                    # Every chunk's trip: the simulated decoder holds no chunk for company, so
+                    # each trip is as a young stream's (the talker feeds its early chunks only).
                     planner.observe_hop(gpu_s + cost.decode_s)
                     heapq.heappush(
                         deliveries, (now + gpu_s + cost.decode_s, seq, req.request_id, g - done, g * FRAME_S)
