@@ -93,9 +93,7 @@ class QueueForecast:
         slots = s.max_batch + s.max_waiting - len(s.running) - queued
         if not s.admitting or slots <= 0:
             return Headroom(0, 0, self.retry_after(now, ahead) or 1, len(s.running), queued)
-        cap = s.max_batch
-        if s.admission is not None:
-            cap = min(cap, s.admission.capacity(self.mean_stream_s()) or cap)
+        cap = self.capacity()
         start_now = max(0, min(cap - len(s.running) - queued, slots))
         ends = self._ends(now)
         # The most k for which a request with k more ahead is still accepted (refusal is monotone
@@ -117,12 +115,26 @@ class QueueForecast:
         retry = 0 if accept else (self.retry_after(now, ahead) or 1)
         return Headroom(start_now, accept, retry, len(s.running), queued)
 
+    def capacity(self) -> int:
+        """The most streams that may run at once: the scheduler's slots (`max_batch`, the
+        engine's KV slots when they are fewer than `--max-batch`), or fewer where admission's
+        duty and load bounds say so. Past it the queue drains only as streams end. With the load
+        bound alone, an H100 (667 KV slots, admission's capacity 768-896) queued a closed loop's
+        burst on the drain rate measured while slots were free, and refused 150 of its requests
+        after they had waited 5.7 s of their 6 s first-audio budget (HISTORY.md, third session of
+        2026-12-06)."""
+        s = self._s
+        cap = s.max_batch
+        if s.admission is not None:
+            cap = min(cap, s.admission.capacity(self.mean_stream_s()) or cap)
+        return cap
+
     def predicted_wait_s(self, now: float, ahead: int = 0, ends: list[float] | None = None) -> float | None:
         """How long a request submitted now would wait to start (None: no estimate, or at once),
         behind the waiting requests and `ahead` more not submitted yet.
 
         The later of two predictions: the queue's drain rate, and, when the running
-        streams fill the capacity admission allows, the time until enough of them finish to let
+        streams fill the capacity (`capacity`: the slots, or what admission allows), the time until enough of them finish to let
         every request ahead and this one in (from each stream's expected length, paced at most
         `max_lead_s` ahead of its listener). At capacity the queue drains only as streams end, which
         a rate measured while it still admitted freely overestimates. `ends`: `_ends(now)`, when
@@ -145,18 +157,17 @@ class QueueForecast:
             rate_wait = adm.predicted_wait_s(queued, now, self.waiting_since() if stalled else None)
             if rate_wait is not None:
                 waits.append(rate_wait)
-        cap = adm.capacity(self.mean_stream_s())
-        if cap is not None:
-            need = len(s.running) + queued + 1 - cap
-            if need > 0:
-                ends = self._ends(now) if ends is None else ends
-                if need <= len(ends):
-                    end = ends[need - 1]
-                else:  # more than every running stream must end: rounds of the streams after them
-                    mean_s = self.mean_stream_s() or adm.config.default_stream_s
-                    end = (ends[-1] if ends else 0.0) + mean_s * math.ceil((need - len(ends)) / max(cap, 1))
-                if not math.isinf(end):  # streams of unknown length give no estimate
-                    waits.append(end)
+        cap = self.capacity()
+        need = len(s.running) + queued + 1 - cap
+        if need > 0:
+            ends = self._ends(now) if ends is None else ends
+            if need <= len(ends):
+                end = ends[need - 1]
+            else:  # more than every running stream must end: rounds of the streams after them
+                mean_s = self.mean_stream_s() or adm.config.default_stream_s
+                end = (ends[-1] if ends else 0.0) + mean_s * math.ceil((need - len(ends)) / max(cap, 1))
+            if not math.isinf(end):  # streams of unknown length give no estimate
+                waits.append(end)
         return max(waits) if waits else None
 
     # Streams of the configured default length (AdmissionConfig.default_stream_s) that the mean
@@ -238,12 +249,12 @@ class QueueForecast:
         if adm is None or adm.config.first_audio_budget_s <= 0 or not s.waiting:
             return
         budget = adm.config.first_audio_budget_s
-        cap = adm.capacity(self.mean_stream_s())
+        cap = self.capacity()
         ends = None  # the running streams' ends, sorted only when the queue reaches past capacity
         while s.waiting:
             position = len(s.waiting) - 1
             req = s.waiting[position]
-            if ends is None and cap is not None and len(s.running) + position + 1 > cap:
+            if ends is None and len(s.running) + position + 1 > cap:
                 ends = self._ends(now)
             # The measured rate, not a stall: admissions come a step's worth at a time, and the
             # pause between two steps is no stall; `refuse_expired` ends a real one.

@@ -50,6 +50,31 @@ def test_at_capacity_the_wait_is_predicted_from_when_running_streams_end():
     assert s.num_waiting == 11
 
 
+def test_when_the_slots_are_fewer_than_admission_allows_the_wait_is_from_the_streams_ends():
+    """The engine holds 4 streams (its KV slots: `max_batch`), admission's load bound would allow
+    hundreds, and the queue's drain rate was measured at 100 a second while slots were free. With
+    the 4 slots full of streams that end 6 s from now, the next request waits for an end:
+    past the 3 s a new request may wait of its 6 s budget, it is refused at submission, not
+    queued on the drain rate to be refused after waiting out most of its budget (an H100 stack,
+    667 slots: 150 requests refused after 5.7 s)."""
+    adm = Admission(AdmissionConfig(first_audio_budget_s=6.0))
+    s = DeadlineScheduler(max_batch=4, max_waiting=100, admission=adm)
+    assert adm.capacity() > 100
+    for k in range(20):  # a backlog draining at 100 a second
+        adm.observe_admit(0.01 * (k + 1), submitted_at=0.0)
+    for i in range(4):
+        r = req(f"run{i}")
+        r.max_new_frames = 125
+        s.running[r.request_id] = r
+        started(s, r.request_id, first_audio_at=-1.0 + 0.1 * i, generated=50)
+    # Each stream has 4 s generated, is 4 s - played ahead, and ends at 10 s - 4 s = 6 s from now.
+    assert s.predicted_wait_s(0.2) == pytest.approx(6.0)
+    with pytest.raises(ResourceExhausted, match="first-audio budget"):
+        s.submit(req("late"), now=0.2)
+    assert s.num_waiting == 0
+    assert s.forecast.headroom(0.2).accept == 0
+
+
 def test_a_queue_that_cannot_drain_in_time_refuses_new_requests_at_once():
     adm = Admission(AdmissionConfig(first_audio_budget_s=1.0, queue_budget_share=1.0))
     s = DeadlineScheduler(max_batch=1000, max_waiting=1000, admission=adm)
