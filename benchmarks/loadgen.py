@@ -41,6 +41,21 @@ class LevelRun:
     wall_s: float = 0.0
     aborted: int = 0
     hit_deadline: bool = False
+    # How late the client's own event loop woke, sampled every `LOOP_LAG_EVERY_S` while the level
+    # ran (seconds; every client process's samples): a busy client stamps its requests' times
+    # late, and its refusal and first-audio figures are then its own, not the server's.
+    loop_lag_s: list[float] = field(default_factory=list)
+
+
+LOOP_LAG_EVERY_S = 0.02
+
+
+async def sample_loop_lag(into: list[float], every_s: float = LOOP_LAG_EVERY_S) -> None:
+    """Append to `into` how late each `every_s` sleep of this event loop wakes, until cancelled."""
+    while True:
+        began = time.perf_counter()
+        await asyncio.sleep(every_s)
+        into.append(max(0.0, time.perf_counter() - began - every_s))
 
 
 def retry_after_backoff(record: RequestRecord) -> float:
@@ -207,6 +222,7 @@ class _Collector:
         self.in_flight = 0
         self._send = send
         self._on_done = on_done
+        self._lag = asyncio.create_task(sample_loop_lag(self.run.loop_lag_s))
 
     async def one(self, index: int) -> RequestRecord:
         self.in_flight += 1
@@ -222,7 +238,10 @@ class _Collector:
 
     async def finish(self, tasks: Sequence[asyncio.Task], deadline: float | None) -> LevelRun:
         timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
-        _, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
+        finally:
+            self._lag.cancel()
         if pending:
             self.run.hit_deadline = True
             self.run.aborted = self.in_flight

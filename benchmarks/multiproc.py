@@ -75,6 +75,7 @@ def merge(parts: Sequence[tuple[float, LevelRun]]) -> LevelRun:
         for record in run.records:
             merged.records.append(replace(record, start_s=record.start_s + start - t0))
         merged.aborted += run.aborted
+        merged.loop_lag_s.extend(run.loop_lag_s)
         merged.hit_deadline = merged.hit_deadline or run.hit_deadline
         end = max(end, start + run.wall_s)
     merged.wall_s = end - t0

@@ -45,7 +45,7 @@ def level_result(
 ) -> dict[str, Any]:
     """The JSON-ready result of one load level."""
     aggregates = summarize(run.records, run.wall_s)
-    return {
+    level = {
         "mode": mode,
         "concurrency": concurrency,
         "rate": rate,
@@ -55,6 +55,20 @@ def level_result(
         "gap_free": is_gap_free(aggregates, aborted=run.aborted, hit_deadline=run.hit_deadline),
         "aggregates": aggregates,
         "records": [r.to_dict() for r in run.records],
+    }
+    if run.loop_lag_s:
+        level["client_loop_lag_ms"] = loop_lag_summary(run.loop_lag_s)
+    return level
+
+
+def loop_lag_summary(samples: Sequence[float]) -> dict[str, Any]:
+    """p50 / p99 / max of the client's event-loop lag samples, in ms, and how many there were."""
+    ms = np.asarray(samples, dtype=np.float64) * 1e3
+    return {
+        "p50": round(float(np.percentile(ms, 50)), 2),
+        "p99": round(float(np.percentile(ms, 99)), 2),
+        "max": round(float(ms.max()), 2),
+        "samples": int(ms.size),
     }
 
 

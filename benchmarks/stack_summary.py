@@ -100,6 +100,11 @@ def failure_lines(result: dict[str, Any], top: int = 4) -> list[str]:
             lines.append(f"  {load}: {by_first}")
         if level.get("probe"):
             lines.append(f"  {load}: idle refusal probe {json.dumps(level['probe'])[:200]}")
+        if lag := level.get("client_loop_lag_ms"):
+            lines.append(
+                f"  {load}: the client's own event loop woke late by p50 / p99 / max "
+                f"{lag['p50']:.1f} / {lag['p99']:.1f} / {lag['max']:.0f} ms"
+            )
     return lines
 
 

@@ -519,12 +519,13 @@ def test_level_shards_and_merge_keep_every_request_once():
     def rec(i: int, start: float) -> RequestRecord:
         return RequestRecord(index=i, prompt_index=i, start_s=start, ok=True, status="ok")
 
-    a = LevelRun(records=[rec(0, 0.0), rec(2, 1.0)], wall_s=3.0)
-    b = LevelRun(records=[rec(1, 0.0)], wall_s=1.0, aborted=1, hit_deadline=True)
+    a = LevelRun(records=[rec(0, 0.0), rec(2, 1.0)], wall_s=3.0, loop_lag_s=[0.001, 0.002])
+    b = LevelRun(records=[rec(1, 0.0)], wall_s=1.0, aborted=1, hit_deadline=True, loop_lag_s=[0.3])
     merged = merge([(10.0, a), (10.5, b)])
     assert [r.index for r in merged.records] == [0, 1, 2]
     assert [r.start_s for r in merged.records] == [0.0, 0.5, 1.0]
     assert merged.wall_s == 3.0 and merged.aborted == 1 and merged.hit_deadline
+    assert sorted(merged.loop_lag_s) == [0.001, 0.002, 0.3]  # every process's samples
 
 
 def test_cli_spreads_requests_over_several_gateway_urls(tmp_path):

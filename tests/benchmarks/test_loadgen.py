@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.loadgen import poisson_arrivals, run_closed_loop, run_open_loop
 from benchmarks.metrics import build_record
+from benchmarks.report import level_result
 
 
 class FakeSend:
@@ -146,3 +147,30 @@ async def test_closed_loop_backoff_waits_the_refusals_retry_after():
     assert retry_after_backoff(run.records[1]) == 0.0
     run.records[0].extra.clear()
     assert retry_after_backoff(run.records[0]) == 1.0  # no hint: one second
+
+
+def test_a_level_records_how_late_the_client_s_own_event_loop_woke():
+    """A send that blocks the event loop for 100 ms (as parsing hundreds of streams does) shows in
+    the level's loop-lag samples and their summary; an idle loop's samples stay small."""
+
+    async def blocking_send(index: int):
+        time.sleep(0.1)  # holds the loop: the sampler wakes about 100 ms late
+        await asyncio.sleep(0.05)
+        return build_record(
+            index=index,
+            prompt_index=0,
+            start_s=time.perf_counter(),
+            chunk_times_s=[0.001],
+            chunk_bytes=[4800],
+            e2e_s=0.15,
+            ok=True,
+            status="200",
+        )
+
+    busy = asyncio.run(run_closed_loop(blocking_send, concurrency=1, num_requests=3))
+    assert busy.loop_lag_s and max(busy.loop_lag_s) >= 0.05
+    quiet = asyncio.run(run_closed_loop(FakeSend(delay_s=0.05), concurrency=1, num_requests=3))
+    assert quiet.loop_lag_s and max(quiet.loop_lag_s) < 0.05
+    summary = level_result("closed", busy, concurrency=1)["client_loop_lag_ms"]
+    assert summary["max"] >= 50 and summary["samples"] == len(busy.loop_lag_s)
+    assert summary["p50"] <= summary["p99"] <= summary["max"]

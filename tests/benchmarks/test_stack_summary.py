@@ -8,7 +8,7 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks.stack_summary import bucket_quantile, first_chunk_split, main, summary
+from benchmarks.stack_summary import bucket_quantile, failure_lines, first_chunk_split, main, summary
 from qtts.serving.metrics import Code2WavMetrics, TalkerMetrics
 
 
@@ -181,3 +181,17 @@ def test_first_audio_is_split_by_the_first_chunk_each_stream_got():
         "2: 2, p50 / p95 110 / 119 ms; 4: 1, p50 / p95 200 / 200 ms"
     )
     assert first_chunk_split([{"ok": False, "status": "429", "chunk_bytes": []}]) is None
+
+
+def test_the_client_s_own_loop_lag_is_printed_beside_its_level():
+    level = {
+        "mode": "closed",
+        "concurrency": 768,
+        "records": [],
+        "client_loop_lag_ms": {"p50": 1.25, "p99": 310.0, "max": 512.4, "samples": 900},
+    }
+    lines = failure_lines({"levels": [level]})
+    assert "  768: the client's own event loop woke late by p50 / p99 / max 1.2 / 310.0 / 512 ms" in lines
+    assert not any(
+        "event loop" in line for line in failure_lines({"levels": [{**level, "client_loop_lag_ms": None}]})
+    )
