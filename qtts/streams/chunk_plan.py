@@ -208,11 +208,25 @@ class StartPlanner:
     and a queued one starts later, under whatever load is then: hence the margin.
     Not thread-safe: the talker's event loop owns it."""
 
-    def __init__(self, policy: StartPolicy = DEFAULT_START_POLICY, window: int = 256, margin: float = 1.6):
-        if window < 1 or margin < 1:
-            raise ValueError("window must be >= 1 and margin >= 1")
+    # The trips it hears: each stream's first this many chunks (`trip_chunks`; 0: every chunk).
+    # code2wav decodes a chunk with little audio ahead of it at once and holds later ones, far
+    # ahead of their listeners, for wider calls: on an H100 at 100-150 requests/s a first chunk's
+    # trip had p90 75-100 ms, all chunks' about 150 ms, and counted over all chunks the check
+    # moved half the starts to 4 frames (HISTORY.md, third session of 2026-12-06).
+    TRIP_CHUNKS = 3
+
+    def __init__(
+        self,
+        policy: StartPolicy = DEFAULT_START_POLICY,
+        window: int = 256,
+        margin: float = 1.6,
+        trip_chunks: int = TRIP_CHUNKS,
+    ):
+        if window < 1 or margin < 1 or trip_chunks < 0:
+            raise ValueError("window must be >= 1, margin >= 1 and trip_chunks >= 0")
         self.policy = policy
         self.margin = margin
+        self.trip_chunks = trip_chunks
         self._steps: deque[float] = deque(maxlen=window)
         self._last_step_s = 0.0
         self._hops: deque[float] = deque(maxlen=window)
@@ -227,7 +241,7 @@ class StartPlanner:
 
     def observe_hop(self, seconds: float) -> None:
         """A young stream's chunk's trip through code2wav (sent to audio back) took `seconds`
-        (the talker feeds each stream's first chunks only: `ChunkHops`)."""
+        (the talker feeds each stream's first `trip_chunks` chunks: `ChunkHops`)."""
         if seconds >= 0 and math.isfinite(seconds):
             self._hops.append(seconds)
 

@@ -17,29 +17,21 @@ log = logging.getLogger(__name__)
 
 
 class ChunkHops:
-    """One stream's chunk timing; `metrics` None records nothing.
-
-    `on_code2wav_hop` hears the trips through code2wav of the stream's first `early_chunks`
-    chunks only: the start planner (`StartPlanner`) asks how long a young stream's next chunk
-    takes, and code2wav decodes a chunk with little audio ahead of it at once, while it holds
-    later chunks, far ahead of their listeners, for wider decode calls. On an H100 at 100-150
-    requests/s a first chunk's trip averaged 37 ms and all chunks' 70 ms (HISTORY.md, third
-    session of 2026-12-06): counted over all chunks, the planner moved most 2-frame starts to 4
-    frames for trips the early chunks did not take."""
-
-    EARLY_CHUNKS = 3
+    """One stream's chunk timing; `metrics` None records nothing. `on_code2wav_hop` hears the
+    trips through code2wav of the stream's first `early_chunks` chunks (0: of every chunk): the
+    start planner's (`StartPlanner.trip_chunks`)."""
 
     def __init__(
         self,
         request_id: str,
         metrics: Any = None,
         on_code2wav_hop: Callable[[float], None] | None = None,
-        early_chunks: int = EARLY_CHUNKS,
+        early_chunks: int = 0,
     ):
         self.request_id = request_id
         self._metrics = metrics
         self._on_code2wav_hop = on_code2wav_hop  # an early chunk's trip through code2wav, seconds
-        self._early_left = early_chunks
+        self._early_left = early_chunks if early_chunks > 0 else -1  # -1: no limit
         self._made_at: dict[int, tuple[float, float]] = {}  # end frame -> (made, received)
         self._sent_at: dict[int, float] = {}  # end frame -> sent to code2wav
         self._handed_at = 0.0  # the last hand-on (at first: the submission to the engine)
@@ -94,8 +86,9 @@ class ChunkHops:
         if made is None or sent is None or not arrived:
             return {}
         made_at, received_at = made
-        if self._on_code2wav_hop is not None and self._early_left > 0:
-            self._early_left -= 1
+        if self._on_code2wav_hop is not None and self._early_left != 0:
+            if self._early_left > 0:
+                self._early_left -= 1
             self._on_code2wav_hop(arrived - sent)
         return {
             "generate": made_at - self._handed_at,

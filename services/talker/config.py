@@ -159,6 +159,11 @@ class TalkerConfig:
         384,
         "a new stream starts with an 8-frame chunk while this many streams generate or wait to (0 = never)",
     )
+    start_plan_trip_chunks: int = setting(
+        3,
+        "a 1- or 2-frame start is checked against the trips through code2wav of each stream's "
+        "first this many chunks (0 = of every chunk)",
+    )
     prefill_coalesce_ms: float = setting(
         120.0,
         "while streams play, new prompts wait up to this long (or for 8 of them) to be "
@@ -364,6 +369,7 @@ class TalkerConfig:
             "--start-plan-busy-streams": self.start_plan_busy_streams,
             "--start-plan-burst-starting": self.start_plan_burst_starting,
             "--start-plan-heavy-streams": self.start_plan_heavy_streams,
+            "--start-plan-trip-chunks": self.start_plan_trip_chunks,
         }
         for flag, value in plan_flags.items():
             if value < 0:

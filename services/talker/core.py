@@ -61,9 +61,10 @@ class TalkerCore:
         spec_factory: Callable[..., Any] | None = None,
         first_audio_budget_s: float = 0.0,
         start_policy: StartPolicy = DEFAULT_START_POLICY,
+        start_trip_chunks: int = StartPlanner.TRIP_CHUNKS,
     ):
         self.bundle = bundle
-        self._start_planner = StartPlanner(start_policy)
+        self._start_planner = StartPlanner(start_policy, trip_chunks=start_trip_chunks)
         # The first queue a request waits in, under the first-audio budget.
         self.prompts = PromptQueue(bundle, metrics, first_audio_budget_s)
         self.info = bundle.info

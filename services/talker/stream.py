@@ -111,7 +111,12 @@ class StreamSession:
         self._link = ReplicaLink(
             request_id, replicas, self._events.put_nowait, num_codebooks, ref_codes, stall_timeout_s
         )
-        self._hops = ChunkHops(request_id, metrics, on_code2wav_hop=self._planner.observe_hop)
+        self._hops = ChunkHops(
+            request_id,
+            metrics,
+            on_code2wav_hop=self._planner.observe_hop,
+            early_chunks=self._planner.trip_chunks,
+        )
         self._metrics = metrics
 
     def fail(self, error: Exception) -> None:

@@ -4,24 +4,42 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from qtts.streams.chunk_plan import StartPlanner
 from services.talker.chunk_hops import ChunkHops
+from services.talker.config import config_from_args
 
 
 def test_only_a_stream_s_first_chunks_trips_reach_the_start_planner():
     trips: list[float] = []
-    hops = ChunkHops("r", on_code2wav_hop=trips.append, early_chunks=3)
+    _six_chunks(ChunkHops("r", on_code2wav_hop=trips.append, early_chunks=3))
+    assert [round(t, 2) for t in trips] == [0.01, 0.02, 0.03]
+    every: list[float] = []
+    _six_chunks(ChunkHops("r", on_code2wav_hop=every.append, early_chunks=0))  # 0: every chunk
+    assert [round(t, 2) for t in every] == [0.01, 0.02, 0.03, 0.04, 0.05, 0.06]
+
+
+def _six_chunks(hops: ChunkHops) -> None:
+    """Six chunks of two frames through `hops`, each trip through code2wav 10 ms longer."""
     hops.submitted()
-    for k, end in enumerate(range(2, 14, 2)):  # six chunks of two frames
-        now = time.perf_counter()
-        hops.made(end, now)
+    for k, end in enumerate(range(2, 14, 2)):
+        hops.made(end, time.perf_counter())
         hops.sent(end)
-        arrived = time.perf_counter() + 0.01 * (k + 1)  # each trip 10 ms longer than the last
+        arrived = time.perf_counter() + 0.01 * (k + 1)
         if k == 0:
             hops.first_chunk(end, arrived, arrived)
         else:
             hops.chunk(end, arrived, arrived, slack_s=1.0)
-    assert len(trips) == 3
-    assert [round(t, 2) for t in trips] == [0.01, 0.02, 0.03]
+
+
+def test_the_trips_the_planner_hears_are_a_talker_flag():
+    assert config_from_args([]).start_plan_trip_chunks == StartPlanner.TRIP_CHUNKS == 3
+    assert config_from_args(["--start-plan-trip-chunks", "0"]).start_plan_trip_chunks == 0
+    with pytest.raises(SystemExit):
+        config_from_args(["--start-plan-trip-chunks", "-1"])
+    with pytest.raises(ValueError):
+        StartPlanner(trip_chunks=-1)
 
 
 def test_a_chunk_without_its_send_time_feeds_nothing():
