@@ -233,6 +233,7 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
         )
     lines.extend(admission_lines(metrics))
     lines.extend(start_plan_lines(metrics))
+    lines.extend(step_lines(metrics))
     lines.extend(decode_lines(metrics))
     underruns = metrics.total(f"tts_{service}_underruns_total")
     if metrics.values(f"tts_{service}_underruns_total"):
@@ -280,6 +281,27 @@ def admission_lines(metrics: ScrapedMetrics) -> list[str]:
             f"{costs.get('decoder_frame', 0) * 1e6:.1f} us a frame"
         )
     return [line]
+
+
+def step_lines(metrics: ScrapedMetrics) -> list[str]:
+    """The talker's frame steps and prefill steps (count, mean), and the wait from admission to a
+    prompt's prefill step (mean, p50 / p90 bucket bounds): where a first chunk's "generate" goes."""
+    parts = []
+    for name, what in (
+        ("tts_talker_step_seconds", "steps"),
+        ("tts_talker_prefill_seconds", "with a prefill"),
+    ):
+        if (got := metrics.mean(name)) is not None and got[0] > 0:
+            parts.append(f"{got[0]:.0f} {what}, mean {got[1] * 1e3:.1f} ms")
+    wait = metrics.buckets("tts_talker_prefill_wait_seconds")
+    if wait and wait[-1][1] > 0 and (got := metrics.mean("tts_talker_prefill_wait_seconds")) is not None:
+        q = [bucket_quantile(wait, p) for p in (0.5, 0.9)]
+        parts.append(
+            f"admission to prefill mean {got[1] * 1e3:.1f} ms, p50 / p90 <= "
+            + " / ".join(_ms(v) for v in q)
+            + " ms"
+        )
+    return ["  talker steps: " + "; ".join(parts)] if parts else []
 
 
 def start_plan_lines(metrics: ScrapedMetrics) -> list[str]:

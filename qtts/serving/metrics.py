@@ -51,6 +51,26 @@ LATENCY_BUCKETS = (
     60.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Waits of tens of ms that first audio is made of (LATENCY_BUCKETS step from 25 to 50 to 75 ms).
+WAIT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.12,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
 # Deadline slack (audio a listener has buffered when a chunk is handed on): no negative bounds, since
 # prometheus_client drops `_sum` for them; a late chunk falls in the first bucket and counts as an underrun.
 SLACK_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.6, 2.0, 3.0, 5.0, 10.0)
@@ -268,6 +288,13 @@ class TalkerMetrics(ServiceMetrics):
             "tts_talker_prefill_seconds",
             "Time of a prefill.",
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_wait_seconds = Histogram(
+            "tts_talker_prefill_wait_seconds",
+            "From a request's admission to the start of the step that holds its prefill: the wait "
+            "for other prompts to share it (--prefill-coalesce-ms) and for the step running then.",
+            buckets=WAIT_BUCKETS,
             registry=registry,
         )
         self.batch_size = Histogram(

@@ -446,6 +446,7 @@ class GenerationLoop:
         ends to the streams (frames a whole chunk at a time)."""
         stepping = plan.stepping
         (self._metrics.prefill_seconds if prefill else self._metrics.step_seconds).observe(step_s)
+        began = self._clock() - step_s
         decoded = sum(1 for r in stepping if r.stepped)
         if self._scheduler.admission is not None:
             budget = plan.prefill_budget if plan.prefill_budget is not None else prefill
@@ -460,6 +461,8 @@ class GenerationLoop:
                 req = self._scheduler.running.get(out.request_id)
                 if req is None:  # cancelled while the step ran
                     continue
+                if not req.stepped:  # its prefill's step: how long it waited for it since admission
+                    self._metrics.prefill_wait_seconds.observe(max(0.0, began - req.admitted_at))
                 req.stepped = True
                 if out.codes is not None:
                     with_codes.append((req, out.codes))

@@ -52,6 +52,7 @@ HISTOGRAMS = {
     "tts_gateway_request_duration_seconds",
     "tts_talker_step_seconds",
     "tts_talker_prefill_seconds",
+    "tts_talker_prefill_wait_seconds",
     "tts_talker_batch_size",
     "tts_code2wav_decode_seconds",
     "tts_code2wav_decode_batch_streams",

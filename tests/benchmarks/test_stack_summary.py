@@ -195,3 +195,22 @@ def test_the_client_s_own_loop_lag_is_printed_beside_its_level():
     assert not any(
         "event loop" in line for line in failure_lines({"levels": [{**level, "client_loop_lag_ms": None}]})
     )
+
+
+def test_the_talker_s_steps_and_the_wait_from_admission_to_prefill_are_summarised():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from benchmarks.stack_summary import ScrapedMetrics, step_lines
+
+    registry = CollectorRegistry()
+    talker = TalkerMetrics(registry)
+    for seconds in (0.010, 0.012):
+        talker.step_seconds.observe(seconds)
+    talker.prefill_seconds.observe(0.016)
+    for seconds in (0.0, 0.030, 0.070, 0.090):  # one prompt at once, three waited for company
+        talker.prefill_wait_seconds.observe(seconds)
+    assert step_lines(ScrapedMetrics(generate_latest(registry).decode())) == [
+        "  talker steps: 2 steps, mean 11.0 ms; 1 with a prefill, mean 16.0 ms; "
+        "admission to prefill mean 47.5 ms, p50 / p90 <= 30 / 100 ms"
+    ]
+    assert step_lines(ScrapedMetrics("")) == []

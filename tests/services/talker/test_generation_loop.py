@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from qtts.request.errors import ResourceExhausted
 from qtts.serving.metrics import TalkerMetrics
 from qtts.streams.chunk_plan import BURST_PLAN, ChunkPlan
-from services.talker.deadline import DeadlineScheduler, ScheduledRequest, StreamCredit
+from services.talker.deadline import DeadlinePolicy, DeadlineScheduler, ScheduledRequest, StreamCredit
 from services.talker.generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
 from tests.services.talker.fakes import FakeGenerator, FakePrompt
 
@@ -419,3 +419,55 @@ def test_a_capacity_that_falls_under_the_running_streams_is_counted_a_step_at_a_
         engine.cancel("a")
         engine.cancel("b")
         engine.stop()
+
+
+def test_the_wait_from_admission_to_the_prefill_is_observed_once_a_request():
+    """Three requests, each observed once, at the step that gave its first frame (its prefill's);
+    the third is admitted while the others play and waits the whole 200 ms for company (the load
+    scale off: coalesce_full_load 0), which its observation shows."""
+
+    class BudgetGenerator(FakeGenerator):
+        """Starts no new row in a step whose prefill budget is 0, as the engines do."""
+
+        def __init__(self):
+            super().__init__()
+            self.started: set[str] = set()
+
+        def step(self, skip=(), prefill_budget=None) -> list:
+            if prefill_budget == 0:
+                skip = set(skip) | (set(self._active) - self.started)
+            outs = super().step(skip)
+            self.started.update(o.request_id for o in outs)
+            return outs
+
+    gen = BudgetGenerator()
+    metrics = TalkerMetrics(CollectorRegistry())
+    policy = DeadlinePolicy(coalesce_s=0.2, coalesce_rows=8, coalesce_full_load=0)
+    sched = DeadlineScheduler(max_batch=4, max_waiting=4, policy=policy)
+    engine = GenerationLoop(gen, sched, metrics, idle_wait_s=0.05)
+    events: queue.Queue = queue.Queue()
+    # a and b last 80 s, at 5 ms a step: they play (paced 4 s ahead of their listeners) while c
+    # comes and goes.
+    reqs = {
+        rid: make_req(rid, frames=frames, window=2000, sink=lambda ev, rid=rid: events.put((rid, ev)))
+        for rid, frames in (("a", 1000), ("b", 1000), ("c", 40))
+    }
+    for rid in "ab":
+        reqs[rid].prompt.step_delay_s = 0.005
+    engine.start()
+    try:
+        engine.submit(reqs["a"])
+        engine.submit(reqs["b"])
+        collect(events, "a", Frame, 1)
+        for rid in "ab":  # playing: their clocks run, so a newcomer waits for company
+            reqs[rid].first_audio_at = time.perf_counter()
+        engine.submit(reqs["c"])
+        collect(events, "c", Finished, 1)
+    finally:
+        for rid in "ab":
+            engine.cancel(rid)
+        engine.stop()
+    samples = metrics.prefill_wait_seconds.collect()[0].samples
+    count = next(s.value for s in samples if s.name.endswith("_count"))
+    assert count == 3
+    assert metrics.prefill_wait_seconds._sum.get() >= 0.15  # c's wait for company
