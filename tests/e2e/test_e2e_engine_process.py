@@ -61,6 +61,7 @@ def test_voice_clone_audio_through_the_engine_process(process_stack):
     metrics = _talker(process_stack)
     assert metrics["tts_talker_frames_total"] >= 32
     assert metrics["tts_talker_step_seconds_count"] + metrics["tts_talker_prefill_seconds_count"] >= 32
+    assert metrics["tts_talker_prefill_wait_seconds_count"] >= 2  # one a request, from the engine
     generate = "tts_rpc_requests_total{code=OK,method=/talker.v1.TalkerService/Generate,service=talker}"
     assert metrics[generate] >= 2
     text = httpx.get(f"http://127.0.0.1:{process_stack['talker'].spec.metrics_port}/metrics").text
