@@ -120,7 +120,7 @@ class QueueForecast:
         engine's KV slots when they are fewer than `--max-batch`), or fewer where admission's
         duty and load bounds say so. Past it the queue drains only as streams end. With the load
         bound alone, an H100 (667 KV slots, admission's capacity 768-896) queued a closed loop's
-        burst on the drain rate measured while slots were free, and refused 150 of its requests
+        burst on the drain rate measured while slots were free, and refused 151 of its requests
         after they had waited 5.7 s of their 6 s first-audio budget (HISTORY.md, third session of
         2026-12-06)."""
         s = self._s
@@ -133,12 +133,12 @@ class QueueForecast:
         """How long a request submitted now would wait to start (None: no estimate, or at once),
         behind the waiting requests and `ahead` more not submitted yet.
 
-        The later of two predictions: the queue's drain rate, and, when the running
-        streams fill the capacity (`capacity`: the slots, or what admission allows), the time until enough of them finish to let
-        every request ahead and this one in (from each stream's expected length, paced at most
-        `max_lead_s` ahead of its listener). At capacity the queue drains only as streams end, which
-        a rate measured while it still admitted freely overestimates. `ends`: `_ends(now)`, when
-        the caller already has them."""
+        The later of two predictions: the queue's drain rate, and, when the running streams fill
+        the capacity (`capacity`: the slots, or what admission allows), the time until enough of
+        them finish to let every request ahead and this one in (from each stream's expected
+        length, paced at most `max_lead_s` ahead of its listener). At capacity the queue drains
+        only as streams end, which a rate measured while it still admitted freely overestimates.
+        `ends`: `_ends(now)`, when the caller already has them."""
         return self.wait_at(now, len(self._s.waiting) + ahead, ends)
 
     def wait_at(
