@@ -35,6 +35,7 @@ pytestmark = pytest.mark.e2e
 
 WRITE_TIMEOUT_S = 2.0
 HEADER_TIMEOUT_S = 1.0
+FLOOD_HEADER_TIMEOUT_S = 15.0
 RATE_PER_S, BURST = 100, 600
 # The gateway process's resident memory may grow by at most this much under each attack, and
 # never pass the peak bound (it starts at about 110 MB: numpy, PyAV, grpc, FastAPI; the 2,000
@@ -55,22 +56,36 @@ class Guarded:
         return psutil.Process(self.pid).memory_info().rss / 2**20
 
 
-@pytest.fixture(scope="module")
-def guarded(stack) -> Guarded:
+def _guarded_gateway(stack, name: str, header_timeout_s: float):
     cfg = stack.config
     flags = {
         "--max-ref-audio-bytes": corpus.MAX_REF_AUDIO_BYTES,
         "--max-body-bytes": corpus.MAX_BODY_BYTES,
         "--max-ref-audio-seconds": corpus.MAX_REF_AUDIO_SECONDS,
-        "--http-header-timeout-s": HEADER_TIMEOUT_S,
+        "--http-header-timeout-s": header_timeout_s,
         "--http-body-timeout-s": 2,
         "--http-write-timeout-s": WRITE_TIMEOUT_S,
         "--max-streams-per-client": 4,
         "--rate-limit-per-s": RATE_PER_S,
         "--rate-limit-burst": BURST,
     }
-    with extra_gateway(cfg, "gateway-guarded", tuple(str(x) for kv in flags.items() for x in kv)) as gw:
+    with extra_gateway(cfg, name, tuple(str(x) for kv in flags.items() for x in kv)) as gw:
         yield Guarded(gw.url, gw.http_port, gw.grpc_address, gw.proc.popen.pid, gw.proc.log_path)
+
+
+@pytest.fixture(scope="module")
+def guarded(stack) -> Guarded:
+    yield from _guarded_gateway(stack, "gateway-guarded", HEADER_TIMEOUT_S)
+
+
+@pytest.fixture
+def flood_guarded(stack) -> Guarded:
+    """The guarded gateway with a header timeout the flood's 2,000 connections can meet: with the
+    slowloris test's 1 s, a gateway process that the CI machine's other tests kept off its cores
+    for a second closed every flood connection unread (twice in four clean-clone runs on
+    2026-12-06: 2,000 connected, 2,000 closed, no status), which is the slowloris guard working,
+    not what this test is about."""
+    yield from _guarded_gateway(stack, "gateway-flood", FLOOD_HEADER_TIMEOUT_S)
 
 
 GOOD = {
@@ -320,7 +335,8 @@ def test_listeners_that_never_read_lose_their_own_stream_and_slot(guarded):
             s.close()
 
 
-def test_a_flood_of_2000_connections_from_one_client_leaves_others_served(guarded):
+def test_a_flood_of_2000_connections_from_one_client_leaves_others_served(flood_guarded):
+    guarded = flood_guarded
     small = {**GOOD, "max_new_tokens": 2, "ref_audio": base64.b64encode(corpus.wav(0.3)).decode()}
     small_body = json.dumps(small).encode()
     with RssWatch(guarded) as rss:
