@@ -32,7 +32,7 @@ from matplotlib.figure import Figure  # Figure without pyplot: no global state, 
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from benchmarks.loadgen import LevelRun
-from benchmarks.metrics import summarize
+from benchmarks.metrics import percentiles, summarize
 
 JSON_NAME = "results.json"
 MARKDOWN_NAME = "results.md"
@@ -63,13 +63,8 @@ def level_result(
 
 def loop_lag_summary(samples: Sequence[float]) -> dict[str, Any]:
     """p50 / p99 / max of the client's event-loop lag samples, in ms, and how many there were."""
-    ms = np.asarray(samples, dtype=np.float64) * 1e3
-    return {
-        "p50": round(float(np.percentile(ms, 50)), 2),
-        "p99": round(float(np.percentile(ms, 99)), 2),
-        "max": round(float(ms.max()), 2),
-        "samples": int(ms.size),
-    }
+    q = percentiles((s * 1e3 for s in samples), (50, 99))
+    return {key: round(q[key], 2) for key in ("p50", "p99", "max")} | {"samples": len(samples)}
 
 
 def is_gap_free(aggregates: dict[str, Any], *, aborted: int = 0, hit_deadline: bool = False) -> bool:

@@ -201,10 +201,10 @@ class StartPlanner:
     a frame / margin) and its first chunk's audio covers the next chunk's frame steps and hop
     (size(1) x step + hop <= first x frame / margin). Steps and hops are the 90th percentile of the
     last `window` seen, each step once (the chunks one step hands on share its `step_s`; counted
-    per chunk, one step of 300 streams filled the window). On the talker tests' simulated clock (test_capacity: 26 requests/s beside
-    a decoder, steps of ~30 ms, trips of 40-60 ms), the 2-frame start by the counts alone gapped
-    in 48 of 562 admitted streams; with this check at a margin of 1.25, in 2; at 1.6 and 1.75 in
-    none, the open loop's first audio unchanged. The plan is chosen when the request arrives,
+    per chunk, one step of 300 streams filled the window). On the talker tests' simulated clock
+    (test_capacity: 26 requests/s beside a decoder, steps of ~30 ms, trips of 40-60 ms), the
+    2-frame start by the counts alone gapped in 48 of 562 admitted streams; with this check at a
+    margin of 1.25, in 2; at 1.6 and 1.75 in none, the open loop's first audio unchanged. The plan is chosen when the request arrives,
     and a queued one starts later, under whatever load is then: hence the margin.
     Not thread-safe: the talker's event loop owns it."""
 

@@ -9,6 +9,7 @@ taken by the caller (`handed_on`)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,7 @@ class ChunkHops:
         self.request_id = request_id
         self._metrics = metrics
         self._on_code2wav_hop = on_code2wav_hop  # an early chunk's trip through code2wav, seconds
-        self._early_left = early_chunks if early_chunks > 0 else -1  # -1: no limit
+        self._early_left: float = early_chunks or math.inf  # trips still to report
         self._made_at: dict[int, tuple[float, float]] = {}  # end frame -> (made, received)
         self._sent_at: dict[int, float] = {}  # end frame -> sent to code2wav
         self._handed_at = 0.0  # the last hand-on (at first: the submission to the engine)
@@ -86,9 +87,8 @@ class ChunkHops:
         if made is None or sent is None or not arrived:
             return {}
         made_at, received_at = made
-        if self._on_code2wav_hop is not None and self._early_left != 0:
-            if self._early_left > 0:
-                self._early_left -= 1
+        if self._on_code2wav_hop is not None and self._early_left > 0:
+            self._early_left -= 1
             self._on_code2wav_hop(arrived - sent)
         return {
             "generate": made_at - self._handed_at,
