@@ -337,7 +337,21 @@ def decode_lines(metrics: ScrapedMetrics) -> list[str]:
             f"; published cost {costs.get('call', 0) * 1e3:.2f} ms a call + "
             f"{costs.get('frame', 0) * 1e6:.1f} us a frame"
         )
-    return [line]
+    lines = [line]
+    waits = []
+    for name, what in (
+        ("tts_code2wav_first_chunk_wait_seconds", "first chunks"),
+        ("tts_code2wav_chunk_wait_seconds", "all chunks"),
+    ):
+        if (got := metrics.mean(name)) is not None and got[0] > 0:
+            waits.append(f"{what} {got[1] * 1e3:.1f} ms over {got[0]:.0f}")
+    if waits:  # from a chunk's last frame to its decode call: the state's making and the loop's turn
+        lines.append("  chunks waited for a decode call, means: " + ", ".join(waits))
+    hits = metrics.total("tts_code2wav_prefix_state_hits_total")
+    misses = metrics.total("tts_code2wav_prefix_state_misses_total")
+    if hits or misses:
+        lines.append(f"  decoder states after a reference prefix: {hits:.0f} copied, {misses:.0f} decoded")
+    return lines
 
 
 def runs_under(roots: Iterable[Path]) -> list[Path]:
