@@ -392,7 +392,9 @@ class TalkerMetrics(ServiceMetrics):
             "tts_talker_start_plans_total",
             "New streams by the first chunk asked of code2wav (first: frames, or default: the "
             "replica's own plan) and why: counts (how busy the talker was), timing (moved up: the "
-            "recent steps and trips would make a smaller start late) or request (the caller's plan).",
+            "recent steps and trips would make a smaller start late), backlog (moved up: the request "
+            "arrived behind a queue and starts under whatever load is then) or request (the "
+            "caller's plan).",
             ["first", "why"],
             registry=registry,
         )

@@ -204,9 +204,20 @@ class StartPlanner:
     per chunk, one step of 300 streams filled the window). On the talker tests' simulated clock
     (test_capacity: 26 requests/s beside a decoder, steps of ~30 ms, trips of 40-60 ms), the
     2-frame start by the counts alone gapped in 48 of 562 admitted streams; with this check at a
-    margin of 1.25, in 2; at 1.6 and 1.75 in none, the open loop's first audio unchanged. The plan is chosen when the request arrives,
-    and a queued one starts later, under whatever load is then: hence the margin.
+    margin of 1.25, in 2; at 1.6 and 1.75 in none, the open loop's first audio unchanged. The
+    plan is chosen when the request arrives, and a queued one starts later, under whatever load
+    is then: hence the margin, and no small start for a request that arrives behind a backlog
+    (`backlog`: requests submitted at least `BACKLOG_AGE_S` ago and not yet admitted). Steps too
+    slow for the 4-frame ramp as well get the 8-frame start. Over 24 seeds of that clock's
+    overload test (26 requests/s, the talker's default coalescing), the two rules took the
+    admitted streams that gapped from 27 of 13,615 (8 seeds; up to 17 ms) to 7 of 13,585 (3
+    seeds; up to 15 ms): mostly 2-frame starts chosen while the steps were fast and taken up
+    0.9-1.7 s later beside steps of 80 ms.
     Not thread-safe: the talker's event loop owns it."""
+
+    # A request submitted this long ago and not admitted is queued, not just between two plans
+    # of the scheduler (a step of the talker is 5-30 ms; a backlog holds requests for seconds).
+    BACKLOG_AGE_S = 0.05
 
     # The trips it hears: each stream's first this many chunks (`trip_chunks`; 0: every chunk).
     # code2wav decodes a chunk with little audio ahead of it at once and holds later ones, far
@@ -230,7 +241,10 @@ class StartPlanner:
         self._steps: deque[float] = deque(maxlen=window)
         self._last_step_s = 0.0
         self._hops: deque[float] = deque(maxlen=window)
-        self.moved = False  # whether the last `plan` moved the counts' choice up (the timing)
+        self.moved = False  # whether the last `plan` moved the counts' choice up
+        # Why the last `plan` chose as it did: "counts" (the policy's choice), "timing" (moved up
+        # by the steps and hops) or "backlog" (moved up: the request arrives behind a queue).
+        self.why = "counts"
 
     def observe_step(self, seconds: float) -> None:
         """A frame step (prefill included) took `seconds`: the `step_s` of a chunk handed on. The
@@ -245,22 +259,28 @@ class StartPlanner:
         if seconds >= 0 and math.isfinite(seconds):
             self._hops.append(seconds)
 
-    def plan(self, starting: int, streams: int) -> ChunkPlan | None:
-        self.moved = False
+    def plan(self, starting: int, streams: int, backlog: int = 0) -> ChunkPlan | None:
+        """The plan for a new stream when `starting` streams have no first audio yet, `streams`
+        generate or wait to, and `backlog` of those have queued for `BACKLOG_AGE_S` or longer."""
+        self.moved, self.why = False, "counts"
         chosen = self.policy.plan(starting, streams)
         if chosen is not None and chosen != STEADY_PLAN:
             return chosen
-        if not self._steps:
-            return chosen
-        step = _p90(self._steps)
-        hop = _p90(self._hops) if self._hops else 0.0
         ladder: tuple[ChunkPlan | None, ...] = (None, STEADY_PLAN) if chosen is None else (STEADY_PLAN,)
+        why = "timing"
+        if backlog > 0:  # it starts later, under whatever load is then: no small start
+            ladder, why = (), "backlog"
+        elif not self._steps:
+            return chosen
+        step = _p90(self._steps) if self._steps else 0.0
+        hop = _p90(self._hops) if self._hops else 0.0
         for candidate in ladder:
             if self._fits(candidate or ChunkPlan(), step, hop):
                 self.moved = candidate != chosen
+                self.why = why if self.moved else "counts"
                 return candidate
-        self.moved = True
-        return BURST_PLAN
+        self.moved, self.why = True, why
+        return BURST_PLAN if self._fits(BURST_PLAN, step, hop) else HEAVY_PLAN
 
     def _fits(self, plan: ChunkPlan, step_s: float, hop_s: float) -> bool:
         budget_s = FRAME_S / self.margin

@@ -172,10 +172,12 @@ class TalkerConfig:
         "--prefill-coalesce-full-load) (0 = each at once)",
     )
     prefill_coalesce_from_load: float = setting(
-        0.45, "predicted engine load below which new prompts do not wait for company"
+        1.0,
+        "predicted engine load below which new prompts do not wait for company (1 = capacity: "
+        "they wait only while requests queue or past it)",
     )
     prefill_coalesce_full_load: float = setting(
-        0.75,
+        1.25,
         "predicted engine load from which new prompts wait all of --prefill-coalesce-ms for "
         "company (0 = always all of it)",
     )

@@ -84,18 +84,20 @@ class DeadlinePolicy:
     # as it came made every step a slow one under a steady stream of arrivals. 0: no waiting.
     coalesce_s: float = 0.12
     coalesce_rows: int = 8
-    # The wait is for throughput, which only a busy engine needs: it scales from none at a
-    # predicted engine load (admission.Admission.load) of `coalesce_from_load` to all of
-    # `coalesce_s` at `coalesce_full_load`, so a lightly loaded server starts audio at once;
-    # while requests queue for their start it is always the whole wait. The wait also throttles
-    # admission (prompts held for company fill the next step's prefill room): without the
-    # queue's rule, 0.45 to 0.75 let a closed loop past capacity start streams faster than it
-    # kept them on time (74 of 407 gapped on the simulated clock, none from 0.3 to 0.6). With
-    # it, 0.45 to 0.75 took the simulated open loop's p95 first audio from 94 to 77 ms at 100
-    # requests/s and from 134 to 117 ms at 150 (H100 costs, `benchmarks/start_plan_sim.py`).
-    # coalesce_full_load 0: always the whole wait.
-    coalesce_from_load: float = 0.45
-    coalesce_full_load: float = 0.75
+    # The wait is for throughput, which only an engine at its capacity needs: it scales from
+    # none at a predicted engine load (admission.Admission.load) of `coalesce_from_load` to all
+    # of `coalesce_s` at `coalesce_full_load`, and while requests queue for their start it is
+    # always the whole wait. The wait also throttles admission (prompts held for company fill
+    # the next step's prefill room): without the queue's rule, 0.45 to 0.75 let a closed loop
+    # past capacity start streams faster than it kept them on time (74 of 407 gapped on the
+    # simulated clock, none from 0.3 to 0.6). Below capacity the wait only delayed first audio:
+    # in the open loop on an H100 (mixed 2-20 s, two stacks a side, 8e6c9ec) new prompts waited
+    # 17 ms on average (p90 60 ms) with 0.45 to 0.75, and without any wait first audio's p95
+    # fell from 190 to 162 ms at 100 requests/s and from 363 to 271 ms at 150, with no stream
+    # gapped either way. So by default prompts wait only from capacity (a load of 1) on, which
+    # in practice means while requests queue. coalesce_full_load 0: always the whole wait.
+    coalesce_from_load: float = 1.0
+    coalesce_full_load: float = 1.25
     # Steps for streams that are due but not short start at most this often, so the streams
     # that fall under the lead bound meanwhile join one wide step instead of many narrow ones
     # (each step costs about 5 ms whatever its width). Streams with less than `critical_s`

@@ -10,6 +10,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +18,11 @@ from typing import Any
 import numpy as np
 
 from qtts.request.errors import Unavailable
+from qtts.streams.chunk_plan import StartPlanner
 
 from .engine_process import engine_main
 from .engine_wire import EngineFacts, RemotePrompt, spec_to_wire, voice_from_wire
-from .generation_loop import Failed, Finished, emit
+from .generation_loop import Admitted, Failed, Finished, emit
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class EngineClient:
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._requests: dict[str, Any] = {}  # request id -> the front's ScheduledRequest
         self._plan_sent: set[str] = set()
+        # Request id -> when this front submitted it, until the engine admits it (or it ends).
+        self._queued: dict[str, float] = {}
         self._ready: concurrent.futures.Future = concurrent.futures.Future()
         self._process: Any = None
         self._cmd: Any = None
@@ -98,11 +102,13 @@ class EngineClient:
     def submit(self, req: Any) -> None:
         self._check_alive()
         self._requests[req.request_id] = req
+        self._queued[req.request_id] = time.monotonic()
         self._defer(
             ("submit", req.request_id, req.prompt.key, req.sampling, req.max_new_frames, req.credit.window)
         )
 
     def cancel(self, request_id: str) -> None:
+        self._queued.pop(request_id, None)
         if self._requests.pop(request_id, None) is not None:
             self._plan_sent.discard(request_id)
             self._defer(("cancel", request_id))
@@ -136,11 +142,13 @@ class EngineClient:
     def observe_decoder_cost(self, frame_s: float, call_s: float, calls_per_s: float) -> None:
         self._send_quietly(("decoder_cost", frame_s, call_s, calls_per_s))
 
-    def start_counts(self) -> tuple[int, int]:
+    def start_counts(self) -> tuple[int, int, int]:
         """As GenerationLoop.start_counts, from the requests this front submitted: the front
-        keeps their playback clocks."""
+        keeps their playback clocks, and sees their admission (the engine's `Admitted`)."""
         live = list(self._requests.values())  # one C-level copy: the reader thread pops from it
-        return sum(1 for req in live if req.first_audio_at is None), len(live)
+        before = time.monotonic() - StartPlanner.BACKLOG_AGE_S
+        backlog = sum(1 for at in list(self._queued.values()) if at <= before)
+        return sum(1 for req in live if req.first_audio_at is None), len(live), backlog
 
     # -- calls --------------------------------------------------------------------------------
     def call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
@@ -271,6 +279,8 @@ class EngineClient:
             req = self._requests.get(rid)
             if req is None:  # cancelled meanwhile
                 continue
+            if isinstance(ev, Admitted | Finished | Failed):
+                self._queued.pop(rid, None)
             if isinstance(ev, Finished | Failed):
                 self._requests.pop(rid, None)
                 self._plan_sent.discard(rid)
@@ -288,6 +298,7 @@ class EngineClient:
             if not future.done():
                 future.set_exception(error)
         failed, self._requests = self._requests, {}
+        self._queued = {}
         emit([(req, Failed(error)) for req in failed.values()])
         if self._stopping:
             return

@@ -25,6 +25,7 @@ import numpy as np
 
 from qtts.request.errors import GenerationFailed, ResourceExhausted, TTSError, Unavailable
 from qtts.serving.metrics import TalkerMetrics
+from qtts.streams.chunk_plan import StartPlanner
 
 from .deadline import DeadlineScheduler, ScheduledRequest, StepPlan
 
@@ -290,13 +291,16 @@ class GenerationLoop:
         with self._cond:
             return self._scheduler.num_running, self._scheduler.num_waiting
 
-    def start_counts(self) -> tuple[int, int]:
-        """(streams without first audio yet, streams generating or waiting to): how busy the
-        talker is, for a new stream's chunk plan (qtts.streams.chunk_plan.StartPlanner)."""
+    def start_counts(self) -> tuple[int, int, int]:
+        """(streams without first audio yet, streams generating or waiting to, requests queued
+        for at least `StartPlanner.BACKLOG_AGE_S`): how busy the talker is, for a new stream's
+        chunk plan (qtts.streams.chunk_plan.StartPlanner)."""
         with self._cond:
             s = self._scheduler
             unheard = sum(1 for req in s.running.values() if req.first_audio_at is None)
-            return s.num_waiting + unheard, s.num_waiting + s.num_running
+            before = self._clock() - StartPlanner.BACKLOG_AGE_S
+            backlog = sum(1 for req in s.waiting if req.submitted_at <= before)
+            return s.num_waiting + unheard, s.num_waiting + s.num_running, backlog
 
     def _update_gauges(self, plan: StepPlan | None = None) -> None:
         s = self._scheduler

@@ -195,9 +195,7 @@ class StreamSession:
             self._count_plan(str(self._first_chunk_frames or "default"), "request")
             return
         plan = self._planner.plan(*self._engine.start_counts())
-        self._count_plan(
-            "default" if plan is None else str(plan.first), "timing" if self._planner.moved else "counts"
-        )
+        self._count_plan("default" if plan is None else str(plan.first), self._planner.why)
         if plan is not None:
             self._first_chunk_frames, self._ramp = plan.first, plan.ramp
 

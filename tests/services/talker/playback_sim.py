@@ -86,7 +86,7 @@ def simulate(
     *,
     closed_loop: int = 0,
     until_s: float = 60.0,
-    plan: ChunkPlan | Callable[[int, int], ChunkPlan] | None = None,
+    plan: ChunkPlan | Callable[..., ChunkPlan] | None = None,
     retry_refused_s: float | None = None,
     publish_decoder_cost: bool = False,
     calibrate_decoder: bool = True,
@@ -99,13 +99,13 @@ def simulate(
 
     `plan` is every stream's chunk plan, or a function that picks a stream's plan when it arrives
     from how many streams are starting then (submitted, first audio not yet heard) and how many
-    are generating or waiting to; by default the talker's own choice (`StartPlanner`, fed with the
+    are generating or waiting to (and how many of those queue: `_starting_running`); by default the talker's own choice (`StartPlanner`, fed with the
     simulated steps and trips through code2wav)."""
     planner = StartPlanner()
     if plan is None:
-        plan_for = lambda starting, streams: planner.plan(starting, streams) or ChunkPlan()  # noqa: E731
+        plan_for = lambda *counts: planner.plan(*counts) or ChunkPlan()  # noqa: E731
     else:
-        plan_for = plan if callable(plan) else (lambda _starting, _streams: plan)
+        plan_for = plan if callable(plan) else (lambda *_counts: plan)
     pending = sorted(arrivals)
     listeners: dict[str, Listener] = {}
     reqs: dict[str, ScheduledRequest] = {}
@@ -137,7 +137,7 @@ def simulate(
             frames,
             StreamCredit(window=10**9, granted_until=10**9),
             sink=lambda ev: None,
-            chunk_plan=plan_for(*_starting_running(reqs, scheduler)),
+            chunk_plan=plan_for(*_starting_running(reqs, scheduler, t)),
         )
         try:
             scheduler.submit(req, t)
@@ -243,9 +243,14 @@ def simulate(
     return list(listeners.values())
 
 
-def _starting_running(reqs: dict[str, ScheduledRequest], scheduler: DeadlineScheduler) -> tuple[int, int]:
-    """(streams starting: submitted, no first audio yet; streams generating or waiting to)."""
+def _starting_running(
+    reqs: dict[str, ScheduledRequest], scheduler: DeadlineScheduler, now: float
+) -> tuple[int, int, int]:
+    """(streams starting: submitted, no first audio yet; streams generating or waiting to;
+    requests queued for `StartPlanner.BACKLOG_AGE_S` or longer), as the talker counts them."""
     # From the scheduler's own sets, not every request ever made: an arrival's cost must not grow
     # with the run (a closed loop past capacity makes tens of thousands of them).
     live = [reqs[rid] for rid in scheduler.running if rid in reqs] + list(scheduler.waiting)
-    return sum(1 for r in live if r.first_audio_at is None), len(live)
+    before = now - StartPlanner.BACKLOG_AGE_S
+    backlog = sum(1 for r in scheduler.waiting if r.submitted_at <= before)
+    return sum(1 for r in live if r.first_audio_at is None), len(live), backlog

@@ -214,13 +214,14 @@ def test_new_prompts_wait_for_company_only_as_long_as_the_engine_load_asks():
     # Priors: a step of n streams 4.7 ms + 20 us * n, a prefill 10 ms, streams of 10 s. One
     # stream playing is a light load (about 7%): a new prompt is prefilled at once. With the
     # per-stream cost raised so that the running streams load the engine past 75%, it waits the
-    # whole 100 ms for company; at 60% (between 45% and 75%), half of it.
-    def scheduler() -> DeadlineScheduler:
+    # whole 100 ms for company; at 60% (between 45% and 75%), half of it. With the default loads
+    # (from capacity on) neither waits.
+    def scheduler(**loads: float) -> DeadlineScheduler:
         return DeadlineScheduler(
             100,
             100,
             admission=Admission(AdmissionConfig(first_audio_budget_s=0, max_load=0, max_duty=0)),
-            policy=DeadlinePolicy(coalesce_s=0.1, coalesce_rows=8),
+            policy=DeadlinePolicy(coalesce_s=0.1, coalesce_rows=8, **loads),
         )
 
     light = scheduler()
@@ -234,8 +235,9 @@ def test_new_prompts_wait_for_company_only_as_long_as_the_engine_load_asks():
         return (0.0047 + 41 * per_stream_s) / 0.08 + 41 * 0.01 / 10
 
     half_way = ((0.60 - 41 * 0.01 / 10) * 0.08 - 0.0047) / 41
-    for per_stream_s, wait_s in ((0.0016, 0.1), (half_way, 0.05)):
-        busy = scheduler()
+    scaled = {"coalesce_from_load": 0.45, "coalesce_full_load": 0.75}
+    for per_stream_s, wait_s, loads in ((0.0016, 0.1, scaled), (half_way, 0.05, scaled), (half_way, 0.0, {})):
+        busy = scheduler(**loads)
         busy.admission.model.per_stream_s = per_stream_s
         for k in range(40):
             busy.submit(req(f"r{k}", positions=10), now=0.0)
@@ -247,6 +249,9 @@ def test_new_prompts_wait_for_company_only_as_long_as_the_engine_load_asks():
         load = load_with(per_stream_s)
         assert (load > 0.75) if wait_s == 0.1 else load == pytest.approx(0.6)
         busy.submit(req("late", positions=40), now=0.5)
+        if not wait_s:  # the defaults at a load of 60%: prefilled at once
+            assert busy.plan(0.5).prefill_budget >= 40
+            continue
         assert busy.plan(0.5).prefill_budget == 0  # waits for company
         assert busy.plan(0.5 + wait_s - 0.005).prefill_budget == 0
         assert busy.plan(0.5 + wait_s + 0.005).prefill_budget >= 40, (load, wait_s)
@@ -372,7 +377,7 @@ def test_config_flags_for_deadlines_and_admission():
 
 def test_the_coalescing_loads_are_flags_that_reach_the_scheduler():
     default = scheduler_for(config_from_args([])).policy
-    assert (default.coalesce_from_load, default.coalesce_full_load) == (0.45, 0.75)
+    assert (default.coalesce_from_load, default.coalesce_full_load) == (1.0, 1.25)
     c = config_from_args(["--prefill-coalesce-from-load", "0.3", "--prefill-coalesce-full-load", "0.6"])
     policy = scheduler_for(c).policy
     assert (policy.coalesce_from_load, policy.coalesce_full_load) == (0.3, 0.6)

@@ -360,3 +360,46 @@ async def test_grants_and_clocks_of_one_loop_turn_cross_the_pipe_together():
     assert sent == [("batch", [("grant", "r2", 24, None)]), ("wake",)]
     await asyncio.sleep(0)
     assert len(sent) == 2  # the scheduled flush finds nothing left
+
+
+async def test_the_front_counts_its_requests_queued_in_the_engine_past_the_backlog_age(monkeypatch):
+    """`EngineClient.start_counts`' third figure: requests this front submitted at least
+    `StartPlanner.BACKLOG_AGE_S` ago that the engine has not admitted yet (its `Admitted` event
+    ends their wait, as do their end and a cancel)."""
+    from types import SimpleNamespace
+
+    from qtts.streams.chunk_plan import StartPlanner
+    from services.talker import engine_client
+    from services.talker.deadline import StreamCredit
+    from services.talker.engine_client import EngineClient
+    from services.talker.generation_loop import Admitted, Finished
+
+    now = [50.0]
+    monkeypatch.setattr(engine_client.time, "monotonic", lambda: now[0])
+    client = EngineClient(config=None)
+    client._cmd = SimpleNamespace(send=lambda message: None)
+    got: list = []
+    reqs = {
+        rid: SimpleNamespace(
+            request_id=rid,
+            prompt=SimpleNamespace(key=rid),
+            sampling=None,
+            max_new_frames=10,
+            credit=StreamCredit(window=8),
+            first_audio_at=None,
+            loop=None,
+            sink=got.append,
+        )
+        for rid in ("a", "b", "c")
+    }
+    for req in reqs.values():
+        client.submit(req)
+    assert client.start_counts() == (3, 3, 0)  # just submitted: between two plans
+    now[0] += StartPlanner.BACKLOG_AGE_S
+    assert client.start_counts() == (3, 3, 3)
+    client._dispatch([("a", Admitted(0.05))])
+    client.cancel("b")
+    assert client.start_counts() == (2, 2, 1)
+    client._dispatch([("c", Finished("length", 10))])
+    assert client.start_counts() == (1, 1, 0)
+    assert [type(ev) for ev in got] == [Admitted, Finished]

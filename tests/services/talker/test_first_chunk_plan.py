@@ -226,19 +226,27 @@ def test_the_planner_takes_a_small_start_only_while_steps_and_hops_keep_it_on_ti
         fast.observe_hop(0.06)
     assert fast.plan(0, 0) == STEADY_PLAN and fast.moved  # counted as moved by the timing
     assert fast.plan(0, BUSY_STREAMS) == STEADY_PLAN and not fast.moved  # the counts' own choice
-    # Steps of 40 ms: too slow for the 2-frame ramp (1.43 x 40 ms > 80 / 1.6 ms).
+    # A 70 ms trip with steps of 30 ms: two frames (160 ms) no longer cover the next chunk's
+    # steps and the trip at the margin (2 x 30 + 70 > 160 / 1.6), four frames do (4 x 30 + 70).
+    tripped = StartPlanner()
+    for i in range(50):
+        tripped.observe_step(0.03 + i * 1e-6)
+        tripped.observe_hop(0.07)
+    assert tripped.plan(0, 0) == BURST_PLAN == tripped.plan(0, BUSY_STREAMS) and tripped.why == "timing"
+    # Steps of 40 ms: too slow for the 2- and the 4-frame ramps (1.43 x 40 ms > 80 / 1.6 ms).
     slow = StartPlanner()
     for i in range(50):
         slow.observe_step(0.04 + i * 1e-6)
         slow.observe_hop(0.01)
-    assert slow.plan(0, 0) == BURST_PLAN == slow.plan(0, BUSY_STREAMS)
+    assert slow.plan(0, 0) == HEAVY_PLAN == slow.plan(0, BUSY_STREAMS) and slow.why == "timing"
     # Bursts and heavy loads keep their plans whatever the steps.
     assert fast.plan(BURST_STARTING, 0) == BURST_PLAN and not fast.moved
     assert fast.plan(0, HEAVY_STREAMS) == HEAVY_PLAN and not fast.moved
+    assert slow.plan(BURST_STARTING, 0) == BURST_PLAN and slow.why == "counts"
     # Ten fast steps do not hide the slow ones at the 90th percentile.
     for i in range(10):
         slow.observe_step(0.005 + i * 1e-6)
-    assert slow.plan(0, 0) == BURST_PLAN
+    assert slow.plan(0, 0) == HEAVY_PLAN
     # One slow step handing on the chunks of 300 streams counts once, not 300 times.
     once = StartPlanner()
     for _ in range(300):
@@ -249,3 +257,23 @@ def test_the_planner_takes_a_small_start_only_while_steps_and_hops_keep_it_on_ti
     assert once.plan(0, 0) is None
     with pytest.raises(ValueError):
         StartPlanner(margin=0.5)
+
+
+def test_a_request_behind_a_backlog_gets_no_small_start():
+    """A request that arrives while others have queued (`backlog`) starts later, under whatever
+    load is then: it asks for the 4-frame start however fast the recent steps were, or for the
+    8-frame one when the steps are too slow for that ramp; the counts' larger plans stand."""
+    fresh = StartPlanner()
+    assert fresh.plan(0, 0, backlog=1) == BURST_PLAN and fresh.moved and fresh.why == "backlog"
+    fast = StartPlanner()
+    for i in range(50):
+        fast.observe_step(0.01 + i * 1e-6)
+        fast.observe_hop(0.02)
+    assert fast.plan(0, 0) is None and fast.why == "counts"
+    assert fast.plan(0, 0, backlog=3) == BURST_PLAN and fast.why == "backlog"
+    assert fast.plan(0, BUSY_STREAMS, backlog=3) == BURST_PLAN and fast.why == "backlog"
+    assert fast.plan(0, HEAVY_STREAMS, backlog=3) == HEAVY_PLAN and fast.why == "counts"
+    slow = StartPlanner()
+    for i in range(50):
+        slow.observe_step(0.04 + i * 1e-6)
+    assert slow.plan(0, 0, backlog=1) == HEAVY_PLAN and slow.why == "backlog"

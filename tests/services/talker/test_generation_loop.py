@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from qtts.request.errors import ResourceExhausted
 from qtts.serving.metrics import TalkerMetrics
-from qtts.streams.chunk_plan import BURST_PLAN, ChunkPlan
+from qtts.streams.chunk_plan import BURST_PLAN, ChunkPlan, StartPlanner
 from services.talker.deadline import DeadlinePolicy, DeadlineScheduler, ScheduledRequest, StreamCredit
 from services.talker.generation_loop import Admitted, Failed, Finished, Frame, GenerationLoop
 from tests.services.talker.fakes import FakeGenerator, FakePrompt
@@ -471,3 +471,17 @@ def test_the_wait_from_admission_to_the_prefill_is_observed_once_a_request():
     count = next(s.value for s in samples if s.name.endswith("_count"))
     assert count == 3
     assert metrics.prefill_wait_seconds._sum.get() >= 0.15  # c's wait for company
+
+
+def test_start_counts_tell_a_backlog_from_a_request_between_two_plans():
+    """`start_counts`' third figure (the new stream's chunk plan, `StartPlanner`): requests
+    waiting to start that were submitted `StartPlanner.BACKLOG_AGE_S` or more ago. One submitted
+    just now waits only for the scheduler's next plan, not behind a queue."""
+    now = [100.0]
+    sched = DeadlineScheduler(max_batch=1, max_waiting=8)
+    engine = GenerationLoop(FakeGenerator(), sched, TalkerMetrics(CollectorRegistry()), clock=lambda: now[0])
+    for rid, at in (("old", 99.0), ("recent", 100.0 - StartPlanner.BACKLOG_AGE_S), ("new", 99.99)):
+        sched.submit(make_req(rid, frames=10, window=10), now=at)
+    assert engine.start_counts() == (3, 3, 2)
+    now[0] = 100.5
+    assert engine.start_counts() == (3, 3, 3)
