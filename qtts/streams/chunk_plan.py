@@ -207,12 +207,14 @@ class StartPlanner:
     margin of 1.25, in 2; at 1.6 and 1.75 in none, the open loop's first audio unchanged. The
     plan is chosen when the request arrives, and a queued one starts later, under whatever load
     is then: hence the margin, and no small start for a request that arrives behind a backlog
-    (`backlog`: requests submitted at least `BACKLOG_AGE_S` ago and not yet admitted). Steps too
-    slow for the 4-frame ramp as well get the 8-frame start. Over 24 seeds of that clock's
-    overload test (26 requests/s, the talker's default coalescing), the two rules took the
-    admitted streams that gapped from 27 of 13,615 (8 seeds; up to 17 ms) to 7 of 13,585 (3
-    seeds; up to 15 ms): mostly 2-frame starts chosen while the steps were fast and taken up
-    0.9-1.7 s later beside steps of 80 ms.
+    (`backlog`: requests submitted at least `BACKLOG_AGE_S` ago and not yet admitted). Over 24
+    seeds of that clock's overload test (26 requests/s, the talker's default coalescing), the
+    backlog rule took the admitted streams that gapped from 27 of 13,615 (8 seeds; up to 17 ms)
+    to 21 of 13,641 (3 seeds; up to 12 ms); the gaps it removes are 2-frame starts chosen while
+    the steps were fast and taken up 0.9-1.7 s later beside steps of 80 ms. An 8-frame start for
+    steps too slow for the 4-frame ramp as well took it to 7, but a text-streamed request whose
+    first piece made fewer than 8 frames then heard nothing until its next piece, and a CPU's
+    slow steps chose it: not taken.
     Not thread-safe: the talker's event loop owns it."""
 
     # A request submitted this long ago and not admitted is queued, not just between two plans
@@ -280,7 +282,7 @@ class StartPlanner:
                 self.why = why if self.moved else "counts"
                 return candidate
         self.moved, self.why = True, why
-        return BURST_PLAN if self._fits(BURST_PLAN, step, hop) else HEAVY_PLAN
+        return BURST_PLAN
 
     def _fits(self, plan: ChunkPlan, step_s: float, hop_s: float) -> bool:
         budget_s = FRAME_S / self.margin
