@@ -315,7 +315,18 @@ def start_plan_lines(metrics: ScrapedMetrics) -> list[str]:
         return []
     order = {"default": 0}
     plans.sort(key=lambda p: (order.get(p[0], 1), int(p[0]) if p[0].isdigit() else 0, p[1]))
-    return ["  first chunks asked (frames, why): " + ", ".join(f"{f} {w} {v:.0f}" for f, w, v in plans)]
+    lines = ["  first chunks asked (frames, why): " + ", ".join(f"{f} {w} {v:.0f}" for f, w, v in plans)]
+    misfits = sorted(
+        (lab.get("first", "?"), lab.get("bound", "?"), v)
+        for lab, v in metrics.values("tts_talker_start_plan_misfits_total")
+        if v > 0
+    )
+    if misfits:  # which bound of the timing check turned the smaller starts down
+        lines.append(
+            "  smaller starts turned down (frames, bound): "
+            + ", ".join(f"{f} {b} {v:.0f}" for f, b, v in misfits)
+        )
+    return lines
 
 
 def decode_lines(metrics: ScrapedMetrics) -> list[str]:

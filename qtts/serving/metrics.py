@@ -398,6 +398,15 @@ class TalkerMetrics(ServiceMetrics):
             ["first", "why"],
             registry=registry,
         )
+        self.start_plan_misfits_total = Counter(
+            "tts_talker_start_plan_misfits_total",
+            "Smaller starts the talker checked for a new stream and turned down, by the start's "
+            "first chunk (frames) and the bound it failed: ramp (the recent steps too slow for its "
+            "ramp) or trip (its first chunk's audio does not cover the next chunk's steps and trip "
+            "through code2wav).",
+            ["first", "bound"],
+            registry=registry,
+        )
         self.steps_over_capacity_total = Counter(
             "tts_talker_steps_over_capacity_total",
             "Steps with more streams running than the admission capacity of that moment (admitted "

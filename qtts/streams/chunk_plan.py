@@ -247,6 +247,10 @@ class StartPlanner:
         # Why the last `plan` chose as it did: "counts" (the policy's choice), "timing" (moved up
         # by the steps and hops) or "backlog" (moved up: the request arrives behind a queue).
         self.why = "counts"
+        # The smaller starts the last `plan` checked and turned down, each with the bound it
+        # failed: (first frames, "ramp" (steps too slow for its ramp) or "trip" (its first
+        # chunk's audio does not cover the next chunk's steps and trip through code2wav)).
+        self.misfits: list[tuple[int, str]] = []
 
     def observe_step(self, seconds: float) -> None:
         """A frame step (prefill included) took `seconds`: the `step_s` of a chunk handed on. The
@@ -264,7 +268,7 @@ class StartPlanner:
     def plan(self, starting: int, streams: int, backlog: int = 0) -> ChunkPlan | None:
         """The plan for a new stream when `starting` streams have no first audio yet, `streams`
         generate or wait to, and `backlog` of those have queued for `BACKLOG_AGE_S` or longer."""
-        self.moved, self.why = False, "counts"
+        self.moved, self.why, self.misfits = False, "counts", []
         chosen = self.policy.plan(starting, streams)
         if chosen is not None and chosen != STEADY_PLAN:
             return chosen
@@ -277,19 +281,24 @@ class StartPlanner:
         step = _p90(self._steps) if self._steps else 0.0
         hop = _p90(self._hops) if self._hops else 0.0
         for candidate in ladder:
-            if self._fits(candidate or ChunkPlan(), step, hop):
+            plan = candidate or ChunkPlan()
+            if (bound := self._misfit(plan, step, hop)) is None:
                 self.moved = candidate != chosen
                 self.why = why if self.moved else "counts"
                 return candidate
+            self.misfits.append((plan.first, bound))
         self.moved, self.why = True, why
         return BURST_PLAN
 
-    def _fits(self, plan: ChunkPlan, step_s: float, hop_s: float) -> bool:
+    def _misfit(self, plan: ChunkPlan, step_s: float, hop_s: float) -> str | None:
+        """The bound `plan` fails at these steps and trips ("ramp" checked first, then "trip"),
+        or None when it fits."""
         budget_s = FRAME_S / self.margin
-        return (
-            plan.required_speedup() * step_s <= budget_s
-            and plan.size(1) * step_s + hop_s <= plan.first * budget_s
-        )
+        if plan.required_speedup() * step_s > budget_s:
+            return "ramp"
+        if plan.size(1) * step_s + hop_s > plan.first * budget_s:
+            return "trip"
+        return None
 
 
 def _p90(values: deque[float]) -> float:

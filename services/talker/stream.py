@@ -196,6 +196,9 @@ class StreamSession:
             return
         plan = self._planner.plan(*self._engine.start_counts())
         self._count_plan("default" if plan is None else str(plan.first), self._planner.why)
+        if self._metrics is not None:
+            for first, bound in self._planner.misfits:
+                self._metrics.start_plan_misfits_total.labels(str(first), bound).inc()
         if plan is not None:
             self._first_chunk_frames, self._ramp = plan.first, plan.ramp
 

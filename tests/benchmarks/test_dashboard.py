@@ -44,6 +44,7 @@ COUNTERS_AND_GAUGES = {
     "tts_startup_seconds",
     "tts_talker_steps_over_capacity_total",
     "tts_talker_start_plans_total",
+    "tts_talker_start_plan_misfits_total",
     "tts_talker_admission_cost_seconds",
     "tts_code2wav_decode_cost_seconds",
 }

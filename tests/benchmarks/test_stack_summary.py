@@ -72,6 +72,8 @@ def write_run(tmp_path):
         ("4", "counts", 9),
     ):
         talker.start_plans_total.labels(first, why).inc(n)
+    talker.start_plan_misfits_total.labels("2", "trip").inc(60)
+    talker.start_plan_misfits_total.labels("1", "ramp").inc(5)
     for cost, seconds in (("step_base", 0.0047), ("step_per_stream", 20e-6), ("prefill_request", 0.004)):
         talker.admission_cost_seconds.labels(cost).set(seconds)
     talker.admission_cost_seconds.labels("decoder_frame").set(27e-6)
@@ -125,6 +127,7 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
         talker[3]
         == "  first chunks asked (frames, why): default counts 30, 2 counts 500, 4 counts 9, 4 timing 70"
     )
+    assert talker[4] == "  smaller starts turned down (frames, bound): 1 ramp 5, 2 trip 60"
     assert "  calls waited before their handler: mean 402 ms, p95 <= 2500 ms over 3 calls" in talker
     assert "  stage prefill: n=2, mean 15.0 ms" in talker
     assert "  talker_chunk_hop_seconds means (ms): code2wav 1000.0" in talker

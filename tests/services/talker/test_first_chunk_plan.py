@@ -225,6 +225,7 @@ def test_the_planner_takes_a_small_start_only_while_steps_and_hops_keep_it_on_ti
     for _ in range(256):
         fast.observe_hop(0.06)
     assert fast.plan(0, 0) == STEADY_PLAN and fast.moved  # counted as moved by the timing
+    assert fast.misfits == [(1, "trip")]  # the one-frame start, turned down by its trip
     assert fast.plan(0, BUSY_STREAMS) == STEADY_PLAN and not fast.moved  # the counts' own choice
     # A 70 ms trip with steps of 30 ms: two frames (160 ms) no longer cover the next chunk's
     # steps and the trip at the margin (2 x 30 + 70 > 160 / 1.6), four frames do (4 x 30 + 70).
@@ -233,12 +234,15 @@ def test_the_planner_takes_a_small_start_only_while_steps_and_hops_keep_it_on_ti
         tripped.observe_step(0.03 + i * 1e-6)
         tripped.observe_hop(0.07)
     assert tripped.plan(0, 0) == BURST_PLAN == tripped.plan(0, BUSY_STREAMS) and tripped.why == "timing"
+    assert tripped.misfits == [(2, "trip")]
     # Steps of 40 ms: too slow for the 2-frame ramp (1.43 x 40 ms > 80 / 1.6 ms).
     slow = StartPlanner()
     for i in range(50):
         slow.observe_step(0.04 + i * 1e-6)
         slow.observe_hop(0.01)
-    assert slow.plan(0, 0) == BURST_PLAN == slow.plan(0, BUSY_STREAMS) and slow.why == "timing"
+    assert slow.plan(0, 0) == BURST_PLAN and slow.misfits == [(1, "ramp"), (2, "ramp")]
+    assert slow.plan(0, BUSY_STREAMS) == BURST_PLAN and slow.why == "timing"
+    assert slow.misfits == [(2, "ramp")]
     # Bursts and heavy loads keep their plans whatever the steps.
     assert fast.plan(BURST_STARTING, 0) == BURST_PLAN and not fast.moved
     assert fast.plan(0, HEAVY_STREAMS) == HEAVY_PLAN and not fast.moved
