@@ -15,8 +15,12 @@ linear interpolation for longer ones), as `Qwen3ForceAlignProcessor.fix_timestam
 
 from __future__ import annotations
 
+import functools
+import importlib
+import threading
 import unicodedata
 from collections.abc import Sequence
+from types import ModuleType
 
 # Languages the official code splits with a tool of their own.
 JAPANESE = "japanese"
@@ -79,9 +83,32 @@ def split_space_language(text: str) -> list[str]:
     return words
 
 
-def split_japanese(text: str) -> list[str]:
-    import nagisa  # heavy (DyNet); only Japanese needs it
+@functools.cache
+def nagisa_module() -> ModuleType:
+    """`nagisa`, imported on first use (heavy: DyNet; only Japanese needs it) on a thread of its
+    own. Its DyNet library is built with -ffast-math, whose start-up code turns on flush-to-zero
+    and denormals-are-zero in the thread that loads it: loaded on a caller's thread, every later
+    float operation there read subnormal numbers as 0 (in the test suite, a gateway sharing the
+    process took a gRPC temperature of 1e-45 for 0, and hypothesis refused to run). The mode is
+    per thread, so the loading thread takes it away with it."""
+    got: dict[str, object] = {}
 
+    def load() -> None:
+        try:
+            got["module"] = importlib.import_module("nagisa")
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            got["error"] = exc
+
+    thread = threading.Thread(target=load, name="nagisa-import", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in got:
+        raise got["error"]  # type: ignore[misc]
+    return got["module"]  # type: ignore[return-value]
+
+
+def split_japanese(text: str) -> list[str]:
+    nagisa = nagisa_module()
     return [w for w in (clean_token(t) for t in nagisa.tagging(text).words) if w]
 
 

@@ -21,7 +21,12 @@ def tiny_aligner(tiny_aligner_dir):
 
 @pytest.fixture(scope="session")
 def official_aligner(tiny_aligner_dir):
-    """`qwen_asr.Qwen3ForcedAligner` on the same folder (fp32, CPU, its default SDPA attention)."""
+    """`qwen_asr.Qwen3ForcedAligner` on the same folder (fp32, CPU, its default SDPA attention).
+    nagisa is loaded first our way (`nagisa_module`, off this thread): `qwen_asr` imports it
+    itself, which would leave this test process's thread reading subnormal floats as 0."""
+    from qtts.model.aligner.words import nagisa_module
+
+    nagisa_module()
     qwen_asr = pytest.importorskip("qwen_asr")
     import torch
 
