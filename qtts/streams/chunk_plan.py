@@ -243,7 +243,6 @@ class StartPlanner:
         self._steps: deque[float] = deque(maxlen=window)
         self._last_step_s = 0.0
         self._hops: deque[float] = deque(maxlen=window)
-        self.moved = False  # whether the last `plan` moved the counts' choice up
         # Why the last `plan` chose as it did: "counts" (the policy's choice), "timing" (moved up
         # by the steps and hops) or "backlog" (moved up: the request arrives behind a queue).
         self.why = "counts"
@@ -251,6 +250,11 @@ class StartPlanner:
         # failed: (first frames, "ramp" (steps too slow for its ramp) or "trip" (its first
         # chunk's audio does not cover the next chunk's steps and trip through code2wav)).
         self.misfits: list[tuple[int, str]] = []
+
+    @property
+    def moved(self) -> bool:
+        """Whether the last `plan` moved the counts' choice up (the timing or a backlog)."""
+        return self.why != "counts"
 
     def observe_step(self, seconds: float) -> None:
         """A frame step (prefill included) took `seconds`: the `step_s` of a chunk handed on. The
@@ -268,7 +272,7 @@ class StartPlanner:
     def plan(self, starting: int, streams: int, backlog: int = 0) -> ChunkPlan | None:
         """The plan for a new stream when `starting` streams have no first audio yet, `streams`
         generate or wait to, and `backlog` of those have queued for `BACKLOG_AGE_S` or longer."""
-        self.moved, self.why, self.misfits = False, "counts", []
+        self.why, self.misfits = "counts", []
         chosen = self.policy.plan(starting, streams)
         if chosen is not None and chosen != STEADY_PLAN:
             return chosen
@@ -283,11 +287,10 @@ class StartPlanner:
         for candidate in ladder:
             plan = candidate or ChunkPlan()
             if (bound := self._misfit(plan, step, hop)) is None:
-                self.moved = candidate != chosen
-                self.why = why if self.moved else "counts"
+                self.why = why if candidate != chosen else "counts"
                 return candidate
             self.misfits.append((plan.first, bound))
-        self.moved, self.why = True, why
+        self.why = why
         return BURST_PLAN
 
     def _misfit(self, plan: ChunkPlan, step_s: float, hop_s: float) -> str | None:

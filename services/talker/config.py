@@ -11,7 +11,7 @@ from qtts.serving import service_config as common
 from qtts.serving.service_config import check_connection_age, check_server_fields
 from qtts.serving.settings import ServiceSettings, group, setting
 from qtts.serving.tls import TlsConfig
-from qtts.streams.chunk_plan import StartPolicy
+from qtts.streams.chunk_plan import StartPlanner, StartPolicy
 from qtts.tiny_model import DEFAULT_TINY_SNAPSHOT
 
 from .admission import STEP_FITS
@@ -281,6 +281,10 @@ class TalkerConfig:
             self.start_plan_burst_starting,
             self.start_plan_heavy_streams,
         )
+
+    def start_planner(self) -> StartPlanner:
+        """A new planner of streams' first chunks by the `--start-plan-*` flags."""
+        return StartPlanner(self.start_policy, trip_chunks=self.start_plan_trip_chunks)
 
     @property
     def model_path(self) -> str:

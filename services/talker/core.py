@@ -17,7 +17,7 @@ from qtts.request.errors import Cancelled, InvalidArgument, TTSError
 from qtts.request.sampling_overrides import sampling_fields
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary, Task
 from qtts.serving.metrics import TalkerMetrics
-from qtts.streams.chunk_plan import DEFAULT_START_POLICY, StartPlanner, StartPolicy
+from qtts.streams.chunk_plan import StartPlanner
 
 from .generation_loop import GenerationLoop
 from .prompt_queue import PromptQueue, reference_rows
@@ -60,11 +60,11 @@ class TalkerCore:
         stall_timeout_s: float = 0.0,
         spec_factory: Callable[..., Any] | None = None,
         first_audio_budget_s: float = 0.0,
-        start_policy: StartPolicy = DEFAULT_START_POLICY,
-        start_trip_chunks: int = StartPlanner.TRIP_CHUNKS,
+        start_planner: StartPlanner | None = None,
     ):
         self.bundle = bundle
-        self._start_planner = StartPlanner(start_policy, trip_chunks=start_trip_chunks)
+        # Each new stream's first chunk (default: the default policy, trips of the first chunks).
+        self._start_planner = start_planner if start_planner is not None else StartPlanner()
         # The first queue a request waits in, under the first-audio budget.
         self.prompts = PromptQueue(bundle, metrics, first_audio_budget_s)
         self.info = bundle.info

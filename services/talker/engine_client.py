@@ -147,7 +147,8 @@ class EngineClient:
         keeps their playback clocks, and sees their admission (the engine's `Admitted`)."""
         live = list(self._requests.values())  # one C-level copy: the reader thread pops from it
         before = time.monotonic() - StartPlanner.BACKLOG_AGE_S
-        backlog = sum(1 for at in list(self._queued.values()) if at <= before)
+        # In submission order (a dict keeps insertion order): the backlog is its head.
+        backlog = sum(1 for _ in itertools.takewhile(lambda at: at <= before, list(self._queued.values())))
         return sum(1 for req in live if req.first_audio_at is None), len(live), backlog
 
     # -- calls --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ step, not one per stream).
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import threading
 import time
@@ -299,7 +300,8 @@ class GenerationLoop:
             s = self._scheduler
             unheard = sum(1 for req in s.running.values() if req.first_audio_at is None)
             before = self._clock() - StartPlanner.BACKLOG_AGE_S
-            backlog = sum(1 for req in s.waiting if req.submitted_at <= before)
+            # The queue is in submission order: the backlog is its head, and no backlog costs one look.
+            backlog = sum(1 for _ in itertools.takewhile(lambda req: req.submitted_at <= before, s.waiting))
             return s.num_waiting + unheard, s.num_waiting + s.num_running, backlog
 
     def _update_gauges(self, plan: StepPlan | None = None) -> None:

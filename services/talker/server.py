@@ -162,8 +162,7 @@ class TalkerServer:
             stall_timeout_s=self.config.code2wav_stall_timeout_s,
             spec_factory=self._spec_factory,
             first_audio_budget_s=self.config.first_audio_budget_ms / 1e3,
-            start_policy=self.config.start_policy,
-            start_trip_chunks=self.config.start_plan_trip_chunks,
+            start_planner=self.config.start_planner(),
         )
         self.servicer.core = self.core
         await self.replicas.check_all()

@@ -36,6 +36,10 @@ def _six_chunks(hops: ChunkHops) -> None:
 def test_the_trips_the_planner_hears_are_a_talker_flag():
     assert config_from_args([]).start_plan_trip_chunks == StartPlanner.TRIP_CHUNKS == 3
     assert config_from_args(["--start-plan-trip-chunks", "0"]).start_plan_trip_chunks == 0
+    planner = config_from_args(
+        ["--start-plan-trip-chunks", "5", "--start-plan-busy-streams", "9"]
+    ).start_planner()
+    assert (planner.trip_chunks, planner.policy.busy_streams) == (5, 9)  # what the server's core gets
     with pytest.raises(SystemExit):
         config_from_args(["--start-plan-trip-chunks", "-1"])
     with pytest.raises(ValueError):
