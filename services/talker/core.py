@@ -130,11 +130,8 @@ class TalkerCore:
         """The prompt built in this process's prompt thread, after the at-once refusals (a full
         prompt queue, then the engine's admission counting the prompts ahead)."""
         self._refuse_at_once(in_engine=False)
-        self.prompts.waiting += 1
-        try:  # built with the prompts queued beside it
+        with self.prompts.waiting_for(queued_at):  # built with the prompts queued beside it
             return await self.prompts.build(self._spec(req, checked, voice_prompt), queued_at)
-        finally:
-            self.prompts.waiting -= 1
 
     def _new_session(
         self, req: GenerationRequest, prompt: Any, sampling: Any, ref_codes: Any, started_at: float
@@ -156,7 +153,16 @@ class TalkerCore:
             stall_timeout_s=self._stall_timeout_s,
             metrics=self._metrics,
             start_planner=self._start_planner,
+            start_counts=self._start_counts,
         )
+
+    def _start_counts(self) -> tuple[int, int, int]:
+        """How busy the talker is for a new stream's chunk plan (`StartPlanner.plan`): the engine's
+        counts, with the requests still waiting for their prompts as streams starting (and, once
+        queued `StartPlanner.BACKLOG_AGE_S`, as a backlog)."""
+        starting, streams, backlog = self._engine.start_counts()
+        waiting, old = self.prompts.start_counts(time.perf_counter())
+        return starting + waiting, streams + waiting, backlog + old
 
     async def _build_in_engine(
         self, req: GenerationRequest, checked: Any, voice_prompt: Any, queued_at: float
@@ -164,19 +170,17 @@ class TalkerCore:
         """The prompt built in the engine process (engine_process.RemoteBundle), many in flight:
         its prompt queue and budget are there; this side counts them for the at-once refusal."""
         self.prompts.check()
-        self.prompts.waiting += 1
-        try:
-            future = self.bundle.build_prompt_async(
-                self._spec(req, checked, voice_prompt), queued_at, self.prompts.budget_s
-            )
-            prompt = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:  # the caller went away: the engine process frees the prompt
-            self.bundle.abandon_build(future)
-            raise
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
-        finally:
-            self.prompts.waiting -= 1
+        with self.prompts.waiting_for(queued_at):
+            try:
+                future = self.bundle.build_prompt_async(
+                    self._spec(req, checked, voice_prompt), queued_at, self.prompts.budget_s
+                )
+                prompt = await asyncio.wrap_future(future)
+            except asyncio.CancelledError:  # the caller went away: the engine process frees the prompt
+                self.bundle.abandon_build(future)
+                raise
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from exc
         self.prompts.build_s = prompt.build_s  # the engine process keeps the average
         return prompt, prompt.ref_codes_host
 

@@ -13,14 +13,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from qtts.request.errors import InvalidArgument, ResourceExhausted
 from qtts.serving.metrics import TalkerMetrics
+from qtts.streams.chunk_plan import StartPlanner
 
 # Prompts built together before one wait for the prompt stream: enough for a burst, few enough
 # that the first of them is not held long behind the last (a batch's host work is about 0.1-0.3 ms
@@ -43,19 +46,47 @@ def reference_rows(prompt: Any) -> np.ndarray | None:
 
 
 class PromptQueue:
-    """The prompt thread, its CUDA stream, and the waiting count and build time the at-once
-    refusal predicts with (`waiting` also counts prompts built in an engine process)."""
+    """The prompt thread, its CUDA stream, and the requests waiting for their prompts with the
+    build time the at-once refusal predicts with (`waiting` also counts prompts built in an engine
+    process)."""
 
     def __init__(self, bundle: Any, metrics: TalkerMetrics, budget_s: float = 0.0):
         self.bundle = bundle
         self.budget_s = budget_s
-        self.waiting = 0
         self.build_s = 0.0  # moving average of one prompt's build time
+        # When each request waiting for its prompt was queued, in queue order (`waiting_for`).
+        self._waiting: dict[int, float] = {}
+        self._tokens = itertools.count()
         self._metrics = metrics
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="talker-prompt")
         self._stream: Any = None  # None: not looked at yet; False: no GPU
         # Builds not yet taken by the prompt thread: (spec, queued_at, answer).
         self._queued: collections.deque[tuple[Any, float, concurrent.futures.Future]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for their prompts (queued or being built)."""
+        return len(self._waiting)
+
+    @contextlib.contextmanager
+    def waiting_for(self, queued_at: float) -> Iterator[None]:
+        """Count a request as waiting for its prompt, queued at `queued_at`, while in the block."""
+        token = next(self._tokens)
+        self._waiting[token] = queued_at
+        try:
+            yield
+        finally:
+            del self._waiting[token]
+
+    def start_counts(self, now: float) -> tuple[int, int]:
+        """(requests waiting for their prompts, those queued `StartPlanner.BACKLOG_AGE_S` or
+        longer before `now`): streams about to start, beside the engine's own counts. In a burst
+        the prompts of dozens of requests are built together, and the first stream made from a
+        batch would otherwise see none of the others starting."""
+        before = now - StartPlanner.BACKLOG_AGE_S
+        # In queue order (a dict keeps insertion order): the old ones are its head.
+        old = sum(1 for _ in itertools.takewhile(lambda at: at <= before, list(self._waiting.values())))
+        return len(self._waiting), old
 
     def check(self) -> None:
         """Refuse at once a request whose prompt would start being built past the budget."""

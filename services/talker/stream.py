@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,10 +79,14 @@ class StreamSession:
         stall_timeout_s: float = 0.0,
         metrics: Any = None,
         start_planner: StartPlanner | None = None,
+        start_counts: Callable[[], tuple[int, int, int]] | None = None,
     ):
         self.request_id = request_id
         # Shared by the talker's streams: it learns from every stream's steps and hops.
         self._planner = start_planner if start_planner is not None else StartPlanner()
+        # The counts the planner chooses by (default: the engine's alone; TalkerCore's add the
+        # requests still waiting for their prompts).
+        self._start_counts = start_counts if start_counts is not None else engine.start_counts
         self._engine = engine
         self._first_chunk_frames = first_chunk_frames
         self._ramp = tuple(chunk_frames_ramp)
@@ -194,7 +198,7 @@ class StreamSession:
         if self._first_chunk_frames or self._ramp:
             self._count_plan(str(self._first_chunk_frames or "default"), "request")
             return
-        plan = self._planner.plan(*self._engine.start_counts())
+        plan = self._planner.plan(*self._start_counts())
         self._count_plan("default" if plan is None else str(plan.first), self._planner.why)
         if self._metrics is not None:
             for first, bound in self._planner.misfits:

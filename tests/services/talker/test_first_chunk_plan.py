@@ -4,6 +4,10 @@ through the talker service."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -26,9 +30,9 @@ from qtts.streams.chunk_plan import (
 from services.talker.admission import Admission, AdmissionConfig
 from services.talker.config import TalkerConfig, config_from_args
 from services.talker.deadline import DeadlinePolicy, DeadlineScheduler
-from tests.services.talker.fakes import FakeCode2Wav
+from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
 from tests.services.talker.playback_sim import Cost, simulate
-from tests.services.talker.stack import eventually
+from tests.services.talker.stack import eventually, talker_stack
 from tests.services.talker.test_deadline_scheduler import poisson_load
 from tests.services.talker.test_talker_service import CLONE, fake_stack
 
@@ -207,6 +211,59 @@ async def test_a_stream_asks_its_replica_for_the_two_frame_start_while_others_st
             }
             assert counted == {"default": BUSY_STARTING, "2": 1}
         finally:
+            for call in calls:
+                call.cancel()
+        await eventually(lambda: s.generator.num_active == 0)
+
+
+class GatedBundle(FakeBundle):
+    """Builds each prompt only once `gate` is set (in the prompt thread): requests pile up
+    waiting for their prompts, as a burst's do behind the prompt builds."""
+
+    def __init__(self, gate: threading.Event):
+        super().__init__()
+        self.gate = gate
+
+    def build_prompt(self, spec: FakeSpec):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().build_prompt(spec)
+
+
+async def test_requests_waiting_for_their_prompts_count_as_starting():
+    """A burst's prompts are built together and their streams made one after another: the first
+    stream made sees the others, still waiting for their prompts, as starting (and, once they
+    have waited `BACKLOG_AGE_S`, as a backlog), so no stream of the burst asks for the one-frame
+    start. (Counting only the engine's streams, the first `BUSY_STARTING` of every batch of
+    builds did: on an H100 at c=768, the burst's one-frame starts were the streams that gapped.)"""
+    gate = threading.Event()
+    c2w = FakeCode2Wav("c2w-a", window=0)  # no credit: every stream stays starting
+    n = BUSY_STARTING + 1
+    ids = {f"r{i}" for i in range(n)}
+    async with talker_stack(
+        [c2w], bundle=GatedBundle(gate), generator_factory=FakeGenerator, spec_factory=FakeSpec, max_batch=8
+    ) as s:
+        calls = []
+        try:
+            for i in range(n):
+                request = talker_pb2.GenerateRequest(request_id=f"r{i}", text="frames=100000", **CLONE)
+                calls.append(s.stub.Generate(request))
+            prompts = s.talker.core.prompts
+            await eventually(lambda: prompts.waiting == n)
+            await asyncio.sleep(2 * StartPlanner.BACKLOG_AGE_S)
+            now = time.perf_counter()
+            assert prompts.start_counts(now) == (n, n)  # all waiting, all past the backlog age
+            gate.set()
+            await eventually(lambda: {log.request_id for log in c2w.logs} == ids)
+            asked = {log.request_id: (log.first_chunk_frames, log.chunk_frames_ramp) for log in c2w.logs}
+            assert (0, ()) not in asked.values(), asked  # nobody asked for the replica's default
+            assert prompts.waiting == 0 and prompts.start_counts(now) == (0, 0)
+            registry = s.talker.metrics.registry
+            moved = registry.get_sample_value(
+                "tts_talker_start_plans_total", {"first": str(BURST_PLAN.first), "why": "backlog"}
+            )
+            assert moved and moved >= 1  # the first made saw the others' wait as a backlog
+        finally:
+            gate.set()
             for call in calls:
                 call.cancel()
         await eventually(lambda: s.generator.num_active == 0)

@@ -29,14 +29,23 @@ def core(budget_s: float, bundle=None, engine=None, voices=None) -> TalkerCore:
     )
 
 
+def waiting(c: TalkerCore, n: int, stack: contextlib.ExitStack) -> None:
+    """`n` more requests waiting for their prompts (until `stack` closes)."""
+    for _ in range(n):
+        stack.enter_context(c.prompts.waiting_for(time.perf_counter()))
+
+
 def test_a_request_whose_prompt_could_not_start_within_the_budget_is_refused_at_once():
     c = core(3.0)
-    c.prompts.build_s, c.prompts.waiting = 0.05, 50  # 2.5 s of prompts ahead: fits
-    c.prompts.check()
-    c.prompts.waiting = 70  # 3.5 s
-    with pytest.raises(ResourceExhausted, match="70 prompts wait") as err:
+    c.prompts.build_s = 0.05
+    with contextlib.ExitStack() as stack:
+        waiting(c, 50, stack)  # 2.5 s of prompts ahead: fits
         c.prompts.check()
-    assert err.value.retry_after_s == 4
+        waiting(c, 20, stack)  # 3.5 s
+        with pytest.raises(ResourceExhausted, match="70 prompts wait") as err:
+            c.prompts.check()
+        assert err.value.retry_after_s == 4
+    assert c.prompts.waiting == 0
 
 
 async def test_a_prompt_that_waited_past_the_budget_is_not_built():
@@ -50,8 +59,10 @@ async def test_a_prompt_that_waited_past_the_budget_is_not_built():
 
 def test_without_a_budget_nothing_is_refused():
     c = core(0.0)
-    c.prompts.build_s, c.prompts.waiting = 1.0, 10_000
-    c.prompts.check()
+    c.prompts.build_s = 1.0
+    with contextlib.ExitStack() as stack:
+        waiting(c, 10_000, stack)
+        c.prompts.check()
 
 
 class _CountingVoices:
@@ -96,16 +107,19 @@ async def _first(c: TalkerCore) -> None:
 @pytest.mark.parametrize("in_engine", [False, True])
 async def test_a_full_prompt_queue_refuses_before_the_voice_is_resolved(monkeypatch, in_engine):
     c, voices = _clone_core(monkeypatch, 3.0, _RefusingEngine(refuse=False), in_engine)
-    c.prompts.build_s, c.prompts.waiting = 0.05, 70  # 3.5 s of prompts ahead, over the 3 s budget
-    with pytest.raises(ResourceExhausted, match="70 prompts wait"):
-        await _first(c)
+    c.prompts.build_s = 0.05
+    with contextlib.ExitStack() as stack:
+        waiting(c, 70, stack)  # 3.5 s of prompts ahead, over the 3 s budget
+        with pytest.raises(ResourceExhausted, match="70 prompts wait"):
+            await _first(c)
     assert voices.resolved == 0
 
 
 async def test_the_engines_admission_refuses_before_the_voice_is_resolved(monkeypatch):
     engine = _RefusingEngine(refuse=True)
     c, voices = _clone_core(monkeypatch, 3.0, engine, in_engine=False)
-    c.prompts.waiting = 3
-    with pytest.raises(ResourceExhausted, match="at capacity"):
-        await _first(c)
+    with contextlib.ExitStack() as stack:
+        waiting(c, 3, stack)
+        with pytest.raises(ResourceExhausted, match="at capacity"):
+            await _first(c)
     assert voices.resolved == 0 and engine.asked == [3]
