@@ -73,12 +73,16 @@ class ChunkPlan:
 
     first: int = DEFAULT_FIRST_CHUNK_FRAMES
     ramp: tuple[int, ...] = DEFAULT_CHUNK_RAMP
+    # The frame the first chunk starts at: 0, or where a flush cut the stream's chunks (`flushed`).
+    start: int = 0
 
     def __post_init__(self) -> None:
         if self.first < 1 or not self.ramp or min(self.ramp) < 1:
             raise ValueError(
                 f"chunk sizes must be >= 1 and the ramp non-empty, got {self.first}, {self.ramp}"
             )
+        if self.start < 0:
+            raise ValueError(f"a plan starts at frame >= 0, got {self.start}")
 
     def size(self, chunk_index: int) -> int:
         """Frames in chunk number `chunk_index` (0 = the first chunk)."""
@@ -92,7 +96,25 @@ class ChunkPlan:
 
     def capped(self, limit: int) -> ChunkPlan:
         """The same plan with every size at most `limit` (a chunk must fit in the credit window)."""
-        return ChunkPlan(min(self.first, limit), tuple(min(r, limit) for r in self.ramp))
+        return ChunkPlan(min(self.first, limit), tuple(min(r, limit) for r in self.ramp), self.start)
+
+    def flushed(self, at: int) -> ChunkPlan:
+        """The plan after a flush at frame `at` (>= `start`): the frames since the last chunk
+        boundary are decoded now as a chunk of their own, which takes that chunk's place in the
+        ramp, and the chunk after it, of the size that follows, starts at `at`. On a boundary
+        nothing is cut: the plan is unchanged. code2wav counts chunks the same way
+        (services/code2wav/stream.py: a flushed chunk moves its chunk index on by one)."""
+        if at < self.start:
+            raise ValueError(f"a flush at frame {at} is before the plan's start {self.start}")
+        end, k = self.start, 0
+        while end + self.size(k) <= at:
+            end += self.size(k)
+            k += 1
+        if end == at:
+            return self
+        # Chunk k is the flushed one; the rest of the plan is chunk k + 1 on.
+        nxt = k + 1
+        return ChunkPlan(self.size(nxt), self.ramp[min(nxt, len(self.ramp) - 1) :], at)
 
     @classmethod
     def from_request(cls, first: int, ramp: Sequence[int], default: ChunkPlan) -> ChunkPlan:
@@ -101,27 +123,30 @@ class ChunkPlan:
 
     def end_after(self, frames: int) -> int:
         """The first chunk boundary (cumulative frames) above `frames`."""
+        frames -= self.start
         end = self.first
         if end > frames:
-            return end
+            return self.start + end
         for size in self.ramp[:-1]:
             end += size
             if end > frames:
-                return end
+                return self.start + end
         last = self.ramp[-1]
-        return end + ((frames - end) // last + 1) * last
+        return self.start + end + ((frames - end) // last + 1) * last
 
     def end_at_or_below(self, frames: int) -> int:
-        """The last chunk boundary at or below `frames` (0 when the first chunk is not complete)."""
+        """The last chunk boundary at or below `frames` (`start`, 0 unless flushed, when the first
+        chunk is not complete)."""
+        frames -= self.start
         end = self.first
         if end > frames:
-            return 0
+            return self.start
         for size in self.ramp[:-1]:
             if end + size > frames:
-                return end
+                return self.start + end
             end += size
         last = self.ramp[-1]
-        return end + ((frames - end) // last) * last
+        return self.start + end + ((frames - end) // last) * last
 
     def required_speedup(self) -> float:
         """How much faster than real time the talker must make frames for every chunk to arrive

@@ -151,7 +151,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServiceServicer):
                 kind = req.WhichOneof("event")
                 if kind == "frames":
                     codes = codes_from_bytes(req.frames.codes_i16, req.frames.num_frames, nc, "frames")
-                    stream.add_frames(req.frames.first_frame_index, codes)
+                    stream.add_frames(req.frames.first_frame_index, codes, req.frames.flush)
                     self.engine.notify(stream)
                 elif kind == "ack":
                     stream.ack(req.ack.samples_delivered)

@@ -73,6 +73,8 @@ class DecodeStream:
         self.clock = clock
         self.first_audio_at: float | None = None
         self._ready_at: float | None = None  # since when the next chunk could be decoded
+        # Frames below this index are decoded without waiting for their chunk to fill (a flush).
+        self._flush_at = 0
         self._pending = np.zeros((0, codec_shape.num_codebooks), dtype=np.int16)
         self._outbox: asyncio.Queue[DecodeEvent | BaseException] = asyncio.Queue()
 
@@ -82,9 +84,11 @@ class DecodeStream:
     def started(self) -> bool:
         return self.decoder_state is not None
 
-    def add_frames(self, first_frame_index: int, codes: np.ndarray) -> None:
+    def add_frames(self, first_frame_index: int, codes: np.ndarray, flush: bool = False) -> None:
         """Queue frames [first_frame_index, +n); raises on a protocol violation. Frames may come
-        before the decoder state exists (the first grant does not wait for it): they wait."""
+        before the decoder state exists (the first grant does not wait for it): they wait.
+        `flush`: every frame received so far is decoded without waiting for its chunk to fill
+        (the frames since the last boundary make a chunk of their own; FrameDelta.flush)."""
         if self.total_frames is not None:
             raise FailedPrecondition("frames after StreamEnd")
         n = codes.shape[0]
@@ -106,14 +110,24 @@ class DecodeStream:
             raise InvalidArgument(f"codes must lie in [0, {self.codec_shape.codebook_size})")
         self._pending = np.concatenate([self._pending, codes]) if len(self._pending) else codes
         self.received_frames += n
+        if flush:
+            self._flush_at = self.received_frames
         self.metrics.decode_backlog_frames.inc(n)
         self._mark_ready()
+
+    def _chunk_size(self) -> int:
+        """Frames in the next chunk: the plan's size, or fewer where a flush cuts it."""
+        size = self.plan.size(self.chunk_index)
+        head = self.received_frames - len(self._pending)  # index of the first pending frame
+        if self._flush_at > head:
+            size = min(size, self._flush_at - head)
+        return size
 
     def _mark_ready(self) -> None:
         if (
             self._ready_at is None
             and len(self._pending)
-            and (len(self._pending) >= self.plan.size(self.chunk_index) or self.total_frames is not None)
+            and (len(self._pending) >= self._chunk_size() or self.total_frames is not None)
         ):
             self._ready_at = self.clock()
 
@@ -145,7 +159,7 @@ class DecodeStream:
         """Frames of the next chunk if it can be decoded now, else 0."""
         if self.closed or self.in_flight or not self.started or not len(self._pending):
             return 0
-        size = self.plan.size(self.chunk_index)
+        size = self._chunk_size()
         if len(self._pending) >= size:
             return size
         return len(self._pending) if self.total_frames is not None else 0

@@ -146,11 +146,14 @@ def start_request(
     return code2wav_pb2.DecodeRequest(start=start)
 
 
-def frames_request(first_frame_index: int, codes: np.ndarray) -> code2wav_pb2.DecodeRequest:
+def frames_request(
+    first_frame_index: int, codes: np.ndarray, flush: bool = False
+) -> code2wav_pb2.DecodeRequest:
     delta = code2wav_pb2.FrameDelta(
         first_frame_index=first_frame_index,
         num_frames=int(codes.shape[0]),
         codes_i16=np.ascontiguousarray(codes, dtype="<i2").tobytes(),
+        flush=flush,
     )
     return code2wav_pb2.DecodeRequest(frames=delta)
 
@@ -179,9 +182,10 @@ class DecodeCall:
             start_request(request_id, num_codebooks, prefix_codes, first_chunk_frames, chunk_frames_ramp)
         )
 
-    async def send_frames(self, first_frame_index: int, codes: np.ndarray) -> None:
-        """Send frames [first, first + len(codes)); `codes` is int [n, num_codebooks]."""
-        await self._write(frames_request(first_frame_index, codes))
+    async def send_frames(self, first_frame_index: int, codes: np.ndarray, flush: bool = False) -> None:
+        """Send frames [first, first + len(codes)); `codes` is int [n, num_codebooks]. `flush`:
+        decode them now, though their chunk is not complete (FrameDelta.flush)."""
+        await self._write(frames_request(first_frame_index, codes, flush))
 
     async def end(self, total_frames: int) -> None:
         await self._write(code2wav_pb2.DecodeRequest(end=code2wav_pb2.StreamEnd(total_frames=total_frames)))

@@ -123,8 +123,8 @@ class SessionDecodeCall:
             c2w.start_request(request_id, num_codebooks, prefix_codes, first_chunk_frames, chunk_frames_ramp)
         )
 
-    async def send_frames(self, first_frame_index: int, codes: np.ndarray) -> None:
-        self._send(c2w.frames_request(first_frame_index, codes))
+    async def send_frames(self, first_frame_index: int, codes: np.ndarray, flush: bool = False) -> None:
+        self._send(c2w.frames_request(first_frame_index, codes, flush))
 
     async def end(self, total_frames: int) -> None:
         self._send(code2wav_pb2.DecodeRequest(end=code2wav_pb2.StreamEnd(total_frames=total_frames)))

@@ -69,6 +69,9 @@ class Frame:
     # The stream's playback clock restarts at its next chunk handed on (engine_process.py: the
     # front's copy of the clock learns it so).
     clock_restart: bool = False
+    # The next frame waits for text that has not arrived: the stream's frames so far are all
+    # there is for now, and go to code2wav to be decoded though their chunk is not complete.
+    text_waiting: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,13 @@ def emit(events: list[tuple[ScheduledRequest, Any]]) -> None:
 
 def _held_frames(req: ScheduledRequest, step_s: float) -> Frame:
     held, req.held_codes = req.held_codes, []
-    return Frame(req.credit.generated - len(held), np.stack(held), step_s, time.perf_counter())
+    return Frame(
+        req.credit.generated - len(held),
+        np.stack(held),
+        step_s,
+        time.perf_counter(),
+        text_waiting=req.waits_for_text(),
+    )
 
 
 def _count_prefix_lookups(generator: Any, metrics: TalkerMetrics, seen: tuple[int, int]) -> tuple[int, int]:

@@ -82,10 +82,21 @@ class ScheduledRequest:
 
     def hand_on_now(self) -> bool:
         """Whether the frames held so far go to the event loop now: at a chunk boundary, when the
-        credit stops the stream, or while the chunk plan is unknown (frame by frame)."""
+        credit stops the stream, or while the chunk plan is unknown (frame by frame). A stream
+        whose text is still arriving goes frame by frame too: its text may run dry short of a
+        boundary, and the event loop then sends code2wav what there is (`waits_for_text`)."""
         plan = self.chunk_plan
         generated = self.credit.generated
-        return plan is None or plan.end_at_or_below(generated) == generated or not self.credit.has_credit()
+        return (
+            plan is None
+            or self.text is not None
+            or plan.end_at_or_below(generated) == generated
+            or not self.credit.has_credit()
+        )
+
+    def waits_for_text(self) -> bool:
+        """Whether the next frame needs text that has not arrived."""
+        return self.text is not None and not self.text.ready(self.credit.generated)
 
     @property
     def prefill_positions(self) -> int:

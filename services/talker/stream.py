@@ -105,6 +105,9 @@ class StreamSession:
         )
         self._buffer: list[np.ndarray] = []
         self._sent = 0
+        # Frames below this index go to code2wav as soon as the credit allows, decoded though
+        # their chunk is not complete: the stream waits for text (Frame.text_waiting).
+        self._flush_at = 0
         # The replica's chunk plan (from its first grant): frames are sent a chunk at a time,
         # since the replica decodes a chunk only once all its frames are there. None: per frame.
         self._plan: ChunkPlan | None = None
@@ -217,6 +220,8 @@ class StreamSession:
         self._hops.made(ev.index + len(ev.codes), ev.made_at)
         self._planner.observe_step(ev.step_s)
         self._buffer.extend(ev.codes)
+        if ev.text_waiting:
+            self._flush_at = ev.index + len(ev.codes)
 
     def _end_generation(self, ev: Finished) -> None:
         """Keep the end of generation (GenerationFailed for an end that is not speech's)."""
@@ -354,15 +359,21 @@ class StreamSession:
 
     async def _flush(self) -> None:
         """Send buffered frames the credit allows, once they complete the replica's next chunk (or
-        fill the credit, or generation ended); StreamEnd once generation ended and all are sent."""
+        fill the credit, or generation ended, or the stream waits for text); StreamEnd once
+        generation ended and all are sent."""
         allowed = self._request.credit.granted_until
         n = min(len(self._buffer), allowed - self._sent)
+        flush = False
         if n > 0 and self._gen_end is None and self._plan is not None:
             # Up to the last chunk boundary within reach: frames past it could not be decoded yet
             # and go with the rest of their chunk. Short of the next boundary: wait, unless the
-            # credit ends first (then send what it allows).
+            # credit ends first (then send what it allows). Waiting for text, the frames up to
+            # the flush point are a chunk of their own (FrameDelta.flush).
             end = self._sent + n
             boundary = self._plan.end_at_or_below(end)
+            if self._sent < self._flush_at <= end and self._flush_at > boundary:
+                boundary = self._flush_at
+                flush = True
             if boundary > self._sent:
                 n = boundary - self._sent
             elif end < allowed:
@@ -371,11 +382,13 @@ class StreamSession:
             codes = np.stack(self._buffer[:n])
             del self._buffer[:n]
             try:
-                await self._link.call.send_frames(self._sent, codes)
+                await self._link.call.send_frames(self._sent, codes, flush)
             except Unavailable as exc:
                 self._link.replicas.mark_down(self._link.replica, exc.message)
                 raise
             self._sent += n
+            if flush:  # code2wav cut its chunks there: so do we
+                self._plan = self._plan.flushed(self._sent)
             self._hops.sent(self._sent)
             self._link.touch()
         if self._gen_end is not None and not self._buffer and not self._end_sent:

@@ -206,3 +206,37 @@ def test_grpc_streaming_synthesize_in_pieces_is_one_request_then_cancel(stack):
         call.cancel()
         hold.set()
     assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
+
+
+def test_a_first_piece_shorter_than_its_first_chunk_is_heard_before_the_rest(stack):
+    """A 16-frame first chunk, and a first piece of text that makes fewer frames before the text
+    runs dry: the talker sends code2wav what there is, flushed, and code2wav decodes it though the
+    chunk is short, so audio comes before the rest of the text is sent (without the flush, none
+    came until the next piece)."""
+    assert poll(lambda: _live(stack) == (0, 0)), _live(stack)
+    sent_rest = threading.Event()
+    first_audio = threading.Event()
+
+    def requests():
+        streaming = tts_pb2.StreamingOptions(first_chunk_frames=16, chunk_frames_ramp=[16])
+        yield _config(request_id="grpc-flush", sampling=tts_pb2.SamplingParams(seed=1), streaming=streaming)
+        yield _text("Hello there, ")
+        first_audio.wait(60)  # the rest only after audio came back (or a minute without it)
+        sent_rest.set()
+        yield _text("and the rest of it.")
+
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
+        audio, before_rest, summaries = b"", None, []
+        for msg in stub.StreamingSynthesize(requests(), timeout=120):
+            if msg.HasField("audio"):
+                audio += msg.audio.audio
+                if before_rest is None:
+                    before_rest = not sent_rest.is_set()
+                    assert len(msg.audio.audio) < 16 * FRAME_BYTES  # the cut chunk
+                    first_audio.set()
+            elif msg.HasField("segment_summary"):
+                summaries.append(msg.segment_summary)
+        assert before_rest is True
+        assert len(summaries) == 1 and len(audio) == summaries[0].num_frames * FRAME_BYTES > 0
+    assert poll(lambda: _live(stack) == (0, 0)), _live(stack)

@@ -16,7 +16,9 @@ from qtts.pb import code2wav_pb2 as pb
 from qtts.pb import code2wav_pb2_grpc
 from qtts.request.errors import InvalidArgument, ResourceExhausted
 from qtts.serving.metrics import Code2WavMetrics
+from qtts.streams.chunk_plan import STEADY_CHUNK_RAMP as STEADY_RAMP
 from qtts.streams.chunk_plan import ChunkPlan
+from qtts.streams.decode_events import DecodedAudio
 from services.code2wav.config import Code2WavConfig, config_from_args
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
@@ -167,6 +169,83 @@ def test_chunk_boundaries_match_split():
         ChunkPlan(0, (4,))
     with pytest.raises(ValueError):
         ChunkPlan(2, ())
+
+
+def _boundaries(plan: ChunkPlan, upto: int) -> list[int]:
+    """The plan's chunk ends from its start up to `upto`, chunk by chunk (`size`)."""
+    ends, end, k = [], plan.start, 0
+    while end < upto:
+        end += plan.size(k)
+        k += 1
+        ends.append(end)
+    return ends
+
+
+def test_a_flush_cuts_a_chunk_and_the_plan_goes_on_from_there():
+    """A flush at frame f (the stream waits for text): the frames since the last boundary are a
+    chunk of their own in that chunk's place, and the next chunk, of the size after it, starts
+    at f. On a boundary nothing changes; boundaries agree with `end_after` / `end_at_or_below`."""
+    plan = ChunkPlan()  # 1, 1, 2, 2, 4, 4, 8, 8, 16...
+    assert _boundaries(plan, 30) == [1, 2, 4, 6, 10, 14, 22, 30]
+    assert plan.flushed(0) is plan and plan.flushed(6) is plan
+    # Cut at 3 inside chunk 2 (frames 2-3): chunk 3 (2 frames) starts at 3, then 4, 4, 8...
+    cut = plan.flushed(3)
+    assert cut == ChunkPlan(2, (4, 4, 8, 8, 16), start=3)
+    assert _boundaries(cut, 40) == [5, 9, 13, 21, 29, 45]
+    # Cut again, past the ramp's end: the repeating size goes on.
+    again = cut.flushed(50)
+    assert again.start == 50 and _boundaries(again, 80) == [66, 82]
+    # Before its start a plan has nothing to cut.
+    with pytest.raises(ValueError):
+        cut.flushed(2)
+    for flushed in (cut, again, ChunkPlan(2, (4, 4, 8)).flushed(5), ChunkPlan(5, (2, 7)).flushed(9)):
+        ends = _boundaries(flushed, 500)
+        for frames in range(flushed.start, 400):
+            assert flushed.end_after(frames) == min(e for e in ends if e > frames)
+            assert flushed.end_at_or_below(frames) == max([flushed.start, *(e for e in ends if e <= frames)])
+    # The start survives the credit's cap, and a plan from a grant (start 0) equals its constant.
+    assert cut.capped(2) == ChunkPlan(2, (2, 2, 2, 2, 2), start=3)
+    assert ChunkPlan(2, STEADY_RAMP) == ChunkPlan(2, STEADY_RAMP, start=0)
+
+
+def test_a_flushed_delta_is_decoded_though_its_chunk_is_short():
+    """code2wav decodes every frame received up to a flushed delta, as a chunk of its own, and
+    counts chunks as the talker's `ChunkPlan.flushed` does; frames past the flush wait for their
+    chunk as before."""
+    metrics = Code2WavMetrics(CollectorRegistry())
+    stream = DecodeStream("r", ChunkPlan(2, (4, 8)), CreditPolicy(window_frames=32), CodecShape(), metrics)
+    stream.decoder_state = object()
+    stream.start_credit()
+    taken = []
+
+    def decode_ready() -> None:
+        while n := stream.ready_frames():
+            first, codes = stream.take_chunk()
+            assert codes.shape[0] == n
+            taken.append((first, n))
+            stream.deliver(DecodedAudio(b"\0\0" * n * 1920, n * 1920, first, n, 0))
+
+    stream.add_frames(0, _codes(1))
+    decode_ready()
+    assert taken == []  # one frame of a 2-frame chunk: it waits
+    stream.add_frames(1, _codes(2), flush=True)  # the talker waits for text at frame 3
+    decode_ready()
+    assert taken == [(0, 2), (2, 1)]  # the whole first chunk, then the cut one (chunk 1)
+    plan = ChunkPlan(2, (4, 8)).flushed(3)
+    assert plan.end_after(3) == 11  # chunk 2, 8 frames, from frame 3: the talker's view
+    stream.add_frames(3, _codes(7))
+    decode_ready()
+    assert taken[2:] == []  # 7 of 8 frames: waits for the chunk
+    stream.add_frames(10, _codes(1))
+    decode_ready()
+    assert taken[2:] == [(3, 8)]
+    # A flush with frames past an earlier boundary: the full chunk, then the rest up to the flush.
+    stream.add_frames(11, _codes(10), flush=True)
+    decode_ready()
+    assert taken[3:] == [(11, 8), (19, 2)]
+    stream.end(21)
+    decode_ready()
+    assert stream.decoded_frames == 21
 
 
 def test_registry_rejects_beyond_max_states():

@@ -153,6 +153,8 @@ class DecodeLog:
     chunk_frames_ramp: tuple[int, ...] = ()
     frames: list[int] = field(default_factory=list)
     delta_sizes: list[int] = field(default_factory=list)
+    # The frame each flushed delta ended at (FrameDelta.flush: decode though the chunk is short).
+    flushes: list[int] = field(default_factory=list)
     max_allowed: int = 0
     violations: list[str] = field(default_factory=list)
     acks: list[int] = field(default_factory=list)
@@ -234,6 +236,8 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
                     log.frames.extend(int(c) for c in codes[:, 0])
                     log.delta_sizes.append(d.num_frames)
                     received += d.num_frames
+                    if d.flush:
+                        log.flushes.append(received)
                     if self.die_after_frames is not None and received >= self.die_after_frames:
                         if self.on_die is not None:
                             await self.on_die()

@@ -172,6 +172,36 @@ async def test_text_in_pieces_through_the_engine_process(tiny_snapshot, tiny_tal
         await eventually(lambda: s.gauge("tts_talker_active_streams") == 0)
 
 
+async def test_a_flush_for_text_crosses_the_engine_process(tiny_snapshot, tiny_talker_bundle):
+    """The engine process tells the front that a stream waits for text (Frame.text_waiting): the
+    frames short of a 16-frame first chunk go to code2wav flushed, and audio comes before more
+    text is sent."""
+    bundle = tiny_talker_bundle("custom_voice")
+    common = dict(voice=sorted(bundle.info.speakers)[0], language="english", sampling=GREEDY)
+    c2w = FakeCode2Wav("c2w-a", window=64, plan=(16, (16,)))
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:
+        more = asyncio.Event()
+
+        async def requests():
+            yield talker_pb2.GenerateStreamRequest(
+                start=talker_pb2.GenerateRequest(text="Hello there, ", **common)
+            )
+            await more.wait()
+            rest = TEXT[len("Hello there, ") :]
+            yield talker_pb2.GenerateStreamRequest(append=talker_pb2.TextAppend(text=rest, final=True))
+
+        call = s.stub.GenerateStream(requests())
+        first = await asyncio.wait_for(call.read(), 60)  # without the flush: nothing until `more`
+        assert first.WhichOneof("event") == "audio" and 0 < first.audio.num_frames < 16
+        assert c2w.logs[0].flushes == [first.audio.num_frames]
+        more.set()
+        while (msg := await call.read()) != grpc.aio.EOF:
+            summary = msg.summary if msg.WhichOneof("event") == "summary" else None
+        assert summary is not None and summary.finish_reason == tts_pb2.FINISH_REASON_LENGTH
+        assert c2w.logs[0].violations == [] and c2w.logs[0].ended
+        await eventually(lambda: s.gauge("tts_talker_active_streams") == 0)
+
+
 async def test_signals_to_the_process_group_leave_the_engine_to_the_front(tiny_snapshot):
     c2w = FakeCode2Wav("c2w-a")
     async with process_stack(tiny_snapshot("custom_voice"), [c2w]) as s:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 
@@ -11,6 +12,7 @@ import grpc
 import pytest
 
 from qtts.pb import talker_pb2, tts_pb2
+from qtts.streams.chunk_plan import ChunkPlan
 from tests.services.talker.fakes import FakeCode2Wav
 from tests.services.talker.stack import eventually, generate_all, talker_stack
 
@@ -109,6 +111,40 @@ async def test_a_stream_whose_text_ran_dry_waits_then_continues(bundle, caplog):
         # lateness (a slow CPU step may still make one a few tens of milliseconds late).
         late_ms = [int(m) for m in re.findall(r"handed on (\d+) ms late", caplog.text)]
         assert all(ms < 500 for ms in late_ms), late_ms
+
+
+async def test_a_stream_waiting_for_text_short_of_its_chunk_sends_what_it_has_flushed(bundle):
+    """A 16-frame first chunk, and a first piece of text that makes fewer frames: the frames made
+    before the text ran dry go to code2wav flushed (decoded though their chunk is short), so the
+    listener hears them before more text comes; the chunks after follow the plan from the cut
+    (`ChunkPlan.flushed`), and the codes are the whole text's."""
+    want = await whole_text_frames(bundle)
+    c2w = FakeCode2Wav("c2w-a", window=64, plan=(16, (16,)))
+    async with talker_stack([c2w], bundle=bundle) as s:
+        more = asyncio.Event()
+
+        async def requests():
+            yield start(bundle, "Hello there, ", request_id="short")
+            await more.wait()
+            yield append(TEXT[len("Hello there, ") :], final=True)
+
+        call = s.stub.GenerateStream(requests())
+        first = await asyncio.wait_for(call.read(), 30)  # without the flush: nothing until `more`
+        assert first.WhichOneof("event") == "audio" and 0 < first.audio.num_frames < 16
+        await eventually(lambda: s.gauge("tts_talker_text_waiting_streams") == 1)
+        log = c2w.logs[0]
+        assert log.flushes == [len(log.frames)] == [first.audio.num_frames]
+        more.set()
+        samples, summary = await read_all(call)
+        assert summary.finish_reason == tts_pb2.FINISH_REASON_LENGTH
+        assert samples + first.audio.num_samples == summary.num_frames * 1920
+        assert log.frames == want and log.violations == [] and log.ended
+        # After the cut every delta but the last ends on a boundary of the plan from there.
+        plan = ChunkPlan(16, (16,)).flushed(log.flushes[0])
+        ends = list(itertools.accumulate(log.delta_sizes))
+        assert ends[0] == log.flushes[0]
+        assert all(plan.end_at_or_below(end) == end for end in ends[1:-1]), (plan, ends)
+        await eventually(lambda: s.generator.num_active == 0 and c2w.live == 0)
 
 
 async def test_cancel_while_waiting_for_text_frees_the_slot_and_the_decoder(bundle):
