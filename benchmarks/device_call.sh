@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call of the recent sessions, whole: install the wheels, then fresh stacks with the
+# talker flags of the headline (`stacks`), or the engines alone (`engines`). The `run` tool's
+# command line is then short, e.g. (carry [".whl"], REVISION the commit sent):
+#
+#   REVISION=abc1234 STACKS="open open" RATES="100 150" OPEN_DURATION=15 \
+#       STACK_TALKER_2="--prefill-coalesce-from-load 0.45" bash benchmarks/device_call.sh stacks
+#   REVISION=abc1234 STACKS="http" CLIENT_PROCESSES=8 GATEWAY_REPLICAS=4 CONC="768 1024" \
+#       bash benchmarks/device_call.sh stacks
+#   REVISION=abc1234 bash benchmarks/device_call.sh engines
+#
+# stacks: STACKS (http, grpc, grpcts, open; one fresh stack each, in order), CONC (closed-loop
+# levels, default "768 1024"), RATES and OPEN_DURATION (open loop), BUDGET (seconds this call
+# may run, default 575) and NEED (seconds a stack needs to start another, default 240),
+# STACK_TALKER_n (more talker flags for the n-th stack: an A/B on one machine), EXTRA_T (more
+# talker flags for every stack), CLIENT_PROCESSES, GATEWAY_REPLICAS. Every stack runs 30 idle
+# requests first (IDLE_FIRST). engines: ENGINE_STREAMS, ENGINE_STEPS (run_h200.sh engines).
+# Results: $OUT/s (stacks) or $OUT/e (engines), as run_h200.sh packs them.
+set -uo pipefail
+MODE="${1:?stacks or engines}"
+export REVISION=${REVISION:?set REVISION to the revision of the tree sent}
+echo "gpu $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+export PYTHONUNBUFFERED=1
+S=$SECONDS
+case "$MODE" in
+stacks)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 |
+        grep -v "^WARNING: Target directory"
+    export PYTHONPATH=/tmp/site:.
+    # The headline's talker flags (BENCHMARKS.md, `T`), with the admission's uncontended step fit.
+    T="--engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512 --first-audio-budget-ms 6000 --admission-step-fit uncontended ${EXTRA_T:-}"
+    OUT=$OUT/s BUDGET=${BUDGET:-575} NEED=${NEED:-240} IDLE_FIRST=${IDLE_FIRST:-30} STACKS="${STACKS:-http http}" \
+        CONCURRENCY="${CONC:-768 1024}" TALKER_ARGS="$T" \
+        benchmarks/run_h200.sh stacks 2>&1 | grep -v "^$" | tail -70
+    ;;
+engines)
+    OUT=$OUT/e ENGINE_STREAMS="${ENGINE_STREAMS:-1536}" ENGINE_STEPS="${ENGINE_STEPS:-capacity decode step prefill aligner}" \
+        benchmarks/run_h200.sh engines 2>&1 | grep -v "^$" | tail -150
+    ;;
+*)
+    echo "unknown mode $MODE: stacks or engines" >&2
+    exit 2
+    ;;
+esac
+echo "done at $((SECONDS - S)) s"
