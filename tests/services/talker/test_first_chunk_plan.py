@@ -91,6 +91,23 @@ def test_the_start_plan_thresholds_are_the_talker_s_flags_and_zero_turns_one_off
         TalkerConfig(start_plan_burst_starting=-1).validate()
 
 
+def test_the_start_plan_margin_is_a_flag_the_planner_checks_with():
+    """`--start-plan-margin`: steps of 30 ms and trips of 60 ms fit the 2-frame start (2 x 30 + 60
+    <= 160 ms) with 1.3 to spare, not with the default 1.6."""
+    assert config_from_args([]).start_planner().margin == 1.6
+    loose = config_from_args(["--start-plan-margin", "1.3"]).start_planner()
+    tight = config_from_args([]).start_planner()
+    for planner in (loose, tight):
+        for i in range(50):
+            planner.observe_step(0.03 + i * 1e-6)
+            planner.observe_hop(0.06)
+    assert loose.plan(BUSY_STARTING, 0) == STEADY_PLAN and not loose.moved
+    assert tight.plan(BUSY_STARTING, 0) == BURST_PLAN and tight.misfits == [(2, "trip")]
+    for bad in (0.9, float("nan")):
+        with pytest.raises(InvalidArgument, match="--start-plan-margin must be >= 1"):
+            TalkerConfig(start_plan_margin=bad).validate()
+
+
 def test_the_heavy_start_buffers_a_slow_hop_and_the_next_chunks_generation():
     """At 50 ms a frame step and a 200 ms trip through code2wav (the H200 stack at c=768), the
     chunk after the first is late with the 4-frame start and on time with the 8-frame one."""
