@@ -47,6 +47,9 @@ class ChunkHops:
 
     def sent(self, end_frame: int) -> None:
         self._sent_at[end_frame] = time.perf_counter()
+        # Frames handed on within the chunk end no chunk (a text-fed stream's come one at a time).
+        for frame in [f for f in self._made_at if f < end_frame]:
+            del self._made_at[frame]
 
     def first_chunk(self, end_frame: int, arrived: float, now: float) -> None:
         """The first chunk apart: its "generate" hop runs from submission (queue, prefill and its

@@ -53,3 +53,23 @@ def test_a_chunk_without_its_send_time_feeds_nothing():
     hops.made(2, time.perf_counter())  # never sent
     hops.first_chunk(2, time.perf_counter(), time.perf_counter())
     assert trips == []
+
+
+def test_frames_handed_on_one_by_one_keep_no_timing_past_their_chunk():
+    """A text-fed stream's frames come one at a time: the ones inside a chunk end no chunk, and
+    are let go when the chunk is sent, so a long stream holds no timing per frame; the chunk's
+    own end is still timed."""
+    trips: list[float] = []
+    hops = ChunkHops("r", on_code2wav_hop=trips.append)
+    hops.submitted()
+    for chunk_end in range(4, 404, 4):
+        for frame in range(chunk_end - 3, chunk_end + 1):
+            hops.made(frame, time.perf_counter())
+        hops.sent(chunk_end)
+        arrived = time.perf_counter()
+        if chunk_end == 4:
+            hops.first_chunk(chunk_end, arrived, arrived)
+        else:
+            hops.chunk(chunk_end, arrived, arrived, slack_s=1.0)
+    assert hops._made_at == {} and hops._sent_at == {}
+    assert len(trips) == 100  # every chunk's trip timed (early_chunks 0: all of them)
