@@ -12,9 +12,10 @@
 # stacks: STACKS (http, grpc, grpcts, open; one fresh stack each, in order), CONC (closed-loop
 # levels, default "768 1024"), RATES and OPEN_DURATION (open loop), BUDGET (seconds this call
 # may run, default 575) and NEED (seconds a stack needs to start another, default 240),
-# STACK_TALKER_n (more talker flags for the n-th stack: an A/B on one machine), EXTRA_T (more
-# talker flags for every stack), CLIENT_PROCESSES, GATEWAY_REPLICAS. Every stack runs 30 idle
-# requests first (IDLE_FIRST). engines: ENGINE_STREAMS, ENGINE_STEPS (run_h200.sh engines).
+# STACK_TALKER_n and STACK_CODE2WAV_n (more talker or code2wav flags for the n-th stack: an A/B
+# on one machine), EXTRA_T (more talker flags for every stack), CLIENT_PROCESSES,
+# GATEWAY_REPLICAS. Every stack runs 30 idle requests first (IDLE_FIRST).
+# engines: ENGINE_STREAMS, ENGINE_STEPS (run_h200.sh engines).
 # Results: $OUT/s (stacks) or $OUT/e (engines), as run_h200.sh packs them.
 set -uo pipefail
 MODE="${1:?stacks or engines}"

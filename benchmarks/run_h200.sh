@@ -216,11 +216,15 @@ stacks)
         if (( left < ${NEED:-255} )); then echo "not started: $kind ($left s left)"; continue; fi
         n=$((n + 1))
         dir="$RES/$kind$n"
-        # STACK_TALKER_<n>: talker flags for the n-th stack alone, after TALKER_ARGS (an A/B of one
-        # flag on fresh stacks in one call, e.g. STACK_TALKER_2="--prefill-coalesce-ms 0").
+        # STACK_TALKER_<n> / STACK_CODE2WAV_<n>: talker / code2wav flags for the n-th stack alone,
+        # after TALKER_ARGS / CODE2WAV_ARGS (an A/B of one flag on fresh stacks in one call, e.g.
+        # STACK_TALKER_2="--prefill-coalesce-ms 0" or STACK_CODE2WAV_2="--max-call-frames 256").
         extra="STACK_TALKER_$n"
         export TALKER_ARGS="$TALKER ${!extra:-}"
         [[ -n "${!extra:-}" ]] && echo "$kind$n talker flags added: ${!extra}"
+        extra="STACK_CODE2WAV_$n"
+        export CODE2WAV_ARGS="$CODE2WAV ${!extra:-}"
+        [[ -n "${!extra:-}" ]] && echo "$kind$n code2wav flags added: ${!extra}"
         case "$kind" in
         http | grpc)
             IDLE_FIRST="${IDLE_FIRST:-40}" PROTOCOL="$kind" FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-768 1024}" \
