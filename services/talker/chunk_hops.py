@@ -47,8 +47,9 @@ class ChunkHops:
 
     def sent(self, end_frame: int) -> None:
         self._sent_at[end_frame] = time.perf_counter()
-        # Frames handed on within the chunk end no chunk (a text-fed stream's come one at a time).
-        for frame in [f for f in self._made_at if f < end_frame]:
+        # Frames handed on within the chunk end no chunk (a text-fed stream's come one at a time);
+        # the ends of chunks sent before it wait for their audio.
+        for frame in [f for f in self._made_at if f < end_frame and f not in self._sent_at]:
             del self._made_at[frame]
 
     def first_chunk(self, end_frame: int, arrived: float, now: float) -> None:

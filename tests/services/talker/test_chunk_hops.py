@@ -73,3 +73,20 @@ def test_frames_handed_on_one_by_one_keep_no_timing_past_their_chunk():
             hops.chunk(chunk_end, arrived, arrived, slack_s=1.0)
     assert hops._made_at == {} and hops._sent_at == {}
     assert len(trips) == 100  # every chunk's trip timed (early_chunks 0: all of them)
+
+
+def test_a_chunk_sent_before_the_audio_of_the_one_before_it_keeps_that_one_timed():
+    """Chunks go out before the audio of the ones before them comes back: sending the second
+    chunk keeps the first one's timing, so the first chunk is still timed when its audio comes."""
+    trips: list[float] = []
+    hops = ChunkHops("r", on_code2wav_hop=trips.append)
+    hops.submitted()
+    hops.made(2, time.perf_counter())
+    hops.sent(2)
+    hops.made(3, time.perf_counter())  # a frame inside the next chunk
+    hops.made(6, time.perf_counter())
+    hops.sent(6)
+    arrived = time.perf_counter()
+    hops.first_chunk(2, arrived, arrived)
+    hops.chunk(6, arrived, arrived, slack_s=1.0)
+    assert len(trips) == 2 and hops._made_at == {} and hops._sent_at == {}
