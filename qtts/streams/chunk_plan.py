@@ -36,9 +36,10 @@ generation together."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME
@@ -245,6 +246,13 @@ class StartPlanner:
     # A request submitted this long ago and not admitted is queued, not just between two plans
     # of the scheduler (a step of the talker is 5-30 ms; a backlog holds requests for seconds).
     BACKLOG_AGE_S = 0.05
+
+    @classmethod
+    def backlog(cls, queued_at: Iterable[float], now: float) -> int:
+        """How many of the requests queued at `queued_at` (oldest first, one clock with `now`)
+        have waited `BACKLOG_AGE_S` or longer: the queue's head, so no backlog costs one look."""
+        before = now - cls.BACKLOG_AGE_S
+        return sum(1 for _ in itertools.takewhile(lambda at: at <= before, queued_at))
 
     # The trips it hears: each stream's first this many chunks (`trip_chunks`; 0: every chunk).
     # code2wav decodes a chunk with little audio ahead of it at once and holds later ones, far

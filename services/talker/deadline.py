@@ -397,7 +397,7 @@ class DeadlineScheduler:
     def _waits_for_text(req: ScheduledRequest, now: float) -> bool:
         """Whether the stream has no text for its next frame (and, when the text came back after
         its listener ran dry, restart its playback clock)."""
-        if not req.text.ready(req.credit.generated):
+        if req.waits_for_text():
             req.text_waiting = True
             return True
         if req.text_waiting:

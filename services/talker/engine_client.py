@@ -146,9 +146,8 @@ class EngineClient:
         """As GenerationLoop.start_counts, from the requests this front submitted: the front
         keeps their playback clocks, and sees their admission (the engine's `Admitted`)."""
         live = list(self._requests.values())  # one C-level copy: the reader thread pops from it
-        before = time.monotonic() - StartPlanner.BACKLOG_AGE_S
-        # In submission order (a dict keeps insertion order): the backlog is its head.
-        backlog = sum(1 for _ in itertools.takewhile(lambda at: at <= before, list(self._queued.values())))
+        # In submission order (a dict keeps insertion order).
+        backlog = StartPlanner.backlog(list(self._queued.values()), time.monotonic())
         return sum(1 for req in live if req.first_audio_at is None), len(live), backlog
 
     # -- calls --------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ step, not one per stream).
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 import threading
 import time
@@ -308,9 +307,8 @@ class GenerationLoop:
         with self._cond:
             s = self._scheduler
             unheard = sum(1 for req in s.running.values() if req.first_audio_at is None)
-            before = self._clock() - StartPlanner.BACKLOG_AGE_S
-            # The queue is in submission order: the backlog is its head, and no backlog costs one look.
-            backlog = sum(1 for _ in itertools.takewhile(lambda req: req.submitted_at <= before, s.waiting))
+            # The queue is in submission order.
+            backlog = StartPlanner.backlog((req.submitted_at for req in s.waiting), self._clock())
             return s.num_waiting + unheard, s.num_waiting + s.num_running, backlog
 
     def _update_gauges(self, plan: StepPlan | None = None) -> None:

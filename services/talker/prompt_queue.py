@@ -83,10 +83,8 @@ class PromptQueue:
         longer before `now`): streams about to start, beside the engine's own counts. In a burst
         the prompts of dozens of requests are built together, and the first stream made from a
         batch would otherwise see none of the others starting."""
-        before = now - StartPlanner.BACKLOG_AGE_S
-        # In queue order (a dict keeps insertion order): the old ones are its head.
-        old = sum(1 for _ in itertools.takewhile(lambda at: at <= before, list(self._waiting.values())))
-        return len(self._waiting), old
+        # In queue order (a dict keeps insertion order).
+        return len(self._waiting), StartPlanner.backlog(list(self._waiting.values()), now)
 
     def check(self) -> None:
         """Refuse at once a request whose prompt would start being built past the budget."""

@@ -355,4 +355,8 @@ def test_a_request_behind_a_backlog_gets_no_small_start():
     for i in range(50):
         slow.observe_step(0.04 + i * 1e-6)
     assert slow.plan(0, 0, backlog=1) == BURST_PLAN and slow.why == "backlog"
+    # The backlog of a queue (oldest first): its head queued `BACKLOG_AGE_S` or longer ago.
+    age = StartPlanner.BACKLOG_AGE_S
+    assert StartPlanner.backlog([0.0, 1.0 - age, 1.0 - age / 2, 1.0], now=1.0) == 2
+    assert StartPlanner.backlog([], now=1.0) == 0
     assert slow.plan(0, 0) == BURST_PLAN and slow.why == "timing"
