@@ -17,6 +17,8 @@
 # GATEWAY_REPLICAS. Every stack runs 30 idle requests first (IDLE_FIRST).
 # engines: ENGINE_STREAMS, ENGINE_STEPS (run_h200.sh engines).
 # Results: $OUT/s (stacks) or $OUT/e (engines), as run_h200.sh packs them.
+# The tree sent is at most 64 MiB: with .whl carried, move benchmarks/results/ (about 45 MB, read
+# by nothing here) out of the tree for the call and back after it.
 set -uo pipefail
 MODE="${1:?stacks or engines}"
 export REVISION=${REVISION:?set REVISION to the revision of the tree sent}

