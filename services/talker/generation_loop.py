@@ -127,13 +127,19 @@ def emit(events: list[tuple[ScheduledRequest, Any]]) -> None:
 
 
 def _held_frames(req: ScheduledRequest, step_s: float) -> Frame:
+    """The frames `req` holds, handed on. A stream that now waits for text is flushed by its
+    session there (`FrameDelta.flush`), and code2wav cuts its chunks at that frame: the plan the
+    deadlines read (`frames_to_next_chunk`) is cut alike."""
     held, req.held_codes = req.held_codes, []
+    waiting = req.waits_for_text()
+    if waiting and req.chunk_plan is not None:
+        req.chunk_plan = req.chunk_plan.flushed(req.credit.generated)
     return Frame(
         req.credit.generated - len(held),
         np.stack(held),
         step_s,
         time.perf_counter(),
-        text_waiting=req.waits_for_text(),
+        text_waiting=waiting,
     )
 
 

@@ -8,8 +8,10 @@ import math
 import torch
 
 from qtts.model.text_feed import TextFeed
+from qtts.streams.chunk_plan import ChunkPlan
 from services.talker.admission import Admission, AdmissionConfig
 from services.talker.deadline import DeadlineScheduler
+from services.talker.generation_loop import _held_frames
 from tests.services.talker.test_deadline_scheduler import req, started
 
 
@@ -70,6 +72,34 @@ def test_text_that_returns_before_the_listener_runs_dry_keeps_the_clock():
     feed.append(torch.zeros(5, 4))
     s.plan(1.0)  # 0.6 s still buffered
     assert not r.clock_restart and r.slack_s(1.0) == 1.6 - 1.0
+
+
+def test_a_stream_handed_on_short_of_its_chunk_for_lack_of_text_counts_its_chunks_from_there():
+    """Its session flushes the frames made so far as a chunk of their own, and code2wav cuts its
+    chunks there: the engine's plan is cut at the same frame, so the deadlines count the frames
+    to the next chunk from the flush, not from the old boundaries."""
+    s = DeadlineScheduler(4, 0)
+    s.submit(req("a"), now=0.0)
+    s.plan(0.0)
+    r = s.running["a"]
+    r.chunk_plan = ChunkPlan(4, (8,))  # boundaries 4, 12, 20...
+    feed = with_feed(s, "a", known=7)
+    started(s, "a", first_audio_at=0.0, generated=6)
+    r.held_codes = [torch.zeros(4, dtype=torch.long).numpy() for _ in range(2)]  # frames 4 and 5
+    frame = _held_frames(r, 0.02)
+    assert not frame.text_waiting and r.chunk_plan == ChunkPlan(4, (8,))  # frame 6 has its text
+    assert r.frames_to_next_chunk() == 6
+    r.credit.generated = 7
+    r.held_codes = [torch.zeros(4, dtype=torch.long).numpy()]  # frame 6: the text runs dry
+    frame = _held_frames(r, 0.02)
+    assert frame.text_waiting and (frame.index, len(frame.codes)) == (6, 1)
+    assert r.chunk_plan == ChunkPlan(4, (8,)).flushed(7) == ChunkPlan(8, (8,), start=7)
+    assert r.frames_to_next_chunk() == 8  # to 15, where code2wav's next chunk ends; 5 before
+    feed.append(torch.zeros(10, 4))
+    r.credit.generated = 12
+    r.held_codes = [torch.zeros(4, dtype=torch.long).numpy() for _ in range(5)]
+    frame = _held_frames(r, 0.02)
+    assert not frame.text_waiting and r.chunk_plan.start == 7 and r.frames_to_next_chunk() == 3
 
 
 def behind(s: DeadlineScheduler, now: float) -> tuple[int, int]:
