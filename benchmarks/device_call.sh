@@ -14,7 +14,9 @@
 # may run, default 575) and NEED (seconds a stack needs to start another, default 240),
 # STACK_TALKER_n and STACK_CODE2WAV_n (more talker or code2wav flags for the n-th stack: an A/B
 # on one machine), EXTRA_T (more talker flags for every stack), CLIENT_PROCESSES,
-# GATEWAY_REPLICAS. Every stack runs 30 idle requests first (IDLE_FIRST).
+# GATEWAY_REPLICAS, STACK_TREE_n (the n-th stack runs another revision's tree: .ab/<rev> from
+# benchmarks/ab_tree.sh, carried as ".ab"; hosts differ between calls, so an A/B of two revisions
+# belongs in one call). Every stack runs 30 idle requests first (IDLE_FIRST).
 # engines: ENGINE_STREAMS, ENGINE_STEPS (run_h200.sh engines).
 # Results: $OUT/s (stacks) or $OUT/e (engines), as run_h200.sh packs them.
 # The tree sent is at most 64 MiB: with .whl carried, move benchmarks/results/ (about 45 MB, read

@@ -56,6 +56,19 @@ CODE2WAV_NO_BATCH="${CODE2WAV_ARGS:---decode-engine slots --decode-precision bf1
 GATEWAY="${GATEWAY_ARGS:---max-streams 1024}"
 PREFILL_BUCKETS="--prefill-buckets 64,128,192,256,320,384,448,512"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$RES/revision.txt" 2>&1
+# The host: its CPU model, cores, and one pure-Python loop's time. The services' Python paths run at
+# the host's pace, and hosts of one kind differ (on 2026-12-06 the same revision's start-up phases
+# took 15-40% longer on one H100 host than on another): compare figures across calls with this.
+{
+    grep -m1 "model name" /proc/cpuinfo
+    echo "cpus $(nproc)"
+    python3 -c 'import time
+t = time.perf_counter()
+s = 0
+for i in range(3_000_000):
+    s += i * i
+print(f"python loop of 3M: {(time.perf_counter() - t) * 1e3:.0f} ms")'
+} >>"$RES/revision.txt" 2>&1
 
 # Compile caches (torch.compile's and Triton's): a fresh machine compiles every kernel again, part
 # of each stack's start. A call that carries .compile_cache (an earlier call's
@@ -226,6 +239,19 @@ stacks)
         extra="STACK_CODE2WAV_$n"
         export CODE2WAV_ARGS="$CODE2WAV ${!extra:-}"
         [[ -n "${!extra:-}" ]] && echo "$kind$n code2wav flags added: ${!extra}"
+        # STACK_TREE_<n>: the n-th stack runs another revision's tree (benchmarks/ab_tree.sh makes
+        # .ab/<rev>, carried with the call): its services, client and launch_gpu_stack.sh.
+        tree="STACK_TREE_$n"
+        tree="${!tree:-.}"
+        (
+        cd "$tree" || exit 2
+        if [[ "$tree" != . ]]; then
+            REVISION="$(cat REVISION 2>/dev/null || echo "unknown ($tree)")"
+            export REVISION
+            echo "$kind$n runs the tree $tree, revision $REVISION"
+            python3 -c "from qtts import pb; pb.generate(force=True)"
+        fi
+        echo "revision $REVISION" >"$dir.revision"
         case "$kind" in
         http | grpc)
             IDLE_FIRST="${IDLE_FIRST:-40}" PROTOCOL="$kind" FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-768 1024}" \
@@ -241,7 +267,9 @@ stacks)
                 >"$dir.log" 2>&1 ;;
         *) echo "unknown stack kind $kind (http, grpc, grpcts, open)" >&2 ;;
         esac
+        )
         echo "$kind$n rc=$? at $((SECONDS - START)) s"
+        [[ -d "$dir" ]] && mv "$dir.revision" "$dir/revision.txt"
         pkill -f "services\.(launcher|talker|code2wav|gateway|speaker_cache|aligner)" 2>/dev/null
         sleep 2
         pkill -9 -f "services\." 2>/dev/null
