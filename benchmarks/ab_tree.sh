@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Another revision's tree for an A/B of two revisions on one device machine (hosts differ between
-# calls by more than many changes move a figure: the same revision's start-up phases ran 15-40%
-# slower on the H100 of 2026-12-06 afternoon than on the morning's). Run here, from the
+# calls by more than many changes move a figure: on 2026-12-06 the talker's model load took
+# 11.5-14.7 s on the afternoon's H100 and 9.8-11.0 s on the morning's). Run here, from the
 # repository root; it writes .ab/<rev>/ (git-ignored; benchmarks/results/ left out), which a
 # device call carries and names for one of its stacks:
 #

@@ -57,8 +57,8 @@ GATEWAY="${GATEWAY_ARGS:---max-streams 1024}"
 PREFILL_BUCKETS="--prefill-buckets 64,128,192,256,320,384,448,512"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$RES/revision.txt" 2>&1
 # The host: its CPU model, cores, and one pure-Python loop's time. The services' Python paths run at
-# the host's pace, and hosts of one kind differ (on 2026-12-06 the same revision's start-up phases
-# took 15-40% longer on one H100 host than on another): compare figures across calls with this.
+# the host's pace, and hosts of one kind differ (on 2026-12-06 the talker's model load took
+# 11.5-14.7 s on one H100 host, 9.8-11.0 s on another): compare figures across calls with this.
 {
     grep -m1 "model name" /proc/cpuinfo
     echo "cpus $(nproc)"
