@@ -2,8 +2,8 @@
 # Another revision's tree for an A/B of two revisions on one device machine (hosts differ between
 # calls by more than many changes move a figure: on 2026-12-06 the talker's model load took
 # 11.5-14.7 s on the afternoon's H100 and 9.8-11.0 s on the morning's). Run here, from the
-# repository root; it writes .ab/<rev>/ (git-ignored; benchmarks/results/ left out), which a
-# device call carries and names for one of its stacks:
+# repository root; it writes .ab/<rev>/ (git-ignored; AB_DIR names another folder than .ab;
+# benchmarks/results/ left out), which a device call carries and names for one of its stacks:
 #
 #   benchmarks/ab_tree.sh f76a2ea
 #   # run, carry [".whl", ".ab"]:
@@ -14,7 +14,7 @@
 set -euo pipefail
 REV_ARG="${1:?a revision (commit, tag or branch)}"
 REV="$(git rev-parse --short "$REV_ARG^{commit}")"
-DEST=".ab/$REV"
+DEST="${AB_DIR:-.ab}/$REV"
 rm -rf "$DEST"
 mkdir -p "$DEST"
 git archive --format=tar "$REV" -- . ':(exclude)benchmarks/results' | tar -x -C "$DEST"

@@ -16,7 +16,10 @@
 # on one machine), EXTRA_T (more talker flags for every stack), CLIENT_PROCESSES,
 # GATEWAY_REPLICAS, STACK_TREE_n (the n-th stack runs another revision's tree: .ab/<rev> from
 # benchmarks/ab_tree.sh, carried as ".ab"; hosts differ between calls, so an A/B of two revisions
-# belongs in one call). Every stack runs 30 idle requests first (IDLE_FIRST).
+# belongs in one call), PROFILE_STACKS="<n> ..." (py-spy samples every service and the client of
+# those stacks for PROFILE_S=4 s once the talker carries PROFILE_AT=50 streams: a closed-loop
+# level's opening burst; carry .whl_prof, from `python -m benchmarks.device_wheels --prof`).
+# Every stack runs 30 idle requests first (IDLE_FIRST).
 # engines: ENGINE_STREAMS, ENGINE_STEPS (run_h200.sh engines).
 # Results: $OUT/s (stacks) or $OUT/e (engines), as run_h200.sh packs them.
 # The tree sent is at most 64 MiB: with .whl carried, move benchmarks/results/ (about 45 MB, read

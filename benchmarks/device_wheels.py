@@ -8,6 +8,7 @@ without googleapis-common-protos failed every service at import in the 2026-12-0
 
     python -m benchmarks.device_wheels            # into .whl
     python -m benchmarks.device_wheels --av       # and PyAV into .whl_av (the gateway decodes clips)
+    python -m benchmarks.device_wheels --prof     # and py-spy into .whl_prof (profile_stack.sh)
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ WHEELS = (
     "uvicorn",
 )
 AV_WHEELS = ("av",)
+PROF_WHEELS = ("py-spy",)
 PLATFORMS = (
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
@@ -107,8 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dest", type=Path, default=ROOT / ".whl", help="the wheel folder to fill")
     parser.add_argument("--av", action="store_true", help="also PyAV, into .whl_av beside --dest")
+    parser.add_argument("--prof", action="store_true", help="also py-spy, into .whl_prof beside --dest")
     args = parser.parse_args(argv)
     jobs = [(WHEELS, args.dest)] + ([(AV_WHEELS, args.dest.parent / ".whl_av")] if args.av else [])
+    jobs += [(PROF_WHEELS, args.dest.parent / ".whl_prof")] if args.prof else []
     for names, dest in jobs:
         dest.mkdir(parents=True, exist_ok=True)
         code = subprocess.call(download_command(names, dest))

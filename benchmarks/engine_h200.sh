@@ -18,6 +18,7 @@ run() {  # name, then the command
     echo "exit $?"
     tail -n 25 "$RES/$name.log"
 }
+# shellcheck disable=SC2054  # --batches takes one comma-separated argument
 STEP=(python3 -m benchmarks.talker_step --models qwen3-tts-12hz-1.7b-base --batches 1,256,512,1024 --eager-batches none)
 if [[ "$PART" == all || "$PART" == 1 ]]; then
     run prefill_cost python3 -m benchmarks.prefill_cost --out "$RES/prefill_cost.json"

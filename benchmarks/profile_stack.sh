@@ -26,11 +26,21 @@ for _ in $(seq 1 1200); do
     sleep 0.5
 done
 echo "profiling at $(gauge) active streams" >"$OUT/profile.txt"
+# Every gateway (GATEWAY_REPLICAS runs several), the talker, code2wav and the benchmark client
+# (its worker processes are its children: --subprocesses). A second process of a name gets its
+# pid in the file name.
 for name in services.gateway services.talker services.code2wav benchmarks.client; do
-    pid="$(pgrep -f -- " $name( |$)" | head -n1)"
-    [[ -n "$pid" ]] || { echo "$name: no process" >>"$OUT/profile.txt"; continue; }
-    "$PYSPY" record --nonblocking --threads --subprocesses -r 200 -d "$SECONDS_TO_SAMPLE" -f raw \
-        -o "$OUT/pyspy-${name#*.}.txt" -p "$pid" >>"$OUT/profile.txt" 2>&1 &
+    pids="$(pgrep -f -- " $name( |$)")"
+    [[ "$name" == services.gateway ]] || pids="$(head -n1 <<<"$pids")"
+    [[ -n "$pids" ]] || { echo "$name: no process" >>"$OUT/profile.txt"; continue; }
+    first=1
+    for pid in $pids; do
+        file="$OUT/pyspy-${name#*.}.txt"
+        (( first )) || file="$OUT/pyspy-${name#*.}-$pid.txt"
+        first=0
+        "$PYSPY" record --nonblocking --threads --subprocesses -r 200 -d "$SECONDS_TO_SAMPLE" -f raw \
+            -o "$file" -p "$pid" >>"$OUT/profile.txt" 2>&1 &
+    done
 done
 wait
 for port in 9100 9102 9103; do

@@ -198,7 +198,7 @@ session)
         GATEWAY_ARGS="$GATEWAY" timeout "${CLOSED_TIMEOUT:-200}" benchmarks/launch_gpu_stack.sh "$RES/stack" -- \
         "${POOL[@]}" >"$RES/stack.log" 2>&1
     # shellcheck disable=SC2086  # RATES is a list
-    PYTHON=python3 FIXED_LENGTH= TIME_LIMIT="${TIME_LIMIT:-120}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
+    PYTHON=python3 FIXED_LENGTH="" TIME_LIMIT="${TIME_LIMIT:-120}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
         GATEWAY_ARGS="$GATEWAY" timeout "${OPEN_TIMEOUT:-210}" benchmarks/launch_gpu_stack.sh "$RES/open" -- \
         --rate ${RATES:-20 60 80} --duration "${OPEN_DURATION:-20}" --length-dist mixed:2:20 "${POOL[@]}" \
         >"$RES/open.log" 2>&1
@@ -223,6 +223,7 @@ stacks)
         ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-110}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
         GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 2048}"
     POOL=(--voice-pool "${VOICE_POOL:-200}" --voice-pool-warm)
+    ROOT="$PWD"
     START=$SECONDS
     n=0
     for kind in ${STACKS:-http http}; do
@@ -252,6 +253,14 @@ stacks)
             python3 -c "from qtts import pb; pb.generate(force=True)"
         fi
         echo "revision $REVISION" >"$dir.revision"
+        # PROFILE_STACKS="<n> ...": py-spy samples every service process and the client of those
+        # stacks for PROFILE_S (4) s from when the talker carries PROFILE_AT (50) streams: a
+        # closed-loop level's opening burst, after the idle requests (.whl_prof carried).
+        if [[ " ${PROFILE_STACKS:-} " == *" $n "* && -d "$ROOT/.whl_prof" ]]; then
+            [[ -x /tmp/prof/bin/py-spy ]] || install "$ROOT/.whl_prof" /tmp/prof
+            PYSPY=/tmp/prof/bin/py-spy "$ROOT/benchmarks/profile_stack.sh" "$dir.profile" "${PROFILE_AT:-50}" \
+                "${PROFILE_S:-4}" >"$dir.profile.log" 2>&1 &
+        fi
         case "$kind" in
         http | grpc)
             IDLE_FIRST="${IDLE_FIRST:-40}" PROTOCOL="$kind" FIXED_LENGTH=1 CONCURRENCY="${CONCURRENCY:-768 1024}" \
@@ -262,7 +271,7 @@ stacks)
                 timeout -k 10 $((left - 10)) benchmarks/launch_gpu_stack.sh "$dir" -- "${POOL[@]}" >"$dir.log" 2>&1 ;;
         open)
             # shellcheck disable=SC2086  # RATES is a list
-            FIXED_LENGTH= timeout -k 10 $((left - 10)) benchmarks/launch_gpu_stack.sh "$dir" -- \
+            FIXED_LENGTH="" timeout -k 10 $((left - 10)) benchmarks/launch_gpu_stack.sh "$dir" -- \
                 --rate ${RATES:-20 100} --duration "${OPEN_DURATION:-20}" --length-dist mixed:2:20 "${POOL[@]}" \
                 >"$dir.log" 2>&1 ;;
         *) echo "unknown stack kind $kind (http, grpc, grpcts, open)" >&2 ;;
@@ -270,6 +279,7 @@ stacks)
         )
         echo "$kind$n rc=$? at $((SECONDS - START)) s"
         [[ -d "$dir" ]] && mv "$dir.revision" "$dir/revision.txt"
+        [[ -d "$dir" && -d "$dir.profile" ]] && mv "$dir.profile" "$dir.profile.log" "$dir/"
         pkill -f "services\.(launcher|talker|code2wav|gateway|speaker_cache|aligner)" 2>/dev/null
         sleep 2
         pkill -9 -f "services\." 2>/dev/null
@@ -288,11 +298,10 @@ engines)
     # prefill cost when time is left (ENGINE_STEPS="capacity decode aligner step prefill"). Carry: .whl
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     for step in ${ENGINE_STEPS:-capacity decode aligner step prefill}; do
+        # shellcheck disable=SC2086  # CAPACITY_ARGS and DECODE_STREAMS are lists
         case "$step" in
-        # shellcheck disable=SC2086  # CAPACITY_ARGS is a list of flags (e.g. --max-prefill-tokens 8192)
         capacity) timeout "${CAPACITY_TIMEOUT:-170}" python3 -m benchmarks.talker_capacity --streams "${ENGINE_STREAMS:-1536}" \
             --measure-steps 100 ${CAPACITY_ARGS:-} --out "$RES/talker_capacity.json" >"$RES/talker_capacity.log" 2>&1 ;;
-        # shellcheck disable=SC2086  # DECODE_STREAMS is a list
         decode) timeout "${DECODE_TIMEOUT:-130}" python3 -m benchmarks.code2wav_decode --streams ${DECODE_STREAMS:-128 512} --revision "$REV" \
             --out "$RES/code2wav_decode.json" >"$RES/code2wav_decode.log" 2>&1 ;;
         aligner) timeout 70 python3 -m benchmarks.aligner_cost --out "$RES/aligner_cost.json" \

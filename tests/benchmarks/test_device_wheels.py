@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.device_wheels import AV_WHEELS, WHEELS, download_command, pins, requirements
+from benchmarks.device_wheels import AV_WHEELS, PROF_WHEELS, WHEELS, download_command, pins, requirements
 
 
 def test_every_device_wheel_is_pinned_by_the_lock_file():
-    reqs = requirements(WHEELS + AV_WHEELS)
-    assert len(reqs) == len(WHEELS) + len(AV_WHEELS)
+    reqs = requirements(WHEELS + AV_WHEELS + PROF_WHEELS)
+    assert len(reqs) == len(WHEELS) + len(AV_WHEELS) + len(PROF_WHEELS)
     pinned = pins()
     assert f"grpcio-status=={pinned['grpcio-status']}" in reqs
     assert any(r.startswith("googleapis-common-protos==") for r in reqs)
