@@ -18,6 +18,8 @@ class Credit:
 
     frames_allowed_until: int
     plan: ChunkPlan | None = None
+    # With the plan: the server decodes at a flush (FrameDelta.flush cuts its chunks there).
+    cuts_at_flush: bool = False
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ def event_to_pb(
             frames_allowed_until=event.frames_allowed_until,
             first_chunk_frames=event.plan.first if event.plan else 0,
             chunk_frames_ramp=event.plan.ramp if event.plan else (),
+            cuts_at_flush=event.cuts_at_flush,
         )
         if cost is not None:
             grant.decode_frame_ns = round(cost.frame_s * 1e9)

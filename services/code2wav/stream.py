@@ -243,7 +243,9 @@ class DecodeStream:
         )
         if allowed > self.granted or with_plan:
             self.granted = max(self.granted, allowed)
-            self._outbox.put_nowait(Credit(self.granted, self.plan if with_plan else None))
+            self._outbox.put_nowait(
+                Credit(self.granted, self.plan if with_plan else None, cuts_at_flush=with_plan)
+            )
 
     def _maybe_done(self) -> None:
         if self.total_frames is not None and self.decoded_frames == self.total_frames and not self.finished:

@@ -118,7 +118,7 @@ def event_of(
         plan = ChunkPlan(c.first_chunk_frames, tuple(c.chunk_frames_ramp)) if c.first_chunk_frames else None
         if on_cost is not None and c.decode_frame_ns:
             on_cost(replica, c.decode_frame_ns / 1e9, c.decode_call_ns / 1e9, c.decode_calls_per_s)
-        return Credit(c.frames_allowed_until, plan)
+        return Credit(c.frames_allowed_until, plan, c.cuts_at_flush)
     if kind == "audio":
         a = msg.audio
         return DecodedAudio(a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns)

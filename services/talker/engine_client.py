@@ -119,7 +119,7 @@ class EngineClient:
         if req.chunk_plan is not None and req.request_id not in self._plan_sent:
             self._plan_sent.add(req.request_id)
             plan = req.chunk_plan
-        self._defer(("grant", req.request_id, frames_allowed_until, plan))
+        self._defer(("grant", req.request_id, frames_allowed_until, plan, req.cuts_at_flush))
 
     def clock_changed(self, req: Any, restarted: bool) -> None:
         self._defer(("clock", req.request_id, req.first_audio_at, req.delivered_s, restarted))

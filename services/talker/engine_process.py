@@ -223,11 +223,11 @@ class _EngineWorker:
             (key,) = args
             self._prompt_thread.submit(self._drop, key)  # after any build of it queued before
         elif kind == "grant":
-            rid, until, plan = args
+            rid, until, plan, cuts_at_flush = args
             req = self._requests.get(rid)
             if req is not None:
                 if plan is not None:
-                    req.chunk_plan = plan
+                    req.chunk_plan, req.cuts_at_flush = plan, cuts_at_flush
                 self.loop.grant(req, until)
         elif kind == "clock":
             rid, first_audio_at, delivered_s, restarted = args

@@ -128,11 +128,11 @@ def emit(events: list[tuple[ScheduledRequest, Any]]) -> None:
 
 def _held_frames(req: ScheduledRequest, step_s: float) -> Frame:
     """The frames `req` holds, handed on. A stream that now waits for text is flushed by its
-    session there (`FrameDelta.flush`), and code2wav cuts its chunks at that frame: the plan the
+    session there (`FrameDelta.flush`) where its replica cuts its chunks at a flush: the plan the
     deadlines read (`frames_to_next_chunk`) is cut alike."""
     held, req.held_codes = req.held_codes, []
     waiting = req.waits_for_text()
-    if waiting and req.chunk_plan is not None:
+    if waiting and req.chunk_plan is not None and req.cuts_at_flush:
         req.chunk_plan = req.chunk_plan.flushed(req.credit.generated)
     return Frame(
         req.credit.generated - len(held),

@@ -66,6 +66,9 @@ class ScheduledRequest:
     # code2wav's chunk plan for this stream (a qtts.streams.chunk_plan.ChunkPlan, from its first grant):
     # audio reaches the listener a whole chunk at a time.
     chunk_plan: Any = None
+    # Whether that replica cuts its chunks at a flush (its first grant says so): a stream whose
+    # text runs dry short of a boundary is then flushed, and the plan cut there.
+    cuts_at_flush: bool = False
     # Frames generated and not yet handed to the event loop (engine thread only).
     held_codes: list = field(default_factory=list)
     # Text still arriving (qtts.model.text_feed.TextFeed; None: the whole text is in the prompt).

@@ -237,6 +237,7 @@ class StreamSession:
         if ev.plan is not None:
             self._plan = ev.plan
             self._request.chunk_plan = ev.plan
+            self._request.cuts_at_flush = ev.cuts_at_flush  # else no flush: an older replica
         self._engine.grant(self._request, ev.frames_allowed_until)
 
     def _stream_done(self, ev: c2w.Done) -> str:
@@ -368,10 +369,12 @@ class StreamSession:
             # Up to the last chunk boundary within reach: frames past it could not be decoded yet
             # and go with the rest of their chunk. Short of the next boundary: wait, unless the
             # credit ends first (then send what it allows). Waiting for text, the frames up to
-            # the flush point are a chunk of their own (FrameDelta.flush).
+            # the flush point are a chunk of their own (FrameDelta.flush), where the replica
+            # said it cuts its chunks there (CreditGrant.cuts_at_flush).
             end = self._sent + n
             boundary = self._plan.end_at_or_below(end)
-            if self._sent < self._flush_at <= end and self._flush_at > boundary:
+            flushes = self._request.cuts_at_flush
+            if flushes and self._sent < self._flush_at <= end and self._flush_at > boundary:
                 boundary = self._flush_at
                 flush = True
             if boundary > self._sent:

@@ -18,11 +18,12 @@ from qtts.request.errors import InvalidArgument, ResourceExhausted
 from qtts.serving.metrics import Code2WavMetrics
 from qtts.streams.chunk_plan import STEADY_CHUNK_RAMP as STEADY_RAMP
 from qtts.streams.chunk_plan import ChunkPlan
-from qtts.streams.decode_events import DecodedAudio
+from qtts.streams.decode_events import Credit, DecodedAudio
 from services.code2wav.config import Code2WavConfig, config_from_args
 from services.code2wav.credit import CreditPolicy
 from services.code2wav.registry import StreamRegistry
 from services.code2wav.server import SERVICE_NAME, Code2WavServer
+from services.code2wav.servicer import event_to_pb
 from services.code2wav.stream import CodecShape, DecodeStream
 
 SPF = 1920
@@ -206,6 +207,21 @@ def test_a_flush_cuts_a_chunk_and_the_plan_goes_on_from_there():
     # The start survives the credit's cap, and a plan from a grant (start 0) equals its constant.
     assert cut.capped(2) == ChunkPlan(2, (2, 2, 2, 2, 2), start=3)
     assert ChunkPlan(2, STEADY_RAMP) == ChunkPlan(2, STEADY_RAMP, start=0)
+
+
+def test_the_first_grant_says_the_replica_cuts_its_chunks_at_a_flush():
+    """CreditGrant.cuts_at_flush: a talker flushes only a replica that says so (an older one, in a
+    rolling upgrade, would not cut its chunks where the talker cuts its own)."""
+    metrics = Code2WavMetrics(CollectorRegistry())
+    stream = DecodeStream("r", ChunkPlan(2, (4, 8)), CreditPolicy(window_frames=32), CodecShape(), metrics)
+    stream.decoder_state = object()
+    stream.start_credit()
+    first = stream._outbox.get_nowait()
+    assert first.plan == ChunkPlan(2, (4, 8)) and first.cuts_at_flush
+    msg = event_to_pb("s", 0, first)
+    assert msg.credit.cuts_at_flush and msg.credit.first_chunk_frames == 2
+    later = event_to_pb("s", 1, Credit(40))
+    assert not later.credit.cuts_at_flush and later.credit.first_chunk_frames == 0
 
 
 def test_a_flushed_delta_is_decoded_though_its_chunk_is_short():

@@ -177,8 +177,11 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
         hold: bool = False,
         plan: tuple[int, tuple[int, ...]] | None = None,
         cost: tuple[int, int, float] | None = None,
+        cuts_at_flush: bool = True,
     ):
         self.name = name
+        # cuts_at_flush: said in the first grant, as the real code2wav does (False: an older one).
+        self.cuts_at_flush = cuts_at_flush
         # cost: (decode_frame_ns, decode_call_ns, decode_calls_per_s) published on every grant.
         self.cost = cost
         # plan: (first chunk, ramp) announced in the first grant, as the real code2wav does.
@@ -209,6 +212,7 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
             plan = {}
             if first and self.plan is not None:
                 plan = {"first_chunk_frames": self.plan[0], "chunk_frames_ramp": list(self.plan[1])}
+                plan["cuts_at_flush"] = self.cuts_at_flush
             if self.cost is not None:
                 plan.update(
                     zip(("decode_frame_ns", "decode_call_ns", "decode_calls_per_s"), self.cost, strict=True)

@@ -147,6 +147,35 @@ async def test_a_stream_waiting_for_text_short_of_its_chunk_sends_what_it_has_fl
         await eventually(lambda: s.generator.num_active == 0 and c2w.live == 0)
 
 
+async def test_a_replica_that_does_not_cut_at_a_flush_is_sent_whole_chunks(bundle):
+    """An older code2wav (no CreditGrant.cuts_at_flush, as in a rolling upgrade) decodes at its
+    plan's boundaries alone: the talker sends it no flush, so both count the same chunks. The
+    first piece's frames, short of the 16-frame chunk, wait for the rest of the text."""
+    want = await whole_text_frames(bundle)
+    c2w = FakeCode2Wav("c2w-a", window=64, plan=(16, (16,)), cuts_at_flush=False)
+    async with talker_stack([c2w], bundle=bundle) as s:
+        more = asyncio.Event()
+
+        async def requests():
+            yield start(bundle, "Hello there, ", request_id="old-replica")
+            await more.wait()
+            yield append(TEXT[len("Hello there, ") :], final=True)
+
+        call = s.stub.GenerateStream(requests())
+        await eventually(lambda: s.gauge("tts_talker_text_waiting_streams") == 1)
+        log = c2w.logs[0]
+        assert 0 < s.generator.active["old-replica"].frames < 16
+        assert log.frames == [] and log.flushes == []  # held for the chunk
+        more.set()
+        samples, summary = await read_all(call)
+        assert summary.finish_reason == tts_pb2.FINISH_REASON_LENGTH
+        assert samples == summary.num_frames * 1920
+        assert log.frames == want and log.violations == [] and log.flushes == [] and log.ended
+        ends = list(itertools.accumulate(log.delta_sizes))
+        assert all(ChunkPlan(16, (16,)).end_at_or_below(end) == end for end in ends[:-1]), ends
+        await eventually(lambda: s.generator.num_active == 0 and c2w.live == 0)
+
+
 async def test_cancel_while_waiting_for_text_frees_the_slot_and_the_decoder(bundle):
     c2w = FakeCode2Wav("c2w-a")
     async with talker_stack([c2w], bundle=bundle) as s:

@@ -83,6 +83,7 @@ def test_a_stream_handed_on_short_of_its_chunk_for_lack_of_text_counts_its_chunk
     s.plan(0.0)
     r = s.running["a"]
     r.chunk_plan = ChunkPlan(4, (8,))  # boundaries 4, 12, 20...
+    r.cuts_at_flush = True  # its replica said so in its first grant
     feed = with_feed(s, "a", known=7)
     started(s, "a", first_audio_at=0.0, generated=6)
     r.held_codes = [torch.zeros(4, dtype=torch.long).numpy() for _ in range(2)]  # frames 4 and 5
@@ -100,6 +101,12 @@ def test_a_stream_handed_on_short_of_its_chunk_for_lack_of_text_counts_its_chunk
     r.held_codes = [torch.zeros(4, dtype=torch.long).numpy() for _ in range(5)]
     frame = _held_frames(r, 0.02)
     assert not frame.text_waiting and r.chunk_plan.start == 7 and r.frames_to_next_chunk() == 3
+    # A replica that does not cut at a flush (an older one) is not flushed: the plan stays whole.
+    r.chunk_plan, r.cuts_at_flush = ChunkPlan(4, (8,)), False
+    r.credit.generated = 17  # the text known so far is used up
+    r.held_codes = [torch.zeros(4, dtype=torch.long).numpy()]  # frame 16
+    frame = _held_frames(r, 0.02)
+    assert frame.text_waiting and r.chunk_plan == ChunkPlan(4, (8,)) and r.frames_to_next_chunk() == 3
 
 
 def behind(s: DeadlineScheduler, now: float) -> tuple[int, int]:
