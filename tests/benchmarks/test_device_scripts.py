@@ -33,19 +33,23 @@ def test_a_device_script_passes_shellcheck(script):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def ab_tree(revision: str, dest: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "benchmarks/ab_tree.sh", revision],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "AB_DIR": str(dest)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_ab_tree_writes_a_revisions_tree_without_the_results(tmp_path):
     """benchmarks/ab_tree.sh: the tree a device call carries for an A/B of two revisions."""
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
-    res = subprocess.run(
-        ["bash", "benchmarks/ab_tree.sh", "HEAD"],
-        cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "AB_DIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = ab_tree("HEAD", tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     tree = tmp_path / head
     assert (tree / "REVISION").read_text().strip() == head
@@ -59,12 +63,4 @@ def test_ab_tree_writes_a_revisions_tree_without_the_results(tmp_path):
         check=True,
     ).stdout.split()
     assert tracked and all((tree / path).is_file() for path in tracked)
-    bad = subprocess.run(
-        ["bash", "benchmarks/ab_tree.sh", "no-such-revision"],
-        cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "AB_DIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode != 0
+    assert ab_tree("no-such-revision", tmp_path).returncode != 0
