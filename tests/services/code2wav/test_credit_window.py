@@ -69,7 +69,7 @@ def test_stream_without_acks_stops_at_max_ahead_and_acks_reopen_it():
     stream = _stream(CreditPolicy(window_frames=8, max_ahead_frames=12))
     # The first grant carries the chunk plan, so the producer can send a chunk at a time.
     first = _drain(stream)
-    assert first == [Credit(8, ChunkPlan(2, (4,)))]
+    assert first == [Credit(8, ChunkPlan(2, (4,)), cuts_at_flush=True)]  # the plan, and the flush cut
     assert [first[0].plan.end_after(n) for n in (0, 1, 2, 5, 6, 10)] == [2, 2, 6, 6, 10, 14]
     assert Credit(8).plan is None
     sent = 0

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from qtts.pb import talker_pb2, tts_pb2
+from qtts.streams.chunk_plan import ChunkPlan
 from services.talker.metrics_merge import MergedRegistry, merge_families
 from tests.services.talker.fakes import FakeCode2Wav
 from tests.services.talker.stack import eventually, generate_all, talker_stack
@@ -368,26 +369,28 @@ async def test_grants_and_clocks_of_one_loop_turn_cross_the_pipe_together():
             request_id=f"r{i}",
             credit=StreamCredit(window=8),
             chunk_plan=None,
+            cuts_at_flush=False,
             first_audio_at=1.0,
             delivered_s=0.5,
         )
         for i in range(3)
     ]
+    # r1's replica sent its plan and cuts at a flush: both go to the engine, with the first grant.
+    reqs[1].chunk_plan, reqs[1].cuts_at_flush = ChunkPlan(2, (4,)), True
     for r in reqs:
         client.grant(r, 16)
     client.clock_changed(reqs[0], False)
     assert sent == []  # not before the loop turn ends
     await asyncio.sleep(0)
-    assert sent == [
-        ("batch", [("grant", f"r{i}", 16, None) for i in range(3)] + [("clock", "r0", 1.0, 0.5, False)])
-    ]
+    grants = [("grant", "r0", 16, None, False), ("grant", "r1", 16, ChunkPlan(2, (4,)), True)]
+    assert sent == [("batch", grants + [("grant", "r2", 16, None, False), ("clock", "r0", 1.0, 0.5, False)])]
     assert reqs[1].credit.granted_until == 16
     # A message sent directly goes after the deferred ones, in one order.
     sent.clear()
     client.grant(reqs[2], 24)
     client.cancel("unknown")  # not submitted: nothing to send
     client.text_appended()
-    assert sent == [("batch", [("grant", "r2", 24, None)]), ("wake",)]
+    assert sent == [("batch", [("grant", "r2", 24, None, False)]), ("wake",)]
     await asyncio.sleep(0)
     assert len(sent) == 2  # the scheduled flush finds nothing left
 
