@@ -218,7 +218,12 @@ stacks)
     # (the start-up) and last 240 kB. Carry: .whl
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     python3 -c "from qtts import pb; pb.generate(force=True)"
-    sysctl -w net.ipv4.ip_local_port_range="20000 45000" >/dev/null 2>&1 || echo "ephemeral ports unchanged"
+    # The machine's ephemeral port range is changed for good: only on a GPU machine, which goes
+    # back after the call (run on a workstation, it once left the test suite's launcher no room
+    # below the range for its per-worker port slices).
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        sysctl -w net.ipv4.ip_local_port_range="20000 45000" >/dev/null 2>&1 || echo "ephemeral ports unchanged"
+    fi
     export MPS="${MPS:-1}" CLIENT_PROCESSES="${CLIENT_PROCESSES:-4}" PYTHON=python3 NUM_REQUESTS="${NUM_REQUESTS:-16}" \
         ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-110}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
         GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 2048}"
