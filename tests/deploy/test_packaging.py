@@ -32,7 +32,7 @@ DOCKERFILES = {"cpu": DOCKER / "Dockerfile.cpu", "gpu": DOCKER / "Dockerfile.gpu
 SCRIPTS = ("qtts-gateway", "qtts-talker", "qtts-code2wav", "qtts-speaker-cache", "qtts-stack")
 REQUIREMENT = re.compile(r"^([A-Za-z0-9_.\-]+)==([A-Za-z0-9_.\-]+)(\s*;.*)?$")
 TORCH_STACK = {"torch", "transformers", "safetensors", "tokenizers", "triton"}
-BENCH_ONLY = {"matplotlib", "tqdm"}
+BENCH_ONLY = {"matplotlib", "py-spy", "tqdm"}
 
 
 def norm(name: str) -> str:
