@@ -257,7 +257,8 @@ stacks)
             echo "$kind$n runs the tree $tree, revision $REVISION"
             python3 -c "from qtts import pb; pb.generate(force=True)"
         fi
-        echo "revision $REVISION" >"$dir.revision"
+        # The stack's revision, and the host lines of the call's revision.txt (CPU, cores, a loop).
+        { echo "revision $REVISION"; tail -n +2 "$RES/revision.txt"; } >"$dir.revision"
         # PROFILE_STACKS="<n> ...": py-spy samples every service process and the client of those
         # stacks for PROFILE_S (4) s from when the talker carries PROFILE_AT (50) streams: a
         # closed-loop level's opening burst, after the idle requests (.whl_prof carried).

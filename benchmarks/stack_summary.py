@@ -380,6 +380,14 @@ def summary(roots: Sequence[Path]) -> str:
     for run in runs_under(roots):
         name = next((str(run.relative_to(r)) or "." for r in roots if run.is_relative_to(r)), str(run))
         out.append(f"== {name}")
+        # The revision and the host it ran on (run_h200.sh stacks: CPU, cores, a Python loop's time),
+        # so figures of two calls are read with their hosts.
+        if (run / "revision.txt").is_file():
+            out.extend(
+                "  " + line.strip()
+                for line in (run / "revision.txt").read_text().splitlines()
+                if line.strip()
+            )
         result_path = run / "results.json"
         if result_path.exists():
             result = json.loads(result_path.read_text())

@@ -99,9 +99,20 @@ def write_run(tmp_path):
 
 
 def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_path):
-    text = summary([write_run(tmp_path)])
+    run = write_run(tmp_path)
+    (run / "http1" / "revision.txt").write_text(
+        "revision abc1234\nmodel name\t: AMD EPYC\ncpus 16\npython loop of 3M: 310 ms\n"
+    )
+    text = summary([run])
     lines = text.splitlines()
     assert lines[0] == "== http1"
+    # The revision and the host first: figures of two calls are read with their hosts.
+    assert lines[1:5] == [
+        "  revision abc1234",
+        "  model name\t: AMD EPYC",
+        "  cpus 16",
+        "  python loop of 3M: 310 ms",
+    ]
     assert "| c=768 | 50.0 | 75.0 | 50/60 | 656/4790 | 412 |" in lines
     assert "| c=1024 | 50.0 | 75.0 | -/- | -/- | - |" in lines  # the then/ sweep, no numbers
     assert lines.index("== http1/then") > lines.index("| c=768 | 50.0 | 75.0 | 50/60 | 656/4790 | 412 |")
