@@ -266,6 +266,7 @@ stacks)
             [[ -x /tmp/prof/bin/py-spy ]] || install "$ROOT/.whl_prof" /tmp/prof
             PYSPY=/tmp/prof/bin/py-spy "$ROOT/benchmarks/profile_stack.sh" "$dir.profile" "${PROFILE_AT:-50}" \
                 "${PROFILE_S:-4}" >"$dir.profile.log" 2>&1 &
+            echo $! >"$dir.profile.pid"
         fi
         case "$kind" in
         http | grpc)
@@ -285,6 +286,8 @@ stacks)
         )
         echo "$kind$n rc=$? at $((SECONDS - START)) s"
         [[ -d "$dir" ]] && mv "$dir.revision" "$dir/revision.txt"
+        # A profile still waiting for its streams (the stack failed early) stops with the stack.
+        [[ -f "$dir.profile.pid" ]] && { kill "$(cat "$dir.profile.pid")" 2>/dev/null; rm -f "$dir.profile.pid"; }
         [[ -d "$dir" && -d "$dir.profile" ]] && mv "$dir.profile" "$dir.profile.log" "$dir/"
         pkill -f "services\.(launcher|talker|code2wav|gateway|speaker_cache|aligner)" 2>/dev/null
         sleep 2
