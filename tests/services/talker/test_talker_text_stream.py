@@ -61,6 +61,14 @@ async def whole_text_frames(bundle, **kw) -> list[int]:
     return c2w.logs[0].frames
 
 
+async def text_then_rest(bundle, first: str, request_id: str, more: asyncio.Event):
+    """GenerateStream's requests: `first` (the start of TEXT), then, once `more` is set, the rest
+    of TEXT as the final piece."""
+    yield start(bundle, first, request_id=request_id)
+    await more.wait()
+    yield append(TEXT[len(first) :], final=True)
+
+
 async def test_text_in_pieces_is_one_request_with_the_whole_texts_codes(bundle):
     want = await whole_text_frames(bundle)
     c2w = FakeCode2Wav("c2w-a")
@@ -88,12 +96,7 @@ async def test_a_stream_whose_text_ran_dry_waits_then_continues(bundle, caplog):
     async with talker_stack([c2w], bundle=bundle) as s:
         more = asyncio.Event()
 
-        async def requests():
-            yield start(bundle, "Hello there, this is a ", request_id="dry")
-            await more.wait()
-            yield append(TEXT[len("Hello there, this is a ") :], final=True)
-
-        call = s.stub.GenerateStream(requests())
+        call = s.stub.GenerateStream(text_then_rest(bundle, "Hello there, this is a ", "dry", more))
         assert (await call.read()).WhichOneof("event") == "audio"  # audio before the text is complete
         await eventually(lambda: s.gauge("tts_talker_text_waiting_streams") == 1)
         frames = s.generator.active["dry"].frames
@@ -123,12 +126,7 @@ async def test_a_stream_waiting_for_text_short_of_its_chunk_sends_what_it_has_fl
     async with talker_stack([c2w], bundle=bundle) as s:
         more = asyncio.Event()
 
-        async def requests():
-            yield start(bundle, "Hello there, ", request_id="short")
-            await more.wait()
-            yield append(TEXT[len("Hello there, ") :], final=True)
-
-        call = s.stub.GenerateStream(requests())
+        call = s.stub.GenerateStream(text_then_rest(bundle, "Hello there, ", "short", more))
         first = await asyncio.wait_for(call.read(), 30)  # without the flush: nothing until `more`
         assert first.WhichOneof("event") == "audio" and 0 < first.audio.num_frames < 16
         await eventually(lambda: s.gauge("tts_talker_text_waiting_streams") == 1)
@@ -156,12 +154,7 @@ async def test_a_replica_that_does_not_cut_at_a_flush_is_sent_whole_chunks(bundl
     async with talker_stack([c2w], bundle=bundle) as s:
         more = asyncio.Event()
 
-        async def requests():
-            yield start(bundle, "Hello there, ", request_id="old-replica")
-            await more.wait()
-            yield append(TEXT[len("Hello there, ") :], final=True)
-
-        call = s.stub.GenerateStream(requests())
+        call = s.stub.GenerateStream(text_then_rest(bundle, "Hello there, ", "old-replica", more))
         await eventually(lambda: s.gauge("tts_talker_text_waiting_streams") == 1)
         log = c2w.logs[0]
         assert 0 < s.generator.active["old-replica"].frames < 16
