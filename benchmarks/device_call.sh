@@ -32,9 +32,7 @@ export PYTHONUNBUFFERED=1
 S=$SECONDS
 case "$MODE" in
 stacks)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 |
-        grep -v "^WARNING: Target directory"
-    export PYTHONPATH=/tmp/site:.
+    # (run_h200.sh stacks installs .whl into /tmp/site and sets PYTHONPATH itself.)
     # The headline's talker flags (BENCHMARKS.md, `T`), with the admission's uncontended step fit.
     T="--engine graph --max-batch 1024 --max-len 512 --max-queue 2048 --prefill-buckets 64,128,192,256,320,384,448,512 --first-audio-budget-ms 6000 --admission-step-fit uncontended ${EXTRA_T:-}"
     OUT=$OUT/s BUDGET=${BUDGET:-575} NEED=${NEED:-240} IDLE_FIRST=${IDLE_FIRST:-30} STACKS="${STACKS:-http http}" \
