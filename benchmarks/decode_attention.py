@@ -7,7 +7,8 @@ KV they read (256 rows x 301 positions x 8 heads x 128 x 2 x bf16 = 158 MB) take
 row count's times next to the bytes floor.
 
     python -m benchmarks.decode_attention --out run/decode_attention.json
-    python -m benchmarks.decode_attention --position 8 --max-len 16 --rows 256,1024   # predictor-like
+    python -m benchmarks.decode_attention --position 8 --max-len 16 --rows 256,1024 \
+        --block-n 16,32 --stages 1 --warps 1,2,4   # predictor-like
 """
 
 from __future__ import annotations
@@ -69,12 +70,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--position", type=int, default=300, help="the query's position (keys 0..position)")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--bandwidth", type=float, default=4.25e12)
+    ap.add_argument("--block-n", default="32,64,128", help="key blocks to try, comma separated")
+    ap.add_argument("--stages", default="1,2,3,4", help="pipeline stages to try")
+    ap.add_argument("--warps", default="4,8", help="warps a program to try")
     ap.add_argument("--out", type=Path, default=Path("run/decode_attention.json"))
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     hq, hkv, d = 16, 8, 128
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     variants = [(False, 64, 3, 4)] + [
-        (True, bn, st, w) for bn, st, w in itertools.product((32, 64, 128), (1, 2, 3, 4), (4, 8))
+        (True, bn, st, w)
+        for bn, st, w in itertools.product(ints(args.block_n), ints(args.stages), ints(args.warps))
     ]
     result = {
         "git": git_revision(),

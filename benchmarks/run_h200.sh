@@ -304,7 +304,8 @@ engines)
     # The engines alone (issue #27's table and #30's aligner cost) in one call of about 8 minutes,
     # each step under its own timeout so one slow step leaves the others' results: the talker with
     # prompts arriving (ENGINE_STREAMS), the decoder, the aligner, then the frame step and the
-    # prefill cost when time is left (ENGINE_STEPS="capacity decode aligner step prefill"). Carry: .whl
+    # prefill cost when time is left (ENGINE_STEPS="capacity decode aligner step prefill"; `profile`:
+    # the frame step's phases and kernels at PROFILE_BUCKETS, benchmarks/talker_profile.py). Carry: .whl
     install .whl /tmp/site && export PYTHONPATH=/tmp/site:.
     for step in ${ENGINE_STEPS:-capacity decode aligner step prefill}; do
         # shellcheck disable=SC2086  # CAPACITY_ARGS and DECODE_STREAMS are lists
@@ -319,7 +320,9 @@ engines)
             --batches 1,256,512,1024 --out "$RES/talker_step.json" >"$RES/talker_step.log" 2>&1 ;;
         prefill) timeout 90 python3 -m benchmarks.prefill_cost --out "$RES/prefill_cost.json" \
             >"$RES/prefill_cost.log" 2>&1 ;;
-        *) echo "unknown engine step $step (capacity, decode, aligner, step, prefill)" >&2 ;;
+        profile) timeout 150 python3 -m benchmarks.talker_profile --buckets "${PROFILE_BUCKETS:-1,256,1024}" \
+            --out "$RES/talker_profile.json" >"$RES/talker_profile.log" 2>&1 ;;
+        *) echo "unknown engine step $step (capacity, decode, aligner, step, prefill, profile)" >&2 ;;
         esac
         echo "$step rc=$? at $SECONDS s"
         pack >/dev/null  # each step's results kept even if a later one runs out the call

@@ -247,10 +247,13 @@ def qk_norm_rope_store(
     eps: float,
     num_heads: int,
     num_kv_heads: int,
+    heads_per_program: int = QK_HEADS_PER_PROGRAM,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """qkv [M, (HQ + 2 HKV) * D] -> q [M, HQ, D] (per-head RMSNorm, RoPE); the normed, rotated key
     and the value of token m go to k_cache / v_cache [slot, head, pos, D] at (rows[m], positions[m]).
-    cos / sin: [M, D] (a stride-0 first dimension is fine)."""
+    cos / sin: [M, D] (a stride-0 first dimension is fine). `heads_per_program` (a power of two)
+    and `num_warps` set the tile (benchmarks/qk_rope_store.py times them)."""
     m = qkv.shape[0]
     d = q_norm.shape[0]
     if d < 2 or d & (d - 1):
@@ -260,7 +263,7 @@ def qk_norm_rope_store(
         raise ValueError(
             "k_cache and v_cache need equal strides with contiguous heads, cos/sin contiguous rows"
         )
-    hb = min(QK_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads + num_kv_heads))
+    hb = min(heads_per_program, triton.next_power_of_2(num_heads + num_kv_heads))
     _qk_norm_rope_store_kernel[(m, triton.cdiv(num_heads + num_kv_heads, hb))](
         qkv,
         q_norm,
@@ -281,6 +284,7 @@ def qk_norm_rope_store(
         HKV=num_kv_heads,
         D=d,
         HB=hb,
+        num_warps=num_warps,
     )
     return q
 
