@@ -30,8 +30,11 @@ from qtts.engine.slot_state import (
     I_TOPK,
 )
 
-# Pipeline stages of the predictor's decode attention (see `_predictor_fused`).
+# The predictor's decode attention tile (see `_predictor_fused`): keys a block, pipeline stages,
+# warps a program.
+PREDICTOR_ATTENTION_BLOCK_N = 16
 PREDICTOR_ATTENTION_STAGES = 1
+PREDICTOR_ATTENTION_WARPS = 1
 
 
 class FrameStepMixin:
@@ -100,10 +103,12 @@ class FrameStepMixin:
             m = n
             rows, pos = self.rows[:n], self.pred_step_pos[start, :n]
             cos, sin = self.pred_cos[0, start].expand(n, -1), self.pred_sin[0, start].expand(n, -1)
-        # At most 16 keys per row (the 2-token start, then 14 steps): one block of 32, not the talker's 64,
-        # and one pipeline stage: a single block has nothing to prefetch, and the shared memory of
-        # three stages held ~4 programs an SM (at batch 1024, 8,192 programs a call in ~15 waves;
-        # the H200 profile put the 75 predictor calls at ~3 ms of the step's 12.2 ms of attention).
+        # At most 16 keys per row (the 2-token start, then 14 steps): one block of 16, one pipeline
+        # stage (a single block has nothing to prefetch) and one warp a program. Each program is a
+        # few dependent loads and two tiny dots, so the call is latency-bound: the smaller the
+        # program, the more of the 8,192 programs of batch 1,024 an SM holds at once. H100, keys
+        # 0..8 (benchmarks/decode_attention.py): 48.4 us a call at batch 1,024 with a block of 32
+        # and 4 warps, 23.5 us with 16 and 1 (256: 11.4 -> 6.4 us); the frame step has 75 calls.
         h = fused_decoder_layers(
             self._fused_kernels,
             self._linear,
@@ -118,8 +123,9 @@ class FrameStepMixin:
             cos,
             sin,
             self.predictor.model.norm,
-            block_n=32,
+            block_n=PREDICTOR_ATTENTION_BLOCK_N,
             stages=PREDICTOR_ATTENTION_STAGES,
+            warps=PREDICTOR_ATTENTION_WARPS,
             fused_qkv=self.fused_qkv and self.cfg.fused_qkv_max_rows,
         )
         return h.view(n, t, -1)

@@ -155,11 +155,13 @@ def fused_decoder_layers(
     block_n: int = 64,
     stages: int = 3,
     fused_qkv: bool | int = False,
+    warps: int = 4,
 ) -> torch.Tensor:
     """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
     attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
     final-normed hidden [M, H]. `kernels`: the module qtts.engine.triton_ops; `lin`: its `linear`
-    (skinny matmuls) or F.linear; `stages`: the attention kernel's pipeline stages; `fused_qkv`:
+    (skinny matmuls) or F.linear; `stages`: the attention kernel's pipeline stages (`warps`: its
+    warps a program, when not fused with the q/k norm); `fused_qkv`:
     the q/k norm, RoPE, KV store and attention as one kernel (`qkv_attention`) instead of two,
     when true (an int: when x has at most that many rows)."""
     eps = dcfg.rms_norm_eps
@@ -193,7 +195,7 @@ def fused_decoder_layers(
                 qkv, w.q_norm, w.k_norm, cos, sin, k_cache[i], v_cache[i], rows, wpos, eps, *heads
             )
             attn = kernels.decode_attention(
-                q, k_cache[i], v_cache[i], rows, apos, block_n=block_n, num_stages=stages
+                q, k_cache[i], v_cache[i], rows, apos, block_n=block_n, num_stages=stages, num_warps=warps
             )
         x, h = norm(x, lin(attn, w.w_o, w.b_o), w.ln2, eps)
         delta = lin(silu_mul(lin(h, w.w_gate_up)), w.w_down)

@@ -96,7 +96,8 @@ def test_rope_with_a_shared_position_broadcasts_cos_sin():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("pipelined", [False] + ([True] if DEVICE.type == "cuda" else []))
-def test_decode_attention_attends_to_its_own_prefix(dtype, group, pipelined):
+@pytest.mark.parametrize("tile", [(32, 4), (16, 1)], ids=["talker-like", "predictor-tile"])
+def test_decode_attention_attends_to_its_own_prefix(dtype, group, pipelined, tile):
     g = torch.Generator().manual_seed(3)
     hkv, d, slots, length = 2, 32, 3, 150
     hq = hkv * group
@@ -106,7 +107,10 @@ def test_decode_attention_attends_to_its_own_prefix(dtype, group, pipelined):
     rows = torch.tensor([0, 0, 1, 2, 2], device=DEVICE)
     positions = torch.tensor([0, 1, 149, 70, 150], device=DEVICE)
     q = torch.randn(5, hq, d, generator=g).to(DEVICE, dtype)
-    out = triton_ops.decode_attention(q, k_cache, v_cache, rows, positions, block_n=32, pipelined=pipelined)
+    block_n, warps = tile  # (the predictor's tile: blocks of 16 keys, one warp, over many blocks here)
+    out = triton_ops.decode_attention(
+        q, k_cache, v_cache, rows, positions, block_n=block_n, num_warps=warps, pipelined=pipelined
+    )
     for i in range(5):
         n = int(positions[i]) + 1
         keys = k_cache[rows[i], :, :n].float().repeat_interleave(group, dim=0)  # [HQ, n, D]
