@@ -1,9 +1,10 @@
 """FP8 fidelity: greedy codes and codebook-0 logits of the FP8 engine against bf16 and float32.
 
-Three engines on the same seeded random weights (`--load-format dummy` draws them in float32; the
+Four engines on the same seeded random weights (`--load-format dummy` draws them in float32; the
 bf16 model is their rounding): float32 with TF32 off, bf16, and bf16 with
 `RunnerConfig.weight_dtype="fp8"` (decoder-layer linears in float8_e4m3fn, per-channel weight
-scales, per-token activation scales). For every batch in `--batches` each engine prefills the same
+scales, per-token activation scales), and bf16 with `RunnerConfig.kv_cache_dtype="fp8"` ("kv8":
+the talker's KV cache in float8_e4m3fn; on a CPU it needs TRITON_INTERPRET=1). For every batch in `--batches` each engine prefills the same
 `--prompt-len`-position random prompts (packed prefill, its own precision), then runs `--frames`
 greedy frame steps at that batch's bucket (eager: graphs replay the same kernels, which
 `talker_step --agreement-only` checks). Per pair of engines and batch:
@@ -45,12 +46,20 @@ from qtts.engine.sequence import Sequence
 from qtts.engine.slot_scheduler import PrefillChunk
 from qtts.model import SamplingParams, load_talker_bundle
 
+# name: (model dtype, RunnerConfig.weight_dtype, RunnerConfig.kv_cache_dtype)
 ENGINES = {
-    "float32": (torch.float32, "model"),
-    "bf16": (torch.bfloat16, "model"),
-    "fp8": (torch.bfloat16, "fp8"),
+    "float32": (torch.float32, "model", "model"),
+    "bf16": (torch.bfloat16, "model", "model"),
+    "fp8": (torch.bfloat16, "fp8", "model"),
+    "kv8": (torch.bfloat16, "model", "fp8"),
 }
-PAIRS = (("fp8", "float32"), ("fp8", "bf16"), ("bf16", "float32"))
+PAIRS = (
+    ("fp8", "float32"),
+    ("fp8", "bf16"),
+    ("kv8", "float32"),
+    ("kv8", "bf16"),
+    ("bf16", "float32"),
+)
 
 
 def load(args: argparse.Namespace, dtype: torch.dtype, workdir: Path):
@@ -99,7 +108,7 @@ def single_linear_errors(runner: ModelRunner, rows: int = 64) -> dict[str, dict[
 
 def run_engine(name: str, args: argparse.Namespace, workdir: Path) -> dict[int, dict[str, torch.Tensor]]:
     """Per batch: the first frame's codebook-0 logits [b, V] and the codes [frames, b, 16]."""
-    dtype, weight_dtype = ENGINES[name]
+    dtype, weight_dtype, kv_cache_dtype = ENGINES[name]
     bundle = load(args, dtype, workdir)
     slots = max(args.batches)
     runner = ModelRunner(
@@ -113,6 +122,9 @@ def run_engine(name: str, args: argparse.Namespace, workdir: Path) -> dict[int, 
             compile_layers=False,
             fast_path=True,
             weight_dtype=weight_dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            # the 8-bit cache lives in the Triton kernels (under TRITON_INTERPRET=1 on a CPU)
+            decode_kernels="triton" if kv_cache_dtype == "fp8" else "auto",
             fp8_min_rows=0,  # FP8 at every batch here, small ones included (the engine default keeps bf16 there)
         ),
     )

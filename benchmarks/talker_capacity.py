@@ -317,6 +317,7 @@ def engine_config(args: argparse.Namespace, max_streams: int, max_trailing: int)
         prefill_rows=tuple(int(x) for x in args.prefill_rows.split(",") if x),
         prefill_packed=None if args.prefill == "auto" else args.prefill == "packed",
         weight_dtype=args.weight_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.max_prefill_tokens is None:
         return GraphEngineConfig(runner=runner)
@@ -364,6 +365,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--weight-dtype", default="model", choices=("model", "fp8"), help="RunnerConfig.weight_dtype"
+    )
+    ap.add_argument(
+        "--kv-cache-dtype", default="model", choices=("model", "fp8"), help="RunnerConfig.kv_cache_dtype"
     )
     ap.add_argument("--context-step", type=int, default=None, help="attention-span bucket step (default 128)")
     ap.add_argument("--prefix-cache-mb", type=float, default=0.0, help="prefix KV cache (0: off)")
@@ -458,6 +462,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "prefix_cache_mb": args.prefix_cache_mb,
             "prefill": args.prefill,
             "weight_dtype": args.weight_dtype,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "greedy": args.greedy,
         },
         "budget_ms": args.budget_ms,

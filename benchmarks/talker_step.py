@@ -120,6 +120,7 @@ def bench_model(name: str, args: argparse.Namespace, variant: str) -> dict[str, 
         "talker_attention": variant,
         "dtype": args.dtype,
         "weight_dtype": args.weight_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         # FP8 linears on the reference path (torch._scaled_mm refused): then its times mean nothing
         "fp8_scaled_mm_failed": list(fp8._SCALED_MM_FAILED),
         "fused_qkv_attention": runner.fused_qkv,
@@ -173,6 +174,7 @@ def _runner_config(args: argparse.Namespace, attention: str, mode: str, batches:
         sample_kernel=args.sample_kernel,
         skinny_matmul=None if args.skinny_matmul == "auto" else args.skinny_matmul == "on",
         weight_dtype=args.weight_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -271,6 +273,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
         args.skinny_matmul,
         "--weight-dtype",
         args.weight_dtype,
+        "--kv-cache-dtype",
+        args.kv_cache_dtype,
         "--dtype",
         args.dtype,
         "--agreement-frames",
@@ -333,6 +337,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="model",
         choices=("model", "fp8"),
         help="decoder-layer linear weights: the model dtype, or fp8 (RunnerConfig.weight_dtype)",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="model",
+        choices=("model", "fp8"),
+        help="the talker's KV cache: the model dtype, or fp8 (RunnerConfig.kv_cache_dtype)",
     )
     ap.add_argument(
         "--dtype",

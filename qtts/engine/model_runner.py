@@ -128,10 +128,17 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
         self.fp8 = config.weight_dtype == "fp8"
         if self.fp8 and not self.fast_path:
             raise ValueError("weight_dtype='fp8' needs the fast path")
+        # The talker KV cache's element type (the predictor's per-frame K/V keep the model dtype).
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         # Fused weights first: the KV sizing below measures the memory left after them.
         self.talker_weights = self._layer_weights(self.talker.model.layers)
         self.predictor_weights = self._layer_weights(self.predictor.model.layers)
         self._choose_kernels(config)
+        if config.kv_cache_dtype == "fp8" and not (self.fused_decode and config.prefill_packed is not False):
+            raise ValueError(
+                "kv_cache_dtype='fp8' needs the fused decode kernels and the packed prefill "
+                "(decode_kernels auto on CUDA or triton; prefill_packed not off)"
+            )
         self.num_slots = self._size_slots()
         self.batch_buckets = tuple(
             sorted({b for b in config.batch_buckets if b < self.num_slots} | {self.num_slots})
@@ -241,7 +248,7 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
     # -- sizing and allocation ---------------------------------------------------------------
     def bytes_per_position(self) -> int:
         d = self.tdec
-        return 2 * d.num_layers * d.num_kv_heads * d.head_dim * torch.finfo(self.dtype).bits // 8
+        return 2 * d.num_layers * d.num_kv_heads * d.head_dim * torch.finfo(self.kv_dtype).bits // 8
 
     def bytes_per_slot_state(self) -> int:
         """Per-slot bytes besides the talker KV: trailing text, penalty mask, predictor KV."""
@@ -279,8 +286,8 @@ class ModelRunner(FrameStepMixin, SlotStateMixin, PrefillMixin):
         t, p = self.tdec, self.pdec
         # [layers, slots, kv_heads, max_len + 1 (scratch), head_dim]
         shape = (t.num_layers, s, t.num_kv_heads, self.max_len + 1, t.head_dim)
-        self.k_cache = torch.zeros(shape, device=dev, dtype=dt)
-        self.v_cache = torch.zeros(shape, device=dev, dtype=dt)
+        self.k_cache = torch.zeros(shape, device=dev, dtype=self.kv_dtype)
+        self.v_cache = torch.zeros(shape, device=dev, dtype=self.kv_dtype)
         self.kv_view = KVCache(keys=list(self.k_cache.unbind(0)), values=list(self.v_cache.unbind(0)))
         pshape = (p.num_layers, s, p.num_kv_heads, self.num_codebooks + 1, p.head_dim)
         self.pk_cache = torch.zeros(pshape, device=dev, dtype=dt)

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from qtts.engine.fp8 import WEIGHT_DTYPES
 
+# The talker KV cache's element type (RunnerConfig.kv_cache_dtype).
+KV_CACHE_DTYPES = ("model", "fp8")
+
 # No bucket of 1: a single stream padded to 2 rows ran faster (the M=1 matmuls take slower
 # kernels). Above 256 the buckets are an eighth apart: a step's time grows with its bucket, so
 # 574 streams should not pay for 1024.
@@ -103,6 +106,11 @@ class RunnerConfig:
     # extra copy of the layers' linears). H200 at a301b03: FP8 at batch 1 / 256 / 1024 took 6.20 /
     # 9.90 / 22.78 ms against bf16's 4.36 / 8.72 / 23.63. 0: FP8 at every size.
     fp8_min_rows: int = 512
+    # "fp8": the talker's KV cache in float8_e4m3fn (no scale), half the bytes a position: twice
+    # the slots in the same memory, and the frame step's attention reads half the bytes. Needs the
+    # fused decode kernels and the packed prefill (they round into the cache and widen out of it);
+    # the predictor's per-frame K/V stay in the model dtype. "model": the model dtype.
+    kv_cache_dtype: str = "model"
     prefix_cache_bytes: int = 0  # GPU-local prompt-prefix KV cache (0: off)
     # Packed prefill: the step's prompt chunks concatenated on one token axis, one GEMM per linear
     # per layer and a varlen causal attention (qtts.engine.packed_prefill). None: on with the fast
@@ -145,6 +153,8 @@ class RunnerConfig:
             raise ValueError("fused_qkv_max_rows must be >= 0")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
         if self.sample_kernel not in SAMPLE_KERNELS:
             raise ValueError(f"sample_kernel must be one of {SAMPLE_KERNELS}")
         if self.sample_kernel == "triton" and self.max_candidates:

@@ -5,6 +5,9 @@
 head share one program (padded to 16 rows for tensor-core dots). Split from `triton_ops` (the
 norm, rope-store and matmul kernels of the decode layers), which re-exports it.
 
+The KV cache may be 8-bit (`kv_fp8`, e4m3 without a scale): the kernels that write it round into
+it (`cache_value`), and every key block read widens to the queries' type before its dots.
+
 `prefill_attention`: the packed prefill's causal attention. Prompt chunks of several slots are
 concatenated into one token axis; a block of up to BLOCK_M consecutive tokens of one chunk (at
 consecutive positions of one slot) and one KV head is one program, whose BLOCK_M x G query rows
@@ -25,7 +28,47 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
+# The KV cache's 8-bit type (RunnerConfig.kv_cache_dtype="fp8"): e4m3, no scale (keys are RMS-normed
+# per head; values are the model's own activations, far inside its +-448).
+KV_FP8_DTYPE = torch.float8_e4m3fn
+
+
+def kv_fp8(cache: torch.Tensor) -> bool:
+    """Whether `cache` holds 8-bit floats (the kernels then round into it and widen out of it)."""
+    return cache.dtype == KV_FP8_DTYPE
+
+
 if triton is not None:
+
+    @triton.jit
+    def e4m3_round(x):
+        """x (float32) rounded to the nearest float8 e4m3fn value, ties to even, saturating at
+        +-448, still float32: the cast after it is exact. (Triton's interpreter rounds float8 casts
+        wrongly where the mantissa carries into the exponent; this keeps CPU tests and the GPU on
+        the same values as torch's own cast.)"""
+        bits = x.to(tl.int32, bitcast=True)
+        lsb = (bits >> 20) & 1  # keep 3 of float32's 23 mantissa bits
+        normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+        sub = ((x * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)  # subnormals: steps of 2^-9
+        r = tl.where(tl.abs(x) < 0.015625, sub, normal)
+        return tl.minimum(tl.maximum(r, -448.0), 448.0)
+
+    @triton.jit
+    def cache_value(x, cache_ptr, FP8: tl.constexpr):
+        """x in the KV cache's type: rounded to e4m3 first when the cache is 8-bit (FP8)."""
+        if FP8:
+            return e4m3_round(x.to(tl.float32)).to(cache_ptr.dtype.element_ty)
+        else:
+            return x.to(cache_ptr.dtype.element_ty)
+
+    @triton.jit
+    def widen(x, like):
+        """x in the type of `like`: an 8-bit block through float32 (Triton's interpreter cannot
+        widen e4m3 subnormals to float64 directly), any other a plain cast (a no-op when equal)."""
+        if x.dtype.is_fp8():
+            return x.to(tl.float32).to(like.dtype)
+        else:
+            return x.to(like.dtype)
 
     @triton.jit
     def _attention_block(
@@ -50,8 +93,9 @@ if triton is not None:
         nm = n < n_keys
         offs = base + n[:, None] * kc_s_pos + d[None, :]
         kv_mask = nm[:, None] & dm[None, :]
-        k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)  # issued before the dot waits on k
+        # (an 8-bit cache widens to the queries' type here; otherwise a no-op)
+        k = widen(tl.load(kc_ptr + offs, mask=kv_mask, other=0.0), q)
+        v = widen(tl.load(vc_ptr + offs, mask=kv_mask, other=0.0), q)  # issued before the dot waits on k
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -312,8 +356,8 @@ if triton is not None:
         nm = n < n_keys
         offs = base + n[:, None] * kc_s_pos + d[None, :]
         kv_mask = nm[:, None] & dm[None, :]
-        k = tl.load(kc_ptr + offs, mask=kv_mask, other=0.0)
-        v = tl.load(vc_ptr + offs, mask=kv_mask, other=0.0)
+        k = widen(tl.load(kc_ptr + offs, mask=kv_mask, other=0.0), q)
+        v = widen(tl.load(vc_ptr + offs, mask=kv_mask, other=0.0), q)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:

@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 from qtts.engine.triton_attention import (  # re-exported
     decode_attention,
+    kv_fp8,
     prefill_attention,
     prefill_block_m,
 )
@@ -63,6 +64,7 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
+    from qtts.engine.triton_attention import cache_value
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -102,6 +104,7 @@ if triton is not None:
         HKV: tl.constexpr,
         D: tl.constexpr,
         HB: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         """Heads [p * HB, (p + 1) * HB) of the q|k heads of token m (program (m, p)) as one
         [HB, D / 2] tile per half: per-head RMSNorm, RoPE, q to `q_ptr`, k to the cache; a k head's
@@ -143,12 +146,12 @@ if triton is not None:
         pos = tl.load(pos_ptr + m)
         hk = tl.where(is_k, h - HQ, 0)
         dst = slot * kc_s_slot + hk[:, None] * kc_s_head + pos * kc_s_pos + half[None, :]
-        tl.store(kc_ptr + dst, r1.to(kc_ptr.dtype.element_ty), mask=is_k[:, None])
-        tl.store(kc_ptr + dst + D // 2, r2.to(kc_ptr.dtype.element_ty), mask=is_k[:, None])
+        tl.store(kc_ptr + dst, cache_value(r1, kc_ptr, KV_FP8), mask=is_k[:, None])
+        tl.store(kc_ptr + dst + D // 2, cache_value(r2, kc_ptr, KV_FP8), mask=is_k[:, None])
         full = tl.arange(0, D)
         v = tl.load(base + (HQ + HKV + hk)[:, None] * D + full[None, :], mask=is_k[:, None], other=0.0)
         vdst = slot * kc_s_slot + hk[:, None] * kc_s_head + pos * kc_s_pos + full[None, :]
-        tl.store(vc_ptr + vdst, v.to(vc_ptr.dtype.element_ty), mask=is_k[:, None])
+        tl.store(vc_ptr + vdst, cache_value(v, vc_ptr, KV_FP8), mask=is_k[:, None])
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -284,6 +287,7 @@ def qk_norm_rope_store(
         HKV=num_kv_heads,
         D=d,
         HB=hb,
+        KV_FP8=kv_fp8(k_cache),
         num_warps=num_warps,
     )
     return q

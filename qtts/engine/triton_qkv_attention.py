@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from qtts.engine.triton_attention import triton
+from qtts.engine.triton_attention import kv_fp8, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from qtts.engine.triton_attention import _attend_group
+    from qtts.engine.triton_attention import _attend_group, cache_value
 
     @triton.jit
     def _normed_rotated(x_ptr, w_ptr, cos, sin, rows_off, d, part, sign, mask, eps, D: tl.constexpr):
@@ -60,6 +60,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
         PIPELINED: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         """Long, kept in one piece: prologue (q, k, v of one KV head), barrier, attention loop."""
         m = tl.program_id(0)
@@ -104,8 +105,8 @@ if triton is not None:
         slot = tl.load(row_ptr + m)
         base = slot * kc_s_slot + hk * kc_s_head
         dst = base + tl.load(wpos_ptr + m) * kc_s_pos + d[None, :]
-        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=dm[None, :])
-        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty)[None, :], mask=dm[None, :])
+        tl.store(kc_ptr + dst, cache_value(k, kc_ptr, KV_FP8), mask=dm[None, :])
+        tl.store(vc_ptr + dst, cache_value(v, vc_ptr, KV_FP8)[None, :], mask=dm[None, :])
         tl.debug_barrier()  # the key and value just stored are read back below
         n_keys = tl.load(apos_ptr + m) + 1
         out = _attend_group(
@@ -189,6 +190,7 @@ def qkv_attention(
         BLOCK_N=block_n,
         IEEE=qkv.dtype == torch.float32,
         PIPELINED=qkv.is_cuda if pipelined is None else pipelined,
+        KV_FP8=kv_fp8(k_cache),
         num_stages=num_stages,
         num_warps=num_warps,
     )

@@ -121,6 +121,14 @@ class TalkerConfig:
         "graph engine on CUDA: decoder-layer linear weights: model (its dtype) or fp8",
         choices=("model", "fp8"),
     )
+    # The talker's KV cache in float8_e4m3fn (RunnerConfig.kv_cache_dtype), off by default: half
+    # the bytes a position, so twice the KV slots in the same memory and half the attention's reads;
+    # benchmarks/fp8_fidelity.py ("kv8") measures what it changes.
+    kv_cache_dtype: str = setting(
+        "model",
+        "graph engine: the talker's KV cache: model (its dtype) or fp8 (e4m3: twice the slots)",
+        choices=("model", "fp8"),
+    )
     # Playback-deadline scheduling (services/talker/deadline.py).
     urgent_lead_ms: float = setting(
         2000.0,

@@ -54,6 +54,7 @@ def generator_factory_for(config: TalkerConfig) -> Callable[[Any, int], Any]:
             decode_kernels=config.decode_kernels,
             sample_kernel=config.sample_kernel,
             weight_dtype=config.weight_dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         return GraphEngine(
             bundle,

@@ -1,4 +1,4 @@
-"""CPU smoke run of benchmarks/fp8_fidelity.py (`--device cpu --tiny`): three engines on the same
+"""CPU smoke run of benchmarks/fp8_fidelity.py (`--device cpu --tiny`): four engines on the same
 weights, every pair compared per batch, JSON written. The tiny model's near-flat random logits make
 its greedy codes fragile, so only the report's shape and the logit error's scale are checked."""
 

@@ -129,7 +129,7 @@ def test_silu_mul(dtype):
     assert torch.allclose(triton_ops.silu_mul(gu).float(), want.float(), **_tol(dtype))
 
 
-def _runner(bundle, kernels: str, prompts, fused_qkv: bool = False):
+def _runner(bundle, kernels: str, prompts, fused_qkv: bool = False, kv_cache_dtype: str = "model"):
     from qtts.engine.model_runner import ModelRunner, RunnerConfig
     from qtts.engine.sequence import Sequence
     from qtts.engine.slot_scheduler import PrefillChunk
@@ -143,6 +143,7 @@ def _runner(bundle, kernels: str, prompts, fused_qkv: bool = False):
         compile_layers=False,
         decode_kernels=kernels,
         fused_qkv_attention=fused_qkv,
+        kv_cache_dtype=kv_cache_dtype,
     )
     runner = ModelRunner(bundle, cfg)
     seqs = []
