@@ -126,6 +126,7 @@ class FrameStepMixin:
             block_n=PREDICTOR_ATTENTION_BLOCK_N,
             stages=PREDICTOR_ATTENTION_STAGES,
             warps=PREDICTOR_ATTENTION_WARPS,
+            qkv_block_n=32,  # the fused q/k/v kernel (steps of few rows) keeps its measured tile
             fused_qkv=self.fused_qkv and self.cfg.fused_qkv_max_rows,
         )
         return h.view(n, t, -1)

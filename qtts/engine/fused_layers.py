@@ -156,12 +156,14 @@ def fused_decoder_layers(
     stages: int = 3,
     fused_qkv: bool | int = False,
     warps: int = 4,
+    qkv_block_n: int | None = None,
 ) -> torch.Tensor:
     """Decoder layers over tokens x [M, H]: token m writes its K/V at (rows[m], wpos[m]) and
     attends positions [0, apos[m]] of slot rows[m] (in blocks of `block_n` keys). Returns the
     final-normed hidden [M, H]. `kernels`: the module qtts.engine.triton_ops; `lin`: its `linear`
     (skinny matmuls) or F.linear; `stages`: the attention kernel's pipeline stages (`warps`: its
-    warps a program, when not fused with the q/k norm); `fused_qkv`:
+    warps a program, when not fused with the q/k norm; `qkv_block_n`: the fused kernel's key
+    block, default `block_n`); `fused_qkv`:
     the q/k norm, RoPE, KV store and attention as one kernel (`qkv_attention`) instead of two,
     when true (an int: when x has at most that many rows)."""
     eps = dcfg.rms_norm_eps
@@ -187,7 +189,7 @@ def fused_decoder_layers(
                 apos,
                 eps,
                 *heads,
-                block_n=block_n,
+                block_n=qkv_block_n or block_n,
                 num_stages=stages,
             )
         else:
