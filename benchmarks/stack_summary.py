@@ -272,6 +272,15 @@ def admission_lines(metrics: ScrapedMetrics) -> list[str]:
         + "/".join("-" if v is None else f"{v:.0f}" for v in q)
         + f" streams over {cap[-1][1]:.0f} steps, {over:.0f} with more running"
     )
+    room = metrics.buckets("tts_talker_published_room_streams")
+    if room and room[-1][1] > 0:
+        rq = [bucket_quantile(room, p) for p in (0.05, 0.5, 0.95)]
+        none = next((n for le, n in room if le == 0), 0)
+        line += (
+            "; room sent to gateways p5/p50/p95 <= "
+            + "/".join("-" if v is None else f"{v:.0f}" for v in rq)
+            + f" over {room[-1][1]:.0f} messages, {none:.0f} with none"
+        )
     costs = {lab["cost"]: v for lab, v in metrics.values("tts_talker_admission_cost_seconds")}
     if costs:
         line += (

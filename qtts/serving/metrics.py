@@ -76,6 +76,8 @@ WAIT_BUCKETS = (
 SLACK_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.6, 2.0, 3.0, 5.0, 10.0)
 # The streams the talker's admission allows at once (its capacity bound), observed once a step.
 CAPACITY_BUCKETS = (32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 2048, 4096)
+# The room a talker sends a gateway (requests it may send): none, a few, up to a burst's worth.
+ROOM_BUCKETS = (0, 1, 4, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 2048)
 # A call's whole life: a health check takes a millisecond, a stream up to the longest audio (330 s).
 CALL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -386,6 +388,14 @@ class TalkerMetrics(ServiceMetrics):
             "The streams admission allows at once (its duty and load bounds over the fitted costs), "
             "observed once a step: its spread is how much the estimate moves under load.",
             buckets=CAPACITY_BUCKETS,
+            registry=registry,
+        )
+        self.published_room_streams = Histogram(
+            "tts_talker_published_room_streams",
+            "The room each GetCapacity answer or WatchCapacity message sent a gateway carried (the "
+            "requests that gateway may send now: its share of what the talker would accept), "
+            "observed per message: a closed loop's opening burst shows in the low buckets.",
+            buckets=ROOM_BUCKETS,
             registry=registry,
         )
         self.start_plans_total = Counter(

@@ -253,6 +253,10 @@ class TalkerCore:
             return await asyncio.wrap_future(remote())
         return self._engine.headroom(self.prompts.waiting)
 
+    def observe_published_room(self, accept: int) -> None:
+        """One room sent to a gateway (GetCapacity or WatchCapacity): `accept` requests."""
+        self._metrics.published_room_streams.observe(accept)
+
     def _refuse_at_once(self, in_engine: bool) -> None:
         """The refusals a request gets before it queues for its prompt: a full prompt queue, then
         (prompts built in this process) the engine's admission counting the prompts ahead. With

@@ -189,7 +189,10 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     async def GetCapacity(  # noqa: N802 - gRPC method name
         self, request: talker_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext
     ) -> talker_pb2.GetCapacityResponse:
-        return await published_room(self._ready_core().headroom, self.seen, request.caller)
+        core = self._ready_core()
+        msg = await published_room(core.headroom, self.seen, request.caller)
+        core.observe_published_room(msg.accept)
+        return msg
 
     async def WatchCapacity(  # noqa: N802 - gRPC method name
         self, request: talker_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext
@@ -199,4 +202,5 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
             watch_room(core.headroom, self.seen, request.caller, self.stopping)
         ) as msgs:
             async for msg in msgs:
+                core.observe_published_room(msg.accept)
                 yield msg

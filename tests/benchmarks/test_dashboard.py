@@ -75,6 +75,7 @@ HISTOGRAMS = {
     "tts_http_request_duration_seconds",
     "tts_gateway_deadline_slack_seconds",
     "tts_talker_admission_capacity_streams",
+    "tts_talker_published_room_streams",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC = re.compile(r"\b(tts_[a-z0-9_]+)")

@@ -65,6 +65,8 @@ def write_run(tmp_path):
     for cap in [600] * 80 + [500] * 10 + [1000] * 10:
         talker.admission_capacity_streams.observe(cap)
     talker.steps_over_capacity_total.inc(4)
+    for room in [0] * 6 + [48] * 14 + [200] * 80:  # the room sent to the gateways, message by message
+        talker.published_room_streams.observe(room)
     for first, why, n in (
         ("default", "counts", 30),
         ("2", "counts", 500),
@@ -132,7 +134,7 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
     assert "  underruns 7" in talker
     assert talker[2] == (
         "  admission capacity p5/p50/p95 <= 512/640/1024 streams over 100 steps, 4 with more running; "
-        "last costs: step 4.70 ms + 20.0 us a stream, prefill 4.0 ms a request, decoder 27.0 us a frame"
+        "room sent to gateways p5/p50/p95 <= 0/256/256 over 100 messages, 6 with none; last costs: step 4.70 ms + 20.0 us a stream, prefill 4.0 ms a request, decoder 27.0 us a frame"
     )
     assert (
         talker[3]

@@ -97,6 +97,13 @@ async def test_a_real_talker_counts_each_gateway_s_calls_and_pushes_its_room():
         call.cancel()
         freed = await asyncio.wait_for(watch.read(), 5.0)
         assert freed.accept == 1
+        # Every room sent is in the talker's histogram: the watch's messages (1, 0, then 1 again)
+        # and the two polls while the one slot was taken (0 each).
+        registry = s.talker.metrics.registry
+        sent = registry.get_sample_value("tts_talker_published_room_streams_count")
+        none = registry.get_sample_value("tts_talker_published_room_streams_bucket", {"le": "0.0"})
+        at_most_one = registry.get_sample_value("tts_talker_published_room_streams_bucket", {"le": "1.0"})
+        assert sent >= 5 and none >= 3 and at_most_one == sent
         started = time.monotonic()
         await s.talker.stop(5.0)  # the drain ends the watch instead of waiting out its grace
         while await watch.read() is not grpc.aio.EOF:
