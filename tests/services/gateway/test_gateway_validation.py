@@ -140,6 +140,37 @@ def test_base64_forms():
         decode_base64_audio("")
 
 
+def test_long_base64_audio_is_decoded_once_and_failures_every_time(monkeypatch):
+    """A clip's text seen before is answered from the cache (the same bytes, without decoding);
+    bad base64 is rejected each time it comes, and short values are not cached."""
+    from services.gateway import http_body
+
+    monkeypatch.setattr(http_body, "_decoded", http_body.BoundedLru(max_cost=1 << 20, cost=len))
+    decoded = []
+    real = http_body._decode_base64_audio
+    monkeypatch.setattr(http_body, "_decode_base64_audio", lambda v, f: decoded.append(len(v)) or real(v, f))
+    clip = bytes(range(256)) * 100  # 25.6 kB: its base64 is past DECODED_MIN_CHARS
+    url = "data:audio/wav;base64," + base64.b64encode(clip).decode()
+    assert len(url) >= http_body.DECODED_MIN_CHARS
+    first, again = decode_base64_audio(url), decode_base64_audio(url)
+    assert first == again == clip and len(decoded) == 1
+    assert decode_base64_audio(base64.b64encode(clip[:-3]).decode()) == clip[:-3]  # another text
+    assert len(decoded) == 2
+    bad = "@" + url[1:]
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="base64"):
+            decode_base64_audio(bad)
+    assert len(decoded) == 4
+    for _ in range(2):
+        assert decode_base64_audio("YWJj") == b"abc"
+    assert len(decoded) == 6 and len(http_body._decoded) == 2
+    # bounded by the decoded bytes: a cache of one clip's size keeps the latest only
+    monkeypatch.setattr(http_body, "_decoded", http_body.BoundedLru(max_cost=len(clip), cost=len))
+    decode_base64_audio(url)
+    decode_base64_audio(base64.b64encode(clip[::-1]).decode())
+    assert len(http_body._decoded) == 1 and http_body._decoded.cost_used == len(clip)
+
+
 def test_voice_names():
     assert check_voice_name(" my-voice_1.v2 ") == "my-voice_1.v2"
     for bad in ("", "a b", "x" * 65, "../etc"):
