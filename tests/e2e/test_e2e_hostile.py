@@ -150,11 +150,25 @@ def test_corpus_over_http_and_grpc_with_a_bit_identical_neighbour(guarded):
     assert asyncio.run(_grpc_synthesis(guarded.grpc_address)) >= 1
 
 
+# A case answered "at capacity" is asked again: no case expects a capacity refusal, and the
+# gateway refuses on the headers, before the body's checks, while the talkers publish no room
+# (the shared stack's admission, measured on a busy CI machine, can leave none beside the
+# neighbour's stream: a clean-clone run of 2026-12-06 got one such 429 for a case wanting a 400).
+CAPACITY_RETRIES = 40
+CAPACITY_RETRY_S = 0.25
+
+
 async def _http_corpus(port: int) -> list:
     conn, failures = await corpus.Http11.open(port), []
     try:
         for case in corpus.HTTP_CASES:
-            status, headers, body = await conn.request(case.method, case.path, case.body, case.content_type)
+            for _ in range(CAPACITY_RETRIES):
+                status, headers, body = await conn.request(
+                    case.method, case.path, case.body, case.content_type
+                )
+                if status != 429 or b"at capacity" not in body or not conn.usable:
+                    break
+                await asyncio.sleep(CAPACITY_RETRY_S)
             error = json.loads(body).get("error", {}) if body.startswith(b"{") else {}
             if (status, error.get("param")) != (case.status, case.param) or not error.get("message"):
                 failures.append((case.id, status, body[:200]))
@@ -176,7 +190,13 @@ async def _grpc_corpus(address: str) -> list:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
         for case in corpus.GRPC_CASES:
-            exc = await corpus.call(channel, case.method, case.payloads)
+            for _ in range(CAPACITY_RETRIES):
+                exc = await corpus.call(channel, case.method, case.payloads)
+                if exc is None or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    break
+                if "at capacity" not in (exc.details() or ""):
+                    break
+                await asyncio.sleep(CAPACITY_RETRY_S)
             got = (exc.code(), exc.details()) if exc is not None else (grpc.StatusCode.OK, "")
             if got[0] != case.code or (case.param is not None and case.param not in got[1]):
                 failures.append((case.id, got[0], got[1][:200]))
