@@ -19,33 +19,36 @@ from starlette.requests import Request
 from qtts.lru import BoundedLru
 from qtts.request.errors import InvalidArgument
 
-# Decoded base64 audio kept by the sha256 of its text. A voice agent sends the same clip with
-# every request; its base64 decode was a quarter of a gateway's work in a burst of voice clones
-# (py-spy, HISTORY.md, seventh session of 2026-12-06): 0.35 ms for a 3 s clip's 192 kB, where
-# hashing the text takes ~0.1 ms. Values shorter than DECODED_MIN_CHARS are decoded every time.
+# A speech request's reference clip, decoded, kept by the sha256 of its base64 text. A voice agent
+# sends the same clip with every request; its base64 decode was a quarter of a gateway's work in a
+# burst of voice clones (py-spy, HISTORY.md, seventh session of 2026-12-06): 0.35 ms for a 3 s
+# clip's 192 kB, where hashing the text takes ~0.1 ms. Values shorter than DECODED_MIN_CHARS are
+# decoded every time. Only `decode_reference_audio` uses it: uploads (voices, consent recordings)
+# come once and are not kept.
 DECODED_MAX_BYTES = 64 << 20
 DECODED_MIN_CHARS = 16 << 10
 _decoded: BoundedLru[bytes, bytes] = BoundedLru(max_cost=DECODED_MAX_BYTES, cost=len)
 _decoded_lock = threading.Lock()
 
 
-def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
-    """Decode plain base64 or a `data:audio/...;base64,` URL; raise InvalidArgument otherwise.
-    A long value decoded before is answered from a bounded cache keyed by its text's sha256 (the
-    same bytes as decoding it again; failures are not cached)."""
+def decode_reference_audio(value: str, field_name: str = "ref_audio") -> bytes:
+    """`decode_base64_audio` for a speech request's reference clip: a long value decoded before is
+    answered from a bounded cache keyed by its text's sha256 (the same bytes as decoding it again;
+    failures are not cached)."""
     if len(value) < DECODED_MIN_CHARS:
-        return _decode_base64_audio(value, field_name)
+        return decode_base64_audio(value, field_name)
     key = hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
     with _decoded_lock:
         raw = _decoded.get(key)
     if raw is None:
-        raw = _decode_base64_audio(value, field_name)
+        raw = decode_base64_audio(value, field_name)
         with _decoded_lock:
             _decoded.put(key, raw)
     return raw
 
 
-def _decode_base64_audio(value: str, field_name: str) -> bytes:
+def decode_base64_audio(value: str, field_name: str = "ref_audio") -> bytes:
+    """Decode plain base64 or a `data:audio/...;base64,` URL; raise InvalidArgument otherwise."""
     data = value.strip()
     if data.startswith("data:"):
         header, sep, data = data.partition(",")

@@ -35,7 +35,7 @@ from qtts.request.sampling_overrides import SamplingField, SamplingOverrides, sa
 from qtts.request.vocabulary import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 
 from .audio_encoding import G711_CODECS, G711_SAMPLE_RATE, MAX_SPEED, MIN_SPEED
-from .http_body import decode_base64_audio, validate_body
+from .http_body import decode_reference_audio, validate_body
 from .job import SpeechFields
 
 ResponseFormat = Literal["pcm", "wav", "mp3", "flac", "opus", "aac", "mulaw", "alaw"]
@@ -318,7 +318,7 @@ class SpeechOptions(_SpeechSampling):
             voice=voice if voice is not None else self.speaker,
             language=self.language,
             instructions=self.instructions,
-            reference_audio=decode_base64_audio(self.ref_audio) if self.ref_audio is not None else None,
+            reference_audio=decode_reference_audio(self.ref_audio) if self.ref_audio is not None else None,
             reference_text=self.ref_text,
             x_vector_only=self.x_vector_only_mode,
             max_new_frames=self.max_new_tokens,

@@ -140,34 +140,40 @@ def test_base64_forms():
         decode_base64_audio("")
 
 
-def test_long_base64_audio_is_decoded_once_and_failures_every_time(monkeypatch):
-    """A clip's text seen before is answered from the cache (the same bytes, without decoding);
-    bad base64 is rejected each time it comes, and short values are not cached."""
+def test_long_reference_audio_is_decoded_once_and_failures_every_time(monkeypatch):
+    """A speech request's clip text seen before is answered from the cache (the same bytes,
+    without decoding); bad base64 is rejected each time it comes, short values are not cached,
+    and uploads through plain `decode_base64_audio` are never kept."""
     from services.gateway import http_body
 
     monkeypatch.setattr(http_body, "_decoded", http_body.BoundedLru(max_cost=1 << 20, cost=len))
     decoded = []
-    real = http_body._decode_base64_audio
-    monkeypatch.setattr(http_body, "_decode_base64_audio", lambda v, f: decoded.append(len(v)) or real(v, f))
+    real = http_body.decode_base64_audio
+    monkeypatch.setattr(
+        http_body, "decode_base64_audio", lambda v, f="ref_audio": decoded.append(len(v)) or real(v, f)
+    )
+    decode = http_body.decode_reference_audio
     clip = bytes(range(256)) * 100  # 25.6 kB: its base64 is past DECODED_MIN_CHARS
     url = "data:audio/wav;base64," + base64.b64encode(clip).decode()
     assert len(url) >= http_body.DECODED_MIN_CHARS
-    first, again = decode_base64_audio(url), decode_base64_audio(url)
+    first, again = decode(url), decode(url)
     assert first == again == clip and len(decoded) == 1
-    assert decode_base64_audio(base64.b64encode(clip[:-3]).decode()) == clip[:-3]  # another text
+    assert decode(base64.b64encode(clip[:-3]).decode()) == clip[:-3]  # another text
     assert len(decoded) == 2
     bad = "@" + url[1:]
     for _ in range(2):
         with pytest.raises(InvalidArgument, match="base64"):
-            decode_base64_audio(bad)
+            decode(bad)
     assert len(decoded) == 4
     for _ in range(2):
-        assert decode_base64_audio("YWJj") == b"abc"
+        assert decode("YWJj") == b"abc"
     assert len(decoded) == 6 and len(http_body._decoded) == 2
+    assert real(base64.b64encode(clip[::-1]).decode(), "audio") == clip[::-1]  # an upload
+    assert len(http_body._decoded) == 2
     # bounded by the decoded bytes: a cache of one clip's size keeps the latest only
     monkeypatch.setattr(http_body, "_decoded", http_body.BoundedLru(max_cost=len(clip), cost=len))
-    decode_base64_audio(url)
-    decode_base64_audio(base64.b64encode(clip[::-1]).decode())
+    decode(url)
+    decode(base64.b64encode(clip[::-1]).decode())
     assert len(http_body._decoded) == 1 and http_body._decoded.cost_used == len(clip)
 
 
