@@ -104,28 +104,15 @@ def _runner(bundle, kv: str, prompts, kernels: str = "triton"):
     return make(bundle, kernels, prompts, kv_cache_dtype=kv)
 
 
-def _on_gpu(bundle):
-    import copy
-    from types import SimpleNamespace
-
-    return SimpleNamespace(
-        talker=copy.deepcopy(bundle.talker).to(DEVICE, torch.float32),
-        code_predictor=copy.deepcopy(bundle.code_predictor).to(DEVICE, torch.float32),
-        config=bundle.config,
-        device=DEVICE,
-        dtype=torch.float32,
-    )
-
-
 def test_a_runner_with_an_8bit_cache_halves_its_bytes_and_tracks_the_wide_cache(tiny_bundle):
     """The tiny float64 model (float32 on a GPU): the cache is e4m3 at one byte an element (the sizing counts it),
     layer 0's keys and values (from the prompt alone) are the wide runner's rounded, and the frame
     step's hidden states stay near the wide cache's (e4m3 keeps 3 mantissa bits: ~3% a value)."""
-    from tests.qtts.engine.tiny_talker import make_prompt
+    from tests.qtts.engine.tiny_talker import float32_copy_on, make_prompt
 
     prompts = [make_prompt(tiny_bundle, n, 2, seed=900 + n) for n in (6, 11, 15)]
     if DEVICE.type == "cuda":  # the kernels compiled: the tiny weights in float32 on the GPU
-        tiny_bundle = _on_gpu(tiny_bundle)
+        tiny_bundle = float32_copy_on(tiny_bundle, DEVICE)
     wide = _runner(tiny_bundle, "model", prompts)
     narrow = _runner(tiny_bundle, "fp8", prompts)
     assert narrow.k_cache.dtype == F8 and narrow.v_cache.dtype == F8

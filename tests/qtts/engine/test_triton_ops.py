@@ -165,20 +165,11 @@ def test_runner_frame_step_with_fused_kernels_matches_the_torch_ops(
     """CPU: the float64 tiny model under the interpreter; GPU: the same weights in float32.
     `skinny`: every few-row matmul of the fused step takes the skinny kernel (the real rules name
     only full-size shapes); `fused_qkv`: the one-kernel q/k/v attention (triton_qkv_attention)."""
-    import copy
-    from types import SimpleNamespace
-
-    from tests.qtts.engine.tiny_talker import make_prompt
+    from tests.qtts.engine.tiny_talker import float32_copy_on, make_prompt
 
     prompts = [make_prompt(tiny_bundle, n, 2, seed=700 + n) for n in (6, 11, 15)]
     if DEVICE.type == "cuda":
-        tiny_bundle = SimpleNamespace(
-            talker=copy.deepcopy(tiny_bundle.talker).to(DEVICE, torch.float32),
-            code_predictor=copy.deepcopy(tiny_bundle.code_predictor).to(DEVICE, torch.float32),
-            config=tiny_bundle.config,
-            device=DEVICE,
-            dtype=torch.float32,
-        )
+        tiny_bundle = float32_copy_on(tiny_bundle, DEVICE)
     tol = 1e-5 if DEVICE.type == "cpu" else 1e-3
     calls = []
     if skinny:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from types import SimpleNamespace
+
 import torch
 
 from qtts.model import EagerGenerator, SamplingParams, TalkerPrompt
@@ -41,3 +44,15 @@ def run_alone(bundle, prompt: TalkerPrompt, sampling: SamplingParams, max_new_fr
     while gen.num_active:
         outs += gen.step()
     return outs
+
+
+def float32_copy_on(bundle, device: torch.device) -> SimpleNamespace:
+    """The tiny bundle's weights copied to `device` in float32 (the fused kernels compiled on a GPU
+    run there in float32, where the CPU tests run float64 under Triton's interpreter)."""
+    return SimpleNamespace(
+        talker=copy.deepcopy(bundle.talker).to(device, torch.float32),
+        code_predictor=copy.deepcopy(bundle.code_predictor).to(device, torch.float32),
+        config=bundle.config,
+        device=device,
+        dtype=torch.float32,
+    )
