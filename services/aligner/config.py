@@ -43,6 +43,12 @@ class AlignerConfig:
         "hold a forward pass until its oldest request has waited this long or --max-batch are "
         "queued, so the requests share it (0 = run at once)",
     )
+    gpu_share: float = setting(
+        0.5,
+        "most of the time the forward passes may take: after a pass of t s the next waits "
+        "t * (1 / share - 1), so a burst of segments ending together does not hold the GPU the "
+        "talker and code2wav share (1 = back to back)",
+    )
     cuda_graphs: bool = setting(
         True, "on a GPU, capture each (batch, length) bucket's forward pass as a CUDA graph on first use"
     )
@@ -72,6 +78,8 @@ class AlignerConfig:
         self.warmup_seconds()
         if self.max_graphs < 0:
             raise InvalidArgument(f"--max-graphs must be >= 0, got {self.max_graphs}")
+        if not 0 < self.gpu_share <= 1:
+            raise InvalidArgument(f"--gpu-share must be in (0, 1], got {self.gpu_share}")
         if not 0 <= self.gather_ms <= 1000:
             raise InvalidArgument(f"--gather-ms must be in [0, 1000], got {self.gather_ms}")
         for name in ("max_batch", "max_text_chars", "graph_max_length"):

@@ -12,6 +12,15 @@ two requests, and a pass of one costs about 5x the GPU time per audio-second of 
 plays for seconds. A request
 cancelled while queued never reaches the device. The pass is `BucketedAligner.run`: the batch
 padded to fixed (batch, length) buckets, a CUDA graph per bucket on a GPU, eager on the CPU.
+
+The aligner shares its GPU with the talker and code2wav, whose streams play in real time. Segments
+end in bursts (a closed loop's round, a crowd of listeners starting together): 384 ten-second
+segments are about a second of an H100's time in back-to-back passes, during which the other
+engines' steps stretch and young streams, with a few hundred milliseconds buffered, ran dry
+(benchmarks/HISTORY.md, 2026-12-06). `gpu_share` bounds the passes' duty cycle: after a pass that
+took t seconds the next one starts no sooner than t * (1 / gpu_share - 1) later (the requests
+arriving meanwhile join it), so a burst is aligned over a longer time instead of taking the
+whole device at once. Only the timestamps wait, and they follow audio that plays for seconds.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ def splitting_language(language: str, text: str) -> str:
 class AlignJob:
     text: str
     language: str
-    pcm: np.ndarray  # mono float32
+    pcm: np.ndarray  # mono: float32 in [-1, 1], or int16 (scaled when featurised)
     sample_rate_hz: int
     offset_s: float = 0.0
 
@@ -76,7 +85,10 @@ class AlignerCore:
         gather_s: float = 0.0,
         max_audio_s: float = 300.0,
         max_text_chars: int = 4096,
+        gpu_share: float = 1.0,
     ):
+        if not 0 < gpu_share <= 1:
+            raise ValueError(f"gpu_share must be in (0, 1], got {gpu_share}")
         self.runner = runner
         self.aligner = runner.aligner
         self.metrics = metrics
@@ -84,6 +96,8 @@ class AlignerCore:
         self.gather_s = gather_s
         self.max_audio_s = max_audio_s
         self.max_text_chars = max_text_chars
+        self.gpu_share = gpu_share
+        self._next_pass_at = 0.0  # loop time before which no pass starts (the duty cycle's rest)
         # (prepared request, its answer, the loop time it was queued)
         self._queue: list[tuple[AlignInput, asyncio.Future, float]] = []
         self._wake = asyncio.Event()
@@ -113,13 +127,13 @@ class AlignerCore:
                 f"sample_rate_hz must be in {MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ}, got {job.sample_rate_hz}"
             )
         if job.pcm.size == 0:
-            raise InvalidArgument("pcm_f32 is empty")
+            raise InvalidArgument("the audio is empty: pcm_s16le and pcm_f32 hold no sample")
         seconds = job.pcm.size / job.sample_rate_hz
         if seconds > self.max_audio_s:
             raise InvalidArgument(
                 f"the audio is {seconds:.1f} s long; at most {self.max_audio_s:g} s can be aligned"
             )
-        if not np.isfinite(job.pcm).all():
+        if job.pcm.dtype.kind == "f" and not np.isfinite(job.pcm).all():
             raise InvalidArgument("pcm_f32 holds NaN or infinite samples")
         if not job.text.strip():
             raise InvalidArgument("text is empty")
@@ -131,9 +145,12 @@ class AlignerCore:
             raise InvalidArgument(f"offset_s must be a finite number >= 0, got {job.offset_s}")
 
     def _prepare(self, job: AlignJob) -> AlignInput:
+        pcm = job.pcm
+        if pcm.dtype.kind == "i":
+            pcm = pcm.astype(np.float32) / 32768.0
         try:
             return self.aligner.prepare(
-                job.pcm, job.sample_rate_hz, job.text, splitting_language(job.language, job.text)
+                pcm, job.sample_rate_hz, job.text, splitting_language(job.language, job.text)
             )
         except (UnsupportedLanguage, ValueError) as e:
             raise InvalidArgument(str(e)) from None
@@ -162,6 +179,7 @@ class AlignerCore:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
+                await self._rest()
                 await self._gather()
                 taken = [(x, f) for x, f, _ in self._queue[: self.max_batch] if not f.done()]
                 del self._queue[: self.max_batch]
@@ -178,11 +196,18 @@ class AlignerCore:
                             f.set_exception(exc)
                     continue
                 elapsed = time.perf_counter_ns() - start
+                self._next_pass_at = loop.time() + elapsed / 1e9 * (1.0 / self.gpu_share - 1.0)
                 self.metrics.batch_size.observe(len(taken))
                 self.metrics.forward_seconds.observe(elapsed / 1e9)
                 for (_, f), words in zip(taken, results, strict=True):
                     if not f.done():
                         f.set_result((words, elapsed, len(taken)))
+
+    async def _rest(self) -> None:
+        """Wait out the rest that keeps the passes within `gpu_share` of the time."""
+        left = self._next_pass_at - asyncio.get_running_loop().time()
+        if left > 0:
+            await asyncio.sleep(left)
 
     async def _gather(self) -> None:
         """Wait until the oldest queued request has waited `gather_s` or a full batch is queued."""

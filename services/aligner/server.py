@@ -67,6 +67,7 @@ class AlignerServer:
             gather_s=cfg.gather_ms / 1e3,
             max_audio_s=cfg.max_audio_s,
             max_text_chars=cfg.max_text_chars,
+            gpu_share=cfg.gpu_share,
         )
         await self.core.start()
         aligner_pb2_grpc.add_AlignerServiceServicer_to_server(AlignerServicer(self.core), self.host.server)

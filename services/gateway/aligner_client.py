@@ -21,6 +21,9 @@ from qtts.serving.tls import TlsConfig, aio_channel
 
 log = logging.getLogger(__name__)
 
+# What an aligner from before `pcm_s16le` says of a request that carries its audio only there.
+OLD_ALIGNER_EMPTY = "pcm_f32 is empty"
+
 # Word splitting the aligner cannot do like the official code (services/aligner refuses it too).
 UNALIGNABLE_LANGUAGES = ("korean", "ko", "ko-kr")
 
@@ -43,6 +46,9 @@ class AlignerClient:
             address, tls, options=RECONNECT_OPTIONS, interceptors=client_interceptors(token)
         )
         self._stub = aligner_pb2_grpc.AlignerServiceStub(self._channel)
+        # Set once an aligner answered as one from before `pcm_s16le` (a rolling update): the
+        # audio then goes as float32, as those read it.
+        self._float32_only = False
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -59,22 +65,17 @@ class AlignerClient:
         offset_s: float = 0.0,
     ) -> list[dict]:
         """The words of `text` in `pcm_s16le` (the talker's 24 kHz audio), times in ms of the output."""
-        pcm = np.frombuffer(pcm_s16le, dtype="<i2").astype(np.float32) / 32768.0
-        if pcm.size == 0:
+        if len(pcm_s16le) < 2:  # not one sample
             return []
-        req = aligner_pb2.AlignRequest(
-            request_id=request_id,
-            text=text,
-            language=language,
-            pcm_f32=pcm.astype("<f4").tobytes(),
-            sample_rate_hz=NATIVE_SAMPLE_RATE,
-        )
+        pcm_s16le = pcm_s16le[: len(pcm_s16le) // 2 * 2]
         try:
-            resp = await self._stub.Align(req, timeout=self.timeout_s, metadata=outgoing_metadata())
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise Unavailable(f"aligner at {self.address}: {exc.details() or exc.code().name}") from None
-            raise from_grpc(exc.code(), exc.details()) from None
+            resp = await self._call(request_id, text, language, pcm_s16le)
+        except InvalidArgument as exc:
+            if self._float32_only or not exc.message.startswith(OLD_ALIGNER_EMPTY):
+                raise
+            log.warning("the aligner at %s reads float32 audio only: sending it so", self.address)
+            self._float32_only = True
+            resp = await self._call(request_id, text, language, pcm_s16le)
         scale = 1000.0 / speed
         return [
             {
@@ -84,6 +85,27 @@ class AlignerClient:
             }
             for w in resp.words
         ]
+
+    async def _call(
+        self, request_id: str, text: str, language: str, pcm_s16le: bytes
+    ) -> aligner_pb2.AlignResponse:
+        req = aligner_pb2.AlignRequest(
+            request_id=request_id, text=text, language=language, sample_rate_hz=NATIVE_SAMPLE_RATE
+        )
+        if self._float32_only:
+            req.pcm_f32 = (
+                (np.frombuffer(pcm_s16le, dtype="<i2").astype(np.float32) / 32768.0).astype("<f4").tobytes()
+            )
+        else:
+            # As the talker made it: the aligner scales it on its own featurising thread, so the
+            # gateway's event loop (a burst of segments ends at once) only copies bytes.
+            req.pcm_s16le = pcm_s16le
+        try:
+            return await self._stub.Align(req, timeout=self.timeout_s, metadata=outgoing_metadata())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise Unavailable(f"aligner at {self.address}: {exc.details() or exc.code().name}") from None
+            raise from_grpc(exc.code(), exc.details()) from None
 
     async def try_align(self, *args, **kwargs) -> list[dict] | None:
         """`align`, or None when it fails (vLLM-Omni's `timestamps: null`: the audio still goes out)."""

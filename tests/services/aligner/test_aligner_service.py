@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import grpc
 import numpy as np
@@ -127,8 +128,10 @@ async def test_requests_that_arrive_one_by_one_wait_for_company_and_share_a_pass
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(pcm_f32=b""), "pcm_f32 is empty"),
+        (dict(pcm_f32=b""), "the audio is empty"),
         (dict(pcm_f32=b"\x00\x00\x00"), "whole float32 samples"),
+        (dict(pcm_f32=b"", pcm_s16le=b"\x00\x00\x00"), "whole 16-bit samples"),
+        (dict(pcm_s16le=b"\x00\x00"), "not both"),
         (dict(text=" ... !? "), "no word to align"),
         (dict(text="안녕하세요 세계", language="korean"), "Korean"),
         (dict(sample_rate_hz=100), "sample_rate_hz must be in"),
@@ -152,6 +155,7 @@ def test_config_flags_and_refusals():
     cfg = config_from_args(["--port", "0", "--max-batch", "4", "--load-format", "dummy"])
     assert (cfg.max_batch, cfg.load_format, cfg.gather_ms) == (4, "dummy", 50.0)
     assert config_from_args(["--gather-ms", "0"]).gather_ms == 0.0
+    assert (cfg.gpu_share, config_from_args(["--gpu-share", "1"]).gpu_share) == (0.5, 1.0)
     assert (cfg.cuda_graphs, cfg.max_graphs, cfg.graph_max_length) == (True, 48, 1024)
     cfg = config_from_args(["--cuda-graphs", "false", "--max-graphs", "0", "--graph-max-length", "256"])
     assert (cfg.cuda_graphs, cfg.max_graphs, cfg.graph_max_length) == (False, 0, 256)
@@ -167,7 +171,61 @@ def test_config_flags_and_refusals():
         (dict(max_audio_s=500.0), "--max-audio-s"),
         (dict(gather_ms=-1.0), "--gather-ms"),
         (dict(gather_ms=1001.0), "--gather-ms"),
+        (dict(gpu_share=0.0), "--gpu-share"),
+        (dict(gpu_share=1.5), "--gpu-share"),
         (dict(dtype="int8"), "--dtype"),
     ]:
         with pytest.raises(InvalidArgument, match=msg):
             dataclasses.replace(AlignerConfig(), **bad).validate()
+
+
+async def test_16_bit_audio_is_aligned_as_its_float32_scaling(aligner_stub, tiny_aligner):
+    """The gateway sends the talker's 16-bit PCM as is: the answer equals the model's on the
+    samples scaled by 1/32768, and the same audio sent as float32."""
+    _, _, stub = aligner_stub
+    pcm16 = np.round(_pcm(1.4, seed=1) * 32767).astype("<i2")
+    scaled = pcm16.astype(np.float32) / 32768.0
+    text, lang = TEXTS[0]
+    as16 = _request(0)
+    as16.ClearField("pcm_f32")
+    as16.pcm_s16le = pcm16.tobytes()
+    as32 = _request(0)
+    as32.pcm_f32 = scaled.astype("<f4").tobytes()
+    r16, r32 = await stub.Align(as16), await stub.Align(as32)
+    want = tiny_aligner.align(scaled, 24000, text, splitting_language(lang, text))
+    assert _words(r16) == _words(r32) == [(w.word, round(w.start_s, 3), round(w.end_s, 3)) for w in want]
+    assert len(r16.words) == 6
+
+
+async def test_forward_passes_keep_within_their_gpu_share(tiny_aligner):
+    """With --gpu-share 0.25 a pass of t seconds is followed by at least 3t without one, so a burst
+    of segments does not hold a GPU that the talker and code2wav share; every request is still
+    answered, each with its own words."""
+    server = AlignerServer(
+        AlignerConfig(port=0, metrics_port=0, max_batch=1, max_audio_s=20, gather_ms=0, gpu_share=0.25),
+        aligner=tiny_aligner,
+    )
+    port = await server.start()
+    passes: list[tuple[float, float]] = []
+    run = server.core.runner.run
+
+    def timed(batch):
+        start = time.monotonic()
+        try:
+            return run(batch)
+        finally:
+            passes.append((start, time.monotonic()))
+
+    server.core.runner.run = timed
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = aligner_pb2_grpc.AlignerServiceStub(channel)
+            english = (0, 3, 4)
+            responses = await asyncio.gather(*(stub.Align(_request(i)) for i in english))
+        for i, resp in zip(english, responses, strict=True):
+            assert _words(resp) == _expected(tiny_aligner, i)
+        assert len(passes) == 3
+        for (start, end), (next_start, _) in zip(passes[:-1], passes[1:], strict=True):
+            assert next_start - end >= 3 * (end - start) * 0.99, passes
+    finally:
+        await server.stop(grace=0.5)

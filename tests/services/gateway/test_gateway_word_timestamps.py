@@ -335,3 +335,42 @@ async def test_python_client_reads_the_words_of_the_summary(aligner_client, tiny
     result = json.loads(out)
     assert result["bytes"] == len(frame_pcm(0, 15)) and result["failed"] is False
     assert result["words"] == [[w["word"], w["start_ms"], w["end_ms"]] for w in _expected(tiny_aligner, 15)]
+
+
+async def test_the_client_sends_16_bit_audio_and_falls_back_to_float32_for_an_older_aligner():
+    """The gateway sends the talker's 16-bit PCM as is; an aligner from before `pcm_s16le` reads
+    only `pcm_f32` and calls such a request empty: the client sends that request again as float32
+    (the same samples scaled by 1/32768), and every later one too, so a rolling update loses no
+    timestamps."""
+    from qtts.pb import aligner_pb2, aligner_pb2_grpc
+
+    seen: list[aligner_pb2.AlignRequest] = []
+
+    class OldAligner(aligner_pb2_grpc.AlignerServiceServicer):
+        async def Align(self, request, context):
+            seen.append(request)
+            if not request.pcm_f32:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "pcm_f32 is empty")
+            n = len(request.pcm_f32) // 4
+            return aligner_pb2.AlignResponse(
+                words=[aligner_pb2.WordTimestamp(word="w", start_s=0.0, end_s=n / 24000)]
+            )
+
+    server = grpc.aio.server()
+    aligner_pb2_grpc.add_AlignerServiceServicer_to_server(OldAligner(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = AlignerClient(f"127.0.0.1:{port}")
+    pcm = frame_pcm(0, 3)
+    try:
+        first = await client.align("r1", TEXT, "english", pcm)
+        second = await client.align("r2", TEXT, "english", pcm)
+    finally:
+        await client.close()
+        await server.stop(0)
+    samples = len(pcm) // 2
+    assert first == second == [{"word": "w", "start_ms": 0, "end_ms": round(samples / 24000 * 1000)}]
+    assert [bool(r.pcm_s16le) for r in seen] == [True, False, False]
+    scaled = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+    assert all(np.array_equal(np.frombuffer(r.pcm_f32, "<f4"), scaled) for r in seen[1:])
+    assert seen[0].pcm_s16le == pcm and not seen[0].pcm_f32
