@@ -39,6 +39,11 @@ pytestmark = pytest.mark.e2e
 DRAIN_S = 3.0
 MIDWAY = "MIDWAY: a story that breaks a second after it starts, long before its natural end."
 LONG = 600  # frames (48 s of audio): no stream here reaches its end by itself
+# A text's frame cap (qtts.model.prompt.frame_cap: 40 + 12 a text token) bounds a stream whatever
+# its min_new_tokens: "Raw." ends at 88 frames, 7 s of audio the tiny talker makes in 3-4 s, as long
+# as the drain takes on a busy machine (the raw stream once ended cleanly before the drain cut it).
+# The drained streams say this, whose cap is past LONG.
+LONG_TEXT = " ".join(["The drain must cut this stream, which has far more to say than it will."] * 5)
 
 
 def _body(text: str, frames: int = LONG, **extra) -> dict:
@@ -225,7 +230,8 @@ def test_sigterm_drain_finishes_short_streams_and_ends_long_ones_with_an_event(e
         events = results.setdefault(name, [])
         try:
             with httpx.Client(timeout=60) as c:
-                body = _body(f"Stream {name}.", frames=frames, stream_format="sse")
+                text = f"Stream {name}." if frames < LONG else LONG_TEXT
+                body = _body(text, frames=frames, stream_format="sse")
                 with c.stream("POST", f"{ends.http_url}/v1/audio/speech", json=body) as r:
                     for line in r.iter_lines():
                         if line.startswith("data: "):
@@ -237,7 +243,7 @@ def test_sigterm_drain_finishes_short_streams_and_ends_long_ones_with_an_event(e
         events = results.setdefault(name, [])
         try:
             with httpx.Client(timeout=60) as c:
-                with c.stream("POST", f"{ends.http_url}/v1/audio/speech", json=_body("Raw.")) as r:
+                with c.stream("POST", f"{ends.http_url}/v1/audio/speech", json=_body(LONG_TEXT)) as r:
                     for _ in r.iter_raw():
                         events.append("bytes")
             events.append("clean end")
@@ -246,10 +252,11 @@ def test_sigterm_drain_finishes_short_streams_and_ends_long_ones_with_an_event(e
 
     def grpc_stream(name: str) -> None:
         events = results.setdefault(name, [])
-        # The same length floor and seed as the HTTP bodies: without them the random tiny model
-        # once ended this stream by itself after two messages, before the drain (status OK).
-        req = tts_pb2.SynthesizeRequest(text="gRPC.", reference_audio=REF_WAV, x_vector_only=True,
-                                        max_new_frames=LONG, min_new_frames=LONG // 2, seed=1)  # fmt: skip
+        # The HTTP bodies' text, length floor and seed: "gRPC." without them once ended by itself
+        # after two messages, before the drain (status OK).
+        req = tts_pb2.SynthesizeRequest(text=LONG_TEXT, reference_audio=REF_WAV, x_vector_only=True,
+                                        max_new_frames=LONG,
+                                        sampling=tts_pb2.SamplingParams(seed=1, min_new_frames=LONG // 2))  # fmt: skip
         with grpc.insecure_channel(ends.grpc_address) as channel:
             try:
                 for _ in tts_pb2_grpc.TextToSpeechServiceStub(channel).Synthesize(req, timeout=60):
