@@ -578,3 +578,8 @@ class AlignerMetrics(ServiceMetrics):
             "Requests prepared and waiting for a forward pass.",
             registry=registry,
         )
+        self.rest_seconds_total = Counter(
+            "tts_aligner_rest_seconds_total",
+            "Time forward passes were held back to keep within --gpu-share of the device.",
+            registry=registry,
+        )

@@ -207,6 +207,7 @@ class AlignerCore:
         """Wait out the rest that keeps the passes within `gpu_share` of the time."""
         left = self._next_pass_at - asyncio.get_running_loop().time()
         if left > 0:
+            self.metrics.rest_seconds_total.inc(left)
             await asyncio.sleep(left)
 
     async def _gather(self) -> None:

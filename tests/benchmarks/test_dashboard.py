@@ -47,6 +47,9 @@ COUNTERS_AND_GAUGES = {
     "tts_talker_start_plan_misfits_total",
     "tts_talker_admission_cost_seconds",
     "tts_code2wav_decode_cost_seconds",
+    "tts_aligner_audio_seconds_total",
+    "tts_aligner_queued_requests",
+    "tts_aligner_rest_seconds_total",
 }
 HISTOGRAMS = {
     "tts_gateway_ttfa_seconds",
@@ -76,6 +79,8 @@ HISTOGRAMS = {
     "tts_gateway_deadline_slack_seconds",
     "tts_talker_admission_capacity_streams",
     "tts_talker_published_room_streams",
+    "tts_aligner_batch_size",
+    "tts_aligner_forward_seconds",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC = re.compile(r"\b(tts_[a-z0-9_]+)")
@@ -147,6 +152,7 @@ def test_the_lists_above_are_what_the_services_export():
         metrics.TalkerMetrics,
         metrics.Code2WavMetrics,
         metrics.SpeakerCacheMetrics,
+        metrics.AlignerMetrics,
     ):
         registry = CollectorRegistry()
         cls(registry)

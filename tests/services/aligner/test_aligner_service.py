@@ -227,5 +227,6 @@ async def test_forward_passes_keep_within_their_gpu_share(tiny_aligner):
         assert len(passes) == 3
         for (start, end), (next_start, _) in zip(passes[:-1], passes[1:], strict=True):
             assert next_start - end >= 3 * (end - start) * 0.99, passes
+        assert server.metrics.rest_seconds_total._value.get() > 0
     finally:
         await server.stop(grace=0.5)
