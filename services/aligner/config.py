@@ -49,6 +49,11 @@ class AlignerConfig:
         "t * (1 / share - 1), so a burst of segments ending together does not hold the GPU the "
         "talker and code2wav share (1 = back to back)",
     )
+    share_max_wait_ms: float = setting(
+        3000.0,
+        "--gpu-share gives way once the oldest queued request has waited this long: the passes then "
+        "run back to back until the queue is younger (timestamps ever later are worse than a busier GPU)",
+    )
     cuda_graphs: bool = setting(
         True, "on a GPU, capture each (batch, length) bucket's forward pass as a CUDA graph on first use"
     )
@@ -80,6 +85,8 @@ class AlignerConfig:
             raise InvalidArgument(f"--max-graphs must be >= 0, got {self.max_graphs}")
         if not 0 < self.gpu_share <= 1:
             raise InvalidArgument(f"--gpu-share must be in (0, 1], got {self.gpu_share}")
+        if self.share_max_wait_ms < 0:
+            raise InvalidArgument(f"--share-max-wait-ms must be >= 0, got {self.share_max_wait_ms}")
         if not 0 <= self.gather_ms <= 1000:
             raise InvalidArgument(f"--gather-ms must be in [0, 1000], got {self.gather_ms}")
         for name in ("max_batch", "max_text_chars", "graph_max_length"):

@@ -20,7 +20,11 @@ engines' steps stretch and young streams, with a few hundred milliseconds buffer
 (benchmarks/HISTORY.md, 2026-12-06). `gpu_share` bounds the passes' duty cycle: after a pass that
 took t seconds the next one starts no sooner than t * (1 / gpu_share - 1) later (the requests
 arriving meanwhile join it), so a burst is aligned over a longer time instead of taking the
-whole device at once. Only the timestamps wait, and they follow audio that plays for seconds.
+whole device at once. Only the timestamps wait, and they follow audio that plays for seconds. The
+share gives way once the oldest queued request has waited `share_max_wait_s`: when the passes
+need more than the share for long (more streams than the share can align), timestamps later and
+later would be worse than a busier GPU, so the passes then run back to back until the queue is
+young again.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class AlignerCore:
         max_audio_s: float = 300.0,
         max_text_chars: int = 4096,
         gpu_share: float = 1.0,
+        share_max_wait_s: float = 3.0,
     ):
         if not 0 < gpu_share <= 1:
             raise ValueError(f"gpu_share must be in (0, 1], got {gpu_share}")
@@ -97,6 +102,7 @@ class AlignerCore:
         self.max_audio_s = max_audio_s
         self.max_text_chars = max_text_chars
         self.gpu_share = gpu_share
+        self.share_max_wait_s = share_max_wait_s
         self._next_pass_at = 0.0  # loop time before which no pass starts (the duty cycle's rest)
         # (prepared request, its answer, the loop time it was queued)
         self._queue: list[tuple[AlignInput, asyncio.Future, float]] = []
@@ -204,8 +210,13 @@ class AlignerCore:
                         f.set_result((words, elapsed, len(taken)))
 
     async def _rest(self) -> None:
-        """Wait out the rest that keeps the passes within `gpu_share` of the time."""
-        left = self._next_pass_at - asyncio.get_running_loop().time()
+        """Wait out the rest that keeps the passes within `gpu_share` of the time, unless (or
+        until) the oldest queued request has waited `share_max_wait_s`."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        left = self._next_pass_at - now
+        if left > 0 and self._queue:
+            left = min(left, self._queue[0][2] + self.share_max_wait_s - now)
         if left > 0:
             self.metrics.rest_seconds_total.inc(left)
             await asyncio.sleep(left)

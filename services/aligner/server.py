@@ -68,6 +68,7 @@ class AlignerServer:
             max_audio_s=cfg.max_audio_s,
             max_text_chars=cfg.max_text_chars,
             gpu_share=cfg.gpu_share,
+            share_max_wait_s=cfg.share_max_wait_ms / 1e3,
         )
         await self.core.start()
         aligner_pb2_grpc.add_AlignerServiceServicer_to_server(AlignerServicer(self.core), self.host.server)

@@ -156,6 +156,10 @@ def test_config_flags_and_refusals():
     assert (cfg.max_batch, cfg.load_format, cfg.gather_ms) == (4, "dummy", 50.0)
     assert config_from_args(["--gather-ms", "0"]).gather_ms == 0.0
     assert (cfg.gpu_share, config_from_args(["--gpu-share", "1"]).gpu_share) == (0.5, 1.0)
+    assert (cfg.share_max_wait_ms, config_from_args(["--share-max-wait-ms", "0"]).share_max_wait_ms) == (
+        3000.0,
+        0.0,
+    )
     assert (cfg.cuda_graphs, cfg.max_graphs, cfg.graph_max_length) == (True, 48, 1024)
     cfg = config_from_args(["--cuda-graphs", "false", "--max-graphs", "0", "--graph-max-length", "256"])
     assert (cfg.cuda_graphs, cfg.max_graphs, cfg.graph_max_length) == (False, 0, 256)
@@ -173,6 +177,7 @@ def test_config_flags_and_refusals():
         (dict(gather_ms=1001.0), "--gather-ms"),
         (dict(gpu_share=0.0), "--gpu-share"),
         (dict(gpu_share=1.5), "--gpu-share"),
+        (dict(share_max_wait_ms=-1.0), "--share-max-wait-ms"),
         (dict(dtype="int8"), "--dtype"),
     ]:
         with pytest.raises(InvalidArgument, match=msg):
@@ -228,5 +233,47 @@ async def test_forward_passes_keep_within_their_gpu_share(tiny_aligner):
         for (start, end), (next_start, _) in zip(passes[:-1], passes[1:], strict=True):
             assert next_start - end >= 3 * (end - start) * 0.99, passes
         assert server.metrics.rest_seconds_total._value.get() > 0
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def test_the_gpu_share_gives_way_to_requests_waiting_past_the_bound(tiny_aligner):
+    """A share far below what the requests need would hold each pass back for ten thousand times its
+    length; once the oldest queued request has waited --share-max-wait-ms the next pass runs."""
+    server = AlignerServer(
+        AlignerConfig(
+            port=0,
+            metrics_port=0,
+            max_batch=1,
+            max_audio_s=20,
+            gather_ms=0,
+            gpu_share=0.0001,
+            share_max_wait_ms=200,
+        ),
+        aligner=tiny_aligner,
+    )
+    port = await server.start()
+    passes: list[tuple[float, float]] = []
+    run = server.core.runner.run
+
+    def timed(batch):
+        start = time.monotonic()
+        try:
+            return run(batch)
+        finally:
+            passes.append((start, time.monotonic()))
+
+    server.core.runner.run = timed
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = aligner_pb2_grpc.AlignerServiceStub(channel)
+            responses = await asyncio.wait_for(
+                asyncio.gather(*(stub.Align(_request(i)) for i in (0, 3, 4))), 30
+            )
+        assert [_words(r) for r in responses] == [_expected(tiny_aligner, i) for i in (0, 3, 4)]
+        assert len(passes) == 3
+        for (start, end), (next_start, _) in zip(passes[:-1], passes[1:], strict=True):
+            # Without the bound the rest would be 9999 times the pass (seconds at least).
+            assert next_start - end < 3.0 < 9999 * (end - start), passes
     finally:
         await server.stop(grace=0.5)
