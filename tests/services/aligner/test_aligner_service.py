@@ -202,12 +202,11 @@ async def test_16_bit_audio_is_aligned_as_its_float32_scaling(aligner_stub, tiny
     assert len(r16.words) == 6
 
 
-async def test_forward_passes_keep_within_their_gpu_share(tiny_aligner):
-    """With --gpu-share 0.25 a pass of t seconds is followed by at least 3t without one, so a burst
-    of segments does not hold a GPU that the talker and code2wav share; every request is still
-    answered, each with its own words."""
+async def _one_by_one_passes(tiny_aligner, **config) -> tuple[AlignerServer, list[tuple[float, float]]]:
+    """English requests 0, 3 and 4 sent at once to an aligner of one request a pass, each answered
+    with its own words; returns the server's metrics holder and every pass's (start, end)."""
     server = AlignerServer(
-        AlignerConfig(port=0, metrics_port=0, max_batch=1, max_audio_s=20, gather_ms=0, gpu_share=0.25),
+        AlignerConfig(port=0, metrics_port=0, max_batch=1, max_audio_s=20, gather_ms=0, **config),
         aligner=tiny_aligner,
     )
     port = await server.start()
@@ -222,58 +221,33 @@ async def test_forward_passes_keep_within_their_gpu_share(tiny_aligner):
             passes.append((start, time.monotonic()))
 
     server.core.runner.run = timed
+    english = (0, 3, 4)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = aligner_pb2_grpc.AlignerServiceStub(channel)
-            english = (0, 3, 4)
-            responses = await asyncio.gather(*(stub.Align(_request(i)) for i in english))
-        for i, resp in zip(english, responses, strict=True):
-            assert _words(resp) == _expected(tiny_aligner, i)
-        assert len(passes) == 3
-        for (start, end), (next_start, _) in zip(passes[:-1], passes[1:], strict=True):
-            assert next_start - end >= 3 * (end - start) * 0.99, passes
-        assert server.metrics.rest_seconds_total._value.get() > 0
+            calls = asyncio.gather(*(stub.Align(_request(i)) for i in english))
+            responses = await asyncio.wait_for(calls, 30)
     finally:
         await server.stop(grace=0.5)
+    assert [_words(r) for r in responses] == [_expected(tiny_aligner, i) for i in english]
+    assert len(passes) == 3
+    return server, passes
+
+
+async def test_forward_passes_keep_within_their_gpu_share(tiny_aligner):
+    """With --gpu-share 0.25 a pass of t seconds is followed by at least 3t without one, so a burst
+    of segments does not hold a GPU that the talker and code2wav share; every request is still
+    answered, each with its own words."""
+    server, passes = await _one_by_one_passes(tiny_aligner, gpu_share=0.25)
+    for (start, end), (next_start, _) in zip(passes[:-1], passes[1:], strict=True):
+        assert next_start - end >= 3 * (end - start) * 0.99, passes
+    assert server.metrics.rest_seconds_total._value.get() > 0
 
 
 async def test_the_gpu_share_gives_way_to_requests_waiting_past_the_bound(tiny_aligner):
     """A share far below what the requests need would hold each pass back for ten thousand times its
     length; once the oldest queued request has waited --share-max-wait-ms the next pass runs."""
-    server = AlignerServer(
-        AlignerConfig(
-            port=0,
-            metrics_port=0,
-            max_batch=1,
-            max_audio_s=20,
-            gather_ms=0,
-            gpu_share=0.0001,
-            share_max_wait_ms=200,
-        ),
-        aligner=tiny_aligner,
-    )
-    port = await server.start()
-    passes: list[tuple[float, float]] = []
-    run = server.core.runner.run
-
-    def timed(batch):
-        start = time.monotonic()
-        try:
-            return run(batch)
-        finally:
-            passes.append((start, time.monotonic()))
-
-    server.core.runner.run = timed
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = aligner_pb2_grpc.AlignerServiceStub(channel)
-            responses = await asyncio.wait_for(
-                asyncio.gather(*(stub.Align(_request(i)) for i in (0, 3, 4))), 30
-            )
-        assert [_words(r) for r in responses] == [_expected(tiny_aligner, i) for i in (0, 3, 4)]
-        assert len(passes) == 3
-        for (start, end), (next_start, _) in zip(passes[:-1], passes[1:], strict=True):
-            # Without the bound the rest would be 9999 times the pass (seconds at least).
-            assert next_start - end < 3.0 < 9999 * (end - start), passes
-    finally:
-        await server.stop(grace=0.5)
+    _, passes = await _one_by_one_passes(tiny_aligner, gpu_share=0.0001, share_max_wait_ms=200)
+    for (start, end), (next_start, _) in zip(passes[:-1], passes[1:], strict=True):
+        # Without the bound the rest would be 9999 times the pass (seconds at least).
+        assert next_start - end < 3.0 < 9999 * (end - start), passes
