@@ -96,6 +96,8 @@ def failure_lines(result: dict[str, Any], top: int = 4) -> list[str]:
             )
         if (split := burst_split(level.get("records", []))) is not None:
             lines.append(f"  {load}: {split}")
+        if (opening := opening_split(level.get("records", []), level.get("concurrency") or 0)) is not None:
+            lines.append(f"  {load}: {opening}")
         if (by_first := first_chunk_split(level.get("records", []))) is not None:
             lines.append(f"  {load}: {by_first}")
         if level.get("probe"):
@@ -128,6 +130,30 @@ def first_chunk_split(records: Sequence[dict[str, Any]]) -> str | None:
         q = percentiles(times, (50, 95))
         parts.append(f"{frames}: {len(times)}, p50 / p95 {_ms(q['p50'])} / {_ms(q['p95'])} ms")
     return "first audio by first chunk (frames: streams, p50 / p95): " + "; ".join(parts)
+
+
+def opening_split(records: Sequence[dict[str, Any]], concurrency: int) -> str | None:
+    """A closed loop's opening burst (its first `concurrency` requests, every client's first): how
+    long they took to send, how many were let in, and when the last of those heard audio. The
+    talker publishes room for what its forecast says can start within part of the first-audio
+    budget at its measured drain rate; the let-in share beside how soon they all started says how
+    far that forecast was from the queue's real drain. None for an open loop or a level without
+    its whole opening."""
+    timed = sorted((r for r in records if r.get("start_s") is not None), key=lambda r: r["start_s"])
+    if concurrency <= 0 or len(timed) < concurrency:
+        return None
+    opening = timed[:concurrency]
+    sent_s = opening[-1]["start_s"] - opening[0]["start_s"]
+    ttfa = [r["ttfa_s"] for r in opening if r.get("ok") and r.get("ttfa_s") is not None]
+    text = f"opening: the first {concurrency} requests sent over {sent_s:.2f} s, {len(ttfa)} let in"
+    if ttfa:
+        q = percentiles(ttfa, (95,))
+        last = max(ttfa)
+        text += f", their first audio p95 / max {_ms(q['p95'])} / {_ms(last)} ms"
+        if len(ttfa) < concurrency and sent_s + last > 0:
+            # Every one let in had started within this long of the opening's first send.
+            text += f" (the queue drained >= {len(ttfa) / (sent_s + last):.0f} a second)"
+    return text
 
 
 def burst_split(records: Sequence[dict[str, Any]], burst_s: float = BURST_S) -> str | None:

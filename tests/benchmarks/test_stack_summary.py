@@ -8,7 +8,14 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks.stack_summary import bucket_quantile, failure_lines, first_chunk_split, main, summary
+from benchmarks.stack_summary import (
+    bucket_quantile,
+    failure_lines,
+    first_chunk_split,
+    main,
+    opening_split,
+    summary,
+)
 from qtts.serving.metrics import Code2WavMetrics, TalkerMetrics
 
 
@@ -239,3 +246,27 @@ def test_the_talker_s_steps_and_the_wait_from_admission_to_prefill_are_summarise
         "admission to prefill mean 47.5 ms, p50 / p90 <= 30 / 100 ms"
     ]
     assert step_lines(ScrapedMetrics("")) == []
+
+
+def test_a_closed_loop_s_opening_burst_is_read_against_how_soon_it_started():
+    """The first `concurrency` requests (every client's first): sent over how long, how many let
+    in, and a lower bound on the queue's drain (all let in started within the send span plus the
+    latest first audio); nothing for an open loop or a level without its whole opening."""
+    records = [
+        {"start_s": 10.0, "ok": True, "ttfa_s": 0.1},
+        {"start_s": 10.1, "ok": True, "ttfa_s": 0.2},
+        {"start_s": 10.2, "ok": False, "status": "429"},
+        {"start_s": 10.3, "ok": True, "ttfa_s": 0.5},
+        {"start_s": 15.0, "ok": True, "ttfa_s": 0.05},  # a later round's: not the opening's
+    ]
+    assert opening_split(records, 4) == (
+        "opening: the first 4 requests sent over 0.30 s, 3 let in, their first audio p95 / max "
+        "470 / 500 ms (the queue drained >= 4 a second)"
+    )
+    assert opening_split(records[:2], 2) == (
+        "opening: the first 2 requests sent over 0.10 s, 2 let in, their first audio p95 / max 195 / 200 ms"
+    )
+    assert opening_split(records, 0) is None
+    assert opening_split(records[:3], 4) is None
+    level = {"mode": "closed", "concurrency": 4, "records": records}
+    assert "  4: opening: the first 4 requests" in "\n".join(failure_lines({"levels": [level]}))
