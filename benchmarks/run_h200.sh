@@ -208,7 +208,8 @@ stacks)
     # closed-loop headline twice): http (HTTP closed loop, CONCURRENCY, default "768 1024"), grpc
     # (the same over gRPC), grpcts (gRPC with the aligner stage: the levels with word timestamps
     # off, on, then off again, on one stack, so the on sweep is not the only one on a warmer
-    # stack; TS_LEVELS, default 512), open (HTTP open loop, RATES, mixed
+    # stack; TS_LEVELS, default 512; TS_AND_BACK=0 leaves out the third sweep, so that two such
+    # stacks fit one call), open (HTTP open loop, RATES, mixed
     # 2-20 s). Every request's clip from the 200-voice pool, warmed first; MPS on; the client in 4
     # processes. A stack starts (about 185 s on an H200) only while BUDGET (585) s minus the time
     # spent leaves NEED (255) s for it; the services left over are killed between stacks, and the
@@ -274,7 +275,7 @@ stacks)
                 timeout -k 10 $((left - 10)) \
                 benchmarks/launch_gpu_stack.sh "$dir" -- "${POOL[@]}" >"$dir.log" 2>&1 ;;
         grpcts)
-            PROTOCOL=grpc ALIGNER=1 FIXED_LENGTH=1 CONCURRENCY="${TS_LEVELS:-512}" THEN_ARGS=--word-timestamps AND_BACK=1 \
+            PROTOCOL=grpc ALIGNER=1 FIXED_LENGTH=1 CONCURRENCY="${TS_LEVELS:-512}" THEN_ARGS=--word-timestamps AND_BACK="${TS_AND_BACK:-1}" \
                 timeout -k 10 $((left - 10)) benchmarks/launch_gpu_stack.sh "$dir" -- "${POOL[@]}" >"$dir.log" 2>&1 ;;
         open)
             # shellcheck disable=SC2086  # RATES is a list
