@@ -92,8 +92,10 @@ class AlignerCore:
         gpu_share: float = 1.0,
         share_max_wait_s: float = 3.0,
     ):
-        if not 0 < gpu_share <= 1:
-            raise ValueError(f"gpu_share must be in (0, 1], got {gpu_share}")
+        if not 0 < gpu_share <= 1 or share_max_wait_s < 0:
+            raise ValueError(
+                f"gpu_share must be in (0, 1] and share_max_wait_s >= 0, got {gpu_share}, {share_max_wait_s}"
+            )
         self.runner = runner
         self.aligner = runner.aligner
         self.metrics = metrics
