@@ -214,6 +214,7 @@ class Admission:
 
     _DRAIN_MEMORY = 100  # admissions the drain rate averages over (about half a second in a burst)
     _SAME_EVENT_S = 1e-3  # admissions this close together are one event (one step's plan)
+    _FORGET_AFTER_S = 0.25  # idle this long, the talker forgets its backlog's drain rate
 
     def __init__(self, config: AdmissionConfig | None = None, frame_s: float = 0.08):
         self.config = config or AdmissionConfig()
@@ -226,6 +227,7 @@ class Admission:
         # The admission events (the steps that started some) among them, decayed alike: how long
         # a backlog normally goes without an admission, the yardstick of a stall.
         self._event_count = 0.0
+        self._empty_since: float | None = None  # since when the talker is idle (`note_queue`)
         # The decoder's cost on this GPU: the flag's prior until code2wav publishes its own.
         self.decoder_frame_s = self.config.decoder_frame_s
         self.decoder_call_load = 0.0  # busy fraction of the decoder's per-call cost
@@ -344,6 +346,7 @@ class Admission:
         submission, measure 50-80 a second, and the next burst is then told that its 150th-250th
         request would wait past 3 s (an H100 stack after such a probe let in 142 of 768,
         2026-12-05; HISTORY.md)."""
+        self._forget_stale(now)
         starts = [t for t in (self._last_admit_at, submitted_at) if t is not None]
         if starts and backlog:
             start = max(starts)
@@ -360,10 +363,37 @@ class Admission:
             self._event_count = self._event_count * keep + (1.0 if first_of_event else 0.0)
         self._last_admit_at = now
 
+    def note_queue(self, now: float, idle: bool) -> None:
+        """After a plan: whether the talker is `idle` (nobody waits and the running streams leave
+        room for more). The drain rate forgets its backlog once the talker has stayed idle
+        `_FORGET_AFTER_S` (`_forget_stale`); a talker at capacity refusing every arrival at
+        submission (its queue empty, its demand not) keeps it."""
+        self._forget_stale(now)
+        if not idle:
+            self._empty_since = None
+        elif self._empty_since is None:
+            self._empty_since = now
+
+    def _forget_stale(self, now: float) -> None:
+        """Forget the drain rate of a backlog gone for `_FORGET_AFTER_S`. A queue that forms later
+        meets other running streams (a level's burst after a warm-up of short requests, a free
+        GPU after a spell at capacity), and its own first admissions measure it; until then its
+        waits come from the slots and the running streams' ends. Kept, a warm-up whose short
+        prompts waited for the prefill room (one a step while the running streams, all about to
+        end, had no slack) put a simulated H100's drain at 60 a second, and the next burst was
+        refused 67 of 512. Forgotten at once whenever the queue empties, a Poisson overload (the
+        queue empty between arrivals for milliseconds) lost the rate measured at capacity, and
+        its refusals came after waiting, 0.1-0.6 s at p95, not at submission; so did one whose
+        queue was empty because every arrival was refused at submission (`note_queue`)."""
+        if self._empty_since is not None and now - self._empty_since >= self._FORGET_AFTER_S:
+            self._drain_busy_s = self._drain_count = self._event_count = 0.0
+
     def drain_per_s(self, now: float, waiting_since: float | None = None) -> float | None:
         """Admissions per second; while a request waits (`waiting_since`: when the oldest waiting
         one was submitted) and none started for longer than the mean gap, the rate decays (a
-        stalled queue drains at 0). None: nothing measured yet."""
+        stalled queue drains at 0). None: nothing measured since the queue was last empty for
+        `_FORGET_AFTER_S`."""
+        self._forget_stale(now)
         if self._drain_count == 0:
             return None
         gap = max(self._drain_busy_s / self._drain_count, 1e-4)

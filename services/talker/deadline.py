@@ -432,6 +432,8 @@ class DeadlineScheduler:
             mean_s = self._mean_stream_s()
             room = self._prefill_budget(view.tightest)
         admitted: list[ScheduledRequest] = []
+        if adm is not None and self.waiting:
+            adm.note_queue(now, False)  # requests arrived since the last plan: not idle
         while self.waiting and len(self.running) < limit:
             req = self.waiting[0]
             positions = req.prefill_positions
@@ -447,15 +449,17 @@ class DeadlineScheduler:
             admitted.append(req)
             view.prefill_pending += positions
         if adm is not None:
-            # The queue's drain is measured only by a plan that left requests waiting (a limit
-            # stopped it: the step's admissions, its prefill room, the load). One that emptied
-            # the queue started what had arrived, and its pace is the arrivals': a voice-pool
-            # warm-up of short requests from 8 clients measured 150 a second, and the next burst
-            # was let in up to 3 s of that (an H100 stack: 446 of 512, each started within
-            # 1.6 s; HISTORY.md, eighth session of 2026-12-06).
+            # The queue's drain is measured only while a backlog lasts, by plans that left
+            # requests waiting (a limit stopped them: the step's admissions, its prefill room,
+            # the load). One that emptied the queue started what had arrived, and its pace is the
+            # arrivals': a voice-pool warm-up of short requests from 8 clients measured 150 a
+            # second, and the next burst was let in up to 3 s of that (an H100 stack: 446 of
+            # 512, each started within 1.6 s; HISTORY.md, eighth session of 2026-12-06). With
+            # the talker idle for a while the backlog's rate is forgotten (`Admission.note_queue`).
             backlog = bool(self.waiting)
             for req in admitted:
                 adm.observe_admit(now, req.submitted_at, backlog=backlog)
+            adm.note_queue(now, not backlog and len(self.running) < self.forecast.capacity())
 
     def _running_view(self, now: float, step_s: float) -> _RunningView:
         """What admission weighs of the running streams: how many ran dry of the ones with audio,

@@ -334,7 +334,7 @@ def test_a_burst_after_a_warm_up_of_short_requests_is_let_in_at_the_step_s_pace(
 def test_a_plan_that_empties_the_queue_measures_no_drain():
     """Two requests arrive mid-step and both start at the next plan, leaving nobody waiting: the
     plan started what had arrived, no backlog drained. Seventeen at once leave one waiting past
-    the step's sixteen: that plan measures the drain."""
+    the step's sixteen: that plan measures the drain, until the queue has been empty a while."""
     adm = Admission(AdmissionConfig(first_audio_budget_s=6.0))
     s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=adm)
     for k in range(2):
@@ -345,6 +345,33 @@ def test_a_plan_that_empties_the_queue_measures_no_drain():
         s.submit(req(f"burst{k}"), now=0.02)
     assert len(s.plan(0.03).admitted) == 16 and s.num_waiting == 1
     assert adm.drain_per_s(0.03) is not None
+    # The last one starts at the next plan and the queue is empty: the rate holds for a while
+    # (a queue that empties between arrivals keeps it), then the backlog's rate is forgotten.
+    assert len(s.plan(0.08).admitted) == 1 and s.num_waiting == 0
+    assert adm.drain_per_s(0.2) is not None
+    s.plan(0.2)
+    assert adm.drain_per_s(0.35) is None
+
+
+def test_a_burst_after_a_spell_at_capacity_is_not_held_to_that_spell_s_drain():
+    """30 s of Poisson arrivals at 1.2x what a simulated H100 carries, the streams ending, a
+    warm-up of 200 two-frame requests, then 512 voice clones over half a second. The warm-up's
+    short prompts waited for the prefill room one a step (the running streams, all about to end,
+    left no slack); kept, that backlog's rate (60 a second) refused 67 of the burst. Forgotten
+    once the queue is empty, the burst is let in whole and every stream stays on time; the
+    overload before it kept every admitted stream on time too."""
+    adm = Admission(H100_ADMISSION)
+    s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=adm)
+    t1 = 45.0
+    t0 = t1 + 200 / 160 + 1.0
+    arrivals = poisson_load(90, 30, 125, 299)
+    arrivals += [(t1 + i / 160, 2, 299) for i in range(200)]
+    arrivals += [(t0 + 0.5 * i / 512, 125, 299) for i in range(512)]
+    lis = simulate(s, arrivals, H100_COST, until_s=t0 + 20, publish_decoder_cost=True)
+    assert all(x.max_underrun_s() == 0 for x in lis if not x.refused)
+    burst = [x for x in lis if x.arrived_at >= t0]
+    assert len(burst) == 512 and not any(x.refused for x in burst)
+    assert all(x.ttfa_s is not None and x.ttfa_s <= 6.0 for x in burst)
 
 
 def test_the_decoder_share_lowers_the_capacity_by_its_part_of_a_frame():
