@@ -71,7 +71,11 @@ class GatewayConfig:
     # 12.5 frames per second of audio.
     max_new_frames_limit: int = setting(4096, "upper bound on the max_new_tokens a client may ask for")
     max_ref_audio_bytes: int = setting(20 * 1024 * 1024, "largest reference clip, bytes")
-    ref_audio_cache_mb: int = setting(256, "decoded reference clips kept by content for reuse, MiB (0 = off)")
+    ref_audio_cache_mb: int = setting(
+        256,
+        "decoded reference clips kept by content for reuse, MiB, and a quarter of it again for their "
+        "base64 decodes (0 = off)",
+    )
     # Resampled from 24 kHz with soxr.
     sample_rate: int = setting(24000, "output sample rate when a request does not set one (native: 24000)")
     drain_seconds: float = common.drain_seconds(30.0)

@@ -24,26 +24,37 @@ from qtts.request.errors import InvalidArgument
 # burst of voice clones (py-spy, HISTORY.md, seventh session of 2026-12-06): 0.35 ms for a 3 s
 # clip's 192 kB, where hashing the text takes ~0.1 ms. Values shorter than DECODED_MIN_CHARS are
 # decoded every time. Only `decode_reference_audio` uses it: uploads (voices, consent recordings)
-# come once and are not kept.
+# come once and are not kept. Its size follows the gateway's `--ref-audio-cache-mb`
+# (`size_decoded_cache`: a quarter of it, 0 = off), so that one flag bounds the clips it keeps.
 DECODED_MAX_BYTES = 64 << 20
 DECODED_MIN_CHARS = 16 << 10
-_decoded: BoundedLru[bytes, bytes] = BoundedLru(max_cost=DECODED_MAX_BYTES, cost=len)
+_decoded: BoundedLru[bytes, bytes] | None = BoundedLru(max_cost=DECODED_MAX_BYTES, cost=len)
 _decoded_lock = threading.Lock()
+
+
+def size_decoded_cache(max_bytes: int) -> None:
+    """Bound the cache of decoded reference clips to `max_bytes` (0: no cache); its entries go."""
+    global _decoded
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    with _decoded_lock:
+        _decoded = BoundedLru(max_cost=max_bytes, cost=len) if max_bytes else None
 
 
 def decode_reference_audio(value: str, field_name: str = "ref_audio") -> bytes:
     """`decode_base64_audio` for a speech request's reference clip: a long value decoded before is
     answered from a bounded cache keyed by its text's sha256 (the same bytes as decoding it again;
     failures are not cached)."""
-    if len(value) < DECODED_MIN_CHARS:
+    cache = _decoded
+    if cache is None or len(value) < DECODED_MIN_CHARS:
         return decode_base64_audio(value, field_name)
     key = hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
     with _decoded_lock:
-        raw = _decoded.get(key)
+        raw = cache.get(key)
     if raw is None:
         raw = decode_base64_audio(value, field_name)
         with _decoded_lock:
-            _decoded.put(key, raw)
+            cache.put(key, raw)
     return raw
 
 

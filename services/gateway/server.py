@@ -32,6 +32,7 @@ from .consents import ConsentStore
 from .core import GatewayCore, decode_reference
 from .grpc_servicer import TextToSpeechServicer
 from .http_app import HttpDeps, create_app
+from .http_body import size_decoded_cache
 from .http_limits import header_timeout_protocol
 from .http_metrics import HttpMetricsMiddleware
 from .job import ModelCatalog
@@ -152,6 +153,9 @@ class GatewayServer:
             config.max_text_piece_chars,
             config.max_utterance_chars,
         )
+        # The clips' base64 decodes (services/gateway/http_body.py) are kept within a quarter of
+        # the same flag: the one bound on the clips this process keeps.
+        size_decoded_cache((config.ref_audio_cache_mb << 20) // 4)
         self.reference_cache = (
             DecodedReferenceCache(
                 decode,

@@ -177,6 +177,24 @@ def test_long_reference_audio_is_decoded_once_and_failures_every_time(monkeypatc
     assert len(http_body._decoded) == 1 and http_body._decoded.cost_used == len(clip)
 
 
+def test_the_base64_cache_follows_the_reference_cache_flag(monkeypatch):
+    """A gateway sized by `--ref-audio-cache-mb` keeps its clips' base64 decodes within a quarter
+    of it, and none at 0: the flag bounds every clip the process keeps (the server sizes it:
+    test_reference_cache)."""
+    from services.gateway import http_body
+
+    monkeypatch.setattr(http_body, "_decoded", http_body._decoded)  # restored after the test
+    clip = bytes(range(256)) * 100
+    url = base64.b64encode(clip).decode()
+    http_body.size_decoded_cache(0)
+    assert http_body._decoded is None and http_body.decode_reference_audio(url) == clip
+    http_body.size_decoded_cache((1 << 20) // 4)
+    assert http_body._decoded is not None and http_body._decoded.max_cost == 1 << 18
+    assert http_body.decode_reference_audio(url) == clip and http_body._decoded.cost_used == len(clip)
+    with pytest.raises(ValueError):
+        http_body.size_decoded_cache(-1)
+
+
 def test_voice_names():
     assert check_voice_name(" my-voice_1.v2 ") == "my-voice_1.v2"
     for bad in ("", "a b", "x" * 65, "../etc"):

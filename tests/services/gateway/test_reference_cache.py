@@ -75,10 +75,15 @@ def test_failures_are_not_cached_and_concurrent_use_is_consistent():
     assert len(results) == 32 and len(cache) == 4 and cache.bytes_used == 4 * 4000
 
 
-async def test_server_uses_the_cache_unless_disabled():
+async def test_server_uses_the_cache_unless_disabled(monkeypatch):
+    from services.gateway import http_body
+
+    monkeypatch.setattr(http_body, "_decoded", http_body._decoded)  # restored after the test
     config = GatewayConfig(http_port=free_port(), grpc_port=free_port(), metrics_port=0).validate()
     server = GatewayServer(config, decode=fake_decode)
     assert server.reference_cache is not None and server.reference_cache.max_bytes == 256 << 20
+    # The clips' base64 decodes are kept within a quarter of the same flag.
+    assert http_body._decoded is not None and http_body._decoded.max_cost == 64 << 20
     # Synthesis decodes through the cache, also while it is still empty (and so falsy).
     assert server.synthesizer._decode is server.reference_cache
     clip = wav_bytes()
@@ -97,5 +102,6 @@ async def test_server_uses_the_cache_unless_disabled():
         decode=fake_decode,
     )
     assert off.reference_cache is None and off.synthesizer._decode is fake_decode
+    assert http_body._decoded is None
     with pytest.raises(InvalidArgument, match="--ref-audio-cache-mb"):
         GatewayConfig(ref_audio_cache_mb=-1).validate()
