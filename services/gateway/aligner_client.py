@@ -7,6 +7,9 @@ milliseconds of the audio as the client hears it: a `speed` stretch divides the 
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -23,6 +26,10 @@ log = logging.getLogger(__name__)
 
 # What an aligner from before `pcm_s16le` says of a request that carries its audio only there.
 OLD_ALIGNER_EMPTY = "pcm_f32 is empty"
+# How long the audio goes as float32 after such an answer, before 16-bit is tried again: a rolling
+# update replaces the old aligners within minutes, and float32 is twice the bytes and a conversion
+# on the event loop for every segment.
+FLOAT32_RETRY_S = 60.0
 
 # Word splitting the aligner cannot do like the official code (services/aligner refuses it too).
 UNALIGNABLE_LANGUAGES = ("korean", "ko", "ko-kr")
@@ -39,16 +46,25 @@ def check_alignable(language: str) -> None:
 class AlignerClient:
     """Aligns a synthesis's text to its 24 kHz audio through `aligner.v1.AlignerService`."""
 
-    def __init__(self, address: str, token: str = "", tls: TlsConfig | None = None, timeout_s: float = 30.0):
+    def __init__(
+        self,
+        address: str,
+        token: str = "",
+        tls: TlsConfig | None = None,
+        timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.address = address
         self.timeout_s = timeout_s
         self._channel = aio_channel(
             address, tls, options=RECONNECT_OPTIONS, interceptors=client_interceptors(token)
         )
         self._stub = aligner_pb2_grpc.AlignerServiceStub(self._channel)
-        # Set once an aligner answered as one from before `pcm_s16le` (a rolling update): the
-        # audio then goes as float32, as those read it.
-        self._float32_only = False
+        # Until when the audio goes as float32 (clock time), as an aligner from before
+        # `pcm_s16le` reads it: set for `FLOAT32_RETRY_S` by each answer from one (a rolling
+        # update), so once the old ones are gone the 16-bit audio goes again.
+        self._clock = clock
+        self._float32_until = -math.inf
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -68,14 +84,19 @@ class AlignerClient:
         if len(pcm_s16le) < 2:  # not one sample
             return []
         pcm_s16le = pcm_s16le[: len(pcm_s16le) // 2 * 2]
+        float32 = self._clock() < self._float32_until
         try:
-            resp = await self._call(request_id, text, language, pcm_s16le)
+            resp = await self._call(request_id, text, language, pcm_s16le, float32)
         except InvalidArgument as exc:
-            if self._float32_only or not exc.message.startswith(OLD_ALIGNER_EMPTY):
+            if float32 or not exc.message.startswith(OLD_ALIGNER_EMPTY):
                 raise
-            log.warning("the aligner at %s reads float32 audio only: sending it so", self.address)
-            self._float32_only = True
-            resp = await self._call(request_id, text, language, pcm_s16le)
+            log.warning(
+                "the aligner at %s reads float32 audio only: sending it so for %g s",
+                self.address,
+                FLOAT32_RETRY_S,
+            )
+            self._float32_until = self._clock() + FLOAT32_RETRY_S
+            resp = await self._call(request_id, text, language, pcm_s16le, True)
         scale = 1000.0 / speed
         return [
             {
@@ -87,12 +108,12 @@ class AlignerClient:
         ]
 
     async def _call(
-        self, request_id: str, text: str, language: str, pcm_s16le: bytes
+        self, request_id: str, text: str, language: str, pcm_s16le: bytes, float32: bool
     ) -> aligner_pb2.AlignResponse:
         req = aligner_pb2.AlignRequest(
             request_id=request_id, text=text, language=language, sample_rate_hz=NATIVE_SAMPLE_RATE
         )
-        if self._float32_only:
+        if float32:
             req.pcm_f32 = (
                 (np.frombuffer(pcm_s16le, dtype="<i2").astype(np.float32) / 32768.0).astype("<f4").tobytes()
             )

@@ -20,7 +20,7 @@ from qtts.pb import tts_pb2, tts_pb2_grpc
 from qtts.serving.grpc_server import ErrorMappingInterceptor
 from services.aligner.config import AlignerConfig
 from services.aligner.server import AlignerServer
-from services.gateway.aligner_client import AlignerClient
+from services.gateway.aligner_client import FLOAT32_RETRY_S, AlignerClient
 from services.gateway.grpc_servicer import TextToSpeechServicer
 from services.launcher import free_port
 
@@ -340,8 +340,9 @@ async def test_python_client_reads_the_words_of_the_summary(aligner_client, tiny
 async def test_the_client_sends_16_bit_audio_and_falls_back_to_float32_for_an_older_aligner():
     """The gateway sends the talker's 16-bit PCM as is; an aligner from before `pcm_s16le` reads
     only `pcm_f32` and calls such a request empty: the client sends that request again as float32
-    (the same samples scaled by 1/32768), and every later one too, so a rolling update loses no
-    timestamps."""
+    (the same samples scaled by 1/32768), and every later one for a minute, so a rolling update
+    loses no timestamps; then 16-bit again, so once the old aligners are gone the audio goes as
+    the talker made it."""
     from qtts.pb import aligner_pb2, aligner_pb2_grpc
 
     seen: list[aligner_pb2.AlignRequest] = []
@@ -360,17 +361,20 @@ async def test_the_client_sends_16_bit_audio_and_falls_back_to_float32_for_an_ol
     aligner_pb2_grpc.add_AlignerServiceServicer_to_server(OldAligner(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    client = AlignerClient(f"127.0.0.1:{port}")
+    now = [0.0]
+    client = AlignerClient(f"127.0.0.1:{port}", clock=lambda: now[0])
     pcm = frame_pcm(0, 3)
     try:
         first = await client.align("r1", TEXT, "english", pcm)
         second = await client.align("r2", TEXT, "english", pcm)
+        now[0] = FLOAT32_RETRY_S + 1  # still an old aligner a minute later: 16-bit, then float32
+        third = await client.align("r3", TEXT, "english", pcm)
     finally:
         await client.close()
         await server.stop(0)
     samples = len(pcm) // 2
-    assert first == second == [{"word": "w", "start_ms": 0, "end_ms": round(samples / 24000 * 1000)}]
-    assert [bool(r.pcm_s16le) for r in seen] == [True, False, False]
+    assert first == second == third == [{"word": "w", "start_ms": 0, "end_ms": round(samples / 24000 * 1000)}]
+    assert [bool(r.pcm_s16le) for r in seen] == [True, False, False, True, False]
     scaled = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
-    assert all(np.array_equal(np.frombuffer(r.pcm_f32, "<f4"), scaled) for r in seen[1:])
+    assert all(np.array_equal(np.frombuffer(r.pcm_f32, "<f4"), scaled) for r in seen if not r.pcm_s16le)
     assert seen[0].pcm_s16le == pcm and not seen[0].pcm_f32
