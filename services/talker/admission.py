@@ -38,8 +38,10 @@ keeping up: admission holds while more than `max_behind_fraction` of the mature 
 (a fraction, so that one slow client cannot stop admission for everyone).
 
 A request that cannot start waits in a bounded queue with a first-audio budget. `Admission` also
-measures the queue's drain rate (admissions per second), so a request whose predicted wait is past
-the budget is refused at once with a `Retry-After`, instead of after waiting for nothing.
+measures the queue's drain rate (admissions per second, while a backlog lasts: plans that start
+every waiting request measure the arrivals, and an idle talker forgets the rate), so a request
+whose predicted wait is past the budget is refused at once with a `Retry-After`, instead of after
+waiting for nothing.
 """
 
 from __future__ import annotations
