@@ -229,7 +229,7 @@ class Admission:
         # The admission events (the steps that started some) among them, decayed alike: how long
         # a backlog normally goes without an admission, the yardstick of a stall.
         self._event_count = 0.0
-        self._empty_since: float | None = None  # since when the talker is idle (`note_queue`)
+        self._idle_since: float | None = None  # since when the talker is idle (`note_queue`)
         # The decoder's cost on this GPU: the flag's prior until code2wav publishes its own.
         self.decoder_frame_s = self.config.decoder_frame_s
         self.decoder_call_load = 0.0  # busy fraction of the decoder's per-call cost
@@ -348,7 +348,6 @@ class Admission:
         submission, measure 50-80 a second, and the next burst is then told that its 150th-250th
         request would wait past 3 s (an H100 stack after such a probe let in 142 of 768,
         2026-12-05; HISTORY.md)."""
-        self._forget_stale(now)
         starts = [t for t in (self._last_admit_at, submitted_at) if t is not None]
         if starts and backlog:
             start = max(starts)
@@ -372,9 +371,9 @@ class Admission:
         submission (its queue empty, its demand not) keeps it."""
         self._forget_stale(now)
         if not idle:
-            self._empty_since = None
-        elif self._empty_since is None:
-            self._empty_since = now
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = now
 
     def _forget_stale(self, now: float) -> None:
         """Forget the drain rate of a backlog gone for `_FORGET_AFTER_S`. A queue that forms later
@@ -387,14 +386,14 @@ class Admission:
         queue empty between arrivals for milliseconds) lost the rate measured at capacity, and
         its refusals came after waiting, 0.1-0.6 s at p95, not at submission; so did one whose
         queue was empty because every arrival was refused at submission (`note_queue`)."""
-        if self._empty_since is not None and now - self._empty_since >= self._FORGET_AFTER_S:
+        if self._idle_since is not None and now - self._idle_since >= self._FORGET_AFTER_S:
             self._drain_busy_s = self._drain_count = self._event_count = 0.0
 
     def drain_per_s(self, now: float, waiting_since: float | None = None) -> float | None:
         """Admissions per second; while a request waits (`waiting_since`: when the oldest waiting
         one was submitted) and none started for longer than the mean gap, the rate decays (a
-        stalled queue drains at 0). None: nothing measured since the queue was last empty for
-        `_FORGET_AFTER_S`."""
+        stalled queue drains at 0). None: nothing measured since the talker was last idle for
+        `_FORGET_AFTER_S` (`note_queue`)."""
         self._forget_stale(now)
         if self._drain_count == 0:
             return None

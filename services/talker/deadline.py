@@ -431,7 +431,6 @@ class DeadlineScheduler:
             view = self._running_view(now, adm.frame_gpu_s(len(self.running)))
             mean_s = self._mean_stream_s()
             room = self._prefill_budget(view.tightest)
-        admitted: list[ScheduledRequest] = []
         if adm is not None and self.waiting:
             adm.note_queue(now, False)  # requests arrived since the last plan: not idle
         while self.waiting and len(self.running) < limit:
@@ -446,7 +445,6 @@ class DeadlineScheduler:
             self.running[req.request_id] = req
             self.forecast.streams_changed()
             plan.admitted.append(req)
-            admitted.append(req)
             view.prefill_pending += positions
         if adm is not None:
             # The queue's drain is measured only while a backlog lasts, by plans that left
@@ -457,7 +455,7 @@ class DeadlineScheduler:
             # 512, each started within 1.6 s; HISTORY.md, eighth session of 2026-12-06). With
             # the talker idle for a while the backlog's rate is forgotten (`Admission.note_queue`).
             backlog = bool(self.waiting)
-            for req in admitted:
+            for req in plan.admitted:  # the plan's only admissions: _admit is their one source
                 adm.observe_admit(now, req.submitted_at, backlog=backlog)
             adm.note_queue(now, not backlog and len(self.running) < self.forecast.capacity())
 
