@@ -265,9 +265,13 @@ def test_qkv_attention_equals_rope_store_then_decode_attention(dtype, group, hea
 
 
 def test_fused_qkv_attention_only_up_to_its_row_limit(tiny_bundle, monkeypatch):
-    """fused_qkv_max_rows: steps of more tokens keep the two kernels (large batches)."""
+    """fused_qkv_max_rows: steps of more tokens keep the two kernels (large batches). On a GPU the
+    tiny weights move there in float32 first (the compiled kernels take no CPU tensors)."""
     from qtts.engine.model_runner import ModelRunner, RunnerConfig
+    from tests.qtts.engine.tiny_talker import float32_copy_on
 
+    if DEVICE.type == "cuda":
+        tiny_bundle = float32_copy_on(tiny_bundle, DEVICE)
     cfg = RunnerConfig(
         max_batch=4,
         max_len=16,
