@@ -14,7 +14,8 @@
 # may run, default 575) and NEED (seconds a stack needs to start another, default 240),
 # STACK_TALKER_n and STACK_CODE2WAV_n (more talker or code2wav flags for the n-th stack: an A/B
 # on one machine), EXTRA_T (more talker flags for every stack), CLIENT_PROCESSES,
-# GATEWAY_REPLICAS, STACK_TREE_n (the n-th stack runs another revision's tree: .ab/<rev> from
+# GATEWAY_REPLICAS, STACK_CLIENT_ARGS (more client flags for every stack, e.g. --retry-after),
+# STACK_TREE_n (the n-th stack runs another revision's tree: .ab/<rev> from
 # benchmarks/ab_tree.sh, carried as ".ab"; hosts differ between calls, so an A/B of two revisions
 # belongs in one call), PROFILE_STACKS="<n> ..." (py-spy samples every service and the client of
 # those stacks for PROFILE_S=4 s once the talker carries PROFILE_AT=50 streams: a closed-loop

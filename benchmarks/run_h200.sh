@@ -228,7 +228,10 @@ stacks)
     export MPS="${MPS:-1}" CLIENT_PROCESSES="${CLIENT_PROCESSES:-4}" PYTHON=python3 NUM_REQUESTS="${NUM_REQUESTS:-16}" \
         ROUNDS="${ROUNDS:-2}" TIME_LIMIT="${TIME_LIMIT:-110}" TALKER_ARGS="$TALKER" CODE2WAV_ARGS="$CODE2WAV" \
         GATEWAY_ARGS="${GATEWAY_ARGS:---max-streams 2048}"
-    POOL=(--voice-pool "${VOICE_POOL:-200}" --voice-pool-warm)
+    # STACK_CLIENT_ARGS: more client flags for every stack's sweeps (e.g. --retry-after: refused
+    # workers wait the server's retry-after-ms, as the OpenAI SDK's retries do, instead of a storm).
+    # shellcheck disable=SC2206  # STACK_CLIENT_ARGS is a list of flags
+    POOL=(--voice-pool "${VOICE_POOL:-200}" --voice-pool-warm ${STACK_CLIENT_ARGS:-})
     ROOT="$PWD"
     START=$SECONDS
     n=0
