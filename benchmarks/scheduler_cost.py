@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
 import numpy as np
 
+from benchmarks.revision import git_revision
 from qtts.streams.chunk_plan import ChunkPlan
 from services.talker.admission import Admission, AdmissionConfig
 from services.talker.deadline import DeadlinePolicy, DeadlineScheduler, ScheduledRequest, StreamCredit
@@ -49,6 +52,18 @@ def build(n: int, now: float) -> DeadlineScheduler:
     return s
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="64,256,768,1024")
@@ -72,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+            host = {"cpu": cpu_name(), "python": sys.version.split()[0]}
+            json.dump(
+                {"revision": git_revision(), "host": host, "iters": args.iters, "rows": rows}, f, indent=1
+            )
     return 0
 
 

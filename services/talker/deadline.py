@@ -145,11 +145,12 @@ class _SortedStreams:
         self.critical = True
         self.frame_budget = min(self.frame_budget, step_s)
 
-    def add_urgent(self, req: ScheduledRequest, now: float, left: float, critical_s: float) -> None:
+    def add_urgent(self, req: ScheduledRequest, slack: float, left: float, critical_s: float) -> None:
+        """`req` (its clock running, `slack` buffered, `left` once its next chunk is made) must step."""
         self.urgent.append(req)
         self.critical = self.critical or left < critical_s
         need = req.frames_to_next_chunk()
-        self.frame_budget = min(self.frame_budget, max(req.slack_s(now), 0.0) / need)
+        self.frame_budget = min(self.frame_budget, max(slack, 0.0) / need)
 
 
 @dataclass
@@ -283,7 +284,8 @@ class DeadlineScheduler:
         # it and the urgent lead ("soon") wait as optional riders, and become urgent again when
         # the plan finds no backlog after all (nothing waiting to start or to be prefilled).
         backlog_lead = pol.urgent_lead_s if pol.backlog_lead_s is None else pol.backlog_lead_s
-        soon: list[tuple[float, ScheduledRequest, float]] = []  # (lead, stream, time left)
+        soon: list[tuple[float, ScheduledRequest, float, float]] = []  # (lead, stream, slack, time left)
+        frame_s = pol.frame_s
         for rid, req in self.running.items():
             if req.text is not None and self._waits_for_text(req, now):
                 plan.skip.add(rid)
@@ -301,15 +303,15 @@ class DeadlineScheduler:
                     out.add_first_chunk(req, pol.first_chunk_step_s)
                 continue
             out.playing += 1
-            left = req.time_left_s(now, step_s)
-            if req.slack_s(now) >= 0:  # a stream already dry (a slow reader) sets no budget
-                out.tightest = min(out.tightest, left)
+            slack, left = req.playing_slack_s(now, step_s)
+            if slack >= 0 and left < out.tightest:  # a stream already dry (a slow reader) sets no budget
+                out.tightest = left
             if left < backlog_lead:
-                out.add_urgent(req, now, left, pol.critical_s)
+                out.add_urgent(req, slack, left, pol.critical_s)
                 continue
-            lead = req.lead_s(now, pol.frame_s)
+            lead = req.credit.generated * frame_s - (now - req.first_audio_at)  # req.lead_s
             if left < pol.urgent_lead_s:
-                soon.append((lead, req, left))
+                soon.append((lead, req, slack, left))
                 continue
             if lead >= pol.max_lead_s:
                 plan.skip.add(rid)
@@ -318,11 +320,11 @@ class DeadlineScheduler:
                 out.optional.append((lead, req))
             out.wake_at = min(out.wake_at, now + left - pol.urgent_lead_s)
         if soon and (self.waiting or out.prefilling):
-            out.optional.extend((lead, req) for lead, req, _ in soon)
-            out.wake_at = min(out.wake_at, now + min(left for _, _, left in soon) - backlog_lead)
+            out.optional.extend((lead, req) for lead, req, _, _ in soon)
+            out.wake_at = min(out.wake_at, now + min(left for _, _, _, left in soon) - backlog_lead)
         else:  # no backlog: the usual urgency
-            for _, req, left in soon:
-                out.add_urgent(req, now, left, pol.critical_s)
+            for _, req, slack, left in soon:
+                out.add_urgent(req, slack, left, pol.critical_s)
         return out
 
     def _decide_step(
@@ -472,8 +474,9 @@ class DeadlineScheduler:
                 view.prefill_pending += req.prefill_positions
             if req.clock_running and not req.text_waiting:
                 view.mature += 1
-                if req.slack_s(now) < 0:
+                slack, left = req.playing_slack_s(now, step_s)
+                if slack < 0:
                     view.behind += 1
-                else:
-                    view.tightest = min(view.tightest, req.time_left_s(now, step_s))
+                elif left < view.tightest:
+                    view.tightest = left
         return view

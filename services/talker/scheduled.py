@@ -77,6 +77,12 @@ class ScheduledRequest:
     # listener ran dry, the playback clock restarts at the next chunk handed on.
     text_waiting: bool = False
     clock_restart: bool = False
+    # The next chunk boundary above `_next_end_from` frames of `_next_end_plan` (engine thread
+    # only): the same for every count of frames up to it, so the scheduler's per-stream pass does
+    # not walk the plan's ramp every plan (`frames_to_next_chunk`).
+    _next_end: int = field(default=0, repr=False, compare=False)
+    _next_end_from: int = field(default=0, repr=False, compare=False)
+    _next_end_plan: Any = field(default=None, repr=False, compare=False)
 
     @property
     def clock_running(self) -> bool:
@@ -120,10 +126,23 @@ class ScheduledRequest:
 
     def frames_to_next_chunk(self) -> int:
         """Frames still to generate before the stream's next chunk can be handed on."""
-        generated = self.credit.generated
-        if self.chunk_plan is None:
+        plan = self.chunk_plan
+        if plan is None:
             return 1
-        return max(1, self.chunk_plan.end_after(generated) - generated)
+        generated = self.credit.generated
+        end = self._next_end
+        if plan is not self._next_end_plan or not self._next_end_from <= generated < end:
+            end = self._next_end = plan.end_after(generated)
+            self._next_end_from, self._next_end_plan = generated, plan
+        return end - generated
+
+    def playing_slack_s(self, now: float, step_s: float) -> tuple[float, float]:
+        """(`slack_s`, `time_left_s`) of a stream whose clock runs (`clock_running`), in one pass:
+        the scheduler's per-stream work every plan."""
+        slack = self.delivered_s - (now - self.first_audio_at)
+        if self.chunk_plan is None:
+            return slack, slack
+        return slack, slack - self.frames_to_next_chunk() * step_s
 
     def time_left_s(self, now: float, step_s: float) -> float:
         """Slack left once the frames of its next chunk are generated at `step_s` a frame: how

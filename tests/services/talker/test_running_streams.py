@@ -76,3 +76,36 @@ def test_the_running_length_sums_equal_a_fresh_scan_after_random_changes():
     assert next_id > 1000 and s.num_running > 0
     s.running.clear()
     assert (s.running.length_frames, s.running.num_lengths) == (0, 0)
+
+
+def test_the_kept_next_chunk_end_equals_the_plan_s_as_frames_grow_and_the_plan_changes():
+    """`frames_to_next_chunk` keeps the next boundary between calls: it equals the plan's own
+    `end_after` as the frames grow one or several at a time, across boundaries, and after the plan
+    is replaced (a flush cuts it; a new grant brings another); `playing_slack_s` agrees with
+    `slack_s` and `time_left_s`."""
+    from qtts.streams.chunk_plan import BURST_PLAN, ChunkPlan
+
+    rng = np.random.default_rng(7)
+    req = ScheduledRequest(
+        "r", SimpleNamespace(embeds=np.zeros((4, 1))), None, None, StreamCredit(8), lambda e: None
+    )
+    assert req.frames_to_next_chunk() == 1  # no plan yet: frame by frame
+    req.chunk_plan = ChunkPlan()
+    req.first_audio_at, req.delivered_s = 0.0, 2.0
+    checked = 0
+    for _ in range(400):
+        req.credit.generated += int(rng.integers(0, 4))
+        if rng.random() < 0.05:
+            req.chunk_plan = req.chunk_plan.flushed(req.credit.generated)
+        elif rng.random() < 0.03:
+            req.chunk_plan = BURST_PLAN if req.chunk_plan.start == 0 else ChunkPlan()
+        plan, generated = req.chunk_plan, req.credit.generated
+        if plan.start > generated:  # a plan replaced by one from frame 0 on: only forward moves count
+            continue
+        want = max(1, plan.end_after(generated) - generated)
+        assert req.frames_to_next_chunk() == want
+        assert req.frames_to_next_chunk() == want  # kept: the same answer without a walk
+        now = float(rng.uniform(0.0, 3.0))
+        assert req.playing_slack_s(now, 0.02) == (req.slack_s(now), req.time_left_s(now, 0.02))
+        checked += 1
+    assert checked > 300
