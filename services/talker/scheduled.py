@@ -95,13 +95,15 @@ class ScheduledRequest:
         whose text is still arriving goes frame by frame too: its text may run dry short of a
         boundary, and the event loop then sends code2wav what there is (`waits_for_text`)."""
         plan = self.chunk_plan
+        if plan is None or self.text is not None:
+            return True
         generated = self.credit.generated
-        return (
-            plan is None
-            or self.text is not None
-            or plan.end_at_or_below(generated) == generated
-            or not self.credit.has_credit()
+        # On a boundary (`plan.end_at_or_below(generated) == generated`): the plan's start, or the
+        # next boundary above the frame before is this one.
+        on_boundary = generated == plan.start or (
+            generated > plan.start and self._chunk_end_after(plan, generated - 1) == generated
         )
+        return on_boundary or not self.credit.has_credit()
 
     def waits_for_text(self) -> bool:
         """Whether the next frame needs text that has not arrived."""
@@ -130,11 +132,16 @@ class ScheduledRequest:
         if plan is None:
             return 1
         generated = self.credit.generated
+        return self._chunk_end_after(plan, generated) - generated
+
+    def _chunk_end_after(self, plan: Any, frames: int) -> int:
+        """`plan.end_after(frames)`, kept for every count of frames below it: one walk of the plan
+        a chunk, where the scheduler's pass and the hand-on check ask every step."""
         end = self._next_end
-        if plan is not self._next_end_plan or not self._next_end_from <= generated < end:
-            end = self._next_end = plan.end_after(generated)
-            self._next_end_from, self._next_end_plan = generated, plan
-        return end - generated
+        if plan is not self._next_end_plan or not self._next_end_from <= frames < end:
+            end = self._next_end = plan.end_after(frames)
+            self._next_end_from, self._next_end_plan = frames, plan
+        return end
 
     def playing_slack_s(self, now: float, step_s: float) -> tuple[float, float]:
         """(`slack_s`, `time_left_s`) of a stream whose clock runs (`clock_running`), in one pass:

@@ -109,3 +109,26 @@ def test_the_kept_next_chunk_end_equals_the_plan_s_as_frames_grow_and_the_plan_c
         assert req.playing_slack_s(now, 0.02) == (req.slack_s(now), req.time_left_s(now, 0.02))
         checked += 1
     assert checked > 300
+
+
+def test_hand_on_now_is_true_exactly_on_the_plan_s_boundaries():
+    """`hand_on_now` (with credit left, no text arriving) is true exactly where the plan's
+    `end_at_or_below` is the frames generated, as the frames grow and the plan is flushed."""
+    from qtts.streams.chunk_plan import ChunkPlan
+
+    rng = np.random.default_rng(11)
+    req = ScheduledRequest(
+        "r", SimpleNamespace(embeds=np.zeros((4, 1))), None, None, StreamCredit(10**6), lambda e: None
+    )
+    assert req.hand_on_now()  # no plan yet: frame by frame
+    req.chunk_plan = ChunkPlan(2, (2, 4, 8, 16))
+    seen = set()
+    for _ in range(500):
+        req.credit.generated += int(rng.integers(0, 3))
+        req.frames_to_next_chunk()  # the scheduler's pass in between, as in a step
+        if rng.random() < 0.04:
+            req.chunk_plan = req.chunk_plan.flushed(req.credit.generated)
+        want = req.chunk_plan.end_at_or_below(req.credit.generated) == req.credit.generated
+        assert req.hand_on_now() == want
+        seen.add(want)
+    assert seen == {True, False}
