@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +49,10 @@ class Sequence:
         """The next frame's input needs trailing text that has not arrived."""
         return self.text_feed is not None and self.num_trailing <= self.num_frames
 
-    @property
+    @functools.cached_property
     def prompt_len(self) -> int:
+        """Positions of the prompt (kept: the prompt does not change, and the engine reads this
+        for every row every step, through `next_position` and `num_kv_positions`)."""
         return int(self.prompt.embeds.shape[0])
 
     @property
