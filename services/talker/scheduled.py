@@ -144,20 +144,14 @@ class ScheduledRequest:
         return end
 
     def playing_slack_s(self, now: float, step_s: float) -> tuple[float, float]:
-        """(`slack_s`, `time_left_s`) of a stream whose clock runs (`clock_running`), in one pass:
-        the scheduler's per-stream work every plan."""
+        """(`slack_s`, time left) of a stream whose clock runs (`clock_running`), in one pass: the
+        scheduler's per-stream work every plan. The time left is the slack once the frames of its
+        next chunk are generated at `step_s` a frame: how long a step may be delayed before this
+        stream's listener runs dry."""
         slack = self.delivered_s - (now - self.first_audio_at)
         if self.chunk_plan is None:
             return slack, slack
         return slack, slack - self.frames_to_next_chunk() * step_s
-
-    def time_left_s(self, now: float, step_s: float) -> float:
-        """Slack left once the frames of its next chunk are generated at `step_s` a frame: how
-        long a step may be delayed before this stream's listener runs dry."""
-        slack = self.slack_s(now)
-        if self.chunk_plan is None or math.isinf(slack):
-            return slack
-        return slack - self.frames_to_next_chunk() * step_s
 
 
 def length_frames(req: ScheduledRequest) -> Any:
