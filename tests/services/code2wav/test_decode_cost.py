@@ -111,3 +111,37 @@ async def test_credit_grants_carry_the_replica_s_measured_decode_cost(fake_decod
         assert msg.credit.decode_call_ns == round(est.call_s * 1e9)
         assert msg.credit.decode_calls_per_s == pytest.approx(est.calls_per_s, rel=1e-6)
         client.call.cancel()
+
+
+def test_a_burst_of_contended_calls_is_held_within_the_ceiling_over_the_calibration():
+    """A closed loop's opening: every call in memory ran beside a prefill-heavy step (3.4x the
+    decoder alone, as an H100 stack read, 65 against 19 us a frame). The published cost stays
+    within CONTENTION_CEILING of the start-up calibration; a steady load's envelope at 1.3x the
+    calibration is published as measured. The per-call part is not bounded."""
+    cost = DecodeCost(refit_s=0.0)
+    for _ in range(3):
+        for frames in (1, 16, 1024):  # start-up calibration: 1.85 ms a call + 19 us a frame
+            cost.calibrate(frames, 0.00185 + 0.000019 * frames)
+    t = 0.0
+    for frames in (16, 64, 128, 256, 32) * 60:  # the burst: 3.4x, every call
+        t += 0.01
+        cost.observe(frames, 3.4 * (0.00185 + 0.000019 * frames), t)
+    est = cost.estimate()
+    ceiling = DecodeCost.CONTENTION_CEILING
+    assert est.frame_s == pytest.approx(ceiling * 0.000019, rel=1e-6)
+    assert est.call_s == pytest.approx(3.4 * 0.00185, rel=1e-6)
+    for frames in (16, 64, 128, 256, 32) * 60:  # a steady load: 1.3x, below the ceiling
+        t += 0.01
+        cost.observe(frames, 1.3 * (0.00185 + 0.000019 * frames), t)
+    est = cost.estimate()
+    assert est.frame_s == pytest.approx(1.3 * 0.000019, rel=1e-6)
+    assert est.call_s == pytest.approx(1.3 * 0.00185, rel=1e-6)
+
+
+def test_without_a_calibration_nothing_bounds_the_fit():
+    cost = DecodeCost(refit_s=0.0)
+    t = 0.0
+    for frames in (16, 64, 128, 256, 32) * 60:
+        t += 0.01
+        cost.observe(frames, 3.4 * (0.00185 + 0.000019 * frames), t)
+    assert cost.estimate().frame_s == pytest.approx(3.4 * 0.000019, rel=1e-6)
