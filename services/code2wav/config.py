@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,6 +96,12 @@ class Code2WavConfig:
     deadline_safety_ms: float = setting(
         100.0, "no waiting once a ready stream is this close to running out of audio"
     )
+    decode_cost_ceiling: float = setting(
+        1.5,
+        "the decode cost a frame published to the talkers is at most this multiple of the start-up "
+        "calibration's: a burst whose every call ran beside the talker's prefills otherwise reads as "
+        "the decoder's own cost (0 = no bound)",
+    )
     replica_name: str = setting("", "name reported in StreamDone (default: host name and port)")
     drain_seconds: float = common.drain_seconds(30.0)
     # Client connections are closed after this long so gateways/talkers re-resolve (0 = never);
@@ -154,6 +161,14 @@ class Code2WavConfig:
         for name in ("prefix_cache_entries", "max_call_frames"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if (
+            not math.isfinite(self.decode_cost_ceiling)
+            or 0 < self.decode_cost_ceiling < 1
+            or self.decode_cost_ceiling < 0
+        ):
+            raise InvalidArgument(
+                f"--decode-cost-ceiling must be 0 (no bound) or >= 1, got {self.decode_cost_ceiling}"
+            )
         if self.first_chunk_frames < 1 or not self.chunk_frames_ramp or min(self.chunk_frames_ramp) < 1:
             raise InvalidArgument("--first-chunk-frames and every --chunk-frames-ramp value must be >= 1")
         largest = self.chunk_plan.largest

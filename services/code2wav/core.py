@@ -91,6 +91,7 @@ class Code2WavCore:
         replica: str = "",
         coalesce_max_s: float = 0.0,
         deadline_safety_s: float = 0.1,
+        decode_cost_ceiling: float = DecodeCost.CONTENTION_CEILING,
         clock: Callable[[], float] = time.monotonic,
         device_failure: Callable[[BaseException], bool] | None = None,
     ):
@@ -115,7 +116,7 @@ class Code2WavCore:
         # New streams' states, made in batches between decode calls (starts.py).
         self._starter = StateStarter(decoder, self.device, metrics, self._executor, self._state_made)
         # What a decode call costs on this GPU, published on the credit grants (decode_cost.py).
-        self.cost = DecodeCost()
+        self.cost = DecodeCost(contention_ceiling=decode_cost_ceiling)
         self._published_cost: DecodeCostEstimate | None = None  # the estimate the metrics last showed
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None

@@ -18,7 +18,7 @@ third of a second) is prefilled, every decode call runs beside a prefill-heavy s
 (bdbd10a) the envelope then read 65 us a frame where the decoder costs 19 us alone, and the
 talker, counting each stream's decode at that, let in 525 of 768. The start-up calibration is the
 decoder alone on this GPU, so the published cost a frame is held within `CONTENTION_CEILING` of
-it (the per-call part, 4.5% of the GPU in that burst, is published as fitted). On
+it (`--decode-cost-ceiling`) (the per-call part, 4.5% of the GPU in that burst, is published as fitted). On
 a steady load the envelope ran 1.24-1.45x the calibration (two H100 stacks; narrower calls than
 its wide one), which the ceiling leaves as measured.
 """
@@ -81,13 +81,23 @@ class DecodeCost:
     # Calls whose sizes span this factor and this many frames measure the per-frame cost.
     MIN_SPREAD = 4.0
     MIN_SPAN_FRAMES = 64
-    # The published per-frame cost is at most this factor over the calibration's. (Not the
-    # per-call part: an idle replica's one-stream calls cost more a call than the wide ones.)
+    # The published per-frame cost is at most this factor over the calibration's by default
+    # (`--decode-cost-ceiling`). Not the per-call part: an idle replica's one-stream calls cost
+    # more a call than the wide ones.
     CONTENTION_CEILING = 1.5
 
-    def __init__(self, memory_calls: int = 200, max_gap_s: float = 1.0, refit_s: float = 0.05):
+    def __init__(
+        self,
+        memory_calls: int = 200,
+        max_gap_s: float = 1.0,
+        refit_s: float = 0.05,
+        contention_ceiling: float = CONTENTION_CEILING,
+    ):
         if memory_calls < 2 or max_gap_s <= 0 or refit_s < 0:
             raise ValueError("memory_calls must be >= 2, max_gap_s > 0 and refit_s >= 0")
+        if not math.isfinite(contention_ceiling) or 0 < contention_ceiling < 1 or contention_ceiling < 0:
+            raise ValueError(f"contention_ceiling must be 0 (none) or >= 1, got {contention_ceiling}")
+        self._ceiling = contention_ceiling
         self._calls: deque[tuple[float, float]] = deque(maxlen=memory_calls)  # (frames, seconds)
         self._gaps: deque[float] = deque(maxlen=memory_calls)  # between calls, each <= max_gap_s
         self._max_gap_s = max_gap_s
@@ -153,8 +163,8 @@ class DecodeCost:
             residual = seconds - (call_s + frame_s * frames)
             keep = np.argsort(residual, kind="stable")[:lower]
             call_s, frame_s = self._line(frames[keep], seconds[keep], keep_slope=True)
-        if self._alone is not None:
-            frame_s = min(frame_s, self.CONTENTION_CEILING * self._alone.frame_s)
+        if self._alone is not None and self._alone.frame_s > 0 and self._ceiling:
+            frame_s = min(frame_s, self._ceiling * self._alone.frame_s)
         gaps = sum(self._gaps)
         rate = len(self._gaps) / gaps if gaps > 0 else 0.0
         return DecodeCostEstimate(call_s, frame_s, rate)

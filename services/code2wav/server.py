@@ -70,6 +70,7 @@ class Code2WavServer:
             replica=cfg.replica_name,
             coalesce_max_s=cfg.coalesce_max_ms / 1e3,
             deadline_safety_s=cfg.deadline_safety_ms / 1e3,
+            decode_cost_ceiling=cfg.decode_cost_ceiling,
             device_failure=self.device_failure.check,
         )
         await self.engine.start()

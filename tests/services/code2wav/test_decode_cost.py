@@ -145,3 +145,52 @@ def test_without_a_calibration_nothing_bounds_the_fit():
         t += 0.01
         cost.observe(frames, 3.4 * (0.00185 + 0.000019 * frames), t)
     assert cost.estimate().frame_s == pytest.approx(3.4 * 0.000019, rel=1e-6)
+
+
+def test_the_ceiling_is_a_flag_and_zero_turns_it_off(fake_decoder):
+    from qtts.request.errors import InvalidArgument
+    from services.code2wav.config import config_from_args
+
+    assert config_from_args([]).decode_cost_ceiling == DecodeCost.CONTENTION_CEILING
+    assert config_from_args(["--decode-cost-ceiling", "2"]).decode_cost_ceiling == 2.0
+    for bad in ("0.5", "-1", "nan", "inf"):
+        with pytest.raises(InvalidArgument, match="--decode-cost-ceiling"):
+            config_from_args(["--decode-cost-ceiling", bad])
+    for bad in (0.5, -1.0, math.nan):
+        with pytest.raises(ValueError, match="contention_ceiling"):
+            DecodeCost(contention_ceiling=bad)
+    cost = DecodeCost(refit_s=0.0, contention_ceiling=0.0)
+    for _ in range(3):
+        for frames in (1, 16, 1024):
+            cost.calibrate(frames, 0.00185 + 0.000019 * frames)
+    t = 0.0
+    for frames in (16, 64, 128, 256, 32) * 60:
+        t += 0.01
+        cost.observe(frames, 3.4 * (0.00185 + 0.000019 * frames), t)
+    assert cost.estimate().frame_s == pytest.approx(3.4 * 0.000019, rel=1e-6)
+
+
+async def test_a_replica_bounds_its_published_cost_by_the_flag(fake_decoder):
+    """The server hands `--decode-cost-ceiling` to its cost fit: after its start-up calibration,
+    calls five times as slow publish twice the calibration's cost a frame."""
+    async with code2wav(fake_decoder, decode_cost_ceiling=2.0) as (server, _stub):
+        cost = server.engine.cost
+        alone = cost.estimate()
+        assert alone is not None and alone.frame_s > 0
+        t = 1e6
+        for i, frames in enumerate((16, 64, 128, 256, 32) * 60):
+            t += 0.01
+            slower = 1.0 + 0.1 * (i % 7)  # an envelope (every seventh call) across every size
+            cost.observe(frames, 5 * slower * (alone.call_s + alone.frame_s * frames), t)
+        assert cost.estimate().frame_s == pytest.approx(2.0 * alone.frame_s, rel=1e-6)
+
+
+def test_a_calibration_of_no_time_sets_no_bound():
+    cost = DecodeCost(refit_s=0.0)
+    cost.calibrate(16, 0.0)
+    assert cost.estimate().frame_s == 0.0
+    t = 0.0
+    for frames in (16, 64, 128, 256, 32) * 60:
+        t += 0.01
+        cost.observe(frames, 0.002 + 0.00003 * frames, t)
+    assert cost.estimate().frame_s == pytest.approx(0.00003, rel=1e-6)
