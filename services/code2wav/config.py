@@ -161,11 +161,7 @@ class Code2WavConfig:
         for name in ("prefix_cache_entries", "max_call_frames"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if (
-            not math.isfinite(self.decode_cost_ceiling)
-            or 0 < self.decode_cost_ceiling < 1
-            or self.decode_cost_ceiling < 0
-        ):
+        if not (self.decode_cost_ceiling == 0 or 1 <= self.decode_cost_ceiling < math.inf):
             raise InvalidArgument(
                 f"--decode-cost-ceiling must be 0 (no bound) or >= 1, got {self.decode_cost_ceiling}"
             )

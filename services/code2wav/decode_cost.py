@@ -17,10 +17,10 @@ A burst can leave no such call in memory: while a closed loop's opening (768 req
 third of a second) is prefilled, every decode call runs beside a prefill-heavy step. On an H100
 (bdbd10a) the envelope then read 65 us a frame where the decoder costs 19 us alone, and the
 talker, counting each stream's decode at that, let in 525 of 768. The start-up calibration is the
-decoder alone on this GPU, so the published cost a frame is held within `CONTENTION_CEILING` of
-it (`--decode-cost-ceiling`) (the per-call part, 4.5% of the GPU in that burst, is published as fitted). On
-a steady load the envelope ran 1.24-1.45x the calibration (two H100 stacks; narrower calls than
-its wide one), which the ceiling leaves as measured.
+decoder alone on this GPU, so the published cost a frame is held within a ceiling over it
+(`--decode-cost-ceiling`, default `CONTENTION_CEILING`); the per-call part, 4.5% of the GPU in
+that burst, is published as fitted. On a steady load the envelope ran 1.24-1.45x the calibration
+(two H100 stacks; narrower calls than its wide one), which the ceiling leaves as measured.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class DecodeCost:
     ):
         if memory_calls < 2 or max_gap_s <= 0 or refit_s < 0:
             raise ValueError("memory_calls must be >= 2, max_gap_s > 0 and refit_s >= 0")
-        if not math.isfinite(contention_ceiling) or 0 < contention_ceiling < 1 or contention_ceiling < 0:
+        if not (contention_ceiling == 0 or 1 <= contention_ceiling < math.inf):
             raise ValueError(f"contention_ceiling must be 0 (none) or >= 1, got {contention_ceiling}")
         self._ceiling = contention_ceiling
         self._calls: deque[tuple[float, float]] = deque(maxlen=memory_calls)  # (frames, seconds)
