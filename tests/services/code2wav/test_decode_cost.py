@@ -113,26 +113,41 @@ async def test_credit_grants_carry_the_replica_s_measured_decode_cost(fake_decod
         client.call.cancel()
 
 
+# An H100's decoder alone, as its start-up calibration read it: 1.85 ms a call + 19 us a frame.
+ALONE_CALL_S, ALONE_FRAME_S = 0.00185, 0.000019
+LIVE_SIZES = (16, 64, 128, 256, 32)
+
+
+def _calibrated(**kw) -> DecodeCost:
+    cost = DecodeCost(refit_s=0.0, **kw)
+    for _ in range(3):
+        for frames in (1, 16, 1024):
+            cost.calibrate(frames, ALONE_CALL_S + ALONE_FRAME_S * frames)
+    return cost
+
+
+def _feed(cost: DecodeCost, call_s: float, frame_s: float, t: float = 0.0, jitter: bool = False) -> float:
+    """300 calls of the live sizes at `call_s + frame_s * frames` (with `jitter`, every call but
+    each seventh up to 60% slower: an envelope across every size); returns the clock after them."""
+    for i, frames in enumerate(LIVE_SIZES * 60):
+        t += 0.01
+        slower = 1.0 + 0.1 * (i % 7) if jitter else 1.0
+        cost.observe(frames, slower * (call_s + frame_s * frames), t)
+    return t
+
+
 def test_a_burst_of_contended_calls_is_held_within_the_ceiling_over_the_calibration():
     """A closed loop's opening: every call in memory ran beside a prefill-heavy step (3.4x the
     decoder alone, as an H100 stack read, 65 against 19 us a frame). The published cost stays
     within CONTENTION_CEILING of the start-up calibration; a steady load's envelope at 1.3x the
     calibration is published as measured. The per-call part is not bounded."""
-    cost = DecodeCost(refit_s=0.0)
-    for _ in range(3):
-        for frames in (1, 16, 1024):  # start-up calibration: 1.85 ms a call + 19 us a frame
-            cost.calibrate(frames, 0.00185 + 0.000019 * frames)
-    t = 0.0
-    for frames in (16, 64, 128, 256, 32) * 60:  # the burst: 3.4x, every call
-        t += 0.01
-        cost.observe(frames, 3.4 * (0.00185 + 0.000019 * frames), t)
+    cost = _calibrated()
+    t = _feed(cost, 3.4 * ALONE_CALL_S, 3.4 * ALONE_FRAME_S)  # the burst
     est = cost.estimate()
     ceiling = DecodeCost.CONTENTION_CEILING
     assert est.frame_s == pytest.approx(ceiling * 0.000019, rel=1e-6)
     assert est.call_s == pytest.approx(3.4 * 0.00185, rel=1e-6)
-    for frames in (16, 64, 128, 256, 32) * 60:  # a steady load: 1.3x, below the ceiling
-        t += 0.01
-        cost.observe(frames, 1.3 * (0.00185 + 0.000019 * frames), t)
+    _feed(cost, 1.3 * ALONE_CALL_S, 1.3 * ALONE_FRAME_S, t)  # a steady load, below the ceiling
     est = cost.estimate()
     assert est.frame_s == pytest.approx(1.3 * 0.000019, rel=1e-6)
     assert est.call_s == pytest.approx(1.3 * 0.00185, rel=1e-6)
@@ -140,14 +155,11 @@ def test_a_burst_of_contended_calls_is_held_within_the_ceiling_over_the_calibrat
 
 def test_without_a_calibration_nothing_bounds_the_fit():
     cost = DecodeCost(refit_s=0.0)
-    t = 0.0
-    for frames in (16, 64, 128, 256, 32) * 60:
-        t += 0.01
-        cost.observe(frames, 3.4 * (0.00185 + 0.000019 * frames), t)
+    _feed(cost, 3.4 * ALONE_CALL_S, 3.4 * ALONE_FRAME_S)
     assert cost.estimate().frame_s == pytest.approx(3.4 * 0.000019, rel=1e-6)
 
 
-def test_the_ceiling_is_a_flag_and_zero_turns_it_off(fake_decoder):
+def test_the_ceiling_is_a_flag_and_zero_turns_it_off():
     from qtts.request.errors import InvalidArgument
     from services.code2wav.config import config_from_args
 
@@ -159,14 +171,8 @@ def test_the_ceiling_is_a_flag_and_zero_turns_it_off(fake_decoder):
     for bad in (0.5, -1.0, math.nan):
         with pytest.raises(ValueError, match="contention_ceiling"):
             DecodeCost(contention_ceiling=bad)
-    cost = DecodeCost(refit_s=0.0, contention_ceiling=0.0)
-    for _ in range(3):
-        for frames in (1, 16, 1024):
-            cost.calibrate(frames, 0.00185 + 0.000019 * frames)
-    t = 0.0
-    for frames in (16, 64, 128, 256, 32) * 60:
-        t += 0.01
-        cost.observe(frames, 3.4 * (0.00185 + 0.000019 * frames), t)
+    cost = _calibrated(contention_ceiling=0.0)
+    _feed(cost, 3.4 * ALONE_CALL_S, 3.4 * ALONE_FRAME_S)
     assert cost.estimate().frame_s == pytest.approx(3.4 * 0.000019, rel=1e-6)
 
 
@@ -177,11 +183,7 @@ async def test_a_replica_bounds_its_published_cost_by_the_flag(fake_decoder):
         cost = server.engine.cost
         alone = cost.estimate()
         assert alone is not None and alone.frame_s > 0
-        t = 1e6
-        for i, frames in enumerate((16, 64, 128, 256, 32) * 60):
-            t += 0.01
-            slower = 1.0 + 0.1 * (i % 7)  # an envelope (every seventh call) across every size
-            cost.observe(frames, 5 * slower * (alone.call_s + alone.frame_s * frames), t)
+        _feed(cost, 5 * alone.call_s, 5 * alone.frame_s, t=1e6, jitter=True)
         assert cost.estimate().frame_s == pytest.approx(2.0 * alone.frame_s, rel=1e-6)
 
 
@@ -189,8 +191,5 @@ def test_a_calibration_of_no_time_sets_no_bound():
     cost = DecodeCost(refit_s=0.0)
     cost.calibrate(16, 0.0)
     assert cost.estimate().frame_s == 0.0
-    t = 0.0
-    for frames in (16, 64, 128, 256, 32) * 60:
-        t += 0.01
-        cost.observe(frames, 0.002 + 0.00003 * frames, t)
+    _feed(cost, 0.002, 0.00003)
     assert cost.estimate().frame_s == pytest.approx(0.00003, rel=1e-6)
