@@ -14,6 +14,15 @@ gateway (a process); behind the gateway, at once:
   to its answer.
 
     python -m benchmarks.refusal_latency run --out run/refusal --room 100 --concurrency 150
+
+`burst` is a closed-loop level's opening alone, repeated: one client process sends `--requests`
+voice clones at once through the same stack (`--room` of them let in), waits for every one to end,
+and does it again `--bursts` times. Each refused request is timed as `benchmarks.client` times it,
+beside the admitted ones' first audio and the gateway's CPU a burst, so the refusals' wait behind
+the admitted requests' work (body, validation, the talker call) shows against a burst that is all
+refused (`--room 0`):
+
+    python -m benchmarks.refusal_latency burst --out run/burst --room 48 --requests 96
 """
 
 from __future__ import annotations
@@ -122,6 +131,86 @@ async def load(args: argparse.Namespace) -> None:
         for r in run.records
     ]
     Path(args.out).write_text(json.dumps({"records": records, "loop_lag_s": lag, "wall_s": run.wall_s}))
+
+
+async def send_bursts(args: argparse.Namespace) -> None:
+    """The burst client: `--bursts` times, `--requests` voice clones at once, each burst after the
+    last one's streams all ended (so the room is whole again)."""
+    from benchmarks.transport import HttpSynthesizer
+
+    synth = HttpSynthesizer(args.url, _options(args.frames), pools=args.pools)
+    await synth.warm()
+    out = []
+    for b in range(args.bursts):
+        t0 = time.perf_counter()
+        recs = await asyncio.gather(
+            *(
+                synth.synthesize(b * args.requests + i, 0, "Hello there, a burst.")
+                for i in range(args.requests)
+            )
+        )
+        out.append(
+            {
+                "wall_s": time.perf_counter() - t0,
+                "records": [
+                    {"status": r.status, "e2e_s": r.e2e_s, "ttfa_s": r.ttfa_s, "sent_s": r.start_s - t0}
+                    for r in recs
+                ],
+            }
+        )
+        await asyncio.sleep(args.pause_s)
+    await synth.aclose()
+    Path(args.out).write_text(json.dumps({"bursts": out}))
+
+
+def burst_report(bursts: list[dict], gateway_cpu_s: list[float]) -> dict:
+    """Per burst and over all: the refused requests' time, the admitted ones' first audio, counts."""
+    rows = []
+    for b, cpu in zip(bursts, gateway_cpu_s, strict=True):
+        refused = [r["e2e_s"] for r in b["records"] if r["status"] == "429"]
+        ttfa = [r["ttfa_s"] for r in b["records"] if r["status"] == "200" and r["ttfa_s"] is not None]
+        rows.append(
+            {
+                "refused": len(refused),
+                "admitted": sum(1 for r in b["records"] if r["status"] == "200"),
+                "other": sum(1 for r in b["records"] if r["status"] not in ("200", "429")),
+                "refused_ms": _pcts(refused),
+                "ttfa_ms": _pcts(ttfa),
+                "gateway_cpu_s": round(cpu, 3),
+            }
+        )
+        print(
+            f"burst: {rows[-1]['admitted']} admitted, {rows[-1]['refused']} refused, "
+            f"{rows[-1]['other']} other; refused {rows[-1]['refused_ms']}; first audio {rows[-1]['ttfa_ms']}; "
+            f"gateway CPU {cpu:.2f} s"
+        )
+    every = [r["e2e_s"] for b in bursts for r in b["records"] if r["status"] == "429"]
+    summary = {"bursts": rows, "refused_ms_all": _pcts(every)}
+    print(f"all bursts, refused: {summary['refused_ms_all']}")
+    return summary
+
+
+def run_bursts(args: argparse.Namespace) -> int:
+    """The room stack; the burst client through it, the gateway's CPU counted per burst."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sent_path = out / "bursts.json"
+    with room_stack(out, args) as (url, gateway_pid, _log, _grpc):
+        cmd = [sys.executable, "-m", "benchmarks.refusal_latency", "burst-client", "--url", url,
+               "--requests", str(args.requests), "--bursts", str(args.bursts), "--frames", str(args.frames),
+               "--pause-s", str(args.pause_s), "--pools", str(args.pools), "--out", str(sent_path)]  # fmt: skip
+        cpu0 = cpu_seconds(gateway_pid)
+        subprocess.run(cmd, check=True)
+        cpu_all = cpu_seconds(gateway_pid) - cpu0
+    bursts = json.loads(sent_path.read_text())["bursts"]
+    # The gateway's CPU over the whole run, shared out by each burst's wall time (bursts only,
+    # the pauses between them idle): a per-burst figure without a sampler in the gateway.
+    walls = [b["wall_s"] for b in bursts]
+    cpu = [cpu_all * w / sum(walls) for w in walls]
+    summary = burst_report(bursts, cpu)
+    summary["gateway_cpu_s_total"] = round(cpu_all, 3)
+    (out / "summary.json").write_text(json.dumps({"args": vars(args), "summary": summary}, indent=1))
+    return 0
 
 
 async def probe(url: str, every_s: float, stop: asyncio.Event) -> dict[str, list]:
@@ -284,6 +373,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--pools", type=int, default=POOLS, help="the loader's connection pools (1: one)")
     r.add_argument("--probe-every-s", type=float, default=0.1)
     r.add_argument("--gateway-args", default="--max-streams 1024", help="extra flags for the gateway")
+    bc = sub.add_parser("burst-client", help="the burst client")
+    bc.add_argument("--url", required=True)
+    bc.add_argument("--requests", type=int, required=True)
+    bc.add_argument("--bursts", type=int, required=True)
+    bc.add_argument("--frames", type=int, default=125)
+    bc.add_argument("--pause-s", type=float, default=1.0)
+    bc.add_argument("--pools", type=int, default=POOLS)
+    bc.add_argument("--out", required=True)
+    b = sub.add_parser("burst", help="the stack and a level's opening burst, repeated")
+    b.add_argument("--out", required=True)
+    b.add_argument("--room", type=int, default=48, help="streams the talker publishes room for")
+    b.add_argument("--requests", type=int, default=96, help="voice clones sent at once, a burst")
+    b.add_argument("--bursts", type=int, default=5)
+    b.add_argument("--pause-s", type=float, default=1.0, help="idle time after each burst's streams end")
+    b.add_argument("--frames", type=int, default=125)
+    b.add_argument("--speedup", type=float, default=4.0)
+    b.add_argument("--lead-s", type=float, default=4.0)
+    b.add_argument("--pools", type=int, default=POOLS, help="the client's connection pools")
+    b.add_argument("--gateway-args", default="--max-streams 1024", help="extra flags for the gateway")
     return p
 
 
@@ -295,6 +403,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "load":
         asyncio.run(load(args))
         return 0
+    if args.command == "burst-client":
+        asyncio.run(send_bursts(args))
+        return 0
+    if args.command == "burst":
+        return run_bursts(args)
     return run(args)
 
 
