@@ -387,6 +387,7 @@ def decode_lines(metrics: ScrapedMetrics) -> list[str]:
     waits = []
     for name, what in (
         ("tts_code2wav_first_chunk_wait_seconds", "first chunks"),
+        ("tts_code2wav_first_chunk_state_wait_seconds", "first chunks for their decoder state"),
         ("tts_code2wav_chunk_wait_seconds", "all chunks"),
     ):
         if (got := metrics.mean(name)) is not None and got[0] > 0:

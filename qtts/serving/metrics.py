@@ -515,6 +515,14 @@ class Code2WavMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.first_chunk_state_wait_seconds = Histogram(
+            "tts_code2wav_first_chunk_state_wait_seconds",
+            "Of a stream's first chunk's wait (tts_code2wav_first_chunk_wait_seconds), the part "
+            "before the stream's decoder state was made (its reference prefix decoded, the start "
+            "queued behind decode calls).",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.deadline_slack_seconds = Histogram(
             "tts_code2wav_deadline_slack_seconds",
             "Audio already sent ahead of the stream's playback clock when a decoded chunk is "

@@ -59,7 +59,10 @@ class DecodeStream:
         self.codec_shape = codec_shape
         self.metrics = metrics
         self.replica = replica
-        self.decoder_state: Any = None
+        # When the decoder state was made (clock seconds; None before): a first chunk's wait for
+        # it is counted apart from its wait for a decode call.
+        self.state_at: float | None = None
+        self._decoder_state: Any = None
         self.received_frames = 0
         self.decoded_frames = 0
         self.emitted_samples = 0
@@ -81,8 +84,18 @@ class DecodeStream:
     # ---------------------------------------------------------------- client events
 
     @property
+    def decoder_state(self) -> Any:
+        return self._decoder_state
+
+    @decoder_state.setter
+    def decoder_state(self, state: Any) -> None:
+        self._decoder_state = state
+        if state is not None and self.state_at is None:
+            self.state_at = self.clock()
+
+    @property
     def started(self) -> bool:
-        return self.decoder_state is not None
+        return self._decoder_state is not None
 
     def add_frames(self, first_frame_index: int, codes: np.ndarray, flush: bool = False) -> None:
         """Queue frames [first_frame_index, +n); raises on a protocol violation. Frames may come
@@ -184,6 +197,10 @@ class DecodeStream:
             self.metrics.chunk_wait_seconds.observe(waited)
             if self.chunk_index == 1:
                 self.metrics.first_chunk_wait_seconds.observe(waited)
+                made = self.state_at if self.state_at is not None else self._ready_at
+                self.metrics.first_chunk_state_wait_seconds.observe(
+                    min(max(made - self._ready_at, 0.0), waited)
+                )
         self._ready_at = None
         self._mark_ready()
         return self.decoded_frames, codes

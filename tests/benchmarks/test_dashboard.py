@@ -73,6 +73,7 @@ HISTOGRAMS = {
     "tts_rpc_accept_seconds",
     "tts_session_write_seconds",
     "tts_code2wav_first_chunk_wait_seconds",
+    "tts_code2wav_first_chunk_state_wait_seconds",
     "tts_code2wav_chunk_wait_seconds",
     "tts_rpc_duration_seconds",
     "tts_http_request_duration_seconds",

@@ -99,6 +99,7 @@ def write_run(tmp_path):
     c2w.decode_cost_seconds.labels("call").set(0.0015)
     c2w.decode_cost_seconds.labels("frame").set(90e-6)
     c2w.first_chunk_wait_seconds.observe(0.030)
+    c2w.first_chunk_state_wait_seconds.observe(0.012)
     for seconds in (0.030, 0.010, 0.020):
         c2w.chunk_wait_seconds.observe(seconds)
     c2w.prefix_state_hits_total.inc(9)
@@ -161,7 +162,8 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
         "  decode calls: 2, mean 6.0 ms, 6.0 streams, 32.0 frames; published cost 1.50 ms a call + 90.0 us a frame"
     ) in code2wav
     assert (
-        "  chunks waited for a decode call, means: first chunks 30.0 ms over 1, all chunks 20.0 ms over 3"
+        "  chunks waited for a decode call, means: first chunks 30.0 ms over 1, first chunks for their "
+        "decoder state 12.0 ms over 1, all chunks 20.0 ms over 3"
     ) in code2wav
     assert "  decoder states after a reference prefix: 9 copied, 2 decoded" in code2wav
     # The start-up first, "serving" (process start to SERVING) ahead of its phases.

@@ -224,6 +224,49 @@ def test_the_first_grant_says_the_replica_cuts_its_chunks_at_a_flush():
     assert not later.credit.cuts_at_flush and later.credit.first_chunk_frames == 0
 
 
+def test_a_first_chunks_wait_for_its_decoder_state_is_counted_apart():
+    """The first chunk's wait for a decode call (tts_code2wav_first_chunk_wait_seconds) and, of it,
+    the part before the stream's decoder state was made: frames that came before the state wait
+    for it; a state made before the frames adds nothing; later chunks count in neither."""
+    now = [0.0]
+    metrics = Code2WavMetrics(CollectorRegistry())
+    reg = metrics.registry
+
+    def stream_at(name: str) -> DecodeStream:
+        plan, policy = ChunkPlan(2, (4, 8)), CreditPolicy(window_frames=32)
+        return DecodeStream(name, plan, policy, CodecShape(), metrics, clock=lambda: now[0])
+
+    early = stream_at("frames-first")
+    early.start_credit()
+    early.add_frames(0, _codes(2))  # the first chunk is whole at 0 s; no state yet
+    assert early.ready_frames() == 0
+    now[0] = 0.030
+    early.decoder_state = object()  # made at 30 ms
+    now[0] = 0.035
+    assert early.take_chunk()[1].shape[0] == 2  # decoded at 35 ms
+    assert reg.get_sample_value("tts_code2wav_first_chunk_wait_seconds_sum") == pytest.approx(0.035)
+    assert reg.get_sample_value("tts_code2wav_first_chunk_state_wait_seconds_sum") == pytest.approx(0.030)
+
+    ready = stream_at("state-first")
+    ready.decoder_state = object()  # made at 35 ms, before its frames
+    ready.start_credit()
+    now[0] = 0.040
+    ready.add_frames(0, _codes(2))
+    now[0] = 0.044
+    ready.take_chunk()
+    assert reg.get_sample_value("tts_code2wav_first_chunk_wait_seconds_count") == 2
+    assert reg.get_sample_value("tts_code2wav_first_chunk_wait_seconds_sum") == pytest.approx(0.039)
+    assert reg.get_sample_value("tts_code2wav_first_chunk_state_wait_seconds_count") == 2
+    assert reg.get_sample_value("tts_code2wav_first_chunk_state_wait_seconds_sum") == pytest.approx(0.030)
+
+    # A second chunk counts in neither first-chunk histogram.
+    ready.deliver(DecodedAudio(b"\0\0" * 2 * 1920, 2 * 1920, 0, 2, 0))
+    ready.add_frames(2, _codes(4))
+    ready.take_chunk()
+    assert reg.get_sample_value("tts_code2wav_first_chunk_state_wait_seconds_count") == 2
+    assert reg.get_sample_value("tts_code2wav_chunk_wait_seconds_count") == 3
+
+
 def test_a_flushed_delta_is_decoded_though_its_chunk_is_short():
     """code2wav decodes every frame received up to a flushed delta, as a chunk of its own, and
     counts chunks as the talker's `ChunkPlan.flushed` does; frames past the flush wait for their
