@@ -181,7 +181,10 @@ class StepModel:
             if len(self._position) >= self.MIN_SAMPLES:
                 self.prefill_position_s = trimmed_mean(self._position)
             if prefill_requests > 0:
-                self._request.append((extra / prefill_requests, 1.0))
+                # Weighted by its prompts, as a step's slope is by its batch: the steady load's
+                # prefills share steps as a burst's do, and an idle talker's one-prompt steps
+                # (the whole of a prefill step's fixed cost on one prompt) must not outweigh them.
+                self._request.append((extra / prefill_requests, float(prefill_requests)))
                 if len(self._request) >= self.MIN_SAMPLES:
                     self.prefill_request_s = trimmed_mean(self._request)
             return

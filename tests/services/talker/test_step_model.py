@@ -82,6 +82,23 @@ def test_one_stalled_prefill_does_not_move_what_a_prefill_costs():
     assert m.prefill_position_s == pytest.approx(2 * 0.002 / 600, rel=0.05)
 
 
+def test_a_bursts_shared_prefill_steps_set_the_cost_of_a_prefill_within_a_few_steps():
+    """An idle talker prefills one prompt a step, and that step's fixed cost falls on the one
+    prompt (2.7 ms on an H100, bdbd10a); a burst prefills sixteen a step at 0.9 ms each. Each
+    step's figure counts by its prompts, so four such steps outweigh thirty idle ones: the steady
+    load the burst becomes is not costed at the idle figure (which held a c=768 opening's
+    capacity near 700 streams where the costs of its own steps allow about 860)."""
+    m = StepModel(AdmissionConfig(step_base_s=BASE_S, step_per_stream_s=PER_STREAM_S, prefill_request_s=0.01))
+    for _ in range(30):
+        m.observe(2, m.predict(2) + 0.0027, prefill_positions=299, prefill_requests=1)
+    assert m.prefill_request_s == pytest.approx(0.0027)
+    for _ in range(4):
+        m.observe(600, m.predict(600) + 16 * 0.0009, prefill_positions=16 * 299, prefill_requests=16)
+    assert m.prefill_request_s < 0.0013
+    # The per-position figure (the prefill budget's) still counts each step once.
+    assert m.prefill_position_s == pytest.approx(0.0027 / 299, rel=0.05)
+
+
 def test_the_window_flags_are_checked():
     for bad in ({"fit_steps": 0}, {"fit_stream_steps": 0}):
         with pytest.raises(ValueError, match="fit_steps"):
