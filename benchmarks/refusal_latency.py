@@ -190,15 +190,25 @@ def burst_report(bursts: list[dict], gateway_cpu_s: list[float]) -> dict:
     return summary
 
 
+def client_command(
+    command: str, url: str, out: Path, args: argparse.Namespace, flags: Sequence[str]
+) -> list[str]:
+    """This module's `command` as a process against `url`, writing `out`, with `args`' `flags`."""
+    cmd = [sys.executable, "-m", "benchmarks.refusal_latency", command, "--url", url, "--out", str(out)]
+    for name in flags:
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return cmd
+
+
 def run_bursts(args: argparse.Namespace) -> int:
     """The room stack; the burst client through it, the gateway's CPU counted per burst."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sent_path = out / "bursts.json"
     with room_stack(out, args) as (url, gateway_pid, _log, _grpc):
-        cmd = [sys.executable, "-m", "benchmarks.refusal_latency", "burst-client", "--url", url,
-               "--requests", str(args.requests), "--bursts", str(args.bursts), "--frames", str(args.frames),
-               "--pause-s", str(args.pause_s), "--pools", str(args.pools), "--out", str(sent_path)]  # fmt: skip
+        cmd = client_command(
+            "burst-client", url, sent_path, args, ("requests", "bursts", "frames", "pause_s", "pools")
+        )
         cpu0 = cpu_seconds(gateway_pid)
         subprocess.run(cmd, check=True)
         cpu_all = cpu_seconds(gateway_pid) - cpu0
@@ -313,10 +323,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     loaded_path = out / "loaded.json"
     with room_stack(out, args) as (url, gateway_pid, gateway_log, _grpc):
-        cmd = [sys.executable, "-m", "benchmarks.refusal_latency", "load", "--url", url,
-               "--concurrency", str(args.concurrency), "--requests", str(args.requests),
-               "--frames", str(args.frames), "--duration-s", str(args.duration_s), "--pools", str(args.pools),
-               "--out", str(loaded_path)]  # fmt: skip
+        flags = ("concurrency", "requests", "frames", "duration_s", "pools")
+        cmd = client_command("load", url, loaded_path, args, flags)
         cpu0, t0 = cpu_seconds(gateway_pid), time.perf_counter()
         loader = subprocess.Popen(cmd)
 

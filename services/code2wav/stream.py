@@ -197,10 +197,8 @@ class DecodeStream:
             self.metrics.chunk_wait_seconds.observe(waited)
             if self.chunk_index == 1:
                 self.metrics.first_chunk_wait_seconds.observe(waited)
-                made = self.state_at if self.state_at is not None else self._ready_at
-                self.metrics.first_chunk_state_wait_seconds.observe(
-                    min(max(made - self._ready_at, 0.0), waited)
-                )
+                # A chunk is taken only once its state exists, so `state_at` is set and <= now.
+                self.metrics.first_chunk_state_wait_seconds.observe(max(self.state_at - self._ready_at, 0.0))
         self._ready_at = None
         self._mark_ready()
         return self.decoded_frames, codes
