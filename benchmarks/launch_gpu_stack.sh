@@ -40,6 +40,8 @@
 #   REFUSAL_PROBE_S  with CLIENT_PROCESSES > 1: the idle parent sends a 1-frame request this often
 #                    and times it alone (each level's `probe`: refusal latency without a loaded
 #                    client process in it); 0: none   (0.1)
+#   ADMISSION_TRACE  1: the talker writes its admission decisions to OUT/admission-trace.jsonl
+#                    (--admission-trace; benchmarks/admission_timeline.py reads it)   (0)
 #   MPS              1: run the services under an NVIDIA MPS daemon (started here, stopped at
 #                    the end), so the talker's and code2wav's kernels share the GPU instead of
 #                    taking turns in time slices between the two processes' contexts   (0)
@@ -109,6 +111,9 @@ if [[ "${MPS:-0}" == 1 ]]; then
     fi
 fi
 
+if [[ "${ADMISSION_TRACE:-0}" == 1 ]]; then
+    TALKER_ARGS="${TALKER_ARGS:-} --admission-trace $OUT/admission-trace.jsonl"
+fi
 # shellcheck disable=SC2086  # LAUNCHER_ARGS is a list of flags
 "$PYTHON" -m services.launcher \
     --model "$MODEL" --load-format "$LOAD_FORMAT" --device "$DEVICE" --dtype "$DTYPE" \

@@ -298,6 +298,7 @@ stacks)
         pkill -9 -f "services\." 2>/dev/null
         echo quit | nvidia-cuda-mps-control 2>/dev/null
         for f in "$dir"/logs/*.log; do [[ -f "$f" ]] && cut_log "$f"; done
+        [[ -f "$dir/admission-trace.jsonl" ]] && gzip -f "$dir/admission-trace.jsonl"
         rm -rf "$dir"/mps "$dir"/*.png "$dir"/then/*.png
         # The client's table and the services' view (loop lag, stages, hops), kept and shown.
         python3 -m benchmarks.stack_summary "$dir" >"$dir/summary.txt" 2>&1 && tail -n 40 "$dir/summary.txt"

@@ -11,6 +11,8 @@ the first, `then/`, `back/`) and every service's `/metrics` page scraped after t
   the talker's admission capacity over the run's steps and the costs it last worked with,
   code2wav's decode calls (streams, frames, time) and the cost it published,
   underruns, the stages' mean times and the chunk hops' means;
+- each burst's first seconds from the talker's admission trace, when the stack wrote one
+  (`ADMISSION_TRACE=1`; benchmarks/admission_timeline.py);
 - the commonest failure statuses and messages per level (numbers in the messages folded, so alike
   ones group) and the idle
   refusal probe, when the client ran one.
@@ -31,6 +33,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import admission_timeline
 from benchmarks.metrics import REFUSAL_STATUSES, percentiles
 from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME
 
@@ -436,6 +439,12 @@ def summary(roots: Sequence[Path]) -> str:
             if lines:
                 out.append(f"{service}:")
                 out.extend(lines)
+        # The talker's admission trace (ADMISSION_TRACE=1): each burst's first seconds.
+        for trace in sorted([*run.glob("admission-trace.jsonl"), *run.glob("admission-trace.jsonl.gz")]):
+            out.append(f"admission ({trace.name}):")
+            out.append(
+                admission_timeline.report(admission_timeline.read_rows(trace), 32, 0.2, 3.0, trace.name)
+            )
     return "\n".join(out)
 
 

@@ -246,6 +246,11 @@ class TalkerConfig:
         "a new request queues only while its predicted start is within this share of "
         "--first-audio-budget-ms; once queued, only a start predicted past the whole budget refuses it",
     )
+    admission_trace: str = setting(
+        "",
+        "write every admission decision (plans, steps, the room sent to the gateways) as JSON lines "
+        "to this file, to see why a burst was refused ('' = off; services/talker/admission_trace.py)",
+    )
     # Beyond max_batch; more are rejected (RESOURCE_EXHAUSTED).
     max_queue: int = setting(256, "requests that may wait for a slot; beyond it they are rejected")
     # A stream's send buffer bound.

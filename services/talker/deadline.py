@@ -205,6 +205,9 @@ class DeadlineScheduler:
         self.running = RunningStreams()
         self.admitting = True
         self._last_step_at = -math.inf
+        # The tightest stream's time left at the last step's plan (what bounded its prefill; the
+        # admission trace records it).
+        self.last_tightest_s = math.inf
         self.forecast = QueueForecast(self)
 
     @property
@@ -366,6 +369,7 @@ class DeadlineScheduler:
         plan.skip.update(r.request_id for _, r in optional[room:])
         plan.step = True
         plan.prefill_budget = 0 if hold_prefill else self._prefill_budget(streams.tightest)
+        self.last_tightest_s = streams.tightest
         return plan
 
     def _coalesce_until(self, prefilling: list[ScheduledRequest], playing: int, now: float) -> float | None:

@@ -150,6 +150,7 @@ class _EngineWorker:
             scheduler,
             self.metrics,
             device_failure=self._fatal,
+            trace=model_setup.admission_trace_for(self.config),
         )
         self.loop.start()
         fingerprint = getattr(bundle, "voice_encoder_fingerprint", None)

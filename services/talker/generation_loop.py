@@ -27,6 +27,7 @@ from qtts.request.errors import GenerationFailed, ResourceExhausted, TTSError, U
 from qtts.serving.metrics import TalkerMetrics
 from qtts.streams.chunk_plan import StartPlanner
 
+from .admission_trace import AdmissionTrace
 from .deadline import DeadlineScheduler, ScheduledRequest, StepPlan
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,7 @@ class GenerationLoop:
         idle_wait_s: float = 0.5,
         clock: Callable[[], float] = time.perf_counter,
         device_failure: Callable[[BaseException], bool] | None = None,
+        trace: AdmissionTrace | None = None,
     ):
         slots = getattr(generator, "max_batch", None)
         if isinstance(slots, int) and scheduler.max_batch > slots:
@@ -207,6 +209,8 @@ class GenerationLoop:
                 f"the scheduler starts up to {scheduler.max_batch} streams, the generator holds {slots}"
             )
         self._clock = clock
+        # The admission decisions, plan by plan, into a file (`--admission-trace`; None: off).
+        self._trace = trace
         # Reports a fatal device error (qtts.serving.device_failure) and says whether it was one.
         self._device_failure = device_failure
         self._generator = generator
@@ -240,6 +244,8 @@ class GenerationLoop:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._trace is not None:
+            self._trace.close()
 
     def stop_admitting(self) -> None:
         with self._cond:
@@ -252,6 +258,7 @@ class GenerationLoop:
                 self._scheduler.submit(req, self._clock())
             except ResourceExhausted:
                 self._metrics.refused_total.inc()
+                self._trace_refusal(0)
                 raise
             self._update_gauges()
             self._cond.notify()
@@ -261,15 +268,35 @@ class GenerationLoop:
         submitted yet (their prompts are being built): refused before its own prompt is built."""
         with self._cond:
             refusal = self._scheduler.refusal(self._clock(), ahead)
-        if refusal is not None:
             if isinstance(refusal, ResourceExhausted):
                 self._metrics.refused_total.inc()
+                self._trace_refusal(ahead)
+        if refusal is not None:
             raise refusal
+
+    def _trace_refusal(self, ahead: int) -> None:
+        """A request refused at submission into the admission trace, with the wait the queue's
+        drain predicted for it. Call with the lock held."""
+        if self._trace is None:
+            return
+        s = self._scheduler
+        now = self._clock()
+        self._trace.refuse(
+            now, ahead=ahead, running=s.num_running, waiting=s.num_waiting,
+            predicted_wait_s=s.forecast.predicted_wait_s(now, ahead),
+        )  # fmt: skip
 
     def headroom(self, ahead: int = 0) -> Any:
         """The room for new requests (forecast.Headroom), with `ahead` more not submitted yet."""
         with self._cond:
-            return self._scheduler.forecast.headroom(self._clock(), ahead)
+            now = self._clock()
+            room = self._scheduler.forecast.headroom(now, ahead)
+        if self._trace is not None:
+            self._trace.room(
+                now, ahead=ahead, start_now=room.start_now, accept=room.accept, running=room.running,
+                waiting=room.waiting,
+            )  # fmt: skip
+        return room
 
     def cancel(self, request_id: str) -> None:
         """Drop a request wherever it is; a no-op when it already finished."""
@@ -395,7 +422,33 @@ class GenerationLoop:
                     self._metrics.credit_stalls_total.inc()
                 req.stalled = stalled
             self._update_gauges(plan)
+            if self._trace is not None and (plan.step or plan.admitted or plan.refused):
+                self._trace_plan(plan)
         return nxt
+
+    def _trace_plan(self, plan: StepPlan) -> None:
+        """One plan into the admission trace. Call with the lock held."""
+        s = self._scheduler
+        adm = s.admission
+        now = self._clock()
+        fields: dict[str, Any] = {}
+        if adm is not None:
+            m = adm.model
+            fields = {
+                "capacity": s.forecast.capacity(),
+                "step_base_s": m.base_s,
+                "step_per_stream_s": m.per_stream_s,
+                "prefill_request_s": m.prefill_request_s,
+                "prefill_position_s": m.prefill_position_s,
+                "decoder_frame_s": adm.decoder_frame_s,
+                "decoder_call_load": adm.decoder_call_load,
+                "drain_per_s": adm.drain_per_s(now, s.forecast.waiting_since()),
+            }
+        self._trace.plan(
+            now, running=s.num_running, waiting=s.num_waiting, admitted=len(plan.admitted),
+            refused=len(plan.refused), stepping=len(plan.stepping), prefill_budget=plan.prefill_budget,
+            tightest_s=s.last_tightest_s if plan.step else None, reason=s.holding_reason, **fields,
+        )  # fmt: skip
 
     def _apply_plan(self, cancels: list[str], plan: StepPlan) -> None:
         """Cancels, refusals and admissions before the step: an admitted request prefills in it."""
@@ -467,10 +520,18 @@ class GenerationLoop:
         (self._metrics.prefill_seconds if prefill else self._metrics.step_seconds).observe(step_s)
         began = self._clock() - step_s
         decoded = sum(1 for r in stepping if r.stepped)
+        prompts = len(stepping) - decoded  # rows prefilling in this step
+        budget = plan.prefill_budget if plan.prefill_budget is not None else prefill
         if self._scheduler.admission is not None:
-            budget = plan.prefill_budget if plan.prefill_budget is not None else prefill
-            prompts = sum(1 for r in stepping if not r.stepped)  # rows prefilling in this step
             self._scheduler.admission.model.observe(max(decoded, 1), step_s, min(prefill, budget), prompts)
+        if self._trace is not None:
+            self._trace.step(
+                began,
+                batch=len(stepping),
+                prompts=prompts,
+                prefill_positions=min(prefill, budget),
+                seconds=step_s,
+            )
         self._metrics.batch_size.observe(len(stepping))
         events: list[tuple[ScheduledRequest, Any]] = []
         with self._cond:

@@ -101,3 +101,14 @@ def scheduler_for(config: TalkerConfig, generator: Any = None) -> DeadlineSchedu
         max_prefill_positions=c.max_prefill_tokens,
     )
     return DeadlineScheduler(max_batch, c.max_queue, admission=admission, policy=policy)
+
+
+def admission_trace_for(config: TalkerConfig) -> Any:
+    """The admission trace `--admission-trace` asks for (None: off), opened for appending."""
+    if not config.admission_trace:
+        return None
+    from .admission_trace import AdmissionTrace
+
+    trace = AdmissionTrace(config.admission_trace)
+    log.info("admission trace: writing every admission decision to %s", trace.path)
+    return trace

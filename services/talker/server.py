@@ -23,7 +23,7 @@ from .decode_session import DECODE_SESSION
 from .engine_client import EngineClient, RemoteBundle, engine_process_on
 from .generation_loop import GenerationLoop
 from .metrics_merge import MergedRegistry
-from .model_setup import generator_factory_for, load_bundle, scheduler_for
+from .model_setup import admission_trace_for, generator_factory_for, load_bundle, scheduler_for
 from .replicas import Code2WavReplicas
 from .servicer import TalkerServicer
 from .speaker_cache_client import SpeakerCacheClient
@@ -191,6 +191,7 @@ class TalkerServer:
             scheduler,
             self.metrics,
             device_failure=self.device_failure.check,
+            trace=admission_trace_for(self.config),
         )
         self.engine.start()
 

@@ -1,0 +1,153 @@
+"""A burst's first seconds from the talker's admission trace (`--admission-trace`), window by window.
+
+For each window (default 0.2 s) from the burst's start (a plan with at least `--burst` requests
+waiting after two seconds without one; the row before it shows the arrivals that made the queue): the streams running and the most waiting, the starts, the refusals at
+submission and the wait they were predicted, the steps and the prompts they prefilled, the
+median prefill budget, the tightest stream's time left, the queue's measured drain rate, the
+admission capacity, the largest room worked out for a gateway, and the commonest reason admission
+held (numbers folded). What bound the burst reads off it: a small prefill budget with a tight
+stream, a drain rate under the starts the window shows, a capacity under the running streams.
+
+    python -m benchmarks.admission_timeline run/stacks/http1/admission-trace.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def burst_starts(rows: Sequence[dict[str, Any]], waiting: int, quiet_s: float = 2.0) -> list[float]:
+    """When each burst began: a plan with at least `waiting` requests queued after `quiet_s`
+    without one (a closed loop's levels on one stack are a burst each)."""
+    starts: list[float] = []
+    last = None
+    for row in rows:
+        if row.get("kind") != "plan" or (row.get("waiting") or 0) < waiting:
+            continue
+        if last is None or row["t"] - last >= quiet_s:
+            starts.append(row["t"])
+        last = row["t"]
+    return starts
+
+
+def _fold(reason: str) -> str:
+    return re.sub(r"\d+(\.\d+)?", "N", reason)[:60]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: Any, scale: float = 1.0, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value * scale:.{digits}f}"
+
+
+def timeline(
+    rows: Sequence[dict[str, Any]], start: float, window_s: float, span_s: float, origin: float | None = None
+) -> list[dict[str, Any]]:
+    """One dict per window of `window_s` from `start` for `span_s`, each labelled by its start
+    from `origin` (default `start`)."""
+    origin = start if origin is None else origin
+    n = max(1, round(span_s / window_s))
+    bins: list[dict[str, list]] = [collections.defaultdict(list) for _ in range(n)]
+    for row in rows:
+        t = row.get("t")
+        if t is None or t < start:
+            continue
+        i = int((t - start) / window_s + 1e-9)  # a row on a window's edge opens it
+        if i < n:
+            bins[i][row["kind"]].append(row)
+    out = []
+    for i, b in enumerate(bins):
+        plans, steps, rooms, refusals = b["plan"], b["step"], b["room"], b["refuse"]
+        reasons = collections.Counter(_fold(p["reason"]) for p in plans if p.get("reason"))
+        waits = [r["predicted_wait_s"] for r in refusals if r.get("predicted_wait_s") is not None]
+        out.append(
+            {
+                "t_s": round(start + i * window_s - origin, 3),
+                "running": plans[-1]["running"] if plans else None,
+                "waiting_max": max((p["waiting"] for p in plans), default=None),
+                "started": sum(p["admitted"] for p in plans),
+                "refused": len(refusals) + sum(p["refused"] for p in plans),
+                "refused_wait_s": _median(waits),
+                "steps": len(steps),
+                "prompts": sum(s["prompts"] for s in steps),
+                "step_ms": _median([s["seconds"] * 1e3 for s in steps]),
+                "prefill_budget": _median(
+                    [p["prefill_budget"] for p in plans if p.get("prefill_budget") is not None]
+                ),
+                "tightest_ms": _median(
+                    [p["tightest_s"] * 1e3 for p in plans if p.get("tightest_s") is not None]
+                ),
+                "drain_per_s": plans[-1].get("drain_per_s") if plans else None,
+                "capacity": min(
+                    (p["capacity"] for p in plans if p.get("capacity") is not None), default=None
+                ),
+                "room_max": max((r["accept"] for r in rooms), default=None),
+                "reason": reasons.most_common(1)[0][0] if reasons else "",
+            }
+        )
+    return out
+
+
+def render(windows: Sequence[dict[str, Any]]) -> str:
+    head = (
+        "| t s | running | waiting max | started | refused (pred. wait s) | steps | prompts | step ms "
+        "| prefill budget | tightest ms | drain /s | capacity | room max | held because |"
+    )
+    lines = [head, "|" + "---|" * 14]
+    for w in windows:
+        refused = str(w["refused"]) + (
+            f" ({w['refused_wait_s']:.1f})" if w["refused_wait_s"] is not None else ""
+        )
+        lines.append(
+            f"| {w['t_s']:.1f} | {_fmt(w['running'])} | {_fmt(w['waiting_max'])} | {w['started']} | {refused} "
+            f"| {w['steps']} | {w['prompts']} | {_fmt(w['step_ms'], digits=1)} | {_fmt(w['prefill_budget'])} "
+            f"| {_fmt(w['tightest_ms'])} | {_fmt(w['drain_per_s'])} | {_fmt(w['capacity'])} "
+            f"| {_fmt(w['room_max'])} | {w['reason']} |"
+        )
+    return "\n".join(lines)
+
+
+def report(rows: Sequence[dict[str, Any]], burst: int, window_s: float, span_s: float, name: str) -> str:
+    """The timeline of every burst in `rows`."""
+    starts = burst_starts(rows, burst)
+    if not starts:
+        return f"{name}: no plan had {burst} requests waiting"
+    parts = []
+    for start in starts:
+        parts.append(f"{name}: burst from t={start:.3f} s ({burst}+ waiting), {window_s:g} s a row")
+        # From one row before it: the arrivals that made the queue.
+        parts.append(render(timeline(rows, start - window_s, window_s, span_s + window_s, origin=start)))
+    return "\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", type=Path, help="admission-trace.jsonl, or .jsonl.gz")
+    ap.add_argument("--burst", type=int, default=32, help="requests waiting that mark the burst's start")
+    ap.add_argument("--window", type=float, default=0.2, help="seconds a row")
+    ap.add_argument("--span", type=float, default=3.0, help="seconds shown from the burst's start")
+    args = ap.parse_args(argv)
+    print(report(read_rows(args.trace), args.burst, args.window, args.span, str(args.trace)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
