@@ -205,10 +205,6 @@ class DeadlineScheduler:
         self.running = RunningStreams()
         self.admitting = True
         self._last_step_at = -math.inf
-        # Each stepping plan's interval from the one before, over the frame's predicted GPU time
-        # then (`frame_wall_s`), and that prediction of the last stepping plan.
-        self._frame_ratios: deque[float] = deque(maxlen=self.FRAME_RATIO_WINDOW)
-        self._last_frame_s = 0.0
         # The tightest stream's time left at the last step's plan (what bounded its prefill; the
         # admission trace records it).
         self.last_tightest_s = math.inf
@@ -221,37 +217,6 @@ class DeadlineScheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
-
-    # Stepping plans whose intervals `frame_wall_s` looks at, how many it needs first, and the
-    # quantile it takes of their ratios to the predicted frame.
-    FRAME_RATIO_WINDOW = 32
-    FRAME_RATIO_MIN = 8
-    FRAME_RATIO_QUANTILE = 0.75
-
-    def frame_wall_s(self, num_streams: int) -> float:
-        """The time a frame of `num_streams` streams takes: how soon a stream's next chunk is
-        made, which decides how urgent each stream is and the tightest one's time left (the
-        next step's prefill room).
-
-        Admission's prediction of the frame's GPU time for both engines (`frame_gpu_s`: the
-        talker's step plus code2wav's decode of the frame) sums two engines that, on a GPU shared
-        through MPS, run at once: on an H100 at 550-650 streams it said 36-40 ms while the steps
-        came every 20-28 ms, so every stream fresh from an 8-frame first chunk read as late, the
-        prefill room fell to its floor and a closed loop's opening drained at 50-60 a second for
-        seconds (the admission trace of fab6783; HISTORY.md). So the prediction is scaled by how
-        long the recent frames took against it (the upper quartile of the last
-        `FRAME_RATIO_WINDOW` stepping plans' intervals over their predictions), never above 1:
-        where the engines take turns (the talker tests' simulated clock, a GPU without MPS) or the
-        loop waits between steps, the intervals are the prediction or longer, and it stands."""
-        if self.admission is None:
-            return 0.0
-        predicted = self.admission.frame_gpu_s(num_streams)
-        ratios = self._frame_ratios
-        if len(ratios) < self.FRAME_RATIO_MIN:
-            return predicted
-        ordered = sorted(ratios)
-        ratio = ordered[min(len(ordered) - 1, int(self.FRAME_RATIO_QUANTILE * len(ordered)))]
-        return predicted * min(1.0, ratio)
 
     @property
     def holding_reason(self) -> str:
@@ -310,7 +275,7 @@ class DeadlineScheduler:
         model = self.admission.model if self.admission is not None else None
         # A frame of every stream costs the GPU its step and, on a GPU the decoder shares, its
         # decode: the time a stream's next chunk takes, so how soon it must step.
-        step_s = self.frame_wall_s(len(self.running))
+        step_s = self.admission.frame_gpu_s(len(self.running)) if self.admission is not None else 0.0
         return self._decide_step(plan, now, model, self._sort_running(plan, now, step_s))
 
     def _sort_running(self, plan: StepPlan, now: float, step_s: float) -> _SortedStreams:
@@ -392,12 +357,6 @@ class DeadlineScheduler:
             plan.skip.update(r.request_id for r in prefilling)
             plan.wake_at = None if math.isinf(streams.wake_at) else streams.wake_at
             return plan
-        if self.admission is not None:
-            # How long the last frame took against its prediction: the interval between two
-            # stepping plans (a sleep or a held step in it only lengthens it).
-            if self._last_frame_s > 0 and math.isfinite(self._last_step_at):
-                self._frame_ratios.append((now - self._last_step_at) / self._last_frame_s)
-            self._last_frame_s = self.admission.frame_gpu_s(len(self.running))
         self._last_step_at = now
         # As wide as the tightest urgent stream allows: the streams least ahead join first.
         optional.sort(key=lambda item: item[0])
@@ -475,7 +434,7 @@ class DeadlineScheduler:
         if adm is None or not self.waiting:
             view, mean_s, room = _RunningView(), None, math.inf
         else:
-            view = self._running_view(now, self.frame_wall_s(len(self.running)))
+            view = self._running_view(now, adm.frame_gpu_s(len(self.running)))
             mean_s = self._mean_stream_s()
             room = self._prefill_budget(view.tightest)
         if adm is not None and self.waiting:

@@ -563,37 +563,3 @@ def test_config_flags_for_the_backlog_lead_and_the_first_chunk_step():
             config_from_args(bad)
     with pytest.raises(ValueError):
         DeadlinePolicy(backlog_lead_s=0.1)
-
-
-def test_the_frame_pace_follows_steps_that_come_faster_than_both_engines_summed():
-    """On a GPU shared through MPS the talker's step and code2wav's decode run at once, so frames
-    come faster than admission's sum of the two (an H100: every 20-28 ms against 36-40 ms
-    predicted). The scheduler's frame pace follows the measured intervals, never above the
-    prediction; where they come slower (engines taking turns, a loop that waits) it stands."""
-    adm = Admission(AdmissionConfig(decoder_frame_s=0.004, max_load=0, max_duty=0))  # no capacity bound
-    s = DeadlineScheduler(64, 64, admission=adm)
-    for i in range(16):
-        s.submit(req(f"r{i}"), now=0.0)
-    s.plan(0.0)
-    predicted = adm.frame_gpu_s(16)
-    assert s.frame_wall_s(16) == predicted  # nothing measured yet
-    t = 0.0
-    for _ in range(12):
-        t += 0.6 * predicted
-        assert s.plan(t).step  # streams without first audio: every plan steps
-    assert s.frame_wall_s(16) == pytest.approx(0.6 * predicted)
-    assert s.frame_wall_s(32) == pytest.approx(0.6 * adm.frame_gpu_s(32))
-
-    # A stream fresh from an 8-frame first chunk, 100 ms into it, 8 frames to its next chunk:
-    # late at the predicted pace (0.54 s left, 8 x 75 ms to make), 0.18 s to spare at the measured
-    # one, so the next step may prefill more than the floor.
-    young = started(s, "r0", first_audio_at=t - 0.1, generated=8)
-    young.chunk_plan = ChunkPlan(8, (8, 16))
-    assert young.playing_slack_s(t, predicted)[1] < 0 < young.playing_slack_s(t, s.frame_wall_s(16))[1]
-    t += 0.6 * predicted
-    assert s.plan(t).prefill_budget > s.policy.min_prefill_positions
-
-    for _ in range(DeadlineScheduler.FRAME_RATIO_WINDOW):
-        t += 1.5 * predicted
-        s.plan(t)
-    assert s.frame_wall_s(16) == adm.frame_gpu_s(16)
