@@ -52,10 +52,8 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _fmt(value: Any, scale: float = 1.0, digits: int = 0) -> str:
-    if value is None:
-        return "-"
-    return f"{value * scale:.{digits}f}"
+def _fmt(value: Any, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def timeline(

@@ -16,7 +16,7 @@ Four kinds of line, each with `t` (seconds on the engine's clock since the trace
 - `refuse`: a request refused at submission (queue full, or its predicted wait past its share of
   the first-audio budget), with the wait the forecast predicted for it.
 
-The engine thread only appends a tuple to a list; a daemon thread writes the lines every
+The engine thread only appends a tuple to a deque; a daemon thread writes the lines every
 `flush_s` (and at `close`), so the trace costs the step no I/O. Lines past `max_pending` between
 two writes are dropped and counted (`dropped` in the next `gap` line), never blocking the engine.
 """
@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ class AdmissionTrace:
         self._t0 = clock()
         self._flush_s = flush_s
         self._max_pending = max_pending
-        self._pending: list[tuple] = []
+        # deque: append (the engine's threads) and popleft (the writer) are each atomic, so a
+        # line appended while a write runs waits for the next one instead of being lost.
+        self._pending: deque[tuple] = deque()
         self._dropped = 0
         self._lock = threading.Lock()  # the writer's swap against `close`
         self._stop = threading.Event()
@@ -81,7 +84,7 @@ class AdmissionTrace:
             self._dropped += 1
             return
         t = (self._clock() if now is None else now) - self._t0
-        self._pending.append((kind, t, values))  # list.append: atomic under the GIL
+        self._pending.append((kind, t, values))
 
     def plan(self, now: float | None = None, **fields: Any) -> None:
         self._add("plan", now, tuple(fields.get(k) for k in PLAN_FIELDS))
@@ -104,7 +107,7 @@ class AdmissionTrace:
         with self._lock:
             if self._file.closed:
                 return
-            pending, self._pending = self._pending, []
+            pending = [self._pending.popleft() for _ in range(len(self._pending))]
             dropped, self._dropped = self._dropped, 0
             lines = []
             if dropped:
