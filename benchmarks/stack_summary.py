@@ -310,6 +310,18 @@ def admission_lines(metrics: ScrapedMetrics) -> list[str]:
             + "/".join("-" if v is None else f"{v:.0f}" for v in rq)
             + f" over {room[-1][1]:.0f} messages, {none:.0f} with none"
         )
+    took = metrics.mean("tts_talker_room_seconds")
+    twice = metrics.mean("tts_talker_room_calls_seen_meanwhile")
+    if took and twice:
+        p95 = bucket_quantile(metrics.buckets("tts_talker_room_seconds"), 0.95)
+        p95_calls = bucket_quantile(metrics.buckets("tts_talker_room_calls_seen_meanwhile"), 0.95)
+        line += (
+            f"; rooms worked out in {took[1] * 1e3:.1f} ms on average (p95 <= "
+            + ("-" if p95 is None else f"{p95 * 1e3:g} ms")
+            + f"), the gateway's calls seen meanwhile {twice[1]:.1f} on average (p95 <= "
+            + ("-" if p95_calls is None else f"{p95_calls:.0f}")
+            + ")"
+        )
     costs = {lab["cost"]: v for lab, v in metrics.values("tts_talker_admission_cost_seconds")}
     if costs:
         line += (

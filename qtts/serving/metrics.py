@@ -398,6 +398,21 @@ class TalkerMetrics(ServiceMetrics):
             buckets=ROOM_BUCKETS,
             registry=registry,
         )
+        self.room_seconds = Histogram(
+            "tts_talker_room_seconds",
+            "How long a room for a gateway took to work out (the engine's headroom; with the "
+            "engine in its own process, a round trip to it), one observation a message sent.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
+        self.room_calls_seen_meanwhile = Histogram(
+            "tts_talker_room_calls_seen_meanwhile",
+            "The gateway's calls the talker saw while a room for that gateway was worked out: the "
+            "room may count them queued while the gateway still counts them unseen, so each is "
+            "room the gateway loses until its next message.",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=registry,
+        )
         self.start_plans_total = Counter(
             "tts_talker_start_plans_total",
             "New streams by the first chunk asked of code2wav (first: frames, or default: the "

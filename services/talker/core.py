@@ -257,6 +257,13 @@ class TalkerCore:
         """One room sent to a gateway (GetCapacity or WatchCapacity): `accept` requests."""
         self._metrics.published_room_streams.observe(accept)
 
+    def observe_room_worked_out(self, seconds: float, calls_seen: int) -> None:
+        """A room for a gateway took `seconds` to work out (the engine's answer), and that
+        gateway's calls seen meanwhile were `calls_seen` (counted in the room's queue and again
+        by the gateway as not yet seen: room lost to the gateway for that message)."""
+        self._metrics.room_seconds.observe(seconds)
+        self._metrics.room_calls_seen_meanwhile.observe(calls_seen)
+
     def _refuse_at_once(self, in_engine: bool) -> None:
         """The refusals a request gets before it queues for its prompt: a full prompt queue, then
         (prompts built in this process) the engine's admission counting the prompts ahead. With

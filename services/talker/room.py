@@ -114,13 +114,23 @@ def capacity_message(room: Any, calls_seen: int | None = None) -> talker_pb2.Get
 
 
 async def published_room(
-    headroom: Callable[[], Awaitable[Any]], seen: SeenCalls, caller: str
+    headroom: Callable[[], Awaitable[Any]],
+    seen: SeenCalls,
+    caller: str,
+    observe: Callable[[float, int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> talker_pb2.GetCapacityResponse:
     """The room now, with the caller's calls seen. Those are read first: a call seen while the
     room is worked out is then counted in the room and not in the calls seen, so the gateway
-    subtracts it twice (one request too few, never one too many)."""
+    subtracts it twice (one request too few, never one too many). `observe(seconds, calls)`
+    hears how long the room took to work out and how many of the caller's calls were seen
+    meanwhile (each possibly counted twice so)."""
     calls_seen = seen.seen(caller) if caller else None
-    msg = capacity_message(await headroom(), calls_seen)
+    started = clock()
+    room = await headroom()
+    if observe is not None:
+        observe(clock() - started, seen.seen(caller) - calls_seen if caller else 0)
+    msg = capacity_message(room, calls_seen)
     if caller and msg.accept:
         msg.accept = max(1, math.ceil(msg.accept * seen.share(caller)))
     return msg
@@ -132,18 +142,27 @@ async def watch_room(
     caller: str,
     stopping: asyncio.Event,
     *,
+    observe: Callable[[float, int], None] | None = None,
     interval_s: float = WATCH_INTERVAL_S,
     heartbeat_s: float = WATCH_HEARTBEAT_S,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[talker_pb2.GetCapacityResponse]:
-    """The room at once, then on every change and every `heartbeat_s`, until `stopping` is set."""
+    """The room at once, then on every change and every `heartbeat_s`, until `stopping` is set;
+    `observe` (as `published_room`'s) hears each room sent."""
     last: tuple | None = None
     last_at = 0.0
+    worked_out: list[tuple[float, int]] = []  # the last room's (seconds, calls seen meanwhile)
+
+    def heard(seconds: float, calls: int) -> None:
+        worked_out[:] = [(seconds, calls)]
+
     while not stopping.is_set():
-        msg = await published_room(headroom, seen, caller)
+        msg = await published_room(headroom, seen, caller, heard)
         key = (msg.accept, msg.retry_after_s, msg.calls_seen if msg.HasField("calls_seen") else None)
         now = clock()
         if key != last or now - last_at >= heartbeat_s:
             last, last_at = key, now
+            if observe is not None:  # the rooms sent, not every one worked out
+                observe(*worked_out[0])
             yield msg
         await asyncio.sleep(interval_s)  # a drain ends the watch within one interval

@@ -190,7 +190,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         self, request: talker_pb2.GetCapacityRequest, context: grpc.aio.ServicerContext
     ) -> talker_pb2.GetCapacityResponse:
         core = self._ready_core()
-        msg = await published_room(core.headroom, self.seen, request.caller)
+        msg = await published_room(core.headroom, self.seen, request.caller, core.observe_room_worked_out)
         core.observe_published_room(msg.accept)
         return msg
 
@@ -199,7 +199,9 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     ) -> AsyncIterator[talker_pb2.GetCapacityResponse]:
         core = self._ready_core()
         async with contextlib.aclosing(
-            watch_room(core.headroom, self.seen, request.caller, self.stopping)
+            watch_room(
+                core.headroom, self.seen, request.caller, self.stopping, observe=core.observe_room_worked_out
+            )
         ) as msgs:
             async for msg in msgs:
                 core.observe_published_room(msg.accept)

@@ -80,6 +80,8 @@ HISTOGRAMS = {
     "tts_gateway_deadline_slack_seconds",
     "tts_talker_admission_capacity_streams",
     "tts_talker_published_room_streams",
+    "tts_talker_room_seconds",
+    "tts_talker_room_calls_seen_meanwhile",
     "tts_aligner_batch_size",
     "tts_aligner_forward_seconds",
 }

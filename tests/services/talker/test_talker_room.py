@@ -42,11 +42,20 @@ async def test_the_calls_seen_are_read_before_the_room_is_worked_out():
         seen.saw(((CALLER_KEY, "g"),))  # arrives meanwhile
         return Headroom(start_now=1, accept=3, retry_after_s=0, running=2, waiting=0)
 
-    msg = await published_room(headroom, seen, "g")
+    heard: list[tuple[float, int]] = []
+    clock = iter([10.0, 10.25, 20.0, 20.5])
+    msg = await published_room(
+        headroom, seen, "g", lambda s, n: heard.append((s, n)), clock=lambda: next(clock)
+    )
     assert (msg.accept, msg.calls_seen, msg.running) == (3, 0, 2)
     assert seen.seen("g") == 1
-    anonymous = await published_room(headroom, seen, "")
+    # What it cost and whom it counted twice: 0.25 s to work out, one of g's calls seen meanwhile.
+    assert heard == [(0.25, 1)]
+    anonymous = await published_room(
+        headroom, seen, "", lambda s, n: heard.append((s, n)), clock=lambda: next(clock)
+    )
     assert not anonymous.HasField("calls_seen")  # no caller: nothing to say
+    assert heard[-1] == (0.5, 0)
 
 
 async def test_the_watch_pushes_at_once_on_change_and_on_the_heartbeat_then_ends_when_stopping():
@@ -104,6 +113,9 @@ async def test_a_real_talker_counts_each_gateway_s_calls_and_pushes_its_room():
         none = registry.get_sample_value("tts_talker_published_room_streams_bucket", {"le": "0.0"})
         at_most_one = registry.get_sample_value("tts_talker_published_room_streams_bucket", {"le": "1.0"})
         assert sent >= 5 and none >= 3 and at_most_one == sent
+        # Each of them was worked out once, and timed.
+        assert registry.get_sample_value("tts_talker_room_seconds_count") == sent
+        assert registry.get_sample_value("tts_talker_room_calls_seen_meanwhile_count") == sent
         started = time.monotonic()
         await s.talker.stop(5.0)  # the drain ends the watch instead of waiting out its grace
         while await watch.read() is not grpc.aio.EOF:
