@@ -261,6 +261,14 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
             f"{_ms(bucket_quantile(accept, 0.95))} ms over {accept[-1][1]:.0f} calls"
         )
     lines.extend(admission_lines(metrics))
+    # A gateway's requests by their end: with several gateways, whose share of the room ran out.
+    ends = {
+        f"{lab.get('protocol', '?')} {lab.get('status', '?')}": v
+        for lab, v in metrics.values("tts_gateway_requests_total")
+        if v > 0
+    }
+    if ends:
+        lines.append("  requests by end: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(ends.items())))
     lines.extend(start_plan_lines(metrics))
     lines.extend(step_lines(metrics))
     lines.extend(decode_lines(metrics))

@@ -277,3 +277,21 @@ def test_a_closed_loop_s_opening_burst_is_read_against_how_soon_it_started():
     assert opening_split(records[:3], 4) is None
     level = {"mode": "closed", "concurrency": 4, "records": records}
     assert "  4: opening: the first 4 requests" in "\n".join(failure_lines({"levels": [level]}))
+
+
+def test_each_gateway_s_requests_by_their_end(tmp_path):
+    """With several gateways, whose share of the talker's room ran out shows per gateway."""
+    from qtts.serving.metrics import GatewayMetrics
+
+    run = tmp_path / "http1"
+    run.mkdir()
+    for name, refused in (("gateway", 0), ("gateway-1", 164)):
+        gw = GatewayMetrics(CollectorRegistry())
+        gw.requests_total.labels("http", "ok").inc(360)
+        if refused:
+            gw.requests_total.labels("http", "resource_exhausted").inc(refused)
+        (run / f"metrics-{name}.txt").write_bytes(generate_latest(gw.registry))
+    lines = summary([tmp_path]).splitlines()
+    assert lines[lines.index("gateway:") + 1 :][:3].count("  requests by end: http ok 360") == 1
+    after = lines[lines.index("gateway-1:") + 1 :]
+    assert "  requests by end: http ok 360, http resource_exhausted 164" in after
