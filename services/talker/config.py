@@ -246,6 +246,14 @@ class TalkerConfig:
         "a new request queues only while its predicted start is within this share of "
         "--first-audio-budget-ms; once queued, only a start predicted past the whole budget refuses it",
     )
+    # Off by default until an A/B on fresh stacks says what it does to a closed loop's opening
+    # (room.py, SeenCalls.share).
+    room_share_floor: float = setting(
+        0.0,
+        "each gateway asking for room gets at least this fraction of an equal split of it, whatever "
+        "its recent calls (0 = by its calls alone; 1 = at least 1/N each, so N gateways may send up "
+        "to twice the room and the talker refuses the excess itself)",
+    )
     admission_trace: str = setting(
         "",
         "write every admission decision (plans, steps, the room sent to the gateways) as JSON lines "
@@ -407,6 +415,8 @@ class TalkerConfig:
             raise InvalidArgument(f"--start-plan-margin must be >= 1, got {self.start_plan_margin:g}")
         if self.first_chunk_step_ms <= 0:
             raise InvalidArgument(f"--first-chunk-step-ms must be > 0, got {self.first_chunk_step_ms:g}")
+        if not 0 <= self.room_share_floor <= 1:
+            raise InvalidArgument(f"--room-share-floor must be in [0, 1], got {self.room_share_floor}")
         if not 0 < self.queue_budget_share <= 1:
             raise InvalidArgument(f"--queue-budget-share must be in (0, 1], got {self.queue_budget_share}")
         if self.admission_max_duty < 0 or self.admission_max_load < 0 or self.first_audio_budget_ms < 0:

@@ -7,7 +7,8 @@ relaying hundreds of streams takes new calls late) is in neither count, so each 
 also says how many calls of that gateway the talker had seen (`calls_seen`, from the `x-tts-caller`
 metadata the gateway sends): the gateway's room is the published one less its calls not yet seen.
 Several gateways asking share the room in proportion to the calls each has been sending
-(`SeenCalls.share`), each at least one request while there is any.
+(`SeenCalls.share`), each at least one request while there is any, and with `share_floor` (the
+talker's `--room-share-floor`) each at least that fraction of an equal split.
 
 WatchCapacity sends the room at once, then whenever it (or the calls seen) changes, checked every
 `WATCH_INTERVAL_S`, and at least every `WATCH_HEARTBEAT_S`; it ends when the talker drains.
@@ -51,7 +52,16 @@ class SeenCalls:
     to the calls they have been sending (each at least one request while there is room), instead
     of the whole room each, which would let N gateways send N times what the talker takes."""
 
-    def __init__(self, max_callers: int = MAX_CALLERS, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_callers: int = MAX_CALLERS,
+        clock: Callable[[], float] = time.monotonic,
+        share_floor: float = 0.0,
+    ):
+        if not 0.0 <= share_floor <= 1.0:
+            raise ValueError(f"share_floor must be in [0, 1], got {share_floor}")
+        # Each asking caller's share is at least this fraction of 1 / (callers asking).
+        self.share_floor = share_floor
         self._callers: BoundedLru[str, _Caller] = BoundedLru(max_entries=max_callers)
         # Callers that asked for their room within ACTIVE_S: when each last asked. Pruned as the
         # shares are worked out, so a share looks at the gateways there now, not every one
@@ -80,7 +90,15 @@ class SeenCalls:
     def share(self, caller: str) -> float:
         """`caller`'s share of the room (1.0 while it is the only caller asking): its recent call
         rate, plus `RATE_FLOOR` so that a quiet gateway still gets some, over all callers' that
-        asked for their room within `ACTIVE_S`."""
+        asked for their room within `ACTIVE_S`; with `share_floor`, at least that fraction of an
+        equal split among them.
+
+        The rate follows the calls seen, so at a burst's opening the gateway whose calls come
+        first holds most of the room and one whose calls come a few hundred milliseconds later
+        finds its share taken while the talker still has room: on an H100 at c=768 four gateways
+        of 525 requests each refused 0, 60, 164 and 97 (benchmarks/HISTORY.md, fourth session of
+        2026-12-07). A floor of 1 gives each at least an equal split: the gateways together may
+        then send up to twice the room, and the talker refuses the excess itself."""
         now = self._clock()
         self._asking[caller] = now
         mine = total = 0.0
@@ -93,7 +111,7 @@ class SeenCalls:
             total += weight
             if key == caller:
                 mine = weight
-        return mine / total
+        return max(mine / total, self.share_floor / len(self._asking))
 
 
 def _decayed(entry: _Caller, now: float) -> float:

@@ -68,7 +68,7 @@ class TalkerServer:
         self._spec_factory = spec_factory
         self._run_warm_up = run_warm_up
         self.host = GrpcServiceHost.internal(config, SERVICE_NAME, self.metrics)
-        self.servicer = TalkerServicer()
+        self.servicer = TalkerServicer(room_share_floor=config.room_share_floor)
         talker_pb2_grpc.add_TalkerServiceServicer_to_server(self.servicer, self.host.server)
         self.host.add_shutdown_callback(self._shutdown)
         self.host.add_drain_callback(self.servicer.drain)  # ends WatchCapacity and idle Session calls

@@ -100,11 +100,14 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
     """Generate streams a request's audio then its summary (Session: many requests on one call);
     GetModelInfo describes the model; GetCapacity says how many more requests it would take now."""
 
-    def __init__(self, core: TalkerCore | None = None, sample_rate_hz: int = 24000):
+    def __init__(
+        self, core: TalkerCore | None = None, sample_rate_hz: int = 24000, room_share_floor: float = 0.0
+    ):
         # None until the model is loaded: the server registers the servicer before it starts.
         self.core = core
         self._sample_rate_hz = sample_rate_hz
-        self.seen = SeenCalls()  # each gateway's calls seen, published with the room (room.py)
+        # Each gateway's calls seen, published with the room, and its share of it (room.py).
+        self.seen = SeenCalls(share_floor=room_share_floor)
         # Set when the talker drains: WatchCapacity calls end instead of holding the drain, and
         # Session calls once their streams have.
         self.stopping = asyncio.Event()

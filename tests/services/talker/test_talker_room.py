@@ -164,3 +164,45 @@ async def test_gateways_share_the_room_by_the_calls_they_send_and_a_quiet_one_st
     assert 3 <= shares[0] <= shares[1] <= 7 and sum(shares) <= 11
     now[0] += 10.0  # "quiet" stopped asking: "busy" alone again
     assert (await published_room(headroom, seen, "busy")).accept == 10
+
+
+async def test_a_share_floor_keeps_a_gateway_whose_burst_comes_later_from_starving():
+    """A level's opening: one gateway's calls have been coming (here 10 a second for 2 s, as a
+    probe's), three more gateways ask for their room as their own bursts begin. By the calls
+    seen alone each of the three gets a few of 100; with `--room-share-floor 1` each gets at least
+    an equal split (25), and all four together at most twice the room."""
+    now = [100.0]
+
+    async def headroom():
+        return Headroom(start_now=100, accept=100, retry_after_s=0, running=0, waiting=0)
+
+    def seen_with(floor: float) -> SeenCalls:
+        seen = SeenCalls(clock=lambda: now[0], share_floor=floor)
+        for _ in range(20):
+            now[0] += 0.1
+            seen.saw(((CALLER_KEY, "a"),))
+        return seen
+
+    late = {}
+    for floor in (0.0, 1.0):
+        seen = seen_with(floor)
+        rooms = {c: (await published_room(headroom, seen, c)).accept for c in "abcd"}
+        rooms = {c: (await published_room(headroom, seen, c)).accept for c in "abcd"}  # all asking now
+        assert rooms["b"] == rooms["c"] == rooms["d"]
+        assert rooms["a"] >= 70 and sum(rooms.values()) <= 2 * 100 + 4
+        late[floor] = rooms["b"]
+    assert late[0.0] <= 10 and late[1.0] == 25
+    with pytest.raises(ValueError, match="share_floor"):
+        SeenCalls(share_floor=1.5)
+
+
+def test_the_share_floor_flag_is_checked():
+    from qtts.request.errors import InvalidArgument
+    from services.talker.config import TalkerConfig, config_from_args
+
+    assert config_from_args([]).room_share_floor == 0.0
+    assert config_from_args(["--room-share-floor", "1"]).room_share_floor == 1.0
+    with pytest.raises(InvalidArgument, match="--room-share-floor must be in"):
+        TalkerConfig(room_share_floor=-0.5).validate()
+    with pytest.raises(SystemExit):  # the command line says so and exits
+        config_from_args(["--room-share-floor", "2"])
