@@ -4,9 +4,14 @@ A single Python client reading hundreds of streamed responses can fall behind th
 loop lag then reads as gaps in the audio. With `--processes N` every level's requests are split
 over N worker processes: request i of the level goes to worker i mod N (so every level still walks
 the same prompt, seed and length sequence), closed-loop slots are split as evenly as possible, and
-open-loop arrival i keeps its time. All workers start together at one moment of the host's
-monotonic clock (`time.perf_counter` is CLOCK_MONOTONIC on Linux, shared by every process), and
-their records are merged back into one level with start times on one time base.
+open-loop arrival i keeps its time. All workers start together: at one moment of the host's
+monotonic clock (`time.perf_counter` is CLOCK_MONOTONIC on Linux, shared by every process), or,
+when a worker is not ready by then, once every worker is (a barrier). Without the barrier a worker
+that missed the moment started alone when it was ready: on an H100 host busy with a stack, all
+eight workers of a c=768 level missed it and started over 0.2-2.6 s, so the closed loop's opening
+came in waves, and the gateways the late workers sent to refused most of what was refused
+(benchmarks/HISTORY.md, fourth session of 2026-12-07). Their records are merged back into one
+level with start times on one time base.
 
 Each worker warms its own client (`warm`: a health check through the same connection pool or
 channels, no synthesis) while it waits for the common start, so its first request does not pay
@@ -21,15 +26,21 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from benchmarks.loadgen import LevelRun, retry_after_backoff, run_closed_loop, run_open_loop
 from benchmarks.metrics import RequestRecord
 from benchmarks.transport import warm_or_log
 
 START_DELAY_S = 2.0  # room for every worker to import, load the reference clip and warm its client
+# A worker past the common moment still warms its client this long (the others wait for it).
+LATE_WARM_S = 1.0
+# How long the workers wait at the barrier for the last one before starting without it.
+BARRIER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -91,26 +102,37 @@ async def _drive(
     start_at: float,
     deadline_in_s: float | None,
     make_sender: SenderFactory,
+    ready: Callable[[], object] | None = None,
 ) -> tuple[float, LevelRun]:
+    """One worker's share of a level. `ready` (blocking) returns once every worker has called it:
+    the barrier that keeps a worker that missed `start_at` from starting alone."""
     send_global, aclose, warm = make_sender(args, spec)  # the worker's own client
     try:
         indices, slots, arrivals = shard(spec, worker, processes)
-        if not indices or (spec.mode == "closed" and not slots):
-            return start_at, LevelRun()
+        idle = not indices or (spec.mode == "closed" and not slots)
 
         async def send(local: int) -> RequestRecord:
             record = await send_global(indices[local])
             return record
 
-        # Within the wait for the common start, never past it: a late worker starts cold.
+        # Within the wait for the common start; a worker past it warms briefly (the others wait).
         remaining = start_at - time.perf_counter()
-        if remaining > 0:
-            await warm_or_log(warm, remaining, f"client process {worker}")
-        else:
-            print(f"tts-bench: client process {worker}: no time left to warm the client", file=sys.stderr)
+        if not idle:
+            await warm_or_log(warm, max(remaining, LATE_WARM_S), f"client process {worker}")
+        if ready is not None:  # every worker, an idle one too: the barrier counts them all
+            try:
+                await asyncio.to_thread(ready)
+            except threading.BrokenBarrierError:
+                print(
+                    f"tts-bench: client process {worker}: the other workers were not ready", file=sys.stderr
+                )
+        if idle:
+            return start_at, LevelRun()
         delay = start_at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        elif ready is None:
+            print(f"tts-bench: client process {worker}: started {-delay:.2f} s late", file=sys.stderr)
         started = time.perf_counter()
         deadline = None if deadline_in_s is None else start_at + deadline_in_s
         if spec.mode == "closed":
@@ -134,8 +156,10 @@ def _worker(
     start_at: float,
     deadline_in_s: float | None,
     make_sender: SenderFactory,
+    barrier: Any = None,
 ) -> tuple[float, LevelRun]:
-    return asyncio.run(_drive(args, spec, worker, processes, start_at, deadline_in_s, make_sender))
+    ready = None if barrier is None else barrier.wait
+    return asyncio.run(_drive(args, spec, worker, processes, start_at, deadline_in_s, make_sender, ready))
 
 
 def run_level(
@@ -148,12 +172,15 @@ def run_level(
     """Run one level over `processes` worker processes (spawned: no state shared with this one).
     `make_sender` must be a module-level function: the workers receive it by reference."""
     worker_args = argparse.Namespace(**{**vars(args), "processes": 1, "no_progress": True})
-    start_at = time.perf_counter() + START_DELAY_S
-    deadline_in_s = None if deadline is None else max(0.0, deadline - start_at)
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+    with ctx.Manager() as manager, concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+        barrier = manager.Barrier(processes, timeout=BARRIER_TIMEOUT_S)
+        start_at = time.perf_counter() + START_DELAY_S
+        deadline_in_s = None if deadline is None else max(0.0, deadline - start_at)
         futures = [
-            pool.submit(_worker, worker_args, spec, w, processes, start_at, deadline_in_s, make_sender)
+            pool.submit(
+                _worker, worker_args, spec, w, processes, start_at, deadline_in_s, make_sender, barrier
+            )
             for w in range(processes)
         ]
         parts = [f.result() for f in futures]

@@ -868,3 +868,56 @@ def test_voice_pool_warm_sends_every_pool_voice_once_before_the_levels(tmp_path)
     assert len(levels) == 6 and {r["ref_audio"] for r in levels} <= {r["ref_audio"] for r in warm}
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["warmup"]["voice_pool_warm"]["voices"] == 5 and data["warmup"]["voice_pool_warm"]["ok"] == 5
+
+
+def test_workers_that_miss_the_common_start_wait_for_each_other():
+    """benchmarks.multiproc: a worker not ready by `start_at` (its warm-up 0.5 s late) holds the
+    others at the barrier, and every worker's first request goes out together, not in waves as
+    each becomes ready; an idle worker (no requests of its own) still counts at the barrier."""
+    import asyncio
+    import threading
+    import time
+
+    from benchmarks.metrics import RequestRecord
+    from benchmarks.multiproc import LevelSpec, _drive
+
+    first_send: dict[int, float] = {}
+
+    def make_sender_for(worker, warm_s):
+        def make_sender(args, spec):
+            async def send(index):
+                first_send.setdefault(worker, time.perf_counter())
+                return RequestRecord(index=index, prompt_index=0, start_s=0.0, ok=True, status="ok")
+
+            async def aclose():
+                pass
+
+            async def warm():
+                await asyncio.sleep(warm_s)
+
+            return send, aclose, warm
+
+        return make_sender
+
+    spec = LevelSpec("closed", total=2, offset=0, concurrency=2)  # workers 0 and 1 send, 2 is idle
+    barrier = threading.Barrier(3, timeout=10)
+    start_at = time.perf_counter() + 0.1
+    late_s = {0: 0.0, 1: 0.6, 2: 0.0}
+    results = {}
+
+    def run(worker):
+        results[worker] = asyncio.run(
+            _drive(
+                None, spec, worker, 3, start_at, None, make_sender_for(worker, late_s[worker]), barrier.wait
+            )
+        )
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(first_send) == [0, 1]
+    assert first_send[0] >= start_at + 0.5  # waited for worker 1's warm-up
+    assert abs(first_send[0] - first_send[1]) < 0.1  # together
+    assert [r.index for r in results[0][1].records] == [0] and results[2][1].records == []
