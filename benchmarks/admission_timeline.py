@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
 import re
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+from services.talker.admission_trace import read_trace
 
 
 def burst_starts(rows: Sequence[dict[str, Any]], waiting: int, quiet_s: float = 2.0) -> list[float]:
@@ -143,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=0.2, help="seconds a row")
     ap.add_argument("--span", type=float, default=3.0, help="seconds shown from the burst's start")
     args = ap.parse_args(argv)
-    print(report(read_rows(args.trace), args.burst, args.window, args.span, str(args.trace)))
+    print(report(read_trace(args.trace), args.burst, args.window, args.span, str(args.trace)))
     return 0
 
 

@@ -349,6 +349,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stand_in_flags(p: argparse.ArgumentParser, room: int) -> None:
+    """The stand-in talker's flags: the room it publishes, its streams' length and pace."""
+    p.add_argument("--room", type=int, default=room, help="streams the talker publishes room for")
+    p.add_argument("--frames", type=int, default=125)
+    p.add_argument("--speedup", type=float, default=4.0)
+    p.add_argument("--lead-s", type=float, default=4.0)
+
+
+def _stack_parser(
+    sub: argparse._SubParsersAction, name: str, help: str, room: int
+) -> argparse.ArgumentParser:
+    """A subcommand that starts the room stack (`room_stack`): its folder and the stand-in's and
+    the gateway's flags."""
+    c = sub.add_parser(name, help=help)
+    c.add_argument("--out", required=True)
+    _stand_in_flags(c, room)
+    c.add_argument("--gateway-args", default="--max-streams 1024", help="extra flags for the gateway")
+    return c
+
+
+def _client_parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
+    """A client subcommand with the flags both clients take (the stack's command line builds them
+    with `client_command`)."""
+    c = sub.add_parser(name, help=help)
+    c.add_argument("--url", required=True)
+    c.add_argument("--requests", type=int, required=True)
+    c.add_argument("--frames", type=int, default=125)
+    c.add_argument("--pools", type=int, default=POOLS)
+    c.add_argument("--out", required=True)
+    return c
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.refusal_latency", description=__doc__.split("\n\n")[0]
@@ -357,49 +389,24 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("talker", help="the stand-in talker publishing its room")
     t.add_argument("--host", default="127.0.0.1")
     t.add_argument("--port", type=int, default=50052)
-    t.add_argument("--room", type=int, default=100)
-    t.add_argument("--frames", type=int, default=125)
-    t.add_argument("--speedup", type=float, default=4.0)
-    t.add_argument("--lead-s", type=float, default=4.0)
-    ld = sub.add_parser("load", help="the loaded client (a closed loop)")
-    ld.add_argument("--url", required=True)
+    _stand_in_flags(t, room=100)
+    ld = _client_parser(sub, "load", "the loaded client (a closed loop)")
     ld.add_argument("--concurrency", type=int, required=True)
-    ld.add_argument("--requests", type=int, required=True)
     ld.add_argument("--duration-s", type=float, default=20.0)
-    ld.add_argument("--frames", type=int, default=125)
-    ld.add_argument("--out", required=True)
-    ld.add_argument("--pools", type=int, default=POOLS)
-    r = sub.add_parser("run", help="the stack, the loader and the prober")
-    r.add_argument("--out", required=True)
-    r.add_argument("--room", type=int, default=100, help="streams the talker publishes room for")
+    r = _stack_parser(sub, "run", "the stack, the loader and the prober", room=100)
     r.add_argument("--concurrency", type=int, default=150, help="the loader's closed-loop streams")
     r.add_argument("--requests", type=int, default=100_000, help="the loader's requests at most")
     r.add_argument("--duration-s", type=float, default=20.0, help="how long the loader runs")
-    r.add_argument("--frames", type=int, default=125)
-    r.add_argument("--speedup", type=float, default=4.0)
-    r.add_argument("--lead-s", type=float, default=4.0)
     r.add_argument("--pools", type=int, default=POOLS, help="the loader's connection pools (1: one)")
     r.add_argument("--probe-every-s", type=float, default=0.1)
-    r.add_argument("--gateway-args", default="--max-streams 1024", help="extra flags for the gateway")
-    bc = sub.add_parser("burst-client", help="the burst client")
-    bc.add_argument("--url", required=True)
-    bc.add_argument("--requests", type=int, required=True)
+    bc = _client_parser(sub, "burst-client", "the burst client")
     bc.add_argument("--bursts", type=int, required=True)
-    bc.add_argument("--frames", type=int, default=125)
     bc.add_argument("--pause-s", type=float, default=1.0)
-    bc.add_argument("--pools", type=int, default=POOLS)
-    bc.add_argument("--out", required=True)
-    b = sub.add_parser("burst", help="the stack and a level's opening burst, repeated")
-    b.add_argument("--out", required=True)
-    b.add_argument("--room", type=int, default=48, help="streams the talker publishes room for")
+    b = _stack_parser(sub, "burst", "the stack and a level's opening burst, repeated", room=48)
     b.add_argument("--requests", type=int, default=96, help="voice clones sent at once, a burst")
     b.add_argument("--bursts", type=int, default=5)
     b.add_argument("--pause-s", type=float, default=1.0, help="idle time after each burst's streams end")
-    b.add_argument("--frames", type=int, default=125)
-    b.add_argument("--speedup", type=float, default=4.0)
-    b.add_argument("--lead-s", type=float, default=4.0)
     b.add_argument("--pools", type=int, default=POOLS, help="the client's connection pools")
-    b.add_argument("--gateway-args", default="--max-streams 1024", help="extra flags for the gateway")
     return p
 
 

@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks import admission_timeline
 from benchmarks.metrics import REFUSAL_STATUSES, percentiles
 from qtts.request.vocabulary import NATIVE_SAMPLE_RATE, SAMPLES_PER_FRAME
+from services.talker.admission_trace import read_trace
 
 # Stages worth a mean per service (tts_stage_latency_seconds{stage}); the rest stay in the file.
 STAGES = {
@@ -462,9 +463,7 @@ def summary(roots: Sequence[Path]) -> str:
         # The talker's admission trace (ADMISSION_TRACE=1): each burst's first seconds.
         for trace in sorted([*run.glob("admission-trace.jsonl"), *run.glob("admission-trace.jsonl.gz")]):
             out.append(f"admission ({trace.name}):")
-            out.append(
-                admission_timeline.report(admission_timeline.read_rows(trace), 32, 0.2, 3.0, trace.name)
-            )
+            out.append(admission_timeline.report(read_trace(trace), 32, 0.2, 3.0, trace.name))
     return "\n".join(out)
 
 

@@ -23,6 +23,7 @@ two writes are dropped and counted (`dropped` in the next `gap` line), never blo
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
@@ -132,6 +133,9 @@ class AdmissionTrace:
 
 
 def read_trace(path: str | Path) -> list[dict[str, Any]]:
-    """The lines of a trace file, as dicts (for the benchmarks' reports and the tests)."""
-    with Path(path).open(encoding="utf-8") as f:
+    """The lines of a trace file (or its gzip, `.gz`), as dicts (for the benchmarks' reports and
+    the tests)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
