@@ -82,6 +82,8 @@ class EngineClient:
         log.info("engine process %d ready", self.facts.pid)
         return self.facts
 
+    KILL_WAIT_S = 15.0
+
     def stop(self, timeout: float | None = 5.0) -> None:
         self._stopping = True
         try:
@@ -92,7 +94,10 @@ class EngineClient:
             self._process.join(timeout)
             if self._process.is_alive():
                 self._process.kill()
-                self._process.join(1.0)
+                # A killed process ends, but tearing down its memory (a model, a CUDA context) can
+                # take seconds on a loaded host: wait for it, so that a stopped front leaves no
+                # engine behind (1 s was too short once on a 2-core CI machine under the suite).
+                self._process.join(self.KILL_WAIT_S)
 
     @property
     def alive(self) -> bool:
