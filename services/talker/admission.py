@@ -220,6 +220,7 @@ class Admission:
     _DRAIN_MEMORY = 100  # admissions the drain rate averages over (about half a second in a burst)
     _SAME_EVENT_S = 1e-3  # admissions this close together are one event (one step's plan)
     _FORGET_AFTER_S = 0.25  # idle this long, the talker forgets its backlog's drain rate
+    _RECENT_S = 1.0  # a stalled queue's drain rate is at least its admissions of this long ago on
 
     def __init__(self, config: AdmissionConfig | None = None, frame_s: float = 0.08):
         self.config = config or AdmissionConfig()
@@ -232,6 +233,9 @@ class Admission:
         # The admission events (the steps that started some) among them, decayed alike: how long
         # a backlog normally goes without an admission, the yardstick of a stall.
         self._event_count = 0.0
+        # When the backlog's admissions of the last `_RECENT_S` happened: a stall lowers the drain
+        # rate no further than their count over that time (`drain_per_s`).
+        self._recent: deque[float] = deque()
         self._idle_since: float | None = None  # since when the talker is idle (`note_queue`)
         # The decoder's cost on this GPU: the flag's prior until code2wav publishes its own.
         self.decoder_frame_s = self.config.decoder_frame_s
@@ -365,6 +369,8 @@ class Admission:
             last = self._last_admit_at
             first_of_event = last is None or now - last > self._SAME_EVENT_S
             self._event_count = self._event_count * keep + (1.0 if first_of_event else 0.0)
+            self._recent.append(now)
+            self._forget_before(now - self._RECENT_S)
         self._last_admit_at = now
 
     def note_queue(self, now: float, idle: bool) -> None:
@@ -391,6 +397,12 @@ class Admission:
         queue was empty because every arrival was refused at submission (`note_queue`)."""
         if self._idle_since is not None and now - self._idle_since >= self._FORGET_AFTER_S:
             self._drain_busy_s = self._drain_count = self._event_count = 0.0
+            self._recent.clear()
+
+    def _forget_before(self, when: float) -> None:
+        recent = self._recent
+        while recent and recent[0] < when:
+            recent.popleft()
 
     def drain_per_s(self, now: float, waiting_since: float | None = None) -> float | None:
         """Admissions per second; while a request waits (`waiting_since`: when the oldest waiting
@@ -411,7 +423,17 @@ class Admission:
             # stack, 2026-12-06: "56 requests wait to start, about 3.1 s").
             event_gap = max(self._drain_busy_s / self._event_count, 1e-4) if self._event_count else gap
             if stalled > event_gap:
-                gap *= stalled / event_gap
+                # No lower than the admissions of the last `_RECENT_S` over that time: a hold of
+                # a few tenths of a second (prompts waiting for their prefill, a few young streams
+                # short of audio) in a burst admitting 700 a second read as 90 a second, and an H100
+                # stack refused 310 of a closed loop's 768 at once ("386 requests wait to start,
+                # about 4.6 s") that then started within 1.6 s (HISTORY.md, fifth session of
+                # 2026-12-07). A queue stalled for longer than that still decays.
+                stalled_gap = gap * stalled / event_gap
+                self._forget_before(now - self._RECENT_S)
+                if self._recent:
+                    stalled_gap = max(gap, min(stalled_gap, self._RECENT_S / len(self._recent)))
+                gap = stalled_gap
         return 1.0 / gap
 
     def predicted_wait_s(

@@ -125,7 +125,8 @@ def test_a_request_arriving_mid_step_sees_the_burst_s_drain_rate_not_a_stall():
     last step's admissions, with a queue waiting, meets the same rate: a step's length without an
     admission is no stall. Judged per admission it read 20 a second, and an H100 stack told the
     57th request of a burst it would wait 3.1 s ("56 requests wait to start") and refused it. Past
-    the steps' usual interval the rate still decays, and a queue stalled for 3 s drains slowly."""
+    the steps' usual interval the rate decays, but no lower than the last second's admissions over
+    that second; a queue stalled for 3 s drains slowly."""
     cfg = AdmissionConfig(first_audio_budget_s=6.0)
     adm = Admission(cfg)
     s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=adm)
@@ -139,11 +140,36 @@ def test_a_request_arriving_mid_step_sees_the_burst_s_drain_rate_not_a_stall():
     for i in range(56):
         s.submit(req(f"w{i}"), now=last + 0.05)
     assert s.predicted_wait_s(last + 0.05) == pytest.approx(57 / 296.0, rel=0.1)  # not 3.1 s
-    # Twice the steps' interval without an admission: half the rate; 3 s: about 5 a second.
-    assert adm.drain_per_s(last + 0.108, waiting_since=0.0) == pytest.approx(148.0, rel=0.1)
+    # Twice the steps' interval without an admission: the last second's 17 steps of 16, not half
+    # the rate; 3 s: about 5 a second, the last second having admitted none.
+    assert adm.drain_per_s(last + 0.108, waiting_since=0.0) == pytest.approx(272.0, rel=0.02)
     assert adm.drain_per_s(last + 3.0, waiting_since=0.0) == pytest.approx(5.3, rel=0.1)
     with pytest.raises(ResourceExhausted, match="first-audio budget"):
         s.submit(req("behind-a-stall"), now=last + 3.0)
+
+
+def test_a_burst_s_short_hold_does_not_refuse_what_the_burst_s_pace_would_start():
+    """A closed loop's opening: 224 start in 0.28 s (sixteen a step, a step every 20 ms), then
+    admission holds 0.3 s (prompts waiting for their prefill). The held queue's rate read 90 a
+    second (the stall against the 20 ms between admission events), and an H100 stack refused 310
+    of 768 at once ("386 requests wait to start, about 4.6 s") that started within 1.6 s. The last
+    second's admissions say 224 a second: the 386th waits about 1.7 s, within half of a 6 s budget.
+    Held for 1.5 s more, the last second admitted none: the queue is stalled, and it is refused."""
+    adm = Admission(AdmissionConfig(first_audio_budget_s=6.0))
+    s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=adm)
+    t = 0.0
+    for _ in range(14):
+        t += 0.02
+        for k in range(16):
+            adm.observe_admit(t + k * 1e-5, submitted_at=0.0)
+    hold = t + 0.3
+    for i in range(385):
+        s.submit(req(f"w{i}"), now=t + 0.01)
+    assert adm.drain_per_s(hold, waiting_since=t + 0.01) == pytest.approx(224.0, rel=0.02)
+    assert s.predicted_wait_s(hold) == pytest.approx(386 / 224.0, rel=0.05)
+    s.submit(req("386th"), now=hold)  # not refused
+    with pytest.raises(ResourceExhausted, match="first-audio budget"):
+        s.submit(req("after-a-long-hold"), now=hold + 1.5)
 
 
 def test_an_idle_talker_s_one_at_a_time_requests_do_not_set_the_next_burst_s_drain_rate():
