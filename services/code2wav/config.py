@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from qtts.serving.settings import ServiceSettings, group, setting
 from qtts.serving.tls import TlsConfig
 from qtts.streams.chunk_plan import DEFAULT_CHUNK_RAMP, DEFAULT_FIRST_CHUNK_FRAMES, ChunkPlan
 from services.code2wav.credit import CreditPolicy
+from services.code2wav.decode_cost import DecodeCost
 from services.code2wav.model_loader import DTYPES
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -161,7 +161,7 @@ class Code2WavConfig:
         for name in ("prefix_cache_entries", "max_call_frames"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if not (self.decode_cost_ceiling == 0 or 1 <= self.decode_cost_ceiling < math.inf):
+        if not DecodeCost.ceiling_ok(self.decode_cost_ceiling):
             raise InvalidArgument(
                 f"--decode-cost-ceiling must be 0 (no bound) or >= 1, got {self.decode_cost_ceiling}"
             )

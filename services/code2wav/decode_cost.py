@@ -86,6 +86,11 @@ class DecodeCost:
     # more a call than the wide ones.
     CONTENTION_CEILING = 1.5
 
+    @staticmethod
+    def ceiling_ok(ceiling: float) -> bool:
+        """Whether `ceiling` is a contention ceiling: 0 (none) or a finite factor >= 1."""
+        return ceiling == 0 or 1 <= ceiling < math.inf
+
     def __init__(
         self,
         memory_calls: int = 200,
@@ -95,7 +100,7 @@ class DecodeCost:
     ):
         if memory_calls < 2 or max_gap_s <= 0 or refit_s < 0:
             raise ValueError("memory_calls must be >= 2, max_gap_s > 0 and refit_s >= 0")
-        if not (contention_ceiling == 0 or 1 <= contention_ceiling < math.inf):
+        if not self.ceiling_ok(contention_ceiling):
             raise ValueError(f"contention_ceiling must be 0 (none) or >= 1, got {contention_ceiling}")
         self._ceiling = contention_ceiling
         self._calls: deque[tuple[float, float]] = deque(maxlen=memory_calls)  # (frames, seconds)

@@ -117,11 +117,13 @@ async def test_a_real_talker_counts_each_gateway_s_calls_and_pushes_its_room():
         assert registry.get_sample_value("tts_talker_room_seconds_count") == sent
         assert registry.get_sample_value("tts_talker_room_calls_seen_meanwhile_count") == sent
         started = time.monotonic()
-        await s.talker.stop(5.0)  # the drain ends the watch instead of waiting out its grace
+        # The drain ends the watch instead of waiting out its grace (20 s: a loaded CI host took
+        # 4 s once to end it, so the bound stays well clear of the timing of the stop itself).
+        await s.talker.stop(20.0)
         while await watch.read() is not grpc.aio.EOF:
             pass
         assert await watch.code() == grpc.StatusCode.OK
-        assert time.monotonic() - started < 4.0
+        assert time.monotonic() - started < 15.0
 
 
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
