@@ -120,6 +120,17 @@ def test_the_drain_rate_averages_the_gaps_of_bursty_admissions():
     assert fresh.predicted_wait_s(0, 5.1) < 0.01
 
 
+def _steps_of_sixteen(adm: Admission, steps: int, every_s: float) -> float:
+    """`steps` plans `every_s` apart from 0, each starting sixteen requests of a backlog (all
+    submitted at 0); returns the last plan's time."""
+    t = 0.0
+    for _ in range(steps):
+        t += every_s
+        for k in range(16):
+            adm.observe_admit(t + k * 1e-5, submitted_at=0.0)
+    return t
+
+
 def test_a_request_arriving_mid_step_sees_the_burst_s_drain_rate_not_a_stall():
     """Sixteen start every 54 ms step (about 300 a second). A request that arrives 50 ms after the
     last step's admissions, with a queue waiting, meets the same rate: a step's length without an
@@ -130,11 +141,7 @@ def test_a_request_arriving_mid_step_sees_the_burst_s_drain_rate_not_a_stall():
     cfg = AdmissionConfig(first_audio_budget_s=6.0)
     adm = Admission(cfg)
     s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=adm)
-    t = 0.0
-    for _ in range(20):
-        t += 0.054
-        for k in range(16):
-            adm.observe_admit(t + k * 1e-5, submitted_at=0.0)
+    t = _steps_of_sixteen(adm, 20, 0.054)
     last = t + 15e-5
     assert adm.drain_per_s(last + 0.05, waiting_since=0.0) == pytest.approx(296.0, rel=0.1)
     for i in range(56):
@@ -157,11 +164,7 @@ def test_a_burst_s_short_hold_does_not_refuse_what_the_burst_s_pace_would_start(
     Held for 1.5 s more, the last second admitted none: the queue is stalled, and it is refused."""
     adm = Admission(AdmissionConfig(first_audio_budget_s=6.0))
     s = DeadlineScheduler(max_batch=1024, max_waiting=2048, admission=adm)
-    t = 0.0
-    for _ in range(14):
-        t += 0.02
-        for k in range(16):
-            adm.observe_admit(t + k * 1e-5, submitted_at=0.0)
+    t = _steps_of_sixteen(adm, 14, 0.02)
     hold = t + 0.3
     for i in range(385):
         s.submit(req(f"w{i}"), now=t + 0.01)
