@@ -288,6 +288,14 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
                 hops.append(f"{hop} {got[1] * 1e3:.1f}")
         if hops:
             lines.append(f"  {name.removeprefix('tts_')} means (ms): " + ", ".join(hops))
+    transit = metrics.mean("tts_talker_code2wav_transit_seconds") if service == "talker" else None
+    if transit:  # of the code2wav hop, what code2wav did not hold: both trips and both loops
+        p95 = bucket_quantile(metrics.buckets("tts_talker_code2wav_transit_seconds"), 0.95)
+        lines.append(
+            f"  code2wav hop in transit (not held by code2wav): mean {transit[1] * 1e3:.1f} ms, p95 <= "
+            + ("-" if p95 is None else f"{p95 * 1e3:g} ms")
+            + f" over {transit[0]:.0f} chunks"
+        )
     writes = []
     for method in metrics.label_values("tts_session_write_seconds", "method"):
         if (got := metrics.mean("tts_session_write_seconds", method=method)) is not None:

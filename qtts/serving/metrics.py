@@ -363,6 +363,14 @@ class TalkerMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.code2wav_transit_seconds = Histogram(
+            "tts_talker_code2wav_transit_seconds",
+            "Of a chunk's code2wav hop (frames sent to audio back, tts_talker_chunk_hop_seconds), the "
+            "part code2wav did not hold it (its wait for a decode call and the call, which it reports "
+            "with the audio): the frames' trip there, the audio's trip back, both event loops.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.first_chunk_hop_seconds = Histogram(
             "tts_talker_first_chunk_hop_seconds",
             "Where a stream's first chunk's time goes, per hop (as tts_talker_chunk_hop_seconds, with "

@@ -31,6 +31,8 @@ class DecodedAudio:
     first_frame_index: int
     num_frames: int
     decode_ns: int
+    # How long the replica held the chunk: all its frames there to its audio out (AudioOut.held_ns).
+    held_ns: int = 0
 
 
 @dataclass(frozen=True)

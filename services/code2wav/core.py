@@ -347,7 +347,10 @@ class Code2WavCore:
                 self.metrics.decode_model_steps.observe(steps)
             for (stream, first, chunk_codes), (pcm, num_samples) in zip(batch, outputs, strict=True):
                 if not stream.closed:
-                    stream.deliver(DecodedAudio(pcm, num_samples, first, len(chunk_codes), elapsed_ns))
+                    held_ns = stream.held_ns()
+                    stream.deliver(
+                        DecodedAudio(pcm, num_samples, first, len(chunk_codes), elapsed_ns, held_ns)
+                    )
 
     async def _coalesce(self) -> None:
         """Wait for more ready streams while every ready one can afford it (see the module docstring).

@@ -53,6 +53,7 @@ def event_to_pb(
             first_frame_index=event.first_frame_index,
             num_frames=event.num_frames,
             decode_ns=event.decode_ns,
+            held_ns=event.held_ns,
         )
         return pb.DecodeResponse(stream_id=stream_id, sequence_number=seq, audio=audio)
     assert isinstance(event, Done)

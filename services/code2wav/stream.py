@@ -76,6 +76,7 @@ class DecodeStream:
         self.clock = clock
         self.first_audio_at: float | None = None
         self._ready_at: float | None = None  # since when the next chunk could be decoded
+        self._taken_ready_at: float | None = None  # since when the chunk taken last was ready
         # Frames below this index are decoded without waiting for their chunk to fill (a flush).
         self._flush_at = 0
         self._pending = np.zeros((0, codec_shape.num_codebooks), dtype=np.int16)
@@ -192,6 +193,7 @@ class DecodeStream:
         codes, self._pending = self._pending[:n], self._pending[n:]
         self.in_flight = True
         self.chunk_index += 1
+        self._taken_ready_at = self._ready_at
         if self._ready_at is not None:
             waited = max(self.clock() - self._ready_at, 0.0)
             self.metrics.chunk_wait_seconds.observe(waited)
@@ -202,6 +204,13 @@ class DecodeStream:
         self._ready_at = None
         self._mark_ready()
         return self.decoded_frames, codes
+
+    def held_ns(self) -> int:
+        """Nanoseconds from the chunk taken last being ready (all its frames here) to now: its
+        wait for a decode call and the call (AudioOut.held_ns; 0 where not known)."""
+        if self._taken_ready_at is None:
+            return 0
+        return max(round((self.clock() - self._taken_ready_at) * 1e9), 0)
 
     def deliver(self, chunk: DecodedAudio) -> None:
         """The decoded audio of the chunk taken last."""

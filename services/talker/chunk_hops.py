@@ -4,7 +4,10 @@ deadline slack and underrun metrics.
 
 Times are `time.perf_counter`: when the engine made a chunk's last frame and the stream's task got
 it (`made`), when the task sent the chunk to code2wav (`sent`), when its audio came back and was
-taken by the caller (`handed_on`)."""
+taken by the caller (`handed_on`). code2wav says how long it held each chunk (its wait for a decode
+call and the call, AudioOut.held_ns): the rest of the code2wav hop is the chunk's transit, the
+frames' trip there and the audio's trip back through both event loops
+(tts_talker_code2wav_transit_seconds), and a late chunk's log line splits the hop so."""
 
 from __future__ import annotations
 
@@ -52,18 +55,22 @@ class ChunkHops:
         for frame in [f for f in self._made_at if f < end_frame and f not in self._sent_at]:
             del self._made_at[frame]
 
-    def first_chunk(self, end_frame: int, arrived: float, now: float) -> None:
+    def first_chunk(self, end_frame: int, arrived: float, now: float, held_s: float = 0.0) -> None:
         """The first chunk apart: its "generate" hop runs from submission (queue, prefill and its
-        frames), and first audio is the sum of its hops."""
+        frames), and first audio is the sum of its hops. `held_s`: how long code2wav held it (0:
+        not said)."""
         hops = self._hops(end_frame, arrived, now)
+        self._transit(hops, held_s)
         if self._metrics is not None:
             for hop, seconds in hops.items():
                 self._metrics.first_chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
         self._handed_at = now
 
-    def chunk(self, end_frame: int, arrived: float, now: float, slack_s: float) -> None:
-        """A later chunk handed on with `slack_s` of audio still buffered (below 0: a gap)."""
+    def chunk(self, end_frame: int, arrived: float, now: float, slack_s: float, held_s: float = 0.0) -> None:
+        """A later chunk handed on with `slack_s` of audio still buffered (below 0: a gap);
+        `held_s`: how long code2wav held it (0: not said)."""
         hops = self._hops(end_frame, arrived, now)
+        transit = self._transit(hops, held_s)
         self._handed_at = now
         if self._metrics is None:
             return
@@ -72,13 +79,27 @@ class ChunkHops:
             self._metrics.chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
         if slack_s < 0:
             self._metrics.underruns_total.inc()
+            parts = [f"{hop} {seconds * 1e3:.0f} ms" for hop, seconds in hops.items()]
+            if transit is not None:
+                where = f" (held there {held_s * 1e3:.0f} ms, in transit {transit * 1e3:.0f} ms)"
+                parts = [p + where if p.startswith("code2wav ") else p for p in parts]
             log.info(
                 "request %s: audio up to frame %d handed on %.0f ms late; %s",
                 self.request_id,
                 end_frame,
                 -slack_s * 1e3,
-                ", ".join(f"{hop} {seconds * 1e3:.0f} ms" for hop, seconds in hops.items()),
+                ", ".join(parts),
             )
+
+    def _transit(self, hops: dict[str, float], held_s: float) -> float | None:
+        """The chunk's code2wav hop less the time code2wav held it (None: either not known),
+        observed."""
+        if "code2wav" not in hops or held_s <= 0:
+            return None
+        transit = max(hops["code2wav"] - held_s, 0.0)
+        if self._metrics is not None:
+            self._metrics.code2wav_transit_seconds.observe(transit)
+        return transit
 
     def restarted(self, now: float) -> None:
         """The playback clock restarted (the listener waited for text): no hops to judge."""

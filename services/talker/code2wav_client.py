@@ -121,7 +121,9 @@ def event_of(
         return Credit(c.frames_allowed_until, plan, c.cuts_at_flush)
     if kind == "audio":
         a = msg.audio
-        return DecodedAudio(a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns)
+        return DecodedAudio(
+            a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns, a.held_ns
+        )
     if kind == "done":
         return Done(msg.done.num_frames, msg.done.num_samples, msg.done.replica)
     return None

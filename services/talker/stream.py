@@ -171,7 +171,9 @@ class StreamSession:
                     arrived = time.perf_counter()
                     yield AudioPiece(ev.pcm_s16le, ev.first_frame_index, ev.num_frames)
                     # Handed on: the playback clock the scheduler paces this stream by.
-                    self._hand_on(samples / SAMPLE_RATE, ev.first_frame_index + ev.num_frames, arrived)
+                    self._hand_on(
+                        samples / SAMPLE_RATE, ev.first_frame_index + ev.num_frames, arrived, ev.held_ns / 1e9
+                    )
                     # The caller took the chunk: code2wav learns how far the listener is.
                     self._delivered = samples
                     await self._ack()
@@ -278,14 +280,17 @@ class StreamSession:
             return feed.num_text_tokens
         return int(getattr(self._request.prompt, "num_text_tokens", 0) or 0)
 
-    def _hand_on(self, delivered_s: float, end_frame: int = 0, arrived: float = 0.0) -> None:
-        """Advance the playback clock; a chunk handed on after the listener ran dry is an underrun."""
+    def _hand_on(
+        self, delivered_s: float, end_frame: int = 0, arrived: float = 0.0, held_s: float = 0.0
+    ) -> None:
+        """Advance the playback clock; a chunk handed on after the listener ran dry is an underrun.
+        `held_s`: how long code2wav held the chunk (AudioOut.held_ns; 0: not said)."""
         req = self._request
         now = time.perf_counter()
         restarted = False
         if req.first_audio_at is None:
             req.first_audio_at = now
-            self._hops.first_chunk(end_frame, arrived, now)
+            self._hops.first_chunk(end_frame, arrived, now, held_s)
         elif req.clock_restart:
             # The listener ran dry waiting for text, not for us: its clock resumes with this chunk
             # (first_audio_at before the flag: the engine thread reads both).
@@ -294,7 +299,7 @@ class StreamSession:
             restarted = True
             self._hops.restarted(now)
         else:
-            self._hops.chunk(end_frame, arrived, now, req.slack_s(now))
+            self._hops.chunk(end_frame, arrived, now, req.slack_s(now), held_s)
         req.delivered_s = delivered_s
         self._engine.clock_changed(req, restarted)
 

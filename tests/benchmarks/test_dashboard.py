@@ -82,6 +82,7 @@ HISTOGRAMS = {
     "tts_talker_published_room_streams",
     "tts_talker_room_seconds",
     "tts_talker_room_calls_seen_meanwhile",
+    "tts_talker_code2wav_transit_seconds",
     "tts_aligner_batch_size",
     "tts_aligner_forward_seconds",
 }

@@ -66,6 +66,8 @@ def write_run(tmp_path):
     talker.observe_stage("prefill", 0.020)
     talker.chunk_hop_seconds.labels("code2wav").observe(1.25)
     talker.chunk_hop_seconds.labels("code2wav").observe(0.75)
+    for seconds in (0.02, 0.04):  # of those hops, what code2wav did not hold
+        talker.code2wav_transit_seconds.observe(seconds)
     for seconds in (0.002, 0.004):
         talker.session_written("/code2wav.v1.Code2WavService/DecodeSession", seconds)
     talker.session_written("/talker.v1.TalkerService/Session", 0.010)
@@ -157,6 +159,9 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
     assert "  calls waited before their handler: mean 402 ms, p95 <= 2500 ms over 3 calls" in talker
     assert "  stage prefill: n=2, mean 15.0 ms" in talker
     assert "  talker_chunk_hop_seconds means (ms): code2wav 1000.0" in talker
+    assert (
+        "  code2wav hop in transit (not held by code2wav): mean 30.0 ms, p95 <= 50 ms over 2 chunks" in talker
+    )
     assert (
         "  session writes (oldest queued to written), means: DecodeSession 3.0 ms over 2, Session 10.0 ms over 1"
     ) in talker

@@ -350,6 +350,9 @@ async def test_stream_returns_chunks_in_order_then_done(fake_decoder, bidi_clien
         )
         assert done.num_frames == 40 and done.num_samples == 40 * SPF and done.replica == "replica-a"
         assert grants == sorted(set(grants))  # grants only move forward, and only when they move
+        # How long the replica held each chunk (its wait for a call, and the call): at least the
+        # call (the two clocks differ, monotonic and perf_counter: a microsecond's leeway).
+        assert all(c.held_ns > 0 and c.held_ns >= c.decode_ns - 1_000 for c in chunks)
 
         pcm = np.frombuffer(b"".join(c.pcm_s16le for c in chunks), dtype="<i2")
         expected = (fake_decoder.expected(codes, 0).clamp(-1, 1) * 32767).round().short().numpy()

@@ -254,6 +254,7 @@ class FakeCode2Wav(code2wav_pb2_grpc.Code2WavServiceServicer):
                             first_frame_index=d.first_frame_index,
                             num_frames=d.num_frames,
                             decode_ns=1,
+                            held_ns=1_000,  # as the real one says how long it held the chunk
                         )
                     )
                 elif kind == "ack":

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from qtts.serving.metrics import TalkerMetrics
 from qtts.streams.chunk_plan import StartPlanner
 from services.talker.chunk_hops import ChunkHops
 from services.talker.config import config_from_args
@@ -90,3 +92,32 @@ def test_a_chunk_sent_before_the_audio_of_the_one_before_it_keeps_that_one_timed
     hops.first_chunk(2, arrived, arrived)
     hops.chunk(6, arrived, arrived, slack_s=1.0)
     assert len(trips) == 2 and hops._made_at == {} and hops._sent_at == {}
+
+
+def test_a_late_chunk_s_code2wav_hop_is_split_into_what_code2wav_held_and_transit(caplog):
+    """code2wav reports how long it held each chunk (its wait for a decode call and the call):
+    the rest of the hop is transit, observed for every chunk, and a late chunk's log line says
+    both. A replica that does not report it (0) leaves the hop whole."""
+    metrics = TalkerMetrics(CollectorRegistry())
+    hops = ChunkHops("r", metrics=metrics)
+    hops.submitted()
+    hops.made(2, time.perf_counter())
+    hops.sent(2)
+    sent = time.perf_counter()
+    hops.first_chunk(2, sent + 0.05, sent + 0.05, held_s=0.01)
+    hops.made(4, time.perf_counter())
+    hops.sent(4)
+    sent = time.perf_counter()
+    with caplog.at_level("INFO", logger="services.talker.chunk_hops"):
+        hops.chunk(4, sent + 0.3, sent + 0.3, slack_s=-0.02, held_s=0.1)
+    transit = metrics.registry.get_sample_value("tts_talker_code2wav_transit_seconds_sum")
+    assert metrics.registry.get_sample_value("tts_talker_code2wav_transit_seconds_count") == 2
+    assert transit == pytest.approx(0.04 + 0.2, abs=0.005)
+    (line,) = [r.getMessage() for r in caplog.records if "late" in r.getMessage()]
+    assert "handed on 20 ms late" in line
+    assert "code2wav 300 ms (held there 100 ms, in transit 200 ms)" in line
+    hops.made(6, time.perf_counter())
+    hops.sent(6)
+    sent = time.perf_counter()
+    hops.chunk(6, sent + 0.05, sent + 0.05, slack_s=0.5)  # not said: no transit
+    assert metrics.registry.get_sample_value("tts_talker_code2wav_transit_seconds_count") == 2

@@ -273,6 +273,10 @@ async def test_a_streams_first_chunk_is_timed_per_hop_apart_from_the_rest():
             registry.get_sample_value("tts_talker_first_chunk_hop_seconds_sum", {"hop": hop}) for hop in hops
         )
         assert total > 0
+        # Every chunk's code2wav hop, less the 1 us the replica says it held it: in transit.
+        chunks = registry.get_sample_value("tts_talker_chunk_hop_seconds_count", {"hop": "code2wav"})
+        transit = registry.get_sample_value("tts_talker_code2wav_transit_seconds_count")
+        assert transit == chunks + 2
 
 
 @pytest.mark.parametrize("window", [3, 200])
