@@ -13,6 +13,9 @@ the first, `then/`, `back/`) and every service's `/metrics` page scraped after t
   underruns, the stages' mean times and the chunk hops' means;
 - each burst's first seconds from the talker's admission trace, when the stack wrote one
   (`ADMISSION_TRACE=1`; benchmarks/admission_timeline.py);
+- the late chunks the talker logged (`logs/talker.log`: "audio up to frame N handed on N ms
+  late"), by the frame their chunk ended at, with each hop's mean and, where code2wav said how
+  long it held them, its hop split into held and in transit;
 - the commonest failure statuses and messages per level (numbers in the messages folded, so alike
   ones group) and the idle
   refusal probe, when the client ran one.
@@ -433,6 +436,44 @@ def decode_lines(metrics: ScrapedMetrics) -> list[str]:
     return lines
 
 
+LATE_CHUNK = re.compile(r"audio up to frame (\d+) handed on (\d+) ms late; (.*)$")
+HOP_MS = re.compile(r"(\w+) (-?\d+) ms(?: \(held there (\d+) ms, in transit (\d+) ms\))?")
+
+
+def late_chunk_lines(log_text: str, top: int = 4) -> list[str]:
+    """The talker's late chunks (chunk_hops' log lines) grouped by the frame their chunk ended at,
+    the commonest first: how many, how late at the median, and each hop's mean (ms); code2wav's
+    hop split into what code2wav held and the transit where the lines say."""
+    late: dict[int, list[tuple[int, dict[str, list[int]]]]] = collections.defaultdict(list)
+    for line in log_text.splitlines():
+        if (m := LATE_CHUNK.search(line)) is None:
+            continue
+        hops: dict[str, list[int]] = {}
+        for hop in HOP_MS.finditer(m.group(3)):
+            hops[hop.group(1)] = [int(hop.group(2))]
+            if hop.group(3) is not None:
+                hops["held there"] = [int(hop.group(3))]
+                hops["in transit"] = [int(hop.group(4))]
+        late[int(m.group(1))].append((int(m.group(2)), hops))
+    if not late:
+        return []
+    out = [f"  late chunks logged: {sum(map(len, late.values()))}"]
+    for end, chunks in sorted(late.items(), key=lambda kv: -len(kv[1]))[:top]:
+        names: list[str] = []
+        for _, hops in chunks:
+            names.extend(n for n in hops if n not in names)
+        means = []
+        for name in names:
+            got = [hops[name][0] for _, hops in chunks if name in hops]
+            means.append(f"{name} {sum(got) / len(got):.0f}")
+        lateness = sorted(ms for ms, _ in chunks)[len(chunks) // 2]
+        out.append(
+            f"    ending at frame {end}: {len(chunks)}, late p50 {lateness} ms; hop means (ms): "
+            + ", ".join(means)
+        )
+    return out
+
+
 def runs_under(roots: Iterable[Path]) -> list[Path]:
     """Every folder below `roots` (themselves included) with a results.json or a metrics page."""
     found: set[Path] = set()
@@ -468,6 +509,8 @@ def summary(roots: Sequence[Path]) -> str:
             if lines:
                 out.append(f"{service}:")
                 out.extend(lines)
+        if (log := run / "logs" / "talker.log").is_file():
+            out.extend(late_chunk_lines(log.read_text(errors="replace")))
         # The talker's admission trace (ADMISSION_TRACE=1): each burst's first seconds.
         for trace in sorted([*run.glob("admission-trace.jsonl"), *run.glob("admission-trace.jsonl.gz")]):
             out.append(f"admission ({trace.name}):")

@@ -300,3 +300,36 @@ def test_each_gateway_s_requests_by_their_end(tmp_path):
     assert lines[lines.index("gateway:") + 1 :][:3].count("  requests by end: http ok 360") == 1
     after = lines[lines.index("gateway-1:") + 1 :]
     assert "  requests by end: http ok 360, http resource_exhausted 164" in after
+
+
+def test_the_talker_s_late_chunks_are_grouped_by_their_end_with_their_hops(tmp_path):
+    """The talker logs each chunk handed on after its listener ran dry, hop by hop; the summary
+    groups them by the frame their chunk ended at (the commonest first), and splits code2wav's
+    hop where the line says how long code2wav held the chunk."""
+    run = tmp_path / "http1"
+    (run / "logs").mkdir(parents=True)
+    (run / "metrics-talker.txt").write_bytes(generate_latest(TalkerMetrics(CollectorRegistry()).registry))
+    prefix = "2026-12-07 11:15:42,075 INFO services.talker.chunk_hops [req-{0}]: request req-{0}: "
+    lines = [
+        prefix.format("a")
+        + "audio up to frame 8 handed on 60 ms late; generate -20 ms, engine_to_loop 40 ms, "
+        "to_code2wav 0 ms, code2wav 380 ms (held there 30 ms, in transit 350 ms), to_gateway 0 ms",
+        prefix.format("b")
+        + "audio up to frame 8 handed on 80 ms late; generate -40 ms, engine_to_loop 50 ms, "
+        "to_code2wav 0 ms, code2wav 400 ms (held there 50 ms, in transit 350 ms), to_gateway 2 ms",
+        prefix.format("c")
+        + "audio up to frame 16 handed on 5 ms late; generate 300 ms, engine_to_loop 1 ms, "
+        "to_code2wav 0 ms, code2wav 90 ms, to_gateway 0 ms",
+        "2026-12-07 11:15:42,076 INFO services.talker.server: something else",
+    ]
+    (run / "logs" / "talker.log").write_text("\n".join(lines) + "\n")
+    out = summary([tmp_path]).splitlines()
+    at = out.index("  late chunks logged: 3")
+    assert out[at + 1] == (
+        "    ending at frame 8: 2, late p50 80 ms; hop means (ms): generate -30, engine_to_loop 45, "
+        "to_code2wav 0, code2wav 390, held there 40, in transit 350, to_gateway 1"
+    )
+    assert out[at + 2] == (
+        "    ending at frame 16: 1, late p50 5 ms; hop means (ms): generate 300, engine_to_loop 1, "
+        "to_code2wav 0, code2wav 90, to_gateway 0"
+    )
