@@ -444,16 +444,15 @@ def late_chunk_lines(log_text: str, top: int = 4) -> list[str]:
     """The talker's late chunks (chunk_hops' log lines) grouped by the frame their chunk ended at,
     the commonest first: how many, how late at the median, and each hop's mean (ms); code2wav's
     hop split into what code2wav held and the transit where the lines say."""
-    late: dict[int, list[tuple[int, dict[str, list[int]]]]] = collections.defaultdict(list)
+    late: dict[int, list[tuple[int, dict[str, int]]]] = collections.defaultdict(list)
     for line in log_text.splitlines():
         if (m := LATE_CHUNK.search(line)) is None:
             continue
-        hops: dict[str, list[int]] = {}
+        hops: dict[str, int] = {}
         for hop in HOP_MS.finditer(m.group(3)):
-            hops[hop.group(1)] = [int(hop.group(2))]
+            hops[hop.group(1)] = int(hop.group(2))
             if hop.group(3) is not None:
-                hops["held there"] = [int(hop.group(3))]
-                hops["in transit"] = [int(hop.group(4))]
+                hops["held there"], hops["in transit"] = int(hop.group(3)), int(hop.group(4))
         late[int(m.group(1))].append((int(m.group(2)), hops))
     if not late:
         return []
@@ -464,7 +463,7 @@ def late_chunk_lines(log_text: str, top: int = 4) -> list[str]:
             names.extend(n for n in hops if n not in names)
         means = []
         for name in names:
-            got = [hops[name][0] for _, hops in chunks if name in hops]
+            got = [hops[name] for _, hops in chunks if name in hops]
             means.append(f"{name} {sum(got) / len(got):.0f}")
         lateness = sorted(ms for ms, _ in chunks)[len(chunks) // 2]
         out.append(

@@ -79,16 +79,20 @@ class ChunkHops:
             self._metrics.chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
         if slack_s < 0:
             self._metrics.underruns_total.inc()
-            parts = [f"{hop} {seconds * 1e3:.0f} ms" for hop, seconds in hops.items()]
-            if transit is not None:
-                where = f" (held there {held_s * 1e3:.0f} ms, in transit {transit * 1e3:.0f} ms)"
-                parts = [p + where if p.startswith("code2wav ") else p for p in parts]
+            split = (
+                ""
+                if transit is None
+                else f" (held there {held_s * 1e3:.0f} ms, in transit {transit * 1e3:.0f} ms)"
+            )
             log.info(
                 "request %s: audio up to frame %d handed on %.0f ms late; %s",
                 self.request_id,
                 end_frame,
                 -slack_s * 1e3,
-                ", ".join(parts),
+                ", ".join(
+                    f"{hop} {seconds * 1e3:.0f} ms" + (split if hop == "code2wav" else "")
+                    for hop, seconds in hops.items()
+                ),
             )
 
     def _transit(self, hops: dict[str, float], held_s: float) -> float | None:

@@ -138,20 +138,31 @@ async def published_room(
     observe: Callable[[float, int], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> talker_pb2.GetCapacityResponse:
-    """The room now, with the caller's calls seen. Those are read first: a call seen while the
-    room is worked out is then counted in the room and not in the calls seen, so the gateway
-    subtracts it twice (one request too few, never one too many). `observe(seconds, calls)`
+    """The room now, with the caller's calls seen (`_timed_room`); `observe(seconds, calls)`
     hears how long the room took to work out and how many of the caller's calls were seen
     meanwhile (each possibly counted twice so)."""
+    msg, seconds, calls = await _timed_room(headroom, seen, caller, clock)
+    if observe is not None:
+        observe(seconds, calls)
+    return msg
+
+
+async def _timed_room(
+    headroom: Callable[[], Awaitable[Any]], seen: SeenCalls, caller: str, clock: Callable[[], float]
+) -> tuple[talker_pb2.GetCapacityResponse, float, int]:
+    """The room now, the seconds it took to work out, and the caller's calls seen meanwhile. The
+    calls seen are read first: a call seen while the room is worked out is then counted in the
+    room and not in the calls seen, so the gateway subtracts it twice (one request too few, never
+    one too many)."""
     calls_seen = seen.seen(caller) if caller else None
     started = clock()
     room = await headroom()
-    if observe is not None:
-        observe(clock() - started, seen.seen(caller) - calls_seen if caller else 0)
+    seconds = clock() - started
+    meanwhile = seen.seen(caller) - calls_seen if caller else 0
     msg = capacity_message(room, calls_seen)
     if caller and msg.accept:
         msg.accept = max(1, math.ceil(msg.accept * seen.share(caller)))
-    return msg
+    return msg, seconds, meanwhile
 
 
 async def watch_room(
@@ -169,18 +180,13 @@ async def watch_room(
     `observe` (as `published_room`'s) hears each room sent."""
     last: tuple | None = None
     last_at = 0.0
-    worked_out: list[tuple[float, int]] = []  # the last room's (seconds, calls seen meanwhile)
-
-    def heard(seconds: float, calls: int) -> None:
-        worked_out[:] = [(seconds, calls)]
-
     while not stopping.is_set():
-        msg = await published_room(headroom, seen, caller, heard)
+        msg, seconds, calls = await _timed_room(headroom, seen, caller, time.perf_counter)
         key = (msg.accept, msg.retry_after_s, msg.calls_seen if msg.HasField("calls_seen") else None)
         now = clock()
         if key != last or now - last_at >= heartbeat_s:
             last, last_at = key, now
             if observe is not None:  # the rooms sent, not every one worked out
-                observe(*worked_out[0])
+                observe(seconds, calls)
             yield msg
         await asyncio.sleep(interval_s)  # a drain ends the watch within one interval
