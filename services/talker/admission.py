@@ -25,7 +25,12 @@ on its credit grants; with `decoder_shares_gpu` the published figures replace th
 `--decoder-frame-us` prior as they arrive (`observe_decoder`), without it they are ignored (the
 decoder runs on other GPUs) and the flag alone counts. The steady load counts the decode beside
 the frame steps and the prefills, so admission stops at the two engines' combined limit, not at
-the talker's alone (at 1,024 streams the decoder takes about a third of an H200).
+the talker's alone (at 1,024 streams the decoder takes about a third of an H200). How the two
+combine is `engine_costs`: "sum" (the default) adds them, as when the engines take turns on the GPU;
+"overlap" takes the busier, as when they run side by side under MPS, where each engine's measured
+cost already includes its waits for the other and adding them counts the contention twice (an
+H100 at c=1,024: the sum called 858 streams 96% of the GPU while the talker generated three times
+the frames their listeners needed; HISTORY.md, sixth session of 2026-12-07).
 
 Prompts admitted and not yet prefilled are GPU work already promised: admission holds while they
 fill what the next step may prefill (`prefill_room`), so a burst is admitted as fast as the
@@ -90,6 +95,10 @@ class AdmissionConfig:
     # a prior that code2wav's published measurements replace when `decoder_shares_gpu`.
     decoder_frame_s: float = 0.0
     decoder_shares_gpu: bool = False
+    # How the talker's and the decoder's costs combine on a GPU they share (ENGINE_COSTS): "sum", the
+    # engines take turns and a frame costs both; "overlap", they run side by side (MPS) and each
+    # engine's measured cost already holds its waits for the other, so the busier one bounds.
+    engine_costs: str = "sum"
 
     def __post_init__(self) -> None:
         if self.max_duty < 0 or self.max_load < 0 or self.first_audio_budget_s < 0 or self.safety_s < 0:
@@ -106,6 +115,10 @@ class AdmissionConfig:
             raise ValueError(f"step_fit must be one of {', '.join(STEP_FITS)}, got {self.step_fit!r}")
         if self.max_admit_per_step < 1:
             raise ValueError("max_admit_per_step must be >= 1")
+        if self.engine_costs not in ENGINE_COSTS:
+            raise ValueError(
+                f"engine_costs must be one of {', '.join(ENGINE_COSTS)}, got {self.engine_costs!r}"
+            )
 
 
 # The weight band of the step samples each fit averages: the interquartile mean (the step as it
@@ -114,6 +127,7 @@ class AdmissionConfig:
 # engines' own costs are summed rather than their contended ones).
 _BANDS = {"typical": (0.25, 0.75), "uncontended": (0.0, 0.5)}
 STEP_FITS = tuple(_BANDS)
+ENGINE_COSTS = ("sum", "overlap")
 
 
 def trimmed_mean(samples: Iterable[tuple[float, float]], lower: float = 0.25, upper: float = 0.75) -> float:
@@ -261,22 +275,25 @@ class Admission:
     def frame_gpu_s(self, num_streams: int) -> float:
         """GPU time of one frame of `num_streams` streams for both engines together: the frame
         step and, when the decoder shares the GPU, its decode of those frames and its per-call
-        share of a frame (no prefill)."""
+        share of a frame (no prefill); with `engine_costs` "overlap", the longer of the two."""
         n = max(num_streams, 0)
-        return self.model.predict(n) + n * self.decoder_frame_s + self.decoder_call_load * self.frame_s
+        decode = n * self.decoder_frame_s + self.decoder_call_load * self.frame_s
+        if self.config.engine_costs == "overlap":
+            return max(self.model.predict(n), decode)
+        return self.model.predict(n) + decode
 
     def load(self, num_streams: int, mean_stream_s: float | None = None) -> float:
         """Predicted busy fraction of the GPU with `num_streams` running in steady state: their
         frame steps once a frame, the prefills of the streams replacing those that end, and their
-        decode when the decoder shares the GPU."""
+        decode when the decoder shares the GPU; the two engines' loads summed, or with `engine_costs`
+        "overlap" the busier engine's."""
         length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else self.config.default_stream_s
         n = max(num_streams, 0)
-        return (
-            self.model.predict(n) / self.frame_s
-            + n * self.model.prefill_request_s / length
-            + n * self.decoder_frame_s / self.frame_s
-            + (self.decoder_call_load if n else 0.0)
-        )
+        talker = self.model.predict(n) / self.frame_s + n * self.model.prefill_request_s / length
+        decoder = n * self.decoder_frame_s / self.frame_s + (self.decoder_call_load if n else 0.0)
+        if self.config.engine_costs == "overlap":
+            return max(talker, decoder)
+        return talker + decoder
 
     def allows(
         self,
@@ -333,10 +350,15 @@ class Admission:
             caps.append(int((cfg.max_duty * self.frame_s - m.base_s) / m.per_stream_s))
         if cfg.max_load > 0:
             length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else cfg.default_stream_s
-            per_stream = (m.per_stream_s + self.decoder_frame_s) / self.frame_s + m.prefill_request_s / length
-            if per_stream > 0:
-                fixed = m.base_s / self.frame_s + self.decoder_call_load
-                caps.append(int((cfg.max_load - fixed) / per_stream))
+            talker = m.per_stream_s / self.frame_s + m.prefill_request_s / length  # a stream's load
+            decoder = self.decoder_frame_s / self.frame_s
+            talker_fixed, decoder_fixed = m.base_s / self.frame_s, self.decoder_call_load
+            if cfg.engine_costs == "overlap":  # each engine under the bound on its own
+                for per_stream, fixed in ((talker, talker_fixed), (decoder, decoder_fixed)):
+                    if per_stream > 0:
+                        caps.append(int((cfg.max_load - fixed) / per_stream))
+            elif talker + decoder > 0:
+                caps.append(int((cfg.max_load - talker_fixed - decoder_fixed) / (talker + decoder)))
         return max(1, min(caps)) if caps else None
 
     def observe_admit(self, now: float, submitted_at: float | None = None, backlog: bool = True) -> None:

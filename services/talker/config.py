@@ -14,7 +14,7 @@ from qtts.serving.tls import TlsConfig
 from qtts.streams.chunk_plan import StartPlanner, StartPolicy
 from qtts.tiny_model import DEFAULT_TINY_SNAPSHOT
 
-from .admission import STEP_FITS
+from .admission import ENGINE_COSTS, STEP_FITS
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -219,6 +219,13 @@ class TalkerConfig:
         "contention from the other engines on this GPU included) or uncontended (the mean of their "
         "faster half: with --decoder-shares-gpu, the two engines' own costs summed)",
         choices=STEP_FITS,
+    )
+    admission_engine_costs: str = setting(
+        "sum",
+        "with --decoder-shares-gpu, how admission combines the talker's and the decoder's costs: "
+        "sum (the engines take turns on the GPU) or overlap (they run side by side under MPS, each "
+        "engine's measured cost holding its waits for the other: the busier engine bounds)",
+        choices=ENGINE_COSTS,
     )
     decoder_frame_us: float = setting(
         0.0,

@@ -86,6 +86,7 @@ def scheduler_for(config: TalkerConfig, generator: Any = None) -> DeadlineSchedu
             decoder_frame_s=c.decoder_frame_us / 1e6,
             decoder_shares_gpu=c.decoder_shares_gpu,
             step_fit=c.admission_step_fit,
+            engine_costs=c.admission_engine_costs,
         )
     )
     policy = DeadlinePolicy(

@@ -591,3 +591,61 @@ def test_with_code2wav_s_published_cost_a_load_the_shared_gpu_cannot_carry_is_re
     assert refused and len(admitted) > len(counted) // 2
     assert all(x.max_underrun_s() == 0 for x in admitted)
     assert p95(x.refused_at - x.arrived_at for x in refused) <= 0.05
+
+
+def test_with_overlapping_engines_the_busier_engine_bounds_the_frame_and_the_capacity():
+    """Under MPS the talker and the decoder run side by side, and each one's measured cost holds
+    its waits for the other: `engine_costs="overlap"` bounds by the busier engine, where "sum"
+    (engines taking turns) adds them. Either engine can be the bound."""
+    base = dict(max_duty=0, step_base_s=0.004, step_per_stream_s=0.0001, decoder_shares_gpu=True)
+    summed = Admission(AdmissionConfig(**base))
+    side_by_side = Admission(AdmissionConfig(**base, engine_costs="overlap"))
+    for adm in (summed, side_by_side):
+        assert adm.observe_decoder(0.00005, 0.002, 10.0)  # 0.05 ms a frame, 2% of the GPU in calls
+    talker = 0.004 / 0.08 + 100 * (0.0001 / 0.08 + 0.01 / 10)
+    decoder = 100 * 0.00005 / 0.08 + 0.02
+    assert summed.load(100, 10.0) == pytest.approx(talker + decoder)
+    assert side_by_side.load(100, 10.0) == pytest.approx(talker)  # the talker is the busier
+    assert summed.frame_gpu_s(100) == pytest.approx(0.004 + 0.01 + 0.005 + 0.0016)
+    assert side_by_side.frame_gpu_s(100) == pytest.approx(0.014)
+    talker_cap = int((0.8 - 0.05) / (0.0001 / 0.08 + 0.001))
+    assert side_by_side.capacity(10.0) == talker_cap
+    assert summed.capacity(10.0) == int((0.8 - 0.05 - 0.02) / (0.00015 / 0.08 + 0.001)) < talker_cap
+
+    # A decoder dearer than the talker's step bounds instead: 0.4 ms a frame.
+    for adm in (summed, side_by_side):
+        adm.observe_decoder(0.0004, 0.002, 10.0)
+    decoder_cap = int((0.8 - 0.02) / (0.0004 / 0.08))
+    assert side_by_side.capacity(10.0) == decoder_cap < talker_cap
+    assert side_by_side.load(100, 10.0) == pytest.approx(100 * 0.0004 / 0.08 + 0.02)
+    assert side_by_side.frame_gpu_s(100) == pytest.approx(0.04 + 0.0016)
+    assert summed.capacity(10.0) < decoder_cap
+    with pytest.raises(ValueError, match="engine_costs"):
+        AdmissionConfig(engine_costs="max")
+
+
+def test_with_the_decoder_elsewhere_overlap_admits_as_the_sum_does():
+    """With no decoder cost on this GPU the two ways of combining are one: the same closed loop
+    past capacity (twice the gap-free rate) on the simulated clock gets the same chunks and
+    refusals either way."""
+    load = poisson_load(44, 20, 125, 300)
+
+    def run(engine_costs: str):
+        adm = Admission(AdmissionConfig(engine_costs=engine_costs))
+        out = simulate(DeadlineScheduler(10_000, 10_000, admission=adm), load, COST, until_s=40)
+        return [(x.refused, x.refused_at, x.chunks) for x in out]
+
+    summed = run("sum")
+    assert any(x[0] for x in summed) and any(not x[0] for x in summed)
+    assert run("overlap") == summed
+
+
+def test_the_talker_flag_picks_how_the_engines_costs_combine():
+    from services.talker.config import config_from_args
+    from services.talker.model_setup import scheduler_for
+
+    assert config_from_args([]).admission_engine_costs == "sum"
+    config = config_from_args(["--admission-engine-costs", "overlap", "--decoder-shares-gpu"])
+    assert scheduler_for(config).admission.config.engine_costs == "overlap"
+    with pytest.raises(SystemExit):
+        config_from_args(["--admission-engine-costs", "max"])
