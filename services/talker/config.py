@@ -224,7 +224,8 @@ class TalkerConfig:
         "sum",
         "with --decoder-shares-gpu, how admission combines the talker's and the decoder's costs: "
         "sum (the engines take turns on the GPU) or overlap (they run side by side under MPS, each "
-        "engine's measured cost holding its waits for the other: the busier engine bounds)",
+        "engine's measured cost holding its waits for the other: the busier engine bounds; needs "
+        "--admission-step-fit typical)",
         choices=ENGINE_COSTS,
     )
     decoder_frame_us: float = setting(
@@ -433,6 +434,11 @@ class TalkerConfig:
         if not 0 <= self.decoder_frame_us <= 80_000:
             raise InvalidArgument(
                 f"--decoder-frame-us must be between 0 and 80000 (a frame), got {self.decoder_frame_us:g}"
+            )
+        if self.admission_engine_costs == "overlap" and self.admission_step_fit == "uncontended":
+            raise InvalidArgument(
+                "--admission-engine-costs overlap takes each engine's cost as measured beside the other: "
+                "use it with --admission-step-fit typical (uncontended leaves the decoder's share out)"
             )
 
     def _validate_streams(self) -> None:

@@ -12,7 +12,10 @@ before the next step can run, and the talker's own step measurement does not see
 on a GPU shared with code2wav measures its steps). With `publish_decoder_cost`, code2wav's
 `DecodeCost` measures those decode calls and admission hears its estimate after each one, as the
 talker hears it on code2wav's credit grants; with `calibrate_decoder` (the default) the estimate
-starts from code2wav's start-up calibration, as a replica's does.
+starts from code2wav's start-up calibration, as a replica's does. With `decoder_in_steps` the
+talker's step measurement does see it: each decode call's GPU time is counted into the next step's
+measured time, as a talker measures its steps beside code2wav under MPS, where a step waits for the
+decoder's kernels (the engines still take turns: no overlap is gained).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def simulate(
     retry_refused_s: float | None = None,
     publish_decoder_cost: bool = False,
     calibrate_decoder: bool = True,
+    decoder_in_steps: bool = False,
 ) -> list[Listener]:
     """Run `arrivals` (time, frames, prompt positions) to completion or `until_s`.
 
@@ -113,6 +117,7 @@ def simulate(
     seq = 0
     replaced = 0
     now = 0.0
+    unseen_s = 0.0  # the last decode call's GPU time, for the next step's measurement to hold
     adm = scheduler.admission
     # Refitted after every call: code2wav refits at most every 50 ms of its clock to spare its loop.
     decoder = DecodeCost(refit_s=0.0) if publish_decoder_cost else None
@@ -192,7 +197,8 @@ def simulate(
             now += dt
             planner.observe_step(dt)
             if adm is not None:
-                adm.model.observe(max(old, 1), dt, prefill)
+                adm.model.observe(max(old, 1), dt + unseen_s, prefill)
+            unseen_s = 0.0
             decoded_frames = 0
             for req in decoding:
                 req.stepped = True
@@ -223,6 +229,8 @@ def simulate(
             if decoded_frames:  # the GPU decodes before the next step, in one call
                 call_s = cost.decoder_call_s + decoded_frames * cost.decoder_frame_s
                 now += call_s
+                if decoder_in_steps:
+                    unseen_s = call_s
                 if decoder is not None and adm is not None:
                     decoder.observe(decoded_frames, call_s, now)
                     est = decoder.estimate()
