@@ -98,6 +98,81 @@ def timeline(
     return out
 
 
+FRAME_S = 0.08  # a codec frame: each running stream needs one a frame to keep up
+COST_SPANS = 4  # rows of `step_costs` a burst's report shows (a 10 s level's life at 3 s a row)
+
+
+def step_costs(
+    rows: Sequence[dict[str, Any]], start: float, span_s: float, spans: int
+) -> list[dict[str, Any]]:
+    """The frame steps' cost as measured against admission's model, one dict per `span_s` from
+    `start`: a least-squares line through the steps without a prefill (batch over 8), the model's
+    base, per-stream and decoder costs at the span's last plan, its capacity range, and the
+    stream-frames the steps made a second against the running streams' need (one a frame each).
+    On a GPU the decoder shares under MPS, a line with a high base and a low slope beside a model
+    with a high slope is contention booked as a per-stream cost (HISTORY.md, sixth session of
+    2026-12-07)."""
+    out = []
+    for i in range(spans):
+        lo, hi = start + i * span_s, start + (i + 1) * span_s
+        steps = [r for r in rows if r.get("kind") == "step" and lo <= r["t"] < hi]
+        plans = [r for r in rows if r.get("kind") == "plan" and lo <= r["t"] < hi]
+        if not steps or not plans:
+            break
+        pure = [(s["batch"], s["seconds"]) for s in steps if not s.get("prompts") and s["batch"] > 8]
+        base = slope = None
+        if len(pure) >= 3:
+            mb = statistics.fmean(b for b, _ in pure)
+            ms = statistics.fmean(t for _, t in pure)
+            var = sum((b - mb) ** 2 for b, _ in pure)
+            if var > 0:
+                slope = sum((b - mb) * (t - ms) for b, t in pure) / var
+                base = ms - slope * mb
+        last = plans[-1]
+        caps = [p["capacity"] for p in plans if p.get("capacity") is not None]
+        running = statistics.fmean(p["running"] for p in plans)
+        out.append(
+            {
+                "from_s": round(lo - start, 3),
+                "steps": len(pure),
+                "batch_min": min((b for b, _ in pure), default=None),
+                "batch_max": max((b for b, _ in pure), default=None),
+                "line_base_ms": None if base is None else base * 1e3,
+                "line_slope_us": None if slope is None else slope * 1e6,
+                "model_base_ms": last["step_base_s"] * 1e3 if last.get("step_base_s") is not None else None,
+                "model_slope_us": (
+                    last["step_per_stream_s"] * 1e6 if last.get("step_per_stream_s") is not None else None
+                ),
+                "decoder_us": last["decoder_frame_s"] * 1e6
+                if last.get("decoder_frame_s") is not None
+                else None,
+                "capacity_min": min(caps, default=None),
+                "capacity_max": max(caps, default=None),
+                "running": running,
+                "frames_per_s": sum(s["batch"] for s in steps) / span_s,
+                "needed_per_s": running / FRAME_S,
+            }
+        )
+    return out
+
+
+def render_costs(spans: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| from s | steps (batch) | line: base ms + us a stream | model: base ms + us a stream, decoder us "
+        "| capacity | running | frames stepped / needed a second |",
+        "|" + "---|" * 7,
+    ]
+    for c in spans:
+        batch = "-" if c["batch_min"] is None else f"{c['batch_min']}-{c['batch_max']}"
+        lines.append(
+            f"| {c['from_s']:.1f} | {c['steps']} ({batch}) | {_fmt(c['line_base_ms'], 1)} + "
+            f"{_fmt(c['line_slope_us'], 1)} | {_fmt(c['model_base_ms'], 1)} + {_fmt(c['model_slope_us'], 1)}, "
+            f"{_fmt(c['decoder_us'], 1)} | {_fmt(c['capacity_min'])}-{_fmt(c['capacity_max'])} "
+            f"| {c['running']:.0f} | {c['frames_per_s']:.0f} / {c['needed_per_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def render(windows: Sequence[dict[str, Any]]) -> str:
     head = (
         "| t s | running | waiting max | started | refused (pred. wait s) | steps | prompts | step ms "
@@ -127,6 +202,10 @@ def report(rows: Sequence[dict[str, Any]], burst: int, window_s: float, span_s: 
         parts.append(f"{name}: burst from t={start:.3f} s ({burst}+ waiting), {window_s:g} s a row")
         # From one row before it: the arrivals that made the queue.
         parts.append(render(timeline(rows, start - window_s, window_s, span_s + window_s, origin=start)))
+        costs = step_costs(rows, start, span_s, COST_SPANS)
+        if costs:
+            parts.append(f"frame steps against admission's model, {span_s:g} s a row:")
+            parts.append(render_costs(costs))
     return "\n".join(parts)
 
 

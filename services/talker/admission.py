@@ -29,8 +29,9 @@ the talker's alone (at 1,024 streams the decoder takes about a third of an H200)
 combine is `engine_costs`: "sum" (the default) adds them, as when the engines take turns on the GPU;
 "overlap" takes the busier, as when they run side by side under MPS, where each engine's measured
 cost already includes its waits for the other and adding them counts the contention twice (an
-H100 at c=1,024: the sum called 858 streams 96% of the GPU while the talker generated three times
-the frames their listeners needed; HISTORY.md, sixth session of 2026-12-07).
+H100 at c=1,024: the sum called 858 streams 96% of the GPU while the talker's steps took 27 ms
+whether 260 or 690 streams wide and made 1.2x the frames their listeners needed; HISTORY.md, sixth
+session of 2026-12-07).
 
 Prompts admitted and not yet prefilled are GPU work already promised: admission holds while they
 fill what the next step may prefill (`prefill_room`), so a burst is admitted as fast as the

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 
+import pytest
+
 from benchmarks import admission_timeline, stack_summary
 
 
@@ -76,3 +78,35 @@ def test_the_report_and_the_stack_summary_show_the_trace(tmp_path):
     assert "admission (admission-trace.jsonl.gz):" in summary
     assert "burst from t=5.000 s" in summary
     assert "no plan had" in admission_timeline.report(ROWS[:1], 32, 0.2, 1.0, "idle")
+
+
+def _costly_plan(t, running, capacity):
+    return {
+        **_plan(t, running, 10, capacity=capacity),
+        "step_base_s": 0.0055, "step_per_stream_s": 0.000038, "decoder_frame_s": 0.000025,
+    }  # fmt: skip
+
+
+def test_the_frame_steps_are_set_against_admission_s_model():
+    """Contended steps on a shared GPU: 20 ms whatever the width plus 5 us a stream, against a model
+    of 5.5 ms + 38 us a stream; 400 streams running need 5,000 frames a second."""
+    rows = [_plan(0.0, 400, 40, capacity=710)]
+    for i in range(30):  # 30 steps in the first second, 100 to 390 streams wide, no prefill
+        b = 100 + 10 * i
+        rows.append({"kind": "step", "t": 0.01 + i / 30, "batch": b, "prompts": 0, "prefill_positions": 0,
+                     "seconds": 0.020 + 0.000005 * b})  # fmt: skip
+        rows.append(_costly_plan(0.02 + i / 30, 400, 700 + i))
+    rows.append(
+        {"kind": "step", "t": 0.5, "batch": 420, "prompts": 16, "prefill_positions": 752, "seconds": 0.05}
+    )
+    (first,) = admission_timeline.step_costs(rows, 0.0, 1.0, 3)  # nothing after the first second
+    assert first["steps"] == 30 and (first["batch_min"], first["batch_max"]) == (100, 390)
+    assert first["line_base_ms"] == pytest.approx(20.0) and first["line_slope_us"] == pytest.approx(5.0)
+    assert (first["model_base_ms"], first["model_slope_us"], first["decoder_us"]) == pytest.approx(
+        (5.5, 38, 25)
+    )
+    assert (first["capacity_min"], first["capacity_max"]) == (700, 729)
+    assert first["frames_per_s"] == sum(100 + 10 * i for i in range(30)) + 420
+    assert first["running"] == 400 and first["needed_per_s"] == pytest.approx(5000)
+    text = admission_timeline.render_costs([first])
+    assert "| 0.0 | 30 (100-390) | 20.0 + 5.0 | 5.5 + 38.0, 25.0 | 700-729 | 400 | 7770 / 5000 |" in text
