@@ -201,6 +201,15 @@ class GatewayMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.room_wait_seconds = Histogram(
+            "tts_gateway_room_wait_seconds",
+            "How long a request that found this gateway's share of the talkers' room spent waited "
+            "for the next published room (--talker-room-wait-ms), by outcome: room (it got a "
+            "talker) or refused (none came in time).",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.first_chunk_hop_seconds = Histogram(
             "tts_gateway_first_chunk_hop_seconds",
             "Where a request's first audio goes at the gateway, per hop: admit (request received "

@@ -51,6 +51,13 @@ class GatewayConfig:
     talker_refresh_s: float = setting(
         5.0, "how often the pool re-resolves --talker and health-checks each talker, seconds"
     )
+    talker_room_wait_ms: float = setting(
+        40.0,
+        "a request finding this gateway's share of the talkers' published room spent by its own "
+        "calls waits up to this long for the next published room before it is refused (the talker "
+        "splits its room among the gateways; 0 = refused at once). Where the talkers published no "
+        "room at all the refusal is at once either way",
+    )
     talker_metrics_url: str = setting(
         "", "the talker's /metrics URL, for the queue and step time in GET /v1/status (default: not shown)"
     )
@@ -183,6 +190,10 @@ class GatewayConfig:
             )
         if self.talker_refresh_s <= 0:
             raise InvalidArgument(f"--talker-refresh-s must be > 0, got {self.talker_refresh_s}")
+        if not 0 <= self.talker_room_wait_ms <= 1000:
+            raise InvalidArgument(
+                f"--talker-room-wait-ms must be between 0 and 1000, got {self.talker_room_wait_ms:g}"
+            )
         if self.max_streams < 1:
             raise InvalidArgument(f"--max-streams must be >= 1, got {self.max_streams}")
         if not 1 <= self.max_input_chars <= request_limits.TEXT_MAX_CHARS:

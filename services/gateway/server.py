@@ -117,6 +117,10 @@ class GatewayServer:
             TalkerPool(
                 DnsResolver(config.talker),
                 refresh_s=config.talker_refresh_s,
+                room_wait_s=config.talker_room_wait_ms / 1e3,
+                on_room_wait=lambda got, seconds: self.metrics.room_wait_seconds.labels(
+                    "room" if got else "refused"
+                ).observe(seconds),
                 connect=lambda addr: aio_channel(
                     addr,
                     config.tls,

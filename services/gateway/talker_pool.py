@@ -124,6 +124,9 @@ class Endpoint:
     # since (None: unknown, taken as room), and its retry hint.
     room: int | None = None
     retry_after_s: int = 1
+    # The room as last published (this gateway's share, before the calls counted against it):
+    # above 0 with `room` spent, the next publication may bring more (`TalkerPool.room_wait_s`).
+    published: int | None = None
     # Streams this gateway started here (its calls, each carrying its caller id).
     sent: int = 0
     # Its room comes from a WatchCapacity call now (not polled); False after UNIMPLEMENTED too.
@@ -138,7 +141,13 @@ class Endpoint:
         """A room the talker published: less the calls sent here that it had not yet seen."""
         unseen = max(0, self.sent - room.calls_seen) if room.calls_seen is not None else 0
         self.room = room.accept - unseen
+        self.published = room.accept
         self.retry_after_s = room.retry_after_s
+
+    def share_spent(self) -> bool:
+        """The talker published room here and this gateway's calls took it: its next room (the
+        talker seeing those calls, re-splitting its room among the gateways) may have more."""
+        return self.room is not None and self.room <= 0 and (self.published or 0) > 0
 
 
 class Lease:
@@ -175,6 +184,7 @@ class Lease:
     def mark_full(self, retry_after_s: int | None) -> None:
         """The talker refused the call at capacity: no room there until it publishes some."""
         self.endpoint.room = 0
+        self.endpoint.published = 0
         self.endpoint.retry_after_s = max(1, retry_after_s or 1)
 
     def release(self) -> None:
@@ -225,6 +235,8 @@ class TalkerPool:
         capacity_refresh_s: float = 0.1,
         watch: Callable[[Any, str], AsyncIterator[Room]] | None = capacity_watch,
         watch_retry_s: float = 1.0,
+        room_wait_s: float = 0.0,
+        on_room_wait: Callable[[bool, float], None] | None = None,
     ):
         self._resolver = resolver
         self._connect = connect
@@ -233,6 +245,11 @@ class TalkerPool:
         self.capacity_refresh_s = capacity_refresh_s
         self._watch = watch if capacity is not None else None
         self.watch_retry_s = watch_retry_s
+        # A request finding this gateway's share of the room spent (`Endpoint.share_spent`) waits
+        # up to this long for the next published room before it is refused (0: refused at once).
+        self.room_wait_s = room_wait_s
+        self._on_room_wait = on_room_wait  # (got a talker, seconds waited) of each such wait
+        self._room_event = asyncio.Event()  # set, and replaced, on each published room
         self.caller = new_caller_id()
         self._capacity_task: asyncio.Task | None = None
         self.refresh_s = refresh_s
@@ -327,7 +344,7 @@ class TalkerPool:
         usable = self.usable()
         if not usable:
             return None
-        if (full := self.refusal()) is not None:
+        if (full := self._no_room()) is not None:
             raise full
         usable = [e for e in usable if e.has_room()]
         # Rotate the start so that equally loaded talkers take turns (round robin).
@@ -344,8 +361,19 @@ class TalkerPool:
     def refusal(self) -> ResourceExhausted | None:
         """The refusal a new stream gets now because the ready talkers published no room beyond
         what `hold()` keeps (the shortest retry hint among them); None while there is some, or a
-        talker's room is unknown, or none is ready (an outage, not a refusal). A peek: it takes
-        no lease."""
+        talker's room is unknown, or none is ready (an outage, not a refusal), or, with
+        `room_wait_s`, while a share this gateway spent may be refilled (`acquire` waits for it).
+        A peek: it takes no lease."""
+        full = self._no_room()
+        if full is not None and self.room_wait_s > 0 and self._share_spent():
+            return None
+        return full
+
+    def _share_spent(self) -> bool:
+        return any(e.share_spent() for e in self.usable())
+
+    def _no_room(self) -> ResourceExhausted | None:
+        """`refusal` without the wait for a spent share to be refilled."""
         usable = self.usable()
         if not usable or any(e.room is None for e in usable):
             return None
@@ -376,14 +404,52 @@ class TalkerPool:
 
     async def acquire(self) -> Lease:
         """A lease for a new stream; refreshes first when no talker is usable (at most every
-        `min_refresh_gap_s`). Raises `Unavailable` when still none is."""
-        lease = self.pick()
+        `min_refresh_gap_s`). Raises `Unavailable` when still none is, `ResourceExhausted` when
+        none has room: at once where the talkers published none, after up to `room_wait_s` for
+        the next published room where this gateway's share was spent.
+
+        The talker splits its room among the gateways by the calls each has been sending, and a
+        gateway counts the calls the talker has not seen yet against its share: a burst at one
+        gateway (a closed loop's clients whose first streams end together) spent its share in a
+        few milliseconds and was refused while the talker had room for it (an H100 at c=768, one
+        gateway of four: 52 refused in 80 ms with 124-264 published; HISTORY.md, sixth session of
+        2026-12-07)."""
+        waited_from: float | None = None
+        while True:
+            try:
+                lease = self.pick()
+                break
+            except ResourceExhausted:
+                if self.room_wait_s <= 0 or not self._share_spent():
+                    self._waited(waited_from, False)
+                    raise
+                now = self._clock()
+                waited_from = now if waited_from is None else waited_from
+                if now - waited_from >= self.room_wait_s:
+                    self._waited(waited_from, False)
+                    raise
+                await self._next_room(waited_from + self.room_wait_s - now)
+        self._waited(waited_from, True)
         if lease is None and self._may_refresh():
             await self.refresh()
             lease = self.pick()
         if lease is None:
             raise Unavailable("no talker is ready")
         return lease
+
+    def _waited(self, since: float | None, got: bool) -> None:
+        if since is not None and self._on_room_wait is not None:
+            self._on_room_wait(got, self._clock() - since)
+
+    async def _next_room(self, timeout_s: float) -> None:
+        """Return at the next published room, or after `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._room_event.wait(), timeout_s)
+
+    def _published(self) -> None:
+        """A room was published: wake the requests waiting for one."""
+        self._room_event.set()
+        self._room_event = asyncio.Event()
 
     async def serving(self) -> bool:
         """Whether a new stream would find a talker now (the gateway's readiness): the pool's own
@@ -421,6 +487,7 @@ class TalkerPool:
                 continue
             if isinstance(room, Room):
                 endpoint.publish(room)
+                self._published()
             elif room is not SLOW:  # no answer: unknown, taken as room (the talker still refuses)
                 endpoint.room = None
 
@@ -438,6 +505,7 @@ class TalkerPool:
             async for room in self._watch(endpoint.channel, self.caller):
                 endpoint.watching = True
                 endpoint.publish(room)
+                self._published()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 endpoint.watch_unsupported = True

@@ -69,6 +69,7 @@ HISTOGRAMS = {
     "tts_talker_first_chunk_hop_seconds",
     "tts_gateway_first_chunk_hop_seconds",
     "tts_gateway_refusal_hop_seconds",
+    "tts_gateway_room_wait_seconds",
     "tts_event_loop_lag_seconds",
     "tts_rpc_accept_seconds",
     "tts_session_write_seconds",

@@ -17,7 +17,7 @@ from test_gateway_server import FakeTalkerServicer, _start_talker
 from websockets.asyncio.client import connect
 
 from qtts.pb import talker_pb2, tts_pb2, tts_pb2_grpc
-from qtts.request.errors import ResourceExhausted
+from qtts.request.errors import InvalidArgument, ResourceExhausted
 from qtts.serving.log_context import CALLER_KEY
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer
@@ -280,3 +280,101 @@ async def test_no_talker_with_room_is_a_refusal_at_once_over_http_grpc_and_webso
     finally:
         await gateway.stop()
         await talker_host.stop(0)
+
+
+async def _watched_pool(room_wait_s: float, waits: list) -> tuple[TalkerPool, asyncio.Queue]:
+    pushed: asyncio.Queue = asyncio.Queue()
+
+    async def watch(channel, caller):
+        while True:
+            yield await pushed.get()
+
+    async def probe(channel) -> bool:
+        return True
+
+    async def capacity(channel, caller):
+        return SLOW  # a poll that keeps the last room: the watch alone brings rooms
+
+    pool = TalkerPool(
+        StaticResolver(["a:1"]),
+        connect=lambda a: a,
+        probe=probe,
+        capacity=capacity,
+        watch=watch,
+        capacity_refresh_s=0.01,
+        min_refresh_gap_s=0.0,
+        room_wait_s=room_wait_s,
+        on_room_wait=lambda got, seconds: waits.append((got, seconds)),
+    )
+    await pool.refresh()
+    pool.start()
+    return pool, pushed
+
+
+async def test_a_request_finding_its_share_spent_waits_for_the_next_room_then_starts_or_is_refused():
+    """The talker splits its room among the gateways; a burst at one gateway spends its share
+    before the talker has seen its calls. Such a request waits for the next published room (up to
+    `room_wait_s`) instead of being refused while the talker has room; one finding no room
+    published at all is refused at once."""
+    waits: list[tuple[bool, float]] = []
+    pool, pushed = await _watched_pool(0.3, waits)
+    try:
+        pushed.put_nowait(Room(2, 1, calls_seen=0))
+        await eventually(lambda: pool.endpoints["a:1"].room == 2)
+        first, second = await pool.acquire(), await pool.acquire()
+        assert pool.endpoints["a:1"].share_spent()
+        assert pool.refusal() is None  # the peek lets it in: the wait decides
+        third = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.02)
+        assert not third.done()  # waiting for the next room, not refused
+        pushed.put_nowait(Room(3, 1, calls_seen=2))  # the talker saw both calls, and has 3 more
+        lease = await third
+        assert lease.address == "a:1" and pool.endpoints["a:1"].room == 2
+        assert waits and waits[-1][0] is True
+
+        # The share spent again and no room comes: refused once the wait is over.
+        for _ in range(2):
+            await pool.acquire()
+        with pytest.raises(ResourceExhausted):
+            await pool.acquire()
+        got, waited = waits[-1]
+        assert got is False and waited >= 0.3
+
+        # The talker publishes none: refused at once, no wait.
+        pushed.put_nowait(Room(0, 4, calls_seen=pool.endpoints["a:1"].sent))
+        await eventually(lambda: pool.endpoints["a:1"].published == 0)
+        assert not pool.endpoints["a:1"].share_spent()
+        assert isinstance(pool.refusal(), ResourceExhausted)
+        count = len(waits)
+        with pytest.raises(ResourceExhausted) as err:
+            await pool.acquire()
+        assert err.value.retry_after_s == 4 and len(waits) == count  # no wait recorded
+        for held in (first, second, lease):
+            held.release()
+    finally:
+        await pool.close()
+
+
+async def test_a_talker_s_own_refusal_is_not_a_share_to_wait_for():
+    waits: list[tuple[bool, float]] = []
+    pool, pushed = await _watched_pool(5.0, waits)
+    try:
+        pushed.put_nowait(Room(3, 2, calls_seen=0))
+        await eventually(lambda: pool.endpoints["a:1"].room == 3)
+        lease = await pool.acquire()
+        lease.mark_full(7)  # the talker refused the call at capacity
+        assert not pool.endpoints["a:1"].share_spent()
+        with pytest.raises(ResourceExhausted) as err:
+            await pool.acquire()  # at once: a 5 s wait would fail this test's timeout budget
+        assert err.value.retry_after_s == 7 and waits == []
+    finally:
+        await pool.close()
+
+
+def test_the_gateway_flag_sets_the_wait():
+    from services.gateway.config import config_from_args
+
+    assert GatewayConfig().talker_room_wait_ms == 40.0
+    assert config_from_args(["--talker-room-wait-ms", "0"]).talker_room_wait_ms == 0
+    with pytest.raises(InvalidArgument, match="--talker-room-wait-ms"):
+        config_from_args(["--talker-room-wait-ms", "-1"])
