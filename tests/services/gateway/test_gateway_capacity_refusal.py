@@ -378,3 +378,64 @@ def test_the_gateway_flag_sets_the_wait():
     assert config_from_args(["--talker-room-wait-ms", "0"]).talker_room_wait_ms == 0
     with pytest.raises(InvalidArgument, match="--talker-room-wait-ms"):
         config_from_args(["--talker-room-wait-ms", "-1"])
+
+
+class SplitTalker(FakeTalkerServicer):
+    """A talker that publishes room for one more request each time it has seen the gateway's calls
+    (its share of a room split among gateways), and sees a call only once `gate` is open."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def GetCapacity(self, request, context):
+        return talker_pb2.GetCapacityResponse(accept=1, retry_after_s=7, calls_seen=len(self.requests))
+
+    async def Generate(self, request, context):
+        await self.gate.wait()
+        async for response in super().Generate(request, context):
+            yield response
+
+
+async def test_a_real_gateway_holds_a_request_whose_share_is_spent_until_the_talker_publishes_more():
+    """Two requests at a gateway whose share is one: the second waits (it is neither refused nor
+    sent) until the talker has seen the first call and publishes room again, then starts."""
+    talker = SplitTalker()
+    talker_host = await _start_talker(talker)
+    config = GatewayConfig(
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=0,
+        talker=f"127.0.0.1:{talker_host.bound_port}",
+        speaker_cache=f"127.0.0.1:{free_port()}",
+        drain_seconds=0.5,
+        talker_sessions=False,
+        talker_room_wait_ms=1000,  # far longer than the test needs: the order decides, not a race
+    ).validate()
+    gateway = GatewayServer(config, catalog_retry_s=0.05, decode=fake_decode)
+    gateway.talker_pool.capacity_refresh_s = 0.02
+    await gateway.start()
+    body = {"input": "Hi.", "voice": "alice", "max_new_tokens": 2, "response_format": "pcm", "stream": False}
+    waited = lambda outcome: gateway.metrics.registry.get_sample_value(  # noqa: E731
+        "tts_gateway_room_wait_seconds_count", {"outcome": outcome}
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.http_port}", timeout=10) as c:
+            for _ in range(200):
+                if gateway.catalog is not None and gateway.talker_pool.usable():
+                    break
+                await asyncio.sleep(0.05)
+            await eventually(lambda: all(e.room == 1 for e in gateway.talker_pool.endpoints.values()))
+            first = asyncio.ensure_future(c.post("/v1/audio/speech", json=body))
+            await eventually(lambda: all(e.share_spent() for e in gateway.talker_pool.endpoints.values()))
+            second = asyncio.ensure_future(c.post("/v1/audio/speech", json=body))
+            await asyncio.sleep(0.2)  # rooms come every 20 ms, each still 1 less the unseen call
+            assert not second.done() and talker.requests == []
+            talker.gate.set()  # the talker sees the first call, and its next room has one more
+            assert (await first).status_code == 200
+            assert (await second).status_code == 200
+            assert len(talker.requests) == 2
+            assert waited("room") == 1 and not waited("refused")
+    finally:
+        await gateway.stop()
+        await talker_host.stop(0)
