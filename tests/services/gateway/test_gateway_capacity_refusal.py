@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import contextvars
 import json
 
@@ -203,83 +204,93 @@ class FullTalker(FakeTalkerServicer):
         return talker_pb2.GetCapacityResponse(accept=self.accept, retry_after_s=7)
 
 
-async def test_no_talker_with_room_is_a_refusal_at_once_over_http_grpc_and_websocket():
-    talker = FullTalker()
+BODY = {"input": "Hi.", "voice": "alice", "max_new_tokens": 2, "response_format": "pcm", "stream": False}
+
+
+@contextlib.asynccontextmanager
+async def gateway_before(talker: FakeTalkerServicer, **config: object):
+    """A real gateway (its room polled every 20 ms) in front of `talker`, once it serves: the
+    gateway, its config and an HTTP client of it."""
     talker_host = await _start_talker(talker)
-    config = GatewayConfig(
+    cfg = GatewayConfig(
         http_port=free_port(),
         grpc_port=free_port(),
         metrics_port=0,
         talker=f"127.0.0.1:{talker_host.bound_port}",
         speaker_cache=f"127.0.0.1:{free_port()}",
         drain_seconds=0.5,
+        **config,
     ).validate()
-    gateway = GatewayServer(config, catalog_retry_s=0.05, decode=fake_decode)
+    gateway = GatewayServer(cfg, catalog_retry_s=0.05, decode=fake_decode)
     gateway.talker_pool.capacity_refresh_s = 0.02
     await gateway.start()
-    url = f"http://127.0.0.1:{config.http_port}"
-    body = {"input": "Hi.", "voice": "alice", "max_new_tokens": 2, "response_format": "pcm", "stream": False}
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{cfg.http_port}", timeout=10) as c:
             for _ in range(200):
                 if gateway.catalog is not None and gateway.talker_pool.usable():
                     break
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(0.1)  # a capacity poll or two
-            r = await c.post("/v1/audio/speech", json=body)
-            assert r.status_code == 429, r.text
-            assert r.headers["retry-after"] == "7" and "at capacity" in r.json()["error"]["message"]
-            assert 7000 <= int(r.headers["retry-after-ms"]) < 10500  # spread: clients come back apart
-            # Known from the headers: refused before the body is read (a storm's bodies cost nothing).
-            r = await c.post(
-                "/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"}
-            )
-            assert r.status_code == 429 and r.headers["retry-after"] == "7"
-
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
-                stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
-                request = tts_pb2.SynthesizeRequest(
-                    text="Hi.", reference_audio=wav_bytes(), x_vector_only=True
-                )
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    [m async for m in stub.Synthesize(request)]
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert ("retry-after", "7") in tuple(err.value.trailing_metadata() or ())
-                # Refused before its fields are looked at, as HTTP before its body: no text at all.
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    [m async for m in stub.Synthesize(tts_pb2.SynthesizeRequest())]
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-
-            async with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream") as ws:
-                config_msg = {
-                    "type": "session.config",
-                    "ref_audio": base64.b64encode(wav_bytes()).decode(),
-                    "x_vector_only_mode": True,
-                    "response_format": "pcm",
-                }
-                await ws.send(json.dumps(config_msg))
-                await ws.send(json.dumps({"type": "input.text", "text": "Hi."}))
-                await ws.send(json.dumps({"type": "input.done"}))
-                events = []
-                while not any(e.get("type") == "error" for e in events):
-                    msg = await asyncio.wait_for(ws.recv(), 5)
-                    if isinstance(msg, str):
-                        events.append(json.loads(msg))
-                error = next(e for e in events if e["type"] == "error")
-                assert error["code"] == "rate_limit_exceeded" and "at capacity" in error["message"]
-                assert 7000 <= error["retry_after_ms"] < 10500  # the same hint as HTTP's
-
-            assert talker.requests == []  # refused at the gateway: the talker was never called
-            # Room for one: the request holds it while its body is read, and its own pick takes
-            # it (a hold left standing would have refused that very pick).
-            talker.accept = 1
-            await asyncio.sleep(0.1)
-            r = await c.post("/v1/audio/speech", json=body)
-            assert r.status_code == 200 and len(talker.requests) == 1
-            assert gateway.talker_pool._held == 0
+            yield gateway, cfg, c
     finally:
         await gateway.stop()
         await talker_host.stop(0)
+
+
+async def test_no_talker_with_room_is_a_refusal_at_once_over_http_grpc_and_websocket():
+    talker = FullTalker()
+
+    async with gateway_before(talker) as (gateway, config, c):
+        url = f"http://127.0.0.1:{config.http_port}"
+        await asyncio.sleep(0.1)  # a capacity poll or two
+        r = await c.post("/v1/audio/speech", json=BODY)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "7" and "at capacity" in r.json()["error"]["message"]
+        assert 7000 <= int(r.headers["retry-after-ms"]) < 10500  # spread: clients come back apart
+        # Known from the headers: refused before the body is read (a storm's bodies cost nothing).
+        r = await c.post(
+            "/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 429 and r.headers["retry-after"] == "7"
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
+            stub = tts_pb2_grpc.TextToSpeechServiceStub(channel)
+            request = tts_pb2.SynthesizeRequest(text="Hi.", reference_audio=wav_bytes(), x_vector_only=True)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Synthesize(request)]
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert ("retry-after", "7") in tuple(err.value.trailing_metadata() or ())
+            # Refused before its fields are looked at, as HTTP before its body: no text at all.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Synthesize(tts_pb2.SynthesizeRequest())]
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        async with connect(url.replace("http://", "ws://") + "/v1/audio/speech/stream") as ws:
+            config_msg = {
+                "type": "session.config",
+                "ref_audio": base64.b64encode(wav_bytes()).decode(),
+                "x_vector_only_mode": True,
+                "response_format": "pcm",
+            }
+            await ws.send(json.dumps(config_msg))
+            await ws.send(json.dumps({"type": "input.text", "text": "Hi."}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            events = []
+            while not any(e.get("type") == "error" for e in events):
+                msg = await asyncio.wait_for(ws.recv(), 5)
+                if isinstance(msg, str):
+                    events.append(json.loads(msg))
+            error = next(e for e in events if e["type"] == "error")
+            assert error["code"] == "rate_limit_exceeded" and "at capacity" in error["message"]
+            assert 7000 <= error["retry_after_ms"] < 10500  # the same hint as HTTP's
+
+        assert talker.requests == []  # refused at the gateway: the talker was never called
+        # Room for one: the request holds it while its body is read, and its own pick takes
+        # it (a hold left standing would have refused that very pick).
+        talker.accept = 1
+        await asyncio.sleep(0.1)
+        r = await c.post("/v1/audio/speech", json=BODY)
+        assert r.status_code == 200 and len(talker.requests) == 1
+        assert gateway.talker_pool._held == 0
 
 
 async def _watched_pool(room_wait_s: float, waits: list) -> tuple[TalkerPool, asyncio.Queue]:
@@ -401,41 +412,19 @@ async def test_a_real_gateway_holds_a_request_whose_share_is_spent_until_the_tal
     """Two requests at a gateway whose share is one: the second waits (it is neither refused nor
     sent) until the talker has seen the first call and publishes room again, then starts."""
     talker = SplitTalker()
-    talker_host = await _start_talker(talker)
-    config = GatewayConfig(
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=0,
-        talker=f"127.0.0.1:{talker_host.bound_port}",
-        speaker_cache=f"127.0.0.1:{free_port()}",
-        drain_seconds=0.5,
-        talker_sessions=False,
-        talker_room_wait_ms=1000,  # far longer than the test needs: the order decides, not a race
-    ).validate()
-    gateway = GatewayServer(config, catalog_retry_s=0.05, decode=fake_decode)
-    gateway.talker_pool.capacity_refresh_s = 0.02
-    await gateway.start()
-    body = {"input": "Hi.", "voice": "alice", "max_new_tokens": 2, "response_format": "pcm", "stream": False}
-    waited = lambda outcome: gateway.metrics.registry.get_sample_value(  # noqa: E731
-        "tts_gateway_room_wait_seconds_count", {"outcome": outcome}
-    )
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{config.http_port}", timeout=10) as c:
-            for _ in range(200):
-                if gateway.catalog is not None and gateway.talker_pool.usable():
-                    break
-                await asyncio.sleep(0.05)
-            await eventually(lambda: all(e.room == 1 for e in gateway.talker_pool.endpoints.values()))
-            first = asyncio.ensure_future(c.post("/v1/audio/speech", json=body))
-            await eventually(lambda: all(e.share_spent() for e in gateway.talker_pool.endpoints.values()))
-            second = asyncio.ensure_future(c.post("/v1/audio/speech", json=body))
-            await asyncio.sleep(0.2)  # rooms come every 20 ms, each still 1 less the unseen call
-            assert not second.done() and talker.requests == []
-            talker.gate.set()  # the talker sees the first call, and its next room has one more
-            assert (await first).status_code == 200
-            assert (await second).status_code == 200
-            assert len(talker.requests) == 2
-            assert waited("room") == 1 and not waited("refused")
-    finally:
-        await gateway.stop()
-        await talker_host.stop(0)
+    # The wait far longer than the test needs: the order decides, not a race.
+    async with gateway_before(talker, talker_sessions=False, talker_room_wait_ms=1000) as (gateway, _, c):
+        waited = lambda outcome: gateway.metrics.registry.get_sample_value(  # noqa: E731
+            "tts_gateway_room_wait_seconds_count", {"outcome": outcome}
+        )
+        await eventually(lambda: all(e.room == 1 for e in gateway.talker_pool.endpoints.values()))
+        first = asyncio.ensure_future(c.post("/v1/audio/speech", json=BODY))
+        await eventually(lambda: all(e.share_spent() for e in gateway.talker_pool.endpoints.values()))
+        second = asyncio.ensure_future(c.post("/v1/audio/speech", json=BODY))
+        await asyncio.sleep(0.2)  # rooms come every 20 ms, each still 1 less the unseen call
+        assert not second.done() and talker.requests == []
+        talker.gate.set()  # the talker sees the first call, and its next room has one more
+        assert (await first).status_code == 200
+        assert (await second).status_code == 200
+        assert len(talker.requests) == 2
+        assert waited("room") == 1 and not waited("refused")
