@@ -444,7 +444,8 @@ class TalkerPool:
     async def _next_room(self, timeout_s: float) -> None:
         """Return at the next published room, or after `timeout_s`."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._room_event.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._room_event.wait()
 
     def _published(self) -> None:
         """A room was published: wake the requests waiting for one."""
