@@ -299,6 +299,14 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
             + ("-" if p95 is None else f"{p95 * 1e3:g} ms")
             + f" over {transit[0]:.0f} chunks"
         )
+    waits = []  # a gateway's requests that found its share of the room spent (--talker-room-wait-ms)
+    for outcome in ("room", "refused"):
+        if (got := metrics.mean("tts_gateway_room_wait_seconds", outcome=outcome)) is not None and got[0]:
+            waits.append(
+                f"{got[0]:.0f} {'got room' if outcome == 'room' else outcome}, mean {got[1] * 1e3:.1f} ms"
+            )
+    if waits:
+        lines.append("  waits for a spent room share: " + ", ".join(waits))
     writes = []
     for method in metrics.label_values("tts_session_write_seconds", "method"):
         if (got := metrics.mean("tts_session_write_seconds", method=method)) is not None:

@@ -302,6 +302,20 @@ def test_each_gateway_s_requests_by_their_end(tmp_path):
     assert "  requests by end: http ok 360, http resource_exhausted 164" in after
 
 
+def test_a_gateway_s_waits_for_a_spent_room_share(tmp_path):
+    from qtts.serving.metrics import GatewayMetrics
+
+    run = tmp_path / "http1"
+    run.mkdir()
+    gw = GatewayMetrics(CollectorRegistry())
+    for seconds in (0.01, 0.03):
+        gw.room_wait_seconds.labels("room").observe(seconds)
+    gw.room_wait_seconds.labels("refused").observe(0.04)
+    (run / "metrics-gateway.txt").write_bytes(generate_latest(gw.registry))
+    lines = summary([tmp_path]).splitlines()
+    assert "  waits for a spent room share: 2 got room, mean 20.0 ms, 1 refused, mean 40.0 ms" in lines
+
+
 def test_the_talker_s_late_chunks_are_grouped_by_their_end_with_their_hops(tmp_path):
     """The talker logs each chunk handed on after its listener ran dry, hop by hop; the summary
     groups them by the frame their chunk ended at (the commonest first), and splits code2wav's
