@@ -294,13 +294,19 @@ class Admission:
         frame steps once a frame, the prefills of the streams replacing those that end, and their
         decode when the decoder shares the GPU; the two engines' loads summed, or with `engine_costs`
         "overlap" the busier engine's."""
-        length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else self.config.default_stream_s
         n = max(num_streams, 0)
-        talker = self.model.predict(n) / self.frame_s + n * self.model.prefill_request_s / length
-        decoder = n * self.decoder_frame_s / self.frame_s + (self.decoder_call_load if n else 0.0)
-        if self.config.engine_costs == "overlap":
-            return max(talker, decoder)
-        return talker + decoder
+        (talker_fixed, talker), (decoder_fixed, decoder) = self._engine_loads(mean_stream_s)
+        loads = (talker_fixed + n * talker, (decoder_fixed if n else 0.0) + n * decoder)
+        return max(loads) if self.config.engine_costs == "overlap" else sum(loads)
+
+    def _engine_loads(self, mean_stream_s: float | None) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(fixed, per stream) busy fraction of the talker (its frame step's base; a stream's
+        steps and the prefill of the stream replacing it) and of the decoder on this GPU (its
+        per-call share; a stream's decode): what `load` and `capacity` both weigh."""
+        cfg, m = self.config, self.model
+        length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else cfg.default_stream_s
+        talker = (m.base_s / self.frame_s, m.per_stream_s / self.frame_s + m.prefill_request_s / length)
+        return talker, (self.decoder_call_load, self.decoder_frame_s / self.frame_s)
 
     def allows(
         self,
@@ -356,10 +362,7 @@ class Admission:
         if cfg.max_duty > 0 and m.per_stream_s > 0:
             caps.append(int((cfg.max_duty * self.frame_s - m.base_s) / m.per_stream_s))
         if cfg.max_load > 0:
-            length = mean_stream_s if mean_stream_s and mean_stream_s > 0 else cfg.default_stream_s
-            talker = m.per_stream_s / self.frame_s + m.prefill_request_s / length  # a stream's load
-            decoder = self.decoder_frame_s / self.frame_s
-            talker_fixed, decoder_fixed = m.base_s / self.frame_s, self.decoder_call_load
+            (talker_fixed, talker), (decoder_fixed, decoder) = self._engine_loads(mean_stream_s)
             if cfg.engine_costs == "overlap":  # each engine under the bound on its own
                 for per_stream, fixed in ((talker, talker_fixed), (decoder, decoder_fixed)):
                     if per_stream > 0:

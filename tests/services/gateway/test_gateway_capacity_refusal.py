@@ -69,6 +69,28 @@ def test_a_published_room_is_less_the_calls_sent_that_the_talker_had_not_seen():
     assert endpoint.room == 4
 
 
+async def started_pool(addresses: list[str], capacity, watch, **options) -> TalkerPool:
+    """A started pool of always-ready fake talkers whose rooms `capacity` polls (every 10 ms) and
+    `watch` pushes."""
+
+    async def probe(channel) -> bool:
+        return True
+
+    pool = TalkerPool(
+        StaticResolver(addresses),
+        connect=lambda a: a,
+        probe=probe,
+        capacity=capacity,
+        watch=watch,
+        capacity_refresh_s=0.01,
+        min_refresh_gap_s=0.0,
+        **options,
+    )
+    await pool.refresh()
+    pool.start()
+    return pool
+
+
 async def test_the_pool_takes_pushed_rooms_polls_only_talkers_without_the_watch_and_counts_its_calls():
     pushed: dict[str, asyncio.Queue] = {"a:1": asyncio.Queue(), "b:1": asyncio.Queue()}
     polled: list[str] = []
@@ -86,20 +108,7 @@ async def test_the_pool_takes_pushed_rooms_polls_only_talkers_without_the_watch_
         callers.add(caller)
         return Room(0, 9)
 
-    async def probe(channel) -> bool:
-        return True
-
-    pool = TalkerPool(
-        StaticResolver(["a:1", "b:1"]),
-        connect=lambda a: a,
-        probe=probe,
-        capacity=capacity,
-        watch=watch,
-        capacity_refresh_s=0.01,
-        min_refresh_gap_s=0.0,
-    )
-    await pool.refresh()
-    pool.start()
+    pool = await started_pool(["a:1", "b:1"], capacity, watch)
     try:
         pushed["a:1"].put_nowait(Room(2, 1, calls_seen=0))
         await eventually(lambda: pool.endpoints["a:1"].watching and pool.endpoints["b:1"].watch_unsupported)
@@ -300,25 +309,16 @@ async def _watched_pool(room_wait_s: float, waits: list) -> tuple[TalkerPool, as
         while True:
             yield await pushed.get()
 
-    async def probe(channel) -> bool:
-        return True
-
     async def capacity(channel, caller):
         return SLOW  # a poll that keeps the last room: the watch alone brings rooms
 
-    pool = TalkerPool(
-        StaticResolver(["a:1"]),
-        connect=lambda a: a,
-        probe=probe,
-        capacity=capacity,
-        watch=watch,
-        capacity_refresh_s=0.01,
-        min_refresh_gap_s=0.0,
+    pool = await started_pool(
+        ["a:1"],
+        capacity,
+        watch,
         room_wait_s=room_wait_s,
         on_room_wait=lambda got, seconds: waits.append((got, seconds)),
     )
-    await pool.refresh()
-    pool.start()
     return pool, pushed
 
 
