@@ -185,6 +185,18 @@ TOKENIZER="$("$PYTHON" -c 'from qtts.model.bpe_vocab import dummy_tokenizer_labe
 sweep() {  # $1: results folder; the rest: extra client flags
     local out="$1"
     shift
+    # The host before and after the sweep (benchmarks/host_probe.py): a Python loop's time and the
+    # CPU's use, steal included, into $out/host-cpu.json, so stacks of one call are read with theirs.
+    mkdir -p "$out"
+    "$PYTHON" -m benchmarks.host_probe snap "$out/host-before.json" || true
+    _sweep "$out" "$@"  # (a failing sweep ends the script, as it did before the probe)
+    { "$PYTHON" -m benchmarks.host_probe snap "$out/host-after.json" &&
+        "$PYTHON" -m benchmarks.host_probe report "$out/host-before.json" "$out/host-after.json" \
+            --out "$out/host-cpu.json" && rm -f "$out/host-before.json" "$out/host-after.json"; } || true
+}
+_sweep() {
+    local out="$1"
+    shift
     # shellcheck disable=SC2086  # CONCURRENCY is a list of levels
     "$PYTHON" -m benchmarks.client \
         --protocol "$PROTOCOL" --url "$GATEWAY_URLS" --grpc-target "$GRPC_TARGETS" \

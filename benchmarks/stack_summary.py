@@ -504,6 +504,13 @@ def summary(roots: Sequence[Path]) -> str:
                 for line in (run / "revision.txt").read_text().splitlines()
                 if line.strip()
             )
+        # The host over this sweep (launch_gpu_stack.sh, benchmarks/host_probe.py): busy, steal and
+        # a Python loop's time before and after, so a slow or shared host shows beside its figures.
+        if (run / "host-cpu.json").is_file():
+            try:
+                out.append("  " + json.loads((run / "host-cpu.json").read_text())["line"])
+            except (ValueError, KeyError) as exc:
+                out.append(f"  host-cpu.json unreadable: {exc}")
         result_path = run / "results.json"
         if result_path.exists():
             result = json.loads(result_path.read_text())
