@@ -297,6 +297,18 @@ stacks)
         sleep 2
         pkill -9 -f "services\." 2>/dev/null
         echo quit | nvidia-cuda-mps-control 2>/dev/null
+        # What outlived the stack (a spawned engine process, a client worker), recorded beside its
+        # results and killed, so the next stack starts on an empty GPU and idle cores: on
+        # 2026-12-07 the second stack of each call did worse than the first, whatever its revision.
+        sleep 1
+        mkdir -p "$dir"
+        {
+            echo "processes:"
+            pgrep -af "services\.|benchmarks\.|multiprocessing" || true
+            echo "gpu:"
+            nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>&1 || true
+        } >"$dir/leftovers.txt" 2>&1
+        pkill -9 -f "multiprocessing\.spawn|benchmarks\.client" 2>/dev/null
         for f in "$dir"/logs/*.log; do [[ -f "$f" ]] && cut_log "$f"; done
         [[ -f "$dir/admission-trace.jsonl" ]] && gzip -f "$dir/admission-trace.jsonl"
         rm -rf "$dir"/mps "$dir"/*.png "$dir"/then/*.png

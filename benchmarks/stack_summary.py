@@ -481,6 +481,29 @@ def late_chunk_lines(log_text: str, top: int = 4) -> list[str]:
     return out
 
 
+def leftover_lines(run: Path) -> list[str]:
+    """What outlived the stack (run_h200.sh stacks' leftovers.txt: processes still running a
+    second after it was stopped, and the GPU's compute processes), when anything did."""
+    path = run / "leftovers.txt"
+    if not path.is_file():
+        return []
+    found: dict[str, list[str]] = {"processes": [], "gpu": []}
+    section = None
+    for line in path.read_text(errors="replace").splitlines():
+        if line.strip() in ("processes:", "gpu:"):
+            section = line.strip()[:-1]
+        elif section is not None and line.strip() and "No devices were found" not in line:
+            found[section].append(line.strip())
+    if not (found["processes"] or found["gpu"]):
+        return []
+    lines = [
+        f"  left running after the stack stopped (killed before the next): {len(found['processes'])} processes"
+    ]
+    lines += [f"    {line[:160]}" for line in found["processes"][:6]]
+    lines += [f"    gpu: {line[:160]}" for line in found["gpu"][:6]]
+    return lines
+
+
 def runs_under(roots: Iterable[Path]) -> list[Path]:
     """Every folder below `roots` (themselves included) with a results.json or a metrics page."""
     found: set[Path] = set()
@@ -511,6 +534,7 @@ def summary(roots: Sequence[Path]) -> str:
                 out.append("  " + json.loads((run / "host-cpu.json").read_text())["line"])
             except (ValueError, KeyError) as exc:
                 out.append(f"  host-cpu.json unreadable: {exc}")
+        out.extend(leftover_lines(run))
         result_path = run / "results.json"
         if result_path.exists():
             result = json.loads(result_path.read_text())

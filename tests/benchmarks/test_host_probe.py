@@ -98,3 +98,21 @@ def test_stack_summary_prints_the_host_line_of_each_run(tmp_path):
     assert "  host over the sweep (10 s, 16 cpus): busy 40% (user 30%, system 10%), steal 15.0%" in text
     assert "steal 0.0%" in text  # the idle sweep's own line
     assert "host-cpu.json unreadable" in text
+
+
+def test_stack_summary_names_what_outlived_a_stack(tmp_path):
+    """run_h200.sh stacks' leftovers.txt: shown when something outlived the stack, else nothing."""
+    left, clean = tmp_path / "http1", tmp_path / "http2"
+    for run in (left, clean):
+        run.mkdir()
+        (run / "metrics-talker.txt").write_text("")
+    (left / "leftovers.txt").write_text(
+        "processes:\n4242 python3 -c from multiprocessing.spawn import spawn_main\n"
+        "gpu:\n4242, python3, 70000 MiB\n"
+    )
+    (clean / "leftovers.txt").write_text("processes:\ngpu:\n")
+    text = summary([tmp_path])
+    assert "left running after the stack stopped (killed before the next): 1 processes" in text
+    assert "4242 python3 -c from multiprocessing.spawn import spawn_main" in text
+    assert "gpu: 4242, python3, 70000 MiB" in text
+    assert text.count("left running after the stack stopped") == 1  # the clean stack says nothing
