@@ -362,6 +362,12 @@ class TalkerMetrics(ServiceMetrics):
             "Requests refused by admission (queue full or first-audio budget spent).",
             registry=registry,
         )
+        self.room_refused_total = Counter(
+            "tts_talker_room_refused_total",
+            "Of the requests refused by admission, those the talker's front refused at once from "
+            "its engine process's last room (no voice prompt fetched, no prompt build sent).",
+            registry=registry,
+        )
         self.chunk_hop_seconds = Histogram(
             "tts_talker_chunk_hop_seconds",
             "Where a chunk's time goes, per hop: generate (from the previous chunk's hand-on to the "

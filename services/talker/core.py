@@ -23,6 +23,7 @@ from .generation_loop import GenerationLoop
 from .prompt_queue import PromptQueue, reference_rows
 from .replicas import Code2WavReplicas
 from .request import GenerationRequest, SamplingOverrides
+from .room import FrontRoom
 from .stream import StreamSession
 from .validation import check_request
 from .voices import VoiceResolver
@@ -75,6 +76,8 @@ class TalkerCore:
         self._window = credit_window_frames
         self._stall_timeout_s = stall_timeout_s
         self._spec_factory = spec_factory
+        # The engine process's last room, for refusals here at once (room.FrontRoom).
+        self.front_room = FrontRoom()
 
     async def generate(
         self, req: GenerationRequest, text: AsyncIterator[tuple[str, bool]] | None = None
@@ -170,11 +173,13 @@ class TalkerCore:
         """The prompt built in the engine process (engine_process.RemoteBundle), many in flight:
         its prompt queue and budget are there; this side counts them for the at-once refusal."""
         self.prompts.check()
+        self._refuse_by_room()  # again: the voice prompt took time, and other builds went meanwhile
         with self.prompts.waiting_for(queued_at):
             try:
                 future = self.bundle.build_prompt_async(
                     self._spec(req, checked, voice_prompt), queued_at, self.prompts.budget_s
                 )
+                self.front_room.build_sent()
                 prompt = await asyncio.wrap_future(future)
             except asyncio.CancelledError:  # the caller went away: the engine process frees the prompt
                 self.bundle.abandon_build(future)
@@ -250,7 +255,10 @@ class TalkerCore:
         builds (an engine process counts the ones it builds itself)."""
         remote = getattr(self._engine, "headroom_async", None)
         if remote is not None:
-            return await asyncio.wrap_future(remote())
+            sent = self.front_room.asking()  # the builds sent before this call: the engine counts them
+            room = await asyncio.wrap_future(remote())
+            self.front_room.heard(room, sent)
+            return room
         return self._engine.headroom(self.prompts.waiting)
 
     def observe_published_room(self, accept: int) -> None:
@@ -267,10 +275,21 @@ class TalkerCore:
     def _refuse_at_once(self, in_engine: bool) -> None:
         """The refusals a request gets before it queues for its prompt: a full prompt queue, then
         (prompts built in this process) the engine's admission counting the prompts ahead. With
-        the engine in its own process, that process applies its admission when the build comes."""
+        the engine in its own process, the front refuses by the engine's last room while it is
+        fresh (`FrontRoom`); otherwise that process applies its admission when the build comes."""
         self.prompts.check()
         if not in_engine:
             self._engine.check_admission(self.prompts.waiting)
+        else:
+            self._refuse_by_room()
+
+    def _refuse_by_room(self) -> None:
+        """With the engine in its own process: refuse at once where its last room is spent."""
+        refusal = self.front_room.refusal()
+        if refusal is not None:
+            self._metrics.refused_total.inc()
+            self._metrics.room_refused_total.inc()
+            raise refusal
 
     def _spec(self, req: GenerationRequest, checked: Any, voice_prompt: Any) -> Any:
         if self._spec_factory is None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from qtts.lru import BoundedLru
 from qtts.pb import talker_pb2
+from qtts.request.errors import ResourceExhausted
 from qtts.serving.log_context import CALLER_KEY
 
 WATCH_INTERVAL_S = 0.02
@@ -190,3 +191,56 @@ async def watch_room(
                 observe(seconds, calls)
             yield msg
         await asyncio.sleep(interval_s)  # a drain ends the watch within one interval
+
+
+# How old the engine's last room may be for the front to refuse by it (`FrontRoom`): the watches
+# work one out every WATCH_INTERVAL_S while a gateway listens; older, the engine decides.
+FRONT_ROOM_FRESH_S = 0.05
+
+
+class FrontRoom:
+    """The engine's last room as the talker's front saw it, for refusals at once.
+
+    With the engine in a process of its own, a request's admission was decided there, when its
+    prompt build arrived: after the call waited for its handler, its voice prompt (a speaker_cache
+    round trip) and the engine process's turn. On a loaded host that took 0.4-1.5 s for a request
+    refused anyway (benchmarks/HISTORY.md, seventh session of 2026-12-07). The rooms worked out
+    for the gateways (`headroom`) already say how many more requests the engine accepts; the front
+    keeps the last one with the number of builds it had sent before asking, and refuses a request
+    at once while that room, less the builds sent since, is spent. A room older than `fresh_s` is
+    not used, nor one of an idle talker (no stream running or waiting: a draining talker's, or
+    one with no estimate yet): the engine decides, as before."""
+
+    def __init__(self, fresh_s: float = FRONT_ROOM_FRESH_S, clock: Callable[[], float] = time.monotonic):
+        self._fresh_s = fresh_s
+        self._clock = clock
+        self._sent = 0  # prompt builds sent to the engine
+        self._last: tuple[float, Any, int] | None = None  # (when heard, the room, builds sent before)
+
+    def build_sent(self) -> None:
+        """A prompt build went to the engine (it counts there once it arrives)."""
+        self._sent += 1
+
+    def asking(self) -> int:
+        """Call just before the room's request is sent: the builds it will count."""
+        return self._sent
+
+    def heard(self, room: Any, sent_before: int) -> None:
+        """The engine's room (forecast.Headroom), asked for after `sent_before` builds."""
+        self._last = (self._clock(), room, sent_before)
+
+    def refusal(self) -> ResourceExhausted | None:
+        """The refusal of a request arriving now (None: the engine decides)."""
+        if self._last is None:
+            return None
+        at, room, sent_before = self._last
+        if self._clock() - at > self._fresh_s or not (room.running or room.waiting):
+            return None
+        left = room.accept - (self._sent - sent_before)
+        if left > 0:
+            return None
+        return ResourceExhausted(
+            f"the talker is at capacity: no room for another request ({room.running} streams "
+            f"generating, {room.waiting} waiting to start); retry later",
+            max(1, room.retry_after_s),
+        )

@@ -34,6 +34,7 @@ COUNTERS_AND_GAUGES = {
     "tts_talker_text_waiting_streams",
     "tts_talker_underruns_total",
     "tts_talker_refused_total",
+    "tts_talker_room_refused_total",
     "tts_talker_predicted_step_seconds",
     "tts_talker_prefix_cache_lookups_total",
     "tts_code2wav_underruns_total",

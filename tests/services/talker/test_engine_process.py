@@ -143,6 +143,36 @@ async def test_a_refusal_in_the_engine_process_reaches_the_caller(tiny_snapshot)
         first.cancel()
 
 
+@pytest.mark.parametrize("fresh", [True, False])
+async def test_the_front_refuses_at_once_by_the_engine_s_last_room(tiny_snapshot, monkeypatch, fresh):
+    """With the room worked out for a gateway spent, the front refuses the next request itself: no
+    build reaches the engine process (its own refusals stay 0). A stale room (`fresh` False) is
+    not used: the engine process refuses, as before."""
+    c2w = FakeCode2Wav("c2w-a")
+    async with process_stack(tiny_snapshot("custom_voice"), [c2w], max_batch=1, max_queue=0) as s:
+        if not fresh:
+            monkeypatch.setattr(s.talker.core.front_room, "_fresh_s", -1.0)
+        first = s.stub.Generate(
+            talker_pb2.GenerateRequest(
+                request_id="a", text="Hello world.", voice="vivian", max_new_frames=400
+            )
+        )
+        assert (await first.read()).WhichOneof("event") == "audio"
+        room = await s.stub.GetCapacity(talker_pb2.GetCapacityRequest(caller="gw"))
+        assert (room.accept, room.running) == (0, 1)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await generate_all(s.stub, request_id="b", text="Hello again.", voice="vivian", max_new_frames=3)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        registry = s.talker.metrics.registry
+        assert registry.get_sample_value("tts_talker_refused_total") == 1
+        if fresh:
+            assert "no room for another request (1 streams generating, 0 waiting" in err.value.details()
+            assert registry.get_sample_value("tts_talker_room_refused_total") == 1
+        else:
+            assert registry.get_sample_value("tts_talker_room_refused_total") == 0
+        first.cancel()
+
+
 async def test_text_in_pieces_through_the_engine_process(tiny_snapshot, tiny_talker_bundle):
     bundle = tiny_talker_bundle("custom_voice")
     speaker = sorted(bundle.info.speakers)[0]

@@ -14,7 +14,7 @@ import pytest
 from qtts.pb import talker_pb2
 from qtts.serving.log_context import CALLER_KEY
 from services.talker.forecast import Headroom
-from services.talker.room import SeenCalls, published_room, watch_room
+from services.talker.room import FrontRoom, SeenCalls, published_room, watch_room
 from tests.services.talker.fakes import FakeCode2Wav
 from tests.services.talker.stack import eventually
 from tests.services.talker.test_talker_capacity import stack
@@ -208,3 +208,35 @@ def test_the_share_floor_flag_is_checked():
         TalkerConfig(room_share_floor=-0.5).validate()
     with pytest.raises(SystemExit):  # the command line says so and exits
         config_from_args(["--room-share-floor", "2"])
+
+
+def test_the_front_refuses_while_the_engine_s_last_room_is_spent_and_fresh():
+    """room.FrontRoom: the engine's last room less the builds sent since; stale or idle: no say."""
+    now = [0.0]
+    front = FrontRoom(fresh_s=0.05, clock=lambda: now[0])
+    assert front.refusal() is None  # no room heard yet: the engine decides
+    front.build_sent()
+    sent = front.asking()  # the build above is counted in the room asked for now
+    front.heard(Headroom(start_now=0, accept=2, retry_after_s=0, running=5, waiting=1), sent)
+    assert front.refusal() is None  # two more accepted
+    front.build_sent()
+    assert front.refusal() is None  # one more
+    front.build_sent()
+    refusal = front.refusal()
+    assert refusal is not None
+    assert (
+        "the talker is at capacity: no room for another request (5 streams generating, 1 waiting"
+        in refusal.message
+    )
+    assert refusal.retry_after_s == 1  # at least a second, where the room said 0
+    now[0] = 0.051  # the room is stale: the engine decides again
+    assert front.refusal() is None
+    # A build sent while the room was being worked out (after asking) is not in it.
+    sent = front.asking()
+    front.build_sent()
+    front.heard(Headroom(start_now=0, accept=1, retry_after_s=3, running=5, waiting=0), sent)
+    refusal = front.refusal()
+    assert refusal is not None and refusal.retry_after_s == 3
+    # An idle talker's "no room" (draining, or no estimate) is the engine's to say.
+    front.heard(Headroom(start_now=0, accept=0, retry_after_s=1, running=0, waiting=0), front.asking())
+    assert front.refusal() is None
