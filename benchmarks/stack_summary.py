@@ -481,6 +481,10 @@ def late_chunk_lines(log_text: str, top: int = 4) -> list[str]:
     return out
 
 
+# nvidia-smi's ways of saying there is nothing to list.
+_NONE_SAID = ("No devices were found", "No running processes found")
+
+
 def leftover_lines(run: Path) -> list[str]:
     """What outlived the stack (run_h200.sh stacks' leftovers.txt: processes still running a
     second after it was stopped, and the GPU's compute processes), when anything did."""
@@ -492,7 +496,7 @@ def leftover_lines(run: Path) -> list[str]:
     for line in path.read_text(errors="replace").splitlines():
         if line.strip() in ("processes:", "gpu:"):
             section = line.strip()[:-1]
-        elif section is not None and line.strip() and "No devices were found" not in line:
+        elif section is not None and line.strip() and not line.strip().startswith(_NONE_SAID):
             found[section].append(line.strip())
     if not (found["processes"] or found["gpu"]):
         return []

@@ -110,7 +110,7 @@ def test_stack_summary_names_what_outlived_a_stack(tmp_path):
         "processes:\n4242 python3 -c from multiprocessing.spawn import spawn_main\n"
         "gpu:\n4242, python3, 70000 MiB\n"
     )
-    (clean / "leftovers.txt").write_text("processes:\ngpu:\n")
+    (clean / "leftovers.txt").write_text("processes:\ngpu:\nNo running processes found\n")
     text = summary([tmp_path])
     assert "left running after the stack stopped (killed before the next): 1 processes" in text
     assert "4242 python3 -c from multiprocessing.spawn import spawn_main" in text
