@@ -279,6 +279,13 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
     underruns = metrics.total(f"tts_{service}_underruns_total")
     if metrics.values(f"tts_{service}_underruns_total"):
         lines.append(f"  underruns {underruns:.0f}")
+    if metrics.values("tts_talker_refused_total"):  # the talker's admission refusals, and where
+        refused = metrics.total("tts_talker_refused_total")
+        at_front = metrics.total("tts_talker_room_refused_total")
+        lines.append(
+            f"  refused by admission {refused:.0f}, of them {at_front:.0f} at once by the front "
+            "(the engine's last room)"
+        )
     for stage in STAGES.get(service, ()):
         if (got := metrics.mean("tts_stage_latency_seconds", stage=stage)) is not None:
             lines.append(f"  stage {stage}: n={got[0]:.0f}, mean {got[1] * 1e3:.1f} ms")

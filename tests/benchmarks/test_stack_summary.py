@@ -60,6 +60,8 @@ def write_run(tmp_path):
     for lag in [0.0004] * 98 + [0.02, 0.3]:
         talker.loop_lag.observe(lag)
     talker.underruns_total.inc(7)
+    talker.refused_total.inc(12)  # by admission: 5 of them at once by the front (the engine's last room)
+    talker.room_refused_total.inc(5)
     for waited in (0.002, 0.004, 1.2):
         talker.rpc_accepted("/talker.v1.TalkerService/Generate", waited)
     talker.observe_stage("prefill", 0.010)
@@ -145,6 +147,7 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
         "  event-loop lag p50 <= 0 ms, p99 <= 25 ms over 100 samples; worst since the last scrape 300 ms"
     )
     assert "  underruns 7" in talker
+    assert "  refused by admission 12, of them 5 at once by the front (the engine's last room)" in talker
     assert talker[2] == (
         "  admission capacity p5/p50/p95 <= 512/640/1024 streams over 100 steps, 4 with more running; "
         "room sent to gateways p5/p50/p95 <= 0/256/256 over 100 messages, 6 with none; rooms worked out "
