@@ -488,6 +488,26 @@ def late_chunk_lines(log_text: str, top: int = 4) -> list[str]:
     return out
 
 
+def cpu_lines(page: Path, metrics: ScrapedMetrics, level_s: float = 0.0) -> list[str]:
+    """The service process's CPU time between the idle requests' scrape (`idle/`, launch_gpu_stack.sh
+    IDLE_FIRST) and this one (the pages' modification times apart), and, over `level_s` (the
+    levels' wall time), the cores that is at most: the client's warm-up between the two counts
+    too. A process near one core is bound by its Python. (The talker's page counts its front
+    process: the engine process's own process_* samples are not merged into it.)"""
+    before = page.parent / "idle" / page.name
+    if not before.is_file():
+        return []
+    start = ScrapedMetrics(before.read_text()).total("process_cpu_seconds_total")
+    end = metrics.total("process_cpu_seconds_total")
+    seconds = page.stat().st_mtime - before.stat().st_mtime
+    if not end or seconds <= 0:
+        return []
+    line = f"  CPU since the idle requests' scrape ({seconds:.0f} s before): {end - start:.1f} s"
+    if level_s > 0:
+        line += f"; over the levels' {level_s:.0f} s, {(end - start) / level_s:.2f} cores at most"
+    return [line]
+
+
 # nvidia-smi's ways of saying there is nothing to list.
 _NONE_SAID = ("No devices were found", "No running processes found")
 
@@ -547,14 +567,17 @@ def summary(roots: Sequence[Path]) -> str:
                 out.append(f"  host-cpu.json unreadable: {exc}")
         out.extend(leftover_lines(run))
         result_path = run / "results.json"
+        level_s = 0.0
         if result_path.exists():
             result = json.loads(result_path.read_text())
+            level_s = sum(level.get("wall_s") or 0.0 for level in result.get("levels", []))
             out.append("| " + " | ".join(header) + " |")
             out.extend("| " + " | ".join(row[h] for h in header) + " |" for row in level_rows(result))
             out.extend(failure_lines(result))
         for page in sorted(run.glob("metrics-*.txt")):
             service = page.stem.removeprefix("metrics-")
-            lines = service_lines(service.split("-")[0], ScrapedMetrics(page.read_text()))
+            metrics = ScrapedMetrics(page.read_text())
+            lines = service_lines(service.split("-")[0], metrics) + cpu_lines(page, metrics, level_s)
             if lines:
                 out.append(f"{service}:")
                 out.extend(lines)

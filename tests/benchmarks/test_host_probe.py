@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import host_probe
-from benchmarks.stack_summary import summary
+from benchmarks.stack_summary import ScrapedMetrics, cpu_lines, summary
 
 STAT_BEFORE = """cpu  1000 0 200 8000 100 0 50 0 0 0
 cpu0 500 0 100 4000 50 0 25 0 0 0
@@ -116,3 +116,26 @@ def test_stack_summary_names_what_outlived_a_stack(tmp_path):
     assert "4242 python3 -c from multiprocessing.spawn import spawn_main" in text
     assert "gpu: 4242, python3, 70000 MiB" in text
     assert text.count("left running after the stack stopped") == 1  # the clean stack says nothing
+
+
+def test_stack_summary_gives_each_service_s_cpu_since_the_idle_requests(tmp_path):
+    """A service's process CPU between the idle sweep's scrape and the level's, over the time
+    between the two pages: the cores it used on average."""
+    import os
+
+    run = tmp_path / "http1"
+    (run / "idle").mkdir(parents=True)
+    before, after = run / "idle" / "metrics-talker.txt", run / "metrics-talker.txt"
+    before.write_text("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 100.0\n")
+    after.write_text("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 112.5\n")
+    os.utime(before, (1000.0, 1000.0))
+    os.utime(after, (1020.0, 1020.0))
+    text = summary([run])
+    assert "  CPU since the idle requests' scrape (20 s before): 12.5 s" in text
+    assert "cores at most" not in text  # no level's wall time to divide by
+    # The idle run's own page has no baseline before it: no line there.
+    assert text.count("CPU since the idle requests") == 1
+    # With the levels' wall time (summary: the run's results.json), the cores at most.
+    assert cpu_lines(after, ScrapedMetrics(after.read_text()), 25.0) == [
+        "  CPU since the idle requests' scrape (20 s before): 12.5 s; over the levels' 25 s, 0.50 cores at most"
+    ]
