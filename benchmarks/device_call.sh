@@ -8,7 +8,11 @@
 #   REVISION=abc1234 STACKS="http" CLIENT_PROCESSES=8 GATEWAY_REPLICAS=4 CONC="768 1024" \
 #       bash benchmarks/device_call.sh stacks
 #   REVISION=abc1234 bash benchmarks/device_call.sh engines
+#   REVISION=abc1234 CONC=1024 STACK_TALKER_2="--admission-engine-costs overlap --admission-step-fit typical" \
+#       bash benchmarks/device_call.sh headline
 #
+# headline: stacks with the #26 headline's conditions (ADMISSION_TRACE=1, CLIENT_PROCESSES=8,
+# GATEWAY_REPLICAS=4, and EXTRA_T="--kv-cache-dtype fp8" on an H100), each kept where set.
 # stacks: STACKS (http, grpc, grpcts, open; one fresh stack each, in order), CONC (closed-loop
 # levels, default "768 1024"), RATES and OPEN_DURATION (open loop), BUDGET (seconds this call
 # may run, default 575) and NEED (seconds a stack needs to start another, default 240),
@@ -26,11 +30,25 @@
 # The tree sent is at most 64 MiB: with .whl carried, move benchmarks/results/ (about 45 MB, read
 # by nothing here) out of the tree for the call and back after it.
 set -uo pipefail
-MODE="${1:?stacks or engines}"
+MODE="${1:?stacks, headline or engines}"
 export REVISION=${REVISION:?set REVISION to the revision of the tree sent}
-echo "gpu $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+echo "gpu $GPU_NAME"
 export PYTHONUNBUFFERED=1
 S=$SECONDS
+if [[ "$MODE" == headline ]]; then
+    # The #26 headline's conditions of the 2026-12-07 sessions, so a call needs only REVISION and
+    # CONC (and STACKS, STACK_TALKER_n, STACK_TREE_n to vary them): the admission trace, the client
+    # in 8 processes, four gateways, and on an H100 the 8-bit KV cache (with the bf16 one its 80 GB
+    # held 667 streams' KV slots beside the decoder, fewer than the levels). Each set value is kept.
+    export ADMISSION_TRACE="${ADMISSION_TRACE:-1}" CLIENT_PROCESSES="${CLIENT_PROCESSES:-8}" \
+        GATEWAY_REPLICAS="${GATEWAY_REPLICAS:-4}"
+    if [[ "$GPU_NAME" == *H100* && -z "${EXTRA_T+set}" ]]; then
+        export EXTRA_T="--kv-cache-dtype fp8"
+    fi
+    echo "headline: trace $ADMISSION_TRACE, $CLIENT_PROCESSES client processes, $GATEWAY_REPLICAS gateways, talker flags added: ${EXTRA_T:-none}"
+    MODE=stacks
+fi
 case "$MODE" in
 stacks)
     # (run_h200.sh stacks installs .whl into /tmp/site and sets PYTHONPATH itself.)
@@ -45,7 +63,7 @@ engines)
         benchmarks/run_h200.sh engines 2>&1 | grep -v "^$" | tail -150
     ;;
 *)
-    echo "unknown mode $MODE: stacks or engines" >&2
+    echo "unknown mode $MODE: stacks, headline or engines" >&2
     exit 2
     ;;
 esac
