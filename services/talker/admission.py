@@ -116,16 +116,7 @@ class AdmissionConfig:
             raise ValueError(f"step_fit must be one of {', '.join(STEP_FITS)}, got {self.step_fit!r}")
         if self.max_admit_per_step < 1:
             raise ValueError("max_admit_per_step must be >= 1")
-        if self.engine_costs == "overlap" and self.step_fit == "uncontended":
-            # The faster half of the steps is the talker's step with less of the decoder's time in
-            # it, so the busier engine's bound then leaves part of the decoder out (on the
-            # simulated clock with the decoder's time in the talker's steps, 19-25 admitted
-            # streams ran dry by up to 69 ms where "typical" had none).
-            raise ValueError("engine_costs 'overlap' needs step_fit 'typical', not 'uncontended'")
-        if self.engine_costs not in ENGINE_COSTS:
-            raise ValueError(
-                f"engine_costs must be one of {', '.join(ENGINE_COSTS)}, got {self.engine_costs!r}"
-            )
+        check_engine_costs(self.engine_costs, self.step_fit)
 
 
 # The weight band of the step samples each fit averages: the interquartile mean (the step as it
@@ -135,6 +126,21 @@ class AdmissionConfig:
 _BANDS = {"typical": (0.25, 0.75), "uncontended": (0.0, 0.5)}
 STEP_FITS = tuple(_BANDS)
 ENGINE_COSTS = ("sum", "overlap")
+
+
+def check_engine_costs(engine_costs: str, step_fit: str) -> None:
+    """Raise ValueError for an unknown `engine_costs`, or "overlap" with the uncontended step fit:
+    the faster half of the steps is the talker's step with less of the decoder's time in it, so
+    the busier engine's bound then leaves part of the decoder out (on the simulated clock with the
+    decoder's time in the talker's steps, 19-25 admitted streams ran dry by up to 69 ms where
+    "typical" had none)."""
+    if engine_costs not in ENGINE_COSTS:
+        raise ValueError(f"engine_costs must be one of {', '.join(ENGINE_COSTS)}, got {engine_costs!r}")
+    if engine_costs == "overlap" and step_fit == "uncontended":
+        raise ValueError(
+            "engine_costs 'overlap' takes each engine's cost as measured beside the other and needs "
+            "step_fit 'typical' (uncontended leaves the decoder's share out)"
+        )
 
 
 def trimmed_mean(samples: Iterable[tuple[float, float]], lower: float = 0.25, upper: float = 0.75) -> float:

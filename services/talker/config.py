@@ -14,7 +14,7 @@ from qtts.serving.tls import TlsConfig
 from qtts.streams.chunk_plan import StartPlanner, StartPolicy
 from qtts.tiny_model import DEFAULT_TINY_SNAPSHOT
 
-from .admission import ENGINE_COSTS, STEP_FITS
+from .admission import ENGINE_COSTS, STEP_FITS, check_engine_costs
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -435,11 +435,13 @@ class TalkerConfig:
             raise InvalidArgument(
                 f"--decoder-frame-us must be between 0 and 80000 (a frame), got {self.decoder_frame_us:g}"
             )
-        if self.admission_engine_costs == "overlap" and self.admission_step_fit == "uncontended":
+        try:
+            check_engine_costs(self.admission_engine_costs, self.admission_step_fit)
+        except ValueError as exc:
+            # (an unknown value is refused by the flag's choices first: here, the pairing)
             raise InvalidArgument(
-                "--admission-engine-costs overlap takes each engine's cost as measured beside the other: "
-                "use it with --admission-step-fit typical (uncontended leaves the decoder's share out)"
-            )
+                f"--admission-engine-costs overlap needs --admission-step-fit typical: {exc}"
+            ) from exc
 
     def _validate_streams(self) -> None:
         """The queue, per-stream credit, the code2wav ring, timeouts and the drain."""
