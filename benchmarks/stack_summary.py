@@ -306,6 +306,14 @@ def service_lines(service: str, metrics: ScrapedMetrics) -> list[str]:
             + ("-" if p95 is None else f"{p95 * 1e3:g} ms")
             + f" over {transit[0]:.0f} chunks"
         )
+    queued = metrics.mean("tts_talker_code2wav_audio_queued_seconds") if service == "talker" else None
+    if queued:  # of the transit, the audio's wait on the talker's own loop and queues
+        p95 = bucket_quantile(metrics.buckets("tts_talker_code2wav_audio_queued_seconds"), 0.95)
+        lines.append(
+            f"  of it queued on the talker (read off the call to the stream's task): mean {queued[1] * 1e3:.1f} ms, "
+            + ("p95 <= -" if p95 is None else f"p95 <= {p95 * 1e3:g} ms")
+            + f" over {queued[0]:.0f} chunks"
+        )
     waits = []  # a gateway's requests that found its share of the room spent (--talker-room-wait-ms)
     for outcome in ("room", "refused"):
         if (got := metrics.mean("tts_gateway_room_wait_seconds", outcome=outcome)) is not None and got[0]:
@@ -452,7 +460,9 @@ def decode_lines(metrics: ScrapedMetrics) -> list[str]:
 
 
 LATE_CHUNK = re.compile(r"audio up to frame (\d+) handed on (\d+) ms late; (.*)$")
-HOP_MS = re.compile(r"(\w+) (-?\d+) ms(?: \(held there (\d+) ms, in transit (\d+) ms\))?")
+HOP_MS = re.compile(
+    r"(\w+) (-?\d+) ms(?: \(held there (\d+) ms, in transit (\d+) ms(?:, queued here (\d+) ms)?\))?"
+)
 
 
 def late_chunk_lines(log_text: str, top: int = 4) -> list[str]:
@@ -468,6 +478,8 @@ def late_chunk_lines(log_text: str, top: int = 4) -> list[str]:
             hops[hop.group(1)] = int(hop.group(2))
             if hop.group(3) is not None:
                 hops["held there"], hops["in transit"] = int(hop.group(3)), int(hop.group(4))
+            if hop.group(5) is not None:
+                hops["queued here"] = int(hop.group(5))
         late[int(m.group(1))].append((int(m.group(2)), hops))
     if not late:
         return []

@@ -386,6 +386,14 @@ class TalkerMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.code2wav_audio_queued_seconds = Histogram(
+            "tts_talker_code2wav_audio_queued_seconds",
+            "Of a chunk's code2wav hop, the audio's wait on the talker: from its message read off "
+            "the code2wav call to the stream's task taking it (the talker's event loop and queues; "
+            "the rest of tts_talker_code2wav_transit_seconds is the wire and code2wav's side).",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.first_chunk_hop_seconds = Histogram(
             "tts_talker_first_chunk_hop_seconds",
             "Where a stream's first chunk's time goes, per hop (as tts_talker_chunk_hop_seconds, with "

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import grpc
 
@@ -192,6 +192,14 @@ class ServerSession:
             await asyncio.gather(reader, *self.tasks.values(), return_exceptions=True)
 
 
+class Received(NamedTuple):
+    """A stream's response as a `ClientCall` queues it: `at` is when its message was read off the
+    call (time.perf_counter), so the stream can tell its wait on this side's event loop."""
+
+    response: Any
+    at: float
+
+
 class Failed:
     """Queued to every stream of a session call that ended: the status they fail with."""
 
@@ -200,7 +208,7 @@ class Failed:
 
 
 class ClientCall:
-    """The caller's side of one session call: each stream's queue of responses and ends, and what
+    """The caller's side of one session call: each stream's queue of responses (`Received`) and ends, and what
     is to be sent. A subclass says what its request message is (`_take`); the rest is shared.
     `on_written(seconds)`, when given, gets each message's time from the first of what it carries
     being queued to the message written."""
@@ -269,10 +277,11 @@ class ClientCall:
         try:
             async for msg in self._grpc_call:
                 self.answered = True
+                at = time.perf_counter()
                 for event in msg.events:
                     queue = self.streams.get(event.stream_id)
                     if queue is not None:
-                        queue.put_nowait(event.response)
+                        queue.put_nowait(Received(event.response, at))
                 for end in msg.ends:
                     queue = self.streams.get(end.stream_id)
                     if queue is not None:

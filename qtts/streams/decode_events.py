@@ -33,6 +33,9 @@ class DecodedAudio:
     decode_ns: int
     # How long the replica held the chunk: all its frames there to its audio out (AudioOut.held_ns).
     held_ns: int = 0
+    # When the talker read it off its call (time.perf_counter; 0: not stamped): from then on, its
+    # wait is the talker's own loop (tts_talker_code2wav_audio_queued_seconds).
+    received_at: float = 0.0
 
 
 @dataclass(frozen=True)

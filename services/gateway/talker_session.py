@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from qtts.pb import talker_pb2, talker_pb2_grpc
-from qtts.serving.session_calls import ClientCall, Failed, SessionCalls, end_error
+from qtts.serving.session_calls import ClientCall, Failed, Received, SessionCalls, end_error
 
 ROTATE_S = 30.0
 SESSION = "/talker.v1.TalkerService/Session"
@@ -87,8 +87,8 @@ class TalkerSession:
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, talker_pb2.GenerateResponse):
-                    yield item
+                if isinstance(item, Received):
+                    yield item.response
                     continue
                 ended = True
                 if isinstance(item, Failed):

@@ -7,7 +7,9 @@ it (`made`), when the task sent the chunk to code2wav (`sent`), when its audio c
 taken by the caller (`handed_on`). code2wav says how long it held each chunk (its wait for a decode
 call and the call, AudioOut.held_ns): the rest of the code2wav hop is the chunk's transit, the
 frames' trip there and the audio's trip back through both event loops
-(tts_talker_code2wav_transit_seconds), and a late chunk's log line splits the hop so."""
+(tts_talker_code2wav_transit_seconds). Of the transit, the audio's wait on this side, from its
+message read off the call to the stream's task taking it, is the talker's own
+(tts_talker_code2wav_audio_queued_seconds); a late chunk's log line splits the hop so."""
 
 from __future__ import annotations
 
@@ -55,22 +57,33 @@ class ChunkHops:
         for frame in [f for f in self._made_at if f < end_frame and f not in self._sent_at]:
             del self._made_at[frame]
 
-    def first_chunk(self, end_frame: int, arrived: float, now: float, held_s: float = 0.0) -> None:
+    def first_chunk(
+        self, end_frame: int, arrived: float, now: float, held_s: float = 0.0, received_at: float = 0.0
+    ) -> None:
         """The first chunk apart: its "generate" hop runs from submission (queue, prefill and its
         frames), and first audio is the sum of its hops. `held_s`: how long code2wav held it (0:
-        not said)."""
+        not said); `received_at`: when its audio was read off the call (0: not stamped)."""
         hops = self._hops(end_frame, arrived, now)
-        self._transit(hops, held_s)
+        self._transit(hops, held_s, arrived, received_at)
         if self._metrics is not None:
             for hop, seconds in hops.items():
                 self._metrics.first_chunk_hop_seconds.labels(hop).observe(max(seconds, 0.0))
         self._handed_at = now
 
-    def chunk(self, end_frame: int, arrived: float, now: float, slack_s: float, held_s: float = 0.0) -> None:
+    def chunk(
+        self,
+        end_frame: int,
+        arrived: float,
+        now: float,
+        slack_s: float,
+        held_s: float = 0.0,
+        received_at: float = 0.0,
+    ) -> None:
         """A later chunk handed on with `slack_s` of audio still buffered (below 0: a gap);
-        `held_s`: how long code2wav held it (0: not said)."""
+        `held_s`: how long code2wav held it (0: not said); `received_at`: when its audio was read
+        off the call (0: not stamped)."""
         hops = self._hops(end_frame, arrived, now)
-        transit = self._transit(hops, held_s)
+        transit, queued = self._transit(hops, held_s, arrived, received_at)
         self._handed_at = now
         if self._metrics is None:
             return
@@ -82,7 +95,9 @@ class ChunkHops:
             split = (
                 ""
                 if transit is None
-                else f" (held there {held_s * 1e3:.0f} ms, in transit {transit * 1e3:.0f} ms)"
+                else f" (held there {held_s * 1e3:.0f} ms, in transit {transit * 1e3:.0f} ms"
+                + ("" if queued is None else f", queued here {queued * 1e3:.0f} ms")
+                + ")"
             )
             log.info(
                 "request %s: audio up to frame %d handed on %.0f ms late; %s",
@@ -95,15 +110,24 @@ class ChunkHops:
                 ),
             )
 
-    def _transit(self, hops: dict[str, float], held_s: float) -> float | None:
-        """The chunk's code2wav hop less the time code2wav held it (None: either not known),
-        observed."""
-        if "code2wav" not in hops or held_s <= 0:
-            return None
+    def _transit(
+        self, hops: dict[str, float], held_s: float, arrived: float, received_at: float
+    ) -> tuple[float | None, float | None]:
+        """The chunk's code2wav hop less the time code2wav held it, and of it the audio's wait
+        on this side (from `received_at` to `arrived`), each observed (None: not known)."""
+        if "code2wav" not in hops:
+            return None, None
+        queued = None
+        if received_at > 0:
+            queued = max(arrived - received_at, 0.0)
+            if self._metrics is not None:
+                self._metrics.code2wav_audio_queued_seconds.observe(queued)
+        if held_s <= 0:
+            return None, queued
         transit = max(hops["code2wav"] - held_s, 0.0)
         if self._metrics is not None:
             self._metrics.code2wav_transit_seconds.observe(transit)
-        return transit
+        return transit, queued
 
     def restarted(self, now: float) -> None:
         """The playback clock restarted (the listener waited for text): no hops to judge."""

@@ -109,9 +109,10 @@ def _error(replica: str, exc: grpc.aio.AioRpcError) -> DecodeFailed:
 
 
 def event_of(
-    msg: code2wav_pb2.DecodeResponse, replica: str, on_cost: CostSink | None
+    msg: code2wav_pb2.DecodeResponse, replica: str, on_cost: CostSink | None, received_at: float = 0.0
 ) -> Credit | DecodedAudio | Done | None:
-    """The domain event of a Decode response (a grant's decode cost goes to `on_cost`)."""
+    """The domain event of a Decode response (a grant's decode cost goes to `on_cost`; audio read
+    off its call at `received_at`, time.perf_counter)."""
     kind = msg.WhichOneof("event")
     if kind == "credit":
         c = msg.credit
@@ -122,7 +123,7 @@ def event_of(
     if kind == "audio":
         a = msg.audio
         return DecodedAudio(
-            a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns, a.held_ns
+            a.pcm_s16le, a.num_samples, a.first_frame_index, a.num_frames, a.decode_ns, a.held_ns, received_at
         )
     if kind == "done":
         return Done(msg.done.num_frames, msg.done.num_samples, msg.done.replica)
@@ -214,7 +215,7 @@ class DecodeCall:
         """Server messages as domain events; always ends with Done, DecodeFailed or DecodeClosed."""
         try:
             async for msg in self._call:
-                event = event_of(msg, self.replica, self._on_cost)
+                event = event_of(msg, self.replica, self._on_cost, time.perf_counter())
                 if event is not None:
                     yield event
                 if isinstance(event, Done):

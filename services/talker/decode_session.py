@@ -22,7 +22,7 @@ import numpy as np
 
 from qtts.pb import code2wav_pb2, code2wav_pb2_grpc
 from qtts.request.errors import TTSError, Unavailable
-from qtts.serving.session_calls import ClientCall, Failed, SessionCalls, end_error
+from qtts.serving.session_calls import ClientCall, Failed, Received, SessionCalls, end_error
 
 from . import code2wav_client as c2w
 
@@ -144,8 +144,8 @@ class SessionDecodeCall:
         try:
             while True:
                 item = await self._queue.get()
-                if isinstance(item, code2wav_pb2.DecodeResponse):
-                    event = c2w.event_of(item, self.replica, self._on_cost)
+                if isinstance(item, Received):
+                    event = c2w.event_of(item.response, self.replica, self._on_cost, item.at)
                     if event is not None:
                         yield event
                     if isinstance(event, c2w.Done):

@@ -172,7 +172,11 @@ class StreamSession:
                     yield AudioPiece(ev.pcm_s16le, ev.first_frame_index, ev.num_frames)
                     # Handed on: the playback clock the scheduler paces this stream by.
                     self._hand_on(
-                        samples / SAMPLE_RATE, ev.first_frame_index + ev.num_frames, arrived, ev.held_ns / 1e9
+                        samples / SAMPLE_RATE,
+                        ev.first_frame_index + ev.num_frames,
+                        arrived,
+                        ev.held_ns / 1e9,
+                        ev.received_at,
                     )
                     # The caller took the chunk: code2wav learns how far the listener is.
                     self._delivered = samples
@@ -281,16 +285,22 @@ class StreamSession:
         return int(getattr(self._request.prompt, "num_text_tokens", 0) or 0)
 
     def _hand_on(
-        self, delivered_s: float, end_frame: int = 0, arrived: float = 0.0, held_s: float = 0.0
+        self,
+        delivered_s: float,
+        end_frame: int = 0,
+        arrived: float = 0.0,
+        held_s: float = 0.0,
+        received_at: float = 0.0,
     ) -> None:
         """Advance the playback clock; a chunk handed on after the listener ran dry is an underrun.
-        `held_s`: how long code2wav held the chunk (AudioOut.held_ns; 0: not said)."""
+        `held_s`: how long code2wav held the chunk (AudioOut.held_ns; 0: not said); `received_at`:
+        when its audio was read off the code2wav call (0: not stamped)."""
         req = self._request
         now = time.perf_counter()
         restarted = False
         if req.first_audio_at is None:
             req.first_audio_at = now
-            self._hops.first_chunk(end_frame, arrived, now, held_s)
+            self._hops.first_chunk(end_frame, arrived, now, held_s, received_at)
         elif req.clock_restart:
             # The listener ran dry waiting for text, not for us: its clock resumes with this chunk
             # (first_audio_at before the flag: the engine thread reads both).
@@ -299,7 +309,7 @@ class StreamSession:
             restarted = True
             self._hops.restarted(now)
         else:
-            self._hops.chunk(end_frame, arrived, now, req.slack_s(now), held_s)
+            self._hops.chunk(end_frame, arrived, now, req.slack_s(now), held_s, received_at)
         req.delivered_s = delivered_s
         self._engine.clock_changed(req, restarted)
 

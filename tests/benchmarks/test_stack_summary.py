@@ -70,6 +70,8 @@ def write_run(tmp_path):
     talker.chunk_hop_seconds.labels("code2wav").observe(0.75)
     for seconds in (0.02, 0.04):  # of those hops, what code2wav did not hold
         talker.code2wav_transit_seconds.observe(seconds)
+    for seconds in (0.004, 0.012):
+        talker.code2wav_audio_queued_seconds.observe(seconds)
     for seconds in (0.002, 0.004):
         talker.session_written("/code2wav.v1.Code2WavService/DecodeSession", seconds)
     talker.session_written("/talker.v1.TalkerService/Session", 0.010)
@@ -165,6 +167,10 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
     assert (
         "  code2wav hop in transit (not held by code2wav): mean 30.0 ms, p95 <= 50 ms over 2 chunks" in talker
     )
+    assert (
+        "  of it queued on the talker (read off the call to the stream's task): mean 8.0 ms, p95 <= 25 ms"
+        " over 2 chunks"
+    ) in talker
     assert (
         "  session writes (oldest queued to written), means: DecodeSession 3.0 ms over 2, Session 10.0 ms over 1"
     ) in talker
@@ -333,7 +339,7 @@ def test_the_talker_s_late_chunks_are_grouped_by_their_end_with_their_hops(tmp_p
         "to_code2wav 0 ms, code2wav 380 ms (held there 30 ms, in transit 350 ms), to_gateway 0 ms",
         prefix.format("b")
         + "audio up to frame 8 handed on 80 ms late; generate -40 ms, engine_to_loop 50 ms, "
-        "to_code2wav 0 ms, code2wav 400 ms (held there 50 ms, in transit 350 ms), to_gateway 2 ms",
+        "to_code2wav 0 ms, code2wav 400 ms (held there 50 ms, in transit 350 ms, queued here 20 ms), to_gateway 2 ms",
         prefix.format("c")
         + "audio up to frame 16 handed on 5 ms late; generate 300 ms, engine_to_loop 1 ms, "
         "to_code2wav 0 ms, code2wav 90 ms, to_gateway 0 ms",
@@ -344,7 +350,7 @@ def test_the_talker_s_late_chunks_are_grouped_by_their_end_with_their_hops(tmp_p
     at = out.index("  late chunks logged: 3")
     assert out[at + 1] == (
         "    ending at frame 8: 2, late p50 80 ms; hop means (ms): generate -30, engine_to_loop 45, "
-        "to_code2wav 0, code2wav 390, held there 40, in transit 350, to_gateway 1"
+        "to_code2wav 0, code2wav 390, held there 40, in transit 350, to_gateway 1, queued here 20"
     )
     assert out[at + 2] == (
         "    ending at frame 16: 1, late p50 5 ms; hop means (ms): generate 300, engine_to_loop 1, "

@@ -121,3 +121,32 @@ def test_a_late_chunk_s_code2wav_hop_is_split_into_what_code2wav_held_and_transi
     sent = time.perf_counter()
     hops.chunk(6, sent + 0.05, sent + 0.05, slack_s=0.5)  # not said: no transit
     assert metrics.registry.get_sample_value("tts_talker_code2wav_transit_seconds_count") == 2
+
+
+def test_the_audio_s_wait_on_the_talker_is_split_out_of_the_transit(caplog):
+    """The audio's message is stamped when the talker reads it off the code2wav call: from then
+    to the stream's task taking it is the talker's own wait (its loop and queues), observed for
+    every stamped chunk and said in a late chunk's log line; an unstamped chunk (0) observes none."""
+    metrics = TalkerMetrics(CollectorRegistry())
+    hops = ChunkHops("r", metrics=metrics)
+    hops.submitted()
+    hops.made(2, time.perf_counter())
+    hops.sent(2)
+    sent = time.perf_counter()
+    hops.first_chunk(2, sent + 0.05, sent + 0.05, held_s=0.01, received_at=sent + 0.04)
+    hops.made(4, time.perf_counter())
+    hops.sent(4)
+    sent = time.perf_counter()
+    with caplog.at_level("INFO", logger="services.talker.chunk_hops"):
+        hops.chunk(4, sent + 0.3, sent + 0.3, slack_s=-0.02, held_s=0.1, received_at=sent + 0.18)
+    registry = metrics.registry
+    assert registry.get_sample_value("tts_talker_code2wav_audio_queued_seconds_count") == 2
+    queued = registry.get_sample_value("tts_talker_code2wav_audio_queued_seconds_sum")
+    assert queued == pytest.approx(0.01 + 0.12, abs=0.002)
+    (line,) = [r.getMessage() for r in caplog.records if "late" in r.getMessage()]
+    assert "code2wav 300 ms (held there 100 ms, in transit 200 ms, queued here 120 ms)" in line
+    hops.made(6, time.perf_counter())
+    hops.sent(6)
+    sent = time.perf_counter()
+    hops.chunk(6, sent + 0.05, sent + 0.05, slack_s=0.5, held_s=0.01)  # not stamped
+    assert registry.get_sample_value("tts_talker_code2wav_audio_queued_seconds_count") == 2

@@ -277,6 +277,13 @@ async def test_a_streams_first_chunk_is_timed_per_hop_apart_from_the_rest():
         chunks = registry.get_sample_value("tts_talker_chunk_hop_seconds_count", {"hop": "code2wav"})
         transit = registry.get_sample_value("tts_talker_code2wav_transit_seconds_count")
         assert transit == chunks + 2
+        # Each chunk's audio was stamped as the talker read it off its call: its wait there after.
+        queued = registry.get_sample_value("tts_talker_code2wav_audio_queued_seconds_count")
+        assert queued == chunks + 2
+        hop_sum = registry.get_sample_value(
+            "tts_talker_chunk_hop_seconds_sum", {"hop": "code2wav"}
+        ) + registry.get_sample_value("tts_talker_first_chunk_hop_seconds_sum", {"hop": "code2wav"})
+        assert 0 <= registry.get_sample_value("tts_talker_code2wav_audio_queued_seconds_sum") <= hop_sum
 
 
 @pytest.mark.parametrize("window", [3, 200])
