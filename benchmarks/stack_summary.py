@@ -452,6 +452,14 @@ def decode_lines(metrics: ScrapedMetrics) -> list[str]:
             waits.append(f"{what} {got[1] * 1e3:.1f} ms over {got[0]:.0f}")
     if waits:  # from a chunk's last frame to its decode call: the state's making and the loop's turn
         lines.append("  chunks waited for a decode call, means: " + ", ".join(waits))
+    if (got := metrics.mean("tts_code2wav_session_message_wait_seconds")) is not None and got[0] > 0:
+        # the talker's messages from their read off the session call to their stream taking them
+        p95 = bucket_quantile(metrics.buckets("tts_code2wav_session_message_wait_seconds"), 0.95)
+        lines.append(
+            f"  session messages read to their stream: mean {got[1] * 1e3:.1f} ms, "
+            + ("p95 <= -" if p95 is None else f"p95 <= {p95 * 1e3:g} ms")
+            + f" over {got[0]:.0f}"
+        )
     hits = metrics.total("tts_code2wav_prefix_state_hits_total")
     misses = metrics.total("tts_code2wav_prefix_state_misses_total")
     if hits or misses:

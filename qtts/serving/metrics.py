@@ -569,6 +569,15 @@ class Code2WavMetrics(ServiceMetrics):
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.session_message_wait_seconds = Histogram(
+            "tts_code2wav_session_message_wait_seconds",
+            "DecodeSession: a stream's message (frames, ack, end) from its read off the call to the "
+            "stream taking it (code2wav's event loop and queue; a new stream's first messages also "
+            "wait for its start). Of the talker's code2wav hop in transit, this side's share on the "
+            "way in.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.deadline_slack_seconds = Histogram(
             "tts_code2wav_deadline_slack_seconds",
             "Audio already sent ahead of the stream's playback clock when a decoded chunk is "

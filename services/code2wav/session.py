@@ -23,7 +23,7 @@ from qtts.pb import code2wav_pb2 as pb
 from qtts.request.errors import FailedPrecondition
 from qtts.serving.error_mapping import map_exception, record_call
 from qtts.serving.log_context import bind_request_id
-from qtts.serving.session_calls import ServerSession
+from qtts.serving.session_calls import Received, ServerSession
 
 DECODE = "/code2wav.v1.Code2WavService/Decode"
 DECODE_SESSION = "/code2wav.v1.Code2WavService/DecodeSession"
@@ -63,6 +63,7 @@ class DecodeSessionServer:
     async def _read(self, requests: AsyncIterator[pb.DecodeSessionRequest], session: _Session) -> None:
         try:
             async for msg in requests:
+                at = time.perf_counter()
                 for item in msg.messages:
                     queue = session.inputs.get(item.stream_id)
                     if queue is None:
@@ -72,7 +73,7 @@ class DecodeSessionServer:
                         session.tasks[item.stream_id] = asyncio.ensure_future(
                             self._run(item.stream_id, queue, session)
                         )
-                    queue.put_nowait(item.request)
+                    queue.put_nowait(Received(item.request, at))
                 for sid in msg.done_writing:
                     queue = session.inputs.pop(sid, None)
                     if queue is not None:
@@ -93,9 +94,10 @@ class DecodeSessionServer:
         start, code = time.monotonic(), None
         try:
             first = await queue.get()
-            if first is not _DONE_WRITING and first.WhichOneof("event") == "start":
-                bind_request_id(first.start.request_id)  # for this stream's log lines
-            requests = _prepend(first, queue)
+            if first is not _DONE_WRITING and first.response.WhichOneof("event") == "start":
+                bind_request_id(first.response.start.request_id)  # for this stream's log lines
+            waited = None if self.metrics is None else self.metrics.session_message_wait_seconds.observe
+            requests = _prepend(first, queue, waited)
             responses = self._decode(requests, lambda: sid in session.cancelled)
             async with contextlib.aclosing(responses) as msgs:
                 async for msg in msgs:
@@ -125,9 +127,14 @@ class DecodeSessionServer:
             record_call(self.metrics, DECODE, code, start)
 
 
-async def _prepend(first: Any, queue: asyncio.Queue) -> AsyncIterator[pb.DecodeRequest]:
-    """`first`, then the queue's messages until its requests are complete."""
-    msg = first
-    while msg is not _DONE_WRITING:
-        yield msg
-        msg = await queue.get()
+async def _prepend(
+    first: Any, queue: asyncio.Queue, waited: Callable[[float], None] | None = None
+) -> AsyncIterator[pb.DecodeRequest]:
+    """`first`, then the queue's messages (`Received`) until its requests are complete; each
+    message's wait from its read off the call to the stream taking it goes to `waited`."""
+    item = first
+    while item is not _DONE_WRITING:
+        if waited is not None:
+            waited(max(time.perf_counter() - item.at, 0.0))
+        yield item.response
+        item = await queue.get()

@@ -86,6 +86,7 @@ HISTOGRAMS = {
     "tts_talker_room_calls_seen_meanwhile",
     "tts_talker_code2wav_transit_seconds",
     "tts_talker_code2wav_audio_queued_seconds",
+    "tts_code2wav_session_message_wait_seconds",
     "tts_aligner_batch_size",
     "tts_aligner_forward_seconds",
 }

@@ -111,6 +111,8 @@ def write_run(tmp_path):
     c2w.first_chunk_state_wait_seconds.observe(0.012)
     for seconds in (0.030, 0.010, 0.020):
         c2w.chunk_wait_seconds.observe(seconds)
+    for seconds in (0.002, 0.006):
+        c2w.session_message_wait_seconds.observe(seconds)
     c2w.prefix_state_hits_total.inc(9)
     c2w.prefix_state_misses_total.inc(2)
     (run / "metrics-code2wav.txt").write_bytes(generate_latest(c2w.registry))
@@ -184,6 +186,7 @@ def test_the_summary_shows_the_table_the_failures_and_each_services_view(tmp_pat
         "  chunks waited for a decode call, means: first chunks 30.0 ms over 1, first chunks for their "
         "decoder state 12.0 ms over 1, all chunks 20.0 ms over 3"
     ) in code2wav
+    assert "  session messages read to their stream: mean 4.0 ms, p95 <= 10 ms over 2" in code2wav
     assert "  decoder states after a reference prefix: 9 copied, 2 decoded" in code2wav
     # The start-up first, "serving" (process start to SERVING) ahead of its phases.
     assert code2wav[0] == (

@@ -6,6 +6,7 @@ grants, the same statuses, a cancel that frees its decoder state."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 
@@ -81,6 +82,12 @@ async def test_streams_on_one_session_get_what_their_decode_calls_would(fake_dec
         assert written and all(0 <= s < 5 for s in written)  # starts, frames, acks, ends
         session_labels = {"service": "code2wav", "method": "/code2wav.v1.Code2WavService/DecodeSession"}
         assert reg.get_sample_value("tts_session_write_seconds_count", session_labels) >= 1
+        # Each stream's messages waited on the replica from their read off the call to the stream
+        # taking them (a start, frames and an end at least per stream), and each chunk's audio was
+        # stamped as the talker read it off the call.
+        assert reg.get_sample_value("tts_code2wav_session_message_wait_seconds_count") >= 12 * 3
+        assert 0 <= reg.get_sample_value("tts_code2wav_session_message_wait_seconds_sum") < 12 * 3 * 5
+        assert all(0 < a.received_at <= time.perf_counter() for audio, _ in results for a in audio)
         await session.close()
 
 
