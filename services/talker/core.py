@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from qtts.request import request_limits as lim
-from qtts.request.errors import Cancelled, InvalidArgument, TTSError
+from qtts.request.errors import Cancelled, InvalidArgument, ResourceExhausted, TTSError
 from qtts.request.sampling_overrides import sampling_fields
 from qtts.request.vocabulary import AudioPiece, SynthesisSummary, Task
 from qtts.serving.metrics import TalkerMetrics
@@ -23,7 +23,7 @@ from .generation_loop import GenerationLoop
 from .prompt_queue import PromptQueue, reference_rows
 from .replicas import Code2WavReplicas
 from .request import GenerationRequest, SamplingOverrides
-from .room import FrontRoom
+from .room import FrontRoom, RoomNews
 from .stream import StreamSession
 from .validation import check_request
 from .voices import VoiceResolver
@@ -78,6 +78,8 @@ class TalkerCore:
         self._spec_factory = spec_factory
         # The engine process's last room, for refusals here at once (room.FrontRoom).
         self.front_room = FrontRoom()
+        # Wakes the WatchCapacity calls to send the room a stream's error freed (room.RoomNews).
+        self.room_news = RoomNews()
 
     async def generate(
         self, req: GenerationRequest, text: AsyncIterator[tuple[str, bool]] | None = None
@@ -121,6 +123,14 @@ class TalkerCore:
             async with contextlib.aclosing(session.run()) as items:
                 async for item in items:
                     yield item
+        except Exception as exc:
+            # The engine has let the stream go (failed it, or was told to cancel it), and its
+            # caller hears of the end at once: the gateways hear of the room it freed first, or a
+            # retry sent right away finds a gateway still holding the talker's room from before
+            # (room.RoomNews). A refusal freed nothing (and comes in bulk under overload).
+            if not isinstance(exc, ResourceExhausted):
+                await self.room_news.publish()
+            raise
         finally:
             if feeder is not None:
                 feeder.cancel()

@@ -11,12 +11,14 @@ Several gateways asking share the room in proportion to the calls each has been 
 talker's `--room-share-floor`) each at least that fraction of an equal split.
 
 WatchCapacity sends the room at once, then whenever it (or the calls seen) changes, checked every
-`WATCH_INTERVAL_S`, and at least every `WATCH_HEARTBEAT_S`; it ends when the talker drains.
+`WATCH_INTERVAL_S`, and at least every `WATCH_HEARTBEAT_S`; it ends when the talker drains. Room
+that a stream's error frees is sent at once, before the error (`RoomNews`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,6 +38,10 @@ MAX_CALLERS = 4096
 RATE_TAU_S = 2.0
 RATE_FLOOR = 0.5
 ACTIVE_S = 5.0
+# How long a stream's error waits for the watches to send the room its end freed (`RoomNews`):
+# each works it out at once, but one whose gateway does not read (the call's flow control) must
+# not hold the error longer.
+NEWS_WAIT_S = 0.1
 
 
 class _Caller:
@@ -166,6 +172,70 @@ async def _timed_room(
     return msg, seconds, meanwhile
 
 
+class RoomNews:
+    """Room freed between the watches' checks, sent to the gateways before the caller hears why.
+
+    A stream that ends with an error frees its room in the engine as its caller learns of the
+    end: the gateway passes the error on at once (an aborted HTTP body, an error event), and the
+    client's next request can be at the gateway within a few milliseconds, before the watch's next
+    check (`WATCH_INTERVAL_S`) sends the freed room. A gateway that still had the room from before
+    (none, on a talker full with that one stream) refused that request at once: 429 "every talker
+    is at capacity" with the empty queue's Retry-After, the first-audio budget (the CPU stand-in
+    stack of tests/e2e/test_e2e_clear_ends.py, whose one-stream step takes the whole duty bound on
+    a loaded host, so one stream fills the talker). A stream that ends well frees its room seconds
+    before its listener hears the end (its audio is made ahead of playback): the check is in time.
+
+    `publish()` wakes every watch to work out the room now and send it if it changed, and returns
+    once each has (at most `NEWS_WAIT_S`): the error goes out after the room, on the connection
+    that carries both to the gateway."""
+
+    def __init__(self) -> None:
+        self.version = 0  # publications asked for
+        self._wake = asyncio.Event()  # set, and replaced, by each publication
+        self._progress = asyncio.Event()  # set, and replaced, whenever a watch catches up or ends
+        # Each watch: the publication its last room was worked out after.
+        self._watches: dict[object, int] = {}
+
+    def watch(self, token: object) -> None:
+        self._watches[token] = self.version
+
+    def unwatch(self, token: object) -> None:
+        self._watches.pop(token, None)
+        self._progressed()
+
+    def caught_up(self, token: object, version: int) -> None:
+        """`token`'s watch sent (or found unchanged) the room worked out after publication `version`."""
+        if token in self._watches:
+            self._watches[token] = version
+            self._progressed()
+
+    def _progressed(self) -> None:
+        progress, self._progress = self._progress, asyncio.Event()
+        progress.set()
+
+    async def wait(self, seen: int, timeout_s: float) -> None:
+        """Return after `timeout_s`, or as soon as a publication after `seen` is asked for."""
+        if self.version > seen:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._wake.wait()
+
+    async def publish(self, timeout_s: float = NEWS_WAIT_S) -> bool:
+        """Have every watch send the room now; whether all did within `timeout_s`."""
+        self.version += 1
+        version = self.version
+        wake, self._wake = self._wake, asyncio.Event()
+        wake.set()
+        try:
+            async with asyncio.timeout(timeout_s):
+                while any(seen < version for seen in self._watches.values()):
+                    await self._progress.wait()
+        except TimeoutError:
+            return False
+        return True
+
+
 async def watch_room(
     headroom: Callable[[], Awaitable[Any]],
     seen: SeenCalls,
@@ -173,24 +243,37 @@ async def watch_room(
     stopping: asyncio.Event,
     *,
     observe: Callable[[float, int], None] | None = None,
+    news: RoomNews | None = None,
     interval_s: float = WATCH_INTERVAL_S,
     heartbeat_s: float = WATCH_HEARTBEAT_S,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[talker_pb2.GetCapacityResponse]:
     """The room at once, then on every change and every `heartbeat_s`, until `stopping` is set;
-    `observe` (as `published_room`'s) hears each room sent."""
+    `observe` (as `published_room`'s) hears each room sent; `news` wakes it between its checks."""
     last: tuple | None = None
     last_at = 0.0
-    while not stopping.is_set():
-        msg, seconds, calls = await _timed_room(headroom, seen, caller, time.perf_counter)
-        key = (msg.accept, msg.retry_after_s, msg.calls_seen if msg.HasField("calls_seen") else None)
-        now = clock()
-        if key != last or now - last_at >= heartbeat_s:
-            last, last_at = key, now
-            if observe is not None:  # the rooms sent, not every one worked out
-                observe(seconds, calls)
-            yield msg
-        await asyncio.sleep(interval_s)  # a drain ends the watch within one interval
+    token = object()
+    if news is not None:
+        news.watch(token)
+    try:
+        while not stopping.is_set():
+            version = news.version if news is not None else 0
+            msg, seconds, calls = await _timed_room(headroom, seen, caller, time.perf_counter)
+            key = (msg.accept, msg.retry_after_s, msg.calls_seen if msg.HasField("calls_seen") else None)
+            now = clock()
+            if key != last or now - last_at >= heartbeat_s:
+                last, last_at = key, now
+                if observe is not None:  # the rooms sent, not every one worked out
+                    observe(seconds, calls)
+                yield msg  # resumed once the message is written
+            if news is None:
+                await asyncio.sleep(interval_s)  # a drain ends the watch within one interval
+                continue
+            news.caught_up(token, version)
+            await news.wait(version, interval_s)
+    finally:
+        if news is not None:
+            news.unwatch(token)
 
 
 # How old the engine's last room may be for the front to refuse by it (`FrontRoom`): the watches

@@ -203,7 +203,12 @@ class TalkerServicer(talker_pb2_grpc.TalkerServiceServicer):
         core = self._ready_core()
         async with contextlib.aclosing(
             watch_room(
-                core.headroom, self.seen, request.caller, self.stopping, observe=core.observe_room_worked_out
+                core.headroom,
+                self.seen,
+                request.caller,
+                self.stopping,
+                observe=core.observe_room_worked_out,
+                news=core.room_news,
             )
         ) as msgs:
             async for msg in msgs:

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import threading
 import time
 
 import grpc
 import pytest
 
+import services.talker.servicer as servicer_module
 from qtts.pb import talker_pb2
 from qtts.serving.log_context import CALLER_KEY
 from services.talker.forecast import Headroom
-from services.talker.room import FrontRoom, SeenCalls, published_room, watch_room
-from tests.services.talker.fakes import FakeCode2Wav
-from tests.services.talker.stack import eventually
+from services.talker.room import FrontRoom, RoomNews, SeenCalls, published_room, watch_room
+from tests.services.talker.fakes import FakeBundle, FakeCode2Wav, FakeGenerator, FakeSpec
+from tests.services.talker.stack import eventually, talker_stack
 from tests.services.talker.test_talker_capacity import stack
 from tests.services.talker.test_talker_service import CLONE
 
@@ -85,6 +88,91 @@ async def test_the_watch_pushes_at_once_on_change_and_on_the_heartbeat_then_ends
     assert got[-1] == (0, 1)
     stopping.set()
     await asyncio.wait_for(task, 1.0)
+
+
+async def test_news_wakes_the_watch_between_its_checks_and_returns_once_the_room_is_sent():
+    rooms = [Headroom(0, 0, 3, 1, 0)]
+    seen, stopping, news = SeenCalls(), asyncio.Event(), RoomNews()
+
+    async def headroom():
+        return rooms[-1]
+
+    got: list[int] = []
+
+    async def consume():
+        async for msg in watch_room(headroom, seen, "g", stopping, news=news, interval_s=60.0):
+            got.append(msg.accept)
+
+    task = asyncio.create_task(consume())
+    await eventually(lambda: got == [0])
+    rooms.append(Headroom(1, 1, 0, 0, 0))  # a stream's error freed its room
+    assert await news.publish()  # no minute's wait for the next check
+    assert got == [0, 1]  # sent before publish returned
+    assert await news.publish()  # nothing changed: nothing sent, and nothing to wait for
+    assert got == [0, 1]
+    stopping.set()
+    assert await news.publish()  # the watch ends: nobody to wait for
+    await asyncio.wait_for(task, 1.0)
+    assert await news.publish()  # no watch: at once
+
+
+class _MidwayFailingGenerator(FakeGenerator):
+    """The next step fails once `fail` is set, as tests/e2e/device_fault.py's MIDWAY step does."""
+
+    def __init__(self, bundle=None, max_batch=64, *, fail: threading.Event):
+        super().__init__(bundle, max_batch)
+        self.fail = fail
+
+    def step(self, skip=()):
+        if self.fail.is_set():
+            self.fail.clear()
+            raise ValueError("the step failed midway through the stream")
+        return super().step(skip)
+
+
+async def test_a_stream_that_fails_midway_frees_its_room_before_its_error_goes_out(monkeypatch):
+    """A talker full with one stream (the CPU stand-in stack whose one-stream step took the whole
+    duty bound) publishes the room that stream's failure frees before the failure's status: the
+    gateway passes the error on at once, and the client's next request, there within milliseconds,
+    found the gateway still holding the room of 0 from before, and got 429 "every talker is at
+    capacity" (tests/e2e/test_e2e_clear_ends.py). The watch's own checks come a second apart here,
+    so only the news of the freed room can bring it in time."""
+    monkeypatch.setattr(servicer_module, "watch_room", functools.partial(watch_room, interval_s=1.0))
+    fail = threading.Event()
+    async with talker_stack(
+        [FakeCode2Wav("c2w-a")],
+        bundle=FakeBundle("base"),
+        generator_factory=lambda bundle, max_batch: _MidwayFailingGenerator(bundle, max_batch, fail=fail),
+        spec_factory=FakeSpec,
+        max_batch=1,
+        max_queue=0,
+    ) as s:
+        watch = s.stub.WatchCapacity(talker_pb2.GetCapacityRequest(caller="gw"))
+        assert (await watch.read()).accept == 1
+        call = s.stub.Generate(
+            talker_pb2.GenerateRequest(request_id="midway", text="frames=100000 slow", **CLONE),
+            metadata=((CALLER_KEY, "gw"),),
+        )
+        await call.read()  # audio flows
+        while (await asyncio.wait_for(watch.read(), 5.0)).accept != 0:  # the talker is full
+            pass
+        heard: list[tuple[str, object]] = []
+
+        async def rooms() -> None:
+            while (msg := await watch.read()) is not grpc.aio.EOF:
+                heard.append(("room", msg.accept))
+
+        reader = asyncio.create_task(rooms())
+        fail.set()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        heard.append(("error", info.value.code()))
+        assert heard[0] == ("room", 1), heard  # the freed room came first, on the same connection
+        assert heard[-1] == ("error", grpc.StatusCode.INTERNAL), heard
+        watch.cancel()
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            await reader
 
 
 async def test_a_real_talker_counts_each_gateway_s_calls_and_pushes_its_room():
