@@ -90,8 +90,15 @@ class Ends:
 
 @pytest.fixture(scope="module")
 def ends(snapshot_root, tmp_path_factory):
+    # The capacity model is off, as in test_e2e_outages: on a busy 2-core machine the tiny model's
+    # one-stream CPU step sits at the duty bound (42-50 ms of the 48 allowed), so admission allowed
+    # one stream at times and refused the drain test's second to fourth at once. These tests are
+    # about how streams end; capacity is tested in tests/services/talker/test_capacity.py.
     config = tiny_stack_config(
-        snapshot_root, tmp_path_factory.mktemp("clear-ends-logs"), drain_seconds=DRAIN_S
+        snapshot_root,
+        tmp_path_factory.mktemp("clear-ends-logs"),
+        drain_seconds=DRAIN_S,
+        extra_args={"talker": ("--admission-max-duty", "0", "--admission-max-load", "0")},
     )
     stack = Ends(config, config.model)
     yield stack
