@@ -180,9 +180,9 @@ class RoomNews:
     client's next request can be at the gateway within a few milliseconds, before the watch's next
     check (`WATCH_INTERVAL_S`) sends the freed room. A gateway that still had the room from before
     (none, on a talker full with that one stream) refused that request at once: 429 "every talker
-    is at capacity" with the empty queue's Retry-After, the first-audio budget (the CPU stand-in
-    stack of tests/e2e/test_e2e_clear_ends.py, whose one-stream step takes the whole duty bound on
-    a loaded host, so one stream fills the talker). A stream that ends well frees its room seconds
+    is at capacity" with the empty queue's Retry-After, the first-audio budget (seen on the tiny
+    CPU stack of the end-to-end tests, whose one-stream step took the whole duty bound on a loaded
+    2-core host, so one stream filled the talker). A stream that ends well frees its room seconds
     before its listener hears the end (its audio is made ahead of playback): the check is in time.
 
     `publish()` wakes every watch to work out the room now and send it if it changed, and returns
