@@ -45,6 +45,9 @@
 #   MPS              1: run the services under an NVIDIA MPS daemon (started here, stopped at
 #                    the end), so the talker's and code2wav's kernels share the GPU instead of
 #                    taking turns in time slices between the two processes' contexts   (0)
+#   STALL_DUMP_MS    every service dumps its threads' Python stacks to its log when its event
+#                    loop is this late (TTS_STALL_DUMP_MS, qtts/serving/loop_lag.py; at most 20 a
+#                    process); stack_summary groups them; 0: off   (200)
 # The results folder gets results.json/.md, the PNG plots, launcher.log and the services' logs.
 set -euo pipefail
 
@@ -111,6 +114,7 @@ if [[ "${MPS:-0}" == 1 ]]; then
     fi
 fi
 
+export TTS_STALL_DUMP_MS="${STALL_DUMP_MS:-200}"
 if [[ "${ADMISSION_TRACE:-0}" == 1 ]]; then
     TALKER_ARGS="${TALKER_ARGS:-} --admission-trace $OUT/admission-trace.jsonl"
 fi

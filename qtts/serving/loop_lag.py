@@ -10,15 +10,25 @@ ready callbacks in order.)
 
 `GrpcServiceHost` starts one per service from `start()` and stops it in `stop()`; the gateway's HTTP
 and gRPC share the loop, so one sampler sees both.
+
+A stall says how long, not why. With `stall_dump_s` (the environment's `TTS_STALL_DUMP_MS`, off by
+default) the sampler arms `faulthandler`'s watchdog before each sleep: a loop that has not woken
+`stall_dump_s` after it was due gets every thread's Python stack written to stderr (the service's
+log) from the watchdog's own thread, while the stall lasts, and a warning with the stall's length
+once the loop runs again. At most `MAX_STALL_DUMPS` a process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
+from typing import TextIO
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
@@ -26,6 +36,23 @@ log = logging.getLogger(__name__)
 
 # From a timer's normal jitter (well under a millisecond) to a loop stalled for seconds.
 LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+STALL_DUMP_ENV = "TTS_STALL_DUMP_MS"
+MAX_STALL_DUMPS = 20
+
+
+def stall_dump_s_from_env() -> float:
+    """`TTS_STALL_DUMP_MS` in seconds (0: unset or 0, no dumps); a value that is not a number >= 0
+    is an error at start-up, not a silent off."""
+    raw = os.environ.get(STALL_DUMP_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"{STALL_DUMP_ENV} must be milliseconds (a number >= 0), got {raw!r}") from None
+    if not ms >= 0:
+        raise ValueError(f"{STALL_DUMP_ENV} must be milliseconds (a number >= 0), got {raw!r}")
+    return ms / 1e3
 
 
 class LoopLagMonitor:
@@ -39,11 +66,20 @@ class LoopLagMonitor:
         service: str,
         interval_s: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
+        stall_dump_s: float | None = None,
+        dump_file: TextIO | None = None,
     ):
+        """`stall_dump_s`: dump every thread's stack when the loop is this late (None: from
+        `TTS_STALL_DUMP_MS`; 0: never), to `dump_file` (default stderr)."""
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
         self.interval_s = interval_s
         self._clock = clock
+        self.stall_dump_s = stall_dump_s_from_env() if stall_dump_s is None else stall_dump_s
+        if self.stall_dump_s < 0:
+            raise ValueError("stall_dump_s must be >= 0")
+        self._dump_file = dump_file
+        self.stall_dumps = 0  # stacks dumped so far
         self.lag_seconds = Histogram(
             "tts_event_loop_lag_seconds",
             "How much later than due the service's event loop ran a timer (sampled every "
@@ -83,8 +119,35 @@ class LoopLagMonitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    def _arm(self) -> bool:
+        """Arm the watchdog for the next sleep; whether it was armed."""
+        if not self.stall_dump_s or self.stall_dumps >= MAX_STALL_DUMPS:
+            return False
+        faulthandler.dump_traceback_later(
+            self.interval_s + self.stall_dump_s, repeat=False, file=self._dump_file or sys.stderr
+        )
+        return True
+
     async def _sample(self) -> None:
-        while True:
-            due = self._clock() + self.interval_s
-            await asyncio.sleep(self.interval_s)
-            self.observe(self._clock() - due)
+        try:
+            while True:
+                due = self._clock() + self.interval_s
+                armed = self._arm()
+                await asyncio.sleep(self.interval_s)
+                lag = self._clock() - due
+                if armed:
+                    faulthandler.cancel_dump_traceback_later()
+                    if lag >= self.stall_dump_s:  # the watchdog fired meanwhile
+                        self.stall_dumps += 1
+                        log.warning(
+                            "the event loop stalled %.0f ms; every thread's stack was dumped to "
+                            "stderr %.0f ms into it (%d of at most %d dumps)",
+                            lag * 1e3,
+                            self.stall_dump_s * 1e3,
+                            self.stall_dumps,
+                            MAX_STALL_DUMPS,
+                        )
+                self.observe(lag)
+        finally:
+            if self.stall_dump_s:
+                faulthandler.cancel_dump_traceback_later()

@@ -359,3 +359,43 @@ def test_the_talker_s_late_chunks_are_grouped_by_their_end_with_their_hops(tmp_p
         "    ending at frame 16: 1, late p50 5 ms; hop means (ms): generate 300, engine_to_loop 1, "
         "to_code2wav 0, code2wav 90, to_gateway 0"
     )
+
+
+def test_a_service_s_stalls_are_counted_with_where_its_loop_was(tmp_path):
+    """A service that dumped its threads' stacks on a stall (TTS_STALL_DUMP_MS): the summary counts
+    the stalls, says the longest, and groups the loop thread's innermost frames; a logged
+    exception's traceback (", in" frames) and other threads' stacks are not taken for it."""
+    run = tmp_path / "http1"
+    (run / "logs").mkdir(parents=True)
+    (run / "metrics-talker.txt").write_bytes(generate_latest(TalkerMetrics(CollectorRegistry()).registry))
+    dump = [
+        "Timeout (0:00:00.250000)!",
+        "Thread 0x00007f0000000001 (most recent call first):",
+        '  File "/usr/lib/python3.12/threading.py", line 355 in wait',
+        '  File "/app/services/talker/engine_client.py", line 90 in _pump',
+        "",
+        "Thread 0x00007f0000000002 (most recent call first):",
+        '  File "/app/qtts/serving/log_context.py", line 71 in emit',
+        '  File "/usr/lib/python3.12/logging/__init__.py", line 1028 in handle',
+        '  File "/usr/lib/python3.12/asyncio/base_events.py", line 1987 in _run_once',
+        '  File "/usr/lib/python3.12/asyncio/base_events.py", line 641 in run_forever',
+        "",
+    ]
+    lines = [
+        *dump,
+        "2026-12-07 19:50:33,900 WARNING qtts.serving.loop_lag: the event loop stalled 412 ms; every "
+        "thread's stack was dumped to stderr 200 ms into it (1 of at most 20 dumps)",
+        *dump,
+        "2026-12-07 19:50:35,100 WARNING qtts.serving.loop_lag: the event loop stalled 650 ms; every "
+        "thread's stack was dumped to stderr 200 ms into it (2 of at most 20 dumps)",
+        "Traceback (most recent call last):",
+        '  File "/app/services/talker/core.py", line 10, in generate',
+        "ValueError: not a dump",
+    ]
+    (run / "logs" / "talker.log").write_text("\n".join(lines) + "\n")
+    (run / "logs" / "gateway.log").write_text("nothing stalled here\n")
+    out = summary([tmp_path]).splitlines()
+    at = out.index("talker (its log):")
+    assert out[at + 1] == "  event-loop stalls with stacks dumped: 2, longest 650 ms"
+    assert out[at + 2] == "    loop thread at emit (log_context.py:71) < handle (__init__.py:1028): 2"
+    assert "gateway (its log):" not in out

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from qtts.serving.grpc_server import GrpcServiceHost
-from qtts.serving.loop_lag import LoopLagMonitor
+from qtts.serving.loop_lag import STALL_DUMP_ENV, LoopLagMonitor, stall_dump_s_from_env
 from qtts.serving.metrics import ServiceMetrics
 
 
@@ -82,3 +82,43 @@ async def test_the_grpc_host_samples_its_loop_from_start_to_stop():
     stopped = lag_count(metrics.registry, "test")
     await asyncio.sleep(0.05)
     assert lag_count(metrics.registry, "test") == stopped
+
+
+def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # a callback that holds the loop (and the GIL's turn) this long
+
+
+async def test_a_stall_past_the_dump_threshold_dumps_every_thread_s_stack(tmp_path, caplog):
+    """With `stall_dump_s`, a loop held past it gets its threads' stacks written from faulthandler's
+    watchdog while the stall lasts (the blocking function named in them), and a warning once the
+    loop runs again; a lag under the threshold dumps nothing."""
+    dump = tmp_path / "stacks.txt"
+    with dump.open("w") as f:
+        monitor = LoopLagMonitor(CollectorRegistry(), "svc", interval_s=0.01, stall_dump_s=0.1, dump_file=f)
+        monitor.start()
+        try:
+            await asyncio.sleep(0.05)
+            _hold_the_loop(0.03)  # under the threshold
+            await asyncio.sleep(0.05)
+            assert monitor.stall_dumps == 0
+            with caplog.at_level("WARNING", logger="qtts.serving.loop_lag"):
+                _hold_the_loop(0.4)
+                await asyncio.sleep(0.05)
+        finally:
+            await monitor.stop()
+    assert monitor.stall_dumps == 1
+    text = dump.read_text()
+    assert "Timeout" in text and "_hold_the_loop" in text
+    (line,) = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
+    assert "every thread's stack was dumped to stderr 100 ms into it (1 of at most 20 dumps)" in line
+
+
+def test_the_dump_threshold_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(STALL_DUMP_ENV, raising=False)
+    assert LoopLagMonitor(CollectorRegistry(), "svc").stall_dump_s == 0.0
+    monkeypatch.setenv(STALL_DUMP_ENV, "250")
+    assert LoopLagMonitor(CollectorRegistry(), "svc").stall_dump_s == 0.25
+    for bad in ("soon", "-5", "nan"):
+        monkeypatch.setenv(STALL_DUMP_ENV, bad)
+        with pytest.raises(ValueError, match=STALL_DUMP_ENV):
+            stall_dump_s_from_env()
