@@ -45,8 +45,8 @@
 #   MPS              1: run the services under an NVIDIA MPS daemon (started here, stopped at
 #                    the end), so the talker's and code2wav's kernels share the GPU instead of
 #                    taking turns in time slices between the two processes' contexts   (0)
-#   STALL_DUMP_MS    every service dumps its threads' Python stacks to its log when its event
-#                    loop is this late (TTS_STALL_DUMP_MS, qtts/serving/loop_lag.py; at most 20 a
+#   STALL_DUMP_MS    every service logs its event loop thread's Python stack when the loop is
+#                    this late (TTS_STALL_DUMP_MS, qtts/serving/loop_lag.py; at most 20 a
 #                    process); stack_summary groups them; 0: off   (200)
 # The results folder gets results.json/.md, the PNG plots, launcher.log and the services' logs.
 set -euo pipefail

@@ -16,8 +16,8 @@ the first, `then/`, `back/`) and every service's `/metrics` page scraped after t
 - the late chunks the talker logged (`logs/talker.log`: "audio up to frame N handed on N ms
   late"), by the frame their chunk ended at, with each hop's mean and, where code2wav said how
   long it held them, its hop split into held and in transit;
-- each service's event-loop stalls whose threads' stacks it dumped (`STALL_DUMP_MS`), with where
-  the loop's thread was;
+- each service's event-loop stalls whose loop-thread stack it logged (`STALL_DUMP_MS`), with where
+  that thread was;
 - the commonest failure statuses and messages per level (numbers in the messages folded, so alike
   ones group) and the idle
   refusal probe, when the client ran one.
@@ -476,33 +476,33 @@ HOP_MS = re.compile(
 
 
 STALLED = re.compile(r"the event loop stalled (\d+) ms")
-DUMP_THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
-DUMP_FRAME = re.compile(r'^  File "([^"]+)", line (\d+) in (\S+)$')
+STALL_STACK = re.compile(r"the event loop is \d+ ms late; its thread's stack")
+STACK_FRAME = re.compile(r'^  File "([^"]+)", line (\d+), in (\S+)$')
 
 
 def stall_lines(log_text: str, top: int = 3) -> list[str]:
-    """A service's event-loop stalls that dumped its threads' stacks (TTS_STALL_DUMP_MS,
-    qtts/serving/loop_lag.py): how many, the longest, and where the loop's thread was (the
-    innermost two frames of the thread running the loop, the commonest first)."""
+    """A service's event-loop stalls whose stack it logged (TTS_STALL_DUMP_MS,
+    qtts/serving/loop_lag.py): how many, the longest, and where the loop's thread was (its
+    innermost two frames, the commonest first)."""
     stalls = [int(m.group(1)) for m in STALLED.finditer(log_text)]
     wheres: collections.Counter[str] = collections.Counter()
-    thread: list[str] | None = None
-    threads: list[list[str]] = []
+    frames: list[str] | None = None
     for line in [*log_text.splitlines(), ""]:
-        if line.startswith("Timeout (") or DUMP_THREAD.match(line) or not line.startswith("  File "):
-            if thread is not None:
-                threads.append(thread)
-            thread = [] if DUMP_THREAD.match(line) else None
-            continue
-        if thread is not None and (m := DUMP_FRAME.match(line)):
-            thread.append(f"{m.group(3)} ({Path(m.group(1)).name}:{m.group(2)})")
-    for frames in threads:
-        if any(f.startswith(("_run_once ", "run_forever ")) for f in frames):
-            wheres[" < ".join(frames[:2])] += 1
+        if frames is not None:
+            if (m := STACK_FRAME.match(line)) is not None:
+                frames.append(f"{m.group(3)} ({Path(m.group(1)).name}:{m.group(2)})")
+                continue
+            if line.startswith("    "):  # a frame's source line
+                continue
+            if frames:
+                wheres[" < ".join(reversed(frames[-2:]))] += 1
+            frames = None
+        if STALL_STACK.search(line):
+            frames = []
     if not stalls and not wheres:
         return []
     out = [
-        f"  event-loop stalls with stacks dumped: {len(stalls)}"
+        f"  event-loop stalls with the loop's stack logged: {len(stalls)}"
         + (f", longest {max(stalls)} ms" if stalls else "")
     ]
     out.extend(f"    loop thread at {where}: {n}" for where, n in wheres.most_common(top))
@@ -637,12 +637,15 @@ def summary(roots: Sequence[Path]) -> str:
             if lines:
                 out.append(f"{service}:")
                 out.extend(lines)
-        for log in sorted(run.glob("logs/*.log")):
+        # The services' logs: logs/ under a GPU stack's folder, beside the pages on stack_host's.
+        logs = sorted(run.glob("logs/*.log")) or sorted(p for p in run.glob("*.log") if p.stem != "launcher")
+        for log in logs:
             if stalled := stall_lines(log.read_text(errors="replace")):
                 out.append(f"{log.stem} (its log):")
                 out.extend(stalled)
-        if (log := run / "logs" / "talker.log").is_file():
-            out.extend(late_chunk_lines(log.read_text(errors="replace")))
+        for log in logs:
+            if log.stem == "talker":
+                out.extend(late_chunk_lines(log.read_text(errors="replace")))
         # The talker's admission trace (ADMISSION_TRACE=1): each burst's first seconds.
         for trace in sorted([*run.glob("admission-trace.jsonl"), *run.glob("admission-trace.jsonl.gz")]):
             out.append(f"admission ({trace.name}):")

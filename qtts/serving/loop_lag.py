@@ -12,23 +12,25 @@ ready callbacks in order.)
 and gRPC share the loop, so one sampler sees both.
 
 A stall says how long, not why. With `stall_dump_s` (the environment's `TTS_STALL_DUMP_MS`, off by
-default) the sampler arms `faulthandler`'s watchdog before each sleep: a loop that has not woken
-`stall_dump_s` after it was due gets every thread's Python stack written to stderr (the service's
-log) from the watchdog's own thread, while the stall lasts, and a warning with the stall's length
-once the loop runs again. At most `MAX_STALL_DUMPS` a process.
+default) a watchdog thread looks at the sampler's next due time every `stall_dump_s / 4`: a loop
+that has not woken `stall_dump_s` after it was due gets the Python stack its thread is in logged,
+while the stall lasts (`sys._current_frames`, read holding the GIL, which a Python thread running
+the loop yields every switch interval), and a warning with the stall's length once the loop runs
+again. At most `MAX_STALL_DUMPS` a process. (faulthandler's watchdog reads the threads' frames
+without the GIL; it killed a gateway of the CPU stand-in stack mid-dump under a burst.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
 import logging
 import os
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
-from typing import TextIO
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
@@ -67,10 +69,9 @@ class LoopLagMonitor:
         interval_s: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
         stall_dump_s: float | None = None,
-        dump_file: TextIO | None = None,
     ):
-        """`stall_dump_s`: dump every thread's stack when the loop is this late (None: from
-        `TTS_STALL_DUMP_MS`; 0: never), to `dump_file` (default stderr)."""
+        """`stall_dump_s`: log the loop thread's stack when the loop is this late (None: from
+        `TTS_STALL_DUMP_MS`; 0: never)."""
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
         self.interval_s = interval_s
@@ -78,8 +79,13 @@ class LoopLagMonitor:
         self.stall_dump_s = stall_dump_s_from_env() if stall_dump_s is None else stall_dump_s
         if self.stall_dump_s < 0:
             raise ValueError("stall_dump_s must be >= 0")
-        self._dump_file = dump_file
-        self.stall_dumps = 0  # stacks dumped so far
+        self.stall_dumps = 0  # stacks logged so far
+        # The sampler's next due time and its loop's thread, read by the watchdog thread.
+        self._due: float | None = None
+        self._loop_thread: int | None = None
+        self._dumped_due: float | None = None  # the due time whose stall was logged
+        self._watchdog: threading.Thread | None = None
+        self._watchdog_stop = threading.Event()
         self.lag_seconds = Histogram(
             "tts_event_loop_lag_seconds",
             "How much later than due the service's event loop ran a timer (sampled every "
@@ -119,35 +125,50 @@ class LoopLagMonitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _arm(self) -> bool:
-        """Arm the watchdog for the next sleep; whether it was armed."""
-        if not self.stall_dump_s or self.stall_dumps >= MAX_STALL_DUMPS:
-            return False
-        faulthandler.dump_traceback_later(
-            self.interval_s + self.stall_dump_s, repeat=False, file=self._dump_file or sys.stderr
-        )
-        return True
+    def _watch(self) -> None:
+        """The watchdog thread: log the loop thread's stack once a due time is `stall_dump_s` past."""
+        while not self._watchdog_stop.wait(self.stall_dump_s / 4):
+            due, thread = self._due, self._loop_thread
+            if due is None or thread is None or due == self._dumped_due:
+                continue
+            late = self._clock() - due
+            if late < self.stall_dump_s or self.stall_dumps >= MAX_STALL_DUMPS:
+                continue
+            frame = sys._current_frames().get(thread)
+            if frame is None:
+                continue
+            self._dumped_due = due
+            self.stall_dumps += 1
+            stack = "".join(traceback.format_stack(frame))
+            del frame
+            log.warning(
+                "the event loop is %.0f ms late; its thread's stack (%d of at most %d):\n%s",
+                late * 1e3,
+                self.stall_dumps,
+                MAX_STALL_DUMPS,
+                stack.rstrip("\n"),
+            )
 
     async def _sample(self) -> None:
+        if self.stall_dump_s:
+            self._loop_thread = threading.get_ident()
+            self._watchdog_stop.clear()
+            self._watchdog = threading.Thread(
+                target=self._watch, name="event-loop-stall-watchdog", daemon=True
+            )
+            self._watchdog.start()
         try:
             while True:
                 due = self._clock() + self.interval_s
-                armed = self._arm()
+                self._due = due
                 await asyncio.sleep(self.interval_s)
                 lag = self._clock() - due
-                if armed:
-                    faulthandler.cancel_dump_traceback_later()
-                    if lag >= self.stall_dump_s:  # the watchdog fired meanwhile
-                        self.stall_dumps += 1
-                        log.warning(
-                            "the event loop stalled %.0f ms; every thread's stack was dumped to "
-                            "stderr %.0f ms into it (%d of at most %d dumps)",
-                            lag * 1e3,
-                            self.stall_dump_s * 1e3,
-                            self.stall_dumps,
-                            MAX_STALL_DUMPS,
-                        )
+                if self._dumped_due == due:
+                    log.warning("the event loop stalled %.0f ms (its stack is logged above)", lag * 1e3)
                 self.observe(lag)
         finally:
-            if self.stall_dump_s:
-                faulthandler.cancel_dump_traceback_later()
+            self._due = None
+            if self._watchdog is not None:
+                self._watchdog_stop.set()
+                self._watchdog.join(1.0)
+                self._watchdog = None

@@ -362,40 +362,36 @@ def test_the_talker_s_late_chunks_are_grouped_by_their_end_with_their_hops(tmp_p
 
 
 def test_a_service_s_stalls_are_counted_with_where_its_loop_was(tmp_path):
-    """A service that dumped its threads' stacks on a stall (TTS_STALL_DUMP_MS): the summary counts
-    the stalls, says the longest, and groups the loop thread's innermost frames; a logged
-    exception's traceback (", in" frames) and other threads' stacks are not taken for it."""
+    """A service that logged its loop thread's stack on a stall (TTS_STALL_DUMP_MS): the summary
+    counts the stalls, says the longest, and groups the innermost two frames; a logged exception's
+    traceback is not taken for a stall's stack."""
     run = tmp_path / "http1"
     (run / "logs").mkdir(parents=True)
     (run / "metrics-talker.txt").write_bytes(generate_latest(TalkerMetrics(CollectorRegistry()).registry))
-    dump = [
-        "Timeout (0:00:00.250000)!",
-        "Thread 0x00007f0000000001 (most recent call first):",
-        '  File "/usr/lib/python3.12/threading.py", line 355 in wait',
-        '  File "/app/services/talker/engine_client.py", line 90 in _pump',
-        "",
-        "Thread 0x00007f0000000002 (most recent call first):",
-        '  File "/app/qtts/serving/log_context.py", line 71 in emit',
-        '  File "/usr/lib/python3.12/logging/__init__.py", line 1028 in handle',
-        '  File "/usr/lib/python3.12/asyncio/base_events.py", line 1987 in _run_once',
-        '  File "/usr/lib/python3.12/asyncio/base_events.py", line 641 in run_forever',
-        "",
+    stack = [
+        '  File "/usr/lib/python3.12/asyncio/base_events.py", line 641, in run_forever',
+        "    self._run_once()",
+        '  File "/usr/lib/python3.12/logging/__init__.py", line 1028, in handle',
+        "    self.emit(record)",
+        '  File "/app/qtts/serving/log_context.py", line 71, in emit',
+        "    stream.write(msg)",
     ]
+    prefix = "2026-12-07 19:50:33,{} WARNING qtts.serving.loop_lag: "
     lines = [
-        *dump,
-        "2026-12-07 19:50:33,900 WARNING qtts.serving.loop_lag: the event loop stalled 412 ms; every "
-        "thread's stack was dumped to stderr 200 ms into it (1 of at most 20 dumps)",
-        *dump,
-        "2026-12-07 19:50:35,100 WARNING qtts.serving.loop_lag: the event loop stalled 650 ms; every "
-        "thread's stack was dumped to stderr 200 ms into it (2 of at most 20 dumps)",
+        prefix.format("700") + "the event loop is 201 ms late; its thread's stack (1 of at most 20):",
+        *stack,
+        prefix.format("900") + "the event loop stalled 412 ms (its stack is logged above)",
+        prefix.format("950") + "the event loop is 203 ms late; its thread's stack (2 of at most 20):",
+        *stack,
+        prefix.format("990") + "the event loop stalled 650 ms (its stack is logged above)",
         "Traceback (most recent call last):",
         '  File "/app/services/talker/core.py", line 10, in generate',
-        "ValueError: not a dump",
+        "ValueError: not a stall",
     ]
     (run / "logs" / "talker.log").write_text("\n".join(lines) + "\n")
     (run / "logs" / "gateway.log").write_text("nothing stalled here\n")
     out = summary([tmp_path]).splitlines()
     at = out.index("talker (its log):")
-    assert out[at + 1] == "  event-loop stalls with stacks dumped: 2, longest 650 ms"
+    assert out[at + 1] == "  event-loop stalls with the loop's stack logged: 2, longest 650 ms"
     assert out[at + 2] == "    loop thread at emit (log_context.py:71) < handle (__init__.py:1028): 2"
     assert "gateway (its log):" not in out
