@@ -311,8 +311,13 @@ def test_a_body_bomb_is_refused_before_it_is_read_and_memory_stays_bounded(guard
         assert good_from(guarded.http_url)
         for t in threads:
             t.join(60)
-    # A 413 when the client was still there to read it (a reset may come first).
-    assert all(r.startswith(b"HTTP/1.1 413") or r == b"" for r in results), results
+    # A 413 when the client was still there to read it (a reset may come first), or, while the
+    # shared stack's talkers publish no room (CAPACITY_RETRIES), the gateway's 429 on the headers:
+    # refused before the body is read, too.
+    assert all(
+        r.startswith(b"HTTP/1.1 413") or r == b"" or (r.startswith(b"HTTP/1.1 429") and b"at capacity" in r)
+        for r in results
+    ), results
     rss.assert_bounded()
 
 
@@ -350,8 +355,18 @@ def test_listeners_that_never_read_lose_their_own_stream_and_slot(guarded):
         # Cut by the write timeout, not ended: 2,000 frames take far longer than this.
         cut = guarded.log_path.read_text(errors="replace").count("the client took no audio")
         assert cut >= len(socks), cut
-        r = httpx.post(guarded.http_url + "/v1/audio/speech", json={**GOOD, "max_new_tokens": 2}, timeout=60)
-        assert r.status_code == 200  # the same client's slots are its own again
+        # The same client's slots are its own again: no per-client refusal. A talker's room comes
+        # back with its next published room, up to a watch interval after the gateway ended the
+        # streams, and the shared stack's admission on a busy CI machine can publish none for a
+        # while: "at capacity" is asked again, as the corpus does (CAPACITY_RETRIES).
+        for _ in range(CAPACITY_RETRIES):
+            r = httpx.post(
+                guarded.http_url + "/v1/audio/speech", json={**GOOD, "max_new_tokens": 2}, timeout=60
+            )
+            if r.status_code != 429 or "at capacity" not in r.text:
+                break
+            time.sleep(CAPACITY_RETRY_S)
+        assert r.status_code == 200, r.text
     finally:
         watcher.close()
         for s in socks:
